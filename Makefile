@@ -1,0 +1,30 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+TORCH  ?= torch==2.13.0
+
+.PHONY: demo test bench install clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --upgrade --quiet pip
+	# Pinned first: on a machine without a GPU this takes the CPU wheel that lies on disk; an
+	# open-ended torch would pull several GB of CUDA packages.
+	$(PY) -m pip install --quiet $(TORCH)
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m fxtron train --model gpt-tiny --world-size 4 --steps 40
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) -m pytest -q benchmarks --benchmark-only
+
+clean:
+	rm -rf $(VENV) .pytest_cache .benchmarks
