@@ -1,0 +1,15 @@
+"""fxtron: Megatron-style distributed training by compilation on torch.fx.
+
+    mesh = fxtron.Mesh(world_size=4)                        # dp = 4
+    pm = fxtron.parallelize(model, mesh, example_inputs=(tokens, targets))
+    print(pm.summary()); print(pm.graph(rank=3))
+    fxtron.launch(train, mesh, args=(...))                  # or torchrun + fxtron.init_distributed(mesh)
+"""
+from fxtron.api import ParallelModel, parallelize
+from fxtron.errors import LaunchError, ParallelizeError
+from fxtron.mesh import Mesh
+from fxtron.runtime.groups import ProcessGroups, init_distributed
+from fxtron.runtime.launch import launch
+
+__all__ = ["Mesh", "ParallelModel", "ParallelizeError", "LaunchError", "ProcessGroups",
+           "init_distributed", "launch", "parallelize"]

@@ -1,0 +1,133 @@
+"""The user's entry point: `parallelize(model, mesh, example_inputs=...) -> ParallelModel`.
+
+Compile-only: tracing and the per-rank passes run here, with no processes. A ParallelModel
+answers questions about any rank (`graph`, `summary`) and builds a rank's runnable
+`program(rank)` inside that rank's process.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from tabulate import tabulate
+
+from fxtron.compiler import pipeline
+from fxtron.compiler.show import format_graph
+from fxtron.compiler.trace import info, trace
+from fxtron.errors import ParallelizeError
+from fxtron.mesh import Mesh
+from fxtron.runtime import groups as G
+from fxtron.runtime.program import Program
+
+
+@dataclass(frozen=True)
+class Options:
+    """Compilation options, validated at the boundary (see `parallelize`)."""
+
+    loss_fn: Callable[[Any], torch.Tensor] | None = None
+    batch_dim: int = 0
+    seq_dim: int | None = 1
+
+    def __post_init__(self):
+        if self.batch_dim < 0 or (self.seq_dim is not None and self.seq_dim < 0):
+            raise ParallelizeError("batch_dim and seq_dim must be non-negative dims of the inputs")
+        if self.seq_dim is not None and self.seq_dim == self.batch_dim:
+            raise ParallelizeError(f"batch_dim and seq_dim are both {self.batch_dim}; give two different dims")
+
+
+def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (),
+                example_kwargs: dict | None = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                batch_dim: int = 0, seq_dim: int | None = 1) -> "ParallelModel":
+    """Compile `model` for every rank of `mesh`.
+
+    model(*example_inputs, **example_kwargs) must return the loss (a scalar tensor, or an
+    output with `.loss`), or `loss_fn(output)` must take it from the output. The example
+    batch must hold at least 2 samples of at least 2 tokens. The same call on every rank gives
+    the same programs (tracing is deterministic).
+    """
+    if not isinstance(mesh, Mesh):
+        raise ParallelizeError(f"mesh must be a fxtron.Mesh, got {type(mesh).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        raise ParallelizeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    options = Options(loss_fn=loss_fn, batch_dim=batch_dim, seq_dim=seq_dim)
+    unsupported = {k: v for k, v in dict(tp=mesh.tp, pp=mesh.pp, cp=mesh.cp, ep=mesh.ep).items() if v != 1}
+    if unsupported:
+        raise ParallelizeError(
+            f"this fxtron build parallelizes over data parallel only; the mesh asks for {unsupported}. "
+            f"Use Mesh(world_size={mesh.dp}) (dp only) until tensor/pipeline/context/expert "
+            "parallel land")
+    traced = trace(model, example_inputs, example_kwargs=example_kwargs, loss_fn=options.loss_fn,
+                   batch_dim=options.batch_dim, seq_dim=options.seq_dim)
+    return ParallelModel(model, mesh, traced, options)
+
+
+class ParallelModel:
+    """The compiled model: per-rank graphs and programs for every rank of the mesh."""
+
+    def __init__(self, model: torch.nn.Module, mesh: Mesh, traced: fx.GraphModule, options: Options):
+        self.model = model
+        self.mesh = mesh
+        self.traced = traced
+        self.options = options
+
+    @functools.lru_cache(maxsize=64)
+    def compiled(self, rank: int) -> pipeline.RankGraph:
+        """The per-rank compilation result (graph module and parameter shard specs)."""
+        self._check_rank(rank)
+        return pipeline.compile_rank(self.traced, self.mesh, rank)
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.mesh.world_size:
+            raise ParallelizeError(f"rank {rank} is outside the mesh (world_size {self.mesh.world_size})")
+
+    # ------------------------------------------------------------ inspection
+    def graph(self, rank: int = 0) -> str:
+        """The per-rank graph as a table: every node with its local symbolic shape."""
+        rg = self.compiled(rank)
+        return format_graph(rg.gm, title=f"# {self.mesh.describe(rank)}")
+
+    def summary(self) -> str:
+        """Per rank: coordinates, local parameters and bytes, gradient sync per step."""
+        rows = []
+        for rank in range(self.mesh.world_size):
+            rg = self.compiled(rank)
+            n, nbytes = rg.param_count, rg.param_bytes
+            dp = self.mesh.dp
+            wire = 2 * (dp - 1) / dp * nbytes  # ring all-reduce of fp32 gradients
+            rows.append([rank, self.mesh.describe(rank).split(": ", 1)[1], f"{n:,}", _fmt_bytes(nbytes),
+                         f"all-reduce {_fmt_bytes(nbytes)} over dp={dp}" if dp > 1 else "-",
+                         _fmt_bytes(wire)])
+        head = (f"{type(self.model).__name__} on {self.mesh}\n"
+                f"parameters {sum(p.numel() for p in self.model.parameters()):,} "
+                f"({len(info(self.traced).params)} tensors), graph nodes {len(self.traced.graph.nodes)}")
+        return head + "\n" + tabulate(rows, headers=["rank", "coords", "params", "param bytes",
+                                                      "grad sync / step", "sent / step"])
+
+    # ------------------------------------------------------------ running
+    def program(self, rank: int, groups: G.ProcessGroups | None = None) -> Program:
+        """An nn.Module holding rank's parameters, ready for an optimizer and `train_step`.
+
+        `groups` defaults to the ones fxtron.launch / init_distributed made in this process for
+        this mesh; on a 1-rank mesh none are needed.
+        """
+        self._check_rank(rank)
+        groups = groups or G.groups_for(self.mesh)
+        if groups is None and self.mesh.world_size > 1:
+            raise ParallelizeError(
+                f"program({rank}) needs this mesh's process groups: call it inside fxtron.launch, or "
+                "after fxtron.init_distributed(mesh) under torchrun, or pass groups=")
+        if groups is not None and groups.rank != rank:
+            raise ParallelizeError(f"program({rank}) built in the process of rank {groups.rank}")
+        rg = self.compiled(rank)
+        return rg.build_program(self.model, rank, groups)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)

@@ -1,0 +1,47 @@
+"""Compiler: readable renderings of per-rank graphs (`pm.graph(rank)`, dumps)."""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from tabulate import tabulate
+
+from fxtron.compiler import meta
+
+
+def _target(node: fx.Node) -> str:
+    if node.op == "call_function":
+        t = node.target
+        name = getattr(t, "__name__", str(t))
+        if hasattr(t, "_schema") or isinstance(t, torch._ops.OpOverload):
+            name = str(t).replace("aten.", "").replace(".default", "")
+        return name
+    return node.op if node.op != "call_module" else str(node.target)
+
+
+def _args(node: fx.Node) -> str:
+    def fmt(a):
+        if isinstance(a, fx.Node):
+            return "%" + a.name
+        if isinstance(a, (list, tuple)):
+            return "[" + ", ".join(fmt(x) for x in a) + "]"
+        return repr(a) if not isinstance(a, torch.SymInt) else str(a)
+    parts = [fmt(a) for a in node.args] + [f"{k}={fmt(v)}" for k, v in node.kwargs.items()]
+    text = ", ".join(parts)
+    return text if len(text) < 60 else text[:57] + "..."
+
+
+def format_graph(gm: fx.GraphModule, *, title: str = "") -> str:
+    """One row per node: name, op, local symbolic shape, placement, kernel, source module."""
+    rows = []
+    for node in gm.graph.nodes:
+        shape = meta.get(node, meta.LOCAL_SHAPE)
+        shape_s = "(" + ", ".join(str(s) for s in shape) + ")" if shape is not None else ""
+        spec = meta.get(node, meta.INPUT)
+        where = spec.target if spec is not None and spec.kind != "user" else (meta.get(node, meta.MODULE) or "")
+        placement = meta.get(node, meta.PLACEMENT)
+        rows.append(["%" + node.name, _target(node), _args(node) if node.op != "placeholder" else "",
+                     shape_s, "" if placement is None else str(placement),
+                     meta.get(node, meta.KERNEL) or "", where])
+    table = tabulate(rows, headers=["node", "op", "args", "local shape", "placement", "kernel", "module / param"],
+                     tablefmt="simple")
+    return (title + "\n" if title else "") + table

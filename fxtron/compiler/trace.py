@@ -1,0 +1,254 @@
+"""Compiler, first stage: trace a model to an FX GraphModule with torch.export (training IR).
+
+The result's placeholders are the model's parameters and buffers (lifted, in a fixed order),
+then the flattened user inputs; its one output is the scalar loss. Batch and sequence dims of
+every user input are symbolic (one symbol `B` for dim 0 and one `S` for dim 1 of all inputs),
+so one compiled program serves any batch size and sequence length. What the graph's inputs
+mean is kept in `gm.meta["fxtron_trace"]` (a TraceInfo) and per placeholder in node.meta.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import sympy
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.export import Dim, ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from fxtron.compiler import meta
+from fxtron.errors import ParallelizeError
+
+TRACE_INFO = "fxtron_trace"
+BATCH, SEQ = sympy.Symbol("B", positive=True, integer=True), sympy.Symbol("S", positive=True, integer=True)
+
+
+@dataclass
+class TraceInfo:
+    """What the traced graph's inputs and outputs are.
+
+    params / buffers: names in placeholder order (each placeholder's node.meta fxtron_input
+    says the same). aliases: tied names -> the canonical name they share storage with.
+    user_dims: per flattened user input, the role of each dim ('batch', 'seq' or None).
+    symbols: export's shape symbols -> fxtron's readable ones (B, S).
+    in_spec: pytree spec of (args, kwargs) to flatten user inputs.
+    buffer_mutations: output index -> buffer name written back after forward.
+    """
+
+    params: list[str]
+    buffers: list[str]
+    user_dims: list[tuple[str | None, ...]]
+    symbols: dict[sympy.Symbol, sympy.Symbol]
+    in_spec: Any
+    aliases: dict[str, str] = field(default_factory=dict)
+    buffer_mutations: dict[int, str] = field(default_factory=dict)
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def n_user_inputs(self) -> int:
+        return len(self.user_dims)
+
+    def expr(self, size) -> sympy.Expr:
+        """A dim of a `val` (int or SymInt) as a sympy expression in B and S."""
+        if isinstance(size, torch.SymInt):
+            return sympy.sympify(size.node.expr).xreplace(self.symbols)
+        return sympy.Integer(int(size))
+
+    def shape(self, val) -> tuple[sympy.Expr, ...]:
+        return tuple(self.expr(s) for s in val.shape)
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The loss inside a model's output: a scalar tensor, `.loss`, or `["loss"]`."""
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if loss is None:
+        raise ParallelizeError(
+            f"the model returned {type(output).__name__}, not a scalar loss; call it with targets "
+            "or labels so it computes the loss, or pass loss_fn=lambda output: ...")
+    return loss
+
+
+class _WithLoss(torch.nn.Module):
+    """Wraps the user's model so the traced graph ends in the scalar loss."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable[[Any], torch.Tensor]):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *args, **kwargs):
+        return self.loss_fn(self.model(*args, **kwargs))
+
+
+def _dynamic_shapes(args, kwargs, batch_dim: int, seq_dim: int | None):
+    b, s = Dim("batch"), Dim("seq")
+    dims: list[tuple[str | None, ...]] = []
+
+    def spec(x):
+        if not isinstance(x, torch.Tensor):
+            dims.append(())
+            return None
+        roles: list[str | None] = [None] * x.dim()
+        d = {}
+        if x.dim() > batch_dim:
+            d[batch_dim], roles[batch_dim] = b, "batch"
+        if seq_dim is not None and x.dim() > seq_dim:
+            d[seq_dim], roles[seq_dim] = s, "seq"
+        dims.append(tuple(roles))
+        return d or None
+
+    # keyed by the wrapper's forward(*args, **kwargs) parameters
+    shapes = {"args": tuple(spec(a) for a in args)}
+    if kwargs:
+        shapes["kwargs"] = {k: spec(v) for k, v in kwargs.items()}
+    return shapes, dims
+
+
+def _export(module, args, kwargs, shapes) -> ExportedProgram:
+    from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
+
+    for _ in range(3):
+        try:
+            return torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
+        except torch._dynamo.exc.UserError as e:  # constraint violations: take export's fix
+            msg = str(e)
+            if "Suggested fixes:" not in msg:
+                raise
+            fixes = []  # only the fix lines: export appends prose after a blank line
+            for line in msg.split("Suggested fixes:", 1)[1].splitlines()[1:]:
+                if not line.strip():
+                    break
+                fixes.append(line)
+            shapes = refine_dynamic_shapes_from_suggested_fixes("Suggested fixes:\n" + "\n".join(fixes), shapes)
+    return torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
+
+
+def trace(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwargs: dict | None = None,
+          loss_fn: Callable[[Any], torch.Tensor] | None = None, batch_dim: int = 0,
+          seq_dim: int | None = 1) -> fx.GraphModule:
+    """Trace `model(*example_inputs, **example_kwargs)` (which must yield the loss, or pass
+    `loss_fn(output) -> scalar`) into a GraphModule whose placeholders are the parameters,
+    the buffers and the flattened user inputs, and whose output is the loss.
+
+    Dim `batch_dim` of every tensor input is the batch (sliced over data parallel ranks), dim
+    `seq_dim` the sequence; both stay symbolic. Example batch and sequence sizes must be >= 2
+    (export specializes dims of size 0 and 1). Raises ParallelizeError with export's reason.
+    """
+    kwargs = dict(example_kwargs or {})
+    args = tuple(example_inputs)
+    wrapped = _WithLoss(model, loss_fn or default_loss)
+    shapes, user_dims = _dynamic_shapes(args, kwargs, batch_dim, seq_dim)
+    try:
+        ep = _export(wrapped, args, kwargs, shapes)
+    except Exception as e:  # noqa: BLE001 - any export failure is the user's model's
+        raise ParallelizeError(
+            f"torch.export could not trace {type(model).__name__}: {type(e).__name__}: {e}\n"
+            "fxtron needs a model that torch.export(strict=False) can trace with dynamic batch and "
+            "sequence dims: no data-dependent Python control flow on tensor values.") from e
+    return _to_graph_module(ep, model, user_dims, pytree.tree_flatten((args, kwargs))[1])
+
+
+def _strip(name: str) -> str:
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def _to_graph_module(ep: ExportedProgram, model: torch.nn.Module, user_dims, in_spec) -> fx.GraphModule:
+    sig = ep.graph_signature
+    gm = ep.graph_module
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+
+    # Tied parameters (lm_head.weight is wte.weight) are two placeholders of one tensor; keep
+    # the name named_parameters() reports and route every use of the alias to it.
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    aliases = {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False)
+               if canonical[id(p)] != n}
+
+    params, buffers, constants = [], [], {}
+    by_target: dict[str, fx.Node] = {}
+    user_index = 0
+    for node, spec in zip(placeholders, sig.input_specs):
+        if spec.kind == InputKind.PARAMETER:
+            name = _strip(spec.target)
+            name = aliases.get(name, name)
+            if name in by_target:  # second placeholder of a tied weight
+                node.replace_all_uses_with(by_target[name])
+                graph.erase_node(node)
+                continue
+            by_target[name] = node
+            params.append(name)
+            node._rename(name.replace(".", "_"))
+            meta.set(node, meta.INPUT, meta.InputSpec("parameter", name))
+        elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            name = _strip(spec.target)
+            if spec.kind == InputKind.CONSTANT_TENSOR:
+                constants[name] = ep.constants[spec.target]
+            elif not spec.persistent:
+                constants[name] = ep.constants[spec.target]
+            buffers.append(name)
+            node._rename("buf_" + name.replace(".", "_"))
+            meta.set(node, meta.INPUT, meta.InputSpec("buffer", name))
+        elif spec.kind == InputKind.USER_INPUT:
+            node._rename(f"input_{user_index}")
+            meta.set(node, meta.INPUT, meta.InputSpec("user", node.name, user_index, user_dims[user_index]))
+            user_index += 1
+        else:
+            raise ParallelizeError(f"unsupported exported input {spec.kind} for {node.name}")
+
+    # Name export's symbols: the first input's batch and sequence dims become B and S.
+    symbols: dict[sympy.Symbol, sympy.Symbol] = {}
+    for node in placeholders:
+        if node.graph is not graph or meta.get(node, meta.INPUT) is None:
+            continue
+        spec = meta.get(node, meta.INPUT)
+        if spec.kind != "user" or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        for size, role in zip(node.meta["val"].shape, spec.dims):
+            if isinstance(size, torch.SymInt) and role is not None:
+                sym = sympy.sympify(size.node.expr)
+                if isinstance(sym, sympy.Symbol) and sym not in symbols:
+                    symbols[sym] = BATCH if role == "batch" else SEQ
+
+    buffer_mutations = {}
+    for i, spec in enumerate(sig.output_specs):
+        if spec.kind == OutputKind.BUFFER_MUTATION:
+            buffer_mutations[i] = _strip(spec.target)
+        elif spec.kind != OutputKind.USER_OUTPUT:
+            raise ParallelizeError(f"unsupported exported output {spec.kind} ({spec.target})")
+
+    for node in graph.nodes:
+        stack = node.meta.get("nn_module_stack") or {}
+        path = ""
+        if stack:
+            path = _strip(list(stack.values())[-1][0]) if list(stack.values())[-1][0] != "model" else ""
+        path = _clean_path(path)
+        meta.set(node, meta.MODULE, path)
+        meta.set(node, meta.PROVENANCE, meta.Provenance("trace"))
+    graph.lint()
+    out = fx.GraphModule(gm, graph)
+    out.meta[TRACE_INFO] = TraceInfo(params=params, buffers=buffers, user_dims=list(user_dims),
+                                     symbols=symbols, in_spec=in_spec, aliases=aliases,
+                                     buffer_mutations=buffer_mutations, constants=constants)
+    return out
+
+
+def _clean_path(path: str) -> str:
+    """nn_module_stack paths look like 'L__self___model_blocks_0' under strict export and like
+    'model.blocks.0' or "getattr(L['self'].model.blocks, '0')" otherwise; keep the dotted form."""
+    path = path.replace("L['self'].", "").replace("getattr(", "").replace(")", "")
+    path = path.replace(", '", ".").replace("'", "")
+    return _strip(path) if path != "model" else ""
+
+
+def info(gm: fx.GraphModule) -> TraceInfo:
+    """The TraceInfo that `trace` attached to a graph module (and passes carry along)."""
+    try:
+        return gm.meta[TRACE_INFO]
+    except KeyError:
+        raise ParallelizeError("this GraphModule was not made by fxtron.compiler.trace") from None

@@ -1,0 +1,13 @@
+"""Errors a user can cause, raised at the boundary of every public entry point."""
+
+
+class ParallelizeError(ValueError):
+    """A model, mesh or option that fxtron cannot parallelize as asked.
+
+    The message names the node, module path or parameter, the shapes involved, and what to
+    change. Subclasses ValueError so generic handlers still catch it.
+    """
+
+
+class LaunchError(RuntimeError):
+    """A rank of a job started by `fxtron.launch` failed; the message carries its traceback."""

@@ -1,0 +1,116 @@
+"""Runtime: run a function on every rank of a mesh as local processes (one machine).
+
+`launch(fn, mesh, args)` spawns mesh.world_size processes, initializes torch.distributed in each
+(gloo on CPU, NCCL when every rank can have its own GPU) with the mesh's groups, runs
+`fn(rank, *args)` and returns the results in rank order. The first rank to fail ends the job:
+the others are killed and its traceback is raised here as LaunchError. For many machines run
+the same per-rank code under torchrun with `fxtron.init_distributed(mesh)` instead.
+"""
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+from fxtron.errors import LaunchError
+from fxtron.mesh import Mesh
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dumps(obj: Any) -> bytes:
+    # torch.save rather than the queue's pickler: tensors then travel as bytes, not as shared
+    # memory handles that die with the child process.
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _worker(fn, mesh: Mesh, rank: int, args: tuple, port: int, backend: str | None,
+            timeout_s: float, threads: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(mesh.world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(mesh.world_size))
+    torch.set_num_threads(threads)
+    from fxtron.runtime import groups as G
+    try:
+        G.init_distributed(mesh, backend=backend, timeout_s=timeout_s)
+        out = fn(rank, *args)
+        payload = _dumps(out)
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, False, f"rank {rank} failed:\n{traceback.format_exc()}"))
+        results.close()
+        results.join_thread()  # the queue's feeder thread must flush before we exit
+        os._exit(1)  # skip destructors that could block on dead peers
+    results.put((rank, True, payload))
+    results.close()
+    results.join_thread()
+    G.destroy()
+
+
+def launch(fn: Callable[..., Any], mesh: Mesh, args: tuple = (), *, backend: str | None = None,
+           timeout_s: float = 600.0, collective_timeout_s: float = 120.0,
+           threads_per_rank: int | None = None) -> list[Any]:
+    """Run `fn(rank, *args)` on mesh.world_size local processes; return results in rank order.
+
+    fn and args must be picklable (a module-level function). `timeout_s` bounds the whole job,
+    `collective_timeout_s` every collective. Raises LaunchError with the failing rank's traceback.
+    """
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= mesh.world_size else "gloo"
+    if threads_per_rank is None:
+        threads_per_rank = max(1, (os.cpu_count() or 1) // mesh.world_size)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, name=f"fxtron-rank{r}",
+                         args=(fn, mesh, r, tuple(args), port, backend, collective_timeout_s,
+                               threads_per_rank, results), daemon=True)
+             for r in range(mesh.world_size)]
+    for p in procs:
+        p.start()
+    done: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(done) < mesh.world_size:
+            try:
+                rank, ok, payload = results.get(timeout=0.2)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise LaunchError(f"job timed out after {timeout_s:.0f} s; ranks still running: "
+                                      f"{[r for r in range(mesh.world_size) if r not in done]}") from None
+                for r, p in enumerate(procs):
+                    if r not in done and p.exitcode not in (None, 0):
+                        # died without reporting (killed, segfault); give its message a moment
+                        try:
+                            rank, ok, payload = results.get(timeout=5.0)
+                        except queue.Empty:
+                            raise LaunchError(f"rank {r} died with exit code {p.exitcode} "
+                                              "without a traceback") from None
+                        break
+                else:
+                    continue
+            if not ok:
+                raise LaunchError(payload)
+            done[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5)
+        results.close()
+    return [done[r] for r in range(mesh.world_size)]
