@@ -59,6 +59,26 @@ def _worker(fn, mesh: Mesh, rank: int, args: tuple, port: int, backend: str | No
     G.destroy()
 
 
+def _failures(procs, results, done: dict, first: str | None, grace_s: float = 1.0) -> str:
+    """Every failure seen within a short grace period: the first traceback, then any other
+    rank's traceback and every rank that died without one (a peer's death often makes the
+    others fail too, so the whole picture helps find the cause)."""
+    messages = [first] if first else []
+    end = time.monotonic() + grace_s
+    while time.monotonic() < end:
+        try:
+            rank, ok, payload = results.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if not ok:
+            messages.append(payload)
+    reported = {m.split(" ", 2)[1] for m in messages if m.startswith("rank ")}
+    for r, p in enumerate(procs):
+        if r not in done and str(r) not in reported and p.exitcode not in (None, 0):
+            messages.append(f"rank {r} died with exit code {p.exitcode} without a traceback")
+    return "\n\n".join(messages) or "a rank failed without a report"
+
+
 def launch(fn: Callable[..., Any], mesh: Mesh, args: tuple = (), *, backend: str | None = None,
            timeout_s: float = 600.0, collective_timeout_s: float = 120.0,
            threads_per_rank: int | None = None) -> list[Any]:
@@ -90,19 +110,11 @@ def launch(fn: Callable[..., Any], mesh: Mesh, args: tuple = (), *, backend: str
                 if time.monotonic() > deadline:
                     raise LaunchError(f"job timed out after {timeout_s:.0f} s; ranks still running: "
                                       f"{[r for r in range(mesh.world_size) if r not in done]}") from None
-                for r, p in enumerate(procs):
-                    if r not in done and p.exitcode not in (None, 0):
-                        # died without reporting (killed, segfault); give its message a moment
-                        try:
-                            rank, ok, payload = results.get(timeout=5.0)
-                        except queue.Empty:
-                            raise LaunchError(f"rank {r} died with exit code {p.exitcode} "
-                                              "without a traceback") from None
-                        break
-                else:
-                    continue
+                if any(r not in done and p.exitcode not in (None, 0) for r, p in enumerate(procs)):
+                    raise LaunchError(_failures(procs, results, done, first=None)) from None
+                continue
             if not ok:
-                raise LaunchError(payload)
+                raise LaunchError(_failures(procs, results, done, first=payload))
             done[rank] = torch.load(io.BytesIO(payload), weights_only=False)
         for p in procs:
             p.join(timeout=30)

@@ -1,0 +1,5 @@
+import sys
+
+from fxtron.cli import main
+
+sys.exit(main())

@@ -1,0 +1,136 @@
+"""The main job: train a shipped model on real text over several processes, then prove it
+equal to the same training in one process.
+
+Text is byte-level (every shipped preset has a vocabulary of at least 256), read from a file
+the user names or, by default, from the sources of Python's standard library, which every
+machine with Python has offline.
+"""
+from __future__ import annotations
+
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fxtron.mesh import Mesh
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: str = "gpt-tiny"
+    world_size: int = 4
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    steps: int = 50
+    batch: int = 8
+    seq: int = 64
+    lr: float = 3e-3
+    seed: int = 0
+    data: str | None = None
+    max_bytes: int = 4_000_000
+
+    def mesh(self) -> Mesh:
+        return Mesh(self.world_size, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
+
+
+def load_text(path: str | None, max_bytes: int) -> torch.Tensor:
+    """Bytes of `path`, or of the standard library's .py files (sorted, so every process and
+    every run reads the same), as a uint8 tensor."""
+    if path:
+        data = Path(path).read_bytes()[:max_bytes]
+    else:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        chunks, total = [], 0
+        for f in sorted(root.glob("*.py")):
+            b = f.read_bytes()
+            chunks.append(b)
+            total += len(b)
+            if total >= max_bytes:
+                break
+        data = b"".join(chunks)[:max_bytes]
+    if len(data) < 1024:
+        raise ValueError(f"training text has only {len(data)} bytes; give a longer file")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
+
+
+def batch_at(data: torch.Tensor, step: int, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of `step`: the same on every rank and in the reference run."""
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    starts = torch.randint(0, len(data) - cfg.seq - 1, (cfg.batch,), generator=g)
+    idx = torch.stack([data[s:s + cfg.seq] for s in starts.tolist()]).long()
+    tgt = torch.stack([data[s + 1:s + cfg.seq + 1] for s in starts.tolist()]).long()
+    return idx, tgt
+
+
+def _optimizer(params, cfg: TrainConfig):
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def train_rank(rank: int, cfg: TrainConfig) -> dict:
+    """One rank of the parallel run (fxtron.launch calls it). Rank 0 shows the progress bar."""
+    import fxtron
+    from fxtron.models import build
+    from tqdm import tqdm
+
+    data = load_text(cfg.data, cfg.max_bytes)
+    model = build(cfg.model, seed=cfg.seed)
+    pm = fxtron.parallelize(model, cfg.mesh(), example_inputs=batch_at(data, 0, cfg))
+    prog = pm.program(rank)
+    opt = _optimizer(prog.parameters(), cfg)
+    losses = []
+    bar = tqdm(range(cfg.steps), desc=f"{cfg.model} on {cfg.world_size} ranks", disable=rank != 0,
+               unit="step", dynamic_ncols=True)
+    tokens = cfg.batch * cfg.seq
+    t0 = time.perf_counter()
+    for step in bar:
+        start = time.perf_counter()
+        loss = prog.train_step(batch_at(data, step, cfg), opt)
+        losses.append(loss)
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / (time.perf_counter() - start):,.0f}")
+    return {"losses": losses, "seconds": time.perf_counter() - t0}
+
+
+def train_reference(cfg: TrainConfig) -> list[float]:
+    """The same training in this one process with the unmodified model."""
+    from fxtron.models import build
+
+    data = load_text(cfg.data, cfg.max_bytes)
+    model = build(cfg.model, seed=cfg.seed)
+    opt = _optimizer(model.parameters(), cfg)
+    losses = []
+    for step in range(cfg.steps):
+        opt.zero_grad(set_to_none=True)
+        loss = model(*batch_at(data, step, cfg))
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def run(cfg: TrainConfig, *, compare: bool = True) -> dict:
+    """Train on cfg.world_size local processes; with `compare`, train again in one process
+    and report the largest loss difference. Returns the figures as a dict."""
+    import fxtron
+
+    t0 = time.perf_counter()
+    results = fxtron.launch(train_rank, cfg.mesh(), args=(cfg,))
+    wall = time.perf_counter() - t0
+    losses = results[0]["losses"]
+    out = {"losses": losses, "seconds": results[0]["seconds"], "wall_seconds": wall,
+           "tokens_per_s": cfg.steps * cfg.batch * cfg.seq / results[0]["seconds"]}
+    print(f"parallel run: {cfg.steps} steps on {cfg.mesh()}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+          f"{out['tokens_per_s']:,.0f} tokens/s ({wall:.1f} s with start-up)")
+    if compare:
+        ref = train_reference(cfg)
+        diffs = [abs(a - b) for a, b in zip(losses, ref)]
+        worst = max(range(len(diffs)), key=diffs.__getitem__)
+        out.update(reference=ref, max_loss_diff=diffs[worst])
+        print(f"one-process run: loss {ref[0]:.4f} -> {ref[-1]:.4f}")
+        print(f"loss difference, parallel vs one process: first step {diffs[0]:.2e}, largest over "
+              f"{cfg.steps} steps {diffs[worst]:.2e} (step {worst}: {losses[worst]:.7f} vs {ref[worst]:.7f}); "
+              "float32 round-off of the different reduction order, compounded by AdamW")
+    return out

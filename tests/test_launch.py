@@ -1,0 +1,113 @@
+"""The launcher and process groups: results in rank order, groups equal to the mesh's, a
+failing rank ends the job promptly with its traceback, and the same code under torchrun."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fxtron
+from fxtron.runtime.groups import groups_for
+from fxtron.testing import run_on_ranks
+
+
+def _groups_job(rank: int, mesh: fxtron.Mesh):
+    g = groups_for(mesh)
+    out = {}
+    for kind in ("tp", "dp", "pp", "cp", "dp-cp", "tp-pp", "embedding"):
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=g.group(kind))          # sum of the ranks in my group
+        out[kind] = (g.ranks(kind), float(t))
+    return rank, out
+
+
+def test_groups_match_mesh_and_communicate():
+    mesh = fxtron.Mesh(8, tp=2, pp=2)
+    results = run_on_ranks(_groups_job, mesh, mesh)
+    assert [r for r, _ in results] == list(range(8))
+    for rank, out in results:
+        for kind, (ranks, total) in out.items():
+            assert list(ranks) == mesh.group_of(kind, rank), (kind, rank)
+            assert total == sum(ranks), (kind, rank)
+
+
+def _fail_job(rank: int):
+    if rank == 1:
+        raise RuntimeError("boom on purpose")
+    t = torch.ones(1)
+    dist.all_reduce(t)      # rank 0 waits here for rank 1, which never comes
+    return rank
+
+
+def test_failing_rank_ends_job_with_its_traceback():
+    start = time.monotonic()
+    with pytest.raises(fxtron.LaunchError) as err:
+        run_on_ranks(_fail_job, 2, timeout_s=120)
+    msg = str(err.value)
+    assert "rank 1 failed" in msg and "boom on purpose" in msg and "_fail_job" in msg
+    assert time.monotonic() - start < 60  # the waiting rank is killed, not waited for
+
+
+def _exit_job(rank: int):
+    dist.barrier()  # every group is up: the death below is the only failure
+    if rank == 0:
+        os._exit(3)
+    return rank
+
+
+def test_rank_that_dies_silently_is_reported():
+    with pytest.raises(fxtron.LaunchError, match="rank 0 died with exit code 3"):
+        run_on_ranks(_exit_job, 2, timeout_s=120)
+
+
+def _sleep_job(rank: int):
+    time.sleep(60)
+
+
+def test_job_timeout():
+    with pytest.raises(fxtron.LaunchError, match="timed out"):
+        run_on_ranks(_sleep_job, 2, timeout_s=8)
+
+
+TORCHRUN_SCRIPT = textwrap.dedent("""
+    import json, sys, torch, fxtron
+    from fxtron.models import build, example_inputs
+    mesh = fxtron.Mesh(2)
+    groups = fxtron.init_distributed(mesh)
+    model = build("gpt-tiny", seed=0)
+    pm = fxtron.parallelize(model, mesh, example_inputs=example_inputs("gpt-tiny", batch=4, seq=8))
+    prog = pm.program(groups.rank, groups)
+    opt = torch.optim.SGD(prog.parameters(), lr=0.1)
+    losses = [prog.train_step(example_inputs("gpt-tiny", batch=4, seq=8, seed=s), opt) for s in range(2)]
+    if groups.rank == 0:
+        print("LOSSES", json.dumps(losses))
+""")
+
+
+def test_same_code_runs_under_torchrun(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], capture_output=True, text=True,
+                          timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    import json
+    from fxtron.models import build, example_inputs
+    got = json.loads(proc.stdout.split("LOSSES", 1)[1].strip().splitlines()[0])
+    model = build("gpt-tiny", seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref = []
+    for s in range(2):
+        opt.zero_grad()
+        loss = model(*example_inputs("gpt-tiny", batch=4, seq=8, seed=s))
+        loss.backward()
+        opt.step()
+        ref.append(float(loss.detach()))
+    assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-5, (got, ref)
