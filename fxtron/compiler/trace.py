@@ -31,9 +31,10 @@ class TraceInfo:
 
     params / buffers: names in placeholder order (each placeholder's node.meta fxtron_input
     says the same). aliases: tied names -> the canonical name they share storage with.
-    user_dims: per flattened user input, the role of each dim ('batch', 'seq' or None).
+    user_dims: per tensor user input, the role of each dim ('batch', 'seq' or None).
     symbols: export's shape symbols -> fxtron's readable ones (B, S).
-    in_spec: pytree spec of (args, kwargs) to flatten user inputs.
+    in_spec: pytree spec of (args, kwargs); statics: its leaves, None where a tensor goes
+    (non-tensor leaves were baked into the graph).
     buffer_mutations: output index -> buffer name written back after forward.
     """
 
@@ -42,6 +43,7 @@ class TraceInfo:
     user_dims: list[tuple[str | None, ...]]
     symbols: dict[sympy.Symbol, sympy.Symbol]
     in_spec: Any
+    statics: list = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)
     buffer_mutations: dict[int, str] = field(default_factory=dict)
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -63,6 +65,10 @@ class TraceInfo:
 def default_loss(output: Any) -> torch.Tensor:
     """The loss inside a model's output: a scalar tensor, `.loss`, or `["loss"]`."""
     if isinstance(output, torch.Tensor):
+        if output.dim() != 0:
+            raise ParallelizeError(
+                f"the model returned a tensor of shape {tuple(output.shape)}, not a scalar loss; call "
+                "it with targets or labels so it computes the loss, or pass loss_fn=lambda output: ...")
         return output
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, dict):
@@ -75,25 +81,28 @@ def default_loss(output: Any) -> torch.Tensor:
 
 
 class _WithLoss(torch.nn.Module):
-    """Wraps the user's model so the traced graph ends in the scalar loss."""
+    """Wraps the user's model so the traced graph takes the tensor leaves of (args, kwargs)
+    positionally (non-tensor leaves are baked in) and ends in the scalar loss."""
 
-    def __init__(self, model: torch.nn.Module, loss_fn: Callable[[Any], torch.Tensor]):
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable[[Any], torch.Tensor], leaves: list, spec):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self._leaves = leaves
+        self._spec = spec
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *tensors):
+        it = iter(tensors)
+        flat = [next(it) if isinstance(x, torch.Tensor) else x for x in self._leaves]
+        args, kwargs = pytree.tree_unflatten(flat, self._spec)
         return self.loss_fn(self.model(*args, **kwargs))
 
 
-def _dynamic_shapes(args, kwargs, batch_dim: int, seq_dim: int | None):
+def _dynamic_shapes(tensors: list[torch.Tensor], batch_dim: int, seq_dim: int | None):
+    """One shared Dim for the batch dim and one for the sequence dim of every input."""
     b, s = Dim("batch"), Dim("seq")
-    dims: list[tuple[str | None, ...]] = []
-
-    def spec(x):
-        if not isinstance(x, torch.Tensor):
-            dims.append(())
-            return None
+    shapes, dims = [], []
+    for x in tensors:
         roles: list[str | None] = [None] * x.dim()
         d = {}
         if x.dim() > batch_dim:
@@ -101,21 +110,16 @@ def _dynamic_shapes(args, kwargs, batch_dim: int, seq_dim: int | None):
         if seq_dim is not None and x.dim() > seq_dim:
             d[seq_dim], roles[seq_dim] = s, "seq"
         dims.append(tuple(roles))
-        return d or None
-
-    # keyed by the wrapper's forward(*args, **kwargs) parameters
-    shapes = {"args": tuple(spec(a) for a in args)}
-    if kwargs:
-        shapes["kwargs"] = {k: spec(v) for k, v in kwargs.items()}
-    return shapes, dims
+        shapes.append(d or None)
+    return tuple(shapes), dims
 
 
-def _export(module, args, kwargs, shapes) -> ExportedProgram:
+def _export(module, args, shapes) -> ExportedProgram:
     from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
 
     for _ in range(3):
         try:
-            return torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
+            return torch.export.export(module, args, dynamic_shapes=shapes, strict=False)
         except torch._dynamo.exc.UserError as e:  # constraint violations: take export's fix
             msg = str(e)
             if "Suggested fixes:" not in msg:
@@ -126,7 +130,7 @@ def _export(module, args, kwargs, shapes) -> ExportedProgram:
                     break
                 fixes.append(line)
             shapes = refine_dynamic_shapes_from_suggested_fixes("Suggested fixes:\n" + "\n".join(fixes), shapes)
-    return torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
+    return torch.export.export(module, args, dynamic_shapes=shapes, strict=False)
 
 
 def trace(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwargs: dict | None = None,
@@ -140,25 +144,25 @@ def trace(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwargs:
     `seq_dim` the sequence; both stay symbolic. Example batch and sequence sizes must be >= 2
     (export specializes dims of size 0 and 1). Raises ParallelizeError with export's reason.
     """
-    kwargs = dict(example_kwargs or {})
-    args = tuple(example_inputs)
-    wrapped = _WithLoss(model, loss_fn or default_loss)
-    shapes, user_dims = _dynamic_shapes(args, kwargs, batch_dim, seq_dim)
+    leaves, spec = pytree.tree_flatten((tuple(example_inputs), dict(example_kwargs or {})))
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    wrapped = _WithLoss(model, loss_fn or default_loss, leaves, spec)
+    shapes, user_dims = _dynamic_shapes(tensors, batch_dim, seq_dim)
     try:
-        ep = _export(wrapped, args, kwargs, shapes)
+        ep = _export(wrapped, tuple(tensors), {"tensors": shapes})  # keyed by forward(*tensors)
     except Exception as e:  # noqa: BLE001 - any export failure is the user's model's
         raise ParallelizeError(
             f"torch.export could not trace {type(model).__name__}: {type(e).__name__}: {e}\n"
             "fxtron needs a model that torch.export(strict=False) can trace with dynamic batch and "
             "sequence dims: no data-dependent Python control flow on tensor values.") from e
-    return _to_graph_module(ep, model, user_dims, pytree.tree_flatten((args, kwargs))[1])
+    return _to_graph_module(ep, model, user_dims, spec, [x if not isinstance(x, torch.Tensor) else None for x in leaves])
 
 
 def _strip(name: str) -> str:
     return name[len("model."):] if name.startswith("model.") else name
 
 
-def _to_graph_module(ep: ExportedProgram, model: torch.nn.Module, user_dims, in_spec) -> fx.GraphModule:
+def _to_graph_module(ep: ExportedProgram, model: torch.nn.Module, user_dims, in_spec, statics) -> fx.GraphModule:
     sig = ep.graph_signature
     gm = ep.graph_module
     graph = gm.graph
@@ -233,7 +237,7 @@ def _to_graph_module(ep: ExportedProgram, model: torch.nn.Module, user_dims, in_
     graph.lint()
     out = fx.GraphModule(gm, graph)
     out.meta[TRACE_INFO] = TraceInfo(params=params, buffers=buffers, user_dims=list(user_dims),
-                                     symbols=symbols, in_spec=in_spec, aliases=aliases,
+                                     symbols=symbols, in_spec=in_spec, statics=statics, aliases=aliases,
                                      buffer_mutations=buffer_mutations, constants=constants)
     return out
 

@@ -79,11 +79,12 @@ class Program(nn.Module):
 
     # ---------------------------------------------------------------- running
     def _flat_inputs(self, inputs: tuple, kwargs: dict | None) -> list:
+        """The tensor leaves of (inputs, kwargs), checked against the traced structure."""
         flat, spec = pytree.tree_flatten((tuple(inputs), dict(kwargs or {})))
         if spec != self._info.in_spec:
             raise ParallelizeError(f"inputs have structure {spec}, but the model was traced with {self._info.in_spec}; "
                                    "pass the same positional and keyword inputs as example_inputs")
-        return flat
+        return [x for x in flat if isinstance(x, torch.Tensor)]
 
     def forward(self, *inputs, **kwargs) -> torch.Tensor:
         """The loss of this rank's program on these (already local) inputs."""
@@ -117,7 +118,9 @@ class Program(nn.Module):
                                            f"that is a multiple of {dp}")
                 x = x.chunk(dp, dim=d)[index]
             out.append(x)
-        args, kw = pytree.tree_unflatten(out, self._info.in_spec)
+        it = iter(out)
+        leaves = [next(it) if s is None else s for s in self._info.statics]
+        args, kw = pytree.tree_unflatten(leaves, self._info.in_spec)
         return args, kw
 
     def train_step(self, inputs: tuple, optimizer: torch.optim.Optimizer, *, kwargs: dict | None = None) -> float:

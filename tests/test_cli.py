@@ -1,0 +1,32 @@
+"""The command line: `python -m fxtron mesh` and `python -m fxtron train`."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from fxtron.cli import main
+from fxtron.train import TrainConfig, run
+
+
+def test_mesh_table_is_megatrons_example(capsys):
+    assert main(["mesh", "--world-size", "16", "--tp", "2", "--pp", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "tp=2" in out and "pp=4" in out and "dp=2" in out
+    row5 = next(line for line in out.splitlines() if line.split()[:1] == ["5"])
+    assert "[4,5]" in row5 and "[5,7]" in row5 and "[1,5,9,13]" in row5
+
+
+def test_mesh_error_says_what_to_change():
+    proc = subprocess.run([sys.executable, "-m", "fxtron", "mesh", "--world-size", "10", "--tp", "4"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "ParallelizeError" in proc.stderr and "10" in proc.stderr
+
+
+def test_train_matches_one_process(capsys):
+    cfg = TrainConfig(model="gpt-tiny", world_size=2, steps=4, batch=4, seq=32, max_bytes=200_000)
+    out = run(cfg)
+    assert len(out["losses"]) == 4 and out["tokens_per_s"] > 0
+    # early steps, before AdamW compounds round-off: equal to float32 precision
+    assert out["max_loss_diff"] < 1e-4, out
+    assert "loss difference" in capsys.readouterr().out
