@@ -30,6 +30,8 @@ class Options:
     loss_fn: Callable[[Any], torch.Tensor] | None = None
     batch_dim: int = 0
     seq_dim: int | None = 1
+    plan: dict | None = None
+    plan_mode: str = "override"
 
     def __post_init__(self):
         if self.batch_dim < 0 or (self.seq_dim is not None and self.seq_dim < 0):
@@ -40,25 +42,31 @@ class Options:
 
 def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (),
                 example_kwargs: dict | None = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                batch_dim: int = 0, seq_dim: int | None = 1) -> "ParallelModel":
+                batch_dim: int = 0, seq_dim: int | None = 1, plan: dict | None = None,
+                plan_mode: str = "override") -> "ParallelModel":
     """Compile `model` for every rank of `mesh`.
 
     model(*example_inputs, **example_kwargs) must return the loss (a scalar tensor, or an
     output with `.loss`), or `loss_fn(output)` must take it from the output. The example
     batch must hold at least 2 samples of at least 2 tokens. The same call on every rank gives
     the same programs (tracing is deterministic).
+
+    With mesh.tp > 1 the linears are split Megatron's way, found on the graph; `plan` maps
+    module path patterns to "colwise" / "rowwise" / "vocab" / "replicate" (or
+    fxtron.Colwise(gather_output=True), fxtron.Rowwise(input_is_parallel=False)) and
+    refines the automatic plan (plan_mode="override") or replaces it ("replace").
     """
     if not isinstance(mesh, Mesh):
         raise ParallelizeError(f"mesh must be a fxtron.Mesh, got {type(mesh).__name__}")
     if not isinstance(model, torch.nn.Module):
         raise ParallelizeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    options = Options(loss_fn=loss_fn, batch_dim=batch_dim, seq_dim=seq_dim)
-    unsupported = {k: v for k, v in dict(tp=mesh.tp, pp=mesh.pp, cp=mesh.cp, ep=mesh.ep).items() if v != 1}
+    options = Options(loss_fn=loss_fn, batch_dim=batch_dim, seq_dim=seq_dim, plan=plan, plan_mode=plan_mode)
+    unsupported = {k: v for k, v in dict(pp=mesh.pp, cp=mesh.cp, ep=mesh.ep).items() if v != 1}
     if unsupported:
         raise ParallelizeError(
-            f"this fxtron build parallelizes over data parallel only; the mesh asks for {unsupported}. "
-            f"Use Mesh(world_size={mesh.dp}) (dp only) until tensor/pipeline/context/expert "
-            "parallel land")
+            f"this fxtron build parallelizes over tensor and data parallel; the mesh asks for {unsupported}. "
+            f"Use Mesh(world_size={mesh.world_size // (mesh.pp * mesh.cp)}, tp={mesh.tp}) until pipeline, "
+            "context and expert parallel land")
     traced = trace(model, example_inputs, example_kwargs=example_kwargs, loss_fn=options.loss_fn,
                    batch_dim=options.batch_dim, seq_dim=options.seq_dim)
     return ParallelModel(model, mesh, traced, options)
@@ -77,7 +85,8 @@ class ParallelModel:
     def compiled(self, rank: int) -> pipeline.RankGraph:
         """The per-rank compilation result (graph module and parameter shard specs)."""
         self._check_rank(rank)
-        return pipeline.compile_rank(self.traced, self.mesh, rank)
+        return pipeline.compile_rank(self.traced, self.mesh, rank, user_plan=self.options.plan,
+                                     plan_mode=self.options.plan_mode)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.mesh.world_size:

@@ -58,6 +58,12 @@ PROVENANCE = _key("fxtron_provenance", Provenance,
                   "which pass created the node, and why", "every pass that creates nodes")
 PLACEMENT = _key("fxtron_placement", object,
                  "the value's placement on the tp axis (passes.placement.Placement)", "passes.propagate")
+EXPECTS = _key("fxtron_expects", tuple,
+               "placement each tensor input must have (None: as it comes), in flattened-args order",
+               "passes.propagate")
+REDISTRIBUTE_OUT = _key("fxtron_redistribute_out", object,
+                        "placement every consumer sees (a colwise linear with gather_output)",
+                        "passes.propagate")
 LOCAL_SHAPE = _key("fxtron_local_shape", tuple,
                    "this rank's shape, sympy expressions in the batch and sequence symbols",
                    "passes.propagate / compiler.annotate")

@@ -15,15 +15,24 @@ import torch.fx as fx
 from fxtron.compiler.trace import TRACE_INFO, info
 from fxtron.errors import ParallelizeError
 from fxtron.mesh import Mesh
+from fxtron.passes.collectives import TP_GROUP, insert_collectives, localize
+from fxtron.passes.placement import Shard
+from fxtron.passes.plan import TPPlan, plan
+from fxtron.passes.propagate import propagate, split_row_bias
 from fxtron.passes.shapes import annotate_local_shapes
+from fxtron.runtime import shard as shard_math
 from fxtron.runtime.groups import ProcessGroups
 from fxtron.runtime.program import LocalParam, Program
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
-    graph = copy.deepcopy(gm.graph)
+    """A new GraphModule over a copy of gm's graph (node.meta copied shallowly: the fake
+    tensors in `val` are shared, never mutated)."""
+    graph = fx.Graph()
+    out_val = graph.graph_copy(gm.graph, {})
+    graph.output(out_val)
     out = fx.GraphModule(gm, graph)
-    out.meta[TRACE_INFO] = gm.meta[TRACE_INFO]
+    out.meta.update(gm.meta)
     return out
 
 
@@ -36,6 +45,7 @@ class RankGraph:
     rank: int
     local: dict[str, LocalParam] = field(default_factory=dict)
     slicers: dict[str, object] = field(default_factory=dict)  # name -> fn(full tensor) -> local
+    plan: TPPlan | None = None
 
     @property
     def param_count(self) -> int:
@@ -71,7 +81,8 @@ class RankGraph:
         if device is not None and device.type != "cpu":
             params = {k: v.to(device) for k, v in params.items()}
             buffers = {k: v.to(device) for k, v in buffers.items()}
-        return Program(self.gm, ti, params, buffers, persistent, self.local, rank, groups, ti.aliases)
+        return Program(_bind_groups(self.gm, groups), ti, params, buffers, persistent, self.local, rank,
+                       groups, ti.aliases)
 
 
 def _numel(shape) -> int:
@@ -81,23 +92,66 @@ def _numel(shape) -> int:
     return n
 
 
-def compile_rank(traced: fx.GraphModule, mesh: Mesh, rank: int) -> RankGraph:
-    """Run the per-rank passes on a copy of `traced`.
+def _bind_groups(gm: fx.GraphModule, groups: ProcessGroups | None) -> fx.GraphModule:
+    """A copy of gm whose collectives name this process's real tp group instead of "tp"."""
+    out = _copy(gm)
+    if groups is None:
+        return out
+    name = groups.group("tp").group_name if groups.size("tp") > 1 else ""
+    for node in out.graph.nodes:
+        if node.op == "call_function" and str(node.target).startswith("fxtron."):
+            node.args = tuple(name if a == TP_GROUP else a for a in node.args)
+    out.recompile()
+    return out
 
-    Data parallel only so far: every rank's graph is the traced graph; the passes that follow
-    trace (plan, propagate, insert_collectives, localize, pipeline, codegen) land with tensor,
-    pipeline and the other parallelisms.
+
+def _tp_gather(placement: Shard, tp: int):
+    def gather(local: torch.Tensor, groups: ProcessGroups) -> torch.Tensor:
+        import torch.distributed as dist
+        pieces = [torch.empty_like(local) for _ in range(tp)]
+        dist.all_gather(pieces, local.contiguous(), group=groups.group("tp"))
+        return shard_math.unshard(pieces, placement.dim, placement.interleave)
+    return gather
+
+
+def compile_rank(traced: fx.GraphModule, mesh: Mesh, rank: int, *, user_plan: dict | None = None,
+                 plan_mode: str = "override") -> RankGraph:
+    """Run the per-rank passes on a copy of `traced`, in this order:
+
+    plan                which linears split by columns / rows, embeddings by vocabulary
+    split_row_bias      rowwise biases move after the all-reduce (Megatron adds them there)
+    propagate           a tp placement on every value; what each op expects of its inputs
+    insert_collectives  the redistributions (f/g pairs, gathers, scatters), vocab-parallel ops
+    localize            sizes written into the graph become this rank's
+    annotate shapes     local symbolic shapes for inspection
     """
     gm = _copy(traced)
+    tp, tp_rank = mesh.tp, mesh.coords(rank)["tp"]
+    tp_plan = None
+    if tp > 1:
+        tp_plan = plan(gm, tp=tp, user_plan=user_plan, mode=plan_mode)
+        gm = split_row_bias(gm, tp_plan)
+        gm = propagate(gm, tp_plan, tp=tp)
+        gm = insert_collectives(gm, tp=tp, tp_rank=tp_rank)
+        gm = localize(gm, tp=tp)
+    gm = annotate_local_shapes(gm, tp=tp)
+    gm.graph.lint()
     ti = info(gm)
-    local = {}
+    local, slicers = {}, {}
     for node in gm.graph.nodes:
         spec = node.meta.get("fxtron_input")
-        if spec is not None and spec.kind == "parameter":
-            val = node.meta["val"]
-            shape = tuple(int(s) for s in val.shape)
-            local[spec.target] = LocalParam(spec.target, shape, shape, val.dtype)
+        if spec is None or spec.kind != "parameter":
+            continue
+        val = node.meta["val"]
+        full = tuple(int(s) for s in val.shape)
+        pl = node.meta.get("fxtron_placement")
+        if isinstance(pl, Shard):
+            shard_math.check_divisible(full[pl.dim], tp, pl.interleave, f"parameter {spec.target} {full} dim {pl.dim}")
+            shape = list(full)
+            shape[pl.dim] //= tp
+            local[spec.target] = LocalParam(spec.target, full, tuple(shape), val.dtype, _tp_gather(pl, tp))
+            slicers[spec.target] = (lambda p: lambda t: shard_math.shard(t, p.dim, tp, tp_rank, p.interleave))(pl)
+        else:
+            local[spec.target] = LocalParam(spec.target, full, full, val.dtype)
     assert set(local) == set(ti.params)
-    gm = annotate_local_shapes(gm)   # last: shapes as this rank holds them
-    gm.graph.lint()
-    return RankGraph(gm=gm, mesh=mesh, rank=rank, local=local)
+    return RankGraph(gm=gm, mesh=mesh, rank=rank, local=local, slicers=slicers, plan=tp_plan)

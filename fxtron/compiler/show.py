@@ -6,6 +6,7 @@ import torch.fx as fx
 from tabulate import tabulate
 
 from fxtron.compiler import meta
+from fxtron.passes.placement import describe
 
 
 def _target(node: fx.Node) -> str:
@@ -40,7 +41,7 @@ def format_graph(gm: fx.GraphModule, *, title: str = "") -> str:
         where = spec.target if spec is not None and spec.kind != "user" else (meta.get(node, meta.MODULE) or "")
         placement = meta.get(node, meta.PLACEMENT)
         rows.append(["%" + node.name, _target(node), _args(node) if node.op != "placeholder" else "",
-                     shape_s, "" if placement is None else str(placement),
+                     shape_s, "" if placement is None else describe(placement),
                      meta.get(node, meta.KERNEL) or "", where])
     table = tabulate(rows, headers=["node", "op", "args", "local shape", "placement", "kernel", "module / param"],
                      tablefmt="simple")

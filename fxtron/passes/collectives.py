@@ -1,0 +1,229 @@
+"""Passes, tensor parallel step 3: insert the collectives, and make the graph local to a rank.
+
+`insert_collectives` rebuilds the graph by interpretation: where an input's placement differs
+from what its consumer expects it emits the redistribution (Megatron's conjugate pairs as
+fxtron custom ops, visible by name), where a replicated value that carries gradient feeds a
+sharded computation it emits `copy_to_region` (identity forward, all-reduce backward; one per
+value, shared by all its sharded consumers, as Megatron's fused QKV shares one), and it swaps
+in the vocab-parallel embedding and cross entropy. `localize` then rewrites the sizes written
+into the graph (view shapes, split sizes) to this rank's and drops export's metadata asserts.
+
+| from \\ to    | Replicate                 | Shard(d)                 |
+|--------------|---------------------------|--------------------------|
+| Replicate    | copy_to_region (if sharded consumer) | scatter (slice; bwd all-gather) |
+| Partial      | all_reduce (bwd identity) | reduce_scatter (bwd all-gather) |
+| Shard(d)     | all_gather (bwd slice)    | all_gather + scatter     |
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from fxtron.compiler import meta
+from fxtron.errors import ParallelizeError
+from fxtron.passes.placement import PARTIAL, REPLICATE, Partial, Replicate, Shard
+from fxtron.passes.propagate import _is_tensor
+
+aten = torch.ops.aten
+TP_GROUP = "tp"   # replaced by the real process group's name when a program is built
+
+
+def _fx():
+    import fxtron.runtime.collectives  # noqa: F401 - registers torch.ops.fxtron
+    return torch.ops.fxtron
+
+
+def _requires_grad(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes whose value depends on a parameter (so a gradient flows back through them)."""
+    out: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        spec = meta.get(node, meta.INPUT)
+        if spec is not None:
+            if spec.kind == "parameter":
+                out.add(node)
+            continue
+        if any(a in out for a in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
+class _Emitter:
+    def __init__(self, graph: fx.Graph, tp: int, tp_rank: int):
+        self.g, self.tp, self.tp_rank = graph, tp, tp_rank
+        self.cache: dict[tuple, fx.Node] = {}
+
+    def call(self, target, args, like: fx.Node, placement, reason: str, kwargs=None) -> fx.Node:
+        n = self.g.call_function(target, tuple(args), kwargs or {})
+        val = like.meta.get("val")
+        if val is not None:
+            n.meta["val"] = val
+        for k in ("nn_module_stack", "stack_trace"):
+            if k in like.meta:
+                n.meta[k] = like.meta[k]
+        meta.set(n, meta.MODULE, meta.get(like, meta.MODULE) or "")
+        meta.set(n, meta.PLACEMENT, placement)
+        meta.set(n, meta.PROVENANCE, meta.Provenance("insert_collectives", reason))
+        return n
+
+    def redistribute(self, src: fx.Node, value: fx.Node, have, want, consumer: fx.Node) -> fx.Node:
+        key = (src, str(have), str(want))
+        if key in self.cache:
+            return self.cache[key]
+        ops = _fx()
+        why = f"%{src.name} {have} -> {want} for %{consumer.name}"
+        tp, g = self.tp, TP_GROUP
+        if isinstance(have, Partial) and isinstance(want, Replicate):
+            out = self.call(ops.all_reduce.default, (value, g), src, want, why)
+        elif isinstance(have, Replicate) and isinstance(want, Shard):
+            out = self.call(ops.scatter.default, (value, want.dim, want.interleave, tp, g), src, want, why)
+        elif isinstance(have, Shard) and isinstance(want, Replicate):
+            out = self.call(ops.all_gather.default, (value, have.dim, have.interleave, tp, g), src, want, why)
+        elif isinstance(have, Partial) and isinstance(want, Shard) and want.interleave == 1:
+            out = self.call(ops.reduce_scatter.default, (value, want.dim, tp, g), src, want, why)
+        elif isinstance(have, Partial) and isinstance(want, Shard):
+            mid = self.call(ops.all_reduce.default, (value, g), src, REPLICATE, why)
+            out = self.call(ops.scatter.default, (mid, want.dim, want.interleave, tp, g), src, want, why)
+        elif isinstance(have, Shard) and isinstance(want, Shard):
+            mid = self.call(ops.all_gather.default, (value, have.dim, have.interleave, tp, g), src, REPLICATE, why)
+            out = self.call(ops.scatter.default, (mid, want.dim, want.interleave, tp, g), src, want, why)
+        else:
+            raise ParallelizeError(f"cannot redistribute %{src.name} from {have} to {want} (for %{consumer.name})")
+        self.cache[key] = out
+        return out
+
+    def copy_to_region(self, src: fx.Node, value: fx.Node, consumer: fx.Node) -> fx.Node:
+        key = (src, "f")
+        if key not in self.cache:
+            self.cache[key] = self.call(_fx().copy_to_region.default, (value, TP_GROUP), src, REPLICATE,
+                                        f"%{src.name} enters a tensor-parallel region (all-reduce its gradient)")
+        return self.cache[key]
+
+
+def insert_collectives(gm: fx.GraphModule, *, tp: int, tp_rank: int) -> fx.GraphModule:
+    """A new GraphModule in which every input of every op has the placement its rule expects.
+    Reads fxtron_placement / fxtron_expects written by `propagate`."""
+    grad = _requires_grad(gm)
+    new = fx.Graph()
+    em = _Emitter(new, tp, tp_rank)
+    env: dict[fx.Node, fx.Node] = {}
+    seen: dict[fx.Node, object] = {}   # the placement each old node's env value has
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = new.node_copy(node, lambda n: env[n])
+            seen[node] = meta.get(node, meta.PLACEMENT)
+            continue
+        expects = meta.get(node, meta.EXPECTS) or ()
+        out_pl = meta.get(node, meta.PLACEMENT)
+        sharded_out = isinstance(out_pl, (Shard, Partial)) or (
+            isinstance(out_pl, tuple) and any(isinstance(p, (Shard, Partial)) for p in out_pl))
+        tensors = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node) and _is_tensor(a)]
+        mapping: dict[fx.Node, fx.Node] = {}
+        for i, a in enumerate(tensors):
+            have = seen[a]
+            want = expects[i] if i < len(expects) and expects[i] is not None else have
+            value = env[a]
+            if want != have:
+                value = em.redistribute(a, value, have, want, node)
+            if (sharded_out and isinstance(want, Replicate) and a in grad and node.op != "output"
+                    and not _is_param(a)):
+                value = em.copy_to_region(a, value, node)
+            mapping[a] = value
+        if node.op == "output":
+            new.output(pytree.tree_map(lambda x: mapping.get(x, env.get(x)) if isinstance(x, fx.Node) else x,
+                                       node.args[0]))
+            continue
+        remap = lambda n: mapping.get(n, env[n])  # noqa: E731
+        copied = _rewrite(node, em, remap, seen, tp, tp_rank) or new.node_copy(node, remap)
+        env[node] = copied
+        seen[node] = out_pl
+        redist = meta.get(node, meta.REDISTRIBUTE_OUT)
+        if redist is not None:   # colwise with gather_output: every consumer sees the gathered value
+            env[node] = em.redistribute(node, copied, out_pl, redist, node)
+            seen[node] = redist
+    out = fx.GraphModule(gm, new)
+    out.meta.update(gm.meta)
+    out.graph.lint()
+    return out
+
+
+def _is_param(node: fx.Node) -> bool:
+    spec = meta.get(node, meta.INPUT)
+    return spec is not None and spec.kind == "parameter"
+
+
+def _rewrite(node: fx.Node, em: _Emitter, remap, seen, tp: int, tp_rank: int) -> fx.Node | None:
+    """Ops that become a different op on sharded inputs: vocab-parallel embedding and cross
+    entropy. Returns the new node, or None to copy the node as it is."""
+    ops = _fx()
+    if node.target == aten.embedding.default and isinstance(seen[node.args[0]], Shard) and seen[node.args[0]].dim == 0:
+        w, ids = node.args[:2]
+        per = int(w.meta["val"].shape[0]) // tp
+        return em.call(ops.vocab_parallel_embedding.default, (remap(w), remap(ids), tp_rank * per), node,
+                       PARTIAL, f"vocab-parallel embedding, rows [{tp_rank * per}, {(tp_rank + 1) * per})")
+    if node.target == aten.cross_entropy_loss.default and isinstance(seen[node.args[0]], Shard):
+        logits, target = node.args[:2]
+        args = list(node.args) + [None] * (6 - len(node.args))
+        weight = node.kwargs.get("weight", args[2])
+        reduction = node.kwargs.get("reduction", args[3] if args[3] is not None else 1)
+        ignore_index = node.kwargs.get("ignore_index", args[4] if args[4] is not None else -100)
+        smoothing = node.kwargs.get("label_smoothing", args[5] if args[5] is not None else 0.0)
+        if weight is not None:
+            raise ParallelizeError(f"node %{node.name}: class weights in a vocab-parallel cross entropy are not "
+                                   "supported; replicate the LM head in the plan")
+        per = int(logits.meta["val"].shape[1]) // tp
+        return em.call(ops.vocab_parallel_cross_entropy.default,
+                       (remap(logits), remap(target), tp_rank * per, ignore_index, reduction, float(smoothing), TP_GROUP),
+                       node, REPLICATE, "vocab-parallel cross entropy: the full logits are never gathered")
+    return None
+
+
+# ----------------------------------------------------------------------------- localize
+_SIZE_ARG_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+
+
+def localize(gm: fx.GraphModule, *, tp: int) -> fx.GraphModule:
+    """Rewrite sizes written into the graph to this rank's (a view to (B, S, 4, 16) of a value
+    sharded on the heads dim becomes (B, S, 4/tp, 16)), and drop `_assert_tensor_metadata`
+    checks that carry global sizes. Edits gm in place and returns it."""
+    g = gm.graph
+    for node in list(g.nodes):
+        if node.op != "call_function":
+            continue
+        t = node.target
+        if t == aten._assert_tensor_metadata.default:
+            g.erase_node(node)
+            continue
+        pl = meta.get(node, meta.PLACEMENT)
+        if t in _SIZE_ARG_VIEWS and isinstance(pl, Shard):
+            sizes = list(node.args[1])
+            s = sizes[pl.dim]
+            if isinstance(s, int) and s != -1:
+                sizes[pl.dim] = _div(s, tp, node)
+            elif isinstance(s, fx.Node):
+                raise ParallelizeError(f"node %{node.name}: the sharded dim {pl.dim} has a computed size")
+            node.args = (node.args[0], sizes) + tuple(node.args[2:])
+        elif t in (aten.split.Tensor, aten.split_with_sizes.default):
+            src = meta.get(node.args[0], meta.PLACEMENT)
+            nd = node.args[0].meta["val"].dim()
+            dim = node.args[2] if len(node.args) > 2 else 0
+            if isinstance(src, Shard) and (dim + nd if dim < 0 else dim) == src.dim:
+                sizes = node.args[1]
+                new = [_div(s, tp, node) for s in sizes] if isinstance(sizes, (list, tuple)) else _div(sizes, tp, node)
+                node.args = (node.args[0], new) + tuple(node.args[2:])
+        elif t == aten.repeat_interleave.self_int and isinstance(pl, Shard) and node.kwargs.get("output_size"):
+            kw = dict(node.kwargs)
+            kw["output_size"] = _div(kw["output_size"], tp, node)
+            node.kwargs = kw
+    gm.recompile()
+    return gm
+
+
+def _div(size, tp: int, node: fx.Node):
+    if not isinstance(size, int):
+        raise ParallelizeError(f"node %{node.name}: cannot divide the symbolic size {size} over tp={tp}")
+    if size % tp:
+        raise ParallelizeError(f"node %{node.name} ({meta.get(node, meta.MODULE)}): size {size} is not divisible by tp={tp}")
+    return size // tp

@@ -1,0 +1,403 @@
+"""Passes, tensor parallel step 1: the split plan — which linears split by columns, which by
+rows, which embeddings by vocabulary — found on the traced graph (Megatron's pattern) or given
+by the user keyed by module path. The plan is data: `{module path: style}` plus the placement
+of every parameter; `propagate` and `insert_collectives` apply it.
+
+How the pattern is found, with no knowledge of the model's code:
+- a linear whose output reaches a residual add (an add whose other operand was computed before
+  the linear) through shape ops only is an output projection: rowwise (attn.proj, mlp.fc2,
+  o_proj, down_proj);
+- a linear whose output reaches a rowwise linear without crossing another residual is a first
+  projection: colwise (q/k/v or fused qkv, fc1, gate and up); a fused output later split into k
+  equal parts (or viewed as (k, heads, ...)) is sharded with interleave k;
+- a linear whose output reaches cross_entropy is the LM head: colwise, feeding the
+  vocab-parallel cross entropy;
+- an embedding looked up with the user's token ids is vocab-parallel; other embeddings
+  (positions) are replicated. Everything else is replicated.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from fxtron.compiler import meta
+from fxtron.errors import ParallelizeError
+from fxtron.passes.placement import REPLICATE, Placement, Shard
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Colwise:
+    """Megatron's ColumnParallelLinear: weight split along its output features."""
+
+    gather_output: bool = False
+
+    def __str__(self):
+        return "colwise" + (" (gather_output)" if self.gather_output else "")
+
+
+@dataclass(frozen=True)
+class Rowwise:
+    """Megatron's RowParallelLinear: weight split along its input features; the partial
+    outputs are summed by an all-reduce before the bias is added."""
+
+    input_is_parallel: bool = True
+
+    def __str__(self):
+        return "rowwise" + ("" if self.input_is_parallel else " (scatter input)")
+
+
+@dataclass(frozen=True)
+class VocabParallel:
+    """Megatron's VocabParallelEmbedding: embedding rows split by vocabulary range."""
+
+    def __str__(self):
+        return "vocab-parallel"
+
+
+@dataclass(frozen=True)
+class Replicated:
+    def __str__(self):
+        return "replicate"
+
+
+Style = Colwise | Rowwise | VocabParallel | Replicated
+_BY_NAME = {"colwise": Colwise(), "rowwise": Rowwise(), "vocab": VocabParallel(),
+            "vocab_parallel": VocabParallel(), "replicate": Replicated()}
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A linear or embedding found in the graph: its node, module path, weight and bias
+    parameter names, and the weight layout ('out_in' as nn.Linear, 'in_out' as Conv1D/mm)."""
+
+    node: fx.Node
+    kind: str                      # "linear" | "embedding"
+    path: str
+    weight: str
+    bias: str | None
+    layout: str                    # "out_in" | "in_out"
+    in_features: int
+    out_features: int
+
+
+@dataclass
+class TPPlan:
+    """The plan: a style per layer (by module path) and the tp placement of every parameter.
+    `notes` says why a layer the pattern would split stays replicated."""
+
+    tp: int
+    styles: dict[str, Style] = field(default_factory=dict)
+    params: dict[str, Placement] = field(default_factory=dict)
+    interleave: dict[str, int] = field(default_factory=dict)
+    layers: dict[str, Layer] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def style(self, path: str) -> Style:
+        return self.styles.get(path, Replicated())
+
+    def table(self) -> list[tuple[str, str, str]]:
+        """(module path, style, weight placement) per layer, in graph order."""
+        return [(p, str(self.style(p)), str(self.params.get(l.weight, REPLICATE)))
+                for p, l in self.layers.items()]
+
+
+# ----------------------------------------------------------------------------- graph helpers
+_SHAPE_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.dropout.default,
+              aten.clone.default, aten.contiguous.default, aten.to.dtype, aten.to.dtype_layout,
+              aten.alias.default, aten.detach.default, aten._to_copy.default, aten.slice.Tensor,
+              aten.flatten.using_ints, aten.unsqueeze.default, aten.squeeze.dim, aten.t.default}
+
+
+def _param_name(node) -> str | None:
+    if isinstance(node, fx.Node) and node.op == "placeholder":
+        spec = meta.get(node, meta.INPUT)
+        if spec is not None and spec.kind == "parameter":
+            return spec.target
+    return None
+
+
+def _owner(param: str) -> str:
+    return param.rsplit(".", 1)[0] if "." in param else ""
+
+
+def find_layers(gm: fx.GraphModule) -> dict[str, Layer]:
+    """Every linear (linear, addmm, mm/matmul with a parameter weight) and embedding in the
+    graph, keyed by the module path that owns its weight, in graph order."""
+    layers: dict[str, Layer] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        t, a = node.target, node.args
+        layer = None
+        if t == aten.linear.default and _param_name(a[1]):
+            w = _param_name(a[1])
+            b = _param_name(a[2]) if len(a) > 2 else None
+            shape = a[1].meta["val"].shape
+            layer = Layer(node, "linear", _owner(w), w, b, "out_in", int(shape[1]), int(shape[0]))
+        elif t == aten.addmm.default and _param_name(a[2]):
+            w = _param_name(a[2])
+            shape = a[2].meta["val"].shape
+            layer = Layer(node, "linear", _owner(w), w, _param_name(a[0]), "in_out", int(shape[0]), int(shape[1]))
+        elif t in (aten.mm.default, aten.matmul.default) and _param_name(a[1]) and a[1].meta["val"].dim() == 2:
+            w = _param_name(a[1])
+            shape = a[1].meta["val"].shape
+            layer = Layer(node, "linear", _owner(w), w, None, "in_out", int(shape[0]), int(shape[1]))
+        elif t == aten.embedding.default and _param_name(a[0]):
+            w = _param_name(a[0])
+            shape = a[0].meta["val"].shape
+            layer = Layer(node, "embedding", _owner(w), w, None, "out_in", int(shape[0]), int(shape[1]))
+        if layer is not None:
+            key = layer.path
+            if key in layers:  # a weight used twice (tied LM head): name it by the calling module
+                key = meta.get(node, meta.MODULE) or key
+                while key in layers:
+                    key += "'"
+                layer = Layer(node, layer.kind, key, layer.weight, layer.bias, layer.layout,
+                              layer.in_features, layer.out_features)
+            layers[key] = layer
+    return layers
+
+
+def _through_shape_ops(node: fx.Node, limit: int = 12):
+    """Users of `node`, looking through shape-only ops (and getitem), as (user, arg position)."""
+    out, frontier, seen = [], [node], set()
+    while frontier and limit:
+        limit -= 1
+        cur = frontier.pop()
+        for user in cur.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.op == "call_function" and user.target in _SHAPE_OPS:
+                frontier.append(user)
+            else:
+                out.append((user, cur))
+    return out
+
+
+def _reaches_residual(layer: Layer, order: dict[fx.Node, int]) -> bool:
+    for user, via in _through_shape_ops(layer.node):
+        if user.op == "call_function" and user.target == aten.add.Tensor:
+            other = user.args[1] if user.args[0] is via else user.args[0]
+            if isinstance(other, fx.Node) and order[other] < order[layer.node]:
+                return True
+    return False
+
+
+def _reaches_loss(layer: Layer) -> bool:
+    return any(u.op == "call_function" and u.target == aten.cross_entropy_loss.default and u.args[0] is via
+               for u, via in _through_shape_ops(layer.node))
+
+
+def _feeds_row(layer: Layer, rows: set[fx.Node], linears: set[fx.Node], order, limit: int = 400) -> bool:
+    """Does the output flow into a rowwise linear's input before crossing a residual add or
+    another linear?"""
+    frontier, seen = [layer.node], {layer.node}
+    while frontier and limit:
+        limit -= 1
+        cur = frontier.pop()
+        for user in cur.users:
+            if user in seen or user.op != "call_function":
+                continue
+            seen.add(user)
+            if user in rows:
+                return True
+            if user in linears:
+                continue
+            if user.target == aten.add.Tensor:
+                other = user.args[1] if user.args[0] is cur else user.args[0]
+                if isinstance(other, fx.Node) and order[other] < order[layer.node]:
+                    continue  # a residual: the layer's region ends here
+            frontier.append(user)
+    return False
+
+
+def _interleave(layer: Layer, tp: int) -> int:
+    """k for a fused projection split later into k equal parts (or viewed as (k, heads, d))."""
+    feat = layer.out_features
+    for user, via in _through_shape_ops(layer.node):
+        if user.op != "call_function":
+            continue
+        val = via.meta.get("val")
+        if val is None:
+            continue
+        last = val.dim() - 1
+        if user.target == aten.split.Tensor:
+            size, dim = user.args[1], (user.args[2] if len(user.args) > 2 else 0)
+            if dim in (-1, last) and isinstance(size, int) and feat % size == 0:
+                return feat // size
+        if user.target == aten.split_with_sizes.default:
+            sizes, dim = user.args[1], (user.args[2] if len(user.args) > 2 else 0)
+            if dim in (-1, last) and len(set(sizes)) == 1:
+                return len(sizes)
+        if user.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+            out = user.meta["val"].shape
+            # trailing output dims whose product is the feature dim: (..., a0, a1, ...)
+            dims, prod = [], 1
+            for s in reversed(out):
+                if prod == feat or not isinstance(s, int) and not str(s).isdigit():
+                    break
+                prod *= int(s)
+                dims.insert(0, int(s))
+            if prod == feat and len(dims) > 1:
+                k = 1
+                for a in dims:
+                    if a % tp == 0:
+                        return k
+                    k *= a
+    return 1
+
+
+# ----------------------------------------------------------------------------- planning
+def auto_plan(gm: fx.GraphModule, tp: int) -> dict[str, Style]:
+    """Megatron's pattern found on the graph: {module path: style}."""
+    layers = find_layers(gm)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    linears = {l.node for l in layers.values() if l.kind == "linear"}
+    styles: dict[str, Style] = {}
+    rows = set()
+    for path, l in layers.items():
+        if l.kind == "linear" and _reaches_residual(l, order):
+            styles[path] = Rowwise()
+            rows.add(l.node)
+    for path, l in layers.items():
+        if path in styles:
+            continue
+        if l.kind == "linear" and (_reaches_loss(l) or _feeds_row(l, rows, linears, order)):
+            styles[path] = Colwise()
+        elif l.kind == "embedding" and _looks_up_user_ids(l):
+            styles[path] = VocabParallel()
+    return styles
+
+
+def _looks_up_user_ids(layer: Layer) -> bool:
+    ids, hops = layer.node.args[1], 0
+    while isinstance(ids, fx.Node) and hops < 8:
+        spec = meta.get(ids, meta.INPUT)
+        if spec is not None:
+            return spec.kind == "user"
+        if ids.op != "call_function" or ids.target not in _SHAPE_OPS:
+            return False
+        ids, hops = ids.args[0], hops + 1
+    return False
+
+
+def _parse_style(value, key: str) -> Style:
+    if isinstance(value, (Colwise, Rowwise, VocabParallel, Replicated)):
+        return value
+    if isinstance(value, str) and value.lower() in _BY_NAME:
+        return _BY_NAME[value.lower()]
+    raise ParallelizeError(f"plan[{key!r}] = {value!r}: use 'colwise', 'rowwise', 'vocab', 'replicate' "
+                           "or fxtron.passes.plan.Colwise(gather_output=...)/Rowwise(input_is_parallel=...)")
+
+
+def plan(gm: fx.GraphModule, *, tp: int, user_plan: dict | None = None, mode: str = "override") -> TPPlan:
+    """The split plan for tp ranks. `user_plan` maps module path patterns (fnmatch, e.g.
+    "blocks.*.attn.qkv") to styles; with mode "override" it refines the automatic plan, with
+    "replace" it is the whole plan (everything it does not name is replicated)."""
+    if mode not in ("override", "replace"):
+        raise ParallelizeError(f"plan_mode must be 'override' or 'replace', not {mode!r}")
+    layers = find_layers(gm)
+    result = TPPlan(tp=tp, layers=layers)
+    styles = auto_plan(gm, tp) if (mode == "override" and tp > 1) else {}
+    for pattern, value in (user_plan or {}).items():
+        style = _parse_style(value, pattern)
+        hits = [p for p in layers if fnmatch.fnmatchcase(p, pattern)]
+        if not hits:
+            raise ParallelizeError(f"plan entry {pattern!r} matches no linear or embedding; the model's are: "
+                                   f"{', '.join(p for p in layers)}")
+        for p in hits:
+            styles[p] = style
+    user_keys = {p for pat in (user_plan or {}) for p in layers if fnmatch.fnmatchcase(p, pat)}
+    if tp == 1:
+        styles = {}
+    for path, style in styles.items():
+        l = layers[path]
+        placements = _param_placements(l, style, tp)
+        bad = _indivisible(l, style, tp, result, path)
+        if bad:
+            if path in user_keys:
+                raise ParallelizeError(bad)
+            result.notes.append(bad + " -> replicated")
+            continue
+        result.styles[path] = style
+        for name, pl in placements.items():
+            prev = result.params.get(name)
+            if prev is not None and prev != pl:
+                raise ParallelizeError(
+                    f"parameter {name} is used by two layers that split it differently ({prev} and {pl}); "
+                    "give both the same style in the plan (a tied embedding and LM head: 'vocab' and 'colwise')")
+            result.params[name] = pl
+    _resolve_tied(result, layers, user_keys)
+    return result
+
+
+def _param_placements(l: Layer, style: Style, tp: int) -> dict[str, Placement]:
+    if isinstance(style, Replicated):
+        return {}
+    if isinstance(style, VocabParallel):
+        if l.kind != "embedding":
+            raise ParallelizeError(f"{l.path} is a linear; 'vocab' applies to embeddings")
+        return {l.weight: Shard(0)}
+    if l.kind == "embedding":
+        if isinstance(style, Colwise):   # split the embedding dim
+            return {l.weight: Shard(1)}
+        raise ParallelizeError(f"{l.path} is an embedding: use 'vocab', 'colwise' or 'replicate'")
+    k = 1
+    if isinstance(style, Colwise):
+        k = _interleave(l, tp)
+        out = {l.weight: Shard(0 if l.layout == "out_in" else 1, k)}
+        if l.bias:
+            out[l.bias] = Shard(0, k)
+        return out
+    out = {l.weight: Shard(1 if l.layout == "out_in" else 0)}
+    if l.bias:
+        out[l.bias] = REPLICATE
+    return out
+
+
+def _indivisible(l: Layer, style: Style, tp: int, result: TPPlan, path: str) -> str | None:
+    if isinstance(style, Replicated):
+        return None
+    if isinstance(style, Colwise) and l.kind == "linear":
+        k = _interleave(l, tp)
+        result.interleave[path] = k
+        if l.out_features % (tp * k):
+            return (f"{path} ({l.weight}, {l.out_features} output features"
+                    + (f" in {k} fused parts" if k > 1 else "") + f") cannot be split colwise over tp={tp}: "
+                    f"{l.out_features} is not divisible by {tp * k}; choose a tp that divides it")
+    if isinstance(style, Rowwise) and l.in_features % tp:
+        return (f"{path} ({l.weight}, {l.in_features} input features) cannot be split rowwise over tp={tp}; "
+                "choose a tp that divides it")
+    if isinstance(style, VocabParallel) and l.in_features % tp:
+        return (f"{path} ({l.weight}, vocabulary {l.in_features}) cannot be split over tp={tp}: pad the "
+                f"vocabulary to a multiple of {tp} (Megatron pads to a multiple of 128*tp)")
+    return None
+
+
+def _resolve_tied(result: TPPlan, layers: dict[str, Layer], user_keys: set[str]) -> None:
+    """A weight shared by two layers (tied embedding and LM head) must be split the same way in
+    both; the automatic plan replicates both rather than fail."""
+    uses: dict[str, list[str]] = {}
+    for path, l in layers.items():
+        uses.setdefault(l.weight, []).append(path)
+    for weight, paths in uses.items():
+        if len(paths) < 2 or weight not in result.params:
+            continue
+        planned = [p for p in paths if p in result.styles]
+        if len(planned) == len(paths):
+            continue
+        missing = [p for p in paths if p not in result.styles]
+        if any(p in user_keys for p in paths):
+            raise ParallelizeError(f"{weight} is shared by {', '.join(paths)}; the plan splits it in "
+                                   f"{', '.join(planned)} but not in {', '.join(missing)}: plan them together")
+        for p in planned:
+            del result.styles[p]
+        for name in [layers[p].weight for p in paths] + [layers[p].bias for p in paths if layers[p].bias]:
+            result.params.pop(name, None)
+        result.notes.append(f"{weight} is shared by {', '.join(paths)} which cannot all be split -> replicated")

@@ -1,0 +1,101 @@
+"""Runtime: the sharded layout of one tensor dim over the ranks of a group (pure tensor math).
+
+A dim of full size F sharded over `world` ranks with interleave k is viewed as k equal blocks
+of F/k (a fused [q|k|v] projection has k=3). Rank r holds, for every block, the r-th of
+`world` equal slices of that block, concatenated in block order. With k=1 this is Megatron's
+plain split (rank r holds [r*F/world, (r+1)*F/world)); with k>1 it is what Megatron's
+`partition_stride` gives a fused projection, so that splitting a rank's piece into k equal
+parts yields whole heads of each of q, k and v.
+
+Example, F=12, k=3, world=2 (elements named by their index):
+
+    full    [0 1 2 3 | 4 5 6 7 | 8 9 10 11]       three blocks of 4
+    rank 0  [0 1 | 4 5 | 8 9]                    first half of every block
+    rank 1  [2 3 | 6 7 | 10 11]                   second half of every block
+
+No communication happens here; `fxtron.runtime.collectives` moves the pieces between ranks.
+"""
+from __future__ import annotations
+
+import torch
+
+from fxtron.errors import ParallelizeError
+
+
+def check_divisible(size: int, world: int, interleave: int, what: str) -> None:
+    """Raise ParallelizeError unless a dim of `size` can be sharded over `world` ranks with
+    `interleave` blocks, i.e. unless size % (interleave * world) == 0.
+
+    `what` names the dim in the message (e.g. "weight of 'mlp.fc1' dim 0"); the message says
+    what to change: the size, the tp size, or the interleave.
+    """
+    if world < 1 or interleave < 1:
+        raise ParallelizeError(f"{what}: world ({world}) and interleave ({interleave}) must be >= 1")
+    unit = world * interleave
+    if size % unit == 0:
+        return
+    if interleave == 1:
+        raise ParallelizeError(
+            f"{what}: size {size} cannot be split over {world} tensor-parallel ranks (not divisible "
+            f"by {world}); make the size a multiple of {world} (pad it, e.g. the vocabulary) or use a "
+            f"tp size that divides {size}")
+    hint = (f"use a tp size that divides {size // interleave} (each of the {interleave} blocks has "
+            f"{size // interleave})" if size % interleave == 0 else
+            f"the size is not even divisible by its {interleave} fused blocks; check the interleave")
+    raise ParallelizeError(
+        f"{what}: size {size} viewed as {interleave} interleaved blocks cannot be split over "
+        f"{world} tensor-parallel ranks ({interleave} x {world} = {unit} does not divide {size}); "
+        f"make the size a multiple of {unit} or {hint}")
+
+
+def _norm_dim(dim: int, ndim: int) -> int:
+    if not -ndim <= dim < max(ndim, 1):
+        raise IndexError(f"dim {dim} is out of range for a tensor with {ndim} dims")
+    return dim % ndim if ndim else 0
+
+
+def shard(full: torch.Tensor, dim: int, world: int, rank: int, interleave: int = 1) -> torch.Tensor:
+    """This rank's piece of `full` along `dim`: a new contiguous tensor (never a view).
+
+    In: the full tensor, the dim (negative counts from the end), the number of ranks, this
+    rank's index in [0, world), and the interleave k. Out: a tensor equal to `full` except that
+    `dim` has size F/world and holds the r-th slice of every one of the k blocks (see the
+    module docstring: F=12, k=3, world=2, rank=0 -> elements [0,1,4,5,8,9]).
+    Raises ParallelizeError when F is not divisible by k*world.
+    """
+    dim = _norm_dim(dim, full.dim())
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in [0, {world})")
+    size = full.shape[dim]
+    check_divisible(size, world, interleave, f"dim {dim} of a tensor of shape {tuple(full.shape)}")
+    part = size // (interleave * world)
+    piece = full.unflatten(dim, (interleave, world, part)).select(dim + 1, rank)  # [..., k, part, ...]
+    return piece.flatten(dim, dim + 1).clone(memory_format=torch.contiguous_format)
+
+
+def unshard(pieces: list[torch.Tensor], dim: int, interleave: int = 1) -> torch.Tensor:
+    """The full tensor from every rank's piece: the inverse of `shard`.
+
+    In: the pieces in rank order (equal shapes; each one's `dim` is k*part), the dim and the
+    interleave k they were sharded with. Out: a new tensor whose `dim` is len(pieces) times
+    larger, laid out as k blocks, block b being the concatenation over ranks of each piece's
+    b-th part. E.g. pieces [0,1,4,5,8,9] and [2,3,6,7,10,11] with k=3 give [0..11].
+    """
+    if not pieces:
+        raise ValueError("unshard needs at least one piece")
+    shape = pieces[0].shape
+    for i, p in enumerate(pieces):
+        if p.shape != shape:
+            raise ValueError(f"piece {i} has shape {tuple(p.shape)}, piece 0 has {tuple(shape)}; "
+                             f"all pieces of one tensor have the same shape")
+    dim = _norm_dim(dim, len(shape))
+    local = shape[dim]
+    if interleave < 1 or local % interleave:
+        raise ValueError(f"a piece's dim {dim} has size {local}, not divisible by interleave {interleave}")
+    part = local // interleave
+    blocks = [p.unflatten(dim, (interleave, part)) for p in pieces]   # [..., k, part, ...]
+    full = torch.stack(blocks, dim=dim + 1)                           # [..., k, world, part, ...]
+    return full.flatten(dim, dim + 2).contiguous()
+
+
+__all__ = ["check_divisible", "shard", "unshard"]
