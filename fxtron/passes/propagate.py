@@ -58,6 +58,10 @@ def _expr(s) -> sympy.Expr:
     return sympy.sympify(s.node.expr) if isinstance(s, torch.SymInt) else sympy.Integer(int(s))
 
 
+def _is_zero(s) -> bool:
+    return not isinstance(s, torch.SymInt) and int(s) == 0
+
+
 def _is_one(s) -> bool:
     return not isinstance(s, torch.SymInt) and int(s) == 1
 
@@ -304,9 +308,11 @@ def _cat(c: _Ctx):
     if all(p.is_partial() for p in ps):
         return PARTIAL, [None] * len(ps)
     first = next((p for p in ps if isinstance(p, Shard)), None)
+    # legacy cat skips 1-d empty tensors (an empty cache, say): they need no placement
+    empty = [a.meta["val"].dim() == 1 and _is_zero(a.meta["val"].shape[0]) for a in c.inputs]
     if first is not None and first.dim != dim and node.target == aten.cat.default:
-        return first, [first] * len(ps)
-    return REPLICATE, [REPLICATE] * len(ps)
+        return first, [None if e else first for e in empty]
+    return REPLICATE, [None if e else REPLICATE for e in empty]
 
 
 def _repeat_interleave(c: _Ctx):

@@ -1,0 +1,50 @@
+"""Models for the tensor-parallel tests: the shipped GPT and Llama, and transformers' GPT-2
+and Llama, all tiny, with head counts that divide tp=4. `make(name)` is deterministic."""
+from __future__ import annotations
+
+import torch
+
+from fxtron.models import build
+from fxtron.models.llama import Llama, LlamaConfig
+
+VOCAB = {"gpt": 256, "llama": 256, "hf-gpt2": 128, "hf-llama": 128}
+NAMES = list(VOCAB)
+
+
+def make(name: str, dropout: float = 0.0) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if name == "gpt":
+        return build("gpt-tiny", seed=0) if dropout == 0 else _gpt_dropout(dropout)
+    if name == "llama":
+        return Llama(LlamaConfig(vocab_size=256, max_seq_len=64, n_layer=2, n_head=8, n_kv_head=4,
+                                 dim=64, ffn_dim=96, dropout=dropout))
+    import transformers
+    if name == "hf-gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=4, resid_pdrop=dropout,
+            embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0, eos_token_id=0))
+    if name == "hf-llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64))
+    raise KeyError(name)
+
+
+def _gpt_dropout(p: float):
+    from fxtron.models.gpt import GPT, GPTConfig
+    return GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64, dropout=p))
+
+
+def batch(name: str, b: int, s: int, seed: int) -> dict | tuple:
+    """(args, kwargs) of one global batch: shipped models take (idx, targets), transformers'
+    take input_ids= and labels= (they shift the labels themselves)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB[name], (b, s + 1), generator=g)
+    if name.startswith("hf-"):
+        return (), {"input_ids": ids[:, :-1].clone(), "labels": ids[:, :-1].clone()}
+    return (ids[:, :-1].clone(), ids[:, 1:].clone()), {}
+
+
+def loss_of(model, args, kwargs) -> torch.Tensor:
+    out = model(*args, **kwargs)
+    return out if isinstance(out, torch.Tensor) else out.loss
