@@ -14,7 +14,9 @@ import torch
 import torch.fx as fx
 from tabulate import tabulate
 
-from fxtron.compiler import pipeline
+import sympy
+
+from fxtron.compiler import pipeline, report
 from fxtron.compiler.show import format_graph
 from fxtron.compiler.trace import info, trace
 from fxtron.errors import ParallelizeError
@@ -98,22 +100,47 @@ class ParallelModel:
         rg = self.compiled(rank)
         return format_graph(rg.gm, title=f"# {self.mesh.describe(rank)}")
 
-    def summary(self) -> str:
-        """Per rank: coordinates, local parameters and bytes, gradient sync per step."""
-        rows = []
+    def collectives(self, rank: int = 0) -> list[report.CollectiveRecord]:
+        """Every tensor-parallel collective rank issues per step (forward and backward), with
+        its group, local shape and bytes as formulas in B and S; `str()` of
+        `report.format_collectives(...)` prints them as a table."""
+        return report.collectives(self.compiled(rank).gm, self.mesh, rank)
+
+    def summary(self, *, batch: int | None = None, seq: int | None = None) -> str:
+        """Per rank: coordinates, local parameters and bytes, tensor-parallel collectives and
+        the bytes they move per step (formula in B and S, evaluated when batch and seq are
+        given), and the data-parallel gradient sync. Ranks that differ only in their dp
+        coordinate compile to the same program and are shown once."""
+        rows, seen = [], set()
+        dp = self.mesh.dp
         for rank in range(self.mesh.world_size):
+            c = self.mesh.coords(rank)
+            if (c["tp"], c["pp"], c["cp"]) in seen:
+                continue
+            seen.add((c["tp"], c["pp"], c["cp"]))
             rg = self.compiled(rank)
-            n, nbytes = rg.param_count, rg.param_bytes
-            dp = self.mesh.dp
-            wire = 2 * (dp - 1) / dp * nbytes  # ring all-reduce of fp32 gradients
-            rows.append([rank, self.mesh.describe(rank).split(": ", 1)[1], f"{n:,}", _fmt_bytes(nbytes),
-                         f"all-reduce {_fmt_bytes(nbytes)} over dp={dp}" if dp > 1 else "-",
-                         _fmt_bytes(wire)])
+            recs = report.collectives(rg.gm, self.mesh, rank)
+            tp_wire = sum((r.wire_bytes for r in recs), sympy.Integer(0))
+            if batch is not None and seq is not None:
+                tp_wire = _fmt_bytes(int(sum(r.evaluate(batch, seq)[1] for r in recs)))
+            grad_bytes = rg.param_bytes
+            dp_wire = 2 * (dp - 1) / dp * grad_bytes  # ring all-reduce of the gradients
+            rows.append([rank, self.mesh.describe(rank).split(": ", 1)[1], f"{rg.param_count:,}",
+                         _fmt_bytes(rg.param_bytes),
+                         f"{report.count(recs, 'all_reduce')} AR, {report.count(recs, 'all_gather')} AG, "
+                         f"{report.count(recs, 'reduce_scatter')} RS", str(tp_wire),
+                         _fmt_bytes(dp_wire) if dp > 1 else "-"])
         head = (f"{type(self.model).__name__} on {self.mesh}\n"
                 f"parameters {sum(p.numel() for p in self.model.parameters()):,} "
                 f"({len(info(self.traced).params)} tensors), graph nodes {len(self.traced.graph.nodes)}")
+        plan = self.compiled(0).plan
+        if plan is not None:
+            head += "\nplan: " + ", ".join(f"{p}={s}" for p, s, _ in plan.table() if s != "replicate")
+            if plan.notes:
+                head += "\nnotes: " + "; ".join(plan.notes)
         return head + "\n" + tabulate(rows, headers=["rank", "coords", "params", "param bytes",
-                                                      "grad sync / step", "sent / step"])
+                                                      "tp collectives / step", "tp wire bytes / step",
+                                                      "dp grad sync sent / step"])
 
     # ------------------------------------------------------------ running
     def program(self, rank: int, groups: G.ProcessGroups | None = None) -> Program:

@@ -99,8 +99,10 @@ class _WithLoss(torch.nn.Module):
 
 
 def _dynamic_shapes(tensors: list[torch.Tensor], batch_dim: int, seq_dim: int | None):
-    """One shared Dim for the batch dim and one for the sequence dim of every input."""
-    b, s = Dim("batch"), Dim("seq")
+    """Dynamic batch and sequence dims of every input. Dim.AUTO lets export infer the ranges
+    (a learned position table bounds the sequence) in one trace, where named Dims would fail
+    and need a second; every batch symbol reads as B and every sequence symbol as S."""
+    b = s = Dim.AUTO
     shapes, dims = [], []
     for x in tensors:
         roles: list[str | None] = [None] * x.dim()

@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 from fxtron.compiler import meta
 from fxtron.errors import ParallelizeError
 from fxtron.passes.placement import PARTIAL, REPLICATE, Partial, Replicate, Shard
-from fxtron.passes.propagate import _is_tensor
+from fxtron.passes.propagate import _PARTIAL_THROUGH, _is_tensor
 
 aten = torch.ops.aten
 TP_GROUP = "tp"   # replaced by the real process group's name when a program is built
@@ -55,7 +55,8 @@ class _Emitter:
         self.g, self.tp, self.tp_rank = graph, tp, tp_rank
         self.cache: dict[tuple, fx.Node] = {}
 
-    def call(self, target, args, like: fx.Node, placement, reason: str, kwargs=None) -> fx.Node:
+    def call(self, target, args, like: fx.Node, placement, reason: str, kwargs=None,
+             module_of: fx.Node | None = None) -> fx.Node:
         n = self.g.call_function(target, tuple(args), kwargs or {})
         val = like.meta.get("val")
         if val is not None:
@@ -63,7 +64,7 @@ class _Emitter:
         for k in ("nn_module_stack", "stack_trace"):
             if k in like.meta:
                 n.meta[k] = like.meta[k]
-        meta.set(n, meta.MODULE, meta.get(like, meta.MODULE) or "")
+        meta.set(n, meta.MODULE, meta.get(module_of or like, meta.MODULE) or "")
         meta.set(n, meta.PLACEMENT, placement)
         meta.set(n, meta.PROVENANCE, meta.Provenance("insert_collectives", reason))
         return n
@@ -74,9 +75,12 @@ class _Emitter:
             return self.cache[key]
         ops = _fx()
         why = f"%{src.name} {have} -> {want} for %{consumer.name}"
+        origin = src   # a partial sum belongs to the layer that made it, not to the cast after it
+        while isinstance(have, Partial) and origin.op == "call_function" and origin.target in _PARTIAL_THROUGH:
+            origin = origin.args[0]
         tp, g = self.tp, TP_GROUP
         if isinstance(have, Partial) and isinstance(want, Replicate):
-            out = self.call(ops.all_reduce.default, (value, g), src, want, why)
+            out = self.call(ops.all_reduce.default, (value, g), src, want, why, module_of=origin)
         elif isinstance(have, Replicate) and isinstance(want, Shard):
             out = self.call(ops.scatter.default, (value, want.dim, want.interleave, tp, g), src, want, why)
         elif isinstance(have, Shard) and isinstance(want, Replicate):
@@ -98,7 +102,8 @@ class _Emitter:
         key = (src, "f")
         if key not in self.cache:
             self.cache[key] = self.call(_fx().copy_to_region.default, (value, TP_GROUP), src, REPLICATE,
-                                        f"%{src.name} enters a tensor-parallel region (all-reduce its gradient)")
+                                        f"%{src.name} enters a tensor-parallel region (all-reduce its gradient)",
+                                        module_of=consumer)
         return self.cache[key]
 
 

@@ -1,0 +1,388 @@
+"""Tensor-parallel benchmarks (CPU, gloo).
+
+    .venv/bin/python -m pytest benchmarks/bench_tp.py --benchmark-only      # ~2-3 min on 2 cores
+
+1. Training-step time, tp=2 (test_train_step). One Llama-style model (TRAIN_CFG: hidden 256,
+   4 layers, 8 query heads / 4 key-value heads, SwiGLU ffn 688, vocab 256), global batch
+   8 x 128 tokens, AdamW, trained three ways in ONE job of 2 gloo processes with one torch
+   thread each:
+     fxtron_tp2      fxtron.parallelize(model, Mesh(2, tp=2)) -> program(rank).train_step
+     dtensor_tp2     torch.distributed.tensor.parallel.parallelize_module over
+                     init_device_mesh("cpu", (2,)): ColwiseParallel wq/wk/wv/w1/w3,
+                     RowwiseParallel wo/w2; embeddings, norms and the output head replicated
+     single_process  the unmodified model in rank 0's process (1 thread) while rank 1 waits
+                     in a barrier (a blocked gloo barrier uses no CPU)
+   All three start from the same weights and see the same batches in the same order; their
+   timed blocks are interleaved (rounds x steps per round, order rotating each round) so
+   that load from other work on the machine falls on all three alike. Each step is timed
+   with time.perf_counter on rank 0. pytest-benchmark's table shows these per-step times
+   (the test "times" a no-op under a timer that replays the worker's measurements, so
+   min/median/stddev are the real per-step figures); extra_info holds the medians, the
+   ratios ("ratio_vs_single_process", "ratio_vs_dtensor") and the issue's targets (fxtron
+   <= 0.5x DTensor, <= 0.75x one process), which are reported, never asserted. The first
+   and last losses of the three are checked to agree, so every baseline trains the same
+   model.
+
+   DTensor note: the shipped Attention views to heads with the configured head count
+   (`view(B, T, self.n_head, hd)`), which fails on the local half of a ColwiseParallel
+   output. dtensor_tp2 therefore runs `LocalHeadsAttention` below: the same module and
+   parameters with the head count read from the local tensor's shape (view(B, T, -1, hd));
+   the math is unchanged.
+
+2. Compile time against depth (test_compile_time): fxtron.parallelize(Llama(n_layer=L)) built
+   on the meta device (COMPILE_CFG: hidden 64), Mesh(2, tp=2), then pm.compiled(0) (rank 0's
+   compilation) and pm.graph(0) (its printed graph), for L in 2, 4, 8, 16, 32. Reported
+   separately: trace (parallelize = torch.export + checks), per-rank compile, graph
+   rendering; the end-of-run table adds the per-layer slopes (least squares) and the figure
+   at 32 layers. One warm-up trace runs first (the first torch.export in a process pays for
+   imports and caches).
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fxtron
+from fxtron.models.llama import Attention, Llama, LlamaConfig, apply_rotary
+
+# ---------------------------------------------------------------- configuration
+TRAIN_CFG = LlamaConfig(vocab_size=256, max_seq_len=128, n_layer=4, n_head=8, n_kv_head=4,
+                        dim=256, ffn_dim=688)
+BATCH, SEQ = 8, 128
+N_BATCHES = 4                 # distinct global batches, cycled
+WARMUP_STEPS = 3              # per system, untimed
+ROUNDS, STEPS_PER_ROUND = 6, 4  # timed steps per system = ROUNDS * STEPS_PER_ROUND
+LR = 1e-3
+TARGETS = {"fxtron_tp2": "<= 0.5x dtensor_tp2, <= 0.75x single_process"}
+SYSTEMS = ["fxtron_tp2", "dtensor_tp2", "single_process"]
+
+COMPILE_LAYERS = [2, 4, 8, 16, 32]
+COMPILE_ROUNDS = {2: 3, 4: 3, 8: 2, 16: 1, 32: 1}
+
+
+def compile_cfg(n_layer: int) -> LlamaConfig:
+    return LlamaConfig(vocab_size=256, max_seq_len=64, n_layer=n_layer, n_head=4, n_kv_head=2,
+                       dim=64, ffn_dim=172)
+
+
+def _cfg_str(cfg: LlamaConfig) -> str:
+    return (f"Llama L={cfg.n_layer} dim={cfg.dim} heads={cfg.n_head}/{cfg.n_kv_head}kv "
+            f"ffn={cfg.ffn_dim} vocab={cfg.vocab_size}")
+
+
+# ---------------------------------------------------------------- models
+class LocalHeadsAttention(Attention):
+    """Attention with the head count taken from the (possibly tensor-parallel local) shape:
+    the same parameters and math as fxtron.models.llama.Attention, usable under DTensor TP
+    where wq/wk/wv return this rank's heads only."""
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        hd = self.head_dim
+        q = self.wq(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nh_local, T, hd)
+        k = self.wk(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nkv_local, T, hd)
+        v = self.wv(x).view(B, T, -1, hd).transpose(1, 2)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1:
+            k = k.repeat_interleave(n_rep, dim=1)
+            v = v.repeat_interleave(n_rep, dim=1)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, nh_local * hd)
+        return self.resid_drop(self.wo(y))
+
+
+def make_model(cfg: LlamaConfig = TRAIN_CFG) -> Llama:
+    torch.manual_seed(0)
+    return Llama(cfg)
+
+
+def make_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    out = []
+    for i in range(N_BATCHES):
+        g = torch.Generator().manual_seed(100 + i)
+        ids = torch.randint(0, TRAIN_CFG.vocab_size, (BATCH, SEQ + 1), generator=g)
+        out.append((ids[:, :-1].clone(), ids[:, 1:].clone()))
+    return out
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=LR)
+
+
+# ---------------------------------------------------------------- the training job (per rank)
+def _setup_fxtron(rank: int, mesh: fxtron.Mesh, example):
+    t0 = time.perf_counter()
+    pm = fxtron.parallelize(make_model(), mesh, example_inputs=example)
+    prog = pm.program(rank)
+    compile_s = time.perf_counter() - t0
+    opt = _adamw(prog.parameters())
+    return (lambda b: prog.train_step(b, opt)), compile_s
+
+
+def _setup_dtensor(rank: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    t0 = time.perf_counter()
+    model = make_model()
+    for layer in model.layers:
+        layer.attn.__class__ = LocalHeadsAttention  # same parameters, heads from the local shape
+    dmesh = init_device_mesh("cpu", (2,))
+    plan = {}
+    for i in range(len(model.layers)):
+        for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3"):
+            plan[f"layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("attn.wo", "mlp.w2"):
+            plan[f"layers.{i}.{name}"] = RowwiseParallel()
+    parallelize_module(model, dmesh, plan)
+    setup_s = time.perf_counter() - t0
+    opt = _adamw(model.parameters())
+
+    def step(b):
+        opt.zero_grad(set_to_none=True)
+        loss = model(*b)
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+    return step, setup_s
+
+
+def _setup_single():
+    model = make_model()
+    opt = _adamw(model.parameters())
+
+    def step(b):
+        opt.zero_grad(set_to_none=True)
+        loss = model(*b)
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+    return step
+
+
+def _train_job(rank: int, mesh: fxtron.Mesh) -> dict:
+    """Runs in each of the 2 processes (1 torch thread). Returns rank 0's per-step times and
+    losses for every system (rank 1 returns its own, unused)."""
+    batches = make_batches()
+    runners, setup = {}, {}
+    runners["fxtron_tp2"], setup["fxtron_tp2"] = _setup_fxtron(rank, mesh, batches[0])
+    runners["dtensor_tp2"], setup["dtensor_tp2"] = _setup_dtensor(rank)
+    if rank == 0:
+        runners["single_process"] = _setup_single()
+    steps = {s: 0 for s in SYSTEMS}
+    losses = {s: [] for s in SYSTEMS}
+    times = {s: [] for s in SYSTEMS}
+    cpu_waiting = []  # rank 1's CPU seconds while blocked in the barrier during single_process
+
+    def run_block(system: str, n: int, timed: bool) -> None:
+        dist.barrier()
+        if system not in runners:  # rank 1 during single_process: wait for rank 0
+            c0 = time.process_time()
+            dist.barrier()
+            cpu_waiting.append(time.process_time() - c0)
+            return
+        for _ in range(n):
+            b = batches[steps[system] % N_BATCHES]
+            t0 = time.perf_counter()
+            loss = runners[system](b)
+            dt = time.perf_counter() - t0
+            steps[system] += 1
+            losses[system].append(loss)
+            if timed:
+                times[system].append(dt)
+        if system == "single_process":
+            dist.barrier()
+
+    for system in SYSTEMS:
+        run_block(system, WARMUP_STEPS, timed=False)
+    for r in range(ROUNDS):
+        order = SYSTEMS[r % len(SYSTEMS):] + SYSTEMS[:r % len(SYSTEMS)]
+        for system in order:
+            run_block(system, STEPS_PER_ROUND, timed=True)
+    dist.barrier()
+    return {"times": times, "losses": losses, "setup_s": setup, "threads": torch.get_num_threads(),
+            "cpu_waiting_s": sum(cpu_waiting)}
+
+
+# ---------------------------------------------------------------- pytest-benchmark glue
+class _ReplayTimer:
+    """A pytest-benchmark timer that replays durations measured elsewhere: each round's
+    end-minus-start equals the next recorded duration, so the fixture's statistics are those
+    of the worker-measured steps."""
+
+    __name__ = "replayed_worker_step_times"
+
+    def __init__(self):
+        self._durations: list[float] = []
+        self._clock = 0.0
+        self._at_start = True
+
+    def load(self, durations: list[float]) -> None:
+        self._durations = list(durations)
+        self._at_start = True
+
+    def __call__(self) -> float:
+        if not self._at_start and self._durations:
+            self._clock += self._durations.pop(0)
+        self._at_start = not self._at_start
+        return self._clock
+
+
+REPLAY = _ReplayTimer()
+
+
+def _noop():
+    return None
+
+
+# ---------------------------------------------------------------- 1. training step
+@pytest.fixture(scope="module")
+def train_results():
+    mesh = fxtron.Mesh(2, tp=2)
+    t0 = time.perf_counter()
+    res = fxtron.launch(_train_job, mesh, args=(mesh,), backend="gloo", timeout_s=600,
+                        collective_timeout_s=300, threads_per_rank=1)
+    out = res[0]
+    out["job_s"] = time.perf_counter() - t0
+    out["median"] = {s: statistics.median(out["times"][s]) for s in SYSTEMS}
+    return out
+
+
+@pytest.mark.benchmark(group="tp2 train step (worker-measured)", timer=REPLAY)
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_train_step(benchmark, train_results, bench_report, system):
+    times = train_results["times"][system]
+    med = train_results["median"]
+    losses = train_results["losses"]
+    # Every baseline trains the same model: same first loss, and the same loss after all steps.
+    ref = losses["single_process"]
+    assert len(losses[system]) == len(ref)
+    assert abs(losses[system][0] - ref[0]) < 1e-4, (system, losses[system][0], ref[0])
+    assert abs(losses[system][-1] - ref[-1]) < 1e-2, (system, losses[system][-1], ref[-1])
+
+    REPLAY.load(times)
+    benchmark.pedantic(_noop, rounds=len(times), iterations=1)
+    q = statistics.quantiles(times, n=4)
+    info = {
+        "model": _cfg_str(TRAIN_CFG), "batch": f"{BATCH}x{SEQ}", "processes": 1 if system == "single_process" else 2,
+        "threads_per_process": train_results["threads"], "timed_steps": len(times),
+        "median_step_s": med[system], "iqr_s": q[2] - q[0],
+        "ratio_vs_single_process": med[system] / med["single_process"],
+        "ratio_vs_dtensor": med[system] / med["dtensor_tp2"],
+        "loss_first": losses[system][0], "loss_last": losses[system][-1],
+        "loss_last_diff_vs_single": abs(losses[system][-1] - ref[-1]),
+    }
+    if system in train_results["setup_s"]:
+        info["setup_s"] = train_results["setup_s"][system]
+    if system == "fxtron_tp2":
+        info["target"] = TARGETS[system]
+        info["meets_target_vs_dtensor"] = info["ratio_vs_dtensor"] <= 0.5
+        info["meets_target_vs_single_process"] = info["ratio_vs_single_process"] <= 0.75
+    benchmark.extra_info.update(info)
+
+    section = bench_report.setdefault("tensor parallel training step (tp=2, gloo, 1 thread/process)", {
+        "headers": ["system", "median step ms", "IQR ms", "min ms", "vs single process",
+                    "vs DTensor tp=2", "target", "setup s", "last loss"],
+        "rows": [],
+        "notes": [f"model: {_cfg_str(TRAIN_CFG)}; batch {BATCH}x{SEQ}; AdamW; "
+                  f"{WARMUP_STEPS} warm-up + {ROUNDS}x{STEPS_PER_ROUND} timed steps per system, interleaved; "
+                  f"rank 0's perf_counter per step; job wall time {train_results['job_s']:.1f} s; "
+                  f"rank 1 CPU while waiting in the barrier: {train_results['cpu_waiting_s']:.3f} s",
+                  "targets (issue): fxtron_tp2 <= 0.5x dtensor_tp2 and <= 0.75x single_process; reported, not asserted"],
+    })
+    target = ""
+    if system == "fxtron_tp2":
+        target = (f"{'met' if info['meets_target_vs_dtensor'] else 'MISSED'} (<=0.5x DT), "
+                  f"{'met' if info['meets_target_vs_single_process'] else 'MISSED'} (<=0.75x 1p)")
+    section["rows"].append([system, f"{1e3 * med[system]:.1f}", f"{1e3 * info['iqr_s']:.1f}",
+                            f"{1e3 * min(times):.1f}", f"{info['ratio_vs_single_process']:.3f}x",
+                            f"{info['ratio_vs_dtensor']:.3f}x", target,
+                            f"{info['setup_s']:.2f}" if "setup_s" in info else "-",
+                            f"{info['loss_last']:.5f}"])
+
+
+# ---------------------------------------------------------------- 2. compile time vs depth
+def _meta_model_and_inputs(n_layer: int):
+    with torch.device("meta"):
+        model = Llama(compile_cfg(n_layer))
+        idx = torch.zeros(2, 16, dtype=torch.long)
+    return model, (idx, idx.clone())
+
+
+@pytest.fixture(scope="module")
+def compile_warm():
+    model, inputs = _meta_model_and_inputs(1)
+    t0 = time.perf_counter()
+    fxtron.parallelize(model, fxtron.Mesh(2, tp=2), example_inputs=inputs).graph(0)
+    return time.perf_counter() - t0
+
+
+def _compile_finalize(section: dict) -> None:
+    data = section.pop("data")
+    if len(data) < 2:
+        return
+    layers = sorted(data)
+
+    def slope(key):
+        xs = [L for L in layers]
+        ys = [data[L][key] for L in layers]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        return b, my - b * mx
+
+    fits = {k: slope(k) for k in ("trace_s", "compile_s", "graph_s", "total_s")}
+    section["rows"].append(["slope per layer"] + [f"{1e3 * fits[k][0]:.1f} ms" for k in
+                                                   ("trace_s", "compile_s", "graph_s", "total_s")] + [""])
+    section["rows"].append(["intercept"] + [f"{fits[k][1]:.2f} s" for k in
+                                            ("trace_s", "compile_s", "graph_s", "total_s")] + [""])
+    if 32 in data:
+        d = data[32]
+        section["notes"].append(f"32 layers: trace {d['trace_s']:.2f} s + rank-0 compile {d['compile_s']:.2f} s "
+                                f"+ graph render {d['graph_s']:.2f} s = {d['total_s']:.2f} s")
+
+
+@pytest.mark.benchmark(group="tp2 compile vs depth")
+@pytest.mark.parametrize("n_layer", COMPILE_LAYERS)
+def test_compile_time(benchmark, compile_warm, bench_report, n_layer):
+    parts = []
+
+    def setup():
+        return _meta_model_and_inputs(n_layer), {}
+
+    def compile_once(model, inputs):
+        t0 = time.perf_counter()
+        pm = fxtron.parallelize(model, fxtron.Mesh(2, tp=2), example_inputs=inputs)
+        t1 = time.perf_counter()
+        pm.compiled(0)
+        t2 = time.perf_counter()
+        text = pm.graph(0)
+        t3 = time.perf_counter()
+        parts.append({"trace_s": t1 - t0, "compile_s": t2 - t1, "graph_s": t3 - t2, "total_s": t3 - t0,
+                      "traced_nodes": len(pm.traced.graph.nodes), "rank_nodes": len(pm.compiled(0).gm.graph.nodes),
+                      "graph_chars": len(text)})
+
+    benchmark.pedantic(compile_once, setup=setup, rounds=COMPILE_ROUNDS[n_layer])
+    med = {k: statistics.median(p[k] for p in parts) for k in ("trace_s", "compile_s", "graph_s", "total_s")}
+    benchmark.extra_info.update({"model": _cfg_str(compile_cfg(n_layer)) + " (meta)", "n_layer": n_layer,
+                                 "rounds": len(parts), **{f"median_{k}": v for k, v in med.items()},
+                                 "traced_nodes": parts[0]["traced_nodes"], "rank0_nodes": parts[0]["rank_nodes"],
+                                 "warmup_trace_s": compile_warm})
+
+    section = bench_report.setdefault("compile time vs depth (tp=2, meta device)", {
+        "headers": ["layers", "trace (parallelize)", "rank-0 compile", "graph(0) render", "total", "rounds"],
+        "rows": [], "data": {}, "finalize": _compile_finalize,
+        "notes": [f"model: {_cfg_str(compile_cfg(0)).replace('L=0 ', '')}, built on meta; medians over rounds; "
+                  f"a warm-up trace (1 layer, {compile_warm:.2f} s) ran first"],
+    })
+    section["data"][n_layer] = med
+    section["rows"].append([str(n_layer), f"{med['trace_s']:.2f} s", f"{med['compile_s']:.3f} s",
+                            f"{med['graph_s']:.3f} s", f"{med['total_s']:.2f} s", str(len(parts))])

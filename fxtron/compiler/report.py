@@ -1,0 +1,111 @@
+"""Compiler: what a per-rank graph communicates — every collective with its group, shape and
+bytes per training step as sympy formulas in the batch and sequence symbols B and S.
+
+Bytes on the wire per rank follow the ring algorithms (nccl-tests' bus-bandwidth factors,
+../shared/PAPERS.md section 7): all-reduce 2(n-1)/n x S, all-gather and reduce-scatter
+(n-1)/n x S where S is the full (gathered / unreduced) tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.fx as fx
+from tabulate import tabulate
+
+from fxtron.compiler import meta
+from fxtron.mesh import Mesh
+from fxtron.runtime.collectives import COLLECTIVE_OPS
+
+_GROUP_ARG = "tp"
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    """One collective a rank issues per step: `node` in the per-rank graph, forward or
+    backward, its kind and count, its group (kind and global ranks), the local shape of the
+    tensor it carries, and the bytes of that tensor and on the wire (sympy in B, S)."""
+
+    node: str
+    op: str
+    phase: str
+    kind: str
+    count: int
+    group: str
+    ranks: tuple[int, ...]
+    shape: tuple
+    payload_bytes: sympy.Expr
+    wire_bytes: sympy.Expr
+    module: str
+
+    def evaluate(self, batch: int, seq: int) -> tuple[int, int]:
+        """(payload bytes, wire bytes) at a concrete batch and sequence length."""
+        from fxtron.compiler.trace import BATCH, SEQ
+        sub = {BATCH: batch, SEQ: seq}
+        return int(self.payload_bytes.subs(sub)), int(sympy.ceiling(self.wire_bytes.subs(sub)))
+
+
+def _numel(shape) -> sympy.Expr:
+    n = sympy.Integer(1)
+    for s in shape:
+        n *= s
+    return n
+
+
+def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRecord]:
+    """Every collective of the per-rank graph `gm`, forward and backward, in graph order."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not str(node.target).startswith("fxtron."):
+            continue
+        name = str(node.target).split(".")[1]
+        spec = COLLECTIVE_OPS.get(name)
+        if spec is None:
+            continue
+        ranks = tuple(mesh.group_of("tp", rank))
+        n = len(ranks)
+        for phase in ("forward", "backward"):
+            kind = spec[phase]
+            if kind is None:
+                continue
+            payload = spec.get(f"{phase}_payload")
+            src = node.args[0] if payload in ("input", "grad_input", "rows") else node
+            shape = meta.get(src, meta.LOCAL_SHAPE) or ()
+            if payload == "rows":
+                shape, itemsize = tuple(shape[:-1]), 4      # one float32 per logits row
+            elif payload in ("output", "grad_output") and kind == "all_gather":
+                shape = meta.get(node, meta.LOCAL_SHAPE)
+                itemsize = node.meta["val"].dtype.itemsize
+            else:
+                itemsize = src.meta["val"].dtype.itemsize
+            elems = _numel(shape)
+            nbytes = elems * itemsize
+            factor = sympy.Rational(2 * (n - 1), n) if kind == "all_reduce" else sympy.Rational(n - 1, n)
+            count = spec[f"{phase}_count"]
+            out.append(CollectiveRecord(
+                node=node.name, op=name, phase=phase, kind=kind, count=count, group="tp", ranks=ranks,
+                shape=tuple(shape), payload_bytes=sympy.simplify(count * nbytes),
+                wire_bytes=sympy.simplify(count * factor * nbytes), module=meta.get(node, meta.MODULE) or ""))
+    return out
+
+
+def format_collectives(records: list[CollectiveRecord], *, batch: int | None = None, seq: int | None = None) -> str:
+    rows = []
+    for r in records:
+        row = [r.node, f"{r.kind} x{r.count}" if r.count > 1 else r.kind, r.phase,
+               f"{r.group} {list(r.ranks)}", "(" + ", ".join(str(s) for s in r.shape) + ")",
+               str(r.payload_bytes), str(r.wire_bytes), r.module]
+        if batch is not None and seq is not None:
+            row.append(f"{r.evaluate(batch, seq)[1]:,}")
+        rows.append(row)
+    headers = ["node", "collective", "phase", "group", "local shape", "bytes", "wire bytes / rank", "module"]
+    if batch is not None and seq is not None:
+        headers.append(f"wire at B={batch}, S={seq}")
+    total = sympy.simplify(sum((r.wire_bytes for r in records), sympy.Integer(0)))
+    return tabulate(rows, headers=headers) + f"\n{len(records)} collectives per step; wire bytes per rank per step: {total}"
+
+
+def count(records: list[CollectiveRecord], kind: str, phase: str | None = None) -> int:
+    """How many collectives of `kind` (counting multi-collective ops like the cross entropy's 3)."""
+    return sum(r.count for r in records if r.kind == kind and (phase is None or r.phase == phase))

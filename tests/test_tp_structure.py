@@ -1,0 +1,186 @@
+"""Tensor parallel, compile-only (no processes): the plan found on the graph, the collectives
+per layer, placements and local shapes, user plans, and the errors a user can cause."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxtron
+from fxtron.compiler import meta
+from fxtron.compiler.report import count
+from fxtron.passes.plan import Colwise
+from fxtron.runtime import shard as shard_math
+from tp_models import batch, make
+
+
+def _pm(name, tp, **kw):
+    args, kwargs = batch(name, 2, 8, seed=0)
+    return fxtron.parallelize(make(name), fxtron.Mesh(tp, tp=tp), example_inputs=args, example_kwargs=kwargs, **kw)
+
+
+EXPECTED_PLAN = {
+    "gpt": {"wte": "vocab-parallel", "wpe": "replicate", "blocks.0.attn.qkv": "colwise",
+            "blocks.0.attn.proj": "rowwise", "blocks.0.mlp.fc1": "colwise", "blocks.0.mlp.fc2": "rowwise",
+            "lm_head": "colwise"},
+    "llama": {"tok_embeddings": "vocab-parallel", "layers.1.attn.wq": "colwise", "layers.1.attn.wk": "colwise",
+              "layers.1.attn.wv": "colwise", "layers.1.attn.wo": "rowwise", "layers.1.mlp.w1": "colwise",
+              "layers.1.mlp.w3": "colwise", "layers.1.mlp.w2": "rowwise", "output": "colwise"},
+    "hf-gpt2": {"transformer.wte": "vocab-parallel", "transformer.wpe": "replicate",
+                "transformer.h.0.attn.c_attn": "colwise", "transformer.h.0.attn.c_proj": "rowwise",
+                "transformer.h.0.mlp.c_fc": "colwise", "transformer.h.0.mlp.c_proj": "rowwise",
+                "lm_head": "colwise"},
+    "hf-llama": {"model.embed_tokens": "vocab-parallel", "model.layers.0.self_attn.q_proj": "colwise",
+                 "model.layers.0.self_attn.k_proj": "colwise", "model.layers.0.self_attn.v_proj": "colwise",
+                 "model.layers.0.self_attn.o_proj": "rowwise", "model.layers.0.mlp.gate_proj": "colwise",
+                 "model.layers.0.mlp.up_proj": "colwise", "model.layers.0.mlp.down_proj": "rowwise",
+                 "lm_head": "colwise"},
+}
+HIDDEN = {"gpt": 64, "llama": 64, "hf-gpt2": 32, "hf-llama": 64}
+
+
+@pytest.mark.parametrize("name", list(EXPECTED_PLAN))
+def test_megatron_pattern_found_on_the_graph(name):
+    plan = _pm(name, 2).compiled(0).plan
+    table = {path: style for path, style, _ in plan.table()}
+    for path, style in EXPECTED_PLAN[name].items():
+        assert table[path] == style, (path, table)
+
+
+@pytest.mark.parametrize("name", list(EXPECTED_PLAN))
+def test_two_all_reduces_per_layer_and_no_logit_gather(name):
+    pm = _pm(name, 2)
+    recs = pm.collectives(1)
+    h, layers = HIDDEN[name], 2
+    from fxtron.compiler.trace import BATCH, SEQ
+    bsh = BATCH * SEQ * h * 4   # fp32 bytes of a (B, S, h) activation
+    fwd = [r for r in recs if r.phase == "forward" and r.kind == "all_reduce" and r.op == "all_reduce"]
+    bwd = [r for r in recs if r.phase == "backward" and r.kind == "all_reduce"]
+    # per layer: after the attention output projection and after the MLP down projection;
+    # plus one after the vocab-parallel embedding
+    assert len(fwd) == 2 * layers + 1 and all(r.payload_bytes == bsh for r in fwd), fwd
+    # backward conjugates: before the attention and MLP input projections, and before the LM head
+    assert len(bwd) == 2 * layers + 1 and all(r.payload_bytes == bsh for r in bwd), bwd
+    # the cross entropy's 3 all-reduces carry one float per token, never the logits
+    ce = [r for r in recs if r.op == "vocab_parallel_cross_entropy"]
+    assert len(ce) == 1 and ce[0].count == 3 and ce[0].payload_bytes == 3 * 4 * BATCH * SEQ
+    assert count(recs, "all_gather") == 0 and count(recs, "reduce_scatter") == 0
+    for layer in range(layers):
+        in_layer = [r for r in fwd if f".{layer}." in r.module]
+        assert len(in_layer) == 2, (layer, [r.module for r in fwd])
+
+
+def test_fused_qkv_gives_each_rank_whole_heads_of_q_k_and_v():
+    pm = _pm("gpt", 2)
+    rg = pm.compiled(1)
+    node = next(n for n in rg.gm.graph.nodes if n.name == "blocks_0_attn_qkv_weight")
+    assert str(meta.get(node, meta.PLACEMENT)) == "S(0,x3)"
+    full = torch.arange(3 * 64).float()[:, None].expand(192, 64)
+    local = rg.slicers["blocks.0.attn.qkv.weight"](full)[:, 0]
+    # rank 1 holds heads 2..3 (rows 32..63) of each of q, k, v
+    expected = torch.cat([torch.arange(32, 64), torch.arange(96, 128), torch.arange(160, 192)]).float()
+    assert torch.equal(local, expected)
+
+
+def test_local_shapes_stay_symbolic_with_the_tp_division():
+    pm = _pm("gpt", 2)
+    text = pm.graph(0)
+    assert "(B, S, 96)" in text       # fused qkv: 3*64/2
+    assert "(B, 2, S, 16)" in text    # 4 heads / 2 per rank
+    assert "fxtron.all_reduce" in text and "fxtron.copy_to_region" in text
+    assert "fxtron.vocab_parallel_cross_entropy" in text
+    for node in pm.compiled(0).gm.graph.nodes:
+        if node.op == "call_function" and str(node.target).startswith("fxtron."):
+            assert meta.get(node, meta.PROVENANCE).pass_name == "insert_collectives"
+
+
+def test_user_plan_overrides_and_replaces():
+    pm = _pm("gpt", 2, plan={"blocks.*.mlp.*": "replicate"})
+    table = {p: s for p, s, _ in pm.compiled(0).plan.table()}
+    assert table["blocks.0.mlp.fc1"] == "replicate" and table["blocks.0.attn.qkv"] == "colwise"
+    fwd = [r for r in pm.collectives(0) if r.phase == "forward" and r.op == "all_reduce"]
+    assert len(fwd) == 1 + 2     # embedding + one per layer (attention only)
+    pm = _pm("gpt", 2, plan={"blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise"},
+             plan_mode="replace")
+    table = {p: s for p, s, _ in pm.compiled(0).plan.table()}
+    assert table["wte"] == "replicate" and table["lm_head"] == "replicate"
+    assert table["blocks.1.attn.proj"] == "rowwise"
+
+
+def test_gather_output_all_gathers_the_logits():
+    pm = _pm("llama", 2, plan={"output": Colwise(gather_output=True)})
+    recs = pm.collectives(0)
+    gathers = [r for r in recs if r.kind == "all_gather" and r.phase == "forward"]
+    assert len(gathers) == 1 and gathers[0].module == "output"
+    assert not any(r.op == "vocab_parallel_cross_entropy" for r in recs)
+
+
+def test_heads_not_divisible_by_tp():
+    from fxtron.models.gpt import GPT, GPTConfig
+    model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=1, n_head=6, n_embd=48))
+    args, _ = batch("gpt", 2, 8, seed=0)
+    pm = fxtron.parallelize(model, fxtron.Mesh(4, tp=4), example_inputs=args)
+    with pytest.raises(fxtron.ParallelizeError) as err:
+        pm.graph(0)
+    msg = str(err.value)
+    assert "%view" in msg and "blocks.0.attn" in msg and "size 48" in msg and "(6, 8)" in msg
+    assert "tp=4" in msg and "heads" in msg
+
+
+def test_kv_heads_not_divisible_by_tp():
+    from fxtron.models.llama import Llama, LlamaConfig
+    model = Llama(LlamaConfig(vocab_size=256, max_seq_len=32, n_layer=1, n_head=8, n_kv_head=2, dim=64, ffn_dim=96))
+    args, _ = batch("llama", 2, 8, seed=0)
+    pm = fxtron.parallelize(model, fxtron.Mesh(4, tp=4), example_inputs=args)
+    with pytest.raises(fxtron.ParallelizeError) as err:
+        pm.graph(0)
+    msg = str(err.value)
+    assert "layers.0.attn" in msg and "tp=4" in msg and "heads" in msg
+
+
+class _Cumsum(torch.nn.Module):
+    """An MLP whose hidden activation goes through an op with no sharding rule."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.up = torch.nn.Linear(8, 32)
+        self.down = torch.nn.Linear(32, 8)
+        self.head = torch.nn.Linear(8, 16)
+
+    def forward(self, idx, tgt):
+        x = self.emb(idx)
+        x = x + self.down(torch.cumsum(self.up(x), dim=-1))
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), tgt.flatten())
+
+
+def test_op_without_rule_names_the_node_and_module():
+    idx = torch.randint(0, 16, (2, 4))
+    pm = fxtron.parallelize(_Cumsum(), fxtron.Mesh(2, tp=2), example_inputs=(idx, idx), plan={"head": "replicate"})
+    with pytest.raises(fxtron.ParallelizeError) as err:
+        pm.graph(0)
+    msg = str(err.value)
+    assert "cumsum" in msg and "S(2)" in msg and "plan=" in msg
+
+
+def test_plan_errors():
+    with pytest.raises(fxtron.ParallelizeError, match="matches no linear"):
+        _pm("gpt", 2, plan={"blocks.*.nothing": "colwise"}).graph(0)
+    with pytest.raises(fxtron.ParallelizeError, match="use 'colwise'"):
+        _pm("gpt", 2, plan={"blocks.*.attn.qkv": "diagonal"}).graph(0)
+    with pytest.raises(fxtron.ParallelizeError, match="256 output features.*not divisible by 3"):
+        fxtron.parallelize(make("gpt"), fxtron.Mesh(3, tp=3), example_inputs=batch("gpt", 2, 8, 0)[0],
+                           plan={"blocks.*.mlp.fc1": "colwise"}).graph(0)
+    with pytest.raises(fxtron.ParallelizeError, match="divisible"):
+        shard_math.check_divisible(10, 4, 1, "parameter w (10, 3) dim 0")
+
+
+def test_llama_7b_on_64_ranks_compiles_without_processes():
+    from fxtron.models import build, example_inputs
+    model = build("llama-7b", device="meta")
+    pm = fxtron.parallelize(model, fxtron.Mesh(64, tp=8), example_inputs=example_inputs("llama-7b", device="meta"))
+    rg = pm.compiled(63)
+    norms = (2 * 32 + 1) * 4096          # RMSNorm scales stay whole; everything else is split 8 ways
+    assert rg.param_count == (6_738_415_616 - norms) // 8 + norms
+    recs = pm.collectives(63)
+    assert count(recs, "all_reduce", "forward") == 2 * 32 + 1 + 3
+    assert "(B, S, 4, 128)" in pm.graph(63)   # 32 heads / 8 per rank
