@@ -341,9 +341,9 @@ def _compile_finalize(section: dict) -> None:
 
     fits = {k: slope(k) for k in ("trace_s", "compile_s", "graph_s", "total_s")}
     section["rows"].append(["slope per layer"] + [f"{1e3 * fits[k][0]:.1f} ms" for k in
-                                                   ("trace_s", "compile_s", "graph_s", "total_s")] + [""])
+                                                   ("trace_s", "compile_s", "graph_s", "total_s")] + ["", ""])
     section["rows"].append(["intercept"] + [f"{fits[k][1]:.2f} s" for k in
-                                            ("trace_s", "compile_s", "graph_s", "total_s")] + [""])
+                                            ("trace_s", "compile_s", "graph_s", "total_s")] + ["", ""])
     if 32 in data:
         d = data[32]
         section["notes"].append(f"32 layers: trace {d['trace_s']:.2f} s + rank-0 compile {d['compile_s']:.2f} s "
@@ -378,11 +378,13 @@ def test_compile_time(benchmark, compile_warm, bench_report, n_layer):
                                  "warmup_trace_s": compile_warm})
 
     section = bench_report.setdefault("compile time vs depth (tp=2, meta device)", {
-        "headers": ["layers", "trace (parallelize)", "rank-0 compile", "graph(0) render", "total", "rounds"],
+        "headers": ["layers", "trace (parallelize)", "rank-0 compile", "graph(0) render", "total",
+                    "compile / layer", "rounds"],
         "rows": [], "data": {}, "finalize": _compile_finalize,
         "notes": [f"model: {_cfg_str(compile_cfg(0)).replace('L=0 ', '')}, built on meta; medians over rounds; "
                   f"a warm-up trace (1 layer, {compile_warm:.2f} s) ran first"],
     })
     section["data"][n_layer] = med
     section["rows"].append([str(n_layer), f"{med['trace_s']:.2f} s", f"{med['compile_s']:.3f} s",
-                            f"{med['graph_s']:.3f} s", f"{med['total_s']:.2f} s", str(len(parts))])
+                            f"{med['graph_s']:.3f} s", f"{med['total_s']:.2f} s",
+                            f"{1e3 * med['compile_s'] / n_layer:.1f} ms", str(len(parts))])

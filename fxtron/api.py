@@ -143,8 +143,11 @@ class ParallelModel:
                                                       "dp grad sync sent / step"])
 
     # ------------------------------------------------------------ running
-    def program(self, rank: int, groups: G.ProcessGroups | None = None) -> Program:
+    def program(self, rank: int, groups: G.ProcessGroups | None = None, *, seed: int = 0) -> Program:
         """An nn.Module holding rank's parameters, ready for an optimizer and `train_step`.
+
+        `seed` seeds the program's random streams (dropout): the replicated stream alike on
+        every rank, the sharded one per tp rank (Megatron's seed + 2718 + tp_rank).
 
         `groups` defaults to the ones fxtron.launch / init_distributed made in this process for
         this mesh; on a 1-rank mesh none are needed.
@@ -158,7 +161,7 @@ class ParallelModel:
         if groups is not None and groups.rank != rank:
             raise ParallelizeError(f"program({rank}) built in the process of rank {groups.rank}")
         rg = self.compiled(rank)
-        return rg.build_program(self.model, rank, groups)
+        return rg.build_program(self.model, rank, groups, seed=seed)
 
 
 def _fmt_bytes(n: float) -> str:

@@ -43,6 +43,17 @@ def _train_parallel(rank: int, name: str, mesh: fxtron.Mesh) -> dict:
             "local": {n: p.shape for n, p in prog.named_parameters()}}
 
 
+def _train_dropout(rank: int, mesh: fxtron.Mesh, seed: int) -> dict:
+    model = make("gpt", dropout=0.2)
+    pm = fxtron.parallelize(model, mesh, example_inputs=batch("gpt", 2, 8, seed=0)[0])
+    prog = pm.program(rank, seed=seed)
+    opt = _opt(prog.parameters())
+    losses = [prog.train_step(a, opt) for a, _ in _batches("gpt")]
+    replicated = {n: p.detach().clone() for n, p in prog.named_parameters()
+                  if tuple(p.shape) == tuple(dict(model.named_parameters())[n].shape)}
+    return {"losses": losses, "replicated": replicated}
+
+
 def _job(rank: int, meshes: list) -> dict:
     out = {}
     for mesh in meshes:
@@ -50,6 +61,9 @@ def _job(rank: int, meshes: list) -> dict:
             init_distributed(mesh)   # this mesh's groups, in the same processes
         for name in NAMES:
             out[(str(mesh), name)] = _train_parallel(rank, name, mesh)
+        if mesh.tp == 2 and mesh.dp == 1:
+            for seed in (0, 0, 1):
+                out.setdefault((str(mesh), "dropout"), []).append(_train_dropout(rank, mesh, seed))
     return out
 
 
@@ -112,3 +126,33 @@ def test_ranks_hold_only_their_shards(results, name):
     assert len(split) >= 2 * 6 + 1   # every layer's 4+ matrices and the embedding
     for n in split:
         assert torch.Size(local[n]).numel() * 4 == full[n].numel(), n
+
+
+def test_dropout_keeps_replicas_identical_and_seeds_repeat(results):
+    mesh = MESHES[2][0]
+    r0, r1 = results[(str(mesh), "dropout", 0)], results[(str(mesh), "dropout", 1)]
+    for run in range(3):
+        # replicated regions drew the same masks on both tp ranks: replicated weights stay bit-identical
+        assert r0[run]["replicated"].keys() == r1[run]["replicated"].keys()
+        assert len(r0[run]["replicated"]) >= 10
+        for name, value in r0[run]["replicated"].items():
+            assert torch.equal(value, r1[run]["replicated"][name]), name
+        assert r0[run]["losses"] == r1[run]["losses"]
+    assert r0[0]["losses"] == r0[1]["losses"]            # the same seed repeats the run exactly
+    assert r0[0]["losses"] != r0[2]["losses"]            # another seed draws other masks
+
+
+def _streams_job(rank: int):
+    from fxtron.runtime.rng import RNGStreams, rng_call
+    streams = RNGStreams(seed=3, tp_rank=rank)
+    x = torch.ones(1000)
+    with streams.active():
+        rep = rng_call("replicated", torch.ops.aten.dropout.default, x, 0.5, True)
+        shd = rng_call("sharded", torch.ops.aten.dropout.default, x, 0.5, True)
+    return rep, shd
+
+
+def test_sharded_stream_differs_per_rank_replicated_stream_does_not():
+    # no communication: the streams are per-process generators
+    (rep0, shd0), (rep1, shd1) = _streams_job(0), _streams_job(1)
+    assert torch.equal(rep0, rep1) and not torch.equal(shd0, shd1)

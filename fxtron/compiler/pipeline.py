@@ -15,7 +15,7 @@ import torch.fx as fx
 from fxtron.compiler.trace import TRACE_INFO, info
 from fxtron.errors import ParallelizeError
 from fxtron.mesh import Mesh
-from fxtron.passes.collectives import TP_GROUP, insert_collectives, localize
+from fxtron.passes.collectives import TP_GROUP, assign_rng_regions, insert_collectives, localize
 from fxtron.passes.placement import Shard
 from fxtron.passes.plan import TPPlan, plan
 from fxtron.passes.propagate import propagate, split_row_bias
@@ -23,6 +23,7 @@ from fxtron.passes.shapes import annotate_local_shapes
 from fxtron.runtime import shard as shard_math
 from fxtron.runtime.groups import ProcessGroups
 from fxtron.runtime.program import LocalParam, Program
+from fxtron.runtime.rng import RNGStreams
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -55,7 +56,8 @@ class RankGraph:
     def param_bytes(self) -> int:
         return sum(_numel(p.local_shape) * p.dtype.itemsize for p in self.local.values())
 
-    def build_program(self, model: torch.nn.Module, rank: int, groups: ProcessGroups | None) -> Program:
+    def build_program(self, model: torch.nn.Module, rank: int, groups: ProcessGroups | None,
+                      seed: int = 0) -> Program:
         ti = info(self.gm)
         named = dict(model.named_parameters())
         params = {}
@@ -81,8 +83,9 @@ class RankGraph:
         if device is not None and device.type != "cpu":
             params = {k: v.to(device) for k, v in params.items()}
             buffers = {k: v.to(device) for k, v in buffers.items()}
+        rng = RNGStreams(seed, self.mesh.coords(rank)["tp"], device or torch.device("cpu"))
         return Program(_bind_groups(self.gm, groups), ti, params, buffers, persistent, self.local, rank,
-                       groups, ti.aliases)
+                       groups, ti.aliases, rng)
 
 
 def _numel(shape) -> int:
@@ -123,6 +126,7 @@ def compile_rank(traced: fx.GraphModule, mesh: Mesh, rank: int, *, user_plan: di
     propagate           a tp placement on every value; what each op expects of its inputs
     insert_collectives  the redistributions (f/g pairs, gathers, scatters), vocab-parallel ops
     localize            sizes written into the graph become this rank's
+    assign_rng_regions  random ops draw from the replicated or the per-rank stream
     annotate shapes     local symbolic shapes for inspection
     """
     gm = _copy(traced)
@@ -134,6 +138,7 @@ def compile_rank(traced: fx.GraphModule, mesh: Mesh, rank: int, *, user_plan: di
         gm = propagate(gm, tp_plan, tp=tp)
         gm = insert_collectives(gm, tp=tp, tp_rank=tp_rank)
         gm = localize(gm, tp=tp)
+        gm = assign_rng_regions(gm)
     gm = annotate_local_shapes(gm, tp=tp)
     gm.graph.lint()
     ti = info(gm)

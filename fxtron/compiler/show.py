@@ -10,6 +10,8 @@ from fxtron.passes.placement import describe
 
 
 def _target(node: fx.Node) -> str:
+    if node.op == "call_function" and getattr(node.target, "__name__", "") == "rng_call":
+        return f"{str(node.args[1]).replace('aten.', '').replace('.default', '')} [{node.args[0]} rng]"
     if node.op == "call_function":
         t = node.target
         name = getattr(t, "__name__", str(t))
@@ -31,6 +33,13 @@ def _args(node: fx.Node) -> str:
     return text if len(text) < 60 else text[:57] + "..."
 
 
+class _Shifted:
+    """A random op's node seen without the (region, op) arguments `rng_call` adds."""
+
+    def __init__(self, node: fx.Node):
+        self.args, self.kwargs = node.args[2:], node.kwargs
+
+
 def format_graph(gm: fx.GraphModule, *, title: str = "") -> str:
     """One row per node: name, op, local symbolic shape, placement, kernel, source module."""
     rows = []
@@ -40,7 +49,8 @@ def format_graph(gm: fx.GraphModule, *, title: str = "") -> str:
         spec = meta.get(node, meta.INPUT)
         where = spec.target if spec is not None and spec.kind != "user" else (meta.get(node, meta.MODULE) or "")
         placement = meta.get(node, meta.PLACEMENT)
-        rows.append(["%" + node.name, _target(node), _args(node) if node.op != "placeholder" else "",
+        shown = node if getattr(node.target, "__name__", "") != "rng_call" else _Shifted(node)
+        rows.append(["%" + node.name, _target(node), _args(shown) if node.op != "placeholder" else "",
                      shape_s, "" if placement is None else describe(placement),
                      meta.get(node, meta.KERNEL) or "", where])
     table = tabulate(rows, headers=["node", "op", "args", "local shape", "placement", "kernel", "module / param"],

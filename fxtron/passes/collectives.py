@@ -185,6 +185,24 @@ def _rewrite(node: fx.Node, em: _Emitter, remap, seen, tp: int, tp_rank: int) ->
     return None
 
 
+# ----------------------------------------------------------------------------- random streams
+def assign_rng_regions(gm: fx.GraphModule) -> fx.GraphModule:
+    """Wrap every random op in `rng_call(region, op, ...)`: "sharded" when its output is
+    sharded over tp (independent draws per rank), "replicated" otherwise (the same draws on
+    every tp rank). Edits gm in place and returns it."""
+    from fxtron.runtime.rng import is_random, rng_call
+
+    for node in list(gm.graph.nodes):
+        if not is_random(node):
+            continue
+        region = "sharded" if isinstance(meta.get(node, meta.PLACEMENT), Shard) else "replicated"
+        node.args = (region, node.target) + tuple(node.args)
+        node.target = rng_call
+        meta.set(node, meta.PROVENANCE, meta.Provenance("assign_rng_regions", f"{region} random stream"))
+    gm.recompile()
+    return gm
+
+
 # ----------------------------------------------------------------------------- localize
 _SIZE_ARG_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
 

@@ -7,6 +7,7 @@ order the trace fixed. `train_step` does one whole step of data-parallel trainin
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -19,6 +20,7 @@ from torch import nn
 from fxtron.compiler.trace import TraceInfo
 from fxtron.errors import ParallelizeError
 from fxtron.runtime.groups import ProcessGroups
+from fxtron.runtime.rng import RNGStreams
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ class Program(nn.Module):
 
     def __init__(self, gm: fx.GraphModule, info: TraceInfo, params: dict[str, torch.Tensor],
                  buffers: dict[str, torch.Tensor], persistent: set[str], local: dict[str, LocalParam],
-                 rank: int, groups: ProcessGroups | None, aliases: dict[str, str]):
+                 rank: int, groups: ProcessGroups | None, aliases: dict[str, str], rng: RNGStreams | None = None):
         super().__init__()
         for name in info.params:
             _set_by_path(self, name, nn.Parameter(params[name]), parameter=True)
@@ -76,6 +78,7 @@ class Program(nn.Module):
         self._aliases = aliases
         self.rank = rank
         self.groups = groups
+        self.rng = rng
 
     # ---------------------------------------------------------------- running
     def _flat_inputs(self, inputs: tuple, kwargs: dict | None) -> list:
@@ -91,7 +94,8 @@ class Program(nn.Module):
         flat = self._flat_inputs(inputs, kwargs)
         args = [_get_by_path(self, n) for n in self._info.params]
         args += [_get_by_path(self, n) for n in self._info.buffers]
-        outs = self.graph_module(*args, *flat)
+        with self.rng.active() if self.rng is not None else contextlib.nullcontext():
+            outs = self.graph_module(*args, *flat)
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)
         loss = None
         for i, out in enumerate(outs):
