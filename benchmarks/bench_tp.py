@@ -278,6 +278,10 @@ def test_train_step(benchmark, train_results, bench_report, system):
         "median_step_s": med[system], "iqr_s": q[2] - q[0],
         "ratio_vs_single_process": med[system] / med["single_process"],
         "ratio_vs_dtensor": med[system] / med["dtensor_tp2"],
+        # on a loaded machine the fastest steps are the least disturbed: ratios of the minima
+        "min_step_s": min(times),
+        "ratio_vs_single_process_of_min": min(times) / min(train_results["times"]["single_process"]),
+        "ratio_vs_dtensor_of_min": min(times) / min(train_results["times"]["dtensor_tp2"]),
         "loss_first": losses[system][0], "loss_last": losses[system][-1],
         "loss_last_diff_vs_single": abs(losses[system][-1] - ref[-1]),
     }
@@ -291,13 +295,15 @@ def test_train_step(benchmark, train_results, bench_report, system):
 
     section = bench_report.setdefault("tensor parallel training step (tp=2, gloo, 1 thread/process)", {
         "headers": ["system", "median step ms", "IQR ms", "min ms", "vs single process",
-                    "vs DTensor tp=2", "target", "setup s", "last loss"],
+                    "vs DTensor tp=2", "min vs 1p / DT", "target", "setup s", "last loss"],
         "rows": [],
         "notes": [f"model: {_cfg_str(TRAIN_CFG)}; batch {BATCH}x{SEQ}; AdamW; "
                   f"{WARMUP_STEPS} warm-up + {ROUNDS}x{STEPS_PER_ROUND} timed steps per system, interleaved; "
                   f"rank 0's perf_counter per step; job wall time {train_results['job_s']:.1f} s; "
                   f"rank 1 CPU while waiting in the barrier: {train_results['cpu_waiting_s']:.3f} s",
-                  "targets (issue): fxtron_tp2 <= 0.5x dtensor_tp2 and <= 0.75x single_process; reported, not asserted"],
+                  "ratios are of the medians (\"min vs 1p / DT\": of the fastest steps, steadier on a loaded machine); "
+                  "targets (issue): fxtron_tp2 <= 0.5x dtensor_tp2 and <= 0.75x single_process, "
+                  "judged on the medians; reported, not asserted"],
     })
     target = ""
     if system == "fxtron_tp2":
@@ -305,7 +311,9 @@ def test_train_step(benchmark, train_results, bench_report, system):
                   f"{'met' if info['meets_target_vs_single_process'] else 'MISSED'} (<=0.75x 1p)")
     section["rows"].append([system, f"{1e3 * med[system]:.1f}", f"{1e3 * info['iqr_s']:.1f}",
                             f"{1e3 * min(times):.1f}", f"{info['ratio_vs_single_process']:.3f}x",
-                            f"{info['ratio_vs_dtensor']:.3f}x", target,
+                            f"{info['ratio_vs_dtensor']:.3f}x",
+                            f"{info['ratio_vs_single_process_of_min']:.2f}x / {info['ratio_vs_dtensor_of_min']:.2f}x",
+                            target,
                             f"{info['setup_s']:.2f}" if "setup_s" in info else "-",
                             f"{info['loss_last']:.5f}"])
 

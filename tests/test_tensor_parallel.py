@@ -54,6 +54,18 @@ def _train_dropout(rank: int, mesh: fxtron.Mesh, seed: int) -> dict:
     return {"losses": losses, "replicated": replicated}
 
 
+def _meta_program(rank: int, mesh: fxtron.Mesh) -> dict:
+    """A model built on the meta device: each rank allocates and initializes only its shards."""
+    from fxtron.models import build
+    model = build("gpt-tiny", device="meta")
+    pm = fxtron.parallelize(model, mesh, example_inputs=batch("gpt", 2, 8, seed=0)[0])
+    prog = pm.program(rank)
+    local = {n: tuple(p.shape) for n, p in prog.named_parameters()}
+    state = prog.full_state_dict()
+    loss = prog.train_step(_batches("gpt")[0][0], _opt(prog.parameters()))
+    return {"local": local, "loss": loss, "state": state}
+
+
 def _job(rank: int, meshes: list) -> dict:
     out = {}
     for mesh in meshes:
@@ -62,6 +74,7 @@ def _job(rank: int, meshes: list) -> dict:
         for name in NAMES:
             out[(str(mesh), name)] = _train_parallel(rank, name, mesh)
         if mesh.tp == 2 and mesh.dp == 1:
+            out[(str(mesh), "meta")] = _meta_program(rank, mesh)
             for seed in (0, 0, 1):
                 out.setdefault((str(mesh), "dropout"), []).append(_train_dropout(rank, mesh, seed))
     return out
@@ -156,3 +169,19 @@ def test_sharded_stream_differs_per_rank_replicated_stream_does_not():
     # no communication: the streams are per-process generators
     (rep0, shd0), (rep1, shd1) = _streams_job(0), _streams_job(1)
     assert torch.equal(rep0, rep1) and not torch.equal(shd0, shd1)
+
+
+def test_meta_model_is_initialized_shard_by_shard(results):
+    from fxtron.compiler.pipeline import _MetaMaterializer
+    from fxtron.models import build
+    mesh = MESHES[2][0]
+    r0, r1 = results[(str(mesh), "meta", 0)], results[(str(mesh), "meta", 1)]
+    assert r0["local"]["blocks.0.mlp.fc1.weight"] == (128, 64)       # half of (256, 64)
+    assert r0["local"]["wte.weight"] == (128, 64)
+    assert torch.isfinite(torch.tensor(r0["loss"]))
+    # both ranks cut their shards from the same full initialization (made module by module)
+    expected = _MetaMaterializer(build("gpt-tiny", device="meta"), seed=0)
+    for name in ("wte.weight", "blocks.0.attn.qkv.weight", "blocks.1.mlp.fc2.weight", "blocks.0.ln1.weight"):
+        assert torch.equal(r0["state"][name], r1["state"][name]), name
+        assert torch.equal(r0["state"][name], expected.full(name)), name
+    assert r0["state"]["blocks.0.ln1.weight"].eq(1).all()

@@ -61,16 +61,15 @@ class RankGraph:
         ti = info(self.gm)
         named = dict(model.named_parameters())
         params = {}
+        materialized = _MetaMaterializer(model, seed)
         for name in ti.params:
             full = named[name]
             if full.device.type == "meta":
-                raise ParallelizeError(
-                    f"parameter {name} {tuple(full.shape)} is on the meta device; a program needs real "
-                    "weights: build the model on a real device (or use the meta model only for "
-                    "pm.graph / pm.summary)")
+                full = materialized.full(name)   # one module at a time, never the whole model
             sl = self.slicers.get(name)
             local = sl(full.detach()) if sl is not None else full.detach()
             params[name] = local.clone()
+            materialized.release(name)
         model_buffers = dict(model.named_buffers())
         persistent = set(model.state_dict().keys())
         buffers = {}
@@ -78,13 +77,19 @@ class RankGraph:
             b = model_buffers.get(name)
             if b is None:
                 b = ti.constants[name]
+            if b.device.type == "meta":
+                raise ParallelizeError(
+                    f"buffer {name} {tuple(b.shape)} is on the meta device and fxtron cannot know its "
+                    "values; create buffers on the CPU when building the model on meta (they are small), "
+                    "or load them into the model before pm.program()")
             buffers[name] = b.detach().clone()
         device = groups.device if groups is not None else None
         if device is not None and device.type != "cpu":
             params = {k: v.to(device) for k, v in params.items()}
             buffers = {k: v.to(device) for k, v in buffers.items()}
-        rng = RNGStreams(seed, self.mesh.coords(rank)["tp"], device or torch.device("cpu"))
-        return Program(_bind_groups(self.gm, groups), ti, params, buffers, persistent, self.local, rank,
+        device = device or torch.device("cpu")
+        rng = RNGStreams(seed, self.mesh.coords(rank)["tp"], device)
+        return Program(_bind_groups(self.gm, groups, device), ti, params, buffers, persistent, self.local, rank,
                        groups, ti.aliases, rng)
 
 
@@ -95,15 +100,72 @@ def _numel(shape) -> int:
     return n
 
 
-def _bind_groups(gm: fx.GraphModule, groups: ProcessGroups | None) -> fx.GraphModule:
-    """A copy of gm whose collectives name this process's real tp group instead of "tp"."""
+class _MetaMaterializer:
+    """Real values for parameters of a model built on the meta device, made module by module:
+    the module that owns a parameter is copied to the CPU and initialized with its own
+    `reset_parameters()` under a seed derived from (seed, module path), so every rank makes the
+    same full tensor and keeps only its shard; the copy is dropped before the next module. A
+    module without `reset_parameters` gets GPT-2's init: normal(0, 0.02) for matrices, ones
+    for 1-d weights (norm scales), zeros for biases."""
+
+    def __init__(self, model: torch.nn.Module, seed: int):
+        self.model, self.seed = model, seed
+        self._owner: str | None = None
+        self._values: dict[str, torch.Tensor] = {}
+
+    def full(self, name: str) -> torch.Tensor:
+        owner, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+        if owner != self._owner:
+            self._values = self._materialize(owner)
+            self._owner = owner
+        return self._values[leaf]
+
+    def release(self, name: str) -> None:
+        owner, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+        if owner == self._owner:
+            self._values.pop(leaf, None)
+
+    def _materialize(self, owner: str) -> dict[str, torch.Tensor]:
+        import zlib
+        module = self.model.get_submodule(owner)
+        local = {n: p for n, p in module.named_parameters(recurse=False)}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed((self.seed * 1_000_003 + zlib.crc32(owner.encode())) % 2**63)
+            if hasattr(module, "reset_parameters"):
+                shell = copy.copy(module)           # shallow: children stay shared and untouched
+                shell._parameters = {n: torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad)
+                                     for n, p in local.items()}
+                shell.reset_parameters()
+                return {n: p.detach() for n, p in shell._parameters.items()}
+            out = {}
+            for n, p in local.items():
+                t = torch.empty(p.shape, dtype=p.dtype)
+                if p.dim() >= 2:
+                    t.normal_(0.0, 0.02)
+                elif n.endswith("bias"):
+                    t.zero_()
+                else:
+                    t.fill_(1.0)
+                out[n] = t
+            return out
+
+
+def _bind_groups(gm: fx.GraphModule, groups: ProcessGroups | None, device: torch.device) -> fx.GraphModule:
+    """A copy of gm for this process: collectives name its real tp group instead of "tp", and
+    tensors the graph creates (arange, zeros, .to(device)) land on its device, whatever device
+    the model was traced on (meta, say)."""
+    import torch.utils._pytree as pytree
     out = _copy(gm)
-    if groups is None:
-        return out
-    name = groups.group("tp").group_name if groups.size("tp") > 1 else ""
+    name = ""
+    if groups is not None and groups.size("tp") > 1:
+        name = groups.group("tp").group_name
     for node in out.graph.nodes:
-        if node.op == "call_function" and str(node.target).startswith("fxtron."):
+        if node.op != "call_function":
+            continue
+        if str(node.target).startswith("fxtron."):
             node.args = tuple(name if a == TP_GROUP else a for a in node.args)
+        node.args, node.kwargs = pytree.tree_map(
+            lambda a: device if isinstance(a, torch.device) else a, (node.args, node.kwargs))
     out.recompile()
     return out
 

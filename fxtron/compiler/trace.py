@@ -147,6 +147,11 @@ def trace(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwargs:
     (export specializes dims of size 0 and 1). Raises ParallelizeError with export's reason.
     """
     leaves, spec = pytree.tree_flatten((tuple(example_inputs), dict(example_kwargs or {})))
+    params = list(model.parameters())
+    if params and all(p.device.type == "meta" for p in params):
+        # a model built on meta traces with meta inputs; programs later put created tensors
+        # on their own device
+        leaves = [x.to("meta") if isinstance(x, torch.Tensor) else x for x in leaves]
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     wrapped = _WithLoss(model, loss_fn or default_loss, leaves, spec)
     shapes, user_dims = _dynamic_shapes(tensors, batch_dim, seq_dim)
