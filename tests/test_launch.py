@@ -78,7 +78,7 @@ def test_job_timeout():
 TORCHRUN_SCRIPT = textwrap.dedent("""
     import json, sys, torch, fxtron
     from fxtron.models import build, example_inputs
-    mesh = fxtron.Mesh(2)
+    mesh = fxtron.Mesh(2, tp=2)          # tensor parallel: the collectives run over torchrun's group
     groups = fxtron.init_distributed(mesh)
     model = build("gpt-tiny", seed=0)
     pm = fxtron.parallelize(model, mesh, example_inputs=example_inputs("gpt-tiny", batch=4, seq=8))
@@ -90,7 +90,7 @@ TORCHRUN_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_same_code_runs_under_torchrun(tmp_path):
+def test_same_tp_code_runs_under_torchrun(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(TORCHRUN_SCRIPT)
     env = dict(os.environ, OMP_NUM_THREADS="1")
