@@ -39,7 +39,6 @@
 """
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 

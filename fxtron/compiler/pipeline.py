@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from fxtron.compiler.trace import TRACE_INFO, info
+from fxtron.compiler.trace import info
 from fxtron.errors import ParallelizeError
 from fxtron.mesh import Mesh
 from fxtron.passes.collectives import TP_GROUP, assign_rng_regions, insert_collectives, localize

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import sympy
-import torch
 import torch.fx as fx
 from tabulate import tabulate
 

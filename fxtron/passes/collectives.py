@@ -16,7 +16,6 @@ into the graph (view shapes, split sizes) to this rank's and drops export's meta
 """
 from __future__ import annotations
 
-import operator
 
 import torch
 import torch.fx as fx

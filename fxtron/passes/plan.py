@@ -318,13 +318,13 @@ def plan(gm: fx.GraphModule, *, tp: int, user_plan: dict | None = None, mode: st
         styles = {}
     for path, style in styles.items():
         l = layers[path]
-        placements = _param_placements(l, style, tp)
         bad = _indivisible(l, style, tp, result, path)
         if bad:
             if path in user_keys:
                 raise ParallelizeError(bad)
             result.notes.append(bad + " -> replicated")
             continue
+        placements = _param_placements(l, style, tp)
         result.styles[path] = style
         for name, pl in placements.items():
             prev = result.params.get(name)

@@ -12,6 +12,7 @@ one without a rule raises ParallelizeError naming the node, its module and shape
 """
 from __future__ import annotations
 
+import operator
 from typing import Callable
 
 import sympy
@@ -21,8 +22,8 @@ import torch.utils._pytree as pytree
 
 from fxtron.compiler import meta
 from fxtron.errors import ParallelizeError
-from fxtron.passes.placement import PARTIAL, REPLICATE, Partial, Placement, Replicate, Shard
-from fxtron.passes.plan import Colwise, TPPlan
+from fxtron.passes.placement import PARTIAL, REPLICATE, Placement, Replicate, Shard
+from fxtron.passes.plan import Colwise, Rowwise, TPPlan
 
 aten = torch.ops.aten
 P = Placement
@@ -294,8 +295,8 @@ def _split(c: _Ctx):
 
 
 def _getitem(c: _Ctx):
-    src = c.node.args[0]
-    return c.placements_of_src[src][c.node.args[1]], [None]
+    """One output of a multi-output op (split): its placement is that op's i-th."""
+    return c.p[0][c.node.args[1]], [None]
 
 
 def _cat(c: _Ctx):
@@ -517,7 +518,7 @@ def split_row_bias(gm: fx.GraphModule, plan: TPPlan) -> fx.GraphModule:
     for path, style in plan.styles.items():
         layer = plan.layers[path]
         node = layer.node
-        if style.__class__.__name__ != "Rowwise" or layer.bias is None or layer.kind != "linear":
+        if not isinstance(style, Rowwise) or layer.bias is None or layer.kind != "linear":
             continue
         if node.target == aten.linear.default:
             x, w, b = node.args[:3]
@@ -563,8 +564,7 @@ def propagate(gm: fx.GraphModule, plan: TPPlan, *, tp: int) -> fx.GraphModule:
                 placements[node] = REPLICATE
             continue
         c = _Ctx(node, placements, plan, tp)
-        c.placements_of_src = placements
-        if node.target is __import__("operator").getitem:
+        if node.target is operator.getitem:
             out, expects = _getitem(c)
         else:
             rule = RULES.get(node.target)

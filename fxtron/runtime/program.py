@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -191,12 +191,10 @@ class Program(nn.Module):
         out = {}
         for name, p in self.named_parameters():
             out[name] = self._full(name, p.detach()).clone()
+        persistent = set(self.state_dict(keep_vars=True))
         for name, b in self.named_buffers():
-            if name in self._persistent_names():
+            if name in persistent:
                 out[name] = b.detach().clone()
         for alias, name in self._aliases.items():
             out[alias] = out[name]
         return out
-
-    def _persistent_names(self) -> set[str]:
-        return {k for k in self.state_dict().keys()}
