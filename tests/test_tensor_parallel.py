@@ -28,10 +28,10 @@ def _batches(name):
     return [batch(name, BATCH, s, seed=10 + i) for i, s in enumerate(SEQS)]
 
 
-def _train_parallel(rank: int, name: str, mesh: fxtron.Mesh) -> dict:
+def _train_parallel(rank: int, name: str, mesh: fxtron.Mesh, sp: bool = False) -> dict:
     model = make(name)
     args, kwargs = batch(name, 2, 8, seed=0)
-    pm = fxtron.parallelize(model, mesh, example_inputs=args, example_kwargs=kwargs)
+    pm = fxtron.parallelize(model, mesh, example_inputs=args, example_kwargs=kwargs, sequence_parallel=sp)
     prog = pm.program(rank)
     opt = _opt(prog.parameters())
     losses, grads = [], None
@@ -73,6 +73,8 @@ def _job(rank: int, meshes: list) -> dict:
             init_distributed(mesh)   # this mesh's groups, in the same processes
         for name in NAMES:
             out[(str(mesh), name)] = _train_parallel(rank, name, mesh)
+        for name in SP_NAMES.get(str(mesh), []):
+            out[(str(mesh), name + "+sp")] = _train_parallel(rank, name, mesh, sp=True)
         if mesh.tp == 2 and mesh.dp == 1:
             out[(str(mesh), "meta")] = _meta_program(rank, mesh)
             for seed in (0, 0, 1):
@@ -81,6 +83,8 @@ def _job(rank: int, meshes: list) -> dict:
 
 
 MESHES = {2: [fxtron.Mesh(2, tp=2)], 4: [fxtron.Mesh(4, tp=4), fxtron.Mesh(4, tp=2)]}
+# sequence parallel: every model at tp=2, the shipped ones at tp=4 too
+SP_NAMES = {str(MESHES[2][0]): NAMES, str(MESHES[4][0]): ["gpt", "llama"]}
 
 
 @pytest.fixture(scope="module")
@@ -113,11 +117,13 @@ def reference():
 
 
 CASES = [(mesh, name) for meshes in MESHES.values() for mesh in meshes for name in NAMES]
+CASES += [(mesh, name + "+sp") for meshes in MESHES.values() for mesh in meshes
+          for name in SP_NAMES.get(str(mesh), [])]
 
 
 @pytest.mark.parametrize("mesh,name", CASES, ids=[f"tp{m.tp}-dp{m.dp}-{n}" for m, n in CASES])
 def test_tp_training_equals_single_process(results, reference, mesh, name):
-    ref = reference[name]
+    ref = reference[name.removesuffix("+sp")]
     for rank in range(mesh.world_size):
         got = results[(str(mesh), name, rank)]
         dl = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"]))

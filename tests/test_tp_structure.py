@@ -184,3 +184,40 @@ def test_llama_7b_on_64_ranks_compiles_without_processes():
     recs = pm.collectives(63)
     assert count(recs, "all_reduce", "forward") == 2 * 32 + 1 + 3
     assert "(B, S, 4, 128)" in pm.graph(63)   # 32 heads / 8 per rank
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "hf-llama"])
+def test_sequence_parallel_swaps_all_reduces_for_gathers_and_scatters(name):
+    from fxtron.compiler.trace import BATCH, SEQ
+    tp_only, sp = _pm(name, 2), _pm(name, 2, sequence_parallel=True)
+    recs = sp.collectives(0)
+    h = HIDDEN[name]
+    bsh = BATCH * SEQ * h * 4
+    big = [r for r in recs if r.payload_bytes == bsh]
+    # per layer: all-gather before attention and MLP, reduce-scatter after each; the conjugates
+    # in backward; plus the embedding's reduce-scatter and the LM head's all-gather
+    assert count(big, "all_gather", "forward") == 2 * 2 + 1
+    assert count(big, "reduce_scatter", "forward") == 2 * 2 + 1
+    assert count(big, "reduce_scatter", "backward") == 2 * 2 + 1
+    assert count(big, "all_gather", "backward") == 2 * 2 + 1
+    assert count(big, "all_reduce") == 0
+    # the same bytes on the wire as plain tensor parallel (Korthikanti et al. 2022) ...
+    wire = lambda rs: sum((r.wire_bytes for r in rs if r.payload_bytes == bsh), 0)  # noqa: E731
+    assert sympy_equal(wire(recs), wire(tp_only.collectives(0)))
+    # ... and token-wise ops on 1/tp of the sequence
+    text = sp.graph(0)
+    assert "(B, S/2, " in text
+    # replicated norm weights see only their rank's tokens: their gradients are summed over tp
+    norm_syncs = [r for r in recs if r.op == "copy_to_region" and r.shape == (h,)]
+    assert len(norm_syncs) >= 2 * 2 + 1
+
+
+def sympy_equal(a, b) -> bool:
+    import sympy
+    return sympy.simplify(a - b) == 0
+
+
+def test_sequence_parallel_needs_tp():
+    with pytest.raises(fxtron.ParallelizeError, match="tensor parallel"):
+        fxtron.parallelize(make("gpt"), fxtron.Mesh(2), example_inputs=batch("gpt", 2, 8, 0)[0],
+                           sequence_parallel=True)

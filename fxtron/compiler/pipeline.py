@@ -180,7 +180,7 @@ def _tp_gather(placement: Shard, tp: int):
 
 
 def compile_rank(traced: fx.GraphModule, mesh: Mesh, rank: int, *, user_plan: dict | None = None,
-                 plan_mode: str = "override") -> RankGraph:
+                 plan_mode: str = "override", sequence_parallel: bool = False) -> RankGraph:
     """Run the per-rank passes on a copy of `traced`, in this order:
 
     plan                which linears split by columns / rows, embeddings by vocabulary
@@ -197,7 +197,7 @@ def compile_rank(traced: fx.GraphModule, mesh: Mesh, rank: int, *, user_plan: di
     if tp > 1:
         tp_plan = plan(gm, tp=tp, user_plan=user_plan, mode=plan_mode)
         gm = split_row_bias(gm, tp_plan)
-        gm = propagate(gm, tp_plan, tp=tp)
+        gm = propagate(gm, tp_plan, tp=tp, sequence_parallel=sequence_parallel)
         gm = insert_collectives(gm, tp=tp, tp_rank=tp_rank)
         gm = localize(gm, tp=tp)
         gm = assign_rng_regions(gm)

@@ -17,6 +17,8 @@ into the graph (view shapes, split sizes) to this rank's and drops export's meta
 from __future__ import annotations
 
 
+import operator
+
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
@@ -97,6 +99,16 @@ class _Emitter:
         self.cache[key] = out
         return out
 
+    def gather_for_region(self, src: fx.Node, value: fx.Node, have: Shard, consumer: fx.Node) -> fx.Node:
+        key = (src, "gather_from_sequence")
+        if key not in self.cache:
+            if have.interleave != 1:
+                raise ParallelizeError(f"%{src.name}: cannot gather an interleaved shard into a region")
+            self.cache[key] = self.call(_fx().gather_from_sequence.default, (value, have.dim, self.tp, TP_GROUP),
+                                        src, REPLICATE, f"%{src.name} {have} -> R entering a tensor-parallel "
+                                        "region (all-gather; reduce-scatter of its gradient)", module_of=consumer)
+        return self.cache[key]
+
     def copy_to_region(self, src: fx.Node, value: fx.Node, consumer: fx.Node) -> fx.Node:
         key = (src, "f")
         if key not in self.cache:
@@ -129,11 +141,16 @@ def insert_collectives(gm: fx.GraphModule, *, tp: int, tp_rank: int) -> fx.Graph
             have = seen[a]
             want = expects[i] if i < len(expects) and expects[i] is not None else have
             value = env[a]
-            if want != have:
-                value = em.redistribute(a, value, have, want, node)
-            if (sharded_out and isinstance(want, Replicate) and a in grad and node.op != "output"
-                    and not _is_param(a)):
-                value = em.copy_to_region(a, value, node)
+            enters_region = sharded_out and isinstance(want, Replicate) and a in grad and node.op != "output"
+            if enters_region and isinstance(have, Shard):
+                # sequence parallel's gather before a colwise linear: all-gather forward,
+                # reduce-scatter backward, one op (Megatron's gather_from_sequence_parallel_region)
+                value = em.gather_for_region(a, value, have, node)
+            else:
+                if want != have:
+                    value = em.redistribute(a, value, have, want, node)
+                if enters_region:
+                    value = em.copy_to_region(a, value, node)
             mapping[a] = value
         if node.op == "output":
             new.output(pytree.tree_map(lambda x: mapping.get(x, env.get(x)) if isinstance(x, fx.Node) else x,
@@ -151,11 +168,6 @@ def insert_collectives(gm: fx.GraphModule, *, tp: int, tp_rank: int) -> fx.Graph
     out.meta.update(gm.meta)
     out.graph.lint()
     return out
-
-
-def _is_param(node: fx.Node) -> bool:
-    spec = meta.get(node, meta.INPUT)
-    return spec is not None and spec.kind == "parameter"
 
 
 def _rewrite(node: fx.Node, em: _Emitter, remap, seen, tp: int, tp_rank: int) -> fx.Node | None:
@@ -224,8 +236,11 @@ def localize(gm: fx.GraphModule, *, tp: int) -> fx.GraphModule:
             s = sizes[pl.dim]
             if isinstance(s, int) and s != -1:
                 sizes[pl.dim] = _div(s, tp, node)
-            elif isinstance(s, fx.Node):
-                raise ParallelizeError(f"node %{node.name}: the sharded dim {pl.dim} has a computed size")
+            elif isinstance(s, fx.Node):   # a size read at run time (the sequence length): divide it there
+                with g.inserting_before(node):
+                    local = g.call_function(operator.floordiv, (s, tp))
+                meta.set(local, meta.PROVENANCE, meta.Provenance("localize", f"local size of dim {pl.dim}"))
+                sizes[pl.dim] = local
             node.args = (node.args[0], sizes) + tuple(node.args[2:])
         elif t in (aten.split.Tensor, aten.split_with_sizes.default):
             src = meta.get(node.args[0], meta.PLACEMENT)

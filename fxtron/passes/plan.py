@@ -96,6 +96,7 @@ class TPPlan:
     interleave: dict[str, int] = field(default_factory=dict)
     layers: dict[str, Layer] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    symbols: dict = field(default_factory=dict)   # export's shape symbols -> B / S
 
     def style(self, path: str) -> Style:
         return self.styles.get(path, Replicated())
@@ -240,7 +241,7 @@ def _interleave(layer: Layer, tp: int) -> int:
             # trailing output dims whose product is the feature dim: (..., a0, a1, ...)
             dims, prod = [], 1
             for s in reversed(out):
-                if prod == feat or not isinstance(s, int) and not str(s).isdigit():
+                if prod == feat or isinstance(s, torch.SymInt):   # never int() a symbolic size
                     break
                 prod *= int(s)
                 dims.insert(0, int(s))
@@ -302,8 +303,9 @@ def plan(gm: fx.GraphModule, *, tp: int, user_plan: dict | None = None, mode: st
     "replace" it is the whole plan (everything it does not name is replicated)."""
     if mode not in ("override", "replace"):
         raise ParallelizeError(f"plan_mode must be 'override' or 'replace', not {mode!r}")
+    from fxtron.compiler.trace import info
     layers = find_layers(gm)
-    result = TPPlan(tp=tp, layers=layers)
+    result = TPPlan(tp=tp, layers=layers, symbols=dict(info(gm).symbols))
     styles = auto_plan(gm, tp) if (mode == "override" and tp > 1) else {}
     for pattern, value in (user_plan or {}).items():
         style = _parse_style(value, pattern)

@@ -70,10 +70,26 @@ def _is_one(s) -> bool:
 class _Ctx:
     """What a rule may ask: the node, its tensor inputs' placements, the plan and tp."""
 
-    def __init__(self, node: fx.Node, placements: dict, plan: TPPlan, tp: int):
-        self.node, self.plan, self.tp = node, plan, tp
+    def __init__(self, node: fx.Node, placements: dict, plan: TPPlan, tp: int, sequence_parallel: bool = False):
+        self.node, self.plan, self.tp, self.sp = node, plan, tp, sequence_parallel
         self.inputs = tensor_inputs(node)
         self.p = [placements[a] for a in self.inputs]
+
+    def seq_shard(self, node: fx.Node | None = None) -> Shard | None:
+        """With sequence parallel: Shard on the sequence dim of `node` (default: this node),
+        the dim whose size is exactly the sequence symbol; None without sequence parallel or
+        when the value has no such dim."""
+        if not self.sp:
+            return None
+        from fxtron.compiler.trace import SEQ
+        node = node or self.node
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return None
+        for d, size in enumerate(val.shape):
+            if isinstance(size, torch.SymInt) and self.plan.symbols.get(sympy.sympify(size.node.expr)) == SEQ:
+                return Shard(d)
+        return None
 
     def index(self, arg) -> int:
         return next(i for i, a in enumerate(self.inputs) if a is arg)
@@ -146,9 +162,17 @@ def _pointwise(c: _Ctx):
         return Shard(d, k), expects
     if any(p.is_partial() for p in c.p):
         # Partial sums pass through casts and copies only; anything else reduces them first,
-        # right where Megatron's row-parallel linear does (one all-reduce, shared by all users)
+        # right where Megatron's row-parallel linear does (one all-reduce, shared by all users;
+        # with sequence parallel a reduce-scatter onto sequence shards)
         if node.target in _PARTIAL_THROUGH:
             return PARTIAL, [None] * len(c.p)
+        seq = c.seq_shard()
+        if seq is not None:
+            expects = []
+            for a in c.inputs:
+                d = seq.dim - (out_nd - _ndim(a))
+                expects.append(Shard(d) if d >= 0 and not _is_one(_shape(a)[d]) else REPLICATE)
+            return seq, expects
         return REPLICATE, [REPLICATE] * len(c.p)
     return REPLICATE, [None] * len(c.p)
 
@@ -215,7 +239,7 @@ def _view(c: _Ctx):
             prefix = 1
             for j in gi[:t]:
                 if not _expr(ins[j]).is_Integer:
-                    raise c.fail("merging a symbolic dim in front of a sharded one")
+                    return REPLICATE, [REPLICATE]   # (B, S/tp) -> B*S has no shard layout: gather first
                 prefix *= int(ins[j])
             return Shard(go[0], prefix * p.interleave), [None]
         raise c.fail("a view that regroups the sharded dim with others both ways")
@@ -269,7 +293,9 @@ def _slice_select(c: _Ctx):
         end = node.args[3] if len(node.args) > 3 else None
         step = node.args[4] if len(node.args) > 4 else 1
         size = _shape(c.inputs[0])[dim]
-        whole = start in (None, 0) and step == 1 and (end is None or (isinstance(end, int) and end >= int(size)))
+        # never int() a symbolic size: that would specialize the shape environment to the example
+        whole = start in (None, 0) and step == 1 and (
+            end is None or (isinstance(end, int) and (end >= 2**62 or (isinstance(size, int) and end >= size))))
         return (p, [None]) if whole else (REPLICATE, [REPLICATE])
     return p, [None]
 
@@ -426,6 +452,9 @@ def _layer_norm(c: _Ctx):
     expects = [None] + [REPLICATE] * (len(c.p) - 1)      # weight and bias whole
     if isinstance(px, Shard) and px.dim < nd - n_norm:
         return px, expects
+    seq = c.seq_shard(x) if px.is_partial() else None
+    if seq is not None and seq.dim < nd - n_norm:     # sequence parallel: normalize token shards
+        return seq, [seq] + expects[1:]
     return REPLICATE, [REPLICATE] + expects[1:]
 
 
@@ -543,9 +572,13 @@ def split_row_bias(gm: fx.GraphModule, plan: TPPlan) -> fx.GraphModule:
     return gm
 
 
-def propagate(gm: fx.GraphModule, plan: TPPlan, *, tp: int) -> fx.GraphModule:
+def propagate(gm: fx.GraphModule, plan: TPPlan, *, tp: int, sequence_parallel: bool = False) -> fx.GraphModule:
     """Give every node a tp placement (node.meta fxtron_placement) and every call the
-    placements it expects of its tensor inputs (fxtron_expects). Edits gm in place."""
+    placements it expects of its tensor inputs (fxtron_expects). Edits gm in place.
+
+    With `sequence_parallel`, partial sums that feed token-wise ops (residual adds, norms,
+    dropout) are reduce-scattered onto sequence shards instead of all-reduced, and those ops
+    run on 1/tp of the tokens (Korthikanti et al. 2022); a colwise linear then gathers them."""
     placements: dict[fx.Node, object] = {}
     gathered = {plan.layers[p].node for p, s in plan.styles.items() if isinstance(s, Colwise) and s.gather_output}
     for node in gm.graph.nodes:
@@ -556,14 +589,14 @@ def propagate(gm: fx.GraphModule, plan: TPPlan, *, tp: int) -> fx.GraphModule:
             meta.set(node, meta.PLACEMENT, pl)
             continue
         if node.op == "output":
-            c = _Ctx(node, placements, plan, tp)
+            c = _Ctx(node, placements, plan, tp, sequence_parallel)
             meta.set(node, meta.EXPECTS, tuple(REPLICATE for _ in c.p))
             continue
         if node.op != "call_function":
             if node.op == "get_attr":
                 placements[node] = REPLICATE
             continue
-        c = _Ctx(node, placements, plan, tp)
+        c = _Ctx(node, placements, plan, tp, sequence_parallel)
         if node.target is operator.getitem:
             out, expects = _getitem(c)
         else:
