@@ -425,3 +425,18 @@ def test_ops_are_named_nodes_in_traced_graphs():
     for name in ("vocab_parallel_embedding", "all_reduce", "copy_to_region", "all_gather",
                  "vocab_parallel_cross_entropy_with_softmax"):
         assert getattr(ops, name).default in targets, name
+
+
+def test_vocab_parallel_embedding_padding_row_gets_no_gradient():
+    """Two shards of one table, summed, equal F.embedding with padding_idx: values and grads."""
+    torch.manual_seed(0)
+    full = torch.randn(8, 3, dtype=torch.float64, requires_grad=True)
+    ids = torch.tensor([[0, 5, 2, 0], [7, 1, 5, 6]])
+    ref = torch.nn.functional.embedding(ids, full, padding_idx=5)
+    (ref * torch.arange(3.0, dtype=torch.float64)).sum().backward()
+    shards = [full.detach()[:4].clone().requires_grad_(), full.detach()[4:].clone().requires_grad_()]
+    out = sum(torch.ops.fxtron.vocab_parallel_embedding(w, ids, 4 * r, 5) for r, w in enumerate(shards))
+    (out * torch.arange(3.0, dtype=torch.float64)).sum().backward()
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat([w.grad for w in shards]), full.grad, rtol=0, atol=0)
+    assert shards[1].grad[1].abs().sum() == 0     # row 5 is rank 1's local row 1

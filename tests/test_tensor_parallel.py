@@ -14,7 +14,7 @@ import torch
 import fxtron
 from fxtron.runtime.groups import init_distributed
 from fxtron.testing import max_abs_diff, run_on_ranks
-from tp_models import NAMES, batch, loss_of, make
+from tp_models import MORE_NAMES, NAMES, batch, loss_of, make
 
 SEQS = [16, 12, 16]
 BATCH = 4
@@ -73,6 +73,9 @@ def _job(rank: int, meshes: list) -> dict:
             init_distributed(mesh)   # this mesh's groups, in the same processes
         for name in NAMES:
             out[(str(mesh), name)] = _train_parallel(rank, name, mesh)
+        if mesh.tp == 2 and mesh.dp == 1:
+            for name in MORE_NAMES:
+                out[(str(mesh), name)] = _train_parallel(rank, name, mesh)
         for name in SP_NAMES.get(str(mesh), []):
             out[(str(mesh), name + "+sp")] = _train_parallel(rank, name, mesh, sp=True)
         if mesh.tp == 2 and mesh.dp == 1:
@@ -100,7 +103,7 @@ def results():
 @pytest.fixture(scope="module")
 def reference():
     ref = {}
-    for name in NAMES:
+    for name in NAMES + MORE_NAMES:
         model = make(name)
         opt = _opt(model.parameters())
         losses, grads = [], None
@@ -119,6 +122,7 @@ def reference():
 CASES = [(mesh, name) for meshes in MESHES.values() for mesh in meshes for name in NAMES]
 CASES += [(mesh, name + "+sp") for meshes in MESHES.values() for mesh in meshes
           for name in SP_NAMES.get(str(mesh), [])]
+CASES += [(MESHES[2][0], name) for name in MORE_NAMES]
 
 
 @pytest.mark.parametrize("mesh,name", CASES, ids=[f"tp{m.tp}-dp{m.dp}-{n}" for m, n in CASES])

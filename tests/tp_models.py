@@ -7,8 +7,12 @@ import torch
 from fxtron.models import build
 from fxtron.models.llama import Llama, LlamaConfig
 
-VOCAB = {"gpt": 256, "llama": 256, "hf-gpt2": 128, "hf-llama": 128}
-NAMES = list(VOCAB)
+VOCAB = {"gpt": 256, "llama": 256, "hf-gpt2": 128, "hf-llama": 128,
+         "hf-qwen2": 128, "hf-neox": 128, "hf-phi3": 128}
+NAMES = ["gpt", "llama", "hf-gpt2", "hf-llama"]
+# more transformers decoders, checked at tp=2: q/k/v biases (Qwen2), parallel residual and
+# partial rotary (GPT-NeoX), fused qkv_proj and gate_up_proj (Phi-3)
+MORE_NAMES = ["hf-qwen2", "hf-neox", "hf-phi3"]
 
 
 def make(name: str, dropout: float = 0.0) -> torch.nn.Module:
@@ -27,6 +31,14 @@ def make(name: str, dropout: float = 0.0) -> torch.nn.Module:
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64))
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=8, max_position_embeddings=64)
+    if name == "hf-qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, num_key_value_heads=4))
+    if name == "hf-neox":
+        return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**common))
+    if name == "hf-phi3":
+        return transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, num_key_value_heads=4, pad_token_id=0))
     raise KeyError(name)
 
 

@@ -176,8 +176,10 @@ def _rewrite(node: fx.Node, em: _Emitter, remap, seen, tp: int, tp_rank: int) ->
     ops = _fx()
     if node.target == aten.embedding.default and isinstance(seen[node.args[0]], Shard) and seen[node.args[0]].dim == 0:
         w, ids = node.args[:2]
+        padding_idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
         per = int(w.meta["val"].shape[0]) // tp
-        return em.call(ops.vocab_parallel_embedding.default, (remap(w), remap(ids), tp_rank * per), node,
+        return em.call(ops.vocab_parallel_embedding.default,
+                       (remap(w), remap(ids), tp_rank * per, -1 if padding_idx is None else padding_idx), node,
                        PARTIAL, f"vocab-parallel embedding, rows [{tp_rank * per}, {(tp_rank + 1) * per})")
     if node.target == aten.cross_entropy_loss.default and isinstance(seen[node.args[0]], Shard):
         logits, target = node.args[:2]

@@ -181,12 +181,20 @@ def _through_shape_ops(node: fx.Node, limit: int = 12):
     return out
 
 
-def _reaches_residual(layer: Layer, order: dict[fx.Node, int]) -> bool:
-    for user, via in _through_shape_ops(layer.node):
-        if user.op == "call_function" and user.target == aten.add.Tensor:
-            other = user.args[1] if user.args[0] is via else user.args[0]
-            if isinstance(other, fx.Node) and order[other] < order[layer.node]:
-                return True
+def _reaches_residual(layer: Layer, order: dict[fx.Node, int], hops: int = 4) -> bool:
+    """Does the output reach a residual add (one whose other operand was computed before the
+    linear) through shape ops and other adds (GPT-NeoX's parallel attention + MLP sum)?"""
+    frontier = [layer.node]
+    for _ in range(hops):
+        nxt = []
+        for node in frontier:
+            for user, via in _through_shape_ops(node):
+                if user.op == "call_function" and user.target == aten.add.Tensor:
+                    other = user.args[1] if user.args[0] is via else user.args[0]
+                    if isinstance(other, fx.Node) and order[other] < order[layer.node]:
+                        return True
+                    nxt.append(user)
+        frontier = nxt
     return False
 
 
@@ -232,6 +240,10 @@ def _interleave(layer: Layer, tp: int) -> int:
             size, dim = user.args[1], (user.args[2] if len(user.args) > 2 else 0)
             if dim in (-1, last) and isinstance(size, int) and feat % size == 0:
                 return feat // size
+        if user.target == aten.chunk.default:
+            chunks, dim = user.args[1], (user.args[2] if len(user.args) > 2 else 0)
+            if dim in (-1, last) and feat % chunks == 0:
+                return chunks
         if user.target == aten.split_with_sizes.default:
             sizes, dim = user.args[1], (user.args[2] if len(user.args) > 2 else 0)
             if dim in (-1, last) and len(set(sizes)) == 1:

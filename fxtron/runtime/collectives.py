@@ -289,9 +289,10 @@ gather_from_sequence.register_autograd(_gather_from_sequence_bwd, setup_context=
 
 
 @torch.library.custom_op("fxtron::vocab_parallel_embedding", mutates_args=())
-def vocab_parallel_embedding(weight: Tensor, ids: Tensor, vocab_start: int) -> Tensor:
+def vocab_parallel_embedding(weight: Tensor, ids: Tensor, vocab_start: int, padding_idx: int = -1) -> Tensor:
     """In: weight [V/tp, h], this rank's rows [vocab_start, vocab_start + V/tp) of the table;
-    ids (any shape, global token ids). Out: [*ids.shape, h], the looked-up rows for ids in this
+    ids (any shape, global token ids); padding_idx: a global id whose row gets no gradient (as
+    F.embedding's), -1 for none. Out: [*ids.shape, h], the looked-up rows for ids in this
     rank's range and zeros elsewhere: a PARTIAL sum, which an all_reduce (or reduce_scatter)
     after it completes. Backward: the weight's gradient only (rows of in-range ids summed into
     their rows); ids get none."""
@@ -303,12 +304,12 @@ def vocab_parallel_embedding(weight: Tensor, ids: Tensor, vocab_start: int) -> T
 
 
 @vocab_parallel_embedding.register_fake
-def _(weight, ids, vocab_start):
+def _(weight, ids, vocab_start, padding_idx=-1):
     return weight.new_empty((*ids.shape, weight.shape[1]))
 
 
 def _setup_embedding(ctx, inputs, output):
-    weight, ids, ctx.vocab_start = inputs
+    weight, ids, ctx.vocab_start, ctx.padding_idx = inputs
     ctx.weight_rows = weight.shape[0]
     ctx.save_for_backward(ids)
 
@@ -317,10 +318,12 @@ def _vocab_parallel_embedding_bwd(ctx, grad):
     (ids,) = ctx.saved_tensors
     per, start = ctx.weight_rows, ctx.vocab_start
     outside = (ids < start) | (ids >= start + per)
+    if ctx.padding_idx >= 0:
+        outside = outside | (ids == ctx.padding_idx)   # the padding row learns nothing
     local = (ids - start).masked_fill(outside, 0).reshape(-1)
     rows = grad.masked_fill(outside.unsqueeze(-1), 0).reshape(-1, grad.shape[-1])
     grad_weight = grad.new_zeros((per, grad.shape[-1])).index_add_(0, local, rows)
-    return grad_weight, None, None
+    return grad_weight, None, None, None
 
 
 vocab_parallel_embedding.register_autograd(_vocab_parallel_embedding_bwd, setup_context=_setup_embedding)
