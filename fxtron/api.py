@@ -35,6 +35,7 @@ class Options:
     plan: dict | None = None
     plan_mode: str = "override"
     sequence_parallel: bool = False
+    gradient_accumulation_fusion: bool = True
 
     def __post_init__(self):
         if self.batch_dim < 0 or (self.seq_dim is not None and self.seq_dim < 0):
@@ -46,7 +47,8 @@ class Options:
 def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (),
                 example_kwargs: dict | None = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
                 batch_dim: int = 0, seq_dim: int | None = 1, plan: dict | None = None,
-                plan_mode: str = "override", sequence_parallel: bool = False) -> "ParallelModel":
+                plan_mode: str = "override", sequence_parallel: bool = False,
+                gradient_accumulation_fusion: bool = True) -> "ParallelModel":
     """Compile `model` for every rank of `mesh`.
 
     model(*example_inputs, **example_kwargs) must return the loss (a scalar tensor, or an
@@ -60,14 +62,17 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
     refines the automatic plan (plan_mode="override") or replaces it ("replace").
     `sequence_parallel=True` (tp > 1) runs norms, dropout and residual adds on 1/tp of the
     tokens, with reduce-scatter / all-gather in place of each all-reduce (the sequence length
-    must then be divisible by tp).
+    must then be divisible by tp). `gradient_accumulation_fusion` (default on) accumulates each
+    linear's weight gradient straight into an fp32 main_grad and defers it behind the
+    tensor-parallel all-reduce of the input gradient.
     """
     if not isinstance(mesh, Mesh):
         raise ParallelizeError(f"mesh must be a fxtron.Mesh, got {type(mesh).__name__}")
     if not isinstance(model, torch.nn.Module):
         raise ParallelizeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     options = Options(loss_fn=loss_fn, batch_dim=batch_dim, seq_dim=seq_dim, plan=plan, plan_mode=plan_mode,
-                      sequence_parallel=sequence_parallel)
+                      sequence_parallel=sequence_parallel,
+                      gradient_accumulation_fusion=gradient_accumulation_fusion)
     if sequence_parallel and mesh.tp == 1:
         raise ParallelizeError("sequence_parallel=True needs tensor parallel (mesh.tp > 1): it shards the "
                                "sequence over the tp ranks; set tp or drop sequence_parallel")
@@ -99,7 +104,8 @@ class ParallelModel:
         self._check_rank(rank)
         return pipeline.compile_rank(self.traced, self.mesh, rank, user_plan=self.options.plan,
                                      plan_mode=self.options.plan_mode,
-                                     sequence_parallel=self.options.sequence_parallel)
+                                     sequence_parallel=self.options.sequence_parallel,
+                                     gradient_accumulation_fusion=self.options.gradient_accumulation_fusion)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.mesh.world_size:

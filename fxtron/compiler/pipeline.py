@@ -24,6 +24,7 @@ from fxtron.runtime import shard as shard_math
 from fxtron.runtime.groups import ProcessGroups
 from fxtron.runtime.program import LocalParam, Program
 from fxtron.runtime.rng import RNGStreams
+from fxtron.codegen.linear import fuse_linears, fused_weights
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -90,7 +91,7 @@ class RankGraph:
         device = device or torch.device("cpu")
         rng = RNGStreams(seed, self.mesh.coords(rank)["tp"], device)
         return Program(_bind_groups(self.gm, groups, device), ti, params, buffers, persistent, self.local, rank,
-                       groups, ti.aliases, rng)
+                       groups, ti.aliases, rng, fused=fused_weights(self.gm))
 
 
 def _numel(shape) -> int:
@@ -180,7 +181,8 @@ def _tp_gather(placement: Shard, tp: int):
 
 
 def compile_rank(traced: fx.GraphModule, mesh: Mesh, rank: int, *, user_plan: dict | None = None,
-                 plan_mode: str = "override", sequence_parallel: bool = False) -> RankGraph:
+                 plan_mode: str = "override", sequence_parallel: bool = False,
+                 gradient_accumulation_fusion: bool = True) -> RankGraph:
     """Run the per-rank passes on a copy of `traced`, in this order:
 
     plan                which linears split by columns / rows, embeddings by vocabulary
@@ -189,6 +191,8 @@ def compile_rank(traced: fx.GraphModule, mesh: Mesh, rank: int, *, user_plan: di
     insert_collectives  the redistributions (f/g pairs, gathers, scatters), vocab-parallel ops
     localize            sizes written into the graph become this rank's
     assign_rng_regions  random ops draw from the replicated or the per-rank stream
+    fuse_linears        (codegen) weight gradients accumulate into fp32 main_grad, deferrable
+                        behind the tp all-reduce of the input gradient
     annotate shapes     local symbolic shapes for inspection
     """
     gm = _copy(traced)
@@ -201,6 +205,8 @@ def compile_rank(traced: fx.GraphModule, mesh: Mesh, rank: int, *, user_plan: di
         gm = insert_collectives(gm, tp=tp, tp_rank=tp_rank)
         gm = localize(gm, tp=tp)
         gm = assign_rng_regions(gm)
+    if gradient_accumulation_fusion:
+        gm = fuse_linears(gm)         # weight gradients straight into fp32 main_grad
     gm = annotate_local_shapes(gm, tp=tp)
     gm.graph.lint()
     ti = info(gm)

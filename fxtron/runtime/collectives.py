@@ -121,7 +121,17 @@ def _(x, group):
 
 
 def _copy_to_region_bwd(ctx, grad):
-    return all_reduce(grad, ctx.group), None
+    from fxtron.codegen.linear import active_queue
+    queue, pg = active_queue(), _group(ctx.group)
+    if pg is None or queue is None or not queue.jobs:
+        return all_reduce(grad, ctx.group), None
+    # the input gradient's all-reduce runs while the queued weight-gradient GEMMs compute
+    # (Megatron's async dgrad all-reduce overlapping the wgrad GEMM)
+    out = grad.clone(memory_format=torch.contiguous_format)
+    work = dist.all_reduce(out, group=pg, async_op=True)
+    queue.drain()
+    work.wait()
+    return out, None
 
 
 def _setup_group(ctx, inputs, output):

@@ -20,6 +20,7 @@ from torch import nn
 from fxtron.compiler.trace import TraceInfo
 from fxtron.errors import ParallelizeError
 from fxtron.runtime.groups import ProcessGroups
+from fxtron.codegen.linear import WgradQueue
 from fxtron.runtime.rng import RNGStreams
 
 
@@ -66,7 +67,8 @@ class Program(nn.Module):
 
     def __init__(self, gm: fx.GraphModule, info: TraceInfo, params: dict[str, torch.Tensor],
                  buffers: dict[str, torch.Tensor], persistent: set[str], local: dict[str, LocalParam],
-                 rank: int, groups: ProcessGroups | None, aliases: dict[str, str], rng: RNGStreams | None = None):
+                 rank: int, groups: ProcessGroups | None, aliases: dict[str, str], rng: RNGStreams | None = None,
+                 fused: list[str] | None = None):
         super().__init__()
         for name in info.params:
             _set_by_path(self, name, nn.Parameter(params[name]), parameter=True)
@@ -79,6 +81,9 @@ class Program(nn.Module):
         self.rank = rank
         self.groups = groups
         self.rng = rng
+        # fp32 gradient buffers of the weights whose fused linears accumulate into them
+        self._main_grads = {n: torch.zeros(_get_by_path(self, n).shape, dtype=torch.float32,
+                                           device=_get_by_path(self, n).device) for n in (fused or [])}
 
     # ---------------------------------------------------------------- running
     def _flat_inputs(self, inputs: tuple, kwargs: dict | None) -> list:
@@ -133,11 +138,32 @@ class Program(nn.Module):
         global batch's loss."""
         args, kw = self.local_batch(inputs, kwargs)
         optimizer.zero_grad(set_to_none=True)
-        loss = self(*args, **kw)
-        loss.backward()
+        with self._main_grad_accumulation():
+            loss = self(*args, **kw)
+            with WgradQueue().active():   # weight-gradient GEMMs overlap tp all-reduces
+                loss.backward()
         self.sync_grads()
         optimizer.step()
         return self._global_loss(loss.detach())
+
+    @contextlib.contextmanager
+    def _main_grad_accumulation(self):
+        """During one step, fused linears accumulate weight gradients into fp32 main_grad
+        (zeroed here); afterwards each weight's .grad is its main_grad plus whatever plain
+        autograd added (a tied embedding's part), as Megatron's DDP hook adds them."""
+        params = {n: _get_by_path(self, n) for n in self._main_grads}
+        for n, p in params.items():
+            self._main_grads[n].zero_()
+            p.main_grad = self._main_grads[n]
+        try:
+            yield
+        finally:
+            for n, p in params.items():
+                del p.main_grad
+                g = self._main_grads[n]
+                if p.grad is not None:
+                    g.add_(p.grad)
+                p.grad = g if p.dtype == torch.float32 else g.to(p.dtype)
 
     # ---------------------------------------------------------------- communication
     def _dp(self) -> tuple[int, int]:

@@ -1,0 +1,153 @@
+"""Codegen: linears whose weight gradient accumulates straight into an fp32 `main_grad`
+(Megatron's gradient_accumulation_fusion), with the weight-gradient GEMM deferrable so that it
+overlaps the tensor-parallel all-reduce of the input gradient (Megatron's
+LinearWithGradAccumulationAndAsyncCommunication).
+
+`fuse_linears(gm)` rewrites every linear / addmm / mm whose weight is a parameter into
+`fxtron::linear(x, weight, bias, weight_in_out)`. Its backward computes the input gradient
+first; the weight gradient goes through `fxtron.codegen.wgrad.wgrad_accumulate` into
+`weight.main_grad` when the program gave the weight one (otherwise it is returned to autograd
+as usual). While a `WgradQueue` is active (a program's train_step), those weight-gradient GEMMs
+are queued instead of run: the next `copy_to_region` backward starts its all-reduce
+asynchronously, runs the queue while the bytes move, then waits.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Callable, Optional
+
+import torch
+import torch.fx as fx
+from torch import Tensor
+
+from fxtron.compiler import meta
+
+aten = torch.ops.aten
+_QUEUE: contextvars.ContextVar["WgradQueue | None"] = contextvars.ContextVar("fxtron_wgrad_queue", default=None)
+
+
+class WgradQueue:
+    """Weight-gradient GEMMs waiting for a communication to hide behind."""
+
+    def __init__(self):
+        self.jobs: list[Callable[[], None]] = []
+
+    @contextlib.contextmanager
+    def active(self):
+        token = _QUEUE.set(self)
+        try:
+            yield self
+        finally:
+            _QUEUE.reset(token)
+            self.drain()
+
+    def drain(self) -> None:
+        jobs, self.jobs = self.jobs, []
+        for job in jobs:
+            job()
+
+
+def active_queue() -> WgradQueue | None:
+    return _QUEUE.get()
+
+
+def _accumulate(x: Tensor, dy: Tensor, main_grad: Tensor, weight_in_out: bool) -> None:
+    from fxtron.codegen.wgrad import wgrad_accumulate
+    if weight_in_out:     # main_grad [in, out] += x^T dy
+        wgrad_accumulate(dy, x, main_grad)
+    else:                 # main_grad [out, in] += dy^T x
+        wgrad_accumulate(x, dy, main_grad)
+
+
+@torch.library.custom_op("fxtron::linear", mutates_args=())
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], weight_in_out: bool) -> Tensor:
+    """y = x W^T + b (weight [out, in], as nn.Linear) or y = x W + b (weight_in_out: [in, out],
+    as Conv1D / mm)."""
+    w = weight if weight_in_out else weight.t()
+    y = torch.matmul(x, w)
+    return y + bias if bias is not None else y
+
+
+@linear.register_fake
+def _(x, weight, bias, weight_in_out):
+    out = weight.shape[1] if weight_in_out else weight.shape[0]
+    return x.new_empty((*x.shape[:-1], out))
+
+
+def _setup(ctx, inputs, output):
+    x, weight, bias, ctx.weight_in_out = inputs
+    ctx.weight = weight          # the Parameter itself: its main_grad attribute is read in backward
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(x)
+
+
+def _backward(ctx, dy):
+    (x,) = ctx.saved_tensors
+    w = ctx.weight
+    dx = dy.matmul(w.t() if ctx.weight_in_out else w)
+    main_grad = getattr(w, "main_grad", None)
+    grad_w = None
+    if main_grad is not None:
+        job = lambda: _accumulate(x, dy, main_grad, ctx.weight_in_out)  # noqa: E731
+        queue = active_queue()
+        queue.jobs.append(job) if queue is not None else job()
+    else:
+        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        grad_w = x2.t().matmul(dy2) if ctx.weight_in_out else dy2.t().matmul(x2)
+    grad_b = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias else None
+    return dx, grad_w, grad_b, None
+
+
+linear.register_autograd(_backward, setup_context=_setup)
+
+
+def _param(node) -> bool:
+    if not isinstance(node, fx.Node) or node.op != "placeholder":
+        return False
+    spec = meta.get(node, meta.INPUT)
+    return spec is not None and spec.kind == "parameter"
+
+
+def kernel_name(device: torch.device) -> str:
+    """The weight-gradient kernel a fused linear uses on `device` (wgrad_accumulate's choice)."""
+    return "wgrad:triton_wgrad_accum_fp32" if device.type == "cuda" else "wgrad:addmm_fp32"
+
+
+def fuse_linears(gm: fx.GraphModule, *, device: torch.device | None = None) -> fx.GraphModule:
+    """Rewrite linears with parameter weights to fxtron::linear and record in node.meta which
+    weight-gradient kernel each uses (`pm.graph` shows it). Edits gm in place."""
+    g = gm.graph
+    for node in list(g.nodes):
+        if node.op != "call_function":
+            continue
+        t, a = node.target, node.args
+        if t == aten.linear.default and _param(a[1]):
+            args = (a[0], a[1], a[2] if len(a) > 2 else None, False)
+        elif t == aten.addmm.default and _param(a[2]) and len(a) == 3 and not node.kwargs:
+            args = (a[1], a[2], a[0], True)
+        elif t in (aten.mm.default, aten.matmul.default) and _param(a[1]) and a[1].meta["val"].dim() == 2:
+            args = (a[0], a[1], None, True)
+        else:
+            continue
+        x, w = args[0], args[1]
+        with g.inserting_before(node):
+            new = g.call_function(torch.ops.fxtron.linear.default, args)
+        new.meta.update(node.meta)
+        meta.set(new, meta.KERNEL, kernel_name(device or torch.device("cpu")))
+        meta.set(new, meta.PROVENANCE, meta.Provenance("fuse_linears", "weight gradient into main_grad"))
+        node.replace_all_uses_with(new)
+        g.erase_node(node)
+    gm.recompile()
+    return gm
+
+
+def fused_weights(gm: fx.GraphModule) -> list[str]:
+    """Names of the parameters whose gradients the fused linears accumulate into main_grad."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target == torch.ops.fxtron.linear.default:
+            spec = meta.get(node.args[1], meta.INPUT)
+            if spec.target not in out:
+                out.append(spec.target)
+    return out
