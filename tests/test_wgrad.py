@@ -18,6 +18,7 @@ back as JSON; the pytest process itself stays uninterpreted.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -88,7 +89,8 @@ def run_case(case: Case, backend: str, seed: int = 0) -> dict:
     kernels = set()
     for _ in range(case.calls):
         x, dy = _inputs(case, gen)
-        x64, dy64 = x.double().reshape(-1, case.d_in), dy.double().reshape(-1, case.d_out)
+        tokens = math.prod(case.lead)
+        x64, dy64 = x.double().reshape(tokens, case.d_in), dy.double().reshape(tokens, case.d_out)
         ref = ref + dy64.t() @ x64
         scale = scale + dy64.abs().t() @ x64.abs()
         kernels.add(kernel_for(x, dy, main_grad, backend=backend))

@@ -85,6 +85,7 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, dy):
     (x,) = ctx.saved_tensors
     w = ctx.weight
+    dy = dy.to(x.dtype)        # as Megatron: the weight-gradient GEMM takes both in the input's dtype
     dx = dy.matmul(w.t() if ctx.weight_in_out else w)
     main_grad = getattr(w, "main_grad", None)
     grad_w = None
@@ -109,9 +110,16 @@ def _param(node) -> bool:
     return spec is not None and spec.kind == "parameter"
 
 
-def kernel_name(device: torch.device) -> str:
-    """The weight-gradient kernel a fused linear uses on `device` (wgrad_accumulate's choice)."""
-    return "wgrad:triton_wgrad_accum_fp32" if device.type == "cuda" else "wgrad:addmm_fp32"
+def kernel_name(device: torch.device, dtype: torch.dtype) -> str:
+    """The weight-gradient kernel a fused linear with `dtype` activations uses on `device`:
+    wgrad_accumulate's own choice (Triton for 16-bit inputs on CUDA, addmm_ otherwise)."""
+    from fxtron.codegen.wgrad import kernel_for
+    probe = torch.empty((1, 1), dtype=dtype, device="meta")
+    fake_dev = torch.empty((1, 1), dtype=dtype, device=device) if device.type == "cpu" else None
+    if device.type == "cuda":
+        return "wgrad:" + ("triton_wgrad_accum_fp32" if dtype in (torch.bfloat16, torch.float16) else "addmm_fp32")
+    return "wgrad:" + kernel_for(fake_dev if fake_dev is not None else probe, fake_dev if fake_dev is not None else probe,
+                                 torch.zeros((1, 1), dtype=torch.float32))
 
 
 def fuse_linears(gm: fx.GraphModule, *, device: torch.device | None = None) -> fx.GraphModule:
@@ -134,7 +142,7 @@ def fuse_linears(gm: fx.GraphModule, *, device: torch.device | None = None) -> f
         with g.inserting_before(node):
             new = g.call_function(torch.ops.fxtron.linear.default, args)
         new.meta.update(node.meta)
-        meta.set(new, meta.KERNEL, kernel_name(device or torch.device("cpu")))
+        meta.set(new, meta.KERNEL, kernel_name(device or torch.device("cpu"), x.meta["val"].dtype))
         meta.set(new, meta.PROVENANCE, meta.Provenance("fuse_linears", "weight gradient into main_grad"))
         node.replace_all_uses_with(new)
         g.erase_node(node)
