@@ -59,7 +59,9 @@ WARMUP_STEPS = 3              # per system, untimed
 ROUNDS, STEPS_PER_ROUND = 6, 4  # timed steps per system = ROUNDS * STEPS_PER_ROUND
 LR = 1e-3
 TARGETS = {"fxtron_tp2": "<= 0.5x dtensor_tp2, <= 0.75x single_process"}
-SYSTEMS = ["fxtron_tp2", "dtensor_tp2", "single_process"]
+# fxtron_tp2_unfused: no gradient-accumulation fusion, so no weight-gradient GEMM is deferred
+# behind the async all-reduce of the input gradient (the overlap's effect on the step)
+SYSTEMS = ["fxtron_tp2", "fxtron_tp2_unfused", "dtensor_tp2", "single_process"]
 
 COMPILE_LAYERS = [2, 4, 8, 16, 32]
 COMPILE_ROUNDS = {2: 3, 4: 3, 8: 2, 16: 1, 32: 1}
@@ -118,9 +120,9 @@ def _adamw(params):
 
 
 # ---------------------------------------------------------------- the training job (per rank)
-def _setup_fxtron(rank: int, mesh: fxtron.Mesh, example):
+def _setup_fxtron(rank: int, mesh: fxtron.Mesh, example, fusion: bool = True):
     t0 = time.perf_counter()
-    pm = fxtron.parallelize(make_model(), mesh, example_inputs=example)
+    pm = fxtron.parallelize(make_model(), mesh, example_inputs=example, gradient_accumulation_fusion=fusion)
     prog = pm.program(rank)
     compile_s = time.perf_counter() - t0
     opt = _adamw(prog.parameters())
@@ -174,6 +176,7 @@ def _train_job(rank: int, mesh: fxtron.Mesh) -> dict:
     batches = make_batches()
     runners, setup = {}, {}
     runners["fxtron_tp2"], setup["fxtron_tp2"] = _setup_fxtron(rank, mesh, batches[0])
+    runners["fxtron_tp2_unfused"], setup["fxtron_tp2_unfused"] = _setup_fxtron(rank, mesh, batches[0], fusion=False)
     runners["dtensor_tp2"], setup["dtensor_tp2"] = _setup_dtensor(rank)
     if rank == 0:
         runners["single_process"] = _setup_single()
