@@ -36,6 +36,7 @@ class Options:
     plan_mode: str = "override"
     sequence_parallel: bool = False
     gradient_accumulation_fusion: bool = True
+    dtype: torch.dtype | None = None
 
     def __post_init__(self):
         if self.batch_dim < 0 or (self.seq_dim is not None and self.seq_dim < 0):
@@ -48,7 +49,7 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
                 example_kwargs: dict | None = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
                 batch_dim: int = 0, seq_dim: int | None = 1, plan: dict | None = None,
                 plan_mode: str = "override", sequence_parallel: bool = False,
-                gradient_accumulation_fusion: bool = True) -> "ParallelModel":
+                gradient_accumulation_fusion: bool = True, dtype: torch.dtype | None = None) -> "ParallelModel":
     """Compile `model` for every rank of `mesh`.
 
     model(*example_inputs, **example_kwargs) must return the loss (a scalar tensor, or an
@@ -64,15 +65,19 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
     tokens, with reduce-scatter / all-gather in place of each all-reduce (the sequence length
     must then be divisible by tp). `gradient_accumulation_fusion` (default on) accumulates each
     linear's weight gradient straight into an fp32 main_grad and defers it behind the
-    tensor-parallel all-reduce of the input gradient.
+    tensor-parallel all-reduce of the input gradient. `dtype=torch.bfloat16` (or float16, with
+    dynamic loss scaling) computes in 16 bits while the optimizer updates the fp32 parameters
+    from fp32 gradients (Megatron's Float16Module and mixed-precision optimizer).
     """
+    if dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+        raise ParallelizeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, not {dtype}")
     if not isinstance(mesh, Mesh):
         raise ParallelizeError(f"mesh must be a fxtron.Mesh, got {type(mesh).__name__}")
     if not isinstance(model, torch.nn.Module):
         raise ParallelizeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     options = Options(loss_fn=loss_fn, batch_dim=batch_dim, seq_dim=seq_dim, plan=plan, plan_mode=plan_mode,
                       sequence_parallel=sequence_parallel,
-                      gradient_accumulation_fusion=gradient_accumulation_fusion)
+                      gradient_accumulation_fusion=gradient_accumulation_fusion, dtype=dtype)
     if sequence_parallel and mesh.tp == 1:
         raise ParallelizeError("sequence_parallel=True needs tensor parallel (mesh.tp > 1): it shards the "
                                "sequence over the tp ranks; set tp or drop sequence_parallel")
@@ -84,9 +89,28 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
             f"this fxtron build parallelizes over tensor and data parallel; the mesh asks for {unsupported}. "
             f"Use Mesh(world_size={mesh.world_size // (mesh.pp * mesh.cp)}, tp={mesh.tp}) until pipeline, "
             "context and expert parallel land")
-    traced = trace(model, example_inputs, example_kwargs=example_kwargs, loss_fn=options.loss_fn,
+    # a 16-bit program is traced in 16 bits (casts such as a norm's .float() ... .type_as(x) only
+    # mean something then), on a meta replica so the model's weights are never copied
+    subject = _meta_replica(model, dtype) if dtype in (torch.bfloat16, torch.float16) else model
+    traced = trace(subject, example_inputs, example_kwargs=example_kwargs, loss_fn=options.loss_fn,
                    batch_dim=options.batch_dim, seq_dim=options.seq_dim)
     return ParallelModel(model, mesh, traced, options)
+
+
+def _meta_replica(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The model's structure on the meta device with floating parameters and buffers in
+    `dtype`: deepcopy with every tensor pre-mapped in the memo, so no data is copied (tied
+    weights stay tied: one id, one replica)."""
+    import copy
+    memo: dict[int, torch.Tensor] = {}
+    for p in model.parameters():
+        if id(p) not in memo:
+            memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta", dtype=dtype if p.is_floating_point() else p.dtype),
+                                             requires_grad=p.requires_grad)
+    for b in model.buffers():
+        if id(b) not in memo:
+            memo[id(b)] = torch.empty_like(b, device="meta", dtype=dtype if b.is_floating_point() else b.dtype)
+    return copy.deepcopy(model, memo)
 
 
 class ParallelModel:
@@ -178,7 +202,7 @@ class ParallelModel:
         if groups is not None and groups.rank != rank:
             raise ParallelizeError(f"program({rank}) built in the process of rank {groups.rank}")
         rg = self.compiled(rank)
-        return rg.build_program(self.model, rank, groups, seed=seed)
+        return rg.build_program(self.model, rank, groups, seed=seed, dtype=self.options.dtype)
 
 
 def _fmt_bytes(n: float) -> str:

@@ -19,14 +19,22 @@ def run_on_ranks(fn: Callable[..., Any], mesh: Mesh | int, *args, timeout_s: flo
                   collective_timeout_s=min(60.0, timeout_s), threads_per_rank=1)
 
 
-def reference_training(model: torch.nn.Module, batches: Iterable[tuple], make_optimizer) -> dict:
+def reference_training(model: torch.nn.Module, batches: Iterable[tuple], make_optimizer,
+                       dtype: torch.dtype | None = None) -> dict:
     """Train `model` in this process on `batches` (global batches); return the losses, the
-    gradients of the first step (before its optimizer step) and the final state dict."""
+    gradients of the first step (before its optimizer step) and the final state dict. With
+    `dtype` (bf16), the same precision policy as a mixed-precision program: fp32 parameters
+    updated by the optimizer, forward computed with 16-bit copies of parameters and buffers."""
     opt = make_optimizer(model.parameters())
     losses, first_grads = [], None
     for step, batch in enumerate(batches):
         opt.zero_grad(set_to_none=True)
-        loss = model(*batch)
+        if dtype is None:
+            loss = model(*batch)
+        else:
+            tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+            cast = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
+            loss = torch.func.functional_call(model, cast, batch)
         loss.backward()
         if step == 0:
             first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}

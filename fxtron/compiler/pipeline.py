@@ -15,7 +15,7 @@ import torch.fx as fx
 from fxtron.compiler.trace import info
 from fxtron.errors import ParallelizeError
 from fxtron.mesh import Mesh
-from fxtron.passes.collectives import TP_GROUP, assign_rng_regions, insert_collectives, localize
+from fxtron.passes.collectives import TP_GROUP, assign_rng_regions, drop_metadata_asserts, insert_collectives, localize
 from fxtron.passes.placement import Shard
 from fxtron.passes.plan import TPPlan, plan
 from fxtron.passes.propagate import propagate, split_row_bias
@@ -58,7 +58,7 @@ class RankGraph:
         return sum(_numel(p.local_shape) * p.dtype.itemsize for p in self.local.values())
 
     def build_program(self, model: torch.nn.Module, rank: int, groups: ProcessGroups | None,
-                      seed: int = 0) -> Program:
+                      seed: int = 0, dtype: torch.dtype | None = None) -> Program:
         ti = info(self.gm)
         named = dict(model.named_parameters())
         params = {}
@@ -91,7 +91,7 @@ class RankGraph:
         device = device or torch.device("cpu")
         rng = RNGStreams(seed, self.mesh.coords(rank)["tp"], device)
         return Program(_bind_groups(self.gm, groups, device), ti, params, buffers, persistent, self.local, rank,
-                       groups, ti.aliases, rng, fused=fused_weights(self.gm))
+                       groups, ti.aliases, rng, fused=fused_weights(self.gm), dtype=dtype)
 
 
 def _numel(shape) -> int:
@@ -195,7 +195,7 @@ def compile_rank(traced: fx.GraphModule, mesh: Mesh, rank: int, *, user_plan: di
                         behind the tp all-reduce of the input gradient
     annotate shapes     local symbolic shapes for inspection
     """
-    gm = _copy(traced)
+    gm = drop_metadata_asserts(_copy(traced))   # they pin the traced dtype and global sizes
     tp, tp_rank = mesh.tp, mesh.coords(rank)["tp"]
     tp_plan = None
     if tp > 1:

@@ -217,6 +217,17 @@ def assign_rng_regions(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 # ----------------------------------------------------------------------------- localize
+def drop_metadata_asserts(gm: fx.GraphModule) -> fx.GraphModule:
+    """Remove export's `_assert_tensor_metadata` checks: they pin the traced dtype (a mixed-
+    precision program computes in 16 bits) and global sizes (a rank holds shards). Edits gm in
+    place and returns it."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target == aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return gm
+
+
 _SIZE_ARG_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
 
 

@@ -57,6 +57,38 @@ def _get_by_path(root: nn.Module, path: str) -> torch.Tensor:
     return getattr(node, leaf)
 
 
+class LossScaler:
+    """Dynamic loss scaling for fp16 (Megatron's DynamicGradScaler defaults): scale the loss
+    by `scale` before backward; a step whose gradients overflow anywhere in the job is skipped
+    and halves the scale; `growth_interval` clean steps in a row double it."""
+
+    def __init__(self, scale: float = 2.0**16, growth_interval: int = 1000, backoff: float = 0.5,
+                 growth: float = 2.0, min_scale: float = 1.0):
+        self.scale, self.growth_interval = scale, growth_interval
+        self.backoff, self.growth, self.min_scale = backoff, growth, min_scale
+        self.clean_steps = 0
+        self.skipped = 0
+
+    def unscale_and_check(self, params: list[torch.Tensor], groups: ProcessGroups | None) -> bool:
+        """Divide the gradients by the scale; True when they are finite on every rank."""
+        grads = [p.grad for p in params if p.grad is not None]
+        found = torch.zeros(1, device=grads[0].device if grads else "cpu")
+        for g in grads:
+            g.div_(self.scale)
+            found = torch.maximum(found, (~torch.isfinite(g)).any().float().reshape(1))
+        if groups is not None and groups.mesh.world_size > 1:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)   # every rank skips the same steps
+        if found.item():
+            self.scale = max(self.scale * self.backoff, self.min_scale)
+            self.clean_steps = 0
+            self.skipped += 1
+            return False
+        self.clean_steps += 1
+        if self.clean_steps % self.growth_interval == 0:
+            self.scale *= self.growth
+        return True
+
+
 class Program(nn.Module):
     """One rank's share of the model, ready for an optimizer.
 
@@ -68,7 +100,7 @@ class Program(nn.Module):
     def __init__(self, gm: fx.GraphModule, info: TraceInfo, params: dict[str, torch.Tensor],
                  buffers: dict[str, torch.Tensor], persistent: set[str], local: dict[str, LocalParam],
                  rank: int, groups: ProcessGroups | None, aliases: dict[str, str], rng: RNGStreams | None = None,
-                 fused: list[str] | None = None):
+                 fused: list[str] | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         for name in info.params:
             _set_by_path(self, name, nn.Parameter(params[name]), parameter=True)
@@ -81,6 +113,10 @@ class Program(nn.Module):
         self.rank = rank
         self.groups = groups
         self.rng = rng
+        # mixed precision: parameters stay fp32 (the optimizer's main parameters); each forward
+        # computes with 16-bit copies (Megatron's Float16Module + mixed-precision optimizer)
+        self.dtype = dtype if dtype not in (None, torch.float32) else None
+        self.scaler = LossScaler() if self.dtype == torch.float16 else None
         # fp32 gradient buffers of the weights whose fused linears accumulate into them
         self._main_grads = {n: torch.zeros(_get_by_path(self, n).shape, dtype=torch.float32,
                                            device=_get_by_path(self, n).device) for n in (fused or [])}
@@ -97,8 +133,8 @@ class Program(nn.Module):
     def forward(self, *inputs, **kwargs) -> torch.Tensor:
         """The loss of this rank's program on these (already local) inputs."""
         flat = self._flat_inputs(inputs, kwargs)
-        args = [_get_by_path(self, n) for n in self._info.params]
-        args += [_get_by_path(self, n) for n in self._info.buffers]
+        args = [self._compute_copy(_get_by_path(self, n)) for n in self._info.params]
+        args += [self._compute_copy(_get_by_path(self, n)) for n in self._info.buffers]
         with self.rng.active() if self.rng is not None else contextlib.nullcontext():
             outs = self.graph_module(*args, *flat)
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)
@@ -110,6 +146,18 @@ class Program(nn.Module):
             else:
                 loss = out
         return loss
+
+    def _compute_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor the graph computes with: a 16-bit copy of a floating fp32 parameter or
+        buffer under mixed precision (a fused linear's weight copy carries the fp32 main_grad
+        its gradient accumulates into), the tensor itself otherwise."""
+        if self.dtype is None or not t.is_floating_point():
+            return t
+        copy = t.to(self.dtype)
+        main_grad = getattr(t, "main_grad", None)
+        if main_grad is not None:
+            copy.main_grad = main_grad
+        return copy
 
     def local_batch(self, inputs: tuple, kwargs: dict | None = None) -> tuple[tuple, dict]:
         """This rank's data-parallel slice of a global batch (dim 'batch' of every input)."""
@@ -140,11 +188,13 @@ class Program(nn.Module):
         optimizer.zero_grad(set_to_none=True)
         with self._main_grad_accumulation():
             loss = self(*args, **kw)
+            scaled = loss * self.scaler.scale if self.scaler is not None else loss
             with WgradQueue().active():   # weight-gradient GEMMs overlap tp all-reduces
-                loss.backward()
+                scaled.backward()
         self.sync_grads()
-        optimizer.step()
-        return self._global_loss(loss.detach())
+        if self.scaler is None or self.scaler.unscale_and_check(list(self.parameters()), self.groups):
+            optimizer.step()
+        return self._global_loss(loss.detach().float())
 
     @contextlib.contextmanager
     def _main_grad_accumulation(self):
