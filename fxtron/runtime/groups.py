@@ -6,6 +6,7 @@ the rest of fxtron takes as an argument; nothing below it looks up a default gro
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from dataclasses import dataclass, field
@@ -109,6 +110,10 @@ def init_distributed(mesh: Mesh, *, backend: str | None = None, timeout_s: float
         dist.init_process_group(backend=backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     groups = build_groups(mesh, rank, backend, device)
+    if not _REGISTRY:
+        # a script that returns without tearing the process group down would abort in gloo's
+        # thread destructors at exit; tear it down for it
+        atexit.register(destroy)
     _REGISTRY[mesh] = groups
     return groups
 
