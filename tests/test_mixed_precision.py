@@ -15,11 +15,13 @@ import pytest
 import torch
 
 import fxtron
-from fxtron.models import build, example_inputs
-from fxtron.testing import max_abs_diff, reference_training, run_on_ranks
+from fxtron.testing import max_abs_diff, run_on_ranks
+from tp_models import batch, loss_of, make
 
 LR, STEPS = 1e-3, 3
-CASES = [("gpt-tiny", torch.bfloat16), ("llama-tiny", torch.bfloat16), ("gpt-tiny", torch.float16)]
+# (model, dtype, sequence parallel)
+CASES = [("gpt", torch.bfloat16, False), ("llama", torch.bfloat16, False), ("llama", torch.bfloat16, True),
+         ("hf-gpt2", torch.bfloat16, False), ("hf-llama", torch.bfloat16, True), ("gpt", torch.float16, False)]
 GRAD_TOL = {torch.bfloat16: 2.0**-5, torch.float16: 2.0**-8}
 
 
@@ -28,19 +30,24 @@ def _opt(params):
 
 
 def _batches(name):
-    return [example_inputs(name, batch=4, seq=s, seed=100 + i) for i, s in enumerate([16, 12, 16])]
+    return [batch(name, 4, s, seed=100 + i) for i, s in enumerate([16, 12, 16])]
+
+
+def _key(name, dtype, sp):
+    return f"{name}-{str(dtype)[6:]}" + ("-sp" if sp else "")
 
 
 def _job(rank: int, mesh: fxtron.Mesh) -> dict:
     out = {}
-    for name, dtype in CASES:
-        pm = fxtron.parallelize(build(name, seed=0), mesh, example_inputs=example_inputs(name, batch=4, seq=8),
-                                dtype=dtype)
+    for name, dtype, sp in CASES:
+        a, kw = batch(name, 2, 8, seed=0)
+        pm = fxtron.parallelize(make(name), mesh, example_inputs=a, example_kwargs=kw, dtype=dtype,
+                                sequence_parallel=sp)
         prog = pm.program(rank)
         opt = _opt(prog.parameters())
         losses, grads = [], None
-        for step, b in enumerate(_batches(name)):
-            losses.append(prog.train_step(b, opt))
+        for step, (a, kw) in enumerate(_batches(name)):
+            losses.append(prog.train_step(a, opt, kwargs=kw))
             if step == 0:
                 grads = prog.full_grads()
         res = {"losses": losses, "grads": grads, "state": prog.full_state_dict(),
@@ -49,11 +56,30 @@ def _job(rank: int, mesh: fxtron.Mesh) -> dict:
             res["scale"], res["skipped"] = prog.scaler.scale, prog.scaler.skipped
             prog.scaler.scale = 1e38                       # force an overflow: the step is skipped
             before = {n: p.detach().clone() for n, p in prog.named_parameters()}
-            prog.train_step(_batches(name)[0], opt)
+            a, kw = _batches(name)[0]
+            prog.train_step(a, opt, kwargs=kw)
             res["overflow"] = (prog.scaler.skipped, prog.scaler.scale,
                                all(torch.equal(before[n], p) for n, p in prog.named_parameters()))
-        out[(name, str(dtype))] = res
+        out[_key(name, dtype, sp)] = res
     return out
+
+
+def _reference(name: str, dtype: torch.dtype) -> dict:
+    """The same policy in one process: fp32 parameters, forward with 16-bit copies."""
+    model = make(name)
+    opt = _opt(model.parameters())
+    losses, grads = [], None
+    for step, (a, kw) in enumerate(_batches(name)):
+        opt.zero_grad(set_to_none=True)
+        tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        cast = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
+        loss = loss_of(lambda *x, **k: torch.func.functional_call(model, cast, x, k), a, kw)
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}
+        opt.step()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "grads": grads, "state": model.state_dict()}
 
 
 @pytest.fixture(scope="module")
@@ -62,24 +88,25 @@ def results():
     return run_on_ranks(_job, mesh, mesh)
 
 
-@pytest.mark.parametrize("name,dtype", CASES, ids=[f"{n}-{str(d)[6:]}" for n, d in CASES])
-def test_16bit_training_matches_the_same_policy_in_one_process(results, name, dtype):
-    ref = reference_training(build(name, seed=0), _batches(name), _opt, dtype=dtype)
+@pytest.mark.parametrize("name,dtype,sp", CASES, ids=[_key(*c) for c in CASES])
+def test_16bit_training_matches_the_same_policy_in_one_process(results, name, dtype, sp):
+    ref = _reference(name, dtype)
     for rank, res in enumerate(results):
-        got = res[(name, str(dtype))]
+        got = res[_key(name, dtype, sp)]
         assert got["dtypes"] == {torch.float32}          # the optimizer's parameters stay fp32
         for a, b in zip(got["losses"], ref["losses"]):
             assert abs(a - b) <= 2.0**-6 * abs(b), (rank, got["losses"], ref["losses"])
         gmax = max(g.abs().max().item() for g in ref["grads"].values())
-        dg, where = max_abs_diff(got["grads"], {k: v.float() for k, v in ref["grads"].items()})
+        dg, where = max_abs_diff(got["grads"], ref["grads"])
         assert dg <= GRAD_TOL[dtype] * gmax, f"rank {rank}: gradient of {where} off by {dg:.3g} (max {gmax:.3g})"
-        dw, where = max_abs_diff(got["state"], ref["state"])
+        state = {k: v for k, v in ref["state"].items() if k in got["state"]}
+        dw, where = max_abs_diff(got["state"], state)
         assert dw <= 2 * STEPS * LR, f"rank {rank}: weight {where} off by {dw:.3g}"
 
 
 def test_fp16_dynamic_loss_scaling(results):
     for res in results:
-        got = res[("gpt-tiny", str(torch.float16))]
+        got = res[_key("gpt", torch.float16, False)]
         assert got["scale"] == 2.0**16 and got["skipped"] == 0
         skipped, scale, unchanged = got["overflow"]
         assert skipped == 1 and scale == 0.5e38 and unchanged
@@ -87,5 +114,4 @@ def test_fp16_dynamic_loss_scaling(results):
 
 def test_dtype_is_checked():
     with pytest.raises(fxtron.ParallelizeError, match="dtype"):
-        fxtron.parallelize(build("gpt-tiny"), fxtron.Mesh(1), example_inputs=example_inputs("gpt-tiny"),
-                           dtype=torch.int8)
+        fxtron.parallelize(make("gpt"), fxtron.Mesh(1), example_inputs=batch("gpt", 2, 8, 0)[0], dtype=torch.int8)

@@ -78,6 +78,8 @@ class RankGraph:
             b = model_buffers.get(name)
             if b is None:
                 b = ti.constants[name]
+            if b.device.type == "meta" and b.numel() == 0:
+                b = torch.empty(b.shape, dtype=b.dtype)   # an empty constant has no values to know
             if b.device.type == "meta":
                 raise ParallelizeError(
                     f"buffer {name} {tuple(b.shape)} is on the meta device and fxtron cannot know its "
