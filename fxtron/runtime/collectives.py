@@ -288,7 +288,25 @@ def _(x, dim, world, group):
 
 
 def _gather_from_sequence_bwd(ctx, grad):
-    return reduce_scatter(grad, ctx.dim, ctx.world, ctx.group), None, None, None
+    from fxtron.codegen.linear import active_queue
+    queue, pg = active_queue(), _group(ctx.group)
+    if pg is None or queue is None or not queue.jobs:
+        return reduce_scatter(grad, ctx.dim, ctx.world, ctx.group), None, None, None
+    # the reduce-scatter of the input gradient runs while the queued weight-gradient GEMMs
+    # compute (Megatron's async reduce-scatter under sequence parallel)
+    world, rank, dim = pg.size(), dist.get_rank(pg), _norm(ctx.dim, grad.dim())
+    if dist.get_backend(pg) == "nccl":
+        src = grad.movedim(dim, 0).contiguous()
+        out = src.new_empty((src.shape[0] // world, *src.shape[1:]))
+        work = dist.reduce_scatter_tensor(out, src, op=dist.ReduceOp.SUM, group=pg, async_op=True)
+        queue.drain()
+        work.wait()
+        return out.movedim(0, dim).contiguous(), None, None, None
+    total = grad.clone(memory_format=torch.contiguous_format)
+    work = dist.all_reduce(total, group=pg, async_op=True)   # gloo: all-reduce, then keep a slice
+    queue.drain()
+    work.wait()
+    return shard(total, dim, world, rank), None, None, None
 
 
 gather_from_sequence.register_autograd(_gather_from_sequence_bwd, setup_context=_setup_dim_world)
