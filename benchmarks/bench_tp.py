@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 import fxtron
 from fxtron.models.llama import Attention, Llama, LlamaConfig, apply_rotary
+from replay import ReplayTimer, noop
 
 # ---------------------------------------------------------------- configuration
 TRAIN_CFG = LlamaConfig(vocab_size=256, max_seq_len=128, n_layer=4, n_head=8, n_kv_head=4,
@@ -216,34 +217,8 @@ def _train_job(rank: int, mesh: fxtron.Mesh) -> dict:
 
 
 # ---------------------------------------------------------------- pytest-benchmark glue
-class _ReplayTimer:
-    """A pytest-benchmark timer that replays durations measured elsewhere: each round's
-    end-minus-start equals the next recorded duration, so the fixture's statistics are those
-    of the worker-measured steps."""
-
-    __name__ = "replayed_worker_step_times"
-
-    def __init__(self):
-        self._durations: list[float] = []
-        self._clock = 0.0
-        self._at_start = True
-
-    def load(self, durations: list[float]) -> None:
-        self._durations = list(durations)
-        self._at_start = True
-
-    def __call__(self) -> float:
-        if not self._at_start and self._durations:
-            self._clock += self._durations.pop(0)
-        self._at_start = not self._at_start
-        return self._clock
-
-
-REPLAY = _ReplayTimer()
-
-
-def _noop():
-    return None
+REPLAY = ReplayTimer()
+_noop = noop
 
 
 # ---------------------------------------------------------------- 1. training step

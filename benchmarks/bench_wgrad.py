@@ -30,6 +30,8 @@ import time
 import pytest
 import torch
 
+from replay import ReplayTimer, noop
+
 from fxtron.codegen import wgrad
 from fxtron.codegen.wgrad import TRITON_KERNEL, kernel_for, wgrad_accumulate
 
@@ -64,33 +66,8 @@ def _size_str(size) -> str:
 
 
 # ---------------------------------------------------------------- pytest-benchmark glue
-class _ReplayTimer:
-    """A pytest-benchmark timer that replays durations measured elsewhere (as bench_tp.py):
-    each round's end-minus-start is the next recorded duration."""
-
-    __name__ = "replayed_measured_times"
-
-    def __init__(self):
-        self._durations: list[float] = []
-        self._clock = 0.0
-        self._at_start = True
-
-    def load(self, durations: list[float]) -> None:
-        self._durations = list(durations)
-        self._at_start = True
-
-    def __call__(self) -> float:
-        if not self._at_start and self._durations:
-            self._clock += self._durations.pop(0)
-        self._at_start = not self._at_start
-        return self._clock
-
-
-REPLAY = _ReplayTimer()
-
-
-def _noop():
-    return None
+REPLAY = ReplayTimer()
+_noop = noop
 
 
 # ---------------------------------------------------------------- 1. CPU
