@@ -1,6 +1,6 @@
 """Mixed precision: programs compute in bf16 (or fp16 with dynamic loss scaling) while AdamW
-updates fp32 parameters from fp32 gradients; compared at tp=2 with the single-process model
-under the same policy (fp32 parameters, forward with 16-bit copies).
+updates fp32 parameters from fp32 gradients; compared at tp=2 (and tp=4) with the single-process model
+under the same policy (fp32 parameters, forward with 16-bit copies); a few cases at tp=4 too.
 
 Tolerances fit 16-bit arithmetic: the two runs round in different places (the tp run sums
 bf16 partial products across ranks and computes the cross entropy in fp32), so losses agree
@@ -23,6 +23,8 @@ LR, STEPS = 1e-3, 3
 CASES = [("gpt", torch.bfloat16, False), ("llama", torch.bfloat16, False), ("llama", torch.bfloat16, True),
          ("hf-gpt2", torch.bfloat16, False), ("hf-llama", torch.bfloat16, True), ("gpt", torch.float16, False)]
 GRAD_TOL = {torch.bfloat16: 2.0**-5, torch.float16: 2.0**-8}
+# tp=4 (a second job of 4 processes): a shipped and a transformers model, with and without sp
+CASES_TP4 = [("gpt", torch.bfloat16, True), ("hf-llama", torch.bfloat16, False)]
 
 
 def _opt(params):
@@ -37,9 +39,9 @@ def _key(name, dtype, sp):
     return f"{name}-{str(dtype)[6:]}" + ("-sp" if sp else "")
 
 
-def _job(rank: int, mesh: fxtron.Mesh) -> dict:
+def _job(rank: int, mesh: fxtron.Mesh, cases: list) -> dict:
     out = {}
-    for name, dtype, sp in CASES:
+    for name, dtype, sp in cases:
         a, kw = batch(name, 2, 8, seed=0)
         pm = fxtron.parallelize(make(name), mesh, example_inputs=a, example_kwargs=kw, dtype=dtype,
                                 sequence_parallel=sp)
@@ -85,11 +87,21 @@ def _reference(name: str, dtype: torch.dtype) -> dict:
 @pytest.fixture(scope="module")
 def results():
     mesh = fxtron.Mesh(2, tp=2)
-    return run_on_ranks(_job, mesh, mesh)
+    return run_on_ranks(_job, mesh, mesh, CASES)
 
 
-@pytest.mark.parametrize("name,dtype,sp", CASES, ids=[_key(*c) for c in CASES])
-def test_16bit_training_matches_the_same_policy_in_one_process(results, name, dtype, sp):
+@pytest.fixture(scope="module")
+def results_tp4():
+    mesh = fxtron.Mesh(4, tp=4)
+    return run_on_ranks(_job, mesh, mesh, CASES_TP4)
+
+
+ALL = [(2,) + c for c in CASES] + [(4,) + c for c in CASES_TP4]
+
+
+@pytest.mark.parametrize("tp,name,dtype,sp", ALL, ids=[f"tp{c[0]}-" + _key(*c[1:]) for c in ALL])
+def test_16bit_training_matches_the_same_policy_in_one_process(request, tp, name, dtype, sp):
+    results = request.getfixturevalue("results" if tp == 2 else "results_tp4")
     ref = _reference(name, dtype)
     for rank, res in enumerate(results):
         got = res[_key(name, dtype, sp)]
