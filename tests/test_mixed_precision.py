@@ -1,6 +1,7 @@
 """Mixed precision: programs compute in bf16 (or fp16 with dynamic loss scaling) while AdamW
-updates fp32 parameters from fp32 gradients; compared at tp=2 (and tp=4) with the single-process model
-under the same policy (fp32 parameters, forward with 16-bit copies); a few cases at tp=4 too.
+updates fp32 parameters from fp32 gradients; compared at tp=2 (and, for a few cases, tp=4)
+with the single-process model under the same policy (fp32 parameters, forward with 16-bit
+copies).
 
 Tolerances fit 16-bit arithmetic: the two runs round in different places (the tp run sums
 bf16 partial products across ranks and computes the cross entropy in fp32), so losses agree
