@@ -7,6 +7,7 @@ answers questions about any rank (`graph`, `summary`) and builds a rank's runnab
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -176,7 +177,12 @@ class ParallelModel:
                 f"({len(info(self.traced).params)} tensors), graph nodes {len(self.traced.graph.nodes)}")
         plan = self.compiled(0).plan
         if plan is not None:
-            head += "\nplan: " + ", ".join(f"{p}={s}" for p, s, _ in plan.table() if s != "replicate")
+            # one entry per layer pattern: blocks.0.attn.qkv, blocks.1.attn.qkv -> blocks.*.attn.qkv
+            seen: dict[str, str] = {}
+            for path, style, _ in plan.table():
+                if style != "replicate":
+                    seen.setdefault(re.sub(r"\.\d+\.", ".*.", path), style)
+            head += "\nplan: " + ", ".join(f"{p}={s}" for p, s in seen.items())
             if plan.notes:
                 head += "\nnotes: " + "; ".join(plan.notes)
         return head + "\n" + tabulate(rows, headers=["rank", "coords", "params", "param bytes",
