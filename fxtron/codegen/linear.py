@@ -138,7 +138,7 @@ def fuse_linears(gm: fx.GraphModule, *, device: torch.device | None = None) -> f
             args = (a[0], a[1], None, True)
         else:
             continue
-        x, w = args[0], args[1]
+        x = args[0]
         with g.inserting_before(node):
             new = g.call_function(torch.ops.fxtron.linear.default, args)
         new.meta.update(node.meta)
