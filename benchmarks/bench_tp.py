@@ -147,19 +147,11 @@ def _setup_dtensor(rank: int):
             plan[f"layers.{i}.{name}"] = RowwiseParallel()
     parallelize_module(model, dmesh, plan)
     setup_s = time.perf_counter() - t0
-    opt = _adamw(model.parameters())
-
-    def step(b):
-        opt.zero_grad(set_to_none=True)
-        loss = model(*b)
-        loss.backward()
-        opt.step()
-        return float(loss.detach())
-    return step, setup_s
+    return _eager_step(model), setup_s
 
 
-def _setup_single():
-    model = make_model()
+def _eager_step(model):
+    """One plain eager training step of `model` (the DTensor and one-process baselines)."""
     opt = _adamw(model.parameters())
 
     def step(b):
@@ -169,6 +161,10 @@ def _setup_single():
         opt.step()
         return float(loss.detach())
     return step
+
+
+def _setup_single():
+    return _eager_step(make_model())
 
 
 def _train_job(rank: int, mesh: fxtron.Mesh) -> dict:
