@@ -23,7 +23,9 @@ from fxtron.compiler.trace import info, trace
 from fxtron.errors import ParallelizeError
 from fxtron.mesh import Mesh
 from fxtron.runtime import groups as G
-from fxtron.runtime.program import Program
+from fxtron.passes.stages import StagePlan, plan_stages
+from fxtron.runtime import schedules
+from fxtron.runtime.program import PipelineOptions, Program
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,11 @@ class Options:
     sequence_parallel: bool = False
     gradient_accumulation_fusion: bool = True
     dtype: torch.dtype | None = None
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    split_points: tuple[str, ...] | None = None
+    scatter_gather: bool = False
 
     def __post_init__(self):
         if self.batch_dim < 0 or (self.seq_dim is not None and self.seq_dim < 0):
@@ -50,7 +57,9 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
                 example_kwargs: dict | None = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
                 batch_dim: int = 0, seq_dim: int | None = 1, plan: dict | None = None,
                 plan_mode: str = "override", sequence_parallel: bool = False,
-                gradient_accumulation_fusion: bool = True, dtype: torch.dtype | None = None) -> "ParallelModel":
+                gradient_accumulation_fusion: bool = True, dtype: torch.dtype | None = None,
+                microbatches: int = 1, schedule: str = "1f1b", virtual_stages: int = 1,
+                split_points: list[str] | None = None, scatter_gather: bool = False) -> "ParallelModel":
     """Compile `model` for every rank of `mesh`.
 
     model(*example_inputs, **example_kwargs) must return the loss (a scalar tensor, or an
@@ -69,6 +78,16 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
     tensor-parallel all-reduce of the input gradient. `dtype=torch.bfloat16` (or float16, with
     dynamic loss scaling) computes in 16 bits while the optimizer updates the fp32 parameters
     from fp32 gradients (Megatron's Float16Module and mixed-precision optimizer).
+
+    Pipeline parallel (mesh.pp > 1): the graph is cut between transformer layers into pp
+    stages (pp x virtual_stages for the interleaved schedule), balanced by FLOPs and
+    parameters or cut before the layers named in `split_points` (["blocks.6"]); `pm.stages()`
+    shows the cut. Each step runs `microbatches` microbatches per data-parallel rank with
+    `schedule` "gpipe", "1f1b" (default), "interleaved" (virtual_stages >= 2, microbatches a
+    multiple of pp) or "zb-h1" (weight gradients deferred into the bubbles; needs
+    gradient_accumulation_fusion). `scatter_gather=True` (tp > 1) sends each stage boundary
+    as 1/tp slices and all-gathers it on arrival. microbatches > 1 without pipeline parallel
+    is gradient accumulation.
     """
     if dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
         raise ParallelizeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, not {dtype}")
@@ -78,18 +97,28 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
         raise ParallelizeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     options = Options(loss_fn=loss_fn, batch_dim=batch_dim, seq_dim=seq_dim, plan=plan, plan_mode=plan_mode,
                       sequence_parallel=sequence_parallel,
-                      gradient_accumulation_fusion=gradient_accumulation_fusion, dtype=dtype)
+                      gradient_accumulation_fusion=gradient_accumulation_fusion, dtype=dtype,
+                      microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
+                      split_points=tuple(split_points) if split_points else None, scatter_gather=scatter_gather)
+    schedules.check(schedule, mesh.pp, microbatches, virtual_stages)
+    if schedule == "zb-h1" and not gradient_accumulation_fusion:
+        raise ParallelizeError("schedule='zb-h1' defers the linears' weight-gradient GEMMs into the pipeline "
+                               "bubbles, which needs gradient_accumulation_fusion=True")
+    if split_points and mesh.pp == 1:
+        raise ParallelizeError("split_points cut pipeline stages; the mesh has pp=1")
+    if scatter_gather and mesh.tp == 1:
+        raise ParallelizeError("scatter_gather=True splits stage boundaries over tensor-parallel ranks; the mesh has tp=1")
     if sequence_parallel and mesh.tp == 1:
         raise ParallelizeError("sequence_parallel=True needs tensor parallel (mesh.tp > 1): it shards the "
                                "sequence over the tp ranks; set tp or drop sequence_parallel")
     if sequence_parallel and seq_dim is None:
         raise ParallelizeError("sequence_parallel=True needs the inputs' sequence dim (seq_dim)")
-    unsupported = {k: v for k, v in dict(pp=mesh.pp, cp=mesh.cp, ep=mesh.ep).items() if v != 1}
+    unsupported = {k: v for k, v in dict(cp=mesh.cp, ep=mesh.ep).items() if v != 1}
     if unsupported:
         raise ParallelizeError(
-            f"this fxtron build parallelizes over tensor and data parallel; the mesh asks for {unsupported}. "
-            f"Use Mesh(world_size={mesh.world_size // (mesh.pp * mesh.cp)}, tp={mesh.tp}) until pipeline, "
-            "context and expert parallel land")
+            f"this fxtron build parallelizes over tensor, pipeline and data parallel; the mesh asks for "
+            f"{unsupported}. Use Mesh(world_size={mesh.world_size // (mesh.cp * mesh.ep)}, tp={mesh.tp}, "
+            f"pp={mesh.pp}) until context and expert parallel land")
     # a 16-bit program is traced in 16 bits (casts such as a norm's .float() ... .type_as(x) only
     # mean something then), on a meta replica so the model's weights are never copied
     subject = _meta_replica(model, dtype) if dtype in (torch.bfloat16, torch.float16) else model
@@ -123,6 +152,42 @@ class ParallelModel:
         self.traced = traced
         self.options = options
 
+    @functools.cached_property
+    def stage_plan(self) -> StagePlan | None:
+        if self.mesh.pp == 1:
+            return None
+        return plan_stages(self.traced, pp=self.mesh.pp, virtual=self.options.virtual_stages,
+                           split_points=list(self.options.split_points) if self.options.split_points else None)
+
+    def stages(self) -> StagePlan:
+        """Which layers each pipeline stage runs, with its parameters and FLOPs (`str()` prints
+        a table); ParallelizeError without pipeline parallel."""
+        if self.stage_plan is None:
+            raise ParallelizeError("the mesh has pp=1: the whole model is one stage")
+        return self.stage_plan
+
+    def pipeline_options(self) -> PipelineOptions:
+        o = self.options
+        return PipelineOptions(o.schedule, o.microbatches, o.virtual_stages, o.scatter_gather)
+
+    def schedule_chart(self, path: str, timelines: list | None = None, *, t_f=1, t_b=2, t_w=0) -> str:
+        """Draw the schedule of every pipeline rank as a timeline picture at `path` (.png or
+        .svg): the measured `timelines` (each rank's `prog.timeline()` from a step; ranks in
+        mesh order, one per pipeline rank) or, by default, the unit-time simulation of the
+        compiled schedule with pass times t_f, t_b, t_w. Returns the path."""
+        from fxtron import chart
+        o = self.options
+        if timelines is None:
+            sim = schedules.simulate(o.schedule, self.mesh.pp, o.microbatches, o.virtual_stages,
+                                     t_f=t_f, t_b=t_b, t_w=t_w)
+            return chart.draw_simulation(sim, path, title=self._schedule_title())
+        return chart.draw_timelines(timelines, path, title=self._schedule_title())
+
+    def _schedule_title(self) -> str:
+        o = self.options
+        v = f", v={o.virtual_stages}" if o.virtual_stages > 1 else ""
+        return f"{o.schedule}: pp={self.mesh.pp}, m={o.microbatches}{v}"
+
     @functools.lru_cache(maxsize=64)
     def compiled(self, rank: int) -> pipeline.RankGraph:
         """The per-rank compilation result (graph module and parameter shard specs)."""
@@ -130,7 +195,8 @@ class ParallelModel:
         return pipeline.compile_rank(self.traced, self.mesh, rank, user_plan=self.options.plan,
                                      plan_mode=self.options.plan_mode,
                                      sequence_parallel=self.options.sequence_parallel,
-                                     gradient_accumulation_fusion=self.options.gradient_accumulation_fusion)
+                                     gradient_accumulation_fusion=self.options.gradient_accumulation_fusion,
+                                     stage_plan=self.stage_plan)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.mesh.world_size:
@@ -140,13 +206,18 @@ class ParallelModel:
     def graph(self, rank: int = 0) -> str:
         """The per-rank graph as a table: every node with its local symbolic shape."""
         rg = self.compiled(rank)
-        return format_graph(rg.gm, title=f"# {self.mesh.describe(rank)}")
+        if rg.stages is None:
+            return format_graph(rg.gm, title=f"# {self.mesh.describe(rank)}")
+        return "\n\n".join(
+            format_graph(s.gm, title=f"# {self.mesh.describe(rank)}, stage {s.index} (chunk {i}): "
+                         f"receives {', '.join(s.inputs) or '-'}; sends {', '.join(s.outputs) or '-'}")
+            for i, s in enumerate(rg.stages))
 
     def collectives(self, rank: int = 0) -> list[report.CollectiveRecord]:
         """Every tensor-parallel collective rank issues per step (forward and backward), with
         its group, local shape and bytes as formulas in B and S; `str()` of
         `report.format_collectives(...)` prints them as a table."""
-        return report.collectives(self.compiled(rank).gm, self.mesh, rank)
+        return [r for g in self.compiled(rank).graphs for r in report.collectives(g, self.mesh, rank)]
 
     def summary(self, *, batch: int | None = None, seq: int | None = None) -> str:
         """Per rank: coordinates, local parameters and bytes, tensor-parallel collectives and
@@ -161,7 +232,7 @@ class ParallelModel:
                 continue
             seen.add((c["tp"], c["pp"], c["cp"]))
             rg = self.compiled(rank)
-            recs = report.collectives(rg.gm, self.mesh, rank)
+            recs = self.collectives(rank)
             tp_wire = sum((r.wire_bytes for r in recs), sympy.Integer(0))
             if batch is not None and seq is not None:
                 tp_wire = _fmt_bytes(int(sum(r.evaluate(batch, seq)[1] for r in recs)))
@@ -208,7 +279,8 @@ class ParallelModel:
         if groups is not None and groups.rank != rank:
             raise ParallelizeError(f"program({rank}) built in the process of rank {groups.rank}")
         rg = self.compiled(rank)
-        return rg.build_program(self.model, rank, groups, seed=seed, dtype=self.options.dtype)
+        return rg.build_program(self.model, rank, groups, seed=seed, dtype=self.options.dtype,
+                                pipeline=self.pipeline_options())
 
 
 def _fmt_bytes(n: float) -> str:

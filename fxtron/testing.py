@@ -16,7 +16,7 @@ def run_on_ranks(fn: Callable[..., Any], mesh: Mesh | int, *args, timeout_s: flo
     fails the test with that rank's traceback (pytest shows LaunchError's message whole)."""
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
     return launch(fn, mesh, args=args, backend="gloo", timeout_s=timeout_s,
-                  collective_timeout_s=min(60.0, timeout_s), threads_per_rank=1)
+                  collective_timeout_s=min(60.0, timeout_s / 2), threads_per_rank=1)
 
 
 def reference_training(model: torch.nn.Module, batches: Iterable[tuple], make_optimizer,

@@ -28,10 +28,13 @@ _QUEUE: contextvars.ContextVar["WgradQueue | None"] = contextvars.ContextVar("fx
 
 
 class WgradQueue:
-    """Weight-gradient GEMMs waiting for a communication to hide behind."""
+    """Weight-gradient GEMMs waiting for a communication to hide behind. A `deferred` queue
+    (the zero-bubble schedule's backward) keeps them past every communication and past the
+    end of backward, until `run()` (the schedule's W pass)."""
 
-    def __init__(self):
+    def __init__(self, deferred: bool = False):
         self.jobs: list[Callable[[], None]] = []
+        self.deferred = deferred
 
     @contextlib.contextmanager
     def active(self):
@@ -43,6 +46,11 @@ class WgradQueue:
             self.drain()
 
     def drain(self) -> None:
+        if not self.deferred:
+            self.run()
+
+    def run(self) -> None:
+        """Run every queued weight-gradient GEMM now."""
         jobs, self.jobs = self.jobs, []
         for job in jobs:
             job()

@@ -7,6 +7,7 @@ the rank's runnable Program.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,7 @@ from fxtron.passes.collectives import TP_GROUP, assign_rng_regions, drop_metadat
 from fxtron.passes.placement import Shard
 from fxtron.passes.plan import TPPlan, plan
 from fxtron.passes.propagate import propagate, split_row_bias
+from fxtron.passes.stages import Stage, StagePlan, param_stages, split_stages
 from fxtron.passes.shapes import annotate_local_shapes
 from fxtron.runtime import shard as shard_math
 from fxtron.runtime.groups import ProcessGroups
@@ -48,6 +50,14 @@ class RankGraph:
     local: dict[str, LocalParam] = field(default_factory=dict)
     slicers: dict[str, object] = field(default_factory=dict)  # name -> fn(full tensor) -> local
     plan: TPPlan | None = None
+    stage_plan: StagePlan | None = None
+    stages: list[Stage] | None = None        # this rank's pipeline stages, chunk 0 first
+    shared: dict[str, tuple[int, ...]] = field(default_factory=dict)  # param -> pp ranks holding it
+
+    @property
+    def graphs(self) -> list[fx.GraphModule]:
+        """The graphs this rank runs: its stages', or the whole per-rank graph."""
+        return [s.gm for s in self.stages] if self.stages is not None else [self.gm]
 
     @property
     def param_count(self) -> int:
@@ -58,12 +68,12 @@ class RankGraph:
         return sum(_numel(p.local_shape) * p.dtype.itemsize for p in self.local.values())
 
     def build_program(self, model: torch.nn.Module, rank: int, groups: ProcessGroups | None,
-                      seed: int = 0, dtype: torch.dtype | None = None) -> Program:
+                      seed: int = 0, dtype: torch.dtype | None = None, pipeline=None) -> Program:
         ti = info(self.gm)
         named = dict(model.named_parameters())
         params = {}
         materialized = _MetaMaterializer(model, seed)
-        for name in ti.params:
+        for name in self.local:
             full = named[name]
             if full.device.type == "meta":
                 full = materialized.full(name)   # one module at a time, never the whole model
@@ -74,7 +84,8 @@ class RankGraph:
         model_buffers = dict(model.named_buffers())
         persistent = set(model.state_dict().keys())
         buffers = {}
-        for name in ti.buffers:
+        used_buffers = ti.buffers if self.stages is None else sorted({b for s in self.stages for b in s.buffers})
+        for name in used_buffers:
             b = model_buffers.get(name)
             if b is None:
                 b = ti.constants[name]
@@ -92,8 +103,13 @@ class RankGraph:
             buffers = {k: v.to(device) for k, v in buffers.items()}
         device = device or torch.device("cpu")
         rng = RNGStreams(seed, self.mesh.coords(rank)["tp"], device)
-        return Program(_bind_groups(self.gm, groups, device), ti, params, buffers, persistent, self.local, rank,
-                       groups, ti.aliases, rng, fused=fused_weights(self.gm), dtype=dtype)
+        stages = None
+        if self.stages is not None:
+            stages = [dataclasses.replace(s, gm=_bind_groups(s.gm, groups, device)) for s in self.stages]
+        fused = sorted({w for g in self.graphs for w in fused_weights(g)})
+        return Program(_bind_groups(self.gm, groups, device) if self.stages is None else None, ti, params, buffers,
+                       persistent, self.local, rank, groups, ti.aliases, rng, fused=fused, dtype=dtype,
+                       stages=stages, pipeline=pipeline, shared=self.shared)
 
 
 def _numel(shape) -> int:
@@ -184,7 +200,7 @@ def _tp_gather(placement: Shard, tp: int):
 
 def compile_rank(traced: fx.GraphModule, mesh: Mesh, rank: int, *, user_plan: dict | None = None,
                  plan_mode: str = "override", sequence_parallel: bool = False,
-                 gradient_accumulation_fusion: bool = True) -> RankGraph:
+                 gradient_accumulation_fusion: bool = True, stage_plan: StagePlan | None = None) -> RankGraph:
     """Run the per-rank passes on a copy of `traced`, in this order:
 
     plan                which linears split by columns / rows, embeddings by vocabulary
@@ -196,6 +212,8 @@ def compile_rank(traced: fx.GraphModule, mesh: Mesh, rank: int, *, user_plan: di
     fuse_linears        (codegen) weight gradients accumulate into fp32 main_grad, deferrable
                         behind the tp all-reduce of the input gradient
     annotate shapes     local symbolic shapes for inspection
+    split_stages        (pp > 1) this rank's pipeline stages, cut where `stage_plan` says,
+                        each its own graph with the activations crossing it as inputs/outputs
     """
     gm = drop_metadata_asserts(_copy(traced))   # they pin the traced dtype and global sizes
     tp, tp_rank = mesh.tp, mesh.coords(rank)["tp"]
@@ -212,10 +230,19 @@ def compile_rank(traced: fx.GraphModule, mesh: Mesh, rank: int, *, user_plan: di
     gm = annotate_local_shapes(gm, tp=tp)
     gm.graph.lint()
     ti = info(gm)
+    stages, shared, mine = None, {}, set(ti.params)
+    if stage_plan is not None:
+        pp_rank = mesh.coords(rank)["pp"]
+        stages = split_stages(gm, stage_plan, stage_plan.stages_of(pp_rank))
+        for name, used in param_stages(gm, stage_plan).items():
+            ranks = tuple(sorted({stage_plan.rank_of(s) for s in used}))
+            if len(ranks) > 1:
+                shared[name] = ranks
+        mine = {p for s in stages for p in s.params}
     local, slicers = {}, {}
     for node in gm.graph.nodes:
         spec = node.meta.get("fxtron_input")
-        if spec is None or spec.kind != "parameter":
+        if spec is None or spec.kind != "parameter" or spec.target not in mine:
             continue
         val = node.meta["val"]
         full = tuple(int(s) for s in val.shape)
@@ -228,5 +255,6 @@ def compile_rank(traced: fx.GraphModule, mesh: Mesh, rank: int, *, user_plan: di
             slicers[spec.target] = (lambda p: lambda t: shard_math.shard(t, p.dim, tp, tp_rank, p.interleave))(pl)
         else:
             local[spec.target] = LocalParam(spec.target, full, full, val.dtype)
-    assert set(local) == set(ti.params)
-    return RankGraph(gm=gm, mesh=mesh, rank=rank, local=local, slicers=slicers, plan=tp_plan)
+    assert set(local) == mine
+    return RankGraph(gm=gm, mesh=mesh, rank=rank, local=local, slicers=slicers, plan=tp_plan,
+                     stage_plan=stage_plan, stages=stages, shared=shared)

@@ -24,6 +24,24 @@ from fxtron.codegen.linear import WgradQueue
 from fxtron.runtime.rng import RNGStreams
 
 
+class Microbatches(list):
+    """A global batch given as its microbatches: a list of (args, kwargs) pairs, one per
+    microbatch, each with the whole batch dim for data parallel to split. Microbatches may
+    differ in sequence length; the loss is the mean of their losses."""
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """How a program runs its microbatches: `schedule` over `microbatches` per step (per
+    data-parallel rank), `virtual_stages` model chunks per pipeline rank (interleaved), and
+    whether stage boundaries travel as 1/tp slices all-gathered on arrival."""
+
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    virtual_stages: int = 1
+    scatter_gather: bool = False
+
+
 @dataclass(frozen=True)
 class LocalParam:
     """How a rank's parameter relates to the full one. `gather(local, groups)` rebuilds the
@@ -100,12 +118,15 @@ class Program(nn.Module):
     def __init__(self, gm: fx.GraphModule, info: TraceInfo, params: dict[str, torch.Tensor],
                  buffers: dict[str, torch.Tensor], persistent: set[str], local: dict[str, LocalParam],
                  rank: int, groups: ProcessGroups | None, aliases: dict[str, str], rng: RNGStreams | None = None,
-                 fused: list[str] | None = None, dtype: torch.dtype | None = None):
+                 fused: list[str] | None = None, dtype: torch.dtype | None = None, stages: list | None = None,
+                 pipeline: "PipelineOptions | None" = None, shared: dict[str, tuple[int, ...]] | None = None):
         super().__init__()
         for name in info.params:
-            _set_by_path(self, name, nn.Parameter(params[name]), parameter=True)
+            if name in params:
+                _set_by_path(self, name, nn.Parameter(params[name]), parameter=True)
         for name in info.buffers:
-            _set_by_path(self, name, buffers[name], parameter=False, persistent=name in persistent)
+            if name in buffers:
+                _set_by_path(self, name, buffers[name], parameter=False, persistent=name in persistent)
         object.__setattr__(self, "graph_module", gm)  # not a submodule: keep the tree the model's
         self._info = info
         self._local = local
@@ -120,6 +141,13 @@ class Program(nn.Module):
         # fp32 gradient buffers of the weights whose fused linears accumulate into them
         self._main_grads = {n: torch.zeros(_get_by_path(self, n).shape, dtype=torch.float32,
                                            device=_get_by_path(self, n).device) for n in (fused or [])}
+        # pipeline: this rank's stages (None: the whole graph is one stage), the schedule, and
+        # the parameters other pipeline ranks hold too (tied embeddings), by holder ranks
+        self._stages = stages
+        self.pipeline = pipeline or PipelineOptions()
+        self._shared = dict(shared or {})
+        self._runner = None
+        self._aliases = aliases if stages is None else {a: n for a, n in aliases.items() if n in params}
 
     # ---------------------------------------------------------------- running
     def _flat_inputs(self, inputs: tuple, kwargs: dict | None) -> list:
@@ -132,7 +160,12 @@ class Program(nn.Module):
 
     def forward(self, *inputs, **kwargs) -> torch.Tensor:
         """The loss of this rank's program on these (already local) inputs."""
-        flat = self._flat_inputs(inputs, kwargs)
+        if self._stages is not None:
+            raise ParallelizeError("a pipeline-parallel program runs forward and backward together, stage by "
+                                   "stage over microbatches: call prog.train_step(batch, optimizer)")
+        return self._run_graph(self._flat_inputs(inputs, kwargs))
+
+    def _run_graph(self, flat: list) -> torch.Tensor:
         args = [self._compute_copy(_get_by_path(self, n)) for n in self._info.params]
         args += [self._compute_copy(_get_by_path(self, n)) for n in self._info.buffers]
         with self.rng.active() if self.rng is not None else contextlib.nullcontext():
@@ -180,10 +213,17 @@ class Program(nn.Module):
         args, kw = pytree.tree_unflatten(leaves, self._info.in_spec)
         return args, kw
 
-    def train_step(self, inputs: tuple, optimizer: torch.optim.Optimizer, *, kwargs: dict | None = None) -> float:
+    def train_step(self, inputs, optimizer: torch.optim.Optimizer, *, kwargs: dict | None = None) -> float:
         """One training step on the global batch `inputs` (the same tensors on every rank):
         forward and backward on this rank's slice, gradient sync, optimizer step. Returns the
-        global batch's loss."""
+        global batch's loss.
+
+        With microbatches > 1 or pipeline parallel, the rank's slice is cut into equal
+        microbatches along the batch dim (or `inputs` is a `fxtron.Microbatches` list, whose
+        microbatches may differ in sequence length), run by the schedule, and the loss is the
+        mean of the microbatches' losses, as gradient accumulation computes it."""
+        if self._stages is not None or self.pipeline.microbatches > 1 or isinstance(inputs, Microbatches):
+            return self._pipelined_step(inputs, optimizer, kwargs)
         args, kw = self.local_batch(inputs, kwargs)
         optimizer.zero_grad(set_to_none=True)
         with self._main_grad_accumulation():
@@ -195,6 +235,102 @@ class Program(nn.Module):
         if self.scaler is None or self.scaler.unscale_and_check(list(self.parameters()), self.groups):
             optimizer.step()
         return self._global_loss(loss.detach().float())
+
+    # ---------------------------------------------------------------- pipeline / microbatches
+    def microbatches(self, inputs, kwargs: dict | None = None) -> list[list[torch.Tensor]]:
+        """This rank's microbatches of a global batch: flat tensor inputs of each."""
+        m = self.pipeline.microbatches
+        if isinstance(inputs, Microbatches):
+            if len(inputs) != m:
+                raise ParallelizeError(f"{len(inputs)} microbatches given, but the program was compiled for "
+                                       f"microbatches={m}")
+            return [self._flat_inputs(*self.local_batch(a, kw)) for a, kw in inputs]
+        flat = self._flat_inputs(*self.local_batch(inputs, kwargs))
+        out = [[] for _ in range(m)]
+        for x, dims in zip(flat, self._info.user_dims):
+            if "batch" in dims:
+                d = dims.index("batch")
+                if x.shape[d] % m:
+                    raise ParallelizeError(
+                        f"this rank's batch of {x.shape[d]} samples (dim {d} of an input of shape {tuple(x.shape)}, "
+                        f"after the data-parallel split) does not divide into microbatches={m}; use a global batch "
+                        f"that is a multiple of dp x microbatches = {self._dp()[0] * m}")
+                pieces = x.chunk(m, dim=d)
+            else:
+                pieces = [x] * m
+            for i in range(m):
+                out[i].append(pieces[i])
+        return out
+
+    def _call_stage(self, stage, flat: list, received: list) -> tuple:
+        if stage.gm is None:     # the whole graph as one stage
+            return (self._run_graph(flat),)
+        args = [self._compute_copy(_get_by_path(self, n)) for n in stage.params]
+        args += [self._compute_copy(_get_by_path(self, n)) for n in stage.buffers]
+        args += [flat[i] for i in stage.user_inputs] + list(received)
+        with self.rng.active() if self.rng is not None else contextlib.nullcontext():
+            return stage.gm(*args)
+
+    def runner(self):
+        """The schedule runner of this rank (built once): its chunks, actions and p2p."""
+        if self._runner is None:
+            from fxtron.runtime import schedules
+            from fxtron.passes.stages import Stage
+            from fxtron.runtime.executor import StageRunner
+            from fxtron.runtime.p2p import P2P
+            opts = self.pipeline
+            pp = self.groups.size("pp") if self.groups is not None else 1
+            pp_rank = self.groups.index("pp") if self.groups is not None else 0
+            whole = Stage(index=0, gm=None, params=[], buffers=[], user_inputs=[], has_loss=True)
+            stages = self._stages if self._stages is not None else [whole]
+            acts = schedules.actions(opts.schedule, pp, opts.microbatches, pp_rank, opts.virtual_stages)
+            p2p = P2P(self.groups, scatter_gather=opts.scatter_gather) if pp > 1 else None
+            self._runner = StageRunner(stages, self._call_stage, acts, num_stages=pp * opts.virtual_stages,
+                                       microbatches=opts.microbatches, p2p=p2p,
+                                       zero_bubble=opts.schedule == "zb-h1")
+        return self._runner
+
+    def _pipelined_step(self, inputs, optimizer, kwargs) -> float:
+        mbs = self.microbatches(inputs, kwargs)
+        runner = self.runner()
+        optimizer.zero_grad(set_to_none=True)
+        with self._main_grad_accumulation():
+            loss = runner.run(mbs, loss_scale=self.scaler.scale if self.scaler is not None else 1.0)
+        self.sync_grads()
+        self.sync_shared_grads()
+        if self.scaler is None or self.scaler.unscale_and_check(list(self.parameters()), self.groups):
+            optimizer.step()
+        if self.groups is not None and self.groups.size("pp") > 1:
+            loss = loss if loss is not None else torch.zeros((), device=self.groups.device)
+            loss = loss.clone()
+            dist.all_reduce(loss, group=self.groups.group("pp"))   # only the last stage's is non-zero
+        return self._global_loss(loss)
+
+    def timeline(self) -> list:
+        """The last pipelined step's events on this rank (runtime.executor.Event: F, B, W and
+        waits with start and end in seconds from the step's start)."""
+        return list(self._runner.events) if self._runner is not None else []
+
+    def sync_shared_grads(self) -> None:
+        """Sum the gradients of weights that several pipeline stages use (a tied input
+        embedding and LM head) over the ranks holding them: Megatron's embedding group when
+        they are the first and last stage, else the pipeline group with zeros elsewhere."""
+        if not self._shared or self.groups is None:
+            return
+        pp_ranks = self.groups.ranks("pp")
+        first_last = (0, len(pp_ranks) - 1)
+        for name in sorted(self._shared):
+            holders = self._shared[name]
+            if self.groups.index("pp") not in holders:
+                continue
+            if holders == first_last:
+                p = _get_by_path(self, name)
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                dist.all_reduce(g, group=self.groups.group("embedding"))
+                p.grad = g
+            else:
+                raise ParallelizeError(f"{name} is used on pipeline ranks {holders}; fxtron ties weights only "
+                                       "between the first and the last stage (an embedding and its LM head)")
 
     @contextlib.contextmanager
     def _main_grad_accumulation(self):
@@ -259,6 +395,18 @@ class Program(nn.Module):
         for name, p in self.named_parameters():
             g = p.grad if p.grad is not None else torch.zeros_like(p)
             out[name] = self._full(name, g.detach()).clone()
+        return self._across_stages(out)
+
+    def _across_stages(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Merge the dicts of every pipeline rank (each holds its stages' parameters)."""
+        if self.groups is None or self.groups.size("pp") == 1:
+            return mine
+        every = [None] * self.groups.size("pp")
+        dist.all_gather_object(every, {k: v.cpu() for k, v in mine.items()}, group=self.groups.group("pp"))
+        out = {}
+        for part in every:
+            for k, v in part.items():
+                out.setdefault(k, v.to(self.groups.device))
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -271,6 +419,7 @@ class Program(nn.Module):
         for name, b in self.named_buffers():
             if name in persistent:
                 out[name] = b.detach().clone()
-        for alias, name in self._aliases.items():
+        out = self._across_stages(out)
+        for alias, name in self._info.aliases.items():
             out[alias] = out[name]
         return out

@@ -1,0 +1,158 @@
+"""Runtime: run one training step's pipeline schedule on this rank.
+
+The schedule is a list of Actions (runtime/schedules.py); each F runs a stage's GraphModule on
+one microbatch, each B runs autograd from the stage's outputs (the loss, scaled by
+1/microbatches, on the last stage; the received output gradients elsewhere), each W (zb-h1)
+runs the weight-gradient GEMMs its B deferred. After every action, the sends it produced and
+the receive the next action needs go out in one batch (P2P.exchange): Megatron's
+send_forward_recv_backward and send_backward_recv_forward fall out of the order.
+
+Every action is recorded with its start and end (seconds from the step's start), and so is
+every wait for a message, so the timeline of the step can be drawn and its bubble measured.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import sympy
+import torch
+
+from fxtron.codegen.linear import WgradQueue
+from fxtron.compiler import meta
+from fxtron.passes.placement import Replicate
+from fxtron.passes.stages import Stage
+from fxtron.runtime.p2p import P2P, Slot
+from fxtron.runtime.schedules import Action
+
+
+@dataclass(frozen=True)
+class Event:
+    """One span of a rank's step: kind F, B, W (compute) or "wait" (blocked on a receive)."""
+
+    kind: str
+    microbatch: int
+    chunk: int
+    stage: int
+    start: float
+    end: float
+
+
+def slots(stage: Stage, names: list[str]) -> list[Slot]:
+    out = []
+    for name in names:
+        node = stage.values[name]
+        val = node.meta["val"]
+        local = meta.get(node, meta.LOCAL_SHAPE)
+        static = None
+        if local is not None and all(not sympy.sympify(d).free_symbols for d in local):
+            static = tuple(int(d) for d in local)
+        placement = meta.get(node, meta.PLACEMENT)
+        out.append(Slot(val.dtype, val.dim(), static, placement is None or isinstance(placement, Replicate)))
+    return out
+
+
+class StageRunner:
+    """This rank's model chunks and the schedule it runs them in."""
+
+    def __init__(self, stages: list[Stage], call, actions: list[Action], *, num_stages: int, microbatches: int,
+                 p2p: P2P | None, zero_bubble: bool):
+        self.stages = stages                    # chunk c -> Stage
+        self.call = call                        # (stage, flat user inputs, received) -> outputs
+        self.actions = actions
+        self.num_stages = num_stages
+        self.microbatches = microbatches
+        self.p2p = p2p
+        self.zero_bubble = zero_bubble
+        self.in_slots = [slots(s, s.inputs) for s in stages]
+        self.out_slots = [slots(s, s.outputs) for s in stages]
+        self.events: list[Event] = []
+        self.peak_in_flight = 0
+
+    def _needs(self, a: Action) -> list[tuple]:
+        st = self.stages[a.chunk]
+        if a.kind == "F" and st.inputs:
+            return [("act", a.microbatch, st.index, self.in_slots[a.chunk])]
+        if a.kind == "B" and st.outputs:
+            return [("grad", a.microbatch, st.index, _floating(self.out_slots[a.chunk]))]
+        return []
+
+    def _recv(self, kind: str, mb: int, chunk: int, t0: float) -> list[torch.Tensor]:
+        start = time.perf_counter() - t0
+        out = self.p2p.wait(kind, mb, self.stages[chunk].index)
+        self.events.append(Event("wait", mb, chunk, self.stages[chunk].index, start, time.perf_counter() - t0))
+        return out
+
+    def run(self, microbatches: list[list[torch.Tensor]], loss_scale: float = 1.0) -> torch.Tensor | None:
+        """Run the step on this rank's microbatches (flat user inputs each); the sum over
+        microbatches of loss / microbatches on the rank holding the last stage, else None."""
+        self.events = []
+        t0 = time.perf_counter()
+        saved: dict[tuple[int, int], tuple] = {}
+        deferred: dict[tuple[int, int], WgradQueue] = {}
+        live: set[tuple[int, int]] = set()
+        self.peak_in_flight = 0
+        loss_sum = None
+        m = self.microbatches
+        if self.p2p is not None:
+            self.p2p.exchange([], self._needs(self.actions[0]))
+        for i, a in enumerate(self.actions):
+            st, key = self.stages[a.chunk], (a.microbatch, a.chunk)
+            sends = []
+            if a.kind == "F":
+                ins = self._recv("act", a.microbatch, a.chunk, t0) if st.inputs else []
+                ins = [x.requires_grad_() if x.is_floating_point() else x for x in ins]
+                start = time.perf_counter() - t0
+                outs = list(self.call(st, microbatches[a.microbatch], ins))
+                scaled = None
+                if st.has_loss:
+                    loss = outs.pop()
+                    scaled = loss * (loss_scale / m)
+                    part = loss.detach().float() / m
+                    loss_sum = part if loss_sum is None else loss_sum + part
+                saved[key] = (ins, outs, scaled)
+                live.add(key)
+                self.peak_in_flight = max(self.peak_in_flight, len(live))
+                if st.outputs:
+                    sends.append(("act", a.microbatch, st.index + 1, outs, self.out_slots[a.chunk]))
+            elif a.kind == "B":
+                ins, outs, scaled = saved.pop(key)
+                grads = self._recv("grad", a.microbatch, a.chunk, t0) if st.outputs else []
+                start = time.perf_counter() - t0
+                queue = WgradQueue(deferred=self.zero_bubble)
+                with queue.active():
+                    if scaled is not None:
+                        scaled.backward()
+                    else:
+                        pairs = [(o, g) for o, g in zip(_floating_values(outs), grads) if o.requires_grad]
+                        if pairs:
+                            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                if self.zero_bubble:
+                    deferred[key] = queue
+                else:
+                    live.discard(key)
+                if st.inputs:
+                    dx = [x.grad if x.grad is not None else torch.zeros_like(x) for x in _floating_values(ins)]
+                    sends.append(("grad", a.microbatch, st.index - 1, dx, _floating(self.in_slots[a.chunk])))
+                del ins, outs, scaled
+            else:   # W: the weight gradients the B of this microbatch deferred
+                start = time.perf_counter() - t0
+                deferred.pop(key).run()
+                live.discard(key)
+            self.events.append(Event(a.kind, a.microbatch, a.chunk, st.index, start, time.perf_counter() - t0))
+            if self.p2p is not None:
+                nxt = self._needs(self.actions[i + 1]) if i + 1 < len(self.actions) else []
+                if sends or nxt:
+                    self.p2p.exchange(sends, nxt)
+        if self.p2p is not None:
+            self.p2p.finish()
+        assert not saved and not deferred, "schedule left microbatches unfinished"
+        return loss_sum
+
+
+def _floating(slot_list: list[Slot]) -> list[Slot]:
+    return [s for s in slot_list if s.dtype.is_floating_point]
+
+
+def _floating_values(values: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [v for v in values if v.is_floating_point()]
