@@ -4,12 +4,17 @@
     pm = fxtron.parallelize(model, mesh, example_inputs=(tokens, targets))
     print(pm.summary()); print(pm.graph(rank=3))
     fxtron.launch(train, mesh, args=(...))                  # or torchrun + fxtron.init_distributed(mesh)
+
+    mesh = fxtron.Mesh(world_size=8, tp=2, pp=2)            # dp = 2
+    pm = fxtron.parallelize(model, mesh, example_inputs=..., microbatches=8, schedule="1f1b")
+    print(pm.stages())                                      # which layers each stage runs
 """
 from fxtron.api import ParallelModel, parallelize
 from fxtron.errors import LaunchError, ParallelizeError
 from fxtron.mesh import Mesh
 from fxtron.runtime.groups import ProcessGroups, init_distributed
 from fxtron.runtime.launch import launch
+from fxtron.runtime.program import Microbatches
 
 __all__ = ["Mesh", "ParallelModel", "ParallelizeError", "LaunchError", "ProcessGroups",
-           "init_distributed", "launch", "parallelize"]
+           "init_distributed", "launch", "parallelize", "Microbatches"]

@@ -15,23 +15,26 @@ NAMES = ["gpt", "llama", "hf-gpt2", "hf-llama"]
 MORE_NAMES = ["hf-qwen2", "hf-neox", "hf-phi3"]
 
 
-def make(name: str, dropout: float = 0.0) -> torch.nn.Module:
+def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
+    """The model `name` with `layers` transformer layers (pipeline tests use 4 and 8)."""
     torch.manual_seed(0)
     if name == "gpt":
-        return build("gpt-tiny", seed=0) if dropout == 0 else _gpt_dropout(dropout)
+        if layers == 2 and dropout == 0:
+            return build("gpt-tiny", seed=0)
+        return _gpt(dropout, layers)
     if name == "llama":
-        return Llama(LlamaConfig(vocab_size=256, max_seq_len=64, n_layer=2, n_head=8, n_kv_head=4,
+        return Llama(LlamaConfig(vocab_size=256, max_seq_len=64, n_layer=layers, n_head=8, n_kv_head=4,
                                  dim=64, ffn_dim=96, dropout=dropout))
     import transformers
     if name == "hf-gpt2":
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=4, resid_pdrop=dropout,
+            vocab_size=128, n_positions=64, n_embd=32, n_layer=layers, n_head=4, resid_pdrop=dropout,
             embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0, eos_token_id=0))
     if name == "hf-llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64))
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
                   num_attention_heads=8, max_position_embeddings=64)
     if name == "hf-qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, num_key_value_heads=4))
@@ -42,9 +45,9 @@ def make(name: str, dropout: float = 0.0) -> torch.nn.Module:
     raise KeyError(name)
 
 
-def _gpt_dropout(p: float):
+def _gpt(p: float, layers: int):
     from fxtron.models.gpt import GPT, GPTConfig
-    return GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64, dropout=p))
+    return GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=layers, n_head=4, n_embd=64, dropout=p))
 
 
 def batch(name: str, b: int, s: int, seed: int) -> dict | tuple:

@@ -1,0 +1,198 @@
+"""Pipeline parallel: every schedule trains exactly like the unmodified model.
+
+Three gloo jobs (2, 4 and 8 processes) run pp=2 and pp=4, alone and with tp=2 and dp=2, with
+GPipe, 1F1B, interleaved (virtual stages) and ZB-H1, for the shipped GPT (tied embedding and LM
+head on the first and last stage) and Llama and for transformers' GPT-2 and Llama; some cases
+with sequence parallel, scatter/gather boundaries, or microbatches whose sequence lengths
+differ. Each case runs 2 AdamW steps whose global sequence length changes, and is compared with
+the single-process model: losses, the first step's gradients (gathered to full shape, across
+stages) and the final weights. Each rank also reports how many microbatches' activations it
+held at once, checked against the schedule's bound, and the bytes it sent between stages.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxtron
+from fxtron.runtime import schedules
+from fxtron.runtime.groups import init_distributed
+from fxtron.testing import max_abs_diff, run_on_ranks
+from tp_models import batch, loss_of, make
+
+SEQS = [16, 12]
+BATCH = 8
+VARYING = [16, 12, 8, 16]          # sequence lengths of the 4 microbatches of a Microbatches step
+LOSS_TOL, GRAD_TOL, WEIGHT_TOL = 2e-6, 1e-6, 1e-5
+
+
+def _opt(params):
+    return torch.optim.AdamW(params, lr=1e-3, eps=1e-6, weight_decay=0.1)
+
+
+def _steps(name: str, varying: bool, m: int) -> list:
+    """Each step's input: a global batch (args, kwargs), or fxtron.Microbatches of m
+    microbatches of different sequence lengths."""
+    if not varying:
+        return [batch(name, BATCH, s, seed=10 + i) for i, s in enumerate(SEQS)]
+    return [fxtron.Microbatches(batch(name, BATCH // m, s, seed=20 + 10 * i + j) for j, s in enumerate(VARYING[:m]))
+            for i in range(len(SEQS))]
+
+
+class Case:
+    def __init__(self, name, schedule="1f1b", m=4, v=1, layers=4, varying=False, **kw):
+        self.name, self.schedule, self.m, self.v, self.layers, self.varying, self.kw = (
+            name, schedule, m, v, layers, varying, kw)
+
+    @property
+    def key(self) -> str:
+        extra = "".join(f",{k}" for k, v in self.kw.items() if v)
+        return (f"{self.name}:{self.schedule}:m{self.m}" + (f":v{self.v}" if self.v > 1 else "")
+                + f":L{self.layers}" + (":varying" if self.varying else "") + extra)
+
+    @property
+    def reference_key(self) -> tuple:
+        return (self.name, self.layers, self.m if self.varying else None)
+
+
+def _run_case(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
+    model = make(case.name, layers=case.layers)
+    args, kwargs = batch(case.name, 2, 8, seed=0)
+    pm = fxtron.parallelize(model, mesh, example_inputs=args, example_kwargs=kwargs, microbatches=case.m,
+                            schedule=case.schedule, virtual_stages=case.v, **case.kw)
+    prog = pm.program(rank)
+    opt = _opt(prog.parameters())
+    losses, grads = [], None
+    for step, item in enumerate(_steps(case.name, case.varying, case.m)):
+        if isinstance(item, fxtron.Microbatches):
+            losses.append(prog.train_step(item, opt))
+        else:
+            losses.append(prog.train_step(item[0], opt, kwargs=item[1]))
+        if step == 0:
+            grads = prog.full_grads()
+    runner = prog.runner()
+    pp_rank = mesh.coords(rank)["pp"]
+    return {"losses": losses, "grads": grads, "state": prog.full_state_dict(),
+            "peak": runner.peak_in_flight,
+            "order_peak": schedules.in_flight(runner.actions, case.schedule == "zb-h1"),
+            "bound": schedules.in_flight_bound(case.schedule, mesh.pp, case.m, pp_rank, case.v),
+            "sent": runner.p2p.bytes_sent if runner.p2p is not None else 0,
+            "events": [e.kind for e in prog.timeline()]}
+
+
+def _job(rank: int, plan: list) -> dict:
+    out = {}
+    for mesh, cases in plan:
+        init_distributed(mesh)
+        for case in cases:
+            out[(str(mesh), case.key)] = _run_case(rank, mesh, case)
+    return out
+
+
+ALL = ["gpipe", "1f1b", "interleaved", "zb-h1"]
+
+
+def _every_schedule(name):
+    return [Case(name, s, v=2 if s == "interleaved" else 1) for s in ALL]
+
+
+JOBS = {
+    2: [(fxtron.Mesh(2, pp=2), [c for n in ("gpt", "llama", "hf-gpt2") for c in _every_schedule(n)]
+         + [Case("gpt", "1f1b", varying=True), Case("hf-llama", "1f1b")]),
+        (fxtron.Mesh(2), [Case("gpt", "1f1b", m=2)])],           # dp=2, gradient accumulation
+    4: [(fxtron.Mesh(4, pp=4), [Case("gpt", "1f1b"), Case("gpt", "gpipe", m=8), Case("gpt", "interleaved", v=2, layers=8),
+                                Case("llama", "zb-h1", m=8), Case("hf-gpt2", "1f1b", m=2)]),
+        (fxtron.Mesh(4, tp=2, pp=2), [Case("gpt", "1f1b"), Case("llama", "interleaved", v=2), Case("hf-gpt2", "zb-h1"),
+                                      Case("gpt", "gpipe", sequence_parallel=True),
+                                      Case("llama", "1f1b", scatter_gather=True),
+                                      Case("gpt", "zb-h1", varying=True, scatter_gather=True)]),
+        (fxtron.Mesh(4, pp=2), [Case("gpt", "1f1b", m=2), Case("llama", "interleaved", v=2, m=2),
+                                Case("hf-gpt2", "zb-h1", m=2, varying=True)])],
+    8: [(fxtron.Mesh(8, tp=2, pp=2), [Case("gpt", "1f1b", m=2), Case("llama", "zb-h1", m=2),
+                                      Case("gpt", "interleaved", v=2, m=2, sequence_parallel=True)])],
+}
+CASES = [(str(mesh), case) for jobs in JOBS.values() for mesh, cases in jobs for case in cases]
+
+
+@pytest.fixture(scope="module")
+def results():
+    out = {}
+    for world, plan in JOBS.items():
+        for rank, res in enumerate(run_on_ranks(_job, plan[0][0], plan, timeout_s=1200)):
+            for key, value in res.items():
+                out[key + (rank,)] = value
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    ref = {}
+    for _, case in CASES:
+        if case.reference_key in ref:
+            continue
+        model = make(case.name, layers=case.layers)
+        opt = _opt(model.parameters())
+        losses, grads = [], None
+        for step, item in enumerate(_steps(case.name, case.varying, case.m)):
+            opt.zero_grad(set_to_none=True)
+            parts = item if isinstance(item, fxtron.Microbatches) else [item]
+            loss = sum(loss_of(model, a, kw) for a, kw in parts) / len(parts)   # gradient accumulation
+            loss.backward()
+            if step == 0:
+                grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+            opt.step()
+            losses.append(float(loss.detach()))
+        ref[case.reference_key] = {"losses": losses, "grads": grads, "state": model.state_dict()}
+    return ref
+
+
+def _ranks(results, mesh_key, case):
+    return [v for k, v in results.items() if k[0] == mesh_key and k[1] == case.key]
+
+
+@pytest.mark.parametrize("mesh_key,case", CASES, ids=[f"{m}-{c.key}" for m, c in CASES])
+def test_equivalence(results, reference, mesh_key, case):
+    ref = reference[case.reference_key]
+    ranks = _ranks(results, mesh_key, case)
+    assert ranks
+    for res in ranks:
+        for got, want in zip(res["losses"], ref["losses"]):
+            assert abs(got - want) < LOSS_TOL, (res["losses"], ref["losses"])
+        diff, where = max_abs_diff(res["grads"], ref["grads"])
+        assert diff < GRAD_TOL, f"gradient of {where} differs by {diff}"
+        diff, where = max_abs_diff(res["state"], dict(ref["state"]))
+        assert diff < WEIGHT_TOL, f"{where} differs by {diff} after {len(SEQS)} steps"
+
+
+@pytest.mark.parametrize("mesh_key,case", CASES, ids=[f"{m}-{c.key}" for m, c in CASES])
+def test_activation_memory_within_schedule_bound(results, mesh_key, case):
+    """Microbatches whose activations a rank holds at once: exactly what the schedule's order
+    implies, and within its bound (min(pp - r, m) for 1F1B, pp for ZB-H1, m for GPipe)."""
+    for res in _ranks(results, mesh_key, case):
+        assert res["peak"] == res["order_peak"] <= res["bound"]
+
+
+def test_one_f_one_b_holds_at_most_pp(results):
+    mesh_key, case = next((m, c) for m, c in CASES if m == str(fxtron.Mesh(4, pp=4)) and c.schedule == "1f1b")
+    assert [r["peak"] for r in _ranks(results, mesh_key, case)] == [4, 3, 2, 1]
+
+
+def test_zero_bubble_runs_weight_passes(results):
+    mesh_key, case = next((m, c) for m, c in CASES if c.schedule == "zb-h1")
+    for res in _ranks(results, mesh_key, case):
+        assert res["events"].count("W") == case.m and res["events"].count("B") == case.m
+
+
+def test_stage_boundary_bytes(results):
+    """pp=2, GPT (hidden 64, fp32): each step sends, per microbatch and direction, one
+    b x s x h message (Narayanan's bsh): stage 0 its outputs, stage 1 their gradients; with
+    scatter/gather 1/tp of it."""
+    mesh_key = str(fxtron.Mesh(2, pp=2))
+    case = next(c for m, c in CASES if m == mesh_key and c.name == "gpt" and c.schedule == "1f1b" and not c.varying)
+    per_step = [BATCH * s * 64 * 4 for s in SEQS]
+    for res in _ranks(results, mesh_key, case):
+        assert res["sent"] == sum(per_step)
+    mesh_key = str(fxtron.Mesh(4, tp=2, pp=2))
+    case = next(c for m, c in CASES if m == mesh_key and c.kw.get("scatter_gather") and not c.varying)
+    for res in _ranks(results, mesh_key, case):
+        assert res["sent"] == sum(per_step) // 2
