@@ -19,7 +19,7 @@ import sympy
 
 from fxtron.compiler import pipeline, report
 from fxtron.compiler.show import format_graph
-from fxtron.compiler.trace import info, trace
+from fxtron.compiler.trace import BATCH, SEQ, info, trace
 from fxtron.errors import ParallelizeError
 from fxtron.mesh import Mesh
 from fxtron.runtime import groups as G
@@ -223,7 +223,12 @@ class ParallelModel:
         """Per rank: coordinates, local parameters and bytes, tensor-parallel collectives and
         the bytes they move per step (formula in B and S, evaluated when batch and seq are
         given), and the data-parallel gradient sync. Ranks that differ only in their dp
-        coordinate compile to the same program and are shown once."""
+        coordinate compile to the same program and are shown once.
+
+        With microbatches (pipeline parallel or gradient accumulation) B is one microbatch of
+        one rank and the tp figures are per microbatch; the table then also gives each rank's
+        pipeline stages and the bytes it sends to its neighbours per microbatch (activations
+        forward, their gradients backward)."""
         rows, seen = [], set()
         dp = self.mesh.dp
         for rank in range(self.mesh.world_size):
@@ -238,11 +243,17 @@ class ParallelModel:
                 tp_wire = _fmt_bytes(int(sum(r.evaluate(batch, seq)[1] for r in recs)))
             grad_bytes = rg.param_bytes
             dp_wire = 2 * (dp - 1) / dp * grad_bytes  # ring all-reduce of the gradients
-            rows.append([rank, self.mesh.describe(rank).split(": ", 1)[1], f"{rg.param_count:,}",
-                         _fmt_bytes(rg.param_bytes),
-                         f"{report.count(recs, 'all_reduce')} AR, {report.count(recs, 'all_gather')} AG, "
-                         f"{report.count(recs, 'reduce_scatter')} RS", str(tp_wire),
-                         _fmt_bytes(dp_wire) if dp > 1 else "-"])
+            row = [rank, self.mesh.describe(rank).split(": ", 1)[1], f"{rg.param_count:,}",
+                   _fmt_bytes(rg.param_bytes),
+                   f"{report.count(recs, 'all_reduce')} AR, {report.count(recs, 'all_gather')} AG, "
+                   f"{report.count(recs, 'reduce_scatter')} RS", str(tp_wire),
+                   _fmt_bytes(dp_wire) if dp > 1 else "-"]
+            if rg.stages is not None:
+                sent = report.p2p_bytes(rg.stages)
+                if batch is not None and seq is not None:
+                    sent = _fmt_bytes(int(sent.subs({BATCH: batch, SEQ: seq})))
+                row += [",".join(str(st.index) for st in rg.stages), str(sent)]
+            rows.append(row)
         head = (f"{type(self.model).__name__} on {self.mesh}\n"
                 f"parameters {sum(p.numel() for p in self.model.parameters()):,} "
                 f"({len(info(self.traced).params)} tensors), graph nodes {len(self.traced.graph.nodes)}")
@@ -256,9 +267,15 @@ class ParallelModel:
             head += "\nplan: " + ", ".join(f"{p}={s}" for p, s in seen.items())
             if plan.notes:
                 head += "\nnotes: " + "; ".join(plan.notes)
-        return head + "\n" + tabulate(rows, headers=["rank", "coords", "params", "param bytes",
-                                                      "tp collectives / step", "tp wire bytes / step",
-                                                      "dp grad sync sent / step"])
+        per = "microbatch" if self.options.microbatches > 1 else "step"
+        headers = ["rank", "coords", "params", "param bytes", f"tp collectives / {per}", f"tp wire bytes / {per}",
+                   "dp grad sync sent / step"]
+        if self.stage_plan is not None:
+            headers += ["stages", "p2p sent / microbatch"]
+            head += f"\nschedule {self._schedule_title()}; bubble over ideal time (formula): " + str(
+                schedules.bubble_fraction_formula(self.options.schedule, self.mesh.pp, self.options.microbatches,
+                                                  self.options.virtual_stages))
+        return head + "\n" + tabulate(rows, headers=headers)
 
     # ------------------------------------------------------------ running
     def program(self, rank: int, groups: G.ProcessGroups | None = None, *, seed: int = 0) -> Program:

@@ -108,3 +108,19 @@ def format_collectives(records: list[CollectiveRecord], *, batch: int | None = N
 def count(records: list[CollectiveRecord], kind: str, phase: str | None = None) -> int:
     """How many collectives of `kind` (counting multi-collective ops like the cross entropy's 3)."""
     return sum(r.count for r in records if r.kind == kind and (phase is None or r.phase == phase))
+
+
+def p2p_bytes(stages) -> sympy.Expr:
+    """Bytes a rank sends to its pipeline neighbours per microbatch: each stage's boundary
+    outputs forward and the gradients of its floating boundary inputs backward (local
+    shapes, sympy in B and S)."""
+    total = sympy.Integer(0)
+    for st in stages:
+        for names, floating_only in ((st.outputs, False), (st.inputs, True)):
+            for name in names:
+                node = st.values[name]
+                val = node.meta["val"]
+                if floating_only and not val.dtype.is_floating_point:
+                    continue
+                total += _numel(meta.get(node, meta.LOCAL_SHAPE) or ()) * val.dtype.itemsize
+    return sympy.simplify(total)
