@@ -1,6 +1,6 @@
 """Pictures of pipeline schedules: one row per pipeline rank, a box per forward (F),
 backward (B) and weight-gradient (W) pass, labelled with its microbatch (and chunk), waits
-for messages shown as thin grey bars. Measured timelines (each rank's `prog.timeline()`) and
+for messages as thin grey bars below, sends as thin red bars above. Measured timelines (each rank's `prog.timeline()`) and
 unit-time simulations (`runtime.schedules.simulate`) draw the same way."""
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ def _draw(rows: list[list[tuple[str, int, int, float, float]]], path: str, title
     end = max((e for r in rows for *_, e in r), default=1.0)
     for y, row in enumerate(rows):
         for kind, mb, chunk, start, stop in row:
-            if kind == "wait":
-                ax.barh(y, stop - start, left=start, height=0.15, color="#BBBBBB")
+            if kind in ("recv", "send"):   # waiting for a message / posting sends
+                ax.barh(y + (0.42 if kind == "recv" else -0.42), max(stop - start, end / 400), left=start, height=0.12,
+                        color="#999999" if kind == "recv" else "#C44E52")
                 continue
             ax.barh(y, stop - start, left=start, height=0.7, color=_COLORS[kind], alpha=0.55 + 0.45 * (chunk == 0),
                     edgecolor="black", linewidth=0.4)

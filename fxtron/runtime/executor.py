@@ -28,7 +28,8 @@ from fxtron.runtime.schedules import Action
 
 @dataclass(frozen=True)
 class Event:
-    """One span of a rank's step: kind F, B, W (compute) or "wait" (blocked on a receive)."""
+    """One span of a rank's step: kind F, B, W (compute), "recv" (waiting for a message to
+    arrive) or "send" (posting this rank's sends with the next receives)."""
 
     kind: str
     microbatch: int
@@ -80,7 +81,7 @@ class StageRunner:
     def _recv(self, kind: str, mb: int, chunk: int, t0: float) -> list[torch.Tensor]:
         start = time.perf_counter() - t0
         out = self.p2p.wait(kind, mb, self.stages[chunk].index)
-        self.events.append(Event("wait", mb, chunk, self.stages[chunk].index, start, time.perf_counter() - t0))
+        self.events.append(Event("recv", mb, chunk, self.stages[chunk].index, start, time.perf_counter() - t0))
         return out
 
     def run(self, microbatches: list[list[torch.Tensor]], loss_scale: float = 1.0) -> torch.Tensor | None:
@@ -143,7 +144,11 @@ class StageRunner:
             if self.p2p is not None:
                 nxt = self._needs(self.actions[i + 1]) if i + 1 < len(self.actions) else []
                 if sends or nxt:
+                    start = time.perf_counter() - t0
                     self.p2p.exchange(sends, nxt)
+                    if sends:
+                        self.events.append(Event("send", a.microbatch, a.chunk, st.index, start,
+                                                 time.perf_counter() - t0))
         if self.p2p is not None:
             self.p2p.finish()
         assert not saved and not deferred, "schedule left microbatches unfinished"
