@@ -1,0 +1,153 @@
+"""Runtime: data-parallel gradient buffers and buckets (Megatron's _ParamAndGradBuffer and
+DistributedDataParallel).
+
+Every gradient of a rank lives in one contiguous buffer: parameter i's `main_grad` is a view
+of it, parameters laid out in reverse order of use (the order backward produces their
+gradients), grouped into buckets of about `bucket_size` elements. During the backward of the
+last microbatch of a step, each parameter reports when its gradient is complete (a
+post-accumulate-grad hook for gradients autograd computes; the fused linear's weight-gradient
+job itself for gradients accumulated straight into main_grad, so a deferred GEMM counts only
+once it has run); when the last parameter of a bucket reports, that bucket's all-reduce (or
+reduce-scatter, for the distributed optimizer) starts asynchronously over the data-parallel
+group, already scaled by 1/dp, while backward goes on. `finish()` starts what never started
+and waits for everything.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+def default_bucket_size(dp: int) -> int:
+    """Megatron's default: max(40M, 1M x dp) elements."""
+    return max(40_000_000, 1_000_000 * dp)
+
+
+@dataclass
+class Bucket:
+    """A contiguous slice [start, end) of the buffer holding `params` (names), with how many
+    gradient reports it still waits for in this step."""
+
+    index: int
+    params: list[str]
+    start: int
+    end: int
+    expected: int = 0
+    pending: int = 0
+    work: object = None
+    started: bool = False
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class GradBuffer:
+    """The flat gradient buffer of one rank and its buckets.
+
+    params: (name, parameter, reports expected per step) in order of first use in forward.
+    pad_to: each bucket is padded to a multiple of this (dp, for an even reduce-scatter).
+    """
+
+    params: list[tuple[str, torch.nn.Parameter, int]]
+    dtype: torch.dtype
+    bucket_size: int
+    group: object = None
+    dp: int = 1
+    reduce_scatter: bool = False
+    data: torch.Tensor = field(init=False)
+    buckets: list[Bucket] = field(init=False, default_factory=list)
+    offsets: dict[str, tuple[int, int]] = field(init=False, default_factory=dict)
+    bytes_sent: int = field(init=False, default=0)
+
+    def __post_init__(self):
+        pad = self.dp if self.reduce_scatter else 1
+        at, current, start = 0, [], 0
+        layout: list[tuple[str, int, int]] = []
+        for name, p, _ in reversed(self.params):        # backward produces the last-used first
+            layout.append((name, at, p.numel()))
+            at += p.numel()
+            current.append(name)
+            if at - start >= self.bucket_size:
+                at = _round_up(at, pad)
+                self.buckets.append(Bucket(len(self.buckets), current, start, at))
+                current, start = [], at
+        if current:
+            at = _round_up(at, pad)
+            self.buckets.append(Bucket(len(self.buckets), current, start, at))
+        device = self.params[0][1].device if self.params else torch.device("cpu")
+        self.data = torch.zeros(at, dtype=self.dtype, device=device)
+        expected = {name: n for name, _, n in self.params}
+        self._bucket_of: dict[str, Bucket] = {}
+        for b in self.buckets:
+            b.expected = sum(expected[n] for n in b.params)
+            for n in b.params:
+                self._bucket_of[n] = b
+        for name, off, n in layout:
+            self.offsets[name] = (off, n)
+        self._reporting = False
+
+    # ------------------------------------------------------------------ views
+    def view(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        off, n = self.offsets[name]
+        return self.data[off:off + n].view(like.shape)
+
+    # ------------------------------------------------------------------ one step
+    def reset(self) -> None:
+        """Zero the gradients and forget the last step's collectives."""
+        self.data.zero_()
+        for b in self.buckets:
+            b.pending, b.work, b.started = b.expected, None, False
+        self._reporting = False
+
+    def start_reporting(self) -> None:
+        """The next backward is the step's last for these parameters: count reports and
+        start each bucket's collective as soon as it is complete."""
+        self._reporting = True
+
+    def report(self, name: str) -> None:
+        """One gradient contribution of `name` is complete in the buffer."""
+        if not self._reporting:
+            return
+        b = self._bucket_of[name]
+        b.pending -= 1
+        if b.pending == 0:
+            self._start(b)
+
+    def _start(self, b: Bucket) -> None:
+        b.started = True
+        if self.dp == 1 or self.group is None:
+            return
+        chunk = self.data[b.start:b.end]
+        chunk.div_(self.dp)                         # scale once: the average over dp
+        if self.reduce_scatter:
+            out = chunk.view(self.dp, -1)[dist.get_group_rank(self.group, dist.get_rank())]
+            b.work = dist.reduce_scatter_tensor(out, chunk, group=self.group, async_op=True)
+            self.bytes_sent += chunk.numel() * chunk.element_size() * (self.dp - 1) // self.dp
+        else:
+            b.work = dist.all_reduce(chunk, group=self.group, async_op=True)
+            self.bytes_sent += 2 * chunk.numel() * chunk.element_size() * (self.dp - 1) // self.dp
+
+    def finish(self) -> None:
+        """Start every bucket that has not started (parameters without a gradient this step,
+        or a step whose reports were never counted) and wait for all of them."""
+        for b in self.buckets:
+            if not b.started:
+                self._start(b)
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
+        self._reporting = False
+
+    def shard(self, b: Bucket, rank: int) -> tuple[int, int]:
+        """[start, end) of dp rank `rank`'s shard of bucket b in the buffer."""
+        n = b.numel // self.dp
+        return b.start + rank * n, b.start + (rank + 1) * n
+
+
+def _round_up(n: int, k: int) -> int:
+    return (n + k - 1) // k * k
