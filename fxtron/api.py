@@ -6,6 +6,7 @@ answers questions about any rank (`graph`, `summary`) and builds a rank's runnab
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from fxtron.mesh import Mesh
 from fxtron.runtime import groups as G
 from fxtron.passes.stages import StagePlan, plan_stages
 from fxtron.runtime import schedules
+from fxtron.runtime.buffers import DataParallelOptions
 from fxtron.runtime.program import PipelineOptions, Program
 
 
@@ -45,6 +47,7 @@ class Options:
     virtual_stages: int = 1
     split_points: tuple[str, ...] | None = None
     scatter_gather: bool = False
+    data_parallel: DataParallelOptions = DataParallelOptions()
 
     def __post_init__(self):
         if self.batch_dim < 0 or (self.seq_dim is not None and self.seq_dim < 0):
@@ -59,7 +62,9 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
                 plan_mode: str = "override", sequence_parallel: bool = False,
                 gradient_accumulation_fusion: bool = True, dtype: torch.dtype | None = None,
                 microbatches: int = 1, schedule: str = "1f1b", virtual_stages: int = 1,
-                split_points: list[str] | None = None, scatter_gather: bool = False) -> "ParallelModel":
+                split_points: list[str] | None = None, scatter_gather: bool = False,
+                bucket_size: int | None = None, grad_reduce_dtype: torch.dtype | None = None,
+                overlap_grad_reduce: bool = True, clip_grad: float | None = None, zero: int = 0) -> "ParallelModel":
     """Compile `model` for every rank of `mesh`.
 
     model(*example_inputs, **example_kwargs) must return the loss (a scalar tensor, or an
@@ -101,6 +106,9 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
                       microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
                       split_points=tuple(split_points) if split_points else None, scatter_gather=scatter_gather)
     schedules.check(schedule, mesh.pp, microbatches, virtual_stages)
+    options = dataclasses.replace(options, data_parallel=DataParallelOptions(
+        bucket_size=bucket_size, grad_reduce_dtype=grad_reduce_dtype, overlap_grad_reduce=overlap_grad_reduce,
+        clip_grad=clip_grad, zero=zero))
     if schedule == "zb-h1" and not gradient_accumulation_fusion:
         raise ParallelizeError("schedule='zb-h1' defers the linears' weight-gradient GEMMs into the pipeline "
                                "bubbles, which needs gradient_accumulation_fusion=True")
@@ -297,7 +305,7 @@ class ParallelModel:
             raise ParallelizeError(f"program({rank}) built in the process of rank {groups.rank}")
         rg = self.compiled(rank)
         return rg.build_program(self.model, rank, groups, seed=seed, dtype=self.options.dtype,
-                                pipeline=self.pipeline_options())
+                                pipeline=self.pipeline_options(), data_parallel=self.options.data_parallel)
 
 
 def _fmt_bytes(n: float) -> str:

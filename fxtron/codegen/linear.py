@@ -60,12 +60,20 @@ def active_queue() -> WgradQueue | None:
     return _QUEUE.get()
 
 
-def _accumulate(x: Tensor, dy: Tensor, main_grad: Tensor, weight_in_out: bool) -> None:
+def _accumulate(x: Tensor, dy: Tensor, main_grad: Tensor, weight_in_out: bool, report=None) -> None:
+    """main_grad += the weight gradient; then tell the data-parallel buffer (when the program
+    gave the weight a `report`) that this contribution is complete."""
     from fxtron.codegen.wgrad import wgrad_accumulate
-    if weight_in_out:     # main_grad [in, out] += x^T dy
+    if main_grad.dtype != torch.float32:   # a 16-bit gradient buffer (grad_reduce_dtype)
+        x2, dy2 = x.reshape(-1, x.shape[-1]).detach(), dy.reshape(-1, dy.shape[-1]).detach()
+        a, b = (x2, dy2) if weight_in_out else (dy2, x2)
+        main_grad.addmm_(a.t().to(main_grad.dtype), b.to(main_grad.dtype))
+    elif weight_in_out:   # main_grad [in, out] += x^T dy
         wgrad_accumulate(dy, x, main_grad)
     else:                 # main_grad [out, in] += dy^T x
         wgrad_accumulate(x, dy, main_grad)
+    if report is not None:
+        report()
 
 
 @torch.library.custom_op("fxtron::linear", mutates_args=())
@@ -98,7 +106,8 @@ def _backward(ctx, dy):
     main_grad = getattr(w, "main_grad", None)
     grad_w = None
     if main_grad is not None:
-        job = lambda: _accumulate(x, dy, main_grad, ctx.weight_in_out)  # noqa: E731
+        report = getattr(w, "fxtron_report", None)
+        job = lambda: _accumulate(x, dy, main_grad, ctx.weight_in_out, report)  # noqa: E731
         queue = active_queue()
         queue.jobs.append(job) if queue is not None else job()
     else:

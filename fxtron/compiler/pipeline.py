@@ -68,7 +68,8 @@ class RankGraph:
         return sum(_numel(p.local_shape) * p.dtype.itemsize for p in self.local.values())
 
     def build_program(self, model: torch.nn.Module, rank: int, groups: ProcessGroups | None,
-                      seed: int = 0, dtype: torch.dtype | None = None, pipeline=None) -> Program:
+                      seed: int = 0, dtype: torch.dtype | None = None, pipeline=None,
+                      data_parallel=None) -> Program:
         ti = info(self.gm)
         named = dict(model.named_parameters())
         params = {}
@@ -109,7 +110,34 @@ class RankGraph:
         fused = sorted({w for g in self.graphs for w in fused_weights(g)})
         return Program(_bind_groups(self.gm, groups, device) if self.stages is None else None, ti, params, buffers,
                        persistent, self.local, rank, groups, ti.aliases, rng, fused=fused, dtype=dtype,
-                       stages=stages, pipeline=pipeline, shared=self.shared)
+                       stages=stages, pipeline=pipeline, shared=self.shared, data_parallel=data_parallel,
+                       grad_reports=self.grad_reports(), param_order=self.param_order())
+
+    def param_order(self) -> list[str]:
+        """This rank's parameters in order of first use in forward (chunk by chunk)."""
+        order: dict[str, None] = {}
+        for g in self.graphs:
+            for node in g.graph.nodes:
+                for a in node.all_input_nodes:
+                    spec = a.meta.get("fxtron_input")
+                    if spec is not None and spec.kind == "parameter":
+                        order.setdefault(spec.target)
+        return list(order)
+
+    def grad_reports(self) -> dict[str, int]:
+        """How many times per step each parameter's gradient reports complete during the last
+        microbatch's backward: once per fused linear using it (its weight-gradient job), plus
+        once if autograd computes any other part (the post-accumulate-grad hook), per chunk."""
+        out: dict[str, int] = {}
+        for g in self.graphs:
+            for node in g.graph.nodes:
+                spec = node.meta.get("fxtron_input")
+                if node.op != "placeholder" or spec is None or spec.kind != "parameter":
+                    continue
+                fused = sum(1 for u in node.users if u.target == torch.ops.fxtron.linear.default and u.args[1] is node)
+                other = any(not (u.target == torch.ops.fxtron.linear.default and u.args[1] is node) for u in node.users)
+                out[spec.target] = out.get(spec.target, 0) + fused + int(other)
+        return out
 
 
 def _numel(shape) -> int:

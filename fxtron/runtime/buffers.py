@@ -58,20 +58,27 @@ class GradBuffer:
     group: object = None
     dp: int = 1
     reduce_scatter: bool = False
+    dp_rank: int = 0
+    alone: frozenset = frozenset()      # parameters that get a bucket of their own (tied weights)
     data: torch.Tensor = field(init=False)
     buckets: list[Bucket] = field(init=False, default_factory=list)
     offsets: dict[str, tuple[int, int]] = field(init=False, default_factory=dict)
-    bytes_sent: int = field(init=False, default=0)
+    bytes_sent: int = field(init=False, default=0)      # by this rank in the last step (ring algorithms)
+    started_early: int = field(init=False, default=0)   # buckets of the last step started during backward
 
     def __post_init__(self):
         pad = self.dp if self.reduce_scatter else 1
         at, current, start = 0, [], 0
         layout: list[tuple[str, int, int]] = []
         for name, p, _ in reversed(self.params):        # backward produces the last-used first
+            if name in self.alone and current:
+                at = _round_up(at, pad)
+                self.buckets.append(Bucket(len(self.buckets), current, start, at))
+                current, start = [], at
             layout.append((name, at, p.numel()))
             at += p.numel()
             current.append(name)
-            if at - start >= self.bucket_size:
+            if at - start >= self.bucket_size or name in self.alone:
                 at = _round_up(at, pad)
                 self.buckets.append(Bucket(len(self.buckets), current, start, at))
                 current, start = [], at
@@ -99,22 +106,28 @@ class GradBuffer:
     def reset(self) -> None:
         """Zero the gradients and forget the last step's collectives."""
         self.data.zero_()
+        self.started_early = 0
+        self.bytes_sent = 0
         for b in self.buckets:
             b.pending, b.work, b.started = b.expected, None, False
         self._reporting = False
 
-    def start_reporting(self) -> None:
-        """The next backward is the step's last for these parameters: count reports and
-        start each bucket's collective as soon as it is complete."""
-        self._reporting = True
+    def start_reporting(self, names=None) -> None:
+        """The next backward is the step's last for these parameters (None: all): count
+        their reports and start each bucket's collective as soon as it is complete."""
+        if names is None:
+            self._reporting = True
+        elif self._reporting is not True:
+            self._reporting = set(self._reporting or ()) | set(names)
 
     def report(self, name: str) -> None:
         """One gradient contribution of `name` is complete in the buffer."""
-        if not self._reporting:
+        if self._reporting is not True and (not self._reporting or name not in self._reporting):
             return
         b = self._bucket_of[name]
         b.pending -= 1
         if b.pending == 0:
+            self.started_early += 1
             self._start(b)
 
     def _start(self, b: Bucket) -> None:
@@ -124,8 +137,8 @@ class GradBuffer:
         chunk = self.data[b.start:b.end]
         chunk.div_(self.dp)                         # scale once: the average over dp
         if self.reduce_scatter:
-            out = chunk.view(self.dp, -1)[dist.get_group_rank(self.group, dist.get_rank())]
-            b.work = dist.reduce_scatter_tensor(out, chunk, group=self.group, async_op=True)
+            out = chunk.view(self.dp, -1)[self.dp_rank]
+            b.work = dist.reduce_scatter_tensor(out, chunk.clone(), group=self.group, async_op=True)
             self.bytes_sent += chunk.numel() * chunk.element_size() * (self.dp - 1) // self.dp
         else:
             b.work = dist.all_reduce(chunk, group=self.group, async_op=True)
@@ -151,3 +164,35 @@ class GradBuffer:
 
 def _round_up(n: int, k: int) -> int:
     return (n + k - 1) // k * k
+
+
+@dataclass(frozen=True)
+class DataParallelOptions:
+    """How a program syncs gradients over data parallel (Megatron's DistributedDataParallelConfig
+    and optimizer config, in part).
+
+    bucket_size: elements per bucket (None: Megatron's max(4e7, 1e6 x dp)).
+    grad_reduce_dtype: the buffer's dtype (None: float32 main_grad; or the parameters' dtype).
+    overlap_grad_reduce: start each bucket's collective during backward as soon as it is
+    complete (False: all of them after backward).
+    clip_grad: clip the global gradient norm to this (None: no clipping).
+    zero: 1 for the distributed optimizer (reduce-scatter, optimizer state and fp32 main
+    parameters for 1/dp of the buffer per rank, all-gather of the updated parameters).
+    """
+
+    bucket_size: int | None = None
+    grad_reduce_dtype: torch.dtype | None = None
+    overlap_grad_reduce: bool = True
+    clip_grad: float | None = None
+    zero: int = 0
+
+    def __post_init__(self):
+        from fxtron.errors import ParallelizeError
+        if self.zero not in (0, 1):
+            raise ParallelizeError(f"zero must be 0 or 1 (the distributed optimizer), got {self.zero}")
+        if self.bucket_size is not None and self.bucket_size < 1:
+            raise ParallelizeError(f"bucket_size must be a positive number of elements, got {self.bucket_size}")
+        if self.grad_reduce_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+            raise ParallelizeError(f"grad_reduce_dtype must be float32, bfloat16 or float16, got {self.grad_reduce_dtype}")
+        if self.clip_grad is not None and not self.clip_grad > 0:
+            raise ParallelizeError(f"clip_grad must be a positive norm, got {self.clip_grad}")

@@ -57,7 +57,7 @@ class StageRunner:
     """This rank's model chunks and the schedule it runs them in."""
 
     def __init__(self, stages: list[Stage], call, actions: list[Action], *, num_stages: int, microbatches: int,
-                 p2p: P2P | None, zero_bubble: bool):
+                 p2p: P2P | None, zero_bubble: bool, before_last_backward=None):
         self.stages = stages                    # chunk c -> Stage
         self.call = call                        # (stage, flat user inputs, received) -> outputs
         self.actions = actions
@@ -65,6 +65,7 @@ class StageRunner:
         self.microbatches = microbatches
         self.p2p = p2p
         self.zero_bubble = zero_bubble
+        self.before_last_backward = before_last_backward   # chunk -> None, before its last microbatch's B
         self.in_slots = [slots(s, s.inputs) for s in stages]
         self.out_slots = [slots(s, s.outputs) for s in stages]
         self.events: list[Event] = []
@@ -120,6 +121,8 @@ class StageRunner:
                 ins, outs, scaled = saved.pop(key)
                 grads = self._recv("grad", a.microbatch, a.chunk, t0) if st.outputs else []
                 start = time.perf_counter() - t0
+                if a.microbatch == m - 1 and self.before_last_backward is not None:
+                    self.before_last_backward(a.chunk)
                 queue = WgradQueue(deferred=self.zero_bubble)
                 with queue.active():
                     if scaled is not None:

@@ -19,7 +19,9 @@ from torch import nn
 
 from fxtron.compiler.trace import TraceInfo
 from fxtron.errors import ParallelizeError
+from fxtron.runtime.buffers import DataParallelOptions, GradBuffer, default_bucket_size
 from fxtron.runtime.groups import ProcessGroups
+from fxtron.runtime.zero import ZeroOne
 from fxtron.codegen.linear import WgradQueue
 from fxtron.runtime.rng import RNGStreams
 
@@ -119,7 +121,9 @@ class Program(nn.Module):
                  buffers: dict[str, torch.Tensor], persistent: set[str], local: dict[str, LocalParam],
                  rank: int, groups: ProcessGroups | None, aliases: dict[str, str], rng: RNGStreams | None = None,
                  fused: list[str] | None = None, dtype: torch.dtype | None = None, stages: list | None = None,
-                 pipeline: "PipelineOptions | None" = None, shared: dict[str, tuple[int, ...]] | None = None):
+                 pipeline: "PipelineOptions | None" = None, shared: dict[str, tuple[int, ...]] | None = None,
+                 data_parallel: DataParallelOptions | None = None, grad_reports: dict[str, int] | None = None,
+                 param_order: list[str] | None = None):
         super().__init__()
         for name in info.params:
             if name in params:
@@ -138,9 +142,7 @@ class Program(nn.Module):
         # computes with 16-bit copies (Megatron's Float16Module + mixed-precision optimizer)
         self.dtype = dtype if dtype not in (None, torch.float32) else None
         self.scaler = LossScaler() if self.dtype == torch.float16 else None
-        # fp32 gradient buffers of the weights whose fused linears accumulate into them
-        self._main_grads = {n: torch.zeros(_get_by_path(self, n).shape, dtype=torch.float32,
-                                           device=_get_by_path(self, n).device) for n in (fused or [])}
+        self._fused = set(fused or [])
         # pipeline: this rank's stages (None: the whole graph is one stage), the schedule, and
         # the parameters other pipeline ranks hold too (tied embeddings), by holder ranks
         self._stages = stages
@@ -148,6 +150,23 @@ class Program(nn.Module):
         self._shared = dict(shared or {})
         self._runner = None
         self._aliases = aliases if stages is None else {a: n for a, n in aliases.items() if n in params}
+        # data parallel: every gradient in one bucketed buffer (runtime/buffers.py)
+        self.data_parallel = data_parallel or DataParallelOptions()
+        names = [n for n, _ in self.named_parameters()]
+        order = [n for n in (param_order or names) if n in set(names)]
+        order += [n for n in names if n not in set(order)]
+        self._chunk_params = [set(st.params) for st in stages] if stages is not None else None
+        dp, dp_rank = self._dp()
+        opts = self.data_parallel
+        self.grad_buffer = GradBuffer(
+            [(n, _get_by_path(self, n), (grad_reports or {}).get(n, 1)) for n in order],
+            opts.grad_reduce_dtype or torch.float32, opts.bucket_size or default_bucket_size(dp),
+            group=self.groups.group("dp") if dp > 1 else None, dp=dp, reduce_scatter=opts.zero == 1,
+            dp_rank=dp_rank, alone=frozenset(self._shared))
+        self._in_step = False
+        for n in order:
+            _get_by_path(self, n).register_post_accumulate_grad_hook(self._grad_hook(n))
+        self._zero = ZeroOne(self) if opts.zero == 1 else None
 
     # ---------------------------------------------------------------- running
     def _flat_inputs(self, inputs: tuple, kwargs: dict | None) -> list:
@@ -190,6 +209,7 @@ class Program(nn.Module):
         main_grad = getattr(t, "main_grad", None)
         if main_grad is not None:
             copy.main_grad = main_grad
+            copy.fxtron_report = t.fxtron_report
         return copy
 
     def local_batch(self, inputs: tuple, kwargs: dict | None = None) -> tuple[tuple, dict]:
@@ -226,14 +246,14 @@ class Program(nn.Module):
             return self._pipelined_step(inputs, optimizer, kwargs)
         args, kw = self.local_batch(inputs, kwargs)
         optimizer.zero_grad(set_to_none=True)
-        with self._main_grad_accumulation():
+        with self._grad_accumulation():
             loss = self(*args, **kw)
             scaled = loss * self.scaler.scale if self.scaler is not None else loss
+            self._last_backward(None)
             with WgradQueue().active():   # weight-gradient GEMMs overlap tp all-reduces
                 scaled.backward()
-        self.sync_grads()
-        if self.scaler is None or self.scaler.unscale_and_check(list(self.parameters()), self.groups):
-            optimizer.step()
+        self.finalize_grads()
+        self._optimizer_step(optimizer)
         return self._global_loss(loss.detach().float())
 
     # ---------------------------------------------------------------- pipeline / microbatches
@@ -287,19 +307,17 @@ class Program(nn.Module):
             p2p = P2P(self.groups, scatter_gather=opts.scatter_gather) if pp > 1 else None
             self._runner = StageRunner(stages, self._call_stage, acts, num_stages=pp * opts.virtual_stages,
                                        microbatches=opts.microbatches, p2p=p2p,
-                                       zero_bubble=opts.schedule == "zb-h1")
+                                       zero_bubble=opts.schedule == "zb-h1", before_last_backward=self._last_backward)
         return self._runner
 
     def _pipelined_step(self, inputs, optimizer, kwargs) -> float:
         mbs = self.microbatches(inputs, kwargs)
         runner = self.runner()
         optimizer.zero_grad(set_to_none=True)
-        with self._main_grad_accumulation():
+        with self._grad_accumulation():
             loss = runner.run(mbs, loss_scale=self.scaler.scale if self.scaler is not None else 1.0)
-        self.sync_grads()
-        self.sync_shared_grads()
-        if self.scaler is None or self.scaler.unscale_and_check(list(self.parameters()), self.groups):
-            optimizer.step()
+        self.finalize_grads()
+        self._optimizer_step(optimizer)
         if self.groups is not None and self.groups.size("pp") > 1:
             loss = loss if loss is not None else torch.zeros((), device=self.groups.device)
             loss = loss.clone()
@@ -324,6 +342,11 @@ class Program(nn.Module):
             if self.groups.index("pp") not in holders:
                 continue
             if holders == first_last:
+                if self._zero is not None:     # a bucket of its own: every holder has the same shard
+                    for g, n in self._zero.shard_grads():
+                        if n == name:
+                            dist.all_reduce(g, group=self.groups.group("embedding"))
+                    continue
                 p = _get_by_path(self, name)
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
                 dist.all_reduce(g, group=self.groups.group("embedding"))
@@ -332,47 +355,121 @@ class Program(nn.Module):
                 raise ParallelizeError(f"{name} is used on pipeline ranks {holders}; fxtron ties weights only "
                                        "between the first and the last stage (an embedding and its LM head)")
 
+    # ---------------------------------------------------------------- gradients
+    def _grad_hook(self, name: str):
+        def hook(p: torch.Tensor) -> None:
+            """Autograd finished this parameter's gradient for one backward: move it into the
+            buffer (Megatron's DDP hook) and report it."""
+            if not self._in_step or p.grad is None:
+                return
+            p.main_grad.add_(p.grad)
+            p.grad = None
+            self.grad_buffer.report(name)
+        return hook
+
+    def _report(self, name: str):
+        return lambda: self.grad_buffer.report(name)
+
     @contextlib.contextmanager
-    def _main_grad_accumulation(self):
-        """During one step, fused linears accumulate weight gradients into fp32 main_grad
-        (zeroed here); afterwards each weight's .grad is its main_grad plus whatever plain
-        autograd added (a tied embedding's part), as Megatron's DDP hook adds them."""
-        params = {n: _get_by_path(self, n) for n in self._main_grads}
+    def _grad_accumulation(self):
+        """During one step every parameter's gradient accumulates into its `main_grad`, a view
+        of the bucketed buffer: fused linears write there directly (and report when their
+        deferred GEMM has run), autograd's gradients are moved there by a hook."""
+        if self._zero is not None:
+            self._zero.wait_params()
+        self.grad_buffer.reset()
+        params = dict(self.named_parameters())
         for n, p in params.items():
-            self._main_grads[n].zero_()
-            p.main_grad = self._main_grads[n]
+            p.main_grad = self.grad_buffer.view(n, p)
+            p.fxtron_report = self._report(n)
+        self._in_step = True
         try:
             yield
         finally:
-            for n, p in params.items():
-                del p.main_grad
-                g = self._main_grads[n]
-                if p.grad is not None:
-                    g.add_(p.grad)
-                p.grad = g if p.dtype == torch.float32 else g.to(p.dtype)
+            self._in_step = False
+            for p in params.values():
+                del p.main_grad, p.fxtron_report
+
+    def _last_backward(self, chunk: int | None) -> None:
+        """The next backward is the step's last for `chunk` (None: all parameters): bucket
+        collectives may start as their gradients complete."""
+        if self.data_parallel.overlap_grad_reduce:
+            names = None if chunk is None or self._chunk_params is None else self._chunk_params[chunk]
+            self.grad_buffer.start_reporting(names)
+
+    def finalize_grads(self) -> None:
+        """Megatron's finalize_model_grads, in order: finish the data-parallel sync of the
+        buckets (all-reduce, or reduce-scatter under zero=1); sum tied weights over the
+        pipeline ranks that hold them (the embedding group); then clip the global norm.
+        (Replicated norm weights under sequence parallel are summed over tp inside the graph,
+        by the backward of the op that enters their region.) Afterwards every parameter's
+        .grad is its gradient (the rank's shard under zero=1)."""
+        self.grad_buffer.finish()
+        if self._zero is not None:
+            self._zero.set_grads()
+        else:
+            for n, p in self.named_parameters():
+                g = self.grad_buffer.view(n, p)
+                p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
+        self.sync_shared_grads()
+        if self.data_parallel.clip_grad is not None:
+            self.clip_grad_norm_(self.data_parallel.clip_grad)
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the gradients of the whole model, each parameter counted
+        once however it is sharded (tp) or replicated (tp, dp, tied over pp): equal to
+        torch.nn.utils.get_total_norm over the single-process model's gradients."""
+        total = torch.zeros((), dtype=torch.float32, device=self.grad_buffer.data.device)
+        tp_rank = self.groups.index("tp") if self.groups is not None else 0
+        pp_rank = self.groups.index("pp") if self.groups is not None else 0
+        for g, name in self._grads_for_norm():
+            spec = self._local.get(name)
+            sharded = spec is not None and spec.gather is not None
+            if not sharded and tp_rank != 0:
+                continue                                   # a tp replica: rank 0 counts it
+            holders = self._shared.get(name)
+            if holders is not None and pp_rank != holders[0]:
+                continue                                   # a tied weight: its first stage counts it
+            total += g.float().pow(2).sum()
+        if self.groups is not None:
+            if self._zero is not None and self.groups.size("dp") > 1:
+                dist.all_reduce(total, group=self.groups.group("dp"))   # each rank holds 1/dp
+            if self.groups.size("tp-pp") > 1:
+                dist.all_reduce(total, group=self.groups.group("tp-pp"))
+        return total.sqrt()
+
+    def _grads_for_norm(self):
+        if self._zero is not None:
+            yield from self._zero.shard_grads()
+            return
+        for n, p in self.named_parameters():
+            if p.grad is not None:
+                yield p.grad, n
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale every gradient by max_norm / (norm + 1e-6) when that is below 1, as
+        torch.nn.utils.clip_grad_norm_ does on the single-process model; returns the norm."""
+        norm = self.grad_norm()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g, _ in self._grads_for_norm():
+            g.mul_(coef.to(g.dtype))
+        return norm
+
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._zero is not None:
+            params = self._zero.optimizer_for(optimizer)
+            grads_ok = self.scaler is None or self.scaler.unscale_and_check(params, self.groups)
+            if grads_ok:
+                self._zero.step(optimizer)
+            return
+        if self.scaler is None or self.scaler.unscale_and_check(list(self.parameters()), self.groups):
+            optimizer.step()
 
     # ---------------------------------------------------------------- communication
     def _dp(self) -> tuple[int, int]:
         if self.groups is None:
             return 1, 0
         return self.groups.size("dp"), self.groups.index("dp")
-
-    def sync_grads(self) -> None:
-        """Average every gradient over the data-parallel group: one all-reduce of one flat
-        buffer (buckets overlapped with backward are the data-parallel issue's)."""
-        dp, _ = self._dp()
-        if dp == 1:
-            return
-        params = list(self.parameters())
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        flat.div_(dp)
-        dist.all_reduce(flat, group=self.groups.group("dp"))
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p)
-            offset += n
 
     def _global_loss(self, loss: torch.Tensor) -> float:
         dp, _ = self._dp()
@@ -392,8 +489,13 @@ class Program(nn.Module):
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Full-shape gradients under the original parameter names (tied weights once)."""
         out = {}
+        data = self._zero.full_grad_data() if self._zero is not None else None
         for name, p in self.named_parameters():
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            if data is not None:
+                off, n = self.grad_buffer.offsets[name]
+                g = data[off:off + n].view_as(p).to(p.dtype)
+            else:
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
             out[name] = self._full(name, g.detach()).clone()
         return self._across_stages(out)
 
@@ -413,6 +515,8 @@ class Program(nn.Module):
         """Full-shape parameters and persistent buffers under the original names, tied aliases
         included, so `model.load_state_dict(prog.full_state_dict())` restores the model."""
         out = {}
+        if self._zero is not None:
+            self._zero.wait_params()
         for name, p in self.named_parameters():
             out[name] = self._full(name, p.detach()).clone()
         persistent = set(self.state_dict(keep_vars=True))

@@ -1,0 +1,116 @@
+"""Runtime: the distributed optimizer (ZeRO stage 1, Megatron's DistributedOptimizer).
+
+The gradient buffer's buckets are reduce-scattered over data parallel, so dp rank r holds the
+averaged gradient of the r-th 1/dp of every bucket. The parameters become views of one fp32
+parameter buffer laid out like the gradient buffer; each rank's optimizer sees only its shard
+of it (the pieces of parameters that fall in its shard of each bucket), so optimizer state
+(AdamW's two moments) takes 1/dp of the memory. After the step each bucket's updated shard is
+all-gathered over data parallel, asynchronously; the next step (or a state-dict read) waits
+for it before using the parameters.
+
+The user's optimizer is a template: its class, defaults and param groups (hyperparameters,
+which parameters are in which group) are mirrored onto the shards, and its groups' current
+hyperparameters (an lr schedule's lr, say) are copied over before every step.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class ZeroOne:
+    def __init__(self, prog):
+        self.prog = prog
+        buf = prog.grad_buffer
+        self.buf = buf
+        self.dp, self.rank = buf.dp, buf.dp_rank
+        params = dict(prog.named_parameters())
+        first = next(iter(params.values()))
+        self.param_data = torch.zeros(buf.data.numel(), dtype=first.dtype, device=first.device)
+        for n, p in params.items():
+            off, k = buf.offsets[n]
+            self.param_data[off:off + k].copy_(p.detach().reshape(-1))
+            p.data = self.param_data[off:off + k].view_as(p)
+        # this rank's pieces of each bucket: (parameter name, [lo, hi) in the buffer)
+        self.pieces: list[tuple[str, int, int]] = []
+        for b in buf.buckets:
+            s0, s1 = buf.shard(b, self.rank)
+            for n in b.params:
+                off, k = buf.offsets[n]
+                lo, hi = max(off, s0), min(off + k, s1)
+                if lo < hi:
+                    self.pieces.append((n, lo, hi))
+        # the optimizer's parameters: views of the rank's shard, so its updates land in place
+        self.shards = [nn.Parameter(self.param_data[lo:hi]) for _, lo, hi in self.pieces]
+        self._inner: torch.optim.Optimizer | None = None
+        self._template = None
+        self._works: list = []
+
+    # ------------------------------------------------------------------ the optimizer
+    def optimizer_for(self, template: torch.optim.Optimizer) -> list[nn.Parameter]:
+        """The shard parameters, with an optimizer over them mirroring `template`."""
+        if self._inner is None or self._template is not template:
+            names = {id(p): n for n, p in self.prog.named_parameters()}
+            groups = []
+            for g in template.param_groups:
+                mine = {names[id(p)] for p in g["params"] if id(p) in names}
+                hyper = {k: v for k, v in g.items() if k != "params"}
+                groups.append({**hyper, "params": [s for s, (n, _, _) in zip(self.shards, self.pieces) if n in mine]})
+            self._inner = type(template)(groups)   # every hyperparameter is in the groups
+            self._template = template
+        return self.shards
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer over this rank's shards (its state is 1/dp of the whole)."""
+        return self._inner
+
+    def set_grads(self) -> None:
+        for s, (_, lo, hi) in zip(self.shards, self.pieces):
+            g = self.buf.data[lo:hi]
+            s.grad = g if g.dtype == s.dtype else g.to(s.dtype)
+
+    def shard_grads(self):
+        for s, (n, _, _) in zip(self.shards, self.pieces):
+            if s.grad is not None:
+                yield s.grad, n
+
+    def step(self, template: torch.optim.Optimizer) -> None:
+        self.optimizer_for(template)
+        for mine, theirs in zip(self._inner.param_groups, template.param_groups):
+            for k, v in theirs.items():
+                if k != "params":
+                    mine[k] = v
+        self._inner.step()
+        if self.dp == 1:
+            return
+        group = self.prog.groups.group("dp")
+        for b in self.buf.buckets:   # every rank's updated shard to every rank, bucket by bucket
+            s0, s1 = self.buf.shard(b, self.rank)
+            src = self.param_data[s0:s1].clone()
+            work = dist.all_gather_into_tensor(self.param_data[b.start:b.end], src, group=group, async_op=True)
+            self._works.append((work, src))
+
+    def wait_params(self) -> None:
+        """Wait for the all-gathers of the last step's updated parameters."""
+        works, self._works = self._works, []
+        for work, _ in works:
+            work.wait()
+
+    def full_grad_data(self) -> torch.Tensor:
+        """The whole averaged gradient buffer, gathered from every rank's shards."""
+        out = self.buf.data.clone()
+        if self.dp > 1:
+            group = self.prog.groups.group("dp")
+            for b in self.buf.buckets:
+                s0, s1 = self.buf.shard(b, self.rank)
+                dist.all_gather_into_tensor(out[b.start:b.end], self.buf.data[s0:s1].clone(), group=group)
+        return out
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds."""
+        if self._inner is None:
+            return 0
+        return sum(t.numel() * t.element_size() for st in self._inner.state.values()
+                   for t in st.values() if isinstance(t, torch.Tensor))
