@@ -14,7 +14,9 @@ from fxtron.errors import LaunchError, ParallelizeError
 from fxtron.mesh import Mesh
 from fxtron.runtime.groups import ProcessGroups, init_distributed
 from fxtron.runtime.launch import launch
+from fxtron.runtime.checkpoint import load_full_state_dict
 from fxtron.runtime.program import Microbatches
 
 __all__ = ["Mesh", "ParallelModel", "ParallelizeError", "LaunchError", "ProcessGroups",
-           "init_distributed", "launch", "parallelize", "Microbatches"]
+           "init_distributed", "launch", "parallelize", "Microbatches",
+           "load_full_state_dict"]

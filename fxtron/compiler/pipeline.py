@@ -279,7 +279,8 @@ def compile_rank(traced: fx.GraphModule, mesh: Mesh, rank: int, *, user_plan: di
             shard_math.check_divisible(full[pl.dim], tp, pl.interleave, f"parameter {spec.target} {full} dim {pl.dim}")
             shape = list(full)
             shape[pl.dim] //= tp
-            local[spec.target] = LocalParam(spec.target, full, tuple(shape), val.dtype, _tp_gather(pl, tp))
+            local[spec.target] = LocalParam(spec.target, full, tuple(shape), val.dtype, _tp_gather(pl, tp),
+                                            dim=pl.dim, interleave=pl.interleave)
             slicers[spec.target] = (lambda p: lambda t: shard_math.shard(t, p.dim, tp, tp_rank, p.interleave))(pl)
         else:
             local[spec.target] = LocalParam(spec.target, full, full, val.dtype)

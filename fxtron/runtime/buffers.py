@@ -14,6 +14,7 @@ and waits for everything.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -96,6 +97,7 @@ class GradBuffer:
         for name, off, n in layout:
             self.offsets[name] = (off, n)
         self._reporting = False
+        self._suspended = False
 
     # ------------------------------------------------------------------ views
     def view(self, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -120,8 +122,20 @@ class GradBuffer:
         elif self._reporting is not True:
             self._reporting = set(self._reporting or ()) | set(names)
 
+    @contextlib.contextmanager
+    def suspended(self):
+        """Reports inside do not count: gradients of an earlier microbatch finishing after
+        the last one's backward began (ZB-H1's deferred weight-gradient passes)."""
+        saved, self._suspended = self._suspended, True
+        try:
+            yield
+        finally:
+            self._suspended = saved
+
     def report(self, name: str) -> None:
         """One gradient contribution of `name` is complete in the buffer."""
+        if self._suspended:
+            return
         if self._reporting is not True and (not self._reporting or name not in self._reporting):
             return
         b = self._bucket_of[name]

@@ -12,6 +12,7 @@ every wait for a message, so the timeline of the step can be drawn and its bubbl
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -57,7 +58,7 @@ class StageRunner:
     """This rank's model chunks and the schedule it runs them in."""
 
     def __init__(self, stages: list[Stage], call, actions: list[Action], *, num_stages: int, microbatches: int,
-                 p2p: P2P | None, zero_bubble: bool, before_last_backward=None):
+                 p2p: P2P | None, zero_bubble: bool, before_last_backward=None, quiet=None):
         self.stages = stages                    # chunk c -> Stage
         self.call = call                        # (stage, flat user inputs, received) -> outputs
         self.actions = actions
@@ -66,6 +67,7 @@ class StageRunner:
         self.p2p = p2p
         self.zero_bubble = zero_bubble
         self.before_last_backward = before_last_backward   # chunk -> None, before its last microbatch's B
+        self.quiet = quiet    # a context in which gradient reports do not count (earlier microbatches' W)
         self.in_slots = [slots(s, s.inputs) for s in stages]
         self.out_slots = [slots(s, s.outputs) for s in stages]
         self.events: list[Event] = []
@@ -141,7 +143,8 @@ class StageRunner:
                 del ins, outs, scaled
             else:   # W: the weight gradients the B of this microbatch deferred
                 start = time.perf_counter() - t0
-                deferred.pop(key).run()
+                with self.quiet() if self.quiet is not None and a.microbatch != m - 1 else contextlib.nullcontext():
+                    deferred.pop(key).run()
                 live.discard(key)
             self.events.append(Event(a.kind, a.microbatch, a.chunk, st.index, start, time.perf_counter() - t0))
             if self.p2p is not None:

@@ -54,6 +54,8 @@ class LocalParam:
     local_shape: tuple[int, ...]
     dtype: torch.dtype
     gather: Callable[[torch.Tensor, ProcessGroups], torch.Tensor] | None = None
+    dim: int | None = None         # the tp-sharded dim (None: whole on every tp rank)
+    interleave: int = 1            # parts of a fused projection, each split over tp
 
 
 def _set_by_path(root: nn.Module, path: str, value: torch.Tensor, *, parameter: bool, persistent: bool = True) -> None:
@@ -164,6 +166,7 @@ class Program(nn.Module):
             group=self.groups.group("dp") if dp > 1 else None, dp=dp, reduce_scatter=opts.zero == 1,
             dp_rank=dp_rank, alone=frozenset(self._shared))
         self._in_step = False
+        self.last_grad_norm: float | None = None   # the global norm before clipping, last step
         for n in order:
             _get_by_path(self, n).register_post_accumulate_grad_hook(self._grad_hook(n))
         self._zero = ZeroOne(self) if opts.zero == 1 else None
@@ -307,7 +310,8 @@ class Program(nn.Module):
             p2p = P2P(self.groups, scatter_gather=opts.scatter_gather) if pp > 1 else None
             self._runner = StageRunner(stages, self._call_stage, acts, num_stages=pp * opts.virtual_stages,
                                        microbatches=opts.microbatches, p2p=p2p,
-                                       zero_bubble=opts.schedule == "zb-h1", before_last_backward=self._last_backward)
+                                       zero_bubble=opts.schedule == "zb-h1", before_last_backward=self._last_backward,
+                                       quiet=self.grad_buffer.suspended)
         return self._runner
 
     def _pipelined_step(self, inputs, optimizer, kwargs) -> float:
@@ -323,6 +327,20 @@ class Program(nn.Module):
             loss = loss.clone()
             dist.all_reduce(loss, group=self.groups.group("pp"))   # only the last stage's is non-zero
         return self._global_loss(loss)
+
+    # ---------------------------------------------------------------- checkpoints
+    def save(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Write this rank's shards of the parameters, buffers and optimizer state to the
+        directory `path` (torch.distributed.checkpoint; every rank of the job calls it). The
+        checkpoint loads on any mesh (`prog.load`) or in one process
+        (`fxtron.load_full_state_dict`)."""
+        from fxtron.runtime import checkpoint
+        checkpoint.save(self, path, optimizer)
+
+    def load(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Read a checkpoint saved by `save` from any mesh into this program (and optimizer)."""
+        from fxtron.runtime import checkpoint
+        checkpoint.load(self, path, optimizer)
 
     def timeline(self) -> list:
         """The last pipelined step's events on this rank (runtime.executor.Event: F, B, W and
@@ -413,7 +431,7 @@ class Program(nn.Module):
                 p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
         self.sync_shared_grads()
         if self.data_parallel.clip_grad is not None:
-            self.clip_grad_norm_(self.data_parallel.clip_grad)
+            self.last_grad_norm = float(self.clip_grad_norm_(self.data_parallel.clip_grad))
 
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm of the gradients of the whole model, each parameter counted

@@ -108,6 +108,53 @@ class ZeroOne:
                 dist.all_gather_into_tensor(out[b.start:b.end], self.buf.data[s0:s1].clone(), group=group)
         return out
 
+    def gathered_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The optimizer state per parameter, shaped like the parameter, gathered over data
+        parallel from every rank's shards (for checkpoints)."""
+        if self._inner is None:
+            return {}
+        flat: dict[str, torch.Tensor] = {}
+        scalars: dict[str, object] = {}
+        for s, (_, lo, _) in zip(self.shards, self.pieces):
+            for k, v in self._inner.state.get(s, {}).items():
+                if isinstance(v, torch.Tensor) and v.shape == s.shape and v.dim() > 0:
+                    if k not in flat:
+                        flat[k] = torch.zeros_like(self.param_data, dtype=v.dtype)
+                    flat[k][lo:lo + v.numel()].copy_(v)
+                else:
+                    scalars[k] = v
+        if self.dp > 1:
+            group = self.prog.groups.group("dp")
+            for k, t in flat.items():
+                for b in self.buf.buckets:
+                    s0, s1 = self.buf.shard(b, self.rank)
+                    dist.all_gather_into_tensor(t[b.start:b.end], t[s0:s1].clone(), group=group)
+        out = {}
+        for n, p in self.prog.named_parameters():
+            off, k = self.buf.offsets[n]
+            out[n] = {key: t[off:off + k].view_as(p).clone() for key, t in flat.items()}
+            out[n].update({key: v.clone() if isinstance(v, torch.Tensor) else v for key, v in scalars.items()})
+        return out
+
+    def load_state(self, template: torch.optim.Optimizer, state: dict[str, dict]) -> None:
+        """Set the shards' optimizer state from per-parameter state (a loaded checkpoint)."""
+        self.optimizer_for(template)
+        for s, (n, lo, hi) in zip(self.shards, self.pieces):
+            if n not in state:
+                continue
+            off, _ = self.buf.offsets[n]
+            st = {}
+            for k, v in state[n].items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    st[k] = v.reshape(-1)[lo - off:hi - off].clone()
+                else:
+                    st[k] = v.clone() if isinstance(v, torch.Tensor) else v
+            self._inner.state[s] = st
+        for mine, theirs in zip(self._inner.param_groups, template.param_groups):
+            for k, v in theirs.items():
+                if k != "params":
+                    mine[k] = v
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds."""
         if self._inner is None:
