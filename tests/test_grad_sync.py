@@ -146,8 +146,10 @@ def test_equivalence(results, reference, mesh_key, case):
             assert dl <= 2.0**-6 * max(abs(x) for x in ref["losses"])
             assert dg <= 2.0**-5 * gmax, f"gradient of {where} off by {dg}"
             assert dw <= 2 * len(SEQS) * LR, f"{wwhere} off by {dw}"
-        elif reduce16 is not None:     # fp32 compute, gradients summed in bf16
-            assert dl < LOSS_TOL
+        elif reduce16 is not None:     # fp32 compute, gradients summed in bf16: the first step's
+            # forward is exact; later steps start from weights updated with bf16-rounded gradients
+            assert abs(res["losses"][0] - ref["losses"][0]) < LOSS_TOL
+            assert dl <= 2.0**-8 * max(abs(x) for x in ref["losses"])
             assert dg <= 2.0**-7 * gmax, f"gradient of {where} off by {dg}"
             assert dw <= 2 * len(SEQS) * LR, f"{wwhere} off by {dw}"
         else:

@@ -92,10 +92,12 @@ def save(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
                     sd[f"optim/{name}/{key}"] = _pack(value)
         sd["optim/param_groups"] = _pack([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
     # how interleaved parts join back (load_full_state_dict): name -> (dim, parts)
-    sd["layout"] = _pack({n: (s.dim, s.interleave) for n, s in prog._local.items()
-                          if s.dim is not None and s.interleave > 1})
+    # how interleaved parts join back: one object per parameter (every holder writes the same)
+    for n, spec in prog._local.items():
+        if spec.dim is not None and spec.interleave > 1:
+            sd[f"layout/{n}"] = _pack((spec.dim, spec.interleave))
     os.makedirs(path, exist_ok=True)
-    dcp.save(sd, checkpoint_id=path, no_dist=not dist.is_initialized())
+    dcp.save(sd, checkpoint_id=path, no_dist=_alone(prog))
 
 
 def _request(prog, name: str, like: torch.Tensor, mesh, prefix: str, meta, layout: dict):
@@ -139,9 +141,7 @@ def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
     mesh = _tp_mesh(prog)
     if prog._zero is not None:
         prog._zero.wait_params()
-    layout_sd = {"layout": io.BytesIO()}
-    dcp.load(layout_sd, checkpoint_id=path, no_dist=not dist.is_initialized())
-    layout = _unpack_obj(layout_sd["layout"])
+    layout = _read_layout(path, meta, no_dist=_alone(prog))
     params = dict(prog.named_parameters())
     sd: dict = {}
     finish: dict[str, object] = {}
@@ -178,7 +178,7 @@ def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
                     sd.update(entries)
         if "optim/param_groups" in meta:
             sd["optim/param_groups"] = io.BytesIO()
-    dcp.load(sd, checkpoint_id=path, no_dist=not dist.is_initialized())
+    dcp.load(sd, checkpoint_id=path, no_dist=_alone(prog))
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(finish[f"model/{name}"](sd))
@@ -210,6 +210,20 @@ def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
             optimizer.state[params[name]] = st
 
 
+def _read_layout(path: str, meta, *, no_dist: bool) -> dict[str, tuple[int, int]]:
+    """name -> (dim, parts) of every parameter saved in parts."""
+    sd = {k: io.BytesIO() for k in meta if k.startswith("layout/")}
+    if sd:
+        dcp.load(sd, checkpoint_id=path, no_dist=no_dist)
+    return {k[len("layout/"):]: _unpack_obj(v) for k, v in sd.items()}
+
+
+def _alone(prog) -> bool:
+    """A program of a one-rank mesh reads and writes without a process group, even inside a
+    job that has one."""
+    return prog.groups is None or prog.groups.mesh.world_size == 1 or not dist.is_initialized()
+
+
 def _pack(obj) -> io.BytesIO:
     """A Python object as bytes DCP stores whole (it would flatten a dict or list)."""
     return io.BytesIO(pickle.dumps(obj))
@@ -233,10 +247,9 @@ def load_full_state_dict(path: str, optimizer: bool = False) -> dict[str, torch.
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
           if _is_tensor_meta(m) and (k.startswith("model/") or k.startswith("buffer/") or optimizer)}
-    sd["layout"] = io.BytesIO()
     dcp.load(sd, checkpoint_id=path, no_dist=True)
     layout = {}
-    for name, (dim, _) in _unpack_obj(sd.pop("layout")).items():
+    for name, (dim, _) in _read_layout(path, meta, no_dist=True).items():
         layout[f"model/{name}"] = dim
         for k in sd:
             if k.startswith(f"optim/{name}/"):
