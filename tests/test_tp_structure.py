@@ -209,8 +209,14 @@ def test_sequence_parallel_swaps_all_reduces_for_gathers_and_scatters(name):
     text = sp.graph(0)
     assert "(B, S/2, " in text
     # replicated norm weights see only their rank's tokens: their gradients are summed over tp
-    norm_syncs = [r for r in recs if r.op == "copy_to_region" and r.shape == (h,)]
-    assert len(norm_syncs) >= 2 * 2 + 1
+    # once per step after backward (Megatron's _allreduce_layernorm_grads), not in the graph
+    assert not [r for r in recs if r.op == "copy_to_region" and r.shape == (h,)]
+    # (so are the rowwise biases added on sequence shards, as Megatron marks them sequence_parallel)
+    local = sp.compiled(0).local
+    partial = [n for n, spec in local.items() if spec.tp_partial]
+    assert len([n for n in partial if "norm" in n or "ln" in n]) >= 2 * 2 + 1, partial
+    assert all(len(local[n].full_shape) == 1 for n in partial), partial
+    assert not [n for n, spec in tp_only.compiled(0).local.items() if spec.tp_partial]
 
 
 def sympy_equal(a, b) -> bool:

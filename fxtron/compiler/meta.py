@@ -68,6 +68,11 @@ LOCAL_SHAPE = _key("fxtron_local_shape", tuple,
                    "this rank's shape, sympy expressions in the batch and sequence symbols",
                    "passes.propagate / compiler.annotate")
 KERNEL = _key("fxtron_kernel", str, "the GEMM kernel codegen chose for a linear", "codegen")
+GRAD_REDUCE = _key("fxtron_grad_reduce", str,
+                    "on a parameter placeholder: its gradient is partial on each rank of this mesh axis "
+                    "(a replicated norm weight used on sequence shards) and is summed there once per step, "
+                    "in finalize_grads, as Megatron all-reduces sequence-parallel norm weights",
+                    "passes.collectives")
 STAGE = _key("fxtron_stage", int, "pipeline stage that runs the node", "passes.pipeline")
 
 

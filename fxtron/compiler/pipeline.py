@@ -283,7 +283,8 @@ def compile_rank(traced: fx.GraphModule, mesh: Mesh, rank: int, *, user_plan: di
                                             dim=pl.dim, interleave=pl.interleave)
             slicers[spec.target] = (lambda p: lambda t: shard_math.shard(t, p.dim, tp, tp_rank, p.interleave))(pl)
         else:
-            local[spec.target] = LocalParam(spec.target, full, full, val.dtype)
+            local[spec.target] = LocalParam(spec.target, full, full, val.dtype,
+                                            tp_partial=node.meta.get("fxtron_grad_reduce") == "tp")
     assert set(local) == mine
     return RankGraph(gm=gm, mesh=mesh, rank=rank, local=local, slicers=slicers, plan=tp_plan,
                      stage_plan=stage_plan, stages=stages, shared=shared)

@@ -118,10 +118,32 @@ class _Emitter:
         return self.cache[key]
 
 
+def _params_summed_after_backward(gm: fx.GraphModule) -> set[fx.Node]:
+    """Replicated parameters whose every use produces a sharded value (a norm's weight on
+    sequence shards): each tp rank computes a partial gradient. Instead of an all-reduce in
+    backward at every use (Megatron's f), their gradients are summed over tp once per step
+    after backward (Megatron's _allreduce_layernorm_grads in finalize_model_grads)."""
+    out = set()
+    for node in gm.graph.nodes:
+        spec = meta.get(node, meta.INPUT)
+        if node.op != "placeholder" or spec is None or spec.kind != "parameter":
+            continue
+        if not isinstance(meta.get(node, meta.PLACEMENT), Replicate) or not node.users:
+            continue
+        if all(_sharded(meta.get(u, meta.PLACEMENT)) and u.op == "call_function" for u in node.users):
+            out.add(node)
+    return out
+
+
+def _sharded(pl) -> bool:
+    return isinstance(pl, (Shard, Partial)) or (isinstance(pl, tuple) and any(isinstance(p, (Shard, Partial)) for p in pl))
+
+
 def insert_collectives(gm: fx.GraphModule, *, tp: int, tp_rank: int) -> fx.GraphModule:
     """A new GraphModule in which every input of every op has the placement its rule expects.
     Reads fxtron_placement / fxtron_expects written by `propagate`."""
     grad = _requires_grad(gm)
+    deferred = _params_summed_after_backward(gm)
     new = fx.Graph()
     em = _Emitter(new, tp, tp_rank)
     env: dict[fx.Node, fx.Node] = {}
@@ -130,6 +152,8 @@ def insert_collectives(gm: fx.GraphModule, *, tp: int, tp_rank: int) -> fx.Graph
         if node.op == "placeholder":
             env[node] = new.node_copy(node, lambda n: env[n])
             seen[node] = meta.get(node, meta.PLACEMENT)
+            if node in deferred:
+                meta.set(env[node], meta.GRAD_REDUCE, "tp")
             continue
         expects = meta.get(node, meta.EXPECTS) or ()
         out_pl = meta.get(node, meta.PLACEMENT)
@@ -149,7 +173,7 @@ def insert_collectives(gm: fx.GraphModule, *, tp: int, tp_rank: int) -> fx.Graph
             else:
                 if want != have:
                     value = em.redistribute(a, value, have, want, node)
-                if enters_region:
+                if enters_region and a not in deferred:
                     value = em.copy_to_region(a, value, node)
             mapping[a] = value
         if node.op == "output":

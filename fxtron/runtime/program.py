@@ -56,6 +56,7 @@ class LocalParam:
     gather: Callable[[torch.Tensor, ProcessGroups], torch.Tensor] | None = None
     dim: int | None = None         # the tp-sharded dim (None: whole on every tp rank)
     interleave: int = 1            # parts of a fused projection, each split over tp
+    tp_partial: bool = False       # whole on every tp rank, gradient partial: summed over tp after backward
 
 
 def _set_by_path(root: nn.Module, path: str, value: torch.Tensor, *, parameter: bool, persistent: bool = True) -> None:
@@ -165,6 +166,8 @@ class Program(nn.Module):
             opts.grad_reduce_dtype or torch.float32, opts.bucket_size or default_bucket_size(dp),
             group=self.groups.group("dp") if dp > 1 else None, dp=dp, reduce_scatter=opts.zero == 1,
             dp_rank=dp_rank, alone=frozenset(self._shared))
+        # one view per parameter, made once: .grad and .main_grad are the same tensors every step
+        self._grad_views = {n: self.grad_buffer.view(n, _get_by_path(self, n)) for n in order}
         self._in_step = False
         self.last_grad_norm: float | None = None   # the global norm before clipping, last step
         for n in order:
@@ -398,7 +401,7 @@ class Program(nn.Module):
         self.grad_buffer.reset()
         params = dict(self.named_parameters())
         for n, p in params.items():
-            p.main_grad = self.grad_buffer.view(n, p)
+            p.main_grad = self._grad_views[n]
             p.fxtron_report = self._report(n)
         self._in_step = True
         try:
@@ -427,11 +430,33 @@ class Program(nn.Module):
             self._zero.set_grads()
         else:
             for n, p in self.named_parameters():
-                g = self.grad_buffer.view(n, p)
+                g = self._grad_views[n]
                 p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
+        self.sync_sequence_parallel_grads()
         self.sync_shared_grads()
         if self.data_parallel.clip_grad is not None:
             self.last_grad_norm = float(self.clip_grad_norm_(self.data_parallel.clip_grad))
+
+    def sync_sequence_parallel_grads(self) -> None:
+        """Sum over tp the gradients of replicated weights used on sequence shards (norms
+        under sequence parallel): each tp rank computed the part of its tokens. One
+        all-reduce of all of them together (the rank's dp shard under zero=1)."""
+        names = [n for n, spec in self._local.items() if spec.tp_partial]
+        if not names or self.groups is None or self.groups.size("tp") == 1:
+            return
+        if self._zero is not None:
+            grads = [g for g, n in self._zero.shard_grads() if n in set(names)]
+        else:
+            grads = [_get_by_path(self, n).grad for n in names]
+            grads = [g for g in grads if g is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.groups.group("tp"))
+        at = 0
+        for g in grads:
+            g.copy_(flat[at:at + g.numel()].view_as(g))
+            at += g.numel()
 
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm of the gradients of the whole model, each parameter counted

@@ -1,0 +1,228 @@
+"""Inspection as a product: compile one rank of any mesh without processes and say everything
+about it — where the rank sits in the mesh, its graph, what it communicates and how much
+memory it needs — as text (`fxtron inspect`) or data (`--json`).
+
+Models come from a name: a shipped preset (`gpt-tiny` ... `llama-7b`), a transformers
+architecture (`hf:llama`, `hf:gpt2`, ...: the library's default config, built on the meta
+device: no weights, no downloads), or `package.module:factory` for your own (the factory
+returns the model, or (model, args) or (model, args, kwargs) with example inputs; a bare model
+gets token ids and targets of the shipped models' form, with its `vocab_size` or
+`config.vocab_size`).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import time
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+
+from fxtron.errors import ParallelizeError
+
+DUMP_ENV = "FXTRON_DUMP"
+
+
+def load_model(spec: str, *, batch: int = 2, seq: int = 16):
+    """(model on the meta device where possible, example args, example kwargs) for `spec`."""
+    from fxtron import models
+    if spec in models.PRESETS:
+        model = models.build(spec, device="meta")
+        return model, models.example_inputs(spec, batch, seq, device="meta"), {}
+    if spec.startswith("hf:"):
+        return _hf_model(spec[3:], batch, seq)
+    if ":" in spec:
+        mod, _, fn = spec.partition(":")
+        try:
+            factory = getattr(importlib.import_module(mod), fn)
+        except (ImportError, AttributeError) as e:
+            raise ParallelizeError(f"cannot load {spec!r}: {e}") from None
+        out = factory()
+        if isinstance(out, tuple):
+            model, args = out[0], tuple(out[1])
+            return model, args, dict(out[2]) if len(out) > 2 else {}
+        vocab = getattr(out, "vocab_size", None) or getattr(getattr(out, "config", None), "vocab_size", None)
+        if vocab is None:
+            raise ParallelizeError(f"{spec} returned a model without vocab_size; return (model, example_args) instead")
+        ids = torch.randint(0, vocab, (batch, seq + 1))
+        return out, (ids[:, :-1].clone(), ids[:, 1:].clone()), {}
+    raise ParallelizeError(f"unknown model {spec!r}: a preset ({', '.join(models.PRESETS)}), hf:<architecture> "
+                           "(hf:llama, hf:gpt2, ...) or package.module:factory")
+
+
+def _hf_model(arch: str, batch: int, seq: int):
+    try:
+        import transformers
+    except ImportError:
+        raise ParallelizeError("hf: models need the transformers package (pip install transformers)") from None
+    try:
+        cfg = transformers.AutoConfig.for_model(arch)
+    except ValueError as e:
+        raise ParallelizeError(f"transformers knows no architecture {arch!r}: {e}") from None
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    ids = torch.zeros((batch, seq), dtype=torch.long, device="meta")
+    return model, (), {"input_ids": ids, "labels": ids}
+
+
+# ----------------------------------------------------------------------------- dumps
+class PassDump:
+    """Writes the graph after every pass of one rank's compilation as readable Python:
+    DIR/rank<r>/<nn>_<pass>.py, each headed by the pass, what it did and how long it took."""
+
+    def __init__(self, root: str, rank: int):
+        self.dir = os.path.join(root, f"rank{rank}")
+        os.makedirs(self.dir, exist_ok=True)
+        self.count = 0
+        self.files: list[str] = []
+
+    def __call__(self, pass_name: str, gm, seconds: float, doc: str = "") -> None:
+        from fxtron.compiler.show import format_graph
+        path = os.path.join(self.dir, f"{self.count:02d}_{pass_name}.py")
+        self.count += 1
+        code = gm.print_readable(print_output=False, include_stride=False, include_device=False)
+        table = format_graph(gm, title="")
+        with open(path, "w") as f:
+            f.write(f"# fxtron: graph after pass `{pass_name}` ({seconds * 1e3:.1f} ms)\n")
+            if doc:
+                f.write("".join(f"# {line}\n" for line in doc.strip().splitlines()))
+            f.write("#\n# every node with its local shape, placement and source module:\n")
+            f.write("".join(f"#   {line}\n" for line in table.strip().splitlines()))
+            f.write("\n" + code)
+        self.files.append(path)
+
+
+# ----------------------------------------------------------------------------- the report
+@dataclass
+class Report:
+    """Everything `fxtron inspect` says about one rank (`as_dict()` is the --json form)."""
+
+    model: str
+    mesh: str
+    rank: int
+    coords: dict
+    groups: dict
+    graph: str
+    collectives: list[dict]
+    memory: dict
+    pipeline: dict | None
+    batch: int
+    seq: int
+    compile_s: float
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    def text(self, *, graph: bool = True) -> str:
+        from tabulate import tabulate
+        out = [f"{self.model} on {self.mesh}", f"rank {self.rank}: " + ", ".join(f"{k} {v}" for k, v in self.coords.items()),
+               "groups of this rank: " + "; ".join(f"{k} {v}" for k, v in self.groups.items())]
+        if self.pipeline:
+            out += ["", self.pipeline["table"], f"schedule {self.pipeline['schedule']}, microbatches "
+                    f"{self.pipeline['microbatches']}: bubble over ideal time {self.pipeline['bubble']} "
+                    f"({self.pipeline['bubble_formula']})"]
+        if graph:
+            out += ["", self.graph]
+        rows = [[c["node"], c["collective"], c["phase"], c["group"], c["shape"], c["wire_bytes"], _fmt(c["wire_at"])]
+                for c in self.collectives]
+        total = sum(c["wire_at"] for c in self.collectives)
+        out += ["", tabulate(rows, headers=["node", "collective", "phase", "group", "local shape", "wire bytes / rank",
+                                            f"at B={self.batch}, S={self.seq}"]),
+                f"{len(rows)} tensor-parallel collectives per microbatch; {_fmt(total)} on the wire per rank"]
+        m = self.memory
+        out += ["", tabulate([[k, _fmt(v) if isinstance(v, (int, float)) else v] for k, v in m.items()],
+                             headers=["memory per rank", f"B={self.batch}, S={self.seq}"])]
+        out += [f"note: {n}" for n in self.notes]
+        out.append(f"compiled in {self.compile_s:.2f} s")
+        return "\n".join(out)
+
+
+def _fmt(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def inspect(pm, rank: int, *, model_name: str = "", batch: int = 1, seq: int = 2048, zero: int = 0) -> Report:
+    """Compile `rank` of the ParallelModel `pm` and describe it; sizes evaluated at `batch`
+    sequences (per rank and microbatch) of `seq` tokens."""
+    from fxtron.compiler.trace import BATCH, SEQ
+    from fxtron.mesh import GROUP_KINDS
+    from fxtron.runtime import schedules
+    t0 = time.perf_counter()
+    rg = pm.compiled(rank)
+    compile_s = time.perf_counter() - t0
+    mesh = pm.mesh
+    coords = {k: f"{v}/{getattr(mesh, k)}" for k, v in mesh.coords(rank).items()}
+    groups = {}
+    for kind in GROUP_KINDS:
+        try:
+            ranks = mesh.group_of(kind, rank)
+        except Exception:   # kinds this rank is in no group of (embedding on a middle stage)
+            continue
+        if len(ranks) > 1:
+            groups[kind] = list(ranks)
+    sub = {BATCH: batch, SEQ: seq}
+    colls = []
+    for r in pm.collectives(rank):
+        colls.append({"node": r.node, "collective": f"{r.kind} x{r.count}" if r.count > 1 else r.kind,
+                      "phase": r.phase, "group": f"{r.group} {list(r.ranks)}",
+                      "shape": "(" + ", ".join(str(s) for s in r.shape) + ")",
+                      "payload_bytes": str(r.payload_bytes), "wire_bytes": str(r.wire_bytes),
+                      "wire_at": int(r.evaluate(batch, seq)[1])})
+    params = rg.param_count
+    dp = mesh.dp
+    activation = _activation_bytes(rg, sub)
+    o = pm.options
+    in_flight = 1
+    pipeline = None
+    if pm.stage_plan is not None:
+        pp_rank = mesh.coords(rank)["pp"]
+        in_flight = schedules.in_flight_bound(o.schedule, mesh.pp, o.microbatches, pp_rank, o.virtual_stages)
+        bubble = schedules.bubble_fraction_formula(o.schedule, mesh.pp, o.microbatches, o.virtual_stages)
+        formula = {"gpipe": "(p-1)/m", "1f1b": "(p-1)/m", "interleaved": "(p-1)/(v m)",
+                   "zb-h1": "(p-1)(F+B-W)/(m(F+B+W)), here F=B=W... shown for W=0"}[o.schedule]
+        pipeline = {"table": str(pm.stage_plan), "schedule": o.schedule, "microbatches": o.microbatches,
+                    "virtual_stages": o.virtual_stages, "bubble": str(bubble), "bubble_formula": formula,
+                    "stages": [s.index for s in rg.stages], "in_flight": in_flight}
+    memory = {
+        "parameters": rg.param_bytes,
+        "gradients (fp32 main_grad)": params * 4,
+        "optimizer (Adam, fp32 moments)" + (" / dp" if zero else ""): params * 8 // (dp if zero else 1),
+        "activations per microbatch (upper bound)": activation,
+        f"activations held ({in_flight} microbatch{'es' if in_flight > 1 else ''} in flight)": activation * in_flight,
+    }
+    memory["total"] = sum(v for v in memory.values() if isinstance(v, int)) - activation
+    notes = ["activations: every tensor the forward makes, an upper bound of what autograd keeps for backward"]
+    return Report(model=model_name or type(pm.model).__name__, mesh=str(mesh), rank=rank, coords=coords, groups=groups,
+                  graph=pm.graph(rank), collectives=colls, memory=memory, pipeline=pipeline, batch=batch, seq=seq,
+                  compile_s=compile_s, notes=notes)
+
+
+_VIEWS = {"view", "reshape", "_unsafe_view", "transpose", "permute", "expand", "slice", "select", "unsqueeze",
+          "squeeze", "t", "alias", "detach", "split", "chunk", "unbind", "getitem", "sym_size"}
+
+
+def _activation_bytes(rg, sub) -> int:
+    total = 0
+    for g in rg.graphs:
+        for node in g.graph.nodes:
+            if node.op != "call_function":
+                continue
+            name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+            val = node.meta.get("val")
+            if name in _VIEWS or not isinstance(val, torch.Tensor):
+                continue
+            from fxtron.compiler import meta
+            shape = meta.get(node, meta.LOCAL_SHAPE)
+            if shape is None:
+                continue
+            n = sympy.Integer(1)
+            for d in shape:
+                n *= sympy.sympify(d)
+            total += int(n.subs(sub)) * val.dtype.itemsize
+    return total

@@ -1,0 +1,226 @@
+"""What-if planning: which meshes fit a model in a given GPU memory, ranked by a modeled
+step time — "will Llama-70B train on 64 cards of 80 GB, and how" in seconds, without a GPU.
+
+The model (every rate is an assumption, printed with the result; all formulas from
+../shared/PAPERS.md):
+
+  parameters      P from the model itself; per rank P / (tp pp) (embedding and head included)
+  weights         mixed precision, Megatron's layout: 2 B 16-bit weights + 4 B fp32 main grads
+                  + 4 B fp32 master weights + 8 B Adam moments per parameter; the distributed
+                  optimizer (zero=1) divides the last 12 B by dp
+  activations     Korthikanti et al. 2022, bytes per layer with 16-bit activations:
+                  tp: s b h (10 + 24/t + 5 a s/(h t));  tp+sp: (s b h / t)(34 + 5 a s/h);
+                  the first pipeline stage holds pp microbatches of L/pp layers = L layers
+                  (Eq. 5), x (1 + (p-1)/(p v)) interleaved
+  compute         model FLOPs 72 B L s h^2 (1 + s/(6h) + V/(12 h L)) per step (Eq. 7), at
+                  `flops_per_s` x `efficiency` per GPU
+  bubble          x (1 + (p-1)/(v m)) (Narayanan et al. 2021)
+  tp comm         4 all-reduces (2 forward, 2 backward) of b s h 16-bit values per layer and
+                  microbatch, ring 2(t-1)/t, at the intra-node bandwidth (tp stays in a node)
+  pp comm         b s h 16-bit values per microbatch each way per boundary (x v interleaved),
+                  at the inter-node bandwidth
+  dp comm         ring all-reduce 2(d-1)/d of the fp32 gradients (reduce-scatter + all-gather
+                  of the same bytes under zero=1), at the inter-node bandwidth, not overlapped
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from fxtron.errors import ParallelizeError
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """What the cost model needs of a transformer: layers, hidden size, attention heads,
+    vocabulary, parameters."""
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    params: int
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Assumed rates (defaults: an 80 GB A100-class GPU, 8 per node, NVLink and InfiniBand)."""
+
+    memory: float = 80 * 2**30
+    flops_per_s: float = 312e12           # bf16 dense peak
+    efficiency: float = 0.5               # fraction of peak the GEMMs reach
+    intra_node_bw: float = 300e9          # bytes/s per GPU, NVLink (tp)
+    inter_node_bw: float = 25e9           # bytes/s per GPU, InfiniBand (pp, dp)
+    gpus_per_node: int = 8
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One mesh and how the model of the module docstring rates it (seconds, bytes)."""
+
+    tp: int
+    pp: int
+    dp: int
+    sequence_parallel: bool
+    schedule: str
+    virtual_stages: int
+    microbatches: int
+    zero: int
+    weights_bytes: float
+    activation_bytes: float
+    compute_s: float
+    bubble_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    dp_comm_s: float
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.weights_bytes + self.activation_bytes
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.bubble_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "memory_bytes": self.memory_bytes, "step_s": self.step_s}
+
+
+# ----------------------------------------------------------------------------- formulas
+def weight_bytes(params_per_rank: float, dp: int, zero: int) -> float:
+    """2 + 4 bytes (16-bit weights, fp32 main grads) + 12 bytes (fp32 master, Adam moments),
+    the 12 divided by dp under the distributed optimizer."""
+    return params_per_rank * (6 + 12 / (dp if zero else 1))
+
+
+def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int, sp: bool) -> float:
+    """Korthikanti et al. 2022 Table 2 (16-bit activations): Eq. 2 (tp) or Eq. 4 (tp+sp);
+    t=1 gives Eq. 1, sbh(34 + 5as/h)."""
+    if sp or t == 1:
+        return s * b * h / t * (34 + 5 * a * s / h)
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def first_stage_activation_bytes(dims: ModelDims, s: int, b: int, t: int, sp: bool, p: int, v: int = 1) -> float:
+    """The first pipeline stage's activations under 1F1B: p microbatches x L/p layers = L
+    layers (Eq. 5), x (1 + (p-1)/(p v)) for the interleaved schedule."""
+    total = dims.layers * activation_bytes_per_layer(s, b, dims.hidden, dims.heads, t, sp)
+    if v > 1:
+        total *= 1 + (p - 1) / (p * v)
+    return total
+
+
+def model_flops(dims: ModelDims, batch: int, s: int) -> float:
+    """Korthikanti Eq. 7: 72 B L s h^2 (1 + s/(6h) + V/(12 h L)), forward and backward."""
+    h, L = dims.hidden, dims.layers
+    return 72 * batch * L * s * h * h * (1 + s / (6 * h) + dims.vocab / (12 * h * L))
+
+
+def narayanan_params(layers: int, hidden: int, vocab: int, seq: int) -> float:
+    """Narayanan et al. 2021 Eq. 2: P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12 l h))."""
+    h, l = hidden, layers
+    return 12 * l * h * h * (1 + 13 / (12 * h) + (vocab + seq) / (12 * l * h))
+
+
+def rate(dims: ModelDims, hw: Hardware, *, world: int, tp: int, pp: int, sp: bool, schedule: str, v: int,
+         global_batch: int, seq: int, micro_batch: int, zero: int) -> Plan:
+    dp = world // (tp * pp)
+    m = global_batch // (dp * micro_batch)
+    b, s, h = micro_batch, seq, dims.hidden
+    per_rank = dims.params / (tp * pp)
+    weights = weight_bytes(per_rank, dp, zero)
+    act = first_stage_activation_bytes(dims, s, b, tp, sp, pp, v) * (min(m, pp) / pp if schedule != "gpipe" else m / pp)
+    compute = model_flops(dims, global_batch, s) / world / (hw.flops_per_s * hw.efficiency)
+    bubble = compute * (pp - 1) / (v * m) if pp > 1 else 0.0
+    tp_bytes = 4 * 2 * (tp - 1) / tp * b * s * h * 2 * (dims.layers / pp) * m if tp > 1 else 0.0
+    pp_bytes = 2 * b * s * h * 2 / (tp if sp else 1) * v * m if pp > 1 else 0.0
+    dp_bytes = 2 * (dp - 1) / dp * per_rank * 4 if dp > 1 else 0.0
+    return Plan(tp, pp, dp, sp, schedule, v, m, zero, weights, act, compute, bubble, tp_bytes / hw.intra_node_bw,
+                pp_bytes / hw.inter_node_bw, dp_bytes / hw.inter_node_bw)
+
+
+def plans(dims: ModelDims, hw: Hardware, *, world: int, global_batch: int, seq: int, micro_batch: int = 1,
+          fits_only: bool = True) -> list[Plan]:
+    """Every (tp, pp, dp, sp, schedule, zero) that divides the model and the batch, ranked by
+    modeled step time; only those whose memory fits `hw.memory` unless fits_only=False."""
+    out = []
+    for tp in _divisors(world):
+        if tp > hw.gpus_per_node or dims.heads % tp:
+            continue
+        for pp in _divisors(world // tp):
+            if dims.layers % pp:
+                continue
+            dp = world // (tp * pp)
+            if global_batch % (dp * micro_batch):
+                continue
+            m = global_batch // (dp * micro_batch)
+            for sp in ([False, True] if tp > 1 else [False]):
+                scheds = [("1f1b", 1)]
+                if pp > 1 and m % pp == 0 and dims.layers % (2 * pp) == 0:
+                    scheds.append(("interleaved", 2))
+                for schedule, v in scheds:
+                    for zero in ([0, 1] if dp > 1 else [0]):
+                        p = rate(dims, hw, world=world, tp=tp, pp=pp, sp=sp, schedule=schedule, v=v,
+                                 global_batch=global_batch, seq=seq, micro_batch=micro_batch, zero=zero)
+                        if not fits_only or p.memory_bytes <= hw.memory:
+                            out.append(p)
+    return sorted(out, key=lambda p: (p.step_s, p.memory_bytes))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def dims_of(traced) -> ModelDims:
+    """Layers, hidden size, heads and vocabulary read from a traced graph (the layer list,
+    the embedding's weight, the attention's query shape) and the parameter count."""
+    import torch
+    from fxtron.compiler import meta
+    from fxtron.passes.stages import find_layer_list
+    aten = torch.ops.aten
+    _, units = find_layer_list(traced)
+    vocab = hidden = heads = None
+    params = 0
+    for node in traced.graph.nodes:
+        spec = meta.get(node, meta.INPUT)
+        if spec is not None and spec.kind == "parameter":
+            params += node.meta["val"].numel()
+        if node.op != "call_function":
+            continue
+        if node.target == aten.embedding.default and vocab is None:
+            vocab, hidden = (int(d) for d in node.args[0].meta["val"].shape)
+        if heads is None and node.target in (aten.scaled_dot_product_attention.default,):
+            heads = int(node.args[0].meta["val"].shape[1])
+    if vocab is None or heads is None:
+        raise ParallelizeError("the planner needs a transformer with a token embedding and scaled_dot_product_attention")
+    return ModelDims(layers=len(units), hidden=hidden, heads=heads, vocab=vocab, params=params)
+
+
+def format_plans(ps: list[Plan], hw: Hardware, *, top: int = 10) -> str:
+    from tabulate import tabulate
+    rows = []
+    for p in ps[:top]:
+        rows.append([p.tp, p.pp, p.dp, "on" if p.sequence_parallel else "-",
+                     p.schedule + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else ""), p.microbatches,
+                     p.zero, f"{p.memory_bytes / 2**30:.1f}", f"{p.compute_s:.3f}", f"{p.bubble_s:.3f}",
+                     f"{p.tp_comm_s:.3f}", f"{p.pp_comm_s:.3f}", f"{p.dp_comm_s:.3f}", f"{p.step_s:.3f}"])
+    assumed = (f"assumed: {hw.memory / 2**30:.0f} GiB per GPU, {hw.flops_per_s / 1e12:.0f} TFLOP/s peak at "
+               f"{hw.efficiency:.0%}, tp over {hw.intra_node_bw / 1e9:.0f} GB/s (<= {hw.gpus_per_node} GPUs a node), "
+               f"pp and dp over {hw.inter_node_bw / 1e9:.0f} GB/s, 16-bit activations, Adam, no recomputation, "
+               "no overlap of communication")
+    return tabulate(rows, headers=["tp", "pp", "dp", "sp", "schedule", "m", "zero", "GiB / GPU", "compute s",
+                                   "bubble s", "tp comm s", "pp comm s", "dp comm s", "step s"]) + "\n" + assumed
+
+
+def parse_bytes(text: str) -> float:
+    """'80GiB', '80 GB', '1.5TiB' -> bytes."""
+    t = text.strip().replace(" ", "")
+    units = {"TiB": 2**40, "GiB": 2**30, "MiB": 2**20, "TB": 1e12, "GB": 1e9, "MB": 1e6, "B": 1}
+    for u, f in units.items():
+        if t.endswith(u):
+            return float(t[: -len(u)]) * f
+    return float(t)
+
+
+__all__ = ["ModelDims", "Hardware", "Plan", "plans", "rate", "dims_of", "format_plans", "parse_bytes",
+           "weight_bytes", "activation_bytes_per_layer", "first_stage_activation_bytes", "model_flops",
+           "narayanan_params"]

@@ -1,0 +1,138 @@
+"""Inspection as a product, without processes: `fxtron inspect` on every shipped preset and on
+transformers architectures, golden printed graphs (expect-tests: any unintended change to a
+pass shows up as a diff; regenerate with FXTRON_UPDATE_GOLDEN=1 after checking it), per-pass
+dumps, graph pictures, and the what-if planner against hand-computed cases."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import pytest
+
+import fxtron
+from fxtron import planner
+from fxtron.cli import main
+from fxtron.models import PRESETS, build, example_inputs
+
+GOLDEN = pathlib.Path(__file__).parent / "golden"
+
+
+def _golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("FXTRON_UPDATE_GOLDEN"):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"{path} missing: run with FXTRON_UPDATE_GOLDEN=1 once and review it"
+    want = path.read_text()
+    if text != want:
+        import difflib
+        diff = "".join(difflib.unified_diff(want.splitlines(True), text.splitlines(True), "golden", "now", n=1))
+        raise AssertionError(f"printed graph changed ({name}); if intended, FXTRON_UPDATE_GOLDEN=1:\n{diff[:6000]}")
+
+
+@pytest.mark.parametrize("mesh,rank,name", [(fxtron.Mesh(2, tp=2), 1, "gpt-tiny_tp2_rank1.txt"),
+                                             (fxtron.Mesh(4, tp=2, pp=2), 3, "gpt-tiny_tp2_pp2_rank3.txt")])
+def test_golden_printed_graphs(mesh, rank, name):
+    model = build("gpt-tiny", device="meta")
+    pm = fxtron.parallelize(model, mesh, example_inputs=example_inputs("gpt-tiny", 2, 16, device="meta"),
+                            microbatches=2 if mesh.pp > 1 else 1)
+    _golden(name, pm.graph(rank) + "\n")
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_cli_inspect_every_preset(preset, capsys):
+    rc = main(["inspect", preset, "--world-size", "8", "--tp", "2", "--pp", "2", "--rank", "7", "--json",
+               "--batch", "1", "--seq", "64"])
+    assert rc == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["rank"] == 7 and data["coords"]["pp"] == "1/2" and data["coords"]["tp"] == "1/2"
+    assert data["groups"]["tp"] == [6, 7] and data["groups"]["pp"] == [3, 7]
+    assert data["pipeline"]["stages"] == [1]
+    kinds = {c["collective"] for c in data["collectives"]}
+    assert "all_reduce" in kinds
+    assert data["memory"]["parameters"] > 0 and data["memory"]["total"] > data["memory"]["parameters"]
+
+
+@pytest.mark.parametrize("arch", ["hf:llama", "hf:gpt2"])
+def test_cli_inspect_transformers_architecture(arch, capsys):
+    """The library's default config on the meta device (Llama-2-7B-sized for llama; GPT-2
+    small's, whose 50257-token vocabulary does not divide by tp, for gpt2)."""
+    args = ["inspect", arch, "--world-size", "8", "--pp", "2", "--rank", "5", "--seq", "128", "--no-graph"]
+    if arch == "hf:llama":
+        args += ["--tp", "4"]
+    rc = main(args)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "rank 5" in out and "stage" in out and "memory per rank" in out
+
+
+def test_cli_inspect_text_and_dumps(tmp_path, capsys):
+    rc = main(["inspect", "gpt-tiny", "--world-size", "4", "--tp", "2", "--pp", "2", "--rank", "2",
+               "--dump", str(tmp_path / "dump"), "--svg", str(tmp_path / "rank2.svg"), "--seq", "32"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "groups of this rank" in out and "all_reduce" in out and "bubble over ideal time" in out
+    files = sorted((tmp_path / "dump" / "rank2").iterdir())
+    names = [f.name for f in files]
+    for p in ("plan", "propagate", "insert_collectives", "localize", "fuse_linears", "split_stages"):
+        assert any(p in n for n in names), names
+    inserted = next(f for f in files if "insert_collectives" in f.name).read_text()
+    assert inserted.startswith("# fxtron: graph after pass `insert_collectives`") and "fxtron.all_reduce" in inserted
+    assert "fxtron.all_reduce" not in next(f for f in files if "propagate" in f.name).read_text().split("\n\n", 1)[1]
+    assert (tmp_path / "rank2.svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_cli_plan(capsys):
+    rc = main(["inspect", "llama-small", "--world-size", "16", "--plan", "--gpu-memory", "1GiB",
+               "--global-batch", "64", "--seq", "256"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "step s" in out and "assumed:" in out
+
+
+# ----------------------------------------------------------------------------- the planner's formulas
+def test_planner_formulas_against_papers():
+    # Korthikanti: 5as/h = 80 for GPT-3 (a=96, s=2048, h=12288); Eq. 1 = sbh(34 + 80)
+    s, b, h, a = 2048, 1, 12288, 96
+    assert planner.activation_bytes_per_layer(s, b, h, a, 1, False) == s * b * h * (34 + 80)
+    # Eq. 4 is Eq. 1 / t; Eq. 2 keeps 10 sbh unsplit
+    assert planner.activation_bytes_per_layer(s, b, h, a, 8, True) == pytest.approx(s * b * h * (34 + 80) / 8)
+    assert planner.activation_bytes_per_layer(s, b, h, a, 8, False) == pytest.approx(s * b * h * (10 + 3 + 10))
+    # Narayanan Eq. 2 reproduces Table 1's parameter counts (V=51200, s=2048)
+    for billions, hidden, layers in [(1.7, 2304, 24), (7.5, 4096, 36), (145.6, 12288, 80), (1008.0, 25600, 128)]:
+        assert planner.narayanan_params(layers, hidden, 51200, 2048) / 1e9 == pytest.approx(billions, rel=0.01)
+    # interleaving multiplies the first stage's activations by 1 + (p-1)/(p v)
+    dims = planner.ModelDims(layers=96, hidden=h, heads=a, vocab=51200, params=175_000_000_000)
+    one = planner.first_stage_activation_bytes(dims, s, 1, 8, True, 8)
+    assert planner.first_stage_activation_bytes(dims, s, 1, 8, True, 8, v=3) == pytest.approx(one * (1 + 7 / 24))
+    # Eq. 7 model FLOPs; Megatron's mixed-precision weights: 18 bytes/param, 6 + 12/dp with zero
+    assert planner.model_flops(dims, 1, s) == pytest.approx(72 * 96 * s * h * h * (1 + s / (6 * h) + 51200 / (12 * h * 96)))
+    assert planner.weight_bytes(1e9, 8, 0) == 18e9 and planner.weight_bytes(1e9, 8, 1) == 7.5e9
+
+
+def test_planner_hand_computed_plan():
+    dims = planner.ModelDims(layers=4, hidden=1024, heads=16, vocab=32000, params=100_000_000)
+    hw = planner.Hardware(memory=2**40, flops_per_s=1e12, efficiency=1.0, intra_node_bw=1e9, inter_node_bw=1e8)
+    p = planner.rate(dims, hw, world=8, tp=2, pp=2, sp=False, schedule="1f1b", v=1, global_batch=8, seq=128,
+                     micro_batch=1, zero=0)
+    assert (p.dp, p.microbatches) == (2, 4)
+    assert p.weights_bytes == 100e6 / 4 * 18
+    assert p.compute_s == pytest.approx(planner.model_flops(dims, 8, 128) / 8 / 1e12)
+    assert p.bubble_s == pytest.approx(p.compute_s * 1 / 4)
+    assert p.tp_comm_s == pytest.approx(4 * 2 * 0.5 * 128 * 1024 * 2 * 2 * 4 / 1e9)      # 4 AR x layers 2 x m 4
+    assert p.pp_comm_s == pytest.approx(2 * 128 * 1024 * 2 * 4 / 1e8)
+    assert p.dp_comm_s == pytest.approx(2 * 0.5 * 100e6 / 4 * 4 / 1e8)
+    ranked = planner.plans(dims, hw, world=8, global_batch=8, seq=128)
+    assert ranked == sorted(ranked, key=lambda q: (q.step_s, q.memory_bytes))
+    assert {(q.tp, q.pp, q.dp) for q in ranked} >= {(1, 1, 8), (2, 2, 2), (8, 1, 1), (2, 4, 1)}
+    tight = planner.plans(dims, planner.Hardware(memory=600e6), world=8, global_batch=8, seq=128)
+    assert tight and all(q.memory_bytes <= 600e6 for q in tight) and all(q.tp * q.pp >= 4 for q in tight)
+
+
+def test_planner_reads_dims_from_the_graph():
+    from fxtron.compiler.trace import trace
+    traced = trace(build("llama-7b", device="meta"), example_inputs("llama-7b", 1, 16, device="meta"))
+    dims = planner.dims_of(traced)
+    assert (dims.layers, dims.hidden, dims.heads, dims.vocab) == (32, 4096, 32, 32000)
+    assert dims.params == pytest.approx(6.74e9, rel=0.01)
