@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -197,14 +198,22 @@ class ParallelModel:
         return f"{o.schedule}: pp={self.mesh.pp}, m={o.microbatches}{v}"
 
     @functools.lru_cache(maxsize=64)
-    def compiled(self, rank: int) -> pipeline.RankGraph:
-        """The per-rank compilation result (graph module and parameter shard specs)."""
+    def compiled(self, rank: int, dump: str | None = None) -> pipeline.RankGraph:
+        """The per-rank compilation result (graph module and parameter shard specs). With
+        `dump` (or the environment variable FXTRON_DUMP) a directory, the graph after every
+        pass is written there as readable Python (rank<r>/<nn>_<pass>.py)."""
         self._check_rank(rank)
+        dump = dump or os.environ.get("FXTRON_DUMP")
+        if dump:
+            from fxtron.inspect import PassDump
+            observer = PassDump(dump, rank)
+        else:
+            observer = None
         return pipeline.compile_rank(self.traced, self.mesh, rank, user_plan=self.options.plan,
                                      plan_mode=self.options.plan_mode,
                                      sequence_parallel=self.options.sequence_parallel,
                                      gradient_accumulation_fusion=self.options.gradient_accumulation_fusion,
-                                     stage_plan=self.stage_plan)
+                                     stage_plan=self.stage_plan, observer=observer)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.mesh.world_size:

@@ -1,4 +1,4 @@
-"""Command line: `python -m fxtron {mesh,train} ...` (also installed as `fxtron`)."""
+"""Command line: `python -m fxtron {mesh,train,inspect,bench} ...` (also installed as `fxtron`)."""
 from __future__ import annotations
 
 import argparse
@@ -32,6 +32,58 @@ def _cmd_train(a) -> int:
     return 0
 
 
+def _cmd_inspect(a) -> int:
+    import json
+
+    import fxtron
+    from fxtron import planner
+    from fxtron.inspect import inspect, load_model
+
+    model, args, kwargs = load_model(a.model)
+    if a.plan:
+        from fxtron.compiler.trace import trace
+        traced = trace(model, args, example_kwargs=kwargs)
+        dims = planner.dims_of(traced)
+        hw = planner.Hardware(memory=planner.parse_bytes(a.gpu_memory), flops_per_s=a.flops, efficiency=a.efficiency,
+                              intra_node_bw=a.intra_node_bw, inter_node_bw=a.inter_node_bw,
+                              gpus_per_node=a.gpus_per_node)
+        ps = planner.plans(dims, hw, world=a.world_size, global_batch=a.global_batch, seq=a.seq)
+        if a.json:
+            print(json.dumps({"dims": dims.__dict__, "hardware": hw.__dict__, "plans": [p.as_dict() for p in ps]}))
+            return 0
+        print(f"{a.model}: {dims.params:,} parameters, {dims.layers} layers, hidden {dims.hidden}, {dims.heads} heads, "
+              f"vocab {dims.vocab}; {a.world_size} GPUs, global batch {a.global_batch} x {a.seq} tokens")
+        if not ps:
+            print(f"no mesh fits in {a.gpu_memory} per GPU; the smallest needs "
+                  f"{min(p.memory_bytes for p in planner.plans(dims, hw, world=a.world_size, global_batch=a.global_batch, seq=a.seq, fits_only=False)) / 2**30:.1f} GiB")
+            return 1
+        print(f"{len(ps)} meshes fit, fastest first (modeled):")
+        print(planner.format_plans(ps, hw, top=a.top))
+        return 0
+    mesh = fxtron.Mesh(a.world_size, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep)
+    m = a.microbatches or (2 * a.pp if a.pp > 1 else 1)
+    pm = fxtron.parallelize(model, mesh, example_inputs=args, example_kwargs=kwargs,
+                            sequence_parallel=a.sequence_parallel, microbatches=m, schedule=a.schedule,
+                            virtual_stages=a.virtual_stages, zero=a.zero)
+    rank = a.rank if a.rank is not None else 0
+    if a.dump:
+        pm.compiled(rank, a.dump)
+    report = inspect(pm, rank, model_name=a.model, batch=a.batch, seq=a.seq, zero=a.zero)
+    if a.svg:
+        from fxtron.compiler.draw import draw_graph
+        rg = pm.compiled(rank)
+        for i, g in enumerate(rg.graphs):
+            path = a.svg if len(rg.graphs) == 1 else a.svg.replace(".svg", f".chunk{i}.svg")
+            draw_graph(g, path, title=f"{a.model} rank {rank}")
+    print(json.dumps(report.as_dict()) if a.json else report.text(graph=not a.no_graph))
+    return 0
+
+
+def _cmd_bench(a) -> int:
+    from fxtron.bench import run
+    return run(quick=a.quick, output=a.output, extra=a.pytest_args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fxtron", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -52,6 +104,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default=None, help="text file to train on (default: Python's standard library sources)")
     p.add_argument("--no-compare", action="store_true", help="skip the one-process reference run")
     p.set_defaults(fn=_cmd_train)
+
+    p = sub.add_parser("inspect", help="compile one rank of a mesh without processes and describe it")
+    p.add_argument("model", help="preset (gpt-tiny .. llama-7b), hf:<architecture> (hf:llama), or module:factory")
+    _mesh_args(p, 8)
+    p.add_argument("--rank", type=int, default=None, help="the rank to compile (default 0)")
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, zb-h1")
+    p.add_argument("--virtual-stages", type=int, default=1)
+    p.add_argument("--microbatches", type=int, default=None, help="per step (default 2 x pp)")
+    p.add_argument("--zero", type=int, default=0, help="1: distributed optimizer (memory per rank)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per rank and microbatch, to evaluate the formulas")
+    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence, to evaluate the formulas")
+    p.add_argument("--json", action="store_true", help="the same as data")
+    p.add_argument("--no-graph", action="store_true", help="leave the per-rank graph out of the text")
+    p.add_argument("--dump", default=None, help="write the graph after every pass to this directory")
+    p.add_argument("--svg", default=None, help="draw the rank's graph to this .svg (or .png) file")
+    p.add_argument("--plan", action="store_true", help="what-if: the meshes of --world-size that fit, fastest first")
+    p.add_argument("--gpu-memory", default="80GiB")
+    p.add_argument("--global-batch", type=int, default=512, help="sequences per step (--plan)")
+    p.add_argument("--flops", type=float, default=312e12, help="peak FLOP/s per GPU (--plan)")
+    p.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak reached (--plan)")
+    p.add_argument("--intra-node-bw", type=float, default=300e9, help="bytes/s per GPU inside a node (--plan)")
+    p.add_argument("--inter-node-bw", type=float, default=25e9, help="bytes/s per GPU between nodes (--plan)")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--top", type=int, default=10, help="plans to list")
+    p.set_defaults(fn=_cmd_inspect)
+
+    p = sub.add_parser("bench", help="run the benchmark suite and print every figure beside its baseline")
+    p.add_argument("--quick", action="store_true", help="the fast benchmarks only (a few minutes on 2 cores)")
+    p.add_argument("--output", default=".benchmarks/latest.json", help="pytest-benchmark JSON to write")
+    p.add_argument("pytest_args", nargs="*", help="passed to pytest")
+    p.set_defaults(fn=_cmd_bench)
 
     a = parser.parse_args(argv)
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -228,7 +229,8 @@ def _tp_gather(placement: Shard, tp: int):
 
 def compile_rank(traced: fx.GraphModule, mesh: Mesh, rank: int, *, user_plan: dict | None = None,
                  plan_mode: str = "override", sequence_parallel: bool = False,
-                 gradient_accumulation_fusion: bool = True, stage_plan: StagePlan | None = None) -> RankGraph:
+                 gradient_accumulation_fusion: bool = True, stage_plan: StagePlan | None = None,
+                 observer=None) -> RankGraph:
     """Run the per-rank passes on a copy of `traced`, in this order:
 
     plan                which linears split by columns / rows, embeddings by vocabulary
@@ -242,26 +244,46 @@ def compile_rank(traced: fx.GraphModule, mesh: Mesh, rank: int, *, user_plan: di
     annotate shapes     local symbolic shapes for inspection
     split_stages        (pp > 1) this rank's pipeline stages, cut where `stage_plan` says,
                         each its own graph with the activations crossing it as inputs/outputs
+
+    `observer(pass_name, gm, seconds, doc)`, when given, sees the graph after every pass
+    (`fxtron inspect --dump`).
     """
-    gm = drop_metadata_asserts(_copy(traced))   # they pin the traced dtype and global sizes
+    def run(name: str, doc: str, fn, *args, **kw):
+        t0 = time.perf_counter()
+        out = fn(*args, **kw)
+        if observer is not None:
+            observer(name, out if isinstance(out, fx.GraphModule) else args[0], time.perf_counter() - t0, doc)
+        return out
+
+    gm = run("trace", "the traced graph (torch.export), metadata asserts dropped",
+             lambda g: drop_metadata_asserts(_copy(g)), traced)
     tp, tp_rank = mesh.tp, mesh.coords(rank)["tp"]
     tp_plan = None
     if tp > 1:
-        tp_plan = plan(gm, tp=tp, user_plan=user_plan, mode=plan_mode)
-        gm = split_row_bias(gm, tp_plan)
-        gm = propagate(gm, tp_plan, tp=tp, sequence_parallel=sequence_parallel)
-        gm = insert_collectives(gm, tp=tp, tp_rank=tp_rank)
-        gm = localize(gm, tp=tp)
-        gm = assign_rng_regions(gm)
+        tp_plan = run("plan", "which linears split by columns / rows (data; the graph is unchanged)",
+                      plan, gm, tp=tp, user_plan=user_plan, mode=plan_mode)
+        gm = run("split_row_bias", "rowwise biases move after the all-reduce", split_row_bias, gm, tp_plan)
+        gm = run("propagate", "a tp placement on every value", propagate, gm, tp_plan, tp=tp,
+                 sequence_parallel=sequence_parallel)
+        gm = run("insert_collectives", "the redistributions each placement mismatch needs",
+                 insert_collectives, gm, tp=tp, tp_rank=tp_rank)
+        gm = run("localize", "sizes become this rank's", localize, gm, tp=tp)
+        gm = run("assign_rng_regions", "random ops draw from the replicated or per-rank stream",
+                 assign_rng_regions, gm)
     if gradient_accumulation_fusion:
-        gm = fuse_linears(gm)         # weight gradients straight into fp32 main_grad
-    gm = annotate_local_shapes(gm, tp=tp)
+        gm = run("fuse_linears", "weight gradients straight into fp32 main_grad", fuse_linears, gm)
+    gm = run("annotate_local_shapes", "local symbolic shapes", annotate_local_shapes, gm, tp=tp)
     gm.graph.lint()
     ti = info(gm)
     stages, shared, mine = None, {}, set(ti.params)
     if stage_plan is not None:
         pp_rank = mesh.coords(rank)["pp"]
+        t0 = time.perf_counter()
         stages = split_stages(gm, stage_plan, stage_plan.stages_of(pp_rank))
+        if observer is not None:
+            for st in stages:
+                observer(f"split_stages_stage{st.index}", st.gm, time.perf_counter() - t0,
+                         f"stage {st.index}: receives {', '.join(st.inputs) or '-'}; sends {', '.join(st.outputs) or '-'}")
         for name, used in param_stages(gm, stage_plan).items():
             ranks = tuple(sorted({stage_plan.rank_of(s) for s in used}))
             if len(ranks) > 1:
