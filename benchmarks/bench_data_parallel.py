@@ -94,6 +94,7 @@ def results():
                          threads_per_rank=1)[0]
 
 
+@pytest.mark.benchmark(group="data-parallel step, dp=2 (worker-measured)", timer=REPLAY)
 @pytest.mark.parametrize("system", list(SYSTEMS))
 def test_data_parallel_step(benchmark, results, bench_report, system):
     losses = results["losses"]

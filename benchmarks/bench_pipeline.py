@@ -135,6 +135,7 @@ def results():
     return res
 
 
+@pytest.mark.benchmark(group="pipeline step, pp=2 (worker-measured)", timer=REPLAY)
 @pytest.mark.parametrize("schedule,v,m", CASES, ids=[_key(*c) for c in CASES])
 def test_pipeline_step(benchmark, results, bench_report, schedule, v, m):
     key = _key(schedule, v, m)
