@@ -317,9 +317,4 @@ class ParallelModel:
                                 pipeline=self.pipeline_options(), data_parallel=self.options.data_parallel)
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+_fmt_bytes = report.fmt_bytes

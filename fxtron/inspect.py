@@ -140,11 +140,8 @@ class Report:
 
 
 def _fmt(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
+    from fxtron.compiler.report import fmt_bytes
+    return fmt_bytes(n, digits=2)
 
 
 def inspect(pm, rank: int, *, model_name: str = "", batch: int = 1, seq: int = 2048, zero: int = 0) -> Report:

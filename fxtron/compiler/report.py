@@ -124,3 +124,12 @@ def p2p_bytes(stages) -> sympy.Expr:
                     continue
                 total += _numel(meta.get(node, meta.LOCAL_SHAPE) or ()) * val.dtype.itemsize
     return sympy.simplify(total)
+
+
+def fmt_bytes(n: float, digits: int = 1) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
+        n /= 1024
+    return str(n)

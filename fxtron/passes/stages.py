@@ -191,7 +191,7 @@ def node_flops(node: fx.Node) -> int:
     if str(t) == "fxtron.linear.default":
         return 2 * out * _hint(node.args[0].meta["val"].shape[-1])
     if t in (aten.scaled_dot_product_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default):
-        q, k = node.args[0].meta["val"], node.args[1].meta["val"]
+        k = node.args[1].meta["val"]
         return 4 * out * _hint(k.shape[-2])   # QK^T and PV
     if t == aten.embedding.default:
         return out   # a gather, counted as one op per output element
