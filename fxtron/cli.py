@@ -26,7 +26,8 @@ def _cmd_train(a) -> int:
     from fxtron.train import TrainConfig, run
 
     cfg = TrainConfig(model=a.model, world_size=a.world_size, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep,
-                      steps=a.steps, batch=a.batch, seq=a.seq, lr=a.lr, seed=a.seed, data=a.data)
+                      steps=a.steps, batch=a.batch, seq=a.seq, lr=a.lr, seed=a.seed, data=a.data,
+                      microbatches=a.microbatches, schedule=a.schedule)
     cfg.mesh()  # validate before starting processes
     run(cfg, compare=not a.no_compare)
     return 0
@@ -102,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="text file to train on (default: Python's standard library sources)")
+    p.add_argument("--microbatches", type=int, default=1, help="per step and data-parallel rank")
+    p.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, zb-h1")
     p.add_argument("--no-compare", action="store_true", help="skip the one-process reference run")
     p.set_defaults(fn=_cmd_train)
 

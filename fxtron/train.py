@@ -32,6 +32,8 @@ class TrainConfig:
     seed: int = 0
     data: str | None = None
     max_bytes: int = 4_000_000
+    microbatches: int = 1
+    schedule: str = "1f1b"
 
     def mesh(self) -> Mesh:
         return Mesh(self.world_size, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
@@ -78,7 +80,8 @@ def train_rank(rank: int, cfg: TrainConfig) -> dict:
 
     data = load_text(cfg.data, cfg.max_bytes)
     model = build(cfg.model, seed=cfg.seed)
-    pm = fxtron.parallelize(model, cfg.mesh(), example_inputs=batch_at(data, 0, cfg))
+    pm = fxtron.parallelize(model, cfg.mesh(), example_inputs=batch_at(data, 0, cfg), microbatches=cfg.microbatches,
+                            schedule=cfg.schedule)
     prog = pm.program(rank)
     opt = _optimizer(prog.parameters(), cfg)
     losses = []
