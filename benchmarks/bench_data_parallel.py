@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 import fxtron
 from fxtron.models.gpt import GPT, GPTConfig
-from replay import ReplayTimer, noop
+from replay import ReplayTimer, noop, token_batches
 
 CFG = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256)
 BATCH, SEQ = 8, 64
@@ -42,12 +42,7 @@ WARMUP, ROUNDS, STEPS_PER_ROUND = 2, 5, 3
 
 
 def _batches(n=3):
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, CFG.vocab_size, (BATCH, SEQ + 1), generator=g)
-        out.append((ids[:, :-1].clone(), ids[:, 1:].clone()))
-    return out
+    return token_batches(CFG.vocab_size, BATCH, SEQ, n)
 
 
 def _job(rank: int, mesh: fxtron.Mesh) -> dict:

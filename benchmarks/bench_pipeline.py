@@ -39,7 +39,7 @@ import torch.distributed as dist
 import fxtron
 from fxtron.models.gpt import GPT, GPTConfig
 from fxtron.runtime import schedules
-from replay import ReplayTimer, noop
+from replay import ReplayTimer, noop, token_batches
 
 CFG = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256)
 BATCH, SEQ = 8, 64
@@ -56,12 +56,7 @@ def _model():
 
 
 def _batches(n=3):
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, CFG.vocab_size, (BATCH, SEQ + 1), generator=g)
-        out.append((ids[:, :-1].clone(), ids[:, 1:].clone()))
-    return out
+    return token_batches(CFG.vocab_size, BATCH, SEQ, n)
 
 
 def _key(schedule, v, m):

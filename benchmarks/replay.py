@@ -27,3 +27,14 @@ class ReplayTimer:
 
 def noop():
     return None
+
+
+def token_batches(vocab: int, batch: int, seq: int, n: int = 3, seed: int = 1) -> list:
+    """n (tokens, targets) batches of random ids, targets shifted by one; the same every call."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        out.append((ids[:, :-1].clone(), ids[:, 1:].clone()))
+    return out

@@ -119,6 +119,32 @@ def test_bad_cuts_raise(kw, mesh, match):
         pm.compiled(0)
 
 
+def test_weight_tied_between_middle_stages_raises():
+    class Block(torch.nn.Module):
+        def __init__(self, lin):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            return x + self.lin(x)
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            shared = torch.nn.Linear(8, 8)
+            self.blocks = torch.nn.ModuleList([Block(shared), Block(torch.nn.Linear(8, 8)),
+                                               Block(shared), Block(torch.nn.Linear(8, 8))])
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x.mean()
+
+    pm = fxtron.parallelize(Tied(), fxtron.Mesh(4, pp=4), example_inputs=(torch.randn(4, 3, 8),))
+    with pytest.raises(ParallelizeError, match=r"blocks.0.lin.(weight|bias) is used on pipeline ranks \[0, 2\]"):
+        pm.compiled(0)
+
+
 def test_model_without_layers_raises():
     class Flat(torch.nn.Module):
         def __init__(self):

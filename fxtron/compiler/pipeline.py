@@ -287,6 +287,11 @@ def compile_rank(traced: fx.GraphModule, mesh: Mesh, rank: int, *, user_plan: di
         for name, used in param_stages(gm, stage_plan).items():
             ranks = tuple(sorted({stage_plan.rank_of(s) for s in used}))
             if len(ranks) > 1:
+                if ranks != (0, mesh.pp - 1):
+                    raise ParallelizeError(
+                        f"parameter {name} is used on pipeline ranks {list(ranks)}; fxtron ties weights only "
+                        f"between the first and the last stage (an embedding and its LM head, Megatron's embedding "
+                        f"group): untie it, or choose split_points that keep its uses on those stages")
                 shared[name] = ranks
         mine = {p for s in stages for p in s.params}
     local, slicers = {}, {}

@@ -309,8 +309,13 @@ def split_stages(gm: fx.GraphModule, plan: StagePlan, stages: list[int]) -> list
         if far > s:
             for t in range(s + 1, far + 1):
                 crossing.setdefault(t, []).append(n)
-    for nodes in crossing.values():
+    from fxtron.runtime.p2p import MAX_TENSORS
+    for stage, nodes in crossing.items():
         nodes.sort(key=order.get)
+        if len(nodes) > MAX_TENSORS - 2:
+            raise ParallelizeError(
+                f"{len(nodes)} activations cross into pipeline stage {stage} ({', '.join('%' + n.name for n in nodes[:6])}, "
+                f"...); fxtron sends at most {MAX_TENSORS - 2} per boundary: choose other split_points")
         for n in nodes:
             if not isinstance(n.meta.get("val"), torch.Tensor):
                 raise ParallelizeError(f"%{n.name} ({meta.get(n, meta.MODULE)!r}) is a {type(n.meta.get('val')).__name__} "

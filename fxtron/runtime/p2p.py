@@ -82,8 +82,9 @@ class P2P:
 
     @staticmethod
     def _tag(kind: str, microbatch: int, stage: int, index: int, shape: bool) -> int:
-        if index >= MAX_TENSORS - 1:
-            raise ValueError(f"a pipeline boundary carries at most {MAX_TENSORS - 1} tensors")
+        if index >= MAX_TENSORS - 2 and not (shape and index == MAX_TENSORS - 2):
+            raise ValueError(f"a pipeline boundary carries at most {MAX_TENSORS - 2} tensors "
+                             "(split_stages refuses more)")
         return ((((stage * 4096 + microbatch) * 2 + _DIRS[kind]) * MAX_TENSORS + index) * 2) + (0 if shape else 1)
 
     def _split(self, t: torch.Tensor, slot: Slot) -> bool:

@@ -137,7 +137,6 @@ class Program(nn.Module):
         object.__setattr__(self, "graph_module", gm)  # not a submodule: keep the tree the model's
         self._info = info
         self._local = local
-        self._aliases = aliases
         self.rank = rank
         self.groups = groups
         self.rng = rng
@@ -362,7 +361,7 @@ class Program(nn.Module):
             holders = self._shared[name]
             if self.groups.index("pp") not in holders:
                 continue
-            if holders == first_last:
+            if holders == first_last:   # compile_rank refuses any other sharing
                 if self._zero is not None:     # a bucket of its own: every holder has the same shard
                     for g, n in self._zero.shard_grads():
                         if n == name:
@@ -372,9 +371,6 @@ class Program(nn.Module):
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
                 dist.all_reduce(g, group=self.groups.group("embedding"))
                 p.grad = g
-            else:
-                raise ParallelizeError(f"{name} is used on pipeline ranks {holders}; fxtron ties weights only "
-                                       "between the first and the last stage (an embedding and its LM head)")
 
     # ---------------------------------------------------------------- gradients
     def _grad_hook(self, name: str):
