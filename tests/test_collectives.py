@@ -2,7 +2,8 @@
 fxtron:: op on gloo (tp=2 and tp=4) against a single-process float64 computation (values and
 the gradients autograd gives through the ops), the cross entropy's three all-reduces, the
 COLLECTIVE_OPS table against the collectives the ops really issue, and the fake (shape-only)
-implementations. One 4-rank job runs every distributed case over its tp=4 group and over two tp=2 groups."""
+implementations. One 4-rank job runs every distributed case over its tp=4 group (through its
+shared-memory channel, then once more through gloo) and over two tp=2 groups (gloo)."""
 from __future__ import annotations
 
 import contextlib
@@ -17,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import fxtron
 from fxtron.errors import ParallelizeError
 from fxtron.runtime import collectives as C
+from fxtron.runtime import shm
 from fxtron.runtime.groups import groups_for
 from fxtron.runtime.shard import check_divisible, shard, unshard
 from fxtron.testing import run_on_ranks
@@ -183,18 +185,22 @@ def _cases(pg, one_rank_group: str) -> dict:
         (loss * (d["Gce"] if red == 0 else torch.tensor(0.7)).float()).sum().backward()
         out["ce"].append((loss.detach(), lg.grad))
 
-    # the cross entropy's torch.distributed calls: 3 all-reduces (MAX, SUM, SUM) forward, none backward
+    # the cross entropy's torch.distributed calls: 3 all-reduces (MAX, SUM, SUM) forward, none
+    # backward (through a shared-memory channel: 3 of its collectives, and no torch.distributed call)
     names = ["all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
              "all_to_all_single", "send", "recv"]
     counter = _Count(dist, names)
+    comm = shm.channel(group)
+    out["transport"] = "shm" if comm is not None else "gloo"
     out["ce_calls"] = []
     with counter.active():
         for ls in (0.0, 0.1):
             lg = _leaf(shard(d["L"], -1, tp, r).float())
+            ops0 = comm.ops if comm is not None else 0
             loss = ops.vocab_parallel_cross_entropy(lg, d["T"], r * V // tp, IGNORE, 1, ls, group)
-            fwd = counter.take()
+            fwd, ops1 = counter.take(), comm.ops if comm is not None else 0
             loss.backward()
-            out["ce_calls"].append((fwd, counter.take()))
+            out["ce_calls"].append((fwd, counter.take(), ops1 - ops0, (comm.ops if comm is not None else 0) - ops1))
 
     # every op's collectives, to compare with COLLECTIVE_OPS
     x8 = torch.randn(8, 4, dtype=torch.float64)
@@ -230,13 +236,19 @@ def _cases(pg, one_rank_group: str) -> dict:
 
 
 def _job(rank: int, mesh) -> dict:
-    """One 4-rank job: the cases over the mesh's tp=4 group, then over tp=2 groups {0,1} and {2,3}."""
+    """One 4-rank job: the cases over the mesh's tp=4 group (its shared-memory channel, then
+    gloo), then over tp=2 groups {0,1} and {2,3} (made here, so gloo only)."""
     gs = groups_for(mesh)
     assert gs.index("tp") == dist.get_rank(gs.group("tp")) == rank
+    assert shm.channel(gs.group("tp").group_name) is not None
     one = gs.group("pp")
     assert one.size() == 1
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]   # every rank creates every group
-    return {4: _cases(gs.group("tp"), one.group_name), 2: _cases(pairs[rank // 2], one.group_name)}
+    out = {"tp4": _cases(gs.group("tp"), one.group_name)}
+    with shm.disabled():
+        out["tp4-gloo"] = _cases(gs.group("tp"), one.group_name)
+    out["tp2"] = _cases(pairs[rank // 2], one.group_name)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -245,11 +257,12 @@ def launched():
     return run_on_ranks(_job, mesh, mesh, timeout_s=180)
 
 
-@pytest.fixture(params=[(4, (0, 1, 2, 3)), (2, (0, 1)), (2, (2, 3))], ids=["tp4", "tp2-ranks01", "tp2-ranks23"])
+@pytest.fixture(params=[("tp4", 4, (0, 1, 2, 3)), ("tp4-gloo", 4, (0, 1, 2, 3)), ("tp2", 2, (0, 1)), ("tp2", 2, (2, 3))],
+                ids=["tp4-shm", "tp4-gloo", "tp2-ranks01", "tp2-ranks23"])
 def job(request, launched):
     """(tp, the outputs of one tp group's ranks in group order)."""
-    tp, ranks = request.param
-    return tp, [launched[r][tp] for r in ranks]
+    key, tp, ranks = request.param
+    return tp, [launched[r][key] for r in ranks]
 
 
 def _close(a, b, tol=1e-10):
@@ -337,9 +350,12 @@ def test_vocab_parallel_cross_entropy(job):
 def test_cross_entropy_issues_exactly_three_all_reduces(job):
     _, res = job
     for o in res:
-        for fwd, bwd in o["ce_calls"]:
-            assert fwd == [("all_reduce", "MAX"), ("all_reduce", "SUM"), ("all_reduce", "SUM")], fwd
-            assert bwd == [], bwd
+        for fwd, bwd, shm_fwd, shm_bwd in o["ce_calls"]:
+            if o["transport"] == "shm":
+                assert (fwd, bwd, shm_fwd, shm_bwd) == ([], [], 3, 0)
+            else:
+                assert fwd == [("all_reduce", "MAX"), ("all_reduce", "SUM"), ("all_reduce", "SUM")], fwd
+                assert bwd == [] and shm_fwd == shm_bwd == 0, bwd
 
 
 def test_collective_table_matches_what_ops_issue(job):

@@ -163,7 +163,9 @@ def _launch_triton(x2: Tensor, dy2: Tensor, main_grad: Tensor) -> None:
     else:
         precision = "tf32"  # triton's default; ignored for 16-bit operands
     grid = lambda META: (triton.cdiv(M, META["BLOCK_SIZE_M"]) * triton.cdiv(N, META["BLOCK_SIZE_N"]),)  # noqa: E731
-    with torch.cuda.device(main_grad.device) if main_grad.is_cuda else nullcontext():
+    # Triton launches on the current device: switch only when main_grad lives elsewhere
+    switch = main_grad.is_cuda and main_grad.device.index != torch.cuda.current_device()
+    with torch.cuda.device(main_grad.device) if switch else nullcontext():
         _wgrad_accum_kernel[grid](
             dy2, x2, main_grad,
             M, N, K,
@@ -183,26 +185,28 @@ def _launch_addmm(x2: Tensor, dy2: Tensor, main_grad: Tensor) -> None:
 
 # ------------------------------------------------------------------------------ the checks
 def _flatten(x: Tensor, dy: Tensor, main_grad: Tensor) -> tuple[Tensor, Tensor]:
-    """Validate a call; return x and dy as 2-D [tokens, features]."""
-    def shape(t: Tensor) -> str:
-        return f"[{', '.join(str(s) for s in t.shape)}]"
+    """Validate a call; return x and dy as 2-D [tokens, features]. (Runs once per linear and
+    micro-batch: the checks are plain comparisons, and messages are built only on failure.)"""
+    def where() -> str:
+        def shape(t: Tensor) -> str:
+            return f"[{', '.join(str(s) for s in t.shape)}]"
+        return f"wgrad_accumulate(x {shape(x)}, dy {shape(dy)}, main_grad {shape(main_grad)})"
 
-    where = f"wgrad_accumulate(x {shape(x)}, dy {shape(dy)}, main_grad {shape(main_grad)})"
     if x.ndim < 1 or dy.ndim < 1:
-        raise ValueError(f"{where}: x and dy need a feature dim (x [..., in], dy [..., out])")
-    if main_grad.ndim != 2 or tuple(main_grad.shape) != (dy.shape[-1], x.shape[-1]):
-        raise ValueError(f"{where}: main_grad must be [out, in] = [{dy.shape[-1]}, {x.shape[-1]}] "
-                         f"(nn.Linear's weight layout), got {shape(main_grad)}")
+        raise ValueError(f"{where()}: x and dy need a feature dim (x [..., in], dy [..., out])")
+    if main_grad.ndim != 2 or main_grad.shape[0] != dy.shape[-1] or main_grad.shape[1] != x.shape[-1]:
+        raise ValueError(f"{where()}: main_grad must be [out, in] = [{dy.shape[-1]}, {x.shape[-1]}] "
+                         f"(nn.Linear's weight layout), got {list(main_grad.shape)}")
     if x.shape[:-1] != dy.shape[:-1]:
-        raise ValueError(f"{where}: x and dy must have the same leading (token) dims, "
+        raise ValueError(f"{where()}: x and dy must have the same leading (token) dims, "
                          f"got {list(x.shape[:-1])} and {list(dy.shape[:-1])}")
     if main_grad.dtype != torch.float32:
-        raise ValueError(f"{where}: main_grad must be float32, got {main_grad.dtype}")
+        raise ValueError(f"{where()}: main_grad must be float32, got {main_grad.dtype}")
     if x.dtype != dy.dtype or x.dtype not in _INPUT_DTYPES:
-        raise ValueError(f"{where}: x and dy must share one of float32/bfloat16/float16, "
+        raise ValueError(f"{where()}: x and dy must share one of float32/bfloat16/float16, "
                          f"got {x.dtype} and {dy.dtype}")
     if not (x.device == dy.device == main_grad.device):
-        raise ValueError(f"{where}: tensors on different devices: {x.device}, {dy.device}, "
+        raise ValueError(f"{where()}: tensors on different devices: {x.device}, {dy.device}, "
                          f"{main_grad.device}")
     tokens = math.prod(x.shape[:-1])  # not reshape(-1, f): that fails when f == 0
     # views where the strides allow (2-D inputs always); otherwise reshape copies

@@ -199,10 +199,14 @@ class _MetaMaterializer:
 
 
 def _bind_groups(gm: fx.GraphModule, groups: ProcessGroups | None, device: torch.device) -> fx.GraphModule:
-    """A copy of gm for this process: collectives name its real tp group instead of "tp", and
+    """A copy of gm for this process: collectives name its real tp group instead of "tp",
     tensors the graph creates (arange, zeros, .to(device)) land on its device, whatever device
-    the model was traced on (meta, say)."""
+    the model was traced on (meta, say), and the ops called once per layer run in their
+    run-time forms (the same autograd formulas without the custom-op dispatch overhead)."""
     import torch.utils._pytree as pytree
+    from fxtron.codegen.linear import EAGER as LINEAR_EAGER
+    from fxtron.runtime.collectives import EAGER as COLLECTIVE_EAGER
+    eager = {**LINEAR_EAGER, **COLLECTIVE_EAGER}
     out = _copy(gm)
     name = ""
     if groups is not None and groups.size("tp") > 1:
@@ -212,6 +216,7 @@ def _bind_groups(gm: fx.GraphModule, groups: ProcessGroups | None, device: torch
             continue
         if str(node.target).startswith("fxtron."):
             node.args = tuple(name if a == TP_GROUP else a for a in node.args)
+            node.target = eager.get(node.target, node.target)
         node.args, node.kwargs = pytree.tree_map(
             lambda a: device if isinstance(a, torch.device) else a, (node.args, node.kwargs))
     out.recompile()

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fxtron.runtime import shm
 from fxtron.runtime.shard import check_divisible, shard, unshard
 
 # reduction codes of vocab_parallel_cross_entropy (torch's own enum order)
@@ -72,13 +73,29 @@ def _check_world(pg, world: int, op: str, group: str) -> None:
 
 
 def _all_reduce(t: Tensor, pg, op=dist.ReduceOp.SUM) -> Tensor:
-    """All-reduce `t` in place over `pg` (t must be a fresh contiguous tensor); returns t."""
+    """All-reduce `t` in place over `pg` (t must be a fresh contiguous tensor); returns t.
+    Through the group's shared-memory channel where it has one (runtime/shm.py)."""
+    comm = shm.channel(pg.group_name)
+    if comm is not None:
+        return comm.all_reduce(t, shm.OP_MAX if op == dist.ReduceOp.MAX else shm.OP_SUM)
     dist.all_reduce(t, op=op, group=pg)
     return t
 
 
+def _start_all_reduce(t: Tensor, pg):
+    """Begin an all-reduce SUM of contiguous `t` in place; returns a work whose wait()
+    completes it. Only local computation may run before the wait (no other collective)."""
+    comm = shm.channel(pg.group_name)
+    if comm is not None:
+        return comm.start_all_reduce(t)
+    return dist.all_reduce(t, group=pg, async_op=True)
+
+
 def _all_gather(t: Tensor, pg) -> list[Tensor]:
     """Every rank's `t` (same shape everywhere), in group-rank order."""
+    comm = shm.channel(pg.group_name)
+    if comm is not None:
+        return comm.all_gather(t)
     t = t.contiguous()
     out = [torch.empty_like(t) for _ in range(pg.size())]
     dist.all_gather(out, t, group=pg)
@@ -88,6 +105,9 @@ def _all_gather(t: Tensor, pg) -> list[Tensor]:
 def _reduce_scatter(t: Tensor, dim: int, pg) -> Tensor:
     """Sum of `t` over the ranks, then this rank's 1/world slice along `dim` (a new tensor)."""
     world, rank = pg.size(), dist.get_rank(pg)
+    comm = shm.channel(pg.group_name)
+    if comm is not None:
+        return comm.reduce_scatter(t, dim)
     if dist.get_backend(pg) == "nccl":
         src = t.movedim(dim, 0).contiguous()
         out = src.new_empty((src.shape[0] // world, *src.shape[1:]))
@@ -128,7 +148,7 @@ def _copy_to_region_bwd(ctx, grad):
     # the input gradient's all-reduce runs while the queued weight-gradient GEMMs compute
     # (Megatron's async dgrad all-reduce overlapping the wgrad GEMM)
     out = grad.clone(memory_format=torch.contiguous_format)
-    work = dist.all_reduce(out, group=pg, async_op=True)
+    work = _start_all_reduce(out, pg)
     queue.drain()
     work.wait()
     return out, None
@@ -160,6 +180,35 @@ def _all_reduce_bwd(ctx, grad):
 
 
 all_reduce.register_autograd(_all_reduce_bwd)
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """copy_to_region as a program runs it: the op's forward and backward without the
+    dispatcher's trips through Python (see codegen/linear.py _Linear)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.clone()
+
+    backward = staticmethod(_copy_to_region_bwd)
+
+
+class _AllReduce(torch.autograd.Function):
+    """all_reduce as a program runs it (see _CopyToRegion)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        pg = _group(group)
+        out = x.clone(memory_format=torch.contiguous_format)
+        return out if pg is None else _all_reduce(out, pg)
+
+    backward = staticmethod(_all_reduce_bwd)
+
+
+# op -> its run-time form; a program's graph calls these (compiler/pipeline.py _bind_groups)
+EAGER = {torch.ops.fxtron.copy_to_region.default: lambda x, group: _CopyToRegion.apply(x, group),
+         torch.ops.fxtron.all_reduce.default: lambda x, group: _AllReduce.apply(x, group)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,6 +344,13 @@ def _gather_from_sequence_bwd(ctx, grad):
     # the reduce-scatter of the input gradient runs while the queued weight-gradient GEMMs
     # compute (Megatron's async reduce-scatter under sequence parallel)
     world, rank, dim = pg.size(), dist.get_rank(pg), _norm(ctx.dim, grad.dim())
+    if shm.channel(pg.group_name) is not None:
+        # shared memory: the whole sum is published at once, each rank reduces its slice
+        total = grad.clone(memory_format=torch.contiguous_format)
+        work = _start_all_reduce(total, pg)
+        queue.drain()
+        work.wait()
+        return shard(total, dim, world, rank), None, None, None
     if dist.get_backend(pg) == "nccl":
         src = grad.movedim(dim, 0).contiguous()
         out = src.new_empty((src.shape[0] // world, *src.shape[1:]))
@@ -303,7 +359,7 @@ def _gather_from_sequence_bwd(ctx, grad):
         work.wait()
         return out.movedim(0, dim).contiguous(), None, None, None
     total = grad.clone(memory_format=torch.contiguous_format)
-    work = dist.all_reduce(total, group=pg, async_op=True)   # gloo: all-reduce, then keep a slice
+    work = _start_all_reduce(total, pg)   # gloo: all-reduce, then keep a slice
     queue.drain()
     work.wait()
     return shard(total, dim, world, rank), None, None, None

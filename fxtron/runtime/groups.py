@@ -16,8 +16,12 @@ import torch.distributed as dist
 
 from fxtron.errors import ParallelizeError
 from fxtron.mesh import GROUP_KINDS, Mesh
+from fxtron.runtime import shm
 
 DEFAULT_TIMEOUT_S = 300.0
+# The groups whose collectives sit on the critical path of every layer: these get a
+# shared-memory channel when all their ranks share a host (runtime/shm.py).
+SHM_KINDS = ("tp",)
 
 
 @dataclass
@@ -32,6 +36,8 @@ class ProcessGroups:
     rank: int
     backend: str
     device: torch.device
+    # shared-memory channels by group name (runtime/shm.py), made by init_distributed
+    channels: dict = field(default_factory=dict, repr=False)
     _by_kind: dict[str, tuple[tuple[int, ...], object]] = field(default_factory=dict, repr=False)
 
     def group(self, kind: str):
@@ -84,12 +90,20 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_distributed(mesh: Mesh, *, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> ProcessGroups:
+def shm_default() -> bool:
+    """FXTRON_SHM=0 in the environment turns the shared-memory transport off by default."""
+    return os.environ.get("FXTRON_SHM", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def init_distributed(mesh: Mesh, *, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                     shm_transport: bool | None = None) -> ProcessGroups:
     """Initialize torch.distributed for this process (torchrun or fxtron.launch set the
     environment) and create the mesh's groups. Returns this rank's ProcessGroups.
 
     Every collective issued through these groups times out after `timeout_s`, so a rank whose
-    peer died raises instead of hanging.
+    peer died raises instead of hanging. With gloo, a tp group whose ranks all run on this
+    host also gets a shared-memory channel for fxtron's tensor-parallel collectives
+    (runtime/shm.py) unless `shm_transport` is False (default: on, unless FXTRON_SHM=0).
     """
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
     if rank is None or world is None:
@@ -110,6 +124,15 @@ def init_distributed(mesh: Mesh, *, backend: str | None = None, timeout_s: float
         dist.init_process_group(backend=backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     groups = build_groups(mesh, rank, backend, device)
+    if shm_transport is None:
+        shm_transport = shm_default()
+    if shm_transport and backend == "gloo":
+        wanted = {}
+        for kind in SHM_KINDS:
+            if groups.size(kind) > 1:
+                pg = groups.group(kind)
+                wanted.setdefault(pg.group_name, pg)
+        groups.channels = shm.open_channels(wanted, timeout_s)
     if not _REGISTRY:
         # a script that returns without tearing the process group down would abort in gloo's
         # thread destructors at exit; tear it down for it
@@ -130,6 +153,8 @@ def groups_for(mesh: Mesh) -> ProcessGroups | None:
 
 
 def destroy() -> None:
+    for groups in _REGISTRY.values():
+        shm.close_channels(groups.channels)
     _REGISTRY.clear()
     if dist.is_initialized():
         dist.destroy_process_group()

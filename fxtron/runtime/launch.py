@@ -38,14 +38,14 @@ def _dumps(obj: Any) -> bytes:
 
 
 def _worker(fn, mesh: Mesh, rank: int, args: tuple, port: int, backend: str | None,
-            timeout_s: float, threads: int, results) -> None:
+            timeout_s: float, threads: int, shm_transport: bool | None, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(mesh.world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(mesh.world_size))
     torch.set_num_threads(threads)
     from fxtron.runtime import groups as G
     try:
-        G.init_distributed(mesh, backend=backend, timeout_s=timeout_s)
+        G.init_distributed(mesh, backend=backend, timeout_s=timeout_s, shm_transport=shm_transport)
         out = fn(rank, *args)
         payload = _dumps(out)
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
@@ -81,11 +81,13 @@ def _failures(procs, results, done: dict, first: str | None, grace_s: float = 1.
 
 def launch(fn: Callable[..., Any], mesh: Mesh, args: tuple = (), *, backend: str | None = None,
            timeout_s: float = 600.0, collective_timeout_s: float = 120.0,
-           threads_per_rank: int | None = None) -> list[Any]:
+           threads_per_rank: int | None = None, shm_transport: bool | None = None) -> list[Any]:
     """Run `fn(rank, *args)` on mesh.world_size local processes; return results in rank order.
 
     fn and args must be picklable (a module-level function). `timeout_s` bounds the whole job,
-    `collective_timeout_s` every collective. Raises LaunchError with the failing rank's traceback.
+    `collective_timeout_s` every collective. `shm_transport`: see init_distributed (tp
+    collectives through shared memory with gloo; default on unless FXTRON_SHM=0). Raises
+    LaunchError with the failing rank's traceback.
     """
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= mesh.world_size else "gloo"
@@ -96,7 +98,7 @@ def launch(fn: Callable[..., Any], mesh: Mesh, args: tuple = (), *, backend: str
     port = _free_port()
     procs = [ctx.Process(target=_worker, name=f"fxtron-rank{r}",
                          args=(fn, mesh, r, tuple(args), port, backend, collective_timeout_s,
-                               threads_per_rank, results), daemon=True)
+                               threads_per_rank, shm_transport, results), daemon=True)
              for r in range(mesh.world_size)]
     for p in procs:
         p.start()

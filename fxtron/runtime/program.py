@@ -218,10 +218,11 @@ class Program(nn.Module):
         return copy
 
     def local_batch(self, inputs: tuple, kwargs: dict | None = None) -> tuple[tuple, dict]:
-        """This rank's data-parallel slice of a global batch (dim 'batch' of every input)."""
+        """This rank's data-parallel slice of a global batch (dim 'batch' of every input), on
+        the program's device (a batch from a CPU data loader moves to the rank's GPU here)."""
         dp, index = self._dp()
         if dp == 1:
-            return tuple(inputs), dict(kwargs or {})
+            return self._on_device(tuple(inputs), dict(kwargs or {}))
         flat = self._flat_inputs(inputs, kwargs)
         out = []
         for x, dims in zip(flat, self._info.user_dims):
@@ -236,7 +237,16 @@ class Program(nn.Module):
         it = iter(out)
         leaves = [next(it) if s is None else s for s in self._info.statics]
         args, kw = pytree.tree_unflatten(leaves, self._info.in_spec)
-        return args, kw
+        return self._on_device(args, kw)
+
+    def _on_device(self, args: tuple, kw: dict) -> tuple[tuple, dict]:
+        device = self.groups.device if self.groups is not None else None
+        if device is None or device.type == "cpu":
+            return args, kw
+
+        def move(x):
+            return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) and x.device != device else x
+        return pytree.tree_map(move, (args, kw))
 
     def train_step(self, inputs, optimizer: torch.optim.Optimizer, *, kwargs: dict | None = None) -> float:
         """One training step on the global batch `inputs` (the same tensors on every rank):

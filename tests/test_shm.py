@@ -1,0 +1,167 @@
+"""The shared-memory transport (runtime/shm.py) of the tp group's collectives.
+
+One 2-rank gloo job (Mesh(2, tp=2), whose tp group gets a channel) checks: all-reduce SUM / MAX,
+all-gather and reduce-scatter against float64 sums of every rank's input, in several dtypes and
+for inputs larger than one slot (sent in pieces); every rank gets bit-identical results; the
+split all-reduce; a diverged program (ranks calling different ops) and a missing peer raise
+clear errors instead of returning garbage or hanging; a segment that cannot be made leaves the
+group on gloo on every rank; and tp=2 training through shared memory equals the same training
+through gloo bit for bit (two ranks: a + b == b + a), while the channel carried every
+collective of the programs (gloo carried none of theirs).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fxtron
+from fxtron.runtime import shm
+from fxtron.runtime.groups import groups_for
+from fxtron.testing import run_on_ranks
+from tp_models import batch, make
+
+BIG = shm.CAPACITY // 4 + 1000        # fp32 elements: more than one slot
+
+
+def _input(rank: int, n: int, dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randn(n, generator=g, dtype=torch.float64)
+    if dtype in (torch.int64, torch.int32):
+        return (x * 100).round().to(dtype)
+    return x.to(dtype)
+
+
+def _primitives(rank: int, comm: shm.ShmComm) -> dict:
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.int64):
+        for n in (1, 1000, BIG):
+            for op in (shm.OP_SUM, shm.OP_MAX):
+                t = _input(rank, n, dtype)
+                comm.all_reduce(t, op)
+                out[("ar", str(dtype), n, op)] = t
+    t = _input(rank, 2 * 3 * 4, torch.float32).view(2, 12)
+    work = comm.start_all_reduce(t)
+    torch.mm(torch.randn(64, 64), torch.randn(64, 64))      # local work between the halves
+    work.wait()
+    out["split"] = t
+    for n in (6, BIG + 1):
+        x = _input(rank, 3 * n, torch.float32).view(3, n)
+        out[("ag", n)] = torch.stack(comm.all_gather(x))
+        y = _input(rank, 2 * 3 * n, torch.float32).view(3, 2 * n)
+        out[("rs", n)] = comm.reduce_scatter(y, 1)
+    return out
+
+
+def _errors(rank: int, pg) -> dict:
+    out = {}
+    comm = shm.channel(pg.group_name)
+    # a diverged program: every rank sees the mismatch at the same collective and says so
+    try:
+        comm.all_reduce(torch.ones(5 + rank))
+    except RuntimeError as e:
+        out["diverged"] = str(e)
+    comm.all_reduce(torch.ones(3))                 # the channel stays usable, in step
+    # a missing peer: rank 0 waits alone on a channel with a short timeout
+    short = shm.ShmComm.create(pg, timeout_s=0.5)
+    if rank == 0:
+        try:
+            short.all_reduce(torch.ones(4))
+        except TimeoutError as e:
+            out["timeout"] = str(e)
+    short.close()
+    dist.barrier(group=pg)
+    # no segment can be made (the slots would need 2**50 bytes): every rank stays on gloo
+    out["too_big"] = shm.ShmComm.create(pg, timeout_s=5.0, capacity=1 << 50)
+    return out
+
+
+def _train(rank: int, mesh: fxtron.Mesh, name: str, sp: bool) -> dict:
+    comm = shm.channel(groups_for(mesh).group("tp").group_name)
+    args, _ = batch(name, 2, 8, seed=0)
+    pm = fxtron.parallelize(make(name), mesh, example_inputs=args, sequence_parallel=sp)
+    res = {}
+    for transport in ("shm", "gloo"):
+        prog = pm.program(rank)
+        opt = torch.optim.AdamW(prog.parameters(), lr=1e-3)
+        ops0 = comm.ops
+        with (shm.disabled() if transport == "gloo" else _nothing()):
+            losses = [prog.train_step(batch(name, 4, s, seed=10 + i)[0], opt) for i, s in enumerate((16, 12, 16))]
+        res[transport] = {"losses": losses, "state": {k: v.clone() for k, v in prog.state_dict().items()},
+                          "shm_ops": comm.ops - ops0}
+    return res
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _job(rank: int, mesh: fxtron.Mesh) -> dict:
+    pg = groups_for(mesh).group("tp")
+    comm = shm.channel(pg.group_name)
+    assert comm is not None and comm.size == 2 and comm.index == rank
+    out = {"prim": _primitives(rank, comm), "err": _errors(rank, pg)}
+    for name, sp in (("llama", False), ("gpt", True)):
+        out[(name, sp)] = _train(rank, mesh, name, sp)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    mesh = fxtron.Mesh(2, tp=2)
+    return run_on_ranks(_job, mesh, mesh, timeout_s=300)
+
+
+def _ref_inputs(n, dtype, world=2):
+    return [_input(r, n, dtype) for r in range(world)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int64], ids=str)
+@pytest.mark.parametrize("n", [1, 1000, BIG])
+def test_all_reduce_sum_and_max(ranks, dtype, n):
+    xs = _ref_inputs(n, dtype)
+    for op, ref in ((shm.OP_SUM, xs[0].double() + xs[1].double()),
+                    (shm.OP_MAX, torch.maximum(xs[0], xs[1]).double())):
+        got = [r["prim"][("ar", str(dtype), n, op)] for r in ranks]
+        assert got[0].dtype == dtype and torch.equal(got[0], got[1])          # identical bits on every rank
+        tol = {torch.bfloat16: 2 ** -7 * ref.abs().max().item()}.get(dtype, 0.0 if dtype == torch.int64 else 1e-6)
+        torch.testing.assert_close(got[0].double(), ref, rtol=0, atol=tol)
+
+
+def test_split_all_reduce(ranks):
+    xs = [_input(r, 24, torch.float32).view(2, 12) for r in range(2)]
+    for r in ranks:
+        torch.testing.assert_close(r["prim"]["split"], xs[0] + xs[1], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [6, BIG + 1])
+def test_all_gather_and_reduce_scatter(ranks, n):
+    xs = [_input(r, 3 * n, torch.float32).view(3, n) for r in range(2)]
+    ys = [_input(r, 6 * n, torch.float32).view(3, 2 * n) for r in range(2)]
+    total = ys[0].double() + ys[1].double()
+    for rank, r in enumerate(ranks):
+        assert torch.equal(r["prim"][("ag", n)], torch.stack(xs))
+        torch.testing.assert_close(r["prim"][("rs", n)].double(), total[:, rank * n:(rank + 1) * n], rtol=0, atol=1e-6)
+
+
+def test_diverged_program_and_missing_peer_raise(ranks):
+    for rank, r in enumerate(ranks):
+        msg = r["err"]["diverged"]
+        assert "diverged" in msg and "5 x torch.float32" in msg and "6 x torch.float32" in msg, msg
+        assert r["err"]["too_big"] is None
+    msg = ranks[0]["err"]["timeout"]
+    assert "ranks [1] of the group did not arrive within 0.5 s" in msg, msg
+
+
+@pytest.mark.parametrize("case", [("llama", False), ("gpt", True)], ids=["llama", "gpt+sp"])
+def test_training_through_shared_memory_equals_gloo_bit_for_bit(ranks, case):
+    for r in ranks:
+        res = r[case]
+        assert res["shm"]["shm_ops"] > 0 and res["gloo"]["shm_ops"] == 0
+        assert res["shm"]["losses"] == res["gloo"]["losses"]
+        for k, v in res["shm"]["state"].items():
+            assert torch.equal(v, res["gloo"]["state"][k]), k
