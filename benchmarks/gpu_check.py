@@ -8,8 +8,8 @@
    against float64 as a fraction of sum|dy||x| + |main_grad|; time (triton.testing.do_bench)
    against torch's two ways: `main_grad += dy.t() @ x` (a 16-bit gradient, then an add) and
    `main_grad.addmm_(dy.t().float(), x.float())` (the fp32 fallback).
-2. A training step on the GPU: fxtron.launch of one NCCL rank (Mesh(1)), a Llama of hidden 1024,
-   8 layers, batch 8 x 1024, bf16 compute with fp32 parameters and gradient accumulation fused
+2. A training step on the GPU: fxtron.launch of one NCCL rank (Mesh(1)), Llamas of hidden 1024
+   (8 layers, batch 8 x 1024) and hidden 4096 (4 layers, batch 4 x 2048), bf16 compute with fp32 parameters and gradient accumulation fused
    into the Triton kernel, against the unmodified model under the same precision policy in the
    same process: losses, first-step gradients and weights after 3 AdamW steps compared with the
    mixed-precision tests' tolerances (tests/test_mixed_precision.py), and the median step time
@@ -34,8 +34,15 @@ from fxtron.models.llama import Llama, LlamaConfig  # noqa: E402
 
 SHAPES = [(8192, 4096, 4096), (4096, 4096, 11008), (4096, 11008, 4096), (1000, 1000, 3000), (77, 4096, 4096)]
 QUICK_SHAPES = [(4096, 4096, 4096), (1000, 1000, 3000)]
-TRAIN_CFG = LlamaConfig(vocab_size=32000, max_seq_len=1024, n_layer=8, n_head=16, n_kv_head=8, dim=1024, ffn_dim=2816)
-BATCH, SEQ, STEPS, LR = 8, 1024, 3, 1e-3
+# (config, batch, sequence): a small model, where one step's GPU work is short enough that the
+# CPU's Python overhead can show, and a 7B-layer-shaped one (hidden 4096, 4 layers)
+TRAIN_CASES = {
+    "small": (LlamaConfig(vocab_size=32000, max_seq_len=1024, n_layer=8, n_head=16, n_kv_head=8, dim=1024,
+                          ffn_dim=2816), 8, 1024),
+    "large": (LlamaConfig(vocab_size=32000, max_seq_len=2048, n_layer=4, n_head=32, n_kv_head=8, dim=4096,
+                          ffn_dim=11008), 4, 2048),
+}
+STEPS, LR = 3, 1e-3
 TIMED = 10
 
 
@@ -111,8 +118,8 @@ def _profile(fn, n: int = 3) -> str:
             fn()
         _sync()
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    return (p.key_averages().table(sort_by=key, row_limit=25) + "\n"
-            + p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    return (p.key_averages().table(sort_by=key, row_limit=12) + "\n"
+            + p.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
 def _train_job(rank: int, mesh: fxtron.Mesh, cfg: LlamaConfig, batch_size: int, seq: int, timed: int,
@@ -121,9 +128,13 @@ def _train_job(rank: int, mesh: fxtron.Mesh, cfg: LlamaConfig, batch_size: int, 
     model = Llama(cfg)
     batches = _batches(STEPS, cfg, batch_size, seq)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    res = {}
+    res = {"fxtron": _fxtron_run(rank, mesh, model, batches, dev, timed, profile)}
+    res["eager"] = _eager_run(model, batches, dev, timed, profile)
+    return res
 
-    # fxtron: fp32 parameters, bf16 compute, wgrad fused into main_grad (Triton)
+
+def _fxtron_run(rank, mesh, model, batches, dev, timed, profile) -> dict:
+    """fxtron: fp32 parameters, bf16 compute, wgrad fused into main_grad (Triton)."""
     pm = fxtron.parallelize(model, mesh, example_inputs=batches[0], dtype=torch.bfloat16)
     prog = pm.program(rank)
     opt = _opt(prog.parameters())
@@ -132,18 +143,20 @@ def _train_job(rank: int, mesh: fxtron.Mesh, cfg: LlamaConfig, batch_size: int, 
         losses.append(prog.train_step(b, opt))
         if step == 0:
             grads = {k: v.float().cpu() for k, v in prog.full_grads().items()}
-    res["fxtron"] = {"losses": losses, "grads": grads,
-                     "state": {k: v.float().cpu() for k, v in prog.full_state_dict().items()},
-                     "param_device": str(next(iter(prog.parameters())).device)}
+    res = {"losses": losses, "grads": grads,
+           "state": {k: v.float().cpu() for k, v in prog.full_state_dict().items()},
+           "param_device": str(next(iter(prog.parameters())).device)}
     b = tuple(t.to(dev) for t in batches[0])
     for _ in range(2):
         prog.train_step(b, opt)
-    res["fxtron"]["step_s"] = statistics.median(_sync_time(lambda: prog.train_step(b, opt)) for _ in range(timed))
+    res["step_s"] = statistics.median(_sync_time(lambda: prog.train_step(b, opt)) for _ in range(timed))
     if profile:
-        res["fxtron"]["profile"] = _profile(lambda: prog.train_step(b, opt))
-    del prog, opt, pm
+        res["profile"] = _profile(lambda: prog.train_step(b, opt))
+    return res
 
-    # the unmodified model, same policy: fp32 parameters, forward with bf16 copies
+
+def _eager_run(model, batches, dev, timed, profile) -> dict:
+    """The unmodified model, same policy: fp32 parameters, forward with bf16 copies."""
     ref = model.to(dev)
     opt = _opt(ref.parameters())
 
@@ -162,17 +175,18 @@ def _train_job(rank: int, mesh: fxtron.Mesh, cfg: LlamaConfig, batch_size: int, 
             grads = {n: p.grad.float().cpu() for n, p in ref.named_parameters()}
         opt.step()
         losses.append(float(loss.detach()))
-    res["eager"] = {"losses": losses, "grads": grads,
-                    "state": {k: v.float().cpu() for k, v in ref.state_dict().items()}}
+    res = {"losses": losses, "grads": grads, "state": {k: v.float().cpu() for k, v in ref.state_dict().items()}}
+
+    b = tuple(t.to(dev) for t in batches[0])
 
     def full_step():
         step(b)
         opt.step()
     for _ in range(2):
         full_step()
-    res["eager"]["step_s"] = statistics.median(_sync_time(full_step) for _ in range(timed))
+    res["step_s"] = statistics.median(_sync_time(full_step) for _ in range(timed))
     if profile:
-        res["eager"]["profile"] = _profile(full_step)
+        res["profile"] = _profile(full_step)
     return res
 
 
@@ -183,6 +197,7 @@ def check_training(cfg: LlamaConfig, batch_size: int, seq: int, timed: int, prof
                       timeout_s=400)[0]
     if profile:
         print("== fxtron\n" + r["fxtron"]["profile"] + "\n== eager\n" + r["eager"]["profile"], flush=True)
+        r["fxtron"].pop("profile"), r["eager"].pop("profile")
     f, e = r["fxtron"], r["eager"]
     dloss = max(abs(a - b) / abs(b) for a, b in zip(f["losses"], e["losses"]))
     gmax = max(g.abs().max().item() for g in e["grads"].values())
@@ -203,7 +218,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out")
     ap.add_argument("--skip-training", action="store_true")
-    ap.add_argument("--profile", action="store_true", help="only the training step, under torch.profiler")
+    ap.add_argument("--profile", action="store_true", help="only the small training step, under torch.profiler")
+    ap.add_argument("--profile-all", action="store_true", help="every check, and the small step's profile")
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="no GPU here: run the training check's logic on a tiny model with gloo")
     a = ap.parse_args()
@@ -213,7 +229,7 @@ def main() -> int:
         print(json.dumps(out, indent=1))
         return 0 if out["training"]["ok"] else 1
     if a.profile:
-        out = {"training": check_training(TRAIN_CFG, BATCH, SEQ, 3, profile=True)}
+        out = {"training": check_training(*TRAIN_CASES["small"], 3, profile=True)}
         print(json.dumps(out, indent=1))
         return 0
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -226,14 +242,16 @@ def main() -> int:
     out["wgrad"] = check_kernel(QUICK_SHAPES if a.quick else SHAPES)
     out["wgrad_s"] = time.perf_counter() - t0
     print(json.dumps(out, indent=1), flush=True)
-    if not a.skip_training:
+    out["training"] = {}
+    for name, (cfg, batch, seq) in ({} if a.skip_training else TRAIN_CASES).items():
         t0 = time.perf_counter()
         try:
-            out["training"] = check_training(TRAIN_CFG, BATCH, SEQ, TIMED)
+            out["training"][name] = check_training(cfg, batch, seq, TIMED, profile=a.profile_all and name == "small")
         except Exception as e:  # noqa: BLE001 - report it with the kernel figures
-            out["training"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[-4000:]}
-        out["training_s"] = time.perf_counter() - t0
-    ok = all(r["ok"] for r in out["wgrad"]) and out.get("training", {"ok": True})["ok"]
+            out["training"][name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[-4000:]}
+        out["training"][name]["check_s"] = time.perf_counter() - t0
+        print(json.dumps({name: {k: v for k, v in out["training"][name].items() if "losses" not in k}}), flush=True)
+    ok = all(r["ok"] for r in out["wgrad"]) and all(r["ok"] for r in out["training"].values())
     out["ok"] = ok
     text = json.dumps(out, indent=1)
     print(text)
