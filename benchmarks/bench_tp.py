@@ -6,7 +6,12 @@
    4 layers, 8 query heads / 4 key-value heads, SwiGLU ffn 688, vocab 256), global batch
    8 x 128 tokens, AdamW, trained three ways in ONE job of 2 gloo processes with one torch
    thread each:
-     fxtron_tp2      fxtron.parallelize(model, Mesh(2, tp=2)) -> program(rank).train_step
+     fxtron_tp2      fxtron.parallelize(model, Mesh(2, tp=2)) -> program(rank).train_step, its tp
+                     collectives through the shared-memory channel (runtime/shm.py, the default
+                     for ranks of one host)
+     fxtron_tp2_sp   the same with sequence_parallel=True
+     fxtron_tp2_gloo the same as fxtron_tp2 with every collective on gloo (shm.disabled())
+     fxtron_tp2_unfused  gradient_accumulation_fusion=False
      dtensor_tp2     torch.distributed.tensor.parallel.parallelize_module over
                      init_device_mesh("cpu", (2,)): ColwiseParallel wq/wk/wv/w1/w3,
                      RowwiseParallel wo/w2; embeddings, norms and the output head replicated
@@ -49,6 +54,7 @@ import torch.nn.functional as F
 
 import fxtron
 from fxtron.models.llama import Attention, Llama, LlamaConfig, apply_rotary
+from fxtron.runtime import shm
 from replay import ReplayTimer, noop
 
 # ---------------------------------------------------------------- configuration
@@ -60,9 +66,12 @@ WARMUP_STEPS = 3              # per system, untimed
 ROUNDS, STEPS_PER_ROUND = 6, 4  # timed steps per system = ROUNDS * STEPS_PER_ROUND
 LR = 1e-3
 TARGETS = {"fxtron_tp2": "<= 0.5x dtensor_tp2, <= 0.75x single_process"}
-# fxtron_tp2_unfused: no gradient-accumulation fusion, so no weight-gradient GEMM is deferred
-# behind the async all-reduce of the input gradient (the overlap's effect on the step)
-SYSTEMS = ["fxtron_tp2", "fxtron_tp2_unfused", "dtensor_tp2", "single_process"]
+# fxtron_tp2_sp: with sequence parallel (norms and residual adds on 1/tp of the tokens, all-reduces
+# become reduce-scatter + all-gather). fxtron_tp2_gloo: the same program with its tp collectives on gloo instead of the shared-memory
+# channel (runtime/shm.py): the transport's share of the step. fxtron_tp2_unfused: no
+# gradient-accumulation fusion, so no weight-gradient GEMM is deferred behind the input
+# gradient's all-reduce (the overlap's effect on the step)
+SYSTEMS = ["fxtron_tp2", "fxtron_tp2_sp", "fxtron_tp2_gloo", "fxtron_tp2_unfused", "dtensor_tp2", "single_process"]
 
 COMPILE_LAYERS = [2, 4, 8, 16, 32]
 COMPILE_ROUNDS = {2: 3, 4: 3, 8: 2, 16: 1, 32: 1}
@@ -121,12 +130,19 @@ def _adamw(params):
 
 
 # ---------------------------------------------------------------- the training job (per rank)
-def _setup_fxtron(rank: int, mesh: fxtron.Mesh, example, fusion: bool = True):
+def _setup_fxtron(rank: int, mesh: fxtron.Mesh, example, fusion: bool = True, transport: str = "shm",
+                  sp: bool = False):
     t0 = time.perf_counter()
-    pm = fxtron.parallelize(make_model(), mesh, example_inputs=example, gradient_accumulation_fusion=fusion)
+    pm = fxtron.parallelize(make_model(), mesh, example_inputs=example, gradient_accumulation_fusion=fusion,
+                            sequence_parallel=sp)
     prog = pm.program(rank)
     compile_s = time.perf_counter() - t0
     opt = _adamw(prog.parameters())
+    if transport == "gloo":
+        def step(b):
+            with shm.disabled():
+                return prog.train_step(b, opt)
+        return step, compile_s
     return (lambda b: prog.train_step(b, opt)), compile_s
 
 
@@ -173,6 +189,8 @@ def _train_job(rank: int, mesh: fxtron.Mesh) -> dict:
     batches = make_batches()
     runners, setup = {}, {}
     runners["fxtron_tp2"], setup["fxtron_tp2"] = _setup_fxtron(rank, mesh, batches[0])
+    runners["fxtron_tp2_sp"], setup["fxtron_tp2_sp"] = _setup_fxtron(rank, mesh, batches[0], sp=True)
+    runners["fxtron_tp2_gloo"], setup["fxtron_tp2_gloo"] = _setup_fxtron(rank, mesh, batches[0], transport="gloo")
     runners["fxtron_tp2_unfused"], setup["fxtron_tp2_unfused"] = _setup_fxtron(rank, mesh, batches[0], fusion=False)
     runners["dtensor_tp2"], setup["dtensor_tp2"] = _setup_dtensor(rank)
     if rank == 0:

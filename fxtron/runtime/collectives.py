@@ -184,12 +184,13 @@ all_reduce.register_autograd(_all_reduce_bwd)
 
 class _CopyToRegion(torch.autograd.Function):
     """copy_to_region as a program runs it: the op's forward and backward without the
-    dispatcher's trips through Python (see codegen/linear.py _Linear)."""
+    dispatcher's trips through Python (see codegen/linear.py _Linear). Forward is a view, not
+    a copy: a program's graph is functional, nothing writes into it."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return x.clone()
+        return x.view_as(x)
 
     backward = staticmethod(_copy_to_region_bwd)
 
@@ -200,6 +201,10 @@ class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         pg = _group(group)
+        comm = shm.channel(pg.group_name) if pg is not None else None
+        if comm is not None:   # reduce straight from x into a new tensor: no clone first
+            x = x.contiguous()
+            return comm.all_reduce(x, shm.OP_SUM, out=torch.empty_like(x))
         out = x.clone(memory_format=torch.contiguous_format)
         return out if pg is None else _all_reduce(out, pg)
 

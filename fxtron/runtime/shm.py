@@ -176,12 +176,15 @@ class ShmComm:
             pass
 
     # ---------------------------------------------------------------- collectives
-    def all_reduce(self, t: Tensor, op: int = OP_SUM) -> Tensor:
-        """In place: `t` (contiguous) becomes the sum (or max) over the group."""
-        flat = t.view(-1)
-        for piece in self._pieces(flat):
-            self._finish(piece, self._publish(piece, op), op)
-        return t
+    def all_reduce(self, t: Tensor, op: int = OP_SUM, out: Tensor | None = None) -> Tensor:
+        """The sum (or max) over the group of contiguous `t`, written into `out` (a contiguous
+        tensor of t's shape and dtype; default: t itself, in place). Returns out."""
+        out = t if out is None else out
+        flat, dst = t.view(-1), out.view(-1)
+        step = self.capacity // t.element_size()
+        for lo in range(0, max(flat.numel(), 1), step):
+            self._finish(dst[lo:lo + step], self._publish(flat[lo:lo + step], op), op)
+        return out
 
     def start_all_reduce(self, t: Tensor) -> ShmWork:
         """Publish `t` now; the returned work's wait() sums into `t`. No other collective of
@@ -230,14 +233,6 @@ class ShmComm:
         return out.movedim(0, dim).contiguous()
 
     # ---------------------------------------------------------------- mechanism
-    def _pieces(self, flat: Tensor):
-        step = self.capacity // flat.element_size()
-        if flat.numel() <= step:
-            yield flat
-            return
-        for lo in range(0, flat.numel(), step):
-            yield flat[lo:lo + step]
-
     def _publish(self, piece: Tensor, op: int) -> int:
         if piece.dtype not in _DTYPE_CODE:
             raise TypeError(f"shared-memory collectives do not carry {piece.dtype}")
