@@ -43,3 +43,36 @@ def test_weight_gradients_accumulate_into_main_grad_and_match_unfused():
     assert not hasattr(_prog(True)[1].get_parameter("layers.0.mlp.w1.weight"), "main_grad")
     for name, value in runs[False][1].items():
         torch.testing.assert_close(fused_state[name], value, rtol=0, atol=2e-6, msg=name)
+
+
+def test_programs_run_the_ops_in_their_run_time_forms():
+    """The inspected graph keeps fxtron::linear; the program's own copy calls its run-time
+    form (an autograd Function, no custom-op dispatch), whose values, input gradients and
+    main_grad accumulation equal the op's."""
+    from fxtron.codegen.linear import linear_eager
+    pm, prog = _prog(True)
+    assert any(n.target == torch.ops.fxtron.linear.default for n in pm.compiled(0).gm.graph.nodes)
+    targets = {n.target for n in prog.graph_module.graph.nodes if n.op == "call_function"}
+    assert linear_eager in targets and torch.ops.fxtron.linear.default not in targets
+
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.randn(3, 5, 8, generator=gen)
+    dy = torch.randn(3, 5, 6, generator=gen)
+    results = []
+    for fn in (torch.ops.fxtron.linear, linear_eager):
+        for weight_in_out in (False, True):
+            x = x0.clone().requires_grad_(True)
+            shape = (8, 6) if weight_in_out else (6, 8)
+            w = torch.nn.Parameter(torch.randn(*shape, generator=torch.Generator().manual_seed(1)))
+            w.main_grad = torch.ones(*shape)
+            b = torch.randn(6, generator=torch.Generator().manual_seed(2), requires_grad=True)
+            y = fn(x, w, b, weight_in_out)
+            y.backward(dy)
+            results.append((y.detach(), x.grad, b.grad, w.main_grad, w.grad))
+    for a, e in zip(results[:2], results[2:]):
+        for u, v in zip(a[:4], e[:4]):
+            assert torch.equal(u, v)
+        assert a[4] is None and e[4] is None            # the weight gradient went to main_grad only
+    ref = 1 + dy.reshape(-1, 6).double().t() @ x0.reshape(-1, 8).double()      # [out, in]
+    torch.testing.assert_close(results[0][3].double(), ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(results[1][3].double(), ref.t(), rtol=0, atol=1e-5)
