@@ -217,7 +217,7 @@ def _cases(pg, one_rank_group: str) -> dict:
         "vocab_parallel_cross_entropy_with_softmax": lambda: ops.vocab_parallel_cross_entropy_with_softmax(
             _leaf(shard(d["L"], -1, tp, r)), d["T"], r * V // tp, IGNORE, 0, 0.0, group)[0],
     }
-    counter = _Count(C, ["_all_reduce", "_all_gather", "_reduce_scatter"])
+    counter = _Count(C, ["_all_reduce", "_all_gather", "_gather", "_reduce_scatter"])
     out["table"] = {}
     with counter.active():
         for name, make in cases.items():
@@ -360,7 +360,8 @@ def test_cross_entropy_issues_exactly_three_all_reduces(job):
 
 def test_collective_table_matches_what_ops_issue(job):
     _, res = job
-    kinds = {"_all_reduce": "all_reduce", "_all_gather": "all_gather", "_reduce_scatter": "reduce_scatter"}
+    kinds = {"_all_reduce": "all_reduce", "_all_gather": "all_gather", "_gather": "all_gather",
+             "_reduce_scatter": "reduce_scatter"}
     for o in res:
         assert set(o["table"]) == set(C.COLLECTIVE_OPS)
         for name, (fwd, bwd) in o["table"].items():

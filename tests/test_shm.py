@@ -50,6 +50,10 @@ def _primitives(rank: int, comm: shm.ShmComm) -> dict:
         out[("ag", n)] = torch.stack(comm.all_gather(x))
         y = _input(rank, 2 * 3 * n, torch.float32).view(3, 2 * n)
         out[("rs", n)] = comm.reduce_scatter(y, 1)
+        out[("cat", n)] = comm.gather(x, 1)
+        work = comm.start_reduce_scatter(y, 1)
+        torch.mm(torch.randn(8, 8), torch.randn(8, 8))
+        out[("rs-split", n)] = work.wait()
     return out
 
 
@@ -145,7 +149,9 @@ def test_all_gather_and_reduce_scatter(ranks, n):
     total = ys[0].double() + ys[1].double()
     for rank, r in enumerate(ranks):
         assert torch.equal(r["prim"][("ag", n)], torch.stack(xs))
-        torch.testing.assert_close(r["prim"][("rs", n)].double(), total[:, rank * n:(rank + 1) * n], rtol=0, atol=1e-6)
+        assert torch.equal(r["prim"][("cat", n)], torch.cat(xs, 1))
+        for key in ("rs", "rs-split"):
+            torch.testing.assert_close(r["prim"][(key, n)].double(), total[:, rank * n:(rank + 1) * n], rtol=0, atol=1e-6)
 
 
 def test_diverged_program_and_missing_peer_raise(ranks):

@@ -102,6 +102,14 @@ def _all_gather(t: Tensor, pg) -> list[Tensor]:
     return out
 
 
+def _gather(t: Tensor, dim: int, pg) -> Tensor:
+    """Every rank's `t` concatenated along `dim` in group-rank order (a new tensor)."""
+    comm = shm.channel(pg.group_name)
+    if comm is not None:
+        return comm.gather(t, dim)
+    return unshard(_all_gather(t, pg), dim, 1)
+
+
 def _reduce_scatter(t: Tensor, dim: int, pg) -> Tensor:
     """Sum of `t` over the ranks, then this rank's 1/world slice along `dim` (a new tensor)."""
     world, rank = pg.size(), dist.get_rank(pg)
@@ -333,7 +341,7 @@ def gather_from_sequence(x: Tensor, dim: int, world: int, group: str) -> Tensor:
     dim = _norm(dim, x.dim())
     if pg is None:
         return x.clone(memory_format=torch.contiguous_format)
-    return unshard(_all_gather(x, pg), dim, 1)
+    return _gather(x, dim, pg)
 
 
 @gather_from_sequence.register_fake
@@ -349,13 +357,12 @@ def _gather_from_sequence_bwd(ctx, grad):
     # the reduce-scatter of the input gradient runs while the queued weight-gradient GEMMs
     # compute (Megatron's async reduce-scatter under sequence parallel)
     world, rank, dim = pg.size(), dist.get_rank(pg), _norm(ctx.dim, grad.dim())
-    if shm.channel(pg.group_name) is not None:
-        # shared memory: the whole sum is published at once, each rank reduces its slice
-        total = grad.clone(memory_format=torch.contiguous_format)
-        work = _start_all_reduce(total, pg)
+    comm = shm.channel(pg.group_name)
+    if comm is not None:
+        # shared memory: the gradient is published now, each rank sums its slice after the GEMMs
+        work = comm.start_reduce_scatter(grad, dim)
         queue.drain()
-        work.wait()
-        return shard(total, dim, world, rank), None, None, None
+        return work.wait(), None, None, None
     if dist.get_backend(pg) == "nccl":
         src = grad.movedim(dim, 0).contiguous()
         out = src.new_empty((src.shape[0] // world, *src.shape[1:]))

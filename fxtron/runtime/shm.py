@@ -104,6 +104,16 @@ class ShmWork:
         return True
 
 
+class ShmScatterWork:
+    """The second half of `start_reduce_scatter`; `wait()` returns this rank's slice of the sum."""
+
+    def __init__(self, comm: "ShmComm", t: Tensor, dim: int, seq: int):
+        self.comm, self.t, self.dim, self.seq = comm, t, dim, seq
+
+    def wait(self) -> Tensor:
+        return self.comm._finish_reduce_scatter(self.t, self.dim, self.seq)
+
+
 class ShmComm:
     """A shared-memory channel among the `size` ranks of one process group on one host."""
 
@@ -195,6 +205,40 @@ class ShmComm:
             return ShmWork(self, flat[:0], -1)
         return ShmWork(self, flat, self._publish(flat, OP_SUM))
 
+    def gather(self, t: Tensor, dim: int) -> Tensor:
+        """Every rank's `t` concatenated along `dim` in group-rank order (a new tensor): one
+        copy out of the slots, where all_gather + cat would make two."""
+        t = t.contiguous()
+        flat = t.view(-1)
+        if flat.numel() * t.element_size() > self.capacity:
+            return torch.cat(self.all_gather(t), dim)
+        seq = self._publish(flat, OP_GATHER)
+        self._await(seq, flat, OP_GATHER)
+        out = torch.cat([s.view(t.shape) for s in self._views(seq, flat)], dim)
+        self._done(flat)
+        return out
+
+    def start_reduce_scatter(self, t: Tensor, dim: int) -> "ShmScatterWork":
+        """Publish `t` now; the work's wait() returns this rank's 1/size slice along `dim` of the
+        sum (plain split), read straight from every rank's slot. No other collective of this
+        channel may run in between."""
+        t = t.contiguous()
+        if t.numel() * t.element_size() > self.capacity:
+            return ShmScatterWork(self, self.reduce_scatter(t, dim), dim, -1)
+        return ShmScatterWork(self, t, dim, self._publish(t.view(-1), OP_REDUCE_SCATTER))
+
+    def _finish_reduce_scatter(self, t: Tensor, dim: int, seq: int) -> Tensor:
+        if seq < 0:
+            return t                      # reduced already (an input larger than a slot)
+        flat = t.view(-1)
+        self._await(seq, flat, OP_REDUCE_SCATTER)
+        n = t.shape[dim] // self.size
+        parts = [s.view(t.shape).narrow(dim, self.index * n, n) for s in self._views(seq, flat)]
+        out = torch.empty(parts[0].shape, dtype=t.dtype, device=t.device)
+        _reduce(out, parts, OP_SUM)
+        self._done(flat)
+        return out
+
     def all_gather(self, t: Tensor) -> list[Tensor]:
         """Every rank's `t` (same shape on every rank), in group-rank order; new tensors."""
         t = t.contiguous()
@@ -215,6 +259,8 @@ class ShmComm:
     def reduce_scatter(self, t: Tensor, dim: int) -> Tensor:
         """The sum over the group of `t`, then this rank's 1/size slice along `dim` (plain
         split): a new tensor."""
+        if t.numel() * t.element_size() <= self.capacity:
+            return self.start_reduce_scatter(t, dim).wait()
         src = t.movedim(dim, 0).contiguous()                         # (size * n, ...)
         n = src.shape[0] // self.size
         out = src.new_empty((n, *src.shape[1:]))
