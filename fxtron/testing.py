@@ -19,28 +19,52 @@ def run_on_ranks(fn: Callable[..., Any], mesh: Mesh | int, *args, timeout_s: flo
                   collective_timeout_s=min(60.0, timeout_s / 2), threads_per_rank=1)
 
 
-def reference_training(model: torch.nn.Module, batches: Iterable[tuple], make_optimizer,
-                       dtype: torch.dtype | None = None) -> dict:
+def _model_loss(model: torch.nn.Module, args: tuple, kwargs: dict, params=None) -> torch.Tensor:
+    out = model(*args, **kwargs) if params is None else torch.func.functional_call(model, params, args, kwargs)
+    return out if isinstance(out, torch.Tensor) else out.loss   # transformers' outputs carry .loss
+
+
+def _microbatches(item) -> list[tuple[tuple, dict]]:
+    """A step's inputs as (args, kwargs) microbatches: a `fxtron.Microbatches` list, an
+    (args, kwargs) pair, or a tuple of positional inputs."""
+    from fxtron.runtime.program import Microbatches
+    if isinstance(item, Microbatches):
+        return [(tuple(a), dict(kw or {})) for a, kw in item]
+    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], dict) and isinstance(item[0], (tuple, list)):
+        return [(tuple(item[0]), item[1])]
+    return [(tuple(item), {})]
+
+
+def reference_training(model: torch.nn.Module, batches: Iterable, make_optimizer,
+                       dtype: torch.dtype | None = None, clip_grad: float | None = None) -> dict:
     """Train `model` in this process on `batches` (global batches); return the losses, the
-    gradients of the first step (before its optimizer step) and the final state dict. With
-    `dtype` (bf16), the same precision policy as a mixed-precision program: fp32 parameters
-    updated by the optimizer, forward computed with 16-bit copies of parameters and buffers."""
+    gradients of the first step (before its optimizer step, after clipping), the global norms
+    before clipping (with `clip_grad`) and the final state dict: the single-process reference
+    every equivalence test compares a parallel program with.
+
+    Each item of `batches` is a tuple of positional inputs, an (args, kwargs) pair, or a
+    `fxtron.Microbatches` list, whose loss is the mean of its microbatches' losses (gradient
+    accumulation). With `dtype` (bf16), the same precision policy as a mixed-precision program:
+    fp32 parameters updated by the optimizer, forward computed with 16-bit copies of
+    parameters and buffers. With `clip_grad`, torch.nn.utils.clip_grad_norm_ before each step."""
     opt = make_optimizer(model.parameters())
-    losses, first_grads = [], None
-    for step, batch in enumerate(batches):
+    losses, first_grads, norms = [], None, []
+    for step, item in enumerate(batches):
         opt.zero_grad(set_to_none=True)
-        if dtype is None:
-            loss = model(*batch)
-        else:
+        params = None
+        if dtype is not None:
             tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-            cast = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
-            loss = torch.func.functional_call(model, cast, batch)
+            params = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
+        parts = _microbatches(item)
+        loss = sum(_model_loss(model, a, kw, params) for a, kw in parts) / len(parts)
         loss.backward()
+        if clip_grad is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)))
         if step == 0:
             first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         opt.step()
         losses.append(float(loss.detach()))
-    return {"losses": losses, "grads": first_grads,
+    return {"losses": losses, "grads": first_grads, "norms": norms,
             "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 

@@ -106,22 +106,7 @@ def results():
 
 
 def _reference(name, layers, clip, dtype):
-    model = make(name, layers=layers)
-    if dtype is not None:
-        return reference_training(model, _batches(name), _opt, dtype=dtype)
-    opt = _opt(model.parameters())
-    losses, grads, norms = [], None, []
-    for step, b in enumerate(_batches(name)):
-        opt.zero_grad(set_to_none=True)
-        loss = model(*b)
-        loss.backward()
-        if clip is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-        if step == 0:
-            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        opt.step()
-        losses.append(float(loss.detach()))
-    return {"losses": losses, "grads": grads, "state": model.state_dict(), "norms": norms}
+    return reference_training(make(name, layers=layers), _batches(name), _opt, dtype=dtype, clip_grad=clip)
 
 
 @pytest.fixture(scope="module")

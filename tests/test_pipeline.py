@@ -17,8 +17,8 @@ import torch
 import fxtron
 from fxtron.runtime import schedules
 from fxtron.runtime.groups import init_distributed
-from fxtron.testing import max_abs_diff, run_on_ranks
-from tp_models import batch, loss_of, make
+from fxtron.testing import max_abs_diff, reference_training, run_on_ranks
+from tp_models import batch, make
 
 SEQS = [16, 12]
 BATCH = 8
@@ -130,19 +130,8 @@ def reference():
     for _, case in CASES:
         if case.reference_key in ref:
             continue
-        model = make(case.name, layers=case.layers)
-        opt = _opt(model.parameters())
-        losses, grads = [], None
-        for step, item in enumerate(_steps(case.name, case.varying, case.m)):
-            opt.zero_grad(set_to_none=True)
-            parts = item if isinstance(item, fxtron.Microbatches) else [item]
-            loss = sum(loss_of(model, a, kw) for a, kw in parts) / len(parts)   # gradient accumulation
-            loss.backward()
-            if step == 0:
-                grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-            opt.step()
-            losses.append(float(loss.detach()))
-        ref[case.reference_key] = {"losses": losses, "grads": grads, "state": model.state_dict()}
+        ref[case.reference_key] = reference_training(make(case.name, layers=case.layers),
+                                                     _steps(case.name, case.varying, case.m), _opt)
     return ref
 
 

@@ -13,8 +13,8 @@ import torch
 
 import fxtron
 from fxtron.runtime.groups import init_distributed
-from fxtron.testing import max_abs_diff, run_on_ranks
-from tp_models import MORE_NAMES, NAMES, batch, loss_of, make
+from fxtron.testing import max_abs_diff, reference_training, run_on_ranks
+from tp_models import MORE_NAMES, NAMES, batch, make
 
 SEQS = [16, 12, 16]
 BATCH = 4
@@ -102,21 +102,7 @@ def results():
 
 @pytest.fixture(scope="module")
 def reference():
-    ref = {}
-    for name in NAMES + MORE_NAMES:
-        model = make(name)
-        opt = _opt(model.parameters())
-        losses, grads = [], None
-        for step, (a, kw) in enumerate(_batches(name)):
-            opt.zero_grad(set_to_none=True)
-            loss = loss_of(model, a, kw)
-            loss.backward()
-            if step == 0:
-                grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-            opt.step()
-            losses.append(float(loss.detach()))
-        ref[name] = {"losses": losses, "grads": grads, "state": model.state_dict()}
-    return ref
+    return {name: reference_training(make(name), _batches(name), _opt) for name in NAMES + MORE_NAMES}
 
 
 CASES = [(mesh, name) for meshes in MESHES.values() for mesh in meshes for name in NAMES]
