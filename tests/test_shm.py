@@ -11,6 +11,8 @@ collective of the programs (gloo carried none of theirs).
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -89,19 +91,11 @@ def _train(rank: int, mesh: fxtron.Mesh, name: str, sp: bool) -> dict:
         prog = pm.program(rank)
         opt = torch.optim.AdamW(prog.parameters(), lr=1e-3)
         ops0 = comm.ops
-        with (shm.disabled() if transport == "gloo" else _nothing()):
+        with (shm.disabled() if transport == "gloo" else contextlib.nullcontext()):
             losses = [prog.train_step(batch(name, 4, s, seed=10 + i)[0], opt) for i, s in enumerate((16, 12, 16))]
         res[transport] = {"losses": losses, "state": {k: v.clone() for k, v in prog.state_dict().items()},
                           "shm_ops": comm.ops - ops0}
     return res
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _job(rank: int, mesh: fxtron.Mesh) -> dict:

@@ -72,12 +72,15 @@ def _check_world(pg, world: int, op: str, group: str) -> None:
                          f"pass the group's size as world")
 
 
-def _all_reduce(t: Tensor, pg, op=dist.ReduceOp.SUM) -> Tensor:
-    """All-reduce `t` in place over `pg` (t must be a fresh contiguous tensor); returns t.
-    Through the group's shared-memory channel where it has one (runtime/shm.py)."""
+def _all_reduce(t: Tensor, pg, op=dist.ReduceOp.SUM, out: Tensor | None = None) -> Tensor:
+    """All-reduce contiguous `t` over `pg` into `out` (a contiguous tensor of t's shape; default
+    t itself, which must then be a fresh tensor); returns out. Through the group's shared-memory
+    channel where it has one (runtime/shm.py), which reads t directly: no copy of t first."""
     comm = shm.channel(pg.group_name)
     if comm is not None:
-        return comm.all_reduce(t, shm.OP_MAX if op == dist.ReduceOp.MAX else shm.OP_SUM)
+        return comm.all_reduce(t, shm.OP_MAX if op == dist.ReduceOp.MAX else shm.OP_SUM, out=out)
+    if out is not None:
+        t = out.copy_(t)
     dist.all_reduce(t, op=op, group=pg)
     return t
 
@@ -173,9 +176,15 @@ copy_to_region.register_autograd(_copy_to_region_bwd, setup_context=_setup_group
 def all_reduce(x: Tensor, group: str) -> Tensor:
     """Megatron's g (leave a tp region). In: x, this rank's partial sum. Out: a new tensor, the
     sum over `group`. Backward: identity."""
-    pg = _group(group)
-    out = x.clone(memory_format=torch.contiguous_format)
-    return out if pg is None else _all_reduce(out, pg)
+    return _summed(x, _group(group))
+
+
+def _summed(x: Tensor, pg) -> Tensor:
+    """A new contiguous tensor: the sum of x over pg (a copy of x without a group)."""
+    if pg is None:
+        return x.clone(memory_format=torch.contiguous_format)
+    x = x.contiguous()
+    return _all_reduce(x, pg, out=torch.empty_like(x))
 
 
 @all_reduce.register_fake
@@ -208,13 +217,7 @@ class _AllReduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        pg = _group(group)
-        comm = shm.channel(pg.group_name) if pg is not None else None
-        if comm is not None:   # reduce straight from x into a new tensor: no clone first
-            x = x.contiguous()
-            return comm.all_reduce(x, shm.OP_SUM, out=torch.empty_like(x))
-        out = x.clone(memory_format=torch.contiguous_format)
-        return out if pg is None else _all_reduce(out, pg)
+        return _summed(x, _group(group))
 
     backward = staticmethod(_all_reduce_bwd)
 
