@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from fxtron.compiler import meta
+from fxtron.compiler import meta, repeat
 from fxtron.errors import ParallelizeError
 
 TRACE_INFO = "fxtron_trace"
@@ -36,6 +36,7 @@ class TraceInfo:
     in_spec: pytree spec of (args, kwargs); statics: its leaves, None where a tensor goes
     (non-tensor leaves were baked into the graph).
     buffer_mutations: output index -> buffer name written back after forward.
+    layers: whether the layers were traced once and repeated, or why the model was traced whole.
     """
 
     params: list[str]
@@ -47,6 +48,7 @@ class TraceInfo:
     aliases: dict[str, str] = field(default_factory=dict)
     buffer_mutations: dict[int, str] = field(default_factory=dict)
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    layers: str = ""   # how the layers were traced: repeated from two, or why the model was traced whole
 
     @property
     def n_user_inputs(self) -> int:
@@ -137,7 +139,7 @@ def _export(module, args, shapes) -> ExportedProgram:
 
 def trace(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwargs: dict | None = None,
           loss_fn: Callable[[Any], torch.Tensor] | None = None, batch_dim: int = 0,
-          seq_dim: int | None = 1) -> fx.GraphModule:
+          seq_dim: int | None = 1, layers_once: bool = True) -> fx.GraphModule:
     """Trace `model(*example_inputs, **example_kwargs)` (which must yield the loss, or pass
     `loss_fn(output) -> scalar`) into a GraphModule whose placeholders are the parameters,
     the buffers and the flattened user inputs, and whose output is the loss.
@@ -145,6 +147,11 @@ def trace(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwargs:
     Dim `batch_dim` of every tensor input is the batch (sliced over data parallel ranks), dim
     `seq_dim` the sequence; both stay symbolic. Example batch and sequence sizes must be >= 2
     (export specializes dims of size 0 and 1). Raises ParallelizeError with export's reason.
+
+    `layers_once` (default): where the model's layers are one program over different weights
+    (compiler/repeat.py checks), export traces two of them and the graph repeats the second
+    for the others: the same graph, in a fraction of the time. TraceInfo.layers says which way
+    the graph was made.
     """
     leaves, spec = pytree.tree_flatten((tuple(example_inputs), dict(example_kwargs or {})))
     params = list(model.parameters())
@@ -155,6 +162,13 @@ def trace(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwargs:
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     wrapped = _WithLoss(model, loss_fn or default_loss, leaves, spec)
     shapes, user_dims = _dynamic_shapes(tensors, batch_dim, seq_dim)
+    statics = [x if not isinstance(x, torch.Tensor) else None for x in leaves]
+    how = "traced whole (layers_once=False)"
+    if layers_once:
+        try:
+            return _trace_layers_once(model, wrapped, tensors, shapes, user_dims, spec, statics)
+        except repeat.NotRepeatable as e:
+            how = f"traced whole: {e}"
     try:
         ep = _export(wrapped, tuple(tensors), {"tensors": shapes})  # keyed by forward(*tensors)
     except Exception as e:  # noqa: BLE001 - any export failure is the user's model's
@@ -162,7 +176,29 @@ def trace(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwargs:
             f"torch.export could not trace {type(model).__name__}: {type(e).__name__}: {e}\n"
             "fxtron needs a model that torch.export(strict=False) can trace with dynamic batch and "
             "sequence dims: no data-dependent Python control flow on tensor values.") from e
-    return _to_graph_module(ep, model, user_dims, spec, [x if not isinstance(x, torch.Tensor) else None for x in leaves])
+    gm = _to_graph_module(ep, model, user_dims, spec, statics)
+    info(gm).layers = how
+    return gm
+
+
+def _trace_layers_once(model, wrapped: _WithLoss, tensors, shapes, user_dims, spec, statics) -> fx.GraphModule:
+    """Export a twin that keeps two of the model's layers and repeat its second layer over the
+    rest (compiler/repeat.py); raises repeat.NotRepeatable wherever that would not give the
+    model's own graph."""
+    path, layers = repeat.find_layers(model)
+    short = repeat.twin(model, path)
+    wrapped_short = _WithLoss(short, wrapped.loss_fn, wrapped._leaves, wrapped._spec)
+    try:
+        repeat.check_same_program(wrapped, wrapped_short, layers, path, tensors, inside="model")
+        ep = _export(wrapped_short, tuple(tensors), {"tensors": shapes})
+    except repeat.NotRepeatable:
+        raise
+    except Exception as e:  # noqa: BLE001 - a model that does not run on meta, or exports only whole
+        raise repeat.NotRepeatable(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    gm = _to_graph_module(ep, short, user_dims, spec, statics)
+    repeat.expand(gm, path, len(layers), dict(model.named_buffers(remove_duplicate=False)))
+    info(gm).layers = f"{path}: {len(layers)} layers, traced as {repeat.KEEP}"
+    return gm
 
 
 def _strip(name: str) -> str:
@@ -235,10 +271,7 @@ def _to_graph_module(ep: ExportedProgram, model: torch.nn.Module, user_dims, in_
 
     for node in graph.nodes:
         stack = node.meta.get("nn_module_stack") or {}
-        path = ""
-        if stack:
-            path = _strip(list(stack.values())[-1][0]) if list(stack.values())[-1][0] != "model" else ""
-        path = _clean_path(path)
+        path = _clean_path(list(stack.values())[-1][0]) if stack else ""
         meta.set(node, meta.MODULE, path)
         meta.set(node, meta.PROVENANCE, meta.Provenance("trace"))
     graph.lint()
@@ -252,6 +285,8 @@ def _to_graph_module(ep: ExportedProgram, model: torch.nn.Module, user_dims, in_
 def _clean_path(path: str) -> str:
     """nn_module_stack paths look like 'L__self___model_blocks_0' under strict export and like
     'model.blocks.0' or "getattr(L['self'].model.blocks, '0')" otherwise; keep the dotted form."""
+    if path.startswith("_empty_nn_module_stack"):   # export's placeholder for "no module" (size nodes)
+        return ""
     path = path.replace("L['self'].", "").replace("getattr(", "").replace(")", "")
     path = path.replace(", '", ".").replace("'", "")
     return _strip(path) if path != "model" else ""
