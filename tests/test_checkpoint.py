@@ -45,6 +45,8 @@ CASES = {   # name: (model, save mesh, options, load mesh, options)
     "pp2xdp2-zero->tp2xdp2": ("llama", fxtron.Mesh(4, pp=2), dict(microbatches=2, zero=1), fxtron.Mesh(4, tp=2), {}),
     "one-process->tp2xpp2-zero": ("gpt", fxtron.Mesh(1), {}, fxtron.Mesh(4, tp=2, pp=2), dict(microbatches=2, zero=1)),
     "hf-gpt2:tp2xdp2->pp2xdp2": ("hf-gpt2", fxtron.Mesh(4, tp=2), {}, fxtron.Mesh(4, pp=2), dict(microbatches=2)),
+    # fused qkv of unequal parts (q 8 heads, k and v 4 each) saved per part, resharded 2 -> 4 ways
+    "hf-phi3:tp2xdp2->tp4": ("hf-phi3", fxtron.Mesh(4, tp=2), {}, fxtron.Mesh(4, tp=4), {}),
 }
 
 

@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import fxtron
 from fxtron.errors import ParallelizeError
 from fxtron.runtime import collectives as C
+from fxtron.runtime import shard as shard_math
 from fxtron.runtime import shm
 from fxtron.runtime.groups import groups_for
 from fxtron.runtime.shard import check_divisible, shard, unshard
@@ -45,8 +46,24 @@ def test_interleaved_layout_explicit():
     assert unshard([torch.tensor([0, 1, 4, 5, 8, 9]), torch.tensor([2, 3, 6, 7, 10, 11])], 0, 3).tolist() == list(range(12))
 
 
+def test_unequal_fused_blocks_give_each_rank_its_slice_of_each():
+    """Phi-3's [q|k|v] under grouped-query attention: q twice k and v (proportions 2:1:1)."""
+    w = torch.arange(32).view(16, 2)                      # q rows 0-7, k rows 8-11, v rows 12-15
+    q, k, v = shard(w, 0, 2, 1, interleave=(2, 1, 1)).split([4, 2, 2])
+    assert torch.equal(q, w[4:8]) and torch.equal(k, w[10:12]) and torch.equal(v, w[14:16])
+    assert shard(torch.arange(8), 0, 2, 0, (4, 2, 2)).tolist() == [0, 1, 4, 6]   # (4,2,2) is (2,1,1)
+    assert shard_math.normalize((3, 3)) == 2 and shard_math.normalize((4, 2, 2)) == (2, 1, 1)
+    assert shard_math.block_sizes(64, (2, 1, 1)) == [32, 16, 16] and shard_math.block_sizes(12, 3) == [4, 4, 4]
+    with pytest.raises(fxtron.ParallelizeError, match="fused blocks of 8, 4, 4.*divides 4"):
+        check_divisible(16, 8, (2, 1, 1), "qkv")
+    with pytest.raises(ValueError):
+        shard_math.normalize((2, 0))
+
+
 @pytest.mark.parametrize("shape,dim,world,k", [((12,), 0, 2, 3), ((4, 12, 3), 1, 4, 3), ((4, 12, 3), -2, 2, 2),
-                                               ((8, 6), 0, 4, 1), ((8, 6), -1, 3, 1), ((6, 2), 0, 1, 2)])
+                                               ((8, 6), 0, 4, 1), ((8, 6), -1, 3, 1), ((6, 2), 0, 1, 2),
+                                               ((16, 3), 0, 2, (2, 1, 1)), ((3, 24), 1, 4, (1, 2)),
+                                               ((3, 24), -1, 1, (1, 2))])
 def test_shard_unshard_round_trip(shape, dim, world, k):
     full = torch.randn(shape)
     pieces = [shard(full, dim, world, r, k) for r in range(world)]
@@ -149,13 +166,13 @@ def _cases(pg, one_rank_group: str) -> dict:
     # row-parallel linear: scatter the input (Megatron's input_is_parallel=False), g after the
     # GEMM; input features and weight columns split alike, with interleave 2
     X, W = _leaf(d["X"]), _leaf(shard(d["Wrow"], 1, tp, r, 2))
-    y = C.all_reduce(C.scatter(X, -1, 2, tp, group) @ W.T, group)
+    y = C.all_reduce(C.scatter(X, -1, [2], tp, group) @ W.T, group)
     (y * d["Grow"]).sum().backward()
     out["row"] = (y.detach(), X.grad, W.grad)
 
     # column-parallel fused [q|k|v] linear: f before it, all-gather (interleave 3) after it
     X, A = _leaf(d["X"]), _leaf(shard(d["A"], 0, tp, r, 3))
-    y = C.all_gather(C.copy_to_region(X, group) @ A.T, -1, 3, tp, group)
+    y = C.all_gather(C.copy_to_region(X, group) @ A.T, -1, [3], tp, group)
     (y * d["Gcol"]).sum().backward()
     out["col"] = (y.detach(), X.grad, A.grad)
 
@@ -207,8 +224,8 @@ def _cases(pg, one_rank_group: str) -> dict:
     cases = {
         "copy_to_region": lambda: C.copy_to_region(_leaf(x8), group),
         "all_reduce": lambda: C.all_reduce(_leaf(x8), group),
-        "all_gather": lambda: C.all_gather(_leaf(x8), 0, 1, tp, group),
-        "scatter": lambda: C.scatter(_leaf(x8), 0, 1, tp, group),
+        "all_gather": lambda: C.all_gather(_leaf(x8), 0, [1], tp, group),
+        "scatter": lambda: C.scatter(_leaf(x8), 0, [1], tp, group),
         "reduce_scatter": lambda: C.reduce_scatter(_leaf(x8), 0, tp, group),
         "gather_from_sequence": lambda: C.gather_from_sequence(_leaf(x8), 0, tp, group),
         "vocab_parallel_embedding": lambda: C.vocab_parallel_embedding(_leaf(x8), d["ids"], 4 * r),
@@ -228,8 +245,8 @@ def _cases(pg, one_rank_group: str) -> dict:
 
     # a one-rank group (pp here) means no communication: identity / plain copies
     one, x = one_rank_group, _leaf(x8)
-    ys = [C.copy_to_region(x, one), C.all_reduce(x, one), C.all_gather(x, 1, 2, 1, one),
-          C.scatter(x, 0, 1, 1, one), C.reduce_scatter(x, 0, 1, one), C.gather_from_sequence(x, 0, 1, one)]
+    ys = [C.copy_to_region(x, one), C.all_reduce(x, one), C.all_gather(x, 1, [2], 1, one),
+          C.scatter(x, 0, [1], 1, one), C.reduce_scatter(x, 0, 1, one), C.gather_from_sequence(x, 0, 1, one)]
     sum(y.sum() for y in ys).backward()
     out["one"] = (all(torch.equal(y, x8) and y.data_ptr() != x.data_ptr() for y in ys), x.grad)
     return out
@@ -386,12 +403,12 @@ def test_fake_shapes_need_no_process_group():
     with FakeTensorMode():
         x = torch.empty(8, 6)
         assert C.copy_to_region(x, "").shape == (8, 6) and C.all_reduce(x, "").shape == (8, 6)
-        assert C.all_gather(x, -1, 3, 4, "").shape == (8, 24)
-        assert C.scatter(x, 1, 3, 2, "").shape == (8, 3)
+        assert C.all_gather(x, -1, [3], 4, "").shape == (8, 24)
+        assert C.scatter(x, 1, [3], 2, "").shape == (8, 3)
         assert C.reduce_scatter(x, 0, 4, "").shape == (2, 6)
         assert C.gather_from_sequence(x, 0, 4, "").shape == (32, 6)
         with pytest.raises(ParallelizeError):
-            C.scatter(x, 1, 3, 4, "")
+            C.scatter(x, 1, [3], 4, "")
         emb = C.vocab_parallel_embedding(torch.empty(4, 5, dtype=torch.bfloat16), torch.empty(2, 3, 7, dtype=torch.long), 8)
         assert emb.shape == (2, 3, 7, 5) and emb.dtype == torch.bfloat16
         lg, t = torch.empty(2, 3, 4, dtype=torch.bfloat16), torch.empty(2, 3, dtype=torch.long)
@@ -402,11 +419,11 @@ def test_fake_shapes_need_no_process_group():
 
 def test_identity_without_group_and_world_checked():
     x = torch.randn(4, 6, requires_grad=True)
-    for y in (C.copy_to_region(x, ""), C.all_reduce(x, ""), C.all_gather(x, 1, 3, 1, ""),
-              C.scatter(x, 0, 1, 1, ""), C.reduce_scatter(x, 0, 1, ""), C.gather_from_sequence(x, 1, 1, "")):
+    for y in (C.copy_to_region(x, ""), C.all_reduce(x, ""), C.all_gather(x, 1, [3], 1, ""),
+              C.scatter(x, 0, [1], 1, ""), C.reduce_scatter(x, 0, 1, ""), C.gather_from_sequence(x, 1, 1, "")):
         assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
     with pytest.raises(ValueError, match="world=2"):
-        C.all_gather(x, 0, 1, 2, "")
+        C.all_gather(x, 0, [1], 2, "")
 
 
 def _samples():
@@ -414,8 +431,8 @@ def _samples():
     w = torch.randn(5, 3, requires_grad=True)
     lg = torch.randn(6, 5, requires_grad=True)
     t = torch.tensor([1, IGNORE, 4, 0, 2, 3])
-    return [(ops.copy_to_region, (x, "")), (ops.all_reduce, (x, "")), (ops.all_gather, (x, 1, 3, 1, "")),
-            (ops.scatter, (x, 0, 2, 1, "")), (ops.reduce_scatter, (x, 1, 1, "")),
+    return [(ops.copy_to_region, (x, "")), (ops.all_reduce, (x, "")), (ops.all_gather, (x, 1, [3], 1, "")),
+            (ops.scatter, (x, 0, [2], 1, "")), (ops.reduce_scatter, (x, 1, 1, "")),
             (ops.gather_from_sequence, (x, 0, 1, "")),
             (ops.vocab_parallel_embedding, (w, torch.tensor([[2, 7, 6], [5, 9, 0]]), 5)),
             (ops.vocab_parallel_cross_entropy_with_softmax, (lg, t, 0, IGNORE, 1, 0.1, "")),
@@ -434,7 +451,7 @@ def test_ops_are_named_nodes_in_traced_graphs():
 
     def f(x, w, ids, t):
         h = C.all_reduce(C.vocab_parallel_embedding(w, ids, 0), "")
-        h = C.all_gather(C.copy_to_region(h, "") @ x, -1, 1, 1, "")
+        h = C.all_gather(C.copy_to_region(h, "") @ x, -1, [1], 1, "")
         return ops.vocab_parallel_cross_entropy(h.flatten(0, 1), t, 0, IGNORE, 1, 0.0, "")
 
     gm = make_fx(f)(torch.randn(3, 5), torch.randn(5, 3), torch.tensor([[1, 2], [3, 4]]), torch.tensor([1, 2, 3, 4]))

@@ -3,6 +3,8 @@ with two layers is the graph a whole export makes, node for node, for the shippe
 transformers' models; models whose layers are not one program are traced whole."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -153,7 +155,7 @@ def test_layers_that_are_not_one_program_are_traced_whole(factory, reason):
     idx, tgt = torch.randint(0, 32, (2, 6), generator=g), torch.randint(0, 16, (2, 6), generator=g)
     gm = trace(model, (idx, tgt))
     assert info(gm).layers.startswith("traced whole"), info(gm).layers
-    assert pytest.importorskip("re").search(reason, info(gm).layers), info(gm).layers
+    assert re.search(reason, info(gm).layers), info(gm).layers
     idx, tgt = torch.randint(0, 32, (3, 5), generator=g), torch.randint(0, 16, (3, 5), generator=g)
     torch.testing.assert_close(gm(*_inputs(gm, model), idx, tgt)[0], model(idx, tgt), rtol=1e-6, atol=1e-6)
 
@@ -166,3 +168,17 @@ def test_plain_repeated_stack_is_traced_once():
     once = trace(model, (idx, tgt))
     assert info(once).layers == "blocks: 5 layers, traced as 2"
     assert_same_graph(once, trace(model, (idx, tgt), layers_once=False))
+
+
+def test_parallelize_says_how_it_traced_and_can_trace_whole():
+    import fxtron
+    model = make("gpt", layers=3)
+    args, _ = batch("gpt", 2, 8, seed=0)
+    once = fxtron.parallelize(model, fxtron.Mesh(2, tp=2), example_inputs=args)
+    assert "trace: blocks: 3 layers, traced as 2" in once.summary()
+    whole = fxtron.parallelize(model, fxtron.Mesh(2, tp=2), example_inputs=args, trace_layers_once=False)
+    assert "trace: traced whole (layers_once=False)" in whole.summary()
+    assert_same_graph(once.traced, whole.traced)
+    def collectives(pm):
+        return [(r.phase, r.kind, r.op, r.module, str(r.payload_bytes)) for r in pm.collectives(1)]
+    assert collectives(once) == collectives(whole)

@@ -34,8 +34,12 @@ EXPECTED_PLAN = {
                  "model.layers.0.self_attn.o_proj": "rowwise", "model.layers.0.mlp.gate_proj": "colwise",
                  "model.layers.0.mlp.up_proj": "colwise", "model.layers.0.mlp.down_proj": "rowwise",
                  "lm_head": "colwise"},
+    # fused [q|k|v] of unequal parts (8 query heads, 4 kv heads) and fused [gate|up]
+    "hf-phi3": {"model.embed_tokens": "vocab-parallel", "model.layers.0.self_attn.qkv_proj": "colwise",
+                "model.layers.0.self_attn.o_proj": "rowwise", "model.layers.0.mlp.gate_up_proj": "colwise",
+                "model.layers.0.mlp.down_proj": "rowwise", "lm_head": "colwise"},
 }
-HIDDEN = {"gpt": 64, "llama": 64, "hf-gpt2": 32, "hf-llama": 64}
+HIDDEN = {"gpt": 64, "llama": 64, "hf-gpt2": 32, "hf-llama": 64, "hf-phi3": 64}
 
 
 @pytest.mark.parametrize("name", list(EXPECTED_PLAN))
@@ -79,6 +83,22 @@ def test_fused_qkv_gives_each_rank_whole_heads_of_q_k_and_v():
     # rank 1 holds heads 2..3 (rows 32..63) of each of q, k, v
     expected = torch.cat([torch.arange(32, 64), torch.arange(96, 128), torch.arange(160, 192)]).float()
     assert torch.equal(local, expected)
+
+
+def test_unequal_fused_qkv_gives_each_rank_whole_heads_of_q_k_and_v():
+    """Phi-3 slices its fused qkv_proj output at q = 8 heads and k = v = 4 heads of 8: each rank
+    holds its half of each part (proportions 2:1:1) and slices them locally, with no gather."""
+    rg = _pm("hf-phi3", 2).compiled(1)
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    node = next(n for n in rg.gm.graph.nodes if meta.get(n, meta.INPUT) and meta.get(n, meta.INPUT).target == name)
+    assert str(meta.get(node, meta.PLACEMENT)) == "S(0,2:1:1)"
+    local = rg.slicers[name](torch.arange(128).float()[:, None].expand(128, 64))[:, 0]
+    expected = torch.cat([torch.arange(32, 64), torch.arange(80, 96), torch.arange(112, 128)]).float()
+    assert torch.equal(local, expected)       # query heads 4-7, kv heads 2-3 of k and of v
+    slices = [n for n in rg.gm.graph.nodes if n.target == torch.ops.aten.slice.Tensor
+              and n.args[0].target == torch.ops.fxtron.linear.default]
+    assert [tuple(n.args[2:4]) for n in slices[:3]] == [(0, 32), (32, 48), (48, 2**63 - 1)]
+    assert [str(meta.get(n, meta.PLACEMENT)) for n in slices[:3]] == ["S(2)"] * 3
 
 
 def test_local_shapes_stay_symbolic_with_the_tp_division():
@@ -125,6 +145,15 @@ def test_heads_not_divisible_by_tp():
     msg = str(err.value)
     assert "%view" in msg and "blocks.0.attn" in msg and "size 48" in msg and "(6, 8)" in msg
     assert "tp=4" in msg and "heads" in msg
+
+
+def test_unequal_fused_kv_heads_not_divisible_by_tp():
+    args, kwargs = batch("hf-phi3", 2, 8, seed=0)     # 4 kv heads of 8: k and v blocks of 32 rows
+    pm = fxtron.parallelize(make("hf-phi3"), fxtron.Mesh(8, tp=8), example_inputs=args, example_kwargs=kwargs)
+    with pytest.raises(fxtron.ParallelizeError) as err:
+        pm.graph(0)
+    msg = str(err.value)
+    assert "self_attn" in msg and "tp=8" in msg and "heads" in msg
 
 
 def test_kv_heads_not_divisible_by_tp():

@@ -27,6 +27,7 @@ from fxtron.compiler import meta
 from fxtron.errors import ParallelizeError
 from fxtron.passes.placement import PARTIAL, REPLICATE, Partial, Replicate, Shard
 from fxtron.passes.propagate import _PARTIAL_THROUGH, _is_tensor
+from fxtron.runtime.shard import to_list
 
 aten = torch.ops.aten
 TP_GROUP = "tp"   # replaced by the real process group's name when a program is built
@@ -83,17 +84,17 @@ class _Emitter:
         if isinstance(have, Partial) and isinstance(want, Replicate):
             out = self.call(ops.all_reduce.default, (value, g), src, want, why, module_of=origin)
         elif isinstance(have, Replicate) and isinstance(want, Shard):
-            out = self.call(ops.scatter.default, (value, want.dim, want.interleave, tp, g), src, want, why)
+            out = self.call(ops.scatter.default, (value, want.dim, to_list(want.interleave), tp, g), src, want, why)
         elif isinstance(have, Shard) and isinstance(want, Replicate):
-            out = self.call(ops.all_gather.default, (value, have.dim, have.interleave, tp, g), src, want, why)
+            out = self.call(ops.all_gather.default, (value, have.dim, to_list(have.interleave), tp, g), src, want, why)
         elif isinstance(have, Partial) and isinstance(want, Shard) and want.interleave == 1:
             out = self.call(ops.reduce_scatter.default, (value, want.dim, tp, g), src, want, why)
         elif isinstance(have, Partial) and isinstance(want, Shard):
             mid = self.call(ops.all_reduce.default, (value, g), src, REPLICATE, why)
-            out = self.call(ops.scatter.default, (mid, want.dim, want.interleave, tp, g), src, want, why)
+            out = self.call(ops.scatter.default, (mid, want.dim, to_list(want.interleave), tp, g), src, want, why)
         elif isinstance(have, Shard) and isinstance(want, Shard):
-            mid = self.call(ops.all_gather.default, (value, have.dim, have.interleave, tp, g), src, REPLICATE, why)
-            out = self.call(ops.scatter.default, (mid, want.dim, want.interleave, tp, g), src, want, why)
+            mid = self.call(ops.all_gather.default, (value, have.dim, to_list(have.interleave), tp, g), src, REPLICATE, why)
+            out = self.call(ops.scatter.default, (mid, want.dim, to_list(want.interleave), tp, g), src, want, why)
         else:
             raise ParallelizeError(f"cannot redistribute %{src.name} from {have} to {want} (for %{consumer.name})")
         self.cache[key] = out
@@ -287,6 +288,14 @@ def localize(gm: fx.GraphModule, *, tp: int) -> fx.GraphModule:
                 sizes = node.args[1]
                 new = [_div(s, tp, node) for s in sizes] if isinstance(sizes, (list, tuple)) else _div(sizes, tp, node)
                 node.args = (node.args[0], new) + tuple(node.args[2:])
+        elif t == aten.slice.Tensor and isinstance(pl, Shard):
+            src = meta.get(node.args[0], meta.PLACEMENT)
+            nd = node.args[0].meta["val"].dim()
+            dim = node.args[1] if len(node.args) > 1 else 0
+            if isinstance(src, Shard) and src.interleave != 1 and (dim + nd if dim < 0 else dim) == src.dim:
+                # whole blocks of a fused projection: each block holds 1/tp of its rows here
+                bounds = [b if b is None or b >= 2**62 else _div(b, tp, node) for b in node.args[2:4]]
+                node.args = (node.args[0], node.args[1], *bounds, *node.args[4:])
         elif t == aten.repeat_interleave.self_int and isinstance(pl, Shard) and node.kwargs.get("output_size"):
             kw = dict(node.kwargs)
             kw["output_size"] = _div(kw["output_size"], tp, node)

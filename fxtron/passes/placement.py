@@ -3,11 +3,15 @@
 Replicate: every tp rank holds the whole value. Shard(dim, interleave): each rank holds 1/tp of
 `dim`; with interleave k the dim is k equal blocks (a fused [q|k|v] projection: k=3) and each
 rank holds its slice of every block, so splitting the local value into k gives whole heads of
-each of q, k and v. Partial: each rank holds a summand; the value is the sum over ranks.
+each of q, k and v; with proportions (2, 1, 1) the blocks differ in size (Phi-3's fused qkv
+under grouped-query attention) and the rank still holds its slice of each, printed S(d,2:1:1).
+Partial: each rank holds a summand; the value is the sum over ranks.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from fxtron.runtime.shard import normalize
 
 
 class Placement:
@@ -33,18 +37,19 @@ class Replicate(Placement):
 @dataclass(frozen=True)
 class Shard(Placement):
     dim: int
-    interleave: int = 1
+    interleave: int | tuple[int, ...] = 1   # k equal blocks, or block proportions (runtime/shard.py)
 
     def __post_init__(self):
         if self.dim < 0:
             raise ValueError("Shard dims are stored non-negative; normalize with the tensor's ndim")
-        if self.interleave < 1:
-            raise ValueError("interleave must be >= 1")
+        object.__setattr__(self, "interleave", normalize(self.interleave))
 
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
 
     def __str__(self) -> str:
+        if isinstance(self.interleave, tuple):
+            return f"S({self.dim},{':'.join(map(str, self.interleave))})"
         return f"S({self.dim})" if self.interleave == 1 else f"S({self.dim},x{self.interleave})"
 
 

@@ -9,7 +9,9 @@ How the pattern is found, with no knowledge of the model's code:
   o_proj, down_proj);
 - a linear whose output reaches a rowwise linear without crossing another residual is a first
   projection: colwise (q/k/v or fused qkv, fc1, gate and up); a fused output later split into k
-  equal parts (or viewed as (k, heads, ...)) is sharded with interleave k;
+  equal parts (or viewed as (k, heads, ...)) is sharded with interleave k, one cut into unequal
+  parts by slices or split_with_sizes (Phi-3's qkv under grouped-query attention) with their
+  proportions;
 - a linear whose output reaches cross_entropy is the LM head: colwise, feeding the
   vocab-parallel cross entropy;
 - an embedding looked up with the user's token ids is vocab-parallel; other embeddings
@@ -18,6 +20,7 @@ How the pattern is found, with no knowledge of the model's code:
 from __future__ import annotations
 
 import fnmatch
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +29,7 @@ import torch.fx as fx
 from fxtron.compiler import meta
 from fxtron.errors import ParallelizeError
 from fxtron.passes.placement import REPLICATE, Placement, Shard
+from fxtron.runtime.shard import Interleave, block_sizes, normalize
 
 aten = torch.ops.aten
 
@@ -93,7 +97,7 @@ class TPPlan:
     tp: int
     styles: dict[str, Style] = field(default_factory=dict)
     params: dict[str, Placement] = field(default_factory=dict)
-    interleave: dict[str, int] = field(default_factory=dict)
+    interleave: dict[str, Interleave] = field(default_factory=dict)
     layers: dict[str, Layer] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     symbols: dict = field(default_factory=dict)   # export's shape symbols -> B / S
@@ -226,9 +230,46 @@ def _feeds_row(layer: Layer, rows: set[fx.Node], linears: set[fx.Node], order, l
     return False
 
 
-def _interleave(layer: Layer, tp: int) -> int:
-    """k for a fused projection split later into k equal parts (or viewed as (k, heads, d))."""
+_SAME_LAYOUT = {aten.clone.default, aten.contiguous.default, aten.to.dtype, aten.to.dtype_layout, aten.alias.default,
+                aten.detach.default, aten._to_copy.default, aten.dropout.default}
+
+
+def _sliced_blocks(layer: Layer) -> Interleave | None:
+    """The blocks a fused output is cut into by slicing its features ([q|k|v] of unequal sizes
+    under grouped-query attention, Phi-3's qkv_proj: qkv[..., :q], qkv[..., q:q+k], ...): their
+    proportions (a count when equal), or None unless slices cut it into >= 2 whole blocks."""
+    feat, cuts = layer.out_features, []
+    frontier, seen = [layer.node], set()
+    while frontier:
+        cur = frontier.pop()
+        for user in cur.users:
+            if user in seen or user.op != "call_function":
+                continue
+            seen.add(user)
+            if user.target in _SAME_LAYOUT:
+                frontier.append(user)
+            elif user.target == aten.slice.Tensor:
+                nd = cur.meta["val"].dim()
+                dim = user.args[1] if len(user.args) > 1 else 0
+                start = user.args[2] if len(user.args) > 2 else 0
+                end = user.args[3] if len(user.args) > 3 else feat
+                step = user.args[4] if len(user.args) > 4 else 1
+                if dim not in (-1, nd - 1) or step != 1 or not isinstance(start, int) or not isinstance(end, int):
+                    return None
+                cuts.append((start or 0, min(end, feat)))
+    cuts = sorted(set(cuts))
+    if len(cuts) < 2 or cuts[0][0] != 0 or cuts[-1][1] != feat or any(a[1] != b[0] for a, b in zip(cuts, cuts[1:])):
+        return None
+    return normalize(tuple(e - s for s, e in cuts))
+
+
+def _interleave(layer: Layer, tp: int) -> Interleave:
+    """k for a fused projection split later into k equal parts (or viewed as (k, heads, d)), or
+    the proportions of unequal parts cut from it by slicing or split_with_sizes."""
     feat = layer.out_features
+    sliced = _sliced_blocks(layer)
+    if sliced is not None:
+        return sliced
     for user, via in _through_shape_ops(layer.node):
         if user.op != "call_function":
             continue
@@ -246,8 +287,8 @@ def _interleave(layer: Layer, tp: int) -> int:
                 return chunks
         if user.target == aten.split_with_sizes.default:
             sizes, dim = user.args[1], (user.args[2] if len(user.args) > 2 else 0)
-            if dim in (-1, last) and len(set(sizes)) == 1:
-                return len(sizes)
+            if dim in (-1, last) and all(isinstance(x, int) and x > 0 for x in sizes) and sum(sizes) == feat:
+                return normalize(tuple(sizes))
         if user.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
             out = user.meta["val"].shape
             # trailing output dims whose product is the feature dim: (..., a0, a1, ...)
@@ -381,10 +422,14 @@ def _indivisible(l: Layer, style: Style, tp: int, result: TPPlan, path: str) -> 
     if isinstance(style, Colwise) and l.kind == "linear":
         k = _interleave(l, tp)
         result.interleave[path] = k
-        if l.out_features % (tp * k):
-            return (f"{path} ({l.weight}, {l.out_features} output features"
-                    + (f" in {k} fused parts" if k > 1 else "") + f") cannot be split colwise over tp={tp}: "
-                    f"{l.out_features} is not divisible by {tp * k}; choose a tp that divides it")
+        blocks = block_sizes(l.out_features, k)
+        if any(b % tp for b in blocks):
+            parts = "" if k == 1 else f" in {len(blocks)} fused parts of {', '.join(map(str, blocks))}"
+            return (f"{path} ({l.weight}, {l.out_features} output features{parts}) cannot be split colwise over "
+                    f"tp={tp}: " + (f"{l.out_features} is not divisible by {tp * k}; choose a tp that divides it"
+                                    if isinstance(k, int) else
+                                    f"not every part is divisible by {tp}; choose a tp that divides {math.gcd(*blocks)} "
+                                    "(for attention: the number of kv heads)"))
     if isinstance(style, Rowwise) and l.in_features % tp:
         return (f"{path} ({l.weight}, {l.in_features} input features) cannot be split rowwise over tp={tp}; "
                 "choose a tp that divides it")

@@ -24,6 +24,7 @@ from fxtron.compiler import meta
 from fxtron.errors import ParallelizeError
 from fxtron.passes.placement import PARTIAL, REPLICATE, Placement, Replicate, Shard
 from fxtron.passes.plan import Colwise, Rowwise, TPPlan
+from fxtron.runtime import shard as shard_math
 
 aten = torch.ops.aten
 P = Placement
@@ -218,6 +219,8 @@ def _view(c: _Ctx):
             continue
         if len(gi) == 1 and len(go) == 1:
             return Shard(go[0], p.interleave), [None]
+        if not isinstance(p.interleave, int):              # unequal fused blocks: no view layout
+            return REPLICATE, [REPLICATE]
         if len(gi) == 1:                                   # split: (F,) -> (a0, a1, ...)
             sizes = [_expr(outs[j]) for j in go]
             prefix = 1
@@ -293,6 +296,9 @@ def _slice_select(c: _Ctx):
         end = node.args[3] if len(node.args) > 3 else None
         step = node.args[4] if len(node.args) > 4 else 1
         size = _shape(c.inputs[0])[dim]
+        if p.interleave != 1:     # whole blocks of a fused projection ([q|k|v][..., q:q+k]): a shard of them
+            part = _blocks_cut(p, size, start, end, step)
+            return (Shard(dim, part), [None]) if part is not None else (REPLICATE, [REPLICATE])
         # never int() a symbolic size: that would specialize the shape environment to the example
         whole = start in (None, 0) and step == 1 and (
             end is None or (isinstance(end, int) and (end >= 2**62 or (isinstance(size, int) and end >= size))))
@@ -317,7 +323,28 @@ def _split(c: _Ctx):
     sizes = [v.shape[dim] for v in node.meta["val"]]
     if p.interleave == n_out and len({str(s) for s in sizes}) == 1:
         return tuple([Shard(dim)] * n_out), [None]   # a fused [q|k|v]: each part whole heads
+    full = _expr(_shape(c.inputs[0])[dim])
+    if not isinstance(p.interleave, int) and full.is_Integer and all(_expr(x).is_Integer for x in sizes) \
+            and [int(_expr(x)) for x in sizes] == shard_math.block_sizes(int(full), p.interleave):
+        return tuple([Shard(dim)] * n_out), [None]   # unequal fused parts, each this rank's slice
     return tuple([REPLICATE] * n_out), [REPLICATE]
+
+
+def _blocks_cut(p: Shard, size, start, end, step) -> "shard_math.Interleave | None":
+    """The interleave of a slice [start, end) of a dim sharded with fused blocks, where it
+    takes whole consecutive blocks (then each rank's slice of it is local); else None."""
+    size = _expr(size)
+    if step != 1 or not size.is_Integer or not isinstance(start or 0, int) or not isinstance(end, (int, type(None))):
+        return None
+    size = int(size)
+    start, end = start or 0, size if end is None else min(end, size)
+    bounds = [0]
+    for b in shard_math.block_sizes(size, p.interleave):
+        bounds.append(bounds[-1] + b)
+    if start not in bounds or end not in bounds or end <= start:
+        return None
+    i, j = bounds.index(start), bounds.index(end)
+    return shard_math.normalize(tuple(bounds[t + 1] - bounds[t] for t in range(i, j)))
 
 
 def _getitem(c: _Ctx):

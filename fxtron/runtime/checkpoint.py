@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 
 from fxtron.errors import ParallelizeError
+from fxtron.runtime import shard as shard_math
 
 
 def _tp_mesh(prog):
@@ -38,21 +39,26 @@ def _entries(prog, name: str, local: torch.Tensor, mesh, prefix: str) -> dict:
     """The checkpoint entries of one local tensor shaped like parameter `name`."""
     spec = prog._local[name]
     if mesh is None or spec.dim is None:
-        if spec.dim is not None and spec.interleave > 1:     # tp=1: store the parts all the same
-            return {f"{prefix}/part{j}": t.contiguous() for j, t in enumerate(local.chunk(spec.interleave, spec.dim))}
+        if spec.dim is not None and spec.interleave != 1:     # tp=1: store the parts all the same
+            return {f"{prefix}/part{j}": t.contiguous() for j, t in enumerate(_parts(local, spec))}
         return {prefix: local}
-    parts = local.chunk(spec.interleave, spec.dim)
     out = {}
-    for j, block in enumerate(parts):
+    for j, block in enumerate(_parts(local, spec)):
         key = prefix if spec.interleave == 1 else f"{prefix}/part{j}"
         out[key] = DTensor.from_local(block.contiguous(), mesh, [Shard(spec.dim)], run_check=False)
     return out
 
 
+def _parts(local: torch.Tensor, spec) -> tuple[torch.Tensor, ...]:
+    """A local tensor's blocks of a fused projection (one, unfused): each saved as its own
+    Shard(dim) entry, so a checkpoint reshards to any tp."""
+    return local.split(shard_math.block_sizes(local.shape[spec.dim], spec.interleave), spec.dim)
+
+
 def _unpack(prog, name: str, entries: dict, prefix: str) -> torch.Tensor:
     spec = prog._local[name]
-    if spec.dim is not None and spec.interleave > 1:
-        blocks = [entries[f"{prefix}/part{j}"] for j in range(spec.interleave)]
+    if spec.dim is not None and spec.interleave != 1:
+        blocks = [entries[f"{prefix}/part{j}"] for j in range(shard_math.n_blocks(spec.interleave))]
         blocks = [b.to_local() if isinstance(b, DTensor) else b for b in blocks]
         return torch.cat(blocks, dim=spec.dim)
     t = entries[prefix]
@@ -94,8 +100,8 @@ def save(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
     # how interleaved parts join back (load_full_state_dict): name -> (dim, parts)
     # how interleaved parts join back: one object per parameter (every holder writes the same)
     for n, spec in prog._local.items():
-        if spec.dim is not None and spec.interleave > 1:
-            sd[f"layout/{n}"] = _pack((spec.dim, spec.interleave))
+        if spec.dim is not None and spec.interleave != 1:
+            sd[f"layout/{n}"] = _pack((spec.dim, shard_math.n_blocks(spec.interleave)))
     os.makedirs(path, exist_ok=True)
     dcp.save(sd, checkpoint_id=path, no_dist=_alone(prog))
 
@@ -110,7 +116,7 @@ def _request(prog, name: str, like: torch.Tensor, mesh, prefix: str, meta, layou
     sharded = mesh is not None and spec.dim is not None
     if f"{prefix}/part0" in meta:                  # saved in parts
         dim, k = layout[name]
-        if sharded and spec.interleave == k and spec.dim == dim:
+        if sharded and shard_math.n_blocks(spec.interleave) == k and spec.dim == dim:
             entries = _entries(prog, name, like, mesh, prefix)
             return entries, lambda sd: _unpack(prog, name, sd, prefix)
         entries = {f"{prefix}/part{j}": torch.empty(meta[f"{prefix}/part{j}"].size, dtype=like.dtype) for j in range(k)}
@@ -127,7 +133,6 @@ def _request(prog, name: str, like: torch.Tensor, mesh, prefix: str, meta, layou
 
 def _slice(prog, name: str, full: torch.Tensor) -> torch.Tensor:
     """This rank's tp shard of a full tensor shaped like parameter `name`."""
-    from fxtron.runtime import shard as shard_math
     spec = prog._local[name]
     if spec.dim is None or prog.groups is None or prog.groups.size("tp") == 1:
         return full

@@ -7,9 +7,9 @@ no process group, and an autograd formula whose backward is the conjugate op (ME
     op (schema)                                                    forward           backward
     copy_to_region(Tensor x, str group)                            identity          all-reduce  (f)
     all_reduce(Tensor x, str group)                                all-reduce SUM    identity    (g)
-    all_gather(Tensor x, int dim, int interleave, int world, str group)
+    all_gather(Tensor x, int dim, int[] interleave, int world, str group)
                                                                    all-gather        slice
-    scatter(Tensor x, int dim, int interleave, int world, str group)
+    scatter(Tensor x, int dim, int[] interleave, int world, str group)
                                                                    slice             all-gather
     reduce_scatter(Tensor x, int dim, int world, str group)        reduce-scatter    all-gather  (SP g)
     gather_from_sequence(Tensor x, int dim, int world, str group)  all-gather        reduce-scatter (SP f)
@@ -24,7 +24,8 @@ no process group, and an autograd formula whose backward is the conjugate op (ME
 the op is then the identity (or a plain slice), and ops that take `world` require world == 1.
 `world` is the group's size, passed explicitly so the fake implementation needs no group.
 Gathered and sliced dims use the interleaved layout of `fxtron.runtime.shard` (rank = the
-rank's index in the group). Outputs never alias inputs. `COLLECTIVE_OPS` describes every op's
+rank's index in the group; `interleave` is [k] for k equal blocks or the blocks' proportions,
+shard.to_list). Outputs never alias inputs. `COLLECTIVE_OPS` describes every op's
 communication for the compiler's collective counts.
 """
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fxtron.runtime import shm
-from fxtron.runtime.shard import check_divisible, shard, unshard
+from fxtron.runtime.shard import check_divisible, from_list, shard, unshard
 
 # reduction codes of vocab_parallel_cross_entropy (torch's own enum order)
 REDUCTION_NONE, REDUCTION_MEAN, REDUCTION_SUM = 0, 1, 2
@@ -237,26 +238,26 @@ def _gathered_shape(x: Tensor, dim: int, world: int) -> list[int]:
     return shape
 
 
-def _sliced_shape(x: Tensor, dim: int, interleave: int, world: int, op: str) -> list[int]:
+def _sliced_shape(x: Tensor, dim: int, interleave: list[int], world: int, op: str) -> list[int]:
     shape = list(x.shape)
     d = _norm(dim, x.dim())
     if isinstance(shape[d], int):
-        check_divisible(shape[d], world, interleave, f"fxtron::{op} input dim {d} of shape {tuple(shape)}")
+        check_divisible(shape[d], world, from_list(interleave), f"fxtron::{op} input dim {d} of shape {tuple(shape)}")
     shape[d] //= world
     return shape
 
 
 @torch.library.custom_op("fxtron::all_gather", mutates_args=())
-def all_gather(x: Tensor, dim: int, interleave: int, world: int, group: str) -> Tensor:
+def all_gather(x: Tensor, dim: int, interleave: list[int], world: int, group: str) -> Tensor:
     """In: this rank's shard (dim of size k*part). Out: the full tensor, dim world times larger,
-    assembled with interleave k (shard.unshard of every rank's x). Backward: this rank's shard
+    assembled with the interleave (shard.unshard of every rank's x). Backward: this rank's shard
     of the gradient (a slice, no communication)."""
     pg = _group(group)
     _check_world(pg, world, "all_gather", group)
     dim = _norm(dim, x.dim())
     if pg is None:
         return x.clone(memory_format=torch.contiguous_format)
-    return unshard(_all_gather(x, pg), dim, interleave)
+    return unshard(_all_gather(x, pg), dim, from_list(interleave))
 
 
 @all_gather.register_fake
@@ -276,16 +277,16 @@ all_gather.register_autograd(_all_gather_bwd, setup_context=_setup_dim)
 
 
 @torch.library.custom_op("fxtron::scatter", mutates_args=())
-def scatter(x: Tensor, dim: int, interleave: int, world: int, group: str) -> Tensor:
+def scatter(x: Tensor, dim: int, interleave: list[int], world: int, group: str) -> Tensor:
     """In: the full tensor, the same on every rank. Out: this rank's shard along dim (shard.shard
     with rank = this rank's index in `group`), a new tensor. Backward: all-gather."""
     pg = _group(group)
     _check_world(pg, world, "scatter", group)
     dim = _norm(dim, x.dim())
-    check_divisible(x.shape[dim], world, interleave, f"fxtron::scatter input dim {dim} of shape {tuple(x.shape)}")
+    check_divisible(x.shape[dim], world, from_list(interleave), f"fxtron::scatter input dim {dim} of shape {tuple(x.shape)}")
     if pg is None:
         return x.clone(memory_format=torch.contiguous_format)
-    return shard(x, dim, world, dist.get_rank(pg), interleave)
+    return shard(x, dim, world, dist.get_rank(pg), from_list(interleave))
 
 
 @scatter.register_fake
@@ -320,7 +321,7 @@ def reduce_scatter(x: Tensor, dim: int, world: int, group: str) -> Tensor:
 
 @reduce_scatter.register_fake
 def _(x, dim, world, group):
-    return x.new_empty(_sliced_shape(x, dim, 1, world, "reduce_scatter"))
+    return x.new_empty(_sliced_shape(x, dim, [1], world, "reduce_scatter"))
 
 
 def _setup_dim_world(ctx, inputs, output):
@@ -328,7 +329,7 @@ def _setup_dim_world(ctx, inputs, output):
 
 
 def _reduce_scatter_bwd(ctx, grad):
-    return all_gather(grad, ctx.dim, 1, ctx.world, ctx.group), None, None, None
+    return all_gather(grad, ctx.dim, [1], ctx.world, ctx.group), None, None, None
 
 
 reduce_scatter.register_autograd(_reduce_scatter_bwd, setup_context=_setup_dim_world)

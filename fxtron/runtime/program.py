@@ -55,7 +55,7 @@ class LocalParam:
     dtype: torch.dtype
     gather: Callable[[torch.Tensor, ProcessGroups], torch.Tensor] | None = None
     dim: int | None = None         # the tp-sharded dim (None: whole on every tp rank)
-    interleave: int = 1            # parts of a fused projection, each split over tp
+    interleave: int | tuple[int, ...] = 1   # parts of a fused projection (or their proportions), each split over tp
     tp_partial: bool = False       # whole on every tp rank, gradient partial: summed over tp after backward
 
 

@@ -13,22 +13,82 @@ Example, F=12, k=3, world=2 (elements named by their index):
     rank 0  [0 1 | 4 5 | 8 9]                    first half of every block
     rank 1  [2 3 | 6 7 | 10 11]                   second half of every block
 
+The interleave may also be a tuple of block *proportions*: a fused projection whose parts
+differ in size, Phi-3's [q|k|v] with grouped-query attention (8 query heads, 4 kv heads:
+proportions (2, 1, 1)). Block i then has F * w_i / sum(w) elements and rank r holds the r-th
+slice of each. An equal tuple is written as its count: (1, 1, 1) is 3.
+
 No communication happens here; `fxtron.runtime.collectives` moves the pieces between ranks.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
 from fxtron.errors import ParallelizeError
 
+Interleave = int | tuple[int, ...]
 
-def check_divisible(size: int, world: int, interleave: int, what: str) -> None:
+
+def normalize(interleave) -> Interleave:
+    """An interleave in its one spelling: a count k >= 1, or proportions (a tuple of >= 2
+    positive ints, not all equal, in lowest terms)."""
+    if isinstance(interleave, int):
+        if interleave < 1:
+            raise ValueError(f"interleave must be >= 1, not {interleave}")
+        return interleave
+    w = tuple(int(x) for x in interleave)
+    if not w or any(x < 1 for x in w):
+        raise ValueError(f"interleave proportions must be positive, not {w}")
+    g = math.gcd(*w)
+    w = tuple(x // g for x in w)
+    return len(w) if len(set(w)) == 1 else w
+
+
+def n_blocks(interleave: Interleave) -> int:
+    return interleave if isinstance(interleave, int) else len(interleave)
+
+
+def block_sizes(size: int, interleave: Interleave) -> list[int]:
+    """The sizes of the blocks of a dim of `size` (full or one rank's: the proportions are the
+    same). Raises ValueError when `size` does not split in those proportions."""
+    w = [1] * interleave if isinstance(interleave, int) else list(interleave)
+    total = sum(w)
+    if size % total:
+        raise ValueError(f"size {size} does not split into blocks in the proportions {':'.join(map(str, w))}")
+    return [size // total * x for x in w]
+
+
+def to_list(interleave: Interleave) -> list[int]:
+    """The interleave as the collectives' `int[]` argument: [k], or the proportions."""
+    return [interleave] if isinstance(interleave, int) else list(interleave)
+
+
+def from_list(values) -> Interleave:
+    values = list(values)
+    return normalize(values[0] if len(values) == 1 else tuple(values))
+
+
+def check_divisible(size: int, world: int, interleave: Interleave, what: str) -> None:
     """Raise ParallelizeError unless a dim of `size` can be sharded over `world` ranks with
-    `interleave` blocks, i.e. unless size % (interleave * world) == 0.
+    `interleave` blocks, i.e. unless every block's size is divisible by world (for a count k:
+    size % (k * world) == 0).
 
     `what` names the dim in the message (e.g. "weight of 'mlp.fc1' dim 0"); the message says
     what to change: the size, the tp size, or the interleave.
     """
+    if not isinstance(interleave, int):
+        try:
+            blocks = block_sizes(size, interleave)
+        except ValueError as e:
+            raise ParallelizeError(f"{what}: {e}") from None
+        if world >= 1 and all(b % world == 0 for b in blocks):
+            return
+        raise ParallelizeError(
+            f"{what}: size {size} is fused blocks of {', '.join(map(str, blocks))} (each split over the ranks), "
+            f"and not every block divides over {world} tensor-parallel ranks; use a tp size that divides "
+            f"{math.gcd(*blocks)} (for attention: the number of kv heads)")
     if world < 1 or interleave < 1:
         raise ParallelizeError(f"{what}: world ({world}) and interleave ({interleave}) must be >= 1")
     unit = world * interleave
@@ -54,7 +114,7 @@ def _norm_dim(dim: int, ndim: int) -> int:
     return dim % ndim if ndim else 0
 
 
-def shard(full: torch.Tensor, dim: int, world: int, rank: int, interleave: int = 1) -> torch.Tensor:
+def shard(full: torch.Tensor, dim: int, world: int, rank: int, interleave: Interleave = 1) -> torch.Tensor:
     """This rank's piece of `full` along `dim`: a new contiguous tensor (never a view).
 
     In: the full tensor, the dim (negative counts from the end), the number of ranks, this
@@ -68,12 +128,16 @@ def shard(full: torch.Tensor, dim: int, world: int, rank: int, interleave: int =
         raise ValueError(f"rank {rank} is not in [0, {world})")
     size = full.shape[dim]
     check_divisible(size, world, interleave, f"dim {dim} of a tensor of shape {tuple(full.shape)}")
+    if not isinstance(interleave, int):      # unequal blocks: the r-th slice of each
+        pieces = [b.narrow(dim, rank * (b.shape[dim] // world), b.shape[dim] // world)
+                  for b in full.split(block_sizes(size, interleave), dim)]
+        return torch.cat(pieces, dim).contiguous()
     part = size // (interleave * world)
     piece = full.unflatten(dim, (interleave, world, part)).select(dim + 1, rank)  # [..., k, part, ...]
     return piece.flatten(dim, dim + 1).clone(memory_format=torch.contiguous_format)
 
 
-def unshard(pieces: list[torch.Tensor], dim: int, interleave: int = 1) -> torch.Tensor:
+def unshard(pieces: list[torch.Tensor], dim: int, interleave: Interleave = 1) -> torch.Tensor:
     """The full tensor from every rank's piece: the inverse of `shard`.
 
     In: the pieces in rank order (equal shapes; each one's `dim` is k*part), the dim and the
@@ -90,6 +154,9 @@ def unshard(pieces: list[torch.Tensor], dim: int, interleave: int = 1) -> torch.
                              f"all pieces of one tensor have the same shape")
     dim = _norm_dim(dim, len(shape))
     local = shape[dim]
+    if not isinstance(interleave, int):      # unequal blocks: block i is every rank's i-th part
+        parts = [p.split(block_sizes(local, interleave), dim) for p in pieces]
+        return torch.cat([torch.cat([q[i] for q in parts], dim) for i in range(len(interleave))], dim).contiguous()
     if interleave < 1 or local % interleave:
         raise ValueError(f"a piece's dim {dim} has size {local}, not divisible by interleave {interleave}")
     part = local // interleave
@@ -98,4 +165,5 @@ def unshard(pieces: list[torch.Tensor], dim: int, interleave: int = 1) -> torch.
     return full.flatten(dim, dim + 2).contiguous()
 
 
-__all__ = ["check_divisible", "shard", "unshard"]
+__all__ = ["Interleave", "block_sizes", "check_divisible", "from_list", "n_blocks", "normalize", "shard",
+           "to_list", "unshard"]
