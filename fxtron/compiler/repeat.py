@@ -337,7 +337,7 @@ def expand(gm: fx.GraphModule, path: str, n_layers: int, buffers: dict[str, torc
                     name = _LIFTED.sub(f"lifted_tensor_{j}x{len(made)}", name)
                 with graph.inserting_after(anchor):   # export's target: p_model_blocks_1_... for layer j
                     ph = graph.placeholder(node.target.replace(_flat(one), _flat(mine), 1))
-                ph.meta.update({k: v for k, v in node.meta.items() if k != meta.INPUT})
+                ph.meta.update({key: v for key, v in node.meta.items() if key != meta.INPUT})
                 meta.set(ph, meta.INPUT, meta.InputSpec(spec.kind, name))
                 if spec.target in ti.constants:
                     ti.constants[name] = buffers[name] if name in buffers else ti.constants[spec.target].clone()
