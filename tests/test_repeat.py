@@ -63,6 +63,18 @@ def test_layers_traced_once_give_the_whole_export(name):
                                rtol=1e-6, atol=1e-6)
 
 
+def test_models_that_ask_whether_they_are_traced_repeat():
+    """transformers' mask code checks `is_tracing(tensor)` (fake tensors count) before reading a
+    tensor's value: the layer check runs on fake tensors, as export does, so it takes the same
+    path (here HF Llama without a KV cache)."""
+    model = make("hf-llama", layers=4)
+    _, kwargs = batch("hf-llama", 2, 8, seed=0)
+    kwargs["use_cache"] = False
+    once = trace(model, (), example_kwargs=kwargs)
+    assert info(once).layers.endswith("4 layers, traced as 2"), info(once).layers
+    assert_same_graph(once, trace(model, (), example_kwargs=kwargs, layers_once=False))
+
+
 def test_dropout_and_meta_models_repeat():
     """Dropout nodes are repeated per layer (each its own mask), and a model built on the meta
     device (no weights anywhere) traces the same way."""

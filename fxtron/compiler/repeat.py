@@ -10,7 +10,7 @@ The shortcut is taken only where it is sound; anywhere else the whole model is e
 1. `find_layers`: the model's longest ModuleList (>= 3 entries) holds layers of one structure:
    the same submodule classes, parameter and buffer names, shapes, dtypes and requires_grad,
    and no tensor shared with another layer or the rest of the model;
-2. `check_same_program`: run concretely on the meta device (no symbols, so cheap), every layer
+2. `check_same_program`: run on fake tensors of the example's sizes (no symbols, so cheap), every layer
    after the first dispatches the same aten ops, with the same non-tensor arguments, shapes,
    dtypes and data flow (relative to itself and the layer before), as the second; and the
    twin's run is the model's with layers 2.. left out. So nothing depends on which layer runs
@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxtron.compiler import meta
@@ -153,8 +154,9 @@ class _Recorder(TorchDispatchMode):
         if not isinstance(x, torch.Tensor):
             return ("const", type(x).__name__, repr(x))
         desc = (tuple(x.shape), x.dtype)
-        if x.device.type != "meta" and x.numel() <= 64:   # a constant made in the forward: its values
-            desc += (tuple(x.detach().flatten().tolist()),)
+        value = x.constant if isinstance(x, FakeTensor) else (None if x.device.type == "meta" else x)
+        if value is not None and value.numel() <= 64:   # a constant made in the forward: its values
+            desc += (tuple(value.detach().flatten().tolist()),)
         if id(x) in self.names:
             name = self.names[id(x)]
             m = self.layer_param.match(name)
@@ -199,15 +201,18 @@ class _Recorder(TorchDispatchMode):
 
 
 def _record(wrapped: torch.nn.Module, layers: list[torch.nn.Module], prefix: str, tensors: list) -> _Record:
-    """Run `wrapped(*tensors)` on the meta device, recording what each layer dispatches."""
+    """Run `wrapped(*tensors)` on fake tensors of the example's sizes (static: no symbols, so
+    cheap; fake, as under export, so models that ask "am I being traced?" take the traced
+    path), recording what each layer dispatches."""
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
     memo: dict[int, torch.Tensor] = {}
     state, names = {}, {}
     for name, t in _named_tensors(wrapped):
         if id(t) not in memo:
-            memo[id(t)] = torch.empty_like(t, device="meta")
+            memo[id(t)] = fake.from_tensor(t.detach())
             names[id(memo[id(t)])] = name
         state[name] = memo[id(t)]
-    args = [torch.empty_like(t, device="meta") for t in tensors]
+    args = [fake.from_tensor(t) for t in tensors]
     record = _Record(n_layers=len(layers))
     recorder = _Recorder(record, names, {id(a): i for i, a in enumerate(args)}, prefix)
     handles = []
@@ -215,7 +220,7 @@ def _record(wrapped: torch.nn.Module, layers: list[torch.nn.Module], prefix: str
         for i, layer in enumerate(layers):
             handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: recorder.enter(i)))
             handles.append(layer.register_forward_hook(lambda m, a, o, i=i: recorder.leave(i)))
-        with torch.no_grad(), recorder:
+        with torch.no_grad(), fake, recorder:
             torch.func.functional_call(wrapped, state, tuple(args))
     finally:
         for h in handles:
