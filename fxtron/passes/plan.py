@@ -112,10 +112,11 @@ class TPPlan:
 
 
 # ----------------------------------------------------------------------------- graph helpers
-_SHAPE_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.dropout.default,
-              aten.clone.default, aten.contiguous.default, aten.to.dtype, aten.to.dtype_layout,
-              aten.alias.default, aten.detach.default, aten._to_copy.default, aten.slice.Tensor,
-              aten.flatten.using_ints, aten.unsqueeze.default, aten.squeeze.dim, aten.t.default}
+# ops that keep a value's layout (copies, casts, dropout), and those that only reshape it
+_SAME_LAYOUT = {aten.clone.default, aten.contiguous.default, aten.to.dtype, aten.to.dtype_layout, aten.alias.default,
+                aten.detach.default, aten._to_copy.default, aten.dropout.default}
+_SHAPE_OPS = _SAME_LAYOUT | {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.slice.Tensor,
+                             aten.flatten.using_ints, aten.unsqueeze.default, aten.squeeze.dim, aten.t.default}
 
 
 def _param_name(node) -> str | None:
@@ -228,10 +229,6 @@ def _feeds_row(layer: Layer, rows: set[fx.Node], linears: set[fx.Node], order, l
                     continue  # a residual: the layer's region ends here
             frontier.append(user)
     return False
-
-
-_SAME_LAYOUT = {aten.clone.default, aten.contiguous.default, aten.to.dtype, aten.to.dtype_layout, aten.alias.default,
-                aten.detach.default, aten._to_copy.default, aten.dropout.default}
 
 
 def _sliced_blocks(layer: Layer) -> Interleave | None:
