@@ -183,6 +183,37 @@ def _setup_single():
     return _eager_step(make_model())
 
 
+def _rates(seconds: float = 0.6) -> dict[str, float]:
+    """This process's rate (ops/s) of a GEMM (a per-rank MLP projection, compute-bound) and of
+    an elementwise multiply over 45 MB of tensors (memory-bound: out of cache)."""
+    x, w = torch.randn(1024, 256), torch.randn(688, 256)
+    a = [torch.randn(8, 128, 688) for _ in range(8)]
+    out = {}
+    for name, fn in (("gemm", lambda i: x @ w.t()), ("mul", lambda i: a[i % 8] * a[(i + 3) % 8])):
+        for i in range(3):
+            fn(i)
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            fn(n)
+            n += 1
+        out[name] = n / (time.perf_counter() - t0)
+    return out
+
+
+def _contention_probe(rank: int) -> dict[str, float]:
+    """How much of one core's speed each rank keeps when both ranks work at once (rank 0's rate
+    with rank 1 busy / with rank 1 blocked in a barrier). Two processes share the machine's
+    memory bandwidth and caches: where a memory-bound multiply keeps ~2/3 of its speed, the
+    memory-bound third of a training step (norms, residual adds, SwiGLU, rotary, optimizer)
+    cannot run twice as fast with tp=2, whatever the parallel program does."""
+    dist.barrier()
+    alone = _rates() if rank == 0 else None
+    dist.barrier()
+    both = _rates()
+    dist.barrier()
+    return {k: both[k] / alone[k] for k in both} if rank == 0 else {}
+
+
 def _train_job(rank: int, mesh: fxtron.Mesh) -> dict:
     """Runs in each of the 2 processes (1 torch thread). Returns rank 0's per-step times and
     losses for every system (rank 1 returns its own, unused)."""
@@ -226,8 +257,9 @@ def _train_job(rank: int, mesh: fxtron.Mesh) -> dict:
         for system in order:
             run_block(system, STEPS_PER_ROUND, timed=True)
     dist.barrier()
+    contention = _contention_probe(rank)
     return {"times": times, "losses": losses, "setup_s": setup, "threads": torch.get_num_threads(),
-            "cpu_waiting_s": sum(cpu_waiting)}
+            "cpu_waiting_s": sum(cpu_waiting), "contention": contention}
 
 
 # ---------------------------------------------------------------- pytest-benchmark glue
@@ -275,6 +307,7 @@ def test_train_step(benchmark, train_results, bench_report, system):
         "ratio_vs_dtensor_of_min": min(times) / min(train_results["times"]["dtensor_tp2"]),
         "loss_first": losses[system][0], "loss_last": losses[system][-1],
         "loss_last_diff_vs_single": abs(losses[system][-1] - ref[-1]),
+        "machine_speed_both_busy_vs_alone": train_results["contention"],
     }
     if system in train_results["setup_s"]:
         info["setup_s"] = train_results["setup_s"][system]
@@ -292,6 +325,10 @@ def test_train_step(benchmark, train_results, bench_report, system):
                   f"{WARMUP_STEPS} warm-up + {ROUNDS}x{STEPS_PER_ROUND} timed steps per system, interleaved; "
                   f"rank 0's perf_counter per step; job wall time {train_results['job_s']:.1f} s; "
                   f"rank 1 CPU while waiting in the barrier: {train_results['cpu_waiting_s']:.3f} s",
+                  "this machine, rank 0's speed with both ranks busy / with rank 1 idle: GEMM "
+                  f"{train_results['contention']['gemm']:.2f}x, memory-bound multiply "
+                  f"{train_results['contention']['mul']:.2f}x (two processes share memory bandwidth: the "
+                  "memory-bound part of a step does not speed up with tp)",
                   "ratios are of the medians (\"min vs 1p / DT\": of the fastest steps, steadier on a loaded machine); "
                   "targets (issue): fxtron_tp2 <= 0.5x dtensor_tp2 and <= 0.75x single_process, "
                   "judged on the medians; reported, not asserted"],
