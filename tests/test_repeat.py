@@ -194,3 +194,31 @@ def test_parallelize_says_how_it_traced_and_can_trace_whole():
     def collectives(pm):
         return [(r.phase, r.kind, r.op, r.module, str(r.payload_bytes)) for r in pm.collectives(1)]
     assert collectives(once) == collectives(whole)
+
+
+class GatedBlock(Block):
+    def forward(self, x, gate):
+        return x + torch.tanh(self.lin(x)) * gate[0] + gate[1]
+
+
+class ConstantScaledStack(Stack):
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        gate = torch.tensor([0.5, 0.25])      # a small constant made in the forward, read by every layer
+        for block in self.blocks:
+            x = block(x, gate)
+        return nn.functional.cross_entropy(x.flatten(0, 1), targets.flatten())
+
+
+def test_constants_made_before_the_layers_are_compared_by_value():
+    """The layer check reads a small constant's values as the real tensor it holds, outside the
+    fake mode (reading it through the fake mode raised DataDependentOutputException, and models
+    that make one, such as transformers' caches, were traced whole)."""
+    torch.manual_seed(0)
+    model = ConstantScaledStack([GatedBlock(i) for i in range(4)])
+    g = torch.Generator().manual_seed(0)
+    idx, tgt = torch.randint(0, 32, (2, 6), generator=g), torch.randint(0, 16, (2, 6), generator=g)
+    once = trace(model, (idx, tgt))
+    assert info(once).layers == "blocks: 4 layers, traced as 2", info(once).layers
+    assert_same_graph(once, trace(model, (idx, tgt), layers_once=False))
+    torch.testing.assert_close(once(*_inputs(once, model), idx, tgt)[0], model(idx, tgt), rtol=1e-6, atol=1e-6)

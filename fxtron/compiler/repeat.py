@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxtron.compiler import meta
@@ -156,7 +156,8 @@ class _Recorder(TorchDispatchMode):
         desc = (tuple(x.shape), x.dtype)
         value = x.constant if isinstance(x, FakeTensor) else (None if x.device.type == "meta" else x)
         if value is not None and value.numel() <= 64:   # a constant made in the forward: its values
-            desc += (tuple(value.detach().flatten().tolist()),)
+            with unset_fake_temporarily():   # read as the real tensor it is, not through the fake mode
+                desc += (tuple(value.detach().flatten().tolist()),)
         if id(x) in self.names:
             name = self.names[id(x)]
             m = self.layer_param.match(name)
