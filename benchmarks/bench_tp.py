@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 import fxtron
 from fxtron.models.llama import Attention, Llama, LlamaConfig, apply_rotary
-from fxtron.runtime import shm
+from fxtron.ops import shm
 from replay import ReplayTimer, noop
 
 # ---------------------------------------------------------------- configuration

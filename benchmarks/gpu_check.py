@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/", 2)[0])   # the repository root, when run as a script
 
 import fxtron  # noqa: E402
-from fxtron.codegen.wgrad import TRITON_KERNEL, kernel_for, wgrad_accumulate  # noqa: E402
+from fxtron.ops.wgrad import TRITON_KERNEL, kernel_for, wgrad_accumulate  # noqa: E402
 from fxtron.models.llama import Llama, LlamaConfig  # noqa: E402
 
 SHAPES = [(8192, 4096, 4096), (4096, 4096, 11008), (4096, 11008, 4096), (1000, 1000, 3000), (77, 4096, 4096)]

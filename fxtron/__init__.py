@@ -8,15 +8,22 @@
     mesh = fxtron.Mesh(world_size=8, tp=2, pp=2)            # dp = 2
     pm = fxtron.parallelize(model, mesh, example_inputs=..., microbatches=8, schedule="1f1b")
     print(pm.stages())                                      # which layers each stage runs
+
+    @fxtron.register_rule(torch.ops.aten.cumsum.default)   # an op fxtron has no sharding rule for
+    def cumsum(ctx): ...                                    # see fxtron.passes.rules.registry
+
+The package's layers and where each piece lives: fxtron/README.md.
 """
 from fxtron.api import ParallelModel, parallelize
+from fxtron.core.placement import PARTIAL, REPLICATE, Partial, Replicate, Shard
 from fxtron.errors import LaunchError, ParallelizeError
 from fxtron.mesh import Mesh
+from fxtron.passes.rules import register_rule
+from fxtron.runtime.batch import Microbatches
+from fxtron.runtime.checkpoint import load_full_state_dict
 from fxtron.runtime.groups import ProcessGroups, init_distributed
 from fxtron.runtime.launch import launch
-from fxtron.runtime.checkpoint import load_full_state_dict
-from fxtron.runtime.program import Microbatches
 
 __all__ = ["Mesh", "ParallelModel", "ParallelizeError", "LaunchError", "ProcessGroups",
-           "init_distributed", "launch", "parallelize", "Microbatches",
-           "load_full_state_dict"]
+           "init_distributed", "launch", "parallelize", "Microbatches", "load_full_state_dict",
+           "register_rule", "Replicate", "Shard", "Partial", "REPLICATE", "PARTIAL"]

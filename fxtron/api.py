@@ -21,13 +21,16 @@ import sympy
 
 from fxtron.compiler import pipeline, report
 from fxtron.compiler.show import format_graph
-from fxtron.compiler.trace import BATCH, SEQ, info, trace
+from fxtron.compiler.trace import trace
+from fxtron.core.meta import BATCH, SEQ, info
 from fxtron.errors import ParallelizeError
 from fxtron.mesh import Mesh
+from fxtron.passes.plan import TPPlan, plan as make_tp_plan
+from fxtron.passes.stages import StageAssignment, assign_stages
 from fxtron.runtime import groups as G
-from fxtron.passes.stages import StagePlan, plan_stages
 from fxtron.runtime import schedules
 from fxtron.runtime.buffers import DataParallelOptions
+from fxtron.runtime.build import build_program
 from fxtron.runtime.program import PipelineOptions, Program
 
 
@@ -50,6 +53,7 @@ class Options:
     scatter_gather: bool = False
     data_parallel: DataParallelOptions = DataParallelOptions()
     trace_layers_once: bool = True
+    device: str = "cpu"
 
     def __post_init__(self):
         if self.batch_dim < 0 or (self.seq_dim is not None and self.seq_dim < 0):
@@ -67,7 +71,7 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
                 split_points: list[str] | None = None, scatter_gather: bool = False,
                 bucket_size: int | None = None, grad_reduce_dtype: torch.dtype | None = None,
                 overlap_grad_reduce: bool = True, clip_grad: float | None = None, zero: int = 0,
-                trace_layers_once: bool = True) -> "ParallelModel":
+                trace_layers_once: bool = True, device: str | torch.device | None = None) -> "ParallelModel":
     """Compile `model` for every rank of `mesh`.
 
     model(*example_inputs, **example_kwargs) must return the loss (a scalar tensor, or an
@@ -100,6 +104,11 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
     `trace_layers_once` (default): a model whose layers are one program over different weights
     is exported with two of them and the graph repeats the rest (the same graph, ~10x faster to
     trace a deep model); `pm.summary()` says which way it was traced. False exports it whole.
+
+    `device` ("cuda" or "cpu"; default: cuda where torch sees a GPU) is the device type the
+    programs will run on: the graphs record the kernels chosen for it (a bf16 linear's weight
+    gradient runs the Triton kernel on CUDA). Inspect a GPU job's graphs on a laptop with
+    device="cuda"; a program built on another device records its own kernels.
     """
     if dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
         raise ParallelizeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, not {dtype}")
@@ -107,12 +116,15 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
         raise ParallelizeError(f"mesh must be a fxtron.Mesh, got {type(mesh).__name__}")
     if not isinstance(model, torch.nn.Module):
         raise ParallelizeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    device = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ParallelizeError(f"device must be 'cpu' or 'cuda', not {device!r}")
     options = Options(loss_fn=loss_fn, batch_dim=batch_dim, seq_dim=seq_dim, plan=plan, plan_mode=plan_mode,
                       sequence_parallel=sequence_parallel,
                       gradient_accumulation_fusion=gradient_accumulation_fusion, dtype=dtype,
                       microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
                       split_points=tuple(split_points) if split_points else None, scatter_gather=scatter_gather,
-                      trace_layers_once=trace_layers_once)
+                      trace_layers_once=trace_layers_once, device=device)
     schedules.check(schedule, mesh.pp, microbatches, virtual_stages)
     options = dataclasses.replace(options, data_parallel=DataParallelOptions(
         bucket_size=bucket_size, grad_reduce_dtype=grad_reduce_dtype, overlap_grad_reduce=overlap_grad_reduce,
@@ -169,18 +181,27 @@ class ParallelModel:
         self.options = options
 
     @functools.cached_property
-    def stage_plan(self) -> StagePlan | None:
+    def tp_plan(self) -> TPPlan | None:
+        """The model's tensor-parallel plan (passes/plan.py), made once for every rank: which
+        linears split by columns / rows, every parameter's tp placement. None at tp=1."""
+        if self.mesh.tp == 1:
+            return None
+        return make_tp_plan(self.traced, tp=self.mesh.tp, user_plan=self.options.plan, mode=self.options.plan_mode)
+
+    @functools.cached_property
+    def stage_assignment(self) -> StageAssignment | None:
+        """Which layers each pipeline stage runs (None at pp=1), made once for every rank."""
         if self.mesh.pp == 1:
             return None
-        return plan_stages(self.traced, pp=self.mesh.pp, virtual=self.options.virtual_stages,
-                           split_points=list(self.options.split_points) if self.options.split_points else None)
+        return assign_stages(self.traced, pp=self.mesh.pp, virtual=self.options.virtual_stages,
+                             split_points=list(self.options.split_points) if self.options.split_points else None)
 
-    def stages(self) -> StagePlan:
+    def stages(self) -> StageAssignment:
         """Which layers each pipeline stage runs, with its parameters and FLOPs (`str()` prints
         a table); ParallelizeError without pipeline parallel."""
-        if self.stage_plan is None:
+        if self.stage_assignment is None:
             raise ParallelizeError("the mesh has pp=1: the whole model is one stage")
-        return self.stage_plan
+        return self.stage_assignment
 
     def pipeline_options(self) -> PipelineOptions:
         o = self.options
@@ -212,15 +233,17 @@ class ParallelModel:
         self._check_rank(rank)
         dump = dump or os.environ.get("FXTRON_DUMP")
         if dump:
-            from fxtron.inspect import PassDump
+            from fxtron.inspection import PassDump
             observer = PassDump(dump, rank)
         else:
             observer = None
-        return pipeline.compile_rank(self.traced, self.mesh, rank, user_plan=self.options.plan,
-                                     plan_mode=self.options.plan_mode,
-                                     sequence_parallel=self.options.sequence_parallel,
-                                     gradient_accumulation_fusion=self.options.gradient_accumulation_fusion,
-                                     stage_plan=self.stage_plan, observer=observer)
+        o = self.options
+        return pipeline.compile_rank(
+            self.traced, self.mesh, rank, plan=self.tp_plan, stage_assignment=self.stage_assignment,
+            options=pipeline.CompileOptions(sequence_parallel=o.sequence_parallel,
+                                            gradient_accumulation_fusion=o.gradient_accumulation_fusion,
+                                            device=o.device),
+            observer=observer)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.mesh.world_size:
@@ -238,9 +261,9 @@ class ParallelModel:
             for i, s in enumerate(rg.stages))
 
     def collectives(self, rank: int = 0) -> list[report.CollectiveRecord]:
-        """Every tensor-parallel collective rank issues per step (forward and backward), with
-        its group, local shape and bytes as formulas in B and S; `str()` of
-        `report.format_collectives(...)` prints them as a table."""
+        """Every collective rank issues per step inside its graphs (forward and backward, over
+        whichever mesh axis each communicates), with its group, local shape and bytes as
+        formulas in B and S; `report.format_collectives(...)` prints them as a table."""
         return [r for g in self.compiled(rank).graphs for r in report.collectives(g, self.mesh, rank)]
 
     def summary(self, *, batch: int | None = None, seq: int | None = None) -> str:
@@ -282,7 +305,7 @@ class ParallelModel:
                 f"parameters {sum(p.numel() for p in self.model.parameters()):,} "
                 f"({len(info(self.traced).params)} tensors), graph nodes {len(self.traced.graph.nodes)}\n"
                 f"trace: {info(self.traced).layers}")
-        plan = self.compiled(0).plan
+        plan = self.tp_plan
         if plan is not None:
             # one entry per layer pattern: blocks.0.attn.qkv, blocks.1.attn.qkv -> blocks.*.attn.qkv
             seen: dict[str, str] = {}
@@ -295,7 +318,7 @@ class ParallelModel:
         per = "microbatch" if self.options.microbatches > 1 else "step"
         headers = ["rank", "coords", "params", "param bytes", f"tp collectives / {per}", f"tp wire bytes / {per}",
                    "dp grad sync sent / step"]
-        if self.stage_plan is not None:
+        if self.stage_assignment is not None:
             headers += ["stages", "p2p sent / microbatch"]
             head += f"\nschedule {self._schedule_title()}; bubble over ideal time (formula): " + str(
                 schedules.bubble_fraction_formula(self.options.schedule, self.mesh.pp, self.options.microbatches,
@@ -320,9 +343,8 @@ class ParallelModel:
                 "after fxtron.init_distributed(mesh) under torchrun, or pass groups=")
         if groups is not None and groups.rank != rank:
             raise ParallelizeError(f"program({rank}) built in the process of rank {groups.rank}")
-        rg = self.compiled(rank)
-        return rg.build_program(self.model, rank, groups, seed=seed, dtype=self.options.dtype,
-                                pipeline=self.pipeline_options(), data_parallel=self.options.data_parallel)
+        return build_program(self.model, self.compiled(rank).spec(), groups, seed=seed, dtype=self.options.dtype,
+                             pipeline=self.pipeline_options(), data_parallel=self.options.data_parallel)
 
 
 _fmt_bytes = report.fmt_bytes

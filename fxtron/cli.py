@@ -37,29 +37,29 @@ def _cmd_inspect(a) -> int:
     import json
 
     import fxtron
-    from fxtron import planner
-    from fxtron.inspect import inspect, load_model
+    from fxtron import whatif
+    from fxtron.inspection import inspect, load_model
 
     model, args, kwargs = load_model(a.model)
-    if a.plan:
+    if a.what_if:
         from fxtron.compiler.trace import trace
         traced = trace(model, args, example_kwargs=kwargs)
-        dims = planner.dims_of(traced)
-        hw = planner.Hardware(memory=planner.parse_bytes(a.gpu_memory), flops_per_s=a.flops, efficiency=a.efficiency,
-                              intra_node_bw=a.intra_node_bw, inter_node_bw=a.inter_node_bw,
-                              gpus_per_node=a.gpus_per_node)
-        ps = planner.plans(dims, hw, world=a.world_size, global_batch=a.global_batch, seq=a.seq)
+        dims = whatif.dims_of(traced)
+        hw = whatif.Hardware(memory=whatif.parse_bytes(a.gpu_memory), flops_per_s=a.flops, efficiency=a.efficiency,
+                             intra_node_bw=a.intra_node_bw, inter_node_bw=a.inter_node_bw,
+                             gpus_per_node=a.gpus_per_node)
+        ps = whatif.candidates(dims, hw, world=a.world_size, global_batch=a.global_batch, seq=a.seq)
         if a.json:
-            print(json.dumps({"dims": dims.__dict__, "hardware": hw.__dict__, "plans": [p.as_dict() for p in ps]}))
+            print(json.dumps({"dims": dims.__dict__, "hardware": hw.__dict__, "candidates": [p.as_dict() for p in ps]}))
             return 0
         print(f"{a.model}: {dims.params:,} parameters, {dims.layers} layers, hidden {dims.hidden}, {dims.heads} heads, "
               f"vocab {dims.vocab}; {a.world_size} GPUs, global batch {a.global_batch} x {a.seq} tokens")
         if not ps:
             print(f"no mesh fits in {a.gpu_memory} per GPU; the smallest needs "
-                  f"{min(p.memory_bytes for p in planner.plans(dims, hw, world=a.world_size, global_batch=a.global_batch, seq=a.seq, fits_only=False)) / 2**30:.1f} GiB")
+                  f"{min(p.memory_bytes for p in whatif.candidates(dims, hw, world=a.world_size, global_batch=a.global_batch, seq=a.seq, fits_only=False)) / 2**30:.1f} GiB")
             return 1
         print(f"{len(ps)} meshes fit, fastest first (modeled):")
-        print(planner.format_plans(ps, hw, top=a.top))
+        print(whatif.format_candidates(ps, hw, top=a.top))
         return 0
     mesh = fxtron.Mesh(a.world_size, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep)
     m = a.microbatches or (2 * a.pp if a.pp > 1 else 1)
@@ -123,15 +123,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-graph", action="store_true", help="leave the per-rank graph out of the text")
     p.add_argument("--dump", default=None, help="write the graph after every pass to this directory")
     p.add_argument("--svg", default=None, help="draw the rank's graph to this .svg (or .png) file")
-    p.add_argument("--plan", action="store_true", help="what-if: the meshes of --world-size that fit, fastest first")
+    p.add_argument("--what-if", "--plan", dest="what_if", action="store_true",
+                   help="the meshes of --world-size that fit, fastest first (modeled)")
     p.add_argument("--gpu-memory", default="80GiB")
-    p.add_argument("--global-batch", type=int, default=512, help="sequences per step (--plan)")
-    p.add_argument("--flops", type=float, default=312e12, help="peak FLOP/s per GPU (--plan)")
-    p.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak reached (--plan)")
-    p.add_argument("--intra-node-bw", type=float, default=300e9, help="bytes/s per GPU inside a node (--plan)")
-    p.add_argument("--inter-node-bw", type=float, default=25e9, help="bytes/s per GPU between nodes (--plan)")
+    p.add_argument("--global-batch", type=int, default=512, help="sequences per step (--what-if)")
+    p.add_argument("--flops", type=float, default=312e12, help="peak FLOP/s per GPU (--what-if)")
+    p.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak reached (--what-if)")
+    p.add_argument("--intra-node-bw", type=float, default=300e9, help="bytes/s per GPU inside a node (--what-if)")
+    p.add_argument("--inter-node-bw", type=float, default=25e9, help="bytes/s per GPU between nodes (--what-if)")
     p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--top", type=int, default=10, help="plans to list")
+    p.add_argument("--top", type=int, default=10, help="meshes to list (--what-if)")
     p.set_defaults(fn=_cmd_inspect)
 
     p = sub.add_parser("bench", help="run the benchmark suite and print every figure beside its baseline")

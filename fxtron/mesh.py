@@ -1,4 +1,4 @@
-"""Runtime layout: Megatron-LM's parallel state (`megatron/core/parallel_state.py`) as an immutable value.
+"""Core: the rank layout, Megatron-LM's parallel state (`megatron/core/parallel_state.py`) as an immutable value.
 
 A `Mesh` says how `world_size` ranks are split into tensor (tp), pipeline (pp), context (cp),
 expert (ep) and data (dp) parallel groups, and lists those groups exactly as Megatron's
@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from fxtron.core.axes import MESH_AXES, MeshView
 from fxtron.errors import ParallelizeError
 
 #: The axis names `order` may use.
@@ -363,6 +364,12 @@ class Mesh:
         d, e = self._dense.coords(rank), self._expert.coords(rank)
         return {"tp": d["tp"], "cp": d["cp"], "dp": d["dp"], "pp": d["pp"],
                 "ep": e["ep"], "edp": e["dp"], "etp": e["tp"]}
+
+    def view(self, rank: int) -> MeshView:
+        """The mesh as rank's compilation passes see it: every axis's size and the rank's
+        coordinate on it (the dense layout's; ep from the expert layout)."""
+        c = self.coords(rank)
+        return MeshView(rank, {a: getattr(self, a) for a in MESH_AXES}, {a: c[a] for a in MESH_AXES})
 
     def rank_of(self, *, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0,
                 ep: int | None = None, edp: int | None = None, etp: int | None = None) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import fxtron
-from fxtron.compiler import meta
+from fxtron.core import meta
 from fxtron.models import build, example_inputs
 
 
@@ -49,7 +49,7 @@ def test_programs_run_the_ops_in_their_run_time_forms():
     """The inspected graph keeps fxtron::linear; the program's own copy calls its run-time
     form (an autograd Function, no custom-op dispatch), whose values, input gradients and
     main_grad accumulation equal the op's."""
-    from fxtron.codegen.linear import linear_eager
+    from fxtron.ops.linear import linear_eager
     pm, prog = _prog(True)
     assert any(n.target == torch.ops.fxtron.linear.default for n in pm.compiled(0).gm.graph.nodes)
     targets = {n.target for n in prog.graph_module.graph.nodes if n.op == "call_function"}

@@ -11,7 +11,7 @@ import pathlib
 import pytest
 
 import fxtron
-from fxtron import planner
+from fxtron import whatif
 from fxtron.cli import main
 from fxtron.models import PRESETS, build, example_inputs
 
@@ -75,16 +75,16 @@ def test_cli_inspect_text_and_dumps(tmp_path, capsys):
     assert "groups of this rank" in out and "all_reduce" in out and "bubble over ideal time" in out
     files = sorted((tmp_path / "dump" / "rank2").iterdir())
     names = [f.name for f in files]
-    for p in ("plan", "propagate", "insert_collectives", "localize", "fuse_linears", "split_stages"):
+    for p in ("plan", "propagate", "insert_redistributions", "localize", "fuse_linears", "split_stages"):
         assert any(p in n for n in names), names
-    inserted = next(f for f in files if "insert_collectives" in f.name).read_text()
-    assert inserted.startswith("# fxtron: graph after pass `insert_collectives`") and "fxtron.all_reduce" in inserted
+    inserted = next(f for f in files if "insert_redistributions" in f.name).read_text()
+    assert inserted.startswith("# fxtron: graph after pass `insert_redistributions`") and "fxtron.all_reduce" in inserted
     assert "fxtron.all_reduce" not in next(f for f in files if "propagate" in f.name).read_text().split("\n\n", 1)[1]
     assert (tmp_path / "rank2.svg").read_text().lstrip().startswith("<?xml")
 
 
-def test_cli_plan(capsys):
-    rc = main(["inspect", "llama-small", "--world-size", "16", "--plan", "--gpu-memory", "1GiB",
+def test_cli_what_if(capsys):
+    rc = main(["inspect", "llama-small", "--world-size", "16", "--what-if", "--gpu-memory", "1GiB",
                "--global-batch", "64", "--seq", "256"])
     out = capsys.readouterr().out
     assert rc == 0, out
@@ -95,40 +95,40 @@ def test_cli_plan(capsys):
 def test_planner_formulas_against_papers():
     # Korthikanti: 5as/h = 80 for GPT-3 (a=96, s=2048, h=12288); Eq. 1 = sbh(34 + 80)
     s, b, h, a = 2048, 1, 12288, 96
-    assert planner.activation_bytes_per_layer(s, b, h, a, 1, False) == s * b * h * (34 + 80)
+    assert whatif.activation_bytes_per_layer(s, b, h, a, 1, False) == s * b * h * (34 + 80)
     # Eq. 4 is Eq. 1 / t; Eq. 2 keeps 10 sbh unsplit
-    assert planner.activation_bytes_per_layer(s, b, h, a, 8, True) == pytest.approx(s * b * h * (34 + 80) / 8)
-    assert planner.activation_bytes_per_layer(s, b, h, a, 8, False) == pytest.approx(s * b * h * (10 + 3 + 10))
+    assert whatif.activation_bytes_per_layer(s, b, h, a, 8, True) == pytest.approx(s * b * h * (34 + 80) / 8)
+    assert whatif.activation_bytes_per_layer(s, b, h, a, 8, False) == pytest.approx(s * b * h * (10 + 3 + 10))
     # Narayanan Eq. 2 reproduces Table 1's parameter counts (V=51200, s=2048) to the digit shown
     for billions, hidden, layers in [(1.7, 2304, 24), (3.6, 3072, 30), (7.5, 4096, 36), (18.4, 6144, 40),
                                      (39.1, 8192, 48), (76.1, 10240, 60), (145.6, 12288, 80), (310.1, 16384, 96),
                                      (529.6, 20480, 105), (1008.0, 25600, 128)]:
-        assert round(planner.narayanan_params(layers, hidden, 51200, 2048) / 1e9, 1) == billions
+        assert round(whatif.narayanan_params(layers, hidden, 51200, 2048) / 1e9, 1) == billions
     # interleaving multiplies the first stage's activations by 1 + (p-1)/(p v)
-    dims = planner.ModelDims(layers=96, hidden=h, heads=a, vocab=51200, params=175_000_000_000)
-    one = planner.first_stage_activation_bytes(dims, s, 1, 8, True, 8)
-    assert planner.first_stage_activation_bytes(dims, s, 1, 8, True, 8, v=3) == pytest.approx(one * (1 + 7 / 24))
+    dims = whatif.ModelDims(layers=96, hidden=h, heads=a, vocab=51200, params=175_000_000_000)
+    one = whatif.first_stage_activation_bytes(dims, s, 1, 8, True, 8)
+    assert whatif.first_stage_activation_bytes(dims, s, 1, 8, True, 8, v=3) == pytest.approx(one * (1 + 7 / 24))
     # Eq. 7 model FLOPs; Megatron's mixed-precision weights: 18 bytes/param, 6 + 12/dp with zero
-    assert planner.model_flops(dims, 1, s) == pytest.approx(72 * 96 * s * h * h * (1 + s / (6 * h) + 51200 / (12 * h * 96)))
-    assert planner.weight_bytes(1e9, 8, 0) == 18e9 and planner.weight_bytes(1e9, 8, 1) == 7.5e9
+    assert whatif.model_flops(dims, 1, s) == pytest.approx(72 * 96 * s * h * h * (1 + s / (6 * h) + 51200 / (12 * h * 96)))
+    assert whatif.weight_bytes(1e9, 8, 0) == 18e9 and whatif.weight_bytes(1e9, 8, 1) == 7.5e9
 
 
 def test_planner_hand_computed_plan():
-    dims = planner.ModelDims(layers=4, hidden=1024, heads=16, vocab=32000, params=100_000_000)
-    hw = planner.Hardware(memory=2**40, flops_per_s=1e12, efficiency=1.0, intra_node_bw=1e9, inter_node_bw=1e8)
-    p = planner.rate(dims, hw, world=8, tp=2, pp=2, sp=False, schedule="1f1b", v=1, global_batch=8, seq=128,
+    dims = whatif.ModelDims(layers=4, hidden=1024, heads=16, vocab=32000, params=100_000_000)
+    hw = whatif.Hardware(memory=2**40, flops_per_s=1e12, efficiency=1.0, intra_node_bw=1e9, inter_node_bw=1e8)
+    p = whatif.rate(dims, hw, world=8, tp=2, pp=2, sp=False, schedule="1f1b", v=1, global_batch=8, seq=128,
                      micro_batch=1, zero=0)
     assert (p.dp, p.microbatches) == (2, 4)
     assert p.weights_bytes == 100e6 / 4 * 18
-    assert p.compute_s == pytest.approx(planner.model_flops(dims, 8, 128) / 8 / 1e12)
+    assert p.compute_s == pytest.approx(whatif.model_flops(dims, 8, 128) / 8 / 1e12)
     assert p.bubble_s == pytest.approx(p.compute_s * 1 / 4)
     assert p.tp_comm_s == pytest.approx(4 * 2 * 0.5 * 128 * 1024 * 2 * 2 * 4 / 1e9)      # 4 AR x layers 2 x m 4
     assert p.pp_comm_s == pytest.approx(2 * 128 * 1024 * 2 * 4 / 1e8)
     assert p.dp_comm_s == pytest.approx(2 * 0.5 * 100e6 / 4 * 4 / 1e8)
-    ranked = planner.plans(dims, hw, world=8, global_batch=8, seq=128)
+    ranked = whatif.candidates(dims, hw, world=8, global_batch=8, seq=128)
     assert ranked == sorted(ranked, key=lambda q: (q.step_s, q.memory_bytes))
     assert {(q.tp, q.pp, q.dp) for q in ranked} >= {(1, 1, 8), (2, 2, 2), (8, 1, 1), (2, 4, 1)}
-    tight = planner.plans(dims, planner.Hardware(memory=600e6), world=8, global_batch=8, seq=128)
+    tight = whatif.candidates(dims, whatif.Hardware(memory=600e6), world=8, global_batch=8, seq=128)
     assert tight and all(q.memory_bytes <= 600e6 for q in tight)
     keys = {(q.tp, q.pp, q.dp, q.zero) for q in tight}
     assert (1, 1, 8, 0) not in keys          # 100M x 18 B = 1.8 GB
@@ -139,7 +139,7 @@ def test_planner_hand_computed_plan():
 def test_planner_reads_dims_from_the_graph():
     from fxtron.compiler.trace import trace
     traced = trace(build("llama-7b", device="meta"), example_inputs("llama-7b", 1, 16, device="meta"))
-    dims = planner.dims_of(traced)
+    dims = whatif.dims_of(traced)
     assert (dims.layers, dims.hidden, dims.heads, dims.vocab) == (32, 4096, 32, 32000)
     assert dims.params == pytest.approx(6.74e9, rel=0.01)
 

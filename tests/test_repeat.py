@@ -10,8 +10,9 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from fxtron.compiler import meta
-from fxtron.compiler.trace import info, trace
+from fxtron.core import meta
+from fxtron.compiler.trace import trace
+from fxtron.core.meta import info
 from tp_models import MORE_NAMES, NAMES, batch, loss_of, make
 
 

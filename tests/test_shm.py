@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import fxtron
-from fxtron.runtime import shm
+from fxtron.ops import shm
 from fxtron.runtime.groups import groups_for
 from fxtron.testing import run_on_ranks
 from tp_models import batch, make

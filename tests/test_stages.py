@@ -9,7 +9,7 @@ import torch
 
 import fxtron
 from fxtron import ParallelizeError
-from fxtron.compiler import meta
+from fxtron.core import meta
 from fxtron.passes.stages import _balanced
 from tp_models import batch, make
 
@@ -161,8 +161,9 @@ def test_model_without_layers_raises():
 
 def test_pipeline_program_has_no_plain_forward():
     pm = _pm("gpt", fxtron.Mesh(2, pp=2))
+    from fxtron.runtime.build import build_program
     rg = pm.compiled(0)
-    prog = rg.build_program(pm.model, 0, None, pipeline=pm.pipeline_options())
+    prog = build_program(pm.model, rg.spec(), None, pipeline=pm.pipeline_options())
     assert set(n for n, _ in prog.named_parameters()) == set(rg.local)
     with pytest.raises(ParallelizeError, match="train_step"):
         prog(*batch("gpt", 2, 8, seed=0)[0])

@@ -152,12 +152,12 @@ def test_dropout_keeps_replicas_identical_and_seeds_repeat(results):
 
 
 def _streams_job(rank: int):
-    from fxtron.runtime.rng import RNGStreams, rng_call
-    streams = RNGStreams(seed=3, tp_rank=rank)
+    from fxtron.ops.rng import RNGStreams, rng_call
+    streams = RNGStreams(seed=3, coords={"tp": rank}, sizes={"tp": 2})
     x = torch.ones(1000)
     with streams.active():
         rep = rng_call("replicated", torch.ops.aten.dropout.default, x, 0.5, True)
-        shd = rng_call("sharded", torch.ops.aten.dropout.default, x, 0.5, True)
+        shd = rng_call("sharded:tp", torch.ops.aten.dropout.default, x, 0.5, True)
     return rep, shd
 
 
@@ -168,7 +168,7 @@ def test_sharded_stream_differs_per_rank_replicated_stream_does_not():
 
 
 def test_meta_model_is_initialized_shard_by_shard(results):
-    from fxtron.compiler.pipeline import _MetaMaterializer
+    from fxtron.runtime.materialize import MetaMaterializer
     from fxtron.models import build
     mesh = MESHES[2][0]
     r0, r1 = results[(str(mesh), "meta", 0)], results[(str(mesh), "meta", 1)]
@@ -176,7 +176,7 @@ def test_meta_model_is_initialized_shard_by_shard(results):
     assert r0["local"]["wte.weight"] == (128, 64)
     assert torch.isfinite(torch.tensor(r0["loss"]))
     # both ranks cut their shards from the same full initialization (made module by module)
-    expected = _MetaMaterializer(build("gpt-tiny", device="meta"), seed=0)
+    expected = MetaMaterializer(build("gpt-tiny", device="meta"), seed=0)
     for name in ("wte.weight", "blocks.0.attn.qkv.weight", "blocks.1.mlp.fc2.weight", "blocks.0.ln1.weight"):
         assert torch.equal(r0["state"][name], r1["state"][name]), name
         assert torch.equal(r0["state"][name], expected.full(name)), name

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import fxtron
-from fxtron.compiler import meta
+from fxtron.core import meta
 from fxtron.compiler.report import count
 from fxtron.passes.plan import Colwise
-from fxtron.runtime import shard as shard_math
+from fxtron.core import layout as shard_math
 from tp_models import batch, make
 
 
@@ -55,7 +55,7 @@ def test_two_all_reduces_per_layer_and_no_logit_gather(name):
     pm = _pm(name, 2)
     recs = pm.collectives(1)
     h, layers = HIDDEN[name], 2
-    from fxtron.compiler.trace import BATCH, SEQ
+    from fxtron.core.meta import BATCH, SEQ
     bsh = BATCH * SEQ * h * 4   # fp32 bytes of a (B, S, h) activation
     fwd = [r for r in recs if r.phase == "forward" and r.kind == "all_reduce" and r.op == "all_reduce"]
     bwd = [r for r in recs if r.phase == "backward" and r.kind == "all_reduce"]
@@ -77,9 +77,10 @@ def test_fused_qkv_gives_each_rank_whole_heads_of_q_k_and_v():
     pm = _pm("gpt", 2)
     rg = pm.compiled(1)
     node = next(n for n in rg.gm.graph.nodes if n.name == "blocks_0_attn_qkv_weight")
-    assert str(meta.get(node, meta.PLACEMENT)) == "S(0,x3)"
+    assert str(meta.placement(node, "tp")) == "S(0,x3)"
     full = torch.arange(3 * 64).float()[:, None].expand(192, 64)
-    local = rg.slicers["blocks.0.attn.qkv.weight"](full)[:, 0]
+    view = pm.mesh.view(1)
+    local = rg.local["blocks.0.attn.qkv.weight"].local_of(full, view.sizes, view.coords)[:, 0]
     # rank 1 holds heads 2..3 (rows 32..63) of each of q, k, v
     expected = torch.cat([torch.arange(32, 64), torch.arange(96, 128), torch.arange(160, 192)]).float()
     assert torch.equal(local, expected)
@@ -91,14 +92,15 @@ def test_unequal_fused_qkv_gives_each_rank_whole_heads_of_q_k_and_v():
     rg = _pm("hf-phi3", 2).compiled(1)
     name = "model.layers.0.self_attn.qkv_proj.weight"
     node = next(n for n in rg.gm.graph.nodes if meta.get(n, meta.INPUT) and meta.get(n, meta.INPUT).target == name)
-    assert str(meta.get(node, meta.PLACEMENT)) == "S(0,2:1:1)"
-    local = rg.slicers[name](torch.arange(128).float()[:, None].expand(128, 64))[:, 0]
+    assert str(meta.placement(node, "tp")) == "S(0,2:1:1)"
+    view = rg.mesh.view(1)
+    local = rg.local[name].local_of(torch.arange(128).float()[:, None].expand(128, 64), view.sizes, view.coords)[:, 0]
     expected = torch.cat([torch.arange(32, 64), torch.arange(80, 96), torch.arange(112, 128)]).float()
     assert torch.equal(local, expected)       # query heads 4-7, kv heads 2-3 of k and of v
     slices = [n for n in rg.gm.graph.nodes if n.target == torch.ops.aten.slice.Tensor
               and n.args[0].target == torch.ops.fxtron.linear.default]
     assert [tuple(n.args[2:4]) for n in slices[:3]] == [(0, 32), (32, 48), (48, 2**63 - 1)]
-    assert [str(meta.get(n, meta.PLACEMENT)) for n in slices[:3]] == ["S(2)"] * 3
+    assert [str(meta.placement(n, "tp")) for n in slices[:3]] == ["S(2)"] * 3
 
 
 def test_local_shapes_stay_symbolic_with_the_tp_division():
@@ -110,7 +112,7 @@ def test_local_shapes_stay_symbolic_with_the_tp_division():
     assert "fxtron.vocab_parallel_cross_entropy" in text
     for node in pm.compiled(0).gm.graph.nodes:   # every node a pass made says which pass
         if node.op == "call_function" and str(node.target).startswith("fxtron."):
-            expected = "fuse_linears" if node.target == torch.ops.fxtron.linear.default else "insert_collectives"
+            expected = "fuse_linears" if node.target == torch.ops.fxtron.linear.default else "insert_redistributions"
             assert meta.get(node, meta.PROVENANCE).pass_name == expected
 
 
@@ -218,7 +220,7 @@ def test_llama_7b_on_64_ranks_compiles_without_processes():
 
 @pytest.mark.parametrize("name", ["gpt", "llama", "hf-llama"])
 def test_sequence_parallel_swaps_all_reduces_for_gathers_and_scatters(name):
-    from fxtron.compiler.trace import BATCH, SEQ
+    from fxtron.core.meta import BATCH, SEQ
     tp_only, sp = _pm(name, 2), _pm(name, 2, sequence_parallel=True)
     recs = sp.collectives(0)
     h = HIDDEN[name]
@@ -242,10 +244,10 @@ def test_sequence_parallel_swaps_all_reduces_for_gathers_and_scatters(name):
     assert not [r for r in recs if r.op == "copy_to_region" and r.shape == (h,)]
     # (so are the rowwise biases added on sequence shards, as Megatron marks them sequence_parallel)
     local = sp.compiled(0).local
-    partial = [n for n, spec in local.items() if spec.tp_partial]
+    partial = [n for n, spec in local.items() if "tp" in spec.partial_grad]
     assert len([n for n in partial if "norm" in n or "ln" in n]) >= 2 * 2 + 1, partial
     assert all(len(local[n].full_shape) == 1 for n in partial), partial
-    assert not [n for n, spec in tp_only.compiled(0).local.items() if spec.tp_partial]
+    assert not [n for n, spec in tp_only.compiled(0).local.items() if spec.partial_grad]
 
 
 def sympy_equal(a, b) -> bool:

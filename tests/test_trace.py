@@ -9,8 +9,9 @@ import sympy
 import torch
 
 import fxtron
-from fxtron.compiler import meta
-from fxtron.compiler.trace import BATCH, SEQ, info, trace
+from fxtron.core import meta
+from fxtron.compiler.trace import trace
+from fxtron.core.meta import BATCH, SEQ, info
 from fxtron.models import build, example_inputs
 
 

@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fxtron.codegen import wgrad
-from fxtron.codegen.wgrad import TORCH_KERNEL, TRITON_KERNEL, kernel_for, wgrad_accumulate
+from fxtron.ops import wgrad
+from fxtron.ops.wgrad import TORCH_KERNEL, TRITON_KERNEL, kernel_for, wgrad_accumulate
 
 RTOL = 1e-5
 REPO = Path(__file__).resolve().parents[1]

@@ -1,5 +1,7 @@
-"""fxtron.codegen: per-rank code generation — linears whose weight gradients accumulate into
-fp32 main_grad (`fuse_linears`), through `wgrad_accumulate` (Triton GEMM on CUDA, addmm_ on CPU)."""
-from fxtron.codegen.wgrad import kernel_for, wgrad_accumulate
+"""fxtron.codegen: per-rank code generation -- linears rewritten to the fused
+weight-gradient-accumulation op, each with the kernel it runs (ops/wgrad.py: a Triton GEMM on
+CUDA, addmm_ on CPU)."""
+from fxtron.codegen.fuse import fuse_linears, fused_weights
+from fxtron.ops.wgrad import kernel_for, wgrad_accumulate
 
-__all__ = ["kernel_for", "wgrad_accumulate"]
+__all__ = ["fuse_linears", "fused_weights", "kernel_for", "wgrad_accumulate"]

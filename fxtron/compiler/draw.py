@@ -11,7 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch.fx as fx  # noqa: E402
 
-from fxtron.compiler import meta  # noqa: E402
+from fxtron.core import meta  # noqa: E402
+from fxtron.ops import registry  # noqa: E402
 
 
 def _label(node: fx.Node) -> str:
@@ -21,13 +22,13 @@ def _label(node: fx.Node) -> str:
 
 
 def _is_collective(node: fx.Node) -> bool:
-    return node.op == "call_function" and str(node.target).startswith("fxtron.") and "linear" not in str(node.target)
+    spec = registry.spec_of(node.target) if node.op == "call_function" else None
+    return spec is not None and (spec.forward is not None or spec.backward is not None)
 
 
 def draw_graph(gm: fx.GraphModule, path: str, title: str = "") -> str:
     """Draw `gm` to `path` (.svg or .png); returns the path."""
-    nodes = [n for n in gm.graph.nodes
-             if not (n.op == "placeholder" and (meta.get(n, meta.INPUT) or meta.InputSpec("user", "")).kind == "parameter")]
+    nodes = [n for n in gm.graph.nodes if not meta.is_param(n)]
     index = {n: i for i, n in enumerate(nodes)}
     last_use = {n: max([index[u] for u in n.users if u in index], default=index[n]) for n in nodes}
     lanes: dict[fx.Node, int] = {}
@@ -50,7 +51,7 @@ def draw_graph(gm: fx.GraphModule, path: str, title: str = "") -> str:
             ux, uy = lanes[u], -index[u]
             ax.plot([x, x, ux], [y, uy + 0.3, uy], color="#BBBBBB", linewidth=0.6, zorder=1)
             pl = meta.get(n, meta.PLACEMENT)
-            if pl is not None and ux != x:
+            if pl is not None and str(pl) and ux != x:
                 ax.text((x + ux) / 2, uy + 0.35, str(pl), fontsize=5, color="#555555", ha="center")
         params = [a for a in n.all_input_nodes if a not in index]
         text = _label(n) + (f"  [{', '.join(a.name for a in params)}]" if params else "")

@@ -32,7 +32,8 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fxtron.compiler import meta
+from fxtron.core import meta
+from fxtron.core.meta import info
 
 _LIFTED = re.compile(r"lifted_tensor_[0-9x]+(?=$|#)")   # export's name for a tensor constant
 MIN_LAYERS = 3   # with two layers the twin is the model
@@ -256,7 +257,6 @@ def expand(gm: fx.GraphModule, path: str, n_layers: int, buffers: dict[str, torc
     order), fed by the layer before, and what came after layer 1 reads the last layer.
     `buffers`: the model's non-persistent buffers by name (the copies' constants). Raises
     NotRepeatable, before changing anything, where layer 1 is not layer 0 node for node."""
-    from fxtron.compiler.trace import info
 
     ti = info(gm)
     graph = gm.graph
@@ -383,7 +383,6 @@ def expand(gm: fx.GraphModule, path: str, n_layers: int, buffers: dict[str, torc
 def _name_inputs(gm: fx.GraphModule) -> None:
     """TraceInfo's parameter and buffer lists in placeholder order; lifted constants numbered
     in that order, and every placeholder named, as a whole export names them."""
-    from fxtron.compiler.trace import info
 
     ti = info(gm)
     specs = [(node, meta.get(node, meta.INPUT)) for node in gm.graph.find_nodes(op="placeholder")]

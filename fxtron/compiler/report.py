@@ -13,18 +13,18 @@ import sympy
 import torch.fx as fx
 from tabulate import tabulate
 
-from fxtron.compiler import meta
+from fxtron.core import meta
+from fxtron.core.meta import BATCH, SEQ
 from fxtron.mesh import Mesh
-from fxtron.runtime.collectives import COLLECTIVE_OPS
-
-_GROUP_ARG = "tp"
+from fxtron.ops import registry
 
 
 @dataclass(frozen=True)
 class CollectiveRecord:
     """One collective a rank issues per step: `node` in the per-rank graph, forward or
     backward, its kind and count, its group (kind and global ranks), the local shape of the
-    tensor it carries, and the bytes of that tensor and on the wire (sympy in B, S)."""
+    tensor it carries, and the bytes of that tensor and on the wire (sympy in B, S). `group`
+    is the mesh axis the op communicates over (its group kind: "tp", "cp", ...)."""
 
     node: str
     op: str
@@ -40,7 +40,6 @@ class CollectiveRecord:
 
     def evaluate(self, batch: int, seq: int) -> tuple[int, int]:
         """(payload bytes, wire bytes) at a concrete batch and sequence length."""
-        from fxtron.compiler.trace import BATCH, SEQ
         sub = {BATCH: batch, SEQ: seq}
         return int(self.payload_bytes.subs(sub)), int(sympy.ceiling(self.wire_bytes.subs(sub)))
 
@@ -53,39 +52,39 @@ def _numel(shape) -> sympy.Expr:
 
 
 def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRecord]:
-    """Every collective of the per-rank graph `gm`, forward and backward, in graph order."""
+    """Every collective of the per-rank graph `gm`, forward and backward, in graph order: what
+    each registered op (ops.registry) says it communicates, over the group of `rank` on the
+    axis the op names."""
     out = []
     for node in gm.graph.nodes:
-        if node.op != "call_function" or not str(node.target).startswith("fxtron."):
+        if node.op != "call_function":
             continue
-        name = str(node.target).split(".")[1]
-        spec = COLLECTIVE_OPS.get(name)
+        spec = registry.spec_of(node.target)
         if spec is None:
             continue
-        ranks = tuple(mesh.group_of("tp", rank))
+        axis = registry.axis_of(node)
+        ranks = tuple(mesh.group_of(axis, rank)) if axis else (rank,)
         n = len(ranks)
         for phase in ("forward", "backward"):
-            kind = spec[phase]
-            if kind is None:
+            comm = getattr(spec, phase)
+            if comm is None:
                 continue
-            payload = spec.get(f"{phase}_payload")
-            src = node.args[0] if payload in ("input", "grad_input", "rows") else node
+            src = node.args[0] if comm.payload in ("input", "grad_input", "rows") else node
             shape = meta.get(src, meta.LOCAL_SHAPE) or ()
-            if payload == "rows":
+            if comm.payload == "rows":
                 shape, itemsize = tuple(shape[:-1]), 4      # one float32 per logits row
-            elif payload in ("output", "grad_output") and kind == "all_gather":
+            elif comm.payload in ("output", "grad_output") and comm.kind == "all_gather":
                 shape = meta.get(node, meta.LOCAL_SHAPE)
                 itemsize = node.meta["val"].dtype.itemsize
             else:
                 itemsize = src.meta["val"].dtype.itemsize
             elems = _numel(shape)
             nbytes = elems * itemsize
-            factor = sympy.Rational(2 * (n - 1), n) if kind == "all_reduce" else sympy.Rational(n - 1, n)
-            count = spec[f"{phase}_count"]
+            factor = sympy.Rational(2 * (n - 1), n) if comm.kind == "all_reduce" else sympy.Rational(n - 1, n)
             out.append(CollectiveRecord(
-                node=node.name, op=name, phase=phase, kind=kind, count=count, group="tp", ranks=ranks,
-                shape=tuple(shape), payload_bytes=sympy.simplify(count * nbytes),
-                wire_bytes=sympy.simplify(count * factor * nbytes), module=meta.get(node, meta.MODULE) or ""))
+                node=node.name, op=spec.name, phase=phase, kind=comm.kind, count=comm.count, group=axis or "",
+                ranks=ranks, shape=tuple(shape), payload_bytes=sympy.simplify(comm.count * nbytes),
+                wire_bytes=sympy.simplify(comm.count * factor * nbytes), module=meta.get(node, meta.MODULE) or ""))
     return out
 
 

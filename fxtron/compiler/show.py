@@ -1,12 +1,12 @@
-"""Compiler: readable renderings of per-rank graphs (`pm.graph(rank)`, dumps)."""
+"""Compiler: readable renderings of per-rank graphs (`pm.graph(rank)`, dumps); placements print per
+mesh axis (`tp:S(0,x3)`)."""
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
 from tabulate import tabulate
 
-from fxtron.compiler import meta
-from fxtron.passes.placement import describe
+from fxtron.core import meta
 
 
 def _target(node: fx.Node) -> str:
@@ -51,7 +51,7 @@ def format_graph(gm: fx.GraphModule, *, title: str = "") -> str:
         placement = meta.get(node, meta.PLACEMENT)
         shown = node if getattr(node.target, "__name__", "") != "rng_call" else _Shifted(node)
         rows.append(["%" + node.name, _target(node), _args(shown) if node.op != "placeholder" else "",
-                     shape_s, "" if placement is None else describe(placement),
+                     shape_s, "" if placement is None else str(placement),
                      meta.get(node, meta.KERNEL) or "", where])
     table = tabulate(rows, headers=["node", "op", "args", "local shape", "placement", "kernel", "module / param"],
                      tablefmt="simple")

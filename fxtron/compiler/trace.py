@@ -4,11 +4,10 @@ The result's placeholders are the model's parameters and buffers (lifted, in a f
 then the flattened user inputs; its one output is the scalar loss. Batch and sequence dims of
 every user input are symbolic (one symbol `B` for dim 0 and one `S` for dim 1 of all inputs),
 so one compiled program serves any batch size and sequence length. What the graph's inputs
-mean is kept in `gm.meta["fxtron_trace"]` (a TraceInfo) and per placeholder in node.meta.
+mean is kept in `gm.meta["fxtron_trace"]` (a core.meta.TraceInfo) and per placeholder in node.meta.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import sympy
@@ -18,51 +17,10 @@ import torch.utils._pytree as pytree
 from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from fxtron.compiler import meta, repeat
+from fxtron.compiler import repeat
+from fxtron.core import meta
+from fxtron.core.meta import BATCH, SEQ, TRACE_INFO, TraceInfo, info
 from fxtron.errors import ParallelizeError
-
-TRACE_INFO = "fxtron_trace"
-BATCH, SEQ = sympy.Symbol("B", positive=True, integer=True), sympy.Symbol("S", positive=True, integer=True)
-
-
-@dataclass
-class TraceInfo:
-    """What the traced graph's inputs and outputs are.
-
-    params / buffers: names in placeholder order (each placeholder's node.meta fxtron_input
-    says the same). aliases: tied names -> the canonical name they share storage with.
-    user_dims: per tensor user input, the role of each dim ('batch', 'seq' or None).
-    symbols: export's shape symbols -> fxtron's readable ones (B, S).
-    in_spec: pytree spec of (args, kwargs); statics: its leaves, None where a tensor goes
-    (non-tensor leaves were baked into the graph).
-    buffer_mutations: output index -> buffer name written back after forward.
-    layers: whether the layers were traced once and repeated, or why the model was traced whole.
-    """
-
-    params: list[str]
-    buffers: list[str]
-    user_dims: list[tuple[str | None, ...]]
-    symbols: dict[sympy.Symbol, sympy.Symbol]
-    in_spec: Any
-    statics: list = field(default_factory=list)
-    aliases: dict[str, str] = field(default_factory=dict)
-    buffer_mutations: dict[int, str] = field(default_factory=dict)
-    constants: dict[str, torch.Tensor] = field(default_factory=dict)
-    layers: str = ""   # how the layers were traced: repeated from two, or why the model was traced whole
-
-    @property
-    def n_user_inputs(self) -> int:
-        return len(self.user_dims)
-
-    def expr(self, size) -> sympy.Expr:
-        """A dim of a `val` (int or SymInt) as a sympy expression in B and S."""
-        if isinstance(size, torch.SymInt):
-            return sympy.sympify(size.node.expr).xreplace(self.symbols)
-        return sympy.Integer(int(size))
-
-    def shape(self, val) -> tuple[sympy.Expr, ...]:
-        return tuple(self.expr(s) for s in val.shape)
-
 
 def default_loss(output: Any) -> torch.Tensor:
     """The loss inside a model's output: a scalar tensor, `.loss`, or `["loss"]`."""
@@ -292,9 +250,4 @@ def _clean_path(path: str) -> str:
     return _strip(path) if path != "model" else ""
 
 
-def info(gm: fx.GraphModule) -> TraceInfo:
-    """The TraceInfo that `trace` attached to a graph module (and passes carry along)."""
-    try:
-        return gm.meta[TRACE_INFO]
-    except KeyError:
-        raise ParallelizeError("this GraphModule was not made by fxtron.compiler.trace") from None
+__all__ = ["BATCH", "SEQ", "TraceInfo", "default_loss", "info", "trace"]

@@ -1,7 +1,8 @@
-"""Passes, tensor parallel step 1: the split plan — which linears split by columns, which by
-rows, which embeddings by vocabulary — found on the traced graph (Megatron's pattern) or given
-by the user keyed by module path. The plan is data: `{module path: style}` plus the placement
-of every parameter; `propagate` and `insert_collectives` apply it.
+"""Passes, tensor parallel: the split plan -- which linears split by columns, which by rows,
+which embeddings by vocabulary -- found on the traced graph (Megatron's pattern) or given by
+the user keyed by module path. The plan is data, computed once per model (not per rank) and
+immutable: `{module path: style}`, each layer's graph node by name, and the tp placement of
+every parameter; the tensor-parallel passes (passes/tensor_parallel.py) apply it.
 
 How the pattern is found, with no knowledge of the model's code:
 - a linear whose output reaches a residual add (an add whose other operand was computed before
@@ -22,14 +23,16 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
 
 import torch
 import torch.fx as fx
 
-from fxtron.compiler import meta
+from fxtron.core import meta
+from fxtron.core.layout import Interleave, block_sizes, normalize
+from fxtron.core.placement import REPLICATE, Placement, Shard
 from fxtron.errors import ParallelizeError
-from fxtron.passes.placement import REPLICATE, Placement, Shard
-from fxtron.runtime.shard import Interleave, block_sizes, normalize
 
 aten = torch.ops.aten
 
@@ -76,10 +79,10 @@ _BY_NAME = {"colwise": Colwise(), "rowwise": Rowwise(), "vocab": VocabParallel()
 
 @dataclass(frozen=True)
 class Layer:
-    """A linear or embedding found in the graph: its node, module path, weight and bias
+    """A linear or embedding found in the graph: its node's name, module path, weight and bias
     parameter names, and the weight layout ('out_in' as nn.Linear, 'in_out' as Conv1D/mm)."""
 
-    node: fx.Node
+    node: str
     kind: str                      # "linear" | "embedding"
     path: str
     weight: str
@@ -89,18 +92,40 @@ class Layer:
     out_features: int
 
 
-@dataclass
+@dataclass(frozen=True)
+class _Found:
+    """A Layer while planning: the same facts with the fx.Node itself."""
+
+    node: fx.Node
+    kind: str
+    path: str
+    weight: str
+    bias: str | None
+    layout: str
+    in_features: int
+    out_features: int
+
+    def record(self) -> Layer:
+        return Layer(self.node.name, self.kind, self.path, self.weight, self.bias, self.layout,
+                     self.in_features, self.out_features)
+
+
+def _frozen(d: dict) -> Mapping:
+    return MappingProxyType(dict(d))
+
+
+@dataclass(frozen=True)
 class TPPlan:
-    """The plan: a style per layer (by module path) and the tp placement of every parameter.
-    `notes` says why a layer the pattern would split stays replicated."""
+    """The plan, for one model and one tp size: a style per layer (by module path), each
+    layer's node (by name: the same in every rank's copy of the graph), the tp placement of
+    every parameter, and `notes` on why a layer the pattern would split stays replicated."""
 
     tp: int
-    styles: dict[str, Style] = field(default_factory=dict)
-    params: dict[str, Placement] = field(default_factory=dict)
-    interleave: dict[str, Interleave] = field(default_factory=dict)
-    layers: dict[str, Layer] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    symbols: dict = field(default_factory=dict)   # export's shape symbols -> B / S
+    styles: Mapping[str, Style] = field(default_factory=lambda: _frozen({}))
+    params: Mapping[str, Placement] = field(default_factory=lambda: _frozen({}))
+    interleave: Mapping[str, Interleave] = field(default_factory=lambda: _frozen({}))
+    layers: Mapping[str, Layer] = field(default_factory=lambda: _frozen({}))
+    notes: tuple[str, ...] = ()
 
     def style(self, path: str) -> Style:
         return self.styles.get(path, Replicated())
@@ -109,6 +134,27 @@ class TPPlan:
         """(module path, style, weight placement) per layer, in graph order."""
         return [(p, str(self.style(p)), str(self.params.get(l.weight, REPLICATE)))
                 for p, l in self.layers.items()]
+
+    def nodes(self, kind: type, **where) -> frozenset[str]:
+        """Names of the nodes of the layers planned with a style of `kind` (and attributes)."""
+        return frozenset(self.layers[p].node for p, s in self.styles.items()
+                         if isinstance(s, kind) and all(getattr(s, k) == v for k, v in where.items()))
+
+
+@dataclass
+class _Draft:
+    """The plan while it is being made (mutable); `freeze` makes the TPPlan."""
+
+    tp: int
+    layers: dict[str, _Found]
+    styles: dict[str, Style] = field(default_factory=dict)
+    params: dict[str, Placement] = field(default_factory=dict)
+    interleave: dict[str, Interleave] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def freeze(self) -> TPPlan:
+        return TPPlan(self.tp, _frozen(self.styles), _frozen(self.params), _frozen(self.interleave),
+                      _frozen({p: l.record() for p, l in self.layers.items()}), tuple(self.notes))
 
 
 # ----------------------------------------------------------------------------- graph helpers
@@ -119,22 +165,17 @@ _SHAPE_OPS = _SAME_LAYOUT | {aten.view.default, aten.reshape.default, aten._unsa
                              aten.flatten.using_ints, aten.unsqueeze.default, aten.squeeze.dim, aten.t.default}
 
 
-def _param_name(node) -> str | None:
-    if isinstance(node, fx.Node) and node.op == "placeholder":
-        spec = meta.get(node, meta.INPUT)
-        if spec is not None and spec.kind == "parameter":
-            return spec.target
-    return None
+_param_name = meta.param_name
 
 
 def _owner(param: str) -> str:
     return param.rsplit(".", 1)[0] if "." in param else ""
 
 
-def find_layers(gm: fx.GraphModule) -> dict[str, Layer]:
+def find_layers(gm: fx.GraphModule) -> dict[str, _Found]:
     """Every linear (linear, addmm, mm/matmul with a parameter weight) and embedding in the
     graph, keyed by the module path that owns its weight, in graph order."""
-    layers: dict[str, Layer] = {}
+    layers: dict[str, _Found] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -144,26 +185,26 @@ def find_layers(gm: fx.GraphModule) -> dict[str, Layer]:
             w = _param_name(a[1])
             b = _param_name(a[2]) if len(a) > 2 else None
             shape = a[1].meta["val"].shape
-            layer = Layer(node, "linear", _owner(w), w, b, "out_in", int(shape[1]), int(shape[0]))
+            layer = _Found(node, "linear", _owner(w), w, b, "out_in", int(shape[1]), int(shape[0]))
         elif t == aten.addmm.default and _param_name(a[2]):
             w = _param_name(a[2])
             shape = a[2].meta["val"].shape
-            layer = Layer(node, "linear", _owner(w), w, _param_name(a[0]), "in_out", int(shape[0]), int(shape[1]))
+            layer = _Found(node, "linear", _owner(w), w, _param_name(a[0]), "in_out", int(shape[0]), int(shape[1]))
         elif t in (aten.mm.default, aten.matmul.default) and _param_name(a[1]) and a[1].meta["val"].dim() == 2:
             w = _param_name(a[1])
             shape = a[1].meta["val"].shape
-            layer = Layer(node, "linear", _owner(w), w, None, "in_out", int(shape[0]), int(shape[1]))
+            layer = _Found(node, "linear", _owner(w), w, None, "in_out", int(shape[0]), int(shape[1]))
         elif t == aten.embedding.default and _param_name(a[0]):
             w = _param_name(a[0])
             shape = a[0].meta["val"].shape
-            layer = Layer(node, "embedding", _owner(w), w, None, "out_in", int(shape[0]), int(shape[1]))
+            layer = _Found(node, "embedding", _owner(w), w, None, "out_in", int(shape[0]), int(shape[1]))
         if layer is not None:
             key = layer.path
             if key in layers:  # a weight used twice (tied LM head): name it by the calling module
                 key = meta.get(node, meta.MODULE) or key
                 while key in layers:
                     key += "'"
-                layer = Layer(node, layer.kind, key, layer.weight, layer.bias, layer.layout,
+                layer = _Found(node, layer.kind, key, layer.weight, layer.bias, layer.layout,
                               layer.in_features, layer.out_features)
             layers[key] = layer
     return layers
@@ -186,7 +227,7 @@ def _through_shape_ops(node: fx.Node, limit: int = 12):
     return out
 
 
-def _reaches_residual(layer: Layer, order: dict[fx.Node, int], hops: int = 4) -> bool:
+def _reaches_residual(layer: _Found, order: dict[fx.Node, int], hops: int = 4) -> bool:
     """Does the output reach a residual add (one whose other operand was computed before the
     linear) through shape ops and other adds (GPT-NeoX's parallel attention + MLP sum)?"""
     frontier = [layer.node]
@@ -203,12 +244,12 @@ def _reaches_residual(layer: Layer, order: dict[fx.Node, int], hops: int = 4) ->
     return False
 
 
-def _reaches_loss(layer: Layer) -> bool:
+def _reaches_loss(layer: _Found) -> bool:
     return any(u.op == "call_function" and u.target == aten.cross_entropy_loss.default and u.args[0] is via
                for u, via in _through_shape_ops(layer.node))
 
 
-def _feeds_row(layer: Layer, rows: set[fx.Node], linears: set[fx.Node], order, limit: int = 400) -> bool:
+def _feeds_row(layer: _Found, rows: set[fx.Node], linears: set[fx.Node], order, limit: int = 400) -> bool:
     """Does the output flow into a rowwise linear's input before crossing a residual add or
     another linear?"""
     frontier, seen = [layer.node], {layer.node}
@@ -231,7 +272,7 @@ def _feeds_row(layer: Layer, rows: set[fx.Node], linears: set[fx.Node], order, l
     return False
 
 
-def _sliced_blocks(layer: Layer) -> Interleave | None:
+def _sliced_blocks(layer: _Found) -> Interleave | None:
     """The blocks a fused output is cut into by slicing its features ([q|k|v] of unequal sizes
     under grouped-query attention, Phi-3's qkv_proj: qkv[..., :q], qkv[..., q:q+k], ...): their
     proportions (a count when equal), or None unless slices cut it into >= 2 whole blocks."""
@@ -260,7 +301,7 @@ def _sliced_blocks(layer: Layer) -> Interleave | None:
     return normalize(tuple(e - s for s, e in cuts))
 
 
-def _interleave(layer: Layer, tp: int) -> Interleave:
+def _interleave(layer: _Found, tp: int) -> Interleave:
     """k for a fused projection split later into k equal parts (or viewed as (k, heads, d)), or
     the proportions of unequal parts cut from it by slicing or split_with_sizes."""
     feat = layer.out_features
@@ -326,7 +367,7 @@ def auto_plan(gm: fx.GraphModule, tp: int) -> dict[str, Style]:
     return styles
 
 
-def _looks_up_user_ids(layer: Layer) -> bool:
+def _looks_up_user_ids(layer: _Found) -> bool:
     ids, hops = layer.node.args[1], 0
     while isinstance(ids, fx.Node) and hops < 8:
         spec = meta.get(ids, meta.INPUT)
@@ -353,9 +394,8 @@ def plan(gm: fx.GraphModule, *, tp: int, user_plan: dict | None = None, mode: st
     "replace" it is the whole plan (everything it does not name is replicated)."""
     if mode not in ("override", "replace"):
         raise ParallelizeError(f"plan_mode must be 'override' or 'replace', not {mode!r}")
-    from fxtron.compiler.trace import info
     layers = find_layers(gm)
-    result = TPPlan(tp=tp, layers=layers, symbols=dict(info(gm).symbols))
+    result = _Draft(tp=tp, layers=layers)
     styles = auto_plan(gm, tp) if (mode == "override" and tp > 1) else {}
     for pattern, value in (user_plan or {}).items():
         style = _parse_style(value, pattern)
@@ -386,10 +426,10 @@ def plan(gm: fx.GraphModule, *, tp: int, user_plan: dict | None = None, mode: st
                     "give both the same style in the plan (a tied embedding and LM head: 'vocab' and 'colwise')")
             result.params[name] = pl
     _resolve_tied(result, layers, user_keys)
-    return result
+    return result.freeze()
 
 
-def _param_placements(l: Layer, style: Style, tp: int) -> dict[str, Placement]:
+def _param_placements(l: _Found, style: Style, tp: int) -> dict[str, Placement]:
     if isinstance(style, Replicated):
         return {}
     if isinstance(style, VocabParallel):
@@ -413,7 +453,7 @@ def _param_placements(l: Layer, style: Style, tp: int) -> dict[str, Placement]:
     return out
 
 
-def _indivisible(l: Layer, style: Style, tp: int, result: TPPlan, path: str) -> str | None:
+def _indivisible(l: _Found, style: Style, tp: int, result: _Draft, path: str) -> str | None:
     if isinstance(style, Replicated):
         return None
     if isinstance(style, Colwise) and l.kind == "linear":
@@ -436,7 +476,7 @@ def _indivisible(l: Layer, style: Style, tp: int, result: TPPlan, path: str) -> 
     return None
 
 
-def _resolve_tied(result: TPPlan, layers: dict[str, Layer], user_keys: set[str]) -> None:
+def _resolve_tied(result: _Draft, layers: dict[str, _Found], user_keys: set[str]) -> None:
     """A weight shared by two layers (tied embedding and LM head) must be split the same way in
     both; the automatic plan replicates both rather than fail."""
     uses: dict[str, list[str]] = {}

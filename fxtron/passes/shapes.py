@@ -1,29 +1,30 @@
 """Passes: write each node's local symbolic shape (node.meta fxtron_local_shape).
 
-Runs last in the per-rank pipeline, after every pass that changes what a rank holds; shapes
-are sympy expressions in the batch and sequence symbols B and S, with the tp division applied
-to the sharded dim.
+Runs after every pass that changes what a rank holds; shapes are sympy expressions in the
+batch and sequence symbols B and S, the sharded dims divided by their axis's size.
 """
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
 
-from fxtron.compiler import meta
-from fxtron.compiler.trace import info
-from fxtron.passes.placement import Shard
+from fxtron.core import meta
+from fxtron.core.axes import MeshView
+from fxtron.core.placement import Shard
 
 
-def annotate_local_shapes(gm: fx.GraphModule, *, tp: int = 1) -> fx.GraphModule:
+def annotate_local_shapes(gm: fx.GraphModule, *, mesh: MeshView) -> fx.GraphModule:
     """Edits gm in place and returns it: every tensor node gets its local shape, from the
-    global `val` and its placement."""
-    ti = info(gm)
+    global `val` and its placement on each axis."""
+    ti = meta.info(gm)
+    axes = meta.graph_axes(gm)
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
             shape = list(ti.shape(val))
-            pl = meta.get(node, meta.PLACEMENT)
-            if isinstance(pl, Shard) and tp > 1:
-                shape[pl.dim] = shape[pl.dim] / tp
+            for axis in axes:
+                pl = meta.placement(node, axis)
+                if isinstance(pl, Shard) and mesh.size(axis) > 1:
+                    shape[pl.dim] = shape[pl.dim] / mesh.size(axis)
             meta.set(node, meta.LOCAL_SHAPE, tuple(shape))
     return gm

@@ -1,12 +1,12 @@
 """Passes: cut a graph into pipeline stages.
 
-`plan_stages(gm, ...)` decides (data, no rewriting): the model's transformer layers are found
+`assign_stages(gm, ...)` decides (data, no rewriting): the model's transformer layers are found
 as the children of its repeated module list (`blocks.0`, `model.layers.3`, `transformer.h.5`),
 each layer a unit that is never cut; what runs before the first layer (embeddings) joins the
 first stage, what runs after the last (final norm, LM head, loss) joins the last. Units are
 balanced over pp x v stages by a cost of FLOPs and parameters, or cut where the user names.
 
-`split_stages(gm, plan, stages)` applies it (mechanism): each stage becomes its own
+`split_stages(gm, assignment, stages)` applies it (mechanism): each stage becomes its own
 GraphModule whose inputs are the parameters, buffers and user inputs it uses plus the
 activations that cross into it ("boundary inputs"), and whose outputs are the activations
 later stages need (the last stage returns the loss too). Nodes that depend on no parameter
@@ -17,14 +17,15 @@ weight used on two stages (a tied embedding and LM head) is an input of both.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 from tabulate import tabulate
 
-from fxtron.compiler import meta
-from fxtron.compiler.trace import info
+from fxtron.core import meta
+from fxtron.core.meta import info
+from fxtron.core.stage import MAX_BOUNDARY_TENSORS, Stage
 from fxtron.errors import ParallelizeError
 
 aten = torch.ops.aten
@@ -32,7 +33,7 @@ _LAYER = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 
 
 @dataclass(frozen=True)
-class StagePlan:
+class StageAssignment:
     """Which layers each pipeline stage runs. Stage j of the pp*v-stage chain runs on
     pipeline rank j % pp as its model chunk j // pp. `layers[j]` are the module paths of stage
     j's layers; `flops[j]` (at the traced example's batch and sequence sizes, forward) and
@@ -111,8 +112,7 @@ def classify(gm: fx.GraphModule) -> dict[fx.Node, str]:
     kind: dict[fx.Node, str] = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
-            spec = meta.get(node, meta.INPUT)
-            kind[node] = "param" if spec is not None and spec.kind == "parameter" else "free"
+            kind[node] = "param" if meta.is_param(node) else "free"
         elif node.op == "output":
             continue
         else:
@@ -198,7 +198,7 @@ def node_flops(node: fx.Node) -> int:
     return 0
 
 
-def plan_stages(gm: fx.GraphModule, *, pp: int, virtual: int = 1, split_points: list[str] | None = None) -> StagePlan:
+def assign_stages(gm: fx.GraphModule, *, pp: int, virtual: int = 1, split_points: list[str] | None = None) -> StageAssignment:
     """Assign the model's layers to pp * virtual stages: at `split_points` (module paths of
     the layers that begin stages 1, 2, ...), or balanced so the costliest stage is as cheap as
     possible, the cost of a layer being its share of the model's forward FLOPs plus its share
@@ -216,8 +216,7 @@ def plan_stages(gm: fx.GraphModule, *, pp: int, virtual: int = 1, split_points: 
     for node, u in unit.items():
         flops[u] += node_flops(node)
         for a in node.all_input_nodes:
-            spec = meta.get(a, meta.INPUT)
-            if spec is not None and spec.kind == "parameter" and a not in seen_params:
+            if meta.is_param(a) and a not in seen_params:
                 seen_params.add(a)
                 params[u] += a.meta["val"].numel()
     if split_points:
@@ -241,7 +240,7 @@ def plan_stages(gm: fx.GraphModule, *, pp: int, virtual: int = 1, split_points: 
         unit_stage += [s] * (bounds[s + 1] - bounds[s])
     st_flops = [sum(f for f, s in zip(flops, unit_stage) if s == j) for j in range(k)]
     st_params = [sum(p for p, s in zip(params, unit_stage) if s == j) for j in range(k)]
-    return StagePlan(pp, virtual, prefix, tuple(units), tuple(unit_stage), tuple(st_flops), tuple(st_params),
+    return StageAssignment(pp, virtual, prefix, tuple(units), tuple(unit_stage), tuple(st_flops), tuple(st_params),
                      tuple(split_points or ()))
 
 
@@ -270,36 +269,19 @@ def _balanced(cost: list[float], k: int) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- splitting
-@dataclass
-class Stage:
-    """One stage's graph and its interface. The GraphModule is called as
-    gm(*params, *buffers, *user_inputs, *boundary_inputs) and returns the tuple
-    (*boundary_outputs) — plus the loss last on the final stage."""
-
-    index: int
-    gm: fx.GraphModule
-    params: list[str]
-    buffers: list[str]
-    user_inputs: list[int]                   # indices into the flat user inputs
-    inputs: list[str] = field(default_factory=list)    # boundary values received
-    outputs: list[str] = field(default_factory=list)   # boundary values sent on
-    has_loss: bool = False
-    values: dict[str, fx.Node] = field(default_factory=dict)   # boundary name -> node (val, placement, shape)
-
-
-def split_stages(gm: fx.GraphModule, plan: StagePlan, stages: list[int]) -> list[Stage]:
+def split_stages(gm: fx.GraphModule, assignment: StageAssignment, stages: list[int]) -> list[Stage]:
     """The GraphModules of `stages` (each a subgraph of gm, see the module docstring)."""
     ti = info(gm)
     if ti.buffer_mutations:
         raise ParallelizeError(f"the model writes buffers in forward ({sorted(ti.buffer_mutations.values())}); "
                                "fxtron's pipeline stages do not carry buffer updates: use mesh.pp=1")
-    prefix, units = plan.layer_list, list(plan.units)
+    prefix, units = assignment.layer_list, list(assignment.units)
     unit = assign_units(gm, prefix, units)
-    stage_of = {n: plan.unit_stage[u] for n, u in unit.items()}
+    stage_of = {n: assignment.unit_stage[u] for n, u in unit.items()}
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     loss = out_node.args[0]
     loss = loss[0] if isinstance(loss, (tuple, list)) else loss
-    last = plan.num_stages - 1
+    last = assignment.num_stages - 1
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     # boundary values: activations made on an earlier stage and used on stage s or later
     crossing: dict[int, list[fx.Node]] = {}
@@ -309,13 +291,12 @@ def split_stages(gm: fx.GraphModule, plan: StagePlan, stages: list[int]) -> list
         if far > s:
             for t in range(s + 1, far + 1):
                 crossing.setdefault(t, []).append(n)
-    from fxtron.runtime.p2p import MAX_TENSORS
     for stage, nodes in crossing.items():
         nodes.sort(key=order.get)
-        if len(nodes) > MAX_TENSORS - 2:
+        if len(nodes) > MAX_BOUNDARY_TENSORS:
             raise ParallelizeError(
                 f"{len(nodes)} activations cross into pipeline stage {stage} ({', '.join('%' + n.name for n in nodes[:6])}, "
-                f"...); fxtron sends at most {MAX_TENSORS - 2} per boundary: choose other split_points")
+                f"...); fxtron sends at most {MAX_BOUNDARY_TENSORS} per boundary: choose other split_points")
         for n in nodes:
             if not isinstance(n.meta.get("val"), torch.Tensor):
                 raise ParallelizeError(f"%{n.name} ({meta.get(n, meta.MODULE)!r}) is a {type(n.meta.get('val')).__name__} "
@@ -370,10 +351,10 @@ def _stage_graph(gm, ti, s, stage_of, crossing, loss, order) -> Stage:
                  values={n.name: n for n in receives + sends})
 
 
-def param_stages(gm: fx.GraphModule, plan: StagePlan) -> dict[str, set[int]]:
+def param_stages(gm: fx.GraphModule, assignment: StageAssignment) -> dict[str, set[int]]:
     """For every parameter, the stages that use it (directly, or through nodes computed from
     parameters alone, which every using stage recomputes)."""
-    prefix, units = plan.layer_list, list(plan.units)
+    prefix, units = assignment.layer_list, list(assignment.units)
     unit = assign_units(gm, prefix, units)
     kind = classify(gm)
     out: dict[str, set[int]] = {}
@@ -386,7 +367,7 @@ def param_stages(gm: fx.GraphModule, plan: StagePlan) -> dict[str, set[int]]:
                 continue
             seen.add(a)
             if a.op == "placeholder":
-                out.setdefault(meta.get(a, meta.INPUT).target, set()).add(plan.unit_stage[u])
+                out.setdefault(meta.get(a, meta.INPUT).target, set()).add(assignment.unit_stage[u])
             else:
                 stack.extend(x for x in a.all_input_nodes if kind.get(x) == "param")
     return out

@@ -24,8 +24,19 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 
+from fxtron.core import layout as shard_math
+from fxtron.core.params import AxisShard
 from fxtron.errors import ParallelizeError
-from fxtron.runtime import shard as shard_math
+
+
+def _tp_shard(spec) -> AxisShard | None:
+    """The parameter's shard over tp (None: whole on every tp rank). Checkpoints store tp
+    shards as DTensors; a parameter sharded over any other axis has no layout here yet."""
+    other = [s.axis for s in spec.shards if s.axis != "tp"]
+    if other:
+        raise ParallelizeError(f"parameter {spec.name} is sharded over {', '.join(other)}; fxtron's checkpoints "
+                               "store shards over tp only")
+    return spec.shard_on("tp")
 
 
 def _tp_mesh(prog):
@@ -37,9 +48,9 @@ def _tp_mesh(prog):
 
 def _entries(prog, name: str, local: torch.Tensor, mesh, prefix: str) -> dict:
     """The checkpoint entries of one local tensor shaped like parameter `name`."""
-    spec = prog._local[name]
-    if mesh is None or spec.dim is None:
-        if spec.dim is not None and spec.interleave != 1:     # tp=1: store the parts all the same
+    spec = _tp_shard(prog._local[name])
+    if mesh is None or spec is None:
+        if spec is not None and spec.interleave != 1:     # tp=1: store the parts all the same
             return {f"{prefix}/part{j}": t.contiguous() for j, t in enumerate(_parts(local, spec))}
         return {prefix: local}
     out = {}
@@ -49,15 +60,15 @@ def _entries(prog, name: str, local: torch.Tensor, mesh, prefix: str) -> dict:
     return out
 
 
-def _parts(local: torch.Tensor, spec) -> tuple[torch.Tensor, ...]:
+def _parts(local: torch.Tensor, spec: AxisShard) -> tuple[torch.Tensor, ...]:
     """A local tensor's blocks of a fused projection (one, unfused): each saved as its own
     Shard(dim) entry, so a checkpoint reshards to any tp."""
     return local.split(shard_math.block_sizes(local.shape[spec.dim], spec.interleave), spec.dim)
 
 
 def _unpack(prog, name: str, entries: dict, prefix: str) -> torch.Tensor:
-    spec = prog._local[name]
-    if spec.dim is not None and spec.interleave != 1:
+    spec = _tp_shard(prog._local[name])
+    if spec is not None and spec.interleave != 1:
         blocks = [entries[f"{prefix}/part{j}"] for j in range(shard_math.n_blocks(spec.interleave))]
         blocks = [b.to_local() if isinstance(b, DTensor) else b for b in blocks]
         return torch.cat(blocks, dim=spec.dim)
@@ -99,8 +110,9 @@ def save(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
         sd["optim/param_groups"] = _pack([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
     # how interleaved parts join back (load_full_state_dict): name -> (dim, parts)
     # how interleaved parts join back: one object per parameter (every holder writes the same)
-    for n, spec in prog._local.items():
-        if spec.dim is not None and spec.interleave != 1:
+    for n, lp in prog._local.items():
+        spec = _tp_shard(lp)
+        if spec is not None and spec.interleave != 1:
             sd[f"layout/{n}"] = _pack((spec.dim, shard_math.n_blocks(spec.interleave)))
     os.makedirs(path, exist_ok=True)
     dcp.save(sd, checkpoint_id=path, no_dist=_alone(prog))
@@ -112,8 +124,8 @@ def _request(prog, name: str, like: torch.Tensor, mesh, prefix: str, meta, layou
     whatever tp it was saved at: DCP reshards Shard(dim) pieces itself; a fused projection
     saved whole (at tp=1) and wanted interleaved, or saved in parts and wanted whole, is read
     whole (per part) and cut or joined here."""
-    spec = prog._local[name]
-    sharded = mesh is not None and spec.dim is not None
+    spec = _tp_shard(prog._local[name])
+    sharded = mesh is not None and spec is not None
     if f"{prefix}/part0" in meta:                  # saved in parts
         dim, k = layout[name]
         if sharded and shard_math.n_blocks(spec.interleave) == k and spec.dim == dim:
@@ -133,8 +145,8 @@ def _request(prog, name: str, like: torch.Tensor, mesh, prefix: str, meta, layou
 
 def _slice(prog, name: str, full: torch.Tensor) -> torch.Tensor:
     """This rank's tp shard of a full tensor shaped like parameter `name`."""
-    spec = prog._local[name]
-    if spec.dim is None or prog.groups is None or prog.groups.size("tp") == 1:
+    spec = _tp_shard(prog._local[name])
+    if spec is None or prog.groups is None or prog.groups.size("tp") == 1:
         return full
     return shard_math.shard(full, spec.dim, prog.groups.size("tp"), prog.groups.index("tp"), spec.interleave)
 

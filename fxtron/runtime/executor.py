@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import sympy
 import torch
 
-from fxtron.codegen.linear import WgradQueue
-from fxtron.compiler import meta
-from fxtron.passes.placement import Replicate
-from fxtron.passes.stages import Stage
+from fxtron.core import meta
+from fxtron.core.placement import REPLICATE, Replicate
+from fxtron.core.stage import Stage
+from fxtron.ops.linear import WgradQueue
 from fxtron.runtime.p2p import P2P, Slot
 from fxtron.runtime.schedules import Action
 
@@ -49,8 +49,8 @@ def slots(stage: Stage, names: list[str]) -> list[Slot]:
         static = None
         if local is not None and all(not sympy.sympify(d).free_symbols for d in local):
             static = tuple(int(d) for d in local)
-        placement = meta.get(node, meta.PLACEMENT)
-        out.append(Slot(val.dtype, val.dim(), static, placement is None or isinstance(placement, Replicate)))
+        whole = isinstance(meta.placement(node, "tp", REPLICATE), Replicate)   # scatter/gather splits over tp
+        out.append(Slot(val.dtype, val.dim(), static, whole))
     return out
 
 

@@ -16,11 +16,11 @@ import torch.distributed as dist
 
 from fxtron.errors import ParallelizeError
 from fxtron.mesh import GROUP_KINDS, Mesh
-from fxtron.runtime import shm
+from fxtron.ops import shm
 
 DEFAULT_TIMEOUT_S = 300.0
 # The groups whose collectives sit on the critical path of every layer: these get a
-# shared-memory channel when all their ranks share a host (runtime/shm.py).
+# shared-memory channel when all their ranks share a host (ops/shm.py).
 SHM_KINDS = ("tp",)
 
 

@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from fxtron.core.stage import MAX_BOUNDARY_TENSORS
 from fxtron.runtime.groups import ProcessGroups
 
 _DIRS = {"act": 0, "grad": 1}
-MAX_TENSORS = 64
+MAX_TENSORS = MAX_BOUNDARY_TENSORS + 2   # tag slots per message: the tensors, and their shapes
 
 
 @dataclass(frozen=True)

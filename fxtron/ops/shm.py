@@ -1,4 +1,4 @@
-"""Runtime: a shared-memory transport for the tensor-parallel collectives of ranks on one host.
+"""Ops: a shared-memory transport for the tensor-parallel collectives of ranks on one host.
 
 gloo moves every collective through TCP sockets on loopback: a 1 MiB all-reduce between two
 processes of one machine costs 1-4 ms of syscalls and thread wake-ups, and a Megatron layer

@@ -1,4 +1,4 @@
-"""What-if planning: which meshes fit a model in a given GPU memory, ranked by a modeled
+"""What-if sizing: which meshes fit a model in a given GPU memory, ranked by a modeled
 step time — "will Llama-70B train on 64 cards of 80 GB, and how" in seconds, without a GPU.
 
 The model (every rate is an assumption, printed with the result; all formulas from
@@ -54,7 +54,7 @@ class Hardware:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Candidate:
     """One mesh and how the model of the module docstring rates it (seconds, bytes)."""
 
     tp: int
@@ -122,7 +122,7 @@ def narayanan_params(layers: int, hidden: int, vocab: int, seq: int) -> float:
 
 
 def rate(dims: ModelDims, hw: Hardware, *, world: int, tp: int, pp: int, sp: bool, schedule: str, v: int,
-         global_batch: int, seq: int, micro_batch: int, zero: int) -> Plan:
+         global_batch: int, seq: int, micro_batch: int, zero: int) -> Candidate:
     dp = world // (tp * pp)
     m = global_batch // (dp * micro_batch)
     b, s, h = micro_batch, seq, dims.hidden
@@ -134,12 +134,12 @@ def rate(dims: ModelDims, hw: Hardware, *, world: int, tp: int, pp: int, sp: boo
     tp_bytes = 4 * 2 * (tp - 1) / tp * b * s * h * 2 * (dims.layers / pp) * m if tp > 1 else 0.0
     pp_bytes = 2 * b * s * h * 2 / (tp if sp else 1) * v * m if pp > 1 else 0.0
     dp_bytes = 2 * (dp - 1) / dp * per_rank * 4 if dp > 1 else 0.0
-    return Plan(tp, pp, dp, sp, schedule, v, m, zero, weights, act, compute, bubble, tp_bytes / hw.intra_node_bw,
+    return Candidate(tp, pp, dp, sp, schedule, v, m, zero, weights, act, compute, bubble, tp_bytes / hw.intra_node_bw,
                 pp_bytes / hw.inter_node_bw, dp_bytes / hw.inter_node_bw)
 
 
-def plans(dims: ModelDims, hw: Hardware, *, world: int, global_batch: int, seq: int, micro_batch: int = 1,
-          fits_only: bool = True) -> list[Plan]:
+def candidates(dims: ModelDims, hw: Hardware, *, world: int, global_batch: int, seq: int, micro_batch: int = 1,
+               fits_only: bool = True) -> list[Candidate]:
     """Every (tp, pp, dp, sp, schedule, zero) that divides the model and the batch, ranked by
     modeled step time; only those whose memory fits `hw.memory` unless fits_only=False."""
     out = []
@@ -174,15 +174,14 @@ def dims_of(traced) -> ModelDims:
     """Layers, hidden size, heads and vocabulary read from a traced graph (the layer list,
     the embedding's weight, the attention's query shape) and the parameter count."""
     import torch
-    from fxtron.compiler import meta
+    from fxtron.core import meta
     from fxtron.passes.stages import find_layer_list
     aten = torch.ops.aten
     _, units = find_layer_list(traced)
     vocab = hidden = heads = None
     params = 0
     for node in traced.graph.nodes:
-        spec = meta.get(node, meta.INPUT)
-        if spec is not None and spec.kind == "parameter":
+        if meta.is_param(node):
             params += node.meta["val"].numel()
         if node.op != "call_function":
             continue
@@ -191,11 +190,11 @@ def dims_of(traced) -> ModelDims:
         if heads is None and node.target in (aten.scaled_dot_product_attention.default,):
             heads = int(node.args[0].meta["val"].shape[1])
     if vocab is None or heads is None:
-        raise ParallelizeError("the planner needs a transformer with a token embedding and scaled_dot_product_attention")
+        raise ParallelizeError("what-if sizing needs a transformer with a token embedding and scaled_dot_product_attention")
     return ModelDims(layers=len(units), hidden=hidden, heads=heads, vocab=vocab, params=params)
 
 
-def format_plans(ps: list[Plan], hw: Hardware, *, top: int = 10) -> str:
+def format_candidates(ps: list[Candidate], hw: Hardware, *, top: int = 10) -> str:
     from tabulate import tabulate
     rows = []
     for p in ps[:top]:
@@ -221,6 +220,6 @@ def parse_bytes(text: str) -> float:
     return float(t)
 
 
-__all__ = ["ModelDims", "Hardware", "Plan", "plans", "rate", "dims_of", "format_plans", "parse_bytes",
+__all__ = ["ModelDims", "Hardware", "Candidate", "candidates", "rate", "dims_of", "format_candidates", "parse_bytes",
            "weight_bytes", "activation_bytes_per_layer", "first_stage_activation_bytes", "model_flops",
            "narayanan_params"]

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 
+from fxtron.core import meta
 from fxtron.errors import ParallelizeError
 
 DUMP_ENV = "FXTRON_DUMP"
@@ -130,7 +131,7 @@ class Report:
         total = sum(c["wire_at"] for c in self.collectives)
         out += ["", tabulate(rows, headers=["node", "collective", "phase", "group", "local shape", "wire bytes / rank",
                                             f"at B={self.batch}, S={self.seq}"]),
-                f"{len(rows)} tensor-parallel collectives per microbatch; {_fmt(total)} on the wire per rank"]
+                f"{len(rows)} collectives per microbatch; {_fmt(total)} on the wire per rank"]
         m = self.memory
         out += ["", tabulate([[k, _fmt(v) if isinstance(v, (int, float)) else v] for k, v in m.items()],
                              headers=["memory per rank", f"B={self.batch}, S={self.seq}"])]
@@ -147,7 +148,7 @@ def _fmt(n: float) -> str:
 def inspect(pm, rank: int, *, model_name: str = "", batch: int = 1, seq: int = 2048, zero: int = 0) -> Report:
     """Compile `rank` of the ParallelModel `pm` and describe it; sizes evaluated at `batch`
     sequences (per rank and microbatch) of `seq` tokens."""
-    from fxtron.compiler.trace import BATCH, SEQ
+    from fxtron.core.meta import BATCH, SEQ
     from fxtron.mesh import GROUP_KINDS
     from fxtron.runtime import schedules
     t0 = time.perf_counter()
@@ -177,13 +178,13 @@ def inspect(pm, rank: int, *, model_name: str = "", batch: int = 1, seq: int = 2
     o = pm.options
     in_flight = 1
     pipeline = None
-    if pm.stage_plan is not None:
+    if pm.stage_assignment is not None:
         pp_rank = mesh.coords(rank)["pp"]
         in_flight = schedules.in_flight_bound(o.schedule, mesh.pp, o.microbatches, pp_rank, o.virtual_stages)
         bubble = schedules.bubble_fraction_formula(o.schedule, mesh.pp, o.microbatches, o.virtual_stages)
         formula = {"gpipe": "(p-1)/m", "1f1b": "(p-1)/m", "interleaved": "(p-1)/(v m)",
                    "zb-h1": "(p-1)(F+B-W)/(m(F+B+W)), here F=B=W... shown for W=0"}[o.schedule]
-        pipeline = {"table": str(pm.stage_plan), "schedule": o.schedule, "microbatches": o.microbatches,
+        pipeline = {"table": str(pm.stage_assignment), "schedule": o.schedule, "microbatches": o.microbatches,
                     "virtual_stages": o.virtual_stages, "bubble": str(bubble), "bubble_formula": formula,
                     "stages": [s.index for s in rg.stages], "in_flight": in_flight}
     memory = {
@@ -214,7 +215,6 @@ def _activation_bytes(rg, sub) -> int:
             val = node.meta.get("val")
             if name in _VIEWS or not isinstance(val, torch.Tensor):
                 continue
-            from fxtron.compiler import meta
             shape = meta.get(node, meta.LOCAL_SHAPE)
             if shape is None:
                 continue

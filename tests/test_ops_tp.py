@@ -1,8 +1,8 @@
-"""Runtime collectives and shard layout: the interleaved layout on explicit tensors, every
-fxtron:: op on gloo (tp=2 and tp=4) against a single-process float64 computation (values and
-the gradients autograd gives through the ops), the cross entropy's three all-reduces, the
-COLLECTIVE_OPS table against the collectives the ops really issue, and the fake (shape-only)
-implementations. One 4-rank job runs every distributed case over its tp=4 group (through its
+"""The communicating ops (fxtron.ops.tp, fxtron.ops.vocab) and the shard layout: the interleaved
+layout on explicit tensors, every fxtron:: op on gloo (tp=2 and tp=4) against a single-process
+float64 computation (values and the gradients autograd gives through the ops), the cross
+entropy's three all-reduces, the op registry's table against the collectives the ops really
+issue, and the fake (shape-only) implementations. One 4-rank job runs every distributed case over its tp=4 group (through its
 shared-memory channel, then once more through gloo) and over two tp=2 groups (gloo)."""
 from __future__ import annotations
 
@@ -17,11 +17,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxtron
 from fxtron.errors import ParallelizeError
-from fxtron.runtime import collectives as C
-from fxtron.runtime import shard as shard_math
-from fxtron.runtime import shm
+from fxtron.ops import registry, transport
+from fxtron.ops import tp as C
+from fxtron.ops.vocab import vocab_parallel_embedding
+from fxtron.core import layout as shard_math
+from fxtron.ops import shm
 from fxtron.runtime.groups import groups_for
-from fxtron.runtime.shard import check_divisible, shard, unshard
+from fxtron.core.layout import check_divisible, shard, unshard
 from fxtron.testing import run_on_ranks
 
 ops = torch.ops.fxtron
@@ -134,7 +136,7 @@ class _Count:
             def counted(*a, **kw):
                 depth = getattr(self._depth, "n", 0)
                 if depth == 0:
-                    op = kw.get("op", a[2] if name == "_all_reduce" and len(a) > 2 else None)
+                    op = kw.get("op", a[2] if name == "all_reduce" and len(a) > 2 else None)
                     self.calls.append((name, getattr(op, "name", op)))
                 self._depth.n = depth + 1
                 try:
@@ -190,7 +192,7 @@ def _cases(pg, one_rank_group: str) -> dict:
 
     # vocab-parallel embedding + g
     E = _leaf(shard(d["E"], 0, tp, r))
-    y = C.all_reduce(C.vocab_parallel_embedding(E, d["ids"], r * V // tp), group)
+    y = C.all_reduce(vocab_parallel_embedding(E, d["ids"], r * V // tp), group)
     (y * d["Ge"]).sum().backward()
     out["emb"] = (y.detach(), E.grad)
 
@@ -219,7 +221,7 @@ def _cases(pg, one_rank_group: str) -> dict:
             loss.backward()
             out["ce_calls"].append((fwd, counter.take(), ops1 - ops0, (comm.ops if comm is not None else 0) - ops1))
 
-    # every op's collectives, to compare with COLLECTIVE_OPS
+    # every op's collectives, to compare with the registry
     x8 = torch.randn(8, 4, dtype=torch.float64)
     cases = {
         "copy_to_region": lambda: C.copy_to_region(_leaf(x8), group),
@@ -228,13 +230,13 @@ def _cases(pg, one_rank_group: str) -> dict:
         "scatter": lambda: C.scatter(_leaf(x8), 0, [1], tp, group),
         "reduce_scatter": lambda: C.reduce_scatter(_leaf(x8), 0, tp, group),
         "gather_from_sequence": lambda: C.gather_from_sequence(_leaf(x8), 0, tp, group),
-        "vocab_parallel_embedding": lambda: C.vocab_parallel_embedding(_leaf(x8), d["ids"], 4 * r),
+        "vocab_parallel_embedding": lambda: vocab_parallel_embedding(_leaf(x8), d["ids"], 4 * r),
         "vocab_parallel_cross_entropy": lambda: ops.vocab_parallel_cross_entropy(
             _leaf(shard(d["L"], -1, tp, r)), d["T"], r * V // tp, IGNORE, 0, 0.0, group),
         "vocab_parallel_cross_entropy_with_softmax": lambda: ops.vocab_parallel_cross_entropy_with_softmax(
             _leaf(shard(d["L"], -1, tp, r)), d["T"], r * V // tp, IGNORE, 0, 0.0, group)[0],
     }
-    counter = _Count(C, ["_all_reduce", "_all_gather", "_gather", "_reduce_scatter"])
+    counter = _Count(transport, ["all_reduce", "all_gather", "gather", "reduce_scatter"])
     out["table"] = {}
     with counter.active():
         for name, make in cases.items():
@@ -377,15 +379,17 @@ def test_cross_entropy_issues_exactly_three_all_reduces(job):
 
 def test_collective_table_matches_what_ops_issue(job):
     _, res = job
-    kinds = {"_all_reduce": "all_reduce", "_all_gather": "all_gather", "_gather": "all_gather",
-             "_reduce_scatter": "reduce_scatter"}
+    kinds = {"all_reduce": "all_reduce", "all_gather": "all_gather", "gather": "all_gather",
+             "reduce_scatter": "reduce_scatter"}
+    specs = registry.specs()
     for o in res:
-        assert set(o["table"]) == set(C.COLLECTIVE_OPS)
+        assert set(o["table"]) == set(specs) - {"linear"}   # the linear communicates nothing (test_wgrad)
         for name, (fwd, bwd) in o["table"].items():
-            spec = C.COLLECTIVE_OPS[name]
+            spec = specs[name]
             for phase, calls in (("forward", fwd), ("backward", bwd)):
-                assert len(calls) == spec[f"{phase}_count"], (name, phase, calls)
-                assert {kinds[c] for c, _ in calls} == ({spec[phase]} if spec[phase] else set()), (name, phase)
+                comm = getattr(spec, phase)
+                assert len(calls) == (comm.count if comm else 0), (name, phase, calls)
+                assert {kinds[c] for c, _ in calls} == ({comm.kind} if comm else set()), (name, phase)
 
 
 def test_one_rank_group_is_identity(job):
@@ -409,7 +413,7 @@ def test_fake_shapes_need_no_process_group():
         assert C.gather_from_sequence(x, 0, 4, "").shape == (32, 6)
         with pytest.raises(ParallelizeError):
             C.scatter(x, 1, [3], 4, "")
-        emb = C.vocab_parallel_embedding(torch.empty(4, 5, dtype=torch.bfloat16), torch.empty(2, 3, 7, dtype=torch.long), 8)
+        emb = vocab_parallel_embedding(torch.empty(4, 5, dtype=torch.bfloat16), torch.empty(2, 3, 7, dtype=torch.long), 8)
         assert emb.shape == (2, 3, 7, 5) and emb.dtype == torch.bfloat16
         lg, t = torch.empty(2, 3, 4, dtype=torch.bfloat16), torch.empty(2, 3, dtype=torch.long)
         none = ops.vocab_parallel_cross_entropy(lg, t, 0, IGNORE, 0, 0.0, "")
@@ -450,7 +454,7 @@ def test_ops_are_named_nodes_in_traced_graphs():
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def f(x, w, ids, t):
-        h = C.all_reduce(C.vocab_parallel_embedding(w, ids, 0), "")
+        h = C.all_reduce(vocab_parallel_embedding(w, ids, 0), "")
         h = C.all_gather(C.copy_to_region(h, "") @ x, -1, [1], 1, "")
         return ops.vocab_parallel_cross_entropy(h.flatten(0, 1), t, 0, IGNORE, 1, 0.0, "")
 

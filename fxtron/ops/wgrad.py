@@ -1,4 +1,4 @@
-"""Codegen: the weight-gradient GEMM fused with gradient accumulation (Megatron's
+"""Ops: the weight-gradient GEMM fused with gradient accumulation (Megatron's
 `gradient_accumulation_fusion`, apex's `wgrad_gemm_accum_fp32`).
 
 For a linear `y = x @ W.T` (W is [out, in], nn.Linear's layout) the weight gradient of one
@@ -221,7 +221,7 @@ def triton_check(x: Tensor, dy: Tensor, main_grad: Tensor) -> str | None:
         return "triton is not installed"
     if not INTERPRETED and main_grad.device.type != "cuda":
         return (f"tensors on {main_grad.device}: the compiled kernel needs a GPU (set "
-                "TRITON_INTERPRET=1 before importing fxtron.codegen.wgrad to interpret it)")
+                "TRITON_INTERPRET=1 before importing fxtron.ops.wgrad to interpret it)")
     return None
 
 

@@ -1,15 +1,15 @@
-"""Codegen: linears whose weight gradient accumulates straight into an fp32 `main_grad`
+"""Ops: the linear whose weight gradient accumulates straight into an fp32 `main_grad`
 (Megatron's gradient_accumulation_fusion), with the weight-gradient GEMM deferrable so that it
-overlaps the tensor-parallel all-reduce of the input gradient (Megatron's
+overlaps the communication of the input gradient (Megatron's
 LinearWithGradAccumulationAndAsyncCommunication).
 
-`fuse_linears(gm)` rewrites every linear / addmm / mm whose weight is a parameter into
-`fxtron::linear(x, weight, bias, weight_in_out)`. Its backward computes the input gradient
-first; the weight gradient goes through `fxtron.codegen.wgrad.wgrad_accumulate` into
-`weight.main_grad` when the program gave the weight one (otherwise it is returned to autograd
-as usual). While a `WgradQueue` is active (a program's train_step), those weight-gradient GEMMs
-are queued instead of run: the next `copy_to_region` backward starts its all-reduce
-asynchronously, runs the queue while the bytes move, then waits.
+`fxtron::linear(x, weight, bias, weight_in_out)`: y = x W^T + b (or x W + b). Its backward
+computes the input gradient first; the weight gradient goes through `ops.wgrad.wgrad_accumulate`
+into `weight.main_grad` when the program gave the weight one (otherwise it is returned to
+autograd as usual). While a `WgradQueue` is active (a program's train_step), those
+weight-gradient GEMMs are queued instead of run: the next communicating op's backward
+(copy_to_region, gather_from_sequence) starts its collective asynchronously, runs the queue
+while the bytes move, then waits. codegen/fuse.py rewrites a graph's linears into this op.
 """
 from __future__ import annotations
 
@@ -18,12 +18,10 @@ import contextvars
 from typing import Callable, Optional
 
 import torch
-import torch.fx as fx
 from torch import Tensor
 
-from fxtron.compiler import meta
+from fxtron.ops.registry import OpSpec, register
 
-aten = torch.ops.aten
 _QUEUE: contextvars.ContextVar["WgradQueue | None"] = contextvars.ContextVar("fxtron_wgrad_queue", default=None)
 
 
@@ -63,7 +61,7 @@ def active_queue() -> WgradQueue | None:
 def _accumulate(x: Tensor, dy: Tensor, main_grad: Tensor, weight_in_out: bool, report=None) -> None:
     """main_grad += the weight gradient; then tell the data-parallel buffer (when the program
     gave the weight a `report`) that this contribution is complete."""
-    from fxtron.codegen.wgrad import wgrad_accumulate
+    from fxtron.ops.wgrad import wgrad_accumulate
     if main_grad.dtype != torch.float32:   # a 16-bit gradient buffer (grad_reduce_dtype)
         x2, dy2 = x.reshape(-1, x.shape[-1]).detach(), dy.reshape(-1, dy.shape[-1]).detach()
         a, b = (x2, dy2) if weight_in_out else (dy2, x2)
@@ -143,63 +141,17 @@ def linear_eager(x: Tensor, weight: Tensor, bias: Optional[Tensor], weight_in_ou
     return _Linear.apply(x, weight, bias, weight_in_out)
 
 
-# op -> its run-time form; a program's graph calls these (compiler/pipeline.py _bind_groups)
-EAGER = {torch.ops.fxtron.linear.default: linear_eager}
-
-
-def _param(node) -> bool:
-    if not isinstance(node, fx.Node) or node.op != "placeholder":
-        return False
-    spec = meta.get(node, meta.INPUT)
-    return spec is not None and spec.kind == "parameter"
+register(OpSpec("linear", eager=linear_eager))
 
 
 def kernel_name(device: torch.device, dtype: torch.dtype) -> str:
     """The weight-gradient kernel a fused linear with `dtype` activations uses on `device`:
     wgrad_accumulate's own choice (Triton for 16-bit inputs on CUDA, addmm_ otherwise)."""
-    from fxtron.codegen.wgrad import kernel_for
-    probe = torch.empty((1, 1), dtype=dtype, device="meta")
-    fake_dev = torch.empty((1, 1), dtype=dtype, device=device) if device.type == "cpu" else None
+    from fxtron.ops.wgrad import kernel_for
     if device.type == "cuda":
         return "wgrad:" + ("triton_wgrad_accum_fp32" if dtype in (torch.bfloat16, torch.float16) else "addmm_fp32")
-    return "wgrad:" + kernel_for(fake_dev if fake_dev is not None else probe, fake_dev if fake_dev is not None else probe,
-                                 torch.zeros((1, 1), dtype=torch.float32))
+    probe = torch.empty((1, 1), dtype=dtype, device=device)
+    return "wgrad:" + kernel_for(probe, probe, torch.zeros((1, 1), dtype=torch.float32))
 
 
-def fuse_linears(gm: fx.GraphModule, *, device: torch.device | None = None) -> fx.GraphModule:
-    """Rewrite linears with parameter weights to fxtron::linear and record in node.meta which
-    weight-gradient kernel each uses (`pm.graph` shows it). Edits gm in place."""
-    g = gm.graph
-    for node in list(g.nodes):
-        if node.op != "call_function":
-            continue
-        t, a = node.target, node.args
-        if t == aten.linear.default and _param(a[1]):
-            args = (a[0], a[1], a[2] if len(a) > 2 else None, False)
-        elif t == aten.addmm.default and _param(a[2]) and len(a) == 3 and not node.kwargs:
-            args = (a[1], a[2], a[0], True)
-        elif t in (aten.mm.default, aten.matmul.default) and _param(a[1]) and a[1].meta["val"].dim() == 2:
-            args = (a[0], a[1], None, True)
-        else:
-            continue
-        x = args[0]
-        with g.inserting_before(node):
-            new = g.call_function(torch.ops.fxtron.linear.default, args)
-        new.meta.update(node.meta)
-        meta.set(new, meta.KERNEL, kernel_name(device or torch.device("cpu"), x.meta["val"].dtype))
-        meta.set(new, meta.PROVENANCE, meta.Provenance("fuse_linears", "weight gradient into main_grad"))
-        node.replace_all_uses_with(new)
-        g.erase_node(node)
-    gm.recompile()
-    return gm
-
-
-def fused_weights(gm: fx.GraphModule) -> list[str]:
-    """Names of the parameters whose gradients the fused linears accumulate into main_grad."""
-    out = []
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target == torch.ops.fxtron.linear.default:
-            spec = meta.get(node.args[1], meta.INPUT)
-            if spec.target not in out:
-                out.append(spec.target)
-    return out
+__all__ = ["WgradQueue", "active_queue", "kernel_name", "linear", "linear_eager"]

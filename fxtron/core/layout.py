@@ -1,4 +1,4 @@
-"""Runtime: the sharded layout of one tensor dim over the ranks of a group (pure tensor math).
+"""Core: the sharded layout of one tensor dim over the ranks of one mesh axis (pure tensor math).
 
 A dim of full size F sharded over `world` ranks with interleave k is viewed as k equal blocks
 of F/k (a fused [q|k|v] projection has k=3). Rank r holds, for every block, the r-th of
@@ -18,7 +18,7 @@ differ in size, Phi-3's [q|k|v] with grouped-query attention (8 query heads, 4 k
 proportions (2, 1, 1)). Block i then has F * w_i / sum(w) elements and rank r holds the r-th
 slice of each. An equal tuple is written as its count: (1, 1, 1) is 3.
 
-No communication happens here; `fxtron.runtime.collectives` moves the pieces between ranks.
+No communication happens here; the ops of `fxtron.ops` move the pieces between ranks.
 """
 from __future__ import annotations
 

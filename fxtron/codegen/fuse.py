@@ -1,0 +1,60 @@
+"""Codegen: linears rewritten to `fxtron::linear` (ops/linear.py), whose weight gradient
+accumulates straight into an fp32 `main_grad` (Megatron's gradient_accumulation_fusion) and can
+be deferred behind the communication of the input gradient; each records the weight-gradient
+kernel it uses on the programs' device (`pm.graph` shows it)."""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fxtron.core import meta
+from fxtron.ops.linear import kernel_name
+
+aten = torch.ops.aten
+
+
+def fuse_linears(gm: fx.GraphModule, *, device: torch.device) -> fx.GraphModule:
+    """Rewrite linears with parameter weights to fxtron::linear and record in node.meta which
+    weight-gradient kernel each uses on `device`. Edits gm in place and returns it."""
+    g = gm.graph
+    for node in list(g.nodes):
+        if node.op != "call_function":
+            continue
+        t, a = node.target, node.args
+        if t == aten.linear.default and meta.is_param(a[1]):
+            args = (a[0], a[1], a[2] if len(a) > 2 else None, False)
+        elif t == aten.addmm.default and meta.is_param(a[2]) and len(a) == 3 and not node.kwargs:
+            args = (a[1], a[2], a[0], True)
+        elif t in (aten.mm.default, aten.matmul.default) and meta.is_param(a[1]) and a[1].meta["val"].dim() == 2:
+            args = (a[0], a[1], None, True)
+        else:
+            continue
+        x = args[0]
+        with g.inserting_before(node):
+            new = g.call_function(torch.ops.fxtron.linear.default, args)
+        new.meta.update(node.meta)
+        if t == aten.addmm.default:   # what propagate expects of (b, x, w), now (x, w, b)
+            for axis in meta.graph_axes(gm):
+                e = meta.expects(node, axis)
+                if len(e) == 3:
+                    meta.set_expects(new, axis, (e[1], e[2], e[0]))
+        meta.set(new, meta.KERNEL, kernel_name(device, x.meta["val"].dtype))
+        meta.set(new, meta.PROVENANCE, meta.Provenance("fuse_linears", "weight gradient into main_grad"))
+        node.replace_all_uses_with(new)
+        g.erase_node(node)
+    gm.recompile()
+    return gm
+
+
+def fused_weights(gm: fx.GraphModule) -> list[str]:
+    """Names of the parameters whose gradients the fused linears accumulate into main_grad."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target == torch.ops.fxtron.linear.default:
+            name = meta.param_name(node.args[1])
+            if name not in out:
+                out.append(name)
+    return out
+
+
+__all__ = ["fuse_linears", "fused_weights"]

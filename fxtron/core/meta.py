@@ -1,0 +1,237 @@
+"""Core: the node.meta contract -- every key fxtron writes, its type, meaning and writer -- and
+the graph-level facts of a traced model (TraceInfo, the batch and sequence symbols B and S).
+
+torch's own keys are reused, never redefined: `val` (a FakeTensor or SymInt from export),
+`nn_module_stack` (module path -> (qualified name, class)), `stack_trace`. fxtron's keys all
+start with "fxtron_" and hold the frozen values below. `get`/`set` check the key is known and
+the value has its type, so a typo or a wrong value fails where it is written. Placements are
+per mesh axis (`placement(node, "tp")`); `is_param` / `param_name` answer "is this
+placeholder a parameter" in one place.
+
+The compiler writes this metadata and the runtime reads it (a pipeline stage's boundary
+shapes, a program's inputs): both import this module, neither imports the other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import sympy
+import torch
+import torch.fx as fx
+
+from fxtron.core.placement import PerAxis
+from fxtron.errors import ParallelizeError
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """What a placeholder stands for. kind: a lifted parameter or buffer (target: its name in
+    the original model's state_dict), or the index-th user input, with `dims` naming each
+    dimension's role ('batch', 'seq' or None for a static dim)."""
+
+    kind: Literal["parameter", "buffer", "user"]
+    target: str
+    index: int = -1
+    dims: tuple[str | None, ...] = ()
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """The pass that created this node (nodes that came from export carry 'trace')."""
+
+    pass_name: str
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class MetaKey:
+    name: str
+    type: type | tuple[type, ...]
+    meaning: str
+    written_by: str
+
+
+_KEYS: dict[str, MetaKey] = {}
+
+
+def _key(name: str, typ, meaning: str, written_by: str) -> str:
+    _KEYS[name] = MetaKey(name, typ, meaning, written_by)
+    return name
+
+
+INPUT = _key("fxtron_input", InputSpec,
+             "what a placeholder stands for: parameter, buffer or user input", "compiler.trace")
+MODULE = _key("fxtron_module", str,
+              "dotted path of the innermost source module ('' for the model's own forward)",
+              "compiler.trace")
+PROVENANCE = _key("fxtron_provenance", Provenance,
+                  "which pass created the node, and why", "every pass that creates nodes")
+PLACEMENT = _key("fxtron_placement", PerAxis,
+                 "the value's placement on each mesh axis the graph is distributed over "
+                 "(core.placement; a tuple per axis for multi-output nodes)", "passes.propagate")
+EXPECTS = _key("fxtron_expects", PerAxis,
+               "per axis: the placement each tensor input must have (None: as it comes), in "
+               "flattened-args order", "passes.propagate")
+REDISTRIBUTE_OUT = _key("fxtron_redistribute_out", PerAxis,
+                        "per axis: the placement every consumer sees (a colwise linear with gather_output)",
+                        "passes.propagate")
+LOCAL_SHAPE = _key("fxtron_local_shape", tuple,
+                   "this rank's shape, sympy expressions in the batch and sequence symbols",
+                   "passes.shapes")
+KERNEL = _key("fxtron_kernel", str, "the GEMM kernel codegen chose for a linear", "codegen.fuse")
+GRAD_REDUCE = _key("fxtron_grad_reduce", tuple,
+                   "on a parameter placeholder: the mesh axes over which its gradient is partial on "
+                   "each rank (a replicated norm weight used on sequence shards: ('tp',)); summed there "
+                   "once per step, in finalize_grads, as Megatron all-reduces sequence-parallel norm weights",
+                   "passes.redistribute")
+STAGE = _key("fxtron_stage", int, "pipeline stage that runs the node", "passes.stages")
+
+
+def keys() -> dict[str, MetaKey]:
+    """All fxtron node.meta keys, by name."""
+    return dict(_KEYS)
+
+
+def set(node: fx.Node, key: str, value: Any) -> None:  # noqa: A001 - mirrors dict API
+    spec = _KEYS.get(key)
+    if spec is None:
+        raise KeyError(f"{key!r} is not an fxtron meta key; known: {sorted(_KEYS)}")
+    if not isinstance(value, spec.type):
+        raise TypeError(f"node.meta[{key!r}] must be {spec.type}, got {type(value).__name__}")
+    node.meta[key] = value
+
+
+def get(node: fx.Node, key: str, default: Any = None) -> Any:
+    if key not in _KEYS:
+        raise KeyError(f"{key!r} is not an fxtron meta key; known: {sorted(_KEYS)}")
+    return node.meta.get(key, default)
+
+
+# ----------------------------------------------------------------------------- per-axis keys
+def placement(node: fx.Node, axis: str, default: Any = None) -> Any:
+    """The node's placement on `axis` (a Placement, or a tuple for a multi-output node)."""
+    return get(node, PLACEMENT, PerAxis()).get(axis, default)
+
+
+def set_placement(node: fx.Node, axis: str, value: Any) -> None:
+    set(node, PLACEMENT, get(node, PLACEMENT, PerAxis()).with_axis(axis, value))
+
+
+def expects(node: fx.Node, axis: str) -> tuple:
+    """What the node's rule on `axis` expects of each tensor input (None: as it comes)."""
+    return get(node, EXPECTS, PerAxis()).get(axis, ())
+
+
+def set_expects(node: fx.Node, axis: str, value: tuple) -> None:
+    set(node, EXPECTS, get(node, EXPECTS, PerAxis()).with_axis(axis, tuple(value)))
+
+
+def redistribute_out(node: fx.Node, axis: str) -> Any:
+    return get(node, REDISTRIBUTE_OUT, PerAxis()).get(axis)
+
+
+def set_redistribute_out(node: fx.Node, axis: str, value: Any) -> None:
+    set(node, REDISTRIBUTE_OUT, get(node, REDISTRIBUTE_OUT, PerAxis()).with_axis(axis, value))
+
+
+# ----------------------------------------------------------------------------- placeholders
+def is_param(node: Any) -> bool:
+    """Is `node` a placeholder standing for one of the model's parameters?"""
+    if not isinstance(node, fx.Node) or node.op != "placeholder":
+        return False
+    spec = get(node, INPUT)
+    return spec is not None and spec.kind == "parameter"
+
+
+def param_name(node: Any) -> str | None:
+    """The parameter's name in the model's state_dict when `node` is a parameter placeholder."""
+    return get(node, INPUT).target if is_param(node) else None
+
+
+# ----------------------------------------------------------------------------- graph-level
+TRACE_INFO = "fxtron_trace"
+BATCH, SEQ = sympy.Symbol("B", positive=True, integer=True), sympy.Symbol("S", positive=True, integer=True)
+
+
+@dataclass
+class TraceInfo:
+    """What a traced graph's inputs and outputs are (`gm.meta["fxtron_trace"]`, carried by
+    every pass's output).
+
+    params / buffers: names in placeholder order (each placeholder's node.meta fxtron_input
+    says the same). aliases: tied names -> the canonical name they share storage with.
+    user_dims: per tensor user input, the role of each dim ('batch', 'seq' or None).
+    symbols: export's shape symbols -> fxtron's readable ones (B, S).
+    in_spec: pytree spec of (args, kwargs); statics: its leaves, None where a tensor goes
+    (non-tensor leaves were baked into the graph).
+    buffer_mutations: output index -> buffer name written back after forward.
+    layers: whether the layers were traced once and repeated, or why the model was traced whole.
+    """
+
+    params: list[str]
+    buffers: list[str]
+    user_dims: list[tuple[str | None, ...]]
+    symbols: dict[sympy.Symbol, sympy.Symbol]
+    in_spec: Any
+    statics: list = field(default_factory=list)
+    aliases: dict[str, str] = field(default_factory=dict)
+    buffer_mutations: dict[int, str] = field(default_factory=dict)
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    layers: str = ""   # how the layers were traced: repeated from two, or why the model was traced whole
+
+    @property
+    def n_user_inputs(self) -> int:
+        return len(self.user_dims)
+
+    def expr(self, size) -> sympy.Expr:
+        """A dim of a `val` (int or SymInt) as a sympy expression in B and S."""
+        if isinstance(size, torch.SymInt):
+            return sympy.sympify(size.node.expr).xreplace(self.symbols)
+        return sympy.Integer(int(size))
+
+    def shape(self, val) -> tuple[sympy.Expr, ...]:
+        return tuple(self.expr(s) for s in val.shape)
+
+
+GRAPH_AXES = "fxtron_axes"
+
+
+def graph_axes(gm: fx.GraphModule) -> tuple[str, ...]:
+    """The mesh axes the graph's values have placements on (`propagate` adds each)."""
+    return tuple(gm.meta.get(GRAPH_AXES, ()))
+
+
+def add_graph_axis(gm: fx.GraphModule, axis: str) -> None:
+    if axis not in graph_axes(gm):
+        gm.meta[GRAPH_AXES] = graph_axes(gm) + (axis,)
+
+
+def info(gm: fx.GraphModule) -> TraceInfo:
+    """The TraceInfo that `trace` attached to a graph module (and passes carry along)."""
+    try:
+        return gm.meta[TRACE_INFO]
+    except KeyError:
+        raise ParallelizeError("this GraphModule was not made by fxtron.compiler.trace") from None
+
+
+def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new GraphModule over a copy of gm's graph, node names kept, gm.meta carried (node.meta
+    copied shallowly: the fake tensors in `val` are shared, never mutated)."""
+    graph = fx.Graph()
+    out_val = graph.graph_copy(gm.graph, {})
+    graph.output(out_val)
+    out = fx.GraphModule(gm, graph)
+    out.meta.update(gm.meta)
+    return out
+
+
+def seq_dim(node: fx.Node, ti: TraceInfo) -> int | None:
+    """The dim of node's value whose size is exactly the sequence symbol S, if any."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    for d, size in enumerate(val.shape):
+        if isinstance(size, torch.SymInt) and ti.symbols.get(sympy.sympify(size.node.expr)) == SEQ:
+            return d
+    return None

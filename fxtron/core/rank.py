@@ -1,0 +1,43 @@
+"""Core: one rank's compiled program as the runtime receives it -- its graph (or its pipeline
+stages), its parameters' local descriptions and the facts the runtime needs to run and
+synchronize it. The compiler makes it (compiler/pipeline.py RankGraph.spec); the runtime builds
+a Program from it (runtime/build.py); neither imports the other."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch.fx as fx
+
+from fxtron.core.axes import MeshView
+from fxtron.core.meta import TraceInfo
+from fxtron.core.params import LocalParam
+from fxtron.core.stage import Stage
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """gm: the whole per-rank graph, or None when the rank runs `stages` (pipeline parallel,
+    chunk 0 first). local: every parameter the rank holds. shared: parameters several pipeline
+    ranks hold (a tied embedding and LM head) -> those pp ranks. param_order: the rank's
+    parameters in order of first use in forward. grad_reports: how many times per step each
+    parameter's gradient reports complete in the last backward. fused: parameters whose
+    gradient fused linears accumulate into main_grad."""
+
+    rank: int
+    mesh: MeshView
+    info: TraceInfo
+    gm: fx.GraphModule | None
+    stages: tuple[Stage, ...] | None
+    local: Mapping[str, LocalParam]
+    shared: Mapping[str, tuple[int, ...]]
+    param_order: tuple[str, ...]
+    grad_reports: Mapping[str, int]
+    fused: tuple[str, ...]
+
+    @property
+    def graphs(self) -> list[fx.GraphModule]:
+        return [s.gm for s in self.stages] if self.stages is not None else [self.gm]
+
+
+__all__ = ["RankSpec"]

@@ -1,0 +1,10 @@
+"""fxtron.ops: the graph's op vocabulary -- the custom ops per-rank graphs call (Megatron's
+conjugate communication pairs over any mesh axis, the vocab-parallel embedding and cross
+entropy, the fused weight-gradient linear, random streams), each with its fake and autograd
+forms and, in `registry`, what it communicates over which axis. Importing this package
+registers every torch.ops.fxtron op. Above fxtron.core; below passes, codegen and runtime.
+"""
+from fxtron.ops import linear, registry, tp, vocab  # noqa: F401 - registers torch.ops.fxtron.*
+from fxtron.ops.wgrad import kernel_for, wgrad_accumulate
+
+__all__ = ["kernel_for", "linear", "registry", "tp", "vocab", "wgrad_accumulate"]

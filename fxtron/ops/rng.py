@@ -1,0 +1,113 @@
+"""Ops: random number streams for distributed values, as Megatron's model-parallel RNG tracker.
+
+A random op (dropout, attention dropout) on a value that is replicated over the ranks of an
+axis must draw the same numbers on every one of them, or the replicas silently drift apart; on
+a value that is sharded over an axis it must draw independent numbers per rank, or every shard
+gets the same mask. The compiler wraps every random op in `rng_call(region, op, ...)`, with
+region "replicated" or "sharded:<axes>" (the axes its output is sharded over, "sharded:tp");
+a program's `RNGStreams` holds one generator state per region -- the replicated one seeded
+alike on every rank, a sharded one at seed + 2718 + the rank's index over those axes
+(Megatron's model_parallel_cuda_manual_seed offset) -- and while the program runs its graph
+`rng_call` swaps the region's stream in as the default generator for that one op and saves
+where the stream got to.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+_ACTIVE: contextvars.ContextVar["RNGStreams | None"] = contextvars.ContextVar("fxtron_rng", default=None)
+SHARDED_OFFSET = 2718   # Megatron's model_parallel_cuda_manual_seed offset
+REPLICATED = "replicated"
+
+
+def sharded_region(axes: tuple[str, ...]) -> str:
+    """The region name of a value sharded over `axes`: "sharded:tp"."""
+    return "sharded:" + "-".join(axes)
+
+
+@dataclass
+class RNGStreams:
+    """The random streams of one rank's program. `coords`: the rank's coordinate on every mesh
+    axis, `sizes` the axis sizes (the index over several axes is mixed-radix, first axis
+    fastest); a region's stream is made on first use."""
+
+    seed: int
+    coords: Mapping[str, int] = field(default_factory=dict)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    sizes: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.states = {REPLICATED: self._state(self.seed)}
+
+    def _state(self, seed: int) -> torch.Tensor:
+        g = torch.Generator(device=self.device)
+        g.manual_seed(seed)
+        return g.get_state()
+
+    def _offset(self, region: str) -> int:
+        if not region.startswith("sharded:"):
+            raise ValueError(f"unknown random region {region!r}: 'replicated' or 'sharded:<axes>'")
+        index, stride = 0, 1
+        for axis in region.split(":", 1)[1].split("-"):
+            index += self.coords.get(axis, 0) * stride
+            stride *= self.sizes.get(axis, 1)
+        return SHARDED_OFFSET + index
+
+    @contextlib.contextmanager
+    def active(self):
+        """Make these streams the ones `rng_call` uses while the graph runs."""
+        token = _ACTIVE.set(self)
+        try:
+            yield
+        finally:
+            _ACTIVE.reset(token)
+
+    def run(self, region: str, fn, *args, **kwargs):
+        if region not in self.states:
+            self.states[region] = self._state(self.seed + self._offset(region))
+        cuda = self.device.type == "cuda"
+        get = (lambda: torch.cuda.get_rng_state(self.device)) if cuda else torch.get_rng_state
+        put = (lambda s: torch.cuda.set_rng_state(s, self.device)) if cuda else torch.set_rng_state
+        saved = get()
+        put(self.states[region])
+        try:
+            out = fn(*args, **kwargs)
+            self.states[region] = get()
+        finally:
+            put(saved)
+        return out
+
+
+def rng_call(region: str, op, *args, **kwargs):
+    """Run the random `op` on the `region` stream of the program whose graph is running;
+    outside a program, run it as it is."""
+    streams = _ACTIVE.get()
+    if streams is None:
+        return op(*args, **kwargs)
+    return streams.run(region, op, *args, **kwargs)
+
+
+RANDOM_OPS = {torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default,
+              torch.ops.aten.bernoulli.default, torch.ops.aten.bernoulli.p,
+              torch.ops.aten.rand_like.default, torch.ops.aten.randn_like.default,
+              torch.ops.aten.scaled_dot_product_attention.default}
+
+
+def is_random(node) -> bool:
+    """Does this graph node draw random numbers? (SDPA only with dropout_p > 0)"""
+    if node.op != "call_function" or node.target not in RANDOM_OPS:
+        return False
+    if node.target == torch.ops.aten.scaled_dot_product_attention.default:
+        p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+        return bool(p)
+    if node.target == torch.ops.aten.dropout.default:
+        return bool(node.args[1]) and bool(node.args[2])
+    return True
+
+
+__all__ = ["REPLICATED", "RNGStreams", "is_random", "rng_call", "sharded_region"]

@@ -1,0 +1,138 @@
+"""Ops: the transport primitives the communicating ops are written with -- the only place that
+calls torch.distributed's collectives for them. A group is named by its process group's name
+(`ProcessGroup.group_name`, resolved with torch.distributed's `_resolve_process_group`); "" or a
+group of one rank means no communication. Where a group has a shared-memory channel (ops/shm.py,
+ranks of one host under gloo) the primitives go through it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fxtron.core.layout import shard, unshard
+from fxtron.ops import shm
+
+
+def resolve(group: str):
+    """The ProcessGroup named `group`, or None when no communication is needed ("" or 1 rank)."""
+    if not group:
+        return None
+    pg = dist.distributed_c10d._resolve_process_group(group)
+    return None if pg.size() == 1 else pg
+
+
+def group_size(group: str) -> int:
+    pg = resolve(group)
+    return 1 if pg is None else pg.size()
+
+
+def check_world(pg, world: int, op: str, group: str) -> None:
+    size = 1 if pg is None else pg.size()
+    if world != size:
+        raise ValueError(f"fxtron::{op}: world={world} but group {group!r} has {size} rank(s); "
+                         f"pass the group's size as world")
+
+
+def all_reduce(t: Tensor, pg, op=dist.ReduceOp.SUM, out: Tensor | None = None) -> Tensor:
+    """All-reduce contiguous `t` over `pg` into `out` (a contiguous tensor of t's shape; default
+    t itself, which must then be a fresh tensor); returns out. Through the group's shared-memory
+    channel where it has one, which reads t directly: no copy of t first."""
+    comm = shm.channel(pg.group_name)
+    if comm is not None:
+        return comm.all_reduce(t, shm.OP_MAX if op == dist.ReduceOp.MAX else shm.OP_SUM, out=out)
+    if out is not None:
+        t = out.copy_(t)
+    dist.all_reduce(t, op=op, group=pg)
+    return t
+
+
+def summed(x: Tensor, pg) -> Tensor:
+    """A new contiguous tensor: the sum of x over pg (a copy of x without a group)."""
+    if pg is None:
+        return x.clone(memory_format=torch.contiguous_format)
+    x = x.contiguous()
+    return all_reduce(x, pg, out=torch.empty_like(x))
+
+
+def start_all_reduce(t: Tensor, pg):
+    """Begin an all-reduce SUM of contiguous `t` in place; returns a work whose wait()
+    completes it. Only local computation may run before the wait (no other collective)."""
+    comm = shm.channel(pg.group_name)
+    if comm is not None:
+        return comm.start_all_reduce(t)
+    return dist.all_reduce(t, group=pg, async_op=True)
+
+
+def all_gather(t: Tensor, pg) -> list[Tensor]:
+    """Every rank's `t` (same shape everywhere), in group-rank order."""
+    comm = shm.channel(pg.group_name)
+    if comm is not None:
+        return comm.all_gather(t)
+    t = t.contiguous()
+    out = [torch.empty_like(t) for _ in range(pg.size())]
+    dist.all_gather(out, t, group=pg)
+    return out
+
+
+def gather(t: Tensor, dim: int, pg) -> Tensor:
+    """Every rank's `t` concatenated along `dim` in group-rank order (a new tensor)."""
+    comm = shm.channel(pg.group_name)
+    if comm is not None:
+        return comm.gather(t, dim)
+    return unshard(all_gather(t, pg), dim, 1)
+
+
+def reduce_scatter(t: Tensor, dim: int, pg) -> Tensor:
+    """Sum of `t` over the ranks, then this rank's 1/world slice along `dim` (a new tensor)."""
+    world, rank = pg.size(), dist.get_rank(pg)
+    comm = shm.channel(pg.group_name)
+    if comm is not None:
+        return comm.reduce_scatter(t, dim)
+    if dist.get_backend(pg) == "nccl":
+        src = t.movedim(dim, 0).contiguous()
+        out = src.new_empty((src.shape[0] // world, *src.shape[1:]))
+        dist.reduce_scatter_tensor(out, src, op=dist.ReduceOp.SUM, group=pg)
+        return out.movedim(0, dim).contiguous()
+    # gloo has no reduce_scatter_tensor on every build: all-reduce the whole tensor, keep a slice
+    total = all_reduce(t.clone(memory_format=torch.contiguous_format), pg)
+    return shard(total, dim, world, rank)
+
+
+class _Started:
+    """A split-phase collective: `wait()` completes it and returns its result."""
+
+    def __init__(self, work, finish):
+        self._work, self._finish = work, finish
+
+    def wait(self) -> Tensor:
+        self._work.wait()
+        return self._finish()
+
+
+def start_reduce_scatter(t: Tensor, dim: int, pg):
+    """Begin a reduce-scatter of `t` along `dim` (as `reduce_scatter`); returns a work whose
+    wait() returns this rank's slice. Only local computation may run before the wait."""
+    world, rank = pg.size(), dist.get_rank(pg)
+    comm = shm.channel(pg.group_name)
+    if comm is not None:
+        # shared memory: the tensor is published now, each rank sums its slice at wait()
+        return comm.start_reduce_scatter(t, dim)
+    if dist.get_backend(pg) == "nccl":
+        src = t.movedim(dim, 0).contiguous()
+        out = src.new_empty((src.shape[0] // world, *src.shape[1:]))
+        work = dist.reduce_scatter_tensor(out, src, op=dist.ReduceOp.SUM, group=pg, async_op=True)
+        return _Started(work, lambda: out.movedim(0, dim).contiguous())
+    total = t.clone(memory_format=torch.contiguous_format)
+    work = start_all_reduce(total, pg)   # gloo: all-reduce, then keep a slice
+    return _Started(work, lambda: shard(total, dim, world, rank))
+
+
+def norm_dim(dim: int, ndim: int) -> int:
+    if not -ndim <= dim < max(ndim, 1):
+        raise IndexError(f"dim {dim} is out of range for a tensor with {ndim} dims")
+    return dim % max(ndim, 1)
+
+
+__all__ = ["all_gather", "all_reduce", "check_world", "gather", "group_size", "norm_dim", "reduce_scatter",
+           "resolve", "start_all_reduce", "start_reduce_scatter", "summed"]

@@ -1,0 +1,93 @@
+"""Passes: make a graph local to a rank -- the sizes written into it (view shapes, split sizes,
+slice bounds) become this rank's, and export's metadata asserts, which pin global sizes and
+the traced dtype, go."""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from fxtron.core import meta
+from fxtron.core.axes import MeshView
+from fxtron.core.placement import Shard
+from fxtron.errors import ParallelizeError
+
+aten = torch.ops.aten
+_SIZE_ARG_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+
+
+def drop_metadata_asserts(gm: fx.GraphModule) -> fx.GraphModule:
+    """Remove export's `_assert_tensor_metadata` checks: they pin the traced dtype (a mixed-
+    precision program computes in 16 bits) and global sizes (a rank holds shards). Edits gm in
+    place and returns it."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target == aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return gm
+
+
+def localize(gm: fx.GraphModule, *, mesh: MeshView) -> fx.GraphModule:
+    """Rewrite sizes written into the graph to this rank's (a view to (B, S, 4, 16) of a value
+    sharded on the heads dim over 2 ranks becomes (B, S, 2, 16)), on every axis the graph has
+    placements on, and drop `_assert_tensor_metadata` checks that carry global sizes. Edits gm
+    in place and returns it."""
+    g = gm.graph
+    for node in list(g.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target == aten._assert_tensor_metadata.default:
+            g.erase_node(node)
+            continue
+        for axis in meta.graph_axes(gm):
+            _localize(g, node, axis, mesh.size(axis))
+    gm.recompile()
+    return gm
+
+
+def _localize(g: fx.Graph, node: fx.Node, axis: str, n: int) -> None:
+    t = node.target
+    pl = meta.placement(node, axis)
+    if t in _SIZE_ARG_VIEWS and isinstance(pl, Shard):
+        sizes = list(node.args[1])
+        s = sizes[pl.dim]
+        if isinstance(s, int) and s != -1:
+            sizes[pl.dim] = _div(s, n, node, axis)
+        elif isinstance(s, fx.Node):   # a size read at run time (the sequence length): divide it there
+            with g.inserting_before(node):
+                local = g.call_function(operator.floordiv, (s, n))
+            meta.set(local, meta.PROVENANCE, meta.Provenance("localize", f"local size of dim {pl.dim} over {axis}"))
+            sizes[pl.dim] = local
+        node.args = (node.args[0], sizes) + tuple(node.args[2:])
+    elif t in (aten.split.Tensor, aten.split_with_sizes.default):
+        src = meta.placement(node.args[0], axis)
+        nd = node.args[0].meta["val"].dim()
+        dim = node.args[2] if len(node.args) > 2 else 0
+        if isinstance(src, Shard) and (dim + nd if dim < 0 else dim) == src.dim:
+            sizes = node.args[1]
+            new = [_div(s, n, node, axis) for s in sizes] if isinstance(sizes, (list, tuple)) else _div(sizes, n, node, axis)
+            node.args = (node.args[0], new) + tuple(node.args[2:])
+    elif t == aten.slice.Tensor and isinstance(pl, Shard):
+        src = meta.placement(node.args[0], axis)
+        nd = node.args[0].meta["val"].dim()
+        dim = node.args[1] if len(node.args) > 1 else 0
+        if isinstance(src, Shard) and src.interleave != 1 and (dim + nd if dim < 0 else dim) == src.dim:
+            # whole blocks of a fused projection: each block holds 1/n of its rows here
+            bounds = [b if b is None or b >= 2**62 else _div(b, n, node, axis) for b in node.args[2:4]]
+            node.args = (node.args[0], node.args[1], *bounds, *node.args[4:])
+    elif t == aten.repeat_interleave.self_int and isinstance(pl, Shard) and node.kwargs.get("output_size"):
+        kw = dict(node.kwargs)
+        kw["output_size"] = _div(kw["output_size"], n, node, axis)
+        node.kwargs = kw
+
+
+def _div(size, n: int, node: fx.Node, axis: str):
+    if not isinstance(size, int):
+        raise ParallelizeError(f"node %{node.name}: cannot divide the symbolic size {size} over {axis}={n}")
+    if size % n:
+        raise ParallelizeError(f"node %{node.name} ({meta.get(node, meta.MODULE)}): size {size} is not divisible by {axis}={n}")
+    return size // n
+
+
+__all__ = ["drop_metadata_asserts", "localize"]

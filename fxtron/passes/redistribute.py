@@ -1,0 +1,233 @@
+"""Passes: insert the redistributions -- where a value's placement on an axis differs from what
+its consumer expects, the collective that turns one into the other.
+
+`insert_redistributions` rebuilds the graph by interpretation, axis by axis for every axis the
+graph has placements on: where an input's placement differs from what its consumer expects it
+emits the redistribution (Megatron's conjugate pairs as fxtron ops over that axis, visible by
+name), where a replicated value that carries gradient feeds a sharded computation it emits
+`copy_to_region` (identity forward, all-reduce backward; one per value, shared by all its
+sharded consumers, as Megatron's fused QKV shares one), and it applies the registered
+lowerings (the vocab-parallel embedding and cross entropy).
+
+| from \\ to    | Replicate                 | Shard(d)                 |
+|--------------|---------------------------|--------------------------|
+| Replicate    | copy_to_region (if sharded consumer) | scatter (slice; bwd all-gather) |
+| Partial      | all_reduce (bwd identity) | reduce_scatter (bwd all-gather) |
+| Shard(d)     | all_gather (bwd slice)    | all_gather + scatter     |
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+import fxtron.ops  # noqa: F401 - registers torch.ops.fxtron
+from fxtron.core import meta
+from fxtron.core.axes import MeshView
+from fxtron.core.layout import to_list
+from fxtron.core.placement import REPLICATE, Partial, Replicate, Shard, is_sharded
+from fxtron.errors import ParallelizeError
+from fxtron.passes.rules import PARTIAL_THROUGH, is_tensor, lowerings_for
+
+ops = torch.ops.fxtron
+
+
+def _requires_grad(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes whose value depends on a parameter (so a gradient flows back through them)."""
+    out: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if meta.get(node, meta.INPUT) is not None:
+            if meta.is_param(node):
+                out.add(node)
+            continue
+        if any(a in out for a in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
+class _Emitter:
+    """Makes the new graph's communication nodes, one per (value, axis, redistribution)."""
+
+    def __init__(self, graph: fx.Graph, mesh: MeshView):
+        self.g, self.mesh = graph, mesh
+        self.cache: dict[tuple, fx.Node] = {}
+
+    def call(self, target, args, like: fx.Node, placements: meta.PerAxis, reason: str, kwargs=None,
+             module_of: fx.Node | None = None) -> fx.Node:
+        n = self.g.call_function(target, tuple(args), kwargs or {})
+        val = like.meta.get("val")
+        if val is not None:
+            n.meta["val"] = val
+        for k in ("nn_module_stack", "stack_trace"):
+            if k in like.meta:
+                n.meta[k] = like.meta[k]
+        meta.set(n, meta.MODULE, meta.get(module_of or like, meta.MODULE) or "")
+        meta.set(n, meta.PLACEMENT, placements)
+        meta.set(n, meta.PROVENANCE, meta.Provenance("insert_redistributions", reason))
+        return n
+
+    def redistribute(self, src: fx.Node, value: fx.Node, placed: meta.PerAxis, axis: str, want,
+                     consumer: fx.Node) -> fx.Node:
+        """`value` (the new graph's node for `src`, placed `placed`) with its placement on
+        `axis` turned into `want`."""
+        have = placed.get(axis)
+        key = (src, axis, str(have), str(want))
+        if key in self.cache:
+            return self.cache[key]
+        why = f"%{src.name} {axis}:{have} -> {axis}:{want} for %{consumer.name}"
+        origin = src   # a partial sum belongs to the layer that made it, not to the cast after it
+        while isinstance(have, Partial) and origin.op == "call_function" and origin.target in PARTIAL_THROUGH:
+            origin = origin.args[0]
+        n = self.mesh.size(axis)
+        done = placed.with_axis(axis, want)
+        mid_r = placed.with_axis(axis, REPLICATE)
+        if isinstance(have, Partial) and isinstance(want, Replicate):
+            out = self.call(ops.all_reduce.default, (value, axis), src, done, why, module_of=origin)
+        elif isinstance(have, Replicate) and isinstance(want, Shard):
+            out = self.call(ops.scatter.default, (value, want.dim, to_list(want.interleave), n, axis), src, done, why)
+        elif isinstance(have, Shard) and isinstance(want, Replicate):
+            out = self.call(ops.all_gather.default, (value, have.dim, to_list(have.interleave), n, axis), src, done, why)
+        elif isinstance(have, Partial) and isinstance(want, Shard) and want.interleave == 1:
+            out = self.call(ops.reduce_scatter.default, (value, want.dim, n, axis), src, done, why)
+        elif isinstance(have, Partial) and isinstance(want, Shard):
+            mid = self.call(ops.all_reduce.default, (value, axis), src, mid_r, why)
+            out = self.call(ops.scatter.default, (mid, want.dim, to_list(want.interleave), n, axis), src, done, why)
+        elif isinstance(have, Shard) and isinstance(want, Shard):
+            mid = self.call(ops.all_gather.default, (value, have.dim, to_list(have.interleave), n, axis), src, mid_r, why)
+            out = self.call(ops.scatter.default, (mid, want.dim, to_list(want.interleave), n, axis), src, done, why)
+        else:
+            raise ParallelizeError(f"cannot redistribute %{src.name} from {axis}:{have} to {axis}:{want} "
+                                   f"(for %{consumer.name})")
+        self.cache[key] = out
+        return out
+
+    def gather_for_region(self, src: fx.Node, value: fx.Node, placed: meta.PerAxis, axis: str,
+                          consumer: fx.Node) -> fx.Node:
+        """Sequence parallel's gather before a region: all-gather forward, reduce-scatter of the
+        gradient backward, one op (Megatron's gather_from_sequence_parallel_region)."""
+        key = (src, axis, "gather_from_sequence")
+        if key not in self.cache:
+            have = placed.get(axis)
+            if have.interleave != 1:
+                raise ParallelizeError(f"%{src.name}: cannot gather an interleaved shard into a region")
+            self.cache[key] = self.call(ops.gather_from_sequence.default, (value, have.dim, self.mesh.size(axis), axis),
+                                        src, placed.with_axis(axis, REPLICATE),
+                                        f"%{src.name} {axis}:{have} -> {axis}:R entering a parallel region "
+                                        "(all-gather; reduce-scatter of its gradient)", module_of=consumer)
+        return self.cache[key]
+
+    def copy_to_region(self, src: fx.Node, value: fx.Node, placed: meta.PerAxis, axis: str,
+                       consumer: fx.Node) -> fx.Node:
+        key = (src, axis, "f")
+        if key not in self.cache:
+            self.cache[key] = self.call(ops.copy_to_region.default, (value, axis), src, placed,
+                                        f"%{src.name} enters a region parallel over {axis} (all-reduce its gradient)",
+                                        module_of=consumer)
+        return self.cache[key]
+
+
+class Lower:
+    """What a lowering (passes/rules registry) may use: the axis, its size and this rank's
+    coordinate, an input's placement on the axis, the new graph's node for an input, and
+    `call` to emit the replacement."""
+
+    def __init__(self, em: _Emitter, axis: str, remap, placed: dict, node: fx.Node):
+        self.axis, self.size, self.coord = axis, em.mesh.size(axis), em.mesh.coord(axis)
+        self._em, self._remap, self._placed, self._node = em, remap, placed, node
+
+    def placement(self, arg: fx.Node):
+        return self._placed[arg].get(self.axis)
+
+    def remap(self, arg):
+        return self._remap(arg)
+
+    def call(self, target, args, like: fx.Node, placement, reason: str) -> fx.Node:
+        placements = meta.get(like, meta.PLACEMENT).with_axis(self.axis, placement)
+        return self._em.call(target, args, like, placements, reason)
+
+
+def _params_summed_after_backward(gm: fx.GraphModule, axis: str) -> set[fx.Node]:
+    """Parameters replicated over `axis` whose every use produces a value sharded there (a norm's
+    weight on sequence shards): each rank of the axis computes a partial gradient. Instead of
+    an all-reduce in backward at every use (Megatron's f), their gradients are summed over the
+    axis once per step after backward (Megatron's _allreduce_layernorm_grads in
+    finalize_model_grads)."""
+    out = set()
+    for node in gm.graph.nodes:
+        if not meta.is_param(node) or not node.users:
+            continue
+        if not isinstance(meta.placement(node, axis), Replicate):
+            continue
+        if all(is_sharded(meta.placement(u, axis)) and u.op == "call_function" for u in node.users):
+            out.add(node)
+    return out
+
+
+def insert_redistributions(gm: fx.GraphModule, *, mesh: MeshView) -> fx.GraphModule:
+    """A new GraphModule in which every input of every op has, on every axis the graph has
+    placements on, the placement its rule expects. Reads the placements and expectations
+    `propagate` wrote; parameters whose gradient is summed after backward get
+    meta.GRAD_REDUCE (the axes)."""
+    axes = meta.graph_axes(gm)
+    grad = _requires_grad(gm)
+    deferred = {axis: _params_summed_after_backward(gm, axis) for axis in axes}
+    new = fx.Graph()
+    em = _Emitter(new, mesh)
+    env: dict[fx.Node, fx.Node] = {}
+    placed: dict[fx.Node, meta.PerAxis] = {}   # the placements each old node's env value has
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = new.node_copy(node, lambda n: env[n])
+            placed[node] = meta.get(node, meta.PLACEMENT, meta.PerAxis())
+            summed = tuple(axis for axis in axes if node in deferred[axis])
+            if summed:
+                meta.set(env[node], meta.GRAD_REDUCE, summed)
+            continue
+        out_pl = meta.get(node, meta.PLACEMENT, meta.PerAxis())
+        tensors = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node) and is_tensor(a)]
+        mapping: dict[fx.Node, fx.Node] = {}
+        for i, a in enumerate(tensors):
+            value, now = env[a], placed[a]
+            for axis in axes:
+                expects = meta.expects(node, axis)
+                have = now.get(axis)
+                want = expects[i] if i < len(expects) and expects[i] is not None else have
+                enters_region = (is_sharded(out_pl.get(axis)) and isinstance(want, Replicate) and a in grad
+                                 and node.op != "output")
+                if enters_region and isinstance(have, Shard):
+                    value = em.gather_for_region(a, value, now, axis, node)
+                else:
+                    if want != have:
+                        value = em.redistribute(a, value, now, axis, want, node)
+                    if enters_region and a not in deferred[axis]:
+                        value = em.copy_to_region(a, value, now.with_axis(axis, want), axis, node)
+                now = meta.get(value, meta.PLACEMENT, now) if value is not env[a] else now
+            mapping[a] = value
+        if node.op == "output":
+            new.output(pytree.tree_map(lambda x: mapping.get(x, env.get(x)) if isinstance(x, fx.Node) else x,
+                                       node.args[0]))
+            continue
+        remap = lambda n: mapping.get(n, env[n])  # noqa: E731
+        copied = None
+        for axis in axes:
+            for lower in lowerings_for(node.target):
+                copied = lower(node, Lower(em, axis, remap, placed, node))
+                if copied is not None:
+                    break
+            if copied is not None:
+                break
+        copied = copied or new.node_copy(node, remap)
+        env[node] = copied
+        placed[node] = out_pl
+        for axis in axes:
+            redist = meta.redistribute_out(node, axis)
+            if redist is not None:   # colwise with gather_output: every consumer sees the gathered value
+                env[node] = em.redistribute(node, env[node], placed[node], axis, redist, node)
+                placed[node] = placed[node].with_axis(axis, redist)
+    out = fx.GraphModule(gm, new)
+    out.meta.update(gm.meta)
+    out.graph.lint()
+    return out
+
+
+__all__ = ["Lower", "insert_redistributions"]

@@ -1,0 +1,175 @@
+"""Passes, sharding rules: linears and matmuls, embeddings, norms, softmax, attention, cross
+entropy -- and the lowerings that turn an embedding and a cross entropy split by vocabulary
+into Megatron's vocab-parallel ops."""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+import fxtron.ops  # noqa: F401 - torch.ops.fxtron.vocab_parallel_*
+from fxtron.core.placement import PARTIAL, REPLICATE, Shard
+from fxtron.errors import ParallelizeError
+from fxtron.passes.rules.registry import Ctx, is_one, ndim, norm, register_lowering, register_rule, shape
+
+aten = torch.ops.aten
+
+
+def _linear_like(c: Ctx, x: fx.Node, w: fx.Node, layout: str, bias: fx.Node | None):
+    """y = x @ W^T (+ b) for layout out_in (nn.Linear), y = x @ W (+ b) for in_out."""
+    px, pw = c.p[c.index(x)], c.p[c.index(w)]
+    nd_out = ndim(c.node)
+    expects = [None] * len(c.p)
+    out_dim_w = 0 if layout == "out_in" else 1          # weight dim of output features
+    in_dim_w = 1 - out_dim_w
+    if isinstance(pw, Shard) and pw.dim == out_dim_w:   # colwise
+        expects[c.index(x)] = REPLICATE
+        if bias is not None:
+            expects[c.index(bias)] = Shard(0, pw.interleave)
+        return Shard(nd_out - 1, pw.interleave), expects
+    if isinstance(pw, Shard) and pw.dim == in_dim_w:    # rowwise (bias split off by split_row_bias)
+        if bias is not None:
+            raise c.fail("rowwise linear with its bias still attached (split_row_bias must run first)")
+        expects[c.index(x)] = Shard(ndim(x) - 1)
+        return PARTIAL, expects
+    # replicated weight
+    if isinstance(px, Shard) and px.dim < ndim(x) - 1:
+        if bias is not None:
+            expects[c.index(bias)] = REPLICATE
+        return Shard(px.dim + nd_out - ndim(x), px.interleave), expects
+    expects = [REPLICATE if i == c.index(x) or (bias is not None and i == c.index(bias)) else e
+               for i, e in enumerate(expects)]
+    return REPLICATE, expects
+
+
+@register_rule(aten.linear.default)
+def _linear(c: Ctx):
+    a = c.node.args
+    return _linear_like(c, a[0], a[1], "out_in", a[2] if len(a) > 2 and a[2] is not None else None)
+
+
+@register_rule(aten.addmm.default)
+def _addmm(c: Ctx):
+    b, x, w = c.node.args[:3]
+    return _linear_like(c, x, w, "in_out", b)
+
+
+@register_rule(aten.mm.default, aten.matmul.default, aten.bmm.default)
+def _matmul(c: Ctx):
+    x, y = c.node.args[:2]
+    px, py = c.p[c.index(x)], c.p[c.index(y)]
+    nx, ny, no = ndim(x), ndim(y), ndim(c.node)
+    if y.op == "placeholder" and ny == 2:               # activation @ weight
+        return _linear_like(c, x, y, "in_out", None)
+    if px.is_replicate() and py.is_replicate():
+        return REPLICATE, [None, None]
+    # batched matmul of activations: same batch dim sharded on both (attention scores)
+    if isinstance(px, Shard) and px.dim < nx - 2:
+        d_out = px.dim + no - nx
+        dy = d_out - (no - ny)
+        ey = Shard(dy, px.interleave) if dy >= 0 and not is_one(shape(y)[dy]) else REPLICATE
+        return Shard(d_out, px.interleave), [None, ey]
+    if isinstance(px, Shard) and px.dim == nx - 1 and isinstance(py, Shard) and py.dim == ny - 2:
+        return PARTIAL, [None, None]
+    if isinstance(px, Shard) and px.dim == nx - 2 and py.is_replicate():
+        return Shard(no - 2, px.interleave), [None, None]
+    if isinstance(py, Shard) and py.dim == ny - 1 and px.is_replicate():
+        return Shard(no - 1, py.interleave), [None, None]
+    return REPLICATE, [REPLICATE, REPLICATE]
+
+
+@register_rule(aten.embedding.default)
+def _embedding(c: Ctx):
+    w, ids = c.node.args[:2]
+    pw, pi = c.p[c.index(w)], c.p[c.index(ids)]
+    if isinstance(pw, Shard) and pw.dim == 0:            # vocab-parallel: partial sums
+        return PARTIAL, [None, REPLICATE]
+    if isinstance(pw, Shard) and pw.dim == 1:
+        return Shard(ndim(c.node) - 1), [None, REPLICATE]
+    if isinstance(pi, Shard):
+        return Shard(pi.dim), [None, None]
+    return REPLICATE, [None, REPLICATE]
+
+
+@register_rule(aten.layer_norm.default, aten.rms_norm.default)
+def _layer_norm(c: Ctx):
+    x = c.node.args[0]
+    px = c.p[0]
+    n_norm = len(c.node.args[1])
+    nd = ndim(x)
+    expects = [None] + [REPLICATE] * (len(c.p) - 1)      # weight and bias whole
+    if isinstance(px, Shard) and px.dim < nd - n_norm:
+        return px, expects
+    seq = c.seq_shard(x) if px.is_partial() else None
+    if seq is not None and seq.dim < nd - n_norm:     # sequence parallel: normalize token shards
+        return seq, [seq] + expects[1:]
+    return REPLICATE, [REPLICATE] + expects[1:]
+
+
+@register_rule(aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int)
+def _softmax(c: Ctx):
+    px = c.p[0]
+    dim = norm(c.node.args[1], ndim(c.inputs[0]))
+    if isinstance(px, Shard) and px.dim != dim:
+        return px, [None]
+    return REPLICATE, [REPLICATE]
+
+
+@register_rule(aten.scaled_dot_product_attention.default)
+def _sdpa(c: Ctx):
+    q, k, v = c.node.args[:3]
+    pq = c.p[0]
+    if isinstance(pq, Shard) and pq.dim in (0, 1):
+        expects = []
+        for a in c.inputs:
+            d = pq.dim - (4 - ndim(a))
+            expects.append(Shard(d, pq.interleave) if d >= 0 and not is_one(shape(a)[d]) else REPLICATE)
+        return Shard(pq.dim, pq.interleave), expects
+    return REPLICATE, [REPLICATE] * len(c.p)
+
+
+@register_rule(aten.cross_entropy_loss.default)
+def _cross_entropy(c: Ctx):
+    logits = c.node.args[0]
+    pl = c.p[0]
+    if isinstance(pl, Shard) and pl.dim == 1 and ndim(logits) == 2 and pl.interleave == 1:
+        return REPLICATE, [None, REPLICATE] + [REPLICATE] * (len(c.p) - 2)   # vocab-parallel
+    return REPLICATE, [REPLICATE] * len(c.p)
+
+
+# ----------------------------------------------------------------------------- lowerings
+@register_lowering(aten.embedding.default)
+def _vocab_parallel_embedding(node: fx.Node, lower) -> fx.Node | None:
+    """An embedding whose table is split by rows becomes Megatron's vocab-parallel lookup:
+    this rank's rows, zeros elsewhere, a partial sum the next op reduces."""
+    w, ids = node.args[:2]
+    pw = lower.placement(w)
+    if not (isinstance(pw, Shard) and pw.dim == 0):
+        return None
+    padding_idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+    per = int(w.meta["val"].shape[0]) // lower.size
+    start = lower.coord * per
+    return lower.call(torch.ops.fxtron.vocab_parallel_embedding.default,
+                      (lower.remap(w), lower.remap(ids), start, -1 if padding_idx is None else padding_idx),
+                      node, PARTIAL, f"vocab-parallel embedding, rows [{start}, {start + per})")
+
+
+@register_lowering(aten.cross_entropy_loss.default)
+def _vocab_parallel_cross_entropy(node: fx.Node, lower) -> fx.Node | None:
+    """A cross entropy of logits split by vocabulary becomes Megatron's vocab-parallel one:
+    three all-reduces of one float per token, the logits never gathered."""
+    logits, target = node.args[:2]
+    if not isinstance(lower.placement(logits), Shard):
+        return None
+    args = list(node.args) + [None] * (6 - len(node.args))
+    weight = node.kwargs.get("weight", args[2])
+    reduction = node.kwargs.get("reduction", args[3] if args[3] is not None else 1)
+    ignore_index = node.kwargs.get("ignore_index", args[4] if args[4] is not None else -100)
+    smoothing = node.kwargs.get("label_smoothing", args[5] if args[5] is not None else 0.0)
+    if weight is not None:
+        raise ParallelizeError(f"node %{node.name}: class weights in a vocab-parallel cross entropy are not "
+                               "supported; replicate the LM head in the plan")
+    per = int(logits.meta["val"].shape[1]) // lower.size
+    return lower.call(torch.ops.fxtron.vocab_parallel_cross_entropy.default,
+                      (lower.remap(logits), lower.remap(target), lower.coord * per, ignore_index, reduction,
+                       float(smoothing), lower.axis),
+                      node, REPLICATE, "vocab-parallel cross entropy: the full logits are never gathered")

@@ -1,0 +1,221 @@
+"""Passes, sharding rules: views, slices, splits, concatenation."""
+from __future__ import annotations
+
+import operator
+
+import sympy
+import torch
+
+from fxtron.core import layout, meta
+from fxtron.core.placement import PARTIAL, REPLICATE, Shard
+from fxtron.passes.rules.registry import Ctx, expr, is_one, is_zero, ndim, norm, register_rule, shape
+
+from fxtron.errors import ParallelizeError
+
+aten = torch.ops.aten
+
+
+def _groups(ins: tuple, outs: tuple) -> list[tuple[list[int], list[int]]]:
+    """Pair runs of input dims with runs of output dims of equal product (size-1 dims are
+    left out: they are never sharded)."""
+    ii = [i for i, s in enumerate(ins) if not is_one(s)]
+    oo = [j for j, s in enumerate(outs) if not is_one(s)]
+    groups, a, b = [], 0, 0
+    while a < len(ii) and b < len(oo):
+        gi, go = [ii[a]], [oo[b]]
+        pi, po = expr(ins[ii[a]]), expr(outs[oo[b]])
+        a, b = a + 1, b + 1
+        while sympy.simplify(pi - po) != 0:
+            if sympy.fraction(sympy.cancel(po / pi))[1] == 1 and a < len(ii):   # pi divides po
+                pi *= expr(ins[ii[a]])
+                gi.append(ii[a])
+                a += 1
+            elif b < len(oo):
+                po *= expr(outs[oo[b]])
+                go.append(oo[b])
+                b += 1
+            else:
+                break
+        groups.append((gi, go))
+    return groups
+
+
+@register_rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+def _view(c: Ctx):
+    x, p = c.inputs[0], c.p[0]
+    if not isinstance(p, Shard):
+        return p, [None]
+    ins, outs = shape(x), shape(c.node)
+    for gi, go in _groups(ins, outs):
+        if p.dim not in gi:
+            continue
+        if len(gi) == 1 and len(go) == 1:
+            return Shard(go[0], p.interleave), [None]
+        if not isinstance(p.interleave, int):              # unequal fused blocks: no view layout
+            return REPLICATE, [REPLICATE]
+        if len(gi) == 1:                                   # split: (F,) -> (a0, a1, ...)
+            sizes = [expr(outs[j]) for j in go]
+            prefix = 1
+            for t, a in enumerate(sizes):
+                k = p.interleave
+                if a.is_Integer and k % prefix == 0 and int(a) % ((k // prefix) * c.size) == 0:
+                    return Shard(go[t], k // prefix), [None]
+                if not a.is_Integer:
+                    break
+                prefix *= int(a)
+            raise ParallelizeError(
+                f"node %{c.node.name} in module {meta.get(c.node, meta.MODULE) or '(top level)'} views dim {p.dim} "
+                f"of size {ins[p.dim]} (sharded over tp={c.size}"
+                + (f", {p.interleave} fused parts" if p.interleave > 1 else "") + f") as {tuple(outs[j] for j in go)}: "
+                f"no factor can be split {c.size} ways (a head count not divisible by tp?). "
+                f"Choose a tp that divides the number of heads, or replicate this layer in the plan.")
+        if len(go) == 1:                                   # merge: (b0, b1, ...) -> (F,)
+            t = gi.index(p.dim)
+            prefix = 1
+            for j in gi[:t]:
+                if not expr(ins[j]).is_Integer:
+                    return REPLICATE, [REPLICATE]   # (B, S/tp) -> B*S has no shard layout: gather first
+                prefix *= int(ins[j])
+            return Shard(go[0], prefix * p.interleave), [None]
+        raise c.fail("a view that regroups the sharded dim with others both ways")
+    raise c.fail("could not follow the sharded dim through this view")
+
+
+@register_rule(aten.transpose.int, aten.t.default, aten.permute.default, aten.unsqueeze.default,
+               aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default)
+def _permute_like(c: Ctx):
+    p = c.p[0]
+    if not isinstance(p, Shard):
+        return p, [None] * len(c.p)
+    node, nd = c.node, ndim(c.inputs[0])
+    t = node.target
+    if t == aten.transpose.int:
+        d0, d1 = norm(node.args[1], nd), norm(node.args[2], nd)
+        d = d1 if p.dim == d0 else d0 if p.dim == d1 else p.dim
+    elif t == aten.t.default:
+        d = 1 - p.dim if nd == 2 else p.dim
+    elif t == aten.permute.default:
+        d = [norm(x, nd) for x in node.args[1]].index(p.dim)
+    elif t == aten.unsqueeze.default:
+        u = norm(node.args[1], nd + 1)
+        d = p.dim + (1 if u <= p.dim else 0)
+    elif t in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
+        sizes = shape(c.inputs[0])
+        if t == aten.squeeze.default:
+            dims = [i for i, s in enumerate(sizes) if is_one(s)]
+        elif t == aten.squeeze.dim:
+            dims = [norm(node.args[1], nd)] if is_one(sizes[norm(node.args[1], nd)]) else []
+        else:
+            dims = [norm(x, nd) for x in node.args[1] if is_one(sizes[norm(x, nd)])]
+        d = p.dim - sum(1 for x in dims if x < p.dim)
+    elif t == aten.expand.default:
+        d = p.dim + (len(node.args[1]) - nd)
+    else:
+        raise c.fail()
+    return Shard(d, p.interleave), [None] * len(c.p)
+
+
+@register_rule(aten.slice.Tensor, aten.select.int)
+def _slice_select(c: Ctx):
+    p, node = c.p[0], c.node
+    if not isinstance(p, Shard):
+        return p, [None]
+    nd = ndim(c.inputs[0])
+    dim = norm(node.args[1] if len(node.args) > 1 else 0, nd)
+    if node.target == aten.select.int:
+        if dim == p.dim:
+            return REPLICATE, [REPLICATE]
+        return Shard(p.dim - (1 if dim < p.dim else 0), p.interleave), [None]
+    if dim == p.dim:
+        start = node.args[2] if len(node.args) > 2 else None
+        end = node.args[3] if len(node.args) > 3 else None
+        step = node.args[4] if len(node.args) > 4 else 1
+        size = shape(c.inputs[0])[dim]
+        if p.interleave != 1:     # whole blocks of a fused projection ([q|k|v][..., q:q+k]): a shard of them
+            part = _blocks_cut(p, size, start, end, step)
+            return (Shard(dim, part), [None]) if part is not None else (REPLICATE, [REPLICATE])
+        # never int() a symbolic size: that would specialize the shape environment to the example
+        whole = start in (None, 0) and step == 1 and (
+            end is None or (isinstance(end, int) and (end >= 2**62 or (isinstance(size, int) and end >= size))))
+        return (p, [None]) if whole else (REPLICATE, [REPLICATE])
+    return p, [None]
+
+
+@register_rule(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default)
+def _split(c: Ctx):
+    p, node = c.p[0], c.node
+    n_out = len(node.meta["val"])
+    if not isinstance(p, Shard):
+        return tuple([p] * n_out), [None]
+    nd = ndim(c.inputs[0])
+    if node.target == aten.unbind.int:
+        dim = norm(node.args[1] if len(node.args) > 1 else 0, nd)
+        if dim == p.dim:
+            return tuple([REPLICATE] * n_out), [REPLICATE]
+        return tuple([Shard(p.dim - (1 if dim < p.dim else 0), p.interleave)] * n_out), [None]
+    dim = norm(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), nd)
+    if dim != p.dim:
+        return tuple([p] * n_out), [None]
+    sizes = [v.shape[dim] for v in node.meta["val"]]
+    if p.interleave == n_out and len({str(s) for s in sizes}) == 1:
+        return tuple([Shard(dim)] * n_out), [None]   # a fused [q|k|v]: each part whole heads
+    full = expr(shape(c.inputs[0])[dim])
+    if not isinstance(p.interleave, int) and full.is_Integer and all(expr(x).is_Integer for x in sizes) \
+            and [int(expr(x)) for x in sizes] == layout.block_sizes(int(full), p.interleave):
+        return tuple([Shard(dim)] * n_out), [None]   # unequal fused parts, each this rank's slice
+    return tuple([REPLICATE] * n_out), [REPLICATE]
+
+
+def _blocks_cut(p: Shard, size, start, end, step) -> "layout.Interleave | None":
+    """The interleave of a slice [start, end) of a dim sharded with fused blocks, where it
+    takes whole consecutive blocks (then each rank's slice of it is local); else None."""
+    size = expr(size)
+    if step != 1 or not size.is_Integer or not isinstance(start or 0, int) or not isinstance(end, (int, type(None))):
+        return None
+    size = int(size)
+    start, end = start or 0, size if end is None else min(end, size)
+    bounds = [0]
+    for b in layout.block_sizes(size, p.interleave):
+        bounds.append(bounds[-1] + b)
+    if start not in bounds or end not in bounds or end <= start:
+        return None
+    i, j = bounds.index(start), bounds.index(end)
+    return layout.normalize(tuple(bounds[t + 1] - bounds[t] for t in range(i, j)))
+
+
+@register_rule(operator.getitem)
+def _getitem(c: Ctx):
+    """One output of a multi-output op (split): its placement is that op's i-th."""
+    return c.p[0][c.node.args[1]], [None]
+
+
+@register_rule(aten.cat.default, aten.stack.default)
+def _cat(c: Ctx):
+    node = c.node
+    nd = ndim(node)
+    dim = norm(node.args[1] if len(node.args) > 1 else 0, nd)
+    ps = c.p
+    if all(p.is_replicate() for p in ps):
+        return REPLICATE, [None] * len(ps)
+    if all(p.is_partial() for p in ps):
+        return PARTIAL, [None] * len(ps)
+    first = next((p for p in ps if isinstance(p, Shard)), None)
+    # legacy cat skips 1-d empty tensors (an empty cache, say): they need no placement
+    empty = [a.meta["val"].dim() == 1 and is_zero(a.meta["val"].shape[0]) for a in c.inputs]
+    if first is not None and first.dim != dim and node.target == aten.cat.default:
+        return first, [None if e else first for e in empty]
+    return REPLICATE, [None if e else REPLICATE for e in empty]
+
+
+@register_rule(aten.repeat_interleave.self_int)
+def _repeat_interleave(c: Ctx):
+    p = c.p[0]
+    if not isinstance(p, Shard):
+        return p, [None] * len(c.p)
+    nd = ndim(c.inputs[0])
+    dim = c.node.args[2] if len(c.node.args) > 2 else c.node.kwargs.get("dim")
+    if dim is None:
+        return REPLICATE, [REPLICATE] + [None] * (len(c.p) - 1)
+    if norm(dim, nd) == p.dim and p.interleave != 1:
+        return REPLICATE, [REPLICATE] + [None] * (len(c.p) - 1)
+    return p, [None] * len(c.p)   # each rank repeats its own kv heads: GQA stays head-aligned

@@ -1,0 +1,90 @@
+"""Runtime: a rank's share of a global batch -- the data-parallel slice of every input along its
+batch dim, cut into microbatches, checked against the traced input structure and moved to the
+rank's device."""
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree
+
+from fxtron.core.meta import TraceInfo
+from fxtron.errors import ParallelizeError
+
+
+class Microbatches(list):
+    """A global batch given as its microbatches: a list of (args, kwargs) pairs, one per
+    microbatch, each with the whole batch dim for data parallel to split. Microbatches may
+    differ in sequence length; the loss is the mean of their losses."""
+
+
+class BatchSlicer:
+    """Slices global batches for one rank: `dp` data-parallel ranks of which this is `dp_index`,
+    `microbatches` per step, inputs moved to `device`."""
+
+    def __init__(self, info: TraceInfo, *, dp: int, dp_index: int, microbatches: int, device: torch.device | None):
+        self.info, self.dp, self.dp_index, self.m, self.device = info, dp, dp_index, microbatches, device
+
+    def flat(self, inputs: tuple, kwargs: dict | None) -> list:
+        """The tensor leaves of (inputs, kwargs), checked against the traced structure."""
+        flat, spec = pytree.tree_flatten((tuple(inputs), dict(kwargs or {})))
+        if spec != self.info.in_spec:
+            raise ParallelizeError(f"inputs have structure {spec}, but the model was traced with {self.info.in_spec}; "
+                                   "pass the same positional and keyword inputs as example_inputs")
+        return [x for x in flat if isinstance(x, torch.Tensor)]
+
+    def local(self, inputs: tuple, kwargs: dict | None = None) -> tuple[tuple, dict]:
+        """This rank's data-parallel slice of a global batch (dim 'batch' of every input), on
+        the rank's device (a batch from a CPU data loader moves to the rank's GPU here)."""
+        if self.dp == 1:
+            return self.on_device(tuple(inputs), dict(kwargs or {}))
+        flat = self.flat(inputs, kwargs)
+        out = []
+        for x, dims in zip(flat, self.info.user_dims):
+            if isinstance(x, torch.Tensor) and "batch" in dims:
+                d = dims.index("batch")
+                if x.shape[d] % self.dp:
+                    raise ParallelizeError(f"global batch {x.shape[d]} (dim {d} of an input of shape "
+                                           f"{tuple(x.shape)}) is not divisible by dp={self.dp}; use a batch "
+                                           f"that is a multiple of {self.dp}")
+                x = x.chunk(self.dp, dim=d)[self.dp_index]
+            out.append(x)
+        it = iter(out)
+        leaves = [next(it) if s is None else s for s in self.info.statics]
+        args, kw = pytree.tree_unflatten(leaves, self.info.in_spec)
+        return self.on_device(args, kw)
+
+    def on_device(self, args: tuple, kw: dict) -> tuple[tuple, dict]:
+        device = self.device
+        if device is None or device.type == "cpu":
+            return args, kw
+
+        def move(x):
+            return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) and x.device != device else x
+        return pytree.tree_map(move, (args, kw))
+
+    def microbatches(self, inputs, kwargs: dict | None = None) -> list[list[torch.Tensor]]:
+        """This rank's microbatches of a global batch: flat tensor inputs of each."""
+        m = self.m
+        if isinstance(inputs, Microbatches):
+            if len(inputs) != m:
+                raise ParallelizeError(f"{len(inputs)} microbatches given, but the program was compiled for "
+                                       f"microbatches={m}")
+            return [self.flat(*self.local(a, kw)) for a, kw in inputs]
+        flat = self.flat(*self.local(inputs, kwargs))
+        out = [[] for _ in range(m)]
+        for x, dims in zip(flat, self.info.user_dims):
+            if "batch" in dims:
+                d = dims.index("batch")
+                if x.shape[d] % m:
+                    raise ParallelizeError(
+                        f"this rank's batch of {x.shape[d]} samples (dim {d} of an input of shape {tuple(x.shape)}, "
+                        f"after the data-parallel split) does not divide into microbatches={m}; use a global batch "
+                        f"that is a multiple of dp x microbatches = {self.dp * m}")
+                pieces = x.chunk(m, dim=d)
+            else:
+                pieces = [x] * m
+            for i in range(m):
+                out[i].append(pieces[i])
+        return out
+
+
+__all__ = ["BatchSlicer", "Microbatches"]

@@ -1,0 +1,52 @@
+"""Runtime: a compiled graph bound to this process -- every communicating op names the real
+process group of the axis it communicates over, ops run in their run-time forms, tensors the
+graph creates land on the process's device, and fused linears record the kernel they run here.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from fxtron.core import meta
+from fxtron.ops import registry
+from fxtron.ops.linear import kernel_name
+
+
+def bind(gm: fx.GraphModule, groups, device: torch.device) -> fx.GraphModule:
+    """A copy of gm for this process. `groups` (runtime.groups.ProcessGroups, or None without
+    communication) gives each axis's group: an op's axis argument ("tp", "cp", ...) becomes
+    that group's name, or "" where the axis has one rank. Tensors the graph creates (arange,
+    zeros, .to(device)) land on `device` whatever device the model was traced on (meta, say),
+    and the ops called once per layer run in their run-time forms (the same autograd formulas
+    without the custom-op dispatch overhead)."""
+    eager = registry.eager_forms()
+    out = meta.copy_graph(gm)
+    for node in out.graph.nodes:
+        if node.op != "call_function":
+            continue
+        spec = registry.spec_of(node.target)
+        if spec is not None:
+            if spec.axis_arg is not None:
+                axis = node.args[spec.axis_arg]
+                args = list(node.args)
+                args[spec.axis_arg] = group_name(groups, axis)
+                node.args = tuple(args)
+            if node.target == torch.ops.fxtron.linear.default:
+                meta.set(node, meta.KERNEL, kernel_name(device, node.args[0].meta["val"].dtype))
+            node.target = eager.get(node.target, node.target)
+        node.args, node.kwargs = pytree.tree_map(
+            lambda a: device if isinstance(a, torch.device) else a, (node.args, node.kwargs))
+    out.recompile()
+    return out
+
+
+def group_name(groups, axis: str) -> str:
+    """The process group name of this rank's group on `axis` ("" when it has one rank or the
+    program runs without groups)."""
+    if groups is None or groups.size(axis) == 1:
+        return ""
+    return groups.group(axis).group_name
+
+
+__all__ = ["bind", "group_name"]

@@ -1,0 +1,76 @@
+"""Runtime: build one rank's Program from its compilation (core.rank.RankSpec) -- its parameter
+shards sliced from the model's tensors (made module by module for a model on the meta device),
+its buffers, its graphs bound to this process's groups and device, its random streams."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from fxtron.core.rank import RankSpec
+from fxtron.errors import ParallelizeError
+from fxtron.ops.rng import RNGStreams
+from fxtron.runtime.bind import bind
+from fxtron.runtime.buffers import DataParallelOptions
+from fxtron.runtime.groups import ProcessGroups
+from fxtron.runtime.materialize import MetaMaterializer
+from fxtron.runtime.program import PipelineOptions, Program
+
+
+def local_params(model: torch.nn.Module, spec: RankSpec, seed: int = 0) -> dict[str, torch.Tensor]:
+    """This rank's piece of every parameter it holds, new tensors on the CPU."""
+    named = dict(model.named_parameters())
+    out = {}
+    materialized = MetaMaterializer(model, seed)
+    sizes, coords = spec.mesh.sizes, spec.mesh.coords
+    for name, lp in spec.local.items():
+        full = named[name]
+        if full.device.type == "meta":
+            full = materialized.full(name)   # one module at a time, never the whole model
+        out[name] = lp.local_of(full.detach(), sizes, coords)
+        materialized.release(name)
+    return out
+
+
+def used_buffers(model: torch.nn.Module, spec: RankSpec) -> dict[str, torch.Tensor]:
+    """Copies of the buffers (and lifted constants) the rank's graphs read."""
+    model_buffers = dict(model.named_buffers())
+    names = spec.info.buffers if spec.stages is None else sorted({b for s in spec.stages for b in s.buffers})
+    out = {}
+    for name in names:
+        b = model_buffers.get(name)
+        if b is None:
+            b = spec.info.constants[name]
+        if b.device.type == "meta" and b.numel() == 0:
+            b = torch.empty(b.shape, dtype=b.dtype)   # an empty constant has no values to know
+        if b.device.type == "meta":
+            raise ParallelizeError(
+                f"buffer {name} {tuple(b.shape)} is on the meta device and fxtron cannot know its "
+                "values; create buffers on the CPU when building the model on meta (they are small), "
+                "or load them into the model before pm.program()")
+        out[name] = b.detach().clone()
+    return out
+
+
+def build_program(model: torch.nn.Module, spec: RankSpec, groups: ProcessGroups | None, *, seed: int = 0,
+                  dtype: torch.dtype | None = None, pipeline: PipelineOptions | None = None,
+                  data_parallel: DataParallelOptions | None = None) -> Program:
+    """The runnable Program of rank `spec.rank`: an nn.Module holding its parameters."""
+    params = local_params(model, spec, seed)
+    buffers = used_buffers(model, spec)
+    device = groups.device if groups is not None else torch.device("cpu")
+    if device.type != "cpu":
+        params = {k: v.to(device) for k, v in params.items()}
+        buffers = {k: v.to(device) for k, v in buffers.items()}
+    rng = RNGStreams(seed, coords=dict(spec.mesh.coords), device=device, sizes=dict(spec.mesh.sizes))
+    gm = bind(spec.gm, groups, device) if spec.gm is not None else None
+    stages = None
+    if spec.stages is not None:
+        stages = [dataclasses.replace(s, gm=bind(s.gm, groups, device)) for s in spec.stages]
+    return Program(gm, spec.info, params, buffers, set(model.state_dict().keys()), dict(spec.local), spec.rank,
+                   groups, spec.info.aliases, rng, fused=list(spec.fused), dtype=dtype, stages=stages,
+                   pipeline=pipeline, shared=dict(spec.shared), data_parallel=data_parallel,
+                   grad_reports=dict(spec.grad_reports), param_order=list(spec.param_order))
+
+
+__all__ = ["build_program", "local_params", "used_buffers"]

@@ -1,0 +1,61 @@
+"""Runtime: mixed precision -- fp32 parameters updated by the optimizer, 16-bit copies for each
+forward (Megatron's Float16Module and mixed-precision optimizer), and dynamic loss scaling for
+fp16."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def compute_copy(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """The tensor a graph computes with: a `dtype` copy of a floating fp32 parameter or buffer
+    under mixed precision (a fused linear's weight copy carries the fp32 main_grad its gradient
+    accumulates into, and the report that says it is complete), the tensor itself otherwise."""
+    if dtype is None or not t.is_floating_point():
+        return t
+    copy = t.to(dtype)
+    main_grad = getattr(t, "main_grad", None)
+    if main_grad is not None:
+        copy.main_grad = main_grad
+        copy.fxtron_report = t.fxtron_report
+    return copy
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 (Megatron's DynamicGradScaler defaults): scale the loss
+    by `scale` before backward; a step whose gradients overflow anywhere in the job is skipped
+    and halves the scale; `growth_interval` clean steps in a row double it."""
+
+    def __init__(self, scale: float = 2.0**16, growth_interval: int = 1000, backoff: float = 0.5,
+                 growth: float = 2.0, min_scale: float = 1.0):
+        self.scale, self.growth_interval = scale, growth_interval
+        self.backoff, self.growth, self.min_scale = backoff, growth, min_scale
+        self.clean_steps = 0
+        self.skipped = 0
+
+    def unscale_and_check(self, params: list[torch.Tensor], groups, *, sharded_over_dp: bool = False) -> bool:
+        """Divide the gradients by the scale; True when they are finite on every rank. The
+        verdict is agreed over the model-parallel group (tp-pp: every piece of the model), and
+        over data parallel too when each dp rank holds a different shard of the gradients (the
+        distributed optimizer); without it every dp rank has the same summed gradients."""
+        grads = [p.grad for p in params if p.grad is not None]
+        found = torch.zeros(1, device=grads[0].device if grads else "cpu")
+        for g in grads:
+            g.div_(self.scale)
+            found = torch.maximum(found, (~torch.isfinite(g)).any().float().reshape(1))
+        if groups is not None:
+            for kind in ("tp-pp", "dp") if sharded_over_dp else ("tp-pp",):
+                if groups.size(kind) > 1:
+                    dist.all_reduce(found, op=dist.ReduceOp.MAX, group=groups.group(kind))
+        if found.item():
+            self.scale = max(self.scale * self.backoff, self.min_scale)
+            self.clean_steps = 0
+            self.skipped += 1
+            return False
+        self.clean_steps += 1
+        if self.clean_steps % self.growth_interval == 0:
+            self.scale *= self.growth
+        return True
+
+
+__all__ = ["LossScaler", "compute_copy"]
