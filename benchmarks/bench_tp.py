@@ -7,7 +7,7 @@
    8 x 128 tokens, AdamW, trained three ways in ONE job of 2 gloo processes with one torch
    thread each:
      fxtron_tp2      fxtron.parallelize(model, Mesh(2, tp=2)) -> program(rank).train_step, its tp
-                     collectives through the shared-memory channel (runtime/shm.py, the default
+                     collectives through the shared-memory channel (ops/shm.py, the default
                      for ranks of one host)
      fxtron_tp2_sp   the same with sequence_parallel=True
      fxtron_tp2_gloo the same as fxtron_tp2 with every collective on gloo (shm.disabled())
@@ -68,7 +68,7 @@ LR = 1e-3
 TARGETS = {"fxtron_tp2": "<= 0.5x dtensor_tp2, <= 0.75x single_process"}
 # fxtron_tp2_sp: with sequence parallel (norms and residual adds on 1/tp of the tokens, all-reduces
 # become reduce-scatter + all-gather). fxtron_tp2_gloo: the same program with its tp collectives on gloo instead of the shared-memory
-# channel (runtime/shm.py): the transport's share of the step. fxtron_tp2_unfused: no
+# channel (ops/shm.py): the transport's share of the step. fxtron_tp2_unfused: no
 # gradient-accumulation fusion, so no weight-gradient GEMM is deferred behind the input
 # gradient's all-reduce (the overlap's effect on the step)
 SYSTEMS = ["fxtron_tp2", "fxtron_tp2_sp", "fxtron_tp2_gloo", "fxtron_tp2_unfused", "dtensor_tp2", "single_process"]

@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_check.py [--quick] [--out FILE.json]
 
-1. The Triton weight-gradient kernel (codegen/wgrad.py) compiled for the GPU, not interpreted:
+1. The Triton weight-gradient kernel (ops/wgrad.py) compiled for the GPU, not interpreted:
    for bf16 and fp16 inputs at several (tokens, in, out) shapes, including ones that are not
    multiples of the block sizes, one call into a main_grad already holding values; error
    against float64 as a fraction of sum|dy||x| + |main_grad|; time (triton.testing.do_bench)

@@ -1,5 +1,6 @@
 """Test support: run a function on N gloo ranks with bounded time and every failure surfaced,
-and the single-process reference that every equivalence test compares against."""
+many cases per set of processes (`run_cases`), and the single-process reference that every
+equivalence test compares against."""
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable
@@ -19,6 +20,48 @@ def run_on_ranks(fn: Callable[..., Any], mesh: Mesh | int, *args, timeout_s: flo
                   collective_timeout_s=min(60.0, timeout_s / 2), threads_per_rank=1)
 
 
+def case_key(case) -> Any:
+    """A case's key in `run_cases`' results: its `.key` if it has one, else the case itself."""
+    return getattr(case, "key", case)
+
+
+def _run_plan(rank: int, plan: list, run_case: Callable) -> dict:
+    from fxtron.runtime.groups import init_distributed
+    out = {}
+    for mesh, cases in plan:
+        if mesh.world_size > 1:
+            init_distributed(mesh)      # this mesh's groups, in the same processes
+        for case in cases:
+            out[(str(mesh), case_key(case))] = run_case(rank, mesh, case)
+    return out
+
+
+def run_cases(jobs: dict[int, list[tuple[Mesh, list]]], run_case: Callable[[int, Mesh, Any], Any], *,
+              timeout_s: float = 900.0) -> dict:
+    """Run every case of `jobs` (world size -> [(mesh, cases)], the meshes of one entry sharing
+    its world size) with `run_case(rank, mesh, case)`, starting one set of gloo processes per
+    world size (importing torch costs ~2 s a process) and making each mesh's groups in them.
+    Returns {(str(mesh), case_key(case), rank): what run_case returned}; `ranks_of` reads it."""
+    out = {}
+    for world, plan in jobs.items():
+        meshes = {m.world_size for m, _ in plan}
+        if meshes != {world}:
+            raise ValueError(f"run_cases: the meshes of the {world}-process job have world sizes {sorted(meshes)}")
+        for rank, res in enumerate(run_on_ranks(_run_plan, plan[0][0], plan, run_case, timeout_s=timeout_s)):
+            for key, value in res.items():
+                out[key + (rank,)] = value
+    return out
+
+
+def ranks_of(results: dict, mesh: Mesh | str, case) -> list:
+    """What every rank returned for `case` on `mesh` in `run_cases`' results, rank 0 first."""
+    mesh_key, key = str(mesh), case_key(case)
+    got = sorted(((k[2], v) for k, v in results.items() if k[0] == mesh_key and k[1] == key), key=lambda kv: kv[0])
+    if not got:
+        raise KeyError(f"no results for case {key!r} on {mesh_key}")
+    return [v for _, v in got]
+
+
 def _model_loss(model: torch.nn.Module, args: tuple, kwargs: dict, params=None) -> torch.Tensor:
     out = model(*args, **kwargs) if params is None else torch.func.functional_call(model, params, args, kwargs)
     return out if isinstance(out, torch.Tensor) else out.loss   # transformers' outputs carry .loss
@@ -27,7 +70,7 @@ def _model_loss(model: torch.nn.Module, args: tuple, kwargs: dict, params=None) 
 def _microbatches(item) -> list[tuple[tuple, dict]]:
     """A step's inputs as (args, kwargs) microbatches: a `fxtron.Microbatches` list, an
     (args, kwargs) pair, or a tuple of positional inputs."""
-    from fxtron.runtime.program import Microbatches
+    from fxtron.runtime.batch import Microbatches
     if isinstance(item, Microbatches):
         return [(tuple(a), dict(kw or {})) for a, kw in item]
     if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], dict) and isinstance(item[0], (tuple, list)):
@@ -82,4 +125,4 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tupl
     return worst, where
 
 
-__all__ = ["run_on_ranks", "reference_training", "max_abs_diff", "LaunchError"]
+__all__ = ["case_key", "ranks_of", "run_cases", "run_on_ranks", "reference_training", "max_abs_diff", "LaunchError"]

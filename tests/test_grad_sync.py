@@ -14,8 +14,7 @@ import pytest
 import torch
 
 import fxtron
-from fxtron.runtime.groups import init_distributed
-from fxtron.testing import max_abs_diff, reference_training, run_on_ranks
+from fxtron.testing import max_abs_diff, ranks_of, reference_training, run_cases
 from tp_models import batch, make
 
 SEQS = [16, 12, 16]
@@ -66,15 +65,6 @@ def _run(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
             "param_count": sum(p.numel() for p in prog.parameters())}
 
 
-def _job(rank: int, plan) -> dict:
-    out = {}
-    for mesh, cases in plan:
-        init_distributed(mesh)
-        for case in cases:
-            out[(str(mesh), case.key)] = _run(rank, mesh, case)
-    return out
-
-
 SMALL = 20_000   # elements per bucket: the 4-layer GPT's 220k gradients make ~8 buckets
 JOBS = {
     2: [(fxtron.Mesh(2), [Case(), Case(bucket_size=SMALL), Case(bucket_size=SMALL, zero=1),
@@ -97,12 +87,7 @@ CASES = [(str(mesh), case) for plan in JOBS.values() for mesh, cases in plan for
 
 @pytest.fixture(scope="module")
 def results():
-    out = {}
-    for world, plan in JOBS.items():
-        for rank, res in enumerate(run_on_ranks(_job, plan[0][0], plan, timeout_s=900)):
-            for key, value in res.items():
-                out[key + (rank,)] = value
-    return out
+    return run_cases(JOBS, _run, timeout_s=900)
 
 
 def _reference(name, layers, clip, dtype):
@@ -114,15 +99,11 @@ def reference():
     return {case.reference_key: _reference(*case.reference_key) for _, case in CASES}
 
 
-def _ranks(results, mesh_key, case):
-    return [v for k, v in results.items() if k[0] == mesh_key and k[1] == case.key]
-
-
 @pytest.mark.parametrize("mesh_key,case", CASES, ids=[f"{m}-{c.key}" for m, c in CASES])
 def test_equivalence(results, reference, mesh_key, case):
     ref = reference[case.reference_key]
     dtype, reduce16 = case.kw.get("dtype"), case.kw.get("grad_reduce_dtype")
-    for res in _ranks(results, mesh_key, case):
+    for res in ranks_of(results, mesh_key, case):
         gmax = max(g.abs().max().item() for g in ref["grads"].values())
         dl = max(abs(a - b) for a, b in zip(res["losses"], ref["losses"]))
         dg, where = max_abs_diff(res["grads"], ref["grads"])
@@ -149,7 +130,7 @@ def test_equivalence(results, reference, mesh_key, case):
 
 def _one(results, world, **kw):
     mesh_key, case = next((m, c) for m, c in CASES if m == str(fxtron.Mesh(world)) and c.kw == kw)
-    return _ranks(results, mesh_key, case)
+    return ranks_of(results, mesh_key, case)
 
 
 def test_buckets_start_during_backward(results):

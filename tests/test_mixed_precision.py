@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import fxtron
-from fxtron.testing import max_abs_diff, run_on_ranks
-from tp_models import batch, loss_of, make
+from fxtron.testing import max_abs_diff, reference_training, run_on_ranks
+from tp_models import batch, make
 
 LR, STEPS = 1e-3, 3
 # (model, dtype, sequence parallel)
@@ -69,20 +69,7 @@ def _job(rank: int, mesh: fxtron.Mesh, cases: list) -> dict:
 
 def _reference(name: str, dtype: torch.dtype) -> dict:
     """The same policy in one process: fp32 parameters, forward with 16-bit copies."""
-    model = make(name)
-    opt = _opt(model.parameters())
-    losses, grads = [], None
-    for step, (a, kw) in enumerate(_batches(name)):
-        opt.zero_grad(set_to_none=True)
-        tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-        cast = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
-        loss = loss_of(lambda *x, **k: torch.func.functional_call(model, cast, x, k), a, kw)
-        loss.backward()
-        if step == 0:
-            grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}
-        opt.step()
-        losses.append(float(loss.detach()))
-    return {"losses": losses, "grads": grads, "state": model.state_dict()}
+    return reference_training(make(name), _batches(name), _opt, dtype=dtype)
 
 
 @pytest.fixture(scope="module")

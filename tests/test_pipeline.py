@@ -16,8 +16,7 @@ import torch
 
 import fxtron
 from fxtron.runtime import schedules
-from fxtron.runtime.groups import init_distributed
-from fxtron.testing import max_abs_diff, reference_training, run_on_ranks
+from fxtron.testing import max_abs_diff, ranks_of, reference_training, run_cases
 from tp_models import batch, make
 
 SEQS = [16, 12]
@@ -80,15 +79,6 @@ def _run_case(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
             "events": [e.kind for e in prog.timeline()]}
 
 
-def _job(rank: int, plan: list) -> dict:
-    out = {}
-    for mesh, cases in plan:
-        init_distributed(mesh)
-        for case in cases:
-            out[(str(mesh), case.key)] = _run_case(rank, mesh, case)
-    return out
-
-
 ALL = ["gpipe", "1f1b", "interleaved", "zb-h1"]
 
 
@@ -116,12 +106,7 @@ CASES = [(str(mesh), case) for jobs in JOBS.values() for mesh, cases in jobs for
 
 @pytest.fixture(scope="module")
 def results():
-    out = {}
-    for world, plan in JOBS.items():
-        for rank, res in enumerate(run_on_ranks(_job, plan[0][0], plan, timeout_s=1200)):
-            for key, value in res.items():
-                out[key + (rank,)] = value
-    return out
+    return run_cases(JOBS, _run_case, timeout_s=1200)
 
 
 @pytest.fixture(scope="module")
@@ -135,14 +120,10 @@ def reference():
     return ref
 
 
-def _ranks(results, mesh_key, case):
-    return [v for k, v in results.items() if k[0] == mesh_key and k[1] == case.key]
-
-
 @pytest.mark.parametrize("mesh_key,case", CASES, ids=[f"{m}-{c.key}" for m, c in CASES])
 def test_equivalence(results, reference, mesh_key, case):
     ref = reference[case.reference_key]
-    ranks = _ranks(results, mesh_key, case)
+    ranks = ranks_of(results, mesh_key, case)
     assert ranks
     for res in ranks:
         loss_diff = max(abs(got - want) for got, want in zip(res["losses"], ref["losses"]))
@@ -158,18 +139,18 @@ def test_equivalence(results, reference, mesh_key, case):
 def test_activation_memory_within_schedule_bound(results, mesh_key, case):
     """Microbatches whose activations a rank holds at once: exactly what the schedule's order
     implies, and within its bound (min(pp - r, m) for 1F1B, pp for ZB-H1, m for GPipe)."""
-    for res in _ranks(results, mesh_key, case):
+    for res in ranks_of(results, mesh_key, case):
         assert res["peak"] == res["order_peak"] <= res["bound"]
 
 
 def test_one_f_one_b_holds_at_most_pp(results):
     mesh_key, case = next((m, c) for m, c in CASES if m == str(fxtron.Mesh(4, pp=4)) and c.schedule == "1f1b")
-    assert [r["peak"] for r in _ranks(results, mesh_key, case)] == [4, 3, 2, 1]
+    assert [r["peak"] for r in ranks_of(results, mesh_key, case)] == [4, 3, 2, 1]
 
 
 def test_zero_bubble_runs_weight_passes(results):
     mesh_key, case = next((m, c) for m, c in CASES if c.schedule == "zb-h1")
-    for res in _ranks(results, mesh_key, case):
+    for res in ranks_of(results, mesh_key, case):
         assert res["events"].count("W") == case.m and res["events"].count("B") == case.m
 
 
@@ -180,9 +161,9 @@ def test_stage_boundary_bytes(results):
     mesh_key = str(fxtron.Mesh(2, pp=2))
     case = next(c for m, c in CASES if m == mesh_key and c.name == "gpt" and c.schedule == "1f1b" and not c.varying)
     per_step = [BATCH * s * 64 * 4 for s in SEQS]
-    for res in _ranks(results, mesh_key, case):
+    for res in ranks_of(results, mesh_key, case):
         assert res["sent"] == sum(per_step)
     mesh_key = str(fxtron.Mesh(4, tp=2, pp=2))
     case = next(c for m, c in CASES if m == mesh_key and c.kw.get("scatter_gather") and not c.varying)
-    for res in _ranks(results, mesh_key, case):
+    for res in ranks_of(results, mesh_key, case):
         assert res["sent"] == sum(per_step) // 2

@@ -1,4 +1,4 @@
-"""The shared-memory transport (runtime/shm.py) of the tp group's collectives.
+"""The shared-memory transport (ops/shm.py) of the tp group's collectives.
 
 One 2-rank gloo job (Mesh(2, tp=2), whose tp group gets a channel) checks: all-reduce SUM / MAX,
 all-gather and reduce-scatter against float64 sums of every rank's input, in several dtypes and

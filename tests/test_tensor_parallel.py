@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import fxtron
-from fxtron.runtime.groups import init_distributed
-from fxtron.testing import max_abs_diff, reference_training, run_on_ranks
+from fxtron.testing import max_abs_diff, reference_training, run_cases
 from tp_models import MORE_NAMES, NAMES, batch, make
 
 SEQS = [16, 12, 16]
@@ -66,23 +65,12 @@ def _meta_program(rank: int, mesh: fxtron.Mesh) -> dict:
     return {"local": local, "loss": loss, "state": state}
 
 
-def _job(rank: int, meshes: list) -> dict:
-    out = {}
-    for mesh in meshes:
-        if mesh.world_size > 1:
-            init_distributed(mesh)   # this mesh's groups, in the same processes
-        for name in NAMES:
-            out[(str(mesh), name)] = _train_parallel(rank, name, mesh)
-        if mesh.tp == 2 and mesh.dp == 1:
-            for name in MORE_NAMES:
-                out[(str(mesh), name)] = _train_parallel(rank, name, mesh)
-        for name in SP_NAMES.get(str(mesh), []):
-            out[(str(mesh), name + "+sp")] = _train_parallel(rank, name, mesh, sp=True)
-        if mesh.tp == 2 and mesh.dp == 1:
-            out[(str(mesh), "meta")] = _meta_program(rank, mesh)
-            for seed in (0, 0, 1):
-                out.setdefault((str(mesh), "dropout"), []).append(_train_dropout(rank, mesh, seed))
-    return out
+def _run_case(rank: int, mesh: fxtron.Mesh, case: str):
+    if case == "meta":
+        return _meta_program(rank, mesh)
+    if case == "dropout":
+        return [_train_dropout(rank, mesh, seed) for seed in (0, 0, 1)]
+    return _train_parallel(rank, case.removesuffix("+sp"), mesh, sp=case.endswith("+sp"))
 
 
 MESHES = {2: [fxtron.Mesh(2, tp=2)], 4: [fxtron.Mesh(4, tp=4), fxtron.Mesh(4, tp=2)]}
@@ -90,14 +78,19 @@ MESHES = {2: [fxtron.Mesh(2, tp=2)], 4: [fxtron.Mesh(4, tp=4), fxtron.Mesh(4, tp
 SP_NAMES = {str(MESHES[2][0]): NAMES, str(MESHES[4][0]): NAMES}
 
 
+def _cases(mesh: fxtron.Mesh) -> list[str]:
+    cases = list(NAMES)
+    if mesh.tp == 2 and mesh.dp == 1:
+        cases += MORE_NAMES
+    cases += [name + "+sp" for name in SP_NAMES.get(str(mesh), [])]
+    if mesh.tp == 2 and mesh.dp == 1:
+        cases += ["meta", "dropout"]
+    return cases
+
+
 @pytest.fixture(scope="module")
 def results():
-    out = {}
-    for world, meshes in MESHES.items():
-        for rank, res in enumerate(run_on_ranks(_job, meshes[0], meshes, timeout_s=900)):
-            for key, value in res.items():
-                out[key + (rank,)] = value
-    return out
+    return run_cases({world: [(m, _cases(m)) for m in meshes] for world, meshes in MESHES.items()}, _run_case)
 
 
 @pytest.fixture(scope="module")

@@ -96,7 +96,7 @@ all_reduce.register_autograd(_all_reduce_bwd)
 
 class _CopyToRegion(torch.autograd.Function):
     """copy_to_region as a program runs it: the op's forward and backward without the
-    dispatcher's trips through Python (see codegen/linear.py _Linear). Forward is a view, not
+    dispatcher's trips through Python (see ops/linear.py _Linear). Forward is a view, not
     a copy: a program's graph is functional, nothing writes into it."""
 
     @staticmethod

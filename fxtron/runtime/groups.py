@@ -36,7 +36,7 @@ class ProcessGroups:
     rank: int
     backend: str
     device: torch.device
-    # shared-memory channels by group name (runtime/shm.py), made by init_distributed
+    # shared-memory channels by group name (ops/shm.py), made by init_distributed
     channels: dict = field(default_factory=dict, repr=False)
     _by_kind: dict[str, tuple[tuple[int, ...], object]] = field(default_factory=dict, repr=False)
 
@@ -103,7 +103,7 @@ def init_distributed(mesh: Mesh, *, backend: str | None = None, timeout_s: float
     Every collective issued through these groups times out after `timeout_s`, so a rank whose
     peer died raises instead of hanging. With gloo, a tp group whose ranks all run on this
     host also gets a shared-memory channel for fxtron's tensor-parallel collectives
-    (runtime/shm.py) unless `shm_transport` is False (default: on, unless FXTRON_SHM=0).
+    (ops/shm.py) unless `shm_transport` is False (default: on, unless FXTRON_SHM=0).
     """
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
     if rank is None or world is None:
