@@ -169,31 +169,6 @@ def test_kv_heads_not_divisible_by_tp():
     assert "layers.0.attn" in msg and "tp=4" in msg and "heads" in msg
 
 
-class _Cumsum(torch.nn.Module):
-    """An MLP whose hidden activation goes through an op with no sharding rule."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(16, 8)
-        self.up = torch.nn.Linear(8, 32)
-        self.down = torch.nn.Linear(32, 8)
-        self.head = torch.nn.Linear(8, 16)
-
-    def forward(self, idx, tgt):
-        x = self.emb(idx)
-        x = x + self.down(torch.cumsum(self.up(x), dim=-1))
-        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), tgt.flatten())
-
-
-def test_op_without_rule_names_the_node_and_module():
-    idx = torch.randint(0, 16, (2, 4))
-    pm = fxtron.parallelize(_Cumsum(), fxtron.Mesh(2, tp=2), example_inputs=(idx, idx), plan={"head": "replicate"})
-    with pytest.raises(fxtron.ParallelizeError) as err:
-        pm.graph(0)
-    msg = str(err.value)
-    assert "cumsum" in msg and "S(2)" in msg and "plan=" in msg
-
-
 def test_plan_errors():
     with pytest.raises(fxtron.ParallelizeError, match="matches no linear"):
         _pm("gpt", 2, plan={"blocks.*.nothing": "colwise"}).graph(0)

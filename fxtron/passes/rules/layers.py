@@ -7,6 +7,7 @@ import torch
 import torch.fx as fx
 
 import fxtron.ops  # noqa: F401 - torch.ops.fxtron.vocab_parallel_*
+from fxtron.core import meta
 from fxtron.core.placement import PARTIAL, REPLICATE, Shard
 from fxtron.errors import ParallelizeError
 from fxtron.passes.rules.registry import Ctx, is_one, ndim, norm, register_lowering, register_rule, shape
@@ -58,7 +59,7 @@ def _matmul(c: Ctx):
     x, y = c.node.args[:2]
     px, py = c.p[c.index(x)], c.p[c.index(y)]
     nx, ny, no = ndim(x), ndim(y), ndim(c.node)
-    if y.op == "placeholder" and ny == 2:               # activation @ weight
+    if meta.is_param(y) and ny == 2:                    # activation @ weight
         return _linear_like(c, x, y, "in_out", None)
     if px.is_replicate() and py.is_replicate():
         return REPLICATE, [None, None]
