@@ -85,18 +85,10 @@ def gather(t: Tensor, dim: int, pg) -> Tensor:
 
 def reduce_scatter(t: Tensor, dim: int, pg) -> Tensor:
     """Sum of `t` over the ranks, then this rank's 1/world slice along `dim` (a new tensor)."""
-    world, rank = pg.size(), dist.get_rank(pg)
     comm = shm.channel(pg.group_name)
     if comm is not None:
         return comm.reduce_scatter(t, dim)
-    if dist.get_backend(pg) == "nccl":
-        src = t.movedim(dim, 0).contiguous()
-        out = src.new_empty((src.shape[0] // world, *src.shape[1:]))
-        dist.reduce_scatter_tensor(out, src, op=dist.ReduceOp.SUM, group=pg)
-        return out.movedim(0, dim).contiguous()
-    # gloo has no reduce_scatter_tensor on every build: all-reduce the whole tensor, keep a slice
-    total = all_reduce(t.clone(memory_format=torch.contiguous_format), pg)
-    return shard(total, dim, world, rank)
+    return start_reduce_scatter(t, dim, pg).wait()
 
 
 class _Started:
@@ -123,8 +115,9 @@ def start_reduce_scatter(t: Tensor, dim: int, pg):
         out = src.new_empty((src.shape[0] // world, *src.shape[1:]))
         work = dist.reduce_scatter_tensor(out, src, op=dist.ReduceOp.SUM, group=pg, async_op=True)
         return _Started(work, lambda: out.movedim(0, dim).contiguous())
+    # gloo has no reduce_scatter_tensor on every build: all-reduce the whole tensor, keep a slice
     total = t.clone(memory_format=torch.contiguous_format)
-    work = start_all_reduce(total, pg)   # gloo: all-reduce, then keep a slice
+    work = start_all_reduce(total, pg)
     return _Started(work, lambda: shard(total, dim, world, rank))
 
 
