@@ -19,6 +19,11 @@ import torch.distributed as dist
 from fxtron.core.layout import unshard
 from fxtron.core.params import LocalParam
 
+#: the model-parallel axes a parameter may be sharded over inside a pipeline stage: the gradient
+#: norm counts a replica once (on the axis's rank 0) and sums over the group "tp-pp" (a new axis
+#: joins this tuple and that group)
+NORM_AXES = ("tp",)
+
 
 def get_by_path(root: torch.nn.Module, path: str) -> torch.Tensor:
     *mods, leaf = path.split(".")
@@ -162,12 +167,12 @@ class GradientSync:
         once however it is sharded (tp) or replicated (tp, dp, tied over pp): equal to
         torch.nn.utils.get_total_norm over the single-process model's gradients."""
         total = torch.zeros((), dtype=torch.float32, device=self.grad_buffer.data.device)
-        tp_rank = self.groups.index("tp") if self.groups is not None else 0
+        coords = {a: self.groups.index(a) if self.groups is not None else 0 for a in NORM_AXES}
         pp_rank = self.groups.index("pp") if self.groups is not None else 0
         for g, name in self._grads_for_norm():
             spec = self._local.get(name)
-            if (spec is None or spec.shard_on("tp") is None) and tp_rank != 0:
-                continue                                   # a tp replica: rank 0 counts it
+            if any(c != 0 and (spec is None or spec.shard_on(a) is None) for a, c in coords.items()):
+                continue                                   # a replica over a model axis: its rank 0 counts it
             holders = self._shared.get(name)
             if holders is not None and pp_rank != holders[0]:
                 continue                                   # a tied weight: its first stage counts it
