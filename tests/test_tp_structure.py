@@ -234,3 +234,17 @@ def test_sequence_parallel_needs_tp():
     with pytest.raises(fxtron.ParallelizeError, match="tensor parallel"):
         fxtron.parallelize(make("gpt"), fxtron.Mesh(2), example_inputs=batch("gpt", 2, 8, 0)[0],
                            sequence_parallel=True)
+
+
+def test_norm_over_a_split_width_is_not_summed_again():
+    """OLMoE normalizes the whole q/k projection output (q_norm over num_heads * head_dim) after
+    the column-split projections: each rank multiplies by its slice of the norm's weight, whose
+    gradient is then exact per slice (gathered by the scatter's backward). Summing it over tp
+    after backward, as for a norm on sequence shards, made it tp times too large."""
+    pm = _pm("hf-olmoe", 2)
+    local = pm.compiled(0).local
+    norms = [n for n in local if n.endswith(("q_norm.weight", "k_norm.weight"))]
+    assert len(norms) == 2 * 2
+    for n in norms:
+        assert local[n].partial_grad == () and local[n].local_shape == local[n].full_shape, local[n]
+    assert "fxtron.scatter" in pm.graph(0)

@@ -8,11 +8,12 @@ from fxtron.models import build
 from fxtron.models.llama import Llama, LlamaConfig
 
 VOCAB = {"gpt": 256, "llama": 256, "hf-gpt2": 128, "hf-llama": 128,
-         "hf-qwen2": 128, "hf-neox": 128, "hf-phi3": 128}
+         "hf-qwen2": 128, "hf-neox": 128, "hf-phi3": 128, "hf-olmoe": 128}
 NAMES = ["gpt", "llama", "hf-gpt2", "hf-llama"]
 # more transformers decoders, checked at tp=2: q/k/v biases (Qwen2), parallel residual and
-# partial rotary (GPT-NeoX), fused qkv_proj and gate_up_proj (Phi-3)
-MORE_NAMES = ["hf-qwen2", "hf-neox", "hf-phi3"]
+# partial rotary (GPT-NeoX), fused qkv_proj and gate_up_proj (Phi-3), q/k norms over the whole
+# width of column-split projections (OLMoE: their weights are cut per rank, their gradients exact)
+MORE_NAMES = ["hf-qwen2", "hf-neox", "hf-phi3", "hf-olmoe"]
 
 
 def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
@@ -42,6 +43,10 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
         return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**common))
     if name == "hf-phi3":
         return transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, num_key_value_heads=4, pad_token_id=0))
+    if name == "hf-olmoe":
+        return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
+            **{**common, "intermediate_size": 32}, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
+            eos_token_id=0, pad_token_id=0, bos_token_id=0))
     raise KeyError(name)
 
 

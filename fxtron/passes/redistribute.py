@@ -27,7 +27,7 @@ from fxtron.core.axes import MeshView
 from fxtron.core.layout import to_list
 from fxtron.core.placement import REPLICATE, Partial, Replicate, Shard, is_sharded
 from fxtron.errors import ParallelizeError
-from fxtron.passes.rules import PARTIAL_THROUGH, is_tensor, lowerings_for
+from fxtron.passes.rules import PARTIAL_THROUGH, is_tensor, lowerings_for, tensor_inputs
 
 ops = torch.ops.fxtron
 
@@ -147,20 +147,32 @@ class Lower:
 
 
 def _params_summed_after_backward(gm: fx.GraphModule, axis: str) -> set[fx.Node]:
-    """Parameters replicated over `axis` whose every use produces a value sharded there (a norm's
-    weight on sequence shards): each rank of the axis computes a partial gradient. Instead of
-    an all-reduce in backward at every use (Megatron's f), their gradients are summed over the
-    axis once per step after backward (Megatron's _allreduce_layernorm_grads in
-    finalize_model_grads)."""
+    """Parameters replicated over `axis` whose every use takes the whole weight into a value
+    sharded there (a norm's weight on sequence shards): each rank of the axis computes a partial
+    gradient. Instead of an all-reduce in backward at every use (Megatron's f), their gradients
+    are summed over the axis once per step after backward (Megatron's _allreduce_layernorm_grads
+    in finalize_model_grads).
+
+    A use that takes only this rank's slice of the weight (it is expected Shard: a norm's weight
+    over a feature dim that is split, as q_norm after a column-split q projection) is not
+    partial: the slice's gradient is exact and the scatter's backward all-gathers the slices.
+    Summing it again would multiply the gradient by the axis size."""
     out = set()
     for node in gm.graph.nodes:
         if not meta.is_param(node) or not node.users:
             continue
         if not isinstance(meta.placement(node, axis), Replicate):
             continue
-        if all(is_sharded(meta.placement(u, axis)) and u.op == "call_function" for u in node.users):
+        if all(u.op == "call_function" and is_sharded(meta.placement(u, axis)) and _takes_whole(u, node, axis)
+               for u in node.users):
             out.add(node)
     return out
+
+
+def _takes_whole(user: fx.Node, param: fx.Node, axis: str) -> bool:
+    expects = meta.expects(user, axis)
+    wants = {e for a, e in zip(tensor_inputs(user), expects) if a is param}
+    return all(e is None or isinstance(e, Replicate) for e in wants)
 
 
 def insert_redistributions(gm: fx.GraphModule, *, mesh: MeshView) -> fx.GraphModule:

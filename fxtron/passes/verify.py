@@ -3,7 +3,10 @@
 It checks what the passes so far promise: the graph lints; once placements were propagated on
 an axis, every tensor node has a placement on it; once redistributions were inserted, every
 input of every op has on every axis the placement the op's rule expects of it (so every
-producer/consumer mismatch has a redistribution between them); and every communicating op
+producer/consumer mismatch has a redistribution between them); a parameter whose gradient is
+summed over an axis after backward (meta.GRAD_REDUCE: each rank's part is partial) is used
+whole on that axis, never scattered first (its gradient would then be complete on each rank,
+and the sum would count it axis-size times); and every communicating op
 names an axis the graph is distributed over (jax shard_map's check of which axes a value varies
 over, tinygrad's spec between rewrites).
 """
@@ -55,6 +58,14 @@ def verify(gm: fx.GraphModule, *, after: str, redistributed: bool = False) -> No
                                   f"is not distributed over ({', '.join(axes)})")
     if not redistributed:
         return
+    for node in gm.graph.nodes:
+        for axis in meta.get(node, meta.GRAD_REDUCE) or ():
+            sliced = [u for u in node.users if u.op == "call_function" and registry.axis_of(u) == axis]
+            if sliced:
+                raise VerifyError(
+                    f"after {after}: parameter %{node.name}'s gradient is summed over {axis} after backward, "
+                    f"but %{sliced[0].name} ({sliced[0].target}) takes it apart over {axis}: each rank's "
+                    f"gradient is already whole, and the sum would multiply it by the axis size")
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "output"):
             continue
