@@ -16,7 +16,7 @@ The package's layers and where each piece lives: fxtron/README.md.
 """
 from fxtron.api import ParallelModel, parallelize
 from fxtron.core.placement import PARTIAL, REPLICATE, Partial, Replicate, Shard
-from fxtron.errors import LaunchError, ParallelizeError
+from fxtron.errors import LaunchError, ParallelizeError, ParallelizeWarning
 from fxtron.mesh import Mesh
 from fxtron.passes.rules import register_rule
 from fxtron.runtime.batch import Microbatches
@@ -24,6 +24,6 @@ from fxtron.runtime.checkpoint import load_full_state_dict
 from fxtron.runtime.groups import ProcessGroups, init_distributed
 from fxtron.runtime.launch import launch
 
-__all__ = ["Mesh", "ParallelModel", "ParallelizeError", "LaunchError", "ProcessGroups",
+__all__ = ["Mesh", "ParallelModel", "ParallelizeError", "ParallelizeWarning", "LaunchError", "ProcessGroups",
            "init_distributed", "launch", "parallelize", "Microbatches", "load_full_state_dict",
            "register_rule", "Replicate", "Shard", "Partial", "REPLICATE", "PARTIAL"]

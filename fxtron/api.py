@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import warnings
+
 import torch
 import torch.fx as fx
 from tabulate import tabulate
@@ -22,8 +24,9 @@ import sympy
 from fxtron.compiler import pipeline, report
 from fxtron.compiler.show import format_graph
 from fxtron.compiler.trace import trace
+from fxtron.core import meta
 from fxtron.core.meta import BATCH, SEQ, info
-from fxtron.errors import ParallelizeError
+from fxtron.errors import ParallelizeError, ParallelizeWarning
 from fxtron.mesh import Mesh
 from fxtron.passes.plan import TPPlan, plan as make_tp_plan
 from fxtron.passes.stages import StageAssignment, assign_stages
@@ -54,6 +57,7 @@ class Options:
     data_parallel: DataParallelOptions = DataParallelOptions()
     trace_layers_once: bool = True
     device: str = "cpu"
+    strict: bool = False
 
     def __post_init__(self):
         if self.batch_dim < 0 or (self.seq_dim is not None and self.seq_dim < 0):
@@ -71,7 +75,8 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
                 split_points: list[str] | None = None, scatter_gather: bool = False,
                 bucket_size: int | None = None, grad_reduce_dtype: torch.dtype | None = None,
                 overlap_grad_reduce: bool = True, clip_grad: float | None = None, zero: int = 0,
-                trace_layers_once: bool = True, device: str | torch.device | None = None) -> "ParallelModel":
+                trace_layers_once: bool = True, device: str | torch.device | None = None,
+                strict: bool = False) -> "ParallelModel":
     """Compile `model` for every rank of `mesh`.
 
     model(*example_inputs, **example_kwargs) must return the loss (a scalar tensor, or an
@@ -109,6 +114,11 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
     programs will run on: the graphs record the kernels chosen for it (a bf16 linear's weight
     gradient runs the Triton kernel on CUDA). Inspect a GPU job's graphs on a laptop with
     device="cuda"; a program built on another device records its own kernels.
+
+    Never silent: where fxtron does less than the mesh asks, correctly -- a linear left
+    replicated at tp > 1, an op with no sharding rule run replicated on gathered inputs -- it
+    warns (fxtron.ParallelizeWarning) and `pm.summary()` lists each with why; `strict=True`
+    raises ParallelizeError instead.
     """
     if dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
         raise ParallelizeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, not {dtype}")
@@ -124,7 +134,7 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
                       gradient_accumulation_fusion=gradient_accumulation_fusion, dtype=dtype,
                       microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
                       split_points=tuple(split_points) if split_points else None, scatter_gather=scatter_gather,
-                      trace_layers_once=trace_layers_once, device=device)
+                      trace_layers_once=trace_layers_once, device=device, strict=strict)
     schedules.check(schedule, mesh.pp, microbatches, virtual_stages)
     options = dataclasses.replace(options, data_parallel=DataParallelOptions(
         bucket_size=bucket_size, grad_reduce_dtype=grad_reduce_dtype, overlap_grad_reduce=overlap_grad_reduce,
@@ -152,7 +162,27 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
     subject = _meta_replica(model, dtype) if dtype in (torch.bfloat16, torch.float16) else model
     traced = trace(subject, example_inputs, example_kwargs=example_kwargs, loss_fn=options.loss_fn,
                    batch_dim=options.batch_dim, seq_dim=options.seq_dim, layers_once=options.trace_layers_once)
-    return ParallelModel(model, mesh, traced, options)
+    pm = ParallelModel(model, mesh, traced, options)
+    pm._check_plan()
+    return pm
+
+
+def _by_pattern(items: dict[str, str]) -> dict[str, str]:
+    """{path: text} with the layers' indices folded (model.layers.0.x, model.layers.1.x ->
+    model.layers.*.x) where they say the same."""
+    out: dict[str, str] = {}
+    for path, text in items.items():
+        pattern = re.sub(r"\.\d+\.", ".*.", path)
+        out.setdefault(pattern if out.get(pattern, text) == text else path, text)
+    return out
+
+
+def _grouped(items: dict[str, str]) -> str:
+    """"path, path: why; path: why" -- the paths folded by `_by_pattern`, grouped by why."""
+    by_why: dict[str, list[str]] = {}
+    for path, why in _by_pattern(items).items():
+        by_why.setdefault(why, []).append(path)
+    return "; ".join(f"{', '.join(paths)}: {why}" for why, paths in by_why.items())
 
 
 def _meta_replica(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -179,6 +209,7 @@ class ParallelModel:
         self.mesh = mesh
         self.traced = traced
         self.options = options
+        self._warned_fallbacks = False     # warn of ops run replicated once per model, not per rank
 
     @functools.cached_property
     def tp_plan(self) -> TPPlan | None:
@@ -195,6 +226,32 @@ class ParallelModel:
             return None
         return assign_stages(self.traced, pp=self.mesh.pp, virtual=self.options.virtual_stages,
                              split_points=list(self.options.split_points) if self.options.split_points else None)
+
+    def _check_plan(self) -> None:
+        """Warn (strict: raise) when the tp plan leaves linears replicated that Megatron would split."""
+        plan = self.tp_plan
+        loud = plan.unsplit() if plan is not None else {}
+        if not loud:
+            return
+        msg = (f"at tp={self.mesh.tp}, {len(loud)} linear(s) stay replicated (every tp rank holds and computes "
+               f"them whole): {_grouped(loud)}")
+        if self.options.strict:
+            raise ParallelizeError(msg + ". Give each a style in plan= ('colwise', 'rowwise'), or "
+                                   "'replicate' to keep it whole on purpose")
+        warnings.warn(msg, ParallelizeWarning, stacklevel=3)
+
+    def fallbacks(self, rank: int = 0) -> list[str]:
+        """The ops of rank's graphs that had no sharding rule for their inputs' placements and
+        run replicated on inputs made whole (a correct fallback that communicates more than
+        Megatron would): one line each, naming the node, its op, module and axis."""
+        out = []
+        for g in self.compiled(rank).graphs:
+            for node in g.graph.nodes:
+                axis = meta.get(node, meta.FALLBACK)
+                if axis is not None:
+                    out.append(f"%{node.name} ({node.target}) in {meta.get(node, meta.MODULE) or '(top level)'}: "
+                               f"inputs made whole over {axis}, run replicated")
+        return out
 
     def stages(self) -> StageAssignment:
         """Which layers each pipeline stage runs, with its parameters and FLOPs (`str()` prints
@@ -238,12 +295,21 @@ class ParallelModel:
         else:
             observer = None
         o = self.options
-        return pipeline.compile_rank(
+        rg = pipeline.compile_rank(
             self.traced, self.mesh, rank, plan=self.tp_plan, stage_assignment=self.stage_assignment,
             options=pipeline.CompileOptions(sequence_parallel=o.sequence_parallel,
                                             gradient_accumulation_fusion=o.gradient_accumulation_fusion,
-                                            device=o.device),
+                                            device=o.device, strict=o.strict),
             observer=observer)
+        fell = [f"%{n.name} ({n.target}, in {meta.get(n, meta.MODULE) or '(top level)'})"
+                for g in rg.graphs for n in g.graph.nodes if meta.get(n, meta.FALLBACK) is not None]
+        if fell and not self._warned_fallbacks:
+            self._warned_fallbacks = True
+            warnings.warn(f"{len(fell)} op(s) have no sharding rule for their inputs' placements and run replicated on "
+                          f"gathered inputs (correct, more communication than Megatron): {', '.join(fell)}. "
+                          "Register a rule with fxtron.register_rule, or pass strict=True to make this an error",
+                          ParallelizeWarning, stacklevel=2)
+        return rg
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.mesh.world_size:
@@ -276,7 +342,7 @@ class ParallelModel:
         one rank and the tp figures are per microbatch; the table then also gives each rank's
         pipeline stages and the bytes it sends to its neighbours per microbatch (activations
         forward, their gradients backward)."""
-        rows, seen = [], set()
+        rows, seen, fell = [], set(), set()
         dp = self.mesh.dp
         for rank in range(self.mesh.world_size):
             c = self.mesh.coords(rank)
@@ -284,6 +350,7 @@ class ParallelModel:
                 continue
             seen.add((c["tp"], c["pp"], c["cp"]))
             rg = self.compiled(rank)
+            fell.update(self.fallbacks(rank))
             recs = self.collectives(rank)
             tp_wire = sum((r.wire_bytes for r in recs), sympy.Integer(0))
             if batch is not None and seq is not None:
@@ -315,6 +382,10 @@ class ParallelModel:
             head += "\nplan: " + ", ".join(f"{p}={s}" for p, s in seen.items())
             if plan.notes:
                 head += "\nnotes: " + "; ".join(plan.notes)
+            if plan.replicated:
+                head += "\nreplicated linears: " + _grouped({p: u.why for p, u in plan.replicated.items()})
+        if fell:
+            head += "\nops run replicated for want of a sharding rule: " + "; ".join(sorted(fell))
         per = "microbatch" if self.options.microbatches > 1 else "step"
         headers = ["rank", "coords", "params", "param bytes", f"tp collectives / {per}", f"tp wire bytes / {per}",
                    "dp grad sync sent / step"]

@@ -11,3 +11,9 @@ class ParallelizeError(ValueError):
 
 class LaunchError(RuntimeError):
     """A rank of a job started by `fxtron.launch` failed; the message carries its traceback."""
+
+
+class ParallelizeWarning(UserWarning):
+    """fxtron did less than the mesh asks and the result is still correct: a layer left
+    replicated, an op run replicated for want of a sharding rule. `pm.summary()` lists each;
+    `parallelize(..., strict=True)` turns them into ParallelizeError."""

@@ -117,17 +117,33 @@ class _Cumsum(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), tgt.flatten())
 
 
-def _cumsum_pm():
+def _cumsum_pm(**kw):
     idx = torch.randint(0, 16, (2, 4))
-    return fxtron.parallelize(_Cumsum(), fxtron.Mesh(2, tp=2), example_inputs=(idx, idx), plan={"head": "replicate"})
+    return fxtron.parallelize(_Cumsum(), fxtron.Mesh(2, tp=2), example_inputs=(idx, idx),
+                              **{"plan": {"head": "replicate"}, **kw})
 
 
-def test_no_rule_error_points_to_register_rule():
+def test_op_without_rule_runs_replicated_and_says_so():
+    pm = _cumsum_pm()
+    with pytest.warns(fxtron.ParallelizeWarning, match=r"%cumsum .*fxtron.register_rule"):
+        rg = pm.compiled(0)
+    node = next(n for n in rg.gm.graph.nodes if n.target == torch.ops.aten.cumsum.default)
+    assert meta.get(node, meta.FALLBACK) == "tp" and str(meta.placement(node, "tp")) == "R"
+    gathers = [n for n in rg.gm.graph.nodes if registry.op_name(n.target) == "all_gather"]
+    assert [list(g.users) for g in gathers] == [[node]]     # its input gathered, nothing else
+    assert pm.fallbacks(0) == ["%cumsum (aten.cumsum.default) in (top level): inputs made whole over tp, run replicated"]
+    assert "ops run replicated for want of a sharding rule: %cumsum" in pm.summary()
+
+
+def test_strict_no_rule_error_names_node_and_what_to_change():
     with pytest.raises(fxtron.ParallelizeError) as err:
-        _cumsum_pm().graph(0)
+        _cumsum_pm(strict=True).graph(0)
     msg = str(err.value)
     assert "%cumsum" in msg and "in module (top level)" in msg and "tp:S(2)" in msg   # the node, its inputs
-    assert "plan=" in msg and "fxtron.register_rule(torch.ops.aten.cumsum.default)" in msg   # what to change
+    assert "plan={'up': 'replicate'}" in msg and "fxtron.register_rule(torch.ops.aten.cumsum.default)" in msg
+    # the suggestion is accepted, and it is enough
+    pm = _cumsum_pm(strict=True, plan={"head": "replicate", "up": "replicate"})
+    assert "fxtron.all_gather" not in pm.graph(0) and pm.fallbacks(0) == []
 
 
 def test_register_rule_makes_the_model_parallelize(monkeypatch):

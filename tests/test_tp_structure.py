@@ -248,3 +248,36 @@ def test_norm_over_a_split_width_is_not_summed_again():
     for n in norms:
         assert local[n].partial_grad == () and local[n].local_shape == local[n].full_shape, local[n]
     assert "fxtron.scatter" in pm.graph(0)
+
+
+def test_layers_left_replicated_are_never_silent():
+    """OLMo2 puts a norm after each sublayer, which hides the row-parallel output projection
+    from the pattern: its layers stay whole on every rank. fxtron says so (a warning, the
+    summary, an error under strict), and the plan the messages suggest is accepted."""
+    with pytest.warns(fxtron.ParallelizeWarning, match=r"at tp=2, 14 linear\(s\) stay replicated") as caught:
+        pm = _pm("hf-olmo2", 2)
+    msg = str(caught[0].message)
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        assert name in msg
+    assert "model.layers.*.self_attn.q_proj" in msg and "no Megatron pattern" in msg
+    assert set(pm.tp_plan.unsplit()) == {f"model.layers.{i}.{m}" for i in range(2) for m in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj")}
+    assert "replicated linears: model.layers.*.self_attn.q_proj, " in pm.summary()
+    with pytest.raises(fxtron.ParallelizeError, match=r"14 linear\(s\) stay replicated.*'replicate' to keep it whole"):
+        _pm("hf-olmo2", 2, strict=True)
+    # a module's path names every linear under it; replicating on purpose is quiet
+    kept = _pm("hf-olmo2", 2, strict=True, plan={"model.layers.*.self_attn": "replicate", "model.layers.*.mlp": "replicate"})
+    assert kept.tp_plan.unsplit() == {} and len(kept.tp_plan.replicated) == 14
+    assert "replicated by the plan" in kept.summary()
+
+
+def test_routers_stay_replicated_quietly():
+    """An MoE router (its output picks experts by topk) stays whole, as in Megatron: reported
+    in the summary, not warned about."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxtron.ParallelizeWarning)
+        pm = _pm("hf-olmoe", 2, strict=True)
+    gates = {p: u for p, u in pm.tp_plan.replicated.items() if p.endswith("mlp.gate")}
+    assert len(gates) == 2 and all(not u.loud and "router" in u.why for u in gates.values())

@@ -46,6 +46,7 @@ class CompileOptions:
     sequence_parallel: bool = False
     gradient_accumulation_fusion: bool = True
     device: str = "cpu"          # the device type the programs run on (the kernels recorded)
+    strict: bool = False         # an op with no sharding rule raises instead of running replicated
 
 
 @dataclass
@@ -238,7 +239,8 @@ PASSES = pass_list(
     Pass("split_row_bias", "rowwise biases move after the all-reduce (Megatron adds them there)",
          _set("gm", lambda s: split_row_bias(s.gm, s.plan)), _tp, "tp > 1", after=("plan",)),
     Pass("propagate_tp", "a tp placement on every value, from the plan's parameter placements",
-         _set("gm", lambda s: propagate(s.gm, tp_layout(s.plan, sequence_parallel=s.options.sequence_parallel),
+         _set("gm", lambda s: propagate(s.gm, tp_layout(s.plan, sequence_parallel=s.options.sequence_parallel,
+                                                  strict=s.options.strict),
                                         mesh=s.mesh)),
          _tp, "tp > 1", after=("split_row_bias",)),
     Pass("insert_redistributions", "the collectives each placement mismatch needs (f/g pairs, gathers, "

@@ -85,6 +85,10 @@ GRAD_REDUCE = _key("fxtron_grad_reduce", tuple,
                    "each rank (a replicated norm weight used on sequence shards: ('tp',)); summed there "
                    "once per step, in finalize_grads, as Megatron all-reduces sequence-parallel norm weights",
                    "passes.redistribute")
+FALLBACK = _key("fxtron_fallback", str,
+                "on a node with no sharding rule for its inputs' placements: the axis on which its "
+                "inputs were made whole and it ran replicated (a correct fallback the summary reports)",
+                "passes.propagate")
 STAGE = _key("fxtron_stage", int, "pipeline stage that runs the node", "passes.stages")
 
 

@@ -126,6 +126,12 @@ class TPPlan:
     interleave: Mapping[str, Interleave] = field(default_factory=lambda: _frozen({}))
     layers: Mapping[str, Layer] = field(default_factory=lambda: _frozen({}))
     notes: tuple[str, ...] = ()
+    replicated: Mapping[str, "Unsplit"] = field(default_factory=lambda: _frozen({}))
+
+    def unsplit(self) -> dict[str, str]:
+        """The linears left replicated that Megatron would split: path -> why (not those the
+        user's plan replicates, nor routers, which Megatron keeps whole too)."""
+        return {p: u.why for p, u in self.replicated.items() if u.loud}
 
     def style(self, path: str) -> Style:
         return self.styles.get(path, Replicated())
@@ -141,6 +147,19 @@ class TPPlan:
                          if isinstance(s, kind) and all(getattr(s, k) == v for k, v in where.items()))
 
 
+@dataclass(frozen=True)
+class Unsplit:
+    """Why a linear stays replicated at tp > 1; `loud`: fxtron could not do what the mesh asks
+    (warned, and an error under strict), as opposed to a choice (the user's plan, a router)."""
+
+    why: str
+    loud: bool
+
+
+_NO_PATTERN = ("no Megatron pattern found: its output neither reaches a residual add through shape ops "
+               "(rowwise) nor feeds a rowwise linear or the loss (colwise); name its style in plan=")
+
+
 @dataclass
 class _Draft:
     """The plan while it is being made (mutable); `freeze` makes the TPPlan."""
@@ -151,10 +170,27 @@ class _Draft:
     params: dict[str, Placement] = field(default_factory=dict)
     interleave: dict[str, Interleave] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    why: dict[str, str] = field(default_factory=dict)     # path -> why the plan dropped its style
 
-    def freeze(self) -> TPPlan:
+    def freeze(self, user_styles: Mapping[str, Style], mode: str) -> TPPlan:
+        replicated = {}
+        if self.tp > 1:
+            for path, l in self.layers.items():
+                if l.kind != "linear" or not isinstance(self.styles.get(path, Replicated()), Replicated):
+                    continue
+                if path in self.why:
+                    replicated[path] = Unsplit(self.why[path], True)
+                elif isinstance(user_styles.get(path), Replicated):
+                    replicated[path] = Unsplit("replicated by the plan", False)
+                elif mode == "replace":
+                    replicated[path] = Unsplit("plan_mode='replace' and the plan does not name it", False)
+                elif _is_router(l):
+                    replicated[path] = Unsplit("a router (its output picks experts): replicated, as in Megatron", False)
+                else:
+                    replicated[path] = Unsplit(_NO_PATTERN, True)
         return TPPlan(self.tp, _frozen(self.styles), _frozen(self.params), _frozen(self.interleave),
-                      _frozen({p: l.record() for p, l in self.layers.items()}), tuple(self.notes))
+                      _frozen({p: l.record() for p, l in self.layers.items()}), tuple(self.notes),
+                      _frozen(replicated))
 
 
 # ----------------------------------------------------------------------------- graph helpers
@@ -247,6 +283,23 @@ def _reaches_residual(layer: _Found, order: dict[fx.Node, int], hops: int = 4) -
 def _reaches_loss(layer: _Found) -> bool:
     return any(u.op == "call_function" and u.target == aten.cross_entropy_loss.default and u.args[0] is via
                for u, via in _through_shape_ops(layer.node))
+
+
+def _is_router(layer: _Found, hops: int = 6) -> bool:
+    """Does the output pick experts: reach a topk within a few ops (softmax/sigmoid, casts)?"""
+    frontier, seen = [layer.node], set()
+    for _ in range(hops):
+        nxt = []
+        for node in frontier:
+            for user in node.users:
+                if user in seen or user.op != "call_function":
+                    continue
+                seen.add(user)
+                if user.target == aten.topk.default:
+                    return True
+                nxt.append(user)
+        frontier = nxt
+    return False
 
 
 def _feeds_row(layer: _Found, rows: set[fx.Node], linears: set[fx.Node], order, limit: int = 400) -> bool:
@@ -390,22 +443,23 @@ def _parse_style(value, key: str) -> Style:
 
 def plan(gm: fx.GraphModule, *, tp: int, user_plan: dict | None = None, mode: str = "override") -> TPPlan:
     """The split plan for tp ranks. `user_plan` maps module path patterns (fnmatch, e.g.
-    "blocks.*.attn.qkv") to styles; with mode "override" it refines the automatic plan, with
+    "blocks.*.attn.qkv"; a module's path names every linear and embedding under it) to styles; with mode "override" it refines the automatic plan, with
     "replace" it is the whole plan (everything it does not name is replicated)."""
     if mode not in ("override", "replace"):
         raise ParallelizeError(f"plan_mode must be 'override' or 'replace', not {mode!r}")
     layers = find_layers(gm)
     result = _Draft(tp=tp, layers=layers)
     styles = auto_plan(gm, tp) if (mode == "override" and tp > 1) else {}
+    user_styles: dict[str, Style] = {}
     for pattern, value in (user_plan or {}).items():
         style = _parse_style(value, pattern)
-        hits = [p for p in layers if fnmatch.fnmatchcase(p, pattern)]
+        hits = _matches(pattern, layers)
         if not hits:
-            raise ParallelizeError(f"plan entry {pattern!r} matches no linear or embedding; the model's are: "
-                                   f"{', '.join(p for p in layers)}")
+            raise ParallelizeError(f"plan entry {pattern!r} matches no linear or embedding, nor a module holding "
+                                   f"one; the model's are: {', '.join(p for p in layers)}")
         for p in hits:
-            styles[p] = style
-    user_keys = {p for pat in (user_plan or {}) for p in layers if fnmatch.fnmatchcase(p, pat)}
+            styles[p] = user_styles[p] = style
+    user_keys = set(user_styles)
     if tp == 1:
         styles = {}
     for path, style in styles.items():
@@ -415,6 +469,7 @@ def plan(gm: fx.GraphModule, *, tp: int, user_plan: dict | None = None, mode: st
             if path in user_keys:
                 raise ParallelizeError(bad)
             result.notes.append(bad + " -> replicated")
+            result.why[path] = bad
             continue
         placements = _param_placements(l, style, tp)
         result.styles[path] = style
@@ -426,7 +481,13 @@ def plan(gm: fx.GraphModule, *, tp: int, user_plan: dict | None = None, mode: st
                     "give both the same style in the plan (a tied embedding and LM head: 'vocab' and 'colwise')")
             result.params[name] = pl
     _resolve_tied(result, layers, user_keys)
-    return result.freeze()
+    return result.freeze(user_styles, mode)
+
+
+def _matches(pattern: str, layers: Mapping[str, _Found]) -> list[str]:
+    """The layers a plan key names: its path matches the pattern (fnmatch), or the pattern
+    names a module holding it ("model.layers.0.self_attn" names its q/k/v/o projections)."""
+    return [p for p in layers if fnmatch.fnmatchcase(p, pattern) or fnmatch.fnmatchcase(p, pattern + ".*")]
 
 
 def _param_placements(l: _Found, style: Style, tp: int) -> dict[str, Placement]:
@@ -494,6 +555,8 @@ def _resolve_tied(result: _Draft, layers: dict[str, _Found], user_keys: set[str]
                                    f"{', '.join(planned)} but not in {', '.join(missing)}: plan them together")
         for p in planned:
             del result.styles[p]
+        for p in paths:
+            result.why[p] = f"{weight} is shared by {', '.join(paths)}, which cannot all be split"
         for name in [layers[p].weight for p in paths] + [layers[p].bias for p in paths if layers[p].bias]:
             result.params.pop(name, None)
         result.notes.append(f"{weight} is shared by {', '.join(paths)} which cannot all be split -> replicated")

@@ -9,8 +9,12 @@ global ones from export (`val`); rules never run tensors. The pass knows no axis
 parallel is one `AxisLayout` (passes/tensor_parallel.py), context and expert parallel others.
 
 An op whose inputs are all Replicate is computed redundantly on every rank of the axis and
-stays Replicate: that is always correct. Ops that receive a Shard or Partial input need a rule;
-one without a rule raises ParallelizeError naming the node, its module and shapes.
+stays Replicate: that is always correct. An op that receives a Shard or Partial input and has
+no rule falls back to the same: its inputs are made whole (gathered, all-reduced), it runs
+replicated and its consumers re-shard what they need. Correct, but communication Megatron would
+not issue: the node is marked (meta.FALLBACK) for the summary and a warning, and with
+`strict` (parallelize(..., strict=True)) it raises ParallelizeError naming the node, its module
+and shapes, and how to add the rule.
 """
 from __future__ import annotations
 
@@ -33,13 +37,15 @@ class AxisLayout:
     -> placement; gather_outputs: names of nodes whose consumers see the value Replicate
     (a colwise linear with gather_output); partials_to_sequence: a partial sum that feeds a
     token-wise op is reduce-scattered onto sequence shards instead of all-reduced (sequence
-    parallel)."""
+    parallel); strict: an op with no rule for its inputs' placements raises rather than fall
+    back to running replicated."""
 
     axis: str
     params: Mapping[str, Placement] = field(default_factory=dict)
     inputs: Mapping[int, Placement] = field(default_factory=dict)
     gather_outputs: frozenset[str] = frozenset()
     partials_to_sequence: bool = False
+    strict: bool = False     # an op with no rule for sharded inputs raises instead of running replicated
 
 
 def _seed(node: fx.Node, layout: AxisLayout) -> Placement:
@@ -84,11 +90,14 @@ def propagate(gm: fx.GraphModule, layout: AxisLayout, *, mesh: MeshView) -> fx.G
         c = ctx(node)
         rule = rule_for(node.target)
         if rule is None:
-            if not all(isinstance(p, Replicate) for p in c.p):
+            replicated = all(isinstance(p, Replicate) for p in c.p)
+            if not replicated and layout.strict:
                 raise no_rule(node, c.p, axis=axis)
+            if not replicated:       # the fallback: inputs made whole, the op run replicated
+                meta.set(node, meta.FALLBACK, axis)
             val = node.meta.get("val")
             out = tuple(REPLICATE for _ in val) if isinstance(val, (list, tuple)) else REPLICATE
-            expects = [None] * len(c.p)
+            expects = [None if replicated else REPLICATE] * len(c.p)
         else:
             out, expects = rule(c)
         if node.name in layout.gather_outputs and isinstance(out, Shard):

@@ -16,11 +16,12 @@ aten = torch.ops.aten
 AXIS = "tp"
 
 
-def tp_layout(plan: TPPlan, *, sequence_parallel: bool = False) -> AxisLayout:
+def tp_layout(plan: TPPlan, *, sequence_parallel: bool = False, strict: bool = False) -> AxisLayout:
     """The tp axis's AxisLayout: parameters placed as the plan says, the outputs of colwise
-    linears with gather_output seen whole, sequence parallel's partial sums reduce-scattered."""
+    linears with gather_output seen whole, sequence parallel's partial sums reduce-scattered;
+    `strict`: an op with no rule raises instead of running replicated."""
     return AxisLayout(AXIS, params=plan.params, gather_outputs=plan.nodes(Colwise, gather_output=True),
-                      partials_to_sequence=sequence_parallel)
+                      partials_to_sequence=sequence_parallel, strict=strict)
 
 
 def split_row_bias(gm: fx.GraphModule, plan: TPPlan) -> fx.GraphModule:

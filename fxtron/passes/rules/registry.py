@@ -148,12 +148,45 @@ def no_rule(node: fx.Node, placements, why: str = "", *, axis: str = "tp") -> Pa
     desc = ", ".join(f"%{a.name} {tuple(str(expr(s)) for s in a.meta['val'].shape)} placed {axis}:{p}"
                      for a, p in zip(ins, placements) if isinstance(a.meta.get("val"), torch.Tensor))
     module = meta.get(node, meta.MODULE) or "(top level)"
+    sources = split_sources(node, axis)
+    keep = ("make the layers that split these inputs replicated (parallelize(..., plan={"
+            + ", ".join(f"{s!r}: 'replicate'" for s in sources) + "})), or " if sources else "")
     return ParallelizeError(
         f"node %{node.name} ({node.target}) in module {module}: {why or 'no sharding rule for this op with these input placements'}. "
-        f"Inputs: {desc}. Either make the layers that produce these inputs replicated "
-        f"(parallelize(..., plan={{'{module}': 'replicate'}})), or register a sharding rule for "
+        f"Inputs: {desc}. Either {keep}register a sharding rule for "
         f"{node.target}: fxtron.register_rule({_qualified(node.target)})(rule), where rule(ctx) returns "
         "(output placement, per-input placements); see fxtron.passes.rules.registry.")
+
+
+def split_sources(node: fx.Node, axis: str) -> list[str]:
+    """The module paths owning the split parameters that `node`'s non-replicated inputs on
+    `axis` come from (the layers a plan would have to replicate for the node to see whole
+    values), nearest first."""
+    out: list[str] = []
+    stack = [a for a in reversed(tensor_inputs(node)) if _split(a, axis)]
+    seen: set[fx.Node] = set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if meta.is_param(n):
+            owner = meta.param_name(n).rpartition(".")[0]
+            if owner not in out:
+                out.append(owner)
+            continue
+        # inputs n takes as they come (not those made whole before it: the embedding's partial
+        # sum is all-reduced before the linear that follows it)
+        wants = meta.expects(n, axis)
+        ins = tensor_inputs(n)
+        stack.extend(a for i, a in reversed(list(enumerate(ins)))
+                     if _split(a, axis) and not (i < len(wants) and wants[i] is not None and wants[i].is_replicate()))
+    return out
+
+
+def _split(node: fx.Node, axis: str) -> bool:
+    p = meta.placement(node, axis)
+    return any(q is not None and not q.is_replicate() for q in (p if isinstance(p, tuple) else (p,)))
 
 
 def _qualified(target) -> str:
@@ -163,4 +196,4 @@ def _qualified(target) -> str:
 
 
 __all__ = ["Ctx", "Rule", "is_tensor", "lowerings_for", "no_rule", "register_lowering", "register_rule", "rule_for",
-           "tensor_inputs"]
+           "split_sources", "tensor_inputs"]
