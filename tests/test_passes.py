@@ -165,3 +165,30 @@ def test_register_rule_makes_the_model_parallelize(monkeypatch):
     assert [registry.op_name(n.target) for n in rg.gm.graph.nodes if registry.axis_of(n)].count("all_gather") == 0
     with pytest.raises(ValueError, match="already has a sharding rule"):
         fxtron.register_rule(torch.ops.aten.cumsum.default)(lambda ctx: None)
+
+
+class _SoftmaxMLP(_Cumsum):
+    """The same MLP with a softmax over its (column-split) hidden width."""
+
+    def forward(self, idx, tgt):
+        x = self.emb(idx)
+        x = x + self.down(torch.softmax(self.up(x), dim=-1))
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), tgt.flatten())
+
+
+def test_verifier_finds_a_statistic_over_a_split_dim(monkeypatch):
+    """A rule that lets a softmax run on each rank's slice of its dim computes a wrong value
+    with no error; the verifier refuses the graph right after propagation."""
+    idx = torch.randint(0, 16, (2, 4))
+    pm = fxtron.parallelize(_SoftmaxMLP(), fxtron.Mesh(2, tp=2), example_inputs=(idx, idx))
+    node = next(n for n in pm.compiled(0).gm.graph.nodes if n.target == torch.ops.aten.softmax.int)
+    assert str(meta.placement(node, "tp")) == "R"        # the built-in rule gathers the width first
+    monkeypatch.setattr(rules, "_RULES", dict(rules._RULES))
+
+    @fxtron.register_rule(torch.ops.aten.softmax.int, replace=True)
+    def wrong(ctx):
+        return ctx.p[0], [None]
+
+    pm = fxtron.parallelize(_SoftmaxMLP(), fxtron.Mesh(2, tp=2), example_inputs=(idx, idx))
+    with pytest.raises(verifier.VerifyError, match=r"after propagate_tp: %softmax .* over dims \[2\], which is tp:S\(2\)"):
+        pm.compiled(0)

@@ -6,7 +6,9 @@ input of every op has on every axis the placement the op's rule expects of it (s
 producer/consumer mismatch has a redistribution between them); a parameter whose gradient is
 summed over an axis after backward (meta.GRAD_REDUCE: each rank's part is partial) is used
 whole on that axis, never scattered first (its gradient would then be complete on each rank,
-and the sum would count it axis-size times); and every communicating op
+and the sum would count it axis-size times); no reduction (sum, mean, var, amax, softmax, ...)
+runs over a dim its input holds only part of, or over a partial sum, except a sum that stays
+partial; and every communicating op
 names an axis the graph is distributed over (jax shard_map's check of which axes a value varies
 over, tinygrad's spec between rewrites).
 """
@@ -18,10 +20,23 @@ import torch
 import torch.fx as fx
 
 from fxtron.core import meta
+from fxtron.core.placement import Partial, Shard
 from fxtron.ops import registry
 from fxtron.passes.rules import tensor_inputs
 
 ENV = "FXTRON_VERIFY"
+
+aten = torch.ops.aten
+#: ops that reduce their first input over the dims in args[1] (all dims when absent): a sum is
+#: the only one a rank may compute over its own shard of a reduced dim (its output then Partial)
+_SUMS = {aten.sum.dim_IntList, aten.sum.default}
+_REDUCTIONS = _SUMS | {
+    aten.mean.dim, aten.mean.default, aten.amax.default, aten.amin.default, aten.var.correction,
+    aten.std.correction, aten.var_mean.correction, aten.logsumexp.default, aten.argmax.default,
+    aten.argmin.default, aten._softmax.default, aten.softmax.int, aten._log_softmax.default,
+    aten.log_softmax.int, aten.cumsum.default}
+_NORMS = {aten.norm.ScalarOpt_dim, aten.linalg_vector_norm.default}
+_REDUCTIONS |= _NORMS
 
 
 class VerifyError(AssertionError):
@@ -56,6 +71,9 @@ def verify(gm: fx.GraphModule, *, after: str, redistributed: bool = False) -> No
             if axis is not None and axes and axis not in axes:
                 raise VerifyError(f"after {after}: %{node.name} communicates over {axis!r}, which the graph "
                                   f"is not distributed over ({', '.join(axes)})")
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _REDUCTIONS:
+            _check_reduction(node, axes, after)
     if not redistributed:
         return
     for node in gm.graph.nodes:
@@ -80,6 +98,37 @@ def verify(gm: fx.GraphModule, *, after: str, redistributed: bool = False) -> No
                     raise VerifyError(
                         f"after {after}: %{node.name} ({node.target}) expects {axis}:{want} of %{a.name}, which is "
                         f"{axis}:{have}, with no redistribution between them")
+
+
+def _reduced_dims(node: fx.Node) -> list[int]:
+    nd = node.args[0].meta["val"].dim()
+    at = 2 if node.target in _NORMS else 1          # norm(x, p, dim), linalg_vector_norm(x, ord, dim)
+    dims = node.args[at] if len(node.args) > at else node.kwargs.get("dim")
+    if dims is None or dims == [] or node.target in (aten.sum.default, aten.mean.default):
+        return list(range(nd))
+    return [d % max(nd, 1) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
+
+
+def _check_reduction(node: fx.Node, axes, after: str) -> None:
+    """No reduction over a dim a rank holds only part of, and none of a partial sum, unless it
+    is a sum that stays partial: such a statistic would be this rank's alone (a norm's variance
+    over a split width, a softmax over split logits), silently wrong."""
+    x = node.args[0]
+    if not isinstance(x, fx.Node) or not isinstance(x.meta.get("val"), torch.Tensor):
+        return
+    for axis in axes:
+        want = meta.expects(node, axis)
+        have = want[0] if want and want[0] is not None else meta.placement(x, axis)   # what it will see
+        out = meta.placement(node, axis)
+        if have is None:
+            continue
+        if node.target in _SUMS and isinstance(out, Partial):
+            continue
+        bad = (isinstance(have, Shard) and have.dim in _reduced_dims(node)) or isinstance(have, Partial)
+        if bad and not isinstance(out, Partial):
+            raise VerifyError(
+                f"after {after}: %{node.name} ({node.target}) reduces %{x.name} over dims {_reduced_dims(node)}, which "
+                f"is {axis}:{have} there: each rank would compute its own part's statistic as if it were the whole")
 
 
 __all__ = ["ENV", "VerifyError", "enabled", "verify"]
