@@ -39,7 +39,27 @@ EXPECTED_PLAN = {
                 "model.layers.0.self_attn.o_proj": "rowwise", "model.layers.0.mlp.gate_up_proj": "colwise",
                 "model.layers.0.mlp.down_proj": "rowwise", "lm_head": "colwise"},
 }
-HIDDEN = {"gpt": 64, "llama": 64, "hf-gpt2": 32, "hf-llama": 64, "hf-phi3": 64}
+_LAYER = {"model.embed_tokens": "vocab-parallel", "model.layers.0.self_attn.q_proj": "colwise",
+          "model.layers.0.self_attn.k_proj": "colwise", "model.layers.0.self_attn.v_proj": "colwise",
+          "model.layers.0.self_attn.o_proj": "rowwise", "model.layers.0.mlp.gate_proj": "colwise",
+          "model.layers.0.mlp.up_proj": "colwise", "model.layers.0.mlp.down_proj": "rowwise", "lm_head": "colwise"}
+# a norm after each sublayer between the row-parallel output and the residual; Gemma2 adds
+# softcapping of the attention scores (with a mask added to them) and of the logits
+EXPECTED_PLAN.update({"hf-gemma2": _LAYER, "hf-gemma3": _LAYER})
+HIDDEN = {"gpt": 64, "llama": 64, "hf-gpt2": 32, "hf-llama": 64, "hf-phi3": 64, "hf-gemma2": 64, "hf-gemma3": 64}
+
+
+def test_post_sublayer_norms_hide_no_row_parallel_output():
+    """OLMo2 as Gemma: every layer linear split. Its q/k norms span the whole split width, so
+    their statistic gathers the squares (2 all-gathers per layer): correct, more than Megatron,
+    whose qk-layernorm is per head."""
+    pm = _pm("hf-olmo2", 2)
+    table = {path: style for path, style, _ in pm.tp_plan.table()}
+    assert all(table[p] == s for p, s in _LAYER.items()), table
+    assert pm.tp_plan.unsplit() == {}
+    fwd = [r for r in pm.collectives(0) if r.phase == "forward"]
+    assert count([r for r in fwd if r.op == "all_reduce"], "all_reduce") == 2 * 2 + 1
+    assert count(fwd, "all_gather") == 2 * 2
 
 
 @pytest.mark.parametrize("name", list(EXPECTED_PLAN))
@@ -250,26 +270,44 @@ def test_norm_over_a_split_width_is_not_summed_again():
     assert "fxtron.scatter" in pm.graph(0)
 
 
+class _NoPattern(torch.nn.Module):
+    """Two linears in a chain with no residual: neither Megatron's column/row pair nor an LM head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(16, 8)
+        self.block = torch.nn.ModuleDict({"a": torch.nn.Linear(8, 32), "b": torch.nn.Linear(32, 8)})
+        self.head = torch.nn.Linear(8, 16)
+
+    def forward(self, idx, tgt):
+        x = self.block["b"](torch.relu(self.block["a"](self.emb(idx))))
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), tgt.flatten())
+
+
 def test_layers_left_replicated_are_never_silent():
-    """OLMo2 puts a norm after each sublayer, which hides the row-parallel output projection
-    from the pattern: its layers stay whole on every rank. fxtron says so (a warning, the
-    summary, an error under strict), and the plan the messages suggest is accepted."""
-    with pytest.warns(fxtron.ParallelizeWarning, match=r"at tp=2, 14 linear\(s\) stay replicated") as caught:
-        pm = _pm("hf-olmo2", 2)
+    """Linears the pattern does not recognise stay whole on every rank; fxtron says so (a
+    warning, the summary, an error under strict), and the plan the messages suggest is accepted."""
+    idx = torch.randint(0, 16, (2, 4))
+
+    def pm(**kw):
+        return fxtron.parallelize(_NoPattern(), fxtron.Mesh(2, tp=2), example_inputs=(idx, idx), **kw)
+
+    with pytest.warns(fxtron.ParallelizeWarning, match=r"at tp=2, 2 linear\(s\) stay replicated") as caught:
+        loose = pm()
     msg = str(caught[0].message)
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
-        assert name in msg
-    assert "model.layers.*.self_attn.q_proj" in msg and "no Megatron pattern" in msg
-    assert set(pm.tp_plan.unsplit()) == {f"model.layers.{i}.{m}" for i in range(2) for m in (
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-        "mlp.up_proj", "mlp.down_proj")}
-    assert "replicated linears: model.layers.*.self_attn.q_proj, " in pm.summary()
-    with pytest.raises(fxtron.ParallelizeError, match=r"14 linear\(s\) stay replicated.*'replicate' to keep it whole"):
-        _pm("hf-olmo2", 2, strict=True)
+    assert "block.a, block.b: no Megatron pattern found" in msg
+    assert set(loose.tp_plan.unsplit()) == {"block.a", "block.b"}
+    assert "replicated linears: block.a, block.b: no Megatron pattern" in loose.summary()
+    with pytest.raises(fxtron.ParallelizeError, match=r"2 linear\(s\) stay replicated.*'replicate' to keep it whole"):
+        pm(strict=True)
     # a module's path names every linear under it; replicating on purpose is quiet
-    kept = _pm("hf-olmo2", 2, strict=True, plan={"model.layers.*.self_attn": "replicate", "model.layers.*.mlp": "replicate"})
-    assert kept.tp_plan.unsplit() == {} and len(kept.tp_plan.replicated) == 14
-    assert "replicated by the plan" in kept.summary()
+    kept = pm(strict=True, plan={"block": "replicate"})
+    assert kept.tp_plan.unsplit() == {} and set(kept.tp_plan.replicated) == {"block.a", "block.b"}
+    assert "block.a, block.b: replicated by the plan" in kept.summary()
+    # naming the styles splits them Megatron's way
+    split = pm(strict=True, plan={"block.a": "colwise", "block.b": "rowwise"})
+    assert split.tp_plan.replicated == {}
 
 
 def test_routers_stay_replicated_quietly():

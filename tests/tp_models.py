@@ -8,12 +8,14 @@ from fxtron.models import build
 from fxtron.models.llama import Llama, LlamaConfig
 
 VOCAB = {"gpt": 256, "llama": 256, "hf-gpt2": 128, "hf-llama": 128,
-         "hf-qwen2": 128, "hf-neox": 128, "hf-phi3": 128, "hf-olmoe": 128, "hf-olmo2": 128, "cumsum-mlp": 64}
+         "hf-qwen2": 128, "hf-neox": 128, "hf-phi3": 128, "hf-olmoe": 128, "hf-olmo2": 128, "hf-gemma2": 128, "hf-gemma3": 128,
+         "cumsum-mlp": 64}
 NAMES = ["gpt", "llama", "hf-gpt2", "hf-llama"]
 # more transformers decoders, checked at tp=2: q/k/v biases (Qwen2), parallel residual and
 # partial rotary (GPT-NeoX), fused qkv_proj and gate_up_proj (Phi-3), q/k norms over the whole
-# width of column-split projections (OLMoE: their weights are cut per rank, their gradients exact)
-MORE_NAMES = ["hf-qwen2", "hf-neox", "hf-phi3", "hf-olmoe"]
+# width of column-split projections (OLMoE: their weights are cut per rank, their gradients
+# exact), norms after each sublayer (OLMo2, Gemma2, Gemma3) with softcapped logits (Gemma2)
+MORE_NAMES = ["hf-qwen2", "hf-neox", "hf-phi3", "hf-olmoe", "hf-olmo2", "hf-gemma2", "hf-gemma3"]
 # a model with an op fxtron has no sharding rule for (cumsum over a split hidden dim): it runs
 # replicated on gathered inputs, and must still train exactly like one process
 FALLBACK_NAMES = ["cumsum-mlp"]
@@ -63,9 +65,15 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
         return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**common))
     if name == "hf-phi3":
         return transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, num_key_value_heads=4, pad_token_id=0))
-    if name == "hf-olmo2":     # norms after each sublayer: not split yet (issue: every decoder split)
-        return transformers.Olmo2ForCausalLM(transformers.Olmo2Config(
-            **common, num_key_value_heads=4, eos_token_id=0, pad_token_id=0, bos_token_id=0))
+    ids = dict(eos_token_id=0, pad_token_id=0, bos_token_id=0)
+    if name == "hf-olmo2":
+        return transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**common, num_key_value_heads=4, **ids))
+    if name == "hf-gemma2":
+        return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**common, num_key_value_heads=4, head_dim=8,
+                                                                         **ids))
+    if name == "hf-gemma3":
+        return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**common, num_key_value_heads=4,
+                                                                             head_dim=8, **ids))
     if name == "hf-olmoe":
         return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
             **{**common, "intermediate_size": 32}, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,

@@ -263,26 +263,57 @@ def _through_shape_ops(node: fx.Node, limit: int = 12):
     return out
 
 
-def _reaches_residual(layer: _Found, order: dict[fx.Node, int], hops: int = 4) -> bool:
+# what may stand between a row-parallel output and its residual add, or between the LM head and
+# the loss, token by token: a norm after the sublayer (OLMo2, Gemma2/3: its ops decomposed, or
+# one layer_norm / rms_norm), scaling by constants or weights (residual multipliers, logit
+# scaling) and softcapping (tanh); never another linear, matmul, attention or routing op
+_TOKENWISE = _SHAPE_OPS | {
+    aten.add.Tensor, aten.add.Scalar, aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar,
+    aten.pow.Tensor_Scalar, aten.mean.dim, aten.rsqrt.default, aten.sqrt.default, aten.tanh.default,
+    aten.sub.Tensor, aten.layer_norm.default, aten.rms_norm.default, aten.type_as.default,
+    aten.var_mean.correction, aten.var.correction}
+
+
+def _tokenwise_users(node: fx.Node, limit: int = 48):
+    """Users reached from `node` through token-wise ops (see _TOKENWISE), as (user, via):
+    the adds on the way are yielded too (they may be the residual)."""
+    frontier, seen = [node], {node}
+    while frontier and limit:
+        limit -= 1
+        cur = frontier.pop(0)
+        for user in cur.users:
+            if user in seen or user.op != "call_function":
+                continue
+            seen.add(user)
+            yield user, cur
+            if user.target in _TOKENWISE:
+                frontier.append(user)
+
+
+def _reaches_residual(layer: _Found, order: dict[fx.Node, int]) -> bool:
     """Does the output reach a residual add (one whose other operand was computed before the
-    linear) through shape ops and other adds (GPT-NeoX's parallel attention + MLP sum)?"""
-    frontier = [layer.node]
-    for _ in range(hops):
-        nxt = []
-        for node in frontier:
-            for user, via in _through_shape_ops(node):
-                if user.op == "call_function" and user.target == aten.add.Tensor:
-                    other = user.args[1] if user.args[0] is via else user.args[0]
-                    if isinstance(other, fx.Node) and order[other] < order[layer.node]:
-                        return True
-                    nxt.append(user)
-        frontier = nxt
-    return False
+    linear) through token-wise ops: shape ops, other adds (GPT-NeoX's parallel attention + MLP
+    sum), a post-sublayer norm, scaling? The add after a norm of the output is the residual
+    only if the output passed the norm whole: the norm's statistic needs the full row, which
+    an all-reduce before it gives (Megatron's row-parallel output, then the norm)."""
+    return any(user.target == aten.add.Tensor and _is_residual(user, via, layer.node, order)
+               for user, via in _tokenwise_users(layer.node))
+
+
+def _is_residual(add: fx.Node, via: fx.Node, linear: fx.Node, order: dict[fx.Node, int]) -> bool:
+    """Is `add` (reached from `linear` through `via`) a residual: its other operand computed
+    before the linear, of the add's own shape (a mask added to attention scores broadcasts)?"""
+    other = add.args[1] if add.args[0] is via else add.args[0]
+    if not isinstance(other, fx.Node) or order[other] >= order[linear]:
+        return False
+    a, b = other.meta.get("val"), add.meta.get("val")
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and tuple(a.shape) == tuple(b.shape)
 
 
 def _reaches_loss(layer: _Found) -> bool:
-    return any(u.op == "call_function" and u.target == aten.cross_entropy_loss.default and u.args[0] is via
-               for u, via in _through_shape_ops(layer.node))
+    """Does the output reach cross_entropy through token-wise ops (logit scaling, softcapping)?"""
+    return any(u.target == aten.cross_entropy_loss.default and u.args[0] is via
+               for u, via in _tokenwise_users(layer.node))
 
 
 def _is_router(layer: _Found, hops: int = 6) -> bool:
@@ -317,10 +348,8 @@ def _feeds_row(layer: _Found, rows: set[fx.Node], linears: set[fx.Node], order, 
                 return True
             if user in linears:
                 continue
-            if user.target == aten.add.Tensor:
-                other = user.args[1] if user.args[0] is cur else user.args[0]
-                if isinstance(other, fx.Node) and order[other] < order[layer.node]:
-                    continue  # a residual: the layer's region ends here
+            if user.target == aten.add.Tensor and _is_residual(user, cur, layer.node, order):
+                continue  # a residual: the layer's region ends here
             frontier.append(user)
     return False
 

@@ -148,24 +148,38 @@ class Lower:
 
 def _params_summed_after_backward(gm: fx.GraphModule, axis: str) -> set[fx.Node]:
     """Parameters replicated over `axis` whose every use takes the whole weight into a value
-    sharded there (a norm's weight on sequence shards): each rank of the axis computes a partial
-    gradient. Instead of an all-reduce in backward at every use (Megatron's f), their gradients
-    are summed over the axis once per step after backward (Megatron's _allreduce_layernorm_grads
-    in finalize_model_grads).
+    sharded there (a norm's weight on sequence shards, or on the heads of its rank): each rank
+    of the axis computes a partial gradient. Instead of an all-reduce in backward at every use
+    (Megatron's f), their gradients are summed over the axis once per step after backward
+    (Megatron's _allreduce_layernorm_grads / non-tensor-parallel grads in finalize_model_grads).
+    Returned with the values computed from such a parameter alone (Gemma's `1 + weight`, a
+    cast), which are then no region entries either.
 
     A use that takes only this rank's slice of the weight (it is expected Shard: a norm's weight
     over a feature dim that is split, as q_norm after a column-split q projection) is not
     partial: the slice's gradient is exact and the scatter's backward all-gathers the slices.
     Summing it again would multiply the gradient by the axis size."""
-    out = set()
+    out: set[fx.Node] = set()
     for node in gm.graph.nodes:
         if not meta.is_param(node) or not node.users:
             continue
         if not isinstance(meta.placement(node, axis), Replicate):
             continue
-        if all(u.op == "call_function" and is_sharded(meta.placement(u, axis)) and _takes_whole(u, node, axis)
-               for u in node.users):
-            out.add(node)
+        chain, uses, frontier = {node}, [], [node]
+        while frontier:
+            cur = frontier.pop()
+            for u in cur.users:
+                if u in chain:
+                    continue
+                if (u.op == "call_function" and isinstance(meta.placement(u, axis), Replicate)
+                        and all(a in chain for a in tensor_inputs(u))):
+                    chain.add(u)          # computed from the parameter alone, still whole
+                    frontier.append(u)
+                else:
+                    uses.append((u, cur))
+        if uses and all(u.op == "call_function" and is_sharded(meta.placement(u, axis)) and _takes_whole(u, via, axis)
+                        for u, via in uses):
+            out |= chain
     return out
 
 
