@@ -74,8 +74,9 @@ def _run_case(rank: int, mesh: fxtron.Mesh, case: str):
 
 
 MESHES = {2: [fxtron.Mesh(2, tp=2)], 4: [fxtron.Mesh(4, tp=4), fxtron.Mesh(4, tp=2)]}
-# sequence parallel: every model at tp=2 and at tp=4
-SP_NAMES = {str(MESHES[2][0]): NAMES, str(MESHES[4][0]): NAMES}
+# sequence parallel: every model at tp=2 and at tp=4, and at tp=2 two with norms after each
+# sublayer (their row-parallel outputs reduce-scattered onto sequence shards before the norm)
+SP_NAMES = {str(MESHES[2][0]): NAMES + ["hf-olmo2", "hf-gemma2"], str(MESHES[4][0]): NAMES}
 
 
 def _cases(mesh: fxtron.Mesh) -> list[str]:
