@@ -319,3 +319,14 @@ def test_routers_stay_replicated_quietly():
         pm = _pm("hf-olmoe", 2, strict=True)
     gates = {p: u for p, u in pm.tp_plan.replicated.items() if p.endswith("mlp.gate")}
     assert len(gates) == 2 and all(not u.loud and "router" in u.why for u in gates.values())
+
+
+def test_new_tensors_and_index_select_keep_the_split():
+    """h.new_ones(h.shape) is a new replicated tensor (no gather of h for it), and
+    index_select along the sequence keeps h split over its hidden width."""
+    pm = _pm("factories-mlp", 2)
+    assert pm.fallbacks(0) == []
+    nodes = {str(n.target): n for n in pm.compiled(0).gm.graph.nodes}
+    assert str(meta.placement(nodes["aten.new_ones.default"], "tp")) == "R"
+    assert str(meta.placement(nodes["aten.index_select.default"], "tp")) == "S(2)"
+    assert count(pm.collectives(0), "all_gather") == 0

@@ -9,16 +9,17 @@ from fxtron.models.llama import Llama, LlamaConfig
 
 VOCAB = {"gpt": 256, "llama": 256, "hf-gpt2": 128, "hf-llama": 128,
          "hf-qwen2": 128, "hf-neox": 128, "hf-phi3": 128, "hf-olmoe": 128, "hf-olmo2": 128, "hf-gemma2": 128, "hf-gemma3": 128,
-         "cumsum-mlp": 64}
+         "cumsum-mlp": 64, "factories-mlp": 64}
 NAMES = ["gpt", "llama", "hf-gpt2", "hf-llama"]
 # more transformers decoders, checked at tp=2: q/k/v biases (Qwen2), parallel residual and
 # partial rotary (GPT-NeoX), fused qkv_proj and gate_up_proj (Phi-3), q/k norms over the whole
 # width of column-split projections (OLMoE: their weights are cut per rank, their gradients
 # exact), norms after each sublayer (OLMo2, Gemma2, Gemma3) with softcapped logits (Gemma2)
 MORE_NAMES = ["hf-qwen2", "hf-neox", "hf-phi3", "hf-olmoe", "hf-olmo2", "hf-gemma2", "hf-gemma3"]
-# a model with an op fxtron has no sharding rule for (cumsum over a split hidden dim): it runs
-# replicated on gathered inputs, and must still train exactly like one process
-FALLBACK_NAMES = ["cumsum-mlp"]
+# small models around single ops: cumsum over a split hidden dim (no sharding rule: it runs
+# replicated on gathered inputs, and must still train exactly like one process); new_zeros and
+# index_select on split values (rules that keep them split)
+OP_NAMES = ["cumsum-mlp", "factories-mlp"]
 
 
 class CumsumMLP(torch.nn.Module):
@@ -36,6 +37,17 @@ class CumsumMLP(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
 
+class FactoriesMLP(CumsumMLP):
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        h = torch.nn.functional.gelu(self.up(x))
+        h = h + h.new_ones(h.shape) * 0.5                         # a new tensor of h's (global) shape
+        order = torch.arange(h.shape[1] - 1, -1, -1, device=h.device)
+        h = h.index_select(1, order)                              # the sequence reversed
+        x = x + self.down(h)
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
 def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
     """The model `name` with `layers` transformer layers (pipeline tests use 4 and 8)."""
     torch.manual_seed(0)
@@ -45,6 +57,8 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
         return _gpt(dropout, layers)
     if name == "cumsum-mlp":
         return CumsumMLP()
+    if name == "factories-mlp":
+        return FactoriesMLP()
     if name == "llama":
         return Llama(LlamaConfig(vocab_size=256, max_seq_len=64, n_layer=layers, n_head=8, n_kv_head=4,
                                  dim=64, ffn_dim=96, dropout=dropout))

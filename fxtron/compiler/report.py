@@ -56,6 +56,7 @@ def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRec
     each registered op (ops.registry) says it communicates, over the group of `rank` on the
     axis the op names."""
     out = []
+    grad = meta.carries_grad(gm)
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -67,8 +68,8 @@ def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRec
         n = len(ranks)
         for phase in ("forward", "backward"):
             comm = getattr(spec, phase)
-            if comm is None:
-                continue
+            if comm is None or (phase == "backward" and node not in grad):
+                continue                     # no gradient comes back through a value that needs none
             src = node.args[0] if comm.payload in ("input", "grad_input", "rows") else node
             shape = meta.get(src, meta.LOCAL_SHAPE) or ()
             if comm.payload == "rows":

@@ -13,10 +13,12 @@ shapes, a program's inputs): both import this module, neither imports the other.
 """
 from __future__ import annotations
 
+import builtins
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import sympy
+
 import torch
 import torch.fx as fx
 
@@ -151,6 +153,30 @@ def is_param(node: Any) -> bool:
 def param_name(node: Any) -> str | None:
     """The parameter's name in the model's state_dict when `node` is a parameter placeholder."""
     return get(node, INPUT).target if is_param(node) else None
+
+
+_aten = torch.ops.aten
+#: ops whose value takes no gradient from their tensor inputs (they lend only shape, dtype, device)
+_NO_GRAD = {_aten.new_empty.default, _aten.new_zeros.default, _aten.new_ones.default, _aten.new_full.default,
+            _aten.new_empty_strided.default, _aten.zeros_like.default, _aten.ones_like.default,
+            _aten.empty_like.default, _aten.full_like.default, _aten.rand_like.default, _aten.randn_like.default}
+
+
+def carries_grad(gm: fx.GraphModule) -> "set[fx.Node]":
+    """The nodes a gradient flows back through: floating values computed from a parameter or
+    from a pipeline stage's received activation (a placeholder that stands for no parameter,
+    buffer or user input), except through factories like new_zeros / zeros_like."""
+    out: "set[fx.Node]" = builtins.set()        # this module's `set` writes meta
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        floating = isinstance(val, torch.Tensor) and val.is_floating_point() or isinstance(val, (list, tuple))
+        if node.op == "placeholder":
+            spec = get(node, INPUT)
+            if (spec is not None and spec.kind == "parameter") or (spec is None and floating):
+                out.add(node)
+        elif floating and node.target not in _NO_GRAD and any(a in out for a in node.all_input_nodes):
+            out.add(node)
+    return out
 
 
 # ----------------------------------------------------------------------------- graph-level

@@ -32,19 +32,6 @@ from fxtron.passes.rules import PARTIAL_THROUGH, is_tensor, lowerings_for, tenso
 ops = torch.ops.fxtron
 
 
-def _requires_grad(gm: fx.GraphModule) -> set[fx.Node]:
-    """Nodes whose value depends on a parameter (so a gradient flows back through them)."""
-    out: set[fx.Node] = set()
-    for node in gm.graph.nodes:
-        if meta.get(node, meta.INPUT) is not None:
-            if meta.is_param(node):
-                out.add(node)
-            continue
-        if any(a in out for a in node.all_input_nodes):
-            out.add(node)
-    return out
-
-
 class _Emitter:
     """Makes the new graph's communication nodes, one per (value, axis, redistribution)."""
 
@@ -195,7 +182,7 @@ def insert_redistributions(gm: fx.GraphModule, *, mesh: MeshView) -> fx.GraphMod
     `propagate` wrote; parameters whose gradient is summed after backward get
     meta.GRAD_REDUCE (the axes)."""
     axes = meta.graph_axes(gm)
-    grad = _requires_grad(gm)
+    grad = meta.carries_grad(gm)
     deferred = {axis: _params_summed_after_backward(gm, axis) for axis in axes}
     new = fx.Graph()
     em = _Emitter(new, mesh)

@@ -79,6 +79,14 @@ def _like(c: Ctx):
     return (p if isinstance(p, Shard) else REPLICATE), [None]
 
 
+@register_rule(aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
+               aten.new_empty_strided.default)
+def _new(c: Ctx):
+    """A new tensor of the sizes given (the global ones; the input lends only dtype and device):
+    replicated, whatever the input's placement, and no communication for it."""
+    return REPLICATE, [None] * len(c.p)
+
+
 @register_rule(aten._assert_tensor_metadata.default)
 def _check(c: Ctx):
     """Export's metadata asserts: no value; `localize` drops them (they carry global sizes)."""

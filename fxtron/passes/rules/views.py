@@ -183,6 +183,17 @@ def _blocks_cut(p: Shard, size, start, end, step) -> "layout.Interleave | None":
     return layout.normalize(tuple(bounds[t + 1] - bounds[t] for t in range(i, j)))
 
 
+@register_rule(aten.index_select.default)
+def _index_select(c: Ctx):
+    """x.index_select(dim, index): rows picked along `dim`; a shard on another dim stays, with
+    the index whole; a shard on `dim` itself is gathered first (the index is global)."""
+    p = c.p[0]
+    dim = norm(c.node.args[1], ndim(c.inputs[0]))
+    if isinstance(p, Shard) and p.dim != dim:
+        return p, [None, REPLICATE]
+    return REPLICATE, [REPLICATE, REPLICATE]
+
+
 @register_rule(operator.getitem)
 def _getitem(c: Ctx):
     """One output of a multi-output op (split): its placement is that op's i-th."""
