@@ -49,6 +49,24 @@ EXPECTED_PLAN.update({"hf-gemma2": _LAYER, "hf-gemma3": _LAYER})
 HIDDEN = {"gpt": 64, "llama": 64, "hf-gpt2": 32, "hf-llama": 64, "hf-phi3": 64, "hf-gemma2": 64, "hf-gemma3": 64}
 
 
+def test_linears_written_as_matmul_with_a_transposed_weight():
+    """Falcon writes its linears `x @ self.weight.T` and sums attention and MLP in place
+    (`mlp_output += attention_output`) before the residual: split Megatron's way, 2 all-reduces
+    per layer forward; backward one per layer, as both branches read one norm's output."""
+    pm = _pm("hf-falcon", 2)
+    table = {path: style for path, style, _ in pm.tp_plan.table()}
+    assert {p: table[p] for p in ("transformer.h.0.self_attention.query_key_value", "transformer.h.0.self_attention.dense",
+                                  "transformer.h.0.mlp.dense_h_to_4h", "transformer.h.0.mlp.dense_4h_to_h", "lm_head")} == {
+        "transformer.h.0.self_attention.query_key_value": "colwise", "transformer.h.0.self_attention.dense": "rowwise",
+        "transformer.h.0.mlp.dense_h_to_4h": "colwise", "transformer.h.0.mlp.dense_4h_to_h": "rowwise",
+        "lm_head": "colwise"}
+    recs = pm.collectives(0)
+    fwd = [r for r in recs if r.phase == "forward" and r.op == "all_reduce"]
+    bwd = [r for r in recs if r.phase == "backward" and r.kind == "all_reduce"]
+    assert len(fwd) == 2 * 2 + 1 and len(bwd) == 2 + 1, (fwd, bwd)
+    assert count(recs, "all_gather") == 0 and pm.fallbacks(0) == []
+
+
 def test_post_sublayer_norms_hide_no_row_parallel_output():
     """OLMo2 as Gemma: every layer linear split. Its q/k norms span the whole split width, so
     their statistic gathers the squares (2 all-gathers per layer): correct, more than Megatron,

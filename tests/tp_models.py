@@ -8,14 +8,15 @@ from fxtron.models import build
 from fxtron.models.llama import Llama, LlamaConfig
 
 VOCAB = {"gpt": 256, "llama": 256, "hf-gpt2": 128, "hf-llama": 128,
-         "hf-qwen2": 128, "hf-neox": 128, "hf-phi3": 128, "hf-olmoe": 128, "hf-olmo2": 128, "hf-gemma2": 128, "hf-gemma3": 128,
+         "hf-qwen2": 128, "hf-neox": 128, "hf-phi3": 128, "hf-olmoe": 128, "hf-olmo2": 128, "hf-gemma2": 128, "hf-gemma3": 128, "hf-falcon": 128,
          "cumsum-mlp": 64, "factories-mlp": 64}
 NAMES = ["gpt", "llama", "hf-gpt2", "hf-llama"]
 # more transformers decoders, checked at tp=2: q/k/v biases (Qwen2), parallel residual and
 # partial rotary (GPT-NeoX), fused qkv_proj and gate_up_proj (Phi-3), q/k norms over the whole
 # width of column-split projections (OLMoE: their weights are cut per rank, their gradients
 # exact), norms after each sublayer (OLMo2, Gemma2, Gemma3) with softcapped logits (Gemma2)
-MORE_NAMES = ["hf-qwen2", "hf-neox", "hf-phi3", "hf-olmoe", "hf-olmo2", "hf-gemma2", "hf-gemma3"]
+# and linears written `x @ self.weight.T` with an in-place parallel residual (Falcon)
+MORE_NAMES = ["hf-qwen2", "hf-neox", "hf-phi3", "hf-olmoe", "hf-olmo2", "hf-gemma2", "hf-gemma3", "hf-falcon"]
 # small models around single ops: cumsum over a split hidden dim (no sharding rule: it runs
 # replicated on gathered inputs, and must still train exactly like one process); new_zeros and
 # index_select on split values (rules that keep them split)
@@ -88,6 +89,10 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
     if name == "hf-gemma3":
         return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**common, num_key_value_heads=4,
                                                                              head_dim=8, **ids))
+    if name == "hf-falcon":
+        return transformers.FalconForCausalLM(transformers.FalconConfig(
+            vocab_size=128, hidden_size=64, num_hidden_layers=layers, num_attention_heads=8, parallel_attn=True,
+            new_decoder_architecture=False, multi_query=False, bias=False, **ids))
     if name == "hf-olmoe":
         return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
             **{**common, "intermediate_size": 32}, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,

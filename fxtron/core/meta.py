@@ -23,6 +23,8 @@ import torch
 import torch.fx as fx
 
 from fxtron.core.placement import PerAxis
+
+_aten = torch.ops.aten
 from fxtron.errors import ParallelizeError
 
 
@@ -150,12 +152,24 @@ def is_param(node: Any) -> bool:
     return spec is not None and spec.kind == "parameter"
 
 
+def transposed_param(node) -> bool:
+    """Is `node` a 2-D parameter transposed (w.T, w.t(), w.transpose(0, 1), w.permute(1, 0))?"""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or not node.args:
+        return False
+    w = node.args[0]
+    if not (is_param(w) and w.meta["val"].dim() == 2):
+        return False
+    t, a = node.target, node.args
+    return (t in (_aten.t.default, _aten.numpy_T.default)
+            or (t == _aten.transpose.int and {a[1] % 2, a[2] % 2} == {0, 1})
+            or (t == _aten.permute.default and [d % 2 for d in a[1]] == [1, 0]))
+
+
 def param_name(node: Any) -> str | None:
     """The parameter's name in the model's state_dict when `node` is a parameter placeholder."""
     return get(node, INPUT).target if is_param(node) else None
 
 
-_aten = torch.ops.aten
 #: ops whose value takes no gradient from their tensor inputs (they lend only shape, dtype, device)
 _NO_GRAD = {_aten.new_empty.default, _aten.new_zeros.default, _aten.new_ones.default, _aten.new_full.default,
             _aten.new_empty_strided.default, _aten.zeros_like.default, _aten.ones_like.default,

@@ -230,6 +230,10 @@ def find_layers(gm: fx.GraphModule) -> dict[str, _Found]:
             w = _param_name(a[1])
             shape = a[1].meta["val"].shape
             layer = _Found(node, "linear", _owner(w), w, None, "in_out", int(shape[0]), int(shape[1]))
+        elif t in (aten.mm.default, aten.matmul.default) and meta.transposed_param(a[1]):
+            w = _param_name(a[1].args[0])                    # x @ weight.T (Falcon): nn.Linear's layout
+            shape = a[1].args[0].meta["val"].shape
+            layer = _Found(node, "linear", _owner(w), w, None, "out_in", int(shape[1]), int(shape[0]))
         elif t == aten.embedding.default and _param_name(a[0]):
             w = _param_name(a[0])
             shape = a[0].meta["val"].shape
@@ -268,10 +272,13 @@ def _through_shape_ops(node: fx.Node, limit: int = 12):
 # one layer_norm / rms_norm), scaling by constants or weights (residual multipliers, logit
 # scaling) and softcapping (tanh); never another linear, matmul, attention or routing op
 _TOKENWISE = _SHAPE_OPS | {
-    aten.add.Tensor, aten.add.Scalar, aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar,
+    aten.add.Tensor, aten.add_.Tensor, aten.add.Scalar, aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar,
     aten.pow.Tensor_Scalar, aten.mean.dim, aten.rsqrt.default, aten.sqrt.default, aten.tanh.default,
     aten.sub.Tensor, aten.layer_norm.default, aten.rms_norm.default, aten.type_as.default,
     aten.var_mean.correction, aten.var.correction}
+
+
+_ADDS = {aten.add.Tensor, aten.add_.Tensor}      # `mlp_output += attention_output` (Falcon) is in place
 
 
 def _tokenwise_users(node: fx.Node, limit: int = 48):
@@ -296,7 +303,7 @@ def _reaches_residual(layer: _Found, order: dict[fx.Node, int]) -> bool:
     sum), a post-sublayer norm, scaling? The add after a norm of the output is the residual
     only if the output passed the norm whole: the norm's statistic needs the full row, which
     an all-reduce before it gives (Megatron's row-parallel output, then the norm)."""
-    return any(user.target == aten.add.Tensor and _is_residual(user, via, layer.node, order)
+    return any(user.target in _ADDS and _is_residual(user, via, layer.node, order)
                for user, via in _tokenwise_users(layer.node))
 
 
@@ -348,7 +355,7 @@ def _feeds_row(layer: _Found, rows: set[fx.Node], linears: set[fx.Node], order, 
                 return True
             if user in linears:
                 continue
-            if user.target == aten.add.Tensor and _is_residual(user, cur, layer.node, order):
+            if user.target in _ADDS and _is_residual(user, cur, layer.node, order):
                 continue  # a residual: the layer's region ends here
             frontier.append(user)
     return False

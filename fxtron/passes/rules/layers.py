@@ -59,7 +59,7 @@ def _matmul(c: Ctx):
     x, y = c.node.args[:2]
     px, py = c.p[c.index(x)], c.p[c.index(y)]
     nx, ny, no = ndim(x), ndim(y), ndim(c.node)
-    if meta.is_param(y) and ny == 2:                    # activation @ weight
+    if ny == 2 and (meta.is_param(y) or meta.transposed_param(y)):   # activation @ weight (or weight.T)
         return _linear_like(c, x, y, "in_out", None)
     if px.is_replicate() and py.is_replicate():
         return REPLICATE, [None, None]

@@ -81,7 +81,7 @@ def _view(c: Ctx):
     raise c.fail("could not follow the sharded dim through this view")
 
 
-@register_rule(aten.transpose.int, aten.t.default, aten.permute.default, aten.unsqueeze.default,
+@register_rule(aten.transpose.int, aten.t.default, aten.numpy_T.default, aten.permute.default, aten.unsqueeze.default,
                aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default)
 def _permute_like(c: Ctx):
     p = c.p[0]
@@ -94,6 +94,8 @@ def _permute_like(c: Ctx):
         d = d1 if p.dim == d0 else d0 if p.dim == d1 else p.dim
     elif t == aten.t.default:
         d = 1 - p.dim if nd == 2 else p.dim
+    elif t == aten.numpy_T.default:                    # all dims reversed
+        d = nd - 1 - p.dim
     elif t == aten.permute.default:
         d = [norm(x, nd) for x in node.args[1]].index(p.dim)
     elif t == aten.unsqueeze.default:
