@@ -177,6 +177,13 @@ def _by_pattern(items: dict[str, str]) -> dict[str, str]:
     return out
 
 
+def _fallback_lines(graphs) -> list[str]:
+    """One line per node that ran replicated for want of a sharding rule (meta.FALLBACK)."""
+    return [f"%{n.name} ({n.target}) in {meta.get(n, meta.MODULE) or '(top level)'}: inputs made whole over "
+            f"{meta.get(n, meta.FALLBACK)}, run replicated"
+            for g in graphs for n in g.graph.nodes if meta.get(n, meta.FALLBACK) is not None]
+
+
 def _grouped(items: dict[str, str]) -> str:
     """"path, path: why; path: why" -- the paths folded by `_by_pattern`, grouped by why."""
     by_why: dict[str, list[str]] = {}
@@ -244,14 +251,7 @@ class ParallelModel:
         """The ops of rank's graphs that had no sharding rule for their inputs' placements and
         run replicated on inputs made whole (a correct fallback that communicates more than
         Megatron would): one line each, naming the node, its op, module and axis."""
-        out = []
-        for g in self.compiled(rank).graphs:
-            for node in g.graph.nodes:
-                axis = meta.get(node, meta.FALLBACK)
-                if axis is not None:
-                    out.append(f"%{node.name} ({node.target}) in {meta.get(node, meta.MODULE) or '(top level)'}: "
-                               f"inputs made whole over {axis}, run replicated")
-        return out
+        return _fallback_lines(self.compiled(rank).graphs)
 
     def stages(self) -> StageAssignment:
         """Which layers each pipeline stage runs, with its parameters and FLOPs (`str()` prints
@@ -301,12 +301,11 @@ class ParallelModel:
                                             gradient_accumulation_fusion=o.gradient_accumulation_fusion,
                                             device=o.device, strict=o.strict),
             observer=observer)
-        fell = [f"%{n.name} ({n.target}, in {meta.get(n, meta.MODULE) or '(top level)'})"
-                for g in rg.graphs for n in g.graph.nodes if meta.get(n, meta.FALLBACK) is not None]
+        fell = _fallback_lines(rg.graphs)
         if fell and not self._warned_fallbacks:
             self._warned_fallbacks = True
             warnings.warn(f"{len(fell)} op(s) have no sharding rule for their inputs' placements and run replicated on "
-                          f"gathered inputs (correct, more communication than Megatron): {', '.join(fell)}. "
+                          f"gathered inputs (correct, more communication than Megatron): {'; '.join(fell)}. "
                           "Register a rule with fxtron.register_rule, or pass strict=True to make this an error",
                           ParallelizeWarning, stacklevel=2)
         return rg

@@ -22,7 +22,7 @@ import torch.fx as fx
 from fxtron.core import meta
 from fxtron.core.placement import Partial, Shard
 from fxtron.ops import registry
-from fxtron.passes.rules import tensor_inputs
+from fxtron.passes.rules import reduced_dims, tensor_inputs
 
 ENV = "FXTRON_VERIFY"
 
@@ -34,9 +34,7 @@ _REDUCTIONS = _SUMS | {
     aten.mean.dim, aten.mean.default, aten.amax.default, aten.amin.default, aten.var.correction,
     aten.std.correction, aten.var_mean.correction, aten.logsumexp.default, aten.argmax.default,
     aten.argmin.default, aten._softmax.default, aten.softmax.int, aten._log_softmax.default,
-    aten.log_softmax.int, aten.cumsum.default}
-_NORMS = {aten.norm.ScalarOpt_dim, aten.linalg_vector_norm.default}
-_REDUCTIONS |= _NORMS
+    aten.log_softmax.int, aten.cumsum.default, aten.norm.ScalarOpt_dim, aten.linalg_vector_norm.default}
 
 
 class VerifyError(AssertionError):
@@ -100,15 +98,6 @@ def verify(gm: fx.GraphModule, *, after: str, redistributed: bool = False) -> No
                         f"{axis}:{have}, with no redistribution between them")
 
 
-def _reduced_dims(node: fx.Node) -> list[int]:
-    nd = node.args[0].meta["val"].dim()
-    at = 2 if node.target in _NORMS else 1          # norm(x, p, dim), linalg_vector_norm(x, ord, dim)
-    dims = node.args[at] if len(node.args) > at else node.kwargs.get("dim")
-    if dims is None or dims == [] or node.target in (aten.sum.default, aten.mean.default):
-        return list(range(nd))
-    return [d % max(nd, 1) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
-
-
 def _check_reduction(node: fx.Node, axes, after: str) -> None:
     """No reduction over a dim a rank holds only part of, and none of a partial sum, unless it
     is a sum that stays partial: such a statistic would be this rank's alone (a norm's variance
@@ -124,10 +113,10 @@ def _check_reduction(node: fx.Node, axes, after: str) -> None:
             continue
         if node.target in _SUMS and isinstance(out, Partial):
             continue
-        bad = (isinstance(have, Shard) and have.dim in _reduced_dims(node)) or isinstance(have, Partial)
+        bad = (isinstance(have, Shard) and have.dim in reduced_dims(node)) or isinstance(have, Partial)
         if bad and not isinstance(out, Partial):
             raise VerifyError(
-                f"after {after}: %{node.name} ({node.target}) reduces %{x.name} over dims {_reduced_dims(node)}, which "
+                f"after {after}: %{node.name} ({node.target}) reduces %{x.name} over dims {reduced_dims(node)}, which "
                 f"is {axis}:{have} there: each rank would compute its own part's statistic as if it were the whole")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from fxtron.core.placement import PARTIAL, REPLICATE, Shard
-from fxtron.passes.rules.registry import Ctx, ndim, norm, register_rule
+from fxtron.passes.rules.registry import Ctx, reduced_dims, register_rule
 
 aten = torch.ops.aten
 
@@ -12,13 +12,9 @@ aten = torch.ops.aten
 @register_rule(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, aten.amax.default)
 def _reduce(c: Ctx):
     node, p = c.node, c.p[0]
-    nd = ndim(c.inputs[0])
     t = node.target
-    dims = node.args[1] if len(node.args) > 1 else None
     keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-    if t in (aten.sum.default, aten.mean.default) or dims is None or dims == []:
-        dims = list(range(nd))
-    dims = [norm(d, nd) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
+    dims = reduced_dims(node)
     if p.is_partial():
         return REPLICATE, [REPLICATE]
     if not isinstance(p, Shard):

@@ -33,6 +33,7 @@ from fxtron.core.meta import TraceInfo
 from fxtron.core.placement import Shard
 from fxtron.errors import ParallelizeError
 
+_aten = torch.ops.aten
 Rule = Callable[["Ctx"], tuple]   # -> (out placement, expects: list[Placement | None])
 Lowering = Callable[..., "fx.Node | None"]
 
@@ -110,6 +111,18 @@ def is_zero(s) -> bool:
 
 def is_one(s) -> bool:
     return not isinstance(s, torch.SymInt) and int(s) == 1
+
+
+def reduced_dims(node: fx.Node) -> list[int]:
+    """The dims a reduction (sum, mean, amax, var, softmax, cumsum, norm, ...) reduces its first
+    input over, non-negative: args[1] (args[2] for norm / linalg_vector_norm), every dim when
+    absent or empty (and always for sum.default / mean.default)."""
+    nd = node.args[0].meta["val"].dim()
+    at = 2 if node.target in (_aten.norm.ScalarOpt_dim, _aten.linalg_vector_norm.default) else 1
+    dims = node.args[at] if len(node.args) > at else node.kwargs.get("dim")
+    if dims is None or dims == [] or node.target in (_aten.sum.default, _aten.mean.default):
+        return list(range(nd))
+    return [norm(d, nd) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
 
 
 class Ctx:
@@ -196,4 +209,4 @@ def _qualified(target) -> str:
 
 
 __all__ = ["Ctx", "Rule", "is_tensor", "lowerings_for", "no_rule", "register_lowering", "register_rule", "rule_for",
-           "split_sources", "tensor_inputs"]
+           "reduced_dims", "split_sources", "tensor_inputs"]
