@@ -7,9 +7,14 @@ import torch
 from fxtron.models import build
 from fxtron.models.llama import Llama, LlamaConfig
 
-VOCAB = {"gpt": 256, "llama": 256, "hf-gpt2": 128, "hf-llama": 128,
-         "hf-qwen2": 128, "hf-neox": 128, "hf-phi3": 128, "hf-olmoe": 128, "hf-olmo2": 128, "hf-gemma2": 128, "hf-gemma3": 128, "hf-falcon": 128,
-         "cumsum-mlp": 64, "factories-mlp": 64}
+# the transformers decoder architectures fxtron is held to (test_zoo.py): architecture -> name
+ZOO = {"Llama": "hf-llama", "Mistral": "hf-mistral", "Qwen2": "hf-qwen2", "Qwen3": "hf-qwen3", "Gemma": "hf-gemma",
+       "Gemma2": "hf-gemma2", "Gemma3": "hf-gemma3", "OLMo": "hf-olmo", "OLMo2": "hf-olmo2", "OLMoE": "hf-olmoe",
+       "Phi": "hf-phi", "Phi-3": "hf-phi3", "GPT-2": "hf-gpt2", "GPT-J": "hf-gptj", "GPT-NeoX": "hf-neox",
+       "BLOOM": "hf-bloom", "Falcon": "hf-falcon", "OPT": "hf-opt", "StableLM": "hf-stablelm",
+       "Starcoder2": "hf-starcoder2", "SmolLM3": "hf-smollm3", "Mixtral": "hf-mixtral", "Qwen3-MoE": "hf-qwen3moe",
+       "DeepSeek-V3": "hf-deepseekv3"}
+VOCAB = {"gpt": 256, "llama": 256, "cumsum-mlp": 64, "factories-mlp": 64, "einsum-attn": 64, **{n: 128 for n in ZOO.values()}}
 NAMES = ["gpt", "llama", "hf-gpt2", "hf-llama"]
 # more transformers decoders, checked at tp=2: q/k/v biases (Qwen2), parallel residual and
 # partial rotary (GPT-NeoX), fused qkv_proj and gate_up_proj (Phi-3), q/k norms over the whole
@@ -19,8 +24,8 @@ NAMES = ["gpt", "llama", "hf-gpt2", "hf-llama"]
 MORE_NAMES = ["hf-qwen2", "hf-neox", "hf-phi3", "hf-olmoe", "hf-olmo2", "hf-gemma2", "hf-gemma3", "hf-falcon"]
 # small models around single ops: cumsum over a split hidden dim (no sharding rule: it runs
 # replicated on gathered inputs, and must still train exactly like one process); new_zeros and
-# index_select on split values (rules that keep them split)
-OP_NAMES = ["cumsum-mlp", "factories-mlp"]
+# index_select on split values (rules that keep them split); attention written with einsum
+OP_NAMES = ["cumsum-mlp", "factories-mlp", "einsum-attn"]
 
 
 class CumsumMLP(torch.nn.Module):
@@ -49,6 +54,29 @@ class FactoriesMLP(CumsumMLP):
         return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
 
+class EinsumAttention(torch.nn.Module):
+    """Causal attention written with einsum over a fused qkv viewed (B, S, 3, heads, d) and
+    unbound: the head dim is split, the scores' einsum keeps it, the output's contracts none."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).unbind(2)
+        att = torch.einsum("bqhd,bkhd->bhqk", q, k) / (d // self.heads) ** 0.5
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        x = x + self.proj(torch.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, s, d))
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
 def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
     """The model `name` with `layers` transformer layers (pipeline tests use 4 and 8)."""
     torch.manual_seed(0)
@@ -60,6 +88,8 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
         return CumsumMLP()
     if name == "factories-mlp":
         return FactoriesMLP()
+    if name == "einsum-attn":
+        return EinsumAttention()
     if name == "llama":
         return Llama(LlamaConfig(vocab_size=256, max_seq_len=64, n_layer=layers, n_head=8, n_kv_head=4,
                                  dim=64, ffn_dim=96, dropout=dropout))
@@ -81,6 +111,38 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
     if name == "hf-phi3":
         return transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, num_key_value_heads=4, pad_token_id=0))
     ids = dict(eos_token_id=0, pad_token_id=0, bos_token_id=0)
+    kv = dict(num_key_value_heads=4)
+    T = transformers
+    zoo = {
+        "hf-mistral": lambda: T.MistralForCausalLM(T.MistralConfig(**common, **kv)),
+        "hf-qwen3": lambda: T.Qwen3ForCausalLM(T.Qwen3Config(**common, **kv, head_dim=8)),
+        "hf-gemma": lambda: T.GemmaForCausalLM(T.GemmaConfig(**common, **kv, head_dim=8, **ids)),
+        "hf-olmo": lambda: T.OlmoForCausalLM(T.OlmoConfig(**common, **kv, **ids)),
+        "hf-phi": lambda: T.PhiForCausalLM(T.PhiConfig(**common, **kv, **ids)),
+        "hf-gptj": lambda: T.GPTJForCausalLM(T.GPTJConfig(vocab_size=128, n_positions=64, n_embd=64, n_layer=layers,
+                                                         n_head=8, rotary_dim=4, **ids)),
+        "hf-bloom": lambda: T.BloomForCausalLM(T.BloomConfig(vocab_size=128, hidden_size=64, n_layer=layers, n_head=8,
+                                                             **ids)),
+        "hf-opt": lambda: T.OPTForCausalLM(T.OPTConfig(vocab_size=128, hidden_size=64, ffn_dim=96, num_hidden_layers=layers,
+                                                       num_attention_heads=8, max_position_embeddings=64,
+                                                       word_embed_proj_dim=64, dropout=0.0, **ids)),
+        "hf-stablelm": lambda: T.StableLmForCausalLM(T.StableLmConfig(**common, **kv)),
+        "hf-starcoder2": lambda: T.Starcoder2ForCausalLM(T.Starcoder2Config(**common, **kv, **ids)),
+        "hf-smollm3": lambda: T.SmolLM3ForCausalLM(T.SmolLM3Config(**common, **kv, **ids)),
+        # experts: 3-D weights (experts, out, in), run by transformers' grouped GEMM
+        "hf-mixtral": lambda: T.MixtralForCausalLM(T.MixtralConfig(**{**common, "intermediate_size": 32}, **kv,
+                                                                   num_local_experts=4, num_experts_per_tok=2)),
+        "hf-qwen3moe": lambda: T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(
+            **common, **kv, head_dim=8, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+            decoder_sparse_step=1, mlp_only_layers=[])),
+        # multi-latent attention (low-rank q and kv), a dense first layer, routed and shared experts
+        "hf-deepseekv3": lambda: T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+            **common, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+            kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+            first_k_dense_replace=1, n_group=1, topk_group=1, **ids)),
+    }
+    if name in zoo:
+        return zoo[name]()
     if name == "hf-olmo2":
         return transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**common, num_key_value_heads=4, **ids))
     if name == "hf-gemma2":

@@ -14,7 +14,8 @@ from fxtron.core.placement import Shard
 from fxtron.errors import ParallelizeError
 
 aten = torch.ops.aten
-_SIZE_ARG_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+_SIZE_ARG_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+                   aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}
 
 
 def drop_metadata_asserts(gm: fx.GraphModule) -> fx.GraphModule:

@@ -80,14 +80,15 @@ _BY_NAME = {"colwise": Colwise(), "rowwise": Rowwise(), "vocab": VocabParallel()
 @dataclass(frozen=True)
 class Layer:
     """A linear or embedding found in the graph: its node's name, module path, weight and bias
-    parameter names, and the weight layout ('out_in' as nn.Linear, 'in_out' as Conv1D/mm)."""
+    parameter names, and the weight layout ('out_in' as nn.Linear, 'in_out' as Conv1D/mm; for
+    the 3-D weights of a mixture of experts, one matrix per expert, 'e_out_in' / 'e_in_out')."""
 
     node: str
     kind: str                      # "linear" | "embedding"
     path: str
     weight: str
     bias: str | None
-    layout: str                    # "out_in" | "in_out"
+    layout: str                    # "out_in" | "in_out" | "e_out_in" | "e_in_out"
     in_features: int
     out_features: int
 
@@ -156,6 +157,8 @@ class Unsplit:
     loud: bool
 
 
+_DOWN_PROJECTION = ("a low-rank down-projection whose output only feeds column-split linears (MLA's q_a_proj, "
+                    "kv_a_proj): replicated, as Megatron's duplicated linear_q_down_proj / linear_kv_down_proj")
 _NO_PATTERN = ("no Megatron pattern found: its output neither reaches a residual add through shape ops "
                "(rowwise) nor feeds a rowwise linear or the loss (colwise); name its style in plan=")
 
@@ -172,9 +175,10 @@ class _Draft:
     notes: list[str] = field(default_factory=list)
     why: dict[str, str] = field(default_factory=dict)     # path -> why the plan dropped its style
 
-    def freeze(self, user_styles: Mapping[str, Style], mode: str) -> TPPlan:
+    def freeze(self, user_styles: Mapping[str, Style], mode: str, gm: fx.GraphModule | None = None) -> TPPlan:
         replicated = {}
         if self.tp > 1:
+            down = _down_projections(self, gm) if gm is not None else set()
             for path, l in self.layers.items():
                 if l.kind != "linear" or not isinstance(self.styles.get(path, Replicated()), Replicated):
                     continue
@@ -186,6 +190,8 @@ class _Draft:
                     replicated[path] = Unsplit("plan_mode='replace' and the plan does not name it", False)
                 elif _is_router(l):
                     replicated[path] = Unsplit("a router (its output picks experts): replicated, as in Megatron", False)
+                elif path in down:
+                    replicated[path] = Unsplit(_DOWN_PROJECTION, False)
                 else:
                     replicated[path] = Unsplit(_NO_PATTERN, True)
         return TPPlan(self.tp, _frozen(self.styles), _frozen(self.params), _frozen(self.interleave),
@@ -234,6 +240,8 @@ def find_layers(gm: fx.GraphModule) -> dict[str, _Found]:
             w = _param_name(a[1].args[0])                    # x @ weight.T (Falcon): nn.Linear's layout
             shape = a[1].args[0].meta["val"].shape
             layer = _Found(node, "linear", _owner(w), w, None, "out_in", int(shape[1]), int(shape[0]))
+        elif _is_grouped_mm(t) and len(a) > 1 and isinstance(a[1], fx.Node) and a[1].meta["val"].dim() == 3:
+            layer = _experts(node, a[1])
         elif t == aten.embedding.default and _param_name(a[0]):
             w = _param_name(a[0])
             shape = a[0].meta["val"].shape
@@ -248,6 +256,32 @@ def find_layers(gm: fx.GraphModule) -> dict[str, _Found]:
                               layer.in_features, layer.out_features)
             layers[key] = layer
     return layers
+
+
+#: (out features dim, in features dim) of a weight, by layout
+WEIGHT_DIMS = {"out_in": (0, 1), "in_out": (1, 0), "e_out_in": (1, 2), "e_in_out": (2, 1)}
+
+
+def _is_grouped_mm(target) -> bool:
+    """A grouped GEMM of tokens sorted by expert with one weight matrix per expert: aten's
+    _grouped_mm, or transformers' grouped_mm_fallback (its CPU / fp32 path)."""
+    return target == aten._grouped_mm.default or (
+        isinstance(target, torch._ops.OpOverload) and target.name() == "transformers::grouped_mm_fallback")
+
+
+def _experts(node: fx.Node, w: fx.Node) -> _Found | None:
+    """The experts' fused 3-D weight of a grouped GEMM x (tokens, in) @ w (experts, in, out):
+    the parameter itself ('e_in_out'), or transposed from (experts, out, in) ('e_out_in')."""
+    if _param_name(w):
+        name, layout = _param_name(w), "e_in_out"
+        shape = w.meta["val"].shape
+        return _Found(node, "linear", _owner(name), name, None, layout, int(shape[1]), int(shape[2]))
+    if (w.op == "call_function" and w.target == aten.transpose.int and _param_name(w.args[0])
+            and {w.args[1] % 3, w.args[2] % 3} == {1, 2}):
+        name = _param_name(w.args[0])
+        shape = w.args[0].meta["val"].shape
+        return _Found(node, "linear", _owner(name), name, None, "e_out_in", int(shape[2]), int(shape[1]))
+    return None
 
 
 def _through_shape_ops(node: fx.Node, limit: int = 12):
@@ -275,7 +309,9 @@ _TOKENWISE = _SHAPE_OPS | {
     aten.add.Tensor, aten.add_.Tensor, aten.add.Scalar, aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar,
     aten.pow.Tensor_Scalar, aten.mean.dim, aten.rsqrt.default, aten.sqrt.default, aten.tanh.default,
     aten.sub.Tensor, aten.layer_norm.default, aten.rms_norm.default, aten.type_as.default,
-    aten.var_mean.correction, aten.var.correction}
+    aten.var_mean.correction, aten.var.correction,
+    # a mixture of experts' combine: rows put back in token order, the top-k outputs summed
+    aten.index.Tensor, aten.index_add.default, aten.index_add_.default, aten.sum.dim_IntList}
 
 
 _ADDS = {aten.add.Tensor, aten.add_.Tensor}      # `mlp_output += attention_output` (Falcon) is in place
@@ -390,6 +426,49 @@ def _sliced_blocks(layer: _Found) -> Interleave | None:
     return normalize(tuple(e - s for s, e in cuts))
 
 
+def _first_views(node: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
+    """The views of `node` (through copies and casts), as (view, its input): a fused output
+    viewed as (..., 3, heads, d) and then unbound or indexed, which _through_shape_ops looks
+    through."""
+    out, frontier = [], [node]
+    while frontier:
+        cur = frontier.pop()
+        for user in cur.users:
+            if user.op != "call_function":
+                continue
+            if user.target in _SAME_LAYOUT:
+                frontier.append(user)
+            elif user.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+                out.append((user, cur))
+    return out
+
+
+def _unbound_blocks(view: fx.Node, feat: int) -> int | None:
+    """A fused output viewed (..., a0, a1, ..., d) with the product of the trailing sizes the
+    feature dim, then unbound, selected or split along one of those dims (qkv viewed as
+    (B, S, 3, heads, d) and unbound on the 3): the number of blocks, the product of the sizes
+    up to and including that dim. None if no such cut follows the view."""
+    out = view.meta["val"].shape
+    dims, prod = [], 1
+    for j in range(len(out) - 1, -1, -1):
+        if prod == feat or isinstance(out[j], torch.SymInt):   # never int() a symbolic size
+            break
+        prod *= int(out[j])
+        dims.insert(0, j)
+    if prod != feat or len(dims) < 2:
+        return None
+    for user in view.users:
+        if user.op != "call_function" or user.target not in (aten.unbind.int, aten.select.int, aten.split.Tensor,
+                                                              aten.chunk.default, aten.split_with_sizes.default):
+            continue
+        at = 1 if user.target in (aten.unbind.int, aten.select.int) else 2
+        d = user.args[at] if len(user.args) > at else 0
+        d = d + len(out) if d < 0 else d
+        if d in dims[:-1]:
+            return math.prod(int(out[j]) for j in dims[:dims.index(d) + 1])
+    return None
+
+
 def _interleave(layer: _Found, tp: int) -> Interleave:
     """k for a fused projection split later into k equal parts (or viewed as (k, heads, d)), or
     the proportions of unequal parts cut from it by slicing or split_with_sizes."""
@@ -397,6 +476,10 @@ def _interleave(layer: _Found, tp: int) -> Interleave:
     sliced = _sliced_blocks(layer)
     if sliced is not None:
         return sliced
+    for view, _ in _first_views(layer.node):
+        k = _unbound_blocks(view, feat)
+        if k is not None:
+            return k
     for user, via in _through_shape_ops(layer.node):
         if user.op != "call_function":
             continue
@@ -416,21 +499,6 @@ def _interleave(layer: _Found, tp: int) -> Interleave:
             sizes, dim = user.args[1], (user.args[2] if len(user.args) > 2 else 0)
             if dim in (-1, last) and all(isinstance(x, int) and x > 0 for x in sizes) and sum(sizes) == feat:
                 return normalize(tuple(sizes))
-        if user.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
-            out = user.meta["val"].shape
-            # trailing output dims whose product is the feature dim: (..., a0, a1, ...)
-            dims, prod = [], 1
-            for s in reversed(out):
-                if prod == feat or isinstance(s, torch.SymInt):   # never int() a symbolic size
-                    break
-                prod *= int(s)
-                dims.insert(0, int(s))
-            if prod == feat and len(dims) > 1:
-                k = 1
-                for a in dims:
-                    if a % tp == 0:
-                        return k
-                    k *= a
     return 1
 
 
@@ -449,6 +517,8 @@ def auto_plan(gm: fx.GraphModule, tp: int) -> dict[str, Style]:
     for path, l in layers.items():
         if path in styles:
             continue
+        if l.kind == "linear" and _is_router(l):
+            continue        # its scores pick experts on every rank: whole, as in Megatron
         if l.kind == "linear" and (_reaches_loss(l) or _feeds_row(l, rows, linears, order)):
             styles[path] = Colwise()
         elif l.kind == "embedding" and _looks_up_user_ids(l):
@@ -517,7 +587,21 @@ def plan(gm: fx.GraphModule, *, tp: int, user_plan: dict | None = None, mode: st
                     "give both the same style in the plan (a tied embedding and LM head: 'vocab' and 'colwise')")
             result.params[name] = pl
     _resolve_tied(result, layers, user_keys)
-    return result.freeze(user_styles, mode)
+    return result.freeze(user_styles, mode, gm)
+
+
+def _down_projections(draft: "_Draft", gm: fx.GraphModule) -> set[str]:
+    """Unplanned linears whose output reaches a colwise linear of a layer (not the LM head)
+    before any residual or other linear, and a rowwise linear never: a low-rank bottleneck in
+    front of column-split projections (MLA), which Megatron keeps whole."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    linears = {l.node for l in draft.layers.values() if l.kind == "linear"}
+    cols = {draft.layers[p].node for p, s in draft.styles.items()
+            if isinstance(s, Colwise) and not _reaches_loss(draft.layers[p])}
+    rows = {draft.layers[p].node for p, s in draft.styles.items() if isinstance(s, Rowwise)}
+    return {p for p, l in draft.layers.items()
+            if l.kind == "linear" and p not in draft.styles and p not in draft.why
+            and _feeds_row(l, cols, linears, order) and not _feeds_row(l, rows, linears, order)}
 
 
 def _matches(pattern: str, layers: Mapping[str, _Found]) -> list[str]:
@@ -538,13 +622,14 @@ def _param_placements(l: _Found, style: Style, tp: int) -> dict[str, Placement]:
             return {l.weight: Shard(1)}
         raise ParallelizeError(f"{l.path} is an embedding: use 'vocab', 'colwise' or 'replicate'")
     k = 1
+    out_dim, in_dim = WEIGHT_DIMS[l.layout]
     if isinstance(style, Colwise):
         k = _interleave(l, tp)
-        out = {l.weight: Shard(0 if l.layout == "out_in" else 1, k)}
+        out = {l.weight: Shard(out_dim, k)}
         if l.bias:
             out[l.bias] = Shard(0, k)
         return out
-    out = {l.weight: Shard(1 if l.layout == "out_in" else 0)}
+    out = {l.weight: Shard(in_dim)}
     if l.bias:
         out[l.bias] = REPLICATE
     return out

@@ -26,7 +26,7 @@ import torch.fx as fx
 from fxtron.core import meta
 from fxtron.core.axes import MeshView
 from fxtron.core.placement import REPLICATE, Placement, Replicate, Shard
-from fxtron.passes.rules import Ctx, no_rule, rule_for
+from fxtron.passes.rules import Ctx, no_rule, rule_for, tensor_inputs
 
 
 @dataclass(frozen=True)
@@ -108,5 +108,31 @@ def propagate(gm: fx.GraphModule, layout: AxisLayout, *, mesh: MeshView) -> fx.G
         if out is not None:
             meta.set_placement(node, axis, out)
         meta.set_expects(node, axis, tuple(expects))
+    _shard_params_cut_at_every_use(gm, axis)
     meta.add_graph_axis(gm, axis)
     return gm
+
+
+def _shard_params_cut_at_every_use(gm: fx.GraphModule, axis: str) -> None:
+    """A parameter the layout leaves whole but whose every use wants the same shard of it (a
+    norm's weight over the features of a column-split projection, OLMo2's q_norm) is held
+    sharded: each rank stores and updates its slice, with no scatter in forward and no
+    all-gather of its gradient in backward."""
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or not meta.is_param(node) or not node.users:
+            continue
+        if not isinstance(meta.placement(node, axis), Replicate):
+            continue
+        wants = set()
+        for user in node.users:
+            inputs = tensor_inputs(user)
+            expects = meta.expects(user, axis) if user.op == "call_function" else ()
+            wants |= {expects[i] if i < len(expects) else None for i, a in enumerate(inputs) if a is node}
+        if len(wants) != 1 or not isinstance(next(iter(wants)), Shard):
+            continue
+        want = next(iter(wants))
+        meta.set_placement(node, axis, want)
+        for user in node.users:
+            inputs = tensor_inputs(user)
+            meta.set_expects(user, axis, tuple(None if a is node else e
+                                               for a, e in zip(inputs, meta.expects(user, axis))))

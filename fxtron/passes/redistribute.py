@@ -35,8 +35,8 @@ ops = torch.ops.fxtron
 class _Emitter:
     """Makes the new graph's communication nodes, one per (value, axis, redistribution)."""
 
-    def __init__(self, graph: fx.Graph, mesh: MeshView):
-        self.g, self.mesh = graph, mesh
+    def __init__(self, graph: fx.Graph, mesh: MeshView, grad: set[fx.Node] = frozenset()):
+        self.g, self.mesh, self.grad = graph, mesh, grad
         self.cache: dict[tuple, fx.Node] = {}
 
     def call(self, target, args, like: fx.Node, placements: meta.PerAxis, reason: str, kwargs=None,
@@ -70,6 +70,14 @@ class _Emitter:
         mid_r = placed.with_axis(axis, REPLICATE)
         if isinstance(have, Partial) and isinstance(want, Replicate):
             out = self.call(ops.all_reduce.default, (value, axis), src, done, why, module_of=origin)
+        elif isinstance(have, Replicate) and isinstance(want, Shard) and _broadcast_at(src, want):
+            # a value expanded along the dim to shard (DeepSeek's rotary key, one for all heads):
+            # expand to this rank's part instead of slicing the whole; the gradient, summed over
+            # the local part, is then partial: the expanded value enters the region
+            inp = env_value = value.args[0]
+            if src.args[0] in self.grad:
+                env_value = self.copy_to_region(src.args[0], inp, placed, axis, consumer)
+            out = self.call(src.target, (env_value, *value.args[1:]), src, done, why + " (expanded locally)")
         elif isinstance(have, Replicate) and isinstance(want, Shard):
             out = self.call(ops.scatter.default, (value, want.dim, to_list(want.interleave), n, axis), src, done, why)
         elif isinstance(have, Shard) and isinstance(want, Replicate):
@@ -128,9 +136,18 @@ class Lower:
     def remap(self, arg):
         return self._remap(arg)
 
-    def call(self, target, args, like: fx.Node, placement, reason: str) -> fx.Node:
+    def call(self, target, args, like: fx.Node, placement, reason: str, kwargs=None) -> fx.Node:
         placements = meta.get(like, meta.PLACEMENT).with_axis(self.axis, placement)
-        return self._em.call(target, args, like, placements, reason)
+        return self._em.call(target, args, like, placements, reason, kwargs=kwargs)
+
+
+def _broadcast_at(src: fx.Node, want: Shard) -> bool:
+    """Is `src` an expand whose input has size 1 on the dim `want` shards (evenly)?"""
+    if not (src.op == "call_function" and src.target == torch.ops.aten.expand.default and want.interleave == 1):
+        return False
+    inp = src.args[0].meta["val"]
+    d = want.dim - (src.meta["val"].dim() - inp.dim())
+    return d < 0 or (not isinstance(inp.shape[d], torch.SymInt) and int(inp.shape[d]) == 1)
 
 
 def _params_summed_after_backward(gm: fx.GraphModule, axis: str) -> set[fx.Node]:
@@ -185,7 +202,7 @@ def insert_redistributions(gm: fx.GraphModule, *, mesh: MeshView) -> fx.GraphMod
     grad = meta.carries_grad(gm)
     deferred = {axis: _params_summed_after_backward(gm, axis) for axis in axes}
     new = fx.Graph()
-    em = _Emitter(new, mesh)
+    em = _Emitter(new, mesh, grad)
     env: dict[fx.Node, fx.Node] = {}
     placed: dict[fx.Node, meta.PerAxis] = {}   # the placements each old node's env value has
     for node in gm.graph.nodes:

@@ -27,9 +27,10 @@ from fxtron.passes.rules import reduced_dims, tensor_inputs
 ENV = "FXTRON_VERIFY"
 
 aten = torch.ops.aten
-#: ops that reduce their first input over the dims in args[1] (all dims when absent): a sum is
-#: the only one a rank may compute over its own shard of a reduced dim (its output then Partial)
-_SUMS = {aten.sum.dim_IntList, aten.sum.default}
+#: ops that reduce their first input over the dims in args[1] (all dims when absent): a sum or
+#: a mean (lowered to this rank's part) are the only ones a rank may compute over its own shard of a
+#: reduced dim (its output then Partial)
+_SUMS = {aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default}
 _REDUCTIONS = _SUMS | {
     aten.mean.dim, aten.mean.default, aten.amax.default, aten.amin.default, aten.var.correction,
     aten.std.correction, aten.var_mean.correction, aten.logsumexp.default, aten.argmax.default,

@@ -48,6 +48,26 @@ def _linear(c: Ctx):
     return _linear_like(c, a[0], a[1], "out_in", a[2] if len(a) > 2 and a[2] is not None else None)
 
 
+@register_rule(aten._grouped_mm.default, "transformers::grouped_mm_fallback")
+def _grouped_mm(c: Ctx):
+    """A mixture of experts' grouped GEMM, x (tokens sorted by expert, in) @ w (experts, in,
+    out) by offsets: the experts split over tp as Megatron does when they are not expert-
+    parallel -- colwise (each expert's output features: gate/up) or rowwise (its input features:
+    down, a partial sum). Tokens are rows grouped by the offsets: never sharded."""
+    x, w = c.node.args[:2]
+    px, pw = c.p[c.index(x)], c.p[c.index(w)]
+    expects = [REPLICATE] * len(c.p)
+    expects[c.index(w)] = None
+    if isinstance(pw, Shard) and pw.dim == 2:
+        return Shard(1, pw.interleave), expects
+    if isinstance(pw, Shard) and pw.dim == 1:
+        expects[c.index(x)] = Shard(1)
+        return PARTIAL, expects
+    if not pw.is_replicate():
+        raise c.fail(f"expert weights placed {pw}: split over experts is expert parallel (mesh ep), not tp")
+    return REPLICATE, expects
+
+
 @register_rule(aten.addmm.default)
 def _addmm(c: Ctx):
     b, x, w = c.node.args[:3]
@@ -174,3 +194,45 @@ def _vocab_parallel_cross_entropy(node: fx.Node, lower) -> fx.Node | None:
                       (lower.remap(logits), lower.remap(target), lower.coord * per, ignore_index, reduction,
                        float(smoothing), lower.axis),
                       node, REPLICATE, "vocab-parallel cross entropy: the full logits are never gathered")
+
+
+def _einsum_subscripts(eq: str, ndims: list[int]) -> tuple[list[str], str]:
+    """The subscripts of each input and of the output, an ellipsis spelled out as letters the
+    equation does not use (implicit output: the letters used once, in order, after the
+    ellipsis's)."""
+    eq = eq.replace(" ", "")
+    lhs, arrow, rhs = eq.partition("->")
+    ins = lhs.split(",")
+    free = (ch for ch in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz" if ch not in eq)
+    ell_n = max((nd - (len(s) - 3) for s, nd in zip(ins, ndims) if "..." in s), default=0)
+    ell = "".join(next(free) for _ in range(ell_n))
+    spelled = [s.replace("...", ell[len(ell) - (nd - (len(s) - 3)):]) if "..." in s else s for s, nd in zip(ins, ndims)]
+    if arrow:
+        out = rhs.replace("...", ell)
+    else:
+        letters = "".join(spelled)
+        out = ell + "".join(sorted(ch for ch in set(letters) if letters.count(ch) == 1 and ch not in ell))
+    return spelled, out
+
+
+@register_rule(aten.einsum.default)
+def _einsum(c: Ctx):
+    """einsum(equation, tensors) from its subscripts: a letter sharded in one operand is sharded
+    in every operand that has it (the others whole); kept in the output it is the output's
+    shard, summed over it the output is a partial sum (an einsum contracting the split head dim
+    of q and k is Megatron's row-parallel product). A partial sum times whole operands stays
+    partial: einsum is linear in each operand."""
+    eq, ops = c.node.args[0], list(c.node.args[1])
+    subs, out = _einsum_subscripts(eq, [ndim(t) for t in ops])
+    ps = [c.p[c.index(t)] for t in ops]
+    shards = [(s[p.dim], p.interleave) for s, p in zip(subs, ps) if isinstance(p, Shard)]
+    if shards and len(set(shards)) == 1 and not any(p.is_partial() for p in ps):
+        letter, k = shards[0]
+        expects = [Shard(s.index(letter), k) if letter in s and not is_one(shape(t)[s.index(letter)]) else REPLICATE
+                   for s, t in zip(subs, ops)]
+        by_input = {t: e for t, e in zip(ops, expects)}
+        return (Shard(out.index(letter), k) if letter in out else PARTIAL), [by_input.get(a) for a in c.inputs]
+    partial = [i for i, p in enumerate(ps) if p.is_partial()]
+    if len(partial) == 1 and all(p.is_replicate() for i, p in enumerate(ps) if i != partial[0]):
+        return PARTIAL, [None] * len(c.inputs)
+    return REPLICATE, [REPLICATE] * len(c.inputs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from fxtron.core.placement import PARTIAL, REPLICATE, Shard
-from fxtron.passes.rules.registry import Ctx, is_one, ndim, norm, register_rule, shape
+from fxtron.passes.rules.registry import Ctx, expr, is_one, ndim, norm, register_rule, shape
 
 aten = torch.ops.aten
 
@@ -60,7 +60,7 @@ def _pointwise(c: Ctx):
         # Partial sums pass through casts and copies only; anything else reduces them first,
         # right where Megatron's row-parallel linear does (one all-reduce, shared by all users;
         # with sequence parallel a reduce-scatter onto sequence shards)
-        if node.target in PARTIAL_THROUGH:
+        if node.target in PARTIAL_THROUGH or _scales_partial(c) or _sums_partials(c):
             return PARTIAL, [None] * len(c.p)
         seq = c.seq_shard()
         if seq is not None:
@@ -73,6 +73,29 @@ def _pointwise(c: Ctx):
     return REPLICATE, [None] * len(c.p)
 
 
+def _scales_partial(c: Ctx) -> bool:
+    """partial * w or partial / w with w whole, the partial sum not broadcast bigger: still a
+    partial sum, reduced later where it is smaller or needed (a mixture of experts' outputs
+    scaled by their routing weights, then combined per token, reduced once per token)."""
+    node = c.node
+    if node.target not in (aten.mul.Tensor, aten.div.Tensor) or len(c.inputs) != 2:
+        return False
+    parts = [a for a, p in zip(c.inputs, c.p) if p.is_partial()]
+    if len(parts) != 1 or not all(p.is_replicate() for a, p in zip(c.inputs, c.p) if a is not parts[0]):
+        return False
+    if node.target == aten.div.Tensor and node.args[0] is not parts[0]:
+        return False
+    return len(parts[0].users) == 1 and shape(parts[0]) == shape(node)
+
+
+def _sums_partials(c: Ctx) -> bool:
+    """p + q of two partial sums read nowhere else: a partial sum of the sum, reduced once (the
+    attention and MLP outputs of a parallel residual, GPT-NeoX / Falcon; routed and shared
+    experts, DeepSeek): one all-reduce where each alone would take one."""
+    return (c.node.target in (aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor) and len(c.inputs) == 2
+            and all(p.is_partial() for p in c.p) and all(len(a.users) == 1 for a in c.inputs))
+
+
 @register_rule(*_LIKE)
 def _like(c: Ctx):
     p = c.p[0]
@@ -82,9 +105,32 @@ def _like(c: Ctx):
 @register_rule(aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
                aten.new_empty_strided.default)
 def _new(c: Ctx):
-    """A new tensor of the sizes given (the global ones; the input lends only dtype and device):
-    replicated, whatever the input's placement, and no communication for it."""
+    """A new tensor of the sizes given (the global ones; the input lends only dtype and device).
+    Its contents are the same everywhere, so any placement holds them, with no communication:
+    sharded like the input where it has the input's size on the input's sharded dim (DeepSeek's
+    k_states = k_nope.new_empty(B, heads, S, d), then filled per head), else replicated."""
+    p, node = c.p[0], c.node
+    if node.target != aten.new_empty_strided.default and isinstance(p, Shard) and p.interleave == 1:
+        out = node.meta["val"]
+        if out.dim() == ndim(c.inputs[0]) and expr(out.shape[p.dim]) == expr(shape(c.inputs[0])[p.dim]):
+            return Shard(p.dim), [None] * len(c.p)
     return REPLICATE, [None] * len(c.p)
+
+
+@register_rule(aten.copy_.default)
+def _copy_(c: Ctx):
+    """copy_(dst, src) writes src into dst in place: dst keeps its placement (redistributing it
+    would write into a copy) and src comes as dst lies, broadcast dims replicated."""
+    dst, src = c.node.args[:2]
+    pd = c.p[c.index(dst)]
+    if pd.is_partial():
+        raise c.fail("writes into a partial sum (each rank's addend): no placement of the source makes that the "
+                     "write of one process")
+    want = REPLICATE
+    if isinstance(pd, Shard):
+        d = pd.dim - (ndim(dst) - ndim(src))
+        want = REPLICATE if d < 0 or is_one(shape(src)[d]) else Shard(d, pd.interleave)
+    return pd, [None if a is dst else want for a in c.inputs]
 
 
 @register_rule(aten._assert_tensor_metadata.default)

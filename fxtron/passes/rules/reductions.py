@@ -2,26 +2,47 @@
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 
 from fxtron.core.placement import PARTIAL, REPLICATE, Shard
-from fxtron.passes.rules.registry import Ctx, reduced_dims, register_rule
+from fxtron.passes.rules.registry import Ctx, reduced_dims, register_lowering, register_rule
 
 aten = torch.ops.aten
+_SUM_OR_MEAN = {aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default}
+_MEANS = {aten.mean.dim, aten.mean.default}
 
 
 @register_rule(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, aten.amax.default)
 def _reduce(c: Ctx):
+    """A sum or mean is linear: of a partial sum it stays partial, and over a sharded dim it
+    becomes one (each rank's part; a mean divides by the whole count, see _mean_over_shards),
+    so a norm's statistic over a split width costs an all-reduce of one value per row, not an
+    all-gather of the rows. A max over a sharded dim gathers first."""
     node, p = c.node, c.p[0]
     t = node.target
     keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
     dims = reduced_dims(node)
     if p.is_partial():
-        return REPLICATE, [REPLICATE]
+        return (PARTIAL, [None]) if t in _SUM_OR_MEAN else (REPLICATE, [REPLICATE])
     if not isinstance(p, Shard):
         return REPLICATE, [None]
     if p.dim in dims:
-        if t in (aten.sum.dim_IntList, aten.sum.default):
+        if t in _SUM_OR_MEAN:
             return PARTIAL, [None]
         return REPLICATE, [REPLICATE]
     d = p.dim if keep else p.dim - sum(1 for x in dims if x < p.dim)
     return Shard(d, p.interleave), [None]
+
+
+@register_lowering(*_MEANS)
+def _mean_over_shards(node, lower):
+    """A mean over a dim split evenly over the axis: this rank's mean divided by the axis size,
+    so that the partial values sum to the whole mean."""
+    p = lower.placement(node.args[0])
+    if not (isinstance(p, Shard) and p.dim in reduced_dims(node)):
+        return None
+    args = [lower.remap(a) if isinstance(a, fx.Node) else a for a in node.args]
+    local = lower.call(node.target, args, node, PARTIAL, f"mean over dim {p.dim}, split over {lower.axis}: this "
+                       "rank's part", kwargs=dict(node.kwargs))
+    return lower.call(aten.div.Scalar, (local, lower.size), node, PARTIAL,
+                      f"... divided by {lower.axis}={lower.size}: a partial sum of the whole mean")

@@ -42,9 +42,11 @@ _LOWERINGS: dict = {}
 
 
 def register_rule(*targets, replace: bool = False):
-    """Register the decorated function as the sharding rule of each op in `targets`
-    (OpOverloads such as torch.ops.aten.cumsum.default). A target that already has a rule
-    raises ValueError unless `replace=True`."""
+    """Register the decorated function as the sharding rule of each op in `targets`:
+    OpOverloads such as torch.ops.aten.cumsum.default, or an op's qualified name
+    ("transformers::grouped_mm_fallback", its default overload) for a library's custom op that
+    may not be loaded yet. A target that already has a rule raises ValueError unless
+    `replace=True`."""
     def deco(fn: Rule) -> Rule:
         for t in targets:
             if t in _RULES and not replace and _RULES[t] is not fn:
@@ -58,7 +60,11 @@ def register_rule(*targets, replace: bool = False):
 
 
 def rule_for(target) -> Rule | None:
-    return _RULES.get(target)
+    rule = _RULES.get(target)
+    if rule is None and isinstance(target, torch._ops.OpOverload):
+        name = target.name()                          # "ns::op" for the default overload
+        rule = _RULES.get(name if target._overloadname == "default" else f"{name}.{target._overloadname}")
+    return rule
 
 
 def register_lowering(*targets):

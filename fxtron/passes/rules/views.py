@@ -193,7 +193,49 @@ def _index_select(c: Ctx):
     dim = norm(c.node.args[1], ndim(c.inputs[0]))
     if isinstance(p, Shard) and p.dim != dim:
         return p, [None, REPLICATE]
+    if p.is_partial():
+        return PARTIAL, [None, REPLICATE]                  # picking rows is linear
     return REPLICATE, [REPLICATE, REPLICATE]
+
+
+@register_rule(aten.index.Tensor)
+def _index(c: Ctx):
+    """x[i0, i1, ...] (advanced indexing; None keeps a dim whole): the indexed dims of x become
+    the index tensors' broadcast shape -- in place when the indexed dims are adjacent, in front
+    otherwise. A shard of x on a dim not indexed stays, at its new position; a partial sum read
+    only here stays partial (picking rows is linear); a shard of the one index tensor on a dim the others
+    broadcast along makes the output sharded there (Falcon's rotary tables picked by sequence-
+    sharded positions). Anything else is gathered first."""
+    x, idx = c.node.args[0], list(c.node.args[1])
+    px = c.p[c.index(x)]
+    nx = ndim(x)
+    pos = [i for i, t in enumerate(idx) if t is not None]
+    tensors = [t for t in idx if t is not None]
+    bnd = max(ndim(t) for t in tensors)
+    front = any(b - a != 1 for a, b in zip(pos, pos[1:]))   # non-adjacent indexed dims go first
+    start = 0 if front else pos[0]
+    expects = [REPLICATE] * len(c.p)
+    expects[c.index(x)] = None
+    pi = [c.p[c.index(t)] for t in tensors]
+    if all(p.is_replicate() for p in pi):
+        if px.is_partial() and len(x.users) == 1:
+            return PARTIAL, expects
+        if isinstance(px, Shard) and px.dim not in pos:
+            before = sum(1 for i in pos if i < px.dim)
+            d = px.dim - before + bnd if (front or px.dim > pos[0]) else px.dim
+            return Shard(d, px.interleave), expects
+        if px.is_replicate():
+            return REPLICATE, expects
+    elif px.is_replicate():
+        sharded = [(t, p) for t, p in zip(tensors, pi) if not p.is_replicate()]
+        if len(sharded) == 1 and isinstance(sharded[0][1], Shard) and sharded[0][1].interleave == 1:
+            t, p = sharded[0]
+            d = p.dim + bnd - ndim(t)                         # its dim in the broadcast shape
+            others = [u for u in tensors if u is not t]
+            if all(d - (bnd - ndim(u)) < 0 or is_one(shape(u)[d - (bnd - ndim(u))]) for u in others):
+                expects = [None if a is t else REPLICATE for a in c.inputs]
+                return Shard(start + d), expects
+    return REPLICATE, [REPLICATE] * len(c.p)
 
 
 @register_rule(operator.getitem)
@@ -217,6 +259,10 @@ def _cat(c: Ctx):
     empty = [a.meta["val"].dim() == 1 and is_zero(a.meta["val"].shape[0]) for a in c.inputs]
     if first is not None and first.dim != dim and node.target == aten.cat.default:
         return first, [None if e else first for e in empty]
+    if first is not None and node.target == aten.stack.default:
+        # a new dim at `dim`: a shard of the inputs stays, one dim further when at or after it
+        # (GPT-J's rotary pairs: stack((-x2, x1), -1) of per-head values)
+        return Shard(first.dim + (first.dim >= dim), first.interleave), [first] * len(ps)
     return REPLICATE, [None if e else REPLICATE for e in empty]
 
 
