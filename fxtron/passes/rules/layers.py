@@ -55,7 +55,7 @@ def _grouped_mm(c: Ctx):
     parallel -- colwise (each expert's output features: gate/up) or rowwise (its input features:
     down, a partial sum). Tokens are rows grouped by the offsets: never sharded."""
     x, w = c.node.args[:2]
-    px, pw = c.p[c.index(x)], c.p[c.index(w)]
+    pw = c.p[c.index(w)]
     expects = [REPLICATE] * len(c.p)
     expects[c.index(w)] = None
     if isinstance(pw, Shard) and pw.dim == 2:

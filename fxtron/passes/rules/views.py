@@ -208,7 +208,6 @@ def _index(c: Ctx):
     sharded positions). Anything else is gathered first."""
     x, idx = c.node.args[0], list(c.node.args[1])
     px = c.p[c.index(x)]
-    nx = ndim(x)
     pos = [i for i, t in enumerate(idx) if t is not None]
     tensors = [t for t in idx if t is not None]
     bnd = max(ndim(t) for t in tensors)
