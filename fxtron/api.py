@@ -184,6 +184,13 @@ def _fallback_lines(graphs) -> list[str]:
             for g in graphs for n in g.graph.nodes if meta.get(n, meta.FALLBACK) is not None]
 
 
+def _gather_lines(graphs) -> list[str]:
+    """One line per all-gather inserted because an op's rule needs a split value whole
+    (meta.GATHERED): forward communication Megatron's layers would not issue."""
+    return [f"%{n.name} in {meta.get(n, meta.MODULE) or '(top level)'}: {meta.get(n, meta.GATHERED)}"
+            for g in graphs for n in g.graph.nodes if meta.get(n, meta.GATHERED) is not None]
+
+
 def _grouped(items: dict[str, str]) -> str:
     """"path, path: why; path: why" -- the paths folded by `_by_pattern`, grouped by why."""
     by_why: dict[str, list[str]] = {}
@@ -217,6 +224,7 @@ class ParallelModel:
         self.traced = traced
         self.options = options
         self._warned_fallbacks = False     # warn of ops run replicated once per model, not per rank
+        self._warned_gathers = False       # ... and of all-gathers Megatron would not issue
 
     @functools.cached_property
     def tp_plan(self) -> TPPlan | None:
@@ -252,6 +260,13 @@ class ParallelModel:
         run replicated on inputs made whole (a correct fallback that communicates more than
         Megatron would): one line each, naming the node, its op, module and axis."""
         return _fallback_lines(self.compiled(rank).graphs)
+
+    def gathers(self, rank: int = 0) -> list[str]:
+        """The all-gathers in rank's graphs that make a split value whole because an op's
+        sharding rule needs it whole (BLOOM's batch and heads folded into one dim, say): not
+        the gathers a plan asks for (gather_output) or sequence parallel's into a region. One
+        line each: the node, its module, and which value went whole for which op."""
+        return _gather_lines(self.compiled(rank).graphs)
 
     def stages(self) -> StageAssignment:
         """Which layers each pipeline stage runs, with its parameters and FLOPs (`str()` prints
@@ -308,6 +323,16 @@ class ParallelModel:
                           f"gathered inputs (correct, more communication than Megatron): {'; '.join(fell)}. "
                           "Register a rule with fxtron.register_rule, or pass strict=True to make this an error",
                           ParallelizeWarning, stacklevel=2)
+        gathered = _gather_lines(rg.graphs)
+        if gathered and not self._warned_gathers:
+            self._warned_gathers = True
+            msg = (f"{len(gathered)} all-gather(s) on rank {rank} make a split value whole for an op whose sharding "
+                   f"rule needs it whole (correct, communication Megatron's layers would not issue): "
+                   f"{'; '.join(gathered)}")
+            if o.strict:
+                raise ParallelizeError(msg + ". Replicate the layers that split these values in plan=, or register "
+                                       "a rule that keeps them split (fxtron.register_rule)")
+            warnings.warn(msg, ParallelizeWarning, stacklevel=2)
         return rg
 
     def _check_rank(self, rank: int) -> None:
@@ -341,7 +366,7 @@ class ParallelModel:
         one rank and the tp figures are per microbatch; the table then also gives each rank's
         pipeline stages and the bytes it sends to its neighbours per microbatch (activations
         forward, their gradients backward)."""
-        rows, seen, fell = [], set(), set()
+        rows, seen, fell, gathered = [], set(), set(), set()
         dp = self.mesh.dp
         for rank in range(self.mesh.world_size):
             c = self.mesh.coords(rank)
@@ -350,6 +375,7 @@ class ParallelModel:
             seen.add((c["tp"], c["pp"], c["cp"]))
             rg = self.compiled(rank)
             fell.update(self.fallbacks(rank))
+            gathered.update(self.gathers(rank))
             recs = self.collectives(rank)
             tp_wire = sum((r.wire_bytes for r in recs), sympy.Integer(0))
             if batch is not None and seq is not None:
@@ -385,6 +411,8 @@ class ParallelModel:
                 head += "\nreplicated linears: " + _grouped({p: u.why for p, u in plan.replicated.items()})
         if fell:
             head += "\nops run replicated for want of a sharding rule: " + "; ".join(sorted(fell))
+        if gathered:
+            head += "\nall-gathers Megatron's layers would not issue: " + "; ".join(sorted(gathered))
         per = "microbatch" if self.options.microbatches > 1 else "step"
         headers = ["rank", "coords", "params", "param bytes", f"tp collectives / {per}", f"tp wire bytes / {per}",
                    "dp grad sync sent / step"]

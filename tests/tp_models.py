@@ -16,7 +16,8 @@ ZOO = {"Llama": "hf-llama", "Mistral": "hf-mistral", "Qwen2": "hf-qwen2", "Qwen3
        "DeepSeek-V3": "hf-deepseekv3"}
 VOCAB = {"gpt": 256, "llama": 256, "cumsum-mlp": 64, "factories-mlp": 64, "einsum-attn": 64, **{n: 128 for n in ZOO.values()}}
 NAMES = ["gpt", "llama", "hf-gpt2", "hf-llama"]
-# more transformers decoders, checked at tp=2: q/k/v biases (Qwen2), parallel residual and
+# more transformers decoders (traced layer by layer in test_repeat; test_zoo.py holds all of ZOO
+# to Megatron's split): q/k/v biases (Qwen2), parallel residual and
 # partial rotary (GPT-NeoX), fused qkv_proj and gate_up_proj (Phi-3), q/k norms over the whole
 # width of column-split projections (OLMoE: their weights are cut per rank, their gradients
 # exact), norms after each sublayer (OLMo2, Gemma2, Gemma3) with softcapped logits (Gemma2)

@@ -93,6 +93,11 @@ FALLBACK = _key("fxtron_fallback", str,
                 "on a node with no sharding rule for its inputs' placements: the axis on which its "
                 "inputs were made whole and it ran replicated (a correct fallback the summary reports)",
                 "passes.propagate")
+GATHERED = _key("fxtron_gathered", str,
+                "on an all-gather inserted so that an op whose rule needs the value whole gets it (not a "
+                "colwise gather_output, nor sequence parallel's gather into a region): why -- forward "
+                "communication Megatron's layer would not issue, which the summary reports",
+                "passes.redistribute")
 STAGE = _key("fxtron_stage", int, "pipeline stage that runs the node", "passes.stages")
 
 

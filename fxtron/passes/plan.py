@@ -444,10 +444,10 @@ def _first_views(node: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
 
 
 def _unbound_blocks(view: fx.Node, feat: int) -> int | None:
-    """A fused output viewed (..., a0, a1, ..., d) with the product of the trailing sizes the
-    feature dim, then unbound, selected or split along one of those dims (qkv viewed as
-    (B, S, 3, heads, d) and unbound on the 3): the number of blocks, the product of the sizes
-    up to and including that dim. None if no such cut follows the view."""
+    """A fused output viewed (..., k, heads, d) -- the trailing sizes multiply to the feature
+    dim -- and then unbound, selected or split along the first of them (qkv viewed as
+    (B, S, 3, heads, d) and unbound on the 3): its k blocks. None if no such cut follows the
+    view (a cut after the heads, Falcon's (B, S, heads, 3, d), leaves whole heads contiguous)."""
     out = view.meta["val"].shape
     dims, prod = [], 1
     for j in range(len(out) - 1, -1, -1):
@@ -464,8 +464,8 @@ def _unbound_blocks(view: fx.Node, feat: int) -> int | None:
         at = 1 if user.target in (aten.unbind.int, aten.select.int) else 2
         d = user.args[at] if len(user.args) > at else 0
         d = d + len(out) if d < 0 else d
-        if d in dims[:-1]:
-            return math.prod(int(out[j]) for j in dims[:dims.index(d) + 1])
+        if d == dims[0]:
+            return int(out[d])
     return None
 
 

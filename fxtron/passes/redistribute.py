@@ -82,6 +82,9 @@ class _Emitter:
             out = self.call(ops.scatter.default, (value, want.dim, to_list(want.interleave), n, axis), src, done, why)
         elif isinstance(have, Shard) and isinstance(want, Replicate):
             out = self.call(ops.all_gather.default, (value, have.dim, to_list(have.interleave), n, axis), src, done, why)
+            if consumer is not src and meta.get(consumer, meta.FALLBACK) is None:
+                # not the plan's gather_output, nor a fallback's (reported as such)
+                meta.set(out, meta.GATHERED, f"{why} ({consumer.target})")
         elif isinstance(have, Partial) and isinstance(want, Shard) and want.interleave == 1:
             out = self.call(ops.reduce_scatter.default, (value, want.dim, n, axis), src, done, why)
         elif isinstance(have, Partial) and isinstance(want, Shard):
@@ -89,6 +92,8 @@ class _Emitter:
             out = self.call(ops.scatter.default, (mid, want.dim, to_list(want.interleave), n, axis), src, done, why)
         elif isinstance(have, Shard) and isinstance(want, Shard):
             mid = self.call(ops.all_gather.default, (value, have.dim, to_list(have.interleave), n, axis), src, mid_r, why)
+            if meta.get(consumer, meta.FALLBACK) is None:
+                meta.set(mid, meta.GATHERED, f"{why} ({consumer.target})")
             out = self.call(ops.scatter.default, (mid, want.dim, to_list(want.interleave), n, axis), src, done, why)
         else:
             raise ParallelizeError(f"cannot redistribute %{src.name} from {axis}:{have} to {axis}:{want} "
