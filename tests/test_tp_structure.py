@@ -8,7 +8,7 @@ import torch
 import fxtron
 from fxtron.core import meta
 from fxtron.compiler.report import count
-from fxtron.passes.plan import Colwise
+from fxtron.passes.plan import Colwise, Replicated
 from fxtron.core import layout as shard_math
 from tp_models import batch, make
 
@@ -358,3 +358,67 @@ def test_new_tensors_and_index_select_keep_the_split():
     assert str(meta.placement(nodes["aten.new_ones.default"], "tp")) == "S(2)"
     assert str(meta.placement(nodes["aten.index_select.default"], "tp")) == "S(2)"
     assert count(pm.collectives(0), "all_gather") == 0
+
+
+def test_linears_written_with_einsum():
+    """Bare parameters contracted by einsum are linears (named by the parameter): the output
+    projection (nn.Linear's layout) and the MLP's down (Conv1D's) rowwise, the MLP's up
+    colwise; a fused qkv viewed (B, S, 3, heads, d) and unbound splits per block; the
+    attention einsums keep the heads split: Megatron's 2 all-reduces per layer."""
+    pm = _pm("einsum-attn", 2)
+    assert {p: s for p, s, _ in pm.tp_plan.table()} == {
+        "emb": "vocab-parallel", "qkv": "colwise", "w_o": "rowwise", "w_up": "colwise", "w_down": "rowwise",
+        "head": "colwise"}
+    assert pm.tp_plan.interleave["qkv"] == 3
+    local = pm.compiled(0).local
+    assert local["w_o"].local_shape == (32, 16) and local["w_up"].local_shape == (32, 32)
+    fwd = [r for r in pm.collectives(0) if r.phase == "forward" and r.op == "all_reduce"]
+    assert len(fwd) == 3, fwd        # the embedding's, w_o's, w_down's
+    assert pm.fallbacks(0) == [] and pm.gathers(0) == []
+
+
+def test_experts_split_over_tp():
+    """Mixtral's experts (3-D weights run by the grouped GEMM) split as Megatron splits experts
+    over tp when they are not expert-parallel: gate/up by columns of each expert (both halves),
+    down by rows; the router stays whole; the routed outputs, scaled and combined per token,
+    are reduced once per layer on (B, S, hidden), not on the k copies per token."""
+    pm = _pm("hf-mixtral", 2)
+    table = {p: s for p, s, _ in pm.tp_plan.table()}
+    assert table["model.layers.0.mlp.experts.gate_up_proj"] == "colwise"
+    assert table["model.layers.0.mlp.experts.down_proj"] == "rowwise"
+    assert table["model.layers.0.mlp.gate"] == "replicate"
+    assert pm.tp_plan.replicated["model.layers.0.mlp.gate"].why.startswith("a router")
+    local = pm.compiled(0).local
+    assert local["model.layers.0.mlp.experts.gate_up_proj"].local_shape == (4, 32, 64)   # of (4, 64, 64)
+    assert local["model.layers.0.mlp.experts.down_proj"].local_shape == (4, 64, 16)      # of (4, 64, 32)
+    fwd = [r for r in pm.collectives(0) if r.phase == "forward" and r.op == "all_reduce"]
+    moe = [r for r in fwd if r.module == "model.layers.0.mlp"]
+    assert len(fwd) == 2 * 2 + 1 and len(moe) == 1 and str(moe[0].shape) == "(B, S, 64)", fwd
+    # a module's path names its experts: replicating them on purpose is accepted and quiet
+    kept = _pm("hf-mixtral", 2, plan={"model.layers.*.mlp.experts": "replicate"}, strict=True)
+    assert kept.tp_plan.style("model.layers.1.mlp.experts.down_proj") == Replicated()
+    kept.graph(0)
+
+
+def test_forced_gathers_are_reported_and_strict_refuses_them():
+    """BLOOM folds batch and heads into one dim before its alibi scores: its q, k and v are
+    gathered for that (no shard layout for split heads inside a fold with the symbolic batch).
+    Correct, but communication Megatron would not issue: listed by pm.gathers() and the
+    summary, warned once; strict=True makes it an error."""
+    with pytest.warns(fxtron.ParallelizeWarning, match=r"6 all-gather\(s\) on rank 0 make a split value whole"):
+        pm = _pm("hf-bloom", 2)
+        pm.graph(0)
+    assert len(pm.gathers(0)) == 6 and all("self_attention" in g for g in pm.gathers(0))
+    assert "all-gathers Megatron's layers would not issue: %all_gather_default in transformer.h.0" in pm.summary()
+    with pytest.raises(fxtron.ParallelizeError, match="all-gather.*Replicate the layers"):
+        _pm("hf-bloom", 2, strict=True).graph(0)
+
+
+def test_rules_by_op_name():
+    """A library's custom op gets a rule by its qualified name (it need not be loaded when the
+    rule is registered); a second rule for an op is refused unless replaced."""
+    import transformers.integrations.moe  # noqa: F401 - defines torch.ops.transformers.grouped_mm_fallback
+    from fxtron.passes.rules import registry
+    assert registry.rule_for(torch.ops.transformers.grouped_mm_fallback.default) is not None
+    with pytest.raises(ValueError, match="already has a sharding rule"):
+        fxtron.register_rule("transformers::grouped_mm_fallback")(lambda ctx: None)

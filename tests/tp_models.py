@@ -56,15 +56,19 @@ class FactoriesMLP(CumsumMLP):
 
 
 class EinsumAttention(torch.nn.Module):
-    """Causal attention written with einsum over a fused qkv viewed (B, S, 3, heads, d) and
-    unbound: the head dim is split, the scores' einsum keeps it, the output's contracts none."""
+    """A layer written with einsum: causal attention over a fused qkv viewed (B, S, 3, heads, d)
+    and unbound (the head dim split, the scores' einsum keeps it), an output projection and an
+    MLP whose weights are bare parameters contracted by einsum (nn.Linear's layout for the
+    output projection, Conv1D's for the MLP)."""
 
     def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4):
         super().__init__()
         self.heads = heads
         self.emb = torch.nn.Embedding(vocab, dim)
         self.qkv = torch.nn.Linear(dim, 3 * dim)
-        self.proj = torch.nn.Linear(dim, dim)
+        self.w_o = torch.nn.Parameter(torch.randn(dim, dim) / dim ** 0.5)           # (out, in)
+        self.w_up = torch.nn.Parameter(torch.randn(dim, 2 * dim) / dim ** 0.5)      # (in, out)
+        self.w_down = torch.nn.Parameter(torch.randn(2 * dim, dim) / (2 * dim) ** 0.5)
         self.head = torch.nn.Linear(dim, vocab)
 
     def forward(self, idx, targets):
@@ -74,7 +78,10 @@ class EinsumAttention(torch.nn.Module):
         att = torch.einsum("bqhd,bkhd->bhqk", q, k) / (d // self.heads) ** 0.5
         mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
         att = att.masked_fill(~mask, float("-inf")).softmax(-1)
-        x = x + self.proj(torch.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, s, d))
+        y = torch.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, s, d)
+        x = x + torch.einsum("bsi,oi->bso", y, self.w_o)
+        x = x + torch.einsum("...f,fd->...d", torch.nn.functional.gelu(torch.einsum("bsd,df->bsf", x, self.w_up)),
+                             self.w_down)
         return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
 

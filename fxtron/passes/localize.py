@@ -15,6 +15,7 @@ from fxtron.errors import ParallelizeError
 
 aten = torch.ops.aten
 _SIZE_ARG_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+                   aten.broadcast_to.default,
                    aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}
 
 

@@ -33,6 +33,7 @@ from fxtron.core import meta
 from fxtron.core.layout import Interleave, block_sizes, normalize
 from fxtron.core.placement import REPLICATE, Placement, Shard
 from fxtron.errors import ParallelizeError
+from fxtron.passes.rules.layers import einsum_subscripts
 
 aten = torch.ops.aten
 
@@ -240,6 +241,8 @@ def find_layers(gm: fx.GraphModule) -> dict[str, _Found]:
             w = _param_name(a[1].args[0])                    # x @ weight.T (Falcon): nn.Linear's layout
             shape = a[1].args[0].meta["val"].shape
             layer = _Found(node, "linear", _owner(w), w, None, "out_in", int(shape[1]), int(shape[0]))
+        elif t == aten.einsum.default and len(a[1]) == 2:
+            layer = _einsum_linear(node)
         elif _is_grouped_mm(t) and len(a) > 1 and isinstance(a[1], fx.Node) and a[1].meta["val"].dim() == 3:
             layer = _experts(node, a[1])
         elif t == aten.embedding.default and _param_name(a[0]):
@@ -269,18 +272,47 @@ def _is_grouped_mm(target) -> bool:
         isinstance(target, torch._ops.OpOverload) and target.name() == "transformers::grouped_mm_fallback")
 
 
+def _path_of(param: str) -> str:
+    """A layer's path: its module's for a `weight`, the parameter's own name for a bare one
+    (experts.gate_up_proj, a w_o contracted by einsum)."""
+    return _owner(param) if param.rsplit(".", 1)[-1] == "weight" else param
+
+
+def _einsum_linear(node: fx.Node) -> _Found | None:
+    """einsum(eq, [x, W]) (either order) with W a 2-D parameter contracting one of its dims with
+    x and keeping the other ("bsd,od->bso": nn.Linear's layout; "bsd,do->bso": Conv1D's)."""
+    ops = list(node.args[1])
+    ws = [i for i, o in enumerate(ops) if _param_name(o) and o.meta["val"].dim() == 2]
+    if len(ws) != 1:
+        return None
+    subs, out = einsum_subscripts(node.args[0], [o.meta["val"].dim() for o in ops])
+    w = ops[ws[0]]
+    ws_, xs = subs[ws[0]], subs[1 - ws[0]]
+    kept = [ch in out and ch not in xs for ch in ws_]
+    summed = [ch in xs and ch not in out for ch in ws_]
+    if kept == [True, False] and summed == [False, True]:
+        layout = "out_in"
+    elif kept == [False, True] and summed == [True, False]:
+        layout = "in_out"
+    else:
+        return None
+    name, shape = _param_name(w), w.meta["val"].shape
+    o, i = WEIGHT_DIMS[layout]
+    return _Found(node, "linear", _path_of(name), name, None, layout, int(shape[i]), int(shape[o]))
+
+
 def _experts(node: fx.Node, w: fx.Node) -> _Found | None:
     """The experts' fused 3-D weight of a grouped GEMM x (tokens, in) @ w (experts, in, out):
     the parameter itself ('e_in_out'), or transposed from (experts, out, in) ('e_out_in')."""
     if _param_name(w):
         name, layout = _param_name(w), "e_in_out"
         shape = w.meta["val"].shape
-        return _Found(node, "linear", _owner(name), name, None, layout, int(shape[1]), int(shape[2]))
+        return _Found(node, "linear", _path_of(name), name, None, layout, int(shape[1]), int(shape[2]))
     if (w.op == "call_function" and w.target == aten.transpose.int and _param_name(w.args[0])
             and {w.args[1] % 3, w.args[2] % 3} == {1, 2}):
         name = _param_name(w.args[0])
         shape = w.args[0].meta["val"].shape
-        return _Found(node, "linear", _owner(name), name, None, "e_out_in", int(shape[2]), int(shape[1]))
+        return _Found(node, "linear", _path_of(name), name, None, "e_out_in", int(shape[2]), int(shape[1]))
     return None
 
 

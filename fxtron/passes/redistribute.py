@@ -148,7 +148,8 @@ class Lower:
 
 def _broadcast_at(src: fx.Node, want: Shard) -> bool:
     """Is `src` an expand whose input has size 1 on the dim `want` shards (evenly)?"""
-    if not (src.op == "call_function" and src.target == torch.ops.aten.expand.default and want.interleave == 1):
+    if not (src.op == "call_function" and want.interleave == 1
+            and src.target in (torch.ops.aten.expand.default, torch.ops.aten.broadcast_to.default)):
         return False
     inp = src.args[0].meta["val"]
     d = want.dim - (src.meta["val"].dim() - inp.dim())

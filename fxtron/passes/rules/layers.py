@@ -196,7 +196,7 @@ def _vocab_parallel_cross_entropy(node: fx.Node, lower) -> fx.Node | None:
                       node, REPLICATE, "vocab-parallel cross entropy: the full logits are never gathered")
 
 
-def _einsum_subscripts(eq: str, ndims: list[int]) -> tuple[list[str], str]:
+def einsum_subscripts(eq: str, ndims: list[int]) -> tuple[list[str], str]:
     """The subscripts of each input and of the output, an ellipsis spelled out as letters the
     equation does not use (implicit output: the letters used once, in order, after the
     ellipsis's)."""
@@ -223,7 +223,7 @@ def _einsum(c: Ctx):
     of q and k is Megatron's row-parallel product). A partial sum times whole operands stays
     partial: einsum is linear in each operand."""
     eq, ops = c.node.args[0], list(c.node.args[1])
-    subs, out = _einsum_subscripts(eq, [ndim(t) for t in ops])
+    subs, out = einsum_subscripts(eq, [ndim(t) for t in ops])
     ps = [c.p[c.index(t)] for t in ops]
     shards = [(s[p.dim], p.interleave) for s, p in zip(subs, ps) if isinstance(p, Shard)]
     if shards and len(set(shards)) == 1 and not any(p.is_partial() for p in ps):

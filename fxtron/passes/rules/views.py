@@ -82,7 +82,8 @@ def _view(c: Ctx):
 
 
 @register_rule(aten.transpose.int, aten.t.default, aten.numpy_T.default, aten.permute.default, aten.unsqueeze.default,
-               aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default)
+               aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default,
+               aten.broadcast_to.default)
 def _permute_like(c: Ctx):
     p = c.p[0]
     if not isinstance(p, Shard):
@@ -110,7 +111,7 @@ def _permute_like(c: Ctx):
         else:
             dims = [norm(x, nd) for x in node.args[1] if is_one(sizes[norm(x, nd)])]
         d = p.dim - sum(1 for x in dims if x < p.dim)
-    elif t == aten.expand.default:
+    elif t in (aten.expand.default, aten.broadcast_to.default):
         d = p.dim + (len(node.args[1]) - nd)
     else:
         raise c.fail()
