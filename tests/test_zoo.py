@@ -1,5 +1,6 @@
-"""The transformers decoder architectures fxtron is held to (tp_models.ZOO: 24 families from
-tiny random configs, two layers, no downloads), split the way Megatron would.
+"""The transformers decoder architectures fxtron is held to (tp_models.ZOO: 24 families, and
+Falcon in both its layouts, from tiny random configs, two layers, no downloads), split the way
+Megatron would.
 
 Compile-only, at tp=2, for every one: each layer linear split (the only linears left whole
 are the routers and MLA's low-rank down-projections, which Megatron keeps whole too), a
@@ -34,7 +35,7 @@ SP = ["Llama", "Qwen3", "Gemma2", "OLMo2", "Phi", "GPT-J", "GPT-NeoX", "Falcon"]
 TP4 = ["Mistral", "Gemma3", "OLMoE", "Phi-3", "GPT-2", "Starcoder2", "Mixtral", "DeepSeek-V3"]
 # forward all-reduces of the hidden state per layer where they differ from Megatron's 2:
 # Falcon's parallel residual adds the attention and MLP partial sums before one all-reduce
-FWD_PER_LAYER = {"Falcon": 1}
+FWD_PER_LAYER = {"Falcon": 1, "Falcon-40B": 1}
 # q/k norms over the whole split width (OLMo2, OLMoE): each statistic is one all-reduce of a
 # float per token (the sum of squares), forward; its gradient's, backward
 STATISTICS = {"OLMo2": 2, "OLMoE": 2}

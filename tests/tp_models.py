@@ -11,7 +11,7 @@ from fxtron.models.llama import Llama, LlamaConfig
 ZOO = {"Llama": "hf-llama", "Mistral": "hf-mistral", "Qwen2": "hf-qwen2", "Qwen3": "hf-qwen3", "Gemma": "hf-gemma",
        "Gemma2": "hf-gemma2", "Gemma3": "hf-gemma3", "OLMo": "hf-olmo", "OLMo2": "hf-olmo2", "OLMoE": "hf-olmoe",
        "Phi": "hf-phi", "Phi-3": "hf-phi3", "GPT-2": "hf-gpt2", "GPT-J": "hf-gptj", "GPT-NeoX": "hf-neox",
-       "BLOOM": "hf-bloom", "Falcon": "hf-falcon", "OPT": "hf-opt", "StableLM": "hf-stablelm",
+       "BLOOM": "hf-bloom", "Falcon": "hf-falcon", "Falcon-40B": "hf-falcon40b", "OPT": "hf-opt", "StableLM": "hf-stablelm",
        "Starcoder2": "hf-starcoder2", "SmolLM3": "hf-smollm3", "Mixtral": "hf-mixtral", "Qwen3-MoE": "hf-qwen3moe",
        "DeepSeek-V3": "hf-deepseekv3"}
 VOCAB = {"gpt": 256, "llama": 256, "cumsum-mlp": 64, "factories-mlp": 64, "einsum-attn": 64, **{n: 128 for n in ZOO.values()}}
@@ -134,6 +134,10 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
         "hf-opt": lambda: T.OPTForCausalLM(T.OPTConfig(vocab_size=128, hidden_size=64, ffn_dim=96, num_hidden_layers=layers,
                                                        num_attention_heads=8, max_position_embeddings=64,
                                                        word_embed_proj_dim=64, dropout=0.0, **ids)),
+        # Falcon-40B/180B's layout: grouped kv heads fused as (groups, q per group + 2, d), broadcast
+        "hf-falcon40b": lambda: T.FalconForCausalLM(T.FalconConfig(
+            vocab_size=128, hidden_size=64, num_hidden_layers=layers, num_attention_heads=8, num_kv_heads=4,
+            new_decoder_architecture=True, parallel_attn=True, bias=False, **ids)),
         "hf-stablelm": lambda: T.StableLmForCausalLM(T.StableLmConfig(**common, **kv)),
         "hf-starcoder2": lambda: T.Starcoder2ForCausalLM(T.Starcoder2Config(**common, **kv, **ids)),
         "hf-smollm3": lambda: T.SmolLM3ForCausalLM(T.SmolLM3Config(**common, **kv, **ids)),
