@@ -400,18 +400,43 @@ def test_experts_split_over_tp():
     kept.graph(0)
 
 
+def _falcon_multi_query(**kw):
+    import transformers
+    torch.manual_seed(0)
+    model = transformers.FalconForCausalLM(transformers.FalconConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, multi_query=True,
+        new_decoder_architecture=False, parallel_attn=True, bias=False, eos_token_id=0, pad_token_id=0, bos_token_id=0))
+    ids = torch.randint(0, 128, (2, 8))
+    return fxtron.parallelize(model, fxtron.Mesh(2, tp=2), example_kwargs=dict(input_ids=ids, labels=ids), **kw)
+
+
 def test_forced_gathers_are_reported_and_strict_refuses_them():
-    """BLOOM folds batch and heads into one dim before its alibi scores: its q, k and v are
-    gathered for that (no shard layout for split heads inside a fold with the symbolic batch).
+    """Falcon-7B's multi-query attention fuses 8 query heads with one key and one value head:
+    split colwise, the heads dim of its (B, S, 10, d) view is not whole heads of each, so the
+    rule of the slice that cuts q, k and v from it needs it whole: an all-gather per layer.
     Correct, but communication Megatron would not issue: listed by pm.gathers() and the
     summary, warned once; strict=True makes it an error."""
-    with pytest.warns(fxtron.ParallelizeWarning, match=r"6 all-gather\(s\) on rank 0 make a split value whole"):
-        pm = _pm("hf-bloom", 2)
+    with pytest.warns(fxtron.ParallelizeWarning, match=r"2 all-gather\(s\) on rank 0 make a split value whole"):
+        pm = _falcon_multi_query()
         pm.graph(0)
-    assert len(pm.gathers(0)) == 6 and all("self_attention" in g for g in pm.gathers(0))
+    assert len(pm.gathers(0)) == 2 and all("self_attention" in g and "aten.slice" in g for g in pm.gathers(0))
     assert "all-gathers Megatron's layers would not issue: %all_gather_default in transformer.h.0" in pm.summary()
     with pytest.raises(fxtron.ParallelizeError, match="all-gather.*Replicate the layers"):
-        _pm("hf-bloom", 2, strict=True).graph(0)
+        _falcon_multi_query(strict=True).graph(0)
+
+
+def test_batch_and_heads_folded_stay_split():
+    """BLOOM folds batch and heads into one dim (B*heads, S, d) around its alibi scores: the
+    split heads stay split inside the fold (B blocks of the heads, a symbolic count), the alibi
+    table is cut to this rank's heads, and the layer keeps Megatron's 2 all-reduces, no gather."""
+    pm = _pm("hf-bloom", 2)
+    nodes = {n.name: n for n in pm.compiled(0).gm.graph.nodes}
+    bmm = nodes["baddbmm"]
+    assert str(meta.placement(bmm, "tp")).startswith("S(0,x")
+    assert str(meta.placement(nodes["view_1"], "tp")) == "S(1)"            # (B, heads, S, S) again
+    recs = pm.collectives(0)
+    assert count([r for r in recs if r.phase == "forward" and r.op == "all_reduce"], "all_reduce") == 2 * 2 + 1
+    assert count(recs, "all_gather") == 0 and pm.gathers(0) == []
 
 
 def test_rules_by_op_name():

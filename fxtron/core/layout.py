@@ -18,22 +18,35 @@ differ in size, Phi-3's [q|k|v] with grouped-query attention (8 query heads, 4 k
 proportions (2, 1, 1)). Block i then has F * w_i / sum(w) elements and rank r holds the r-th
 slice of each. An equal tuple is written as its count: (1, 1, 1) is 3.
 
+A count may also be symbolic, a sympy expression in the batch size: BLOOM folds batch and
+heads into one dim (B*heads, S, d) with the heads split, B blocks of `heads` each. Such a
+placement lives only in the graph: its collectives unflatten the dim into (B, heads) and move
+the heads (passes/redistribute.py), and no parameter or checkpoint ever has one.
+
 No communication happens here; the ops of `fxtron.ops` move the pieces between ranks.
 """
 from __future__ import annotations
 
 import math
 
+import sympy
 import torch
 
 from fxtron.errors import ParallelizeError
 
-Interleave = int | tuple[int, ...]
+Interleave = int | tuple[int, ...] | sympy.Expr
+
+
+def is_symbolic(interleave) -> bool:
+    """A count in the batch size (see the module docstring), not a number."""
+    return isinstance(interleave, sympy.Expr) and not interleave.is_Integer
 
 
 def normalize(interleave) -> Interleave:
-    """An interleave in its one spelling: a count k >= 1, or proportions (a tuple of >= 2
-    positive ints, not all equal, in lowest terms)."""
+    """An interleave in its one spelling: a count k >= 1, proportions (a tuple of >= 2
+    positive ints, not all equal, in lowest terms), or a symbolic count."""
+    if isinstance(interleave, sympy.Expr):
+        return int(interleave) if interleave.is_Integer else interleave
     if isinstance(interleave, int):
         if interleave < 1:
             raise ValueError(f"interleave must be >= 1, not {interleave}")

@@ -17,6 +17,7 @@ lowerings (the vocab-parallel embedding and cross entropy).
 """
 from __future__ import annotations
 
+import sympy
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
@@ -24,10 +25,11 @@ import torch.utils._pytree as pytree
 import fxtron.ops  # noqa: F401 - registers torch.ops.fxtron
 from fxtron.core import meta
 from fxtron.core.axes import MeshView
-from fxtron.core.layout import to_list
+from fxtron.core.layout import is_symbolic, to_list
 from fxtron.core.placement import REPLICATE, Partial, Replicate, Shard, is_sharded
 from fxtron.errors import ParallelizeError
 from fxtron.passes.rules import PARTIAL_THROUGH, is_tensor, lowerings_for, tensor_inputs
+from fxtron.passes.rules.registry import expr
 
 ops = torch.ops.fxtron
 
@@ -68,6 +70,10 @@ class _Emitter:
         n = self.mesh.size(axis)
         done = placed.with_axis(axis, want)
         mid_r = placed.with_axis(axis, REPLICATE)
+        if is_symbolic(getattr(have, "interleave", 1)) or is_symbolic(getattr(want, "interleave", 1)):
+            out = self._redistribute_blocks(src, value, placed, axis, want, consumer, why)
+            self.cache[key] = out
+            return out
         if isinstance(have, Partial) and isinstance(want, Replicate):
             out = self.call(ops.all_reduce.default, (value, axis), src, done, why, module_of=origin)
         elif isinstance(have, Replicate) and isinstance(want, Shard) and _broadcast_at(src, want):
@@ -101,6 +107,49 @@ class _Emitter:
         self.cache[key] = out
         return out
 
+    def _redistribute_blocks(self, src: fx.Node, value: fx.Node, placed: meta.PerAxis, axis: str, want,
+                             consumer: fx.Node, why: str) -> fx.Node:
+        """A dim split into a symbolic count of equal blocks (BLOOM's B*heads, see core/layout.py)
+        made whole or split: unflatten it into (blocks, block), move the second dim, flatten."""
+        have = placed.get(axis)
+        if isinstance(have, Partial):
+            value = self.call(ops.all_reduce.default, (value, axis), src, placed.with_axis(axis, REPLICATE), why)
+            have = REPLICATE
+        if isinstance(have, Shard) and isinstance(want, Shard) and have == want:
+            return value
+        if isinstance(have, Shard):                      # gather first
+            value = self._blocks(src, value, placed, axis, have, "gather", why, consumer)
+            have = REPLICATE
+        if isinstance(want, Replicate):
+            return value
+        return self._blocks(src, value, placed.with_axis(axis, REPLICATE), axis, want, "scatter", why, consumer)
+
+    def _blocks(self, src, value, placed, axis, sh: Shard, how: str, why: str, consumer) -> fx.Node:
+        n, d, k = self.mesh.size(axis), sh.dim, sh.interleave
+        val = src.meta["val"]
+        block = sympy.simplify(expr(val.shape[d]) / k)
+        if not block.is_Integer or int(block) % n:
+            raise ParallelizeError(f"%{src.name}: dim {d} of {tuple(val.shape)} in {k} blocks: no whole blocks of a "
+                                   f"static size divisible by {axis}={n} (for %{consumer.name})")
+        block = int(block)
+        local = block // n if how == "gather" else block
+        unflat = self.call(torch.ops.aten.unflatten.int, (value, d, [-1, local]), src,
+                           placed.with_axis(axis, Shard(d + 1) if how == "gather" else REPLICATE),
+                           why + f" (dim {d} as blocks of {block})")
+        unflat.meta["val"] = val.unflatten(d, (-1, block))
+        if how == "gather":
+            moved = self.call(ops.all_gather.default, (unflat, d + 1, [1], n, axis), src, placed.with_axis(axis, REPLICATE),
+                              why)
+            if meta.get(consumer, meta.FALLBACK) is None:
+                meta.set(moved, meta.GATHERED, f"{why} ({consumer.target})")
+        else:
+            moved = self.call(ops.scatter.default, (unflat, d + 1, [1], n, axis), src, placed.with_axis(axis, Shard(d + 1)),
+                              why)
+        moved.meta["val"] = unflat.meta["val"]
+        out = self.call(torch.ops.aten.flatten.using_ints, (moved, d, d + 1), src,
+                        placed.with_axis(axis, REPLICATE if how == "gather" else sh), why)
+        return out
+
     def gather_for_region(self, src: fx.Node, value: fx.Node, placed: meta.PerAxis, axis: str,
                           consumer: fx.Node) -> fx.Node:
         """Sequence parallel's gather before a region: all-gather forward, reduce-scatter of the
@@ -109,7 +158,8 @@ class _Emitter:
         if key not in self.cache:
             have = placed.get(axis)
             if have.interleave != 1:
-                raise ParallelizeError(f"%{src.name}: cannot gather an interleaved shard into a region")
+                raise ParallelizeError(f"%{src.name}: cannot gather an interleaved shard ({have}) into a region "
+                                       f"(for %{consumer.name})")
             self.cache[key] = self.call(ops.gather_from_sequence.default, (value, have.dim, self.mesh.size(axis), axis),
                                         src, placed.with_axis(axis, REPLICATE),
                                         f"%{src.name} {axis}:{have} -> {axis}:R entering a parallel region "

@@ -196,6 +196,23 @@ def _vocab_parallel_cross_entropy(node: fx.Node, lower) -> fx.Node | None:
                       node, REPLICATE, "vocab-parallel cross entropy: the full logits are never gathered")
 
 
+@register_rule(aten.baddbmm.default)
+def _baddbmm(c: Ctx):
+    """beta * input + alpha * (batch1 @ batch2) (BLOOM's alibi scores): sharded over the batch
+    dim of batch1 (heads folded into it), batch2 and the broadcast input follow."""
+    inp, b1, b2 = c.node.args[:3]
+    p1 = c.p[c.index(b1)]
+    if all(p.is_replicate() for p in c.p):
+        return REPLICATE, [None] * len(c.p)
+    if isinstance(p1, Shard) and p1.dim == 0:
+        out = Shard(0, p1.interleave)
+        want = {b1: None, b2: out if not is_one(shape(b2)[0]) else REPLICATE}
+        d = 3 - ndim(inp)
+        want[inp] = REPLICATE if d > 0 or is_one(shape(inp)[0]) else out
+        return out, [want[a] for a in c.inputs]
+    return REPLICATE, [REPLICATE] * len(c.p)
+
+
 def einsum_subscripts(eq: str, ndims: list[int]) -> tuple[list[str], str]:
     """The subscripts of each input and of the output, an ellipsis spelled out as letters the
     equation does not use (implicit output: the letters used once, in order, after the

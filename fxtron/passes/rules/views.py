@@ -51,6 +51,8 @@ def _view(c: Ctx):
             continue
         if len(gi) == 1 and len(go) == 1:
             return Shard(go[0], p.interleave), [None]
+        if layout.is_symbolic(p.interleave) and len(gi) == 1:
+            return _unfold(c, p, [expr(outs[j]) for j in go], go)
         if not isinstance(p.interleave, int):              # unequal fused blocks: no view layout
             return REPLICATE, [REPLICATE]
         if len(gi) == 1:                                   # split: (F,) -> (a0, a1, ...)
@@ -71,14 +73,29 @@ def _view(c: Ctx):
                 f"Choose a tp that divides the number of heads, or replicate this layer in the plan.")
         if len(go) == 1:                                   # merge: (b0, b1, ...) -> (F,)
             t = gi.index(p.dim)
-            prefix = 1
-            for j in gi[:t]:
-                if not expr(ins[j]).is_Integer:
-                    return REPLICATE, [REPLICATE]   # (B, S/tp) -> B*S has no shard layout: gather first
-                prefix *= int(ins[j])
-            return Shard(go[0], prefix * p.interleave), [None]
+            prefix = sympy.Mul(*[expr(ins[j]) for j in gi[:t]])
+            if prefix.is_Integer:
+                return Shard(go[0], int(prefix) * p.interleave), [None]
+            # a symbolic count of blocks (BLOOM's (B, heads/tp) -> B*heads): only with whole
+            # blocks of a static size, so that its collectives can unflatten them
+            block = sympy.Mul(*[expr(ins[j]) for j in gi[t:]])
+            if p.interleave == 1 and block.is_Integer:
+                return Shard(go[0], prefix), [None]
+            return REPLICATE, [REPLICATE]   # (B, S/tp) -> B*S has no shard layout: gather first
         raise c.fail("a view that regroups the sharded dim with others both ways")
     raise c.fail("could not follow the sharded dim through this view")
+
+
+def _unfold(c: Ctx, p: Shard, sizes: list, go: list[int]):
+    """A dim split into a symbolic count of blocks, viewed as (a0, a1, ...): the shard lands
+    on the first size past the blocks (BLOOM's B*heads -> (B, heads))."""
+    prefix = sympy.Integer(1)
+    for t, a in enumerate(sizes):
+        q = sympy.simplify(p.interleave / prefix)
+        if q.is_Integer and a.is_Integer and int(a) % (int(q) * c.size) == 0:
+            return Shard(go[t], int(q)), [None]
+        prefix *= a
+    return REPLICATE, [REPLICATE]
 
 
 @register_rule(aten.transpose.int, aten.t.default, aten.numpy_T.default, aten.permute.default, aten.unsqueeze.default,
