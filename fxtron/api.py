@@ -330,8 +330,9 @@ class ParallelModel:
                    f"rule needs it whole (correct, communication Megatron's layers would not issue): "
                    f"{'; '.join(gathered)}")
             if o.strict:
-                raise ParallelizeError(msg + ". Replicate the layers that split these values in plan=, or register "
-                                       "a rule that keeps them split (fxtron.register_rule)")
+                raise ParallelizeError(msg + ". Replicate the layers named after 'split by' (parallelize(..., "
+                                       "plan={'<layer>': 'replicate'})), or register a rule that keeps the value "
+                                       "split (fxtron.register_rule)")
             warnings.warn(msg, ParallelizeWarning, stacklevel=2)
         return rg
 

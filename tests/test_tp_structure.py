@@ -421,8 +421,13 @@ def test_forced_gathers_are_reported_and_strict_refuses_them():
         pm.graph(0)
     assert len(pm.gathers(0)) == 2 and all("self_attention" in g and "aten.slice" in g for g in pm.gathers(0))
     assert "all-gathers Megatron's layers would not issue: %all_gather_default in transformer.h.0" in pm.summary()
-    with pytest.raises(fxtron.ParallelizeError, match="all-gather.*Replicate the layers"):
+    assert all(g.endswith(", split by transformer.h.%d.self_attention.query_key_value" % i)
+               for i, g in enumerate(pm.gathers(0))), pm.gathers(0)
+    with pytest.raises(fxtron.ParallelizeError, match="all-gather.*Replicate the layers named after 'split by'"):
         _falcon_multi_query(strict=True).graph(0)
+    # what the error suggests is accepted: the fused projection whole, the rest split, no gather
+    kept = _falcon_multi_query(strict=True, plan={"transformer.h.*.self_attention.query_key_value": "replicate"})
+    assert kept.gathers(0) == [] and kept.tp_plan.style("transformer.h.0.mlp.dense_h_to_4h") == Colwise()
 
 
 def test_batch_and_heads_folded_stay_split():
@@ -447,3 +452,13 @@ def test_rules_by_op_name():
     assert registry.rule_for(torch.ops.transformers.grouped_mm_fallback.default) is not None
     with pytest.raises(ValueError, match="already has a sharding rule"):
         fxtron.register_rule("transformers::grouped_mm_fallback")(lambda ctx: None)
+
+
+def test_gather_keeps_the_split():
+    """torch.gather along the sequence of a value split on its hidden dim, with an index made
+    by expand_as (which takes the split value's local shape): both stay split, no gather."""
+    pm = _pm("gather-mlp", 2)
+    nodes = {str(n.target): n for n in pm.compiled(0).gm.graph.nodes}
+    assert str(meta.placement(nodes["aten.gather.default"], "tp")) == "S(2)"
+    assert str(meta.placement(nodes["aten.expand_as.default"], "tp")) == "S(2)"
+    assert pm.fallbacks(0) == [] and pm.gathers(0) == [] and count(pm.collectives(0), "all_gather") == 0

@@ -14,7 +14,7 @@ ZOO = {"Llama": "hf-llama", "Mistral": "hf-mistral", "Qwen2": "hf-qwen2", "Qwen3
        "BLOOM": "hf-bloom", "Falcon": "hf-falcon", "Falcon-40B": "hf-falcon40b", "OPT": "hf-opt", "StableLM": "hf-stablelm",
        "Starcoder2": "hf-starcoder2", "SmolLM3": "hf-smollm3", "Mixtral": "hf-mixtral", "Qwen3-MoE": "hf-qwen3moe",
        "DeepSeek-V3": "hf-deepseekv3"}
-VOCAB = {"gpt": 256, "llama": 256, "cumsum-mlp": 64, "factories-mlp": 64, "einsum-attn": 64, **{n: 128 for n in ZOO.values()}}
+VOCAB = {"gpt": 256, "llama": 256, "cumsum-mlp": 64, "factories-mlp": 64, "gather-mlp": 64, "einsum-attn": 64, **{n: 128 for n in ZOO.values()}}
 NAMES = ["gpt", "llama", "hf-gpt2", "hf-llama"]
 # more transformers decoders (traced layer by layer in test_repeat; test_zoo.py holds all of ZOO
 # to Megatron's split): q/k/v biases (Qwen2), parallel residual and
@@ -25,8 +25,9 @@ NAMES = ["gpt", "llama", "hf-gpt2", "hf-llama"]
 MORE_NAMES = ["hf-qwen2", "hf-neox", "hf-phi3", "hf-olmoe", "hf-olmo2", "hf-gemma2", "hf-gemma3", "hf-falcon"]
 # small models around single ops: cumsum over a split hidden dim (no sharding rule: it runs
 # replicated on gathered inputs, and must still train exactly like one process); new_zeros and
-# index_select on split values (rules that keep them split); attention written with einsum
-OP_NAMES = ["cumsum-mlp", "factories-mlp", "einsum-attn"]
+# index_select on split values, gather with an index shaped by expand_as (rules that keep them
+# split); a layer written with einsum
+OP_NAMES = ["cumsum-mlp", "factories-mlp", "gather-mlp", "einsum-attn"]
 
 
 class CumsumMLP(torch.nn.Module):
@@ -51,6 +52,16 @@ class FactoriesMLP(CumsumMLP):
         h = h + h.new_ones(h.shape) * 0.5                         # a new tensor of h's (global) shape
         order = torch.arange(h.shape[1] - 1, -1, -1, device=h.device)
         h = h.index_select(1, order)                              # the sequence reversed
+        x = x + self.down(h)
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+class GatherMLP(CumsumMLP):
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        h = torch.nn.functional.gelu(self.up(x))
+        order = torch.arange(h.shape[1] - 1, -1, -1, device=h.device).view(1, -1, 1).expand_as(h)
+        h = h.gather(1, order)                                    # the sequence reversed, per feature
         x = x + self.down(h)
         return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
@@ -96,6 +107,8 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
         return CumsumMLP()
     if name == "factories-mlp":
         return FactoriesMLP()
+    if name == "gather-mlp":
+        return GatherMLP()
     if name == "einsum-attn":
         return EinsumAttention()
     if name == "llama":

@@ -29,7 +29,7 @@ from fxtron.core.layout import is_symbolic, to_list
 from fxtron.core.placement import REPLICATE, Partial, Replicate, Shard, is_sharded
 from fxtron.errors import ParallelizeError
 from fxtron.passes.rules import PARTIAL_THROUGH, is_tensor, lowerings_for, tensor_inputs
-from fxtron.passes.rules.registry import expr
+from fxtron.passes.rules.registry import expr, split_sources
 
 ops = torch.ops.fxtron
 
@@ -90,7 +90,7 @@ class _Emitter:
             out = self.call(ops.all_gather.default, (value, have.dim, to_list(have.interleave), n, axis), src, done, why)
             if consumer is not src and meta.get(consumer, meta.FALLBACK) is None:
                 # not the plan's gather_output, nor a fallback's (reported as such)
-                meta.set(out, meta.GATHERED, f"{why} ({consumer.target})")
+                meta.set(out, meta.GATHERED, _gathered(why, src, consumer, axis))
         elif isinstance(have, Partial) and isinstance(want, Shard) and want.interleave == 1:
             out = self.call(ops.reduce_scatter.default, (value, want.dim, n, axis), src, done, why)
         elif isinstance(have, Partial) and isinstance(want, Shard):
@@ -99,7 +99,7 @@ class _Emitter:
         elif isinstance(have, Shard) and isinstance(want, Shard):
             mid = self.call(ops.all_gather.default, (value, have.dim, to_list(have.interleave), n, axis), src, mid_r, why)
             if meta.get(consumer, meta.FALLBACK) is None:
-                meta.set(mid, meta.GATHERED, f"{why} ({consumer.target})")
+                meta.set(mid, meta.GATHERED, _gathered(why, src, consumer, axis))
             out = self.call(ops.scatter.default, (mid, want.dim, to_list(want.interleave), n, axis), src, done, why)
         else:
             raise ParallelizeError(f"cannot redistribute %{src.name} from {axis}:{have} to {axis}:{want} "
@@ -141,7 +141,7 @@ class _Emitter:
             moved = self.call(ops.all_gather.default, (unflat, d + 1, [1], n, axis), src, placed.with_axis(axis, REPLICATE),
                               why)
             if meta.get(consumer, meta.FALLBACK) is None:
-                meta.set(moved, meta.GATHERED, f"{why} ({consumer.target})")
+                meta.set(moved, meta.GATHERED, _gathered(why, src, consumer, axis))
         else:
             moved = self.call(ops.scatter.default, (unflat, d + 1, [1], n, axis), src, placed.with_axis(axis, Shard(d + 1)),
                               why)
@@ -194,6 +194,13 @@ class Lower:
     def call(self, target, args, like: fx.Node, placement, reason: str, kwargs=None) -> fx.Node:
         placements = meta.get(like, meta.PLACEMENT).with_axis(self.axis, placement)
         return self._em.call(target, args, like, placements, reason, kwargs=kwargs)
+
+
+def _gathered(why: str, src: fx.Node, consumer: fx.Node, axis: str) -> str:
+    """What the summary says of an all-gather a rule forced: the value, the op that needs it
+    whole, and the layers whose split made it split (the plan keys that would keep it whole)."""
+    sources = split_sources(src, axis) or ([meta.param_name(src).rpartition(".")[0]] if meta.is_param(src) else [])
+    return f"{why} ({consumer.target})" + (f", split by {', '.join(sources)}" if sources else "")
 
 
 def _broadcast_at(src: fx.Node, want: Shard) -> bool:

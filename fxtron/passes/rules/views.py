@@ -216,6 +216,51 @@ def _index_select(c: Ctx):
     return REPLICATE, [REPLICATE, REPLICATE]
 
 
+@register_rule(aten.expand_as.default)
+def _expand_as(c: Ctx):
+    """x.expand_as(other): `other` lends only its shape -- this rank's, so the output is split
+    wherever other is, and x too unless it broadcasts there."""
+    x, other = c.node.args[:2]
+    px, po = c.p[c.index(x)], c.p[c.index(other)]
+    shift = ndim(other) - ndim(x)
+    if isinstance(po, Shard):
+        d = po.dim - shift
+        wx = None if d < 0 or is_one(shape(x)[d]) else Shard(d, po.interleave)
+        return po, [wx if a is x else None for a in c.inputs]
+    if isinstance(px, Shard):
+        out = Shard(px.dim + shift, px.interleave)
+        return out, [None if a is x else out for a in c.inputs]
+    if px.is_partial():
+        return REPLICATE, [REPLICATE if a is x else None for a in c.inputs]
+    return REPLICATE, [None] * len(c.inputs)
+
+
+@register_rule(aten.gather.default)
+def _gather(c: Ctx):
+    """x.gather(dim, index): out[..i..] = x[.. index[..i..] at dim ..]; the output has the
+    index's shape. A shard on another dim d pairs x and index position by position: both split
+    on d (where their sizes agree); the index split on `dim` itself picks its rows from the
+    whole x; a partial sum picked from stays partial."""
+    x, index = c.node.args[0], c.node.args[2]
+    px, pi = c.p[c.index(x)], c.p[c.index(index)]
+    dim = norm(c.node.args[1], ndim(x))
+    want = {x: REPLICATE, index: REPLICATE}
+    shard = px if isinstance(px, Shard) else pi if isinstance(pi, Shard) else None
+    if shard is not None and shard.interleave == 1:
+        d = shard.dim
+        if d == dim and not isinstance(px, Shard):
+            want[index] = None
+            return Shard(d), [want[a] for a in c.inputs]
+        if d != dim and expr(shape(x)[d]) == expr(shape(index)[d]):
+            want = {x: Shard(d), index: Shard(d)}
+            return Shard(d), [None if c.p[i] == want[a] else want[a] for i, a in enumerate(c.inputs)]
+    if px.is_partial() and pi.is_replicate():
+        return PARTIAL, [None, None]
+    if px.is_replicate() and pi.is_replicate():
+        return REPLICATE, [None, None]
+    return REPLICATE, [want[a] for a in c.inputs]
+
+
 @register_rule(aten.index.Tensor)
 def _index(c: Ctx):
     """x[i0, i1, ...] (advanced indexing; None keeps a dim whole): the indexed dims of x become
