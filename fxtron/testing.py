@@ -126,3 +126,30 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tupl
 
 
 __all__ = ["case_key", "ranks_of", "run_cases", "run_on_ranks", "reference_training", "max_abs_diff", "LaunchError"]
+
+
+def train_program(prog, batches: Iterable, opt) -> dict:
+    """Train a rank's program on `batches` ((args, kwargs) global batches) with `opt`: its
+    losses, the full gradients of the first step (before its optimizer step) and the full
+    state at the end -- what `assert_trains_like` compares with `reference_training`."""
+    losses, grads = [], None
+    for step, (args, kwargs) in enumerate(batches):
+        losses.append(prog.train_step(args, opt, kwargs=kwargs))
+        if step == 0:
+            grads = prog.full_grads()
+    return {"losses": losses, "grads": grads, "state": prog.full_state_dict()}
+
+
+def assert_trains_like(got: dict, ref: dict, *, rank: int = 0, loss_tol: float = 2e-6, grad_tol: float = 1e-6,
+                       weight_tol: float = 1e-5) -> None:
+    """A rank's `train_program` result equals the single-process `reference_training` one:
+    losses, first-step gradients and final weights within absolute tolerances (the weights of
+    the rank's state; export's lifted constants may be absent)."""
+    dl = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"]))
+    assert dl < loss_tol, f"rank {rank}: losses {got['losses']} vs {ref['losses']}"
+    dg, where = max_abs_diff(got["grads"], ref["grads"])
+    assert dg < grad_tol, f"rank {rank}: gradient of {where} differs by {dg:.3g}"
+    state = {k: v for k, v in ref["state"].items() if k in got["state"]}
+    assert set(ref["state"]) - set(got["state"]) <= {k for k in ref["state"] if "lifted_tensor" in k}
+    dw, where = max_abs_diff(got["state"], state)
+    assert dw < weight_tol, f"rank {rank}: weight {where} differs by {dw:.3g} after {len(got['losses'])} steps"

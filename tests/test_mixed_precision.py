@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fxtron
-from fxtron.testing import max_abs_diff, reference_training, run_on_ranks
+from fxtron.testing import max_abs_diff, reference_training, run_on_ranks, train_program
 from tp_models import batch, make
 
 LR, STEPS = 1e-3, 3
@@ -48,13 +48,7 @@ def _job(rank: int, mesh: fxtron.Mesh, cases: list) -> dict:
                                 sequence_parallel=sp)
         prog = pm.program(rank)
         opt = _opt(prog.parameters())
-        losses, grads = [], None
-        for step, (a, kw) in enumerate(_batches(name)):
-            losses.append(prog.train_step(a, opt, kwargs=kw))
-            if step == 0:
-                grads = prog.full_grads()
-        res = {"losses": losses, "grads": grads, "state": prog.full_state_dict(),
-               "dtypes": {p.dtype for p in prog.parameters()}}
+        res = {**train_program(prog, _batches(name), opt), "dtypes": {p.dtype for p in prog.parameters()}}
         if prog.scaler is not None:
             res["scale"], res["skipped"] = prog.scaler.scale, prog.scaler.skipped
             prog.scaler.scale = 1e38                       # force an overflow: the step is skipped

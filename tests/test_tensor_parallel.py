@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fxtron
-from fxtron.testing import max_abs_diff, reference_training, run_cases
+from fxtron.testing import assert_trains_like, reference_training, run_cases, train_program
 from tp_models import OP_NAMES, NAMES, batch, make
 
 SEQS = [16, 12, 16]
@@ -32,14 +32,8 @@ def _train_parallel(rank: int, name: str, mesh: fxtron.Mesh, sp: bool = False) -
     args, kwargs = batch(name, 2, 8, seed=0)
     pm = fxtron.parallelize(model, mesh, example_inputs=args, example_kwargs=kwargs, sequence_parallel=sp)
     prog = pm.program(rank)
-    opt = _opt(prog.parameters())
-    losses, grads = [], None
-    for step, (a, kw) in enumerate(_batches(name)):
-        losses.append(prog.train_step(a, opt, kwargs=kw))
-        if step == 0:
-            grads = prog.full_grads()
-    return {"losses": losses, "grads": grads, "state": prog.full_state_dict(),
-            "local": {n: p.shape for n, p in prog.named_parameters()}}
+    out = train_program(prog, _batches(name), _opt(prog.parameters()))
+    return {**out, "local": {n: p.shape for n, p in prog.named_parameters()}}
 
 
 def _train_dropout(rank: int, mesh: fxtron.Mesh, seed: int) -> dict:
@@ -109,15 +103,7 @@ CASES += [(MESHES[2][0], name) for name in OP_NAMES]
 def test_tp_training_equals_single_process(results, reference, mesh, name):
     ref = reference[name.removesuffix("+sp")]
     for rank in range(mesh.world_size):
-        got = results[(str(mesh), name, rank)]
-        dl = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"]))
-        assert dl < 2e-6, f"rank {rank}: losses {got['losses']} vs {ref['losses']}"
-        dg, where = max_abs_diff(got["grads"], ref["grads"])
-        assert dg < 1e-6, f"rank {rank}: gradient of {where} differs by {dg:.3g}"
-        state = {k: v for k, v in ref["state"].items() if k in got["state"]}
-        assert set(ref["state"]) - set(got["state"]) <= {k for k in ref["state"] if "lifted_tensor" in k}
-        dw, where = max_abs_diff(got["state"], state)
-        assert dw < 1e-5, f"rank {rank}: weight {where} differs by {dw:.3g} after {len(SEQS)} steps"
+        assert_trains_like(results[(str(mesh), name, rank)], ref, rank=rank)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -25,7 +25,7 @@ import torch
 
 import fxtron
 from fxtron.compiler.report import count
-from fxtron.testing import max_abs_diff, reference_training, run_cases
+from fxtron.testing import assert_trains_like, reference_training, run_cases, train_program
 from tp_models import ZOO, batch, make
 
 ARCHS = list(ZOO)
@@ -94,13 +94,7 @@ def _train(rank: int, mesh: fxtron.Mesh, case: str) -> dict:
     args, kwargs = batch(name, 2, 8, seed=0)
     pm = fxtron.parallelize(make(name), mesh, example_inputs=args, example_kwargs=kwargs, sequence_parallel=sp)
     prog = pm.program(rank)
-    opt = _opt(prog.parameters())
-    losses, grads = [], None
-    for step, (a, kw) in enumerate(_batches(name)):
-        losses.append(prog.train_step(a, opt, kwargs=kw))
-        if step == 0:
-            grads = prog.full_grads()
-    return {"losses": losses, "grads": grads, "state": prog.full_state_dict()}
+    return train_program(prog, _batches(name), _opt(prog.parameters()))
 
 
 MESH2, MESH4 = fxtron.Mesh(2, tp=2), fxtron.Mesh(4, tp=4)
@@ -121,12 +115,4 @@ def reference():
 def test_trains_like_one_process(results, reference, mesh, case):
     ref = reference[case.removesuffix("+sp")]
     for rank in range(mesh.world_size):
-        got = results[(str(mesh), case, rank)]
-        dl = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"]))
-        assert dl < 2e-6, f"rank {rank}: losses {got['losses']} vs {ref['losses']}"
-        dg, where = max_abs_diff(got["grads"], ref["grads"])
-        assert dg < 1e-6, f"rank {rank}: gradient of {where} differs by {dg:.3g}"
-        state = {k: v for k, v in ref["state"].items() if k in got["state"]}
-        assert set(ref["state"]) - set(got["state"]) <= {k for k in ref["state"] if "lifted_tensor" in k}
-        dw, where = max_abs_diff(got["state"], state)
-        assert dw < 1e-5, f"rank {rank}: weight {where} differs by {dw:.3g} after {len(SEQS)} steps"
+        assert_trains_like(results[(str(mesh), case, rank)], ref, rank=rank)
