@@ -64,7 +64,8 @@ def _grouped_mm(c: Ctx):
         expects[c.index(x)] = Shard(1)
         return PARTIAL, expects
     if not pw.is_replicate():
-        raise c.fail(f"expert weights placed {pw}: split over experts is expert parallel (mesh ep), not tp")
+        raise c.fail(f"expert weights placed {pw}: only their feature dims split over tp (the experts dim is "
+                     "expert parallel's, which tp does not do)")
     return REPLICATE, expects
 
 
