@@ -394,6 +394,10 @@ def test_experts_split_over_tp():
     fwd = [r for r in pm.collectives(0) if r.phase == "forward" and r.op == "all_reduce"]
     moe = [r for r in fwd if r.module == "model.layers.0.mlp"]
     assert len(fwd) == 2 * 2 + 1 and len(moe) == 1 and str(moe[0].shape) == "(B, S, 64)", fwd
+    # backward, the tokens enter the region before their top-2 copies are picked: the gradient
+    # all-reduced is (B*S, hidden), not (2*B*S, hidden) (and a float per copy for the weights)
+    bwd = [r for r in pm.collectives(0) if r.phase == "backward" and r.module == "model.layers.0.mlp.experts"]
+    assert sorted(str(r.shape) for r in bwd) == ["(2*B*S, 1)", "(B*S, 64)"], bwd
     # a module's path names its experts: replicating them on purpose is accepted and quiet
     kept = _pm("hf-mixtral", 2, plan={"model.layers.*.mlp.experts": "replicate"}, strict=True)
     assert kept.tp_plan.style("model.layers.1.mlp.experts.down_proj") == Replicated()

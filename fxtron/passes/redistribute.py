@@ -169,6 +169,13 @@ class _Emitter:
     def copy_to_region(self, src: fx.Node, value: fx.Node, placed: meta.PerAxis, axis: str,
                        consumer: fx.Node) -> fx.Node:
         key = (src, axis, "f")
+        if key not in self.cache and _picks_more_rows(src, value, self.grad):
+            # rows picked with repeats (an MoE's tokens, k copies each): enter the region before
+            # the pick, so the gradient all-reduced is the tokens', not their copies'
+            entered = self.copy_to_region(src.args[0], value.args[0], placed, axis, consumer)
+            self.cache[key] = self.call(value.target, (entered, *value.args[1:]), src, placed,
+                                        f"%{src.name} picked again from the region's copy of %{src.args[0].name}",
+                                        kwargs=dict(value.kwargs), module_of=consumer)
         if key not in self.cache:
             self.cache[key] = self.call(ops.copy_to_region.default, (value, axis), src, placed,
                                         f"%{src.name} enters a region parallel over {axis} (all-reduce its gradient)",
@@ -194,6 +201,34 @@ class Lower:
     def call(self, target, args, like: fx.Node, placement, reason: str, kwargs=None) -> fx.Node:
         placements = meta.get(like, meta.PLACEMENT).with_axis(self.axis, placement)
         return self._em.call(target, args, like, placements, reason, kwargs=kwargs)
+
+
+_CASTS = {torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default, torch.ops.aten.clone.default,
+          torch.ops.aten.contiguous.default}
+
+
+def _picks_more_rows(src: fx.Node, value: fx.Node, grad) -> bool:
+    """Is `src` (copied as `value`) x[idx] or x.index_select(0, idx) of a value that takes a
+    gradient, by indices that take none, giving more rows than x has -- or a cast of one?"""
+    if src.op != "call_function" or value.op != "call_function" or value.target != src.target:
+        return False
+    if src.target in _CASTS:
+        return (isinstance(src.args[0], fx.Node) and isinstance(value.args[0], fx.Node)
+                and _picks_more_rows(src.args[0], value.args[0], grad))
+    if src.target == torch.ops.aten.index.Tensor:
+        idx = src.args[1]
+        if len(idx) != 1 or not isinstance(idx[0], fx.Node) or idx[0] in grad:
+            return False
+    elif src.target == torch.ops.aten.index_select.default:
+        if src.args[1] != 0 or src.args[2] in grad:
+            return False
+    else:
+        return False
+    x = src.args[0]
+    if x not in grad:
+        return False
+    a, b = expr(x.meta["val"].shape[0]), expr(src.meta["val"].shape[0])
+    return bool(sympy.simplify(b - a).is_positive)
 
 
 def _gathered(why: str, src: fx.Node, consumer: fx.Node, axis: str) -> str:
