@@ -127,7 +127,9 @@ class _Emitter:
     def _blocks(self, src, value, placed, axis, sh: Shard, how: str, why: str, consumer) -> fx.Node:
         n, d, k = self.mesh.size(axis), sh.dim, sh.interleave
         val = src.meta["val"]
-        block = sympy.simplify(expr(val.shape[d]) / k)
+        gm = src.graph.owning_module
+        size = meta.info(gm).expr(val.shape[d]) if gm is not None and meta.TRACE_INFO in gm.meta else expr(val.shape[d])
+        block = sympy.simplify(size / k)
         if not block.is_Integer or int(block) % n:
             raise ParallelizeError(f"%{src.name}: dim {d} of {tuple(val.shape)} in {k} blocks: no whole blocks of a "
                                    f"static size divisible by {axis}={n} (for %{consumer.name})")

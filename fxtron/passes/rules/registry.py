@@ -158,6 +158,10 @@ class Ctx:
     def index(self, arg) -> int:
         return next(i for i, a in enumerate(self.inputs) if a is arg)
 
+    def sym(self, s) -> sympy.Expr:
+        """A dim of a `val` as a sympy expression in the batch and sequence symbols B and S."""
+        return self._trace.expr(s) if self._trace is not None else expr(s)
+
     def fail(self, why: str) -> ParallelizeError:
         return no_rule(self.node, self.p, why, axis=self.axis)
 

@@ -52,7 +52,7 @@ def _view(c: Ctx):
         if len(gi) == 1 and len(go) == 1:
             return Shard(go[0], p.interleave), [None]
         if layout.is_symbolic(p.interleave) and len(gi) == 1:
-            return _unfold(c, p, [expr(outs[j]) for j in go], go)
+            return _unfold(c, p, [c.sym(outs[j]) for j in go], go)
         if not isinstance(p.interleave, int):              # unequal fused blocks: no view layout
             return REPLICATE, [REPLICATE]
         if len(gi) == 1:                                   # split: (F,) -> (a0, a1, ...)
@@ -73,12 +73,12 @@ def _view(c: Ctx):
                 f"Choose a tp that divides the number of heads, or replicate this layer in the plan.")
         if len(go) == 1:                                   # merge: (b0, b1, ...) -> (F,)
             t = gi.index(p.dim)
-            prefix = sympy.Mul(*[expr(ins[j]) for j in gi[:t]])
+            prefix = sympy.Mul(*[c.sym(ins[j]) for j in gi[:t]])
             if prefix.is_Integer:
                 return Shard(go[0], int(prefix) * p.interleave), [None]
             # a symbolic count of blocks (BLOOM's (B, heads/tp) -> B*heads): only with whole
             # blocks of a static size, so that its collectives can unflatten them
-            block = sympy.Mul(*[expr(ins[j]) for j in gi[t:]])
+            block = sympy.Mul(*[c.sym(ins[j]) for j in gi[t:]])
             if p.interleave == 1 and block.is_Integer:
                 return Shard(go[0], prefix), [None]
             return REPLICATE, [REPLICATE]   # (B, S/tp) -> B*S has no shard layout: gather first
