@@ -33,7 +33,8 @@ from fxtron.core import meta
 from fxtron.core.layout import Interleave, block_sizes, normalize
 from fxtron.core.placement import REPLICATE, Placement, Shard
 from fxtron.errors import ParallelizeError
-from fxtron.passes.rules.layers import einsum_subscripts
+from fxtron.passes.rules.layers import einsum_subscripts, grouped_mm
+from fxtron.passes.rules.registry import rule_for
 
 aten = torch.ops.aten
 
@@ -266,10 +267,10 @@ WEIGHT_DIMS = {"out_in": (0, 1), "in_out": (1, 0), "e_out_in": (1, 2), "e_in_out
 
 
 def _is_grouped_mm(target) -> bool:
-    """A grouped GEMM of tokens sorted by expert with one weight matrix per expert: aten's
-    _grouped_mm, or transformers' grouped_mm_fallback (its CPU / fp32 path)."""
-    return target == aten._grouped_mm.default or (
-        isinstance(target, torch._ops.OpOverload) and target.name() == "transformers::grouped_mm_fallback")
+    """A grouped GEMM of tokens sorted by expert with one weight matrix per expert: an op whose
+    sharding rule is the grouped GEMM's (aten._grouped_mm, transformers' grouped_mm_fallback,
+    or a user's op registered with it)."""
+    return rule_for(target) is grouped_mm
 
 
 def _path_of(param: str) -> str:

@@ -49,7 +49,7 @@ def _linear(c: Ctx):
 
 
 @register_rule(aten._grouped_mm.default, "transformers::grouped_mm_fallback")
-def _grouped_mm(c: Ctx):
+def grouped_mm(c: Ctx):
     """A mixture of experts' grouped GEMM, x (tokens sorted by expert, in) @ w (experts, in,
     out) by offsets: the experts split over tp as Megatron does when they are not expert-
     parallel -- colwise (each expert's output features: gate/up) or rowwise (its input features:

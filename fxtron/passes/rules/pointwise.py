@@ -91,7 +91,7 @@ def _scales_partial(c: Ctx) -> bool:
 def _sums_partials(c: Ctx) -> bool:
     """p + q of two partial sums read nowhere else: a partial sum of the sum, reduced once (the
     attention and MLP outputs of a parallel residual, GPT-NeoX / Falcon; routed and shared
-    experts, DeepSeek): one all-reduce where each alone would take one."""
+    experts, DeepSeek): one all-reduce where each alone would take its own."""
     return (c.node.target in (aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor) and len(c.inputs) == 2
             and all(p.is_partial() for p in c.p) and all(len(a.users) == 1 for a in c.inputs))
 
