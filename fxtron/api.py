@@ -33,6 +33,7 @@ from fxtron.passes.stages import StageAssignment, assign_stages
 from fxtron.runtime import groups as G
 from fxtron.runtime import schedules
 from fxtron.runtime.buffers import DataParallelOptions
+from fxtron.passes.context_parallel import COMM_TYPES
 from fxtron.runtime.build import build_program
 from fxtron.runtime.program import PipelineOptions, Program
 
@@ -58,6 +59,7 @@ class Options:
     trace_layers_once: bool = True
     device: str = "cpu"
     strict: bool = False
+    cp_comm_type: str = "p2p"
 
     def __post_init__(self):
         if self.batch_dim < 0 or (self.seq_dim is not None and self.seq_dim < 0):
@@ -76,7 +78,7 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
                 bucket_size: int | None = None, grad_reduce_dtype: torch.dtype | None = None,
                 overlap_grad_reduce: bool = True, clip_grad: float | None = None, zero: int = 0,
                 trace_layers_once: bool = True, device: str | torch.device | None = None,
-                strict: bool = False) -> "ParallelModel":
+                strict: bool = False, cp_comm_type: str = "p2p") -> "ParallelModel":
     """Compile `model` for every rank of `mesh`.
 
     model(*example_inputs, **example_kwargs) must return the loss (a scalar tensor, or an
@@ -115,6 +117,14 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
     gradient runs the Triton kernel on CUDA). Inspect a GPU job's graphs on a laptop with
     device="cuda"; a program built on another device records its own kernels.
 
+    Context parallel (mesh.cp > 1): every input that carries the sequence is split over the cp
+    ranks, load-balanced as Megatron does (the sequence seen as 2 x cp chunks, cp rank r holding
+    chunks r and 2cp-1-r, so causal attention costs every rank the same; the sequence length
+    must be a multiple of 2 x cp), and attention exchanges keys and values: `cp_comm_type`
+    "p2p" (default, Megatron's: key/value blocks travel around the cp ranks while a block is
+    computed) or "all_gather" (Llama 3's: keys and values gathered, their gradients
+    reduce-scattered). Weights are whole on every cp rank; their gradients are summed over cp.
+
     Never silent: where fxtron does less than the mesh asks, correctly -- a linear left
     replicated at tp > 1, an op with no sharding rule run replicated on gathered inputs -- it
     warns (fxtron.ParallelizeWarning) and `pm.summary()` lists each with why; `strict=True`
@@ -134,7 +144,8 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
                       gradient_accumulation_fusion=gradient_accumulation_fusion, dtype=dtype,
                       microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
                       split_points=tuple(split_points) if split_points else None, scatter_gather=scatter_gather,
-                      trace_layers_once=trace_layers_once, device=device, strict=strict)
+                      trace_layers_once=trace_layers_once, device=device, strict=strict,
+                      cp_comm_type=cp_comm_type)
     schedules.check(schedule, mesh.pp, microbatches, virtual_stages)
     options = dataclasses.replace(options, data_parallel=DataParallelOptions(
         bucket_size=bucket_size, grad_reduce_dtype=grad_reduce_dtype, overlap_grad_reduce=overlap_grad_reduce,
@@ -151,12 +162,15 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
                                "sequence over the tp ranks; set tp or drop sequence_parallel")
     if sequence_parallel and seq_dim is None:
         raise ParallelizeError("sequence_parallel=True needs the inputs' sequence dim (seq_dim)")
-    unsupported = {k: v for k, v in dict(cp=mesh.cp, ep=mesh.ep).items() if v != 1}
-    if unsupported:
+    if cp_comm_type not in COMM_TYPES:
+        raise ParallelizeError(f"cp_comm_type must be one of {', '.join(map(repr, COMM_TYPES))}, not {cp_comm_type!r}")
+    if mesh.cp > 1 and seq_dim is None:
+        raise ParallelizeError("context parallel (mesh.cp > 1) splits the inputs' sequence dim; give seq_dim")
+    if mesh.ep != 1:
         raise ParallelizeError(
-            f"this fxtron build parallelizes over tensor, pipeline and data parallel; the mesh asks for "
-            f"{unsupported}. Use Mesh(world_size={mesh.world_size // (mesh.cp * mesh.ep)}, tp={mesh.tp}, "
-            f"pp={mesh.pp}) until context and expert parallel land")
+            f"this fxtron build parallelizes over tensor, context, pipeline and data parallel; the mesh asks for "
+            f"ep={mesh.ep}. Use Mesh(world_size={mesh.world_size // mesh.ep}, tp={mesh.tp}, cp={mesh.cp}, "
+            f"pp={mesh.pp}) until expert parallel lands")
     # a 16-bit program is traced in 16 bits (casts such as a norm's .float() ... .type_as(x) only
     # mean something then), on a meta replica so the model's weights are never copied
     subject = _meta_replica(model, dtype) if dtype in (torch.bfloat16, torch.float16) else model
@@ -312,7 +326,7 @@ class ParallelModel:
         o = self.options
         rg = pipeline.compile_rank(
             self.traced, self.mesh, rank, plan=self.tp_plan, stage_assignment=self.stage_assignment,
-            options=pipeline.CompileOptions(sequence_parallel=o.sequence_parallel,
+            options=pipeline.CompileOptions(sequence_parallel=o.sequence_parallel, cp_comm_type=o.cp_comm_type,
                                             gradient_accumulation_fusion=o.gradient_accumulation_fusion,
                                             device=o.device, strict=o.strict),
             observer=observer)

@@ -29,6 +29,7 @@ from fxtron.core.stage import Stage
 from fxtron.errors import ParallelizeError
 from fxtron.mesh import Mesh
 from fxtron.passes import verify as verifier
+from fxtron.passes.context_parallel import cp_layout
 from fxtron.passes.localize import drop_metadata_asserts, localize
 from fxtron.passes.plan import TPPlan
 from fxtron.passes.propagate import propagate
@@ -47,6 +48,7 @@ class CompileOptions:
     gradient_accumulation_fusion: bool = True
     device: str = "cpu"          # the device type the programs run on (the kernels recorded)
     strict: bool = False         # an op with no sharding rule raises instead of running replicated
+    cp_comm_type: str = "p2p"    # how attention exchanges keys over cp: "p2p" (the ring) or "all_gather"
 
 
 @dataclass
@@ -142,6 +144,10 @@ def _always(s: RankState) -> bool:
 
 def _tp(s: RankState) -> bool:
     return s.mesh.parallel("tp")
+
+
+def _cp(s: RankState) -> bool:
+    return s.mesh.parallel("cp")
 
 
 def _distributed(s: RankState) -> bool:
@@ -243,9 +249,13 @@ PASSES = pass_list(
                                                   strict=s.options.strict),
                                         mesh=s.mesh)),
          _tp, "tp > 1", after=("split_row_bias",)),
+    Pass("propagate_cp", "a cp placement on every value: the inputs' sequence split load-balanced over cp",
+         _set("gm", lambda s: propagate(s.gm, cp_layout(meta.info(s.gm), comm_type=s.options.cp_comm_type,
+                                                      strict=s.options.strict), mesh=s.mesh)),
+         _cp, "cp > 1", after=("propagate_tp",)),
     Pass("insert_redistributions", "the collectives each placement mismatch needs (f/g pairs, gathers, "
-         "scatters) and the vocab-parallel lowerings", _redistribute, _distributed,
-         "the graph is distributed over an axis", after=("propagate_tp",)),
+         "scatters) and the lowerings (vocab-parallel, context-parallel attention and loss)", _redistribute,
+         _distributed, "the graph is distributed over an axis", after=("propagate_tp", "propagate_cp")),
     Pass("localize", "sizes written into the graph become this rank's", _set("gm", lambda s: localize(s.gm, mesh=s.mesh)),
          _distributed, "the graph is distributed over an axis", after=("insert_redistributions",)),
     Pass("assign_rng_regions", "random ops draw from the replicated or the per-rank stream",

@@ -256,6 +256,20 @@ def add_graph_axis(gm: fx.GraphModule, axis: str) -> None:
         gm.meta[GRAPH_AXES] = graph_axes(gm) + (axis,)
 
 
+BALANCED_AXES = "fxtron_balanced_axes"
+
+
+def balanced_axes(gm: fx.GraphModule) -> tuple[str, ...]:
+    """The mesh axes whose shards are load-balanced (cp: a rank holds chunks r and 2n-1-r of
+    2n, ops/cp.py) rather than contiguous; their collectives reorder around the transfer."""
+    return tuple(gm.meta.get(BALANCED_AXES, ()))
+
+
+def add_balanced_axis(gm: fx.GraphModule, axis: str) -> None:
+    if axis not in balanced_axes(gm):
+        gm.meta[BALANCED_AXES] = balanced_axes(gm) + (axis,)
+
+
 def info(gm: fx.GraphModule) -> TraceInfo:
     """The TraceInfo that `trace` attached to a graph module (and passes carry along)."""
     try:

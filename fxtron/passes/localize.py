@@ -51,6 +51,15 @@ def localize(gm: fx.GraphModule, *, mesh: MeshView) -> fx.GraphModule:
 def _localize(g: fx.Graph, node: fx.Node, axis: str, n: int) -> None:
     t = node.target
     pl = meta.placement(node, axis)
+    if t == aten.sym_size.int:
+        src = meta.placement(node.args[0], axis)
+        if isinstance(src, Shard) and node.args[1] % node.args[0].meta["val"].dim() == src.dim and n > 1:
+            # the graph means the global size (the whole sequence of cp-split tokens): the rank's times n
+            with g.inserting_after(node):
+                full = g.call_function(operator.mul, (node, n))
+            meta.set(full, meta.PROVENANCE, meta.Provenance("localize", f"global size of dim {src.dim}, split over {axis}"))
+            node.replace_all_uses_with(full, delete_user_cb=lambda u: u is not full)
+        return
     if t in _SIZE_ARG_VIEWS and isinstance(pl, Shard):
         sizes = list(node.args[1])
         s = sizes[pl.dim]

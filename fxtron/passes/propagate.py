@@ -38,7 +38,9 @@ class AxisLayout:
     (a colwise linear with gather_output); partials_to_sequence: a partial sum that feeds a
     token-wise op is reduce-scattered onto sequence shards instead of all-reduced (sequence
     parallel); strict: an op with no rule for its inputs' placements raises rather than fall
-    back to running replicated."""
+    back to running replicated; balanced: a shard is a rank's load-balanced chunks (cp: chunks
+    r and 2n-1-r of 2n, ops/cp.py) and the collectives reorder around the transfer; options:
+    the axis's choices its rules read (ctx.options: cp_comm_type)."""
 
     axis: str
     params: Mapping[str, Placement] = field(default_factory=dict)
@@ -46,6 +48,8 @@ class AxisLayout:
     gather_outputs: frozenset[str] = frozenset()
     partials_to_sequence: bool = False
     strict: bool = False     # an op with no rule for sharded inputs raises instead of running replicated
+    balanced: bool = False   # shards are load-balanced chunks (cp), not contiguous slices
+    options: Mapping[str, object] = field(default_factory=dict)   # the axis's choices rules read (cp_comm_type)
 
 
 def _seed(node: fx.Node, layout: AxisLayout) -> Placement:
@@ -73,7 +77,8 @@ def propagate(gm: fx.GraphModule, layout: AxisLayout, *, mesh: MeshView) -> fx.G
 
     def ctx(node: fx.Node) -> Ctx:
         return Ctx(node, placements, axis=axis, size=size, trace=ti,
-                   partials_to_sequence=layout.partials_to_sequence)
+                   partials_to_sequence=layout.partials_to_sequence, balanced=layout.balanced,
+                   options=layout.options)
 
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -110,6 +115,8 @@ def propagate(gm: fx.GraphModule, layout: AxisLayout, *, mesh: MeshView) -> fx.G
         meta.set_expects(node, axis, tuple(expects))
     _shard_params_cut_at_every_use(gm, axis)
     meta.add_graph_axis(gm, axis)
+    if layout.balanced:
+        meta.add_balanced_axis(gm, axis)
     return gm
 
 

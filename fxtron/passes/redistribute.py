@@ -37,8 +37,10 @@ ops = torch.ops.fxtron
 class _Emitter:
     """Makes the new graph's communication nodes, one per (value, axis, redistribution)."""
 
-    def __init__(self, graph: fx.Graph, mesh: MeshView, grad: set[fx.Node] = frozenset()):
-        self.g, self.mesh, self.grad = graph, mesh, grad
+    def __init__(self, graph: fx.Graph, mesh: MeshView, grad: set[fx.Node] = frozenset(),
+                 balanced: tuple[str, ...] = ()):
+        self.g, self.mesh, self.grad, self.balanced = graph, mesh, grad, balanced
+        self.axes: tuple[str, ...] = ()
         self.cache: dict[tuple, fx.Node] = {}
 
     def call(self, target, args, like: fx.Node, placements: meta.PerAxis, reason: str, kwargs=None,
@@ -70,6 +72,10 @@ class _Emitter:
         n = self.mesh.size(axis)
         done = placed.with_axis(axis, want)
         mid_r = placed.with_axis(axis, REPLICATE)
+        if axis in self.balanced and (isinstance(have, Shard) or isinstance(want, Shard)):
+            out = self._redistribute_balanced(src, value, placed, axis, want, consumer, why)
+            self.cache[key] = out
+            return out
         if is_symbolic(getattr(have, "interleave", 1)) or is_symbolic(getattr(want, "interleave", 1)):
             out = self._redistribute_blocks(src, value, placed, axis, want, consumer, why)
             self.cache[key] = out
@@ -106,6 +112,53 @@ class _Emitter:
                                    f"(for %{consumer.name})")
         self.cache[key] = out
         return out
+
+    def _redistribute_balanced(self, src: fx.Node, value: fx.Node, placed: meta.PerAxis, axis: str, want,
+                               consumer: fx.Node, why: str) -> fx.Node:
+        """On a load-balanced axis (cp, ops/cp.py) a shard is the rank's chunks r and 2n-1-r: a
+        value is reordered (`zigzag`) before it is split and restored to natural order after it
+        is gathered, so the split and gather themselves are the plain ones."""
+        have, n = placed.get(axis), self.mesh.size(axis)
+        for sh in (have, want):
+            if isinstance(sh, Shard) and not isinstance(sh.interleave, int):
+                raise ParallelizeError(
+                    f"%{src.name}: {axis}:{sh} -> {axis}:{want} for %{consumer.name}: a {axis} shard of "
+                    f"{'a batch-and-sequence fold' if is_symbolic(sh.interleave) else 'unequal blocks'} cannot be "
+                    f"moved; the op needs it whole, which context parallel does not do (module "
+                    f"{meta.get(consumer, meta.MODULE) or '(top level)'})")
+        if isinstance(have, Partial) and isinstance(want, Shard) and want.interleave == 1:
+            ordered = self.call(ops.zigzag.default, (value, want.dim, 1, n, False), src, placed,
+                                why + " (load-balanced order)")
+            return self.call(ops.reduce_scatter.default, (ordered, want.dim, n, axis), src,
+                             placed.with_axis(axis, want), why)
+        if isinstance(have, Shard):
+            gathered = self.call(ops.all_gather.default, (value, have.dim, to_list(have.interleave), n, axis), src,
+                                 placed.with_axis(axis, REPLICATE), why)
+            if meta.get(consumer, meta.FALLBACK) is None:
+                meta.set(gathered, meta.GATHERED, _gathered(why, src, consumer, axis))
+            value = self.call(ops.zigzag.default, (gathered, have.dim, have.interleave, n, True), src,
+                              placed.with_axis(axis, REPLICATE), why + " (natural order)")
+            placed = placed.with_axis(axis, REPLICATE)
+            if isinstance(want, Replicate):
+                return value
+        if isinstance(want, Shard):
+            if isinstance(placed.get(axis), Partial):
+                value = self.call(ops.all_reduce.default, (value, axis), src, placed.with_axis(axis, REPLICATE), why)
+                placed = placed.with_axis(axis, REPLICATE)
+            return self._split_balanced(src, value, placed, axis, want, why)
+        raise ParallelizeError(f"cannot redistribute %{src.name} from {axis}:{have} to {axis}:{want} "
+                               f"(for %{consumer.name})")
+
+    def _split_balanced(self, src, value, placed, axis, want: Shard, why: str) -> fx.Node:
+        n = self.mesh.size(axis)
+        if src.op == "call_function" and _broadcast_at(src, want) and src.args[0] not in self.grad:
+            # expanded along the split dim: any order is the same; expand to the local part
+            return self.call(src.target, (value.args[0], *value.args[1:]), src, placed.with_axis(axis, want),
+                             why + " (expanded locally)")
+        ordered = self.call(ops.zigzag.default, (value, want.dim, want.interleave, n, False), src, placed,
+                            why + " (load-balanced order)")
+        return self.call(ops.scatter.default, (ordered, want.dim, to_list(want.interleave), n, axis), src,
+                         placed.with_axis(axis, want), why)
 
     def _redistribute_blocks(self, src: fx.Node, value: fx.Node, placed: meta.PerAxis, axis: str, want,
                              consumer: fx.Node, why: str) -> fx.Node:
@@ -162,10 +215,15 @@ class _Emitter:
             if have.interleave != 1:
                 raise ParallelizeError(f"%{src.name}: cannot gather an interleaved shard ({have}) into a region "
                                        f"(for %{consumer.name})")
-            self.cache[key] = self.call(ops.gather_from_sequence.default, (value, have.dim, self.mesh.size(axis), axis),
-                                        src, placed.with_axis(axis, REPLICATE),
-                                        f"%{src.name} {axis}:{have} -> {axis}:R entering a parallel region "
-                                        "(all-gather; reduce-scatter of its gradient)", module_of=consumer)
+            out = self.call(ops.gather_from_sequence.default, (value, have.dim, self.mesh.size(axis), axis),
+                            src, placed.with_axis(axis, REPLICATE),
+                            f"%{src.name} {axis}:{have} -> {axis}:R entering a parallel region "
+                            "(all-gather; reduce-scatter of its gradient)", module_of=consumer)
+            if axis in self.balanced:
+                out = self.call(ops.zigzag.default, (out, have.dim, 1, self.mesh.size(axis), True), src,
+                                placed.with_axis(axis, REPLICATE), f"%{src.name} gathered over {axis}, in natural order",
+                                module_of=consumer)
+            self.cache[key] = out
         return self.cache[key]
 
     def copy_to_region(self, src: fx.Node, value: fx.Node, placed: meta.PerAxis, axis: str,
@@ -192,10 +250,18 @@ class Lower:
 
     def __init__(self, em: _Emitter, axis: str, remap, placed: dict, node: fx.Node):
         self.axis, self.size, self.coord = axis, em.mesh.size(axis), em.mesh.coord(axis)
+        self.balanced = axis in em.balanced        # shards are load-balanced chunks (cp)
         self._em, self._remap, self._placed, self._node = em, remap, placed, node
 
     def placement(self, arg: fx.Node):
         return self._placed[arg].get(self.axis)
+
+    def on(self, axis: str) -> "Lower":
+        """The same lowering's view of another axis (an op split on two: vocab and tokens)."""
+        return Lower(self._em, axis, self._remap, self._placed, self._node)
+
+    def axes(self) -> tuple[str, ...]:
+        return tuple(a for a in self._em.axes)
 
     def remap(self, arg):
         return self._remap(arg)
@@ -302,7 +368,8 @@ def insert_redistributions(gm: fx.GraphModule, *, mesh: MeshView) -> fx.GraphMod
     grad = meta.carries_grad(gm)
     deferred = {axis: _params_summed_after_backward(gm, axis) for axis in axes}
     new = fx.Graph()
-    em = _Emitter(new, mesh, grad)
+    em = _Emitter(new, mesh, grad, meta.balanced_axes(gm))
+    em.axes = axes
     env: dict[fx.Node, fx.Node] = {}
     placed: dict[fx.Node, meta.PerAxis] = {}   # the placements each old node's env value has
     for node in gm.graph.nodes:

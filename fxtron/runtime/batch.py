@@ -8,6 +8,7 @@ import torch.utils._pytree as pytree
 
 from fxtron.core.meta import TraceInfo
 from fxtron.errors import ParallelizeError
+from fxtron.ops.cp import positions
 
 
 class Microbatches(list):
@@ -18,10 +19,14 @@ class Microbatches(list):
 
 class BatchSlicer:
     """Slices global batches for one rank: `dp` data-parallel ranks of which this is `dp_index`,
-    `microbatches` per step, inputs moved to `device`."""
+    `cp` context-parallel ranks of which this is `cp_index` (each input's sequence dim split
+    load-balanced: chunks cp_index and 2cp-1-cp_index of 2cp, Megatron's
+    get_batch_on_this_cp_rank), `microbatches` per step, inputs moved to `device`."""
 
-    def __init__(self, info: TraceInfo, *, dp: int, dp_index: int, microbatches: int, device: torch.device | None):
+    def __init__(self, info: TraceInfo, *, dp: int, dp_index: int, microbatches: int, device: torch.device | None,
+                 cp: int = 1, cp_index: int = 0):
         self.info, self.dp, self.dp_index, self.m, self.device = info, dp, dp_index, microbatches, device
+        self.cp, self.cp_index = cp, cp_index
 
     def flat(self, inputs: tuple, kwargs: dict | None) -> list:
         """The tensor leaves of (inputs, kwargs), checked against the traced structure."""
@@ -34,12 +39,16 @@ class BatchSlicer:
     def local(self, inputs: tuple, kwargs: dict | None = None) -> tuple[tuple, dict]:
         """This rank's data-parallel slice of a global batch (dim 'batch' of every input), on
         the rank's device (a batch from a CPU data loader moves to the rank's GPU here)."""
-        if self.dp == 1:
+        if self.dp == 1 and self.cp == 1:
             return self.on_device(tuple(inputs), dict(kwargs or {}))
         flat = self.flat(inputs, kwargs)
+        self.check_sequence(flat)
         out = []
         for x, dims in zip(flat, self.info.user_dims):
-            if isinstance(x, torch.Tensor) and "batch" in dims:
+            if self.cp > 1 and "seq" in dims:
+                d = dims.index("seq")
+                x = x.index_select(d, positions(x.shape[d], self.cp, self.cp_index).to(x.device))
+            if self.dp > 1 and isinstance(x, torch.Tensor) and "batch" in dims:
                 d = dims.index("batch")
                 if x.shape[d] % self.dp:
                     raise ParallelizeError(f"global batch {x.shape[d]} (dim {d} of an input of shape "
@@ -51,6 +60,25 @@ class BatchSlicer:
         leaves = [next(it) if s is None else s for s in self.info.statics]
         args, kw = pytree.tree_unflatten(leaves, self.info.in_spec)
         return self.on_device(args, kw)
+
+    def check_sequence(self, flat: list) -> None:
+        """Raise ParallelizeError, before anything runs, for a sequence the cp ranks cannot
+        split: its length must be a multiple of 2 x cp (two chunks a rank)."""
+        if self.cp == 1:
+            return
+        unit = 2 * self.cp
+        for x, dims in zip(flat, self.info.user_dims):
+            if "seq" not in dims:
+                continue
+            n = x.shape[dims.index("seq")]
+            if n % unit:
+                lower, upper = n // unit * unit, (n // unit + 1) * unit
+                near = f"{lower} or {upper}" if lower else f"{upper}"
+                raise ParallelizeError(
+                    f"a sequence of {n} tokens (dim {dims.index('seq')} of an input of shape {tuple(x.shape)}) cannot "
+                    f"be split over cp={self.cp}: context parallel cuts it into 2 x cp = {unit} equal chunks "
+                    f"(load balancing), so its length must be a multiple of {unit}; the nearest are {near} "
+                    f"(pad the sequence, e.g. with ignore_index labels)")
 
     def on_device(self, args: tuple, kw: dict) -> tuple[tuple, dict]:
         device = self.device

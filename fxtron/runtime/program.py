@@ -98,8 +98,9 @@ class Program(GradientSync, nn.Module):
         self._runner = None
         self._aliases = aliases if stages is None else {a: n for a, n in aliases.items() if n in params}
         dp, dp_rank = self._dp()
+        cp, cp_rank = (1, 0) if groups is None else (groups.size("cp"), groups.index("cp"))
         self._batch = BatchSlicer(info, dp=dp, dp_index=dp_rank, microbatches=self.pipeline.microbatches,
-                                  device=groups.device if groups is not None else None)
+                                  device=groups.device if groups is not None else None, cp=cp, cp_index=cp_rank)
         # data parallel: every gradient in one bucketed buffer (runtime/buffers.py), reduced over
         # the group the parameters name (dp today; dp-cp and expert-dp with cp and ep)
         self.data_parallel = data_parallel or DataParallelOptions()

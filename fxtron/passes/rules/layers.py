@@ -140,6 +140,8 @@ def _softmax(c: Ctx):
 def _sdpa(c: Ctx):
     q, k, v = c.node.args[:3]
     pq = c.p[0]
+    if isinstance(pq, Shard) and pq.dim == 2 and pq.interleave == 1:
+        return _sdpa_over_sequence(c)
     if isinstance(pq, Shard) and pq.dim in (0, 1):
         expects = []
         for a in c.inputs:
@@ -149,12 +151,40 @@ def _sdpa(c: Ctx):
     return REPLICATE, [REPLICATE] * len(c.p)
 
 
+def _sdpa_over_sequence(c: Ctx):
+    """Queries split on their sequence dim (context parallel): with cp_comm_type "all_gather"
+    every rank attends its queries to the whole sequence's keys and values (gathered, their
+    gradients reduce-scattered) under the mask's rows of its queries; with "p2p" the keys stay
+    split and travel around the ring (the lowering, passes/context_parallel.py)."""
+    ring = c.options.get("cp_comm_type") == "p2p"
+    expects = [None]
+    for a in c.inputs[1:]:
+        if a is c.node.args[1] or a is c.node.args[2]:
+            expects.append(Shard(2) if ring else REPLICATE)
+        else:                                   # the mask: the queries' rows, every key
+            d = ndim(a) - 2
+            expects.append(Shard(d) if not is_one(shape(a)[d]) else REPLICATE)
+    return Shard(2), expects
+
+
+def _ce_reduction(node: fx.Node) -> int:
+    args = list(node.args) + [None] * (6 - len(node.args))
+    r = node.kwargs.get("reduction", args[3])
+    return 1 if r is None else r
+
+
 @register_rule(aten.cross_entropy_loss.default)
 def _cross_entropy(c: Ctx):
     logits = c.node.args[0]
     pl = c.p[0]
     if isinstance(pl, Shard) and pl.dim == 1 and ndim(logits) == 2 and pl.interleave == 1:
         return REPLICATE, [None, REPLICATE] + [REPLICATE] * (len(c.p) - 2)   # vocab-parallel
+    if isinstance(pl, Shard) and pl.dim != 1 and ndim(logits) >= 2:
+        # tokens split (context parallel): each rank its tokens' losses; a mean divides the
+        # summed losses by the summed count of counted tokens (_cross_entropy_over_tokens)
+        target = Shard(pl.dim if pl.dim == 0 else pl.dim - 1, pl.interleave)
+        out = {0: pl, 1: REPLICATE, 2: PARTIAL}[_ce_reduction(c.node)]
+        return out, [None, target] + [REPLICATE] * (len(c.p) - 2)
     return REPLICATE, [REPLICATE] * len(c.p)
 
 
@@ -180,7 +210,8 @@ def _vocab_parallel_cross_entropy(node: fx.Node, lower) -> fx.Node | None:
     """A cross entropy of logits split by vocabulary becomes Megatron's vocab-parallel one:
     three all-reduces of one float per token, the logits never gathered."""
     logits, target = node.args[:2]
-    if not isinstance(lower.placement(logits), Shard):
+    pl = lower.placement(logits)
+    if not (isinstance(pl, Shard) and pl.dim == 1):
         return None
     args = list(node.args) + [None] * (6 - len(node.args))
     weight = node.kwargs.get("weight", args[2])
@@ -190,11 +221,68 @@ def _vocab_parallel_cross_entropy(node: fx.Node, lower) -> fx.Node | None:
     if weight is not None:
         raise ParallelizeError(f"node %{node.name}: class weights in a vocab-parallel cross entropy are not "
                                "supported; replicate the LM head in the plan")
+    if reduction == 1 and _tokens_split_on(node, lower) is not None:
+        return None          # the mean over tokens split on another axis lowers there, with this inside
+    return _vocab_parallel_ce(node, lower, reduction, REPLICATE)
+
+
+def _vocab_parallel_ce(node: fx.Node, lower, reduction: int, placement) -> fx.Node:
+    logits, target = node.args[:2]
+    args = list(node.args) + [None] * (6 - len(node.args))
+    ignore_index = node.kwargs.get("ignore_index", args[4] if args[4] is not None else -100)
+    smoothing = node.kwargs.get("label_smoothing", args[5] if args[5] is not None else 0.0)
     per = int(logits.meta["val"].shape[1]) // lower.size
     return lower.call(torch.ops.fxtron.vocab_parallel_cross_entropy.default,
                       (lower.remap(logits), lower.remap(target), lower.coord * per, ignore_index, reduction,
                        float(smoothing), lower.axis),
-                      node, REPLICATE, "vocab-parallel cross entropy: the full logits are never gathered")
+                      node, placement, "vocab-parallel cross entropy: the full logits are never gathered")
+
+
+def _tokens_split_on(node: fx.Node, lower) -> str | None:
+    """The axis (other than lower's) on which the logits' tokens are split, if any."""
+    for axis in lower.axes():
+        p = lower.on(axis).placement(node.args[0])
+        if axis != lower.axis and isinstance(p, Shard) and p.dim != 1:
+            return axis
+    return None
+
+
+@register_lowering(aten.cross_entropy_loss.default)
+def _cross_entropy_over_tokens(node: fx.Node, lower) -> fx.Node | None:
+    """A mean cross entropy over tokens split across the axis: the sum of this rank's losses
+    and the count of its counted tokens (not ignore_index), each all-reduced, then divided --
+    the single-process mean however the ignored tokens spread over the ranks."""
+    logits, target = node.args[:2]
+    pl = lower.placement(logits)
+    if not (isinstance(pl, Shard) and pl.dim != 1 and _ce_reduction(node) == 1):
+        return None
+    args = list(node.args) + [None] * (6 - len(node.args))
+    weight = node.kwargs.get("weight", args[2])
+    ignore_index = node.kwargs.get("ignore_index", args[4] if args[4] is not None else -100)
+    smoothing = node.kwargs.get("label_smoothing", args[5] if args[5] is not None else 0.0)
+    if weight is not None:
+        raise ParallelizeError(f"node %{node.name} ({meta.get(node, meta.MODULE) or 'top level'}): a cross entropy "
+                               f"with class weights over tokens split across {lower.axis} is not supported (its "
+                               "mean divides by the targets' weights); compute the loss with reduction='sum'")
+    x, t = lower.remap(logits), lower.remap(target)
+    vocab = next((a for a in lower.axes() if isinstance(lower.on(a).placement(logits), Shard)
+                  and lower.on(a).placement(logits).dim == 1), None)
+    if vocab is not None:         # the vocabulary split too (tp): its sum over this rank's tokens
+        total = _vocab_parallel_ce(node, lower.on(vocab), 2, REPLICATE)
+        total.meta[meta.PLACEMENT] = meta.get(total, meta.PLACEMENT).with_axis(lower.axis, PARTIAL)
+    else:
+        total = lower.call(aten.cross_entropy_loss.default, (x, t, None, 2, ignore_index, smoothing), node, PARTIAL,
+                           f"the summed loss of this rank's tokens ({lower.axis} splits them)")
+    tpl = Shard(pl.dim if pl.dim == 0 else pl.dim - 1, pl.interleave)
+    counted = lower.call(aten.ne.Scalar, (t, ignore_index), target, tpl, "the tokens counted in the mean")
+    count = lower.call(aten.sum.dim_IntList, (counted, []), node, PARTIAL, "this rank's counted tokens",
+                       kwargs={"dtype": torch.float32})
+    total = lower.call(torch.ops.fxtron.all_reduce.default, (total, lower.axis), node, REPLICATE,
+                       f"the loss summed over {lower.axis}")
+    count = lower.call(torch.ops.fxtron.all_reduce.default, (count, lower.axis), node, REPLICATE,
+                       f"the tokens counted over {lower.axis}")
+    return lower.call(aten.div.Tensor, (total, count), node, REPLICATE,
+                      "mean over every rank's counted tokens")
 
 
 @register_rule(aten.baddbmm.default)

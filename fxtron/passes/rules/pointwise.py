@@ -141,7 +141,9 @@ def _check(c: Ctx):
 
 @register_rule(aten.sym_size.int)
 def _sym_size(c: Ctx):
+    """A size read at run time is the global one in the graph, also of a sharded dim (the
+    sequence length of cp-split tokens): localize multiplies the rank's size back."""
     p = c.p[0]
-    if isinstance(p, Shard) and norm(c.node.args[1], ndim(c.inputs[0])) == p.dim:
-        raise c.fail(f"reads the size of dim {p.dim}, which is sharded")
+    if isinstance(p, Shard) and norm(c.node.args[1], ndim(c.inputs[0])) == p.dim and p.interleave != 1:
+        raise c.fail(f"reads the size of dim {p.dim}, which is sharded in {p.interleave} blocks")
     return None, [None]

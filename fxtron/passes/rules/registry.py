@@ -133,11 +133,13 @@ def reduced_dims(node: fx.Node) -> list[int]:
 
 class Ctx:
     """What a rule may ask: the node, its tensor inputs and their placements `p` on the axis
-    being propagated, the axis (`axis`) and its number of ranks (`size`)."""
+    being propagated, the axis (`axis`) and its number of ranks (`size`), whether its shards
+    are load-balanced chunks (`balanced`: cp) and the axis's options (`options`)."""
 
     def __init__(self, node: fx.Node, placements: dict, *, axis: str, size: int, trace: TraceInfo,
-                 partials_to_sequence: bool = False):
+                 partials_to_sequence: bool = False, balanced: bool = False, options=None):
         self.node, self.axis, self.size = node, axis, size
+        self.balanced, self.options = balanced, dict(options or {})
         self._trace, self._partials_to_sequence = trace, partials_to_sequence
         self.inputs = tensor_inputs(node)
         self.p = [placements[a] for a in self.inputs]

@@ -79,7 +79,9 @@ def _view(c: Ctx):
             # a symbolic count of blocks (BLOOM's (B, heads/tp) -> B*heads): only with whole
             # blocks of a static size, so that its collectives can unflatten them
             block = sympy.Mul(*[c.sym(ins[j]) for j in gi[t:]])
-            if p.interleave == 1 and block.is_Integer:
+            if p.interleave == 1 and (block.is_Integer or c.balanced):
+                # (a cp shard of the sequence folds with a symbolic block, S: a loss over tokens
+                # needs no layout of it, and its collectives refuse it)
                 return Shard(go[0], prefix), [None]
             return REPLICATE, [REPLICATE]   # (B, S/tp) -> B*S has no shard layout: gather first
         raise c.fail("a view that regroups the sharded dim with others both ways")
@@ -94,6 +96,8 @@ def _unfold(c: Ctx, p: Shard, sizes: list, go: list[int]):
         q = sympy.simplify(p.interleave / prefix)
         if q.is_Integer and a.is_Integer and int(a) % (int(q) * c.size) == 0:
             return Shard(go[t], int(q)), [None]
+        if q == 1 and c.balanced:      # B*S -> (B, S) of a cp shard: the sequence again
+            return Shard(go[t]), [None]
         prefix *= a
     return REPLICATE, [REPLICATE]
 

@@ -1,0 +1,75 @@
+"""Passes, context parallel: what the cp axis adds to the generic SPMD passes.
+
+Its layout: every user input that carries the sequence (token ids, labels, masks, position
+ids) is split on that dim, load-balanced (a rank holds chunks r and 2n-1-r of 2n, ops/cp.py);
+parameters are whole. From there the generic passes do the rest: every token-wise op runs on
+the rank's tokens; whatever the model derives from positions inside the graph (an arange of
+position ids, learned position embeddings, rotary tables sliced from a buffer, a causal mask
+however built, labels shifted by one) is computed whole, in natural order, and reaches the
+rank's tokens through a load-balanced split, which picks exactly the rank's global positions;
+the keys of an attention are gathered (its gradient reduce-scattered) under the mask's rows of
+the rank's queries; a mean loss over the tokens divides the summed losses by the summed count
+of counted tokens. Each parameter's gradient is then a partial sum over the cp ranks, summed
+after backward (meta.GRAD_REDUCE), as Megatron reduces over its dp-cp group.
+
+Attention with `is_causal` lowers here to the cp attention of ops/cp.py: with the keys
+gathered ("all_gather") each query chunk attends only the keys before it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fxtron.core import meta
+from fxtron.core.placement import Shard
+from fxtron.errors import ParallelizeError
+from fxtron.ops import cp as cp_ops
+from fxtron.passes.propagate import AxisLayout
+from fxtron.passes.rules import register_lowering
+
+aten = torch.ops.aten
+AXIS = "cp"
+COMM_TYPES = ("all_gather", "p2p")
+
+
+def cp_layout(info: meta.TraceInfo, *, comm_type: str = "p2p", strict: bool = False) -> AxisLayout:
+    """The cp axis's AxisLayout: user inputs split on their sequence dim, load-balanced."""
+    if comm_type not in COMM_TYPES:
+        raise ParallelizeError(f"cp_comm_type must be one of {', '.join(map(repr, COMM_TYPES))}, not {comm_type!r}")
+    inputs = {i: Shard(dims.index("seq")) for i, dims in enumerate(info.user_dims) if "seq" in dims}
+    if not inputs:
+        raise ParallelizeError("context parallel splits the sequence, but no input of the model has a sequence "
+                               "dim (dim 1 of a token tensor); trace it with inputs of shape (batch, seq, ...)")
+    return AxisLayout(AXIS, inputs=inputs, balanced=True, strict=strict, options={"cp_comm_type": comm_type})
+
+
+def _sdpa_args(node: fx.Node):
+    args = list(node.args) + [None] * (6 - len(node.args))
+    mask = node.kwargs.get("attn_mask", args[3])
+    dropout = node.kwargs.get("dropout_p", args[4] if args[4] is not None else 0.0)
+    causal = node.kwargs.get("is_causal", args[5] if args[5] is not None else False)
+    return mask, dropout, causal, node.kwargs.get("scale"), node.kwargs.get("enable_gqa", False)
+
+
+@register_lowering(aten.scaled_dot_product_attention.default)
+def _context_parallel_attention(node: fx.Node, lower) -> fx.Node | None:
+    """Attention whose queries are split on the sequence over a load-balanced axis: causal
+    attention becomes the cp op (the mask is implied by the positions); with an explicit mask
+    the plain op runs on the mask's rows of this rank's queries against every key."""
+    q, k, v = node.args[:3]
+    pq = lower.placement(q)
+    if not (lower.balanced and isinstance(pq, Shard) and pq.dim == 2):
+        return None
+    mask, dropout, causal, scale, gqa = _sdpa_args(node)
+    if not causal:
+        return None
+    if mask is not None:
+        raise ParallelizeError(f"node %{node.name}: attention with both a mask and is_causal")
+    return lower.call(cp_ops.attention_all_gather,
+                      (lower.remap(q), lower.remap(k), lower.remap(v), float(dropout), scale, bool(gqa),
+                       lower.coord, lower.size),
+                      node, pq, f"causal attention of this rank's query chunks against the keys before them "
+                                f"(keys gathered over {lower.axis})")
+
+
+__all__ = ["AXIS", "COMM_TYPES", "cp_layout"]
