@@ -22,6 +22,9 @@ from fxtron.core.layout import normalize
 
 #: The mesh axes a value can be distributed over, in the order placements print.
 AXES = ("tp", "cp", "ep", "dp")
+#: A dim split over several axes is split over these outermost first: the sequence over cp,
+#: then over tp within each cp rank's tokens (sequence parallel under context parallel).
+NESTED = ("cp", "tp")
 
 
 class Placement:
@@ -126,5 +129,5 @@ class PerAxis:
         return " ".join(f"{a}:{describe(v)}" for a, v in self.items)
 
 
-__all__ = ["AXES", "PARTIAL", "REPLICATE", "Partial", "PerAxis", "Placement", "Replicate", "Shard", "describe",
+__all__ = ["AXES", "NESTED", "PARTIAL", "REPLICATE", "Partial", "PerAxis", "Placement", "Replicate", "Shard", "describe",
            "is_sharded"]

@@ -26,7 +26,7 @@ import fxtron.ops  # noqa: F401 - registers torch.ops.fxtron
 from fxtron.core import meta
 from fxtron.core.axes import MeshView
 from fxtron.core.layout import is_symbolic, to_list
-from fxtron.core.placement import REPLICATE, Partial, Replicate, Shard, is_sharded
+from fxtron.core.placement import NESTED, REPLICATE, Partial, Replicate, Shard, is_sharded
 from fxtron.errors import ParallelizeError
 from fxtron.passes.rules import PARTIAL_THROUGH, is_tensor, lowerings_for, tensor_inputs
 from fxtron.passes.rules.registry import expr, split_sources
@@ -62,7 +62,7 @@ class _Emitter:
         """`value` (the new graph's node for `src`, placed `placed`) with its placement on
         `axis` turned into `want`."""
         have = placed.get(axis)
-        key = (src, axis, str(have), str(want))
+        key = (src, axis, str(placed), str(want))   # the value's placement on every axis: one per state
         if key in self.cache:
             return self.cache[key]
         why = f"%{src.name} {axis}:{have} -> {axis}:{want} for %{consumer.name}"
@@ -209,7 +209,7 @@ class _Emitter:
                           consumer: fx.Node) -> fx.Node:
         """Sequence parallel's gather before a region: all-gather forward, reduce-scatter of the
         gradient backward, one op (Megatron's gather_from_sequence_parallel_region)."""
-        key = (src, axis, "gather_from_sequence")
+        key = (src, axis, str(placed), "gather_from_sequence")
         if key not in self.cache:
             have = placed.get(axis)
             if have.interleave != 1:
@@ -228,7 +228,7 @@ class _Emitter:
 
     def copy_to_region(self, src: fx.Node, value: fx.Node, placed: meta.PerAxis, axis: str,
                        consumer: fx.Node) -> fx.Node:
-        key = (src, axis, "f")
+        key = (src, axis, str(placed), "f")
         if key not in self.cache and _picks_more_rows(src, value, self.grad):
             # rows picked with repeats (an MoE's tokens, k copies each): enter the region before
             # the pick, so the gradient all-reduced is the tokens', not their copies'
@@ -359,6 +359,17 @@ def _takes_whole(user: fx.Node, param: fx.Node, axis: str) -> bool:
     return all(e is None or isinstance(e, Replicate) for e in wants)
 
 
+def _axis_order(axes: tuple[str, ...], now: meta.PerAxis, wants: dict) -> list[str]:
+    """The order to redistribute one input over its axes. A dim split over several axes is
+    split over the outer one first (NESTED: cp, then tp within each cp rank's tokens), so
+    gathers go inner axis first and splits outer axis first, gathers before splits."""
+    def key(axis: str) -> int:
+        return NESTED.index(axis) if axis in NESTED else len(NESTED)
+    splits = [a for a in axes if isinstance(wants[a], Shard) and wants[a] != now.get(a)]
+    rest = [a for a in axes if a not in splits]
+    return sorted(rest, key=lambda a: -key(a)) + sorted(splits, key=key)
+
+
 def insert_redistributions(gm: fx.GraphModule, *, mesh: MeshView) -> fx.GraphModule:
     """A new GraphModule in which every input of every op has, on every axis the graph has
     placements on, the placement its rule expects. Reads the placements and expectations
@@ -385,10 +396,12 @@ def insert_redistributions(gm: fx.GraphModule, *, mesh: MeshView) -> fx.GraphMod
         mapping: dict[fx.Node, fx.Node] = {}
         for i, a in enumerate(tensors):
             value, now = env[a], placed[a]
+            wants = {}
             for axis in axes:
                 expects = meta.expects(node, axis)
-                have = now.get(axis)
-                want = expects[i] if i < len(expects) and expects[i] is not None else have
+                wants[axis] = expects[i] if i < len(expects) and expects[i] is not None else now.get(axis)
+            for axis in _axis_order(axes, now, wants):
+                have, want = now.get(axis), wants[axis]
                 enters_region = (is_sharded(out_pl.get(axis)) and isinstance(want, Replicate) and a in grad
                                  and node.op != "output")
                 if enters_region and isinstance(have, Shard):
