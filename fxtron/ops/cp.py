@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fxtron.ops.registry import OpSpec, register
+from fxtron.ops.registry import Comm, OpSpec, register
 
 
 def chunk_order(world: int) -> list[int]:
@@ -121,6 +121,160 @@ def sdpa_like_output(q: Tensor, v: Tensor) -> Tensor:
     return q.new_empty((b, s, h, v.shape[-1])).transpose(1, 2)
 
 
+# ---------------------------------------------------------------------------------------------
+# the ring (cp_comm_type="p2p")
+
+
+def _block(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Attention of q against one block of keys in fp32: (out (B,H,Lq,Dv), lse (B,H,Lq)); a row
+    that sees no key has lse -inf and out 0."""
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+    return torch.matmul(p, v.float()), lse
+
+
+def _merge(out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> None:
+    """Fold a block's (o, l) into the running (out, lse) in place (online softmax)."""
+    new = torch.logaddexp(lse, l)
+    safe = torch.where(torch.isinf(new), 0.0, new)
+    a = torch.where(torch.isinf(lse), 0.0, torch.exp(lse - safe))
+    b = torch.where(torch.isinf(l), 0.0, torch.exp(l - safe))
+    out.mul_(a.unsqueeze(-1)).add_(o * b.unsqueeze(-1))
+    lse.copy_(new)
+
+
+def _step_plan(rank: int, src: int, world: int, c: int, causal: bool, mask: Tensor | None, seq: int, device):
+    """For the key block of cp rank `src`: which query rows of this rank, which of the block's
+    key columns, and the mask between them (Megatron's ring under the load-balanced split:
+    its own block under the causal mask; an earlier rank's first chunk against all queries;
+    a later rank's whole block against the second query chunk only -- no block wholly masked
+    is computed)."""
+    rows, cols = slice(0, 2 * c), slice(0, 2 * c)
+    if mask is not None:                       # an explicit mask: its columns of src's positions
+        return rows, cols, mask.index_select(-1, positions(seq, world, src).to(device))
+    if not causal:
+        return rows, cols, None
+    if src == rank:
+        pos = positions(seq, world, rank).to(device)
+        return rows, cols, pos.unsqueeze(0) <= pos.unsqueeze(1)
+    if src < rank:
+        return rows, slice(0, c), None
+    return slice(c, 2 * c), cols, None
+
+
+def _expand_kv(k: Tensor, heads: int) -> Tensor:
+    return k if k.shape[1] == heads else k.repeat_interleave(heads // k.shape[1], dim=1)
+
+
+@torch.library.custom_op("fxtron::ring_attention", mutates_args=())
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, causal: bool,
+                   world: int, group: str) -> tuple[Tensor, Tensor]:
+    """Attention of this cp rank's queries over the whole sequence with the keys and values
+    split: each rank's (k, v) travels around the cp group (`world` ranks of `group`) by
+    batch_isend_irecv while the block in hand is computed, and the blocks' partial results
+    merge through their log-sum-exp. q (B, H, 2c, D), k and v (B, Hkv, 2c, D): the rank's
+    load-balanced chunks. `mask` (optional): the rows of the rank's queries against every key
+    in natural order (B or 1, H or 1, 2c, S); `causal`: the causal mask by position. Backward
+    sends the key blocks around again, with their dK and dV accumulating on the way home.
+    Returns the output, laid out as scaled_dot_product_attention's, and the rows' log-sum-exp
+    (B, H, 2c) in fp32, which backward reuses."""
+    return _ring_forward(q, k, v, mask, scale, causal, world, group)
+
+
+def _ring_forward(q, k, v, mask, scale, causal, world, group):
+    from fxtron.ops import transport as T
+    pg = T.resolve(group)
+    T.check_world(pg, world, "ring_attention", group)
+    rank = pg.rank() if pg is not None else 0
+    c, heads = q.shape[-2] // 2, q.shape[1]
+    seq = 2 * c * world
+    out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    kv = [k.contiguous(), v.contiguous()]
+    for i in range(world):
+        src = (rank - i) % world
+        pending = T.start_ring_exchange(kv, pg) if i + 1 < world else None   # the next block, while this computes
+        rows, cols, m = _step_plan(rank, src, world, c, causal, mask, seq, q.device)
+        kb, vb = (_expand_kv(t, heads)[..., cols, :] for t in kv)
+        if m is not None:
+            m = m[..., rows, :][..., cols] if m.dim() else m
+        o, l = _block(q[..., rows, :], kb, vb, scale, m)
+        _merge(out[..., rows, :], lse[..., rows], o, l)
+        if pending is not None:
+            works, kv = pending
+            for w in works:
+                w.wait()
+    result = sdpa_like_output(q, v)
+    result.copy_(out)
+    return result, lse
+
+
+@ring_attention.register_fake
+def _(q, k, v, mask, scale, causal, world, group):
+    return sdpa_like_output(q, v), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+def _ring_setup(ctx, inputs, output):
+    q, k, v, mask, scale, causal, world, group = inputs
+    ctx.save_for_backward(q, k, v, mask, *output)
+    ctx.scale, ctx.causal, ctx.world, ctx.group = scale, causal, world, group
+
+
+def _ring_backward(ctx, dout, _dlse):
+    from fxtron.ops import transport as T
+    q, k, v, mask, out, lse = ctx.saved_tensors
+    scale, causal, world = ctx.scale, ctx.causal, ctx.world
+    pg = T.resolve(ctx.group)
+    rank = pg.rank() if pg is not None else 0
+    c, heads, hkv = q.shape[-2] // 2, q.shape[1], k.shape[1]
+    seq = 2 * c * world
+    do, o = dout.float(), out.float()
+    delta = (do * o).sum(-1)                                    # (B, H, 2c)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv = [k.contiguous(), v.contiguous()]
+    dkv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)]
+    for i in range(world):
+        src = (rank - i) % world
+        pending = T.start_ring_exchange(kv, pg) if i + 1 < world else None
+        rows, cols, m = _step_plan(rank, src, world, c, causal, mask, seq, q.device)
+        kb, vb = (_expand_kv(t, heads)[..., cols, :].float() for t in kv)
+        qb = q[..., rows, :].float()
+        s = torch.matmul(qb, kb.transpose(-1, -2)) * scale
+        if m is not None:
+            m = m[..., rows, :][..., cols]
+            s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.float()
+        l = lse[..., rows]
+        p = torch.exp(s - torch.where(torch.isinf(l), 0.0, l).unsqueeze(-1))
+        dob = do[..., rows, :]
+        dv = torch.matmul(p.transpose(-1, -2), dob)
+        ds = p * (torch.matmul(dob, vb.transpose(-1, -2)) - delta[..., rows].unsqueeze(-1))
+        dq[..., rows, :] += torch.matmul(ds, kb) * scale
+        dk = torch.matmul(ds.transpose(-1, -2), qb) * scale
+        if hkv != heads:                                         # grouped-query: sum the repeated heads
+            dk = dk.unflatten(1, (hkv, heads // hkv)).sum(2)
+            dv = dv.unflatten(1, (hkv, heads // hkv)).sum(2)
+        dkv[0][..., cols, :] += dk
+        dkv[1][..., cols, :] += dv
+        # this block's dK, dV go on with it: the next rank adds its share, the owner gets the sum
+        if world > 1:
+            works, dkv = T.start_ring_exchange(dkv, pg)
+            for w in works:
+                w.wait()
+        if pending is not None:
+            works, kv = pending
+            for w in works:
+                w.wait()
+    # after `world` steps each rank holds the dK, dV of its own block, every rank's share in it
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+
+
+ring_attention.register_autograd(_ring_backward, setup_context=_ring_setup)
+register(OpSpec("ring_attention", axis_arg=7, forward=Comm("send_recv", "ring"), backward=Comm("send_recv", "ring")))
+
+
 def score_elements(seq: int, world: int, rank: int, *, balanced: bool = True) -> int:
     """The causal attention scores cp rank `rank` of `world` needs per (batch, head) over a
     sequence of `seq`: a query at position p attends p + 1 keys. Under the load-balanced split
@@ -134,4 +288,4 @@ def score_elements(seq: int, world: int, rank: int, *, balanced: bool = True) ->
     return sum(p + 1 for p in pos)
 
 
-__all__ = ["attention_all_gather", "chunk_order", "positions", "score_elements", "zigzag"]
+__all__ = ["attention_all_gather", "chunk_order", "positions", "ring_attention", "score_elements", "zigzag"]

@@ -129,3 +129,15 @@ def norm_dim(dim: int, ndim: int) -> int:
 
 __all__ = ["all_gather", "all_reduce", "check_world", "gather", "group_size", "norm_dim", "reduce_scatter",
            "resolve", "start_all_reduce", "start_reduce_scatter", "summed"]
+
+
+def start_ring_exchange(tensors: list[Tensor], pg) -> tuple[list, list[Tensor]]:
+    """Begin sending each of `tensors` (contiguous) to the next rank of `pg` and receiving as
+    many tensors of the same shapes from the previous one (a ring step), in one
+    batch_isend_irecv; returns (works, receive buffers), filled once every work has waited."""
+    n, me = pg.size(), pg.rank()
+    nxt, prv = dist.get_global_rank(pg, (me + 1) % n), dist.get_global_rank(pg, (me - 1) % n)
+    tensors = [t.contiguous() for t in tensors]
+    bufs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, nxt, pg) for t in tensors] + [dist.P2POp(dist.irecv, b, prv, pg) for b in bufs]
+    return dist.batch_isend_irecv(ops), bufs

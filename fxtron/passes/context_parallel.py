@@ -17,6 +17,8 @@ gathered ("all_gather") each query chunk attends only the keys before it.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -61,15 +63,39 @@ def _context_parallel_attention(node: fx.Node, lower) -> fx.Node | None:
     if not (lower.balanced and isinstance(pq, Shard) and pq.dim == 2):
         return None
     mask, dropout, causal, scale, gqa = _sdpa_args(node)
+    if causal and mask is not None:
+        raise ParallelizeError(f"node %{node.name}: attention with both a mask and is_causal")
+    if isinstance(lower.placement(k), Shard):
+        return _ring(node, lower, mask, dropout, causal, scale)
     if not causal:
         return None
-    if mask is not None:
-        raise ParallelizeError(f"node %{node.name}: attention with both a mask and is_causal")
     return lower.call(cp_ops.attention_all_gather,
                       (lower.remap(q), lower.remap(k), lower.remap(v), float(dropout), scale, bool(gqa),
                        lower.coord, lower.size),
                       node, pq, f"causal attention of this rank's query chunks against the keys before them "
                                 f"(keys gathered over {lower.axis})")
+
+
+def _ring(node: fx.Node, lower, mask, dropout, causal, scale) -> fx.Node:
+    """cp_comm_type="p2p": the keys stay split and travel around the ring (ops/cp.py)."""
+    q, k, v = node.args[:3]
+    if dropout:
+        raise ParallelizeError(
+            f"node %{node.name} ({meta.get(node, meta.MODULE) or 'top level'}): attention dropout "
+            f"(dropout_p={dropout}) inside the cp ring is not supported; use cp_comm_type='all_gather' or "
+            "set the attention dropout to 0")
+    if scale is None:
+        scale = float(q.meta["val"].shape[-1]) ** -0.5
+    ring = lower.call(torch.ops.fxtron.ring_attention.default,
+                      (lower.remap(q), lower.remap(k), lower.remap(v), None if mask is None else lower.remap(mask),
+                       float(scale), bool(causal), lower.size, lower.axis),
+                      node, lower.placement(q), f"attention over the cp ring: key blocks travel around {lower.axis}")
+    val = node.meta.get("val")
+    if val is not None:
+        ring.meta["val"] = (val, val.new_empty(val.shape[:-1], dtype=torch.float32))
+        meta.set(ring, meta.PLACEMENT, meta.get(ring, meta.PLACEMENT).with_axis(
+            lower.axis, (lower.placement(q), lower.placement(q))))
+    return lower.call(operator.getitem, (ring, 0), node, lower.placement(q), "the attention output")
 
 
 __all__ = ["AXIS", "COMM_TYPES", "cp_layout"]
