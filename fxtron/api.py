@@ -400,7 +400,9 @@ class ParallelModel:
             row = [rank, self.mesh.describe(rank).split(": ", 1)[1], f"{rg.param_count:,}",
                    _fmt_bytes(rg.param_bytes),
                    f"{report.count(recs, 'all_reduce')} AR, {report.count(recs, 'all_gather')} AG, "
-                   f"{report.count(recs, 'reduce_scatter')} RS", str(tp_wire),
+                   f"{report.count(recs, 'reduce_scatter')} RS"
+                   + (f", {report.count(recs, 'send_recv')} ring" if report.count(recs, 'send_recv') else ""),
+                   str(tp_wire),
                    _fmt_bytes(dp_wire) if dp > 1 else "-"]
             if rg.stages is not None:
                 sent = report.p2p_bytes(rg.stages)
@@ -429,7 +431,8 @@ class ParallelModel:
         if gathered:
             head += "\nall-gathers Megatron's layers would not issue: " + "; ".join(sorted(gathered))
         per = "microbatch" if self.options.microbatches > 1 else "step"
-        headers = ["rank", "coords", "params", "param bytes", f"tp collectives / {per}", f"tp wire bytes / {per}",
+        axes = "+".join(a for a in ("tp", "cp") if getattr(self.mesh, a) > 1) or "tp"
+        headers = ["rank", "coords", "params", "param bytes", f"{axes} collectives / {per}", f"{axes} wire bytes / {per}",
                    "dp grad sync sent / step"]
         if self.stage_assignment is not None:
             headers += ["stages", "p2p sent / microbatch"]

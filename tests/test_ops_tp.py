@@ -383,7 +383,8 @@ def test_collective_table_matches_what_ops_issue(job):
              "reduce_scatter": "reduce_scatter"}
     specs = registry.specs()
     for o in res:
-        assert set(o["table"]) == set(specs) - {"linear"}   # the linear communicates nothing (test_wgrad)
+        # the linear communicates nothing (test_wgrad); the cp ops: tests/test_context_parallel.py
+        assert set(o["table"]) == set(specs) - {"linear", "zigzag", "ring_attention"}
         for name, (fwd, bwd) in o["table"].items():
             spec = specs[name]
             for phase, calls in (("forward", fwd), ("backward", bwd)):

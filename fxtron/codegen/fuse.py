@@ -29,6 +29,8 @@ def fuse_linears(gm: fx.GraphModule, *, device: torch.device) -> fx.GraphModule:
             args = (a[0], a[1], None, True)
         else:
             continue
+        if "cp" in meta.graph_axes(gm) and "cp" not in (meta.get(args[1], meta.GRAD_REDUCE) or ()):
+            continue     # a weight whose gradient is whole on every cp rank: its share is scaled (runtime/grads.py)
         x = args[0]
         with g.inserting_before(node):
             new = g.call_function(torch.ops.fxtron.linear.default, args)

@@ -210,7 +210,8 @@ def _split_stages(s: RankState) -> None:
 def shard_params(gm: fx.GraphModule, mesh: MeshView, mine: set[str]) -> dict[str, LocalParam]:
     """The description of every parameter in `mine`: per axis its shard (from its placement),
     the axes its gradient is partial over (meta.GRAD_REDUCE), and the data-parallel group
-    that averages it."""
+    that reduces it (dp-cp under context parallel, which sums the cp ranks' partial
+    gradients)."""
     local: dict[str, LocalParam] = {}
     for node in gm.graph.nodes:
         name = meta.param_name(node)
@@ -226,8 +227,14 @@ def shard_params(gm: fx.GraphModule, mesh: MeshView, mine: set[str]) -> dict[str
                                        f"parameter {name} {full} dim {pl.dim}")
                 shape[pl.dim] //= mesh.size(axis)
                 shards.append(AxisShard(axis, pl.dim, pl.interleave))
+        partial = tuple(meta.get(node, meta.GRAD_REDUCE) or ())
+        group, whole = "dp", ()
+        if mesh.parallel("cp"):        # the cp sum joins the dp average in one collective
+            group = "dp-cp"
+            whole = () if "cp" in partial else ("cp",)
+            partial = tuple(a for a in partial if a != "cp")
         local[name] = LocalParam(name, full, tuple(shape), val.dtype, shards=tuple(shards),
-                                 partial_grad=tuple(meta.get(node, meta.GRAD_REDUCE) or ()), grad_group="dp")
+                                 partial_grad=partial, grad_group=group, grad_whole_on=whole)
     return local
 
 

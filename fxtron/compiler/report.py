@@ -72,6 +72,15 @@ def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRec
                 continue                     # no gradient comes back through a value that needs none
             src = node.args[0] if comm.payload in ("input", "grad_input", "rows") else node
             shape = meta.get(src, meta.LOCAL_SHAPE) or ()
+            if comm.payload == "ring":          # keys and values around the ring (ops/registry.py)
+                k, v = node.args[1], node.args[2]
+                steps = n - 1 if phase == "forward" else 2 * n - 1
+                nbytes = sum(_numel(meta.get(a, meta.LOCAL_SHAPE)) * a.meta["val"].dtype.itemsize for a in (k, v))
+                out.append(CollectiveRecord(
+                    node=node.name, op=spec.name, phase=phase, kind=comm.kind, count=steps, group=axis or "",
+                    ranks=ranks, shape=tuple(meta.get(k, meta.LOCAL_SHAPE)), payload_bytes=sympy.simplify(steps * nbytes),
+                    wire_bytes=sympy.simplify(steps * nbytes), module=meta.get(node, meta.MODULE) or ""))
+                continue
             if comm.payload == "rows":
                 shape, itemsize = tuple(shape[:-1]), 4      # one float32 per logits row
             elif comm.payload in ("output", "grad_output") and comm.kind == "all_gather":

@@ -28,8 +28,11 @@ class LocalParam:
     rank), applied in order. `partial_grad`: axes over which each rank's gradient is a partial
     sum although the weight is whole there (a norm weight on sequence shards: ("tp",)); it is
     summed over them once per step, after backward. `grad_group`: the group kind (Mesh.groups)
-    whose ranks hold the same piece and average their gradients: "dp" (dp-cp and expert-dp
-    with context and expert parallel)."""
+    whose ranks hold the same piece and reduce their gradients: "dp", or "dp-cp" with context
+    parallel, whose cp ranks each hold the partial gradient of their tokens (summed over cp,
+    averaged over dp, in one collective: Megatron's dp-cp buffer). `grad_whole_on`: axes of
+    the grad group over which every rank computes the whole gradient, not a partial sum (a
+    position table looked up whole): its share is divided by their size before the sum."""
 
     name: str
     full_shape: tuple[int, ...]
@@ -38,6 +41,7 @@ class LocalParam:
     shards: tuple[AxisShard, ...] = ()
     partial_grad: tuple[str, ...] = ()
     grad_group: str = "dp"
+    grad_whole_on: tuple[str, ...] = ()
 
     def shard_on(self, axis: str) -> AxisShard | None:
         return next((s for s in self.shards if s.axis == axis), None)

@@ -13,8 +13,10 @@ import torch.fx as fx
 
 CommKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"]
 #: the tensor whose size is the payload of a collective: the op's input or output in forward,
-#: the gradient of its input or output in backward, or "rows" (one float32 per row of the input)
-Payload = Literal["input", "output", "grad_input", "grad_output", "rows"]
+#: the gradient of its input or output in backward, "rows" (one float32 per row of the input),
+#: or "ring" (the op's keys and values, args 1 and 2, sent to the next rank of a ring: world-1
+#: times in forward; in backward world-1 times again and their gradients world times)
+Payload = Literal["input", "output", "grad_input", "grad_output", "rows", "ring"]
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ def _context_parallel_attention(node: fx.Node, lower) -> fx.Node | None:
     mask, dropout, causal, scale, gqa = _sdpa_args(node)
     if causal and mask is not None:
         raise ParallelizeError(f"node %{node.name}: attention with both a mask and is_causal")
-    if isinstance(lower.placement(k), Shard):
+    if isinstance(meta.expects(node, lower.axis)[1], Shard):   # the keys stay split: the ring
         return _ring(node, lower, mask, dropout, causal, scale)
     if not causal:
         return None

@@ -50,7 +50,10 @@ class GradBuffer:
     """The flat gradient buffer of one rank and its buckets.
 
     params: (name, parameter, reports expected per step) in order of first use in forward.
-    pad_to: each bucket is padded to a multiple of this (dp, for an even reduce-scatter).
+    group: the process group that reduces the buckets, of `dp` ranks (this one `dp_rank`);
+    `average`: the divisor applied before the sum (default dp: the average over dp; under
+    context parallel the group is dp-cp and the divisor dp, summing over cp). Each bucket is
+    padded to a multiple of dp for an even reduce-scatter.
     """
 
     params: list[tuple[str, torch.nn.Parameter, int]]
@@ -61,6 +64,7 @@ class GradBuffer:
     reduce_scatter: bool = False
     dp_rank: int = 0
     alone: frozenset = frozenset()      # parameters that get a bucket of their own (tied weights)
+    average: int | None = None          # the divisor (None: dp)
     data: torch.Tensor = field(init=False)
     buckets: list[Bucket] = field(init=False, default_factory=list)
     offsets: dict[str, tuple[int, int]] = field(init=False, default_factory=dict)
@@ -149,7 +153,7 @@ class GradBuffer:
         if self.dp == 1 or self.group is None:
             return
         chunk = self.data[b.start:b.end]
-        chunk.div_(self.dp)                         # scale once: the average over dp
+        chunk.div_(self.average or self.dp)         # scale once: the average over dp
         if self.reduce_scatter:
             out = chunk.view(self.dp, -1)[self.dp_rank]
             b.work = dist.reduce_scatter_tensor(out, chunk.clone(), group=self.group, async_op=True)

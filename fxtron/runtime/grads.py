@@ -56,7 +56,7 @@ class GradientSync:
             buffer (Megatron's DDP hook) and report it."""
             if not self._in_step or p.grad is None:
                 return
-            p.main_grad.add_(p.grad)
+            p.main_grad.add_(p.grad, alpha=self._grad_share.get(name, 1.0))
             p.grad = None
             self.grad_buffer.report(name)
         return hook
@@ -178,8 +178,8 @@ class GradientSync:
                 continue                                   # a tied weight: its first stage counts it
             total += g.float().pow(2).sum()
         if self.groups is not None:
-            if self._zero is not None and self.groups.size("dp") > 1:
-                dist.all_reduce(total, group=self.groups.group("dp"))   # each rank holds 1/dp
+            if self._zero is not None and self.grad_buffer.group is not None:
+                dist.all_reduce(total, group=self.grad_buffer.group)   # each rank holds 1/dp (of dp-cp)
             if self.groups.size("tp-pp") > 1:
                 dist.all_reduce(total, group=self.groups.group("tp-pp"))
         return total.sqrt()

@@ -33,18 +33,20 @@ class LossScaler:
         self.clean_steps = 0
         self.skipped = 0
 
-    def unscale_and_check(self, params: list[torch.Tensor], groups, *, sharded_over_dp: bool = False) -> bool:
+    def unscale_and_check(self, params: list[torch.Tensor], groups, *, sharded_over_dp: bool = False,
+                          dp_kind: str = "dp") -> bool:
         """Divide the gradients by the scale; True when they are finite on every rank. The
         verdict is agreed over the model-parallel group (tp-pp: every piece of the model), and
         over data parallel too when each dp rank holds a different shard of the gradients (the
-        distributed optimizer); without it every dp rank has the same summed gradients."""
+        distributed optimizer, over `dp_kind`: dp-cp under context parallel); without it every dp
+        rank has the same summed gradients."""
         grads = [p.grad for p in params if p.grad is not None]
         found = torch.zeros(1, device=grads[0].device if grads else "cpu")
         for g in grads:
             g.div_(self.scale)
             found = torch.maximum(found, (~torch.isfinite(g)).any().float().reshape(1))
         if groups is not None:
-            for kind in ("tp-pp", "dp") if sharded_over_dp else ("tp-pp",):
+            for kind in ("tp-pp", dp_kind) if sharded_over_dp else ("tp-pp",):
                 if groups.size(kind) > 1:
                     dist.all_reduce(found, op=dist.ReduceOp.MAX, group=groups.group(kind))
         if found.item():

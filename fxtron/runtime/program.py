@@ -56,6 +56,13 @@ def _set_by_path(root: nn.Module, path: str, value: torch.Tensor, *, parameter: 
         node.register_buffer(leaf, value, persistent=persistent)
 
 
+def _prod(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
 class Program(GradientSync, nn.Module):
     """One rank's share of the model, ready for an optimizer.
 
@@ -110,11 +117,16 @@ class Program(GradientSync, nn.Module):
         self._chunk_params = [set(st.params) for st in stages] if stages is not None else None
         grad_group = self._grad_group()
         opts = self.data_parallel
+        world, index = (1, 0) if groups is None else (groups.size(grad_group), groups.index(grad_group))
         self.grad_buffer = GradBuffer(
             [(n, get_by_path(self, n), (grad_reports or {}).get(n, 1)) for n in order],
-            opts.grad_reduce_dtype or torch.float32, opts.bucket_size or default_bucket_size(dp),
-            group=self.groups.group(grad_group) if dp > 1 else None, dp=dp, reduce_scatter=opts.zero == 1,
-            dp_rank=dp_rank, alone=frozenset(self._shared))
+            opts.grad_reduce_dtype or torch.float32, opts.bucket_size or default_bucket_size(world),
+            group=self.groups.group(grad_group) if world > 1 else None, dp=world, reduce_scatter=opts.zero == 1,
+            dp_rank=index, alone=frozenset(self._shared), average=dp)
+        # a gradient every rank of the group computes whole (not a partial sum over cp) enters the
+        # sum divided by those ranks' count
+        self._grad_share = {n: 1.0 / _prod(groups.size(a) for a in self._local[n].grad_whole_on)
+                            for n in order if groups is not None and n in self._local and self._local[n].grad_whole_on}
         # one view per parameter, made once: .grad and .main_grad are the same tensors every step
         self._grad_views = {n: self.grad_buffer.view(n, get_by_path(self, n)) for n in order}
         self._in_step = False
@@ -243,7 +255,8 @@ class Program(GradientSync, nn.Module):
     def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self._zero is not None:
             params = self._zero.optimizer_for(optimizer)
-            grads_ok = self.scaler is None or self.scaler.unscale_and_check(params, self.groups, sharded_over_dp=True)
+            grads_ok = self.scaler is None or self.scaler.unscale_and_check(params, self.groups, sharded_over_dp=True,
+                                                                               dp_kind=self._grad_group())
             if grads_ok:
                 self._zero.step(optimizer)
             return

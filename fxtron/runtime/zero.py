@@ -85,7 +85,7 @@ class ZeroOne:
         self._inner.step()
         if self.dp == 1:
             return
-        group = self.prog.groups.group("dp")
+        group = self.buf.group
         for b in self.buf.buckets:   # every rank's updated shard to every rank, bucket by bucket
             s0, s1 = self.buf.shard(b, self.rank)
             src = self.param_data[s0:s1].clone()
@@ -102,7 +102,7 @@ class ZeroOne:
         """The whole averaged gradient buffer, gathered from every rank's shards."""
         out = self.buf.data.clone()
         if self.dp > 1:
-            group = self.prog.groups.group("dp")
+            group = self.buf.group
             for b in self.buf.buckets:
                 s0, s1 = self.buf.shard(b, self.rank)
                 dist.all_gather_into_tensor(out[b.start:b.end], self.buf.data[s0:s1].clone(), group=group)
@@ -124,7 +124,7 @@ class ZeroOne:
                 else:
                     scalars[k] = v
         if self.dp > 1:
-            group = self.prog.groups.group("dp")
+            group = self.buf.group
             for k, t in flat.items():
                 for b in self.buf.buckets:
                     s0, s1 = self.buf.shard(b, self.rank)
