@@ -119,10 +119,14 @@ class _Emitter:
         value is reordered (`zigzag`) before it is split and restored to natural order after it
         is gathered, so the split and gather themselves are the plain ones."""
         have, n = placed.get(axis), self.mesh.size(axis)
+        if isinstance(want, Shard) and is_symbolic(want.interleave) and not isinstance(have, Shard):
+            folded = self._split_before_fold(src, value, placed, axis, want, why)
+            if folded is not None:
+                return folded
         for sh in (have, want):
             if isinstance(sh, Shard) and not isinstance(sh.interleave, int):
                 raise ParallelizeError(
-                    f"%{src.name}: {axis}:{sh} -> {axis}:{want} for %{consumer.name}: a {axis} shard of "
+                    f"%{src.name}: {axis}:{have} -> {axis}:{want} for %{consumer.name}: a {axis} shard of "
                     f"{'a batch-and-sequence fold' if is_symbolic(sh.interleave) else 'unequal blocks'} cannot be "
                     f"moved; the op needs it whole, which context parallel does not do (module "
                     f"{meta.get(consumer, meta.MODULE) or '(top level)'})")
@@ -134,7 +138,8 @@ class _Emitter:
         if isinstance(have, Shard):
             gathered = self.call(ops.all_gather.default, (value, have.dim, to_list(have.interleave), n, axis), src,
                                  placed.with_axis(axis, REPLICATE), why)
-            if meta.get(consumer, meta.FALLBACK) is None:
+            if meta.get(consumer, meta.FALLBACK) is None and src.meta["val"].is_floating_point():
+                # (integers -- token ids, labels shifted by one -- are the data's, B x S of them)
                 meta.set(gathered, meta.GATHERED, _gathered(why, src, consumer, axis))
             value = self.call(ops.zigzag.default, (gathered, have.dim, have.interleave, n, True), src,
                               placed.with_axis(axis, REPLICATE), why + " (natural order)")
@@ -148,6 +153,30 @@ class _Emitter:
             return self._split_balanced(src, value, placed, axis, want, why)
         raise ParallelizeError(f"cannot redistribute %{src.name} from {axis}:{have} to {axis}:{want} "
                                f"(for %{consumer.name})")
+
+    def _split_before_fold(self, src, value, placed, axis, want: Shard, why: str) -> fx.Node | None:
+        """A whole value folded (B, S, ...) -> (B*S, ...), perhaps then cast, wanted split over a
+        load-balanced axis (labels shifted inside the model, for a loss over split tokens): split
+        it on the sequence before the fold and fold the rank's part. None if `src` is no such fold."""
+        chain = []
+        node, new = src, value
+        while node.op == "call_function" and node.target in _CASTS | {torch.ops.aten.to.dtype_layout}:
+            chain.append((node, new))
+            node, new = node.args[0], new.args[0]
+        if not (node.op == "call_function" and node.target in _FOLDS and new.target == node.target):
+            return None
+        x, x_new = node.args[0], new.args[0]
+        ins, outs = _shape(x), _shape(node)
+        if want.dim != 0 or len(ins) != len(outs) + 1 or sympy.simplify(ins[0] * ins[1] - outs[0]) != 0 \
+                or sympy.simplify(want.interleave - ins[0]) != 0:
+            return None
+        split = self._split_balanced(x, x_new, placed, axis, Shard(1), why + " (split before the fold)")
+        out = self.call(new.target, (split, *new.args[1:]), node, placed.with_axis(axis, want), why,
+                        kwargs=dict(new.kwargs))
+        for n_old, n_new in reversed(chain):
+            out = self.call(n_new.target, (out, *n_new.args[1:]), n_old, placed.with_axis(axis, want), why,
+                            kwargs=dict(n_new.kwargs))
+        return out
 
     def _split_balanced(self, src, value, placed, axis, want: Shard, why: str) -> fx.Node:
         n = self.mesh.size(axis)
@@ -273,6 +302,8 @@ class Lower:
 
 _CASTS = {torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default, torch.ops.aten.clone.default,
           torch.ops.aten.contiguous.default}
+_FOLDS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+          torch.ops.aten.flatten.using_ints}
 
 
 def _picks_more_rows(src: fx.Node, value: fx.Node, grad) -> bool:
@@ -297,6 +328,13 @@ def _picks_more_rows(src: fx.Node, value: fx.Node, grad) -> bool:
         return False
     a, b = expr(x.meta["val"].shape[0]), expr(src.meta["val"].shape[0])
     return bool(sympy.simplify(b - a).is_positive)
+
+
+def _shape(node: fx.Node) -> tuple:
+    """A node's global shape in the trace's symbols (B, S)."""
+    gm = node.graph.owning_module
+    ti = meta.info(gm) if gm is not None and meta.TRACE_INFO in gm.meta else None
+    return tuple(ti.expr(s) if ti is not None else expr(s) for s in node.meta["val"].shape)
 
 
 def _gathered(why: str, src: fx.Node, consumer: fx.Node, axis: str) -> str:

@@ -165,6 +165,18 @@ def _slice_select(c: Ctx):
     return p, [None]
 
 
+@register_rule(aten.pad.default, aten.constant_pad_nd.default)
+def _pad(c: Ctx):
+    """Padding of the last len(pad)/2 dims: a shard on a dim it does not pad stays; padding
+    the sharded dim (labels shifted by one: pad(labels, (0, 1)) then [..., 1:]) needs it whole."""
+    p, node = c.p[0], c.node
+    if not isinstance(p, Shard):
+        return p, [None]
+    nd, pads = ndim(c.inputs[0]), list(node.args[1])
+    padded = {nd - 1 - i for i in range(len(pads) // 2) if pads[2 * i] or pads[2 * i + 1]}
+    return (REPLICATE, [REPLICATE]) if p.dim in padded else (p, [None])
+
+
 @register_rule(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default)
 def _split(c: Ctx):
     p, node = c.p[0], c.node
@@ -325,6 +337,8 @@ def _cat(c: Ctx):
     empty = [a.meta["val"].dim() == 1 and is_zero(a.meta["val"].shape[0]) for a in c.inputs]
     if first is not None and first.dim != dim and node.target == aten.cat.default:
         return first, [None if e else first for e in empty]
+    if first is not None and node.target == aten.cat.default and sum(not e for e in empty) == 1:
+        return first, [None] * len(ps)     # the one real input (past keys of an empty cache, then these)
     if first is not None and node.target == aten.stack.default:
         # a new dim at `dim`: a shard of the inputs stays, one dim further when at or after it
         # (GPT-J's rotary pairs: stack((-x2, x1), -1) of per-head values)
