@@ -28,6 +28,7 @@ from fxtron.errors import ParallelizeError
 from fxtron.ops import cp as cp_ops
 from fxtron.passes.propagate import AxisLayout
 from fxtron.passes.rules import register_lowering
+from fxtron.passes.rules.views import head_repeat
 
 aten = torch.ops.aten
 AXIS = "cp"
@@ -86,6 +87,8 @@ def _ring(node: fx.Node, lower, mask, dropout, causal, scale) -> fx.Node:
             "set the attention dropout to 0")
     if scale is None:
         scale = float(q.meta["val"].shape[-1]) ** -0.5
+    # grouped-query attention: the un-repeated keys and values travel (the op repeats each block)
+    k, v = ((r[0] if (r := head_repeat(t)) is not None else t) for t in (k, v))
     ring = lower.call(torch.ops.fxtron.ring_attention.default,
                       (lower.remap(q), lower.remap(k), lower.remap(v), None if mask is None else lower.remap(mask),
                        float(scale), bool(causal), lower.size, lower.axis),

@@ -30,6 +30,7 @@ from fxtron.core.placement import NESTED, REPLICATE, Partial, Replicate, Shard, 
 from fxtron.errors import ParallelizeError
 from fxtron.passes.rules import PARTIAL_THROUGH, is_tensor, lowerings_for, tensor_inputs
 from fxtron.passes.rules.registry import expr, split_sources
+from fxtron.passes.rules.views import head_repeat
 
 ops = torch.ops.fxtron
 
@@ -239,6 +240,19 @@ class _Emitter:
         """Sequence parallel's gather before a region: all-gather forward, reduce-scatter of the
         gradient backward, one op (Megatron's gather_from_sequence_parallel_region)."""
         key = (src, axis, str(placed), "gather_from_sequence")
+        repeat = head_repeat(src) if axis in self.balanced and key not in self.cache else None
+        if repeat is not None:
+            # keys of grouped-query attention: gather them before their heads are repeated
+            x, chain = repeat
+            news = [value]
+            for _ in chain[1:]:
+                news.append(news[-1].args[0])
+            x_new = news[-1].args[0]
+            out = self.gather_for_region(x, x_new, placed, axis, consumer)
+            for old, new in zip(chain, reversed(news)):
+                out = self.call(new.target, (out, *new.args[1:]), old, placed.with_axis(axis, REPLICATE),
+                                f"%{old.name} on the gathered %{x.name}", kwargs=dict(new.kwargs), module_of=consumer)
+            self.cache[key] = out
         if key not in self.cache:
             have = placed.get(axis)
             if have.interleave != 1:

@@ -5,6 +5,7 @@ import operator
 
 import sympy
 import torch
+import torch.fx as fx
 
 from fxtron.core import layout, meta
 from fxtron.core.placement import PARTIAL, REPLICATE, Shard
@@ -358,3 +359,41 @@ def _repeat_interleave(c: Ctx):
     if norm(dim, nd) == p.dim and p.interleave != 1:
         return REPLICATE, [REPLICATE] + [None] * (len(c.p) - 1)
     return p, [None] * len(c.p)   # each rank repeats its own kv heads: GQA stays head-aligned
+
+
+_REPEAT_STEPS = {aten.unsqueeze.default, aten.slice.Tensor, aten.expand.default, aten.reshape.default, aten.view.default,
+                 aten._unsafe_view.default, aten.repeat_interleave.self_int}
+
+
+def head_repeat(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+    """If `node` (B, H, S, D) is keys or values whose heads were repeated from (B, Hkv, S, D)
+    -- grouped-query attention's repeat_interleave, or transformers' repeat_kv
+    (x[:, :, None].expand(B, Hkv, n, S, D).reshape(B, H, S, D)) -- return the un-repeated value
+    and the repeat's nodes in order; else None. Query head j reads kv head j // n."""
+    chain, x = [], node
+    while x.op == "call_function" and x.target in _REPEAT_STEPS and x.args and isinstance(x.args[0], fx.Node):
+        chain.append(x)
+        x = x.args[0]
+    if not chain or not isinstance(x.meta.get("val"), torch.Tensor) or x.meta["val"].dim() != 4:
+        return None
+    src, out = shape(x), shape(node)
+    if len(out) != 4 or any(expr(a) != expr(b) for i, (a, b) in enumerate(zip(src, out)) if i != 1):
+        return None
+    h, hkv = expr(out[1]), expr(src[1])
+    if not (h.is_Integer and hkv.is_Integer) or int(h) % int(hkv) or int(h) == int(hkv):
+        return None
+    n = int(h) // int(hkv)
+    steps = [c.target for c in reversed(chain)]
+    if steps == [aten.repeat_interleave.self_int]:
+        rep = chain[0]
+        if rep.args[1] != n or norm(rep.args[2] if len(rep.args) > 2 else rep.kwargs.get("dim"), 4) != 1:
+            return None
+    else:
+        core = [t for t in steps if t != aten.slice.Tensor]
+        if core[:2] != [aten.unsqueeze.default, aten.expand.default] or len(core) != 3 \
+                or norm(next(c for c in reversed(chain) if c.target == aten.unsqueeze.default).args[1], 5) != 2:
+            return None
+        expand = next(c for c in chain if c.target == aten.expand.default)
+        if expr(shape(expand)[2]) != n:
+            return None
+    return x, list(reversed(chain))
