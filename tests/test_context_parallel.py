@@ -1,0 +1,207 @@
+"""Context parallel (mesh.cp > 1): the sequence split over the cp ranks with Megatron's load
+balancing, attention across the split by all-gather and by ring, composed with tp (with and
+without sequence parallel), pp, dp and zero=1.
+
+Without processes: the layout (a rank's global positions, the zigzag reorder and its
+gradient), the all-gather attention op against causal attention over the whole sequence in
+float64, the balance of the attention work, the compiled graph (placements, attention ops,
+collectives and their bytes as formulas: K and V gathered, (cp-1)/cp of 2*b*s*h_kv elements a
+layer; the ring, cp-1 transfers of 2*b*(s/cp)*h_kv), and the errors a user can cause.
+
+Then two gloo jobs train two AdamW steps (global batches of 4, sequence lengths 16 then 8,
+labels with ignore_index over the first quarter of two samples: unevenly over the cp chunks)
+and compare with one process: losses within 2e-6, first-step gradients within 1e-6, weights
+within 1e-5 (Adam's eps 1e-4, as test_zoo.py explains).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxtron
+from fxtron.compiler.report import count
+from fxtron.ops import cp as cp_ops
+from fxtron.runtime.batch import BatchSlicer
+from fxtron.testing import assert_trains_like, ranks_of, reference_training, run_cases, train_program
+from tp_models import batch, make
+
+SEQS = [16, 8]
+
+
+# ----------------------------------------------------------------------------- the layout
+def test_positions_are_megatrons_load_balanced_chunks():
+    assert cp_ops.positions(8, 2, 0).tolist() == [0, 1, 6, 7]          # MEGATRON.md 5: cp=2, s=8
+    assert cp_ops.positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    for r in range(4):                                                  # cp=4, s=16: chunks r and 7-r
+        assert cp_ops.positions(16, 4, r).tolist() == [2 * r, 2 * r + 1, 2 * (7 - r), 2 * (7 - r) + 1]
+    every = torch.cat([cp_ops.positions(24, 3, r) for r in range(3)])
+    assert sorted(every.tolist()) == list(range(24))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zigzag_then_a_plain_split_gives_each_rank_its_positions(world):
+    x = torch.randn(3, 8 * world, 5, dtype=torch.float64, requires_grad=True)
+    z = cp_ops.zigzag(x, 1, 1, world, False)
+    for r, piece in enumerate(z.chunk(world, dim=1)):
+        assert torch.equal(piece, x[:, cp_ops.positions(8 * world, world, r)])
+    assert torch.equal(cp_ops.zigzag(z, 1, 1, world, True), x)
+    g = torch.randn_like(z)
+    z.backward(g)                                       # the gradient goes back to natural order
+    assert torch.equal(x.grad, cp_ops.zigzag(g, 1, 1, world, True))
+    folded = x.detach().flatten(0, 1)                   # batch and sequence folded: 3 blocks
+    zf = cp_ops.zigzag(folded, 0, 3, world, False)
+    assert torch.equal(zf.view(3, world, -1, 5)[:, 1].reshape(-1, 5),
+                       x.detach()[:, cp_ops.positions(8 * world, world, 1)].reshape(-1, 5))
+
+
+@pytest.mark.parametrize("world,gqa", [(2, False), (4, True)])
+def test_all_gather_attention_equals_causal_attention_rows(world, gqa):
+    g = torch.Generator().manual_seed(0)
+    b, h, s, d = 2, 4, 8 * world, 8
+    hkv = 2 if gqa else h
+    q = torch.randn(b, h, s, d, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(b, hkv, s, d, dtype=torch.float64, generator=g, requires_grad=True)
+    v = torch.randn(b, hkv, s, d, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(b, h, s, d, dtype=torch.float64, generator=g)
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    (full * weight).sum().backward()
+    ref = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    for r in range(world):                              # each rank: its rows, its gradients' share
+        pos = cp_ops.positions(s, world, r)
+        out = cp_ops.attention_all_gather(q[:, :, pos], k, v, 0.0, None, gqa, r, world)
+        torch.testing.assert_close(out, full.detach()[:, :, pos], rtol=0, atol=1e-12)
+        (out * weight[:, :, pos]).sum().backward()
+    for t, want in zip((q, k, v), ref):                 # summed over ranks: the reduce-scatter's sum
+        torch.testing.assert_close(t.grad, want, rtol=0, atol=1e-12)
+
+
+def test_load_balanced_split_gives_every_rank_the_same_attention_work():
+    s = 4096
+    for world in (2, 4, 8):
+        balanced = [cp_ops.score_elements(s, world, r) for r in range(world)]
+        contiguous = [cp_ops.score_elements(s, world, r, balanced=False) for r in range(world)]
+        assert len(set(balanced)) == 1 and sum(balanced) == sum(contiguous) == s * (s + 1) // 2
+        assert max(contiguous) / min(contiguous) == pytest.approx(2 * world - 1, rel=1e-2)
+
+
+def test_a_sequence_the_cp_ranks_cannot_split_is_refused_at_the_step():
+    pm = _pm("gpt", fxtron.Mesh(2, cp=2))
+    slicer = BatchSlicer(fxtron.core.meta.info(pm.traced), dp=1, dp_index=0, microbatches=1, device=None,
+                         cp=2, cp_index=0)
+    ids = torch.zeros(2, 10, dtype=torch.long)
+    with pytest.raises(fxtron.ParallelizeError, match=r"sequence of 10 tokens.*multiple of 4.*8 or 12"):
+        slicer.local((ids, ids))
+    args, _ = slicer.local((torch.arange(16).repeat(2, 1), torch.arange(16).repeat(2, 1)))
+    assert args[0][0].tolist() == [0, 1, 2, 3, 12, 13, 14, 15] and args[1].shape == (2, 8)
+
+
+# ----------------------------------------------------------------------------- compiled graphs
+def _pm(name, mesh, **kw):
+    args, kwargs = batch(name, 2, 8, seed=0)
+    return fxtron.parallelize(make(name), mesh, example_inputs=args, example_kwargs=kwargs, **kw)
+
+
+def test_graph_splits_the_sequence_and_only_attention_communicates():
+    for comm, op in (("all_gather", "attention_all_gather"), ("p2p", "fxtron.ring_attention")):
+        pm = _pm("llama", fxtron.Mesh(2, cp=2), cp_comm_type=comm)
+        text = pm.graph(1)
+        assert "cp 1/2" in text and "cp:S(1)" in text and "cp:S(2)" in text
+        ops = [line.split()[1] for line in text.splitlines() if line.startswith("%")]
+        assert ops.count(op) == 2, comm                           # one per layer
+        assert "fxtron.zigzag" in ops                             # positions reach the rank's tokens
+        rg = pm.compiled(1)
+        assert all(not p.shards and p.grad_group == "dp-cp" for p in rg.local.values())
+        assert not pm.gathers(1) and not pm.fallbacks(1)
+
+
+def test_collective_bytes_are_the_formulas():
+    # llama: 8 heads, 4 kv heads of 8: h_kv = 32 elements a token, float32
+    b, s, cp, h_kv = 2, 16, 2, 32
+    recs = _pm("llama", fxtron.Mesh(2, cp=cp), cp_comm_type="all_gather").collectives(0)
+    gathers = [r for r in recs if r.op == "gather_from_sequence" and r.phase == "forward"]
+    assert len(gathers) == 2 * 2                                 # K and V, two layers
+    per_layer = sum(r.evaluate(b, s)[1] for r in gathers) / 2     # wire bytes
+    assert per_layer == (cp - 1) / cp * 2 * b * s * h_kv * 4
+    assert count(recs, "reduce_scatter", "backward") == 4        # dK, dV reduce-scattered
+    for world in (2, 4):
+        recs = _pm("llama", fxtron.Mesh(world, cp=world), cp_comm_type="p2p").collectives(0)
+        ring = [r for r in recs if r.op == "ring_attention" and r.phase == "forward"]
+        assert len(ring) == 2 and all(r.count == world - 1 for r in ring)
+        assert ring[0].evaluate(b, s)[1] == (world - 1) * 2 * b * (s // world) * h_kv * 4
+    # the loss: the summed losses and the count of counted tokens, one float each
+    assert [r.shape for r in recs if r.kind == "all_reduce"] == [(), ()]
+
+
+def test_user_mistakes_raise():
+    with pytest.raises(fxtron.ParallelizeError, match="cp_comm_type"):
+        _pm("gpt", fxtron.Mesh(2, cp=2), cp_comm_type="ring")
+    model = make("gpt", dropout=0.1)
+    args, _ = batch("gpt", 2, 8, seed=0)
+    pm = fxtron.parallelize(model, fxtron.Mesh(2, cp=2), example_inputs=args, cp_comm_type="p2p")
+    with pytest.raises(fxtron.ParallelizeError, match="dropout.*all_gather"):
+        pm.compiled(0)
+    fxtron.parallelize(model, fxtron.Mesh(2, cp=2), example_inputs=args, cp_comm_type="all_gather").compiled(0)
+
+
+# ----------------------------------------------------------------------------- equal to one process
+CASES = {
+    2: [(dict(cp=2), "gpt", "p2p", {}), (dict(cp=2), "llama", "all_gather", {}),
+        (dict(cp=2), "hf-llama", "p2p", {}), (dict(cp=2), "hf-gpt2", "all_gather", {})],
+    4: [(dict(cp=4), "llama", "p2p", {}),
+        (dict(cp=2), "gpt", "all_gather", dict(zero=1)),                              # cp x dp=2
+        (dict(cp=2, tp=2), "gpt", "p2p", dict(sequence_parallel=True)),
+        (dict(cp=2, tp=2), "llama", "all_gather", {}),
+        (dict(cp=2, pp=2), "llama", "p2p", dict(microbatches=2))],
+}
+
+
+class Case:
+    def __init__(self, axes, name, comm, kw):
+        self.axes, self.name, self.comm, self.kw = axes, name, comm, kw
+        self.key = f"{name}-{comm}-" + "-".join(f"{a}{n}" for a, n in {**axes, **kw}.items())
+
+
+def _batches(name):
+    out = []
+    for i, s in enumerate(SEQS):
+        args, kwargs = batch(name, 4, s, seed=10 + i)
+        labels = kwargs["labels"] if "labels" in kwargs else args[1]
+        for row in (0, 2):                 # even over dp's halves of the batch, uneven over cp's chunks
+            labels[row, : s // 4] = -100
+        out.append((args, kwargs))
+    return out
+
+
+def _opt(params):
+    return torch.optim.AdamW(params, lr=1e-3, eps=1e-4, weight_decay=0.1)
+
+
+def _run_case(rank, mesh, case):
+    pm = _pm(case.name, mesh, cp_comm_type=case.comm, **case.kw)
+    prog = pm.program(rank)
+    return train_program(prog, _batches(case.name), _opt(prog.parameters()))
+
+
+def _jobs():
+    jobs = {}
+    for world, cases in CASES.items():
+        for axes, name, comm, kw in cases:
+            mesh = fxtron.Mesh(world, **axes)
+            jobs.setdefault(world, []).append((mesh, [Case(axes, name, comm, kw)]))
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return run_cases(_jobs(), _run_case)
+
+
+@pytest.mark.parametrize("world,case", [(w, Case(*c)) for w, cases in CASES.items() for c in cases],
+                         ids=lambda x: x.key if isinstance(x, Case) else str(x))
+def test_trains_like_one_process(trained, world, case):
+    ref = reference_training(make(case.name), _batches(case.name), _opt)
+    for rank, got in enumerate(ranks_of(trained, fxtron.Mesh(world, **case.axes), case)):
+        assert_trains_like(got, ref, rank=rank)
