@@ -17,6 +17,8 @@ def _target(node: fx.Node) -> str:
         name = getattr(t, "__name__", str(t))
         if hasattr(t, "_schema") or isinstance(t, torch._ops.OpOverload):
             name = str(t).replace("aten.", "").replace(".default", "")
+        if "rng_region" in node.kwargs:          # draws inside, from this stream (ops/rng.py)
+            name += f" [{node.kwargs['rng_region']} rng]"
         return name
     return node.op if node.op != "call_module" else str(node.target)
 

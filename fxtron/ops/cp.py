@@ -95,22 +95,27 @@ def _causal_block_mask(rows: int, cols: int, offset: int, device) -> Tensor:
 
 
 def attention_all_gather(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, scale: float | None,
-                         enable_gqa: bool, rank: int, world: int) -> Tensor:
+                         enable_gqa: bool, rank: int, world: int, *, rng_region: str | None = None) -> Tensor:
     """Causal attention of this cp rank's queries against the whole sequence.
 
     In: q (B, H, 2c, D), the rank's two chunks (rank and 2*world-1-rank of 2*world, each c
     tokens); k, v (B, Hkv, 2*world*c, D), every position in natural order. Out: (B, H, 2c, D),
     equal to those rows of causal attention over the whole sequence. Each query chunk i is
-    computed against keys [0, (i+1)c) only, under its block of the causal mask."""
+    computed against keys [0, (i+1)c) only, under its block of the causal mask. With dropout,
+    the masks are drawn from the program's `rng_region` stream (ops/rng.py: independent per cp
+    rank, whose tokens differ)."""
+    from fxtron.ops.rng import rng_call
     c = q.shape[-2] // 2
     out = sdpa_like_output(q, v)
     for half, chunk in enumerate((rank, 2 * world - 1 - rank)):
         qi = q.narrow(-2, half * c, c)
         n_keys = (chunk + 1) * c
         mask = _causal_block_mask(c, n_keys, chunk * c, q.device)
-        out.narrow(-2, half * c, c).copy_(F.scaled_dot_product_attention(
-            qi, k.narrow(-2, 0, n_keys), v.narrow(-2, 0, n_keys), attn_mask=mask, dropout_p=dropout_p,
-            scale=scale, enable_gqa=enable_gqa))
+        args = (qi, k.narrow(-2, 0, n_keys), v.narrow(-2, 0, n_keys))
+        kw = dict(attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
+        part = (rng_call(rng_region, F.scaled_dot_product_attention, *args, **kw) if dropout_p and rng_region
+                else F.scaled_dot_product_attention(*args, **kw))
+        out.narrow(-2, half * c, c).copy_(part)
     return out
 
 

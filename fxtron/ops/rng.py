@@ -98,8 +98,19 @@ RANDOM_OPS = {torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.defa
               torch.ops.aten.scaled_dot_product_attention.default}
 
 
+def takes_region(node) -> bool:
+    """Is this a graph op that draws its random numbers inside, from the stream named by its
+    `rng_region` keyword (context parallel's attention), rather than one `rng_call` wraps?"""
+    from fxtron.ops.cp import attention_all_gather
+    return node.op == "call_function" and node.target is attention_all_gather
+
+
 def is_random(node) -> bool:
-    """Does this graph node draw random numbers? (SDPA only with dropout_p > 0)"""
+    """Does this graph node draw random numbers? (SDPA and context parallel's attention only
+    with dropout_p > 0)"""
+    from fxtron.ops.cp import attention_all_gather
+    if node.op == "call_function" and node.target is attention_all_gather:
+        return bool(node.args[3])
     if node.op != "call_function" or node.target not in RANDOM_OPS:
         return False
     if node.target == torch.ops.aten.scaled_dot_product_attention.default:
@@ -110,4 +121,4 @@ def is_random(node) -> bool:
     return True
 
 
-__all__ = ["REPLICATED", "RNGStreams", "is_random", "rng_call", "sharded_region"]
+__all__ = ["REPLICATED", "RNGStreams", "is_random", "rng_call", "sharded_region", "takes_region"]

@@ -6,7 +6,7 @@ import torch.fx as fx
 
 from fxtron.core import meta
 from fxtron.core.placement import Shard
-from fxtron.ops.rng import REPLICATED, is_random, rng_call, sharded_region
+from fxtron.ops.rng import REPLICATED, is_random, rng_call, sharded_region, takes_region
 
 
 def assign_rng_regions(gm: fx.GraphModule) -> fx.GraphModule:
@@ -18,8 +18,11 @@ def assign_rng_regions(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         axes = tuple(a for a in meta.graph_axes(gm) if isinstance(meta.placement(node, a), Shard))
         region = sharded_region(axes) if axes else REPLICATED
-        node.args = (region, node.target) + tuple(node.args)
-        node.target = rng_call
+        if takes_region(node):           # an op that draws inside (cp attention): told its stream
+            node.kwargs = {**node.kwargs, "rng_region": region}
+        else:
+            node.args = (region, node.target) + tuple(node.args)
+            node.target = rng_call
         meta.set(node, meta.PROVENANCE, meta.Provenance("assign_rng_regions", f"{region} random stream"))
     gm.recompile()
     return gm
