@@ -23,7 +23,8 @@ import fxtron
 from fxtron.compiler.report import count
 from fxtron.ops import cp as cp_ops
 from fxtron.runtime.batch import BatchSlicer
-from fxtron.testing import assert_trains_like, ranks_of, reference_training, run_cases, train_program
+from fxtron.testing import (assert_trains_like, max_abs_diff, ranks_of, reference_training, run_cases,
+                            train_program)
 from tp_models import batch, make
 
 SEQS = [16, 8]
@@ -148,7 +149,7 @@ def test_user_mistakes_raise():
 
 # ----------------------------------------------------------------------------- equal to one process
 CASES = {
-    2: [(dict(cp=2), "gpt", "p2p", {}), (dict(cp=2), "llama", "all_gather", {}),
+    2: [(dict(cp=2), "gpt", "p2p", {}), (dict(cp=2), "llama", "all_gather", dict(zero=1)),
         (dict(cp=2), "hf-llama", "p2p", {}), (dict(cp=2), "hf-gpt2", "all_gather", {})],
     4: [(dict(cp=4), "llama", "p2p", {}),
         (dict(cp=2), "gpt", "all_gather", dict(zero=1)),                              # cp x dp=2
@@ -182,21 +183,54 @@ def _opt(params):
 def _run_case(rank, mesh, case):
     pm = _pm(case.name, mesh, cp_comm_type=case.comm, **case.kw)
     prog = pm.program(rank)
+    opt = _opt(prog.parameters())
+    out = train_program(prog, _batches(case.name), opt)
+    if isinstance(case, Saved):       # the checkpoint of a cp=2 run (zero=1: optimizer state over dp-cp)
+        prog.save(case.path, opt)
+    return out
+
+
+class Saved(Case):
+    path = ""
+
+
+class Bf16(Case):
+    pass
+
+
+def _run_bf16(rank, mesh, case):
+    pm = _pm(case.name, mesh, cp_comm_type=case.comm, dtype=torch.bfloat16)
+    prog = pm.program(rank)
     return train_program(prog, _batches(case.name), _opt(prog.parameters()))
 
 
-def _jobs():
+BF16 = [Bf16(dict(cp=2), "llama", "p2p", {}), Bf16(dict(cp=2), "gpt", "all_gather", {})]
+
+
+def _jobs(saved):
     jobs = {}
     for world, cases in CASES.items():
         for axes, name, comm, kw in cases:
             mesh = fxtron.Mesh(world, **axes)
             jobs.setdefault(world, []).append((mesh, [Case(axes, name, comm, kw)]))
+    jobs[2] += [(fxtron.Mesh(2, cp=2), [saved] + BF16)]
     return jobs
 
 
+def _dispatch(rank, mesh, case):
+    return (_run_bf16 if isinstance(case, Bf16) else _run_case)(rank, mesh, case)
+
+
 @pytest.fixture(scope="module")
-def trained():
-    return run_cases(_jobs(), _run_case)
+def saved(tmp_path_factory):
+    case = Saved(dict(cp=2), "llama", "all_gather", dict(zero=1))
+    case.key, case.path = "saved", str(tmp_path_factory.mktemp("cp") / "ckpt")
+    return case
+
+
+@pytest.fixture(scope="module")
+def trained(saved):
+    return run_cases(_jobs(saved), _dispatch)
 
 
 @pytest.mark.parametrize("world,case", [(w, Case(*c)) for w, cases in CASES.items() for c in cases],
@@ -205,3 +239,45 @@ def test_trains_like_one_process(trained, world, case):
     ref = reference_training(make(case.name), _batches(case.name), _opt)
     for rank, got in enumerate(ranks_of(trained, fxtron.Mesh(world, **case.axes), case)):
         assert_trains_like(got, ref, rank=rank)
+
+
+@pytest.mark.parametrize("case", BF16, ids=lambda c: c.key)
+def test_bf16_trains_like_the_same_policy_in_one_process(trained, case):
+    ref = reference_training(make(case.name), _batches(case.name), _opt, dtype=torch.bfloat16)
+    gmax = max(g.abs().max().item() for g in ref["grads"].values())
+    for rank, got in enumerate(ranks_of(trained, fxtron.Mesh(2, cp=2), case)):
+        for a, b in zip(got["losses"], ref["losses"]):
+            assert abs(a - b) <= 2.0**-6 * abs(b), (rank, got["losses"], ref["losses"])
+        dg, where = max_abs_diff(got["grads"], ref["grads"])
+        assert dg <= 2.0**-5 * gmax, f"rank {rank}: gradient of {where} off by {dg:.3g} (max {gmax:.3g})"
+        dw, where = max_abs_diff(got["state"], {k: v for k, v in ref["state"].items() if k in got["state"]})
+        assert dw <= 2 * len(SEQS) * 1e-3, f"rank {rank}: weight {where} off by {dw:.3g}"
+
+
+def test_a_checkpoint_saved_at_cp2_loads_at_cp1(trained, saved):
+    got = ranks_of(trained, fxtron.Mesh(2, cp=2), saved)[0]
+    full = fxtron.load_full_state_dict(saved.path)
+    dw, where = max_abs_diff({k: v for k, v in full.items() if k in got["state"]}, got["state"])
+    assert dw == 0, f"{where} differs by {dw:.3g} in the checkpoint"
+    pm = _pm("llama", fxtron.Mesh(1))
+    prog = pm.program(0)
+    opt = _opt(prog.parameters())
+    prog.load(saved.path, opt)                 # one process: the weights and AdamW's moments
+    assert max_abs_diff(prog.full_state_dict(), got["state"])[0] == 0
+    moments = [st["exp_avg_sq"] for st in opt.state.values()]
+    assert len(moments) == len(list(prog.parameters())) and all(m.abs().sum() > 0 for m in moments)
+    # and it trains on at cp=1 exactly as the reference does after its two steps
+    ref_model = make("llama")
+    ref_opt = _opt(ref_model.parameters())
+    for args, kwargs in _batches("llama"):
+        ref_opt.zero_grad()
+        ref_model(*args, **kwargs).backward()
+        ref_opt.step()
+    args, kwargs = _batches("llama")[0]
+    loss = prog.train_step(args, opt, kwargs=kwargs)
+    ref_opt.zero_grad()
+    ref_loss = ref_model(*args, **kwargs)
+    ref_loss.backward()
+    ref_opt.step()
+    assert abs(loss - ref_loss.item()) < 2e-6
+    assert max_abs_diff(prog.full_state_dict(), dict(ref_model.state_dict()))[0] < 1e-5
