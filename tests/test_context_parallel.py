@@ -281,3 +281,37 @@ def test_a_checkpoint_saved_at_cp2_loads_at_cp1(trained, saved):
     ref_opt.step()
     assert abs(loss - ref_loss.item()) < 2e-6
     assert max_abs_diff(prog.full_state_dict(), dict(ref_model.state_dict()))[0] < 1e-5
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["cpu-kernel", "matmuls"])
+def test_ring_blocks_merge_to_attention_over_every_key(fused):
+    """The ring's pieces in float64, one process: a query block against two key blocks (one
+    under a mask that hides some rows from every key), merged through the log-sum-exp, then
+    each block's backward from the merged output and log-sum-exp: equal to attention over the
+    concatenated keys, values and gradients."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 3, 6, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(2, 3, 10, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    v = torch.randn(2, 3, 10, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    mask = torch.rand(2, 1, 6, 10, generator=g) > 0.4
+    mask[..., 0, :4] = False                       # row 0 sees no key of the first block
+    mask[..., 1, :] = True
+    full = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
+    do = torch.randn_like(full)
+    (full * do).sum().backward()
+    out = torch.zeros(2, 3, 6, 8, dtype=torch.float64)
+    lse = torch.full((2, 3, 6), float("-inf"), dtype=torch.float64)
+    blocks = [slice(0, 4), slice(4, 10)]
+    for cols in blocks:
+        o, l = cp_ops._block(q.detach(), k.detach()[..., cols, :], v.detach()[..., cols, :], 0.3, mask[..., cols],
+                             False, fused=fused)
+        cp_ops._merge(out, lse, o.double(), l.double())
+    torch.testing.assert_close(out, full.detach(), rtol=0, atol=1e-12)
+    dq = torch.zeros_like(q)
+    for cols in blocks:
+        dqb, dk, dv = cp_ops._block_backward(do, q.detach(), k.detach()[..., cols, :], v.detach()[..., cols, :],
+                                             full.detach(), lse, 0.3, mask[..., cols], False, fused=fused)
+        dq += dqb.double()
+        torch.testing.assert_close(dk.double(), k.grad[..., cols, :], rtol=0, atol=1e-12)
+        torch.testing.assert_close(dv.double(), v.grad[..., cols, :], rtol=0, atol=1e-12)
+    torch.testing.assert_close(dq, q.grad, rtol=0, atol=1e-12)

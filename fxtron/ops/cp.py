@@ -110,7 +110,8 @@ def attention_all_gather(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, scal
     for half, chunk in enumerate((rank, 2 * world - 1 - rank)):
         qi = q.narrow(-2, half * c, c)
         n_keys = (chunk + 1) * c
-        mask = _causal_block_mask(c, n_keys, chunk * c, q.device)
+        # an additive mask in q's dtype: the CPU flash kernel takes it, a boolean one falls to math
+        mask = _additive(_causal_block_mask(c, n_keys, chunk * c, q.device), q.dtype)
         args = (qi, k.narrow(-2, 0, n_keys), v.narrow(-2, 0, n_keys))
         kw = dict(attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
         part = (rng_call(rng_region, F.scaled_dot_product_attention, *args, **kw) if dropout_p and rng_region
@@ -130,15 +131,66 @@ def sdpa_like_output(q: Tensor, v: Tensor) -> Tensor:
 # the ring (cp_comm_type="p2p")
 
 
-def _block(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Attention of q against one block of keys in fp32: (out (B,H,Lq,Dv), lse (B,H,Lq)); a row
-    that sees no key has lse -inf and out 0."""
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+def _additive(mask: Tensor | None, dtype) -> Tensor | None:
+    if mask is None or mask.dtype != torch.bool:
+        return None if mask is None else mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+def _acc(q: Tensor) -> torch.dtype:
+    """The dtype the ring accumulates in: fp32, or the inputs' if wider (float64 in tests)."""
+    return torch.promote_types(q.dtype, torch.float32)
+
+
+def _block(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None,
+           causal: bool, fused: bool | None = None) -> tuple[Tensor, Tensor]:
+    """Attention of q against one block of keys: (out (B,H,Lq,Dv), lse (B,H,Lq)) in fp32 (or
+    the inputs' wider dtype); a row that sees no key has lse -inf and out 0. `causal`: the top-left causal mask
+    (the diagonal step: the rank's own chunks against themselves). On CPU torch's flash
+    kernel, which returns the log-sum-exp; elsewhere (or `fused=False`) the same in plain
+    matmuls (fp32)."""
+    if q.device.type == "cpu" if fused is None else fused:
+        bias = _additive(mask, q.dtype)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+        lse = lse.to(_acc(q))
+        if bias is not None:        # the kernel gives a row that sees no key lse 0: make it -inf
+            dead = torch.isinf(bias).all(-1) & (bias < 0).all(-1)
+            lse = lse.masked_fill(dead.expand_as(lse), float("-inf"))
+        return torch.where(torch.isinf(lse).unsqueeze(-1), 0.0, out.to(_acc(q))), lse
+    acc = _acc(q)
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    if causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
     if mask is not None:
-        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(acc)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
-    return torch.matmul(p, v.float()), lse
+    return torch.matmul(p, v.to(acc)), lse
+
+
+def _block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+                    mask: Tensor | None, causal: bool, fused: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of one block, in fp32 (or wider), given the rows' final output and log-sum-exp (the
+    block's probabilities are exp(scores - lse): its share of the whole softmax)."""
+    if q.device.type == "cpu" if fused is None else fused:
+        lse = torch.where(torch.isinf(lse), 0.0, lse)    # a row that sees no key anywhere: no gradient
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.to(q.dtype) if q.dtype == torch.float64 else lse, 0.0,
+            causal, attn_mask=_additive(mask, q.dtype), scale=scale)
+        return dq.to(_acc(q)), dk.to(_acc(q)), dv.to(_acc(q))
+    acc = _acc(q)
+    qf, kf, vf, do = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    if causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(acc)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+    delta = (do * out.to(acc)).sum(-1, keepdim=True)
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    ds = p * (torch.matmul(do, vf.transpose(-1, -2)) - delta)
+    return torch.matmul(ds, kf) * scale, torch.matmul(ds.transpose(-1, -2), qf) * scale, dv
 
 
 def _merge(out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> None:
@@ -149,6 +201,9 @@ def _merge(out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> None:
     b = torch.where(torch.isinf(l), 0.0, torch.exp(l - safe))
     out.mul_(a.unsqueeze(-1)).add_(o * b.unsqueeze(-1))
     lse.copy_(new)
+
+
+CAUSAL = "causal"
 
 
 def _step_plan(rank: int, src: int, world: int, c: int, causal: bool, mask: Tensor | None, seq: int, device):
@@ -162,9 +217,8 @@ def _step_plan(rank: int, src: int, world: int, c: int, causal: bool, mask: Tens
         return rows, cols, mask.index_select(-1, positions(seq, world, src).to(device))
     if not causal:
         return rows, cols, None
-    if src == rank:
-        pos = positions(seq, world, rank).to(device)
-        return rows, cols, pos.unsqueeze(0) <= pos.unsqueeze(1)
+    if src == rank:            # chunks (r, 2n-1-r) against themselves: exactly the top-left causal mask
+        return rows, cols, CAUSAL
     if src < rank:
         return rows, slice(0, c), None
     return slice(c, 2 * c), cols, None
@@ -196,17 +250,17 @@ def _ring_forward(q, k, v, mask, scale, causal, world, group):
     rank = pg.rank() if pg is not None else 0
     c, heads = q.shape[-2] // 2, q.shape[1]
     seq = 2 * c * world
-    out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=torch.float32, device=q.device)
-    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=_acc(q), device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=_acc(q), device=q.device)
     kv = [k.contiguous(), v.contiguous()]
     for i in range(world):
         src = (rank - i) % world
         pending = T.start_ring_exchange(kv, pg) if i + 1 < world else None   # the next block, while this computes
         rows, cols, m = _step_plan(rank, src, world, c, causal, mask, seq, q.device)
         kb, vb = (_expand_kv(t, heads)[..., cols, :] for t in kv)
-        if m is not None:
-            m = m[..., rows, :][..., cols] if m.dim() else m
-        o, l = _block(q[..., rows, :], kb, vb, scale, m)
+        diag = isinstance(m, str)
+        m = None if diag or m is None else m[..., rows, :][..., cols]
+        o, l = _block(q[..., rows, :], kb, vb, scale, m, diag)
         _merge(out[..., rows, :], lse[..., rows], o, l)
         if pending is not None:
             works, kv = pending
@@ -219,7 +273,7 @@ def _ring_forward(q, k, v, mask, scale, causal, world, group):
 
 @ring_attention.register_fake
 def _(q, k, v, mask, scale, causal, world, group):
-    return sdpa_like_output(q, v), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return sdpa_like_output(q, v), q.new_empty(q.shape[:-1], dtype=_acc(q))
 
 
 def _ring_setup(ctx, inputs, output):
@@ -236,28 +290,19 @@ def _ring_backward(ctx, dout, _dlse):
     rank = pg.rank() if pg is not None else 0
     c, heads, hkv = q.shape[-2] // 2, q.shape[1], k.shape[1]
     seq = 2 * c * world
-    do, o = dout.float(), out.float()
-    delta = (do * o).sum(-1)                                    # (B, H, 2c)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq = torch.zeros(q.shape, dtype=_acc(q), device=q.device)
     kv = [k.contiguous(), v.contiguous()]
-    dkv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)]
+    dkv = [torch.zeros(t.shape, dtype=_acc(q), device=t.device) for t in (k, v)]
     for i in range(world):
         src = (rank - i) % world
         pending = T.start_ring_exchange(kv, pg) if i + 1 < world else None
         rows, cols, m = _step_plan(rank, src, world, c, causal, mask, seq, q.device)
-        kb, vb = (_expand_kv(t, heads)[..., cols, :].float() for t in kv)
-        qb = q[..., rows, :].float()
-        s = torch.matmul(qb, kb.transpose(-1, -2)) * scale
-        if m is not None:
-            m = m[..., rows, :][..., cols]
-            s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.float()
-        l = lse[..., rows]
-        p = torch.exp(s - torch.where(torch.isinf(l), 0.0, l).unsqueeze(-1))
-        dob = do[..., rows, :]
-        dv = torch.matmul(p.transpose(-1, -2), dob)
-        ds = p * (torch.matmul(dob, vb.transpose(-1, -2)) - delta[..., rows].unsqueeze(-1))
-        dq[..., rows, :] += torch.matmul(ds, kb) * scale
-        dk = torch.matmul(ds.transpose(-1, -2), qb) * scale
+        kb, vb = (_expand_kv(t, heads)[..., cols, :] for t in kv)
+        diag = isinstance(m, str)
+        m = None if diag or m is None else m[..., rows, :][..., cols]
+        dqb, dk, dv = _block_backward(dout[..., rows, :], q[..., rows, :], kb, vb, out[..., rows, :], lse[..., rows],
+                                      scale, m, diag)
+        dq[..., rows, :] += dqb
         if hkv != heads:                                         # grouped-query: sum the repeated heads
             dk = dk.unflatten(1, (hkv, heads // hkv)).sum(2)
             dv = dv.unflatten(1, (hkv, heads // hkv)).sum(2)

@@ -216,8 +216,6 @@ def _vocab_parallel_cross_entropy(node: fx.Node, lower) -> fx.Node | None:
     args = list(node.args) + [None] * (6 - len(node.args))
     weight = node.kwargs.get("weight", args[2])
     reduction = node.kwargs.get("reduction", args[3] if args[3] is not None else 1)
-    ignore_index = node.kwargs.get("ignore_index", args[4] if args[4] is not None else -100)
-    smoothing = node.kwargs.get("label_smoothing", args[5] if args[5] is not None else 0.0)
     if weight is not None:
         raise ParallelizeError(f"node %{node.name}: class weights in a vocab-parallel cross entropy are not "
                                "supported; replicate the LM head in the plan")
@@ -227,6 +225,7 @@ def _vocab_parallel_cross_entropy(node: fx.Node, lower) -> fx.Node | None:
 
 
 def _vocab_parallel_ce(node: fx.Node, lower, reduction: int, placement) -> fx.Node:
+    """The vocab-parallel op over `lower`'s axis, with this `reduction`, placed `placement` there."""
     logits, target = node.args[:2]
     args = list(node.args) + [None] * (6 - len(node.args))
     ignore_index = node.kwargs.get("ignore_index", args[4] if args[4] is not None else -100)

@@ -1,0 +1,193 @@
+"""Context-parallel benchmarks (CPU, gloo).
+
+    .venv/bin/python -m pytest benchmarks/bench_cp.py --benchmark-only      # ~2 min on 2 cores
+
+1. Attention work per cp rank (test_attention_work): for a causal sequence of 4096 tokens at
+   cp = 2, 4, 8, the score elements each rank needs (a query at position p attends p + 1
+   keys) under Megatron's load-balanced split (rank r: chunks r and 2cp-1-r of 2cp) and under a
+   contiguous split (rank r: block r), and those the cp attention op computes (whole blocks,
+   the diagonal block's masked half included). Balanced: equal on every rank; contiguous: the
+   last rank needs about 2cp-1 times the first's.
+
+2. Training step, cp=2 against one process (test_train_step), on a long sequence where
+   attention dominates: the shipped Llama with hidden 64 (4 query / 2 key-value heads of 16),
+   2 layers, ffn 172, vocab 256, one sequence of 4096 tokens, AdamW; one job of 2 gloo
+   processes, one torch thread each:
+     fxtron_cp2_p2p         parallelize(model, Mesh(2, cp=2), cp_comm_type="p2p"): the ring
+     fxtron_cp2_all_gather  the same with cp_comm_type="all_gather"
+     single_process         the unmodified model in rank 0's process while rank 1 waits in a
+                            barrier (no CPU)
+   All start from the same weights and see the same batches; timed blocks are interleaved
+   (rounds x steps, order rotating); rank 0's perf_counter per step; the losses must agree.
+   Beside each: its cp bytes per step from pm.collectives (formulas in B and S, evaluated),
+   and the issue's formulas per layer: all_gather (cp-1)/cp x 2*b*s*h_kv elements forward,
+   p2p (cp-1) transfers of 2*b*(s/cp)*h_kv. Ratios are reported, never asserted.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fxtron
+from fxtron.models.llama import Llama, LlamaConfig
+from fxtron.ops import cp as cp_ops
+from replay import ReplayTimer, noop, token_batches
+
+CFG = LlamaConfig(vocab_size=256, max_seq_len=4096, n_layer=2, n_head=4, n_kv_head=2, dim=64, ffn_dim=172)
+BATCH, SEQ = 1, 4096
+WARMUP_STEPS, ROUNDS, STEPS_PER_ROUND = 1, 3, 2
+SYSTEMS = ["fxtron_cp2_p2p", "fxtron_cp2_all_gather", "single_process"]
+H_KV = CFG.n_kv_head * (CFG.dim // CFG.n_head)       # key (or value) elements per token
+
+
+def make_model() -> Llama:
+    torch.manual_seed(0)
+    return Llama(CFG)
+
+
+# ---------------------------------------------------------------- 1. work balance
+def _computed(seq: int, world: int, rank: int, balanced: bool) -> int:
+    """Score elements a rank's attention computes per (batch, head): whole blocks."""
+    if balanced:
+        c = seq // (2 * world)
+        return sum(c * (i + 1) * c for i in (rank, 2 * world - 1 - rank))
+    b = seq // world
+    return b * (rank + 1) * b
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_attention_work(world, bench_report, benchmark):
+    benchmark.pedantic(noop, rounds=1, iterations=1)
+    need_bal = [cp_ops.score_elements(SEQ, world, r) for r in range(world)]
+    need_con = [cp_ops.score_elements(SEQ, world, r, balanced=False) for r in range(world)]
+    comp_bal = [_computed(SEQ, world, r, True) for r in range(world)]
+    comp_con = [_computed(SEQ, world, r, False) for r in range(world)]
+    info = {"needed_balanced": need_bal, "needed_contiguous": need_con, "computed_balanced": comp_bal,
+            "computed_contiguous": comp_con,
+            "max_over_min_balanced": max(need_bal) / min(need_bal),
+            "max_over_min_contiguous": max(need_con) / min(need_con)}
+    benchmark.extra_info.update(info)
+    section = bench_report.setdefault(f"attention score elements per cp rank (causal, {SEQ} tokens, per head)", {
+        "headers": ["cp", "split", "needed per rank (rank 0 ..)", "computed per rank", "max/min needed"],
+        "rows": [], "notes": ["needed: a query at position p attends p+1 keys; computed: whole blocks "
+                              "(the cp op's chunks against the keys before them)"]})
+    section["rows"].append([world, "load-balanced", need_bal, comp_bal, f"{info['max_over_min_balanced']:.3f}"])
+    section["rows"].append([world, "contiguous", need_con, comp_con,
+                            f"{info['max_over_min_contiguous']:.3f} (2cp-1 = {2 * world - 1})"])
+
+
+# ---------------------------------------------------------------- 2. training step
+def _eager_step(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(b):
+        opt.zero_grad(set_to_none=True)
+        loss = model(*b)
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+    return step
+
+
+def _train_job(rank: int, mesh: fxtron.Mesh) -> dict:
+    batches = token_batches(CFG.vocab_size, BATCH, SEQ, n=2)
+    runners, setup, wire = {}, {}, {}
+    for comm in ("p2p", "all_gather"):
+        t0 = time.perf_counter()
+        pm = fxtron.parallelize(make_model(), mesh, example_inputs=token_batches(CFG.vocab_size, 2, 8, n=1)[0],
+                                cp_comm_type=comm)
+        prog = pm.program(rank)
+        opt = torch.optim.AdamW(prog.parameters(), lr=1e-3)
+        runners[f"fxtron_cp2_{comm}"] = (lambda p, o: (lambda b: p.train_step(b, o)))(prog, opt)
+        setup[f"fxtron_cp2_{comm}"] = time.perf_counter() - t0
+        recs = pm.collectives(rank)
+        wire[f"fxtron_cp2_{comm}"] = {
+            "forward": sum(r.evaluate(BATCH, SEQ)[1] for r in recs if r.phase == "forward"),
+            "backward": sum(r.evaluate(BATCH, SEQ)[1] for r in recs if r.phase == "backward")}
+    if rank == 0:
+        runners["single_process"] = _eager_step(make_model())
+    times = {s: [] for s in SYSTEMS}
+    losses = {s: [] for s in SYSTEMS}
+    steps = {s: 0 for s in SYSTEMS}
+
+    def run_block(system: str, n: int, timed: bool) -> None:
+        dist.barrier()
+        if system not in runners:
+            dist.barrier()
+            return
+        for _ in range(n):
+            b = batches[steps[system] % len(batches)]
+            t0 = time.perf_counter()
+            losses[system].append(runners[system](b))
+            if timed:
+                times[system].append(time.perf_counter() - t0)
+            steps[system] += 1
+        if system == "single_process":
+            dist.barrier()
+
+    for system in SYSTEMS:
+        run_block(system, WARMUP_STEPS, timed=False)
+    for r in range(ROUNDS):
+        for system in SYSTEMS[r % len(SYSTEMS):] + SYSTEMS[:r % len(SYSTEMS)]:
+            run_block(system, STEPS_PER_ROUND, timed=True)
+    dist.barrier()
+    return {"times": times, "losses": losses, "setup_s": setup, "wire": wire}
+
+
+REPLAY = ReplayTimer()
+
+
+@pytest.fixture(scope="module")
+def train_results():
+    mesh = fxtron.Mesh(2, cp=2)
+    t0 = time.perf_counter()
+    res = fxtron.launch(_train_job, mesh, args=(mesh,), backend="gloo", timeout_s=900,
+                        collective_timeout_s=300, threads_per_rank=1)
+    out = res[0]
+    out["job_s"] = time.perf_counter() - t0
+    out["median"] = {s: statistics.median(out["times"][s]) for s in SYSTEMS}
+    return out
+
+
+def _formula(comm: str, cp: int = 2) -> int:
+    """The issue's forward bytes per layer (fp32): K and V gathered, or sent around the ring."""
+    if comm == "all_gather":
+        return int((cp - 1) / cp * 2 * BATCH * SEQ * H_KV * 4)
+    return (cp - 1) * 2 * BATCH * (SEQ // cp) * H_KV * 4
+
+
+@pytest.mark.benchmark(group="cp2 train step (worker-measured)", timer=REPLAY)
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_train_step(benchmark, train_results, bench_report, system):
+    times, med, losses = train_results["times"][system], train_results["median"], train_results["losses"]
+    ref = losses["single_process"]
+    assert abs(losses[system][0] - ref[0]) < 1e-4, (system, losses[system][0], ref[0])
+    assert abs(losses[system][-1] - ref[-1]) < 1e-2, (system, losses[system][-1], ref[-1])
+    REPLAY.load(times)
+    benchmark.pedantic(noop, rounds=len(times), iterations=1)
+    info = {"median_step_s": med[system], "ratio_vs_single_process": med[system] / med["single_process"],
+            "min_ratio_vs_single_process": min(times) / min(train_results["times"]["single_process"]),
+            "loss_first": losses[system][0], "loss_last": losses[system][-1]}
+    comm = system.removeprefix("fxtron_cp2_")
+    if system in train_results["wire"]:
+        w = train_results["wire"][system]
+        info.update(wire_forward_bytes=w["forward"], wire_backward_bytes=w["backward"],
+                    formula_forward_bytes_per_layer=_formula(comm), setup_s=train_results["setup_s"][system])
+    benchmark.extra_info.update(info)
+    section = bench_report.setdefault(f"context parallel training step (cp=2, gloo, 1 thread/process, {SEQ} tokens)", {
+        "headers": ["system", "median step ms", "min ms", "vs single process (median / min)",
+                    "cp fwd bytes/step", "formula fwd bytes/layer x layers", "cp bwd bytes/step"],
+        "rows": [], "notes": [f"model: Llama hidden {CFG.dim}, {CFG.n_layer} layers, {CFG.n_head}/{CFG.n_kv_head} heads, "
+                              f"ffn {CFG.ffn_dim}; batch {BATCH}x{SEQ}; job {train_results['job_s']:.0f} s; fwd bytes "
+                              "include the loss's two all-reduced floats"]})
+    row = [system, f"{med[system] * 1e3:.0f}", f"{min(times) * 1e3:.0f}",
+           f"{info['ratio_vs_single_process']:.2f} / {info['min_ratio_vs_single_process']:.2f}"]
+    if system in train_results["wire"]:
+        row += [f"{info['wire_forward_bytes']:,}", f"{_formula(comm) * CFG.n_layer:,}", f"{info['wire_backward_bytes']:,}"]
+    else:
+        row += ["-", "-", "-"]
+    section["rows"].append(row)
