@@ -103,7 +103,12 @@ def attention_all_gather(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, scal
     equal to those rows of causal attention over the whole sequence. Each query chunk i is
     computed against keys [0, (i+1)c) only, under its block of the causal mask. With dropout,
     the masks are drawn from the program's `rng_region` stream (ops/rng.py: independent per cp
-    rank, whose tokens differ)."""
+    rank, whose tokens differ). Without dropout, each chunk's keys are two blocks -- those
+    before the chunk, whole, and the chunk's own under the square causal mask -- computed by
+    the flash kernel and merged through their log-sum-exp (_GatheredCausal), so no masked-out
+    score is computed."""
+    if not dropout_p:
+        return _GatheredCausal.apply(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale, rank, world)
     from fxtron.ops.rng import rng_call
     c = q.shape[-2] // 2
     out = sdpa_like_output(q, v)
@@ -118,6 +123,53 @@ def attention_all_gather(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, scal
                 else F.scaled_dot_product_attention(*args, **kw))
         out.narrow(-2, half * c, c).copy_(part)
     return out
+
+
+def _gathered_pieces(rank: int, world: int, c: int):
+    """Per query chunk of the rank: (its rows, [(key columns, causal?)...]) over the whole
+    sequence's keys -- the keys before the chunk whole, the chunk's own under the causal mask."""
+    for half, chunk in enumerate((rank, 2 * world - 1 - rank)):
+        pieces = ([(slice(0, chunk * c), False)] if chunk else []) + [(slice(chunk * c, (chunk + 1) * c), True)]
+        yield slice(half * c, (half + 1) * c), pieces
+
+
+class _GatheredCausal(torch.autograd.Function):
+    """attention_all_gather without dropout: blocks on the flash kernel, merged (see there)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, rank, world):
+        c, heads = q.shape[-2] // 2, q.shape[1]
+        kx, vx = _expand_kv(k, heads), _expand_kv(v, heads)
+        out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=_acc(q), device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=_acc(q), device=q.device)
+        for rows, pieces in _gathered_pieces(rank, world, c):
+            for cols, causal in pieces:
+                o, l = _block(q[..., rows, :], kx[..., cols, :], vx[..., cols, :], scale, None, causal)
+                _merge(out[..., rows, :], lse[..., rows], o, l)
+        result = sdpa_like_output(q, v)
+        result.copy_(out)
+        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.scale, ctx.rank, ctx.world = scale, rank, world
+        return result
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        c, heads, hkv = q.shape[-2] // 2, q.shape[1], k.shape[1]
+        kx, vx = _expand_kv(k, heads), _expand_kv(v, heads)
+        dq = torch.zeros(q.shape, dtype=_acc(q), device=q.device)
+        dk = torch.zeros(kx.shape, dtype=_acc(q), device=q.device)
+        dv = torch.zeros(vx.shape, dtype=_acc(q), device=q.device)
+        for rows, pieces in _gathered_pieces(ctx.rank, ctx.world, c):
+            for cols, causal in pieces:
+                a, b, d = _block_backward(dout[..., rows, :], q[..., rows, :], kx[..., cols, :], vx[..., cols, :],
+                                          out[..., rows, :], lse[..., rows], ctx.scale, None, causal)
+                dq[..., rows, :] += a
+                dk[..., cols, :] += b
+                dv[..., cols, :] += d
+        if hkv != heads:                                         # grouped-query: sum the repeated heads
+            dk, dv = (t.unflatten(1, (hkv, heads // hkv)).sum(2) for t in (dk, dv))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def sdpa_like_output(q: Tensor, v: Tensor) -> Tensor:
