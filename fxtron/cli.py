@@ -65,7 +65,7 @@ def _cmd_inspect(a) -> int:
     m = a.microbatches or (2 * a.pp if a.pp > 1 else 1)
     pm = fxtron.parallelize(model, mesh, example_inputs=args, example_kwargs=kwargs,
                             sequence_parallel=a.sequence_parallel, microbatches=m, schedule=a.schedule,
-                            virtual_stages=a.virtual_stages, zero=a.zero)
+                            virtual_stages=a.virtual_stages, zero=a.zero, cp_comm_type=a.cp_comm_type)
     rank = a.rank if a.rank is not None else 0
     if a.dump:
         pm.compiled(rank, a.dump)
@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     _mesh_args(p, 8)
     p.add_argument("--rank", type=int, default=None, help="the rank to compile (default 0)")
     p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--cp-comm-type", default="p2p", help="context parallel attention: p2p (the ring) or all_gather")
     p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, zb-h1")
     p.add_argument("--virtual-stages", type=int, default=1)
     p.add_argument("--microbatches", type=int, default=None, help="per step (default 2 x pp)")

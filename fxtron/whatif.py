@@ -4,14 +4,16 @@ step time — "will Llama-70B train on 64 cards of 80 GB, and how" in seconds, w
 The model (every rate is an assumption, printed with the result; all formulas from
 ../shared/PAPERS.md):
 
-  parameters      P from the model itself; per rank P / (tp pp) (embedding and head included)
+  parameters      P from the model itself; per rank P / (tp pp) (embedding and head included);
+                  context parallel (cp) splits tokens, not weights
   weights         mixed precision, Megatron's layout: 2 B 16-bit weights + 4 B fp32 main grads
                   + 4 B fp32 master weights + 8 B Adam moments per parameter; the distributed
                   optimizer (zero=1) divides the last 12 B by dp
   activations     Korthikanti et al. 2022, bytes per layer with 16-bit activations:
                   tp: s b h (10 + 24/t + 5 a s/(h t));  tp+sp: (s b h / t)(34 + 5 a s/h);
                   the first pipeline stage holds pp microbatches of L/pp layers = L layers
-                  (Eq. 5), x (1 + (p-1)/(p v)) interleaved
+                  (Eq. 5), x (1 + (p-1)/(p v)) interleaved; under cp a rank holds s/cp of the
+                  tokens against all s keys: s -> s/cp in the s b h factor, not in 5as/h
   compute         model FLOPs 72 B L s h^2 (1 + s/(6h) + V/(12 h L)) per step (Eq. 7), at
                   `flops_per_s` x `efficiency` per GPU
   bubble          x (1 + (p-1)/(v m)) (Narayanan et al. 2021)
@@ -19,8 +21,13 @@ The model (every rate is an assumption, printed with the result; all formulas fr
                   microbatch, ring 2(t-1)/t, at the intra-node bandwidth (tp stays in a node)
   pp comm         b s h 16-bit values per microbatch each way per boundary (x v interleaved),
                   at the inter-node bandwidth
+  cp comm         K and V of every layer and microbatch gathered forward and their gradients
+                  reduce-scattered backward, (c-1)/c of 2 b s h_kv 16-bit values each way
+                  (h_kv = h: no grouped-query saving assumed), the ring moving the same bytes;
+                  intra-node when tp x cp fits a node, else inter-node
   dp comm         ring all-reduce 2(d-1)/d of the fp32 gradients (reduce-scatter + all-gather
-                  of the same bytes under zero=1), at the inter-node bandwidth, not overlapped
+                  of the same bytes under zero=1) over the d = dp x cp ranks that hold the same
+                  weights (Megatron's dp-cp group), at the inter-node bandwidth, not overlapped
 """
 from __future__ import annotations
 
@@ -72,6 +79,8 @@ class Candidate:
     tp_comm_s: float
     pp_comm_s: float
     dp_comm_s: float
+    cp: int = 1
+    cp_comm_s: float = 0.0
 
     @property
     def memory_bytes(self) -> float:
@@ -79,7 +88,7 @@ class Candidate:
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.bubble_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s
+        return self.compute_s + self.bubble_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.cp_comm_s
 
     def as_dict(self) -> dict:
         return {**asdict(self), "memory_bytes": self.memory_bytes, "step_s": self.step_s}
@@ -92,18 +101,21 @@ def weight_bytes(params_per_rank: float, dp: int, zero: int) -> float:
     return params_per_rank * (6 + 12 / (dp if zero else 1))
 
 
-def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int, sp: bool) -> float:
+def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int, sp: bool, cp: int = 1) -> float:
     """Korthikanti et al. 2022 Table 2 (16-bit activations): Eq. 2 (tp) or Eq. 4 (tp+sp);
-    t=1 gives Eq. 1, sbh(34 + 5as/h)."""
+    t=1 gives Eq. 1, sbh(34 + 5as/h). Under context parallel a rank holds s/cp of the tokens,
+    whose attention scores still span all s keys: (s/cp) b h (... + 5as/h ...)."""
+    local = s / cp
     if sp or t == 1:
-        return s * b * h / t * (34 + 5 * a * s / h)
-    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+        return local * b * h / t * (34 + 5 * a * s / h)
+    return local * b * h * (10 + 24 / t + 5 * a * s / (h * t))
 
 
-def first_stage_activation_bytes(dims: ModelDims, s: int, b: int, t: int, sp: bool, p: int, v: int = 1) -> float:
+def first_stage_activation_bytes(dims: ModelDims, s: int, b: int, t: int, sp: bool, p: int, v: int = 1,
+                                 cp: int = 1) -> float:
     """The first pipeline stage's activations under 1F1B: p microbatches x L/p layers = L
     layers (Eq. 5), x (1 + (p-1)/(p v)) for the interleaved schedule."""
-    total = dims.layers * activation_bytes_per_layer(s, b, dims.hidden, dims.heads, t, sp)
+    total = dims.layers * activation_bytes_per_layer(s, b, dims.hidden, dims.heads, t, sp, cp)
     if v > 1:
         total *= 1 + (p - 1) / (p * v)
     return total
@@ -122,26 +134,31 @@ def narayanan_params(layers: int, hidden: int, vocab: int, seq: int) -> float:
 
 
 def rate(dims: ModelDims, hw: Hardware, *, world: int, tp: int, pp: int, sp: bool, schedule: str, v: int,
-         global_batch: int, seq: int, micro_batch: int, zero: int) -> Candidate:
-    dp = world // (tp * pp)
+         global_batch: int, seq: int, micro_batch: int, zero: int, cp: int = 1) -> Candidate:
+    dp = world // (tp * pp * cp)
     m = global_batch // (dp * micro_batch)
     b, s, h = micro_batch, seq, dims.hidden
     per_rank = dims.params / (tp * pp)
-    weights = weight_bytes(per_rank, dp, zero)
-    act = first_stage_activation_bytes(dims, s, b, tp, sp, pp, v) * (min(m, pp) / pp if schedule != "gpipe" else m / pp)
+    weights = weight_bytes(per_rank, dp * cp, zero)      # zero=1 shards over dp-cp
+    act = first_stage_activation_bytes(dims, s, b, tp, sp, pp, v, cp) * (
+        min(m, pp) / pp if schedule != "gpipe" else m / pp)
     compute = model_flops(dims, global_batch, s) / world / (hw.flops_per_s * hw.efficiency)
     bubble = compute * (pp - 1) / (v * m) if pp > 1 else 0.0
     tp_bytes = 4 * 2 * (tp - 1) / tp * b * s * h * 2 * (dims.layers / pp) * m if tp > 1 else 0.0
     pp_bytes = 2 * b * s * h * 2 / (tp if sp else 1) * v * m if pp > 1 else 0.0
-    dp_bytes = 2 * (dp - 1) / dp * per_rank * 4 if dp > 1 else 0.0
+    d = dp * cp
+    dp_bytes = 2 * (d - 1) / d * per_rank * 4 if d > 1 else 0.0
+    cp_bytes = 2 * (cp - 1) / cp * 2 * b * s * h / tp * 2 * (dims.layers / pp) * m if cp > 1 else 0.0
+    cp_bw = hw.intra_node_bw if tp * cp <= hw.gpus_per_node else hw.inter_node_bw
     return Candidate(tp, pp, dp, sp, schedule, v, m, zero, weights, act, compute, bubble, tp_bytes / hw.intra_node_bw,
-                pp_bytes / hw.inter_node_bw, dp_bytes / hw.inter_node_bw)
+                     pp_bytes / hw.inter_node_bw, dp_bytes / hw.inter_node_bw, cp, cp_bytes / cp_bw)
 
 
 def candidates(dims: ModelDims, hw: Hardware, *, world: int, global_batch: int, seq: int, micro_batch: int = 1,
                fits_only: bool = True) -> list[Candidate]:
-    """Every (tp, pp, dp, sp, schedule, zero) that divides the model and the batch, ranked by
-    modeled step time; only those whose memory fits `hw.memory` unless fits_only=False."""
+    """Every (tp, pp, cp, dp, sp, schedule, zero) that divides the model, the batch and the
+    sequence (cp: 2 x cp chunks), ranked by modeled step time; only those whose memory fits
+    `hw.memory` unless fits_only=False."""
     out = []
     for tp in _divisors(world):
         if tp > hw.gpus_per_node or dims.heads % tp:
@@ -149,20 +166,23 @@ def candidates(dims: ModelDims, hw: Hardware, *, world: int, global_batch: int, 
         for pp in _divisors(world // tp):
             if dims.layers % pp:
                 continue
-            dp = world // (tp * pp)
-            if global_batch % (dp * micro_batch):
-                continue
-            m = global_batch // (dp * micro_batch)
-            for sp in ([False, True] if tp > 1 else [False]):
-                scheds = [("1f1b", 1)]
-                if pp > 1 and m % pp == 0 and dims.layers % (2 * pp) == 0:
-                    scheds.append(("interleaved", 2))
-                for schedule, v in scheds:
-                    for zero in ([0, 1] if dp > 1 else [0]):
-                        p = rate(dims, hw, world=world, tp=tp, pp=pp, sp=sp, schedule=schedule, v=v,
-                                 global_batch=global_batch, seq=seq, micro_batch=micro_batch, zero=zero)
-                        if not fits_only or p.memory_bytes <= hw.memory:
-                            out.append(p)
+            for cp in _divisors(world // (tp * pp)):
+                if seq % (2 * cp) and cp > 1:
+                    continue
+                dp = world // (tp * pp * cp)
+                if global_batch % (dp * micro_batch):
+                    continue
+                m = global_batch // (dp * micro_batch)
+                for sp in ([False, True] if tp > 1 else [False]):
+                    scheds = [("1f1b", 1)]
+                    if pp > 1 and m % pp == 0 and dims.layers % (2 * pp) == 0:
+                        scheds.append(("interleaved", 2))
+                    for schedule, v in scheds:
+                        for zero in ([0, 1] if dp * cp > 1 else [0]):
+                            p = rate(dims, hw, world=world, tp=tp, pp=pp, sp=sp, schedule=schedule, v=v,
+                                     global_batch=global_batch, seq=seq, micro_batch=micro_batch, zero=zero, cp=cp)
+                            if not fits_only or p.memory_bytes <= hw.memory:
+                                out.append(p)
     return sorted(out, key=lambda p: (p.step_s, p.memory_bytes))
 
 
@@ -198,16 +218,17 @@ def format_candidates(ps: list[Candidate], hw: Hardware, *, top: int = 10) -> st
     from tabulate import tabulate
     rows = []
     for p in ps[:top]:
-        rows.append([p.tp, p.pp, p.dp, "on" if p.sequence_parallel else "-",
+        rows.append([p.tp, p.pp, p.cp, p.dp, "on" if p.sequence_parallel else "-",
                      p.schedule + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else ""), p.microbatches,
                      p.zero, f"{p.memory_bytes / 2**30:.1f}", f"{p.compute_s:.3f}", f"{p.bubble_s:.3f}",
-                     f"{p.tp_comm_s:.3f}", f"{p.pp_comm_s:.3f}", f"{p.dp_comm_s:.3f}", f"{p.step_s:.3f}"])
+                     f"{p.tp_comm_s:.3f}", f"{p.cp_comm_s:.3f}", f"{p.pp_comm_s:.3f}", f"{p.dp_comm_s:.3f}",
+                     f"{p.step_s:.3f}"])
     assumed = (f"assumed: {hw.memory / 2**30:.0f} GiB per GPU, {hw.flops_per_s / 1e12:.0f} TFLOP/s peak at "
                f"{hw.efficiency:.0%}, tp over {hw.intra_node_bw / 1e9:.0f} GB/s (<= {hw.gpus_per_node} GPUs a node), "
-               f"pp and dp over {hw.inter_node_bw / 1e9:.0f} GB/s, 16-bit activations, Adam, no recomputation, "
+               f"pp, dp (and cp beyond a node) over {hw.inter_node_bw / 1e9:.0f} GB/s, 16-bit activations, Adam, no recomputation, "
                "no overlap of communication")
-    return tabulate(rows, headers=["tp", "pp", "dp", "sp", "schedule", "m", "zero", "GiB / GPU", "compute s",
-                                   "bubble s", "tp comm s", "pp comm s", "dp comm s", "step s"]) + "\n" + assumed
+    return tabulate(rows, headers=["tp", "pp", "cp", "dp", "sp", "schedule", "m", "zero", "GiB / GPU", "compute s",
+                                   "bubble s", "tp comm s", "cp comm s", "pp comm s", "dp comm s", "step s"]) + "\n" + assumed
 
 
 def parse_bytes(text: str) -> float:

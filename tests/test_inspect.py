@@ -136,6 +136,31 @@ def test_planner_hand_computed_plan():
     assert (2, 1, 4, 1) in keys              # 50M x (6 + 12/4) B = 450 MB + activations
 
 
+def test_planner_context_parallel():
+    dims = whatif.ModelDims(layers=4, hidden=1024, heads=16, vocab=32000, params=100_000_000)
+    hw = whatif.Hardware(memory=2**40, flops_per_s=1e12, efficiency=1.0, intra_node_bw=1e9, inter_node_bw=1e8)
+    kw = dict(world=8, pp=1, sp=True, schedule="1f1b", v=1, global_batch=8, seq=4096, micro_batch=1, zero=1)
+    one, two = whatif.rate(dims, hw, tp=2, cp=1, **kw), whatif.rate(dims, hw, tp=2, cp=2, **kw)
+    assert (two.cp, two.dp, two.microbatches) == (2, 2, 4)
+    # a rank holds half the tokens, each against every key: the s b h factor halves, 5as/h stays
+    assert two.activation_bytes == pytest.approx(one.activation_bytes / 2)
+    assert whatif.activation_bytes_per_layer(4096, 1, 1024, 16, 2, True, cp=2) == pytest.approx(
+        2048 * 1024 / 2 * (34 + 5 * 16 * 4096 / 1024))
+    # the distributed optimizer shards over dp x cp; the gradients are reduced over it
+    assert two.weights_bytes == one.weights_bytes
+    assert two.dp_comm_s == pytest.approx(one.dp_comm_s)
+    # K and V gathered and reduce-scattered: (cp-1)/cp of 2 b s h/tp 16-bit values, x2, per layer and microbatch
+    assert two.cp_comm_s == pytest.approx(2 * 0.5 * 2 * 4096 * 1024 / 2 * 2 * 4 * 4 / 1e9)
+    assert one.cp_comm_s == 0 and two.step_s == pytest.approx(
+        two.compute_s + two.bubble_s + two.tp_comm_s + two.cp_comm_s + two.pp_comm_s + two.dp_comm_s)
+    # a sequence that fits only with its tokens split: Llama-2-7B at 16384 tokens on 64 GPUs of 80 GB
+    # (Korthikanti's activations keep the s x s scores, 5as/h = 640 here: no mesh fits at cp=1)
+    big = whatif.ModelDims(layers=32, hidden=4096, heads=32, vocab=32000, params=6_740_000_000)
+    ranked = whatif.candidates(big, whatif.Hardware(), world=64, global_batch=8, seq=16384)
+    assert ranked and all(q.cp >= 4 for q in ranked)
+    assert "cp comm s" in whatif.format_candidates(ranked, whatif.Hardware())
+
+
 def test_planner_reads_dims_from_the_graph():
     from fxtron.compiler.trace import trace
     traced = trace(build("llama-7b", device="meta"), example_inputs("llama-7b", 1, 16, device="meta"))
