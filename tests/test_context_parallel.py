@@ -118,6 +118,15 @@ def test_graph_splits_the_sequence_and_only_attention_communicates():
         assert not pm.gathers(1) and not pm.fallbacks(1)
 
 
+def test_attention_written_out_attends_the_rank_queries_to_gathered_keys():
+    pm = _pm("nanogpt", fxtron.Mesh(2, cp=2))
+    lines = [line for line in pm.graph(0).splitlines() if line.startswith("%")]
+    scores = [line for line in lines if line.split()[1] == "matmul"]
+    assert len(scores) == 4 and all("cp:S(2)" in line for line in scores)     # q @ k^T, att @ v: the rank's rows
+    assert sum(line.split()[1] == "fxtron.gather_from_sequence" for line in lines) == 4   # K and V, 2 layers
+    assert not pm.gathers(0) and not pm.fallbacks(0)
+
+
 def test_collective_bytes_are_the_formulas():
     # llama: 8 heads, 4 kv heads of 8: h_kv = 32 elements a token, float32
     b, s, cp, h_kv = 2, 16, 2, 32
@@ -150,7 +159,9 @@ def test_user_mistakes_raise():
 # ----------------------------------------------------------------------------- equal to one process
 CASES = {
     2: [(dict(cp=2), "gpt", "p2p", {}), (dict(cp=2), "llama", "all_gather", dict(zero=1)),
-        (dict(cp=2), "hf-llama", "p2p", {}), (dict(cp=2), "hf-gpt2", "all_gather", {})],
+        (dict(cp=2), "hf-llama", "p2p", {}), (dict(cp=2), "hf-gpt2", "all_gather", {}),
+        # attention written out: nanoGPT's registered tril buffer, GPT-2's eager matmuls
+        (dict(cp=2), "nanogpt", "p2p", {}), (dict(cp=2), "hf-gpt2-eager", "all_gather", {})],
     4: [(dict(cp=4), "llama", "p2p", {}),
         (dict(cp=2), "gpt", "all_gather", dict(zero=1)),                              # cp x dp=2
         (dict(cp=2, tp=2), "gpt", "p2p", dict(sequence_parallel=True)),

@@ -14,7 +14,8 @@ ZOO = {"Llama": "hf-llama", "Mistral": "hf-mistral", "Qwen2": "hf-qwen2", "Qwen3
        "BLOOM": "hf-bloom", "Falcon": "hf-falcon", "Falcon-40B": "hf-falcon40b", "OPT": "hf-opt", "StableLM": "hf-stablelm",
        "Starcoder2": "hf-starcoder2", "SmolLM3": "hf-smollm3", "Mixtral": "hf-mixtral", "Qwen3-MoE": "hf-qwen3moe",
        "DeepSeek-V3": "hf-deepseekv3"}
-VOCAB = {"gpt": 256, "llama": 256, "cumsum-mlp": 64, "factories-mlp": 64, "gather-mlp": 64, "einsum-attn": 64, **{n: 128 for n in ZOO.values()}}
+VOCAB = {"gpt": 256, "llama": 256, "cumsum-mlp": 64, "factories-mlp": 64, "gather-mlp": 64, "einsum-attn": 64,
+         "nanogpt": 64, "hf-gpt2-eager": 128, **{n: 128 for n in ZOO.values()}}
 NAMES = ["gpt", "llama", "hf-gpt2", "hf-llama"]
 # more transformers decoders (traced layer by layer in test_repeat; test_zoo.py holds all of ZOO
 # to Megatron's split): q/k/v biases (Qwen2), parallel residual and
@@ -96,6 +97,33 @@ class EinsumAttention(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
 
+class NanoGPT(torch.nn.Module):
+    """nanoGPT's attention written out: learned positions, a registered causal `bias` buffer
+    sliced to the sequence, scores masked_fill'ed where it is 0, softmax, times v."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, block: int = 64, layers: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.wte = torch.nn.Embedding(vocab, dim)
+        self.wpe = torch.nn.Embedding(block, dim)
+        self.attn = torch.nn.ModuleList(torch.nn.Linear(dim, 3 * dim) for _ in range(layers))
+        self.proj = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(layers))
+        self.register_buffer("bias", torch.tril(torch.ones(block, block)).view(1, 1, block, block))
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx, targets):
+        b, t = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        for qkv, proj in zip(self.attn, self.proj):
+            q, k, v = qkv(x).split(x.shape[-1], dim=2)
+            q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+            att = (q @ k.transpose(-2, -1)) * (1.0 / k.shape[-1] ** 0.5)
+            att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf")).softmax(dim=-1)
+            x = x + proj((att @ v).transpose(1, 2).contiguous().view(b, t, -1))
+        logits = self.head(x)
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-100)
+
+
 def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
     """The model `name` with `layers` transformer layers (pipeline tests use 4 and 8)."""
     torch.manual_seed(0)
@@ -111,14 +139,17 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
         return GatherMLP()
     if name == "einsum-attn":
         return EinsumAttention()
+    if name == "nanogpt":
+        return NanoGPT(layers=layers)
     if name == "llama":
         return Llama(LlamaConfig(vocab_size=256, max_seq_len=64, n_layer=layers, n_head=8, n_kv_head=4,
                                  dim=64, ffn_dim=96, dropout=dropout))
     import transformers
-    if name == "hf-gpt2":
+    if name in ("hf-gpt2", "hf-gpt2-eager"):
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=128, n_positions=64, n_embd=32, n_layer=layers, n_head=4, resid_pdrop=dropout,
-            embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0, eos_token_id=0))
+            embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0, eos_token_id=0,
+            attn_implementation="eager" if name.endswith("eager") else None))
     if name == "hf-llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,

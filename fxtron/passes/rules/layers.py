@@ -94,6 +94,10 @@ def _matmul(c: Ctx):
         return PARTIAL, [None, None]
     if isinstance(px, Shard) and px.dim == nx - 2 and py.is_replicate():
         return Shard(no - 2, px.interleave), [None, None]
+    if isinstance(px, Shard) and px.dim == nx - 2 and c.balanced:
+        # context parallel's attention written out: the rank's query rows against every key
+        # (q @ k^T with the keys gathered, then scores @ v with the values gathered)
+        return Shard(no - 2, px.interleave), [None, REPLICATE]
     if isinstance(py, Shard) and py.dim == ny - 1 and px.is_replicate():
         return Shard(no - 1, py.interleave), [None, None]
     return REPLICATE, [REPLICATE, REPLICATE]
