@@ -25,7 +25,6 @@
 """
 from __future__ import annotations
 
-import statistics
 import time
 
 import pytest
@@ -35,7 +34,7 @@ import torch.distributed as dist
 import fxtron
 from fxtron.models.llama import Llama, LlamaConfig
 from fxtron.ops import cp as cp_ops
-from replay import ReplayTimer, noop, token_batches
+from replay import ReplayTimer, noop, timed_job, token_batches
 
 CFG = LlamaConfig(vocab_size=256, max_seq_len=4096, n_layer=2, n_head=4, n_kv_head=2, dim=64, ffn_dim=172)
 BATCH, SEQ = 1, 4096
@@ -143,14 +142,7 @@ REPLAY = ReplayTimer()
 
 @pytest.fixture(scope="module")
 def train_results():
-    mesh = fxtron.Mesh(2, cp=2)
-    t0 = time.perf_counter()
-    res = fxtron.launch(_train_job, mesh, args=(mesh,), backend="gloo", timeout_s=900,
-                        collective_timeout_s=300, threads_per_rank=1)
-    out = res[0]
-    out["job_s"] = time.perf_counter() - t0
-    out["median"] = {s: statistics.median(out["times"][s]) for s in SYSTEMS}
-    return out
+    return timed_job(_train_job, fxtron.Mesh(2, cp=2), SYSTEMS)
 
 
 def _formula(comm: str, cp: int = 2) -> int:

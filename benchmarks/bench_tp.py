@@ -55,7 +55,7 @@ import torch.nn.functional as F
 import fxtron
 from fxtron.models.llama import Attention, Llama, LlamaConfig, apply_rotary
 from fxtron.ops import shm
-from replay import ReplayTimer, noop
+from replay import ReplayTimer, noop, timed_job
 
 # ---------------------------------------------------------------- configuration
 TRAIN_CFG = LlamaConfig(vocab_size=256, max_seq_len=128, n_layer=4, n_head=8, n_kv_head=4,
@@ -270,14 +270,7 @@ _noop = noop
 # ---------------------------------------------------------------- 1. training step
 @pytest.fixture(scope="module")
 def train_results():
-    mesh = fxtron.Mesh(2, tp=2)
-    t0 = time.perf_counter()
-    res = fxtron.launch(_train_job, mesh, args=(mesh,), backend="gloo", timeout_s=600,
-                        collective_timeout_s=300, threads_per_rank=1)
-    out = res[0]
-    out["job_s"] = time.perf_counter() - t0
-    out["median"] = {s: statistics.median(out["times"][s]) for s in SYSTEMS}
-    return out
+    return timed_job(_train_job, fxtron.Mesh(2, tp=2), SYSTEMS, timeout_s=600)
 
 
 @pytest.mark.benchmark(group="tp2 train step (worker-measured)", timer=REPLAY)

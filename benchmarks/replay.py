@@ -29,6 +29,23 @@ def noop():
     return None
 
 
+def timed_job(job, mesh, systems: list[str], timeout_s: float = 900) -> dict:
+    """Run `job(rank, mesh)` on the mesh's gloo processes (one torch thread each) and return
+    rank 0's result with the job's wall time ("job_s") and each system's median step time
+    ("median", from its "times")."""
+    import statistics
+    import time
+
+    import fxtron
+    t0 = time.perf_counter()
+    res = fxtron.launch(job, mesh, args=(mesh,), backend="gloo", timeout_s=timeout_s, collective_timeout_s=300,
+                        threads_per_rank=1)
+    out = res[0]
+    out["job_s"] = time.perf_counter() - t0
+    out["median"] = {s: statistics.median(out["times"][s]) for s in systems}
+    return out
+
+
 def token_batches(vocab: int, batch: int, seq: int, n: int = 3, seed: int = 1) -> list:
     """n (tokens, targets) batches of random ids, targets shifted by one; the same every call."""
     import torch
