@@ -198,6 +198,15 @@ def _fallback_lines(graphs) -> list[str]:
             for g in graphs for n in g.graph.nodes if meta.get(n, meta.FALLBACK) is not None]
 
 
+def _unringed_attention(graphs) -> list[str]:
+    """The modules whose attention gathers keys over cp (attention written out as matmuls,
+    which the generic rules split by query rows), as patterns."""
+    mods = {re.sub(r"\.\d+(\.|$)", r".*\1", meta.get(n, meta.MODULE) or "(top level)")
+            for g in graphs for n in g.graph.nodes
+            if n.op == "call_function" and n.target == torch.ops.fxtron.gather_from_sequence.default and n.args[3] == "cp"}
+    return sorted(mods)
+
+
 def _gather_lines(graphs) -> list[str]:
     """One line per all-gather inserted because an op's rule needs a split value whole
     (meta.GATHERED): forward communication Megatron's layers would not issue."""
@@ -239,6 +248,7 @@ class ParallelModel:
         self.options = options
         self._warned_fallbacks = False     # warn of ops run replicated once per model, not per rank
         self._warned_gathers = False       # ... and of all-gathers Megatron would not issue
+        self._warned_unringed = False      # ... and of attention the cp ring cannot take
 
     @functools.cached_property
     def tp_plan(self) -> TPPlan | None:
@@ -348,6 +358,16 @@ class ParallelModel:
                                        "plan={'<layer>': 'replicate'})), or register a rule that keeps the value "
                                        "split (fxtron.register_rule)")
             warnings.warn(msg, ParallelizeWarning, stacklevel=2)
+        unringed = _unringed_attention(rg.graphs) if o.cp_comm_type == "p2p" else []
+        if unringed and not self._warned_unringed:
+            self._warned_unringed = True
+            msg = (f"attention written out as matmuls ({', '.join(unringed)}) exchanges keys and values over cp by "
+                   "all-gather (cp_comm_type='all_gather'); the ring of cp_comm_type='p2p' takes "
+                   "scaled_dot_product_attention")
+            if o.strict:
+                raise ParallelizeError(msg + ": call F.scaled_dot_product_attention in the model, or pass "
+                                       "cp_comm_type='all_gather'")
+            warnings.warn(msg, ParallelizeWarning, stacklevel=2)
         return rg
 
     def _check_rank(self, rank: int) -> None:
@@ -396,14 +416,15 @@ class ParallelModel:
             if batch is not None and seq is not None:
                 tp_wire = _fmt_bytes(int(sum(r.evaluate(batch, seq)[1] for r in recs)))
             grad_bytes = rg.param_bytes
-            dp_wire = 2 * (dp - 1) / dp * grad_bytes  # ring all-reduce of the gradients
+            d = dp * self.mesh.cp                     # the dp-cp group reduces the gradients
+            dp_wire = 2 * (d - 1) / d * grad_bytes   # ring all-reduce of the gradients
             row = [rank, self.mesh.describe(rank).split(": ", 1)[1], f"{rg.param_count:,}",
                    _fmt_bytes(rg.param_bytes),
                    f"{report.count(recs, 'all_reduce')} AR, {report.count(recs, 'all_gather')} AG, "
                    f"{report.count(recs, 'reduce_scatter')} RS"
                    + (f", {report.count(recs, 'send_recv')} ring" if report.count(recs, 'send_recv') else ""),
                    str(tp_wire),
-                   _fmt_bytes(dp_wire) if dp > 1 else "-"]
+                   _fmt_bytes(dp_wire) if d > 1 else "-"]
             if rg.stages is not None:
                 sent = report.p2p_bytes(rg.stages)
                 if batch is not None and seq is not None:
@@ -430,10 +451,16 @@ class ParallelModel:
             head += "\nops run replicated for want of a sharding rule: " + "; ".join(sorted(fell))
         if gathered:
             head += "\nall-gathers Megatron's layers would not issue: " + "; ".join(sorted(gathered))
+        if self.mesh.cp > 1:
+            head += (f"\ncontext parallel: sequence split over cp={self.mesh.cp} (load-balanced chunks), attention by "
+                     f"{self.options.cp_comm_type}; gradients reduced over dp-cp")
+            unringed = _unringed_attention(self.compiled(0).graphs) if self.options.cp_comm_type == "p2p" else []
+            if unringed:
+                head += f"; attention written out as matmuls gathers its keys instead: {', '.join(unringed)}"
         per = "microbatch" if self.options.microbatches > 1 else "step"
         axes = "+".join(a for a in ("tp", "cp") if getattr(self.mesh, a) > 1) or "tp"
         headers = ["rank", "coords", "params", "param bytes", f"{axes} collectives / {per}", f"{axes} wire bytes / {per}",
-                   "dp grad sync sent / step"]
+                   ("dp-cp" if self.mesh.cp > 1 else "dp") + " grad sync sent / step"]
         if self.stage_assignment is not None:
             headers += ["stages", "p2p sent / microbatch"]
             head += f"\nschedule {self._schedule_title()}; bubble over ideal time (formula): " + str(

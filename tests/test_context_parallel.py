@@ -125,6 +125,24 @@ def test_attention_written_out_attends_the_rank_queries_to_gathered_keys():
     assert len(scores) == 4 and all("cp:S(2)" in line for line in scores)     # q @ k^T, att @ v: the rank's rows
     assert sum(line.split()[1] == "fxtron.gather_from_sequence" for line in lines) == 4   # K and V, 2 layers
     assert not pm.gathers(0) and not pm.fallbacks(0)
+    # the ring takes scaled_dot_product_attention only: asked for p2p, this model is told so
+    with pytest.warns(fxtron.ParallelizeWarning, match="written out as matmuls.*all-gather"):
+        fxtron.parallelize(make("nanogpt"), fxtron.Mesh(2, cp=2), example_inputs=batch("nanogpt", 2, 8, 0)[0],
+                           cp_comm_type="p2p").compiled(0)
+    assert "attention written out as matmuls gathers its keys instead" in pm.summary()
+    strict = fxtron.parallelize(make("nanogpt"), fxtron.Mesh(2, cp=2), example_inputs=batch("nanogpt", 2, 8, 0)[0],
+                                strict=True)
+    with pytest.raises(fxtron.ParallelizeError, match="cp_comm_type='all_gather'"):
+        strict.compiled(0)
+
+
+def test_dropout_draws_differ_across_cp_ranks():
+    model = make("gpt", dropout=0.1)
+    pm = fxtron.parallelize(model, fxtron.Mesh(2, cp=2), example_inputs=batch("gpt", 2, 8, 0)[0],
+                            cp_comm_type="all_gather")
+    random = [line for line in pm.graph(0).splitlines() if " rng]" in line]
+    assert random and all("[sharded:cp rng]" in line for line in random)   # the rank's own stream (ops/rng.py)
+    assert any(line.split()[1] == "attention_all_gather" for line in random)
 
 
 def test_collective_bytes_are_the_formulas():
