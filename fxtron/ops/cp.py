@@ -103,11 +103,12 @@ def attention_all_gather(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, scal
     equal to those rows of causal attention over the whole sequence. Each query chunk i is
     computed against keys [0, (i+1)c) only, under its block of the causal mask. With dropout,
     the masks are drawn from the program's `rng_region` stream (ops/rng.py: independent per cp
-    rank, whose tokens differ). Without dropout, each chunk's keys are two blocks -- those
-    before the chunk, whole, and the chunk's own under the square causal mask -- computed by
-    the flash kernel and merged through their log-sum-exp (_GatheredCausal), so no masked-out
-    score is computed."""
-    if not dropout_p:
+    rank, whose tokens differ). On CPU without dropout, each chunk's keys are two blocks --
+    those before the chunk, whole, and the chunk's own under the square causal mask --
+    computed by the flash kernel and merged through their log-sum-exp (_GatheredCausal), so no
+    masked-out score is computed; otherwise scaled_dot_product_attention under the chunk's
+    rows of the causal mask (on CUDA its memory-efficient kernel)."""
+    if not dropout_p and q.device.type == "cpu":
         return _GatheredCausal.apply(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale, rank, world)
     from fxtron.ops.rng import rng_call
     c = q.shape[-2] // 2
