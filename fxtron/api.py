@@ -199,8 +199,9 @@ def _fallback_lines(graphs) -> list[str]:
 
 
 def _unringed_attention(graphs) -> list[str]:
-    """The modules whose attention gathers keys over cp (attention written out as matmuls,
-    which the generic rules split by query rows), as patterns."""
+    """The modules whose attention gathers keys over cp (attention written out in a form the
+    ring's pattern does not take -- einsums, say -- which the generic rules split by query
+    rows), as patterns."""
     mods = {re.sub(r"\.\d+(\.|$)", r".*\1", meta.get(n, meta.MODULE) or "(top level)")
             for g in graphs for n in g.graph.nodes
             if n.op == "call_function" and n.target == torch.ops.fxtron.gather_from_sequence.default and n.args[3] == "cp"}
@@ -361,7 +362,7 @@ class ParallelModel:
         unringed = _unringed_attention(rg.graphs) if o.cp_comm_type == "p2p" else []
         if unringed and not self._warned_unringed:
             self._warned_unringed = True
-            msg = (f"attention written out as matmuls ({', '.join(unringed)}) exchanges keys and values over cp by "
+            msg = (f"attention written out by hand ({', '.join(unringed)}) exchanges keys and values over cp by "
                    "all-gather (cp_comm_type='all_gather'); the ring of cp_comm_type='p2p' takes "
                    "scaled_dot_product_attention")
             if o.strict:
@@ -456,7 +457,7 @@ class ParallelModel:
                      f"{self.options.cp_comm_type}; gradients reduced over dp-cp")
             unringed = _unringed_attention(self.compiled(0).graphs) if self.options.cp_comm_type == "p2p" else []
             if unringed:
-                head += f"; attention written out as matmuls gathers its keys instead: {', '.join(unringed)}"
+                head += f"; attention written out by hand gathers its keys instead: {', '.join(unringed)}"
         per = "microbatch" if self.options.microbatches > 1 else "step"
         axes = "+".join(a for a in ("tp", "cp") if getattr(self.mesh, a) > 1) or "tp"
         headers = ["rank", "coords", "params", "param bytes", f"{axes} collectives / {per}", f"{axes} wire bytes / {per}",

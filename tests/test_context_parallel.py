@@ -118,20 +118,35 @@ def test_graph_splits_the_sequence_and_only_attention_communicates():
         assert not pm.gathers(1) and not pm.fallbacks(1)
 
 
-def test_attention_written_out_attends_the_rank_queries_to_gathered_keys():
-    pm = _pm("nanogpt", fxtron.Mesh(2, cp=2))
+def _ops(pm, rank=0):
+    return [line.split()[1] for line in pm.graph(rank).splitlines() if line.startswith("%")]
+
+
+def test_attention_written_out_under_all_gather_attends_the_rank_queries_to_gathered_keys():
+    pm = _pm("nanogpt", fxtron.Mesh(2, cp=2), cp_comm_type="all_gather")
     lines = [line for line in pm.graph(0).splitlines() if line.startswith("%")]
     scores = [line for line in lines if line.split()[1] == "matmul"]
     assert len(scores) == 4 and all("cp:S(2)" in line for line in scores)     # q @ k^T, att @ v: the rank's rows
-    assert sum(line.split()[1] == "fxtron.gather_from_sequence" for line in lines) == 4   # K and V, 2 layers
+    assert _ops(pm).count("fxtron.gather_from_sequence") == 4                  # K and V, 2 layers
     assert not pm.gathers(0) and not pm.fallbacks(0)
-    # the ring takes scaled_dot_product_attention only: asked for p2p, this model is told so
-    with pytest.warns(fxtron.ParallelizeWarning, match="written out as matmuls.*all-gather"):
-        fxtron.parallelize(make("nanogpt"), fxtron.Mesh(2, cp=2), example_inputs=batch("nanogpt", 2, 8, 0)[0],
-                           cp_comm_type="p2p").compiled(0)
-    assert "attention written out as matmuls gathers its keys instead" in pm.summary()
-    strict = fxtron.parallelize(make("nanogpt"), fxtron.Mesh(2, cp=2), example_inputs=batch("nanogpt", 2, 8, 0)[0],
-                                strict=True)
+
+
+@pytest.mark.parametrize("name", ["nanogpt", "hf-gpt2-eager"])
+def test_attention_written_out_joins_the_ring(name):
+    # softmax(q k^T * scale, masked by a -inf masked_fill or an additive mask) @ v: one attention
+    ops = _ops(_pm(name, fxtron.Mesh(2, cp=2), cp_comm_type="p2p"))
+    assert ops.count("fxtron.ring_attention") == 2
+    assert "softmax.int" not in ops and "matmul" not in ops and "fxtron.gather_from_sequence" not in ops
+
+
+def test_attention_the_ring_cannot_take_is_reported():
+    # einsum-written attention stays as written: its keys are gathered, and the user is told
+    args = batch("einsum-attn", 2, 8, 0)[0]
+    with pytest.warns(fxtron.ParallelizeWarning, match="written out by hand.*all-gather"):
+        pm = fxtron.parallelize(make("einsum-attn"), fxtron.Mesh(2, cp=2), example_inputs=args, cp_comm_type="p2p")
+        pm.compiled(0)
+    assert "attention written out by hand gathers its keys instead" in pm.summary()
+    strict = fxtron.parallelize(make("einsum-attn"), fxtron.Mesh(2, cp=2), example_inputs=args, strict=True)
     with pytest.raises(fxtron.ParallelizeError, match="cp_comm_type='all_gather'"):
         strict.compiled(0)
 

@@ -29,7 +29,7 @@ from fxtron.core.stage import Stage
 from fxtron.errors import ParallelizeError
 from fxtron.mesh import Mesh
 from fxtron.passes import verify as verifier
-from fxtron.passes.context_parallel import cp_layout
+from fxtron.passes.context_parallel import cp_layout, fuse_written_out_attention
 from fxtron.passes.localize import drop_metadata_asserts, localize
 from fxtron.passes.plan import TPPlan
 from fxtron.passes.propagate import propagate
@@ -251,6 +251,10 @@ PASSES = pass_list(
          "(data; the graph is unchanged)", lambda s: None, _tp, "tp > 1"),
     Pass("split_row_bias", "rowwise biases move after the all-reduce (Megatron adds them there)",
          _set("gm", lambda s: split_row_bias(s.gm, s.plan)), _tp, "tp > 1", after=("plan",)),
+    Pass("fuse_written_out_attention", "attention written out as matmuls becomes one attention op, which the cp "
+         "ring takes", _set("gm", lambda s: fuse_written_out_attention(s.gm)),
+         lambda s: s.mesh.parallel("cp") and s.options.cp_comm_type == "p2p", "cp > 1 with cp_comm_type='p2p'",
+         after=("split_row_bias",)),
     Pass("propagate_tp", "a tp placement on every value, from the plan's parameter placements",
          _set("gm", lambda s: propagate(s.gm, tp_layout(s.plan, sequence_parallel=s.options.sequence_parallel,
                                                   strict=s.options.strict),

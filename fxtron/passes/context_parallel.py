@@ -46,6 +46,89 @@ def cp_layout(info: meta.TraceInfo, *, comm_type: str = "p2p", strict: bool = Fa
     return AxisLayout(AXIS, inputs=inputs, balanced=True, strict=strict, options={"cp_comm_type": comm_type})
 
 
+_CASTS = {aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.contiguous.default}
+_MATMULS = {aten.matmul.default, aten.bmm.default}
+
+
+def _through(node, targets):
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets and len(node.users) == 1:
+        node = node.args[0]
+    return node
+
+
+def _single(node) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and len(node.users) == 1
+
+
+def _written_out_attention(out: fx.Node):
+    """If `out` is softmax(q @ k^T * scale [masked]) @ v written out -- nanoGPT's masked_fill
+    of a causal buffer with -inf, GPT-2 eager's additive mask, casts around the softmax, a
+    dropout of p=0 -- return (q, k, v, mask, scale, is the mask boolean 'where not'); else
+    None. Every intermediate value must have this one use."""
+    if out.op != "call_function" or out.target not in _MATMULS or len(out.args) < 2:
+        return None
+    p, v = out.args[:2]
+    p = _through(p, _CASTS)
+    if _single(p) and p.target == aten.dropout.default:
+        if p.args[1] and p.args[2]:
+            return None                      # attention dropout: the ring does not take it
+        p = _through(p.args[0], _CASTS)
+    if not (_single(p) and p.target in (aten.softmax.int, aten._softmax.default)
+            and p.args[1] % p.meta["val"].dim() == p.meta["val"].dim() - 1):
+        return None
+    s = _through(p.args[0], _CASTS)
+    mask, negate = None, False
+    if _single(s) and s.target == aten.masked_fill.Scalar and s.args[2] == float("-inf"):
+        s, mask, negate = s.args[0], s.args[1], True
+    elif _single(s) and s.target == aten.add.Tensor and all(isinstance(a, fx.Node) for a in s.args[:2]):
+        a, b = s.args[:2]
+        s, mask = (a, b) if _through(a, {aten.mul.Tensor, aten.div.Tensor}).target in _MATMULS else (b, a)
+    scale = None
+    if _single(s) and s.target in (aten.mul.Tensor, aten.div.Tensor) and isinstance(s.args[1], (int, float)):
+        scale = float(s.args[1]) if s.target == aten.mul.Tensor else 1.0 / float(s.args[1])
+        s = s.args[0]
+    if not (_single(s) and s.target in _MATMULS):
+        return None
+    q, kt = s.args[:2]
+    if not (_single(kt) and kt.target == aten.transpose.int and kt.meta["val"].dim() == 4
+            and {a % 4 for a in kt.args[1:3]} == {2, 3} and q.meta["val"].dim() == 4 and v.meta["val"].dim() == 4):
+        return None
+    return q, kt.args[0], v, mask, 1.0 if scale is None else scale, negate
+
+
+def fuse_written_out_attention(gm: fx.GraphModule) -> fx.GraphModule:
+    """Attention written out as matmuls becomes scaled_dot_product_attention (with its mask
+    and scale), so that the cp ring takes it (cp_comm_type="p2p"); the same values to
+    round-off. Edits gm in place and returns it."""
+    g = gm.graph
+    for node in list(g.nodes):
+        found = _written_out_attention(node) if node.op == "call_function" else None
+        if found is None:
+            continue
+        q, k, v, mask, scale, negate = found
+        with g.inserting_before(node):
+            if mask is not None and negate:
+                keep = g.call_function(aten.logical_not.default, (mask,))
+                keep.meta.update({"val": mask.meta["val"]})
+                meta.set(keep, meta.MODULE, meta.get(node, meta.MODULE) or "")
+                mask = keep
+            sdpa = g.call_function(aten.scaled_dot_product_attention.default, (q, k, v, mask, 0.0, False),
+                                   {"scale": scale})
+        sdpa.meta.update(node.meta)
+        meta.set(sdpa, meta.PROVENANCE, meta.Provenance(
+            "fuse_written_out_attention", "softmax(q k^T scale + mask) v written out: one attention the cp ring takes"))
+        node.replace_all_uses_with(sdpa)
+        dead = [node]
+        while dead:
+            n = dead.pop()
+            if n.op == "call_function" and not n.users:
+                inputs = n.all_input_nodes
+                g.erase_node(n)
+                dead.extend(inputs)
+    gm.recompile()
+    return gm
+
+
 def _sdpa_args(node: fx.Node):
     args = list(node.args) + [None] * (6 - len(node.args))
     mask = node.kwargs.get("attn_mask", args[3])
@@ -101,4 +184,4 @@ def _ring(node: fx.Node, lower, mask, dropout, causal, scale) -> fx.Node:
     return lower.call(operator.getitem, (ring, 0), node, lower.placement(q), "the attention output")
 
 
-__all__ = ["AXIS", "COMM_TYPES", "cp_layout"]
+__all__ = ["AXIS", "COMM_TYPES", "cp_layout", "fuse_written_out_attention"]

@@ -344,4 +344,10 @@ def _einsum(c: Ctx):
     partial = [i for i, p in enumerate(ps) if p.is_partial()]
     if len(partial) == 1 and all(p.is_replicate() for i, p in enumerate(ps) if i != partial[0]):
         return PARTIAL, [None] * len(c.inputs)
+    if c.balanced and isinstance(ps[0], Shard) and subs[0][ps[0].dim] in out:
+        # context parallel's attention as einsums: the first operand's rows (the rank's queries)
+        # against the others whole (every key, every value)
+        letter = subs[0][ps[0].dim]
+        by_input = {t: (None if i == 0 else REPLICATE) for i, t in enumerate(ops)}
+        return Shard(out.index(letter), ps[0].interleave), [by_input.get(a) for a in c.inputs]
     return REPLICATE, [REPLICATE] * len(c.inputs)
