@@ -60,11 +60,12 @@ def _single(node) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and len(node.users) == 1
 
 
-def _written_out_attention(out: fx.Node):
+def _written_out_attention(out: fx.Node, grad: set):
     """If `out` is softmax(q @ k^T * scale [masked]) @ v written out -- nanoGPT's masked_fill
     of a causal buffer with -inf, GPT-2 eager's additive mask, casts around the softmax, a
     dropout of p=0 -- return (q, k, v, mask, scale, is the mask boolean 'where not'); else
-    None. Every intermediate value must have this one use."""
+    None. Every intermediate value must have this one use, and the mask take no gradient (a
+    learned bias stays written out: the attention ops treat masks as constants)."""
     if out.op != "call_function" or out.target not in _MATMULS or len(out.args) < 2:
         return None
     p, v = out.args[:2]
@@ -83,6 +84,8 @@ def _written_out_attention(out: fx.Node):
     elif _single(s) and s.target == aten.add.Tensor and all(isinstance(a, fx.Node) for a in s.args[:2]):
         a, b = s.args[:2]
         s, mask = (a, b) if _through(a, {aten.mul.Tensor, aten.div.Tensor}).target in _MATMULS else (b, a)
+    if mask is not None and mask in grad:
+        return None
     scale = None
     if _single(s) and s.target in (aten.mul.Tensor, aten.div.Tensor) and isinstance(s.args[1], (int, float)):
         scale = float(s.args[1]) if s.target == aten.mul.Tensor else 1.0 / float(s.args[1])
@@ -101,8 +104,9 @@ def fuse_written_out_attention(gm: fx.GraphModule) -> fx.GraphModule:
     and scale), so that the cp ring takes it (cp_comm_type="p2p"); the same values to
     round-off. Edits gm in place and returns it."""
     g = gm.graph
+    grad = meta.carries_grad(gm)
     for node in list(g.nodes):
-        found = _written_out_attention(node) if node.op == "call_function" else None
+        found = _written_out_attention(node, grad) if node.op == "call_function" else None
         if found is None:
             continue
         q, k, v, mask, scale, negate = found
