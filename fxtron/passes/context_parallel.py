@@ -172,6 +172,10 @@ def _ring(node: fx.Node, lower, mask, dropout, causal, scale) -> fx.Node:
             f"node %{node.name} ({meta.get(node, meta.MODULE) or 'top level'}): attention dropout "
             f"(dropout_p={dropout}) inside the cp ring is not supported; use cp_comm_type='all_gather' or "
             "set the attention dropout to 0")
+    if mask is not None and lower.carries_grad(mask):
+        raise ParallelizeError(
+            f"node %{node.name} ({meta.get(node, meta.MODULE) or 'top level'}): an attention mask that takes a gradient "
+            "(a learned bias) inside the cp ring is not supported; use cp_comm_type='all_gather'")
     if scale is None:
         scale = float(q.meta["val"].shape[-1]) ** -0.5
     # grouped-query attention: the un-repeated keys and values travel (the op repeats each block)

@@ -299,6 +299,10 @@ class Lower:
     def placement(self, arg: fx.Node):
         return self._placed[arg].get(self.axis)
 
+    def carries_grad(self, arg: fx.Node) -> bool:
+        """Does `arg` (a node of the graph being lowered) take a gradient?"""
+        return arg in self._em.grad
+
     def on(self, axis: str) -> "Lower":
         """The same lowering's view of another axis (an op split on two: vocab and tokens)."""
         return Lower(self._em, axis, self._remap, self._placed, self._node)
