@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fxtron.ops import transport as T
 from fxtron.ops.registry import Comm, OpSpec, register
+from fxtron.ops.rng import draws_at, rng_call
 
 
 def chunk_order(world: int) -> list[int]:
@@ -94,6 +96,7 @@ def _causal_block_mask(rows: int, cols: int, offset: int, device) -> Tensor:
     return torch.ones(rows, cols, dtype=torch.bool, device=device).tril(offset)
 
 
+@draws_at(3)
 def attention_all_gather(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, scale: float | None,
                          enable_gqa: bool, rank: int, world: int, *, rng_region: str | None = None) -> Tensor:
     """Causal attention of this cp rank's queries against the whole sequence.
@@ -110,7 +113,6 @@ def attention_all_gather(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, scal
     rows of the causal mask (on CUDA its memory-efficient kernel)."""
     if not dropout_p and q.device.type == "cpu":
         return _GatheredCausal.apply(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale, rank, world)
-    from fxtron.ops.rng import rng_call
     c = q.shape[-2] // 2
     out = sdpa_like_output(q, v)
     for half, chunk in enumerate((rank, 2 * world - 1 - rank)):
@@ -297,7 +299,6 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: 
 
 
 def _ring_forward(q, k, v, mask, scale, causal, world, group):
-    from fxtron.ops import transport as T
     pg = T.resolve(group)
     T.check_world(pg, world, "ring_attention", group)
     rank = pg.rank() if pg is not None else 0
@@ -336,7 +337,6 @@ def _ring_setup(ctx, inputs, output):
 
 
 def _ring_backward(ctx, dout, _dlse):
-    from fxtron.ops import transport as T
     q, k, v, mask, out, lse = ctx.saved_tensors
     scale, causal, world = ctx.scale, ctx.causal, ctx.world
     pg = T.resolve(ctx.group)

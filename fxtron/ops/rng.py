@@ -100,17 +100,25 @@ RANDOM_OPS = {torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.defa
 
 def takes_region(node) -> bool:
     """Is this a graph op that draws its random numbers inside, from the stream named by its
-    `rng_region` keyword (context parallel's attention), rather than one `rng_call` wraps?"""
-    from fxtron.ops.cp import attention_all_gather
-    return node.op == "call_function" and node.target is attention_all_gather
+    `rng_region` keyword (context parallel's attention), rather than one `rng_call` wraps? Such
+    an op is marked `draws_at(i)`: its argument i is its dropout probability."""
+    return node.op == "call_function" and hasattr(node.target, "fxtron_dropout_arg")
+
+
+def draws_at(arg: int):
+    """Mark a function a graph calls as drawing random numbers inside when its argument `arg`
+    (a dropout probability) is non-zero, from the stream its `rng_region` keyword names."""
+    def mark(fn):
+        fn.fxtron_dropout_arg = arg
+        return fn
+    return mark
 
 
 def is_random(node) -> bool:
     """Does this graph node draw random numbers? (SDPA and context parallel's attention only
     with dropout_p > 0)"""
-    from fxtron.ops.cp import attention_all_gather
-    if node.op == "call_function" and node.target is attention_all_gather:
-        return bool(node.args[3])
+    if takes_region(node):
+        return bool(node.args[node.target.fxtron_dropout_arg])
     if node.op != "call_function" or node.target not in RANDOM_OPS:
         return False
     if node.target == torch.ops.aten.scaled_dot_product_attention.default:
@@ -121,4 +129,4 @@ def is_random(node) -> bool:
     return True
 
 
-__all__ = ["REPLICATED", "RNGStreams", "is_random", "rng_call", "sharded_region", "takes_region"]
+__all__ = ["REPLICATED", "RNGStreams", "draws_at", "is_random", "rng_call", "sharded_region", "takes_region"]
