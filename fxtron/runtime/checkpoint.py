@@ -12,16 +12,27 @@ tp=2 x pp=2 loads at tp=4, at pp=1, or in one process (`load_full_state_dict`).
 
 Keys: "model/<param>", "model/<param>/part<j>", "optim/<param>/<state key>" (AdamW's exp_avg,
 exp_avg_sq, step), "optim/param_groups" (hyperparameters), buffers "buffer/<name>".
+
+Saves are atomic: every rank writes into a temporary directory beside the target
+("<path>.saving"); only when every rank has written its part does rank 0 write the commit
+marker (COMMIT, last) and rename the directory into place, moving a previous checkpoint at
+`path` aside first ("<path>.replaced", removed once the new one is in). A save that fails on
+any rank -- a full disk, a writer that raises -- raises ParallelizeError on every rank naming
+each failed rank, the path and the error, and leaves `path` as it was; a rank killed mid-save
+leaves only the temporary directory, which the next save clears. `load` refuses a directory
+without the marker, saying the save did not complete.
 """
 from __future__ import annotations
 
 import io
 import os
 import pickle
+import shutil
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 
 from fxtron.core import layout as shard_math
@@ -84,9 +95,47 @@ def _optimizer_state(prog, optimizer) -> dict[str, dict[str, torch.Tensor]]:
     return {names[id(p)]: dict(st) for p, st in optimizer.state.items() if id(p) in names}
 
 
-def save(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
+COMMIT = ".fxtron-complete"     # written last, by rank 0, once every rank's files are in
+
+
+def save(prog, path: str, optimizer: torch.optim.Optimizer | None = None, storage_writer=None) -> None:
     """Write `prog`'s parameters, persistent buffers and (given) optimizer state to directory
-    `path`; every rank of the job calls it."""
+    `path`, atomically (module docstring); every rank of the job calls it. `storage_writer`:
+    a function of the directory giving DCP's StorageWriter (default FileSystemWriter)."""
+    path = os.path.abspath(path)
+    staging = path + ".saving"
+    _on_rank0(prog, lambda: shutil.rmtree(staging, ignore_errors=True))     # a killed save's leftovers
+    errors: list[tuple[int, str]] = []
+    try:
+        _write(prog, staging, optimizer, storage_writer)
+    except CheckpointException as e:           # DCP's: every rank's failure, known to every rank
+        errors = [(r, f"{type(exc).__name__}: {exc}") for r, (exc, _) in sorted(e.failures.items())]
+    except Exception as e:                     # noqa: BLE001 - every rank must hear of it, then raise
+        errors = [(0 if _alone(prog) else dist.get_rank(), f"{type(e).__name__}: {e}")]
+    failures = _gather_errors(prog, errors)
+    if failures:
+        _on_rank0(prog, lambda: shutil.rmtree(staging, ignore_errors=True))
+        raise ParallelizeError(
+            f"saving the checkpoint {path} failed on rank(s) {', '.join(str(r) for r, _ in failures)}: "
+            + "; ".join(f"rank {r}: {msg}" for r, msg in failures)
+            + (". The checkpoint that was there is unchanged." if os.path.isdir(path) else
+               ". Nothing was written at that path."))
+
+    def commit():
+        with open(os.path.join(staging, COMMIT), "w") as f:
+            f.write(f"saved by {_world(prog)} rank(s)\n")
+            f.flush()
+            os.fsync(f.fileno())
+        replaced = path + ".replaced"
+        if os.path.exists(path):
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.rename(path, replaced)
+        os.rename(staging, path)
+        shutil.rmtree(replaced, ignore_errors=True)
+    _on_rank0(prog, commit)
+
+
+def _write(prog, path: str, optimizer, storage_writer) -> None:
     mesh = _tp_mesh(prog)
     if prog._zero is not None:
         prog._zero.wait_params()
@@ -115,7 +164,44 @@ def save(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
         if spec is not None and spec.interleave != 1:
             sd[f"layout/{n}"] = _pack((spec.dim, shard_math.n_blocks(spec.interleave)))
     os.makedirs(path, exist_ok=True)
-    dcp.save(sd, checkpoint_id=path, no_dist=_alone(prog))
+    writer = storage_writer(path) if storage_writer is not None else None
+    dcp.save(sd, checkpoint_id=path, storage_writer=writer, no_dist=_alone(prog))
+
+
+def _world(prog) -> int:
+    return 1 if _alone(prog) else dist.get_world_size()
+
+
+def _on_rank0(prog, fn) -> None:
+    """Run fn on rank 0 of the job, then let every rank pass (a barrier)."""
+    alone = _alone(prog)
+    if alone or dist.get_rank() == 0:
+        fn()
+    if not alone:
+        dist.barrier()
+
+
+def _gather_errors(prog, errors: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """The (rank, error) pairs every rank knows of, known to every rank, by rank."""
+    if _alone(prog):
+        return errors
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, errors)
+    return sorted({r: msg for pairs in every for r, msg in pairs}.items())
+
+
+def _check_complete(path: str) -> None:
+    """Raise ParallelizeError unless `path` holds a checkpoint whose save completed."""
+    if os.path.isfile(os.path.join(path, COMMIT)):
+        return
+    if not os.path.isdir(path):
+        aside = path + ".replaced"
+        hint = (f"; a save was interrupted while putting a new checkpoint in place: the previous one is at {aside}"
+                if os.path.isdir(aside) else "")
+        raise ParallelizeError(f"no checkpoint at {path}{hint}")
+    raise ParallelizeError(
+        f"{path} is not a complete checkpoint: its save did not complete (no commit marker {COMMIT}; a save "
+        f"writes it last, once every rank has written its part). Load an earlier checkpoint")
 
 
 def _request(prog, name: str, like: torch.Tensor, mesh, prefix: str, meta, layout: dict):
@@ -154,17 +240,18 @@ def _slice(prog, name: str, full: torch.Tensor) -> torch.Tensor:
 def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Read a checkpoint written by `save` (on any mesh) into `prog` and, given, `optimizer`
     (built over prog's parameters, as for train_step)."""
+    path = os.path.abspath(path)
+    _check_complete(path)
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     mesh = _tp_mesh(prog)
     if prog._zero is not None:
         prog._zero.wait_params()
     layout = _read_layout(path, meta, no_dist=_alone(prog))
     params = dict(prog.named_parameters())
+    _check_model(prog, path, meta, layout)
     sd: dict = {}
     finish: dict[str, object] = {}
     for name, p in params.items():
-        if f"model/{name}" not in meta and f"model/{name}/part0" not in meta:
-            raise ParallelizeError(f"checkpoint {path} has no parameter {name}: it was saved from another model")
         entries, finish[f"model/{name}"] = _request(prog, name, torch.empty_like(p), mesh, f"model/{name}", meta, layout)
         sd.update(entries)
     persistent = set(prog.state_dict(keep_vars=True))
@@ -227,6 +314,43 @@ def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
             optimizer.state[params[name]] = st
 
 
+def _saved_shapes(meta, layout) -> dict[str, tuple[int, ...]]:
+    """name -> full shape of every parameter in a checkpoint (parts joined along their dim)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for key, m in meta.items():
+        if not key.startswith("model/") or not _is_tensor_meta(m):
+            continue
+        name, part = key[len("model/"):], None
+        base, _, last = name.rpartition("/")
+        if last.startswith("part") and last[4:].isdigit():
+            name, part = base, int(last[4:])
+        shape = tuple(m.size)
+        if part is None:
+            out[name] = shape
+        else:
+            dim = layout.get(name, (0, 1))[0]
+            have = out.get(name)
+            out[name] = shape if have is None else tuple(a + b if i == dim else a
+                                                         for i, (a, b) in enumerate(zip(have, shape)))
+    return out
+
+
+def _check_model(prog, path: str, meta, layout) -> None:
+    """Raise ParallelizeError listing every difference between the checkpoint's parameters
+    (names and full shapes) and the program's model's."""
+    saved = _saved_shapes(meta, layout)
+    mine = {n: tuple(spec.full_shape) for n, spec in prog._local.items()}
+    missing = sorted(set(mine) - set(saved))
+    shapes = sorted(n for n in set(mine) & set(saved) if mine[n] != saved[n])
+    extra = sorted(set(saved) - set(prog._info.params) - set(prog._info.aliases))
+    if not (missing or shapes or extra):
+        return
+    lines = ([f"missing from the checkpoint: {', '.join(missing)}"] if missing else []) + \
+            (["shapes differ: " + ", ".join(f"{n} {saved[n]} in the checkpoint, {mine[n]} in the model" for n in shapes)]
+             if shapes else []) + ([f"not in the model: {', '.join(extra)}"] if extra else [])
+    raise ParallelizeError(f"checkpoint {path} was saved from another model: " + "; ".join(lines))
+
+
 def _read_layout(path: str, meta, *, no_dist: bool) -> dict[str, tuple[int, int]]:
     """name -> (dim, parts) of every parameter saved in parts."""
     sd = {k: io.BytesIO() for k in meta if k.startswith("layout/")}
@@ -261,6 +385,7 @@ def load_full_state_dict(path: str, optimizer: bool = False) -> dict[str, torch.
     process and without any process group, keyed as the original model names them (fused
     parts joined): `model.load_state_dict(fxtron.load_full_state_dict(path), strict=False)`
     (tied aliases are not in the checkpoint)."""
+    _check_complete(os.path.abspath(path))
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
           if _is_tensor_meta(m) and (k.startswith("model/") or k.startswith("buffer/") or optimizer)}

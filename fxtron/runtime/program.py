@@ -264,13 +264,15 @@ class Program(GradientSync, nn.Module):
             optimizer.step()
 
     # ---------------------------------------------------------------- checkpoints
-    def save(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def save(self, path: str, optimizer: torch.optim.Optimizer | None = None, storage_writer=None) -> None:
         """Write this rank's shards of the parameters, buffers and optimizer state to the
-        directory `path` (torch.distributed.checkpoint; every rank of the job calls it). The
-        checkpoint loads on any mesh (`prog.load`) or in one process
-        (`fxtron.load_full_state_dict`)."""
+        directory `path` (torch.distributed.checkpoint; every rank of the job calls it),
+        atomically: a failed or interrupted save leaves the checkpoint that was at `path`
+        loadable and unchanged. The checkpoint loads on any mesh (`prog.load`) or in one
+        process (`fxtron.load_full_state_dict`). `storage_writer(directory)`, optional, gives
+        DCP's StorageWriter (default: files)."""
         from fxtron.runtime import checkpoint
-        checkpoint.save(self, path, optimizer)
+        checkpoint.save(self, path, optimizer, storage_writer)
 
     def load(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Read a checkpoint saved by `save` from any mesh into this program (and optimizer)."""

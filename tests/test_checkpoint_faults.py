@@ -1,0 +1,149 @@
+"""Checkpoints that survive a failed save (issue: reliability, item 1). Faults are injected into
+a real 2-rank save on gloo: a storage writer whose rank-1 writes fail with "No space left on
+device" (over an existing checkpoint and into a new directory), a rank killed in the middle of
+writing, a directory a save never finished, and a checkpoint of another model.
+
+What each must leave behind: the previous checkpoint at the path loadable and unchanged, the
+error on every rank naming the failed rank, the path and the OS error, nothing half-written
+that `load` would take for a checkpoint, and the next save succeeding.
+"""
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+
+import fxtron
+from fxtron.errors import LaunchError
+from fxtron.testing import max_abs_diff, run_on_ranks
+from tp_models import batch, make
+
+
+class FullDisk(FileSystemWriter):
+    """A FileSystemWriter whose writes fail on `rank` as a full disk does (or kill the process)."""
+
+    def __init__(self, path, rank, kill=False):
+        super().__init__(path)
+        self.failing, self.kill = rank, kill
+
+    def write_data(self, plan, planner):
+        if torch.distributed.get_rank() == self.failing:
+            if self.kill:
+                os._exit(17)                           # a rank dies in the middle of the save
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().write_data(plan, planner)
+
+
+def _program(rank, mesh):
+    pm = fxtron.parallelize(make("gpt"), mesh, example_inputs=batch("gpt", 2, 8, seed=0)[0])
+    prog = pm.program(rank)
+    opt = torch.optim.AdamW(prog.parameters(), lr=1e-2)
+    return prog, opt
+
+
+def _step(prog, opt, seed):
+    return prog.train_step(batch("gpt", 4, 16, seed=seed)[0], opt)
+
+
+def _faults(rank, mesh, root):
+    prog, opt = _program(rank, mesh)
+    good = os.path.join(root, "good")
+    _step(prog, opt, 1)
+    prog.save(good, opt)
+    saved = {k: v.clone() for k, v in prog.full_state_dict().items()}
+    _step(prog, opt, 2)                                           # the weights move on
+    out = {"saved": saved}
+    for name, target in (("over", good), ("new", os.path.join(root, "new"))):
+        try:
+            prog.save(target, opt, storage_writer=lambda p: FullDisk(p, rank=1))
+            out[name] = None
+        except fxtron.ParallelizeError as e:
+            out[name] = str(e)
+    prog.load(good, opt)                                          # the previous checkpoint, unchanged
+    out["reloaded"] = prog.full_state_dict()
+    return out
+
+
+def _killed(rank, mesh, root):
+    prog, opt = _program(rank, mesh)
+    _step(prog, opt, 3)
+    prog.save(os.path.join(root, "good"), opt, storage_writer=lambda p: FullDisk(p, rank=1, kill=True))
+
+
+def _after_kill(rank, mesh, root):
+    prog, opt = _program(rank, mesh)
+    prog.load(os.path.join(root, "good"), opt)
+    loaded = prog.full_state_dict()
+    _step(prog, opt, 4)
+    prog.save(os.path.join(root, "good"), opt)                    # clears the killed save's leftovers
+    return {"loaded": loaded, "after": prog.full_state_dict()}
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("faults"))
+    mesh = fxtron.Mesh(2)                                          # dp=2
+    out = run_on_ranks(_faults, mesh, mesh, root, timeout_s=300)
+    with pytest.raises(LaunchError, match="exit code 17"):
+        run_on_ranks(_killed, mesh, mesh, root, timeout_s=300)
+    leftovers = sorted(os.listdir(root))
+    after = run_on_ranks(_after_kill, mesh, mesh, root, timeout_s=300)
+    return {"root": root, "ranks": out, "leftovers": leftovers, "after": after}
+
+
+def test_a_failed_save_over_a_checkpoint_leaves_it_loadable_and_unchanged(faults):
+    for rank, out in enumerate(faults["ranks"]):
+        msg = out["over"]
+        assert msg is not None, f"rank {rank}: the save did not fail"
+        assert "rank(s) 1" in msg and "No space left on device" in msg and "good" in msg, msg
+        assert "unchanged" in msg
+        assert max_abs_diff(out["reloaded"], out["saved"])[0] == 0
+
+
+def test_a_failed_save_into_a_new_directory_leaves_nothing_loadable(faults):
+    for out in faults["ranks"]:
+        assert "No space left on device" in out["new"] and "Nothing was written" in out["new"]
+    new = os.path.join(faults["root"], "new")
+    assert not os.path.exists(new) and not os.path.exists(new + ".saving")
+    with pytest.raises(fxtron.ParallelizeError, match="no checkpoint at"):
+        fxtron.load_full_state_dict(new)
+
+
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(faults):
+    assert "good" in faults["leftovers"] and "good.saving" in faults["leftovers"]    # the dead save's files
+    saved = faults["ranks"][0]["saved"]
+    for out in faults["after"]:
+        assert max_abs_diff(out["loaded"], saved)[0] == 0
+    assert sorted(os.listdir(faults["root"])) == ["good"]                  # the next save cleared them
+    full = fxtron.load_full_state_dict(os.path.join(faults["root"], "good"))
+    after = faults["after"][0]["after"]
+    common = set(full) & set(after)                                        # (tied names: the checkpoint holds one)
+    assert common and max_abs_diff({k: full[k] for k in common}, {k: after[k] for k in common})[0] == 0
+
+
+def test_a_directory_whose_save_did_not_complete_is_refused(faults, tmp_path):
+    partial = tmp_path / "partial"
+    os.rename(os.path.join(faults["root"], "good"), partial)               # a copy without its marker
+    os.remove(partial / ".fxtron-complete")
+    with pytest.raises(fxtron.ParallelizeError, match="save did not complete"):
+        fxtron.load_full_state_dict(str(partial))
+    prog = fxtron.parallelize(make("gpt"), fxtron.Mesh(1), example_inputs=batch("gpt", 2, 8, seed=0)[0]).program(0)
+    with pytest.raises(fxtron.ParallelizeError, match="save did not complete"):
+        prog.load(str(partial))
+    os.rename(partial, os.path.join(faults["root"], "good"))
+
+
+def test_a_checkpoint_of_another_model_lists_the_differences(tmp_path):
+    small = fxtron.parallelize(make("gpt"), fxtron.Mesh(1), example_inputs=batch("gpt", 2, 8, seed=0)[0]).program(0)
+    small.save(str(tmp_path / "gpt"))
+    other = fxtron.parallelize(make("llama"), fxtron.Mesh(1), example_inputs=batch("llama", 2, 8, seed=0)[0]).program(0)
+    with pytest.raises(fxtron.ParallelizeError, match=r"another model: missing from the checkpoint: .*layers\.0\.attn"
+                                                      r".*not in the model: .*blocks\.0\.attn\.qkv\.weight"):
+        other.load(str(tmp_path / "gpt"))
+    deeper = fxtron.parallelize(make("gpt", layers=3), fxtron.Mesh(1),
+                                example_inputs=batch("gpt", 2, 8, seed=0)[0]).program(0)
+    with pytest.raises(fxtron.ParallelizeError, match=r"missing from the checkpoint: blocks\.2\."):
+        deeper.load(str(tmp_path / "gpt"))
