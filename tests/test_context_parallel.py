@@ -97,6 +97,14 @@ def test_a_sequence_the_cp_ranks_cannot_split_is_refused_at_the_step():
         slicer.local((ids, ids))
     args, _ = slicer.local((torch.arange(16).repeat(2, 1), torch.arange(16).repeat(2, 1)))
     assert args[0][0].tolist() == [0, 1, 2, 3, 12, 13, 14, 15] and args[1].shape == (2, 8)
+    # with sequence parallel (tp=2) too: each cp rank's tokens in 2 parts -> a multiple of 4 here,
+    # of 8 at cp=4 x tp=2 (chunks of 2cp = 8, each rank's 2 chunks in 2 parts)
+    info = fxtron.core.meta.info(pm.traced)
+    for cp, tp, bad, near in ((1, 2, 7, "6 or 8"), (2, 2, 6, "4 or 8"), (4, 2, 12, "8 or 16"), (2, 3, 18, "12 or 24")):
+        sp = BatchSlicer(info, dp=1, dp_index=0, microbatches=1, device=None, cp=cp, cp_index=0, seq_split=tp)
+        ids = torch.zeros(2, bad, dtype=torch.long)
+        with pytest.raises(fxtron.ParallelizeError, match=f"sequence parallel.*the nearest are {near}"):
+            sp.local((ids, ids))
 
 
 # ----------------------------------------------------------------------------- compiled graphs

@@ -64,6 +64,7 @@ class RankGraph:
     stage_assignment: StageAssignment | None = None
     stages: list[Stage] | None = None        # this rank's pipeline stages, chunk 0 first
     shared: dict[str, tuple[int, ...]] = field(default_factory=dict)  # param -> pp ranks holding it
+    seq_split: int = 1                  # sequence parallel: each rank's tokens cut into tp parts
 
     @property
     def graphs(self) -> list[fx.GraphModule]:
@@ -111,7 +112,8 @@ class RankGraph:
                         stages=tuple(self.stages) if self.stages is not None else None,
                         local=dict(self.local), shared=dict(self.shared), param_order=tuple(self.param_order()),
                         grad_reports=self.grad_reports(),
-                        fused=tuple(sorted({w for g in self.graphs for w in fused_weights(g)})))
+                        fused=tuple(sorted({w for g in self.graphs for w in fused_weights(g)})),
+                        seq_split=self.seq_split)
 
 
 def _numel(shape) -> int:
@@ -319,7 +321,8 @@ def compile_rank(traced: fx.GraphModule, mesh: Mesh, rank: int, *, plan: TPPlan 
                 observer(p.name, state.gm, seconds, p.reason)
     state.gm.graph.lint()
     return RankGraph(gm=state.gm, mesh=mesh, rank=rank, local=state.local, plan=plan,
-                     stage_assignment=stage_assignment, stages=state.stages, shared=state.shared)
+                     stage_assignment=stage_assignment, stages=state.stages, shared=state.shared,
+                     seq_split=view.size("tp") if options.sequence_parallel else 1)
 
 
 __all__ = ["CompileOptions", "PASSES", "Pass", "RankGraph", "RankState", "compile_rank", "pass_list",

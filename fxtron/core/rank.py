@@ -22,7 +22,9 @@ class RankSpec:
     ranks hold (a tied embedding and LM head) -> those pp ranks. param_order: the rank's
     parameters in order of first use in forward. grad_reports: how many times per step each
     parameter's gradient reports complete in the last backward. fused: parameters whose
-    gradient fused linears accumulate into main_grad."""
+    gradient fused linears accumulate into main_grad. seq_split: how many equal parts each
+    rank's tokens of a sequence are cut into inside the graph (tp under sequence parallel), so
+    the step can refuse a length that does not divide before it runs."""
 
     rank: int
     mesh: MeshView
@@ -34,6 +36,7 @@ class RankSpec:
     param_order: tuple[str, ...]
     grad_reports: Mapping[str, int]
     fused: tuple[str, ...]
+    seq_split: int = 1
 
     @property
     def graphs(self) -> list[fx.GraphModule]:

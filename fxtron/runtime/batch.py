@@ -3,6 +3,8 @@ batch dim, cut into microbatches, checked against the traced input structure and
 rank's device."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.utils._pytree as pytree
 
@@ -21,12 +23,14 @@ class BatchSlicer:
     """Slices global batches for one rank: `dp` data-parallel ranks of which this is `dp_index`,
     `cp` context-parallel ranks of which this is `cp_index` (each input's sequence dim split
     load-balanced: chunks cp_index and 2cp-1-cp_index of 2cp, Megatron's
-    get_batch_on_this_cp_rank), `microbatches` per step, inputs moved to `device`."""
+    get_batch_on_this_cp_rank), `microbatches` per step, inputs moved to `device`;
+    `seq_split`: the parts each rank's tokens are cut into in the graph (tp under sequence
+    parallel), checked with the sequence at the step's entry."""
 
     def __init__(self, info: TraceInfo, *, dp: int, dp_index: int, microbatches: int, device: torch.device | None,
-                 cp: int = 1, cp_index: int = 0):
+                 cp: int = 1, cp_index: int = 0, seq_split: int = 1):
         self.info, self.dp, self.dp_index, self.m, self.device = info, dp, dp_index, microbatches, device
-        self.cp, self.cp_index = cp, cp_index
+        self.cp, self.cp_index, self.seq_split = cp, cp_index, seq_split
 
     def flat(self, inputs: tuple, kwargs: dict | None) -> list:
         """The tensor leaves of (inputs, kwargs), checked against the traced structure."""
@@ -40,6 +44,8 @@ class BatchSlicer:
         """This rank's data-parallel slice of a global batch (dim 'batch' of every input), on
         the rank's device (a batch from a CPU data loader moves to the rank's GPU here)."""
         if self.dp == 1 and self.cp == 1:
+            if self.seq_split > 1:
+                self.check_sequence(self.flat(inputs, kwargs))
             return self.on_device(tuple(inputs), dict(kwargs or {}))
         flat = self.flat(inputs, kwargs)
         self.check_sequence(flat)
@@ -62,11 +68,13 @@ class BatchSlicer:
         return self.on_device(args, kw)
 
     def check_sequence(self, flat: list) -> None:
-        """Raise ParallelizeError, before anything runs, for a sequence the cp ranks cannot
-        split: its length must be a multiple of 2 x cp (two chunks a rank)."""
-        if self.cp == 1:
+        """Raise ParallelizeError, before anything runs, for a sequence the ranks cannot split:
+        under cp its length must be a multiple of 2 x cp (two chunks a rank), and under
+        sequence parallel each rank's tokens must divide into tp parts."""
+        cp_unit = 2 * self.cp if self.cp > 1 else 1
+        unit = math.lcm(cp_unit, self.cp * self.seq_split)
+        if unit == 1:
             return
-        unit = 2 * self.cp
         for x, dims in zip(flat, self.info.user_dims):
             if "seq" not in dims:
                 continue
@@ -74,11 +82,16 @@ class BatchSlicer:
             if n % unit:
                 lower, upper = n // unit * unit, (n // unit + 1) * unit
                 near = f"{lower} or {upper}" if lower else f"{upper}"
+                why = []
+                if self.cp > 1:
+                    why.append(f"context parallel cuts it into 2 x cp = {cp_unit} equal chunks (load balancing)")
+                if self.seq_split > 1:
+                    why.append(f"sequence parallel cuts {'each cp rank' + chr(39) + 's' if self.cp > 1 else 'its'} "
+                               f"tokens into tp = {self.seq_split} parts")
                 raise ParallelizeError(
                     f"a sequence of {n} tokens (dim {dims.index('seq')} of an input of shape {tuple(x.shape)}) cannot "
-                    f"be split over cp={self.cp}: context parallel cuts it into 2 x cp = {unit} equal chunks "
-                    f"(load balancing), so its length must be a multiple of {unit}; the nearest are {near} "
-                    f"(pad the sequence, e.g. with ignore_index labels)")
+                    f"be split over this mesh: {' and '.join(why)}, so its length must be a multiple of {unit}; "
+                    f"the nearest are {near} (pad the sequence, e.g. with ignore_index labels)")
 
     def on_device(self, args: tuple, kw: dict) -> tuple[tuple, dict]:
         device = self.device

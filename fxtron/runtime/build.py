@@ -70,7 +70,8 @@ def build_program(model: torch.nn.Module, spec: RankSpec, groups: ProcessGroups 
     return Program(gm, spec.info, params, buffers, set(model.state_dict().keys()), dict(spec.local), spec.rank,
                    groups, spec.info.aliases, rng, fused=list(spec.fused), dtype=dtype, stages=stages,
                    pipeline=pipeline, shared=dict(spec.shared), data_parallel=data_parallel,
-                   grad_reports=dict(spec.grad_reports), param_order=list(spec.param_order))
+                   grad_reports=dict(spec.grad_reports), param_order=list(spec.param_order),
+                   seq_split=spec.seq_split)
 
 
 __all__ = ["build_program", "local_params", "used_buffers"]
