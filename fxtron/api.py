@@ -166,6 +166,13 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
         raise ParallelizeError(f"cp_comm_type must be one of {', '.join(map(repr, COMM_TYPES))}, not {cp_comm_type!r}")
     if mesh.cp > 1 and seq_dim is None:
         raise ParallelizeError("context parallel (mesh.cp > 1) splits the inputs' sequence dim; give seq_dim")
+    wide = next((n for n, p in model.named_parameters() if p.dtype == torch.float64), None)
+    if wide is not None and mesh.tp > 1:
+        raise ParallelizeError(
+            f"parameter {wide} is float64: tensor parallel's ops (the vocab-parallel cross entropy, the fused "
+            "weight-gradient kernels, the shared-memory transport) compute in 32 bits or less, so a float64 model "
+            "would not keep float64 precision at tp > 1; use model.float() (or bfloat16 with dtype=), or tp=1 "
+            "(data, pipeline and context parallel keep float64)")
     if mesh.ep != 1:
         raise ParallelizeError(
             f"this fxtron build parallelizes over tensor, context, pipeline and data parallel; the mesh asks for "

@@ -31,6 +31,8 @@ def fuse_linears(gm: fx.GraphModule, *, device: torch.device) -> fx.GraphModule:
             continue
         if "cp" in meta.graph_axes(gm) and "cp" not in (meta.get(args[1], meta.GRAD_REDUCE) or ()):
             continue     # a weight whose gradient is whole on every cp rank: its share is scaled (runtime/grads.py)
+        if args[0].meta["val"].dtype not in _FUSED_DTYPES:
+            continue     # float64: autograd's own linear (the kernels accumulate 16/32-bit into fp32)
         x = args[0]
         with g.inserting_before(node):
             new = g.call_function(torch.ops.fxtron.linear.default, args)
@@ -46,6 +48,9 @@ def fuse_linears(gm: fx.GraphModule, *, device: torch.device) -> fx.GraphModule:
         g.erase_node(node)
     gm.recompile()
     return gm
+
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def fused_weights(gm: fx.GraphModule) -> list[str]:

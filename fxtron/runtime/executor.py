@@ -112,7 +112,7 @@ class StageRunner:
                 if st.has_loss:
                     loss = outs.pop()
                     scaled = loss * (loss_scale / m)
-                    part = loss.detach().float() / m
+                    part = loss.detach().to(torch.promote_types(loss.dtype, torch.float32)) / m
                     loss_sum = part if loss_sum is None else loss_sum + part
                 saved[key] = (ins, outs, scaled)
                 live.add(key)

@@ -119,9 +119,11 @@ class Program(GradientSync, nn.Module):
         grad_group = self._grad_group()
         opts = self.data_parallel
         world, index = (1, 0) if groups is None else (groups.size(grad_group), groups.index(grad_group))
+        # fp32 main_grad (Megatron's), or float64 for a float64 model: never narrower than its weights
+        wide = any(p.dtype == torch.float64 for _, p in self.named_parameters())
         self.grad_buffer = GradBuffer(
             [(n, get_by_path(self, n), (grad_reports or {}).get(n, 1)) for n in order],
-            opts.grad_reduce_dtype or torch.float32, opts.bucket_size or default_bucket_size(world),
+            opts.grad_reduce_dtype or (torch.float64 if wide else torch.float32), opts.bucket_size or default_bucket_size(world),
             group=self.groups.group(grad_group) if world > 1 else None, dp=world, reduce_scatter=opts.zero == 1,
             dp_rank=index, alone=frozenset(self._shared), average=dp)
         # a gradient every rank of the group computes whole (not a partial sum over cp) enters the
@@ -198,7 +200,7 @@ class Program(GradientSync, nn.Module):
                 scaled.backward()
         self.finalize_grads()
         self._optimizer_step(optimizer)
-        return self._global_loss(loss.detach().float())
+        return self._global_loss(loss.detach().to(torch.promote_types(loss.dtype, torch.float32)))
 
     # ---------------------------------------------------------------- pipeline / microbatches
     def microbatches(self, inputs, kwargs: dict | None = None) -> list[list[torch.Tensor]]:
@@ -242,8 +244,9 @@ class Program(GradientSync, nn.Module):
         self.finalize_grads()
         self._optimizer_step(optimizer)
         if self.groups is not None and self.groups.size("pp") > 1:
-            loss = loss if loss is not None else torch.zeros((), device=self.groups.device)
-            loss = loss.clone()
+            # float64 on every pp rank: the last stage's loss keeps a float64 model's precision
+            loss = (loss.double().clone() if loss is not None
+                    else torch.zeros((), dtype=torch.float64, device=self.groups.device))
             dist.all_reduce(loss, group=self.groups.group("pp"))   # only the last stage's is non-zero
         return self._global_loss(loss)
 
