@@ -30,6 +30,7 @@ from fxtron.errors import ParallelizeError
 from fxtron.mesh import Mesh
 from fxtron.passes import verify as verifier
 from fxtron.passes.context_parallel import cp_layout, fuse_written_out_attention
+from fxtron.passes.limits import SeqLimit, seq_limit
 from fxtron.passes.localize import drop_metadata_asserts, localize
 from fxtron.passes.plan import TPPlan
 from fxtron.passes.propagate import propagate
@@ -65,6 +66,7 @@ class RankGraph:
     stages: list[Stage] | None = None        # this rank's pipeline stages, chunk 0 first
     shared: dict[str, tuple[int, ...]] = field(default_factory=dict)  # param -> pp ranks holding it
     seq_split: int = 1                  # sequence parallel: each rank's tokens cut into tp parts
+    max_seq: SeqLimit | None = None     # the longest sequence the model takes (passes/limits.py)
 
     @property
     def graphs(self) -> list[fx.GraphModule]:
@@ -113,7 +115,8 @@ class RankGraph:
                         local=dict(self.local), shared=dict(self.shared), param_order=tuple(self.param_order()),
                         grad_reports=self.grad_reports(),
                         fused=tuple(sorted({w for g in self.graphs for w in fused_weights(g)})),
-                        seq_split=self.seq_split)
+                        seq_split=self.seq_split, max_seq=self.max_seq.tokens if self.max_seq else None,
+                        max_seq_why=self.max_seq.why if self.max_seq else "")
 
 
 def _numel(shape) -> int:
@@ -322,7 +325,7 @@ def compile_rank(traced: fx.GraphModule, mesh: Mesh, rank: int, *, plan: TPPlan 
     state.gm.graph.lint()
     return RankGraph(gm=state.gm, mesh=mesh, rank=rank, local=state.local, plan=plan,
                      stage_assignment=stage_assignment, stages=state.stages, shared=state.shared,
-                     seq_split=view.size("tp") if options.sequence_parallel else 1)
+                     seq_split=view.size("tp") if options.sequence_parallel else 1, max_seq=seq_limit(traced))
 
 
 __all__ = ["CompileOptions", "PASSES", "Pass", "RankGraph", "RankState", "compile_rank", "pass_list",

@@ -24,7 +24,9 @@ class RankSpec:
     parameter's gradient reports complete in the last backward. fused: parameters whose
     gradient fused linears accumulate into main_grad. seq_split: how many equal parts each
     rank's tokens of a sequence are cut into inside the graph (tp under sequence parallel), so
-    the step can refuse a length that does not divide before it runs."""
+    the step can refuse a length that does not divide before it runs. max_seq: the longest
+    sequence the model takes (a position table's rows; None: no limit found), max_seq_why:
+    what sets it."""
 
     rank: int
     mesh: MeshView
@@ -37,6 +39,8 @@ class RankSpec:
     grad_reports: Mapping[str, int]
     fused: tuple[str, ...]
     seq_split: int = 1
+    max_seq: int | None = None
+    max_seq_why: str = ""
 
     @property
     def graphs(self) -> list[fx.GraphModule]:

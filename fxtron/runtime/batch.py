@@ -25,12 +25,14 @@ class BatchSlicer:
     load-balanced: chunks cp_index and 2cp-1-cp_index of 2cp, Megatron's
     get_batch_on_this_cp_rank), `microbatches` per step, inputs moved to `device`;
     `seq_split`: the parts each rank's tokens are cut into in the graph (tp under sequence
-    parallel), checked with the sequence at the step's entry."""
+    parallel), checked with the sequence at the step's entry, as is `max_seq` (the longest
+    sequence the model takes, and why)."""
 
     def __init__(self, info: TraceInfo, *, dp: int, dp_index: int, microbatches: int, device: torch.device | None,
-                 cp: int = 1, cp_index: int = 0, seq_split: int = 1):
+                 cp: int = 1, cp_index: int = 0, seq_split: int = 1, max_seq: tuple[int | None, str] = (None, "")):
         self.info, self.dp, self.dp_index, self.m, self.device = info, dp, dp_index, microbatches, device
         self.cp, self.cp_index, self.seq_split = cp, cp_index, seq_split
+        self.max_seq, self.max_seq_why = max_seq
 
     def flat(self, inputs: tuple, kwargs: dict | None) -> list:
         """The tensor leaves of (inputs, kwargs), checked against the traced structure."""
@@ -44,7 +46,7 @@ class BatchSlicer:
         """This rank's data-parallel slice of a global batch (dim 'batch' of every input), on
         the rank's device (a batch from a CPU data loader moves to the rank's GPU here)."""
         if self.dp == 1 and self.cp == 1:
-            if self.seq_split > 1:
+            if self.seq_split > 1 or self.max_seq is not None:
                 self.check_sequence(self.flat(inputs, kwargs))
             return self.on_device(tuple(inputs), dict(kwargs or {}))
         flat = self.flat(inputs, kwargs)
@@ -73,12 +75,15 @@ class BatchSlicer:
         sequence parallel each rank's tokens must divide into tp parts."""
         cp_unit = 2 * self.cp if self.cp > 1 else 1
         unit = math.lcm(cp_unit, self.cp * self.seq_split)
-        if unit == 1:
-            return
         for x, dims in zip(flat, self.info.user_dims):
             if "seq" not in dims:
                 continue
             n = x.shape[dims.index("seq")]
+            if self.max_seq is not None and n > self.max_seq:
+                raise ParallelizeError(
+                    f"a sequence of {n} tokens (dim {dims.index('seq')} of an input of shape {tuple(x.shape)}) is longer "
+                    f"than the model takes: {self.max_seq_why}; use at most {self.max_seq} tokens (or a model "
+                    f"built for longer sequences)")
             if n % unit:
                 lower, upper = n // unit * unit, (n // unit + 1) * unit
                 near = f"{lower} or {upper}" if lower else f"{upper}"
@@ -96,6 +101,13 @@ class BatchSlicer:
     def on_device(self, args: tuple, kw: dict) -> tuple[tuple, dict]:
         device = self.device
         if device is None or device.type == "cpu":
+            away = next((x for x in pytree.tree_leaves((args, kw)) if isinstance(x, torch.Tensor)
+                         and x.device.type != "cpu"), None)
+            if away is not None:
+                raise ParallelizeError(f"an input of shape {tuple(away.shape)} is on {away.device}, but this program "
+                                       f"runs on the CPU (its parameters are there); pass CPU tensors, or build the "
+                                       f"program on that device (parallelize(..., device=...) and a mesh launched "
+                                       f"with its backend)")
             return args, kw
 
         def move(x):

@@ -71,7 +71,7 @@ def build_program(model: torch.nn.Module, spec: RankSpec, groups: ProcessGroups 
                    groups, spec.info.aliases, rng, fused=list(spec.fused), dtype=dtype, stages=stages,
                    pipeline=pipeline, shared=dict(spec.shared), data_parallel=data_parallel,
                    grad_reports=dict(spec.grad_reports), param_order=list(spec.param_order),
-                   seq_split=spec.seq_split)
+                   seq_split=spec.seq_split, max_seq=(spec.max_seq, spec.max_seq_why))
 
 
 __all__ = ["build_program", "local_params", "used_buffers"]

@@ -78,7 +78,8 @@ class Program(GradientSync, nn.Module):
                  fused: list[str] | None = None, dtype: torch.dtype | None = None, stages: list | None = None,
                  pipeline: "PipelineOptions | None" = None, shared: dict[str, tuple[int, ...]] | None = None,
                  data_parallel: DataParallelOptions | None = None, grad_reports: dict[str, int] | None = None,
-                 param_order: list[str] | None = None, seq_split: int = 1):
+                 param_order: list[str] | None = None, seq_split: int = 1,
+                 max_seq: tuple[int | None, str] = (None, "")):
         super().__init__()
         for name in info.params:
             if name in params:
@@ -108,7 +109,7 @@ class Program(GradientSync, nn.Module):
         cp, cp_rank = (1, 0) if groups is None else (groups.size("cp"), groups.index("cp"))
         self._batch = BatchSlicer(info, dp=dp, dp_index=dp_rank, microbatches=self.pipeline.microbatches,
                                   device=groups.device if groups is not None else None, cp=cp, cp_index=cp_rank,
-                                  seq_split=seq_split)
+                                  seq_split=seq_split, max_seq=max_seq)
         # data parallel: every gradient in one bucketed buffer (runtime/buffers.py), reduced over
         # the group the parameters name (dp today; dp-cp and expert-dp with cp and ep)
         self.data_parallel = data_parallel or DataParallelOptions()
