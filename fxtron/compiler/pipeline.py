@@ -274,9 +274,8 @@ PASSES = pass_list(
          _distributed, "the graph is distributed over an axis", after=("propagate_tp", "propagate_cp")),
     Pass("localize", "sizes written into the graph become this rank's", _set("gm", lambda s: localize(s.gm, mesh=s.mesh)),
          _distributed, "the graph is distributed over an axis", after=("insert_redistributions",)),
-    Pass("assign_rng_regions", "random ops draw from the replicated or the per-rank stream",
-         _set("gm", lambda s: assign_rng_regions(s.gm)), _distributed, "the graph is distributed over an axis",
-         after=("insert_redistributions",)),
+    Pass("assign_rng_regions", "random ops draw from the program's streams (replicated or per rank), which "
+         "checkpoints save", _set("gm", lambda s: assign_rng_regions(s.gm)), after=("insert_redistributions",)),
     Pass("fuse_linears", "weight gradients straight into fp32 main_grad, deferrable behind the input "
          "gradient's communication", _set("gm", lambda s: fuse_linears(s.gm, device=torch.device(s.options.device))),
          lambda s: s.options.gradient_accumulation_fusion, "gradient_accumulation_fusion",

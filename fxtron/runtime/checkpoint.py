@@ -157,6 +157,9 @@ def _write(prog, path: str, optimizer, storage_writer) -> None:
                 else:
                     sd[f"optim/{name}/{key}"] = _pack(value)
         sd["optim/param_groups"] = _pack([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
+    # the rank's random streams (dropout): a run resumed on the same mesh draws what it would have
+    if prog.rng is not None:
+        sd[f"rng/{_rank(prog)}"] = _pack(_rng_record(prog))
     # how interleaved parts join back (load_full_state_dict): name -> (dim, parts)
     # how interleaved parts join back: one object per parameter (every holder writes the same)
     for n, lp in prog._local.items():
@@ -166,6 +169,16 @@ def _write(prog, path: str, optimizer, storage_writer) -> None:
     os.makedirs(path, exist_ok=True)
     writer = storage_writer(path) if storage_writer is not None else None
     dcp.save(sd, checkpoint_id=path, storage_writer=writer, no_dist=_alone(prog))
+
+
+def _rank(prog) -> int:
+    return 0 if _alone(prog) else dist.get_rank()
+
+
+def _rng_record(prog) -> dict:
+    """The rank's random streams with the mesh and seed they belong to."""
+    return {"mesh": str(prog.groups.mesh) if prog.groups is not None else "", "seed": prog.rng.seed,
+            "states": {k: v.clone() for k, v in prog.rng.states.items()}}
 
 
 def _world(prog) -> int:
@@ -258,6 +271,9 @@ def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
     for name, b in prog.named_buffers():
         if name in persistent and f"buffer/{name}" in meta:
             sd[f"buffer/{name}"] = torch.empty_like(b)
+    rng_key = f"rng/{_rank(prog)}"
+    if prog.rng is not None and rng_key in meta:
+        sd[rng_key] = io.BytesIO()
     keys: dict[str, list[str]] = {}
     if optimizer is not None:
         for key in meta:
@@ -289,6 +305,11 @@ def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
         for name, b in prog.named_buffers():
             if f"buffer/{name}" in sd:
                 b.copy_(sd[f"buffer/{name}"])
+    if rng_key in sd:            # the same mesh and seed: continue the streams where they were
+        saved = _unpack_obj(sd[rng_key])
+        mine = _rng_record(prog)
+        if (saved["mesh"], saved["seed"]) == (mine["mesh"], mine["seed"]):
+            prog.rng.states = dict(saved["states"])
     if optimizer is None:
         return
     state = {}
