@@ -34,7 +34,7 @@ import torch.distributed as dist
 import fxtron
 from fxtron.models.llama import Llama, LlamaConfig
 from fxtron.ops import cp as cp_ops
-from replay import ReplayTimer, noop, timed_job, token_batches
+from replay import ReplayTimer, eager_step, noop, timed_job, token_batches
 
 CFG = LlamaConfig(vocab_size=256, max_seq_len=4096, n_layer=2, n_head=4, n_kv_head=2, dim=64, ffn_dim=172)
 BATCH, SEQ = 1, 4096
@@ -80,18 +80,6 @@ def test_attention_work(world, bench_report, benchmark):
 
 
 # ---------------------------------------------------------------- 2. training step
-def _eager_step(model):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def step(b):
-        opt.zero_grad(set_to_none=True)
-        loss = model(*b)
-        loss.backward()
-        opt.step()
-        return float(loss.detach())
-    return step
-
-
 def _train_job(rank: int, mesh: fxtron.Mesh) -> dict:
     batches = token_batches(CFG.vocab_size, BATCH, SEQ, n=2)
     runners, setup, wire = {}, {}, {}
@@ -108,7 +96,8 @@ def _train_job(rank: int, mesh: fxtron.Mesh) -> dict:
             "forward": sum(r.evaluate(BATCH, SEQ)[1] for r in recs if r.phase == "forward"),
             "backward": sum(r.evaluate(BATCH, SEQ)[1] for r in recs if r.phase == "backward")}
     if rank == 0:
-        runners["single_process"] = _eager_step(make_model())
+        model = make_model()
+        runners["single_process"] = eager_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     times = {s: [] for s in SYSTEMS}
     losses = {s: [] for s in SYSTEMS}
     steps = {s: 0 for s in SYSTEMS}

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 import fxtron
 from fxtron.models.llama import Attention, Llama, LlamaConfig, apply_rotary
 from fxtron.ops import shm
-from replay import ReplayTimer, noop, timed_job
+from replay import ReplayTimer, eager_step, noop, timed_job
 
 # ---------------------------------------------------------------- configuration
 TRAIN_CFG = LlamaConfig(vocab_size=256, max_seq_len=128, n_layer=4, n_head=8, n_kv_head=4,
@@ -168,15 +168,7 @@ def _setup_dtensor(rank: int):
 
 def _eager_step(model):
     """One plain eager training step of `model` (the DTensor and one-process baselines)."""
-    opt = _adamw(model.parameters())
-
-    def step(b):
-        opt.zero_grad(set_to_none=True)
-        loss = model(*b)
-        loss.backward()
-        opt.step()
-        return float(loss.detach())
-    return step
+    return eager_step(model, _adamw(model.parameters()))
 
 
 def _setup_single():

@@ -29,6 +29,18 @@ def noop():
     return None
 
 
+def eager_step(model, optimizer):
+    """One plain eager training step of `model` with `optimizer` (the baselines), as a function
+    of the batch returning the loss."""
+    def step(b):
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(*b)
+        loss.backward()
+        optimizer.step()
+        return float(loss.detach())
+    return step
+
+
 def timed_job(job, mesh, systems: list[str], timeout_s: float = 900) -> dict:
     """Run `job(rank, mesh)` on the mesh's gloo processes (one torch thread each) and return
     rank 0's result with the job's wall time ("job_s") and each system's median step time

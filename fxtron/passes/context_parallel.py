@@ -27,7 +27,7 @@ from fxtron.core.placement import Shard
 from fxtron.errors import ParallelizeError
 from fxtron.ops import cp as cp_ops
 from fxtron.passes.propagate import AxisLayout
-from fxtron.passes.rules import register_lowering
+from fxtron.passes.rules import CASTS, register_lowering
 from fxtron.passes.rules.views import head_repeat
 
 aten = torch.ops.aten
@@ -46,7 +46,6 @@ def cp_layout(info: meta.TraceInfo, *, comm_type: str = "p2p", strict: bool = Fa
     return AxisLayout(AXIS, inputs=inputs, balanced=True, strict=strict, options={"cp_comm_type": comm_type})
 
 
-_CASTS = {aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.contiguous.default}
 _MATMULS = {aten.matmul.default, aten.bmm.default}
 
 
@@ -69,15 +68,15 @@ def _written_out_attention(out: fx.Node, grad: set):
     if out.op != "call_function" or out.target not in _MATMULS or len(out.args) < 2:
         return None
     p, v = out.args[:2]
-    p = _through(p, _CASTS)
+    p = _through(p, CASTS)
     if _single(p) and p.target == aten.dropout.default:
         if p.args[1] and p.args[2]:
             return None                      # attention dropout: the ring does not take it
-        p = _through(p.args[0], _CASTS)
+        p = _through(p.args[0], CASTS)
     if not (_single(p) and p.target in (aten.softmax.int, aten._softmax.default)
             and p.args[1] % p.meta["val"].dim() == p.meta["val"].dim() - 1):
         return None
-    s = _through(p.args[0], _CASTS)
+    s = _through(p.args[0], CASTS)
     mask, negate = None, False
     if _single(s) and s.target == aten.masked_fill.Scalar and s.args[2] == float("-inf"):
         s, mask, negate = s.args[0], s.args[1], True

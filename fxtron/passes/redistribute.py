@@ -28,7 +28,7 @@ from fxtron.core.axes import MeshView
 from fxtron.core.layout import is_symbolic, to_list
 from fxtron.core.placement import NESTED, REPLICATE, Partial, Replicate, Shard, is_sharded
 from fxtron.errors import ParallelizeError
-from fxtron.passes.rules import PARTIAL_THROUGH, is_tensor, lowerings_for, tensor_inputs
+from fxtron.passes.rules import CASTS, PARTIAL_THROUGH, is_tensor, lowerings_for, tensor_inputs
 from fxtron.passes.rules.registry import expr, split_sources
 from fxtron.passes.rules.views import head_repeat
 
@@ -39,9 +39,8 @@ class _Emitter:
     """Makes the new graph's communication nodes, one per (value, axis, redistribution)."""
 
     def __init__(self, graph: fx.Graph, mesh: MeshView, grad: set[fx.Node] = frozenset(),
-                 balanced: tuple[str, ...] = ()):
-        self.g, self.mesh, self.grad, self.balanced = graph, mesh, grad, balanced
-        self.axes: tuple[str, ...] = ()
+                 balanced: tuple[str, ...] = (), axes: tuple[str, ...] = ()):
+        self.g, self.mesh, self.grad, self.balanced, self.axes = graph, mesh, grad, balanced, axes
         self.cache: dict[tuple, fx.Node] = {}
 
     def call(self, target, args, like: fx.Node, placements: meta.PerAxis, reason: str, kwargs=None,
@@ -161,7 +160,7 @@ class _Emitter:
         it on the sequence before the fold and fold the rank's part. None if `src` is no such fold."""
         chain = []
         node, new = src, value
-        while node.op == "call_function" and node.target in _CASTS | {torch.ops.aten.to.dtype_layout}:
+        while node.op == "call_function" and node.target in CASTS | {torch.ops.aten.to.dtype_layout}:
             chain.append((node, new))
             node, new = node.args[0], new.args[0]
         if not (node.op == "call_function" and node.target in _FOLDS and new.target == node.target):
@@ -308,7 +307,7 @@ class Lower:
         return Lower(self._em, axis, self._remap, self._placed, self._node)
 
     def axes(self) -> tuple[str, ...]:
-        return tuple(a for a in self._em.axes)
+        return self._em.axes
 
     def remap(self, arg):
         return self._remap(arg)
@@ -318,8 +317,6 @@ class Lower:
         return self._em.call(target, args, like, placements, reason, kwargs=kwargs)
 
 
-_CASTS = {torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default, torch.ops.aten.clone.default,
-          torch.ops.aten.contiguous.default}
 _FOLDS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
           torch.ops.aten.flatten.using_ints}
 
@@ -329,7 +326,7 @@ def _picks_more_rows(src: fx.Node, value: fx.Node, grad) -> bool:
     gradient, by indices that take none, giving more rows than x has -- or a cast of one?"""
     if src.op != "call_function" or value.op != "call_function" or value.target != src.target:
         return False
-    if src.target in _CASTS:
+    if src.target in CASTS:
         return (isinstance(src.args[0], fx.Node) and isinstance(value.args[0], fx.Node)
                 and _picks_more_rows(src.args[0], value.args[0], grad))
     if src.target == torch.ops.aten.index.Tensor:
@@ -435,8 +432,7 @@ def insert_redistributions(gm: fx.GraphModule, *, mesh: MeshView) -> fx.GraphMod
     grad = meta.carries_grad(gm)
     deferred = {axis: _params_summed_after_backward(gm, axis) for axis in axes}
     new = fx.Graph()
-    em = _Emitter(new, mesh, grad, meta.balanced_axes(gm))
-    em.axes = axes
+    em = _Emitter(new, mesh, grad, meta.balanced_axes(gm), axes)
     env: dict[fx.Node, fx.Node] = {}
     placed: dict[fx.Node, meta.PerAxis] = {}   # the placements each old node's env value has
     for node in gm.graph.nodes:

@@ -37,6 +37,9 @@ _aten = torch.ops.aten
 Rule = Callable[["Ctx"], tuple]   # -> (out placement, expects: list[Placement | None])
 Lowering = Callable[..., "fx.Node | None"]
 
+#: ops that only copy or cast a value (its layout and meaning unchanged), which passes look through
+CASTS = frozenset({_aten.to.dtype, _aten._to_copy.default, _aten.clone.default, _aten.contiguous.default})
+
 _RULES: dict = {}
 _LOWERINGS: dict = {}
 
