@@ -12,12 +12,13 @@ from fxtron.mesh import Mesh
 from fxtron.runtime.launch import launch
 
 
-def run_on_ranks(fn: Callable[..., Any], mesh: Mesh | int, *args, timeout_s: float = 300.0) -> list[Any]:
+def run_on_ranks(fn: Callable[..., Any], mesh: Mesh | int, *args, timeout_s: float = 300.0, **launch_options) -> list[Any]:
     """`fxtron.launch` for tests: gloo, one thread per rank, a job-wide timeout; a failing rank
-    fails the test with that rank's traceback (pytest shows LaunchError's message whole)."""
+    fails the test with that rank's traceback (pytest shows LaunchError's message whole).
+    `launch_options` go to launch (check_collectives, shm_transport, collective_timeout_s)."""
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
-    return launch(fn, mesh, args=args, backend="gloo", timeout_s=timeout_s,
-                  collective_timeout_s=min(60.0, timeout_s / 2), threads_per_rank=1)
+    launch_options.setdefault("collective_timeout_s", min(60.0, timeout_s / 2))
+    return launch(fn, mesh, args=args, backend="gloo", timeout_s=timeout_s, threads_per_rank=1, **launch_options)
 
 
 def case_key(case) -> Any:
@@ -25,29 +26,33 @@ def case_key(case) -> Any:
     return getattr(case, "key", case)
 
 
-def _run_plan(rank: int, plan: list, run_case: Callable) -> dict:
+def _run_plan(rank: int, plan: list, run_case: Callable, init: dict) -> dict:
     from fxtron.runtime.groups import init_distributed
     out = {}
     for mesh, cases in plan:
         if mesh.world_size > 1:
-            init_distributed(mesh)      # this mesh's groups, in the same processes
+            init_distributed(mesh, **init)      # this mesh's groups, in the same processes
         for case in cases:
             out[(str(mesh), case_key(case))] = run_case(rank, mesh, case)
     return out
 
 
 def run_cases(jobs: dict[int, list[tuple[Mesh, list]]], run_case: Callable[[int, Mesh, Any], Any], *,
-              timeout_s: float = 900.0) -> dict:
+              timeout_s: float = 900.0, **launch_options) -> dict:
     """Run every case of `jobs` (world size -> [(mesh, cases)], the meshes of one entry sharing
     its world size) with `run_case(rank, mesh, case)`, starting one set of gloo processes per
     world size (importing torch costs ~2 s a process) and making each mesh's groups in them.
-    Returns {(str(mesh), case_key(case), rank): what run_case returned}; `ranks_of` reads it."""
+    Returns {(str(mesh), case_key(case), rank): what run_case returned}; `ranks_of` reads it.
+    `launch_options` go to launch; check_collectives and shm_transport also to every mesh's
+    init_distributed."""
     out = {}
     for world, plan in jobs.items():
         meshes = {m.world_size for m, _ in plan}
         if meshes != {world}:
             raise ValueError(f"run_cases: the meshes of the {world}-process job have world sizes {sorted(meshes)}")
-        for rank, res in enumerate(run_on_ranks(_run_plan, plan[0][0], plan, run_case, timeout_s=timeout_s)):
+        init = {k: v for k, v in launch_options.items() if k in ("check_collectives", "shm_transport")}
+        for rank, res in enumerate(run_on_ranks(_run_plan, plan[0][0], plan, run_case, init, timeout_s=timeout_s,
+                                                **launch_options)):
             for key, value in res.items():
                 out[key + (rank,)] = value
     return out

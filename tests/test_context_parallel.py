@@ -282,7 +282,9 @@ def saved(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained(saved):
-    return run_cases(_jobs(saved), _dispatch)
+    # with every collective compared across its group before it runs, through gloo
+    # (tests/test_collective_order.py): cp, cp x tp (sp), cp x dp (zero=1), cp x pp
+    return run_cases(_jobs(saved), _dispatch, check_collectives=True, shm_transport=False)
 
 
 @pytest.mark.parametrize("world,case", [(w, Case(*c)) for w, cases in CASES.items() for c in cases],

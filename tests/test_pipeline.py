@@ -8,6 +8,8 @@ differ. Each case runs 2 AdamW steps whose global sequence length changes, and i
 the single-process model: losses, the first step's gradients (gathered to full shape, across
 stages) and the final weights. Each rank also reports how many microbatches' activations it
 held at once, checked against the schedule's bound, and the bytes it sent between stages.
+The 4-process job runs as NCCL pairs transfers (by order, tags unused) with the collective
+order check on (tests/test_collective_order.py).
 """
 from __future__ import annotations
 
@@ -106,7 +108,15 @@ CASES = [(str(mesh), case) for jobs in JOBS.values() for mesh, cases in jobs for
 
 @pytest.fixture(scope="module")
 def results():
-    return run_cases(JOBS, _run_case, timeout_s=1200)
+    out = run_cases({w: j for w, j in JOBS.items() if w != 4}, _run_case, timeout_s=1200)
+    # the 4-process job (every schedule, tp x pp, dp x pp, varying lengths, scatter/gather) under
+    # NCCL's rule: transfers paired by order alone (no tags), every collective of every group
+    # compared across it before it runs and each step's transfers paired at its end, with all
+    # collectives through gloo (FXTRON_SHM=0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FXTRON_P2P_TAGS", "0")
+        out.update(run_cases({4: JOBS[4]}, _run_case, timeout_s=1200, check_collectives=True, shm_transport=False))
+    return out
 
 
 @pytest.fixture(scope="module")

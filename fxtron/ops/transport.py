@@ -2,7 +2,8 @@
 calls torch.distributed's collectives for them. A group is named by its process group's name
 (`ProcessGroup.group_name`, resolved with torch.distributed's `_resolve_process_group`); "" or a
 group of one rank means no communication. Where a group has a shared-memory channel (ops/shm.py,
-ranks of one host under gloo) the primitives go through it.
+ranks of one host under gloo) the primitives go through it. Every operation is entered in the
+ledger (ops/ledger.py: the flight recorder, and the order check across the group when on).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fxtron.core.layout import shard, unshard
-from fxtron.ops import shm
+from fxtron.ops import ledger, shm
 
 
 def resolve(group: str):
@@ -38,13 +39,14 @@ def all_reduce(t: Tensor, pg, op=dist.ReduceOp.SUM, out: Tensor | None = None) -
     """All-reduce contiguous `t` over `pg` into `out` (a contiguous tensor of t's shape; default
     t itself, which must then be a fresh tensor); returns out. Through the group's shared-memory
     channel where it has one, which reads t directly: no copy of t first."""
-    comm = shm.channel(pg.group_name)
-    if comm is not None:
-        return comm.all_reduce(t, shm.OP_MAX if op == dist.ReduceOp.MAX else shm.OP_SUM, out=out)
-    if out is not None:
-        t = out.copy_(t)
-    dist.all_reduce(t, op=op, group=pg)
-    return t
+    with ledger.collective(pg, "all_reduce(max)" if op == dist.ReduceOp.MAX else "all_reduce", t):
+        comm = shm.channel(pg.group_name)
+        if comm is not None:
+            return comm.all_reduce(t, shm.OP_MAX if op == dist.ReduceOp.MAX else shm.OP_SUM, out=out)
+        if out is not None:
+            t = out.copy_(t)
+        dist.all_reduce(t, op=op, group=pg)
+        return t
 
 
 def summed(x: Tensor, pg) -> Tensor:
@@ -58,28 +60,33 @@ def summed(x: Tensor, pg) -> Tensor:
 def start_all_reduce(t: Tensor, pg):
     """Begin an all-reduce SUM of contiguous `t` in place; returns a work whose wait()
     completes it. Only local computation may run before the wait (no other collective)."""
+    e = ledger.issue(pg, "all_reduce", t)
     comm = shm.channel(pg.group_name)
-    if comm is not None:
-        return comm.start_all_reduce(t)
-    return dist.all_reduce(t, group=pg, async_op=True)
+    try:
+        work = comm.start_all_reduce(t) if comm is not None else dist.all_reduce(t, group=pg, async_op=True)
+    except Exception as exc:  # noqa: BLE001 - a backend's error, whatever its type
+        raise ledger.failure(e, exc) from exc
+    return ledger.started(e, work)
 
 
 def all_gather(t: Tensor, pg) -> list[Tensor]:
     """Every rank's `t` (same shape everywhere), in group-rank order."""
-    comm = shm.channel(pg.group_name)
-    if comm is not None:
-        return comm.all_gather(t)
-    t = t.contiguous()
-    out = [torch.empty_like(t) for _ in range(pg.size())]
-    dist.all_gather(out, t, group=pg)
-    return out
+    with ledger.collective(pg, "all_gather", t):
+        comm = shm.channel(pg.group_name)
+        if comm is not None:
+            return comm.all_gather(t)
+        t = t.contiguous()
+        out = [torch.empty_like(t) for _ in range(pg.size())]
+        dist.all_gather(out, t, group=pg)
+        return out
 
 
 def gather(t: Tensor, dim: int, pg) -> Tensor:
     """Every rank's `t` concatenated along `dim` in group-rank order (a new tensor)."""
     comm = shm.channel(pg.group_name)
     if comm is not None:
-        return comm.gather(t, dim)
+        with ledger.collective(pg, "all_gather", t):
+            return comm.gather(t, dim)
     return unshard(all_gather(t, pg), dim, 1)
 
 
@@ -87,7 +94,8 @@ def reduce_scatter(t: Tensor, dim: int, pg) -> Tensor:
     """Sum of `t` over the ranks, then this rank's 1/world slice along `dim` (a new tensor)."""
     comm = shm.channel(pg.group_name)
     if comm is not None:
-        return comm.reduce_scatter(t, dim)
+        with ledger.collective(pg, "reduce_scatter", t):
+            return comm.reduce_scatter(t, dim)
     return start_reduce_scatter(t, dim, pg).wait()
 
 
@@ -109,12 +117,14 @@ def start_reduce_scatter(t: Tensor, dim: int, pg):
     comm = shm.channel(pg.group_name)
     if comm is not None:
         # shared memory: the tensor is published now, each rank sums its slice at wait()
-        return comm.start_reduce_scatter(t, dim)
+        e = ledger.issue(pg, "reduce_scatter", t)
+        return ledger.started(e, comm.start_reduce_scatter(t, dim))
     if dist.get_backend(pg) == "nccl":
         src = t.movedim(dim, 0).contiguous()
         out = src.new_empty((src.shape[0] // world, *src.shape[1:]))
+        e = ledger.issue(pg, "reduce_scatter", t)
         work = dist.reduce_scatter_tensor(out, src, op=dist.ReduceOp.SUM, group=pg, async_op=True)
-        return _Started(work, lambda: out.movedim(0, dim).contiguous())
+        return _Started(ledger.started(e, work), lambda: out.movedim(0, dim).contiguous())
     # gloo has no reduce_scatter_tensor on every build: all-reduce the whole tensor, keep a slice
     total = t.clone(memory_format=torch.contiguous_format)
     work = start_all_reduce(total, pg)
@@ -140,4 +150,42 @@ def start_ring_exchange(tensors: list[Tensor], pg) -> tuple[list, list[Tensor]]:
     tensors = [t.contiguous() for t in tensors]
     bufs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
     ops = [dist.P2POp(dist.isend, t, nxt, pg) for t in tensors] + [dist.P2POp(dist.irecv, b, prv, pg) for b in bufs]
-    return dist.batch_isend_irecv(ops), bufs
+    return batch_isend_irecv(ops, ["ring"] * len(ops)), bufs
+
+
+def batch_isend_irecv(ops: list, notes: list[str] | None = None) -> list:
+    """torch.distributed.batch_isend_irecv of `ops` (P2POps, peers as global ranks), each
+    entered in the ledger with its note (what the message is); returns the works."""
+    notes = notes or [""] * len(ops)
+    entries = [ledger.issue(op.group, "send" if op.op is dist.isend else "recv", op.tensor, peer=op.peer, note=n)
+               for op, n in zip(ops, notes)]
+    try:
+        works = dist.batch_isend_irecv(ops)
+    except Exception as exc:  # noqa: BLE001 - a backend's error, whatever its type
+        raise ledger.failure(entries[0], exc) from exc
+    if len(works) == len(ops):
+        return [ledger.Tracked(w, e) for w, e in zip(works, entries)]
+    every = _AllWorks(works)           # coalesced (NCCL): the batch completes as one
+    return [ledger.Tracked(every, e) for e in entries]
+
+
+class _AllWorks:
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+def irecv(buf: Tensor, peer: int, pg, tag: int = 0, note: str = ""):
+    """torch.distributed.irecv into buf from global rank `peer`, entered in the ledger."""
+    e = ledger.issue(pg, "recv", buf, peer=peer, note=note)
+    try:
+        return ledger.Tracked(dist.irecv(buf, peer, pg, tag), e)
+    except Exception as exc:  # noqa: BLE001 - a backend's error, whatever its type
+        raise ledger.failure(e, exc) from exc

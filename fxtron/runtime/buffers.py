@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from fxtron.ops import ledger
+
 
 def default_bucket_size(dp: int) -> int:
     """Megatron's default: max(40M, 1M x dp) elements."""
@@ -156,10 +158,12 @@ class GradBuffer:
         chunk.div_(self.average or self.dp)         # scale once: the average over dp
         if self.reduce_scatter:
             out = chunk.view(self.dp, -1)[self.dp_rank]
-            b.work = dist.reduce_scatter_tensor(out, chunk.clone(), group=self.group, async_op=True)
+            e = ledger.issue(self.group, "reduce_scatter", chunk)
+            b.work = ledger.started(e, dist.reduce_scatter_tensor(out, chunk.clone(), group=self.group, async_op=True))
             self.bytes_sent += chunk.numel() * chunk.element_size() * (self.dp - 1) // self.dp
         else:
-            b.work = dist.all_reduce(chunk, group=self.group, async_op=True)
+            e = ledger.issue(self.group, "all_reduce", chunk)
+            b.work = ledger.started(e, dist.all_reduce(chunk, group=self.group, async_op=True))
             self.bytes_sent += 2 * chunk.numel() * chunk.element_size() * (self.dp - 1) // self.dp
 
     def finish(self) -> None:

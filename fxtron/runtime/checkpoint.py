@@ -38,6 +38,7 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 from fxtron.core import layout as shard_math
 from fxtron.core.params import AxisShard
 from fxtron.errors import ParallelizeError
+from fxtron.ops import ledger
 
 
 def _tp_shard(spec) -> AxisShard | None:
@@ -191,7 +192,8 @@ def _on_rank0(prog, fn) -> None:
     if alone or dist.get_rank() == 0:
         fn()
     if not alone:
-        dist.barrier()
+        with ledger.collective(dist.group.WORLD, "barrier"):
+            dist.barrier()
 
 
 def _gather_errors(prog, errors: list[tuple[int, str]]) -> list[tuple[int, str]]:
@@ -199,7 +201,8 @@ def _gather_errors(prog, errors: list[tuple[int, str]]) -> list[tuple[int, str]]
     if _alone(prog):
         return errors
     every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, errors)
+    with ledger.collective(dist.group.WORLD, "all_gather_object"):
+        dist.all_gather_object(every, errors)
     return sorted({r: msg for pairs in every for r, msg in pairs}.items())
 
 

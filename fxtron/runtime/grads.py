@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from fxtron.core.layout import unshard
 from fxtron.core.params import LocalParam
+from fxtron.ops import ledger
 
 #: the model-parallel axes a parameter may be sharded over inside a pipeline stage: the gradient
 #: norm counts a replica once (on the axis's rank 0) and sums over the group "tp-pp" (a new axis
@@ -41,7 +42,8 @@ def gather_full(local: torch.Tensor, spec: LocalParam, groups) -> torch.Tensor:
         if groups is None or groups.size(s.axis) == 1:
             continue
         pieces = [torch.empty_like(out) for _ in range(groups.size(s.axis))]
-        dist.all_gather(pieces, out.contiguous(), group=groups.group(s.axis))
+        with ledger.collective(groups.group(s.axis), "all_gather", out):
+            dist.all_gather(pieces, out.contiguous(), group=groups.group(s.axis))
         out = unshard(pieces, s.dim, s.interleave)
     return out
 
@@ -133,7 +135,8 @@ class GradientSync:
             if not grads:
                 continue
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.groups.group(axis))
+            with ledger.collective(self.groups.group(axis), "all_reduce", flat):
+                dist.all_reduce(flat, group=self.groups.group(axis))
             at = 0
             for g in grads:
                 g.copy_(flat[at:at + g.numel()].view_as(g))
@@ -154,11 +157,13 @@ class GradientSync:
                 if self._zero is not None:     # a bucket of its own: every holder has the same shard
                     for g, n in self._zero.shard_grads():
                         if n == name:
-                            dist.all_reduce(g, group=self.groups.group("embedding"))
+                            with ledger.collective(self.groups.group("embedding"), "all_reduce", g):
+                                dist.all_reduce(g, group=self.groups.group("embedding"))
                     continue
                 p = get_by_path(self, name)
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
-                dist.all_reduce(g, group=self.groups.group("embedding"))
+                with ledger.collective(self.groups.group("embedding"), "all_reduce", g):
+                    dist.all_reduce(g, group=self.groups.group("embedding"))
                 p.grad = g
 
     # ---------------------------------------------------------------- norms
@@ -179,9 +184,11 @@ class GradientSync:
             total += g.float().pow(2).sum()
         if self.groups is not None:
             if self._zero is not None and self.grad_buffer.group is not None:
-                dist.all_reduce(total, group=self.grad_buffer.group)   # each rank holds 1/dp (of dp-cp)
+                with ledger.collective(self.grad_buffer.group, "all_reduce", total):   # each rank: 1/dp (of dp-cp)
+                    dist.all_reduce(total, group=self.grad_buffer.group)
             if self.groups.size("tp-pp") > 1:
-                dist.all_reduce(total, group=self.groups.group("tp-pp"))
+                with ledger.collective(self.groups.group("tp-pp"), "all_reduce", total):
+                    dist.all_reduce(total, group=self.groups.group("tp-pp"))
         return total.sqrt()
 
     def _grads_for_norm(self):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from fxtron.errors import ParallelizeError
 from fxtron.mesh import GROUP_KINDS, Mesh
-from fxtron.ops import shm
+from fxtron.ops import ledger, shm
 
 DEFAULT_TIMEOUT_S = 300.0
 # The groups whose collectives sit on the critical path of every layer: these get a
@@ -39,6 +39,18 @@ class ProcessGroups:
     # shared-memory channels by group name (ops/shm.py), made by init_distributed
     channels: dict = field(default_factory=dict, repr=False)
     _by_kind: dict[str, tuple[tuple[int, ...], object]] = field(default_factory=dict, repr=False)
+    # gloo twins (same ranks) of groups, by group name: small control messages on the CPU
+    # (pipeline shapes, the ledger's order check), never ordered against the group's own traffic
+    _twins: dict[str, object] = field(default_factory=dict, repr=False)
+
+    def meta(self, kind: str):
+        """A gloo group of the same ranks as `kind`'s group, for control messages: their order
+        never interleaves with the data of the group itself (NCCL matches by order alone)."""
+        pg = self.group(kind)
+        if pg.group_name not in self._twins:
+            raise ParallelizeError(f"group {kind!r} has no control twin (build_groups makes one for pp, "
+                                   "and for every group when the collective order is checked)")
+        return self._twins[pg.group_name]
 
     def group(self, kind: str):
         """The ProcessGroup of `kind` that holds this rank."""
@@ -55,16 +67,33 @@ class ProcessGroups:
         """This rank's position inside its group of `kind`."""
         return self._entry(kind)[0].index(self.rank)
 
+    def distinct(self) -> list[tuple[str, tuple[int, ...], object]]:
+        """(kind, ranks, group) of each distinct group holding this rank, in the mesh's order of
+        kinds (the same on every rank), a group that several kinds share listed once."""
+        out, seen = [], set()
+        for kind, (ranks, pg) in self._by_kind.items():
+            if pg.group_name not in seen:
+                seen.add(pg.group_name)
+                out.append((kind, ranks, pg))
+        return out
+
     def _entry(self, kind: str):
         if kind not in self._by_kind:
             raise ParallelizeError(f"unknown group kind {kind!r}; known kinds: {', '.join(GROUP_KINDS)}")
         return self._by_kind[kind]
 
 
-def build_groups(mesh: Mesh, rank: int, backend: str, device: torch.device) -> ProcessGroups:
-    """Create every group of the mesh; all ranks must call this in the same order (they do:
-    the iteration below depends only on the mesh)."""
+# kinds whose groups always get a gloo twin (pipeline shape messages travel on it)
+TWIN_KINDS = ("pp",)
+
+
+def build_groups(mesh: Mesh, rank: int, backend: str, device: torch.device, *,
+                 twins_for_all: bool = False) -> ProcessGroups:
+    """Create every group of the mesh (and the gloo twins of those of TWIN_KINDS, or of every
+    group with `twins_for_all`); all ranks must call this in the same order (they do: the
+    iteration below depends only on the mesh)."""
     made: dict[tuple[int, ...], object] = {}
+    twins: dict[tuple[int, ...], object] = {}
     world = tuple(range(mesh.world_size))
     pgs = ProcessGroups(mesh=mesh, rank=rank, backend=backend, device=device)
     for kind in GROUP_KINDS:
@@ -74,11 +103,25 @@ def build_groups(mesh: Mesh, rank: int, backend: str, device: torch.device) -> P
             if key not in made:
                 # every rank takes part in creating every group (torch.distributed's rule)
                 made[key] = dist.group.WORLD if key == world else dist.new_group(list(key))
+            if (twins_for_all or kind in TWIN_KINDS) and len(key) > 1 and key not in twins:
+                twins[key] = dist.new_group(list(key), backend="gloo")
             if rank in key:
                 mine = key
         if mine is not None:
             pgs._by_kind[kind] = (mine, made[mine])
+            if mine in twins:
+                pgs._twins[made[mine].group_name] = twins[mine]
     return pgs
+
+
+def _install_ledger(groups: ProcessGroups, check: bool) -> None:
+    books = []
+    for kind, ranks, pg in groups.distinct():
+        twin = groups._twins.get(pg.group_name)
+        books.append((pg.group_name, kind, ranks, twin if check else None))
+        if twin is not None:
+            books.append((twin.group_name, f"{kind} control", ranks, None))
+    ledger.install(groups.rank, books, check=check, flight_dir=os.environ.get("FXTRON_FLIGHT_DIR"))
 
 
 def _env_int(name: str) -> int | None:
@@ -96,7 +139,7 @@ def shm_default() -> bool:
 
 
 def init_distributed(mesh: Mesh, *, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                     shm_transport: bool | None = None) -> ProcessGroups:
+                     shm_transport: bool | None = None, check_collectives: bool | None = None) -> ProcessGroups:
     """Initialize torch.distributed for this process (torchrun or fxtron.launch set the
     environment) and create the mesh's groups. Returns this rank's ProcessGroups.
 
@@ -104,6 +147,13 @@ def init_distributed(mesh: Mesh, *, backend: str | None = None, timeout_s: float
     peer died raises instead of hanging. With gloo, a tp group whose ranks all run on this
     host also gets a shared-memory channel for fxtron's tensor-parallel collectives
     (ops/shm.py) unless `shm_transport` is False (default: on, unless FXTRON_SHM=0).
+
+    `check_collectives` (default: FXTRON_CHECK_COLLECTIVES=1 in the environment) compares every
+    collective across its group before it runs, and the steps' point-to-point transfers at step
+    ends, over gloo twins of the groups (ops/ledger.py): a rank whose program diverged raises,
+    naming the first differing operation on each rank, instead of hanging NCCL. Every rank
+    records its last operations (the flight recorder) whatever the setting; with
+    FXTRON_FLIGHT_DIR set (fxtron.launch sets it), to a file per rank there.
     """
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
     if rank is None or world is None:
@@ -123,7 +173,10 @@ def init_distributed(mesh: Mesh, *, backend: str | None = None, timeout_s: float
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-    groups = build_groups(mesh, rank, backend, device)
+    if check_collectives is None:
+        check_collectives = ledger.check_default()
+    groups = build_groups(mesh, rank, backend, device, twins_for_all=check_collectives)
+    _install_ledger(groups, check_collectives)
     if shm_transport is None:
         shm_transport = shm_default()
     if shm_transport and backend == "gloo":
@@ -156,5 +209,6 @@ def destroy() -> None:
     for groups in _REGISTRY.values():
         shm.close_channels(groups.channels)
     _REGISTRY.clear()
+    ledger.close()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -12,7 +12,9 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import socket
+import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -21,6 +23,7 @@ import torch
 
 from fxtron.errors import LaunchError
 from fxtron.mesh import Mesh
+from fxtron.ops import ledger
 
 
 def _free_port() -> int:
@@ -38,14 +41,16 @@ def _dumps(obj: Any) -> bytes:
 
 
 def _worker(fn, mesh: Mesh, rank: int, args: tuple, port: int, backend: str | None,
-            timeout_s: float, threads: int, shm_transport: bool | None, results) -> None:
+            timeout_s: float, threads: int, shm_transport: bool | None, check_collectives: bool | None,
+            flight_dir: str, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(mesh.world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(mesh.world_size))
+                      LOCAL_WORLD_SIZE=str(mesh.world_size), FXTRON_FLIGHT_DIR=flight_dir)
     torch.set_num_threads(threads)
     from fxtron.runtime import groups as G
     try:
-        G.init_distributed(mesh, backend=backend, timeout_s=timeout_s, shm_transport=shm_transport)
+        G.init_distributed(mesh, backend=backend, timeout_s=timeout_s, shm_transport=shm_transport,
+                           check_collectives=check_collectives)
         out = fn(rank, *args)
         payload = _dumps(out)
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
@@ -59,10 +64,11 @@ def _worker(fn, mesh: Mesh, rank: int, args: tuple, port: int, backend: str | No
     G.destroy()
 
 
-def _failures(procs, results, done: dict, first: str | None, grace_s: float = 1.0) -> str:
+def _failures(procs, results, done: dict, first: str | None, flight_dir: str, grace_s: float = 1.0) -> str:
     """Every failure seen within a short grace period: the first traceback, then any other
     rank's traceback and every rank that died without one (a peer's death often makes the
-    others fail too, so the whole picture helps find the cause)."""
+    others fail too, so the whole picture helps find the cause), then what every rank was
+    doing, from the flight recorder (ops/ledger.py)."""
     messages = [first] if first else []
     end = time.monotonic() + grace_s
     while time.monotonic() < end:
@@ -76,18 +82,22 @@ def _failures(procs, results, done: dict, first: str | None, grace_s: float = 1.
     for r, p in enumerate(procs):
         if r not in done and str(r) not in reported and p.exitcode not in (None, 0):
             messages.append(f"rank {r} died with exit code {p.exitcode} without a traceback")
-    return "\n\n".join(messages) or "a rank failed without a report"
+    messages = messages or ["a rank failed without a report"]
+    return "\n\n".join(messages + [ledger.flight_report(flight_dir, len(procs))])
 
 
 def launch(fn: Callable[..., Any], mesh: Mesh, args: tuple = (), *, backend: str | None = None,
            timeout_s: float = 600.0, collective_timeout_s: float = 120.0,
-           threads_per_rank: int | None = None, shm_transport: bool | None = None) -> list[Any]:
+           threads_per_rank: int | None = None, shm_transport: bool | None = None,
+           check_collectives: bool | None = None) -> list[Any]:
     """Run `fn(rank, *args)` on mesh.world_size local processes; return results in rank order.
 
     fn and args must be picklable (a module-level function). `timeout_s` bounds the whole job,
     `collective_timeout_s` every collective. `shm_transport`: see init_distributed (tp
-    collectives through shared memory with gloo; default on unless FXTRON_SHM=0). Raises
-    LaunchError with the failing rank's traceback.
+    collectives through shared memory with gloo; default on unless FXTRON_SHM=0).
+    `check_collectives`: compare every collective across its group before it runs (default:
+    FXTRON_CHECK_COLLECTIVES=1; see init_distributed). Raises LaunchError with the failing
+    rank's traceback and, for every rank, the operation it was in (the flight recorder).
     """
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= mesh.world_size else "gloo"
@@ -96,9 +106,10 @@ def launch(fn: Callable[..., Any], mesh: Mesh, args: tuple = (), *, backend: str
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
+    flight_dir = tempfile.mkdtemp(prefix="fxtron-flight-")
     procs = [ctx.Process(target=_worker, name=f"fxtron-rank{r}",
                          args=(fn, mesh, r, tuple(args), port, backend, collective_timeout_s,
-                               threads_per_rank, shm_transport, results), daemon=True)
+                               threads_per_rank, shm_transport, check_collectives, flight_dir, results), daemon=True)
              for r in range(mesh.world_size)]
     for p in procs:
         p.start()
@@ -111,12 +122,13 @@ def launch(fn: Callable[..., Any], mesh: Mesh, args: tuple = (), *, backend: str
             except queue.Empty:
                 if time.monotonic() > deadline:
                     raise LaunchError(f"job timed out after {timeout_s:.0f} s; ranks still running: "
-                                      f"{[r for r in range(mesh.world_size) if r not in done]}") from None
+                                      f"{[r for r in range(mesh.world_size) if r not in done]}\n\n"
+                                      + ledger.flight_report(flight_dir, mesh.world_size)) from None
                 if any(r not in done and p.exitcode not in (None, 0) for r, p in enumerate(procs)):
-                    raise LaunchError(_failures(procs, results, done, first=None)) from None
+                    raise LaunchError(_failures(procs, results, done, None, flight_dir)) from None
                 continue
             if not ok:
-                raise LaunchError(_failures(procs, results, done, first=payload))
+                raise LaunchError(_failures(procs, results, done, payload, flight_dir))
             done[rank] = torch.load(io.BytesIO(payload), weights_only=False)
         for p in procs:
             p.join(timeout=30)
@@ -127,4 +139,5 @@ def launch(fn: Callable[..., Any], mesh: Mesh, args: tuple = (), *, backend: str
         for p in procs:
             p.join(timeout=5)
         results.close()
+        shutil.rmtree(flight_dir, ignore_errors=True)
     return [done[r] for r in range(mesh.world_size)]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from fxtron.ops import ledger
+
 
 def compute_copy(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """The tensor a graph computes with: a `dtype` copy of a floating fp32 parameter or buffer
@@ -48,7 +50,8 @@ class LossScaler:
         if groups is not None:
             for kind in ("tp-pp", dp_kind) if sharded_over_dp else ("tp-pp",):
                 if groups.size(kind) > 1:
-                    dist.all_reduce(found, op=dist.ReduceOp.MAX, group=groups.group(kind))
+                    with ledger.collective(groups.group(kind), "all_reduce(max)", found):
+                        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=groups.group(kind))
         if found.item():
             self.scale = max(self.scale * self.backoff, self.min_scale)
             self.clean_steps = 0

@@ -21,6 +21,7 @@ from fxtron.core.meta import TraceInfo
 from fxtron.core.params import LocalParam
 from fxtron.core.stage import Stage
 from fxtron.errors import ParallelizeError
+from fxtron.ops import ledger
 from fxtron.ops.linear import WgradQueue
 from fxtron.ops.rng import RNGStreams
 from fxtron.runtime.batch import BatchSlicer, Microbatches
@@ -201,7 +202,9 @@ class Program(GradientSync, nn.Module):
                 scaled.backward()
         self.finalize_grads()
         self._optimizer_step(optimizer)
-        return self._global_loss(loss.detach().to(torch.promote_types(loss.dtype, torch.float32)))
+        out = self._global_loss(loss.detach().to(torch.promote_types(loss.dtype, torch.float32)))
+        ledger.step_end(self.groups)
+        return out
 
     # ---------------------------------------------------------------- pipeline / microbatches
     def microbatches(self, inputs, kwargs: dict | None = None) -> list[list[torch.Tensor]]:
@@ -248,8 +251,11 @@ class Program(GradientSync, nn.Module):
             # float64 on every pp rank: the last stage's loss keeps a float64 model's precision
             loss = (loss.double().clone() if loss is not None
                     else torch.zeros((), dtype=torch.float64, device=self.groups.device))
-            dist.all_reduce(loss, group=self.groups.group("pp"))   # only the last stage's is non-zero
-        return self._global_loss(loss)
+            with ledger.collective(self.groups.group("pp"), "all_reduce", loss):   # only the last stage's is non-zero
+                dist.all_reduce(loss, group=self.groups.group("pp"))
+        out = self._global_loss(loss)
+        ledger.step_end(self.groups)
+        return out
 
     def timeline(self) -> list:
         """The last pipelined step's events on this rank (runtime.executor.Event: F, B, W and
@@ -294,7 +300,8 @@ class Program(GradientSync, nn.Module):
         dp, _ = self._dp()
         if dp > 1:
             loss = loss.clone()
-            dist.all_reduce(loss, group=self.groups.group("dp"))
+            with ledger.collective(self.groups.group("dp"), "all_reduce", loss):
+                dist.all_reduce(loss, group=self.groups.group("dp"))
             loss /= dp
         return float(loss)
 
@@ -310,7 +317,8 @@ class Program(GradientSync, nn.Module):
         if self.groups is None or self.groups.size("pp") == 1:
             return mine
         every = [None] * self.groups.size("pp")
-        dist.all_gather_object(every, {k: v.cpu() for k, v in mine.items()}, group=self.groups.group("pp"))
+        with ledger.collective(self.groups.group("pp"), "all_gather_object"):
+            dist.all_gather_object(every, {k: v.cpu() for k, v in mine.items()}, group=self.groups.group("pp"))
         out = {}
         for part in every:
             for k, v in part.items():

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fxtron.ops import ledger
+
 
 class ZeroOne:
     def __init__(self, prog):
@@ -89,7 +91,9 @@ class ZeroOne:
         for b in self.buf.buckets:   # every rank's updated shard to every rank, bucket by bucket
             s0, s1 = self.buf.shard(b, self.rank)
             src = self.param_data[s0:s1].clone()
-            work = dist.all_gather_into_tensor(self.param_data[b.start:b.end], src, group=group, async_op=True)
+            e = ledger.issue(group, "all_gather", src)
+            work = ledger.started(e, dist.all_gather_into_tensor(self.param_data[b.start:b.end], src, group=group,
+                                                                 async_op=True))
             self._works.append((work, src))
 
     def wait_params(self) -> None:
@@ -105,7 +109,8 @@ class ZeroOne:
             group = self.buf.group
             for b in self.buf.buckets:
                 s0, s1 = self.buf.shard(b, self.rank)
-                dist.all_gather_into_tensor(out[b.start:b.end], self.buf.data[s0:s1].clone(), group=group)
+                with ledger.collective(group, "all_gather", self.buf.data[s0:s1]):
+                    dist.all_gather_into_tensor(out[b.start:b.end], self.buf.data[s0:s1].clone(), group=group)
         return out
 
     def gathered_state(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -128,7 +133,8 @@ class ZeroOne:
             for k, t in flat.items():
                 for b in self.buf.buckets:
                     s0, s1 = self.buf.shard(b, self.rank)
-                    dist.all_gather_into_tensor(t[b.start:b.end], t[s0:s1].clone(), group=group)
+                    with ledger.collective(group, "all_gather", t[s0:s1]):
+                        dist.all_gather_into_tensor(t[b.start:b.end], t[s0:s1].clone(), group=group)
         out = {}
         for n, p in self.prog.named_parameters():
             off, k = self.buf.offsets[n]

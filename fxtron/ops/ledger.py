@@ -1,0 +1,423 @@
+"""Ops: the ledger -- every collective and point-to-point transfer this rank issues, in order.
+
+NCCL matches the collectives of a communicator by their order alone, and its point-to-point
+transfers by order too (tags are ignored): a rank whose program diverges (one collective more,
+another op, another shape) hangs the job, or, when the sizes agree, mixes data without a word.
+gloo checks sizes and fxtron's shared-memory channel checks op and size, but neither tells the
+user where the programs parted. The ledger does, in two ways:
+
+- The flight recorder (always on): the last FLIGHT operations of the rank with their state
+  (issued, done, failed) and when they were issued. A collective that fails or times out
+  raises a ParallelizeError naming it, with the rank's recent operations; where the launcher
+  gives a directory (FXTRON_FLIGHT_DIR; fxtron.launch does) every operation is also written to
+  a small memory-mapped file per rank, so that a failing job reports what *every* rank was
+  waiting in, the ranks that were killed included.
+- The order check (FXTRON_CHECK_COLLECTIVES=1, or `init_distributed(check_collectives=True)`):
+  before each collective the ranks of its group exchange its description (number on the group,
+  op, shape, dtype) over a gloo twin of the group; at the end of each step they exchange "the
+  step ends here" on every group (a rank with one collective more is caught), and a fingerprint
+  of the point-to-point transfers per pair of ranks (sender's sends in order against the
+  receiver's receives in order, with what each message is: the order NCCL pairs them in). A
+  difference is a ParallelizeError on every rank of the group that names the first differing
+  operation on each rank -- before the collective runs, where NCCL would hang or mix data.
+
+The books are kept per process group, by the group's name, like the shared-memory channels
+(ops/shm.py): the communicating ops receive a group name, not the ProcessGroups object.
+init_distributed installs them (`install`); everything here is a no-op for a group it does
+not know beyond counting.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from fxtron.errors import ParallelizeError
+
+FLIGHT = 16                 # operations the recorder keeps per rank (and slots in the file)
+_LINE = 240                 # bytes per operation in the flight file
+_MAX_DIMS = 6               # dims described exactly; more are folded into the last
+_MOD = (1 << 61) - 1        # fingerprints: polynomial hashes modulo a Mersenne prime
+
+OPS = ("all_reduce", "all_reduce(max)", "all_gather", "reduce_scatter", "broadcast", "barrier",
+       "all_gather_object", "send", "recv", "step end")
+_OP_CODE = {n: i + 1 for i, n in enumerate(OPS)}
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool)
+_DTYPE_CODE = {d: i + 1 for i, d in enumerate(_DTYPES)}
+
+
+def _dtype_name(code: int) -> str:
+    return str(_DTYPES[code - 1]).removeprefix("torch.") if 0 < code <= len(_DTYPES) else "object"
+
+
+def _shape_str(shape: tuple) -> str:
+    return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+@dataclass
+class Entry:
+    """One operation: its number among this rank's operations (n), its number on its group
+    (seq; for point-to-point, among the transfers to or from that peer), what it is, and when."""
+
+    n: int
+    group: str
+    seq: int
+    op: str
+    shape: tuple
+    dtype: int
+    peer: int | None = None
+    note: str = ""
+    issued: float = 0.0
+    done: float | None = None
+    failed: bool = False
+    blocked: bool = False       # the rank is waiting for it to complete
+
+    def what(self) -> str:
+        """'all_reduce (2, 8, 64) float32', 'send (2, 8, 64) float32 to rank 1 [act mb 0]'."""
+        if self.op == "step end":
+            return f"the end of step {self.shape[0]} (no further collective on the group)"
+        out = f"{self.op} {_shape_str(self.shape)} {_dtype_name(self.dtype)}"
+        if self.peer is not None:
+            out += f" {'to' if self.op == 'send' else 'from'} rank {self.peer}"
+        return out + (f" [{self.note}]" if self.note else "")
+
+    def describe(self) -> str:
+        kind = "transfer" if self.peer is not None else "collective"
+        return f"{kind} #{self.seq} on group {self.group}: {self.what()}"
+
+    def code(self) -> list[int]:
+        """The operation as integers, as the ranks of a group compare it."""
+        dims = list(self.shape)
+        if len(dims) > _MAX_DIMS:
+            tail = 1
+            for d in dims[_MAX_DIMS - 1:]:
+                tail *= d
+            dims = dims[:_MAX_DIMS - 1] + [tail]
+        return [self.seq, _OP_CODE[self.op], self.dtype, len(self.shape), *dims, *[0] * (_MAX_DIMS - len(dims))]
+
+    @staticmethod
+    def decode(group: str, code: list[int]) -> "Entry":
+        seq, op, dtype, ndim, *dims = code
+        return Entry(0, group, seq, OPS[op - 1], tuple(dims[:min(ndim, _MAX_DIMS)]), dtype)
+
+
+@dataclass
+class _Book:
+    """What the ledger knows of one process group."""
+
+    label: str                       # "tp (ranks 0, 1)"
+    ranks: tuple[int, ...]
+    twin: object = None              # a gloo group of the same ranks, for the order check
+    seq: int = 0                     # collectives issued on the group so far
+    # point-to-point, per (peer, "send" | "recv"): [count, fingerprint], and (checking) the log
+    p2p: dict = field(default_factory=dict)
+    p2p_log: dict = field(default_factory=dict)
+
+
+class _State:
+    def __init__(self):
+        self.rank = 0
+        self.check = False
+        self.books: dict[str, _Book] = {}
+        self.flight: deque[Entry] = deque(maxlen=FLIGHT)
+        self.n = 0
+        self.step = 0
+        self.checked = 0            # operations compared across their group (the order check)
+        self.file: mmap.mmap | None = None
+
+
+_S = _State()
+
+
+def check_default() -> bool:
+    """FXTRON_CHECK_COLLECTIVES=1 in the environment turns the order check on by default."""
+    return os.environ.get("FXTRON_CHECK_COLLECTIVES", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def install(rank: int, books: list[tuple[str, str, tuple[int, ...], object]], *, check: bool,
+            flight_dir: str | None = None) -> None:
+    """Start this process's ledger: `books` lists (group name, label, ranks, gloo twin or None)
+    for every group of the mesh holding this rank."""
+    close()
+    _S.rank, _S.check = rank, check
+    for name, label, ranks, twin in books:
+        _S.books[name] = _Book(f"{label} (ranks {', '.join(map(str, ranks))})", tuple(ranks), twin)
+    if flight_dir:
+        path = os.path.join(flight_dir, f"rank{rank}")
+        with open(path, "wb") as f:
+            f.write(b" " * (FLIGHT * _LINE))
+        fd = os.open(path, os.O_RDWR)
+        try:
+            _S.file = mmap.mmap(fd, FLIGHT * _LINE)
+        finally:
+            os.close(fd)
+
+
+def close() -> None:
+    if _S.file is not None:
+        _S.file.close()
+    _S.__init__()
+
+
+def checking() -> bool:
+    return _S.check
+
+
+def stats() -> dict[str, int]:
+    """Operations recorded, compared across their groups, and steps ended, in this process."""
+    return {"operations": _S.n, "checked": _S.checked, "steps": _S.step}
+
+
+def _book(pg) -> _Book:
+    name = pg.group_name
+    book = _S.books.get(name)
+    if book is None:       # a group made outside the mesh (a user's): recorded, not checked
+        try:
+            ranks = tuple(dist.get_process_group_ranks(pg))
+        except Exception:   # noqa: BLE001 - a name is enough for the record
+            ranks = ()
+        book = _S.books[name] = _Book(f"'{name}' (ranks {', '.join(map(str, ranks))})", ranks)
+    return book
+
+
+# ---------------------------------------------------------------------------------- recording
+def issue(pg, op: str, t: torch.Tensor | None = None, *, peer: int | None = None, note: str = "") -> Entry | None:
+    """Record that this rank issues `op` on `pg` (with tensor t; to or from global rank `peer`
+    for a transfer), after checking it against the group's other ranks when the order check is
+    on. Returns the entry to mark done (`waiting`, `Tracked`); None without a group."""
+    if pg is None:
+        return None
+    book = _book(pg)
+    shape = tuple(t.shape) if t is not None else ()
+    dtype = _DTYPE_CODE.get(t.dtype, 0) if t is not None else 0
+    _S.n += 1
+    if peer is None:
+        book.seq += 1
+        e = Entry(_S.n, book.label, book.seq, op, shape, dtype, issued=time.time())
+    else:
+        key = (peer, op)
+        count, h = book.p2p.get(key, (0, 0))
+        e = Entry(_S.n, book.label, count + 1, op, shape, dtype, peer, note, time.time())
+        for x in (len(note), *note.encode(), *e.code()[2:]):
+            h = (h * 1000003 + x) % _MOD
+        book.p2p[key] = (count + 1, h)
+        if _S.check:
+            book.p2p_log.setdefault(key, []).append(e)
+    _S.flight.append(e)
+    _write(e)
+    if peer is None and _S.check and book.twin is not None:
+        _agree(book, e)
+    return e
+
+
+def done(e: Entry | None) -> None:
+    if e is not None and e.done is None:
+        e.done = time.time()
+        _write(e)
+
+
+def failure(e: Entry, exc: BaseException) -> ParallelizeError:
+    """The error for operation e that failed with exc: what it was, after how long, and this
+    rank's last operations."""
+    e.failed = True
+    _write(e)
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return ParallelizeError(
+        f"rank {_S.rank}: {e.describe()} failed after {time.time() - e.issued:.1f} s: {first}\n"
+        f"{recent()}\n(a peer that died, timed out or runs a different program; with "
+        "FXTRON_CHECK_COLLECTIVES=1 every collective is compared across its group before it runs)")
+
+
+@contextmanager
+def waiting(e: Entry | None):
+    """Around the call that completes e: marks it done, or turns its failure into `failure`."""
+    if e is not None:
+        e.blocked = True
+        _write(e)
+    try:
+        yield
+    except ParallelizeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a backend's error, whatever its type, gets the context
+        if e is None:
+            raise
+        raise failure(e, exc) from exc
+    done(e)
+
+
+@contextmanager
+def collective(pg, op: str, t: torch.Tensor | None = None):
+    """Record and complete a blocking collective issued inside the block."""
+    e = issue(pg, op, t)
+    with waiting(e):
+        yield
+
+
+class Tracked:
+    """A started operation's work whose wait() marks its entries done (or reports the failure)."""
+
+    def __init__(self, work, *entries: Entry | None):
+        self.work, self.entries = work, [e for e in entries if e is not None]
+
+    def wait(self, *args, **kwargs):
+        with waiting(self.entries[0] if self.entries else None):
+            out = self.work.wait(*args, **kwargs)
+        for e in self.entries[1:]:
+            done(e)
+        return out
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+def started(e: Entry | None, work):
+    """`work` (an async collective's) tracked as e, or itself when nothing was recorded."""
+    return work if e is None or work is None else Tracked(work, e)
+
+
+def recent(limit: int = 6) -> str:
+    """This rank's last operations, oldest first, as lines."""
+    now = time.time()
+    lines = [f"  {_state(e, now):<22} {e.describe()}" for e in list(_S.flight)[-limit:]]
+    return "last operations of rank %d:\n%s" % (_S.rank, "\n".join(lines) if lines else "  (none)")
+
+
+def _state(e: Entry, now: float) -> str:
+    if e.failed:
+        return "failed"
+    if e.done is None:
+        return f"{'waiting' if e.blocked else 'issued'} ({now - e.issued:.1f} s)"
+    return "done"
+
+
+# ---------------------------------------------------------------------------------- the check
+def _gather(book: _Book, mine: list[int], e: Entry) -> list[list[int]]:
+    t = torch.tensor(mine, dtype=torch.int64)
+    every = [torch.empty_like(t) for _ in book.ranks]
+    try:
+        dist.all_gather(every, t, group=book.twin)
+    except Exception as exc:  # noqa: BLE001 - a backend's error, whatever its type
+        raise failure(e, exc) from exc
+    return [x.tolist() for x in every]
+
+
+def _agree(book: _Book, e: Entry) -> None:
+    rows = _gather(book, e.code(), e)
+    _S.checked += 1
+    if all(r == rows[0] for r in rows):
+        return
+    e.failed = True
+    _write(e)
+    seqs = {r[0] for r in rows}
+    where = f"collective #{e.seq}" if len(seqs) == 1 else "collectives #" + "/".join(str(r[0]) for r in rows)
+    said = ", ".join(f"rank {rk} {Entry.decode(book.label, r).what()}" for rk, r in zip(book.ranks, rows))
+    raise ParallelizeError(
+        f"the ranks' programs diverged at {where} on group {book.label}: {said}. Every rank of a "
+        "group must issue the same collectives in the same order (NCCL matches them by order "
+        f"alone and would hang or mix data here).\n{recent()}")
+
+
+def step_end(groups) -> None:
+    """At a step boundary, with the order check on: on every group of this rank (in the
+    mesh's order of kinds, the same on every rank), agree that the step ends here, then compare
+    each pair's point-to-point transfers of the step. Every rank of the job calls it."""
+    _S.step += 1
+    if not _S.check or groups is None:
+        return
+    for _, ranks, pg in groups.distinct():
+        book = _S.books.get(pg.group_name)
+        if len(ranks) == 1 or book is None or book.twin is None:
+            continue
+        e = Entry(0, book.label, book.seq + 1, "step end", (_S.step,), 0, issued=time.time())
+        _agree(book, e)
+        _agree_p2p(book, e)
+    for book in _S.books.values():
+        book.p2p.clear()
+        book.p2p_log.clear()
+
+
+def _agree_p2p(book: _Book, e: Entry) -> None:
+    n = len(book.ranks)
+    mine = []
+    for peer in book.ranks:
+        for op in ("send", "recv"):
+            mine += list(book.p2p.get((peer, op), (0, 0)))
+    rows = _gather(book, mine, e)
+    bad = []
+    for a, ra in enumerate(book.ranks):
+        for b, rb in enumerate(book.ranks):
+            sent = rows[a][4 * b:4 * b + 2]
+            got = rows[b][4 * a + 2:4 * a + 4]
+            if sent != got:
+                bad.append((ra, rb))
+    if not bad:
+        return
+    logs: list = [None] * n
+    mine_log = {k: [(x.code()[2:], x.note, x.what()) for x in v] for k, v in book.p2p_log.items()}
+    dist.all_gather_object(logs, mine_log, group=book.twin)
+    lines = []
+    for ra, rb in bad:
+        sends = logs[book.ranks.index(ra)].get((rb, "send"), [])
+        recvs = logs[book.ranks.index(rb)].get((ra, "recv"), [])
+        i = next((i for i, (s, r) in enumerate(zip(sends, recvs)) if s[:2] != r[:2]), min(len(sends), len(recvs)))
+        s = sends[i][2] if i < len(sends) else "nothing more"
+        r = recvs[i][2] if i < len(recvs) else "nothing more"
+        lines.append(f"transfer #{i + 1} from rank {ra} to rank {rb}: rank {ra} sends {s}, rank {rb} receives {r}")
+    raise ParallelizeError(
+        f"the point-to-point transfers of step {_S.step} on group {book.label} do not pair up in "
+        f"order (NCCL pairs a sender's sends with the receiver's receives by order alone): "
+        + "; ".join(lines))
+
+
+# ---------------------------------------------------------------------------------- the file
+def _write(e: Entry) -> None:
+    f = _S.file
+    if f is None:
+        return
+    state = "failed" if e.failed else "done" if e.done is not None else "waiting" if e.blocked else "issued"
+    line = f"{e.n} {state} {e.issued:.3f} {e.describe()}".encode()[:_LINE - 1].ljust(_LINE - 1) + b"\n"
+    at = (e.n % FLIGHT) * _LINE
+    f[at:at + _LINE] = line
+
+
+def read_flight(directory: str, rank: int) -> list[tuple[int, str, float, str]]:
+    """The operations a rank's flight file holds: (n, state, issued, description), in order."""
+    try:
+        with open(os.path.join(directory, f"rank{rank}"), "rb") as f:
+            data = f.read()
+    except OSError:
+        return []
+    out = []
+    for line in data.decode(errors="replace").splitlines():
+        parts = line.strip().split(" ", 3)
+        if len(parts) == 4 and parts[0].isdigit():
+            out.append((int(parts[0]), parts[1], float(parts[2]), parts[3]))
+    return sorted(out)
+
+
+def flight_report(directory: str, world: int, now: float | None = None) -> str:
+    """What every rank was doing when the job ended: the oldest operation it was still waiting
+    in (or its last one), from the flight files."""
+    now = time.time() if now is None else now
+    lines = []
+    for r in range(world):
+        ops = read_flight(directory, r)
+        if not ops:
+            lines.append(f"  rank {r}: no communication recorded")
+            continue
+        stuck = [o for o in ops if o[1] in ("waiting", "failed")]
+        pending = [o for o in ops if o[1] == "issued"]
+        n, state, t, what = stuck[-1] if stuck else pending[0] if pending else ops[-1]
+        if state == "done":
+            lines.append(f"  rank {r}: not in a collective; its last: {what} (done)")
+        else:
+            verb = {"failed": "failed in", "waiting": "waiting in", "issued": "had issued, not yet waited for,"}[state]
+            lines.append(f"  rank {r}: {verb} {what} (issued {now - t:.1f} s before)")
+    return "what every rank was doing (flight recorder):\n" + "\n".join(lines)
