@@ -136,7 +136,10 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
         raise ParallelizeError(f"mesh must be a fxtron.Mesh, got {type(mesh).__name__}")
     if not isinstance(model, torch.nn.Module):
         raise ParallelizeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    device = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    except (RuntimeError, TypeError):
+        raise ParallelizeError(f"device must be 'cpu' or 'cuda', not {device!r}") from None
     if device not in ("cpu", "cuda"):
         raise ParallelizeError(f"device must be 'cpu' or 'cuda', not {device!r}")
     options = Options(loss_fn=loss_fn, batch_dim=batch_dim, seq_dim=seq_dim, plan=plan, plan_mode=plan_mode,
@@ -183,9 +186,20 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
     subject = _meta_replica(model, dtype) if dtype in (torch.bfloat16, torch.float16) else model
     traced = trace(subject, example_inputs, example_kwargs=example_kwargs, loss_fn=options.loss_fn,
                    batch_dim=options.batch_dim, seq_dim=options.seq_dim, layers_once=options.trace_layers_once)
+    if mesh.cp > 1 and not any("seq" in dims for dims in meta.info(traced).user_dims):
+        raise ParallelizeError(
+            f"context parallel splits the sequence, but no input of the model has a sequence dim (seq_dim={seq_dim}; "
+            f"the inputs' shapes are {', '.join(str(tuple(x.shape)) for x in _tensors(example_inputs, example_kwargs))})"
+            "; give the dim that holds the sequence")
     pm = ParallelModel(model, mesh, traced, options)
     pm._check_plan()
+    pm.stage_assignment            # a bad stage cut is an error now, not at the first program
     return pm
+
+
+def _tensors(args, kwargs) -> list[torch.Tensor]:
+    import torch.utils._pytree as pytree
+    return [x for x in pytree.tree_leaves((args, kwargs or {})) if isinstance(x, torch.Tensor)]
 
 
 def _by_pattern(items: dict[str, str]) -> dict[str, str]:

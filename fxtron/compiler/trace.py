@@ -18,6 +18,7 @@ from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from fxtron.compiler import repeat
+from fxtron.passes import limits
 from fxtron.core import meta
 from fxtron.core.meta import BATCH, SEQ, TRACE_INFO, TraceInfo, info
 from fxtron.errors import ParallelizeError
@@ -76,6 +77,30 @@ def _dynamic_shapes(tensors: list[torch.Tensor], batch_dim: int, seq_dim: int | 
     return tuple(shapes), dims
 
 
+def _check_examples(tensors: list[torch.Tensor], batch_dim: int, seq_dim: int | None) -> None:
+    """ParallelizeError for example inputs export cannot trace with a symbolic batch and
+    sequence: none at all, no tensor with a batch dim, or a batch or sequence of 0 or 1."""
+    if not tensors:
+        raise ParallelizeError("parallelize needs example_inputs (or example_kwargs): a batch of the model's "
+                               "inputs, e.g. example_inputs=(tokens, targets), to trace the model with")
+    if not isinstance(batch_dim, int) or batch_dim < 0:
+        raise ParallelizeError(f"batch_dim must be a non-negative int, got {batch_dim!r}")
+    if seq_dim is not None and (not isinstance(seq_dim, int) or seq_dim < 0):
+        raise ParallelizeError(f"seq_dim must be a non-negative int or None, got {seq_dim!r}")
+    if not any(x.dim() > batch_dim for x in tensors):
+        raise ParallelizeError(
+            f"batch_dim={batch_dim} but no example input has that many dims (shapes: "
+            f"{', '.join(str(tuple(x.shape)) for x in tensors)}); give the dim that holds the batch")
+    for role, dim in (("batch", batch_dim), ("sequence", seq_dim)):
+        having = [tuple(x.shape) for x in tensors if dim is not None and x.dim() > dim]
+        small = [s for s in having if s[dim] < 2]
+        if having and len(small) == len(having):     # (a mask's broadcast dim of 1 beside real ones is fine)
+            raise ParallelizeError(
+                f"an example input of shape {small[0]} has a {role} of {small[0][dim]} (dim {dim}): torch.export "
+                f"fixes dims of size 0 or 1, so the program would take no other {role} length; trace with a "
+                f"{role} of at least 2")
+
+
 def _export(module, args, shapes) -> ExportedProgram:
     from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
 
@@ -111,7 +136,13 @@ def trace(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwargs:
     for the others: the same graph, in a fraction of the time. TraceInfo.layers says which way
     the graph was made.
     """
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    if not isinstance(example_inputs, (tuple, list)):
+        raise ParallelizeError(f"example_inputs must be a tuple of the model's positional inputs, got "
+                               f"{type(example_inputs).__name__}")
     leaves, spec = pytree.tree_flatten((tuple(example_inputs), dict(example_kwargs or {})))
+    _check_examples([x for x in leaves if isinstance(x, torch.Tensor)], batch_dim, seq_dim)
     params = list(model.parameters())
     if params and all(p.device.type == "meta" for p in params):
         # a model built on meta traces with meta inputs; programs later put created tensors
@@ -234,9 +265,18 @@ def _to_graph_module(ep: ExportedProgram, model: torch.nn.Module, user_dims, in_
         meta.set(node, meta.PROVENANCE, meta.Provenance("trace"))
     graph.lint()
     out = fx.GraphModule(gm, graph)
+    signature = [None] * len(user_dims)
+    for node in placeholders:
+        spec = meta.get(node, meta.INPUT) if node.graph is graph else None
+        val = node.meta.get("val")
+        if spec is not None and spec.kind == "user" and isinstance(val, torch.Tensor):
+            signature[spec.index] = (val.dtype, tuple(
+                sympy.sympify(d.node.expr).xreplace(symbols) if isinstance(d, torch.SymInt) else sympy.Integer(int(d))
+                for d in val.shape))
     out.meta[TRACE_INFO] = TraceInfo(params=params, buffers=buffers, user_dims=list(user_dims),
                                      symbols=symbols, in_spec=in_spec, statics=statics, aliases=aliases,
-                                     buffer_mutations=buffer_mutations, constants=constants)
+                                     buffer_mutations=buffer_mutations, constants=constants,
+                                     signature=signature, token_ranges=limits.token_ranges(out))
     return out
 
 

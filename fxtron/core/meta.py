@@ -216,6 +216,7 @@ class TraceInfo:
     (non-tensor leaves were baked into the graph).
     buffer_mutations: output index -> buffer name written back after forward.
     layers: whether the layers were traced once and repeated, or why the model was traced whole.
+    signature, token_ranges: what the step checks every batch against (runtime/batch.py).
     """
 
     params: list[str]
@@ -228,6 +229,10 @@ class TraceInfo:
     buffer_mutations: dict[int, str] = field(default_factory=dict)
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     layers: str = ""   # how the layers were traced: repeated from two, or why the model was traced whole
+    # per user input: (dtype, shape in B, S and integers) as traced, or None for a non-tensor
+    signature: list = field(default_factory=list)
+    # the user inputs that are token ids or class targets, and their range (passes/limits.TokenRange)
+    token_ranges: list = field(default_factory=list)
 
     @property
     def n_user_inputs(self) -> int:

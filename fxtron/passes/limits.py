@@ -1,7 +1,9 @@
-"""Passes: how long a sequence the model itself can take, read from its graph -- a learned
-position table looked up by positions the model makes (`wpe(arange(S))`), or a table sliced
-to the sequence (`rope_cos[:S]`). The step refuses a longer sequence before it runs, instead
-of an index error deep in an embedding or a shape error in a multiply."""
+"""Passes: what inputs the model itself can take, read from its graph -- how long a sequence (a
+learned position table looked up by positions the model makes, `wpe(arange(S))`, or a table
+sliced to the sequence, `rope_cos[:S]`), and which token ids (an input looked up in an
+embedding table of V rows, or the targets of a cross entropy over V classes). The step refuses
+a longer sequence or an id out of range before it runs: in one process these are index errors;
+split over tp, a vocab-parallel lookup would silently read zeros for an id past the table."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -69,4 +71,61 @@ def seq_limit(gm: fx.GraphModule) -> SeqLimit | None:
     return best
 
 
-__all__ = ["SeqLimit", "seq_limit"]
+@dataclass(frozen=True)
+class TokenRange:
+    """User input `index` holds ids in [0, classes) -- or `ignore` (a loss's ignore_index)."""
+
+    index: int
+    classes: int
+    ignore: int | None
+    why: str
+
+
+# ops that move ids without changing them (a cast, a view, a slice, a pad with the ignore value)
+_IDENTITY = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.slice.Tensor,
+             aten.select.int, aten.clone.default, aten.alias.default, aten.detach.default,
+             aten._to_copy.default, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim,
+             aten.squeeze.default, aten.permute.default, aten.transpose.int, aten.t.default,
+             aten.contiguous.default, aten.flatten.using_ints, aten.constant_pad_nd.default, aten.pad.default,
+             aten.to.dtype, aten.to.dtype_layout, aten.to.device}
+
+
+def _source_input(node) -> int | None:
+    """The user input `node` is (a view, slice or copy of), by index; None if computed."""
+    while isinstance(node, fx.Node):
+        if node.op == "placeholder":
+            spec = meta.get(node, meta.INPUT)
+            return spec.index if spec is not None and spec.kind == "user" else None
+        if node.op != "call_function" or node.target not in _IDENTITY:
+            return None
+        node = node.args[0]
+    return None
+
+
+def token_ranges(gm: fx.GraphModule) -> list[TokenRange]:
+    """Every user input the graph uses as ids into a table or as classification targets, with
+    the number of rows or classes (the tightest where several)."""
+    found: dict[int, TokenRange] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        rng = None
+        if node.target == aten.embedding.default and meta.is_param(node.args[0]):
+            idx = _source_input(node.args[1])
+            if idx is not None:
+                rows = int(node.args[0].meta["val"].shape[0])
+                rng = TokenRange(idx, rows, None, f"the embedding table {meta.param_name(node.args[0])} has {rows} rows")
+        elif node.target in (aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_forward.default):
+            idx = _source_input(node.args[1])
+            logits = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+            size = logits.shape[1 if logits.dim() >= 2 else 0] if logits is not None else None
+            if idx is not None and isinstance(size, int):
+                classes = size
+                ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
+                rng = TokenRange(idx, classes, int(ignore), f"the loss's targets index {classes} classes (logits)")
+        if rng is not None and (rng.index not in found or rng.classes < found[rng.index].classes):
+            found[rng.index] = rng
+    return [found[i] for i in sorted(found)]
+
+
+__all__ = ["SeqLimit", "TokenRange", "seq_limit", "token_ranges"]

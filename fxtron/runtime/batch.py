@@ -45,12 +45,12 @@ class BatchSlicer:
     def local(self, inputs: tuple, kwargs: dict | None = None) -> tuple[tuple, dict]:
         """This rank's data-parallel slice of a global batch (dim 'batch' of every input), on
         the rank's device (a batch from a CPU data loader moves to the rank's GPU here)."""
-        if self.dp == 1 and self.cp == 1:
-            if self.seq_split > 1 or self.max_seq is not None:
-                self.check_sequence(self.flat(inputs, kwargs))
-            return self.on_device(tuple(inputs), dict(kwargs or {}))
         flat = self.flat(inputs, kwargs)
+        self.check_devices(flat)
+        self.check_inputs(flat)
         self.check_sequence(flat)
+        if self.dp == 1 and self.cp == 1:
+            return self.on_device(tuple(inputs), dict(kwargs or {}))
         out = []
         for x, dims in zip(flat, self.info.user_dims):
             if self.cp > 1 and "seq" in dims:
@@ -68,6 +68,47 @@ class BatchSlicer:
         leaves = [next(it) if s is None else s for s in self.info.statics]
         args, kw = pytree.tree_unflatten(leaves, self.info.in_spec)
         return self.on_device(args, kw)
+
+    def check_inputs(self, flat: list) -> None:
+        """Raise ParallelizeError, before anything runs, for inputs the traced program cannot
+        take: another number of dims or dtype than traced, a static dim of another size, batch
+        (or sequence) dims that disagree between inputs, or token ids outside the table or
+        classes they index (passes/limits.py; split over tp, a vocab-parallel lookup would read
+        zeros for them without a word)."""
+        bound: dict = {}
+        for i, (x, want) in enumerate(zip(flat, self.info.signature)):
+            if want is None:
+                continue
+            dtype, shape = want
+            what = f"input {i} of shape {tuple(x.shape)}"
+            traced = "(" + ", ".join(str(d) for d in shape) + ")"
+            if x.dim() != len(shape):
+                raise ParallelizeError(f"{what} has {x.dim()} dims, but the model was traced with {len(shape)}: "
+                                       f"{traced} {dtype}; pass inputs shaped like example_inputs")
+            if x.dtype != dtype:
+                raise ParallelizeError(f"{what} is {x.dtype}, but the model was traced with {dtype} there; "
+                                       f"pass {dtype} (x.to({dtype}))")
+            for d, (n, e) in enumerate(zip(x.shape, shape)):
+                if e.is_Integer and n != int(e):
+                    raise ParallelizeError(f"dim {d} of {what} is {n}, but {int(e)} in the traced model {traced}: only "
+                                           "the batch and sequence dims may change between steps")
+                if e.is_Symbol:
+                    if bound.setdefault(e, (n, i, d))[0] != n:
+                        m, j, dj = bound[e]
+                        raise ParallelizeError(
+                            f"dim {d} of {what} is {n}, but dim {dj} of input {j} is {m}: the traced model has {e} "
+                            f"in both places (the {'batch' if str(e) == 'B' else 'sequence' if str(e) == 'S' else 'same size'}); "
+                            "give every input the same one")
+        for r in self.info.token_ranges:
+            x = flat[r.index]
+            bad = (x < 0) | (x >= r.classes)
+            if r.ignore is not None:
+                bad &= x != r.ignore
+            if bool(bad.any()):
+                where = tuple(int(v) for v in bad.nonzero()[0])
+                ok = f"[0, {r.classes})" + (f" or {r.ignore} (ignored)" if r.ignore is not None else "")
+                raise ParallelizeError(f"input {r.index} of shape {tuple(x.shape)} holds the id {int(x[where])} at "
+                                       f"{where}: {r.why}, so its ids must be in {ok}")
 
     def check_sequence(self, flat: list) -> None:
         """Raise ParallelizeError, before anything runs, for a sequence the ranks cannot split:
@@ -98,16 +139,20 @@ class BatchSlicer:
                     f"be split over this mesh: {' and '.join(why)}, so its length must be a multiple of {unit}; "
                     f"the nearest are {near} (pad the sequence, e.g. with ignore_index labels)")
 
+    def check_devices(self, flat: list) -> None:
+        """ParallelizeError for an input without data (meta) or, for a CPU program, on another
+        device: the program does not move a GPU batch back to the CPU."""
+        cpu = self.device is None or self.device.type == "cpu"
+        away = next((x for x in flat if x.device.type == "meta" or (cpu and x.device.type != "cpu")), None)
+        if away is not None:
+            raise ParallelizeError(f"an input of shape {tuple(away.shape)} is on {away.device}, but this program "
+                                   f"runs on the {'CPU' if cpu else self.device} (its parameters are there); pass "
+                                   f"{'CPU tensors' if cpu else 'tensors with data'}, or build the program on that "
+                                   f"device (parallelize(..., device=...) and a mesh launched with its backend)")
+
     def on_device(self, args: tuple, kw: dict) -> tuple[tuple, dict]:
         device = self.device
         if device is None or device.type == "cpu":
-            away = next((x for x in pytree.tree_leaves((args, kw)) if isinstance(x, torch.Tensor)
-                         and x.device.type != "cpu"), None)
-            if away is not None:
-                raise ParallelizeError(f"an input of shape {tuple(away.shape)} is on {away.device}, but this program "
-                                       f"runs on the CPU (its parameters are there); pass CPU tensors, or build the "
-                                       f"program on that device (parallelize(..., device=...) and a mesh launched "
-                                       f"with its backend)")
             return args, kw
 
         def move(x):

@@ -190,6 +190,7 @@ class Program(GradientSync, nn.Module):
         microbatches along the batch dim (or `inputs` is a `fxtron.Microbatches` list, whose
         microbatches may differ in sequence length), run by the schedule, and the loss is the
         mean of the microbatches' losses, as gradient accumulation computes it."""
+        self._check_optimizer(optimizer)
         if self._stages is not None or self.pipeline.microbatches > 1 or isinstance(inputs, Microbatches):
             return self._pipelined_step(inputs, optimizer, kwargs)
         args, kw = self.local_batch(inputs, kwargs)
@@ -263,6 +264,21 @@ class Program(GradientSync, nn.Module):
         return list(self._runner.events) if self._runner is not None else []
 
     # ---------------------------------------------------------------- optimizer
+    def _check_optimizer(self, optimizer) -> None:
+        """ParallelizeError for an optimizer that would not train this program: not an
+        optimizer, or holding tensors that are not its parameters (the original model's,
+        whose gradients the step never fills)."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ParallelizeError(f"train_step needs a torch.optim.Optimizer over prog.parameters(), got "
+                                   f"{type(optimizer).__name__}")
+        mine = {id(p) for p in self.parameters()}
+        foreign = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"] if id(p) not in mine]
+        if foreign:
+            raise ParallelizeError(
+                f"the optimizer holds {len(foreign)} tensor(s) that are not this program's parameters (the first "
+                f"of shape {foreign[0]}): build it over prog.parameters() -- the rank's shards -- not over the "
+                "original model's")
+
     def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self._zero is not None:
             params = self._zero.optimizer_for(optimizer)

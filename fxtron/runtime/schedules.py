@@ -41,10 +41,10 @@ def check(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> None:
     """ParallelizeError unless (schedule, pp, microbatches, virtual) can run."""
     if schedule not in SCHEDULES:
         raise ParallelizeError(f"schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
-    if microbatches < 1:
-        raise ParallelizeError(f"microbatches must be at least 1, got {microbatches}")
-    if virtual < 1:
-        raise ParallelizeError(f"virtual_stages must be at least 1, got {virtual}")
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise ParallelizeError(f"microbatches must be an int of at least 1, got {microbatches!r}")
+    if not isinstance(virtual, int) or isinstance(virtual, bool) or virtual < 1:
+        raise ParallelizeError(f"virtual_stages must be an int of at least 1, got {virtual!r}")
     if schedule == "interleaved":
         if virtual < 2:
             raise ParallelizeError("schedule='interleaved' needs virtual_stages >= 2 (model chunks per "
