@@ -1,7 +1,9 @@
 """Checkpoints that survive a failed save (issue: reliability, item 1). Faults are injected into
 a real 2-rank save on gloo: a storage writer whose rank-1 writes fail with "No space left on
-device" (over an existing checkpoint and into a new directory), a rank killed in the middle of
-writing, a directory a save never finished, and a checkpoint of another model.
+device" (over an existing checkpoint and into a new directory), a filesystem that really fills
+(a 2.5 MB tmpfs mounted in a private mount namespace, where one checkpoint of 1.7 MB fits and
+a second does not; skipped where unshare or mount is not permitted), a rank killed in the
+middle of writing, a directory a save never finished, and a checkpoint of another model.
 
 What each must leave behind: the previous checkpoint at the path loadable and unchanged, the
 error on every rank naming the failed rank, the path and the OS error, nothing half-written
@@ -11,6 +13,9 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -92,6 +97,60 @@ def faults(tmp_path_factory):
     leftovers = sorted(os.listdir(root))
     after = run_on_ranks(_after_kill, mesh, mesh, root, timeout_s=300)
     return {"root": root, "ranks": out, "leftovers": leftovers, "after": after}
+
+
+def _fills(rank, mesh, root):
+    prog, opt = _program(rank, mesh)
+    good = os.path.join(root, "good")
+    _step(prog, opt, 1)
+    prog.save(good, opt)                                          # 1.7 MB of 2.5: it fits
+    out = {"saved": {k: v.clone() for k, v in prog.full_state_dict().items()}}
+    _step(prog, opt, 2)
+    for name, target in (("over", good), ("new", os.path.join(root, "new"))):
+        try:
+            prog.save(target, opt)                                # a second copy does not fit
+            out[name] = None
+        except fxtron.ParallelizeError as e:
+            out[name] = str(e)
+    out["left"] = sorted(os.listdir(root))
+    prog.load(good, opt)
+    out["reloaded"] = prog.full_state_dict()
+    return out
+
+
+def _in_small_filesystem(root: str, size_k: int, result: str) -> None:
+    """Run in a private mount namespace (unshare -m): mount a tmpfs of size_k KiB at root, save
+    into it until it is full, write what every rank saw to `result` (outside the tmpfs)."""
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_k}k", "tmpfs", root], check=True)
+    mesh = fxtron.Mesh(2)
+    torch.save(run_on_ranks(_fills, mesh, mesh, root, timeout_s=300), result)
+
+
+@pytest.fixture(scope="module")
+def filled(tmp_path_factory):
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root and unshare")
+    root, result = tmp_path_factory.mktemp("smallfs"), tmp_path_factory.mktemp("result") / "filled.pt"
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, {here!r}); import test_checkpoint_faults as T; "
+            f"T._in_small_filesystem({str(root)!r}, 2500, {str(result)!r})")
+    run = subprocess.run(["unshare", "-m", sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    if run.returncode != 0 and ("Operation not permitted" in run.stderr or "permission denied" in run.stderr.lower()):
+        pytest.skip(f"no private mount namespace here: {run.stderr.strip().splitlines()[-1]}")
+    assert run.returncode == 0, run.stderr[-4000:]
+    return torch.load(result, weights_only=False)
+
+
+def test_a_filesystem_that_fills_during_a_save_leaves_the_checkpoint(filled):
+    for rank, out in enumerate(filled):
+        for name in ("over", "new"):
+            msg = out[name]
+            assert msg is not None, f"rank {rank}: the save {name} did not fail on a full filesystem"
+            assert "No space left on device" in msg and "rank(s)" in msg, msg
+        assert "good" in out["over"] and "unchanged" in out["over"], out["over"]
+        assert "Nothing was written" in out["new"], out["new"]
+        assert out["left"] == ["good"], out["left"]            # no half-written directory stays behind
+        assert max_abs_diff(out["reloaded"], out["saved"])[0] == 0
 
 
 def test_a_failed_save_over_a_checkpoint_leaves_it_loadable_and_unchanged(faults):
