@@ -23,7 +23,7 @@ import sympy
 
 from fxtron.compiler import pipeline, report
 from fxtron.compiler.show import format_graph
-from fxtron.compiler.trace import trace
+from fxtron.compiler.trace import check_example_sizes, trace
 from fxtron.core import meta
 from fxtron.core.meta import BATCH, SEQ, info
 from fxtron.errors import ParallelizeError, ParallelizeWarning
@@ -183,6 +183,8 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
             f"pp={mesh.pp}) until expert parallel lands")
     # a 16-bit program is traced in 16 bits (casts such as a norm's .float() ... .type_as(x) only
     # mean something then), on a meta replica so the model's weights are never copied
+    if isinstance(example_inputs, (tuple, list, torch.Tensor)) and isinstance(batch_dim, int) and batch_dim >= 0:
+        check_example_sizes(example_inputs, example_kwargs, batch_dim, seq_dim)
     subject = _meta_replica(model, dtype) if dtype in (torch.bfloat16, torch.float16) else model
     traced = trace(subject, example_inputs, example_kwargs=example_kwargs, loss_fn=options.loss_fn,
                    batch_dim=options.batch_dim, seq_dim=options.seq_dim, layers_once=options.trace_layers_once)

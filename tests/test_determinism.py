@@ -1,7 +1,9 @@
 """Bit-identical reruns (issue: reliability, item 4): one seed gives the same losses and weights,
 bit for bit, when a run is repeated, on every 2-rank mesh (tp with and without sequence
-parallel, pp under 1F1B and ZB-H1, dp with the distributed optimizer, cp with the ring), with
-dropout on; and a run resumed from a checkpoint continues bit-identically."""
+parallel, pp under 1F1B and ZB-H1, dp with the distributed optimizer, cp with the ring) and on
+4-rank meshes that compose them (tp x pp with sequence parallel, cp x dp with the distributed
+optimizer over dp-cp), with dropout on; and a run resumed from a checkpoint
+continues bit-identically."""
 from __future__ import annotations
 
 import os
@@ -17,6 +19,8 @@ CASES = [("tp", dict(tp=2), dict(sequence_parallel=False)), ("tp-sp", dict(tp=2)
          ("pp-1f1b", dict(pp=2), dict(microbatches=2)), ("pp-zbh1", dict(pp=2), dict(microbatches=2, schedule="zb-h1")),
          ("dp-zero1", dict(), dict(zero=1)), ("dp", dict(), dict()), ("cp-ring", dict(cp=2), dict(cp_comm_type="p2p")),
          ("cp-gather", dict(cp=2), dict(cp_comm_type="all_gather"))]
+CASES4 = [("tp-pp-sp", dict(tp=2, pp=2), dict(microbatches=2, sequence_parallel=True)),
+          ("cp-dp-zero1", dict(cp=2), dict(cp_comm_type="all_gather", zero=1))]
 STEPS = 3
 
 
@@ -25,11 +29,14 @@ class Case:
         self.key, self.axes, self.kw, self.root = key, axes, kw, root
 
 
-def _train(rank, mesh, case, steps, start=None, save_at=None):
+def _parallelize(mesh, case):
     # attention dropout is outside the ring's reach: dropout on everywhere but cp p2p
     p = 0.0 if case.kw.get("cp_comm_type") == "p2p" else 0.1
-    pm = fxtron.parallelize(make("gpt", dropout=p, layers=2 if mesh.pp == 1 else 4), mesh,
-                            example_inputs=batch("gpt", 2, 8, 0)[0], **case.kw)
+    return fxtron.parallelize(make("gpt", dropout=p, layers=2 if mesh.pp == 1 else 4), mesh,
+                              example_inputs=batch("gpt", 2, 8, 0)[0], **case.kw)
+
+
+def _train(rank, pm, case, steps, start=None, save_at=None):
     prog = pm.program(rank, seed=7)
     opt = torch.optim.AdamW(prog.parameters(), lr=1e-3)
     first = 0
@@ -45,9 +52,10 @@ def _train(rank, mesh, case, steps, start=None, save_at=None):
 
 
 def _run(rank, mesh, case):
-    a = _train(rank, mesh, case, STEPS, save_at=1)
-    b = _train(rank, mesh, case, STEPS)
-    c = _train(rank, mesh, case, STEPS, start=os.path.join(case.root, case.key), save_at=1)
+    a = _train(rank, _parallelize(mesh, case), case, STEPS, save_at=1)
+    pm = _parallelize(mesh, case)                      # a rerun traces and compiles anew
+    b = _train(rank, pm, case, STEPS)
+    c = _train(rank, pm, case, STEPS, start=os.path.join(case.root, case.key), save_at=1)
     return {"a": a, "b": b, "resumed": c}
 
 
@@ -55,18 +63,22 @@ def _run(rank, mesh, case):
 def reruns(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("det"))
     cases = [Case(k, axes, kw, root) for k, axes, kw in CASES]
-    return run_cases({2: [(fxtron.Mesh(2, **c.axes), [c]) for c in cases]}, _run), cases
+    cases4 = [Case(k, axes, kw, root) for k, axes, kw in CASES4]
+    return run_cases({2: [(fxtron.Mesh(2, **c.axes), [c]) for c in cases],
+                      4: [(fxtron.Mesh(4, **c.axes), [c]) for c in cases4]}, _run), cases + cases4
 
 
 def _same(x, y) -> bool:
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
-@pytest.mark.parametrize("key", [k for k, _, _ in CASES])
-def test_one_seed_reruns_and_resumes_bit_identically(reruns, key):
+@pytest.mark.parametrize("world,key", [(2, k) for k, _, _ in CASES] + [(4, k) for k, _, _ in CASES4])
+def test_one_seed_reruns_and_resumes_bit_identically(reruns, world, key):
     res, cases = reruns
     case = next(c for c in cases if c.key == key)
-    for rank, out in enumerate(ranks_of(res, fxtron.Mesh(2, **case.axes), case)):
+    outs = ranks_of(res, fxtron.Mesh(world, **case.axes), case)
+    assert len(outs) == world
+    for rank, out in enumerate(outs):
         (la, sa), (lb, sb), (lc, sc) = out["a"], out["b"], out["resumed"]
         assert la == lb, f"rank {rank}: rerun losses {la} vs {lb}"
         assert _same(sa, sb), f"rank {rank}: rerun weights differ"

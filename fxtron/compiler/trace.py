@@ -78,8 +78,8 @@ def _dynamic_shapes(tensors: list[torch.Tensor], batch_dim: int, seq_dim: int | 
 
 
 def _check_examples(tensors: list[torch.Tensor], batch_dim: int, seq_dim: int | None) -> None:
-    """ParallelizeError for example inputs export cannot trace with a symbolic batch and
-    sequence: none at all, no tensor with a batch dim, or a batch or sequence of 0 or 1."""
+    """ParallelizeError for example inputs export cannot trace with a symbolic batch: none at
+    all, or no tensor with a batch dim."""
     if not tensors:
         raise ParallelizeError("parallelize needs example_inputs (or example_kwargs): a batch of the model's "
                                "inputs, e.g. example_inputs=(tokens, targets), to trace the model with")
@@ -91,6 +91,12 @@ def _check_examples(tensors: list[torch.Tensor], batch_dim: int, seq_dim: int | 
         raise ParallelizeError(
             f"batch_dim={batch_dim} but no example input has that many dims (shapes: "
             f"{', '.join(str(tuple(x.shape)) for x in tensors)}); give the dim that holds the batch")
+
+
+def check_example_sizes(example_inputs, example_kwargs, batch_dim: int, seq_dim: int | None) -> None:
+    """ParallelizeError for an example batch or sequence of 0 or 1, which export would fix: a
+    program to train on other sizes needs them symbolic (the planner's traces do not)."""
+    tensors = [x for x in pytree.tree_leaves((example_inputs, example_kwargs or {})) if isinstance(x, torch.Tensor)]
     for role, dim in (("batch", batch_dim), ("sequence", seq_dim)):
         having = [tuple(x.shape) for x in tensors if dim is not None and x.dim() > dim]
         small = [s for s in having if s[dim] < 2]

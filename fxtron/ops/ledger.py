@@ -31,8 +31,8 @@ from __future__ import annotations
 import mmap
 import os
 import time
+import zlib
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -205,7 +205,7 @@ def issue(pg, op: str, t: torch.Tensor | None = None, *, peer: int | None = None
         key = (peer, op)
         count, h = book.p2p.get(key, (0, 0))
         e = Entry(_S.n, book.label, count + 1, op, shape, dtype, peer, note, time.time())
-        for x in (len(note), *note.encode(), *e.code()[2:]):
+        for x in (zlib.crc32(note.encode()), *e.code()[2:]):
             h = (h * 1000003 + x) % _MOD
         book.p2p[key] = (count + 1, h)
         if _S.check:
@@ -220,14 +220,14 @@ def issue(pg, op: str, t: torch.Tensor | None = None, *, peer: int | None = None
 def done(e: Entry | None) -> None:
     if e is not None and e.done is None:
         e.done = time.time()
-        _write(e)
+        _mark(e, "done")
 
 
 def failure(e: Entry, exc: BaseException) -> ParallelizeError:
     """The error for operation e that failed with exc: what it was, after how long, and this
     rank's last operations."""
     e.failed = True
-    _write(e)
+    _mark(e, "failed")
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return ParallelizeError(
         f"rank {_S.rank}: {e.describe()} failed after {time.time() - e.issued:.1f} s: {first}\n"
@@ -235,29 +235,36 @@ def failure(e: Entry, exc: BaseException) -> ParallelizeError:
         "FXTRON_CHECK_COLLECTIVES=1 every collective is compared across its group before it runs)")
 
 
-@contextmanager
-def waiting(e: Entry | None):
-    """Around the call that completes e: marks it done, or turns its failure into `failure`."""
-    if e is not None:
-        e.blocked = True
-        _write(e)
-    try:
-        yield
-    except ParallelizeError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a backend's error, whatever its type, gets the context
+class waiting:
+    """Around the call that completes e: marks it waited for, then done, or turns its failure
+    into `failure` (a context manager; a class, for it runs around every collective)."""
+
+    __slots__ = ("e",)
+
+    def __init__(self, e: Entry | None):
+        self.e = e
+
+    def __enter__(self):
+        e = self.e
+        if e is not None:
+            e.blocked = True
+            _mark(e, "waiting")
+        return e
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        e = self.e
         if e is None:
-            raise
-        raise failure(e, exc) from exc
-    done(e)
+            return False
+        if exc is None:
+            done(e)
+        elif isinstance(exc, Exception) and not isinstance(exc, ParallelizeError):
+            raise failure(e, exc) from exc      # a backend's error, whatever its type, gets the context
+        return False
 
 
-@contextmanager
-def collective(pg, op: str, t: torch.Tensor | None = None):
-    """Record and complete a blocking collective issued inside the block."""
-    e = issue(pg, op, t)
-    with waiting(e):
-        yield
+def collective(pg, op: str, t: torch.Tensor | None = None) -> waiting:
+    """Record a blocking collective issued inside the returned context, and complete it."""
+    return waiting(issue(pg, op, t))
 
 
 class Tracked:
@@ -314,7 +321,7 @@ def _agree(book: _Book, e: Entry) -> None:
     if all(r == rows[0] for r in rows):
         return
     e.failed = True
-    _write(e)
+    _mark(e, "failed")
     seqs = {r[0] for r in rows}
     where = f"collective #{e.seq}" if len(seqs) == 1 else "collectives #" + "/".join(str(r[0]) for r in rows)
     said = ", ".join(f"rank {rk} {Entry.decode(book.label, r).what()}" for rk, r in zip(book.ranks, rows))
@@ -377,14 +384,26 @@ def _agree_p2p(book: _Book, e: Entry) -> None:
 
 
 # ---------------------------------------------------------------------------------- the file
+_STATE = 8          # bytes of a slot's state field: "issued", "waiting", "done", "failed", padded
+
+
 def _write(e: Entry) -> None:
+    """Enter e in its slot of the flight file: state, then 'n issued description'."""
     f = _S.file
     if f is None:
         return
     state = "failed" if e.failed else "done" if e.done is not None else "waiting" if e.blocked else "issued"
-    line = f"{e.n} {state} {e.issued:.3f} {e.describe()}".encode()[:_LINE - 1].ljust(_LINE - 1) + b"\n"
+    line = f"{e.n} {e.issued:.3f} {e.describe()}".encode()[:_LINE - _STATE - 1]
     at = (e.n % FLIGHT) * _LINE
-    f[at:at + _LINE] = line
+    f[at:at + _LINE] = state.encode().ljust(_STATE) + line.ljust(_LINE - _STATE - 1) + b"\n"
+
+
+def _mark(e: Entry, state: str) -> None:
+    """Change e's state in the flight file (its slot holds e until FLIGHT later operations)."""
+    f = _S.file
+    if f is not None:
+        at = (e.n % FLIGHT) * _LINE
+        f[at:at + _STATE] = state.encode().ljust(_STATE)
 
 
 def read_flight(directory: str, rank: int) -> list[tuple[int, str, float, str]]:
@@ -395,10 +414,11 @@ def read_flight(directory: str, rank: int) -> list[tuple[int, str, float, str]]:
     except OSError:
         return []
     out = []
-    for line in data.decode(errors="replace").splitlines():
-        parts = line.strip().split(" ", 3)
-        if len(parts) == 4 and parts[0].isdigit():
-            out.append((int(parts[0]), parts[1], float(parts[2]), parts[3]))
+    for at in range(0, len(data) - _LINE + 1, _LINE):
+        line = data[at:at + _LINE].decode(errors="replace")
+        state, parts = line[:_STATE].strip(), line[_STATE:].strip().split(" ", 2)
+        if len(parts) == 3 and parts[0].isdigit():
+            out.append((int(parts[0]), state, float(parts[1]), parts[2]))
     return sorted(out)
 
 
