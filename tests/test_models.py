@@ -91,10 +91,12 @@ def test_same_seed_same_weights():
 
 def test_presets_and_unknown_name():
     assert models.list_presets() == [
-        "gpt-tiny", "gpt-small", "gpt2-124m", "llama-tiny", "llama-small", "llama-7b"
+        "gpt-tiny", "gpt-small", "gpt2-124m", "llama-tiny", "llama-small", "llama-7b", "moe-tiny",
+        "mixtral-8x7b", "deepseek-moe-16b"
     ]
     assert isinstance(models.build("gpt-small", device="meta"), models.GPT)
     assert isinstance(models.build("llama-small", device="meta"), models.Llama)
+    assert isinstance(models.build("mixtral-8x7b", device="meta"), models.MoETransformer)
     with pytest.raises(ParallelizeError, match="gpt-tiny.*llama-7b"):
         models.build("gpt-huge")
     with pytest.raises(ParallelizeError):

@@ -4,7 +4,8 @@
     build("llama-7b", device="meta")    -> Llama with shapes only, no memory allocated
     example_inputs("gpt-tiny", 4, 32)   -> (idx, targets), both (4, 32) int64 token ids
 
-Presets: gpt-tiny, gpt-small, gpt2-124m, llama-tiny, llama-small, llama-7b.
+Presets: gpt-tiny, gpt-small, gpt2-124m, llama-tiny, llama-small, llama-7b, moe-tiny,
+mixtral-8x7b, deepseek-moe-16b.
 """
 from __future__ import annotations
 
@@ -16,12 +17,15 @@ from torch import nn
 from fxtron.errors import ParallelizeError
 from fxtron.models.gpt import GPT, GPTConfig
 from fxtron.models.llama import Llama, LlamaConfig
+from fxtron.models.moe import MoEConfig, MoETransformer
 
 __all__ = [
     "GPT",
     "GPTConfig",
     "Llama",
     "LlamaConfig",
+    "MoEConfig",
+    "MoETransformer",
     "PRESETS",
     "build",
     "config",
@@ -30,7 +34,7 @@ __all__ = [
     "num_parameters",
 ]
 
-ModelConfig = Union[GPTConfig, LlamaConfig]
+ModelConfig = Union[GPTConfig, LlamaConfig, MoEConfig]
 
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
     # byte-level vocabulary: the demo trains it on real text
@@ -54,6 +58,21 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
         n_kv_head=32,
         dim=4096,
         ffn_dim=11008,
+    ),
+    # mixtures of experts (fxtron/models/moe.py): 4 experts, top-2, a shared expert
+    "moe-tiny": lambda: MoEConfig(
+        vocab_size=256, max_seq_len=128, n_layer=2, n_head=4, n_kv_head=2, dim=64, ffn_dim=96,
+        n_experts=4, top_k=2, shared_ffn_dim=64,
+    ),
+    "mixtral-8x7b": lambda: MoEConfig(
+        vocab_size=32000, max_seq_len=32768, n_layer=32, n_head=32, n_kv_head=8, dim=4096,
+        ffn_dim=14336, n_experts=8, top_k=2, rope_theta=1e6, aux_loss_coef=0.02,
+    ),
+    # DeepSeekMoE-16B's shape: 64 fine-grained experts, top-6, two experts' worth shared
+    # (its attention is plain multi-head; DeepSeek-V3's MLA is not this model's)
+    "deepseek-moe-16b": lambda: MoEConfig(
+        vocab_size=102400, max_seq_len=4096, n_layer=28, n_head=16, n_kv_head=16, dim=2048,
+        ffn_dim=1408, n_experts=64, top_k=6, shared_ffn_dim=2816, aux_loss_coef=0.001,
     ),
 }
 
@@ -84,7 +103,7 @@ def build(
     device type give identical weights in every process.
     """
     cfg = config(name)
-    model_cls = GPT if isinstance(cfg, GPTConfig) else Llama
+    model_cls = GPT if isinstance(cfg, GPTConfig) else MoETransformer if isinstance(cfg, MoEConfig) else Llama
     if seed is not None:
         torch.manual_seed(seed)
     if device is None:

@@ -48,7 +48,7 @@ def _linear(c: Ctx):
     return _linear_like(c, a[0], a[1], "out_in", a[2] if len(a) > 2 and a[2] is not None else None)
 
 
-@register_rule(aten._grouped_mm.default, "transformers::grouped_mm_fallback")
+@register_rule(aten._grouped_mm.default, "transformers::grouped_mm_fallback", "fxtron::grouped_mm")
 def grouped_mm(c: Ctx):
     """A mixture of experts' grouped GEMM, x (tokens sorted by expert, in) @ w (experts, in,
     out) by offsets: the experts split over tp as Megatron does when they are not expert-

@@ -1,0 +1,160 @@
+"""The shipped mixture-of-experts model (fxtron/models/moe.py; issue: expert parallel, item 1).
+
+Without processes: the grouped GEMM op against a loop of per-expert matmuls in float64 (forward
+and both gradients, groups of zero rows included, rows past the last offset zero), the MoE
+layer against a token-by-token reference (router softmax, top-k renormalised, SwiGLU experts,
+shared expert), the Switch loss against its formula (1 under uniform routing), the model
+exported with symbolic batch and sequence, and the presets built on meta.
+
+Then one gloo job trains two AdamW steps equal to one process: tp=2 (experts' gate/up split by
+columns and down by rows, the router whole, no op run replicated), tp=2 with sequence
+parallel, pp=2 (the layers' summed aux loss crossing the stage boundary as one scalar) and
+dp=2, whose loss -- like Megatron's default, local aux loss -- is the mean over the dp ranks of
+each rank's language-model and aux loss: the reference trains the same halves as microbatches.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxtron
+from fxtron.models import build, example_inputs
+from fxtron.models.moe import MoEConfig, MoETransformer, SparseMoE, grouped_mm, switch_aux_loss
+from fxtron.testing import assert_trains_like, ranks_of, reference_training, run_cases, train_program
+
+CFG = MoEConfig(vocab_size=128, max_seq_len=64, n_layer=2, n_head=4, n_kv_head=2, dim=32, ffn_dim=48,
+                n_experts=4, top_k=2, shared_ffn_dim=32, aux_loss_coef=0.05)
+
+
+def _model():
+    torch.manual_seed(0)
+    return MoETransformer(CFG)
+
+
+def _batch(b, s, seed):
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(CFG.vocab_size, (b, s + 1), generator=g)
+    return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+
+def test_grouped_mm_equals_a_loop_of_matmuls_in_float64():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(11, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(4, 5, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    offs = torch.tensor([3, 3, 8, 10], dtype=torch.int32)          # group 1 empty; row 10 past the end
+    out = grouped_mm(x, w, offs)
+    ref, start = torch.zeros(11, 3, dtype=torch.float64), 0
+    for e, end in enumerate(offs.tolist()):
+        ref[start:end] = x[start:end] @ w[e]
+        start = end
+    assert torch.allclose(out, ref, atol=1e-14, rtol=0) and out[10].abs().max() == 0
+    grad = torch.randn(11, 3, dtype=torch.float64, generator=g)
+    gx, gw = torch.autograd.grad(out, (x, w), grad)
+    rx, rw = torch.autograd.grad(ref, (x, w), grad)
+    assert torch.allclose(gx, rx, atol=1e-14, rtol=0) and torch.allclose(gw, rw, atol=1e-14, rtol=0)
+    assert gw[1].abs().max() == 0                                    # no rows, no gradient
+
+
+def test_the_layer_equals_a_token_by_token_reference():
+    torch.manual_seed(1)
+    moe = SparseMoE(CFG).double()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(2, 5, CFG.dim, dtype=torch.float64)
+    with torch.no_grad():
+        y, aux, counts = moe(x)
+    t = x.reshape(-1, CFG.dim)
+    probs = torch.softmax(t @ moe.router.weight.T, -1)
+    ref, seen = torch.zeros_like(t), torch.zeros(CFG.n_experts, dtype=torch.float64)
+    for i in range(t.shape[0]):
+        w, chosen = probs[i].topk(CFG.top_k)
+        for wj, e in zip(w / w.sum(), chosen.tolist()):
+            gate, up = (moe.experts.gate_up[e] @ t[i]).chunk(2)
+            ref[i] += wj * (moe.experts.down[e] @ (F.silu(gate) * up))
+            seen[e] += 1
+        ref[i] += moe.shared(t[i:i + 1])[0]
+    assert (y.reshape(-1, CFG.dim) - ref).abs().max() < 1e-13
+    assert torch.equal(counts.double(), seen)
+    f, P = seen / (t.shape[0] * CFG.top_k), probs.mean(0)
+    assert abs(float(aux) - CFG.n_experts * float((f * P).sum())) < 1e-13
+
+
+def test_the_switch_loss_is_one_under_uniform_routing():
+    probs = torch.full((6, 4), 0.25)
+    assert float(switch_aux_loss(probs, torch.tensor([3.0, 3.0, 3.0, 3.0]), top_k=2)) == pytest.approx(1.0)
+
+
+def test_the_model_exports_with_symbolic_batch_and_sequence():
+    model = _model()
+    prog = fxtron.parallelize(model, fxtron.Mesh(1), example_inputs=_batch(2, 8, 0)).program(0)
+    for b, s in ((2, 8), (3, 12), (5, 6)):
+        x, y = _batch(b, s, b + s)
+        assert abs(float(prog(x, y)) - float(model(x, y))) < 1e-6
+    assert len(model.last_aux) == CFG.n_layer and all(c.sum() == 5 * 6 * CFG.top_k for c in model.last_tokens_per_expert)
+
+
+def test_presets_build_on_meta():
+    m = build("mixtral-8x7b", device="meta")
+    assert isinstance(m, MoETransformer) and m.layers[0].mlp.experts.gate_up.shape == (8, 2 * 14336, 4096)
+    assert fxtron.models.num_parameters(m) == pytest.approx(46.7e9, rel=0.01)      # Mixtral-8x7B's 46.7B
+    d = build("deepseek-moe-16b", device="meta")
+    assert d.layers[0].mlp.experts.down.shape == (64, 2048, 1408) and d.layers[0].mlp.shared is not None
+    x, y = example_inputs("moe-tiny", 2, 16)
+    assert float(build("moe-tiny")(x, y)) > 0
+
+
+# ------------------------------------------------------------------------------ training
+STEPS = [_batch(4, 16, 10), _batch(4, 12, 11)]
+
+
+def _opt(params):
+    return torch.optim.AdamW(params, lr=1e-3, eps=1e-4, weight_decay=0.1)
+
+
+CASES = {"tp2": (dict(tp=2), {}), "tp2-sp": (dict(tp=2), dict(sequence_parallel=True)),
+         "pp2": (dict(pp=2), dict(microbatches=2)), "dp2": ({}, {})}
+
+
+def _halves(item):
+    x, y = item
+    return fxtron.Microbatches([((x[:2], y[:2]), {}), ((x[2:], y[2:]), {})])
+
+
+def _inputs(key):
+    return [_halves(s) for s in STEPS] if key == "pp2" else [(s, {}) for s in STEPS]
+
+
+def _run(rank, mesh, key):
+    axes, kw = CASES[key]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxtron.ParallelizeWarning)      # nothing left replicated or gathered unasked
+        if key == "tp2-sp":
+            warnings.simplefilter("ignore", fxtron.ParallelizeWarning)  # the (B, S/tp) -> tokens fold gathers (README)
+        pm = fxtron.parallelize(_model(), mesh, example_inputs=_batch(2, 8, 0), **kw)
+        prog = pm.program(rank)
+    batches = _inputs(key)
+    if key == "pp2":
+        losses, grads = [], None
+        opt = _opt(prog.parameters())
+        for step, item in enumerate(batches):
+            losses.append(prog.train_step(item, opt))
+            if step == 0:
+                grads = prog.full_grads()
+        return {"losses": losses, "grads": grads, "state": prog.full_state_dict()}
+    return train_program(prog, batches, _opt(prog.parameters()))
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return run_cases({2: [(fxtron.Mesh(2, **axes), [key]) for key, (axes, _) in CASES.items()]}, _run)
+
+
+@pytest.mark.parametrize("key", list(CASES))
+def test_trains_like_one_process(trained, key):
+    # dp=2 and pp=2's microbatches: each half's loss (and aux) on its own, as gradient accumulation
+    ref = reference_training(_model(), [_halves(s) for s in STEPS] if key in ("dp2", "pp2") else STEPS, _opt)
+    for rank, got in enumerate(ranks_of(trained, fxtron.Mesh(2, **CASES[key][0]), key)):
+        assert_trains_like(got, ref, rank=rank)
