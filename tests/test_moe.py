@@ -11,6 +11,9 @@ columns and down by rows, the router whole, no op run replicated), tp=2 with seq
 parallel, pp=2 (the layers' summed aux loss crossing the stage boundary as one scalar) and
 dp=2, whose loss -- like Megatron's default, local aux loss -- is the mean over the dp ranks of
 each rank's language-model and aux loss: the reference trains the same halves as microbatches.
+In the same job, ep=2: the dropless dispatch and combine ops (fxtron/ops/ep.py) around the local
+experts' grouped GEMM equal all experts on one rank in float64, forward and backward, with
+uneven token counts and an expert that receives nothing from a rank.
 """
 from __future__ import annotations
 
@@ -147,9 +150,60 @@ def _run(rank, mesh, key):
     return train_program(prog, batches, _opt(prog.parameters()))
 
 
+# ------------------------------------------------------------------------------ the ep ops
+EP = fxtron.Mesh(2, ep=2)
+E, H, F_OUT, K = 4, 6, 5, 2
+
+
+def _ep_ops(rank, mesh):
+    """Each rank's copies (a different number per rank; rank 0 sends expert 3 none) through
+    dispatch -> this rank's experts' grouped GEMM -> combine, against all experts on the
+    rank's own copies, in float64; the experts' gradients are returned for the sum over ranks."""
+    from fxtron.ops.ep import ep_combine, ep_dispatch
+    from fxtron.runtime.groups import groups_for
+    group = groups_for(mesh).group("ep").group_name
+    g = torch.Generator().manual_seed(100 + rank)
+    copies = (7 + 3 * rank) * K
+    x = torch.randn(copies, H, dtype=torch.float64, generator=g)
+    experts = torch.randint(0, E, (copies,), generator=g)
+    if rank == 0:
+        experts[experts == 3] = 2
+    order = torch.argsort(experts, stable=True)
+    offs = torch.cumsum(torch.bincount(experts, minlength=E), 0).to(torch.int32)
+    w = torch.randn(E, H, F_OUT, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    local = E // mesh.ep
+    mine = w[rank * local:(rank + 1) * local].clone().requires_grad_()
+    xs = x[order].clone().requires_grad_()
+    rows, local_offs, counts = ep_dispatch(xs, offs, group, mesh.ep)
+    y = ep_combine(grouped_mm(rows, mine, local_offs), offs, counts, xs.shape[0], group, mesh.ep)
+    gy = torch.randn(y.shape, dtype=torch.float64, generator=g)
+    (y * gy).sum().backward()
+    xr, wr = x[order].clone().requires_grad_(), w.clone().requires_grad_()
+    yr = grouped_mm(xr, wr, offs)
+    (yr * gy).sum().backward()
+    return {"dy": float((y - yr).abs().max()), "dx": float((xs.grad - xr.grad).abs().max()),
+            "grad_mine": mine.grad, "grad_ref": wr.grad, "received": rows.shape[0], "counts": counts}
+
+
+def _dispatch_case(rank, mesh, key):
+    return _ep_ops(rank, mesh) if key == "ep-ops" else _run(rank, mesh, key)
+
+
 @pytest.fixture(scope="module")
 def trained():
-    return run_cases({2: [(fxtron.Mesh(2, **axes), [key]) for key, (axes, _) in CASES.items()]}, _run)
+    jobs = [(fxtron.Mesh(2, **axes), [key]) for key, (axes, _) in CASES.items()] + [(EP, ["ep-ops"])]
+    return run_cases({2: jobs}, _dispatch_case)
+
+
+def test_ep_dispatch_and_combine_equal_all_experts_on_one_rank(trained):
+    out = ranks_of(trained, EP, "ep-ops")
+    total = sum(o["grad_ref"] for o in out)              # every rank's copies reach the owning rank
+    local = E // 2
+    for rank, o in enumerate(out):
+        assert o["dy"] < 1e-13 and o["dx"] < 1e-13, o
+        assert (o["grad_mine"] - total[rank * local:(rank + 1) * local]).abs().max() < 1e-12
+    assert int(out[1]["counts"][0, 1]) == 0              # rank 0 sent expert 3 (rank 1's second) nothing
+    assert sum(o["received"] for o in out) == (7 + 10) * K
 
 
 @pytest.mark.parametrize("key", list(CASES))

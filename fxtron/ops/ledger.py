@@ -46,7 +46,7 @@ _MAX_DIMS = 6               # dims described exactly; more are folded into the l
 _MOD = (1 << 61) - 1        # fingerprints: polynomial hashes modulo a Mersenne prime
 
 OPS = ("all_reduce", "all_reduce(max)", "all_gather", "reduce_scatter", "broadcast", "barrier",
-       "all_gather_object", "send", "recv", "step end")
+       "all_gather_object", "send", "recv", "step end", "all_to_all")
 _OP_CODE = {n: i + 1 for i, n in enumerate(OPS)}
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool)

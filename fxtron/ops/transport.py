@@ -131,13 +131,24 @@ def start_reduce_scatter(t: Tensor, dim: int, pg):
     return _Started(work, lambda: shard(total, dim, world, rank))
 
 
+def all_to_all_single(x: Tensor, out_splits: list[int], in_splits: list[int], pg) -> Tensor:
+    """Rows x[sum(in_splits[:r]) : ...] to group rank r; returns the rows every rank sent this
+    one, in group-rank order (sum(out_splits) of them). Splits may differ between ranks and be
+    zero. Entered in the ledger with the row count left open (it differs between ranks)."""
+    x = x.contiguous()
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    with ledger.collective(pg, "all_to_all", x.new_empty((0, *x.shape[1:]))):
+        dist.all_to_all_single(out, x, out_splits, in_splits, group=pg)
+    return out
+
+
 def norm_dim(dim: int, ndim: int) -> int:
     if not -ndim <= dim < max(ndim, 1):
         raise IndexError(f"dim {dim} is out of range for a tensor with {ndim} dims")
     return dim % max(ndim, 1)
 
 
-__all__ = ["all_gather", "all_reduce", "check_world", "gather", "group_size", "norm_dim", "reduce_scatter",
+__all__ = ["all_gather", "all_reduce", "all_to_all_single", "check_world", "gather", "group_size", "norm_dim", "reduce_scatter",
            "resolve", "start_all_reduce", "start_reduce_scatter", "summed"]
 
 

@@ -1,0 +1,148 @@
+"""Ops: expert parallel -- Megatron's dropless all-to-all token dispatch (MEGATRON.md 6).
+
+E experts over the `world` ranks of an ep group: rank r holds experts [r*L, (r+1)*L), L = E /
+world (Megatron's local_expert_indices, contiguous). A rank's token copies arrive sorted by
+expert with cumulative ends `offs` (E,) -- what a grouped GEMM over all E experts would take.
+
+    ep_dispatch(x, offs, group, world) -> (rows, local_offs, counts)
+        the per-expert counts are exchanged (an all-to-all of E ints), every copy goes to the
+        rank of its expert (all_to_all_single, uneven splits, zeros allowed), and the rows a
+        rank receives -- grouped by source rank, then by expert -- are re-sorted by local expert
+        (Megatron's sort_chunks_by_idxs): rows (R, h) and local_offs (L,) are what the grouped
+        GEMM of the L local experts takes; counts (world, L) [source, local expert] is what
+        ep_combine needs. Backward: ep_combine of the gradient.
+    ep_combine(y, offs, counts, group, world) -> (S, h)
+        the inverse: rows back in (source, expert) order, the reverse all-to-all, the copies in
+        the order they were dispatched (rows past offs[-1] zero). Backward: dispatch.
+
+The received row count depends on the routing, so the fake kernels return an unbacked size.
+With world 1 (no group) both are the identity on the rows.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fxtron.ops import transport as T
+from fxtron.ops.registry import Comm, OpSpec, register
+
+
+def _counts(offs: Tensor) -> Tensor:
+    """Rows per expert from cumulative ends."""
+    ends = offs.to(torch.int64)
+    return torch.diff(ends, prepend=ends.new_zeros(1))
+
+
+def _regroup(counts: Tensor) -> Tensor:
+    """For rows grouped by (source, local expert) with counts (world, L): the row indices that
+    group them by (local expert, source) instead."""
+    world, local = counts.shape
+    starts = torch.cumsum(counts.reshape(-1), 0) - counts.reshape(-1)
+    starts = starts.view(world, local)
+    pieces = [torch.arange(int(starts[s, j]), int(starts[s, j] + counts[s, j]))
+              for j in range(local) for s in range(world)]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+
+
+def _exchange_counts(send: Tensor, pg) -> Tensor:
+    """send (world, L): row r the counts for rank r's experts; returns (world, L), row s the
+    counts rank s sends this one."""
+    world = send.shape[0]
+    out = T.all_to_all_single(send.reshape(world, -1), [1] * world, [1] * world, pg)
+    return out.view_as(send)
+
+
+def _dispatch(x: Tensor, offs: Tensor, group: str, world: int) -> tuple[Tensor, Tensor, Tensor]:
+    pg = T.resolve(group)
+    T.check_world(pg, world, "ep_dispatch", group)
+    per_expert = _counts(offs)
+    E = per_expert.numel()
+    if E % world:
+        raise ValueError(f"fxtron::ep_dispatch: {E} experts do not divide over {world} ep ranks")
+    send = per_expert.view(world, E // world)
+    used = int(per_expert.sum())
+    if pg is None:
+        return x[:used].clone(), torch.cumsum(per_expert, 0).to(offs.dtype), send.clone()
+    recv = _exchange_counts(send.cpu(), pg).to(send.device)                    # (world, L)
+    rows = T.all_to_all_single(x[:used], recv.sum(1).tolist(), send.sum(1).tolist(), pg)
+    rows = rows.index_select(0, _regroup(recv.cpu()).to(rows.device))
+    return rows, torch.cumsum(recv.sum(0), 0).to(offs.dtype), recv
+
+
+def _combine(y: Tensor, offs: Tensor, counts: Tensor, rows: int, group: str, world: int) -> Tensor:
+    pg = T.resolve(group)
+    T.check_world(pg, world, "ep_combine", group)
+    per_expert = _counts(offs)
+    send = per_expert.view(world, -1)
+    out = y.new_zeros((rows, *y.shape[1:]))
+    if pg is None:
+        out[:y.shape[0]] = y
+        return out
+    back = torch.empty_like(y)
+    back[_regroup(counts.cpu()).to(y.device)] = y                               # (source, expert) order
+    got = T.all_to_all_single(back, send.sum(1).tolist(), counts.sum(1).tolist(), pg)
+    out[:got.shape[0]] = got
+    return out
+
+
+@torch.library.custom_op("fxtron::ep_dispatch", mutates_args=())
+def ep_dispatch(x: Tensor, offs: Tensor, group: str, world: int) -> tuple[Tensor, Tensor, Tensor]:
+    """See the module docstring. x (S, h) rows sorted by expert, offs (E,) cumulative ends."""
+    return _dispatch(x, offs, group, world)
+
+
+@ep_dispatch.register_fake
+def _(x, offs, group, world):
+    ctx = torch.library.get_ctx()
+    received = ctx.new_dynamic_size()
+    local = offs.shape[0] // world
+    return (x.new_empty((received, *x.shape[1:])), offs.new_empty((local,)),
+            offs.new_empty((world, local), dtype=torch.int64))
+
+
+def _dispatch_setup(ctx, inputs, output):
+    x, offs, ctx.group, ctx.world = inputs
+    ctx.rows = x.shape[0]
+    ctx.save_for_backward(offs, output[2])
+
+
+def _dispatch_bwd(ctx, grad_rows, grad_offs, grad_counts):
+    offs, counts = ctx.saved_tensors
+    return _combine(grad_rows.contiguous(), offs, counts, ctx.rows, ctx.group, ctx.world), None, None, None
+
+
+ep_dispatch.register_autograd(_dispatch_bwd, setup_context=_dispatch_setup)
+
+
+@torch.library.custom_op("fxtron::ep_combine", mutates_args=())
+def ep_combine(y: Tensor, offs: Tensor, counts: Tensor, rows: int, group: str, world: int) -> Tensor:
+    """See the module docstring. y (R, h) rows of the local experts as ep_dispatch gave them;
+    offs and counts as ep_dispatch took and returned them; rows: S, the dispatched x's rows."""
+    return _combine(y, offs, counts, rows, group, world)
+
+
+@ep_combine.register_fake
+def _(y, offs, counts, rows, group, world):
+    return y.new_empty((rows, *y.shape[1:]))
+
+
+def _combine_setup(ctx, inputs, output):
+    _, offs, counts, _, ctx.group, ctx.world = inputs
+    ctx.save_for_backward(offs)
+
+
+def _combine_bwd(ctx, grad):
+    (offs,) = ctx.saved_tensors
+    rows, _, _ = _dispatch(grad.contiguous(), offs, ctx.group, ctx.world)
+    return rows, None, None, None, None, None
+
+
+ep_combine.register_autograd(_combine_bwd, setup_context=_combine_setup)
+
+
+register(OpSpec("ep_dispatch", axis_arg=2, forward=Comm("all_to_all", "input", count=2),
+                backward=Comm("all_to_all", "grad_output")))
+register(OpSpec("ep_combine", axis_arg=4, forward=Comm("all_to_all", "input"),
+                backward=Comm("all_to_all", "grad_output", count=2)))
+
+__all__ = ["ep_combine", "ep_dispatch"]
