@@ -116,8 +116,9 @@ grouped_mm.register_autograd(_backward, setup_context=_setup)
 def switch_aux_loss(probs: Tensor, tokens_per_expert: Tensor, top_k: int) -> Tensor:
     """E * sum_e f_e * P_e for router probabilities probs (T, E) and the copies each expert
     received (E,): f_e = tokens_per_expert_e / (T * k), P_e = mean over tokens of probs[:, e]."""
-    T, E = probs.shape
-    f = tokens_per_expert.to(probs.dtype) / (T * top_k)
+    E = probs.shape[1]
+    counts = tokens_per_expert.to(probs.dtype)
+    f = counts / counts.sum()          # = / (T * k) when dropless; no arithmetic on symbolic sizes
     return E * (f * probs.mean(0)).sum()
 
 
@@ -174,8 +175,9 @@ def _llama_fields(config: MoEConfig) -> dict:
 
 
 class MoEBlock(nn.Module):
-    """Pre-norm block: x + attn(attn_norm(x)), then + moe(ffn_norm(x)); also returns the
-    layer's aux loss and tokens per expert."""
+    """Pre-norm block: x + attn(attn_norm(x)), then + moe(ffn_norm(x)); also returns the loss's
+    aux term so far (the `aux` given plus aux_loss_coef / n_layer x this layer's Switch loss),
+    the layer's tokens per expert and its Switch loss."""
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
@@ -183,11 +185,14 @@ class MoEBlock(nn.Module):
         self.attn = Attention(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.mlp = SparseMoE(config)
+        self.aux_scale = config.aux_loss_coef / config.n_layer
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, aux: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         x = x + self.attn(self.attn_norm(x), cos, sin)
-        y, aux, counts = self.mlp(self.ffn_norm(x))
-        return x + y, aux, counts
+        y, mine, counts = self.mlp(self.ffn_norm(x))
+        # the loss's aux term, summed through the layers: nothing runs between two layers (fxtron
+        # traces one and repeats it), and one scalar crosses a pipeline cut
+        return x + y, aux + self.aux_scale * mine, counts, mine
 
 
 class MoETransformer(Llama):
@@ -218,11 +223,10 @@ class MoETransformer(Llama):
         _, T = idx.shape
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         x = self.tok_embeddings(idx)
-        total = x.new_zeros((), dtype=torch.float32)   # one running sum: one scalar crosses a pipeline cut
+        total = x.new_zeros((), dtype=torch.float32)
         auxes, counts = [], []
         for layer in self.layers:
-            x, aux, c = layer(x, cos, sin)
-            total = total + aux
+            x, total, c, aux = layer(x, cos, sin, total)
             auxes.append(aux)
             counts.append(c)
         if not torch.compiler.is_compiling() and not _tracing(idx):
@@ -233,7 +237,7 @@ class MoETransformer(Llama):
             return logits
         V = self.config.vocab_size
         lm = F.cross_entropy(logits.view(-1, V), targets.view(-1))
-        return lm + (self.config.aux_loss_coef / len(self.layers)) * total
+        return lm + total
 
 
 def _tracing(t: Tensor) -> bool:
