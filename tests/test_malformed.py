@@ -66,6 +66,13 @@ class _Square(torch.nn.Module):
         return self.lin(x).pow(2).mean()
 
 
+def _eager_mixtral():
+    import transformers as T
+    return T.MixtralForCausalLM(T.MixtralConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager"))
+
+
 def _x():
     return (torch.randn(2, 4, 8),)
 
@@ -95,6 +102,9 @@ AT_PARALLELIZE = [
                                                                                 example_inputs=_x(), strict=True),
      r"1 linear\(s\) stay replicated .* lin"),
     ("model: dense, mesh asks for ep", lambda: _par(_gpt(), Mesh(2, ep=2)), r"asks for ep=2"),
+    ("model: transformers' experts run eagerly", lambda: fxtron.parallelize(_eager_mixtral(), Mesh(2, tp=2),
+                                                                             example_inputs=_ex("llama")),
+     r"experts_implementation='eager'.*'grouped_mm'"),
     ("inputs: none", lambda: fxtron.parallelize(_gpt(), Mesh(2, tp=2)), r"parallelize needs example_inputs"),
     ("inputs: a dict where a tuple goes", lambda: fxtron.parallelize(_gpt(), Mesh(2), example_inputs={"x": 1}),
      r"example_inputs must be a tuple"),

@@ -107,6 +107,19 @@ def check_example_sizes(example_inputs, example_kwargs, batch_dim: int, seq_dim:
                 f"{role} of at least 2")
 
 
+def _check_experts_implementation(model) -> None:
+    """transformers' MoE experts under experts_implementation="eager" loop in Python over the
+    experts each batch's tokens hit (data-dependent): export cannot trace that. Say which
+    implementation to set instead of export's guard error."""
+    impl = getattr(getattr(model, "config", None), "_experts_implementation", None)
+    if impl == "eager" and any(type(m).__name__.endswith("Experts") for m in model.modules()):
+        raise ParallelizeError(
+            f"{type(model).__name__} runs its experts with experts_implementation='eager', a Python loop over the "
+            "experts each batch's tokens pick, which torch.export cannot trace; build it with "
+            "experts_implementation='grouped_mm' (transformers' default) or 'batched_mm' (the config argument, "
+            "or model.set_experts_implementation('grouped_mm'))")
+
+
 def _export(module, args, shapes) -> ExportedProgram:
     from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
 
@@ -155,6 +168,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwargs:
         # on their own device
         leaves = [x.to("meta") if isinstance(x, torch.Tensor) else x for x in leaves]
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    _check_experts_implementation(model)
     wrapped = _WithLoss(model, loss_fn or default_loss, leaves, spec)
     shapes, user_dims = _dynamic_shapes(tensors, batch_dim, seq_dim)
     statics = [x if not isinstance(x, torch.Tensor) else None for x in leaves]
