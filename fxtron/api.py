@@ -327,11 +327,12 @@ class ParallelModel:
         o = self.options
         return PipelineOptions(o.schedule, o.microbatches, o.virtual_stages, o.scatter_gather)
 
-    def schedule_chart(self, path: str, timelines: list | None = None, *, t_f=1, t_b=2, t_w=0) -> str:
+    def schedule_chart(self, path: str, timelines: list | None = None, *, t_f=1, t_b=1, t_w=1) -> str:
         """Draw the schedule of every pipeline rank as a timeline picture at `path` (.png or
         .svg): the measured `timelines` (each rank's `prog.timeline()` from a step; ranks in
-        mesh order, one per pipeline rank) or, by default, the unit-time simulation of the
-        compiled schedule with pass times t_f, t_b, t_w. Returns the path."""
+        mesh order, one per pipeline rank) or, by default, the simulation of the compiled
+        schedule with pass times t_f, t_b (input gradient), t_w (weight gradient: its own pass
+        under zb-h1, part of B otherwise); unit costs by default. Returns the path."""
         from fxtron import chart
         o = self.options
         if timelines is None:
@@ -489,7 +490,7 @@ class ParallelModel:
             headers += ["stages", "p2p sent / microbatch"]
             head += f"\nschedule {self._schedule_title()}; bubble over ideal time (formula): " + str(
                 schedules.bubble_fraction_formula(self.options.schedule, self.mesh.pp, self.options.microbatches,
-                                                  self.options.virtual_stages))
+                                                  self.options.virtual_stages)) + " (unit F, B, W)"
         return head + "\n" + tabulate(rows, headers=headers)
 
     # ------------------------------------------------------------ running

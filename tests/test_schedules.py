@@ -16,17 +16,17 @@ from fxtron.runtime.schedules import Action, actions, in_flight, simulate
 @pytest.mark.parametrize("p,m,makespan,frac", [(4, 8, 33, Fraction(3, 8)), (4, 16, 57, Fraction(3, 16)),
                                                 (8, 16, 69, Fraction(7, 16))])
 def test_one_f_one_b_worked_values(p, m, makespan, frac):
-    sim = simulate("1f1b", p, m, t_f=1, t_b=2)
+    sim = simulate("1f1b", p, m, t_f=1, t_b=2, t_w=0)
     assert sim.makespan == makespan == (m + p - 1) * 3
     assert sim.bubble_fraction == frac == Fraction(p - 1, m)
-    assert simulate("gpipe", p, m, t_f=1, t_b=2).makespan == makespan   # same bubble, more memory
+    assert simulate("gpipe", p, m, t_f=1, t_b=2, t_w=0).makespan == makespan   # same bubble, more memory
 
 
 @pytest.mark.parametrize("p,m,v,makespan", [(4, 8, 2, Fraction(57, 2)), (4, 8, 4, Fraction(105, 4)),
                                              (4, 16, 2, Fraction(105, 2)), (4, 16, 4, Fraction(201, 4)),
                                              (8, 16, 2, Fraction(117, 2)), (8, 16, 4, Fraction(213, 4))])
 def test_interleaved_worked_values(p, m, v, makespan):
-    sim = simulate("interleaved", p, m, v, t_f=1, t_b=2)
+    sim = simulate("interleaved", p, m, v, t_f=1, t_b=2, t_w=0)
     assert sim.makespan == makespan == m * 3 + Fraction((p - 1) * 3, v)
     assert sim.bubble_fraction == Fraction(p - 1, v * m)
 
@@ -41,6 +41,15 @@ def test_zero_bubble_h1_worked_values(times, p, m, bubble):
     assert one_f_one_b.bubble == (p - 1) * (t_f + t_b + t_w)
     # every stage holds p microbatches (forward done, weight gradient not yet)
     assert [in_flight(actions("zb-h1", p, m, r), deferred_w=True) for r in range(p)] == [p] * p
+
+
+def test_the_default_simulation_draws_zb_h1s_weight_gradient_pass():
+    # unit costs (F = B = W = 1): ZB-H1's W is a pass of its own and its bubble a third of 1F1B's
+    zb, one = simulate("zb-h1", 4, 8), simulate("1f1b", 4, 8)
+    w = [end - start for spans in zb.spans for a, start, end in spans if a.kind == "W"]
+    assert len(w) == 4 * 8 and set(w) == {1}
+    assert not any(a.kind == "W" for spans in one.spans for a, _, _ in spans)
+    assert (zb.bubble_fraction, one.bubble_fraction) == (Fraction(1, 8), Fraction(3, 8))
 
 
 @pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])

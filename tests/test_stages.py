@@ -101,7 +101,7 @@ def test_graph_and_summary_show_stages():
 
 def test_schedule_chart(tmp_path):
     pm = _pm("gpt", fxtron.Mesh(2, pp=2), microbatches=4, schedule="zb-h1")
-    path = pm.schedule_chart(str(tmp_path / "zb.png"), t_f=1, t_b=1, t_w=1)
+    path = pm.schedule_chart(str(tmp_path / "zb.png"))          # unit F, B, W: W drawn as its own pass
     assert open(path, "rb").read(4) == b"\x89PNG"
 
 

@@ -167,12 +167,13 @@ class Simulation:
 
 
 def simulate(schedule: str, pp: int, microbatches: int, virtual: int = 1, *,
-             t_f=1, t_b=2, t_w=0) -> Simulation:
+             t_f=1, t_b=1, t_w=1) -> Simulation:
     """Run the schedule's per-rank orders against the dependencies (F of a microbatch on stage
     j after its F on stage j-1; B on stage j after B on stage j+1 and its own F; W after its
     B), with communication free. t_f, t_b, t_w are one whole pipeline stage's pass times (a
     chunk of the interleaved schedule takes 1/v of them); t_w is added to B unless the
-    schedule splits it out (zb-h1)."""
+    schedule splits it out (zb-h1). Unit costs by default: F = B (input gradient) = W (weight
+    gradient) = 1, so a schedule's backward takes 2 and ZB-H1's W shows as its own pass."""
     t_f, t_b, t_w = Fraction(t_f), Fraction(t_b), Fraction(t_w)
     if schedule != "zb-h1":
         t_b, t_w = t_b + t_w, Fraction(0)
@@ -218,7 +219,7 @@ def simulate(schedule: str, pp: int, microbatches: int, virtual: int = 1, *,
 
 
 def bubble_formula(schedule: str, pp: int, microbatches: int, virtual: int = 1, *,
-                   t_f=1, t_b=2, t_w=0) -> Fraction:
+                   t_f=1, t_b=1, t_w=1) -> Fraction:
     """The closed-form bubble (idle time per rank): (p-1)(t_f+t_b) for GPipe and 1F1B,
     divided by v interleaved (Narayanan et al. 2021); (p-1)(T_F+T_B-T_W) for ZB-H1 (Qi et al.
     2023, T_B the input-gradient pass only). t_b excludes t_w."""
@@ -231,7 +232,7 @@ def bubble_formula(schedule: str, pp: int, microbatches: int, virtual: int = 1, 
 
 
 def bubble_fraction_formula(schedule: str, pp: int, microbatches: int, virtual: int = 1, *,
-                            t_f=1, t_b=2, t_w=0) -> Fraction:
+                            t_f=1, t_b=1, t_w=1) -> Fraction:
     """Bubble over ideal time: (p-1)/m (GPipe, 1F1B), (p-1)/(v m) interleaved."""
     ideal = microbatches * (Fraction(t_f) + Fraction(t_b) + Fraction(t_w))
     return bubble_formula(schedule, pp, microbatches, virtual, t_f=t_f, t_b=t_b, t_w=t_w) / ideal
