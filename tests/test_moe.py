@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 import fxtron
 from fxtron.models import build, example_inputs
+from fxtron.ops import registry
 from fxtron.models.moe import MoEConfig, MoETransformer, SparseMoE, grouped_mm, switch_aux_loss
 from fxtron.testing import assert_trains_like, ranks_of, reference_training, run_cases, train_program
 
@@ -159,6 +160,7 @@ def _ep_ops(rank, mesh):
     """Each rank's copies (a different number per rank; rank 0 sends expert 3 none) through
     dispatch -> this rank's experts' grouped GEMM -> combine, against all experts on the
     rank's own copies, in float64; the experts' gradients are returned for the sum over ranks."""
+    from fxtron.ops import ledger
     from fxtron.ops.ep import ep_combine, ep_dispatch
     from fxtron.runtime.groups import groups_for
     group = groups_for(mesh).group("ep").group_name
@@ -174,15 +176,20 @@ def _ep_ops(rank, mesh):
     local = E // mesh.ep
     mine = w[rank * local:(rank + 1) * local].clone().requires_grad_()
     xs = x[order].clone().requires_grad_()
+    issued = [ledger.stats()["operations"]]              # the collectives each phase issues (the ledger's count)
     rows, local_offs, counts = ep_dispatch(xs, offs, group, mesh.ep)
+    issued.append(ledger.stats()["operations"])
     y = ep_combine(grouped_mm(rows, mine, local_offs), offs, counts, xs.shape[0], group, mesh.ep)
+    issued.append(ledger.stats()["operations"])
     gy = torch.randn(y.shape, dtype=torch.float64, generator=g)
     (y * gy).sum().backward()
+    issued.append(ledger.stats()["operations"])
     xr, wr = x[order].clone().requires_grad_(), w.clone().requires_grad_()
     yr = grouped_mm(xr, wr, offs)
     (yr * gy).sum().backward()
     return {"dy": float((y - yr).abs().max()), "dx": float((xs.grad - xr.grad).abs().max()),
-            "grad_mine": mine.grad, "grad_ref": wr.grad, "received": rows.shape[0], "counts": counts}
+            "grad_mine": mine.grad, "grad_ref": wr.grad, "received": rows.shape[0], "counts": counts,
+            "issued": [b - a for a, b in zip(issued, issued[1:])]}
 
 
 def _dispatch_case(rank, mesh, key):
@@ -203,6 +210,12 @@ def test_ep_dispatch_and_combine_equal_all_experts_on_one_rank(trained):
         assert o["dy"] < 1e-13 and o["dx"] < 1e-13, o
         assert (o["grad_mine"] - total[rank * local:(rank + 1) * local]).abs().max() < 1e-12
     assert int(out[1]["counts"][0, 1]) == 0              # rank 0 sent expert 3 (rank 1's second) nothing
+    # the all-to-alls each phase issues, as the op registry says (what pm.collectives counts)
+    specs = registry.specs()
+    d, c = specs["ep_dispatch"], specs["ep_combine"]
+    for o in out:
+        assert o["issued"] == [d.forward.count, c.forward.count, d.backward.count + c.backward.count], o["issued"]
+        assert {d.forward.kind, d.backward.kind, c.forward.kind, c.backward.kind} == {"all_to_all"}
     assert sum(o["received"] for o in out) == (7 + 10) * K
 
 
