@@ -180,12 +180,12 @@ class TransformerBlock(nn.Module):
     forward(x, cos, sin): x (B, T, dim), cos/sin (T, hd) -> (B, T, dim).
     """
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.dim, config.norm_eps)
         self.attn = Attention(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.mlp = FeedForward(config)
+        self.mlp = mlp if mlp is not None else FeedForward(config)     # another block's (an MoE's)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)

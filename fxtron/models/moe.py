@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fxtron.models.llama import Attention, FeedForward, Llama, LlamaConfig, RMSNorm
+from fxtron.models.llama import FeedForward, Llama, LlamaConfig, TransformerBlock
 
 __all__ = ["MoEConfig", "MoETransformer", "SparseMoE", "grouped_mm", "switch_aux_loss"]
 
@@ -174,17 +174,14 @@ def _llama_fields(config: MoEConfig) -> dict:
     return {k: getattr(config, k) for k in LlamaConfig.__dataclass_fields__}
 
 
-class MoEBlock(nn.Module):
-    """Pre-norm block: x + attn(attn_norm(x)), then + moe(ffn_norm(x)); also returns the loss's
-    aux term so far (the `aux` given plus aux_loss_coef / n_layer x this layer's Switch loss),
-    the layer's tokens per expert and its Switch loss."""
+class MoEBlock(TransformerBlock):
+    """Llama's pre-norm block with the MoE as its mlp: x + attn(attn_norm(x)), then +
+    moe(ffn_norm(x)); also returns the loss's aux term so far (the `aux` given plus
+    aux_loss_coef / n_layer x this layer's Switch loss), the layer's tokens per expert and its
+    Switch loss."""
 
     def __init__(self, config: MoEConfig) -> None:
-        super().__init__()
-        self.attn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attn = Attention(config)
-        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.mlp = SparseMoE(config)
+        super().__init__(config, mlp=SparseMoE(config))
         self.aux_scale = config.aux_loss_coef / config.n_layer
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, aux: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -79,6 +79,11 @@ class Entry:
     failed: bool = False
     blocked: bool = False       # the rank is waiting for it to complete
 
+    @property
+    def state(self) -> str:
+        """'issued', 'waiting' (the rank blocks on it), 'done' or 'failed'."""
+        return "failed" if self.failed else "done" if self.done is not None else "waiting" if self.blocked else "issued"
+
     def what(self) -> str:
         """'all_reduce (2, 8, 64) float32', 'send (2, 8, 64) float32 to rank 1 [act mb 0]'."""
         if self.op == "step end":
@@ -297,11 +302,7 @@ def recent(limit: int = 6) -> str:
 
 
 def _state(e: Entry, now: float) -> str:
-    if e.failed:
-        return "failed"
-    if e.done is None:
-        return f"{'waiting' if e.blocked else 'issued'} ({now - e.issued:.1f} s)"
-    return "done"
+    return e.state if e.state in ("done", "failed") else f"{e.state} ({now - e.issued:.1f} s)"
 
 
 # ---------------------------------------------------------------------------------- the check
@@ -392,7 +393,7 @@ def _write(e: Entry) -> None:
     f = _S.file
     if f is None:
         return
-    state = "failed" if e.failed else "done" if e.done is not None else "waiting" if e.blocked else "issued"
+    state = e.state
     line = f"{e.n} {e.issued:.3f} {e.describe()}".encode()[:_LINE - _STATE - 1]
     at = (e.n % FLIGHT) * _LINE
     f[at:at + _LINE] = state.encode().ljust(_STATE) + line.ljust(_LINE - _STATE - 1) + b"\n"
