@@ -148,8 +148,9 @@ def norm_dim(dim: int, ndim: int) -> int:
     return dim % max(ndim, 1)
 
 
-__all__ = ["all_gather", "all_reduce", "all_to_all_single", "check_world", "gather", "group_size", "norm_dim", "reduce_scatter",
-           "resolve", "start_all_reduce", "start_reduce_scatter", "summed"]
+__all__ = ["all_gather", "all_reduce", "all_to_all_single", "batch_isend_irecv", "check_world", "gather", "group_size",
+           "irecv", "norm_dim", "reduce_scatter", "resolve", "start_all_reduce", "start_reduce_scatter",
+           "start_ring_exchange", "summed"]
 
 
 def start_ring_exchange(tensors: list[Tensor], pg) -> tuple[list, list[Tensor]]:
