@@ -24,6 +24,7 @@ without the marker, saying the save did not complete.
 """
 from __future__ import annotations
 
+import errno
 import io
 import os
 import pickle
@@ -110,9 +111,9 @@ def save(prog, path: str, optimizer: torch.optim.Optimizer | None = None, storag
     try:
         _write(prog, staging, optimizer, storage_writer)
     except CheckpointException as e:           # DCP's: every rank's failure, known to every rank
-        errors = [(r, f"{type(exc).__name__}: {exc}") for r, (exc, _) in sorted(e.failures.items())]
+        errors = [(r, _why(exc, path)) for r, (exc, _) in sorted(e.failures.items())]
     except Exception as e:                     # noqa: BLE001 - every rank must hear of it, then raise
-        errors = [(0 if _alone(prog) else dist.get_rank(), f"{type(e).__name__}: {e}")]
+        errors = [(0 if _alone(prog) else dist.get_rank(), _why(e, path))]
     failures = _gather_errors(prog, errors)
     if failures:
         _on_rank0(prog, lambda: shutil.rmtree(staging, ignore_errors=True))
@@ -134,6 +135,24 @@ def save(prog, path: str, optimizer: torch.optim.Optimizer | None = None, storag
         os.rename(staging, path)
         shutil.rmtree(replaced, ignore_errors=True)
     _on_rank0(prog, commit)
+
+
+def _why(exc: BaseException, path: str) -> str:
+    """A failed save's exception as a line, with the state of the disk where it says less than
+    the OS knew: torch's serializer reports a write cut short by a full filesystem as
+    "[enforce fail at inline_container.cc] unexpected pos", not as ENOSPC."""
+    text = f"{type(exc).__name__}: {exc}"
+    short = "unexpected pos" in str(exc)
+    if not short and getattr(exc, "errno", None) != errno.ENOSPC:
+        return text
+    try:
+        st = os.statvfs(os.path.dirname(path) or ".")
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        return text
+    if free < 1 << 20 or getattr(exc, "errno", None) == errno.ENOSPC:
+        return f"{text} (No space left on device: {free} bytes free on the filesystem of {os.path.dirname(path)})"
+    return f"{text} (a write came up short; {free} bytes free on the filesystem of {os.path.dirname(path)})"
 
 
 def _write(prog, path: str, optimizer, storage_writer) -> None:
