@@ -34,6 +34,7 @@ from fxtron.runtime import groups as G
 from fxtron.runtime import schedules
 from fxtron.runtime.buffers import DataParallelOptions
 from fxtron.passes.context_parallel import COMM_TYPES
+from fxtron.passes.expert_parallel import check_experts
 from fxtron.runtime.build import build_program
 from fxtron.runtime.program import PipelineOptions, Program
 
@@ -176,11 +177,14 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
             "weight-gradient kernels, the shared-memory transport) compute in 32 bits or less, so a float64 model "
             "would not keep float64 precision at tp > 1; use model.float() (or bfloat16 with dtype=), or tp=1 "
             "(data, pipeline and context parallel keep float64)")
-    if mesh.ep != 1:
+    if mesh.ep > 1 and (mesh.tp > 1 or mesh.cp > 1):
         raise ParallelizeError(
-            f"this fxtron build parallelizes over tensor, context, pipeline and data parallel; the mesh asks for "
-            f"ep={mesh.ep}. Use Mesh(world_size={mesh.world_size // mesh.ep}, tp={mesh.tp}, cp={mesh.cp}, "
-            f"pp={mesh.pp}) until expert parallel lands")
+            f"expert parallel composes with data and pipeline parallel in this build; the mesh asks for ep={mesh.ep} "
+            f"with tp={mesh.tp}, cp={mesh.cp} (the experts' own tensor split over expert-tp, with sequence parallel, "
+            f"is not built yet). Use Mesh(world_size={mesh.world_size}, ep={mesh.ep}, pp={mesh.pp}) or ep=1")
+    if mesh.ep > 1 and zero:
+        raise ParallelizeError(f"zero=1 (the distributed optimizer) does not yet shard the expert weights' gradient "
+                               f"buffer over expert-dp; use zero=0 with ep={mesh.ep}, or ep=1")
     # a 16-bit program is traced in 16 bits (casts such as a norm's .float() ... .type_as(x) only
     # mean something then), on a meta replica so the model's weights are never copied
     if isinstance(example_inputs, (tuple, list, torch.Tensor)) and isinstance(batch_dim, int) and batch_dim >= 0:
@@ -193,6 +197,8 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
             f"context parallel splits the sequence, but no input of the model has a sequence dim (seq_dim={seq_dim}; "
             f"the inputs' shapes are {', '.join(str(tuple(x.shape)) for x in _tensors(example_inputs, example_kwargs))})"
             "; give the dim that holds the sequence")
+    if mesh.ep > 1:
+        check_experts(traced, mesh.ep)     # experts that do not divide over ep: an error now
     pm = ParallelModel(model, mesh, traced, options)
     pm._check_plan()
     pm.stage_assignment            # a bad stage cut is an error now, not at the first program

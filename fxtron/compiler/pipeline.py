@@ -30,6 +30,7 @@ from fxtron.errors import ParallelizeError
 from fxtron.mesh import Mesh
 from fxtron.passes import verify as verifier
 from fxtron.passes.context_parallel import cp_layout, fuse_written_out_attention
+from fxtron.passes.expert_parallel import dispatch_experts, ep_layout
 from fxtron.passes.limits import SeqLimit, seq_limit
 from fxtron.passes.localize import drop_metadata_asserts, localize
 from fxtron.passes.plan import TPPlan
@@ -155,6 +156,10 @@ def _cp(s: RankState) -> bool:
     return s.mesh.parallel("cp")
 
 
+def _ep(s: RankState) -> bool:
+    return s.mesh.parallel("ep")
+
+
 def _distributed(s: RankState) -> bool:
     return bool(meta.graph_axes(s.gm))
 
@@ -216,7 +221,7 @@ def shard_params(gm: fx.GraphModule, mesh: MeshView, mine: set[str]) -> dict[str
     """The description of every parameter in `mine`: per axis its shard (from its placement),
     the axes its gradient is partial over (meta.GRAD_REDUCE), and the data-parallel group
     that reduces it (dp-cp under context parallel, which sums the cp ranks' partial
-    gradients)."""
+    gradients; expert-dp for an expert weight split over ep)."""
     local: dict[str, LocalParam] = {}
     for node in gm.graph.nodes:
         name = meta.param_name(node)
@@ -234,7 +239,11 @@ def shard_params(gm: fx.GraphModule, mesh: MeshView, mine: set[str]) -> dict[str
                 shards.append(AxisShard(axis, pl.dim, pl.interleave))
         partial = tuple(meta.get(node, meta.GRAD_REDUCE) or ())
         group, whole = "dp", ()
-        if mesh.parallel("cp"):        # the cp sum joins the dp average in one collective
+        if any(s.axis == "ep" for s in shards):
+            # an expert's gradient sums the tokens every ep rank sent it; the replicas of the
+            # rank's experts are its expert-dp group (Megatron's expert data parallel)
+            group = "expert-dp"
+        elif mesh.parallel("cp"):        # the cp sum joins the dp average in one collective
             group = "dp-cp"
             whole = () if "cp" in partial else ("cp",)
             partial = tuple(a for a in partial if a != "cp")
@@ -269,9 +278,15 @@ PASSES = pass_list(
          _set("gm", lambda s: propagate(s.gm, cp_layout(meta.info(s.gm), comm_type=s.options.cp_comm_type,
                                                       strict=s.options.strict), mesh=s.mesh)),
          _cp, "cp > 1", after=("propagate_tp",)),
+    Pass("dispatch_experts", "each mixture-of-experts layer's copies go to the ranks of their experts and come back "
+         "(Megatron's all-to-all dispatcher); the experts' GEMMs run on the rank's own experts",
+         _set("gm", lambda s: dispatch_experts(s.gm, s.mesh.size("ep"))), _ep, "ep > 1", after=("split_row_bias",)),
+    Pass("propagate_ep", "an ep placement on every value: the experts' weights split on their experts dim",
+         _set("gm", lambda s: propagate(s.gm, ep_layout(s.gm, strict=s.options.strict), mesh=s.mesh)),
+         _ep, "ep > 1", after=("dispatch_experts", "propagate_cp")),
     Pass("insert_redistributions", "the collectives each placement mismatch needs (f/g pairs, gathers, "
          "scatters) and the lowerings (vocab-parallel, context-parallel attention and loss)", _redistribute,
-         _distributed, "the graph is distributed over an axis", after=("propagate_tp", "propagate_cp")),
+         _distributed, "the graph is distributed over an axis", after=("propagate_tp", "propagate_cp", "propagate_ep")),
     Pass("localize", "sizes written into the graph become this rank's", _set("gm", lambda s: localize(s.gm, mesh=s.mesh)),
          _distributed, "the graph is distributed over an axis", after=("insert_redistributions",)),
     Pass("assign_rng_regions", "random ops draw from the program's streams (replicated or per rank), which "

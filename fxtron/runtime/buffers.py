@@ -152,10 +152,11 @@ class GradBuffer:
 
     def _start(self, b: Bucket) -> None:
         b.started = True
-        if self.dp == 1 or self.group is None:
-            return
         chunk = self.data[b.start:b.end]
-        chunk.div_(self.average or self.dp)         # scale once: the average over dp
+        if (self.average or self.dp) != 1:
+            chunk.div_(self.average or self.dp)     # scale once: the average over dp
+        if self.dp == 1 or self.group is None:      # (an expert weight's replicas may be one rank: ep = dp)
+            return
         if self.reduce_scatter:
             out = chunk.view(self.dp, -1)[self.dp_rank]
             e = ledger.issue(self.group, "reduce_scatter", chunk)

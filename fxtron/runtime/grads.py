@@ -60,11 +60,20 @@ class GradientSync:
                 return
             p.main_grad.add_(p.grad, alpha=self._grad_share.get(name, 1.0))
             p.grad = None
-            self.grad_buffer.report(name)
+            self._buffer_of[name].report(name)
         return hook
 
     def _report(self, name: str):
-        return lambda: self.grad_buffer.report(name)
+        buf = self._buffer_of[name]
+        return lambda: buf.report(name)
+
+    @contextlib.contextmanager
+    def _quiet_grads(self):
+        """Gradient reports inside do not count, in every buffer (GradBuffer.suspended)."""
+        with contextlib.ExitStack() as stack:
+            for buf in self.grad_buffers.values():
+                stack.enter_context(buf.suspended())
+            yield
 
     @contextlib.contextmanager
     def _grad_accumulation(self):
@@ -73,7 +82,8 @@ class GradientSync:
         deferred GEMM has run), autograd's gradients are moved there by a hook."""
         if self._zero is not None:
             self._zero.wait_params()
-        self.grad_buffer.reset()
+        for buf in self.grad_buffers.values():
+            buf.reset()
         params = dict(self.named_parameters())
         for n, p in params.items():
             p.main_grad = self._grad_views[n]
@@ -91,7 +101,8 @@ class GradientSync:
         collectives may start as their gradients complete."""
         if self.data_parallel.overlap_grad_reduce:
             names = None if chunk is None or self._chunk_params is None else self._chunk_params[chunk]
-            self.grad_buffer.start_reporting(names)
+            for buf in self.grad_buffers.values():
+                buf.start_reporting(names)
 
     # ---------------------------------------------------------------- finalize
     def finalize_grads(self) -> None:
@@ -101,7 +112,8 @@ class GradientSync:
         parallel: Megatron's _allreduce_layernorm_grads); sum tied weights over the pipeline
         ranks that hold them (the embedding group); then clip the global norm. Afterwards every
         parameter's .grad is its gradient (the rank's shard under zero=1)."""
-        self.grad_buffer.finish()
+        for buf in self.grad_buffers.values():
+            buf.finish()
         if self._zero is not None:
             self._zero.set_grads()
         else:
@@ -169,9 +181,13 @@ class GradientSync:
     # ---------------------------------------------------------------- norms
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm of the gradients of the whole model, each parameter counted
-        once however it is sharded (tp) or replicated (tp, dp, tied over pp): equal to
-        torch.nn.utils.get_total_norm over the single-process model's gradients."""
-        total = torch.zeros((), dtype=torch.float32, device=self.grad_buffer.data.device)
+        once however it is sharded (tp, ep) or replicated (tp, dp, tied over pp): equal to
+        torch.nn.utils.get_total_norm over the single-process model's gradients. The dense
+        parameters' squares are summed over tp-pp, the expert weights' over tp-ep-pp (each ep
+        rank holds other experts, and the same dense replicas), as Megatron's
+        get_grad_norm_fp32 sums each over its model-parallel group."""
+        device = self.grad_buffer.data.device
+        dense, experts = (torch.zeros((), dtype=torch.float32, device=device) for _ in range(2))
         coords = {a: self.groups.index(a) if self.groups is not None else 0 for a in NORM_AXES}
         pp_rank = self.groups.index("pp") if self.groups is not None else 0
         for g, name in self._grads_for_norm():
@@ -181,15 +197,19 @@ class GradientSync:
             holders = self._shared.get(name)
             if holders is not None and pp_rank != holders[0]:
                 continue                                   # a tied weight: its first stage counts it
+            total = experts if spec is not None and spec.grad_group == "expert-dp" else dense
             total += g.float().pow(2).sum()
         if self.groups is not None:
             if self._zero is not None and self.grad_buffer.group is not None:
-                with ledger.collective(self.grad_buffer.group, "all_reduce", total):   # each rank: 1/dp (of dp-cp)
-                    dist.all_reduce(total, group=self.grad_buffer.group)
-            if self.groups.size("tp-pp") > 1:
-                with ledger.collective(self.groups.group("tp-pp"), "all_reduce", total):
-                    dist.all_reduce(total, group=self.groups.group("tp-pp"))
-        return total.sqrt()
+                with ledger.collective(self.grad_buffer.group, "all_reduce", dense):   # each rank: 1/dp (of dp-cp)
+                    dist.all_reduce(dense, group=self.grad_buffer.group)
+            for kind, total in (("tp-pp", dense), ("tp-ep-pp", experts)):
+                if kind == "tp-ep-pp" and self.groups.size("ep") == 1:
+                    continue                               # (every pp rank alike, experts on its stages or not)
+                if self.groups.size(kind) > 1:
+                    with ledger.collective(self.groups.group(kind), "all_reduce", total):
+                        dist.all_reduce(total, group=self.groups.group(kind))
+        return (dense + experts).sqrt()
 
     def _grads_for_norm(self):
         if self._zero is not None:

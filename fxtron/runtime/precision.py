@@ -48,7 +48,8 @@ class LossScaler:
             g.div_(self.scale)
             found = torch.maximum(found, (~torch.isfinite(g)).any().float().reshape(1))
         if groups is not None:
-            for kind in ("tp-pp", dp_kind) if sharded_over_dp else ("tp-pp",):
+            kinds = ("tp-pp", "tp-ep-pp") if groups.size("ep") > 1 else ("tp-pp",)   # experts differ over ep
+            for kind in kinds + ((dp_kind,) if sharded_over_dp else ()):
                 if groups.size(kind) > 1:
                     with ledger.collective(groups.group(kind), "all_reduce(max)", found):
                         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=groups.group(kind))

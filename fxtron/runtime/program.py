@@ -118,22 +118,39 @@ class Program(GradientSync, nn.Module):
         order = [n for n in (param_order or names) if n in set(names)]
         order += [n for n in names if n not in set(order)]
         self._chunk_params = [set(st.params) for st in stages] if stages is not None else None
-        grad_group = self._grad_group()
         opts = self.data_parallel
-        world, index = (1, 0) if groups is None else (groups.size(grad_group), groups.index(grad_group))
         # fp32 main_grad (Megatron's), or float64 for a float64 model: never narrower than its weights
         wide = any(p.dtype == torch.float64 for _, p in self.named_parameters())
-        self.grad_buffer = GradBuffer(
-            [(n, get_by_path(self, n), (grad_reports or {}).get(n, 1)) for n in order],
-            opts.grad_reduce_dtype or (torch.float64 if wide else torch.float32), opts.bucket_size or default_bucket_size(world),
-            group=self.groups.group(grad_group) if world > 1 else None, dp=world, reduce_scatter=opts.zero == 1,
-            dp_rank=index, alone=frozenset(self._shared), average=dp)
+        # one buffer per group that reduces gradients: the dense parameters' (dp, or dp-cp), and the
+        # expert weights' over expert-dp; each averaged over the dense dp (Megatron scales the
+        # expert gradients by 1/dp too: an expert sums the tokens of every ep rank it served)
+        kinds: dict[str, list[str]] = {}
+        for n in order:
+            kinds.setdefault(self._local[n].grad_group if n in self._local else "dp", []).append(n)
+        self.grad_buffers: dict[str, GradBuffer] = {}
+        for kind, names in kinds.items():
+            world, index = (1, 0) if groups is None else (groups.size(kind), groups.index(kind))
+            self.grad_buffers[kind] = GradBuffer(
+                [(n, get_by_path(self, n), (grad_reports or {}).get(n, 1)) for n in names],
+                opts.grad_reduce_dtype or (torch.float64 if wide else torch.float32),
+                opts.bucket_size or default_bucket_size(world),
+                group=self.groups.group(kind) if world > 1 else None, dp=world, reduce_scatter=opts.zero == 1,
+                dp_rank=index, alone=frozenset(self._shared), average=dp)
+        self._buffer_of = {n: self.grad_buffers[kind] for kind, names in kinds.items() for n in names}
+        dense = [k for k in self.grad_buffers if k != "expert-dp"]
+        if len(dense) > 1:
+            raise ParallelizeError(f"this rank's parameters average their gradients over different groups "
+                                   f"({', '.join(sorted(dense))}); one gradient buffer serves the dense parameters")
+        #: the dense parameters' buffer (the distributed optimizer shards it)
+        self.grad_buffer = self.grad_buffers[dense[0]] if dense else next(iter(self.grad_buffers.values()), None)
+        if self.grad_buffer is None:
+            self.grad_buffer = self.grad_buffers["dp"] = GradBuffer([], torch.float32, 1)
         # a gradient every rank of the group computes whole (not a partial sum over cp) enters the
         # sum divided by those ranks' count
         self._grad_share = {n: 1.0 / _prod(groups.size(a) for a in self._local[n].grad_whole_on)
                             for n in order if groups is not None and n in self._local and self._local[n].grad_whole_on}
         # one view per parameter, made once: .grad and .main_grad are the same tensors every step
-        self._grad_views = {n: self.grad_buffer.view(n, get_by_path(self, n)) for n in order}
+        self._grad_views = {n: self._buffer_of[n].view(n, get_by_path(self, n)) for n in order}
         self._in_step = False
         self.last_grad_norm: float | None = None   # the global norm before clipping, last step
         for n in order:
@@ -141,11 +158,8 @@ class Program(GradientSync, nn.Module):
         self._zero = ZeroOne(self) if opts.zero == 1 else None
 
     def _grad_group(self) -> str:
-        kinds = {spec.grad_group for spec in self._local.values()}
-        if len(kinds) > 1:
-            raise ParallelizeError(f"this rank's parameters average their gradients over different groups "
-                                   f"({', '.join(sorted(kinds))}); one gradient buffer serves one group")
-        return kinds.pop() if kinds else "dp"
+        """The group kind of the dense parameters' gradient buffer (dp, or dp-cp)."""
+        return next((k for k in self.grad_buffers if k != "expert-dp"), "dp")
 
     # ---------------------------------------------------------------- running
     def _flat_inputs(self, inputs: tuple, kwargs: dict | None) -> list:
@@ -237,7 +251,7 @@ class Program(GradientSync, nn.Module):
             self._runner = StageRunner(stages, self._call_stage, acts, num_stages=pp * opts.virtual_stages,
                                        microbatches=opts.microbatches, p2p=p2p,
                                        zero_bubble=opts.schedule == "zb-h1", before_last_backward=self._last_backward,
-                                       quiet=self.grad_buffer.suspended)
+                                       quiet=self._quiet_grads)
         return self._runner
 
     def _pipelined_step(self, inputs, optimizer, kwargs) -> float:

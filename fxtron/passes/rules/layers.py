@@ -3,6 +3,8 @@ entropy -- and the lowerings that turn an embedding and a cross entropy split by
 into Megatron's vocab-parallel ops."""
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -63,6 +65,15 @@ def grouped_mm(c: Ctx):
     if isinstance(pw, Shard) and pw.dim == 1:
         expects[c.index(x)] = Shard(1)
         return PARTIAL, expects
+    if isinstance(pw, Shard) and pw.dim == 0:
+        # the experts split (expert parallel): the rows are the ones dispatched to this rank's
+        # experts, counted by its local offsets (passes/expert_parallel.py) -- nothing to move
+        offs = c.node.args[2] if len(c.node.args) > 2 else None
+        src = offs.args[0] if isinstance(offs, fx.Node) and offs.target is operator.getitem else None
+        if getattr(src, "target", None) != torch.ops.fxtron.ep_dispatch.default:
+            raise c.fail(f"expert weights split on their experts dim over {c.axis}, but the rows are not the ones "
+                         "dispatched to this rank's experts (fxtron::ep_dispatch)")
+        return REPLICATE, expects
     if not pw.is_replicate():
         raise c.fail(f"expert weights placed {pw}: only their feature dims split over tp (the experts dim is "
                      "expert parallel's, which tp does not do)")

@@ -1,0 +1,233 @@
+"""Passes, expert parallel: each mixture-of-experts layer's experts split over the ep ranks, the
+tokens moved to them and back (Megatron's dropless all-to-all dispatcher, MEGATRON.md 6).
+
+A layer is found on the graph with no model knowledge: grouped GEMMs (passes/plan.py's
+`_is_grouped_mm`: aten._grouped_mm, transformers' fallback, fxtron::grouped_mm) whose weight is a
+3-D parameter (the experts first, possibly transposed) and which share one offsets node -- the
+cumulative token counts per expert of the copies sorted by expert. Its *region* is every node
+on a path from one of those GEMMs to another (gate/up -> activation -> down); what enters it
+is the sorted copies, what leaves it the last GEMM's rows in the same order.
+
+The rewrite, per layer:
+
+    copies (S, h) sorted by expert, offs (E,)
+      -> ep_dispatch(copies, offs, "ep", n) -> rows (R, h), local offs (E/n,), counts (n, E/n)
+      -> the region, its GEMMs over this rank's E/n experts with the local offsets
+      -> ep_combine(out, offs, counts, S, "ep", n) -> (S, h'), the copies' order again
+
+so everything around the region -- the router, top-k, the sort, the inverse permutation, the
+weighting and the per-token sum -- runs on the rank's own tokens, as in Megatron, and the
+experts' weights are Shard(0) over ep (rank r holds experts [r E/n, (r+1) E/n), Megatron's
+local_expert_indices). On the ep axis every other value is Replicate: the ep ranks are data-
+parallel ranks of the dense layers, each with its own tokens, and nothing else communicates
+over ep. An expert weight's gradient is then this rank's experts' gradient over the tokens of
+every ep rank, summed over expert-dp (core/params.LocalParam.grad_group).
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from fxtron.core import meta
+from fxtron.core.placement import Shard
+from fxtron.errors import ParallelizeError
+from fxtron.ops import ep as _ep_ops  # noqa: F401 - registers fxtron::ep_dispatch / ep_combine
+from fxtron.passes.propagate import AxisLayout
+
+aten = torch.ops.aten
+AXIS = "ep"
+_VIEWS = {aten.transpose.int, aten.permute.default, aten.t.default, aten.alias.default}
+
+
+def expert_weight(w) -> fx.Node | None:
+    """The 3-D parameter behind a grouped GEMM's weight argument (through transposes of its
+    feature dims), or None."""
+    while isinstance(w, fx.Node) and w.op == "call_function" and w.target in _VIEWS:
+        if w.target == aten.transpose.int and 0 in (w.args[1] % 3, w.args[2] % 3):
+            return None
+        if w.target == aten.permute.default and w.args[1][0] % 3 != 0:
+            return None
+        w = w.args[0]
+    return w if meta.is_param(w) and w.meta["val"].dim() == 3 else None
+
+
+class MoELayer:
+    """One layer's experts as found on the graph: its grouped GEMMs (in graph order), the
+    offsets they share, the nodes of the region between them, the copies entering it and the
+    rows leaving it, and the expert parameters."""
+
+    def __init__(self, gemms: list[fx.Node], offs: fx.Node):
+        self.gemms, self.offs = gemms, offs
+        self.params = [expert_weight(g.args[1]) for g in gemms]
+        down: set[fx.Node] = set()           # reachable from a GEMM
+        frontier = list(gemms)
+        while frontier:
+            n = frontier.pop()
+            for u in n.users:
+                if u not in down:
+                    down.add(u)
+                    frontier.append(u)
+        region, frontier = set(gemms), list(gemms)
+        while frontier:                        # ... and reaching a GEMM
+            n = frontier.pop()
+            for a in n.all_input_nodes:
+                if a in down and a not in region:
+                    region.add(a)
+                    frontier.append(a)
+        self.region = region
+        self.entry = {g.args[0] for g in gemms if g.args[0] not in region}
+        self.exits = [n for n in gemms if any(u not in region for u in n.users)]
+
+    @property
+    def name(self) -> str:
+        return meta.get(self.gemms[0], meta.MODULE) or self.gemms[0].name
+
+    @property
+    def n_experts(self) -> int:
+        return int(self.params[0].meta["val"].shape[0])
+
+    def check(self) -> None:
+        """The region must be one: the sorted copies in, one set of rows out, rows in order."""
+        what = f"the mixture-of-experts layer at {self.name} (grouped GEMMs {', '.join('%' + g.name for g in self.gemms)})"
+        if len(self.entry) != 1 or len(self.exits) != 1:
+            raise ParallelizeError(
+                f"{what}: expert parallel moves the copies entering the experts to their ranks and the rows "
+                f"leaving them back, but {len(self.entry)} value(s) enter ({', '.join('%' + e.name for e in self.entry)}) "
+                f"and {len(self.exits)} leave; the experts must take one tensor of copies sorted by expert and "
+                f"give back one")
+        sizes = {int(p.meta["val"].shape[0]) for p in self.params}
+        if len(sizes) != 1 or self.offs.meta["val"].shape[0] != next(iter(sizes)):
+            raise ParallelizeError(f"{what}: its expert weights have {sorted(sizes)} experts and its offsets "
+                                   f"{tuple(self.offs.meta['val'].shape)}; one count of experts expected")
+        rows = next(iter(self.entry)).meta["val"].shape[0]
+        for n in self.region:
+            val = n.meta.get("val")
+            vals = val if isinstance(val, (list, tuple)) else [val]
+            for v in vals:
+                if isinstance(v, torch.Tensor) and (v.dim() == 0 or v.shape[0] != rows):
+                    raise ParallelizeError(
+                        f"{what}: %{n.name} ({n.target}) inside the experts has shape {tuple(v.shape)}, not one "
+                        f"row per copy ({rows}); expert parallel needs the experts to work row by row between "
+                        f"their grouped GEMMs")
+
+
+def moe_layers(gm: fx.GraphModule) -> list[MoELayer]:
+    """Every mixture-of-experts layer of the graph, in graph order."""
+    from fxtron.passes.plan import _is_grouped_mm
+    by_offs: dict[fx.Node, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if (node.op == "call_function" and _is_grouped_mm(node.target) and len(node.args) > 2
+                and expert_weight(node.args[1]) is not None and isinstance(node.args[2], fx.Node)):
+            by_offs.setdefault(node.args[2], []).append(node)
+    return [MoELayer(gemms, offs) for offs, gemms in by_offs.items()]
+
+
+def check_experts(gm: fx.GraphModule, ep: int) -> list[MoELayer]:
+    """The graph's MoE layers, each checked to split over `ep` ranks; ParallelizeError names
+    what does not (no expert layer at all, experts not divisible by ep, a region that is not
+    one)."""
+    layers = moe_layers(gm)
+    if not layers:
+        raise ParallelizeError(
+            f"the mesh has ep={ep} but the model has no mixture-of-experts layer fxtron recognises (a grouped "
+            f"GEMM -- torch._grouped_mm, transformers' grouped_mm or fxtron.models.moe.grouped_mm -- over a "
+            f"3-D expert weight): there is nothing to split over ep; use ep=1")
+    for layer in layers:
+        layer.check()
+        if layer.n_experts % ep:
+            names = ", ".join(meta.param_name(p) for p in dict.fromkeys(layer.params))
+            raise ParallelizeError(
+                f"{layer.n_experts} experts of {names} (shape {tuple(layer.params[0].meta['val'].shape)}) do not "
+                f"divide over ep={ep} ranks; use an ep that divides {layer.n_experts}")
+    return layers
+
+
+def ep_layout(gm: fx.GraphModule, *, strict: bool = False) -> AxisLayout:
+    """The ep axis's AxisLayout: every expert weight Shard(0) (its experts split), the rest
+    Replicate."""
+    params = {meta.param_name(p): Shard(0) for layer in moe_layers(gm) for p in layer.params}
+    return AxisLayout(AXIS, params=params, strict=strict)
+
+
+def dispatch_experts(gm: fx.GraphModule, ep: int) -> fx.GraphModule:
+    """Rewrite every MoE layer (module docstring): dispatch before its experts, combine after,
+    the experts' GEMMs on the rank's local experts. Edits gm in place and returns it."""
+    g = gm.graph
+    for layer in check_experts(gm, ep):
+        copies = next(iter(layer.entry))
+        out = layer.exits[0]
+        first = min(layer.region, key=_order(g))
+        with g.inserting_before(first):
+            rows_n = g.call_function(aten.sym_size.int, (copies, 0))
+            dispatch = g.call_function(torch.ops.fxtron.ep_dispatch.default, (copies, layer.offs, AXIS, ep))
+            rows = g.call_function(operator.getitem, (dispatch, 0))
+            local_offs = g.call_function(operator.getitem, (dispatch, 1))
+            counts = g.call_function(operator.getitem, (dispatch, 2))
+        mode = _fake_mode(copies)
+        with mode:
+            received = mode.shape_env.create_unbacked_symint() if mode.shape_env is not None else copies.meta["val"].shape[0]
+            cv, ov = copies.meta["val"], layer.offs.meta["val"]
+            local = layer.n_experts // ep
+            vals = (cv.new_empty((received, *cv.shape[1:])), ov.new_empty((local,)),
+                    ov.new_empty((ep, local), dtype=torch.int64))
+        rows_n.meta["val"] = cv.shape[0]
+        dispatch.meta["val"] = vals
+        for node, v in ((rows, vals[0]), (local_offs, vals[1]), (counts, vals[2])):
+            node.meta["val"] = v
+        for node in (rows_n, dispatch, rows, local_offs, counts):
+            _inherit(node, first, "dispatch the copies to the ranks of their experts")
+        for gemm in layer.gemms:
+            gemm.args = tuple(rows if a is copies else local_offs if a is layer.offs else a for a in gemm.args)
+        for n in layer.region:
+            if n not in layer.gemms:
+                n.args = tuple(rows if a is copies else a for a in n.args)
+        _refake(sorted(layer.region, key=_order(g)), mode)
+        users = [u for u in out.users if u not in layer.region]
+        with g.inserting_after(out):
+            combine = g.call_function(torch.ops.fxtron.ep_combine.default, (out, layer.offs, counts, rows_n, AXIS, ep))
+        ov = out.meta["val"]
+        with mode:
+            combine.meta["val"] = ov.new_empty((cv.shape[0], *ov.shape[1:]))
+        _inherit(combine, out, "the experts' rows back to the ranks of their tokens")
+        for u in users:
+            u.replace_input_with(out, combine)
+    g.lint()
+    gm.recompile()
+    return gm
+
+
+def _order(g: fx.Graph):
+    index = {n: i for i, n in enumerate(g.nodes)}
+    return lambda n: index[n]
+
+
+def _fake_mode(node: fx.Node):
+    from torch._guards import detect_fake_mode
+    mode = detect_fake_mode([node.meta["val"]])
+    if mode is None:
+        raise ParallelizeError(f"%{node.name} has no fake value to derive the dispatched rows' sizes from")
+    return mode
+
+
+def _refake(nodes: list[fx.Node], mode) -> None:
+    """The region's values again, now over the received rows (their count unbacked)."""
+    import torch.utils._pytree as pytree
+
+    def val(a):
+        return a.meta["val"] if isinstance(a, fx.Node) else a
+    with mode:
+        for n in nodes:
+            args, kwargs = pytree.tree_map(val, (n.args, n.kwargs))
+            n.meta["val"] = n.target(*args, **kwargs)
+
+
+def _inherit(node: fx.Node, like: fx.Node, why: str) -> None:
+    module = meta.get(like, meta.MODULE)
+    if module is not None:
+        meta.set(node, meta.MODULE, module)
+    meta.set(node, meta.PROVENANCE, meta.Provenance("dispatch_experts", why))
+
+
+__all__ = ["AXIS", "MoELayer", "check_experts", "dispatch_experts", "ep_layout", "expert_weight", "moe_layers"]
