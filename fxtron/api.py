@@ -34,7 +34,7 @@ from fxtron.runtime import groups as G
 from fxtron.runtime import schedules
 from fxtron.runtime.buffers import DataParallelOptions
 from fxtron.passes.context_parallel import COMM_TYPES
-from fxtron.passes.expert_parallel import check_experts
+from fxtron.passes.expert_parallel import check_experts, moe_layers
 from fxtron.runtime.build import build_program
 from fxtron.runtime.program import PipelineOptions, Program
 
@@ -203,6 +203,13 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
     pm._check_plan()
     pm.stage_assignment            # a bad stage cut is an error now, not at the first program
     return pm
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 def _tensors(args, kwargs) -> list[torch.Tensor]:
@@ -446,16 +453,19 @@ class ParallelModel:
             tp_wire = sum((r.wire_bytes for r in recs), sympy.Integer(0))
             if batch is not None and seq is not None:
                 tp_wire = _fmt_bytes(int(sum(r.evaluate(batch, seq)[1] for r in recs)))
-            grad_bytes = rg.param_bytes
-            d = dp * self.mesh.cp                     # the dp-cp group reduces the gradients
-            dp_wire = 2 * (d - 1) / d * grad_bytes   # ring all-reduce of the gradients
+            expert_bytes = sum(_numel(p.local_shape) * p.dtype.itemsize for p in rg.local.values()
+                               if p.grad_group == "expert-dp")
+            d, e = dp * self.mesh.cp, self.mesh.edp   # the dp-cp group reduces the gradients, expert-dp the experts'
+            # ring all-reduces of the gradients
+            dp_wire = 2 * (d - 1) / d * (rg.param_bytes - expert_bytes) + 2 * (e - 1) / e * expert_bytes
             row = [rank, self.mesh.describe(rank).split(": ", 1)[1], f"{rg.param_count:,}",
                    _fmt_bytes(rg.param_bytes),
                    f"{report.count(recs, 'all_reduce')} AR, {report.count(recs, 'all_gather')} AG, "
                    f"{report.count(recs, 'reduce_scatter')} RS"
-                   + (f", {report.count(recs, 'send_recv')} ring" if report.count(recs, 'send_recv') else ""),
+                   + (f", {report.count(recs, 'send_recv')} ring" if report.count(recs, 'send_recv') else "")
+                   + (f", {report.count(recs, 'all_to_all')} A2A" if report.count(recs, 'all_to_all') else ""),
                    str(tp_wire),
-                   _fmt_bytes(dp_wire) if d > 1 else "-"]
+                   _fmt_bytes(dp_wire) if d > 1 or e > 1 else "-"]
             if rg.stages is not None:
                 sent = report.p2p_bytes(rg.stages)
                 if batch is not None and seq is not None:
@@ -488,10 +498,18 @@ class ParallelModel:
             unringed = _unringed_attention(self.compiled(0).graphs) if self.options.cp_comm_type == "p2p" else []
             if unringed:
                 head += f"; attention written out by hand gathers its keys instead: {', '.join(unringed)}"
+        if self.mesh.ep > 1:
+            layers = moe_layers(self.traced)
+            counts = sorted({layer.n_experts for layer in layers})
+            head += (f"\nexpert parallel: {len(layers)} mixture-of-experts layer(s) of {'/'.join(map(str, counts))} experts "
+                     f"over ep={self.mesh.ep} ({'/'.join(str(c // self.mesh.ep) for c in counts)} per rank), tokens "
+                     f"dispatched and combined by all-to-all (dropless); expert gradients reduced over expert-dp "
+                     f"({self.mesh.edp} rank(s)), the rest over {'dp-cp' if self.mesh.cp > 1 else 'dp'} ({dp * self.mesh.cp})")
         per = "microbatch" if self.options.microbatches > 1 else "step"
-        axes = "+".join(a for a in ("tp", "cp") if getattr(self.mesh, a) > 1) or "tp"
+        axes = "+".join(a for a in ("tp", "cp", "ep") if getattr(self.mesh, a) > 1) or "tp"
         headers = ["rank", "coords", "params", "param bytes", f"{axes} collectives / {per}", f"{axes} wire bytes / {per}",
-                   ("dp-cp" if self.mesh.cp > 1 else "dp") + " grad sync sent / step"]
+                   ("dp-cp" if self.mesh.cp > 1 else "dp") + (" + expert-dp" if self.mesh.ep > 1 else "")
+                   + " grad sync sent / step"]
         if self.stage_assignment is not None:
             headers += ["stages", "p2p sent / microbatch"]
             head += f"\nschedule {self._schedule_title()}; bubble over ideal time (formula): " + str(

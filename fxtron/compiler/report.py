@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import sympy
+import torch
 import torch.fx as fx
 from tabulate import tabulate
 
@@ -80,6 +81,17 @@ def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRec
                     node=node.name, op=spec.name, phase=phase, kind=comm.kind, count=steps, group=axis or "",
                     ranks=ranks, shape=tuple(meta.get(k, meta.LOCAL_SHAPE)), payload_bytes=sympy.simplify(steps * nbytes),
                     wire_bytes=sympy.simplify(steps * nbytes), module=meta.get(node, meta.MODULE) or ""))
+                continue
+            if comm.payload == "copies":        # expert parallel: the copies (and the per-expert counts)
+                copies = node if isinstance(node.meta["val"], torch.Tensor) else node.args[0]   # combine's out, dispatch's in
+                shape = meta.get(copies, meta.LOCAL_SHAPE) or ()
+                nbytes = _numel(shape) * copies.meta["val"].dtype.itemsize
+                nbytes += (comm.count - 1) * int(node.args[1].meta["val"].shape[0]) * 8
+                factor = sympy.Rational(n - 1, n)
+                out.append(CollectiveRecord(
+                    node=node.name, op=spec.name, phase=phase, kind=comm.kind, count=comm.count, group=axis or "",
+                    ranks=ranks, shape=tuple(shape), payload_bytes=sympy.simplify(nbytes),
+                    wire_bytes=sympy.simplify(factor * nbytes), module=meta.get(node, meta.MODULE) or ""))
                 continue
             if comm.payload == "rows":
                 shape, itemsize = tuple(shape[:-1]), 4      # one float32 per logits row

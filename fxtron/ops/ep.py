@@ -140,9 +140,9 @@ def _combine_bwd(ctx, grad):
 ep_combine.register_autograd(_combine_bwd, setup_context=_combine_setup)
 
 
-register(OpSpec("ep_dispatch", axis_arg=2, forward=Comm("all_to_all", "input", count=2),
-                backward=Comm("all_to_all", "grad_output")))
-register(OpSpec("ep_combine", axis_arg=4, forward=Comm("all_to_all", "input"),
-                backward=Comm("all_to_all", "grad_output", count=2)))
+register(OpSpec("ep_dispatch", axis_arg=2, forward=Comm("all_to_all", "copies", count=2),
+                backward=Comm("all_to_all", "copies")))
+register(OpSpec("ep_combine", axis_arg=4, forward=Comm("all_to_all", "copies"),
+                backward=Comm("all_to_all", "copies", count=2)))
 
 __all__ = ["ep_combine", "ep_dispatch"]

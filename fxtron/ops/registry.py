@@ -15,8 +15,11 @@ CommKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "
 #: the tensor whose size is the payload of a collective: the op's input or output in forward,
 #: the gradient of its input or output in backward, "rows" (one float32 per row of the input),
 #: or "ring" (the op's keys and values, args 1 and 2, sent to the next rank of a ring: world-1
-#: times in forward; in backward world-1 times again and their gradients world times)
-Payload = Literal["input", "output", "grad_input", "grad_output", "rows", "ring"]
+#: times in forward; in backward world-1 times again and their gradients world times), or
+#: "copies" (expert parallel: the token copies sorted by expert -- the dispatch's input, the
+#: combine's output --, of which a rank keeps 1/world under uniform routing; with count 2 the
+#: first collective carries the E per-expert counts, int64)
+Payload = Literal["input", "output", "grad_input", "grad_output", "rows", "ring", "copies"]
 
 
 @dataclass(frozen=True)

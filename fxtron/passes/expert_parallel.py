@@ -183,7 +183,8 @@ def dispatch_experts(gm: fx.GraphModule, ep: int) -> fx.GraphModule:
         for n in layer.region:
             if n not in layer.gemms:
                 n.args = tuple(rows if a is copies else a for a in n.args)
-        _refake(sorted(layer.region, key=_order(g)), mode)
+        local_w = {gemm.args[1]: gemm.args[1].meta["val"].narrow(0, 0, local) for gemm in layer.gemms}
+        _refake(sorted(layer.region, key=_order(g)), mode, local_w)
         users = [u for u in out.users if u not in layer.region]
         with g.inserting_after(out):
             combine = g.call_function(torch.ops.fxtron.ep_combine.default, (out, layer.offs, counts, rows_n, AXIS, ep))
@@ -211,12 +212,13 @@ def _fake_mode(node: fx.Node):
     return mode
 
 
-def _refake(nodes: list[fx.Node], mode) -> None:
-    """The region's values again, now over the received rows (their count unbacked)."""
+def _refake(nodes: list[fx.Node], mode, local: dict) -> None:
+    """The region's values again, now over the received rows (their count unbacked) and the
+    rank's experts (`local`: the GEMMs' weights, E/ep experts each)."""
     import torch.utils._pytree as pytree
 
     def val(a):
-        return a.meta["val"] if isinstance(a, fx.Node) else a
+        return local.get(a, a.meta["val"]) if isinstance(a, fx.Node) else a
     with mode:
         for n in nodes:
             args, kwargs = pytree.tree_map(val, (n.args, n.kwargs))
