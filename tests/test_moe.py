@@ -119,12 +119,23 @@ def _opt(params):
 
 
 CASES = {"tp2": (dict(tp=2), {}), "tp2-sp": (dict(tp=2), dict(sequence_parallel=True)),
-         "pp2": (dict(pp=2), dict(microbatches=2)), "dp2": ({}, {})}
+         "pp2": (dict(pp=2), dict(microbatches=2)), "dp2": ({}, {}),
+         # expert parallel: the experts split over the ep ranks, which are the dense layers' dp ranks
+         "ep2": (dict(ep=2), {}), "ep2-clip": (dict(ep=2), dict(clip_grad=0.05)),
+         "ep4": (dict(ep=4), {}), "ep2-pp2": (dict(ep=2, pp=2), dict(microbatches=2))}
+#: the batch's pieces each case trains on as one process would: dp ranks' (and microbatches') losses
+#: averaged, each with its own aux loss
+PIECES = {"dp2": 2, "pp2": 2, "ep2": 2, "ep2-clip": 2, "ep4": 4, "ep2-pp2": 4}
+
+
+def _pieces(item, n=2):
+    x, y = item
+    k = x.shape[0] // n
+    return fxtron.Microbatches([((x[i * k:(i + 1) * k], y[i * k:(i + 1) * k]), {}) for i in range(n)])
 
 
 def _halves(item):
-    x, y = item
-    return fxtron.Microbatches([((x[:2], y[:2]), {}), ((x[2:], y[2:]), {})])
+    return _pieces(item, 2)
 
 
 def _inputs(key):
@@ -140,11 +151,19 @@ def _run(rank, mesh, key):
         pm = fxtron.parallelize(_model(), mesh, example_inputs=_batch(2, 8, 0), **kw)
         prog = pm.program(rank)
     batches = _inputs(key)
-    if key == "pp2":
+    if key == "ep2":             # the job checks every collective's order and sizes across its group first
+        from fxtron.ops import ledger
+        before = ledger.stats()["checked"]
+        out = train_program(prog, batches, _opt(prog.parameters()))
+        return {**out, "checked": ledger.stats()["checked"] - before}
+    if key == "ep2-clip":
+        out = train_program(prog, batches, _opt(prog.parameters()))
+        return {**out, "norm": prog.last_grad_norm}
+    if key in ("pp2", "ep2-pp2"):
         losses, grads = [], None
         opt = _opt(prog.parameters())
         for step, item in enumerate(batches):
-            losses.append(prog.train_step(item, opt))
+            losses.append(prog.train_step(item if key == "pp2" else item[0], opt))
             if step == 0:
                 grads = prog.full_grads()
         return {"losses": losses, "grads": grads, "state": prog.full_state_dict()}
@@ -198,8 +217,10 @@ def _dispatch_case(rank, mesh, key):
 
 @pytest.fixture(scope="module")
 def trained():
-    jobs = [(fxtron.Mesh(2, **axes), [key]) for key, (axes, _) in CASES.items()] + [(EP, ["ep-ops"])]
-    return run_cases({2: jobs}, _dispatch_case)
+    four = ("ep4", "ep2-pp2")
+    jobs = [(fxtron.Mesh(2, **axes), [key]) for key, (axes, _) in CASES.items() if key not in four] + [(EP, ["ep-ops"])]
+    return run_cases({2: jobs, 4: [(fxtron.Mesh(4, **CASES[k][0]), [k]) for k in four]}, _dispatch_case,
+                     check_collectives=True)
 
 
 def test_ep_dispatch_and_combine_equal_all_experts_on_one_rank(trained):
@@ -221,7 +242,15 @@ def test_ep_dispatch_and_combine_equal_all_experts_on_one_rank(trained):
 
 @pytest.mark.parametrize("key", list(CASES))
 def test_trains_like_one_process(trained, key):
-    # dp=2 and pp=2's microbatches: each half's loss (and aux) on its own, as gradient accumulation
-    ref = reference_training(_model(), [_halves(s) for s in STEPS] if key in ("dp2", "pp2") else STEPS, _opt)
-    for rank, got in enumerate(ranks_of(trained, fxtron.Mesh(2, **CASES[key][0]), key)):
+    # dp ranks and microbatches: each piece's loss (and aux) on its own, as gradient accumulation
+    n = PIECES.get(key, 1)
+    clip = CASES[key][1].get("clip_grad")
+    ref = reference_training(_model(), [_pieces(s, n) for s in STEPS] if n > 1 else STEPS, _opt, clip_grad=clip)
+    axes = CASES[key][0]
+    mesh = fxtron.Mesh(4 if key in ("ep4", "ep2-pp2") else 2, **axes)
+    for rank, got in enumerate(ranks_of(trained, mesh, key)):
         assert_trains_like(got, ref, rank=rank)
+        if clip is not None:                 # the norm: dense over tp-pp, experts over tp-ep-pp
+            assert abs(got["norm"] - ref["norms"][-1]) < 1e-5 * ref["norms"][-1], (got["norm"], ref["norms"])
+        if "checked" in got:
+            assert got["checked"] >= 2 * 12, got["checked"]    # 2 steps x 12 all-to-alls at least

@@ -3,7 +3,7 @@
 Each rank writes only what it holds: its tensor-parallel shard of each of its pipeline
 stages' parameters, and the optimizer state of those parameters (under zero=1 first gathered
 over data parallel into the same per-parameter shards). A tp-sharded tensor is stored as a
-DTensor over the rank's tp group, Shard(dim); a fused projection split with interleave k (a
+DTensor over the rank's tp group, Shard(dim) (an expert weight split over ep: over the ep group); a fused projection split with interleave k (a
 [q|k|v] weight) is stored as its k parts, each Shard(dim), under "<name>/part<j>", so the
 checkpoint does not depend on tp. Replicated tensors (norms at any tp, everything at tp=1)
 are plain tensors that DCP writes once. Loading builds the same keys for the loading
@@ -42,26 +42,30 @@ from fxtron.errors import ParallelizeError
 from fxtron.ops import ledger
 
 
-def _tp_shard(spec) -> AxisShard | None:
-    """The parameter's shard over tp (None: whole on every tp rank). Checkpoints store tp
-    shards as DTensors; a parameter sharded over any other axis has no layout here yet."""
-    other = [s.axis for s in spec.shards if s.axis != "tp"]
-    if other:
-        raise ParallelizeError(f"parameter {spec.name} is sharded over {', '.join(other)}; fxtron's checkpoints "
-                               "store shards over tp only")
-    return spec.shard_on("tp")
+def _shard(spec) -> AxisShard | None:
+    """The parameter's shard over a mesh axis (None: whole on every rank of every axis):
+    stored as a DTensor over that axis's group -- tp, or ep for an expert weight, whose experts
+    split over the ep ranks. A parameter split over two axes has no layout here yet."""
+    if len(spec.shards) > 1:
+        raise ParallelizeError(f"parameter {spec.name} is sharded over {', '.join(s.axis for s in spec.shards)}; "
+                               "fxtron's checkpoints store shards over one axis")
+    return spec.shards[0] if spec.shards else None
 
 
-def _tp_mesh(prog):
-    groups = prog.groups
-    if groups is None or groups.size("tp") == 1:
-        return None
-    return DeviceMesh.from_group(groups.group("tp"), device_type=groups.device.type)
+def _meshes(prog) -> dict:
+    """The device mesh of every axis a parameter is split over (one rank on it: no entry)."""
+    groups, out = prog.groups, {}
+    axes = {s.axis for spec in prog._local.values() for s in spec.shards}
+    for axis in sorted(axes):
+        if groups is not None and groups.size(axis) > 1:
+            out[axis] = DeviceMesh.from_group(groups.group(axis), device_type=groups.device.type)
+    return out
 
 
-def _entries(prog, name: str, local: torch.Tensor, mesh, prefix: str) -> dict:
+def _entries(prog, name: str, local: torch.Tensor, meshes: dict, prefix: str) -> dict:
     """The checkpoint entries of one local tensor shaped like parameter `name`."""
-    spec = _tp_shard(prog._local[name])
+    spec = _shard(prog._local[name])
+    mesh = meshes.get(spec.axis) if spec is not None else None
     if mesh is None or spec is None:
         if spec is not None and spec.interleave != 1:     # tp=1: store the parts all the same
             return {f"{prefix}/part{j}": t.contiguous() for j, t in enumerate(_parts(local, spec))}
@@ -80,7 +84,7 @@ def _parts(local: torch.Tensor, spec: AxisShard) -> tuple[torch.Tensor, ...]:
 
 
 def _unpack(prog, name: str, entries: dict, prefix: str) -> torch.Tensor:
-    spec = _tp_shard(prog._local[name])
+    spec = _shard(prog._local[name])
     if spec is not None and spec.interleave != 1:
         blocks = [entries[f"{prefix}/part{j}"] for j in range(shard_math.n_blocks(spec.interleave))]
         blocks = [b.to_local() if isinstance(b, DTensor) else b for b in blocks]
@@ -156,7 +160,7 @@ def _why(exc: BaseException, path: str) -> str:
 
 
 def _write(prog, path: str, optimizer, storage_writer) -> None:
-    mesh = _tp_mesh(prog)
+    mesh = _meshes(prog)
     if prog._zero is not None:
         prog._zero.wait_params()
     sd: dict = {}
@@ -183,7 +187,7 @@ def _write(prog, path: str, optimizer, storage_writer) -> None:
     # how interleaved parts join back (load_full_state_dict): name -> (dim, parts)
     # how interleaved parts join back: one object per parameter (every holder writes the same)
     for n, lp in prog._local.items():
-        spec = _tp_shard(lp)
+        spec = _shard(lp)
         if spec is not None and spec.interleave != 1:
             sd[f"layout/{n}"] = _pack((spec.dim, shard_math.n_blocks(spec.interleave)))
     os.makedirs(path, exist_ok=True)
@@ -239,14 +243,15 @@ def _check_complete(path: str) -> None:
         f"writes it last, once every rank has written its part). Load an earlier checkpoint")
 
 
-def _request(prog, name: str, like: torch.Tensor, mesh, prefix: str, meta, layout: dict):
+def _request(prog, name: str, like: torch.Tensor, meshes: dict, prefix: str, meta, layout: dict):
     """The entries to ask DCP for so that `finish(sd)` can build the local tensor `like`
     (shaped like this rank's shard of parameter `name`) from the checkpoint at `prefix`,
     whatever tp it was saved at: DCP reshards Shard(dim) pieces itself; a fused projection
     saved whole (at tp=1) and wanted interleaved, or saved in parts and wanted whole, is read
     whole (per part) and cut or joined here."""
-    spec = _tp_shard(prog._local[name])
-    sharded = mesh is not None and spec is not None
+    spec = _shard(prog._local[name])
+    mesh = meshes
+    sharded = spec is not None and spec.axis in meshes
     if f"{prefix}/part0" in meta:                  # saved in parts
         dim, k = layout[name]
         if sharded and shard_math.n_blocks(spec.interleave) == k and spec.dim == dim:
@@ -265,11 +270,11 @@ def _request(prog, name: str, like: torch.Tensor, mesh, prefix: str, meta, layou
 
 
 def _slice(prog, name: str, full: torch.Tensor) -> torch.Tensor:
-    """This rank's tp shard of a full tensor shaped like parameter `name`."""
-    spec = _tp_shard(prog._local[name])
-    if spec is None or prog.groups is None or prog.groups.size("tp") == 1:
+    """This rank's shard of a full tensor shaped like parameter `name`."""
+    spec = _shard(prog._local[name])
+    if spec is None or prog.groups is None or prog.groups.size(spec.axis) == 1:
         return full
-    return shard_math.shard(full, spec.dim, prog.groups.size("tp"), prog.groups.index("tp"), spec.interleave)
+    return shard_math.shard(full, spec.dim, prog.groups.size(spec.axis), prog.groups.index(spec.axis), spec.interleave)
 
 
 def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -278,7 +283,7 @@ def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
     path = os.path.abspath(path)
     _check_complete(path)
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    mesh = _tp_mesh(prog)
+    mesh = _meshes(prog)
     if prog._zero is not None:
         prog._zero.wait_params()
     layout = _read_layout(path, meta, no_dist=_alone(prog))
