@@ -182,9 +182,6 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
             f"expert parallel composes with data and pipeline parallel in this build; the mesh asks for ep={mesh.ep} "
             f"with tp={mesh.tp}, cp={mesh.cp} (the experts' own tensor split over expert-tp, with sequence parallel, "
             f"is not built yet). Use Mesh(world_size={mesh.world_size}, ep={mesh.ep}, pp={mesh.pp}) or ep=1")
-    if mesh.ep > 1 and zero:
-        raise ParallelizeError(f"zero=1 (the distributed optimizer) does not yet shard the expert weights' gradient "
-                               f"buffer over expert-dp; use zero=0 with ep={mesh.ep}, or ep=1")
     # a 16-bit program is traced in 16 bits (casts such as a norm's .float() ... .type_as(x) only
     # mean something then), on a meta replica so the model's weights are never copied
     if isinstance(example_inputs, (tuple, list, torch.Tensor)) and isinstance(batch_dim, int) and batch_dim >= 0:

@@ -122,10 +122,13 @@ CASES = {"tp2": (dict(tp=2), {}), "tp2-sp": (dict(tp=2), dict(sequence_parallel=
          "pp2": (dict(pp=2), dict(microbatches=2)), "dp2": ({}, {}),
          # expert parallel: the experts split over the ep ranks, which are the dense layers' dp ranks
          "ep2": (dict(ep=2), {}), "ep2-clip": (dict(ep=2), dict(clip_grad=0.05)),
-         "ep4": (dict(ep=4), {}), "ep2-pp2": (dict(ep=2, pp=2), dict(microbatches=2))}
+         "ep4": (dict(ep=4), {}), "ep2-pp2": (dict(ep=2, pp=2), dict(microbatches=2)),
+         # the distributed optimizer: dense gradients reduce-scattered over dp (4), the experts' over expert-dp (2)
+         "ep2-zero": (dict(ep=2), dict(zero=1, clip_grad=0.05))}
 #: the batch's pieces each case trains on as one process would: dp ranks' (and microbatches') losses
 #: averaged, each with its own aux loss
-PIECES = {"dp2": 2, "pp2": 2, "ep2": 2, "ep2-clip": 2, "ep4": 4, "ep2-pp2": 4}
+PIECES = {"dp2": 2, "pp2": 2, "ep2": 2, "ep2-clip": 2, "ep4": 4, "ep2-pp2": 4, "ep2-zero": 4}
+FOUR = ("ep4", "ep2-pp2", "ep2-zero")     # cases of the 4-process job
 
 
 def _pieces(item, n=2):
@@ -156,7 +159,7 @@ def _run(rank, mesh, key):
         before = ledger.stats()["checked"]
         out = train_program(prog, batches, _opt(prog.parameters()))
         return {**out, "checked": ledger.stats()["checked"] - before}
-    if key == "ep2-clip":
+    if key in ("ep2-clip", "ep2-zero"):
         out = train_program(prog, batches, _opt(prog.parameters()))
         return {**out, "norm": prog.last_grad_norm}
     if key in ("pp2", "ep2-pp2"):
@@ -217,9 +220,8 @@ def _dispatch_case(rank, mesh, key):
 
 @pytest.fixture(scope="module")
 def trained():
-    four = ("ep4", "ep2-pp2")
-    jobs = [(fxtron.Mesh(2, **axes), [key]) for key, (axes, _) in CASES.items() if key not in four] + [(EP, ["ep-ops"])]
-    return run_cases({2: jobs, 4: [(fxtron.Mesh(4, **CASES[k][0]), [k]) for k in four]}, _dispatch_case,
+    jobs = [(fxtron.Mesh(2, **axes), [key]) for key, (axes, _) in CASES.items() if key not in FOUR] + [(EP, ["ep-ops"])]
+    return run_cases({2: jobs, 4: [(fxtron.Mesh(4, **CASES[k][0]), [k]) for k in FOUR]}, _dispatch_case,
                      check_collectives=True)
 
 
@@ -247,7 +249,7 @@ def test_trains_like_one_process(trained, key):
     clip = CASES[key][1].get("clip_grad")
     ref = reference_training(_model(), [_pieces(s, n) for s in STEPS] if n > 1 else STEPS, _opt, clip_grad=clip)
     axes = CASES[key][0]
-    mesh = fxtron.Mesh(4 if key in ("ep4", "ep2-pp2") else 2, **axes)
+    mesh = fxtron.Mesh(4 if key in FOUR else 2, **axes)
     for rank, got in enumerate(ranks_of(trained, mesh, key)):
         assert_trains_like(got, ref, rank=rank)
         if clip is not None:                 # the norm: dense over tp-pp, experts over tp-ep-pp

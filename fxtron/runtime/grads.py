@@ -200,9 +200,12 @@ class GradientSync:
             total = experts if spec is not None and spec.grad_group == "expert-dp" else dense
             total += g.float().pow(2).sum()
         if self.groups is not None:
-            if self._zero is not None and self.grad_buffer.group is not None:
-                with ledger.collective(self.grad_buffer.group, "all_reduce", dense):   # each rank: 1/dp (of dp-cp)
-                    dist.all_reduce(dense, group=self.grad_buffer.group)
+            if self._zero is not None:          # each rank holds 1/dp of each buffer's gradients
+                for kind, total in ((self._grad_group(), dense), ("expert-dp", experts)):
+                    buf = self.grad_buffers.get(kind)
+                    if buf is not None and buf.group is not None:
+                        with ledger.collective(buf.group, "all_reduce", total):
+                            dist.all_reduce(total, group=buf.group)
             for kind, total in (("tp-pp", dense), ("tp-ep-pp", experts)):
                 if kind == "tp-ep-pp" and self.groups.size("ep") == 1:
                     continue                               # (every pp rank alike, experts on its stages or not)
@@ -235,8 +238,7 @@ class GradientSync:
         data = self._zero.full_grad_data() if self._zero is not None else None
         for name, p in self.named_parameters():
             if data is not None:
-                off, n = self.grad_buffer.offsets[name]
-                g = data[off:off + n].view_as(p).to(p.dtype)
+                g = data[name].view_as(p).to(p.dtype)
             else:
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
             out[name] = self._full(name, g.detach()).clone()

@@ -8,6 +8,10 @@ of it (the pieces of parameters that fall in its shard of each bucket), so optim
 all-gathered over data parallel, asynchronously; the next step (or a state-dict read) waits
 for it before using the parameters.
 
+With expert parallel the program has two gradient buffers -- the dense parameters' over dp and
+the expert weights' over expert-dp (Megatron's expert distributed optimizer) --; each is
+sharded over its own group the same way, and one optimizer steps the shards of both.
+
 The user's optimizer is a template: its class, defaults and param groups (hyperparameters,
 which parameters are in which group) are mirrored onto the shards, and its groups' current
 hyperparameters (an lr schedule's lr, say) are copied over before every step.
@@ -21,20 +25,20 @@ from torch import nn
 from fxtron.ops import ledger
 
 
-class ZeroOne:
-    def __init__(self, prog):
-        self.prog = prog
-        buf = prog.grad_buffer
+class _Part:
+    """One gradient buffer's side: the fp32 parameter buffer laid out like it, and this rank's
+    pieces of each of its buckets, (parameter name, [lo, hi) in the buffer)."""
+
+    def __init__(self, buf, params: dict):
         self.buf = buf
         self.dp, self.rank = buf.dp, buf.dp_rank
-        params = dict(prog.named_parameters())
         first = next(iter(params.values()))
         self.param_data = torch.zeros(buf.data.numel(), dtype=first.dtype, device=first.device)
-        for n, p in params.items():
+        for n in buf.offsets:
+            p = params[n]
             off, k = buf.offsets[n]
             self.param_data[off:off + k].copy_(p.detach().reshape(-1))
             p.data = self.param_data[off:off + k].view_as(p)
-        # this rank's pieces of each bucket: (parameter name, [lo, hi) in the buffer)
         self.pieces: list[tuple[str, int, int]] = []
         for b in buf.buckets:
             s0, s1 = buf.shard(b, self.rank)
@@ -43,8 +47,35 @@ class ZeroOne:
                 lo, hi = max(off, s0), min(off + k, s1)
                 if lo < hi:
                     self.pieces.append((n, lo, hi))
+
+    def gather(self, flat: torch.Tensor, works: list | None = None) -> None:
+        """Every rank's shard of each bucket of `flat` (laid out like the buffer) to every rank:
+        asynchronously into `works`, or now."""
+        if self.dp == 1:
+            return
+        group = self.buf.group
+        for b in self.buf.buckets:
+            s0, s1 = self.buf.shard(b, self.rank)
+            src = flat[s0:s1].clone()
+            if works is None:
+                with ledger.collective(group, "all_gather", src):
+                    dist.all_gather_into_tensor(flat[b.start:b.end], src, group=group)
+            else:
+                e = ledger.issue(group, "all_gather", src)
+                works.append((ledger.started(e, dist.all_gather_into_tensor(flat[b.start:b.end], src, group=group,
+                                                                              async_op=True)), src))
+
+
+class ZeroOne:
+    def __init__(self, prog):
+        self.prog = prog
+        params = dict(prog.named_parameters())
+        self.parts = [_Part(buf, params) for buf in prog.grad_buffers.values() if buf.offsets]
+        self._part_of = {n: part for part in self.parts for n in part.buf.offsets}
+        # this rank's pieces, every buffer's: (part, parameter name, [lo, hi) in that buffer)
+        self.pieces = [(part, n, lo, hi) for part in self.parts for n, lo, hi in part.pieces]
         # the optimizer's parameters: views of the rank's shard, so its updates land in place
-        self.shards = [nn.Parameter(self.param_data[lo:hi]) for _, lo, hi in self.pieces]
+        self.shards = [nn.Parameter(part.param_data[lo:hi]) for part, _, lo, hi in self.pieces]
         self._inner: torch.optim.Optimizer | None = None
         self._template = None
         self._works: list = []
@@ -58,7 +89,7 @@ class ZeroOne:
             for g in template.param_groups:
                 mine = {names[id(p)] for p in g["params"] if id(p) in names}
                 hyper = {k: v for k, v in g.items() if k != "params"}
-                groups.append({**hyper, "params": [s for s, (n, _, _) in zip(self.shards, self.pieces) if n in mine]})
+                groups.append({**hyper, "params": [s for s, (_, n, _, _) in zip(self.shards, self.pieces) if n in mine]})
             self._inner = type(template)(groups)   # every hyperparameter is in the groups
             self._template = template
         return self.shards
@@ -69,12 +100,12 @@ class ZeroOne:
         return self._inner
 
     def set_grads(self) -> None:
-        for s, (_, lo, hi) in zip(self.shards, self.pieces):
-            g = self.buf.data[lo:hi]
+        for s, (part, _, lo, hi) in zip(self.shards, self.pieces):
+            g = part.buf.data[lo:hi]
             s.grad = g if g.dtype == s.dtype else g.to(s.dtype)
 
     def shard_grads(self):
-        for s, (n, _, _) in zip(self.shards, self.pieces):
+        for s, (_, n, _, _) in zip(self.shards, self.pieces):
             if s.grad is not None:
                 yield s.grad, n
 
@@ -85,16 +116,8 @@ class ZeroOne:
                 if k != "params":
                     mine[k] = v
         self._inner.step()
-        if self.dp == 1:
-            return
-        group = self.buf.group
-        for b in self.buf.buckets:   # every rank's updated shard to every rank, bucket by bucket
-            s0, s1 = self.buf.shard(b, self.rank)
-            src = self.param_data[s0:s1].clone()
-            e = ledger.issue(group, "all_gather", src)
-            work = ledger.started(e, dist.all_gather_into_tensor(self.param_data[b.start:b.end], src, group=group,
-                                                                 async_op=True))
-            self._works.append((work, src))
+        for part in self.parts:    # every rank's updated shard to every rank, bucket by bucket
+            part.gather(part.param_data, self._works)
 
     def wait_params(self) -> None:
         """Wait for the all-gathers of the last step's updated parameters."""
@@ -102,15 +125,15 @@ class ZeroOne:
         for work, _ in works:
             work.wait()
 
-    def full_grad_data(self) -> torch.Tensor:
-        """The whole averaged gradient buffer, gathered from every rank's shards."""
-        out = self.buf.data.clone()
-        if self.dp > 1:
-            group = self.buf.group
-            for b in self.buf.buckets:
-                s0, s1 = self.buf.shard(b, self.rank)
-                with ledger.collective(group, "all_gather", self.buf.data[s0:s1]):
-                    dist.all_gather_into_tensor(out[b.start:b.end], self.buf.data[s0:s1].clone(), group=group)
+    def full_grad_data(self) -> dict[str, torch.Tensor]:
+        """Every parameter's whole averaged gradient (flat), gathered from every rank's shards
+        of its buffer."""
+        out = {}
+        for part in self.parts:
+            data = part.buf.data.clone()
+            part.gather(data)
+            for n, (off, k) in part.buf.offsets.items():
+                out[n] = data[off:off + k]
         return out
 
     def gathered_state(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -118,37 +141,36 @@ class ZeroOne:
         parallel from every rank's shards (for checkpoints)."""
         if self._inner is None:
             return {}
-        flat: dict[str, torch.Tensor] = {}
-        scalars: dict[str, object] = {}
-        for s, (_, lo, _) in zip(self.shards, self.pieces):
-            for k, v in self._inner.state.get(s, {}).items():
-                if isinstance(v, torch.Tensor) and v.shape == s.shape and v.dim() > 0:
-                    if k not in flat:
-                        flat[k] = torch.zeros_like(self.param_data, dtype=v.dtype)
-                    flat[k][lo:lo + v.numel()].copy_(v)
-                else:
-                    scalars[k] = v
-        if self.dp > 1:
-            group = self.buf.group
-            for k, t in flat.items():
-                for b in self.buf.buckets:
-                    s0, s1 = self.buf.shard(b, self.rank)
-                    with ledger.collective(group, "all_gather", t[s0:s1]):
-                        dist.all_gather_into_tensor(t[b.start:b.end], t[s0:s1].clone(), group=group)
         out = {}
-        for n, p in self.prog.named_parameters():
-            off, k = self.buf.offsets[n]
-            out[n] = {key: t[off:off + k].view_as(p).clone() for key, t in flat.items()}
-            out[n].update({key: v.clone() if isinstance(v, torch.Tensor) else v for key, v in scalars.items()})
+        params = dict(self.prog.named_parameters())
+        for part in self.parts:
+            flat: dict[str, torch.Tensor] = {}
+            scalars: dict[str, object] = {}
+            for s, (owner, _, lo, _) in zip(self.shards, self.pieces):
+                if owner is not part:
+                    continue
+                for k, v in self._inner.state.get(s, {}).items():
+                    if isinstance(v, torch.Tensor) and v.shape == s.shape and v.dim() > 0:
+                        if k not in flat:
+                            flat[k] = torch.zeros_like(part.param_data, dtype=v.dtype)
+                        flat[k][lo:lo + v.numel()].copy_(v)
+                    else:
+                        scalars[k] = v
+            for t in flat.values():
+                part.gather(t)
+            for n in part.buf.offsets:
+                off, k = part.buf.offsets[n]
+                out[n] = {key: t[off:off + k].view_as(params[n]).clone() for key, t in flat.items()}
+                out[n].update({key: v.clone() if isinstance(v, torch.Tensor) else v for key, v in scalars.items()})
         return out
 
     def load_state(self, template: torch.optim.Optimizer, state: dict[str, dict]) -> None:
         """Set the shards' optimizer state from per-parameter state (a loaded checkpoint)."""
         self.optimizer_for(template)
-        for s, (n, lo, hi) in zip(self.shards, self.pieces):
+        for s, (part, n, lo, hi) in zip(self.shards, self.pieces):
             if n not in state:
                 continue
-            off, _ = self.buf.offsets[n]
+            off, _ = part.buf.offsets[n]
             st = {}
             for k, v in state[n].items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
