@@ -73,6 +73,12 @@ def _eager_mixtral():
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager"))
 
 
+def _moe():
+    from fxtron.models.moe import MoEConfig, MoETransformer
+    return MoETransformer(MoEConfig(vocab_size=256, max_seq_len=64, n_layer=2, n_head=4, n_kv_head=2, dim=32,
+                                    ffn_dim=48, n_experts=4, top_k=2))
+
+
 def _x():
     return (torch.randn(2, 4, 8),)
 
@@ -101,7 +107,15 @@ AT_PARALLELIZE = [
     ("model: every linear left replicated, strict", lambda: fxtron.parallelize(_Square(), Mesh(2, tp=2),
                                                                                 example_inputs=_x(), strict=True),
      r"1 linear\(s\) stay replicated .* lin"),
-    ("model: dense, mesh asks for ep", lambda: _par(_gpt(), Mesh(2, ep=2)), r"asks for ep=2"),
+    ("model: dense, mesh asks for ep", lambda: _par(_gpt(), Mesh(2, ep=2)),
+     r"ep=2 but the model has no mixture-of-experts layer .* use ep=1"),
+    ("model: experts not divisible by ep", lambda: _par(_moe(), Mesh(3, ep=3)),
+     r"4 experts of layers\.0\.mlp\.experts\.gate_up, layers\.0\.mlp\.experts\.down \(shape \(4, 96, 32\)\) do not "
+     r"divide over ep=3 ranks; use an ep that divides 4"),
+    ("model: experts over ep with tp", lambda: _par(_moe(), Mesh(4, ep=2, tp=2)),
+     r"ep=2 with tp=2, cp=1 .* not built yet"),
+    ("model: experts over ep with cp", lambda: _par(_moe(), Mesh(4, ep=2, cp=2)),
+     r"ep=2 with tp=1, cp=2"),
     ("model: transformers' experts run eagerly", lambda: fxtron.parallelize(_eager_mixtral(), Mesh(2, tp=2),
                                                                              example_inputs=_ex("llama")),
      r"experts_implementation='eager'.*'grouped_mm'"),

@@ -157,8 +157,13 @@ def _run(rank, mesh, key):
     if key == "ep2":             # the job checks every collective's order and sizes across its group first
         from fxtron.ops import ledger
         before = ledger.stats()["checked"]
-        out = train_program(prog, batches, _opt(prog.parameters()))
-        return {**out, "checked": ledger.stats()["checked"] - before}
+        opt, losses = _opt(prog.parameters()), []
+        for step, (args, kw) in enumerate(batches):
+            losses.append(prog.train_step(args, opt, kwargs=kw))
+            if step == 0:                # what the first step's routing did
+                grads, load, sent = prog.full_grads(), prog.expert_load(), prog.last_dispatch.bytes_sent
+        return {"losses": losses, "grads": grads, "state": prog.full_state_dict(), "load": load, "sent": sent,
+                "checked": ledger.stats()["checked"] - before}
     if key in ("ep2-clip", "ep2-zero"):
         out = train_program(prog, batches, _opt(prog.parameters()))
         return {**out, "norm": prog.last_grad_norm}
@@ -256,3 +261,30 @@ def test_trains_like_one_process(trained, key):
             assert abs(got["norm"] - ref["norms"][-1]) < 1e-5 * ref["norms"][-1], (got["norm"], ref["norms"])
         if "checked" in got:
             assert got["checked"] >= 2 * 12, got["checked"]    # 2 steps x 12 all-to-alls at least
+
+
+def test_ep_reports_the_routing_and_the_bytes_it_sent(trained):
+    """ep=2, first step: the copies each expert received over the global batch equal the
+    single-process model's routing of it (routing is per token), and the bytes each rank sent
+    equal what the routing implies: twice (forward, and the gradients back) its own copies
+    bound for the other rank's experts (dispatch) and the other rank's copies its experts
+    computed (combine), plus the per-expert counts twice per layer."""
+    model = _model()
+    x, y = STEPS[0]
+    with torch.no_grad():
+        model(x, y)
+    whole = model.last_tokens_per_expert
+    out = ranks_of(trained, fxtron.Mesh(2, ep=2), "ep2")
+    local = CFG.n_experts // 2
+    bound = []                         # per rank: its copies bound for the other rank's experts
+    for rank in range(2):
+        with torch.no_grad():
+            model(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])      # this rank's tokens (dp)
+        theirs = slice(local, None) if rank == 0 else slice(0, local)
+        bound.append(sum(int(c.to(torch.int64)[theirs].sum()) for c in model.last_tokens_per_expert))
+    for rank, got in enumerate(out):
+        assert sorted(got["load"]) == [f"layers.{i}.mlp.experts" for i in range(CFG.n_layer)]
+        for i in range(CFG.n_layer):
+            assert torch.equal(got["load"][f"layers.{i}.mlp.experts"], whole[i].to(torch.int64)), (rank, i)
+        rows = 2 * (bound[rank] + bound[1 - rank])
+        assert got["sent"] == rows * CFG.dim * 4 + CFG.n_layer * 2 * local * 8, (rank, got["sent"], bound)

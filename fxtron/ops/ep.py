@@ -17,14 +17,53 @@ expert with cumulative ends `offs` (E,) -- what a grouped GEMM over all E expert
 
 The received row count depends on the routing, so the fake kernels return an unbacked size.
 With world 1 (no group) both are the identity on the rows.
+
+What the routing really did is seen through a `DispatchLog` made active around a step: the
+copies each layer's tokens sent to each expert (ep_dispatch's `layer` names the layer), and the
+bytes this rank sent to other ranks in every all-to-all, forward and backward.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from fxtron.ops import transport as T
 from fxtron.ops.registry import Comm, OpSpec, register
+
+
+class DispatchLog:
+    """What the dispatches of one step did on this rank: `copies[layer]` the copies its tokens
+    sent to each expert (E,), summed over microbatches; `bytes_sent` the bytes it sent to other
+    ranks (rows and per-expert counts) in every all-to-all, forward and backward."""
+
+    def __init__(self):
+        self.copies: dict[str, Tensor] = {}
+        self.bytes_sent = 0
+
+    @contextlib.contextmanager
+    def active(self):
+        token = _LOG.set(self)
+        try:
+            yield self
+        finally:
+            _LOG.reset(token)
+
+
+_LOG: contextvars.ContextVar[DispatchLog | None] = contextvars.ContextVar("fxtron_dispatch_log", default=None)
+
+
+def _sent(pg, rows_to: list[int], row: Tensor, counts: int = 0) -> None:
+    """Log the bytes of rows (and `counts` int64 per-expert counts) sent to other ranks."""
+    log = _LOG.get()
+    if log is None:
+        return
+    me = dist.get_rank(pg)
+    elsewhere = sum(n for r, n in enumerate(rows_to) if r != me)
+    log.bytes_sent += elsewhere * row.numel() * row.element_size() + counts * (len(rows_to) - 1) * 8
 
 
 def _counts(offs: Tensor) -> Tensor:
@@ -52,11 +91,14 @@ def _exchange_counts(send: Tensor, pg) -> Tensor:
     return out.view_as(send)
 
 
-def _dispatch(x: Tensor, offs: Tensor, group: str, world: int) -> tuple[Tensor, Tensor, Tensor]:
+def _dispatch(x: Tensor, offs: Tensor, group: str, world: int, layer: str = "") -> tuple[Tensor, Tensor, Tensor]:
     pg = T.resolve(group)
     T.check_world(pg, world, "ep_dispatch", group)
     per_expert = _counts(offs)
     E = per_expert.numel()
+    log = _LOG.get()
+    if layer and log is not None:
+        log.copies[layer] = log.copies.get(layer, 0) + per_expert.detach().cpu()
     if E % world:
         raise ValueError(f"fxtron::ep_dispatch: {E} experts do not divide over {world} ep ranks")
     send = per_expert.view(world, E // world)
@@ -64,7 +106,9 @@ def _dispatch(x: Tensor, offs: Tensor, group: str, world: int) -> tuple[Tensor, 
     if pg is None:
         return x[:used].clone(), torch.cumsum(per_expert, 0).to(offs.dtype), send.clone()
     recv = _exchange_counts(send.cpu(), pg).to(send.device)                    # (world, L)
-    rows = T.all_to_all_single(x[:used], recv.sum(1).tolist(), send.sum(1).tolist(), pg)
+    rows_to = send.sum(1).tolist()
+    _sent(pg, rows_to, x[0], counts=E // world)
+    rows = T.all_to_all_single(x[:used], recv.sum(1).tolist(), rows_to, pg)
     rows = rows.index_select(0, _regroup(recv.cpu()).to(rows.device))
     return rows, torch.cumsum(recv.sum(0), 0).to(offs.dtype), recv
 
@@ -80,19 +124,23 @@ def _combine(y: Tensor, offs: Tensor, counts: Tensor, rows: int, group: str, wor
         return out
     back = torch.empty_like(y)
     back[_regroup(counts.cpu()).to(y.device)] = y                               # (source, expert) order
-    got = T.all_to_all_single(back, send.sum(1).tolist(), counts.sum(1).tolist(), pg)
+    rows_to = counts.sum(1).tolist()
+    if y.shape[0]:
+        _sent(pg, rows_to, y[0])
+    got = T.all_to_all_single(back, send.sum(1).tolist(), rows_to, pg)
     out[:got.shape[0]] = got
     return out
 
 
 @torch.library.custom_op("fxtron::ep_dispatch", mutates_args=())
-def ep_dispatch(x: Tensor, offs: Tensor, group: str, world: int) -> tuple[Tensor, Tensor, Tensor]:
-    """See the module docstring. x (S, h) rows sorted by expert, offs (E,) cumulative ends."""
-    return _dispatch(x, offs, group, world)
+def ep_dispatch(x: Tensor, offs: Tensor, group: str, world: int, layer: str = "") -> tuple[Tensor, Tensor, Tensor]:
+    """See the module docstring. x (S, h) rows sorted by expert, offs (E,) cumulative ends;
+    layer: the layer's name in the DispatchLog."""
+    return _dispatch(x, offs, group, world, layer)
 
 
 @ep_dispatch.register_fake
-def _(x, offs, group, world):
+def _(x, offs, group, world, layer=""):
     ctx = torch.library.get_ctx()
     received = ctx.new_dynamic_size()
     local = offs.shape[0] // world
@@ -101,14 +149,14 @@ def _(x, offs, group, world):
 
 
 def _dispatch_setup(ctx, inputs, output):
-    x, offs, ctx.group, ctx.world = inputs
+    x, offs, ctx.group, ctx.world = inputs[:4]
     ctx.rows = x.shape[0]
     ctx.save_for_backward(offs, output[2])
 
 
 def _dispatch_bwd(ctx, grad_rows, grad_offs, grad_counts):
     offs, counts = ctx.saved_tensors
-    return _combine(grad_rows.contiguous(), offs, counts, ctx.rows, ctx.group, ctx.world), None, None, None
+    return _combine(grad_rows.contiguous(), offs, counts, ctx.rows, ctx.group, ctx.world), None, None, None, None
 
 
 ep_dispatch.register_autograd(_dispatch_bwd, setup_context=_dispatch_setup)
@@ -145,4 +193,4 @@ register(OpSpec("ep_dispatch", axis_arg=2, forward=Comm("all_to_all", "copies", 
 register(OpSpec("ep_combine", axis_arg=4, forward=Comm("all_to_all", "copies"),
                 backward=Comm("all_to_all", "copies", count=2)))
 
-__all__ = ["ep_combine", "ep_dispatch"]
+__all__ = ["DispatchLog", "ep_combine", "ep_dispatch"]

@@ -161,7 +161,7 @@ def dispatch_experts(gm: fx.GraphModule, ep: int) -> fx.GraphModule:
         first = min(layer.region, key=_order(g))
         with g.inserting_before(first):
             rows_n = g.call_function(aten.sym_size.int, (copies, 0))
-            dispatch = g.call_function(torch.ops.fxtron.ep_dispatch.default, (copies, layer.offs, AXIS, ep))
+            dispatch = g.call_function(torch.ops.fxtron.ep_dispatch.default, (copies, layer.offs, AXIS, ep, layer.name))
             rows = g.call_function(operator.getitem, (dispatch, 0))
             local_offs = g.call_function(operator.getitem, (dispatch, 1))
             counts = g.call_function(operator.getitem, (dispatch, 2))

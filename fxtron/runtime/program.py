@@ -22,6 +22,7 @@ from fxtron.core.params import LocalParam
 from fxtron.core.stage import Stage
 from fxtron.errors import ParallelizeError
 from fxtron.ops import ledger
+from fxtron.ops.ep import DispatchLog
 from fxtron.ops.linear import WgradQueue
 from fxtron.ops.rng import RNGStreams
 from fxtron.runtime.batch import BatchSlicer, Microbatches
@@ -153,6 +154,7 @@ class Program(GradientSync, nn.Module):
         self._grad_views = {n: self._buffer_of[n].view(n, get_by_path(self, n)) for n in order}
         self._in_step = False
         self.last_grad_norm: float | None = None   # the global norm before clipping, last step
+        self.last_dispatch: DispatchLog | None = None   # what expert parallel's all-to-alls did, last step
         for n in order:
             get_by_path(self, n).register_post_accumulate_grad_hook(self._grad_hook(n))
         self._zero = ZeroOne(self) if opts.zero == 1 else None
@@ -209,7 +211,7 @@ class Program(GradientSync, nn.Module):
             return self._pipelined_step(inputs, optimizer, kwargs)
         args, kw = self.local_batch(inputs, kwargs)
         optimizer.zero_grad(set_to_none=True)
-        with self._grad_accumulation():
+        with self._grad_accumulation(), self._dispatch_log():
             loss = self(*args, **kw)
             scaled = loss * self.scaler.scale if self.scaler is not None else loss
             self._last_backward(None)
@@ -258,7 +260,7 @@ class Program(GradientSync, nn.Module):
         mbs = self.microbatches(inputs, kwargs)
         runner = self.runner()
         optimizer.zero_grad(set_to_none=True)
-        with self._grad_accumulation():
+        with self._grad_accumulation(), self._dispatch_log():
             loss = runner.run(mbs, loss_scale=self.scaler.scale if self.scaler is not None else 1.0)
         self.finalize_grads()
         self._optimizer_step(optimizer)
@@ -271,6 +273,28 @@ class Program(GradientSync, nn.Module):
         out = self._global_loss(loss)
         ledger.step_end(self.groups)
         return out
+
+    # ---------------------------------------------------------------- mixtures of experts
+    def _dispatch_log(self):
+        self.last_dispatch = DispatchLog()
+        return self.last_dispatch.active()
+
+    def expert_load(self) -> dict[str, torch.Tensor]:
+        """The copies each expert received in the last step, per mixture-of-experts layer of
+        this rank's stages: {layer: (E,) int64} over the whole global batch (every data-
+        parallel rank's tokens: one all-reduce over dp; every rank of the group calls it).
+        Empty without expert parallel. `last_dispatch.bytes_sent`: the bytes this rank sent
+        to other ranks in the step's all-to-alls."""
+        log = getattr(self, "last_dispatch", None)
+        if log is None or not log.copies:
+            return {}
+        names = sorted(log.copies)
+        stacked = torch.stack([log.copies[n].to(torch.int64) for n in names])
+        if self.groups is not None and self.groups.size("dp") > 1:
+            stacked = stacked.to(self.groups.device)
+            with ledger.collective(self.groups.group("dp"), "all_reduce", stacked):
+                dist.all_reduce(stacked, group=self.groups.group("dp"))
+        return {n: stacked[i].cpu() for i, n in enumerate(names)}
 
     def timeline(self) -> list:
         """The last pipelined step's events on this rank (runtime.executor.Event: F, B, W and
