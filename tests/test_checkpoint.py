@@ -7,8 +7,9 @@ never stopped (up to float32 round-off of the different layouts), and the checkp
 one process must equal the uninterrupted single-process model after 2 steps. Meshes cover
 tp=2 x pp=2 -> tp=4, pp=2 x dp=2 with the distributed optimizer -> tp=2 x dp=2 without it,
 one process -> tp=2 x pp=2 (zero=1), transformers' GPT-2 (Conv1D, fused c_attn split on
-dim 1) tp=2 x dp=2 -> pp=2 x dp=2, and mixtures of experts: Mixtral's experts split over ep=2 ->
-ep=4, Qwen3-MoE's whole -> ep=2 x pp=2.
+dim 1) tp=2 x dp=2 -> pp=2 x dp=2, and mixtures of experts: Mixtral's experts split over ep=2 and
+their features over tp=2 (a 2-D device mesh, gate|up stored in parts) -> ep=2 x pp=2, Qwen3-MoE's
+whole -> ep=2 x tp=2.
 """
 from __future__ import annotations
 
@@ -49,9 +50,9 @@ CASES = {   # name: (model, save mesh, options, load mesh, options)
     # fused qkv of unequal parts (q 8 heads, k and v 4 each) saved per part, resharded 2 -> 4 ways
     "hf-phi3:tp2xdp2->tp4": ("hf-phi3", fxtron.Mesh(4, tp=2), {}, fxtron.Mesh(4, tp=4), {}),
     # experts split over ep (stored per expert range), resharded 2 -> 4 ways, and whole -> 2 ways with pp
-    "hf-mixtral:ep2xdp4->ep4": ("hf-mixtral", fxtron.Mesh(4, ep=2), {}, fxtron.Mesh(4, ep=4), {}),
-    "hf-qwen3moe:one-process->ep2xpp2": ("hf-qwen3moe", fxtron.Mesh(1), {}, fxtron.Mesh(4, ep=2, pp=2),
-                                         dict(microbatches=2)),
+    "hf-mixtral:ep2xtp2-sp->ep2xpp2": ("hf-mixtral", fxtron.Mesh(4, ep=2, tp=2), dict(sequence_parallel=True),
+                                       fxtron.Mesh(4, ep=2, pp=2), dict(microbatches=2)),
+    "hf-qwen3moe:one-process->ep2xtp2": ("hf-qwen3moe", fxtron.Mesh(1), {}, fxtron.Mesh(4, ep=2, tp=2), {}),
 }
 
 

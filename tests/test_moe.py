@@ -124,11 +124,13 @@ CASES = {"tp2": (dict(tp=2), {}), "tp2-sp": (dict(tp=2), dict(sequence_parallel=
          "ep2": (dict(ep=2), {}), "ep2-clip": (dict(ep=2), dict(clip_grad=0.05)),
          "ep4": (dict(ep=4), {}), "ep2-pp2": (dict(ep=2, pp=2), dict(microbatches=2)),
          # the distributed optimizer: dense gradients reduce-scattered over dp (4), the experts' over expert-dp (2)
-         "ep2-zero": (dict(ep=2), dict(zero=1, clip_grad=0.05))}
+         "ep2-zero": (dict(ep=2), dict(zero=1, clip_grad=0.05)),
+         # each ep rank's experts split over tp too (Megatron's expert-tp), tokens on sequence shards
+         "ep2-tp2-sp": (dict(ep=2, tp=2), dict(sequence_parallel=True))}
 #: the batch's pieces each case trains on as one process would: dp ranks' (and microbatches') losses
 #: averaged, each with its own aux loss
-PIECES = {"dp2": 2, "pp2": 2, "ep2": 2, "ep2-clip": 2, "ep4": 4, "ep2-pp2": 4, "ep2-zero": 4}
-FOUR = ("ep4", "ep2-pp2", "ep2-zero")     # cases of the 4-process job
+PIECES = {"dp2": 2, "pp2": 2, "ep2": 2, "ep2-clip": 2, "ep4": 4, "ep2-pp2": 4, "ep2-zero": 4, "ep2-tp2-sp": 2}
+FOUR = ("ep4", "ep2-pp2", "ep2-zero", "ep2-tp2-sp")     # cases of the 4-process job
 
 
 def _pieces(item, n=2):
@@ -149,7 +151,7 @@ def _run(rank, mesh, key):
     axes, kw = CASES[key]
     with warnings.catch_warnings():
         warnings.simplefilter("error", fxtron.ParallelizeWarning)      # nothing left replicated or gathered unasked
-        if key == "tp2-sp":
+        if key in ("tp2-sp", "ep2-tp2-sp"):
             warnings.simplefilter("ignore", fxtron.ParallelizeWarning)  # the (B, S/tp) -> tokens fold gathers (README)
         pm = fxtron.parallelize(_model(), mesh, example_inputs=_batch(2, 8, 0), **kw)
         prog = pm.program(rank)

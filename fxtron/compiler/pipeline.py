@@ -265,6 +265,12 @@ PASSES = pass_list(
          "(data; the graph is unchanged)", lambda s: None, _tp, "tp > 1"),
     Pass("split_row_bias", "rowwise biases move after the all-reduce (Megatron adds them there)",
          _set("gm", lambda s: split_row_bias(s.gm, s.plan)), _tp, "tp > 1", after=("plan",)),
+    Pass("dispatch_experts", "each mixture-of-experts layer's copies go to the ranks of their experts and come back "
+         "(Megatron's all-to-all dispatcher); the experts' GEMMs run on the rank's own experts",
+         _set("gm", lambda s: dispatch_experts(s.gm, s.mesh.size("ep"))), _ep, "ep > 1", after=("split_row_bias",)),
+    Pass("propagate_ep", "an ep placement on every value: the experts' weights split on their experts dim",
+         _set("gm", lambda s: propagate(s.gm, ep_layout(s.gm, strict=s.options.strict), mesh=s.mesh)),
+         _ep, "ep > 1", after=("dispatch_experts",)),
     Pass("fuse_written_out_attention", "attention written out as matmuls becomes one attention op, which the cp "
          "ring takes", _set("gm", lambda s: fuse_written_out_attention(s.gm)),
          lambda s: s.mesh.parallel("cp") and s.options.cp_comm_type == "p2p", "cp > 1 with cp_comm_type='p2p'",
@@ -278,12 +284,6 @@ PASSES = pass_list(
          _set("gm", lambda s: propagate(s.gm, cp_layout(meta.info(s.gm), comm_type=s.options.cp_comm_type,
                                                       strict=s.options.strict), mesh=s.mesh)),
          _cp, "cp > 1", after=("propagate_tp",)),
-    Pass("dispatch_experts", "each mixture-of-experts layer's copies go to the ranks of their experts and come back "
-         "(Megatron's all-to-all dispatcher); the experts' GEMMs run on the rank's own experts",
-         _set("gm", lambda s: dispatch_experts(s.gm, s.mesh.size("ep"))), _ep, "ep > 1", after=("split_row_bias",)),
-    Pass("propagate_ep", "an ep placement on every value: the experts' weights split on their experts dim",
-         _set("gm", lambda s: propagate(s.gm, ep_layout(s.gm, strict=s.options.strict), mesh=s.mesh)),
-         _ep, "ep > 1", after=("dispatch_experts", "propagate_cp")),
     Pass("insert_redistributions", "the collectives each placement mismatch needs (f/g pairs, gathers, "
          "scatters) and the lowerings (vocab-parallel, context-parallel attention and loss)", _redistribute,
          _distributed, "the graph is distributed over an axis", after=("propagate_tp", "propagate_cp", "propagate_ep")),

@@ -7,6 +7,7 @@ Bytes on the wire per rank follow the ring algorithms (nccl-tests' bus-bandwidth
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import sympy
@@ -58,6 +59,7 @@ def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRec
     axis the op names."""
     out = []
     grad = meta.carries_grad(gm)
+    uniform = _uniform_routing(gm)
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -107,6 +109,25 @@ def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRec
                 node=node.name, op=spec.name, phase=phase, kind=comm.kind, count=comm.count, group=axis or "",
                 ranks=ranks, shape=tuple(shape), payload_bytes=sympy.simplify(comm.count * nbytes),
                 wire_bytes=sympy.simplify(comm.count * factor * nbytes), module=meta.get(node, meta.MODULE) or ""))
+    if uniform:
+        out = [dataclasses.replace(r, payload_bytes=sympy.simplify(sympy.sympify(r.payload_bytes).subs(uniform)),
+                                   wire_bytes=sympy.simplify(sympy.sympify(r.wire_bytes).subs(uniform)))
+               for r in out]
+    return out
+
+
+def _uniform_routing(gm: fx.GraphModule) -> dict:
+    """The rows an expert-parallel dispatch receives are data-dependent (unbacked sizes u0,
+    u1, ...); the formulas assume uniform routing, where a rank receives as many copies as it
+    sends: {u: the dispatched copies' local rows}."""
+    out = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target == torch.ops.fxtron.ep_dispatch.default:
+            rows = node.meta["val"][0].shape[0]
+            sent = meta.get(node.args[0], meta.LOCAL_SHAPE)
+            if isinstance(rows, torch.SymInt) and sent:
+                out[sympy.Symbol(str(rows.node.expr), integer=True)] = sent[0]
+                out[sympy.Symbol(str(rows.node.expr))] = sent[0]
     return out
 
 

@@ -31,14 +31,29 @@ import torch
 import torch.fx as fx
 
 from fxtron.core import meta
-from fxtron.core.placement import Shard
+from fxtron.core.placement import REPLICATE, Shard
 from fxtron.errors import ParallelizeError
 from fxtron.ops import ep as _ep_ops  # noqa: F401 - registers fxtron::ep_dispatch / ep_combine
 from fxtron.passes.propagate import AxisLayout
+from fxtron.passes.rules import Ctx, register_rule
 
 aten = torch.ops.aten
 AXIS = "ep"
 _VIEWS = {aten.transpose.int, aten.permute.default, aten.t.default, aten.alias.default}
+
+
+@register_rule("fxtron::ep_dispatch", "fxtron::ep_combine")
+def _moves_rows(c: Ctx):
+    """The dispatch and the combine move whole rows between the ep ranks (linear in them): a
+    split of the features (a column-split expert's output) or a partial sum (a row-split one's)
+    passes through on any other axis; the rows themselves stay whole, and so do the offsets
+    and counts."""
+    p = c.p[0]
+    keep = p.is_partial() or p.is_replicate() or (isinstance(p, Shard) and p.dim > 0)
+    out = p if keep else REPLICATE
+    expects = [None if keep else REPLICATE] + [REPLICATE] * (len(c.p) - 1)
+    is_dispatch = isinstance(c.node.meta.get("val"), (tuple, list))
+    return ((out, REPLICATE, REPLICATE) if is_dispatch else out), expects
 
 
 def expert_weight(w) -> fx.Node | None:

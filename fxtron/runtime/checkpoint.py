@@ -42,53 +42,76 @@ from fxtron.errors import ParallelizeError
 from fxtron.ops import ledger
 
 
-def _shard(spec) -> AxisShard | None:
-    """The parameter's shard over a mesh axis (None: whole on every rank of every axis):
-    stored as a DTensor over that axis's group -- tp, or ep for an expert weight, whose experts
-    split over the ep ranks. A parameter split over two axes has no layout here yet."""
-    if len(spec.shards) > 1:
-        raise ParallelizeError(f"parameter {spec.name} is sharded over {', '.join(s.axis for s in spec.shards)}; "
-                               "fxtron's checkpoints store shards over one axis")
-    return spec.shards[0] if spec.shards else None
+#: the order of a device mesh's dims when a parameter is split over several axes (an expert
+#: weight's experts over ep, its features over tp: Megatron's expert-tp within each ep rank)
+_MESH_DIMS = ("ep", "tp")
+
+
+def _fused(spec) -> AxisShard | None:
+    """The shard of a fused projection (interleave != 1), whose parts are stored apart so the
+    checkpoint reshards to any size of that axis."""
+    fused = [s for s in spec.shards if s.interleave != 1]
+    if len(fused) > 1:
+        raise ParallelizeError(f"parameter {spec.name} is a fused projection over {len(fused)} axes; "
+                               "fxtron's checkpoints store one axis's fused parts")
+    return fused[0] if fused else None
+
+
+def _axes(prog, spec) -> tuple[str, ...]:
+    """The axes of more than one rank the parameter is split over, in device-mesh order."""
+    groups = prog.groups
+    axes = tuple(s.axis for s in spec.shards if groups is not None and groups.size(s.axis) > 1)
+    if len(axes) > 1 and not set(axes) <= set(_MESH_DIMS):
+        raise ParallelizeError(f"parameter {spec.name} is sharded over {', '.join(axes)}; fxtron's checkpoints "
+                               f"store shards over one axis, or over {' and '.join(_MESH_DIMS)}")
+    return tuple(sorted(axes, key=lambda a: _MESH_DIMS.index(a) if a in _MESH_DIMS else -1))
 
 
 def _meshes(prog) -> dict:
-    """The device mesh of every axis a parameter is split over (one rank on it: no entry)."""
+    """The device mesh of every set of axes a parameter is split over: one axis's group, or
+    the ep x tp grid of this rank's tp-ep group."""
     groups, out = prog.groups, {}
-    axes = {s.axis for spec in prog._local.values() for s in spec.shards}
-    for axis in sorted(axes):
-        if groups is not None and groups.size(axis) > 1:
-            out[axis] = DeviceMesh.from_group(groups.group(axis), device_type=groups.device.type)
+    for spec in prog._local.values():
+        axes = _axes(prog, spec)
+        if not axes or axes in out:
+            continue
+        if len(axes) == 1:
+            out[axes] = DeviceMesh.from_group(groups.group(axes[0]), device_type=groups.device.type)
+        else:
+            grid = torch.tensor(groups.ranks("tp-ep")).view(groups.size("ep"), groups.size("tp"))  # tp fastest
+            out[axes] = DeviceMesh.from_group([groups.group(a) for a in axes], groups.device.type, mesh=grid,
+                                              mesh_dim_names=axes)
     return out
 
 
 def _entries(prog, name: str, local: torch.Tensor, meshes: dict, prefix: str) -> dict:
     """The checkpoint entries of one local tensor shaped like parameter `name`."""
-    spec = _shard(prog._local[name])
-    mesh = meshes.get(spec.axis) if spec is not None else None
-    if mesh is None or spec is None:
-        if spec is not None and spec.interleave != 1:     # tp=1: store the parts all the same
-            return {f"{prefix}/part{j}": t.contiguous() for j, t in enumerate(_parts(local, spec))}
+    spec = prog._local[name]
+    fused, axes = _fused(spec), _axes(prog, spec)
+    if not axes:
+        if fused is not None:     # whole here: store the parts all the same
+            return {f"{prefix}/part{j}": t.contiguous() for j, t in enumerate(_parts(local, fused))}
         return {prefix: local}
+    placements = [Shard(spec.shard_on(a).dim) for a in axes]
     out = {}
-    for j, block in enumerate(_parts(local, spec)):
-        key = prefix if spec.interleave == 1 else f"{prefix}/part{j}"
-        out[key] = DTensor.from_local(block.contiguous(), mesh, [Shard(spec.dim)], run_check=False)
+    for j, block in enumerate(_parts(local, fused) if fused is not None else (local,)):
+        key = prefix if fused is None else f"{prefix}/part{j}"
+        out[key] = DTensor.from_local(block.contiguous(), meshes[axes], placements, run_check=False)
     return out
 
 
 def _parts(local: torch.Tensor, spec: AxisShard) -> tuple[torch.Tensor, ...]:
-    """A local tensor's blocks of a fused projection (one, unfused): each saved as its own
-    Shard(dim) entry, so a checkpoint reshards to any tp."""
+    """A local tensor's blocks of a fused projection: each saved as its own entry, so a
+    checkpoint reshards to any tp."""
     return local.split(shard_math.block_sizes(local.shape[spec.dim], spec.interleave), spec.dim)
 
 
 def _unpack(prog, name: str, entries: dict, prefix: str) -> torch.Tensor:
-    spec = _shard(prog._local[name])
-    if spec is not None and spec.interleave != 1:
-        blocks = [entries[f"{prefix}/part{j}"] for j in range(shard_math.n_blocks(spec.interleave))]
+    fused = _fused(prog._local[name])
+    if fused is not None:
+        blocks = [entries[f"{prefix}/part{j}"] for j in range(shard_math.n_blocks(fused.interleave))]
         blocks = [b.to_local() if isinstance(b, DTensor) else b for b in blocks]
-        return torch.cat(blocks, dim=spec.dim)
+        return torch.cat(blocks, dim=fused.dim)
     t = entries[prefix]
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -187,8 +210,8 @@ def _write(prog, path: str, optimizer, storage_writer) -> None:
     # how interleaved parts join back (load_full_state_dict): name -> (dim, parts)
     # how interleaved parts join back: one object per parameter (every holder writes the same)
     for n, lp in prog._local.items():
-        spec = _shard(lp)
-        if spec is not None and spec.interleave != 1:
+        spec = _fused(lp)
+        if spec is not None:
             sd[f"layout/{n}"] = _pack((spec.dim, shard_math.n_blocks(spec.interleave)))
     os.makedirs(path, exist_ok=True)
     writer = storage_writer(path) if storage_writer is not None else None
@@ -246,24 +269,23 @@ def _check_complete(path: str) -> None:
 def _request(prog, name: str, like: torch.Tensor, meshes: dict, prefix: str, meta, layout: dict):
     """The entries to ask DCP for so that `finish(sd)` can build the local tensor `like`
     (shaped like this rank's shard of parameter `name`) from the checkpoint at `prefix`,
-    whatever tp it was saved at: DCP reshards Shard(dim) pieces itself; a fused projection
+    whatever mesh it was saved at: DCP reshards Shard(dim) pieces itself; a fused projection
     saved whole (at tp=1) and wanted interleaved, or saved in parts and wanted whole, is read
     whole (per part) and cut or joined here."""
-    spec = _shard(prog._local[name])
-    mesh = meshes
-    sharded = spec is not None and spec.axis in meshes
+    spec = prog._local[name]
+    fused, sharded = _fused(spec), bool(_axes(prog, spec))
     if f"{prefix}/part0" in meta:                  # saved in parts
         dim, k = layout[name]
-        if sharded and shard_math.n_blocks(spec.interleave) == k and spec.dim == dim:
-            entries = _entries(prog, name, like, mesh, prefix)
+        if sharded and fused is not None and shard_math.n_blocks(fused.interleave) == k and fused.dim == dim:
+            entries = _entries(prog, name, like, meshes, prefix)
             return entries, lambda sd: _unpack(prog, name, sd, prefix)
         entries = {f"{prefix}/part{j}": torch.empty(meta[f"{prefix}/part{j}"].size, dtype=like.dtype) for j in range(k)}
         def join(sd):
             full = torch.cat([sd[f"{prefix}/part{j}"] for j in range(k)], dim=dim)
             return _slice(prog, name, full)
         return entries, join
-    if sharded and spec.interleave == 1:
-        entries = _entries(prog, name, like, mesh, prefix)
+    if sharded and fused is None:
+        entries = _entries(prog, name, like, meshes, prefix)
         return entries, lambda sd: _unpack(prog, name, sd, prefix)
     entries = {prefix: torch.empty(meta[prefix].size, dtype=like.dtype)}
     return entries, lambda sd: _slice(prog, name, sd[prefix])
@@ -271,10 +293,11 @@ def _request(prog, name: str, like: torch.Tensor, meshes: dict, prefix: str, met
 
 def _slice(prog, name: str, full: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a full tensor shaped like parameter `name`."""
-    spec = _shard(prog._local[name])
-    if spec is None or prog.groups is None or prog.groups.size(spec.axis) == 1:
+    spec, groups = prog._local[name], prog.groups
+    if not spec.shards or groups is None:
         return full
-    return shard_math.shard(full, spec.dim, prog.groups.size(spec.axis), prog.groups.index(spec.axis), spec.interleave)
+    axes = [s.axis for s in spec.shards]
+    return spec.local_of(full, {a: groups.size(a) for a in axes}, {a: groups.index(a) for a in axes})
 
 
 def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
