@@ -33,9 +33,15 @@ CFG = MoEConfig(vocab_size=128, max_seq_len=64, n_layer=2, n_head=4, n_kv_head=2
                 n_experts=4, top_k=2, shared_ffn_dim=32, aux_loss_coef=0.05)
 
 
-def _model():
+#: a routing skewed by scarcity: 8 experts, one per token, 6 tokens per rank at ep=4 -- every
+#: rank sends some experts nothing (zero-row splits in both all-to-alls)
+SKEW = MoEConfig(vocab_size=128, max_seq_len=64, n_layer=2, n_head=4, n_kv_head=2, dim=32, ffn_dim=48,
+                 n_experts=8, top_k=1, aux_loss_coef=0.05)
+
+
+def _model(key=None):
     torch.manual_seed(0)
-    return MoETransformer(CFG)
+    return MoETransformer(SKEW if key == "ep4-skew" else CFG)
 
 
 def _batch(b, s, seed):
@@ -112,6 +118,11 @@ def test_presets_build_on_meta():
 
 # ------------------------------------------------------------------------------ training
 STEPS = [_batch(4, 16, 10), _batch(4, 12, 11)]
+SKEW_STEPS = [_batch(4, 6, 12), _batch(4, 6, 13)]
+
+
+def _steps(key):
+    return SKEW_STEPS if key == "ep4-skew" else STEPS
 
 
 def _opt(params):
@@ -121,16 +132,16 @@ def _opt(params):
 CASES = {"tp2": (dict(tp=2), {}), "tp2-sp": (dict(tp=2), dict(sequence_parallel=True)),
          "pp2": (dict(pp=2), dict(microbatches=2)), "dp2": ({}, {}),
          # expert parallel: the experts split over the ep ranks, which are the dense layers' dp ranks
-         "ep2": (dict(ep=2), {}), "ep2-clip": (dict(ep=2), dict(clip_grad=0.05)),
-         "ep4": (dict(ep=4), {}), "ep2-pp2": (dict(ep=2, pp=2), dict(microbatches=2)),
+         "ep2": (dict(ep=2), {}), "ep2-clip": (dict(ep=2), dict(clip_grad=0.05)),    # 4 ranks: experts all-reduced over expert-dp (2)
+         "ep4": (dict(ep=4), {}), "ep4-skew": (dict(ep=4), {}), "ep2-pp2": (dict(ep=2, pp=2), dict(microbatches=2)),
          # the distributed optimizer: dense gradients reduce-scattered over dp (4), the experts' over expert-dp (2)
          "ep2-zero": (dict(ep=2), dict(zero=1, clip_grad=0.05)),
          # each ep rank's experts split over tp too (Megatron's expert-tp), tokens on sequence shards
          "ep2-tp2-sp": (dict(ep=2, tp=2), dict(sequence_parallel=True))}
 #: the batch's pieces each case trains on as one process would: dp ranks' (and microbatches') losses
 #: averaged, each with its own aux loss
-PIECES = {"dp2": 2, "pp2": 2, "ep2": 2, "ep2-clip": 2, "ep4": 4, "ep2-pp2": 4, "ep2-zero": 4, "ep2-tp2-sp": 2}
-FOUR = ("ep4", "ep2-pp2", "ep2-zero", "ep2-tp2-sp")     # cases of the 4-process job
+PIECES = {"dp2": 2, "pp2": 2, "ep2": 2, "ep2-clip": 4, "ep4": 4, "ep4-skew": 4, "ep2-pp2": 4, "ep2-zero": 4, "ep2-tp2-sp": 2}
+FOUR = ("ep2-clip", "ep4", "ep4-skew", "ep2-pp2", "ep2-zero", "ep2-tp2-sp")     # cases of the 4-process job
 
 
 def _pieces(item, n=2):
@@ -144,7 +155,7 @@ def _halves(item):
 
 
 def _inputs(key):
-    return [_halves(s) for s in STEPS] if key == "pp2" else [(s, {}) for s in STEPS]
+    return [_halves(s) for s in STEPS] if key == "pp2" else [(s, {}) for s in _steps(key)]
 
 
 def _run(rank, mesh, key):
@@ -153,7 +164,7 @@ def _run(rank, mesh, key):
         warnings.simplefilter("error", fxtron.ParallelizeWarning)      # nothing left replicated or gathered unasked
         if key in ("tp2-sp", "ep2-tp2-sp"):
             warnings.simplefilter("ignore", fxtron.ParallelizeWarning)  # the (B, S/tp) -> tokens fold gathers (README)
-        pm = fxtron.parallelize(_model(), mesh, example_inputs=_batch(2, 8, 0), **kw)
+        pm = fxtron.parallelize(_model(key), mesh, example_inputs=_batch(2, 8, 0), **kw)
         prog = pm.program(rank)
     batches = _inputs(key)
     if key == "ep2":             # the job checks every collective's order and sizes across its group first
@@ -166,6 +177,9 @@ def _run(rank, mesh, key):
                 grads, load, sent = prog.full_grads(), prog.expert_load(), prog.last_dispatch.bytes_sent
         return {"losses": losses, "grads": grads, "state": prog.full_state_dict(), "load": load, "sent": sent,
                 "checked": ledger.stats()["checked"] - before}
+    if key == "ep4-skew":         # the copies this rank's tokens sent each expert, per layer
+        out = train_program(prog, batches, _opt(prog.parameters()))
+        return {**out, "sent": [c.clone() for c in prog.last_dispatch.copies.values()]}
     if key in ("ep2-clip", "ep2-zero"):
         out = train_program(prog, batches, _opt(prog.parameters()))
         return {**out, "norm": prog.last_grad_norm}
@@ -254,13 +268,16 @@ def test_trains_like_one_process(trained, key):
     # dp ranks and microbatches: each piece's loss (and aux) on its own, as gradient accumulation
     n = PIECES.get(key, 1)
     clip = CASES[key][1].get("clip_grad")
-    ref = reference_training(_model(), [_pieces(s, n) for s in STEPS] if n > 1 else STEPS, _opt, clip_grad=clip)
+    steps = _steps(key)
+    ref = reference_training(_model(key), [_pieces(s, n) for s in steps] if n > 1 else steps, _opt, clip_grad=clip)
     axes = CASES[key][0]
     mesh = fxtron.Mesh(4 if key in FOUR else 2, **axes)
     for rank, got in enumerate(ranks_of(trained, mesh, key)):
         assert_trains_like(got, ref, rank=rank)
         if clip is not None:                 # the norm: dense over tp-pp, experts over tp-ep-pp
             assert abs(got["norm"] - ref["norms"][-1]) < 1e-5 * ref["norms"][-1], (got["norm"], ref["norms"])
+        if key == "ep4-skew":
+            assert any((c == 0).any() for c in got["sent"]), got["sent"]      # some expert got nothing from here
         if "checked" in got:
             assert got["checked"] >= 2 * 12, got["checked"]    # 2 steps x 12 all-to-alls at least
 
