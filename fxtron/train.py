@@ -88,26 +88,37 @@ def train_rank(rank: int, cfg: TrainConfig) -> dict:
     bar = tqdm(range(cfg.steps), desc=f"{cfg.model} on {cfg.world_size} ranks", disable=rank != 0,
                unit="step", dynamic_ncols=True)
     tokens = cfg.batch * cfg.seq
+    imbalance = []                 # per step: the worst layer's busiest expert over the mean (1: balanced)
     t0 = time.perf_counter()
     for step in bar:
         start = time.perf_counter()
         loss = prog.train_step(batch_at(data, step, cfg), opt)
         losses.append(loss)
-        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / (time.perf_counter() - start):,.0f}")
-    return {"losses": losses, "seconds": time.perf_counter() - t0}
+        shown = {"loss": f"{loss:.4f}", "tok_s": f"{tokens / (time.perf_counter() - start):,.0f}"}
+        load = prog.expert_load()            # with expert parallel: every rank joins its all-reduce
+        if load:
+            imbalance.append(max(float(c.max()) / max(float(c.float().mean()), 1e-9) for c in load.values()))
+            shown["experts_max/mean"] = f"{imbalance[-1]:.2f}"
+        bar.set_postfix(shown)
+    return {"losses": losses, "seconds": time.perf_counter() - t0, "imbalance": imbalance}
 
 
 def train_reference(cfg: TrainConfig) -> list[float]:
-    """The same training in this one process with the unmodified model."""
+    """The same training in this one process with the unmodified model: each global batch in
+    the pieces the parallel run's data-parallel ranks and microbatches take, their losses
+    averaged (gradient accumulation) -- the same arithmetic, and for a mixture of experts the
+    same load-balancing loss, which each piece computes over its own tokens."""
     from fxtron.models import build
 
     data = load_text(cfg.data, cfg.max_bytes)
     model = build(cfg.model, seed=cfg.seed)
     opt = _optimizer(model.parameters(), cfg)
     losses = []
+    pieces = cfg.mesh().dp * cfg.microbatches
     for step in range(cfg.steps):
         opt.zero_grad(set_to_none=True)
-        loss = model(*batch_at(data, step, cfg))
+        idx, tgt = batch_at(data, step, cfg)
+        loss = sum(model(i, t) for i, t in zip(idx.chunk(pieces), tgt.chunk(pieces))) / pieces
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
@@ -127,6 +138,11 @@ def run(cfg: TrainConfig, *, compare: bool = True) -> dict:
            "tokens_per_s": cfg.steps * cfg.batch * cfg.seq / results[0]["seconds"]}
     print(f"parallel run: {cfg.steps} steps on {cfg.mesh()}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
           f"{out['tokens_per_s']:,.0f} tokens/s ({wall:.1f} s with start-up)")
+    imbalance = results[0]["imbalance"]
+    if imbalance:
+        out["imbalance"] = imbalance
+        print(f"expert load, busiest expert over the mean (worst layer): step 0 {imbalance[0]:.2f}, last step "
+              f"{imbalance[-1]:.2f}, worst {max(imbalance):.2f} (1.00: balanced)")
     if compare:
         ref = train_reference(cfg)
         diffs = [abs(a - b) for a, b in zip(losses, ref)]

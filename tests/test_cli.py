@@ -30,3 +30,12 @@ def test_train_matches_one_process(capsys):
     # early steps, before AdamW compounds round-off: equal to float32 precision
     assert out["max_loss_diff"] < 1e-4, out
     assert "loss difference" in capsys.readouterr().out
+
+
+def test_train_a_mixture_of_experts_over_ep_shows_the_load(capsys):
+    cfg = TrainConfig(model="moe-tiny", world_size=2, ep=2, steps=3, batch=4, seq=32, max_bytes=200_000)
+    out = run(cfg)
+    # each dp rank's load-balancing loss over its own tokens, as the reference's pieces compute it
+    assert out["max_loss_diff"] < 1e-4, out
+    assert len(out["imbalance"]) == 3 and all(x >= 1.0 for x in out["imbalance"])
+    assert "busiest expert over the mean" in capsys.readouterr().out
