@@ -59,7 +59,7 @@ def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRec
     axis the op names."""
     out = []
     grad = meta.carries_grad(gm)
-    uniform = _uniform_routing(gm)
+    uniform = uniform_routing(gm)
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -116,7 +116,7 @@ def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRec
     return out
 
 
-def _uniform_routing(gm: fx.GraphModule) -> dict:
+def uniform_routing(gm: fx.GraphModule) -> dict:
     """The rows an expert-parallel dispatch receives are data-dependent (unbacked sizes u0,
     u1, ...); the formulas assume uniform routing, where a rank receives as many copies as it
     sends: {u: the dispatched copies' local rows}."""
