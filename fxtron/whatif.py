@@ -27,7 +27,16 @@ The model (every rate is an assumption, printed with the result; all formulas fr
                   intra-node when tp x cp fits a node, else inter-node
   dp comm         ring all-reduce 2(d-1)/d of the fp32 gradients (reduce-scatter + all-gather
                   of the same bytes under zero=1) over the d = dp x cp ranks that hold the same
-                  weights (Megatron's dp-cp group), at the inter-node bandwidth, not overlapped
+                  weights (Megatron's dp-cp group), at the inter-node bandwidth, not overlapped;
+                  an expert's over its edp = world/(tp ep pp) replicas
+  experts         a mixture of experts (E experts, top-k) splits its expert weights over ep
+                  (and tp): per rank dense/(tp pp) + experts/(tp ep pp) parameters; compute
+                  counts the k active experts only: 6 B s (P - (1-k/E) P_experts - V h)
+                  + 12 B L s^2 h + 6 B s h V (the dense formula of Eq. 7 written per parameter);
+                  ep comm: 4 all-to-alls (dispatch and combine, forward and backward) of
+                  (e-1)/e k b s h 16-bit values per MoE layer and microbatch (PAPERS.md 6,
+                  dropless under uniform routing), every tp rank sending its copy; intra-node
+                  when tp x ep fits a node; activations as a dense layer of the same width
 """
 from __future__ import annotations
 
@@ -39,13 +48,18 @@ from fxtron.errors import ParallelizeError
 @dataclass(frozen=True)
 class ModelDims:
     """What the cost model needs of a transformer: layers, hidden size, attention heads,
-    vocabulary, parameters."""
+    vocabulary, parameters, and for a mixture of experts its experts, top-k, expert
+    parameters and MoE layers."""
 
     layers: int
     hidden: int
     heads: int
     vocab: int
     params: int
+    experts: int = 0            # a mixture of experts: experts per MoE layer (0: dense)
+    top_k: int = 0              # experts each token runs
+    expert_params: int = 0      # parameters of the expert weights (all layers)
+    moe_layers: int = 0
 
 
 @dataclass(frozen=True)
@@ -81,6 +95,8 @@ class Candidate:
     dp_comm_s: float
     cp: int = 1
     cp_comm_s: float = 0.0
+    ep: int = 1
+    ep_comm_s: float = 0.0
 
     @property
     def memory_bytes(self) -> float:
@@ -88,7 +104,8 @@ class Candidate:
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.bubble_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.cp_comm_s
+        return (self.compute_s + self.bubble_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.cp_comm_s
+                + self.ep_comm_s)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "memory_bytes": self.memory_bytes, "step_s": self.step_s}
@@ -122,9 +139,14 @@ def first_stage_activation_bytes(dims: ModelDims, s: int, b: int, t: int, sp: bo
 
 
 def model_flops(dims: ModelDims, batch: int, s: int) -> float:
-    """Korthikanti Eq. 7: 72 B L s h^2 (1 + s/(6h) + V/(12 h L)), forward and backward."""
+    """Korthikanti Eq. 7: 72 B L s h^2 (1 + s/(6h) + V/(12 h L)), forward and backward; for
+    a mixture of experts the same per parameter with only the k active experts' counted:
+    6 B s (P - (1-k/E) P_experts - V h) + 12 B L s^2 h + 6 B s h V."""
     h, L = dims.hidden, dims.layers
-    return 72 * batch * L * s * h * h * (1 + s / (6 * h) + dims.vocab / (12 * h * L))
+    if not dims.experts:
+        return 72 * batch * L * s * h * h * (1 + s / (6 * h) + dims.vocab / (12 * h * L))
+    active = dims.params - (1 - dims.top_k / dims.experts) * dims.expert_params - dims.vocab * h
+    return 6 * batch * s * active + 12 * batch * L * s * s * h + 6 * batch * s * h * dims.vocab
 
 
 def narayanan_params(layers: int, hidden: int, vocab: int, seq: int) -> float:
@@ -134,12 +156,16 @@ def narayanan_params(layers: int, hidden: int, vocab: int, seq: int) -> float:
 
 
 def rate(dims: ModelDims, hw: Hardware, *, world: int, tp: int, pp: int, sp: bool, schedule: str, v: int,
-         global_batch: int, seq: int, micro_batch: int, zero: int, cp: int = 1) -> Candidate:
+         global_batch: int, seq: int, micro_batch: int, zero: int, cp: int = 1, ep: int = 1) -> Candidate:
     dp = world // (tp * pp * cp)
+    edp = world // (tp * ep * pp)
     m = global_batch // (dp * micro_batch)
     b, s, h = micro_batch, seq, dims.hidden
-    per_rank = dims.params / (tp * pp)
-    weights = weight_bytes(per_rank, dp * cp, zero)      # zero=1 shards over dp-cp
+    experts = dims.expert_params / (tp * ep * pp)
+    dense = (dims.params - dims.expert_params) / (tp * pp)
+    per_rank = dense + experts
+    # zero=1 shards the dense weights' state over dp-cp, the experts' over expert-dp
+    weights = weight_bytes(dense, dp * cp, zero) + weight_bytes(experts, edp, zero)
     act = first_stage_activation_bytes(dims, s, b, tp, sp, pp, v, cp) * (
         min(m, pp) / pp if schedule != "gpipe" else m / pp)
     compute = model_flops(dims, global_batch, s) / world / (hw.flops_per_s * hw.efficiency)
@@ -147,17 +173,21 @@ def rate(dims: ModelDims, hw: Hardware, *, world: int, tp: int, pp: int, sp: boo
     tp_bytes = 4 * 2 * (tp - 1) / tp * b * s * h * 2 * (dims.layers / pp) * m if tp > 1 else 0.0
     pp_bytes = 2 * b * s * h * 2 / (tp if sp else 1) * v * m if pp > 1 else 0.0
     d = dp * cp
-    dp_bytes = 2 * (d - 1) / d * per_rank * 4 if d > 1 else 0.0
+    dp_bytes = (2 * (d - 1) / d * dense * 4 if d > 1 else 0.0) + (2 * (edp - 1) / edp * experts * 4 if edp > 1 else 0.0)
     cp_bytes = 2 * (cp - 1) / cp * 2 * b * s * h / tp * 2 * (dims.layers / pp) * m if cp > 1 else 0.0
     cp_bw = hw.intra_node_bw if tp * cp <= hw.gpus_per_node else hw.inter_node_bw
+    ep_bytes = 4 * (ep - 1) / ep * dims.top_k * b * s * h * 2 * (dims.moe_layers / pp) * m if ep > 1 else 0.0
+    ep_bw = hw.intra_node_bw if tp * ep <= hw.gpus_per_node else hw.inter_node_bw
     return Candidate(tp, pp, dp, sp, schedule, v, m, zero, weights, act, compute, bubble, tp_bytes / hw.intra_node_bw,
-                     pp_bytes / hw.inter_node_bw, dp_bytes / hw.inter_node_bw, cp, cp_bytes / cp_bw)
+                     pp_bytes / hw.inter_node_bw, dp_bytes / hw.inter_node_bw, cp, cp_bytes / cp_bw, ep,
+                     ep_bytes / ep_bw)
 
 
 def candidates(dims: ModelDims, hw: Hardware, *, world: int, global_batch: int, seq: int, micro_batch: int = 1,
                fits_only: bool = True) -> list[Candidate]:
-    """Every (tp, pp, cp, dp, sp, schedule, zero) that divides the model, the batch and the
-    sequence (cp: 2 x cp chunks), ranked by modeled step time; only those whose memory fits
+    """Every (tp, pp, cp, ep, dp, sp, schedule, zero) that divides the model, the batch and
+    the sequence (cp: 2 x cp chunks; ep: the experts, and tp x ep x pp the world; fxtron does
+    not compose ep with cp), ranked by modeled step time; only those whose memory fits
     `hw.memory` unless fits_only=False."""
     out = []
     for tp in _divisors(world):
@@ -173,16 +203,19 @@ def candidates(dims: ModelDims, hw: Hardware, *, world: int, global_batch: int, 
                 if global_batch % (dp * micro_batch):
                     continue
                 m = global_batch // (dp * micro_batch)
-                for sp in ([False, True] if tp > 1 else [False]):
-                    scheds = [("1f1b", 1)]
-                    if pp > 1 and m % pp == 0 and dims.layers % (2 * pp) == 0:
-                        scheds.append(("interleaved", 2))
-                    for schedule, v in scheds:
-                        for zero in ([0, 1] if dp * cp > 1 else [0]):
-                            p = rate(dims, hw, world=world, tp=tp, pp=pp, sp=sp, schedule=schedule, v=v,
-                                     global_batch=global_batch, seq=seq, micro_batch=micro_batch, zero=zero, cp=cp)
-                            if not fits_only or p.memory_bytes <= hw.memory:
-                                out.append(p)
+                eps = [e for e in _divisors(dims.experts) if (world // (tp * pp)) % e == 0] if dims.experts else [1]
+                for ep in eps if cp == 1 else [1]:
+                    for sp in ([False, True] if tp > 1 else [False]):
+                        scheds = [("1f1b", 1)]
+                        if pp > 1 and m % pp == 0 and dims.layers % (2 * pp) == 0:
+                            scheds.append(("interleaved", 2))
+                        for schedule, v in scheds:
+                            for zero in ([0, 1] if dp * cp > 1 else [0]):
+                                p = rate(dims, hw, world=world, tp=tp, pp=pp, sp=sp, schedule=schedule, v=v,
+                                         global_batch=global_batch, seq=seq, micro_batch=micro_batch, zero=zero,
+                                         cp=cp, ep=ep)
+                                if not fits_only or p.memory_bytes <= hw.memory:
+                                    out.append(p)
     return sorted(out, key=lambda p: (p.step_s, p.memory_bytes))
 
 
@@ -211,24 +244,35 @@ def dims_of(traced) -> ModelDims:
             heads = int(node.args[0].meta["val"].shape[1])
     if vocab is None or heads is None:
         raise ParallelizeError("what-if sizing needs a transformer with a token embedding and scaled_dot_product_attention")
-    return ModelDims(layers=len(units), hidden=hidden, heads=heads, vocab=vocab, params=params)
+    from fxtron.passes.expert_parallel import moe_layers
+    layers = moe_layers(traced)
+    if not layers:
+        return ModelDims(layers=len(units), hidden=hidden, heads=heads, vocab=vocab, params=params)
+    experts = layers[0].n_experts
+    weights = {p for layer in layers for p in layer.params}
+    picks = [int(n.args[1]) for n in traced.graph.nodes if n.op == "call_function" and n.target == aten.topk.default
+             and int(n.args[0].meta["val"].shape[-1]) == experts]
+    return ModelDims(layers=len(units), hidden=hidden, heads=heads, vocab=vocab, params=params, experts=experts,
+                     top_k=picks[0] if picks else 1, expert_params=sum(p.meta["val"].numel() for p in weights),
+                     moe_layers=len(layers))
 
 
 def format_candidates(ps: list[Candidate], hw: Hardware, *, top: int = 10) -> str:
     from tabulate import tabulate
     rows = []
     for p in ps[:top]:
-        rows.append([p.tp, p.pp, p.cp, p.dp, "on" if p.sequence_parallel else "-",
+        rows.append([p.tp, p.pp, p.cp, p.ep, p.dp, "on" if p.sequence_parallel else "-",
                      p.schedule + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else ""), p.microbatches,
                      p.zero, f"{p.memory_bytes / 2**30:.1f}", f"{p.compute_s:.3f}", f"{p.bubble_s:.3f}",
-                     f"{p.tp_comm_s:.3f}", f"{p.cp_comm_s:.3f}", f"{p.pp_comm_s:.3f}", f"{p.dp_comm_s:.3f}",
-                     f"{p.step_s:.3f}"])
+                     f"{p.tp_comm_s:.3f}", f"{p.cp_comm_s:.3f}", f"{p.ep_comm_s:.3f}", f"{p.pp_comm_s:.3f}",
+                     f"{p.dp_comm_s:.3f}", f"{p.step_s:.3f}"])
     assumed = (f"assumed: {hw.memory / 2**30:.0f} GiB per GPU, {hw.flops_per_s / 1e12:.0f} TFLOP/s peak at "
                f"{hw.efficiency:.0%}, tp over {hw.intra_node_bw / 1e9:.0f} GB/s (<= {hw.gpus_per_node} GPUs a node), "
-               f"pp, dp (and cp beyond a node) over {hw.inter_node_bw / 1e9:.0f} GB/s, 16-bit activations, Adam, no recomputation, "
+               f"pp, dp (and cp, ep beyond a node) over {hw.inter_node_bw / 1e9:.0f} GB/s, 16-bit activations, Adam, no recomputation, "
                "no overlap of communication")
-    return tabulate(rows, headers=["tp", "pp", "cp", "dp", "sp", "schedule", "m", "zero", "GiB / GPU", "compute s",
-                                   "bubble s", "tp comm s", "cp comm s", "pp comm s", "dp comm s", "step s"]) + "\n" + assumed
+    return tabulate(rows, headers=["tp", "pp", "cp", "ep", "dp", "sp", "schedule", "m", "zero", "GiB / GPU", "compute s",
+                                   "bubble s", "tp comm s", "cp comm s", "ep comm s", "pp comm s", "dp comm s",
+                                   "step s"]) + "\n" + assumed
 
 
 def parse_bytes(text: str) -> float:

@@ -138,6 +138,37 @@ def test_planner_hand_computed_plan():
     assert (2, 1, 4, 1) in keys              # 50M x (6 + 12/4) B = 450 MB + activations
 
 
+def test_planner_expert_parallel():
+    """A mixture of experts (8 experts, top-2, 80M of 100M parameters in experts) at ep=2 x
+    tp=2 x pp=2 on 16 ranks, against the formulas computed by hand; a dense model gets no ep."""
+    dims = whatif.ModelDims(layers=4, hidden=1024, heads=16, vocab=32000, params=100_000_000, experts=8, top_k=2,
+                            expert_params=80_000_000, moe_layers=4)
+    hw = whatif.Hardware(memory=2**40, flops_per_s=1e12, efficiency=1.0, intra_node_bw=1e9, inter_node_bw=1e8)
+    p = whatif.rate(dims, hw, world=16, tp=2, pp=2, sp=True, schedule="1f1b", v=1, global_batch=8, seq=128,
+                     micro_batch=1, zero=1, ep=2)
+    assert (p.dp, p.microbatches, p.ep) == (4, 2, 2)
+    dense, experts = 20e6 / 4, 80e6 / 8                  # per rank: /(tp pp), /(tp ep pp)
+    assert p.weights_bytes == pytest.approx(dense * (6 + 12 / 4) + experts * (6 + 12 / 2))   # zero: dp 4, edp 2
+    active = 100e6 - (1 - 2 / 8) * 80e6 - 32000 * 1024
+    flops = 6 * 8 * 128 * active + 12 * 8 * 4 * 128 * 128 * 1024 + 6 * 8 * 128 * 1024 * 32000
+    assert whatif.model_flops(dims, 8, 128) == pytest.approx(flops)
+    assert p.compute_s == pytest.approx(flops / 16 / 1e12)
+    # 4 all-to-alls x (e-1)/e x k b s h x 2 B x 2 MoE layers per stage x 2 microbatches, tp x ep in a node
+    assert p.ep_comm_s == pytest.approx(4 * 0.5 * 2 * 128 * 1024 * 2 * 2 * 2 / 1e9)
+    assert p.dp_comm_s == pytest.approx((2 * 3 / 4 * dense * 4 + 2 * 1 / 2 * experts * 4) / 1e8)
+    ranked = whatif.candidates(dims, hw, world=16, global_batch=8, seq=128)
+    assert {q.ep for q in ranked} == {1, 2, 4, 8, 16} - {16}   # ep divides the experts and world/(tp pp)
+    assert all(q.cp == 1 for q in ranked if q.ep > 1)
+    dense_model = whatif.ModelDims(layers=4, hidden=1024, heads=16, vocab=32000, params=100_000_000)
+    assert {q.ep for q in whatif.candidates(dense_model, hw, world=16, global_batch=8, seq=128)} == {1}
+    assert "ep comm s" in whatif.format_candidates(ranked, hw)
+    # read off the shipped MoE model's graph: 2 layers of 4 experts, top-2, 2 x 2 x [4, 2x96 | 96, 64] expert weights
+    from fxtron.compiler.trace import trace
+    from fxtron.models import build, example_inputs
+    got = whatif.dims_of(trace(build("moe-tiny"), example_inputs("moe-tiny", 2, 16)))
+    assert (got.experts, got.top_k, got.moe_layers, got.expert_params) == (4, 2, 2, 2 * 4 * 3 * 96 * 64)
+
+
 def test_planner_context_parallel():
     dims = whatif.ModelDims(layers=4, hidden=1024, heads=16, vocab=32000, params=100_000_000)
     hw = whatif.Hardware(memory=2**40, flops_per_s=1e12, efficiency=1.0, intra_node_bw=1e9, inter_node_bw=1e8)
