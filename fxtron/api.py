@@ -34,7 +34,7 @@ from fxtron.runtime import groups as G
 from fxtron.runtime import schedules
 from fxtron.runtime.buffers import DataParallelOptions
 from fxtron.passes.context_parallel import COMM_TYPES
-from fxtron.passes.expert_parallel import check_experts, moe_layers
+from fxtron.passes.expert_parallel import aux_statistics, check_experts, moe_layers
 from fxtron.runtime.build import build_program
 from fxtron.runtime.program import PipelineOptions, Program
 
@@ -61,6 +61,7 @@ class Options:
     device: str = "cpu"
     strict: bool = False
     cp_comm_type: str = "p2p"
+    moe_aux_loss: str = "local"
 
     def __post_init__(self):
         if self.batch_dim < 0 or (self.seq_dim is not None and self.seq_dim < 0):
@@ -79,7 +80,7 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
                 bucket_size: int | None = None, grad_reduce_dtype: torch.dtype | None = None,
                 overlap_grad_reduce: bool = True, clip_grad: float | None = None, zero: int = 0,
                 trace_layers_once: bool = True, device: str | torch.device | None = None,
-                strict: bool = False, cp_comm_type: str = "p2p") -> "ParallelModel":
+                strict: bool = False, cp_comm_type: str = "p2p", moe_aux_loss: str = "local") -> "ParallelModel":
     """Compile `model` for every rank of `mesh`.
 
     model(*example_inputs, **example_kwargs) must return the loss (a scalar tensor, or an
@@ -126,6 +127,14 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
     computed) or "all_gather" (Llama 3's: keys and values gathered, their gradients
     reduce-scattered). Weights are whole on every cp rank; their gradients are summed over cp.
 
+    Expert parallel (mesh.ep > 1): each mixture-of-experts layer (grouped GEMMs over 3-D expert
+    weights, found on the graph) holds E/ep experts per rank; the copies of the rank's tokens
+    go to the ranks of their experts and come back by all-to-all, dropless (Megatron's
+    dispatcher); the experts' gradients are reduced over expert-dp. The load-balancing loss's
+    per-expert token counts are each data-parallel rank's own (`moe_aux_loss="local"`,
+    Megatron's default) or summed over the data-parallel ranks first ("global", Megatron's
+    global aux loss: the loss then equals the single-process loss of the whole batch).
+
     Never silent: where fxtron does less than the mesh asks, correctly -- a linear left
     replicated at tp > 1, an op with no sharding rule run replicated on gathered inputs -- it
     warns (fxtron.ParallelizeWarning) and `pm.summary()` lists each with why; `strict=True`
@@ -149,7 +158,7 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
                       microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
                       split_points=tuple(split_points) if split_points else None, scatter_gather=scatter_gather,
                       trace_layers_once=trace_layers_once, device=device, strict=strict,
-                      cp_comm_type=cp_comm_type)
+                      cp_comm_type=cp_comm_type, moe_aux_loss=moe_aux_loss)
     schedules.check(schedule, mesh.pp, microbatches, virtual_stages)
     options = dataclasses.replace(options, data_parallel=DataParallelOptions(
         bucket_size=bucket_size, grad_reduce_dtype=grad_reduce_dtype, overlap_grad_reduce=overlap_grad_reduce,
@@ -166,6 +175,8 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
                                "sequence over the tp ranks; set tp or drop sequence_parallel")
     if sequence_parallel and seq_dim is None:
         raise ParallelizeError("sequence_parallel=True needs the inputs' sequence dim (seq_dim)")
+    if moe_aux_loss not in ("local", "global"):
+        raise ParallelizeError(f"moe_aux_loss must be 'local' or 'global', not {moe_aux_loss!r}")
     if cp_comm_type not in COMM_TYPES:
         raise ParallelizeError(f"cp_comm_type must be one of {', '.join(map(repr, COMM_TYPES))}, not {cp_comm_type!r}")
     if mesh.cp > 1 and seq_dim is None:
@@ -196,6 +207,8 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
             "; give the dim that holds the sequence")
     if mesh.ep > 1:
         check_experts(traced, mesh.ep)     # experts that do not divide over ep: an error now
+    if moe_aux_loss == "global":
+        aux_statistics(traced)             # a model with no load-balancing statistic to sum: an error now
     pm = ParallelModel(model, mesh, traced, options)
     pm._check_plan()
     pm.stage_assignment            # a bad stage cut is an error now, not at the first program
@@ -373,7 +386,7 @@ class ParallelModel:
             self.traced, self.mesh, rank, plan=self.tp_plan, stage_assignment=self.stage_assignment,
             options=pipeline.CompileOptions(sequence_parallel=o.sequence_parallel, cp_comm_type=o.cp_comm_type,
                                             gradient_accumulation_fusion=o.gradient_accumulation_fusion,
-                                            device=o.device, strict=o.strict),
+                                            device=o.device, strict=o.strict, moe_aux_loss=o.moe_aux_loss),
             observer=observer)
         fell = _fallback_lines(rg.graphs)
         if fell and not self._warned_fallbacks:

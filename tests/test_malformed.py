@@ -73,6 +73,13 @@ def _eager_mixtral():
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager"))
 
 
+def _hf_mixtral():
+    import transformers as T
+    return T.MixtralForCausalLM(T.MixtralConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2))
+
+
 def _moe():
     from fxtron.models.moe import MoEConfig, MoETransformer
     return MoETransformer(MoEConfig(vocab_size=256, max_seq_len=64, n_layer=2, n_head=4, n_kv_head=2, dim=32,
@@ -112,8 +119,13 @@ AT_PARALLELIZE = [
     ("model: experts not divisible by ep", lambda: _par(_moe(), Mesh(3, ep=3)),
      r"4 experts of layers\.0\.mlp\.experts\.gate_up, layers\.0\.mlp\.experts\.down \(shape \(4, 96, 32\)\) do not "
      r"divide over ep=3 ranks; use an ep that divides 4"),
-    ("model: experts over ep with tp", lambda: _par(_moe(), Mesh(4, ep=2, tp=2)),
-     r"ep=2 with tp=2, cp=1 .* not built yet"),
+    ("options: global aux loss of a dense model", lambda: _par(_gpt(), Mesh(2), moe_aux_loss="global"),
+     r"moe_aux_loss='global' .* no mixture-of-experts layer"),
+    ("options: global aux loss, transformers' loss outside forward",
+     lambda: fxtron.parallelize(_hf_mixtral(), Mesh(2, ep=2), example_inputs=_ex("llama"), moe_aux_loss="global"),
+     r"computes no load-balancing loss in its graph; use moe_aux_loss='local'"),
+    ("options: aux loss kind unknown", lambda: _par(_moe(), Mesh(2), moe_aux_loss="both"),
+     r"moe_aux_loss must be 'local' or 'global', not 'both'"),
     ("model: experts over ep with cp", lambda: _par(_moe(), Mesh(4, ep=2, cp=2)),
      r"ep=2 with tp=1, cp=2"),
     ("model: transformers' experts run eagerly", lambda: fxtron.parallelize(_eager_mixtral(), Mesh(2, tp=2),

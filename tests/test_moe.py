@@ -137,7 +137,9 @@ CASES = {"tp2": (dict(tp=2), {}), "tp2-sp": (dict(tp=2), dict(sequence_parallel=
          # the distributed optimizer: dense gradients reduce-scattered over dp (4), the experts' over expert-dp (2)
          "ep2-zero": (dict(ep=2), dict(zero=1, clip_grad=0.05)),
          # each ep rank's experts split over tp too (Megatron's expert-tp), tokens on sequence shards
-         "ep2-tp2-sp": (dict(ep=2, tp=2), dict(sequence_parallel=True))}
+         "ep2-tp2-sp": (dict(ep=2, tp=2), dict(sequence_parallel=True)),
+         # Megatron's global aux loss: tokens per expert summed over dp, so the loss is the whole batch's
+         "ep2-global": (dict(ep=2), dict(moe_aux_loss="global")), "dp2-global": ({}, dict(moe_aux_loss="global"))}
 #: the batch's pieces each case trains on as one process would: dp ranks' (and microbatches') losses
 #: averaged, each with its own aux loss
 PIECES = {"dp2": 2, "pp2": 2, "ep2": 2, "ep2-clip": 4, "ep4": 4, "ep4-skew": 4, "ep2-pp2": 4, "ep2-zero": 4, "ep2-tp2-sp": 2}

@@ -30,7 +30,7 @@ from fxtron.errors import ParallelizeError
 from fxtron.mesh import Mesh
 from fxtron.passes import verify as verifier
 from fxtron.passes.context_parallel import cp_layout, fuse_written_out_attention
-from fxtron.passes.expert_parallel import dispatch_experts, ep_layout
+from fxtron.passes.expert_parallel import dispatch_experts, ep_layout, sum_aux_statistics
 from fxtron.passes.limits import SeqLimit, seq_limit
 from fxtron.passes.localize import drop_metadata_asserts, localize
 from fxtron.passes.plan import TPPlan
@@ -51,6 +51,7 @@ class CompileOptions:
     device: str = "cpu"          # the device type the programs run on (the kernels recorded)
     strict: bool = False         # an op with no sharding rule raises instead of running replicated
     cp_comm_type: str = "p2p"    # how attention exchanges keys over cp: "p2p" (the ring) or "all_gather"
+    moe_aux_loss: str = "local"  # the load-balancing loss's token counts: the rank's own, or summed over dp ("global")
 
 
 @dataclass
@@ -268,6 +269,10 @@ PASSES = pass_list(
     Pass("dispatch_experts", "each mixture-of-experts layer's copies go to the ranks of their experts and come back "
          "(Megatron's all-to-all dispatcher); the experts' GEMMs run on the rank's own experts",
          _set("gm", lambda s: dispatch_experts(s.gm, s.mesh.size("ep"))), _ep, "ep > 1", after=("split_row_bias",)),
+    Pass("sum_aux_statistics", "the load-balancing loss counts every data-parallel rank's tokens per expert "
+         "(Megatron's global aux loss)", _set("gm", lambda s: sum_aux_statistics(s.gm)),
+         lambda s: s.options.moe_aux_loss == "global" and s.mesh.parallel("dp"), "moe_aux_loss='global', dp > 1",
+         after=("dispatch_experts",)),
     Pass("propagate_ep", "an ep placement on every value: the experts' weights split on their experts dim",
          _set("gm", lambda s: propagate(s.gm, ep_layout(s.gm, strict=s.options.strict), mesh=s.mesh)),
          _ep, "ep > 1", after=("dispatch_experts",)),
