@@ -47,7 +47,6 @@ def _model():
 
 
 def _job(rank: int, mesh: fxtron.Mesh) -> dict:
-    from fxtron.compiler import report
     torch.set_num_threads(1)
     data = token_batches(CFG.vocab_size, BATCH, SEQ, 3)
     pm = fxtron.parallelize(_model(), mesh, example_inputs=data[0])

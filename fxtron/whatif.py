@@ -163,7 +163,6 @@ def rate(dims: ModelDims, hw: Hardware, *, world: int, tp: int, pp: int, sp: boo
     b, s, h = micro_batch, seq, dims.hidden
     experts = dims.expert_params / (tp * ep * pp)
     dense = (dims.params - dims.expert_params) / (tp * pp)
-    per_rank = dense + experts
     # zero=1 shards the dense weights' state over dp-cp, the experts' over expert-dp
     weights = weight_bytes(dense, dp * cp, zero) + weight_bytes(experts, edp, zero)
     act = first_stage_activation_bytes(dims, s, b, tp, sp, pp, v, cp) * (
