@@ -62,6 +62,7 @@ class Options:
     strict: bool = False
     cp_comm_type: str = "p2p"
     moe_aux_loss: str = "local"
+    moe_capacity_factor: float | None = None
 
     def __post_init__(self):
         if self.batch_dim < 0 or (self.seq_dim is not None and self.seq_dim < 0):
@@ -80,7 +81,8 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
                 bucket_size: int | None = None, grad_reduce_dtype: torch.dtype | None = None,
                 overlap_grad_reduce: bool = True, clip_grad: float | None = None, zero: int = 0,
                 trace_layers_once: bool = True, device: str | torch.device | None = None,
-                strict: bool = False, cp_comm_type: str = "p2p", moe_aux_loss: str = "local") -> "ParallelModel":
+                strict: bool = False, cp_comm_type: str = "p2p", moe_aux_loss: str = "local",
+                moe_capacity_factor: float | None = None) -> "ParallelModel":
     """Compile `model` for every rank of `mesh`.
 
     model(*example_inputs, **example_kwargs) must return the loss (a scalar tensor, or an
@@ -134,6 +136,10 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
     per-expert token counts are each data-parallel rank's own (`moe_aux_loss="local"`,
     Megatron's default) or summed over the data-parallel ranks first ("global", Megatron's
     global aux loss: the loss then equals the single-process loss of the whole batch).
+    Routing is dropless (the single-process model's); `moe_capacity_factor=c` opts into
+    Switch/GShard capacity instead: each expert takes at most ceil(c x k T / E) of each rank's k T
+    copies (the first in token order), the rest dropped -- a change of the model, since which
+    tokens drop depends on how the batch is split; `prog.last_dispatch.dropped` counts them.
 
     Never silent: where fxtron does less than the mesh asks, correctly -- a linear left
     replicated at tp > 1, an op with no sharding rule run replicated on gathered inputs -- it
@@ -158,7 +164,8 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
                       microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
                       split_points=tuple(split_points) if split_points else None, scatter_gather=scatter_gather,
                       trace_layers_once=trace_layers_once, device=device, strict=strict,
-                      cp_comm_type=cp_comm_type, moe_aux_loss=moe_aux_loss)
+                      cp_comm_type=cp_comm_type, moe_aux_loss=moe_aux_loss,
+                      moe_capacity_factor=moe_capacity_factor)
     schedules.check(schedule, mesh.pp, microbatches, virtual_stages)
     options = dataclasses.replace(options, data_parallel=DataParallelOptions(
         bucket_size=bucket_size, grad_reduce_dtype=grad_reduce_dtype, overlap_grad_reduce=overlap_grad_reduce,
@@ -175,6 +182,15 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
                                "sequence over the tp ranks; set tp or drop sequence_parallel")
     if sequence_parallel and seq_dim is None:
         raise ParallelizeError("sequence_parallel=True needs the inputs' sequence dim (seq_dim)")
+    if moe_capacity_factor is not None and (isinstance(moe_capacity_factor, bool) or
+                                            not isinstance(moe_capacity_factor, (int, float)) or
+                                            not moe_capacity_factor > 0):
+        raise ParallelizeError(f"moe_capacity_factor must be a positive number (Switch uses 1.0-1.25) or None for "
+                               f"dropless routing, not {moe_capacity_factor!r}")
+    if moe_capacity_factor is not None and mesh.ep == 1:
+        raise ParallelizeError(f"moe_capacity_factor={moe_capacity_factor} caps what each expert-parallel dispatch "
+                               f"sends an expert, but the mesh has ep=1 (the model runs dropless, as written); use a "
+                               f"mesh with ep > 1 or moe_capacity_factor=None")
     if moe_aux_loss not in ("local", "global"):
         raise ParallelizeError(f"moe_aux_loss must be 'local' or 'global', not {moe_aux_loss!r}")
     if cp_comm_type not in COMM_TYPES:
@@ -386,7 +402,8 @@ class ParallelModel:
             self.traced, self.mesh, rank, plan=self.tp_plan, stage_assignment=self.stage_assignment,
             options=pipeline.CompileOptions(sequence_parallel=o.sequence_parallel, cp_comm_type=o.cp_comm_type,
                                             gradient_accumulation_fusion=o.gradient_accumulation_fusion,
-                                            device=o.device, strict=o.strict, moe_aux_loss=o.moe_aux_loss),
+                                            device=o.device, strict=o.strict, moe_aux_loss=o.moe_aux_loss,
+                                            moe_capacity_factor=o.moe_capacity_factor or 0.0),
             observer=observer)
         fell = _fallback_lines(rg.graphs)
         if fell and not self._warned_fallbacks:
@@ -513,7 +530,10 @@ class ParallelModel:
             counts = sorted({layer.n_experts for layer in layers})
             head += (f"\nexpert parallel: {len(layers)} mixture-of-experts layer(s) of {'/'.join(map(str, counts))} experts "
                      f"over ep={self.mesh.ep} ({'/'.join(str(c // self.mesh.ep) for c in counts)} per rank), tokens "
-                     f"dispatched and combined by all-to-all (dropless); expert gradients reduced over expert-dp "
+                     f"dispatched and combined by all-to-all ("
+                     + ("dropless" if not self.options.moe_capacity_factor else
+                        f"capacity factor {self.options.moe_capacity_factor}: each rank's copies over an expert's "
+                        f"capacity dropped, a change of the model") + "); expert gradients reduced over expert-dp "
                      f"({self.mesh.edp} rank(s)), the rest over {'dp-cp' if self.mesh.cp > 1 else 'dp'} ({dp * self.mesh.cp})")
         per = "microbatch" if self.options.microbatches > 1 else "step"
         axes = "+".join(a for a in ("tp", "cp", "ep") if getattr(self.mesh, a) > 1) or "tp"

@@ -11,12 +11,19 @@ columns and down by rows, the router whole, no op run replicated), tp=2 with seq
 parallel, pp=2 (the layers' summed aux loss crossing the stage boundary as one scalar) and
 dp=2, whose loss -- like Megatron's default, local aux loss -- is the mean over the dp ranks of
 each rank's language-model and aux loss: the reference trains the same halves as microbatches.
-In the same job, ep=2: the dropless dispatch and combine ops (fxtron/ops/ep.py) around the local
+Expert parallel (the pass that finds each MoE layer and dispatches its copies), against one
+process: ep=2 (its collectives' order checked, the routing and the bytes sent after a step
+checked against the single-process routing), ep=2 on 4 ranks with clipping (experts reduced
+over expert-dp), ep=4, ep=4 with a routing so scarce every rank sends some experts nothing,
+ep=2 x pp=2, ep=2 with zero=1, ep=2 x tp=2 with sequence parallel, the global aux loss (ep=2
+and dp=2 against the whole batch), and capacity-factor routing against an independent capped
+reference. In the same job, ep=2: the dropless dispatch and combine ops (fxtron/ops/ep.py) around the local
 experts' grouped GEMM equal all experts on one rank in float64, forward and backward, with
 uneven token counts and an expert that receives nothing from a rank.
 """
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -26,7 +33,7 @@ import torch.nn.functional as F
 import fxtron
 from fxtron.models import build, example_inputs
 from fxtron.ops import registry
-from fxtron.models.moe import MoEConfig, MoETransformer, SparseMoE, grouped_mm, switch_aux_loss
+from fxtron.models.moe import Experts, MoEConfig, MoETransformer, SparseMoE, grouped_mm, switch_aux_loss
 from fxtron.testing import assert_trains_like, ranks_of, reference_training, run_cases, train_program
 
 CFG = MoEConfig(vocab_size=128, max_seq_len=64, n_layer=2, n_head=4, n_kv_head=2, dim=32, ffn_dim=48,
@@ -139,10 +146,13 @@ CASES = {"tp2": (dict(tp=2), {}), "tp2-sp": (dict(tp=2), dict(sequence_parallel=
          # each ep rank's experts split over tp too (Megatron's expert-tp), tokens on sequence shards
          "ep2-tp2-sp": (dict(ep=2, tp=2), dict(sequence_parallel=True)),
          # Megatron's global aux loss: tokens per expert summed over dp, so the loss is the whole batch's
-         "ep2-global": (dict(ep=2), dict(moe_aux_loss="global")), "dp2-global": ({}, dict(moe_aux_loss="global"))}
+         "ep2-global": (dict(ep=2), dict(moe_aux_loss="global")), "dp2-global": ({}, dict(moe_aux_loss="global")),
+         # capacity-factor routing (opt-in, a change of the model): each expert takes at most ceil(c k T / E)
+         # of a rank's copies; the reference caps each rank's piece the same way (CappedExperts)
+         "ep2-cap": (dict(ep=2), dict(moe_capacity_factor=1.0))}
 #: the batch's pieces each case trains on as one process would: dp ranks' (and microbatches') losses
 #: averaged, each with its own aux loss
-PIECES = {"dp2": 2, "pp2": 2, "ep2": 2, "ep2-clip": 4, "ep4": 4, "ep4-skew": 4, "ep2-pp2": 4, "ep2-zero": 4, "ep2-tp2-sp": 2}
+PIECES = {"ep2-cap": 2, "dp2": 2, "pp2": 2, "ep2": 2, "ep2-clip": 4, "ep4": 4, "ep4-skew": 4, "ep2-pp2": 4, "ep2-zero": 4, "ep2-tp2-sp": 2}
 FOUR = ("ep2-clip", "ep4", "ep4-skew", "ep2-pp2", "ep2-zero", "ep2-tp2-sp")     # cases of the 4-process job
 
 
@@ -179,6 +189,14 @@ def _run(rank, mesh, key):
                 grads, load, sent = prog.full_grads(), prog.expert_load(), prog.last_dispatch.bytes_sent
         return {"losses": losses, "grads": grads, "state": prog.full_state_dict(), "load": load, "sent": sent,
                 "checked": ledger.stats()["checked"] - before}
+    if key == "ep2-cap":          # the copies dropped over capacity, per step
+        opt, dropped, losses = _opt(prog.parameters()), [], []
+        for step, (args, kw) in enumerate(batches):
+            losses.append(prog.train_step(args, opt, kwargs=kw))
+            dropped.append(sum(prog.last_dispatch.dropped.values()))
+            if step == 0:
+                grads = prog.full_grads()
+        return {"losses": losses, "grads": grads, "state": prog.full_state_dict(), "dropped": dropped}
     if key == "ep4-skew":         # the copies this rank's tokens sent each expert, per layer
         out = train_program(prog, batches, _opt(prog.parameters()))
         return {**out, "sent": [c.clone() for c in prog.last_dispatch.copies.values()]}
@@ -265,19 +283,52 @@ def test_ep_dispatch_and_combine_equal_all_experts_on_one_rank(trained):
     assert sum(o["received"] for o in out) == (7 + 10) * K
 
 
+class CappedExperts(Experts):
+    """The capacity-factor reference, written independently of ops/ep.py: the experts of one
+    piece (one rank's tokens) run on every copy, then each expert's copies past the first
+    ceil(c x copies / E) (in their sorted order) give zero -- as if never sent."""
+
+    capacity = 1.0
+
+    def forward(self, x, offs):
+        out = super().forward(x, offs)
+        ends = offs.tolist()
+        cap = math.ceil(self.capacity * x.shape[0] / len(ends))
+        keep = torch.zeros(x.shape[0], 1, dtype=out.dtype)
+        start = 0
+        for end in ends:
+            keep[start:min(end, start + cap)] = 1
+            self.dropped += max(0, end - start - cap)
+            start = end
+        return out * keep
+
+
+def _capped(model):
+    for layer in model.layers:
+        capped = CappedExperts(CFG)
+        capped.load_state_dict(layer.mlp.experts.state_dict())
+        capped.dropped = 0
+        layer.mlp.experts = capped
+    return model
+
+
 @pytest.mark.parametrize("key", list(CASES))
 def test_trains_like_one_process(trained, key):
     # dp ranks and microbatches: each piece's loss (and aux) on its own, as gradient accumulation
     n = PIECES.get(key, 1)
     clip = CASES[key][1].get("clip_grad")
     steps = _steps(key)
-    ref = reference_training(_model(key), [_pieces(s, n) for s in steps] if n > 1 else steps, _opt, clip_grad=clip)
+    model = _capped(_model(key)) if key == "ep2-cap" else _model(key)
+    ref = reference_training(model, [_pieces(s, n) for s in steps] if n > 1 else steps, _opt, clip_grad=clip)
     axes = CASES[key][0]
     mesh = fxtron.Mesh(4 if key in FOUR else 2, **axes)
     for rank, got in enumerate(ranks_of(trained, mesh, key)):
         assert_trains_like(got, ref, rank=rank)
         if clip is not None:                 # the norm: dense over tp-pp, experts over tp-ep-pp
             assert abs(got["norm"] - ref["norms"][-1]) < 1e-5 * ref["norms"][-1], (got["norm"], ref["norms"])
+        if key == "ep2-cap":        # copies really dropped, as many as the reference's caps dropped
+            want = sum(layer.mlp.experts.dropped for layer in model.layers)
+            assert sum(o["dropped"][0] + o["dropped"][1] for o in ranks_of(trained, mesh, key)) == want > 0
         if key == "ep4-skew":
             assert any((c == 0).any() for c in got["sent"]), got["sent"]      # some expert got nothing from here
         if "checked" in got:

@@ -222,9 +222,11 @@ def ep_layout(gm: fx.GraphModule, *, strict: bool = False) -> AxisLayout:
     return AxisLayout(AXIS, params=params, strict=strict)
 
 
-def dispatch_experts(gm: fx.GraphModule, ep: int) -> fx.GraphModule:
+def dispatch_experts(gm: fx.GraphModule, ep: int, capacity: float = 0.0) -> fx.GraphModule:
     """Rewrite every MoE layer (module docstring): dispatch before its experts, combine after,
-    the experts' GEMMs on the rank's local experts. Edits gm in place and returns it."""
+    the experts' GEMMs on the rank's local experts; with a capacity factor (> 0) each expert
+    takes at most ceil(capacity x copies / E) of each rank's copies, the rest dropped (ops/ep.py).
+    Edits gm in place and returns it."""
     g = gm.graph
     for layer in check_experts(gm, ep):
         copies = next(iter(layer.entry))
@@ -232,7 +234,8 @@ def dispatch_experts(gm: fx.GraphModule, ep: int) -> fx.GraphModule:
         first = min(layer.region, key=_order(g))
         with g.inserting_before(first):
             rows_n = g.call_function(aten.sym_size.int, (copies, 0))
-            dispatch = g.call_function(torch.ops.fxtron.ep_dispatch.default, (copies, layer.offs, AXIS, ep, layer.name))
+            dispatch = g.call_function(torch.ops.fxtron.ep_dispatch.default, (copies, layer.offs, AXIS, ep, layer.name,
+                                                                                      float(capacity)))
             rows = g.call_function(operator.getitem, (dispatch, 0))
             local_offs = g.call_function(operator.getitem, (dispatch, 1))
             counts = g.call_function(operator.getitem, (dispatch, 2))
@@ -258,7 +261,8 @@ def dispatch_experts(gm: fx.GraphModule, ep: int) -> fx.GraphModule:
         _refake(sorted(layer.region, key=_order(g)), mode, local_w)
         users = [u for u in out.users if u not in layer.region]
         with g.inserting_after(out):
-            combine = g.call_function(torch.ops.fxtron.ep_combine.default, (out, layer.offs, counts, rows_n, AXIS, ep))
+            combine = g.call_function(torch.ops.fxtron.ep_combine.default,
+                                      (out, layer.offs, counts, rows_n, AXIS, ep, float(capacity)))
         ov = out.meta["val"]
         with mode:
             combine.meta["val"] = ov.new_empty((cv.shape[0], *ov.shape[1:]))
