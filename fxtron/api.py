@@ -329,8 +329,21 @@ class ParallelModel:
         return assign_stages(self.traced, pp=self.mesh.pp, virtual=self.options.virtual_stages,
                              split_points=list(self.options.split_points) if self.options.split_points else None)
 
+    def _ep_tp_note(self) -> str:
+        """What ep x tp costs beyond Megatron (empty without both)."""
+        if self.mesh.ep == 1 or self.mesh.tp == 1:
+            return ""
+        return (f"at ep={self.mesh.ep} x tp={self.mesh.tp} every tp rank dispatches the tokens whole over tp (gathered "
+                f"from sequence shards under sequence parallel), so each all-to-all carries {self.mesh.tp}x the bytes "
+                f"of Megatron's, which dispatches each tp rank's S/tp tokens and gathers the received rows over tp")
+
     def _check_plan(self) -> None:
-        """Warn (strict: raise) when the tp plan leaves linears replicated that Megatron would split."""
+        """Warn (strict: raise) when the tp plan leaves linears replicated that Megatron would split,
+        and when expert parallel under tp moves more than Megatron's dispatcher."""
+        if self._ep_tp_note():
+            if self.options.strict:
+                raise ParallelizeError(self._ep_tp_note() + "; use tp=1 with ep, or strict=False")
+            warnings.warn(self._ep_tp_note(), ParallelizeWarning, stacklevel=3)
         plan = self.tp_plan
         loud = plan.unsplit() if plan is not None else {}
         if not loud:
@@ -535,6 +548,8 @@ class ParallelModel:
                         f"capacity factor {self.options.moe_capacity_factor}: each rank's copies over an expert's "
                         f"capacity dropped, a change of the model") + "); expert gradients reduced over expert-dp "
                      f"({self.mesh.edp} rank(s)), the rest over {'dp-cp' if self.mesh.cp > 1 else 'dp'} ({dp * self.mesh.cp})")
+            if self._ep_tp_note():
+                head += f"; {self._ep_tp_note()}"
         per = "microbatch" if self.options.microbatches > 1 else "step"
         axes = "+".join(a for a in ("tp", "cp", "ep") if getattr(self.mesh, a) > 1) or "tp"
         headers = ["rank", "coords", "params", "param bytes", f"{axes} collectives / {per}", f"{axes} wire bytes / {per}",

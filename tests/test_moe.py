@@ -34,7 +34,7 @@ import fxtron
 from fxtron.models import build, example_inputs
 from fxtron.ops import registry
 from fxtron.models.moe import Experts, MoEConfig, MoETransformer, SparseMoE, grouped_mm, switch_aux_loss
-from fxtron.testing import assert_trains_like, ranks_of, reference_training, run_cases, train_program
+from fxtron.testing import assert_trains_like, max_abs_diff, ranks_of, reference_training, run_cases, train_program
 
 CFG = MoEConfig(vocab_size=128, max_seq_len=64, n_layer=2, n_head=4, n_kv_head=2, dim=32, ffn_dim=48,
                 n_experts=4, top_k=2, shared_ffn_dim=32, aux_loss_coef=0.05)
@@ -149,10 +149,12 @@ CASES = {"tp2": (dict(tp=2), {}), "tp2-sp": (dict(tp=2), dict(sequence_parallel=
          "ep2-global": (dict(ep=2), dict(moe_aux_loss="global")), "dp2-global": ({}, dict(moe_aux_loss="global")),
          # capacity-factor routing (opt-in, a change of the model): each expert takes at most ceil(c k T / E)
          # of a rank's copies; the reference caps each rank's piece the same way (CappedExperts)
-         "ep2-cap": (dict(ep=2), dict(moe_capacity_factor=1.0))}
+         "ep2-cap": (dict(ep=2), dict(moe_capacity_factor=1.0)),
+         # mixed precision: bf16 compute copies, fp32 main weights and gradients (the 16-bit policy's tolerances)
+         "ep2-bf16": (dict(ep=2), dict(dtype=torch.bfloat16))}
 #: the batch's pieces each case trains on as one process would: dp ranks' (and microbatches') losses
 #: averaged, each with its own aux loss
-PIECES = {"ep2-cap": 2, "dp2": 2, "pp2": 2, "ep2": 2, "ep2-clip": 4, "ep4": 4, "ep4-skew": 4, "ep2-pp2": 4, "ep2-zero": 4, "ep2-tp2-sp": 2}
+PIECES = {"ep2-cap": 2, "ep2-bf16": 2, "dp2": 2, "pp2": 2, "ep2": 2, "ep2-clip": 4, "ep4": 4, "ep4-skew": 4, "ep2-pp2": 4, "ep2-zero": 4, "ep2-tp2-sp": 2}
 FOUR = ("ep2-clip", "ep4", "ep4-skew", "ep2-pp2", "ep2-zero", "ep2-tp2-sp")     # cases of the 4-process job
 
 
@@ -319,10 +321,20 @@ def test_trains_like_one_process(trained, key):
     clip = CASES[key][1].get("clip_grad")
     steps = _steps(key)
     model = _capped(_model(key)) if key == "ep2-cap" else _model(key)
-    ref = reference_training(model, [_pieces(s, n) for s in steps] if n > 1 else steps, _opt, clip_grad=clip)
+    dtype = CASES[key][1].get("dtype")
+    ref = reference_training(model, [_pieces(s, n) for s in steps] if n > 1 else steps, _opt, clip_grad=clip,
+                             dtype=dtype)
     axes = CASES[key][0]
     mesh = fxtron.Mesh(4 if key in FOUR else 2, **axes)
     for rank, got in enumerate(ranks_of(trained, mesh, key)):
+        if dtype is not None:             # test_mixed_precision's tolerances of the 16-bit policy
+            assert all(abs(a - b) <= 2.0**-6 * abs(b) for a, b in zip(got["losses"], ref["losses"])), got["losses"]
+            gmax = max(g.abs().max().item() for g in ref["grads"].values())
+            dg, where = max_abs_diff(got["grads"], ref["grads"])
+            assert dg <= 2.0**-5 * gmax, f"rank {rank}: gradient of {where} off by {dg:.3g} (max {gmax:.3g})"
+            dw, where = max_abs_diff(got["state"], {k: v for k, v in ref["state"].items() if k in got["state"]})
+            assert dw <= 2 * len(steps) * 1e-3, f"rank {rank}: weight {where} off by {dw:.3g}"
+            continue
         assert_trains_like(got, ref, rank=rank)
         if clip is not None:                 # the norm: dense over tp-pp, experts over tp-ep-pp
             assert abs(got["norm"] - ref["norms"][-1]) < 1e-5 * ref["norms"][-1], (got["norm"], ref["norms"])
