@@ -204,12 +204,8 @@ def sum_aux_statistics(gm: fx.GraphModule) -> fx.GraphModule:
     tokens per rank). Edits gm in place and returns it."""
     g = gm.graph
     for counts, users in aux_statistics(gm):
-        with g.inserting_after(counts):
-            total = g.call_function(torch.ops.fxtron.all_reduce.default, (counts, "dp"))
-        total.meta["val"] = counts.meta["val"]
-        _inherit(total, counts, "tokens per expert summed over the data-parallel ranks (global aux loss)")
-        for u in users:
-            u.replace_input_with(counts, total)
+        _reroute(g, counts, users, torch.ops.fxtron.all_reduce.default, (counts, "dp"), counts.meta["val"],
+                 "tokens per expert summed over the data-parallel ranks (global aux loss)")
     g.lint()
     gm.recompile()
     return gm
@@ -259,19 +255,26 @@ def dispatch_experts(gm: fx.GraphModule, ep: int, capacity: float = 0.0) -> fx.G
                 n.args = tuple(rows if a is copies else a for a in n.args)
         local_w = {gemm.args[1]: gemm.args[1].meta["val"].narrow(0, 0, local) for gemm in layer.gemms}
         _refake(sorted(layer.region, key=_order(g)), mode, local_w)
-        users = [u for u in out.users if u not in layer.region]
-        with g.inserting_after(out):
-            combine = g.call_function(torch.ops.fxtron.ep_combine.default,
-                                      (out, layer.offs, counts, rows_n, AXIS, ep, float(capacity)))
-        ov = out.meta["val"]
         with mode:
-            combine.meta["val"] = ov.new_empty((cv.shape[0], *ov.shape[1:]))
-        _inherit(combine, out, "the experts' rows back to the ranks of their tokens")
-        for u in users:
-            u.replace_input_with(out, combine)
+            back = out.meta["val"].new_empty((cv.shape[0], *out.meta["val"].shape[1:]))
+        _reroute(g, out, [u for u in out.users if u not in layer.region], torch.ops.fxtron.ep_combine.default,
+                 (out, layer.offs, counts, rows_n, AXIS, ep, float(capacity)), back,
+                 "the experts' rows back to the ranks of their tokens")
     g.lint()
     gm.recompile()
     return gm
+
+
+def _reroute(g: fx.Graph, node: fx.Node, users: list[fx.Node], target, args: tuple, val, why: str) -> fx.Node:
+    """A call of `target` right after `node`, with fake value `val`, that `users` read instead
+    of `node`."""
+    with g.inserting_after(node):
+        new = g.call_function(target, args)
+    new.meta["val"] = val
+    _inherit(new, node, why)
+    for u in users:
+        u.replace_input_with(node, new)
+    return new
 
 
 def _order(g: fx.Graph):
