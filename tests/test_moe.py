@@ -257,14 +257,45 @@ def _ep_ops(rank, mesh):
             "issued": [b - a for a, b in zip(issued, issued[1:])]}
 
 
+# transformers' MoE models (experts as fused 3-D weights run by their grouped_mm), expert parallel
+HF = {"hf-mixtral-ep2": ("hf-mixtral", dict(ep=2), {})}     # (Qwen3-MoE at ep=2 x tp=2: tests/test_checkpoint.py)
+
+
+def _hf_steps(name):
+    from tp_models import batch
+    return [batch(name, 4, 12, 20), batch(name, 4, 10, 21)]
+
+
+def _hf_pieces(item, n):
+    _, kw = item
+    k = 4 // n
+    return fxtron.Microbatches([((), {a: t[i * k:(i + 1) * k] for a, t in kw.items()}) for i in range(n)])
+
+
+def _hf_run(rank, mesh, key):
+    from tp_models import batch, make
+    name, _, kw = HF[key]
+    a, ex = batch(name, 2, 8, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxtron.ParallelizeWarning)
+        torch.manual_seed(0)
+        pm = fxtron.parallelize(make(name), mesh, example_inputs=a, example_kwargs=ex, **kw)
+    prog = pm.program(rank)
+    return train_program(prog, _hf_steps(name), _opt(prog.parameters()))
+
+
 def _dispatch_case(rank, mesh, key):
+    if key in HF:
+        return _hf_run(rank, mesh, key)
     return _ep_ops(rank, mesh) if key == "ep-ops" else _run(rank, mesh, key)
 
 
 @pytest.fixture(scope="module")
 def trained():
     jobs = [(fxtron.Mesh(2, **axes), [key]) for key, (axes, _) in CASES.items() if key not in FOUR] + [(EP, ["ep-ops"])]
-    return run_cases({2: jobs, 4: [(fxtron.Mesh(4, **CASES[k][0]), [k]) for k in FOUR]}, _dispatch_case,
+    jobs += [(fxtron.Mesh(2, **HF[k][1]), [k]) for k in HF]
+    four = [(fxtron.Mesh(4, **CASES[k][0]), [k]) for k in FOUR]
+    return run_cases({2: jobs, 4: four}, _dispatch_case,
                      check_collectives=True)
 
 
@@ -372,3 +403,15 @@ def test_ep_reports_the_routing_and_the_bytes_it_sent(trained):
             assert torch.equal(got["load"][f"layers.{i}.mlp.experts"], whole[i].to(torch.int64)), (rank, i)
         rows = 2 * (bound[rank] + bound[1 - rank])
         assert got["sent"] == rows * CFG.dim * 4 + CFG.n_layer * 2 * local * 8, (rank, got["sent"], bound)
+
+
+@pytest.mark.parametrize("key", list(HF))
+def test_transformers_moe_trains_like_one_process(trained, key):
+    """Mixtral at ep=2 (dp=2) against the unmodified model training the same halves
+    (transformers' load-balancing loss is off by default)."""
+    from tp_models import make
+    name, axes, _ = HF[key]
+    torch.manual_seed(0)
+    ref = reference_training(make(name), [_hf_pieces(s, 2) for s in _hf_steps(name)], _opt)
+    for rank, got in enumerate(ranks_of(trained, fxtron.Mesh(2, **axes), key)):
+        assert_trains_like(got, ref, rank=rank)
