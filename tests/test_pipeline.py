@@ -78,6 +78,7 @@ def _run_case(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
             "order_peak": schedules.in_flight(runner.actions, case.schedule == "zb-h1"),
             "bound": schedules.in_flight_bound(case.schedule, mesh.pp, case.m, pp_rank, case.v),
             "sent": runner.p2p.bytes_sent if runner.p2p is not None else 0,
+            "freed": runner.freed_bytes,
             "events": [e.kind for e in prog.timeline()]}
 
 
@@ -177,3 +178,15 @@ def test_stage_boundary_bytes(results):
     case = next(c for m, c in CASES if m == mesh_key and c.kw.get("scatter_gather") and not c.varying)
     for res in ranks_of(results, mesh_key, case):
         assert res["sent"] == sum(per_step) // 2
+
+
+def test_sent_outputs_are_released(results):
+    """Megatron's deallocate_pipeline_outputs: once stage 0 of pp=2 (GPT, hidden 64, fp32) has
+    posted a microbatch's output, its data is released and the tensor kept only as autograd's
+    root (the equivalence tests hold with it): the last step frees every microbatch's b x s x h
+    output, the whole batch's; the last stage sends none."""
+    mesh_key = str(fxtron.Mesh(2, pp=2))
+    case = next(c for m, c in CASES if m == mesh_key and c.name == "gpt" and c.schedule == "1f1b" and not c.varying)
+    first, last = ranks_of(results, mesh_key, case)
+    assert first["freed"] == BATCH * SEQS[-1] * 64 * 4, first["freed"]
+    assert last["freed"] == 0

@@ -9,6 +9,12 @@ send_forward_recv_backward and send_backward_recv_forward fall out of the order.
 
 Every action is recorded with its start and end (seconds from the step's start), and so is
 every wait for a message, so the timeline of the step can be drawn and its bubble measured.
+
+A stage's outputs, once posted to the next stage, are kept only as autograd's roots: their data
+is released (Megatron's deallocate_pipeline_outputs), so a rank holds each in-flight
+microbatch's boundary activation once -- in the send buffer until it is sent -- not again in
+`saved` until its backward; the backward runs the engine from those roots with the received
+gradients (which have the outputs' shapes), as Megatron's custom_backward does.
 """
 from __future__ import annotations
 
@@ -72,6 +78,7 @@ class StageRunner:
         self.out_slots = [slots(s, s.outputs) for s in stages]
         self.events: list[Event] = []
         self.peak_in_flight = 0
+        self.freed_bytes = 0      # output data released once sent, last step
 
     def _needs(self, a: Action) -> list[tuple]:
         st = self.stages[a.chunk]
@@ -91,6 +98,7 @@ class StageRunner:
         """Run the step on this rank's microbatches (flat user inputs each); the sum over
         microbatches of loss / microbatches on the rank holding the last stage, else None."""
         self.events = []
+        self.freed_bytes = 0
         t0 = time.perf_counter()
         saved: dict[tuple[int, int], tuple] = {}
         deferred: dict[tuple[int, int], WgradQueue] = {}
@@ -132,7 +140,7 @@ class StageRunner:
                     else:
                         pairs = [(o, g) for o, g in zip(_floating_values(outs), grads) if o.requires_grad]
                         if pairs:
-                            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                            _backward([o for o, _ in pairs], [g for _, g in pairs])
                 if self.zero_bubble:
                     deferred[key] = queue
                 else:
@@ -155,10 +163,32 @@ class StageRunner:
                     if sends:
                         self.events.append(Event("send", a.microbatch, a.chunk, st.index, start,
                                                  time.perf_counter() - t0))
+                if a.kind == "F" and st.outputs:     # posted: the send holds the data, autograd the root
+                    self.freed_bytes += sum(_deallocate(o) for o in saved[key][1])
         if self.p2p is not None:
             self.p2p.finish()
         assert not saved and not deferred, "schedule left microbatches unfinished"
         return loss_sum
+
+
+def _deallocate(out: torch.Tensor) -> int:
+    """Release a sent output's data, keeping the tensor as autograd's root (Megatron's
+    deallocate_output_tensor): only an output that owns its storage (not a view, which would
+    free nothing) and carries a gradient. The bytes released."""
+    if not (out.is_floating_point() and out.requires_grad and out._base is None and out.numel() > 1):
+        return 0
+    freed = out.numel() * out.element_size()
+    out.data = torch.empty((1,), dtype=out.dtype, device=out.device)
+    return freed
+
+
+def _backward(outs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """Backward from the stage's outputs with the received gradients: the engine itself, as
+    Megatron's custom_backward calls it -- torch.autograd.backward would compare each gradient
+    with its output's shape, whose data is released (the engine checks the shape the output
+    had when it was made)."""
+    from torch.autograd.graph import _engine_run_backward   # what torch.autograd.backward calls after its checks
+    _engine_run_backward(tuple(outs), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True)
 
 
 def _floating(slot_list: list[Slot]) -> list[Slot]:
