@@ -23,7 +23,6 @@ others: 1/dp). Times are never asserted; the losses of all four must agree.
 from __future__ import annotations
 
 import statistics
-import time
 
 import pytest
 import torch
@@ -31,7 +30,7 @@ import torch.distributed as dist
 
 import fxtron
 from fxtron.models.gpt import GPT, GPTConfig
-from replay import ReplayTimer, noop, token_batches
+from replay import ReplayTimer, interleaved, noop, token_batches
 
 CFG = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256)
 BATCH, SEQ = 8, 64
@@ -54,20 +53,9 @@ def _job(rank: int, mesh: fxtron.Mesh) -> dict:
         pm = fxtron.parallelize(GPT(CFG), mesh, example_inputs=data[0], **kw)
         progs[name] = pm.program(rank)
         opts[name] = torch.optim.AdamW(progs[name].parameters(), lr=1e-3)
-    losses = {n: [] for n in SYSTEMS}
-    times = {n: [] for n in SYSTEMS}
-    for name in SYSTEMS:
-        for step in range(WARMUP):
-            losses[name].append(progs[name].train_step(data[step % len(data)], opts[name]))
-    order = list(SYSTEMS)
-    for r in range(ROUNDS):
-        order = order[1:] + order[:1]
-        for name in order:
-            for i in range(STEPS_PER_ROUND):
-                dist.barrier()
-                t0 = time.perf_counter()
-                losses[name].append(progs[name].train_step(data[(WARMUP + r * STEPS_PER_ROUND + i) % len(data)], opts[name]))
-                times[name].append(time.perf_counter() - t0)
+    run = {name: (lambda b, name=name: progs[name].train_step(b, opts[name])) for name in SYSTEMS}
+    losses, times = interleaved(run, data, warmup=WARMUP, rounds=ROUNDS, steps_per_round=STEPS_PER_ROUND,
+                                sync=dist.barrier)
     out = {"times": times, "losses": losses, "info": {}}
     for name, prog in progs.items():
         buf = prog.grad_buffer

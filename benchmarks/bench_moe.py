@@ -24,7 +24,6 @@ both must agree.
 from __future__ import annotations
 
 import statistics
-import time
 
 import pytest
 import torch
@@ -32,7 +31,7 @@ import torch.distributed as dist
 
 import fxtron
 from fxtron.models.moe import MoEConfig, MoETransformer
-from replay import ReplayTimer, noop, token_batches
+from replay import ReplayTimer, interleaved, noop, token_batches
 
 CFG = MoEConfig(vocab_size=256, max_seq_len=128, n_layer=4, n_head=4, n_kv_head=2, dim=128, ffn_dim=256,
                 n_experts=8, top_k=2, shared_ffn_dim=256, aux_loss_coef=0.01)
@@ -73,22 +72,9 @@ def _job(rank: int, mesh: fxtron.Mesh) -> dict:
         return loss
 
     info = {"sent": [], "imbalance": []}
-    run = {"ep2": parallel, "single_process": single}
-    losses = {s: [] for s in SYSTEMS}
-    times = {s: [] for s in SYSTEMS}
-    for name in SYSTEMS:
-        for step in range(WARMUP):
-            losses[name].append(run[name](data[step % len(data)]))
-    order = list(SYSTEMS)
-    for r in range(ROUNDS):
-        order = order[1:] + order[:1]
-        for name in order:
-            for i in range(STEPS_PER_ROUND):
-                dist.barrier()
-                t0 = time.perf_counter()
-                losses[name].append(run[name](data[(WARMUP + r * STEPS_PER_ROUND + i) % len(data)]))
-                times[name].append(time.perf_counter() - t0)
-                dist.barrier()                 # rank 1 idles here while rank 0 runs one process
+    # rank 1 idles in the barrier after each step while rank 0 runs one process
+    losses, times = interleaved({"ep2": parallel, "single_process": single}, data, warmup=WARMUP, rounds=ROUNDS,
+                                steps_per_round=STEPS_PER_ROUND, sync=dist.barrier, after=dist.barrier)
     recs = [r for r in pm.collectives(rank) if r.kind == "all_to_all"]
     per_rank = BATCH // mesh.dp
     formula = sum(r.evaluate(per_rank, SEQ)[1] for r in recs)

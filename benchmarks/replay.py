@@ -67,3 +67,30 @@ def token_batches(vocab: int, batch: int, seq: int, n: int = 3, seed: int = 1) -
         ids = torch.randint(0, vocab, (batch, seq + 1), generator=g)
         out.append((ids[:, :-1].clone(), ids[:, 1:].clone()))
     return out
+
+
+def interleaved(run: dict, batches: list, *, warmup: int, rounds: int, steps_per_round: int, sync=None,
+                after=None) -> tuple[dict, dict]:
+    """Each system's steps (run: name -> step(batch) -> loss) after `warmup` untimed ones, timed
+    in `rounds` blocks of `steps_per_round`, the systems' order rotating every round so load on
+    the machine falls on all alike; `sync()` before and `after()` after every timed step (a
+    barrier across ranks). Returns (losses, step times in seconds) by system."""
+    import time
+    losses = {n: [] for n in run}
+    times = {n: [] for n in run}
+    for name, step in run.items():
+        for i in range(warmup):
+            losses[name].append(step(batches[i % len(batches)]))
+    order = list(run)
+    for r in range(rounds):
+        order = order[1:] + order[:1]
+        for name in order:
+            for i in range(steps_per_round):
+                if sync is not None:
+                    sync()
+                t0 = time.perf_counter()
+                losses[name].append(run[name](batches[(warmup + r * steps_per_round + i) % len(batches)]))
+                times[name].append(time.perf_counter() - t0)
+                if after is not None:
+                    after()
+    return losses, times

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -208,7 +209,7 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
         raise ParallelizeError(
             f"expert parallel composes with tensor, data and pipeline parallel in this build; the mesh asks for "
             f"ep={mesh.ep} with tp={mesh.tp}, cp={mesh.cp} (the experts' tokens split over cp are not built yet). "
-            f"Use Mesh(world_size={mesh.world_size // mesh.cp}, ep={mesh.ep}, tp={mesh.tp}, pp={mesh.pp}) or ep=1")
+            f"Use cp=1 -- Mesh(world_size={mesh.world_size}, ep={mesh.ep}, tp={mesh.tp}, pp={mesh.pp}) -- or ep=1")
     # a 16-bit program is traced in 16 bits (casts such as a norm's .float() ... .type_as(x) only
     # mean something then), on a meta replica so the model's weights are never copied
     if isinstance(example_inputs, (tuple, list, torch.Tensor)) and isinstance(batch_dim, int) and batch_dim >= 0:
@@ -229,13 +230,6 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
     pm._check_plan()
     pm.stage_assignment            # a bad stage cut is an error now, not at the first program
     return pm
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _tensors(args, kwargs) -> list[torch.Tensor]:
@@ -493,7 +487,7 @@ class ParallelModel:
             tp_wire = sum((r.wire_bytes for r in recs), sympy.Integer(0))
             if batch is not None and seq is not None:
                 tp_wire = _fmt_bytes(int(sum(r.evaluate(batch, seq)[1] for r in recs)))
-            expert_bytes = sum(_numel(p.local_shape) * p.dtype.itemsize for p in rg.local.values()
+            expert_bytes = sum(math.prod(p.local_shape) * p.dtype.itemsize for p in rg.local.values()
                                if p.grad_group == "expert-dp")
             d, e = dp * self.mesh.cp, self.mesh.edp   # the dp-cp group reduces the gradients, expert-dp the experts'
             # ring all-reduces of the gradients

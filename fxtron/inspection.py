@@ -206,7 +206,7 @@ _VIEWS = {"view", "reshape", "_unsafe_view", "transpose", "permute", "expand", "
 
 
 def _activation_bytes(rg, sub) -> int:
-    from fxtron.compiler.report import uniform_routing
+    from fxtron.compiler.report import assume_uniform, uniform_routing
     total = 0
     for g in rg.graphs:
         uniform = uniform_routing(g)         # rows an expert-parallel dispatch received: as many as sent
@@ -223,5 +223,5 @@ def _activation_bytes(rg, sub) -> int:
             n = sympy.Integer(1)
             for d in shape:
                 n *= sympy.sympify(d)
-            total += int(n.subs(uniform).subs(sub)) * val.dtype.itemsize
+            total += int(assume_uniform(n, uniform).subs(sub)) * val.dtype.itemsize
     return total

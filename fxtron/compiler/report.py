@@ -110,8 +110,8 @@ def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRec
                 ranks=ranks, shape=tuple(shape), payload_bytes=sympy.simplify(comm.count * nbytes),
                 wire_bytes=sympy.simplify(comm.count * factor * nbytes), module=meta.get(node, meta.MODULE) or ""))
     if uniform:
-        out = [dataclasses.replace(r, payload_bytes=sympy.simplify(sympy.sympify(r.payload_bytes).subs(uniform)),
-                                   wire_bytes=sympy.simplify(sympy.sympify(r.wire_bytes).subs(uniform)))
+        out = [dataclasses.replace(r, payload_bytes=sympy.simplify(assume_uniform(r.payload_bytes, uniform)),
+                                   wire_bytes=sympy.simplify(assume_uniform(r.wire_bytes, uniform)))
                for r in out]
     return out
 
@@ -119,16 +119,21 @@ def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRec
 def uniform_routing(gm: fx.GraphModule) -> dict:
     """The rows an expert-parallel dispatch receives are data-dependent (unbacked sizes u0,
     u1, ...); the formulas assume uniform routing, where a rank receives as many copies as it
-    sends: {u: the dispatched copies' local rows}."""
+    sends: {u's name: the dispatched copies' local rows}. `assume_uniform` substitutes it."""
     out = {}
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target == torch.ops.fxtron.ep_dispatch.default:
             rows = node.meta["val"][0].shape[0]
             sent = meta.get(node.args[0], meta.LOCAL_SHAPE)
             if isinstance(rows, torch.SymInt) and sent:
-                out[sympy.Symbol(str(rows.node.expr), integer=True)] = sent[0]
-                out[sympy.Symbol(str(rows.node.expr))] = sent[0]
+                out[str(rows.node.expr)] = sent[0]
     return out
+
+
+def assume_uniform(expr, uniform: dict):
+    """`expr` with every received-rows symbol replaced as `uniform` (uniform_routing) says."""
+    expr = sympy.sympify(expr)
+    return expr.subs({s: uniform[s.name] for s in expr.free_symbols if s.name in uniform}) if uniform else expr
 
 
 def format_collectives(records: list[CollectiveRecord], *, batch: int | None = None, seq: int | None = None) -> str:
