@@ -35,7 +35,7 @@ from fxtron.runtime import groups as G
 from fxtron.runtime import schedules
 from fxtron.runtime.buffers import DataParallelOptions
 from fxtron.passes.context_parallel import COMM_TYPES
-from fxtron.passes.expert_parallel import aux_statistics, check_experts, moe_layers
+from fxtron.passes.expert_parallel import aux_statistics, check_experts, moe_layers, unshared
 from fxtron.runtime.build import build_program
 from fxtron.runtime.program import PipelineOptions, Program
 
@@ -324,12 +324,17 @@ class ParallelModel:
                              split_points=list(self.options.split_points) if self.options.split_points else None)
 
     def _ep_tp_note(self) -> str:
-        """What ep x tp costs beyond Megatron (empty without both)."""
+        """What ep x tp costs beyond Megatron: the layers whose tp ranks dispatch the copies whole
+        (empty without both, or when every layer dispatches shares, Megatron's order)."""
         if self.mesh.ep == 1 or self.mesh.tp == 1:
             return ""
-        return (f"at ep={self.mesh.ep} x tp={self.mesh.tp} every tp rank dispatches the tokens whole over tp (gathered "
-                f"from sequence shards under sequence parallel), so each all-to-all carries {self.mesh.tp}x the bytes "
-                f"of Megatron's, which dispatches each tp rank's S/tp tokens and gathers the received rows over tp")
+        whole = {layer.name: why for layer in moe_layers(self.traced)
+                 if (why := unshared(layer, self.tp_plan)) is not None}
+        if not whole:
+            return ""
+        return (f"at ep={self.mesh.ep} x tp={self.mesh.tp} the tp ranks of {', '.join(whole)} dispatch its copies whole "
+                f"({'; '.join(sorted(set(whole.values())))}), so each of their all-to-alls carries {self.mesh.tp}x the "
+                f"bytes of Megatron's, whose tp ranks each dispatch a part and gather the received rows over tp")
 
     def _check_plan(self) -> None:
         """Warn (strict: raise) when the tp plan leaves linears replicated that Megatron would split,
@@ -544,6 +549,9 @@ class ParallelModel:
                      f"({self.mesh.edp} rank(s)), the rest over {'dp-cp' if self.mesh.cp > 1 else 'dp'} ({dp * self.mesh.cp})")
             if self._ep_tp_note():
                 head += f"; {self._ep_tp_note()}"
+            elif self.mesh.tp > 1:
+                head += (f"; at tp={self.mesh.tp} each tp rank dispatches 1/{self.mesh.tp} of every expert's copies and the "
+                         f"rows received are gathered over tp (Megatron's order)")
         per = "microbatch" if self.options.microbatches > 1 else "step"
         axes = "+".join(a for a in ("tp", "cp", "ep") if getattr(self.mesh, a) > 1) or "tp"
         headers = ["rank", "coords", "params", "param bytes", f"{axes} collectives / {per}", f"{axes} wire bytes / {per}",

@@ -181,7 +181,7 @@ def _run(rank, mesh, key):
         pm = fxtron.parallelize(_model(key), mesh, example_inputs=_batch(2, 8, 0), **kw)
         prog = pm.program(rank)
     batches = _inputs(key)
-    if key == "ep2":             # the job checks every collective's order and sizes across its group first
+    if key in ("ep2", "ep2-tp2-sp"):     # the job checks every collective's order and sizes across its group first
         from fxtron.ops import ledger
         before = ledger.stats()["checked"]
         opt, losses = _opt(prog.parameters()), []
@@ -257,6 +257,61 @@ def _ep_ops(rank, mesh):
             "issued": [b - a for a, b in zip(issued, issued[1:])]}
 
 
+EP_TP = fxtron.Mesh(4, ep=2, tp=2)
+
+
+def _ep_tp_ops(rank, mesh, capacity):
+    """ep=2 x tp=2 (Megatron's order, ops/ep.py): the tp ranks of an ep rank hold the same
+    copies; each dispatches its share, the expert rank gathers the shares over tp, its experts
+    run split by rows over tp (each tp rank half the input features: a partial sum), the
+    partial rows are reduce-scattered back to their shares, combined and put back among the
+    copies. Against all experts on the ep rank's own copies in float64 (capped as a reference
+    written here caps them): the sum over tp of the outputs and of the copies' gradients, and
+    each tp rank's half of its experts' gradient."""
+    from fxtron.ops import ledger
+    from fxtron.ops.ep import ep_combine, ep_dispatch, ep_gather, ep_scatter, ep_share, ep_unshare
+    from fxtron.runtime.groups import groups_for
+    groups = groups_for(mesh)
+    ep_g, tp_g = groups.group("ep").group_name, groups.group("tp").group_name
+    r, j = mesh.coords(rank)["ep"], mesh.coords(rank)["tp"]
+    g = torch.Generator().manual_seed(100 + r)
+    copies = (7 + 3 * r) * K
+    x = torch.randn(copies, H, dtype=torch.float64, generator=g)
+    experts = torch.randint(0, E, (copies,), generator=g)
+    if r == 0:
+        experts[experts == 3] = 2
+        experts[0] = 3                                      # one copy for expert 3: tp rank 0's share of it empty
+    order = torch.argsort(experts, stable=True)
+    offs = torch.cumsum(torch.bincount(experts, minlength=E), 0).to(torch.int32)
+    w = torch.randn(E, H, F_OUT, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    local, half = E // mesh.ep, slice(j * H // 2, (j + 1) * H // 2)
+    mine = w[r * local:(r + 1) * local].clone().requires_grad_()
+    xs = x[order].clone().requires_grad_()
+    issued = [ledger.stats()["operations"]]
+    share, share_offs = ep_share(xs, offs, tp_g, 2, "", capacity)
+    rows, loffs, counts = ep_dispatch(share, share_offs, ep_g, 2)
+    rows, loffs, every = ep_gather(rows, loffs, counts, tp_g, 2)
+    issued.append(ledger.stats()["operations"])
+    partial = grouped_mm(rows[:, half], mine[:, half], loffs)      # split by rows over tp
+    back = ep_combine(ep_scatter(partial, every, tp_g, 2), share_offs, counts, share.shape[0], ep_g, 2)
+    y = ep_unshare(back, offs, xs.shape[0], tp_g, 2, capacity)
+    issued.append(ledger.stats()["operations"])
+    gy = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(200 + r))
+    (y * gy).sum().backward()
+    issued.append(ledger.stats()["operations"])
+    keep = torch.ones(copies, 1, dtype=torch.float64)           # the reference's capacity: first copies of each expert
+    if capacity:
+        cap, start = math.ceil(capacity * copies / E), 0
+        for end in offs.tolist():
+            keep[start + cap:end] = 0
+            start = end
+    xr, wr = x[order].clone().requires_grad_(), w.clone().requires_grad_()
+    yr = grouped_mm(xr, wr, offs) * keep
+    (yr * gy).sum().backward()
+    return {"y": y.detach(), "dx": xs.grad, "y_ref": yr.detach(), "dx_ref": xr.grad, "grad_mine": mine.grad[:, half],
+            "grad_ref": wr.grad, "ep": r, "half": half, "issued": [b - a for a, b in zip(issued, issued[1:])]}
+
+
 # transformers' MoE models (experts as fused 3-D weights run by their grouped_mm), expert parallel
 HF = {"hf-mixtral-ep2": ("hf-mixtral", dict(ep=2), {})}     # (Qwen3-MoE at ep=2 x tp=2: tests/test_checkpoint.py)
 
@@ -287,6 +342,8 @@ def _hf_run(rank, mesh, key):
 def _dispatch_case(rank, mesh, key):
     if key in HF:
         return _hf_run(rank, mesh, key)
+    if key.startswith("ep-tp-ops"):
+        return _ep_tp_ops(rank, mesh, 1.0 if key.endswith("cap") else 0.0)
     return _ep_ops(rank, mesh) if key == "ep-ops" else _run(rank, mesh, key)
 
 
@@ -294,7 +351,7 @@ def _dispatch_case(rank, mesh, key):
 def trained():
     jobs = [(fxtron.Mesh(2, **axes), [key]) for key, (axes, _) in CASES.items() if key not in FOUR] + [(EP, ["ep-ops"])]
     jobs += [(fxtron.Mesh(2, **HF[k][1]), [k]) for k in HF]
-    four = [(fxtron.Mesh(4, **CASES[k][0]), [k]) for k in FOUR]
+    four = [(fxtron.Mesh(4, **CASES[k][0]), [k]) for k in FOUR] + [(EP_TP, ["ep-tp-ops", "ep-tp-ops-cap"])]
     return run_cases({2: jobs, 4: four}, _dispatch_case,
                      check_collectives=True)
 
@@ -314,6 +371,27 @@ def test_ep_dispatch_and_combine_equal_all_experts_on_one_rank(trained):
         assert o["issued"] == [d.forward.count, c.forward.count, d.backward.count + c.backward.count], o["issued"]
         assert {d.forward.kind, d.backward.kind, c.forward.kind, c.backward.kind} == {"all_to_all"}
     assert sum(o["received"] for o in out) == (7 + 10) * K
+
+
+@pytest.mark.parametrize("key", ["ep-tp-ops", "ep-tp-ops-cap"])
+def test_ep_shares_over_tp_equal_all_experts_on_one_rank(trained, key):
+    out = ranks_of(trained, EP_TP, key)
+    total = sum(o["grad_ref"] for o in out if o["half"].start == 0)      # each ep rank's copies once
+    local = E // 2
+    for o in out:
+        pair = [p for p in out if p["ep"] == o["ep"]]                     # the ep rank's two tp ranks
+        assert (sum(p["y"] for p in pair) - o["y_ref"]).abs().max() < 1e-13
+        assert (sum(p["dx"] for p in pair) - o["dx_ref"]).abs().max() < 1e-13
+        want = total[o["ep"] * local:(o["ep"] + 1) * local, o["half"]]
+        assert (o["grad_mine"] - want).abs().max() < 1e-12
+    if key.endswith("cap"):
+        assert any((o["y_ref"] == 0).all(1).any() for o in out)           # copies really dropped
+    specs = registry.specs()
+    sh, d, ga, sc, c = (specs[n] for n in ("ep_share", "ep_dispatch", "ep_gather", "ep_scatter", "ep_combine"))
+    for o in out:
+        assert o["issued"] == [d.forward.count + ga.forward.count, sc.forward.count + c.forward.count,
+                               d.backward.count + ga.backward.count + sc.backward.count + c.backward.count], o["issued"]
+    assert sh.forward is None and sh.backward is None
 
 
 class CappedExperts(Experts):
@@ -403,6 +481,16 @@ def test_ep_reports_the_routing_and_the_bytes_it_sent(trained):
             assert torch.equal(got["load"][f"layers.{i}.mlp.experts"], whole[i].to(torch.int64)), (rank, i)
         rows = 2 * (bound[rank] + bound[1 - rank])
         assert got["sent"] == rows * CFG.dim * 4 + CFG.n_layer * 2 * local * 8, (rank, got["sent"], bound)
+    # ep=2 x tp=2 (the same tokens per ep rank): each tp rank sends its share, Megatron's order --
+    # the two tp ranks of an ep rank together send what it sends at tp=1, and the counts each
+    for rank, got in enumerate(ranks_of(trained, fxtron.Mesh(4, ep=2, tp=2), "ep2-tp2-sp")):
+        for i in range(CFG.n_layer):
+            assert torch.equal(got["load"][f"layers.{i}.mlp.experts"], whole[i].to(torch.int64)), (rank, i)
+    pairs = ranks_of(trained, fxtron.Mesh(4, ep=2, tp=2), "ep2-tp2-sp")
+    for ep_rank, got in enumerate(out):
+        both = [p["sent"] for p in pairs[2 * ep_rank:2 * ep_rank + 2]]
+        assert sum(both) == got["sent"] + CFG.n_layer * 2 * local * 8, (ep_rank, both, got["sent"])
+        assert min(both) < 0.75 * got["sent"], both                   # each about half, not the whole
 
 
 @pytest.mark.parametrize("key", list(HF))

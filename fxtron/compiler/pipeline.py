@@ -269,7 +269,8 @@ PASSES = pass_list(
          _set("gm", lambda s: split_row_bias(s.gm, s.plan)), _tp, "tp > 1", after=("plan",)),
     Pass("dispatch_experts", "each mixture-of-experts layer's copies go to the ranks of their experts and come back "
          "(Megatron's all-to-all dispatcher); the experts' GEMMs run on the rank's own experts",
-         _set("gm", lambda s: dispatch_experts(s.gm, s.mesh.size("ep"), s.options.moe_capacity_factor)), _ep, "ep > 1", after=("split_row_bias",)),
+         _set("gm", lambda s: dispatch_experts(s.gm, s.mesh.size("ep"), s.options.moe_capacity_factor,
+                                              tp=s.mesh.size("tp"), plan=s.plan)), _ep, "ep > 1", after=("split_row_bias",)),
     Pass("sum_aux_statistics", "the load-balancing loss counts every data-parallel rank's tokens per expert "
          "(Megatron's global aux loss)", _set("gm", lambda s: sum_aux_statistics(s.gm)),
          lambda s: s.options.moe_aux_loss == "global" and s.mesh.parallel("dp"), "moe_aux_loss='global', dp > 1",

@@ -8,6 +8,7 @@ Bytes on the wire per rank follow the ring algorithms (nccl-tests' bus-bandwidth
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass
 
 import sympy
@@ -95,6 +96,16 @@ def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRec
                     ranks=ranks, shape=tuple(shape), payload_bytes=sympy.simplify(nbytes),
                     wire_bytes=sympy.simplify(factor * nbytes), module=meta.get(node, meta.MODULE) or ""))
                 continue
+            if comm.payload == "shares":         # expert parallel at ep x tp: every share of the received rows
+                rows = next(u for u in node.users if u.target is operator.getitem and u.args[1] == 0)
+                shape = meta.get(rows, meta.LOCAL_SHAPE) or ()
+                nbytes = _numel(shape) * rows.meta["val"].dtype.itemsize
+                nbytes += (comm.count - 1) * _numel(node.meta["val"][2].shape) * 8
+                out.append(CollectiveRecord(
+                    node=node.name, op=spec.name, phase=phase, kind=comm.kind, count=comm.count, group=axis or "",
+                    ranks=ranks, shape=tuple(shape), payload_bytes=sympy.simplify(nbytes),
+                    wire_bytes=sympy.simplify(sympy.Rational(n - 1, n) * nbytes), module=meta.get(node, meta.MODULE) or ""))
+                continue
             if comm.payload == "rows":
                 shape, itemsize = tuple(shape[:-1]), 4      # one float32 per logits row
             elif comm.payload in ("output", "grad_output") and comm.kind == "all_gather":
@@ -125,8 +136,10 @@ def uniform_routing(gm: fx.GraphModule) -> dict:
         if node.op == "call_function" and node.target == torch.ops.fxtron.ep_dispatch.default:
             rows = node.meta["val"][0].shape[0]
             sent = meta.get(node.args[0], meta.LOCAL_SHAPE)
+            src = node.args[0].args[0] if node.args[0].target is operator.getitem else None
+            shares = src.args[3] if getattr(src, "target", None) == torch.ops.fxtron.ep_share.default else 1
             if isinstance(rows, torch.SymInt) and sent:
-                out[str(rows.node.expr)] = sent[0]
+                out[str(rows.node.expr)] = sent[0] * shares     # the rows of every tp rank's share
     return out
 
 

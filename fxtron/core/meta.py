@@ -99,6 +99,10 @@ GATHERED = _key("fxtron_gathered", str,
                 "communication Megatron's layer would not issue, which the summary reports",
                 "passes.redistribute")
 STAGE = _key("fxtron_stage", int, "pipeline stage that runs the node", "passes.stages")
+OWN_SIZE = _key("fxtron_own_size", bool,
+                "on a sym_size of a split value: the graph means this rank's own size (a tp rank's share of a "
+                "mixture-of-experts layer's copies, uneven by routing), which localize leaves as it is",
+                "passes.expert_parallel")
 
 
 def keys() -> dict[str, MetaKey]:

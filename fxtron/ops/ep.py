@@ -227,4 +227,241 @@ register(OpSpec("ep_dispatch", axis_arg=2, forward=Comm("all_to_all", "copies", 
 register(OpSpec("ep_combine", axis_arg=4, forward=Comm("all_to_all", "copies"),
                 backward=Comm("all_to_all", "copies", count=2)))
 
-__all__ = ["DispatchLog", "ep_combine", "ep_dispatch"]
+
+# ---------------------------------------------------------------- shares over tp (Megatron's order)
+#
+# At ep x tp the tp ranks of an ep rank hold the same copies (the tokens gathered over tp). In
+# Megatron each tp rank dispatches only its own part -- its S/tp tokens -- and the rows an expert
+# rank receives are all-gathered over tp before the tp-split experts, their partial outputs
+# reduce-scattered over tp before the way back. fxtron's copies are whole on every tp rank, so
+# tp rank j dispatches *share* j of every expert's copies, rows floor(n j/tp) .. floor(n (j+1)/tp)
+# of the expert's n (every tp rank knows every share from the counts):
+#
+#     ep_share(copies, offs, "tp", t)        -> this tp rank's share and its offsets
+#     ep_dispatch(share, share offs, "ep", n) -> the share's rows at the experts' ranks
+#     ep_gather(rows, offs, counts, "tp", t) -> every share's rows, grouped by local expert
+#     ... the experts, tp-split: a partial sum ...
+#     ep_scatter(out, counts, "tp", t)       -> this share's rows, summed over tp
+#     ep_combine(.., "ep", n)                -> back at the tokens' rank
+#     ep_unshare(.., offs, S, "tp", t)       -> (S, h): this share's rows, zero elsewhere --
+#                                               a partial sum over tp, reduced with the layer's
+#
+# so each all-to-all carries 1/tp of the copies, as Megatron's do. Rows an expert rank holds
+# come in (local expert, source rank, share) order: the rows of ep_dispatch without tp.
+
+
+def _share_rows(offs: Tensor, capacity: float, j: int, t: int) -> tuple[Tensor, Tensor]:
+    """Share j of t of every expert's (kept) copies: the row indices into the copies and the
+    share's count per expert (E,)."""
+    per_expert = _counts(offs)
+    kept, idx = _kept(per_expert, capacity)
+    lo, hi = kept * j // t, kept * (j + 1) // t
+    starts = torch.cumsum(kept, 0) - kept
+    pos = _segments(starts + lo, hi - lo)
+    return (pos if idx is None else idx[pos]), hi - lo
+
+
+def _segments(starts: Tensor, sizes: Tensor) -> Tensor:
+    """The indices start_i .. start_i + size_i - 1 of every segment i, concatenated."""
+    sizes = sizes.to(torch.int64).cpu()
+    total = int(sizes.sum())
+    first = torch.repeat_interleave(starts.to(torch.int64).cpu() - (torch.cumsum(sizes, 0) - sizes), sizes)
+    return first + torch.arange(total, dtype=torch.int64)
+
+
+def _share_order(counts: Tensor) -> list[Tensor]:
+    """counts (t, world, L) [share, source, local expert]: for each share q, the indices into
+    the rows grouped (local expert, source, share) of share q's rows in its own (local expert,
+    source) order."""
+    t, world, local = counts.shape
+    flat = counts.permute(2, 1, 0).reshape(-1).to(torch.int64).cpu()     # (l, s, q) order
+    starts = (torch.cumsum(flat, 0) - flat).view(local, world, t)
+    by = counts.permute(2, 1, 0).to(torch.int64).cpu()
+    return [_segments(starts[:, :, q].reshape(-1), by[:, :, q].reshape(-1)) for q in range(t)]
+
+
+def _gather_shares(rows: Tensor, counts: Tensor, pg) -> Tensor:
+    """Every share's rows (each tp rank's `rows`, its counts counts[q]) in (local expert, source,
+    share) order: one all-gather, padded to the longest share."""
+    order = _share_order(counts)
+    sizes = [len(o) for o in order]
+    pad = rows.new_zeros((max(sizes), *rows.shape[1:]))
+    pad[:rows.shape[0]] = rows
+    parts = T.all_gather(pad, pg)
+    out = rows.new_empty((sum(sizes), *rows.shape[1:]))
+    for q, o in enumerate(order):
+        out[o.to(rows.device)] = parts[q][:sizes[q]]
+    return out
+
+
+def _scatter_shares(y: Tensor, counts: Tensor, pg) -> Tensor:
+    """The inverse of _gather_shares on partial sums: each share's rows summed over the tp
+    ranks, this rank's share kept (one reduce-scatter, padded to the longest share)."""
+    order = _share_order(counts)
+    sizes = [len(o) for o in order]
+    m = max(sizes)
+    stacked = y.new_zeros((len(order) * m, *y.shape[1:]))
+    for q, o in enumerate(order):
+        stacked[q * m:q * m + sizes[q]] = y[o.to(y.device)]
+    mine = T.reduce_scatter(stacked, 0, pg)
+    return mine[:sizes[dist.get_rank(pg)]].contiguous()
+
+
+def _gathered_counts(counts: Tensor, pg) -> Tensor:
+    """(world, L) this rank's share counts -> (t, world, L) every share's."""
+    return torch.stack(T.all_gather(counts.cpu().contiguous(), pg)).to(counts.device)
+
+
+def _share_coord(group: str, world: int, op: str) -> tuple[object, int]:
+    pg = T.resolve(group)
+    T.check_world(pg, world, op, group)
+    return pg, (0 if pg is None else dist.get_rank(pg))
+
+
+@torch.library.custom_op("fxtron::ep_share", mutates_args=())
+def ep_share(x: Tensor, offs: Tensor, group: str, world: int, layer: str = "",
+             capacity: float = 0.0) -> tuple[Tensor, Tensor]:
+    """This tp rank's share of every expert's copies (see above): (rows, their offsets (E,)).
+    x (S, h) and offs (E,) as ep_dispatch takes them, whole on every rank of `group`;
+    capacity as ep_dispatch's (applied here: the share is of the kept copies); layer: the
+    layer's name in the DispatchLog (the whole layer's copies, as ep_dispatch logs them)."""
+    pg, j = _share_coord(group, world, "ep_share")
+    log = _LOG.get()
+    if layer and log is not None:
+        per_expert = _counts(offs)
+        kept, _ = _kept(per_expert, capacity)
+        log.copies[layer] = log.copies.get(layer, 0) + per_expert.detach().cpu()
+        log.dropped[layer] = log.dropped.get(layer, 0) + int((per_expert - kept).sum())
+    idx, n = _share_rows(offs, capacity, j, world)
+    return x.index_select(0, idx.to(x.device)), torch.cumsum(n, 0).to(offs.dtype)
+
+
+@ep_share.register_fake
+def _(x, offs, group, world, layer="", capacity=0.0):
+    rows = torch.library.get_ctx().new_dynamic_size()
+    return x.new_empty((rows, *x.shape[1:])), torch.empty_like(offs)
+
+
+def _share_setup(ctx, inputs, output):
+    x, offs, ctx.group, ctx.world = inputs[:4]
+    ctx.capacity = inputs[5] if len(inputs) > 5 else 0.0
+    ctx.rows = x.shape[0]
+    ctx.save_for_backward(offs)
+
+
+def _share_bwd(ctx, grad, grad_offs):
+    (offs,) = ctx.saved_tensors
+    return _unshare(grad, offs, ctx.rows, ctx.group, ctx.world, ctx.capacity), None, None, None, None, None
+
+
+ep_share.register_autograd(_share_bwd, setup_context=_share_setup)
+
+
+def _unshare(y: Tensor, offs: Tensor, rows: int, group: str, world: int, capacity: float) -> Tensor:
+    _, j = _share_coord(group, world, "ep_unshare")
+    idx, _ = _share_rows(offs, capacity, j, world)
+    out = y.new_zeros((rows, *y.shape[1:]))
+    out[idx.to(y.device)] = y
+    return out
+
+
+@torch.library.custom_op("fxtron::ep_unshare", mutates_args=())
+def ep_unshare(y: Tensor, offs: Tensor, rows: int, group: str, world: int, capacity: float = 0.0) -> Tensor:
+    """The inverse of ep_share: (rows, h) with this tp rank's share in place and zeros
+    elsewhere (its sum over the group is every share). Backward: the share of the gradient."""
+    return _unshare(y, offs, rows, group, world, capacity)
+
+
+@ep_unshare.register_fake
+def _(y, offs, rows, group, world, capacity=0.0):
+    return y.new_empty((rows, *y.shape[1:]))
+
+
+def _unshare_setup(ctx, inputs, output):
+    _, offs, _, ctx.group, ctx.world = inputs[:5]
+    ctx.capacity = inputs[5] if len(inputs) > 5 else 0.0
+    ctx.save_for_backward(offs)
+
+
+def _unshare_bwd(ctx, grad):
+    (offs,) = ctx.saved_tensors
+    _, j = _share_coord(ctx.group, ctx.world, "ep_unshare")
+    idx, _ = _share_rows(offs, ctx.capacity, j, ctx.world)
+    return grad.index_select(0, idx.to(grad.device)), None, None, None, None, None
+
+
+ep_unshare.register_autograd(_unshare_bwd, setup_context=_unshare_setup)
+
+
+@torch.library.custom_op("fxtron::ep_gather", mutates_args=())
+def ep_gather(rows: Tensor, offs: Tensor, counts: Tensor, group: str, world: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Every tp rank's dispatched share at this expert rank: rows, local offsets and counts
+    (world, L) as ep_dispatch returned them for this rank's share -> all shares' rows in
+    (local expert, source, share) order, their local offsets (L,) and every share's counts
+    (t, world, L) for ep_scatter. Backward: the gradient's share rows summed over the group
+    (its parts are partial sums: the gradients of tp-split experts' inputs)."""
+    pg, _ = _share_coord(group, world, "ep_gather")
+    if pg is None:
+        return rows.clone(), offs.clone(), counts.unsqueeze(0).clone()
+    every = _gathered_counts(counts, pg)
+    return _gather_shares(rows, every, pg), torch.cumsum(every.sum((0, 1)), 0).to(offs.dtype), every
+
+
+@ep_gather.register_fake
+def _(rows, offs, counts, group, world):
+    n = torch.library.get_ctx().new_dynamic_size()
+    return rows.new_empty((n, *rows.shape[1:])), torch.empty_like(offs), counts.new_empty((world, *counts.shape))
+
+
+def _gather_setup(ctx, inputs, output):
+    ctx.group, ctx.world = inputs[3], inputs[4]
+    ctx.save_for_backward(output[2])
+
+
+def _gather_bwd(ctx, grad, grad_offs, grad_counts):
+    (every,) = ctx.saved_tensors
+    pg = T.resolve(ctx.group)
+    dx = grad.clone() if pg is None else _scatter_shares(grad.contiguous(), every, pg)
+    return dx, None, None, None, None
+
+
+ep_gather.register_autograd(_gather_bwd, setup_context=_gather_setup)
+
+
+@torch.library.custom_op("fxtron::ep_scatter", mutates_args=())
+def ep_scatter(y: Tensor, counts: Tensor, group: str, world: int) -> Tensor:
+    """The way back of ep_gather: y (R, h), partial sums over the group in (local expert,
+    source, share) order, counts (t, world, L) as ep_gather gave them -> this tp rank's share's
+    rows, summed over the group. Backward: the gradient gathered as ep_gather gathers rows."""
+    pg, _ = _share_coord(group, world, "ep_scatter")
+    return y.clone() if pg is None else _scatter_shares(y.contiguous(), counts, pg)
+
+
+@ep_scatter.register_fake
+def _(y, counts, group, world):
+    n = torch.library.get_ctx().new_dynamic_size()
+    return y.new_empty((n, *y.shape[1:]))
+
+
+def _scatter_setup(ctx, inputs, output):
+    ctx.group, ctx.world = inputs[2], inputs[3]
+    ctx.save_for_backward(inputs[1])
+
+
+def _scatter_bwd(ctx, grad):
+    (every,) = ctx.saved_tensors
+    pg = T.resolve(ctx.group)
+    return (grad.clone() if pg is None else _gather_shares(grad.contiguous(), every, pg)), None, None, None
+
+
+ep_scatter.register_autograd(_scatter_bwd, setup_context=_scatter_setup)
+
+
+register(OpSpec("ep_share", axis_arg=2))                  # no communication: a rank's pick of its share
+register(OpSpec("ep_unshare", axis_arg=3))
+register(OpSpec("ep_gather", axis_arg=3, forward=Comm("all_gather", "shares", count=2),
+                backward=Comm("reduce_scatter", "shares"), sums_grad=True))
+register(OpSpec("ep_scatter", axis_arg=2, forward=Comm("reduce_scatter", "input"),
+                backward=Comm("all_gather", "grad_input")))
+
+__all__ = ["DispatchLog", "ep_combine", "ep_dispatch", "ep_gather", "ep_scatter", "ep_share", "ep_unshare"]

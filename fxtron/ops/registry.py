@@ -18,8 +18,10 @@ CommKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "
 #: times in forward; in backward world-1 times again and their gradients world times), or
 #: "copies" (expert parallel: the token copies sorted by expert -- the dispatch's input, the
 #: combine's output --, of which a rank keeps 1/world under uniform routing; with count 2 the
-#: first collective carries the E per-expert counts, int64)
-Payload = Literal["input", "output", "grad_input", "grad_output", "rows", "ring", "copies"]
+#: first collective carries the E per-expert counts, int64), or "shares" (ep x tp: the rows a
+#: rank's experts received from every tp rank's share; with count 2 the first carries every
+#: share's counts, int64)
+Payload = Literal["input", "output", "grad_input", "grad_output", "rows", "ring", "copies", "shares"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,10 @@ class OpSpec:
     forward: Comm | None = None
     backward: Comm | None = None
     eager: Callable | None = None
+    #: its output's gradient may come back as partial sums over its axis (its backward sums
+    #: them: an all-gather whose backward reduce-scatters), so a split computation may read it
+    #: with no copy_to_region between
+    sums_grad: bool = False
 
 
 _OPS: dict[str, OpSpec] = {}
@@ -82,10 +88,20 @@ def axis_of(node: fx.Node) -> str | None:
     return node.args[spec.axis_arg]
 
 
+def sums_grad(node: fx.Node, axis: str) -> bool:
+    """Does `node` (or the op whose output it picks) sum its gradient's partial parts over
+    `axis` in backward (OpSpec.sums_grad)?"""
+    import operator
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    spec = spec_of(node.target) if node.op == "call_function" else None
+    return spec is not None and spec.sums_grad and axis_of(node) == axis
+
+
 def eager_forms() -> dict:
     """op overload -> the function a program calls instead (ops that have one)."""
     import torch
     return {getattr(torch.ops.fxtron, s.name).default: s.eager for s in _OPS.values() if s.eager is not None}
 
 
-__all__ = ["Comm", "OpSpec", "axis_of", "eager_forms", "op_name", "register", "spec_of", "specs"]
+__all__ = ["Comm", "OpSpec", "axis_of", "eager_forms", "op_name", "register", "spec_of", "specs", "sums_grad"]

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from fxtron.core import meta
-from fxtron.core.placement import REPLICATE, Shard
+from fxtron.core.placement import PARTIAL, REPLICATE, Shard
 from fxtron.errors import ParallelizeError
 from fxtron.ops import ep as _ep_ops  # noqa: F401 - registers fxtron::ep_dispatch / ep_combine
 from fxtron.passes.propagate import AxisLayout
@@ -39,6 +39,7 @@ from fxtron.passes.rules import Ctx, register_rule
 
 aten = torch.ops.aten
 AXIS = "ep"
+TP = "tp"
 _VIEWS = {aten.transpose.int, aten.permute.default, aten.t.default, aten.alias.default}
 
 
@@ -46,14 +47,55 @@ _VIEWS = {aten.transpose.int, aten.permute.default, aten.t.default, aten.alias.d
 def _moves_rows(c: Ctx):
     """The dispatch and the combine move whole rows between the ep ranks (linear in them): a
     split of the features (a column-split expert's output) or a partial sum (a row-split one's)
-    passes through on any other axis; the rows themselves stay whole, and so do the offsets
-    and counts."""
+    passes through on any other axis, and so does a tp rank's share of the rows (ep_share,
+    ep_scatter); the offsets and counts stay whole."""
     p = c.p[0]
-    keep = p.is_partial() or p.is_replicate() or (isinstance(p, Shard) and p.dim > 0)
+    keep = (p.is_partial() or p.is_replicate() or (isinstance(p, Shard) and p.dim > 0)
+            or (p == Shard(0) and _is_share(c.node.args[0])))
     out = p if keep else REPLICATE
     expects = [None if keep else REPLICATE] + [REPLICATE] * (len(c.p) - 1)
     is_dispatch = isinstance(c.node.meta.get("val"), (tuple, list))
     return ((out, REPLICATE, REPLICATE) if is_dispatch else out), expects
+
+
+def _is_share(node) -> bool:
+    """Is `node` a tp rank's share of a layer's copies -- ep_share's rows, ep_scatter's?"""
+    if isinstance(node, fx.Node) and node.target is operator.getitem:
+        node = node.args[0]
+    return isinstance(node, fx.Node) and node.target in (torch.ops.fxtron.ep_share.default,
+                                                         torch.ops.fxtron.ep_scatter.default)
+
+
+def _own_axis(c: Ctx) -> bool:
+    from fxtron.ops import registry
+    return registry.axis_of(c.node) == c.axis
+
+
+@register_rule("fxtron::ep_share", "fxtron::ep_gather", "fxtron::ep_scatter", "fxtron::ep_unshare")
+def _shares(c: Ctx):
+    """Over tp (their axis), a tp rank's share of each expert's copies is Shard(0) -- rows split
+    over tp, unevenly and by expert: ep_share takes the copies whole, ep_gather makes the
+    dispatched shares whole, ep_scatter turns the experts' partial sum into this rank's share,
+    ep_unshare puts the share back among the copies, zero elsewhere: a partial sum. Over any
+    other axis they are row-wise like the dispatch (every value whole)."""
+    name = str(c.node.target).split(".")[1]
+    n_out = len(c.node.meta["val"]) if isinstance(c.node.meta.get("val"), (tuple, list)) else 0
+    if not _own_axis(c):
+        if any(not p.is_replicate() for p in c.p):
+            raise c.fail(f"fxtron::{name} moves a tp rank's share of the experts' rows; over {c.axis} its inputs "
+                         "must be whole")
+        return ((REPLICATE,) * n_out if n_out else REPLICATE), [REPLICATE] * len(c.p)
+    whole = [REPLICATE] * (len(c.p) - 1)
+    if name == "ep_share":
+        return (Shard(0), REPLICATE), [REPLICATE] + whole
+    if name == "ep_gather":
+        return (REPLICATE,) * 3, [Shard(0)] + whole
+    if name == "ep_scatter":
+        if not c.p[0].is_partial():
+            raise c.fail(f"the experts' rows reach fxtron::ep_scatter placed {c.axis}:{c.p[0]}, not a partial sum "
+                         f"over {c.axis}: the experts' last GEMM must be split by rows")
+        return Shard(0), [None] + whole
+    return PARTIAL, [Shard(0)] + whole
 
 
 def expert_weight(w) -> fx.Node | None:
@@ -176,8 +218,9 @@ def aux_statistics(gm: fx.GraphModule) -> list[tuple[fx.Node, list[fx.Node]]]:
                                "(a grouped GEMM over a 3-D expert weight); leave moe_aux_loss at 'local'")
     for layer in layers:
         chain, node = set(), layer.offs
-        if node.target is operator.getitem and node.args[0].target == torch.ops.fxtron.ep_dispatch.default:
-            node = node.args[0].args[1]          # dispatched already: the rank's offsets of all E experts
+        moved = (torch.ops.fxtron.ep_dispatch.default, torch.ops.fxtron.ep_gather.default, torch.ops.fxtron.ep_share.default)
+        while node.target is operator.getitem and node.args[0].target in moved:
+            node = node.args[0].args[1]          # dispatched already: back to the rank's offsets of all E experts
         while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _CASTS:
             chain.add(node)
             node = node.args[0]
@@ -218,36 +261,61 @@ def ep_layout(gm: fx.GraphModule, *, strict: bool = False) -> AxisLayout:
     return AxisLayout(AXIS, params=params, strict=strict)
 
 
-def dispatch_experts(gm: fx.GraphModule, ep: int, capacity: float = 0.0) -> fx.GraphModule:
+def unshared(layer: MoELayer, plan) -> str | None:
+    """Why the tp ranks of `layer` cannot each dispatch a share of its copies (Megatron's order
+    at ep x tp; None: they can): that needs the experts split over tp as Megatron's expert-tp
+    splits them, the GEMMs taking the copies column-split and the last one row-split (its output
+    a partial sum over tp), and nothing else in the experts reading the copies."""
+    from fxtron.passes.plan import Colwise, Rowwise
+    styles = {plan.layers[p].node: plan.style(p) for p in plan.layers}
+    copies = next(iter(layer.entry))
+    readers = [u for u in copies.users if u in layer.region]
+    if any(u not in layer.gemms or not isinstance(styles.get(u.name), Colwise) for u in readers):
+        return "the GEMMs reading its copies are not all split by columns over tp"
+    if not isinstance(styles.get(layer.exits[0].name), Rowwise):
+        return "its last GEMM is not split by rows over tp (its output no partial sum)"
+    return None
+
+
+def dispatch_experts(gm: fx.GraphModule, ep: int, capacity: float = 0.0, *, tp: int = 1,
+                     plan=None) -> fx.GraphModule:
     """Rewrite every MoE layer (module docstring): dispatch before its experts, combine after,
     the experts' GEMMs on the rank's local experts; with a capacity factor (> 0) each expert
     takes at most ceil(capacity x copies / E) of each rank's copies, the rest dropped (ops/ep.py).
-    Edits gm in place and returns it."""
+    At tp > 1 with the experts split over tp (`plan`; `unshared` says when not), each tp rank
+    dispatches its share of the copies and the received rows are gathered over tp (Megatron's
+    order, ops/ep.py: 1/tp of the bytes in every all-to-all). Edits gm in place and returns it."""
     g = gm.graph
     for layer in check_experts(gm, ep):
+        shares = tp if tp > 1 and plan is not None and unshared(layer, plan) is None else 1
         copies = next(iter(layer.entry))
         out = layer.exits[0]
         first = min(layer.region, key=_order(g))
-        with g.inserting_before(first):
-            rows_n = g.call_function(aten.sym_size.int, (copies, 0))
-            dispatch = g.call_function(torch.ops.fxtron.ep_dispatch.default, (copies, layer.offs, AXIS, ep, layer.name,
-                                                                                      float(capacity)))
-            rows = g.call_function(operator.getitem, (dispatch, 0))
-            local_offs = g.call_function(operator.getitem, (dispatch, 1))
-            counts = g.call_function(operator.getitem, (dispatch, 2))
         mode = _fake_mode(copies)
+        cv, ov = copies.meta["val"], layer.offs.meta["val"]
+        local = layer.n_experts // ep
         with mode:
-            received = mode.shape_env.create_unbacked_symint() if mode.shape_env is not None else copies.meta["val"].shape[0]
-            cv, ov = copies.meta["val"], layer.offs.meta["val"]
-            local = layer.n_experts // ep
-            vals = (cv.new_empty((received, *cv.shape[1:])), ov.new_empty((local,)),
-                    ov.new_empty((ep, local), dtype=torch.int64))
-        rows_n.meta["val"] = cv.shape[0]
-        dispatch.meta["val"] = vals
-        for node, v in ((rows, vals[0]), (local_offs, vals[1]), (counts, vals[2])):
-            node.meta["val"] = v
-        for node in (rows_n, dispatch, rows, local_offs, counts):
-            _inherit(node, first, "dispatch the copies to the ranks of their experts")
+            received = mode.shape_env.create_unbacked_symint() if mode.shape_env is not None else cv.shape[0]
+            rows_v = cv.new_empty((received, *cv.shape[1:]))
+        why = "dispatch the copies to the ranks of their experts"
+        with g.inserting_before(first):
+            rows_n = _call(g, aten.sym_size.int, (copies, 0), cv.shape[0], first, why)
+            sent, sent_offs, dispatch_args = copies, layer.offs, (layer.name, float(capacity))
+            if shares > 1:
+                share = _call(g, torch.ops.fxtron.ep_share.default, (copies, layer.offs, TP, shares, layer.name,
+                                                                      float(capacity)), (cv, ov), first, why)
+                sent, sent_offs = _getitems(g, share, 2, first, why)
+                dispatch_args = ("", 0.0)
+            dispatch = _call(g, torch.ops.fxtron.ep_dispatch.default, (sent, sent_offs, AXIS, ep, *dispatch_args),
+                             (rows_v, ov.new_empty((local,)), ov.new_empty((ep, local), dtype=torch.int64)), first, why)
+            rows, local_offs, counts = _getitems(g, dispatch, 3, first, why)
+            if shares > 1:
+                sent_n = _call(g, aten.sym_size.int, (sent, 0), cv.shape[0], first, why)
+                meta.set(sent_n, meta.OWN_SIZE, True)          # the share's rows, not the copies'
+                gather = _call(g, torch.ops.fxtron.ep_gather.default, (rows, local_offs, counts, TP, shares),
+                               (rows_v, ov.new_empty((local,)), ov.new_empty((shares, ep, local), dtype=torch.int64)),
+                               first, "every tp rank's share of the rows for this rank's experts")
+                rows, local_offs, every = _getitems(g, gather, 3, first, why)
         for gemm in layer.gemms:
             gemm.args = tuple(rows if a is copies else local_offs if a is layer.offs else a for a in gemm.args)
         for n in layer.region:
@@ -255,14 +323,41 @@ def dispatch_experts(gm: fx.GraphModule, ep: int, capacity: float = 0.0) -> fx.G
                 n.args = tuple(rows if a is copies else a for a in n.args)
         local_w = {gemm.args[1]: gemm.args[1].meta["val"].narrow(0, 0, local) for gemm in layer.gemms}
         _refake(sorted(layer.region, key=_order(g)), mode, local_w)
+        ov_out = out.meta["val"]
         with mode:
-            back = out.meta["val"].new_empty((cv.shape[0], *out.meta["val"].shape[1:]))
-        _reroute(g, out, [u for u in out.users if u not in layer.region], torch.ops.fxtron.ep_combine.default,
-                 (out, layer.offs, counts, rows_n, AXIS, ep, float(capacity)), back,
-                 "the experts' rows back to the ranks of their tokens")
+            back = ov_out.new_empty((cv.shape[0], *ov_out.shape[1:]))
+        users = [u for u in out.users if u not in layer.region]
+        why = "the experts' rows back to the ranks of their tokens"
+        if shares == 1:
+            _reroute(g, out, users, torch.ops.fxtron.ep_combine.default,
+                     (out, layer.offs, counts, rows_n, AXIS, ep, float(capacity)), back, why)
+            continue
+        with g.inserting_after(out):
+            mine = _call(g, torch.ops.fxtron.ep_scatter.default, (out, every, TP, shares), ov_out, out,
+                         "this tp rank's share of the experts' rows, summed over tp")
+        with g.inserting_after(mine):
+            combined = _call(g, torch.ops.fxtron.ep_combine.default,
+                             (mine, sent_offs, counts, sent_n, AXIS, ep, 0.0), back, out, why)
+        with g.inserting_after(combined):
+            whole = _call(g, torch.ops.fxtron.ep_unshare.default, (combined, layer.offs, rows_n, TP, shares,
+                                                                    float(capacity)), back, out,
+                          "the share back among the copies, zero elsewhere: a partial sum over tp")
+        for u in users:
+            u.replace_input_with(out, whole)
     g.lint()
     gm.recompile()
     return gm
+
+
+def _call(g: fx.Graph, target, args: tuple, val, like: fx.Node, why: str) -> fx.Node:
+    n = g.call_function(target, args)
+    n.meta["val"] = val
+    _inherit(n, like, why)
+    return n
+
+
+def _getitems(g: fx.Graph, node: fx.Node, n: int, like: fx.Node, why: str) -> list[fx.Node]:
+    return [_call(g, operator.getitem, (node, i), node.meta["val"][i], like, why) for i in range(n)]
 
 
 def _reroute(g: fx.Graph, node: fx.Node, users: list[fx.Node], target, args: tuple, val, why: str) -> fx.Node:
@@ -310,4 +405,5 @@ def _inherit(node: fx.Node, like: fx.Node, why: str) -> None:
     meta.set(node, meta.PROVENANCE, meta.Provenance("expert_parallel", why))
 
 
-__all__ = ["AXIS", "MoELayer", "aux_statistics", "sum_aux_statistics", "check_experts", "dispatch_experts", "ep_layout", "expert_weight", "moe_layers"]
+__all__ = ["AXIS", "MoELayer", "aux_statistics", "check_experts", "dispatch_experts", "ep_layout", "expert_weight", "moe_layers",
+           "sum_aux_statistics", "unshared"]

@@ -53,7 +53,8 @@ def _localize(g: fx.Graph, node: fx.Node, axis: str, n: int) -> None:
     pl = meta.placement(node, axis)
     if t == aten.sym_size.int:
         src = meta.placement(node.args[0], axis)
-        if isinstance(src, Shard) and node.args[1] % node.args[0].meta["val"].dim() == src.dim and n > 1:
+        if (isinstance(src, Shard) and node.args[1] % node.args[0].meta["val"].dim() == src.dim and n > 1
+                and not meta.get(node, meta.OWN_SIZE)):
             # the graph means the global size (the whole sequence of cp-split tokens): the rank's times n
             with g.inserting_after(node):
                 full = g.call_function(operator.mul, (node, n))

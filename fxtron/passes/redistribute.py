@@ -28,6 +28,7 @@ from fxtron.core.axes import MeshView
 from fxtron.core.layout import is_symbolic, to_list
 from fxtron.core.placement import NESTED, REPLICATE, Partial, Replicate, Shard, is_sharded
 from fxtron.errors import ParallelizeError
+from fxtron.ops import registry
 from fxtron.passes.rules import CASTS, PARTIAL_THROUGH, is_tensor, lowerings_for, tensor_inputs
 from fxtron.passes.rules.registry import expr, split_sources
 from fxtron.passes.rules.views import head_repeat
@@ -461,7 +462,7 @@ def insert_redistributions(gm: fx.GraphModule, *, mesh: MeshView) -> fx.GraphMod
                 else:
                     if want != have:
                         value = em.redistribute(a, value, now, axis, want, node)
-                    if enters_region and a not in deferred[axis]:
+                    if enters_region and a not in deferred[axis] and not registry.sums_grad(a, axis):
                         value = em.copy_to_region(a, value, now.with_axis(axis, want), axis, node)
                 now = meta.get(value, meta.PLACEMENT, now) if value is not env[a] else now
             mapping[a] = value

@@ -65,7 +65,9 @@ def verify(gm: fx.GraphModule, *, after: str, redistributed: bool = False) -> No
         for axis in axes:
             if meta.placement(node, axis) is None:
                 raise VerifyError(f"after {after}: %{node.name} ({node.target}) has no placement on axis {axis}")
-        if node.op == "call_function":
+        if node.op == "call_function" and redistributed:
+            # (before the redistributions a graph may be propagated over some of its axes only:
+            # expert parallel's ops over ep and tp come before either propagation)
             axis = registry.axis_of(node)
             # dp is no placement axis (each dp rank's batch is its own, sliced by the runtime): an
             # op over dp sums a statistic of every rank's batch (the global aux loss's counts)

@@ -70,7 +70,7 @@ def grouped_mm(c: Ctx):
         # experts, counted by its local offsets (passes/expert_parallel.py) -- nothing to move
         offs = c.node.args[2] if len(c.node.args) > 2 else None
         src = offs.args[0] if isinstance(offs, fx.Node) and offs.target is operator.getitem else None
-        if getattr(src, "target", None) != torch.ops.fxtron.ep_dispatch.default:
+        if getattr(src, "target", None) not in (torch.ops.fxtron.ep_dispatch.default, torch.ops.fxtron.ep_gather.default):
             raise c.fail(f"expert weights split on their experts dim over {c.axis}, but the rows are not the ones "
                          "dispatched to this rank's experts (fxtron::ep_dispatch)")
         return REPLICATE, expects
