@@ -64,6 +64,7 @@ class Options:
     cp_comm_type: str = "p2p"
     moe_aux_loss: str = "local"
     moe_capacity_factor: float | None = None
+    moe_pad_to_capacity: bool = False
 
     def __post_init__(self):
         if self.batch_dim < 0 or (self.seq_dim is not None and self.seq_dim < 0):
@@ -83,7 +84,7 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
                 overlap_grad_reduce: bool = True, clip_grad: float | None = None, zero: int = 0,
                 trace_layers_once: bool = True, device: str | torch.device | None = None,
                 strict: bool = False, cp_comm_type: str = "p2p", moe_aux_loss: str = "local",
-                moe_capacity_factor: float | None = None) -> "ParallelModel":
+                moe_capacity_factor: float | None = None, moe_pad_to_capacity: bool = False) -> "ParallelModel":
     """Compile `model` for every rank of `mesh`.
 
     model(*example_inputs, **example_kwargs) must return the loss (a scalar tensor, or an
@@ -141,6 +142,9 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
     Switch/GShard capacity instead: each expert takes at most ceil(c x k T / E) of each rank's k T
     copies (the first in token order), the rest dropped -- a change of the model, since which
     tokens drop depends on how the batch is split; `prog.last_dispatch.dropped` counts them.
+    With it, `moe_pad_to_capacity=True` pads every expert's rows with zeros to that capacity
+    (Megatron's moe_pad_expert_input_to_capacity): every all-to-all then has the same splits
+    and every expert GEMM the same shape whatever the routing (no number changes; more bytes).
 
     Never silent: where fxtron does less than the mesh asks, correctly -- a linear left
     replicated at tp > 1, an op with no sharding rule run replicated on gathered inputs -- it
@@ -166,7 +170,7 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
                       split_points=tuple(split_points) if split_points else None, scatter_gather=scatter_gather,
                       trace_layers_once=trace_layers_once, device=device, strict=strict,
                       cp_comm_type=cp_comm_type, moe_aux_loss=moe_aux_loss,
-                      moe_capacity_factor=moe_capacity_factor)
+                      moe_capacity_factor=moe_capacity_factor, moe_pad_to_capacity=moe_pad_to_capacity)
     schedules.check(schedule, mesh.pp, microbatches, virtual_stages)
     options = dataclasses.replace(options, data_parallel=DataParallelOptions(
         bucket_size=bucket_size, grad_reduce_dtype=grad_reduce_dtype, overlap_grad_reduce=overlap_grad_reduce,
@@ -192,6 +196,12 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
         raise ParallelizeError(f"moe_capacity_factor={moe_capacity_factor} caps what each expert-parallel dispatch "
                                f"sends an expert, but the mesh has ep=1 (the model runs dropless, as written); use a "
                                f"mesh with ep > 1 or moe_capacity_factor=None")
+    if not isinstance(moe_pad_to_capacity, bool):
+        raise ParallelizeError(f"moe_pad_to_capacity must be True or False, not {moe_pad_to_capacity!r}")
+    if moe_pad_to_capacity and moe_capacity_factor is None:
+        raise ParallelizeError("moe_pad_to_capacity=True pads every expert's rows to its capacity, but there is no "
+                               "capacity: routing is dropless; give moe_capacity_factor (1.0-1.25, Switch's) too, or "
+                               "drop moe_pad_to_capacity")
     if moe_aux_loss not in ("local", "global"):
         raise ParallelizeError(f"moe_aux_loss must be 'local' or 'global', not {moe_aux_loss!r}")
     if cp_comm_type not in COMM_TYPES:
@@ -415,7 +425,8 @@ class ParallelModel:
             options=pipeline.CompileOptions(sequence_parallel=o.sequence_parallel, cp_comm_type=o.cp_comm_type,
                                             gradient_accumulation_fusion=o.gradient_accumulation_fusion,
                                             device=o.device, strict=o.strict, moe_aux_loss=o.moe_aux_loss,
-                                            moe_capacity_factor=o.moe_capacity_factor or 0.0),
+                                            moe_capacity_factor=o.moe_capacity_factor or 0.0,
+                                            moe_pad_to_capacity=o.moe_pad_to_capacity),
             observer=observer)
         fell = _fallback_lines(rg.graphs)
         if fell and not self._warned_fallbacks:
@@ -545,7 +556,9 @@ class ParallelModel:
                      f"dispatched and combined by all-to-all ("
                      + ("dropless" if not self.options.moe_capacity_factor else
                         f"capacity factor {self.options.moe_capacity_factor}: each rank's copies over an expert's "
-                        f"capacity dropped, a change of the model") + "); expert gradients reduced over expert-dp "
+                        f"capacity dropped, a change of the model"
+                        + ("; each expert's rows padded to its capacity, fixed all-to-all splits"
+                           if self.options.moe_pad_to_capacity else "")) + "); expert gradients reduced over expert-dp "
                      f"({self.mesh.edp} rank(s)), the rest over {'dp-cp' if self.mesh.cp > 1 else 'dp'} ({dp * self.mesh.cp})")
             if self._ep_tp_note():
                 head += f"; {self._ep_tp_note()}"

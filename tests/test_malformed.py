@@ -129,6 +129,8 @@ AT_PARALLELIZE = [
      r"moe_capacity_factor=1.25 caps what each expert-parallel dispatch .* ep=1"),
     ("options: capacity factor of 0", lambda: _par(_moe(), Mesh(2, ep=2), moe_capacity_factor=0),
      r"moe_capacity_factor must be a positive number"),
+    ("options: padding to a capacity without one", lambda: _par(_moe(), Mesh(2, ep=2), moe_pad_to_capacity=True),
+     r"moe_pad_to_capacity=True pads .* routing is dropless; give moe_capacity_factor"),
     ("options: aux loss kind unknown", lambda: _par(_moe(), Mesh(2), moe_aux_loss="both"),
      r"moe_aux_loss must be 'local' or 'global', not 'both'"),
     ("model: experts over ep with cp", lambda: _par(_moe(), Mesh(4, ep=2, cp=2)),

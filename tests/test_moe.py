@@ -150,11 +150,13 @@ CASES = {"tp2": (dict(tp=2), {}), "tp2-sp": (dict(tp=2), dict(sequence_parallel=
          # capacity-factor routing (opt-in, a change of the model): each expert takes at most ceil(c k T / E)
          # of a rank's copies; the reference caps each rank's piece the same way (CappedExperts)
          "ep2-cap": (dict(ep=2), dict(moe_capacity_factor=1.0)),
+         # ... padded to capacity (Megatron's moe_pad_expert_input_to_capacity): the same numbers, fixed splits
+         "ep2-cap-pad": (dict(ep=2), dict(moe_capacity_factor=1.0, moe_pad_to_capacity=True)),
          # mixed precision: bf16 compute copies, fp32 main weights and gradients (the 16-bit policy's tolerances)
          "ep2-bf16": (dict(ep=2), dict(dtype=torch.bfloat16))}
 #: the batch's pieces each case trains on as one process would: dp ranks' (and microbatches') losses
 #: averaged, each with its own aux loss
-PIECES = {"ep2-cap": 2, "ep2-bf16": 2, "dp2": 2, "pp2": 2, "ep2": 2, "ep2-clip": 4, "ep4": 4, "ep4-skew": 4, "ep2-pp2": 4, "ep2-zero": 4, "ep2-tp2-sp": 2}
+PIECES = {"ep2-cap": 2, "ep2-cap-pad": 2, "ep2-bf16": 2, "dp2": 2, "pp2": 2, "ep2": 2, "ep2-clip": 4, "ep4": 4, "ep4-skew": 4, "ep2-pp2": 4, "ep2-zero": 4, "ep2-tp2-sp": 2}
 FOUR = ("ep2-clip", "ep4", "ep4-skew", "ep2-pp2", "ep2-zero", "ep2-tp2-sp")     # cases of the 4-process job
 
 
@@ -191,14 +193,15 @@ def _run(rank, mesh, key):
                 grads, load, sent = prog.full_grads(), prog.expert_load(), prog.last_dispatch.bytes_sent
         return {"losses": losses, "grads": grads, "state": prog.full_state_dict(), "load": load, "sent": sent,
                 "checked": ledger.stats()["checked"] - before}
-    if key == "ep2-cap":          # the copies dropped over capacity, per step
-        opt, dropped, losses = _opt(prog.parameters()), [], []
+    if key in ("ep2-cap", "ep2-cap-pad"):          # the copies dropped over capacity, the bytes sent, per step
+        opt, dropped, sent, losses = _opt(prog.parameters()), [], [], []
         for step, (args, kw) in enumerate(batches):
             losses.append(prog.train_step(args, opt, kwargs=kw))
             dropped.append(sum(prog.last_dispatch.dropped.values()))
+            sent.append(prog.last_dispatch.bytes_sent)
             if step == 0:
                 grads = prog.full_grads()
-        return {"losses": losses, "grads": grads, "state": prog.full_state_dict(), "dropped": dropped}
+        return {"losses": losses, "grads": grads, "state": prog.full_state_dict(), "dropped": dropped, "sent": sent}
     if key == "ep4-skew":         # the copies this rank's tokens sent each expert, per layer
         out = train_program(prog, batches, _opt(prog.parameters()))
         return {**out, "sent": [c.clone() for c in prog.last_dispatch.copies.values()]}
@@ -258,15 +261,16 @@ def _ep_ops(rank, mesh):
 
 
 EP_TP = fxtron.Mesh(4, ep=2, tp=2)
+EP_TP_OPS = ["ep-tp-ops", "ep-tp-ops-cap", "ep-tp-ops-cap-pad"]
 
 
-def _ep_tp_ops(rank, mesh, capacity):
+def _ep_tp_ops(rank, mesh, capacity, pad):
     """ep=2 x tp=2 (Megatron's order, ops/ep.py): the tp ranks of an ep rank hold the same
     copies; each dispatches its share, the expert rank gathers the shares over tp, its experts
     run split by rows over tp (each tp rank half the input features: a partial sum), the
     partial rows are reduce-scattered back to their shares, combined and put back among the
     copies. Against all experts on the ep rank's own copies in float64 (capped as a reference
-    written here caps them): the sum over tp of the outputs and of the copies' gradients, and
+    written here caps them; padded to capacity or not): the sum over tp of the outputs and of the copies' gradients, and
     each tp rank's half of its experts' gradient."""
     from fxtron.ops import ledger
     from fxtron.ops.ep import ep_combine, ep_dispatch, ep_gather, ep_scatter, ep_share, ep_unshare
@@ -288,13 +292,13 @@ def _ep_tp_ops(rank, mesh, capacity):
     mine = w[r * local:(r + 1) * local].clone().requires_grad_()
     xs = x[order].clone().requires_grad_()
     issued = [ledger.stats()["operations"]]
-    share, share_offs = ep_share(xs, offs, tp_g, 2, "", capacity)
+    share, share_offs = ep_share(xs, offs, tp_g, 2, "", capacity, pad)
     rows, loffs, counts = ep_dispatch(share, share_offs, ep_g, 2)
     rows, loffs, every = ep_gather(rows, loffs, counts, tp_g, 2)
     issued.append(ledger.stats()["operations"])
     partial = grouped_mm(rows[:, half], mine[:, half], loffs)      # split by rows over tp
     back = ep_combine(ep_scatter(partial, every, tp_g, 2), share_offs, counts, share.shape[0], ep_g, 2)
-    y = ep_unshare(back, offs, xs.shape[0], tp_g, 2, capacity)
+    y = ep_unshare(back, offs, xs.shape[0], tp_g, 2, capacity, pad)
     issued.append(ledger.stats()["operations"])
     gy = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(200 + r))
     (y * gy).sum().backward()
@@ -308,12 +312,22 @@ def _ep_tp_ops(rank, mesh, capacity):
     xr, wr = x[order].clone().requires_grad_(), w.clone().requires_grad_()
     yr = grouped_mm(xr, wr, offs) * keep
     (yr * gy).sum().backward()
-    return {"y": y.detach(), "dx": xs.grad, "y_ref": yr.detach(), "dx_ref": xr.grad, "grad_mine": mine.grad[:, half],
+    return {"y": y.detach(), "dx": xs.grad, "rows": share.shape[0], "cap": math.ceil(capacity * copies / E), "y_ref": yr.detach(), "dx_ref": xr.grad, "grad_mine": mine.grad[:, half],
             "grad_ref": wr.grad, "ep": r, "half": half, "issued": [b - a for a, b in zip(issued, issued[1:])]}
 
 
 # transformers' MoE models (experts as fused 3-D weights run by their grouped_mm), expert parallel
-HF = {"hf-mixtral-ep2": ("hf-mixtral", dict(ep=2), {})}     # (Qwen3-MoE at ep=2 x tp=2: tests/test_checkpoint.py)
+#: case -> (model, mesh axes, parallelize options, the pieces one process trains: dp ranks x microbatches)
+HF = {"hf-mixtral-ep2": ("hf-mixtral", dict(ep=2), {}, 2), "hf-qwen3moe-ep2": ("hf-qwen3moe", dict(ep=2), {}, 2),
+      "hf-mixtral-ep4": ("hf-mixtral", dict(ep=4), {}, 4), "hf-qwen3moe-ep4": ("hf-qwen3moe", dict(ep=4), {}, 4),
+      "hf-mixtral-ep2-tp2-sp": ("hf-mixtral", dict(ep=2, tp=2), dict(sequence_parallel=True), 2),
+      "hf-qwen3moe-ep2-tp2-sp": ("hf-qwen3moe", dict(ep=2, tp=2), dict(sequence_parallel=True), 2),
+      "hf-mixtral-ep2-pp2": ("hf-mixtral", dict(ep=2, pp=2), dict(microbatches=2), 4),
+      "hf-qwen3moe-ep2-pp2": ("hf-qwen3moe", dict(ep=2, pp=2), dict(microbatches=2), 4)}
+
+
+def _hf_world(key) -> int:
+    return math.prod(HF[key][1].values())
 
 
 def _hf_steps(name):
@@ -329,10 +343,12 @@ def _hf_pieces(item, n):
 
 def _hf_run(rank, mesh, key):
     from tp_models import batch, make
-    name, _, kw = HF[key]
+    name, _, kw, _ = HF[key]
     a, ex = batch(name, 2, 8, 0)
     with warnings.catch_warnings():
         warnings.simplefilter("error", fxtron.ParallelizeWarning)
+        if kw.get("sequence_parallel"):
+            warnings.simplefilter("ignore", fxtron.ParallelizeWarning)  # the (B, S/tp) -> tokens fold gathers (README)
         torch.manual_seed(0)
         pm = fxtron.parallelize(make(name), mesh, example_inputs=a, example_kwargs=ex, **kw)
     prog = pm.program(rank)
@@ -343,15 +359,16 @@ def _dispatch_case(rank, mesh, key):
     if key in HF:
         return _hf_run(rank, mesh, key)
     if key.startswith("ep-tp-ops"):
-        return _ep_tp_ops(rank, mesh, 1.0 if key.endswith("cap") else 0.0)
+        return _ep_tp_ops(rank, mesh, 0.0 if key == "ep-tp-ops" else 1.0, key.endswith("pad"))
     return _ep_ops(rank, mesh) if key == "ep-ops" else _run(rank, mesh, key)
 
 
 @pytest.fixture(scope="module")
 def trained():
     jobs = [(fxtron.Mesh(2, **axes), [key]) for key, (axes, _) in CASES.items() if key not in FOUR] + [(EP, ["ep-ops"])]
-    jobs += [(fxtron.Mesh(2, **HF[k][1]), [k]) for k in HF]
-    four = [(fxtron.Mesh(4, **CASES[k][0]), [k]) for k in FOUR] + [(EP_TP, ["ep-tp-ops", "ep-tp-ops-cap"])]
+    jobs += [(fxtron.Mesh(2, **HF[k][1]), [k]) for k in HF if _hf_world(k) == 2]
+    four = [(fxtron.Mesh(4, **CASES[k][0]), [k]) for k in FOUR] + [(EP_TP, EP_TP_OPS)]
+    four += [(fxtron.Mesh(4, **HF[k][1]), [k]) for k in HF if _hf_world(k) == 4]
     return run_cases({2: jobs, 4: four}, _dispatch_case,
                      check_collectives=True)
 
@@ -373,7 +390,7 @@ def test_ep_dispatch_and_combine_equal_all_experts_on_one_rank(trained):
     assert sum(o["received"] for o in out) == (7 + 10) * K
 
 
-@pytest.mark.parametrize("key", ["ep-tp-ops", "ep-tp-ops-cap"])
+@pytest.mark.parametrize("key", EP_TP_OPS)
 def test_ep_shares_over_tp_equal_all_experts_on_one_rank(trained, key):
     out = ranks_of(trained, EP_TP, key)
     total = sum(o["grad_ref"] for o in out if o["half"].start == 0)      # each ep rank's copies once
@@ -384,8 +401,10 @@ def test_ep_shares_over_tp_equal_all_experts_on_one_rank(trained, key):
         assert (sum(p["dx"] for p in pair) - o["dx_ref"]).abs().max() < 1e-13
         want = total[o["ep"] * local:(o["ep"] + 1) * local, o["half"]]
         assert (o["grad_mine"] - want).abs().max() < 1e-12
-    if key.endswith("cap"):
+    if key != "ep-tp-ops":
         assert any((o["y_ref"] == 0).all(1).any() for o in out)           # copies really dropped
+    if key.endswith("pad"):                                               # each share: E x ceil(C / tp) rows
+        assert all(o["rows"] == E * math.ceil(o["cap"] / 2) for o in out), [(o["rows"], o["cap"]) for o in out]
     specs = registry.specs()
     sh, d, ga, sc, c = (specs[n] for n in ("ep_share", "ep_dispatch", "ep_gather", "ep_scatter", "ep_combine"))
     for o in out:
@@ -429,7 +448,7 @@ def test_trains_like_one_process(trained, key):
     n = PIECES.get(key, 1)
     clip = CASES[key][1].get("clip_grad")
     steps = _steps(key)
-    model = _capped(_model(key)) if key == "ep2-cap" else _model(key)
+    model = _capped(_model(key)) if key.startswith("ep2-cap") else _model(key)
     dtype = CASES[key][1].get("dtype")
     ref = reference_training(model, [_pieces(s, n) for s in steps] if n > 1 else steps, _opt, clip_grad=clip,
                              dtype=dtype)
@@ -447,9 +466,18 @@ def test_trains_like_one_process(trained, key):
         assert_trains_like(got, ref, rank=rank)
         if clip is not None:                 # the norm: dense over tp-pp, experts over tp-ep-pp
             assert abs(got["norm"] - ref["norms"][-1]) < 1e-5 * ref["norms"][-1], (got["norm"], ref["norms"])
-        if key == "ep2-cap":        # copies really dropped, as many as the reference's caps dropped
+        if key.startswith("ep2-cap"):        # copies really dropped, as many as the reference's caps dropped
             want = sum(layer.mlp.experts.dropped for layer in model.layers)
             assert sum(o["dropped"][0] + o["dropped"][1] for o in ranks_of(trained, mesh, key)) == want > 0
+        if key == "ep2-cap-pad":    # fixed splits: L experts x C rows to the other rank and back, whatever the routing
+            copies = STEPS[0][0].shape[0] // 2 * STEPS[0][0].shape[1] * CFG.top_k
+            cap, local = math.ceil(copies / CFG.n_experts), CFG.n_experts // 2
+            assert got["sent"][0] == CFG.n_layer * (2 * 2 * local * cap * CFG.dim * 4 + 2 * local * 8), got["sent"]
+            assert got["sent"][0] > ranks_of(trained, mesh, "ep2-cap")[rank]["sent"][0]
+            if rank == 0:           # and pm.collectives' formula, which fixed splits make exact
+                pm = fxtron.parallelize(_model(key), mesh, example_inputs=_batch(2, 8, 0), **CASES[key][1])
+                formula = sum(r.evaluate(2, 16)[1] for r in pm.collectives(0) if r.group == "ep")
+                assert formula == got["sent"][0], (formula, got["sent"])
         if key == "ep4-skew":
             assert any((c == 0).any() for c in got["sent"]), got["sent"]      # some expert got nothing from here
         if "checked" in got:
@@ -495,11 +523,12 @@ def test_ep_reports_the_routing_and_the_bytes_it_sent(trained):
 
 @pytest.mark.parametrize("key", list(HF))
 def test_transformers_moe_trains_like_one_process(trained, key):
-    """Mixtral at ep=2 (dp=2) against the unmodified model training the same halves
-    (transformers' load-balancing loss is off by default)."""
+    """transformers' Mixtral and Qwen3-MoE at ep=2, ep=4, ep=2 x tp=2 with sequence parallel and
+    ep=2 x pp=2 against the unmodified model training the same pieces (the dp ranks' and
+    microbatches'; transformers' load-balancing loss is off by default)."""
     from tp_models import make
-    name, axes, _ = HF[key]
+    name, axes, _, pieces = HF[key]
     torch.manual_seed(0)
-    ref = reference_training(make(name), [_hf_pieces(s, 2) for s in _hf_steps(name)], _opt)
-    for rank, got in enumerate(ranks_of(trained, fxtron.Mesh(2, **axes), key)):
+    ref = reference_training(make(name), [_hf_pieces(s, pieces) for s in _hf_steps(name)], _opt)
+    for rank, got in enumerate(ranks_of(trained, fxtron.Mesh(_hf_world(key), **axes), key)):
         assert_trains_like(got, ref, rank=rank)

@@ -53,6 +53,7 @@ class CompileOptions:
     cp_comm_type: str = "p2p"    # how attention exchanges keys over cp: "p2p" (the ring) or "all_gather"
     moe_aux_loss: str = "local"  # the load-balancing loss's token counts: the rank's own, or summed over dp ("global")
     moe_capacity_factor: float = 0.0   # 0: dropless; c > 0: each expert takes at most ceil(c x copies / E) of a rank's
+    moe_pad_to_capacity: bool = False  # each expert's rows padded with zeros to its capacity (fixed splits)
 
 
 @dataclass
@@ -270,7 +271,8 @@ PASSES = pass_list(
     Pass("dispatch_experts", "each mixture-of-experts layer's copies go to the ranks of their experts and come back "
          "(Megatron's all-to-all dispatcher); the experts' GEMMs run on the rank's own experts",
          _set("gm", lambda s: dispatch_experts(s.gm, s.mesh.size("ep"), s.options.moe_capacity_factor,
-                                              tp=s.mesh.size("tp"), plan=s.plan)), _ep, "ep > 1", after=("split_row_bias",)),
+                                              tp=s.mesh.size("tp"), plan=s.plan,
+                                              pad=s.options.moe_pad_to_capacity)), _ep, "ep > 1", after=("split_row_bias",)),
     Pass("sum_aux_statistics", "the load-balancing loss counts every data-parallel rank's tokens per expert "
          "(Megatron's global aux loss)", _set("gm", lambda s: sum_aux_statistics(s.gm)),
          lambda s: s.options.moe_aux_loss == "global" and s.mesh.parallel("dp"), "moe_aux_loss='global', dp > 1",

@@ -88,7 +88,7 @@ def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRec
             if comm.payload == "copies":        # expert parallel: the copies (and the per-expert counts)
                 copies = node if isinstance(node.meta["val"], torch.Tensor) else node.args[0]   # combine's out, dispatch's in
                 shape = meta.get(copies, meta.LOCAL_SHAPE) or ()
-                nbytes = _numel(shape) * copies.meta["val"].dtype.itemsize
+                nbytes = _numel(shape) * copies.meta["val"].dtype.itemsize * _padded(node)
                 nbytes += (comm.count - 1) * int(node.args[1].meta["val"].shape[0]) * 8
                 factor = sympy.Rational(n - 1, n)
                 out.append(CollectiveRecord(
@@ -127,6 +127,21 @@ def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRec
     return out
 
 
+def _padded(node: fx.Node):
+    """The factor by which an expert-parallel all-to-all's rows exceed the copies under uniform
+    routing: the capacity factor where each expert's rows are padded to capacity, else 1."""
+    ops = torch.ops.fxtron
+    if node.target == ops.ep_dispatch.default:
+        src = node.args[0].args[0] if node.args[0].target is operator.getitem else None
+        source = src if getattr(src, "target", None) == ops.ep_share.default else node    # ep x tp: the share
+        args = source.args[5:7]
+    else:
+        unshare = next((u for u in node.users if u.target == ops.ep_unshare.default), None)
+        args = unshare.args[5:7] if unshare is not None else node.args[6:8]
+    capacity, pad = (tuple(args) + (0.0, False))[:2]
+    return sympy.nsimplify(capacity) if pad else 1
+
+
 def uniform_routing(gm: fx.GraphModule) -> dict:
     """The rows an expert-parallel dispatch receives are data-dependent (unbacked sizes u0,
     u1, ...); the formulas assume uniform routing, where a rank receives as many copies as it
@@ -139,7 +154,7 @@ def uniform_routing(gm: fx.GraphModule) -> dict:
             src = node.args[0].args[0] if node.args[0].target is operator.getitem else None
             shares = src.args[3] if getattr(src, "target", None) == torch.ops.fxtron.ep_share.default else 1
             if isinstance(rows, torch.SymInt) and sent:
-                out[str(rows.node.expr)] = sent[0] * shares     # the rows of every tp rank's share
+                out[str(rows.node.expr)] = sent[0] * shares * _padded(node)   # every tp rank's share, padded
     return out
 
 

@@ -94,39 +94,67 @@ def _exchange_counts(send: Tensor, pg) -> Tensor:
     return out.view_as(send)
 
 
-def _kept(per_expert: Tensor, capacity: float) -> tuple[Tensor, Tensor | None]:
-    """Capacity-factor routing (Switch, GShard): each expert takes at most C = ceil(capacity x
-    copies / E) of this rank's copies, the first in their sorted order (token order within an
-    expert); the rest are dropped (their output zero: only the residual carries the token).
-    Returns the kept count per expert and the row indices of the kept copies (None: all kept,
-    dropless, capacity 0)."""
-    if capacity <= 0:
-        return per_expert, None
+def _capacity(per_expert: Tensor, capacity: float) -> int:
+    """C = ceil(capacity x copies / E): the most copies an expert takes from this rank."""
+    return math.ceil(capacity * int(per_expert.sum()) / per_expert.numel())
+
+
+def _routes(offs: Tensor, capacity: float = 0.0, pad: bool = False, j: int = 0,
+            t: int = 1) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Which of a rank's copies it sends each expert, and where in what it sends.
+
+    Dropless (capacity 0) every copy; with a capacity factor (Switch, GShard) each expert
+    takes at most C = ceil(capacity x copies / E) of them, the first in their sorted order
+    (token order within an expert), the rest dropped (their output zero: only the residual
+    carries the token); of those, share j of t (ep x tp: rows floor(n j/t) .. floor(n (j+1)/t)
+    of an expert's n). With `pad` each expert's rows are padded with zeros to ceil(C/t), so
+    every all-to-all has the same splits whatever the routing (Megatron's
+    moe_pad_expert_input_to_capacity; a convenience for fixed shapes, no change of a number).
+
+    Returns the rows sent per expert (E,), for every copy sent its row among the copies
+    (`src`) and its row in what is sent (`dst`; None: in order, no padding)."""
+    per_expert = _counts(offs)
     E = per_expert.numel()
-    cap = math.ceil(capacity * int(per_expert.sum()) / E)
-    kept = per_expert.clamp(max=cap)
-    starts = torch.cumsum(per_expert, 0) - per_expert
-    idx = [torch.arange(int(s), int(s) + int(k)) for s, k in zip(starts.tolist(), kept.tolist())]
-    return kept, (torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)).to(per_expert.device)
+    kept = per_expert if capacity <= 0 else per_expert.clamp(max=_capacity(per_expert, capacity))
+    lo, hi = kept * j // t, kept * (j + 1) // t
+    src = _segments(torch.cumsum(per_expert, 0) - per_expert + lo, hi - lo)
+    if not pad:
+        return hi - lo, src, None
+    width = -(-_capacity(per_expert, capacity) // t)
+    return torch.full_like(per_expert, width), src, _segments(torch.arange(E) * width, hi - lo)
+
+
+def _pick(x: Tensor, send: Tensor, src: Tensor, dst: Tensor | None) -> Tensor:
+    """What a rank sends (_routes): its copies x[src], at rows dst among zeros."""
+    if dst is None:
+        return x.index_select(0, src.to(x.device))
+    out = x.new_zeros((int(send.sum()), *x.shape[1:]))
+    out[dst.to(x.device)] = x.index_select(0, src.to(x.device))
+    return out
+
+
+def _place(got: Tensor, rows: int, src: Tensor, dst: Tensor | None) -> Tensor:
+    """The inverse of _pick: (rows, ...) with what came back for each copy sent, zero for the
+    copies not sent (dropped over capacity, or another tp rank's share)."""
+    out = got.new_zeros((rows, *got.shape[1:]))
+    out[src.to(got.device)] = got if dst is None else got.index_select(0, dst.to(got.device))
+    return out
 
 
 def _dispatch(x: Tensor, offs: Tensor, group: str, world: int, layer: str = "",
-              capacity: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+              capacity: float = 0.0, pad: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     pg = T.resolve(group)
     T.check_world(pg, world, "ep_dispatch", group)
-    per_expert = _counts(offs)
-    E = per_expert.numel()
-    kept, idx = _kept(per_expert, capacity)
-    log = _LOG.get()
-    if layer and log is not None:
-        log.copies[layer] = log.copies.get(layer, 0) + per_expert.detach().cpu()
-        log.dropped[layer] = log.dropped.get(layer, 0) + int((per_expert - kept).sum())
+    E = offs.numel()
+    send, src, dst = _routes(offs, capacity, pad)
+    if layer:
+        _log(layer, offs, src.numel())
     if E % world:
         raise ValueError(f"fxtron::ep_dispatch: {E} experts do not divide over {world} ep ranks")
-    send = kept.view(world, E // world)
-    x = x[:int(per_expert.sum())] if idx is None else x.index_select(0, idx)
+    x = _pick(x, send, src, dst)
+    send = send.view(world, E // world)
     if pg is None:
-        return x.clone(), torch.cumsum(kept, 0).to(offs.dtype), send.clone()
+        return x.clone(), torch.cumsum(send.reshape(-1), 0).to(offs.dtype), send.clone()
     recv = _exchange_counts(send.cpu(), pg).to(send.device)                    # (world, L)
     rows_to = send.sum(1).tolist()
     if x.shape[0]:
@@ -136,13 +164,21 @@ def _dispatch(x: Tensor, offs: Tensor, group: str, world: int, layer: str = "",
     return rows, torch.cumsum(recv.sum(0), 0).to(offs.dtype), recv
 
 
+def _log(layer: str, offs: Tensor, kept: int) -> None:
+    """Enter a layer's routing in the active DispatchLog: its copies per expert, and how many
+    of them were dropped (all but `kept`)."""
+    log = _LOG.get()
+    if log is not None:
+        per_expert = _counts(offs).detach().cpu()
+        log.copies[layer] = log.copies.get(layer, 0) + per_expert
+        log.dropped[layer] = log.dropped.get(layer, 0) + int(per_expert.sum()) - kept
+
+
 def _combine(y: Tensor, offs: Tensor, counts: Tensor, rows: int, group: str, world: int,
-             capacity: float = 0.0) -> Tensor:
+             capacity: float = 0.0, pad: bool = False) -> Tensor:
     pg = T.resolve(group)
     T.check_world(pg, world, "ep_combine", group)
-    kept, idx = _kept(_counts(offs), capacity)
-    send = kept.view(world, -1)
-    out = y.new_zeros((rows, *y.shape[1:]))
+    send, src, dst = _routes(offs, capacity, pad)
     if pg is None:
         got = y
     else:
@@ -151,25 +187,22 @@ def _combine(y: Tensor, offs: Tensor, counts: Tensor, rows: int, group: str, wor
         rows_to = counts.sum(1).tolist()
         if y.shape[0]:
             _sent(pg, rows_to, y[0])
-        got = T.all_to_all_single(back, send.sum(1).tolist(), rows_to, pg)
-    if idx is None:
-        out[:got.shape[0]] = got
-    else:
-        out[idx] = got                                                          # dropped copies stay zero
-    return out
+        got = T.all_to_all_single(back, send.view(world, -1).sum(1).tolist(), rows_to, pg)
+    return _place(got, rows, src, dst)
 
 
 @torch.library.custom_op("fxtron::ep_dispatch", mutates_args=())
 def ep_dispatch(x: Tensor, offs: Tensor, group: str, world: int, layer: str = "",
-                capacity: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+                capacity: float = 0.0, pad: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """See the module docstring. x (S, h) rows sorted by expert, offs (E,) cumulative ends;
     layer: the layer's name in the DispatchLog; capacity: 0 dropless, else the capacity
-    factor c (each expert takes at most ceil(c x S / E) of this rank's copies)."""
-    return _dispatch(x, offs, group, world, layer, capacity)
+    factor c (each expert takes at most ceil(c x S / E) of this rank's copies); pad: each
+    expert's rows padded with zeros to that capacity (_routes)."""
+    return _dispatch(x, offs, group, world, layer, capacity, pad)
 
 
 @ep_dispatch.register_fake
-def _(x, offs, group, world, layer="", capacity=0.0):
+def _(x, offs, group, world, layer="", capacity=0.0, pad=False):
     ctx = torch.library.get_ctx()
     received = ctx.new_dynamic_size()
     local = offs.shape[0] // world
@@ -179,15 +212,15 @@ def _(x, offs, group, world, layer="", capacity=0.0):
 
 def _dispatch_setup(ctx, inputs, output):
     x, offs, ctx.group, ctx.world = inputs[:4]
-    ctx.capacity = inputs[5] if len(inputs) > 5 else 0.0
+    ctx.capacity, ctx.pad = (tuple(inputs[5:7]) + (0.0, False)[len(inputs[5:7]):])
     ctx.rows = x.shape[0]
     ctx.save_for_backward(offs, output[2])
 
 
 def _dispatch_bwd(ctx, grad_rows, grad_offs, grad_counts):
     offs, counts = ctx.saved_tensors
-    dx = _combine(grad_rows.contiguous(), offs, counts, ctx.rows, ctx.group, ctx.world, ctx.capacity)
-    return dx, None, None, None, None, None
+    dx = _combine(grad_rows.contiguous(), offs, counts, ctx.rows, ctx.group, ctx.world, ctx.capacity, ctx.pad)
+    return dx, None, None, None, None, None, None
 
 
 ep_dispatch.register_autograd(_dispatch_bwd, setup_context=_dispatch_setup)
@@ -195,28 +228,28 @@ ep_dispatch.register_autograd(_dispatch_bwd, setup_context=_dispatch_setup)
 
 @torch.library.custom_op("fxtron::ep_combine", mutates_args=())
 def ep_combine(y: Tensor, offs: Tensor, counts: Tensor, rows: int, group: str, world: int,
-               capacity: float = 0.0) -> Tensor:
+               capacity: float = 0.0, pad: bool = False) -> Tensor:
     """See the module docstring. y (R, h) rows of the local experts as ep_dispatch gave them;
     offs and counts as ep_dispatch took and returned them; rows: S, the dispatched x's rows;
-    capacity as ep_dispatch took it (dropped copies come back zero)."""
-    return _combine(y, offs, counts, rows, group, world, capacity)
+    capacity and pad as ep_dispatch took them (dropped copies come back zero)."""
+    return _combine(y, offs, counts, rows, group, world, capacity, pad)
 
 
 @ep_combine.register_fake
-def _(y, offs, counts, rows, group, world, capacity=0.0):
+def _(y, offs, counts, rows, group, world, capacity=0.0, pad=False):
     return y.new_empty((rows, *y.shape[1:]))
 
 
 def _combine_setup(ctx, inputs, output):
     _, offs, counts, _, ctx.group, ctx.world = inputs[:6]
-    ctx.capacity = inputs[6] if len(inputs) > 6 else 0.0
+    ctx.capacity, ctx.pad = (tuple(inputs[6:8]) + (0.0, False)[len(inputs[6:8]):])
     ctx.save_for_backward(offs)
 
 
 def _combine_bwd(ctx, grad):
     (offs,) = ctx.saved_tensors
-    rows, _, _ = _dispatch(grad.contiguous(), offs, ctx.group, ctx.world, capacity=ctx.capacity)
-    return rows, None, None, None, None, None, None
+    rows, _, _ = _dispatch(grad.contiguous(), offs, ctx.group, ctx.world, capacity=ctx.capacity, pad=ctx.pad)
+    return rows, None, None, None, None, None, None, None
 
 
 ep_combine.register_autograd(_combine_bwd, setup_context=_combine_setup)
@@ -248,17 +281,6 @@ register(OpSpec("ep_combine", axis_arg=4, forward=Comm("all_to_all", "copies"),
 #
 # so each all-to-all carries 1/tp of the copies, as Megatron's do. Rows an expert rank holds
 # come in (local expert, source rank, share) order: the rows of ep_dispatch without tp.
-
-
-def _share_rows(offs: Tensor, capacity: float, j: int, t: int) -> tuple[Tensor, Tensor]:
-    """Share j of t of every expert's (kept) copies: the row indices into the copies and the
-    share's count per expert (E,)."""
-    per_expert = _counts(offs)
-    kept, idx = _kept(per_expert, capacity)
-    lo, hi = kept * j // t, kept * (j + 1) // t
-    starts = torch.cumsum(kept, 0) - kept
-    pos = _segments(starts + lo, hi - lo)
-    return (pos if idx is None else idx[pos]), hi - lo
 
 
 def _segments(starts: Tensor, sizes: Tensor) -> Tensor:
@@ -320,74 +342,73 @@ def _share_coord(group: str, world: int, op: str) -> tuple[object, int]:
 
 @torch.library.custom_op("fxtron::ep_share", mutates_args=())
 def ep_share(x: Tensor, offs: Tensor, group: str, world: int, layer: str = "",
-             capacity: float = 0.0) -> tuple[Tensor, Tensor]:
+             capacity: float = 0.0, pad: bool = False) -> tuple[Tensor, Tensor]:
     """This tp rank's share of every expert's copies (see above): (rows, their offsets (E,)).
     x (S, h) and offs (E,) as ep_dispatch takes them, whole on every rank of `group`;
-    capacity as ep_dispatch's (applied here: the share is of the kept copies); layer: the
-    layer's name in the DispatchLog (the whole layer's copies, as ep_dispatch logs them)."""
-    pg, j = _share_coord(group, world, "ep_share")
-    log = _LOG.get()
-    if layer and log is not None:
-        per_expert = _counts(offs)
-        kept, _ = _kept(per_expert, capacity)
-        log.copies[layer] = log.copies.get(layer, 0) + per_expert.detach().cpu()
-        log.dropped[layer] = log.dropped.get(layer, 0) + int((per_expert - kept).sum())
-    idx, n = _share_rows(offs, capacity, j, world)
-    return x.index_select(0, idx.to(x.device)), torch.cumsum(n, 0).to(offs.dtype)
+    capacity and pad as ep_dispatch's (applied here: the share is of the kept copies, each
+    expert's padded to ceil(C/t)); layer: the layer's name in the DispatchLog (the whole
+    layer's copies, as ep_dispatch logs them)."""
+    _, j = _share_coord(group, world, "ep_share")
+    send, src, dst = _routes(offs, capacity, pad, j, world)
+    if layer:
+        _log(layer, offs, _routes(offs, capacity)[1].numel())
+    return _pick(x, send, src, dst), torch.cumsum(send, 0).to(offs.dtype)
 
 
 @ep_share.register_fake
-def _(x, offs, group, world, layer="", capacity=0.0):
+def _(x, offs, group, world, layer="", capacity=0.0, pad=False):
     rows = torch.library.get_ctx().new_dynamic_size()
     return x.new_empty((rows, *x.shape[1:])), torch.empty_like(offs)
 
 
 def _share_setup(ctx, inputs, output):
     x, offs, ctx.group, ctx.world = inputs[:4]
-    ctx.capacity = inputs[5] if len(inputs) > 5 else 0.0
+    ctx.capacity, ctx.pad = (tuple(inputs[5:7]) + (0.0, False)[len(inputs[5:7]):])
     ctx.rows = x.shape[0]
     ctx.save_for_backward(offs)
 
 
 def _share_bwd(ctx, grad, grad_offs):
     (offs,) = ctx.saved_tensors
-    return _unshare(grad, offs, ctx.rows, ctx.group, ctx.world, ctx.capacity), None, None, None, None, None
+    return _unshare(grad, offs, ctx.rows, ctx.group, ctx.world, ctx.capacity, ctx.pad), None, None, None, None, None, None
 
 
 ep_share.register_autograd(_share_bwd, setup_context=_share_setup)
 
 
-def _unshare(y: Tensor, offs: Tensor, rows: int, group: str, world: int, capacity: float) -> Tensor:
+def _share_routes(offs: Tensor, group: str, world: int, capacity: float, pad: bool):
     _, j = _share_coord(group, world, "ep_unshare")
-    idx, _ = _share_rows(offs, capacity, j, world)
-    out = y.new_zeros((rows, *y.shape[1:]))
-    out[idx.to(y.device)] = y
-    return out
+    return _routes(offs, capacity, pad, j, world)
+
+
+def _unshare(y: Tensor, offs: Tensor, rows: int, group: str, world: int, capacity: float, pad: bool) -> Tensor:
+    _, src, dst = _share_routes(offs, group, world, capacity, pad)
+    return _place(y, rows, src, dst)
 
 
 @torch.library.custom_op("fxtron::ep_unshare", mutates_args=())
-def ep_unshare(y: Tensor, offs: Tensor, rows: int, group: str, world: int, capacity: float = 0.0) -> Tensor:
+def ep_unshare(y: Tensor, offs: Tensor, rows: int, group: str, world: int, capacity: float = 0.0,
+               pad: bool = False) -> Tensor:
     """The inverse of ep_share: (rows, h) with this tp rank's share in place and zeros
     elsewhere (its sum over the group is every share). Backward: the share of the gradient."""
-    return _unshare(y, offs, rows, group, world, capacity)
+    return _unshare(y, offs, rows, group, world, capacity, pad)
 
 
 @ep_unshare.register_fake
-def _(y, offs, rows, group, world, capacity=0.0):
+def _(y, offs, rows, group, world, capacity=0.0, pad=False):
     return y.new_empty((rows, *y.shape[1:]))
 
 
 def _unshare_setup(ctx, inputs, output):
     _, offs, _, ctx.group, ctx.world = inputs[:5]
-    ctx.capacity = inputs[5] if len(inputs) > 5 else 0.0
+    ctx.capacity, ctx.pad = (tuple(inputs[5:7]) + (0.0, False)[len(inputs[5:7]):])
     ctx.save_for_backward(offs)
 
 
 def _unshare_bwd(ctx, grad):
     (offs,) = ctx.saved_tensors
-    _, j = _share_coord(ctx.group, ctx.world, "ep_unshare")
-    idx, _ = _share_rows(offs, ctx.capacity, j, ctx.world)
-    return grad.index_select(0, idx.to(grad.device)), None, None, None, None, None
+    send, src, dst = _share_routes(offs, ctx.group, ctx.world, ctx.capacity, ctx.pad)
+    return _pick(grad, send, src, dst), None, None, None, None, None, None
 
 
 ep_unshare.register_autograd(_unshare_bwd, setup_context=_unshare_setup)

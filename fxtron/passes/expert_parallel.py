@@ -278,11 +278,11 @@ def unshared(layer: MoELayer, plan) -> str | None:
 
 
 def dispatch_experts(gm: fx.GraphModule, ep: int, capacity: float = 0.0, *, tp: int = 1,
-                     plan=None) -> fx.GraphModule:
+                     plan=None, pad: bool = False) -> fx.GraphModule:
     """Rewrite every MoE layer (module docstring): dispatch before its experts, combine after,
     the experts' GEMMs on the rank's local experts; with a capacity factor (> 0) each expert
-    takes at most ceil(capacity x copies / E) of each rank's copies, the rest dropped (ops/ep.py).
-    At tp > 1 with the experts split over tp (`plan`; `unshared` says when not), each tp rank
+    takes at most ceil(capacity x copies / E) of each rank's copies, the rest dropped, and with
+    `pad` every expert's rows are padded to that capacity (ops/ep.py's _routes). At tp > 1 with the experts split over tp (`plan`; `unshared` says when not), each tp rank
     dispatches its share of the copies and the received rows are gathered over tp (Megatron's
     order, ops/ep.py: 1/tp of the bytes in every all-to-all). Edits gm in place and returns it."""
     g = gm.graph
@@ -300,12 +300,12 @@ def dispatch_experts(gm: fx.GraphModule, ep: int, capacity: float = 0.0, *, tp: 
         why = "dispatch the copies to the ranks of their experts"
         with g.inserting_before(first):
             rows_n = _call(g, aten.sym_size.int, (copies, 0), cv.shape[0], first, why)
-            sent, sent_offs, dispatch_args = copies, layer.offs, (layer.name, float(capacity))
+            sent, sent_offs, dispatch_args = copies, layer.offs, (layer.name, float(capacity), pad)
             if shares > 1:
                 share = _call(g, torch.ops.fxtron.ep_share.default, (copies, layer.offs, TP, shares, layer.name,
-                                                                      float(capacity)), (cv, ov), first, why)
+                                                                      float(capacity), pad), (cv, ov), first, why)
                 sent, sent_offs = _getitems(g, share, 2, first, why)
-                dispatch_args = ("", 0.0)
+                dispatch_args = ("", 0.0, False)                # capped and padded already
             dispatch = _call(g, torch.ops.fxtron.ep_dispatch.default, (sent, sent_offs, AXIS, ep, *dispatch_args),
                              (rows_v, ov.new_empty((local,)), ov.new_empty((ep, local), dtype=torch.int64)), first, why)
             rows, local_offs, counts = _getitems(g, dispatch, 3, first, why)
@@ -330,17 +330,17 @@ def dispatch_experts(gm: fx.GraphModule, ep: int, capacity: float = 0.0, *, tp: 
         why = "the experts' rows back to the ranks of their tokens"
         if shares == 1:
             _reroute(g, out, users, torch.ops.fxtron.ep_combine.default,
-                     (out, layer.offs, counts, rows_n, AXIS, ep, float(capacity)), back, why)
+                     (out, layer.offs, counts, rows_n, AXIS, ep, float(capacity), pad), back, why)
             continue
         with g.inserting_after(out):
             mine = _call(g, torch.ops.fxtron.ep_scatter.default, (out, every, TP, shares), ov_out, out,
                          "this tp rank's share of the experts' rows, summed over tp")
         with g.inserting_after(mine):
             combined = _call(g, torch.ops.fxtron.ep_combine.default,
-                             (mine, sent_offs, counts, sent_n, AXIS, ep, 0.0), back, out, why)
+                             (mine, sent_offs, counts, sent_n, AXIS, ep, 0.0, False), back, out, why)
         with g.inserting_after(combined):
             whole = _call(g, torch.ops.fxtron.ep_unshare.default, (combined, layer.offs, rows_n, TP, shares,
-                                                                    float(capacity)), back, out,
+                                                                    float(capacity), pad), back, out,
                           "the share back among the copies, zero elsewhere: a partial sum over tp")
         for u in users:
             u.replace_input_with(out, whole)
