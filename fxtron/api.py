@@ -342,7 +342,7 @@ class ParallelModel:
                  if (why := unshared(layer, self.tp_plan)) is not None}
         if not whole:
             return ""
-        return (f"at ep={self.mesh.ep} x tp={self.mesh.tp} the tp ranks of {', '.join(whole)} dispatch its copies whole "
+        return (f"at ep={self.mesh.ep} x tp={self.mesh.tp} the tp ranks of {', '.join(whole)} dispatch the copies whole "
                 f"({'; '.join(sorted(set(whole.values())))}), so each of their all-to-alls carries {self.mesh.tp}x the "
                 f"bytes of Megatron's, whose tp ranks each dispatch a part and gather the received rows over tp")
 

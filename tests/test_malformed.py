@@ -129,6 +129,10 @@ AT_PARALLELIZE = [
      r"moe_capacity_factor=1.25 caps what each expert-parallel dispatch .* ep=1"),
     ("options: capacity factor of 0", lambda: _par(_moe(), Mesh(2, ep=2), moe_capacity_factor=0),
      r"moe_capacity_factor must be a positive number"),
+    ("strict: experts over ep x tp not split column-then-row",
+     lambda: _par(_moe(), Mesh(4, ep=2, tp=2), plan={"layers.*.mlp.experts.down": "replicate"}, strict=True),
+     r"tp ranks of layers.0.mlp.experts, layers.1.mlp.experts dispatch the copies whole \(its last GEMM is not split "
+     r"by rows.*2x the bytes of Megatron's"),
     ("options: padding to a capacity without one", lambda: _par(_moe(), Mesh(2, ep=2), moe_pad_to_capacity=True),
      r"moe_pad_to_capacity=True pads .* routing is dropless; give moe_capacity_factor"),
     ("options: aux loss kind unknown", lambda: _par(_moe(), Mesh(2), moe_aux_loss="both"),

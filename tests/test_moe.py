@@ -323,7 +323,8 @@ HF = {"hf-mixtral-ep2": ("hf-mixtral", dict(ep=2), {}, 2), "hf-qwen3moe-ep2": ("
       "hf-mixtral-ep2-tp2-sp": ("hf-mixtral", dict(ep=2, tp=2), dict(sequence_parallel=True), 2),
       "hf-qwen3moe-ep2-tp2-sp": ("hf-qwen3moe", dict(ep=2, tp=2), dict(sequence_parallel=True), 2),
       "hf-mixtral-ep2-pp2": ("hf-mixtral", dict(ep=2, pp=2), dict(microbatches=2), 4),
-      "hf-qwen3moe-ep2-pp2": ("hf-qwen3moe", dict(ep=2, pp=2), dict(microbatches=2), 4)}
+      "hf-qwen3moe-ep2-pp2": ("hf-qwen3moe", dict(ep=2, pp=2), dict(microbatches=2), 4),
+      "hf-olmoe-ep2": ("hf-olmoe", dict(ep=2), {}, 2)}
 
 
 def _hf_world(key) -> int:
@@ -524,7 +525,7 @@ def test_ep_reports_the_routing_and_the_bytes_it_sent(trained):
 @pytest.mark.parametrize("key", list(HF))
 def test_transformers_moe_trains_like_one_process(trained, key):
     """transformers' Mixtral and Qwen3-MoE at ep=2, ep=4, ep=2 x tp=2 with sequence parallel and
-    ep=2 x pp=2 against the unmodified model training the same pieces (the dp ranks' and
+    ep=2 x pp=2, and OLMoE at ep=2, against the unmodified model training the same pieces (the dp ranks' and
     microbatches'; transformers' load-balancing loss is off by default)."""
     from tp_models import make
     name, axes, _, pieces = HF[key]
