@@ -388,19 +388,22 @@ class ParallelModel:
         o = self.options
         return PipelineOptions(o.schedule, o.microbatches, o.virtual_stages, o.scatter_gather)
 
-    def schedule_chart(self, path: str, timelines: list | None = None, *, t_f=1, t_b=1, t_w=1) -> str:
+    def schedule_chart(self, path: str, timelines: list | None = None, *, memory: list | None = None,
+                       t_f=1, t_b=1, t_w=1) -> str:
         """Draw the schedule of every pipeline rank as a timeline picture at `path` (.png or
         .svg): the measured `timelines` (each rank's `prog.timeline()` from a step; ranks in
         mesh order, one per pipeline rank) or, by default, the simulation of the compiled
         schedule with pass times t_f, t_b (input gradient), t_w (weight gradient: its own pass
-        under zb-h1, part of B otherwise); unit costs by default. Returns the path."""
+        under zb-h1, part of B otherwise); unit costs by default. With measured timelines,
+        `memory` (each rank's `prog.memory_timeline()` of the same step) is drawn below on the
+        same time axis. Returns the path."""
         from fxtron import chart
         o = self.options
         if timelines is None:
             sim = schedules.simulate(o.schedule, self.mesh.pp, o.microbatches, o.virtual_stages,
                                      t_f=t_f, t_b=t_b, t_w=t_w)
             return chart.draw_simulation(sim, path, title=self._schedule_title())
-        return chart.draw_timelines(timelines, path, title=self._schedule_title())
+        return chart.draw_timelines(timelines, path, title=self._schedule_title(), memory=memory)
 
     def _schedule_title(self) -> str:
         o = self.options

@@ -27,7 +27,7 @@ def _cmd_train(a) -> int:
 
     cfg = TrainConfig(model=a.model, world_size=a.world_size, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep,
                       steps=a.steps, batch=a.batch, seq=a.seq, lr=a.lr, seed=a.seed, data=a.data,
-                      microbatches=a.microbatches, schedule=a.schedule)
+                      microbatches=a.microbatches, schedule=a.schedule, trace=a.trace)
     cfg.mesh()  # validate before starting processes
     run(cfg, compare=not a.no_compare)
     return 0
@@ -106,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--microbatches", type=int, default=1, help="per step and data-parallel rank")
     p.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, zb-h1")
     p.add_argument("--no-compare", action="store_true", help="skip the one-process reference run")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="write the last step's passes and memory per rank to DIR (trace.json for Perfetto or "
+                        "chrome://tracing, schedule.png)")
     p.set_defaults(fn=_cmd_train)
 
     p = sub.add_parser("inspect", help="compile one rank of a mesh without processes and describe it")

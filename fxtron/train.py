@@ -34,6 +34,7 @@ class TrainConfig:
     max_bytes: int = 4_000_000
     microbatches: int = 1
     schedule: str = "1f1b"
+    trace: str | None = None     # a directory: the last step's passes and memory per rank (Chrome trace, picture)
 
     def mesh(self) -> Mesh:
         return Mesh(self.world_size, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
@@ -92,6 +93,7 @@ def train_rank(rank: int, cfg: TrainConfig) -> dict:
     t0 = time.perf_counter()
     for step in bar:
         start = time.perf_counter()
+        prog.track_memory = cfg.trace is not None and step == cfg.steps - 1
         loss = prog.train_step(batch_at(data, step, cfg), opt)
         losses.append(loss)
         shown = {"loss": f"{loss:.4f}", "tok_s": f"{tokens / (time.perf_counter() - start):,.0f}"}
@@ -100,7 +102,10 @@ def train_rank(rank: int, cfg: TrainConfig) -> dict:
             imbalance.append(max(float(c.max()) / max(float(c.float().mean()), 1e-9) for c in load.values()))
             shown["experts_max/mean"] = f"{imbalance[-1]:.2f}"
         bar.set_postfix(shown)
-    return {"losses": losses, "seconds": time.perf_counter() - t0, "imbalance": imbalance}
+    out = {"losses": losses, "seconds": time.perf_counter() - t0, "imbalance": imbalance}
+    if cfg.trace is not None:
+        out.update(timeline=prog.timeline(), memory=prog.memory_timeline())
+    return out
 
 
 def train_reference(cfg: TrainConfig) -> list[float]:
@@ -138,6 +143,8 @@ def run(cfg: TrainConfig, *, compare: bool = True) -> dict:
            "tokens_per_s": cfg.steps * cfg.batch * cfg.seq / results[0]["seconds"]}
     print(f"parallel run: {cfg.steps} steps on {cfg.mesh()}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
           f"{out['tokens_per_s']:,.0f} tokens/s ({wall:.1f} s with start-up)")
+    if cfg.trace is not None:
+        out["trace"] = write_trace(cfg, results)
     imbalance = results[0]["imbalance"]
     if imbalance:
         out["imbalance"] = imbalance
@@ -153,3 +160,26 @@ def run(cfg: TrainConfig, *, compare: bool = True) -> dict:
               f"{cfg.steps} steps {diffs[worst]:.2e} (step {worst}: {losses[worst]:.7f} vs {ref[worst]:.7f}); "
               "float32 round-off of the different reduction order, compounded by AdamW")
     return out
+
+
+def write_trace(cfg: TrainConfig, results: list[dict]) -> dict[str, str]:
+    """The last step of every rank into cfg.trace: trace.json (Chrome trace: each rank's passes
+    and memory) and schedule.png (the pipeline ranks of the first data-parallel replica, their
+    memory below). Returns the paths written."""
+    from fxtron import chart
+
+    out = Path(cfg.trace)
+    out.mkdir(parents=True, exist_ok=True)
+    mesh = cfg.mesh()
+    paths = {"trace": chart.write_trace(str(out / "trace.json"), [r["timeline"] for r in results],
+                                        [r["memory"] for r in results])}
+    first = [r for r in range(mesh.world_size)
+             if all(v == 0 for k, v in mesh.coords(r).items() if k not in ("pp", "ep", "edp", "etp"))]
+    first = sorted(first, key=lambda r: mesh.coords(r)["pp"])[:mesh.pp]
+    paths["picture"] = chart.draw_timelines([results[r]["timeline"] for r in first], str(out / "schedule.png"),
+                                            title=f"{cfg.model} on {mesh}, last step",
+                                            memory=[results[r]["memory"] for r in first])
+    peak = max(s.activations for r in results for s in r["memory"])
+    print(f"trace of the last step: {paths['trace']} (Perfetto, chrome://tracing), {paths['picture']}; "
+          f"peak activations saved for backward on a rank: {peak / 2**20:.2f} MiB")
+    return paths

@@ -1,6 +1,7 @@
 """The command line: `python -m fxtron mesh` and `python -m fxtron train`."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -23,13 +24,22 @@ def test_mesh_error_says_what_to_change():
     assert "ParallelizeError" in proc.stderr and "10" in proc.stderr
 
 
-def test_train_matches_one_process(capsys):
-    cfg = TrainConfig(model="gpt-tiny", world_size=2, steps=4, batch=4, seq=32, max_bytes=200_000)
+def test_train_matches_one_process(capsys, tmp_path):
+    cfg = TrainConfig(model="gpt-tiny", world_size=2, steps=4, batch=4, seq=32, max_bytes=200_000, trace=str(tmp_path))
     out = run(cfg)
     assert len(out["losses"]) == 4 and out["tokens_per_s"] > 0
     # early steps, before AdamW compounds round-off: equal to float32 precision
     assert out["max_loss_diff"] < 1e-4, out
     assert "loss difference" in capsys.readouterr().out
+    # --trace: the last step of both ranks as a Chrome trace (passes as spans, memory as
+    # counters: activations saved in forward, given back by backward) and a picture
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    for rank in (0, 1):
+        spans = [e["name"] for e in events if e["pid"] == rank and e["ph"] == "X"]
+        assert spans == ["F 0", "B 0"], spans
+        memory = [e["args"]["activations"] for e in events if e["pid"] == rank and e["ph"] == "C"]
+        assert memory[0] == 0 and memory[1] > 100 * memory[2], memory      # start, after F, after B
+    assert (tmp_path / "schedule.png").stat().st_size > 0
 
 
 def test_train_a_mixture_of_experts_over_ep_shows_the_load(capsys):

@@ -24,6 +24,7 @@ uneven token counts and an expert that receives nothing from a rank.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 
 import pytest
@@ -317,14 +318,19 @@ def _ep_tp_ops(rank, mesh, capacity, pad):
 
 
 # transformers' MoE models (experts as fused 3-D weights run by their grouped_mm), expert parallel
-#: case -> (model, mesh axes, parallelize options, the pieces one process trains: dp ranks x microbatches)
+#: case -> (model, mesh axes, parallelize options, the pieces one process trains: dp ranks x microbatches).
+#: Mixtral at ep=2 x pp=2 and Qwen3-MoE at ep=2 x tp=2 train and resume in tests/test_checkpoint.py;
+#: Mixtral at ep=4 and ep=2 x pp=2 and Qwen3-MoE at ep=2 x tp=2 with sp pass here too (kept out of CI's time)
 HF = {"hf-mixtral-ep2": ("hf-mixtral", dict(ep=2), {}, 2), "hf-qwen3moe-ep2": ("hf-qwen3moe", dict(ep=2), {}, 2),
-      "hf-mixtral-ep4": ("hf-mixtral", dict(ep=4), {}, 4), "hf-qwen3moe-ep4": ("hf-qwen3moe", dict(ep=4), {}, 4),
+      "hf-qwen3moe-ep4": ("hf-qwen3moe", dict(ep=4), {}, 4),
       "hf-mixtral-ep2-tp2-sp": ("hf-mixtral", dict(ep=2, tp=2), dict(sequence_parallel=True), 2),
-      "hf-qwen3moe-ep2-tp2-sp": ("hf-qwen3moe", dict(ep=2, tp=2), dict(sequence_parallel=True), 2),
-      "hf-mixtral-ep2-pp2": ("hf-mixtral", dict(ep=2, pp=2), dict(microbatches=2), 4),
       "hf-qwen3moe-ep2-pp2": ("hf-qwen3moe", dict(ep=2, pp=2), dict(microbatches=2), 4),
       "hf-olmoe-ep2": ("hf-olmoe", dict(ep=2), {}, 2)}
+MORE_HF = {"hf-mixtral-ep4": ("hf-mixtral", dict(ep=4), {}, 4),
+           "hf-qwen3moe-ep2-tp2-sp": ("hf-qwen3moe", dict(ep=2, tp=2), dict(sequence_parallel=True), 2),
+           "hf-mixtral-ep2-pp2": ("hf-mixtral", dict(ep=2, pp=2), dict(microbatches=2), 4)}
+if os.environ.get("FXTRON_MORE_TESTS"):          # FXTRON_MORE_TESTS=1 pytest tests/test_moe.py: every pair
+    HF.update(MORE_HF)
 
 
 def _hf_world(key) -> int:

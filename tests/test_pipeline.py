@@ -64,7 +64,9 @@ def _run_case(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
     prog = pm.program(rank)
     opt = _opt(prog.parameters())
     losses, grads = [], None
-    for step, item in enumerate(_steps(case.name, case.varying, case.m)):
+    steps = _steps(case.name, case.varying, case.m)
+    for step, item in enumerate(steps):
+        prog.track_memory = step == len(steps) - 1             # the last step's memory, pass by pass
         if isinstance(item, fxtron.Microbatches):
             losses.append(prog.train_step(item, opt))
         else:
@@ -79,7 +81,8 @@ def _run_case(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
             "bound": schedules.in_flight_bound(case.schedule, mesh.pp, case.m, pp_rank, case.v),
             "sent": runner.p2p.bytes_sent if runner.p2p is not None else 0,
             "freed": runner.freed_bytes,
-            "events": [e.kind for e in prog.timeline()]}
+            "events": [e.kind for e in prog.timeline()],
+            "memory": [(m.phase, m.activations) for m in prog.memory_timeline()]}
 
 
 ALL = ["gpipe", "1f1b", "interleaved", "zb-h1"]
@@ -190,3 +193,26 @@ def test_sent_outputs_are_released(results):
     first, last = ranks_of(results, mesh_key, case)
     assert first["freed"] == BATCH * SEQS[-1] * 64 * 4, first["freed"]
     assert last["freed"] == 0
+
+
+@pytest.mark.parametrize("mesh_key,case", [(m, c) for m, c in CASES if not c.varying and c.v == 1],
+                         ids=[f"{m}-{c.key}" for m, c in CASES if not c.varying and c.v == 1])
+def test_peak_memory_is_the_schedules_in_flight_bound(results, mesh_key, case):
+    """The memory timeline (prog.memory_timeline(), the last step): each forward pass adds one
+    microbatch's activations saved for backward (the same bytes for every microbatch; the
+    first's a little more, a storage its successors share), its B (under ZB-H1 its W) gives
+    them back, so the peak is the schedule's in-flight count of microbatches times one
+    microbatch's -- 1F1B's pp - r, GPipe's m; under ZB-H1 at most that, a B keeping only what
+    its W needs -- within 5% (the boundary buffer of the last message received, the input ids
+    the caller keeps: what is still held at the step's end, a small part of a microbatch's)."""
+    for res in ranks_of(results, mesh_key, case):
+        mem = res["memory"]
+        assert mem[0] == ("start", 0)
+        added = [b[1] - a[1] for a, b in zip(mem, mem[1:]) if b[0] == "F"]
+        per_mb = min(added)
+        assert len(added) == case.m and per_mb > 0 and max(added) <= 1.1 * per_mb, str(mem)
+        peak, bound = max(a for _, a in mem), res["order_peak"] * per_mb
+        assert peak <= 1.05 * bound, (peak, res["order_peak"], str(mem))
+        if case.schedule != "zb-h1":
+            assert peak >= bound, (peak, res["order_peak"], str(mem))
+        assert mem[-1][1] <= 0.15 * per_mb, str(mem)

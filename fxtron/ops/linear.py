@@ -33,6 +33,7 @@ class WgradQueue:
     def __init__(self, deferred: bool = False):
         self.jobs: list[Callable[[], None]] = []
         self.deferred = deferred
+        self.held_bytes = 0        # bytes of the output gradients the queued jobs hold (a deferred W pass's)
 
     @contextlib.contextmanager
     def active(self):
@@ -50,6 +51,7 @@ class WgradQueue:
     def run(self) -> None:
         """Run every queued weight-gradient GEMM now."""
         jobs, self.jobs = self.jobs, []
+        self.held_bytes = 0
         for job in jobs:
             job()
 
@@ -111,7 +113,11 @@ def _backward(ctx, dy):
         report = getattr(w, "fxtron_report", None)
         job = lambda: _accumulate(x, dy, main_grad, ctx.weight_in_out, report)  # noqa: E731
         queue = active_queue()
-        queue.jobs.append(job) if queue is not None else job()
+        if queue is not None:
+            queue.jobs.append(job)
+            queue.held_bytes += dy.numel() * dy.element_size()
+        else:
+            job()
     else:
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
         grad_w = x2.t().matmul(dy2) if ctx.weight_in_out else dy2.t().matmul(x2)

@@ -29,6 +29,7 @@ from fxtron.core import meta
 from fxtron.core.placement import REPLICATE, Replicate
 from fxtron.core.stage import Stage
 from fxtron.ops.linear import WgradQueue
+from fxtron.runtime.memory import tracking
 from fxtron.runtime.p2p import P2P, Slot
 from fxtron.runtime.schedules import Action
 
@@ -79,6 +80,7 @@ class StageRunner:
         self.events: list[Event] = []
         self.peak_in_flight = 0
         self.freed_bytes = 0      # output data released once sent, last step
+        self.memory = None        # a runtime.memory.MemoryTracker sampling after every pass, or None
 
     def _needs(self, a: Action) -> list[tuple]:
         st = self.stages[a.chunk]
@@ -115,7 +117,8 @@ class StageRunner:
                 ins = self._recv("act", a.microbatch, a.chunk, t0) if st.inputs else []
                 ins = [x.requires_grad_() if x.is_floating_point() else x for x in ins]
                 start = time.perf_counter() - t0
-                outs = list(self.call(st, microbatches[a.microbatch], ins))
+                with tracking(self.memory):
+                    outs = list(self.call(st, microbatches[a.microbatch], ins))
                 scaled = None
                 if st.has_loss:
                     loss = outs.pop()
@@ -165,6 +168,8 @@ class StageRunner:
                                                  time.perf_counter() - t0))
                 if a.kind == "F" and st.outputs:     # posted: the send holds the data, autograd the root
                     self.freed_bytes += sum(_deallocate(o) for o in saved[key][1])
+            if self.memory is not None:   # the output gradients deferred W passes hold count too
+                self.memory.sample(a.kind, a.microbatch, a.chunk, held=sum(q.held_bytes for q in deferred.values()))
         if self.p2p is not None:
             self.p2p.finish()
         assert not saved and not deferred, "schedule left microbatches unfinished"

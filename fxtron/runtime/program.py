@@ -10,6 +10,7 @@ gradient sync (runtime/grads.py), mixed precision (runtime/precision.py) and the
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,9 @@ from fxtron.ops.rng import RNGStreams
 from fxtron.runtime.batch import BatchSlicer, Microbatches
 from fxtron.runtime.buffers import DataParallelOptions, GradBuffer, default_bucket_size
 from fxtron.runtime.grads import GradientSync, gather_full, get_by_path
+from fxtron.runtime.executor import Event
 from fxtron.runtime.groups import ProcessGroups
+from fxtron.runtime.memory import MemoryTracker, tracking
 from fxtron.runtime.precision import LossScaler, compute_copy
 from fxtron.runtime.zero import ZeroOne
 
@@ -106,6 +109,9 @@ class Program(GradientSync, nn.Module):
         self.pipeline = pipeline or PipelineOptions()
         self._shared = dict(shared or {})
         self._runner = None
+        self.track_memory = False         # sample the memory after every pass of a step (memory_timeline)
+        self._memory = None
+        self._events: list = []           # the last step's passes without a schedule (F, B)
         self._aliases = aliases if stages is None else {a: n for a, n in aliases.items() if n in params}
         dp, dp_rank = self._dp()
         cp, cp_rank = (1, 0) if groups is None else (groups.size("cp"), groups.index("cp"))
@@ -211,12 +217,23 @@ class Program(GradientSync, nn.Module):
             return self._pipelined_step(inputs, optimizer, kwargs)
         args, kw = self.local_batch(inputs, kwargs)
         optimizer.zero_grad(set_to_none=True)
+        memory = self._memory_tracker()
+        t0 = time.perf_counter()
         with self._grad_accumulation(), self._dispatch_log():
-            loss = self(*args, **kw)
+            with tracking(memory):
+                loss = self(*args, **kw)
+            t1 = time.perf_counter()
+            if memory is not None:
+                memory.sample("F", 0, 0)
             scaled = loss * self.scaler.scale if self.scaler is not None else loss
             self._last_backward(None)
             with WgradQueue().active():   # weight-gradient GEMMs overlap the input gradients' communication
                 scaled.backward()
+            del scaled
+            t2 = time.perf_counter()
+            if memory is not None:
+                memory.sample("B", 0, 0)
+        self._events = [Event("F", 0, 0, 0, 0.0, t1 - t0), Event("B", 0, 0, 0, t1 - t0, t2 - t0)]
         self.finalize_grads()
         self._optimizer_step(optimizer)
         out = self._global_loss(loss.detach().to(torch.promote_types(loss.dtype, torch.float32)))
@@ -260,6 +277,7 @@ class Program(GradientSync, nn.Module):
         mbs = self.microbatches(inputs, kwargs)
         runner = self.runner()
         optimizer.zero_grad(set_to_none=True)
+        runner.memory = self._memory_tracker()
         with self._grad_accumulation(), self._dispatch_log():
             loss = runner.run(mbs, loss_scale=self.scaler.scale if self.scaler is not None else 1.0)
         self.finalize_grads()
@@ -297,9 +315,35 @@ class Program(GradientSync, nn.Module):
         return {n: stacked[i].cpu() for i, n in enumerate(names)}
 
     def timeline(self) -> list:
-        """The last pipelined step's events on this rank (runtime.executor.Event: F, B, W and
-        waits with start and end in seconds from the step's start)."""
-        return list(self._runner.events) if self._runner is not None else []
+        """The last step's events on this rank (runtime.executor.Event: F, B, W and, with a
+        schedule, the waits for messages and the sends, with start and end in seconds from the
+        step's start)."""
+        return list(self._runner.events) if self._runner is not None else list(self._events)
+
+    def memory_timeline(self) -> list:
+        """The last step's memory on this rank, after every pass (runtime.memory.MemorySample:
+        the bytes saved for backward then alive, the gradient bytes, CUDA's allocated bytes),
+        recorded when `prog.track_memory = True` was set before the step."""
+        if self._memory is None or not self.track_memory:
+            raise RuntimeError("no memory timeline recorded: set prog.track_memory = True before the step")
+        return list(self._memory.samples)
+
+    def _memory_tracker(self):
+        """This step's MemoryTracker, started (None unless track_memory)."""
+        if not self.track_memory:
+            return None
+        if self._memory is None:
+            self._memory = MemoryTracker(list(self.parameters()), self._grad_bytes)
+        self._memory.start()
+        return self._memory
+
+    def _grad_bytes(self) -> int:
+        """The rank's gradient bytes: its gradient buffers and any .grad outside them."""
+        held = sum(b.data.numel() * b.data.element_size() for b in self.grad_buffers.values())
+        views = {b.data.untyped_storage().data_ptr() for b in self.grad_buffers.values()}
+        loose = sum(p.grad.numel() * p.grad.element_size() for p in self.parameters()
+                    if p.grad is not None and p.grad.untyped_storage().data_ptr() not in views)
+        return held + loose
 
     # ---------------------------------------------------------------- optimizer
     def _check_optimizer(self, optimizer) -> None:

@@ -1,0 +1,95 @@
+"""Runtime: where a rank's memory goes during a step -- the bytes saved for backward that are
+alive after every forward (F), backward (B) and weight-gradient (W) pass of every microbatch,
+the gradient bytes, and on CUDA what the allocator holds.
+
+Saved activations are seen as autograd saves them (torch.autograd.graph.saved_tensors_hooks):
+every tensor a pass saves for backward, parameters excluded, each storage counted once for as
+long as a tensor saved on it is alive and still on it (a pipeline output released once sent
+counts no more). A sample is taken after each pass of the step, so the list is the step's
+memory timeline phase by phase; `fxtron.chart` draws it and writes it, with the passes, as a
+Chrome trace.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    """The rank's memory right after one pass of a step: `phase` "start", "F", "B" or "W"
+    (of `microbatch`, model chunk `chunk`), `time` in seconds from the step's start;
+    `activations` the bytes saved for backward then alive (with the output gradients that
+    deferred weight-gradient passes hold, ZB-H1's between B and W), `grads` the gradient bytes (the
+    fp32 gradient buffers and any .grad of the rank's parameters), `allocated` what the CUDA
+    allocator holds (None on CPU)."""
+
+    phase: str
+    microbatch: int
+    chunk: int
+    time: float
+    activations: int
+    grads: int
+    allocated: int | None
+
+
+class MemoryTracker:
+    """Records one step's samples (`samples`); `saving()` is the context in which forward
+    passes run so that what they save is seen, `sample(...)` takes a sample now."""
+
+    def __init__(self, params: list[torch.Tensor], grad_bytes):
+        self._params = {p.untyped_storage().data_ptr() for p in params}
+        self._grad_bytes = grad_bytes              # () -> int
+        self._saved: dict[int, tuple[int, list]] = {}   # storage ptr -> (bytes, weakrefs to tensors on it)
+        self.samples: list[MemorySample] = []
+        self._t0 = time.perf_counter()
+
+    def start(self) -> None:
+        """A new step: samples from now, time 0 here."""
+        self.samples = []
+        self._t0 = time.perf_counter()
+        self.sample("start", -1, 0)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr and ptr not in self._params:
+            nbytes, refs = self._saved.setdefault(ptr, (storage.nbytes(), []))
+            refs.append(weakref.ref(t))
+        return t
+
+    def saving(self):
+        """The context a forward pass runs in for its saved tensors to be seen."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def live_activations(self) -> int:
+        """Bytes of the storages some saved tensor alive is still on."""
+        total = 0
+        for ptr in list(self._saved):
+            nbytes, refs = self._saved[ptr]
+            alive = [r for r in refs if (t := r()) is not None and t.untyped_storage().data_ptr() == ptr]
+            if alive:
+                self._saved[ptr] = (nbytes, alive)
+                total += nbytes
+            else:
+                del self._saved[ptr]
+        return total
+
+    def sample(self, phase: str, microbatch: int, chunk: int, held: int = 0) -> None:
+        """A sample now; `held`: bytes held for backward that no saved tensor accounts for."""
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self.samples.append(MemorySample(phase, microbatch, chunk, time.perf_counter() - self._t0,
+                                         self.live_activations() + held, int(self._grad_bytes()),
+                                         torch.cuda.memory_allocated() if cuda else None))
+
+
+def tracking(tracker: MemoryTracker | None):
+    """`tracker.saving()`, or nothing without a tracker."""
+    return tracker.saving() if tracker is not None else contextlib.nullcontext()
+
+
+__all__ = ["MemorySample", "MemoryTracker", "tracking"]
