@@ -68,6 +68,7 @@ def _draw_memory(ax, memory: list[list]) -> None:
         ax.step(t, [(s.activations + s.grads) / 2**20 for s in samples], where="post", linestyle="--",
                 color=line.get_color(), linewidth=0.8)
     ax.set_ylabel("MiB (activations;\n+ gradients dashed)", fontsize=8)
+    ax.set_xlabel("time (ms)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     ax.grid(alpha=0.3)
 

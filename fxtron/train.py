@@ -177,7 +177,9 @@ def write_trace(cfg: TrainConfig, results: list[dict]) -> dict[str, str]:
              if all(v == 0 for k, v in mesh.coords(r).items() if k not in ("pp", "ep", "edp", "etp"))]
     first = sorted(first, key=lambda r: mesh.coords(r)["pp"])[:mesh.pp]
     paths["picture"] = chart.draw_timelines([results[r]["timeline"] for r in first], str(out / "schedule.png"),
-                                            title=f"{cfg.model} on {mesh}, last step",
+                                            title=f"{cfg.model}, " + " ".join(f"{a}={getattr(mesh, a)}" for a in
+                                                                             ("tp", "pp", "dp", "cp", "ep")
+                                                                             if getattr(mesh, a) > 1) + ", last step",
                                             memory=[results[r]["memory"] for r in first])
     peak = max(s.activations for r in results for s in r["memory"])
     print(f"trace of the last step: {paths['trace']} (Perfetto, chrome://tracing), {paths['picture']}; "
