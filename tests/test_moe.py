@@ -225,6 +225,25 @@ EP = fxtron.Mesh(2, ep=2)
 E, H, F_OUT, K = 4, 6, 5, 2
 
 
+def _routed(r, lone=False):
+    """ep rank r's copies for the ops tests, float64: a different number per rank, rank 0
+    sending expert 3 none (`lone`: one). Returns the generator (for what follows), the
+    count, the copies x, the order sorting them by expert, the offsets and all E experts'
+    weights."""
+    g = torch.Generator().manual_seed(100 + r)
+    copies = (7 + 3 * r) * K
+    x = torch.randn(copies, H, dtype=torch.float64, generator=g)
+    experts = torch.randint(0, E, (copies,), generator=g)
+    if r == 0:
+        experts[experts == 3] = 2
+        if lone:
+            experts[0] = 3
+    order = torch.argsort(experts, stable=True)
+    offs = torch.cumsum(torch.bincount(experts, minlength=E), 0).to(torch.int32)
+    return g, copies, x, order, offs, torch.randn(E, H, F_OUT, dtype=torch.float64,
+                                                  generator=torch.Generator().manual_seed(0))
+
+
 def _ep_ops(rank, mesh):
     """Each rank's copies (a different number per rank; rank 0 sends expert 3 none) through
     dispatch -> this rank's experts' grouped GEMM -> combine, against all experts on the
@@ -233,15 +252,7 @@ def _ep_ops(rank, mesh):
     from fxtron.ops.ep import ep_combine, ep_dispatch
     from fxtron.runtime.groups import groups_for
     group = groups_for(mesh).group("ep").group_name
-    g = torch.Generator().manual_seed(100 + rank)
-    copies = (7 + 3 * rank) * K
-    x = torch.randn(copies, H, dtype=torch.float64, generator=g)
-    experts = torch.randint(0, E, (copies,), generator=g)
-    if rank == 0:
-        experts[experts == 3] = 2
-    order = torch.argsort(experts, stable=True)
-    offs = torch.cumsum(torch.bincount(experts, minlength=E), 0).to(torch.int32)
-    w = torch.randn(E, H, F_OUT, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    g, copies, x, order, offs, w = _routed(rank)
     local = E // mesh.ep
     mine = w[rank * local:(rank + 1) * local].clone().requires_grad_()
     xs = x[order].clone().requires_grad_()
@@ -279,16 +290,7 @@ def _ep_tp_ops(rank, mesh, capacity, pad):
     groups = groups_for(mesh)
     ep_g, tp_g = groups.group("ep").group_name, groups.group("tp").group_name
     r, j = mesh.coords(rank)["ep"], mesh.coords(rank)["tp"]
-    g = torch.Generator().manual_seed(100 + r)
-    copies = (7 + 3 * r) * K
-    x = torch.randn(copies, H, dtype=torch.float64, generator=g)
-    experts = torch.randint(0, E, (copies,), generator=g)
-    if r == 0:
-        experts[experts == 3] = 2
-        experts[0] = 3                                      # one copy for expert 3: tp rank 0's share of it empty
-    order = torch.argsort(experts, stable=True)
-    offs = torch.cumsum(torch.bincount(experts, minlength=E), 0).to(torch.int32)
-    w = torch.randn(E, H, F_OUT, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    _, copies, x, order, offs, w = _routed(r, lone=True)    # expert 3 one copy from ep rank 0: a share empty
     local, half = E // mesh.ep, slice(j * H // 2, (j + 1) * H // 2)
     mine = w[r * local:(r + 1) * local].clone().requires_grad_()
     xs = x[order].clone().requires_grad_()
