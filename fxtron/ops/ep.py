@@ -120,6 +120,8 @@ def _routes(offs: Tensor, capacity: float = 0.0, pad: bool = False, j: int = 0,
     src = _segments(torch.cumsum(per_expert, 0) - per_expert + lo, hi - lo)
     if not pad:
         return hi - lo, src, None
+    if capacity <= 0:
+        raise ValueError("fxtron::ep ops: pad=True pads each expert's rows to its capacity, but capacity is 0 (dropless)")
     width = -(-_capacity(per_expert, capacity) // t)
     return torch.full_like(per_expert, width), src, _segments(torch.arange(E) * width, hi - lo)
 
@@ -155,7 +157,7 @@ def _dispatch(x: Tensor, offs: Tensor, group: str, world: int, layer: str = "",
     send = send.view(world, E // world)
     if pg is None:
         return x.clone(), torch.cumsum(send.reshape(-1), 0).to(offs.dtype), send.clone()
-    recv = _exchange_counts(send.cpu(), pg).to(send.device)                    # (world, L)
+    recv = _exchange_counts(send, pg)                                           # (world, L), on the group's device
     rows_to = send.sum(1).tolist()
     if x.shape[0]:
         _sent(pg, rows_to, x[0], counts=E // world)
@@ -331,7 +333,7 @@ def _scatter_shares(y: Tensor, counts: Tensor, pg) -> Tensor:
 
 def _gathered_counts(counts: Tensor, pg) -> Tensor:
     """(world, L) this rank's share counts -> (t, world, L) every share's."""
-    return torch.stack(T.all_gather(counts.cpu().contiguous(), pg)).to(counts.device)
+    return torch.stack(T.all_gather(counts.contiguous(), pg))     # on the rows' device: NCCL takes no CPU tensor
 
 
 def _share_coord(group: str, world: int, op: str) -> tuple[object, int]:
@@ -377,7 +379,7 @@ ep_share.register_autograd(_share_bwd, setup_context=_share_setup)
 
 
 def _share_routes(offs: Tensor, group: str, world: int, capacity: float, pad: bool):
-    _, j = _share_coord(group, world, "ep_unshare")
+    _, j = _share_coord(group, world, "ep_share")
     return _routes(offs, capacity, pad, j, world)
 
 

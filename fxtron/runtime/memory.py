@@ -3,9 +3,9 @@ alive after every forward (F), backward (B) and weight-gradient (W) pass of ever
 the gradient bytes, and on CUDA what the allocator holds.
 
 Saved activations are seen as autograd saves them (torch.autograd.graph.saved_tensors_hooks):
-every tensor a pass saves for backward, parameters excluded, each storage counted once for as
-long as a tensor saved on it is alive and still on it (a pipeline output released once sent
-counts no more). A sample is taken after each pass of the step, so the list is the step's
+every tensor a pass saves for backward, parameters excluded (under a 16-bit dtype their compute
+copies count: a rank holds them), each storage counted once for as long as a tensor saved on it
+is alive. A sample is taken after each pass of the step, so the list is the step's
 memory timeline phase by phase; `fxtron.chart` draws it and writes it, with the passes, as a
 Chrome trace.
 """
@@ -51,15 +51,22 @@ class MemoryTracker:
     def start(self) -> None:
         """A new step: samples from now, time 0 here."""
         self.samples = []
+        self._saved = {}
         self._t0 = time.perf_counter()
         self.sample("start", -1, 0)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        # autograd keeps a tensor of its own (as it does without hooks): an output saved by its
+        # own grad_fn is then no cycle, and releasing a sent output's data (executor._deallocate)
+        # changes nothing autograd reads
+        t = t.detach()
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr and ptr not in self._params:
-            nbytes, refs = self._saved.setdefault(ptr, (storage.nbytes(), []))
-            refs.append(weakref.ref(t))
+            entry = self._saved.get(ptr)
+            if entry is None or not any(r() is not None for r in entry[1]):   # new, or an address reused
+                entry = self._saved[ptr] = (storage.nbytes(), [])
+            entry[1].append(weakref.ref(t))
         return t
 
     def saving(self):
