@@ -20,6 +20,7 @@ from fxtron.core import meta
 from fxtron.core.meta import BATCH, SEQ
 from fxtron.mesh import Mesh
 from fxtron.ops import registry
+from fxtron.ops.ep import routing_args
 
 
 @dataclass(frozen=True)
@@ -134,11 +135,10 @@ def _padded(node: fx.Node):
     if node.target == ops.ep_dispatch.default:
         src = node.args[0].args[0] if node.args[0].target is operator.getitem else None
         source = src if getattr(src, "target", None) == ops.ep_share.default else node    # ep x tp: the share
-        args = source.args[5:7]
+        capacity, pad = routing_args(source.args, 5)
     else:
         unshare = next((u for u in node.users if u.target == ops.ep_unshare.default), None)
-        args = unshare.args[5:7] if unshare is not None else node.args[6:8]
-    capacity, pad = (tuple(args) + (0.0, False))[:2]
+        capacity, pad = routing_args(unshare.args, 5) if unshare is not None else routing_args(node.args, 6)
     return sympy.nsimplify(capacity) if pad else 1
 
 

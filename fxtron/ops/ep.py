@@ -212,9 +212,15 @@ def _(x, offs, group, world, layer="", capacity=0.0, pad=False):
             offs.new_empty((world, local), dtype=torch.int64))
 
 
+def routing_args(inputs: tuple, at: int) -> tuple[float, bool]:
+    """An op's optional (capacity, pad) arguments from index `at` of its inputs, defaults filled."""
+    given = tuple(inputs[at:at + 2])
+    return given + (0.0, False)[len(given):]
+
+
 def _dispatch_setup(ctx, inputs, output):
     x, offs, ctx.group, ctx.world = inputs[:4]
-    ctx.capacity, ctx.pad = (tuple(inputs[5:7]) + (0.0, False)[len(inputs[5:7]):])
+    ctx.capacity, ctx.pad = routing_args(inputs, 5)
     ctx.rows = x.shape[0]
     ctx.save_for_backward(offs, output[2])
 
@@ -244,7 +250,7 @@ def _(y, offs, counts, rows, group, world, capacity=0.0, pad=False):
 
 def _combine_setup(ctx, inputs, output):
     _, offs, counts, _, ctx.group, ctx.world = inputs[:6]
-    ctx.capacity, ctx.pad = (tuple(inputs[6:8]) + (0.0, False)[len(inputs[6:8]):])
+    ctx.capacity, ctx.pad = routing_args(inputs, 6)
     ctx.save_for_backward(offs)
 
 
@@ -365,7 +371,7 @@ def _(x, offs, group, world, layer="", capacity=0.0, pad=False):
 
 def _share_setup(ctx, inputs, output):
     x, offs, ctx.group, ctx.world = inputs[:4]
-    ctx.capacity, ctx.pad = (tuple(inputs[5:7]) + (0.0, False)[len(inputs[5:7]):])
+    ctx.capacity, ctx.pad = routing_args(inputs, 5)
     ctx.rows = x.shape[0]
     ctx.save_for_backward(offs)
 
@@ -403,7 +409,7 @@ def _(y, offs, rows, group, world, capacity=0.0, pad=False):
 
 def _unshare_setup(ctx, inputs, output):
     _, offs, _, ctx.group, ctx.world = inputs[:5]
-    ctx.capacity, ctx.pad = (tuple(inputs[5:7]) + (0.0, False)[len(inputs[5:7]):])
+    ctx.capacity, ctx.pad = routing_args(inputs, 5)
     ctx.save_for_backward(offs)
 
 
@@ -487,4 +493,4 @@ register(OpSpec("ep_gather", axis_arg=3, forward=Comm("all_gather", "shares", co
 register(OpSpec("ep_scatter", axis_arg=2, forward=Comm("reduce_scatter", "input"),
                 backward=Comm("all_gather", "grad_input")))
 
-__all__ = ["DispatchLog", "ep_combine", "ep_dispatch", "ep_gather", "ep_scatter", "ep_share", "ep_unshare"]
+__all__ = ["DispatchLog", "ep_combine", "ep_dispatch", "ep_gather", "ep_scatter", "ep_share", "ep_unshare", "routing_args"]

@@ -6,6 +6,7 @@ and the verifier all read this table, so none of them can drift from the ops.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Callable, Literal
 
@@ -91,7 +92,6 @@ def axis_of(node: fx.Node) -> str | None:
 def sums_grad(node: fx.Node, axis: str) -> bool:
     """Does `node` (or the op whose output it picks) sum its gradient's partial parts over
     `axis` in backward (OpSpec.sums_grad)?"""
-    import operator
     if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     spec = spec_of(node.target) if node.op == "call_function" else None

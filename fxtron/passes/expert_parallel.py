@@ -34,6 +34,7 @@ from fxtron.core import meta
 from fxtron.core.placement import PARTIAL, REPLICATE, Shard
 from fxtron.errors import ParallelizeError
 from fxtron.ops import ep as _ep_ops  # noqa: F401 - registers fxtron::ep_dispatch / ep_combine
+from fxtron.ops import registry
 from fxtron.passes.propagate import AxisLayout
 from fxtron.passes.rules import Ctx, register_rule
 
@@ -67,7 +68,6 @@ def _is_share(node) -> bool:
 
 
 def _own_axis(c: Ctx) -> bool:
-    from fxtron.ops import registry
     return registry.axis_of(c.node) == c.axis
 
 
@@ -78,7 +78,7 @@ def _shares(c: Ctx):
     dispatched shares whole, ep_scatter turns the experts' partial sum into this rank's share,
     ep_unshare puts the share back among the copies, zero elsewhere: a partial sum. Over any
     other axis they are row-wise like the dispatch (every value whole)."""
-    name = str(c.node.target).split(".")[1]
+    name = registry.op_name(c.node.target)
     n_out = len(c.node.meta["val"]) if isinstance(c.node.meta.get("val"), (tuple, list)) else 0
     if not _own_axis(c):
         if any(not p.is_replicate() for p in c.p):
@@ -201,6 +201,9 @@ def check_experts(gm: fx.GraphModule, ep: int) -> list[MoELayer]:
     return layers
 
 
+#: the ops a layer's offsets pass through once dispatched (their offsets argument is args[1])
+_MOVES_OFFSETS = {torch.ops.fxtron.ep_dispatch.default, torch.ops.fxtron.ep_gather.default,
+                  torch.ops.fxtron.ep_share.default}
 _CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.to.device, aten.cumsum.default,
           aten.clone.default, aten.alias.default}
 
@@ -218,8 +221,7 @@ def aux_statistics(gm: fx.GraphModule) -> list[tuple[fx.Node, list[fx.Node]]]:
                                "(a grouped GEMM over a 3-D expert weight); leave moe_aux_loss at 'local'")
     for layer in layers:
         chain, node = set(), layer.offs
-        moved = (torch.ops.fxtron.ep_dispatch.default, torch.ops.fxtron.ep_gather.default, torch.ops.fxtron.ep_share.default)
-        while node.target is operator.getitem and node.args[0].target in moved:
+        while node.target is operator.getitem and node.args[0].target in _MOVES_OFFSETS:
             node = node.args[0].args[1]          # dispatched already: back to the rank's offsets of all E experts
         while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _CASTS:
             chain.add(node)
@@ -282,7 +284,8 @@ def dispatch_experts(gm: fx.GraphModule, ep: int, capacity: float = 0.0, *, tp: 
     """Rewrite every MoE layer (module docstring): dispatch before its experts, combine after,
     the experts' GEMMs on the rank's local experts; with a capacity factor (> 0) each expert
     takes at most ceil(capacity x copies / E) of each rank's copies, the rest dropped, and with
-    `pad` every expert's rows are padded to that capacity (ops/ep.py's _routes). At tp > 1 with the experts split over tp (`plan`; `unshared` says when not), each tp rank
+    `pad` every expert's rows are padded to that capacity (ops/ep.py's _routes). At tp > 1 with
+    the experts split over tp (`plan`; `unshared` says when not), each tp rank
     dispatches its share of the copies and the received rows are gathered over tp (Megatron's
     order, ops/ep.py: 1/tp of the bytes in every all-to-all). Edits gm in place and returns it."""
     g = gm.graph
@@ -350,6 +353,7 @@ def dispatch_experts(gm: fx.GraphModule, ep: int, capacity: float = 0.0, *, tp: 
 
 
 def _call(g: fx.Graph, target, args: tuple, val, like: fx.Node, why: str) -> fx.Node:
+    """A call of `target` at the graph's insertion point, with fake value `val`, of `like`'s module."""
     n = g.call_function(target, args)
     n.meta["val"] = val
     _inherit(n, like, why)
@@ -364,9 +368,7 @@ def _reroute(g: fx.Graph, node: fx.Node, users: list[fx.Node], target, args: tup
     """A call of `target` right after `node`, with fake value `val`, that `users` read instead
     of `node`."""
     with g.inserting_after(node):
-        new = g.call_function(target, args)
-    new.meta["val"] = val
-    _inherit(new, node, why)
+        new = _call(g, target, args, val, node, why)
     for u in users:
         u.replace_input_with(node, new)
     return new
