@@ -30,6 +30,7 @@ from fxtron.core.meta import BATCH, SEQ, info
 from fxtron.errors import ParallelizeError, ParallelizeWarning
 from fxtron.mesh import Mesh
 from fxtron.passes.plan import TPPlan, plan as make_tp_plan
+from fxtron.passes.recompute import check_options as check_recompute, region_labels
 from fxtron.passes.stages import StageAssignment, assign_stages
 from fxtron.runtime import groups as G
 from fxtron.runtime import schedules
@@ -65,6 +66,9 @@ class Options:
     moe_aux_loss: str = "local"
     moe_capacity_factor: float | None = None
     moe_pad_to_capacity: bool = False
+    recompute: str | None = None
+    recompute_method: str | None = None
+    recompute_layers: int | None = None
 
     def __post_init__(self):
         if self.batch_dim < 0 or (self.seq_dim is not None and self.seq_dim < 0):
@@ -84,7 +88,9 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
                 overlap_grad_reduce: bool = True, clip_grad: float | None = None, zero: int = 0,
                 trace_layers_once: bool = True, device: str | torch.device | None = None,
                 strict: bool = False, cp_comm_type: str = "p2p", moe_aux_loss: str = "local",
-                moe_capacity_factor: float | None = None, moe_pad_to_capacity: bool = False) -> "ParallelModel":
+                moe_capacity_factor: float | None = None, moe_pad_to_capacity: bool = False,
+                recompute: str | None = None, recompute_method: str | None = None,
+                recompute_layers: int | None = None) -> "ParallelModel":
     """Compile `model` for every rank of `mesh`.
 
     model(*example_inputs, **example_kwargs) must return the loss (a scalar tensor, or an
@@ -146,6 +152,15 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
     (Megatron's moe_pad_expert_input_to_capacity): every all-to-all then has the same splits
     and every expert GEMM the same shape whatever the routing (no number changes; more bytes).
 
+    Activation recomputation (Megatron's --recompute-granularity / --recompute-method /
+    --recompute-num-layers): `recompute="selective"` keeps no activation of any attention core
+    (scores, softmax, attention dropout: the 5as/h term) and recomputes them in backward from q,
+    k and v; `recompute="full"` keeps only the inputs of whole layers -- `recompute_method`
+    "uniform" (default) in groups of `recompute_layers` (default 1) consecutive layers, "block"
+    only the first `recompute_layers` layers of every pipeline stage. Dropout draws the same
+    masks again (the random streams are set back), a recomputed layer's collectives run again,
+    and the gradients are the run's without recomputation bit for bit.
+
     Never silent: where fxtron does less than the mesh asks, correctly -- a linear left
     replicated at tp > 1, an op with no sharding rule run replicated on gathered inputs -- it
     warns (fxtron.ParallelizeWarning) and `pm.summary()` lists each with why; `strict=True`
@@ -171,6 +186,9 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
                       trace_layers_once=trace_layers_once, device=device, strict=strict,
                       cp_comm_type=cp_comm_type, moe_aux_loss=moe_aux_loss,
                       moe_capacity_factor=moe_capacity_factor, moe_pad_to_capacity=moe_pad_to_capacity)
+    recompute, recompute_method, recompute_layers = check_recompute(recompute, recompute_method, recompute_layers)
+    options = dataclasses.replace(options, recompute=recompute, recompute_method=recompute_method,
+                                  recompute_layers=recompute_layers)
     schedules.check(schedule, mesh.pp, microbatches, virtual_stages)
     options = dataclasses.replace(options, data_parallel=DataParallelOptions(
         bucket_size=bucket_size, grad_reduce_dtype=grad_reduce_dtype, overlap_grad_reduce=overlap_grad_reduce,
@@ -429,7 +447,9 @@ class ParallelModel:
                                             gradient_accumulation_fusion=o.gradient_accumulation_fusion,
                                             device=o.device, strict=o.strict, moe_aux_loss=o.moe_aux_loss,
                                             moe_capacity_factor=o.moe_capacity_factor or 0.0,
-                                            moe_pad_to_capacity=o.moe_pad_to_capacity),
+                                            moe_pad_to_capacity=o.moe_pad_to_capacity, recompute=o.recompute,
+                                            recompute_method=o.recompute_method,
+                                            recompute_layers=o.recompute_layers),
             observer=observer)
         fell = _fallback_lines(rg.graphs)
         if fell and not self._warned_fallbacks:
@@ -568,6 +588,8 @@ class ParallelModel:
             elif self.mesh.tp > 1:
                 head += (f"; at tp={self.mesh.tp} each tp rank dispatches 1/{self.mesh.tp} of every expert's copies and the "
                          f"rows received are gathered over tp (Megatron's order)")
+        if self.options.recompute is not None:
+            head += "\n" + self._recompute_note()
         per = "microbatch" if self.options.microbatches > 1 else "step"
         axes = "+".join(a for a in ("tp", "cp", "ep") if getattr(self.mesh, a) > 1) or "tp"
         headers = ["rank", "coords", "params", "param bytes", f"{axes} collectives / {per}", f"{axes} wire bytes / {per}",
@@ -579,6 +601,25 @@ class ParallelModel:
                 schedules.bubble_fraction_formula(self.options.schedule, self.mesh.pp, self.options.microbatches,
                                                   self.options.virtual_stages)) + " (unit F, B, W)"
         return head + "\n" + tabulate(rows, headers=headers)
+
+    def _recompute_note(self) -> str:
+        o = self.options
+        if o.recompute == "selective":
+            how = "selective: every attention core's scores, softmax and dropout recomputed in backward from q, k, v"
+        else:
+            how = (f"full, {o.recompute_method} {o.recompute_layers}: " +
+                   (f"layers in groups of {o.recompute_layers}, each group keeping only its input"
+                    if o.recompute_method == "uniform" else
+                    f"the first {o.recompute_layers} layer(s) of every stage keep only their inputs"))
+        regions: dict[int, list[str]] = {}     # per pp rank (the stages differ; tp, cp, ep, dp ranks do not)
+        for pp in range(self.mesh.pp):
+            rank = next(r for r in range(self.mesh.world_size) if self.mesh.coords(r)["pp"] == pp)
+            regions[pp] = [label for g in self.compiled(rank).graphs for label in region_labels(g)]
+        where = "; ".join((f"pp rank {pp}: " if self.stage_assignment is not None else "")
+                          + (", ".join(labels) if len(labels) <= 4 else
+                             f"{', '.join(labels[:2])}, ... {labels[-1]} ({len(labels)} regions)")
+                          for pp, labels in sorted(regions.items())) or "none found"
+        return f"recompute {how}. Regions: {where}"
 
     # ------------------------------------------------------------ running
     def program(self, rank: int, groups: G.ProcessGroups | None = None, *, seed: int = 0) -> Program:

@@ -35,6 +35,7 @@ from fxtron.passes.limits import SeqLimit, seq_limit
 from fxtron.passes.localize import drop_metadata_asserts, localize
 from fxtron.passes.plan import TPPlan
 from fxtron.passes.propagate import propagate
+from fxtron.passes.recompute import mark_recompute
 from fxtron.passes.redistribute import insert_redistributions
 from fxtron.passes.rng import assign_rng_regions
 from fxtron.passes.shapes import annotate_local_shapes
@@ -54,6 +55,9 @@ class CompileOptions:
     moe_aux_loss: str = "local"  # the load-balancing loss's token counts: the rank's own, or summed over dp ("global")
     moe_capacity_factor: float = 0.0   # 0: dropless; c > 0: each expert takes at most ceil(c x copies / E) of a rank's
     moe_pad_to_capacity: bool = False  # each expert's rows padded with zeros to its capacity (fixed splits)
+    recompute: str | None = None       # activation recomputation: None, "selective" or "full" (passes/recompute.py)
+    recompute_method: str | None = None   # full: "uniform" groups of recompute_layers, or the first ("block")
+    recompute_layers: int | None = None
 
 
 @dataclass
@@ -220,6 +224,12 @@ def _split_stages(s: RankState) -> None:
             s.shared[name] = ranks
 
 
+def _mark_recompute(s: RankState) -> None:
+    o = s.options
+    for g in ([s.gm] if s.stages is None else [st.gm for st in s.stages]):
+        mark_recompute(g, o.recompute, o.recompute_method, o.recompute_layers)
+
+
 def shard_params(gm: fx.GraphModule, mesh: MeshView, mine: set[str]) -> dict[str, LocalParam]:
     """The description of every parameter in `mine`: per axis its shard (from its placement),
     the axes its gradient is partial over (meta.GRAD_REDUCE), and the data-parallel group
@@ -309,6 +319,9 @@ PASSES = pass_list(
     Pass("split_stages", "this rank's pipeline stages, each its own graph with the activations crossing it "
          "as inputs and outputs", _split_stages, lambda s: s.stage_assignment is not None, "pp > 1",
          after=("annotate_local_shapes",)),
+    Pass("mark_recompute", "activations of the attention cores (selective) or of whole layers (full) recomputed in "
+         "backward instead of kept, per stage graph", _mark_recompute, lambda s: s.options.recompute is not None,
+         "recompute is 'selective' or 'full'", after=("split_stages",)),
     Pass("shard_params", "each parameter's local shape, shards per axis and gradient group", _shard_params,
          after=("split_stages",)),
 )

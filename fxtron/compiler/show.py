@@ -43,8 +43,10 @@ class _Shifted:
 
 
 def format_graph(gm: fx.GraphModule, *, title: str = "") -> str:
-    """One row per node: name, op, local symbolic shape, placement, kernel, source module."""
+    """One row per node: name, op, local symbolic shape, placement, kernel, source module, and
+    the recomputed region it belongs to when the graph has any."""
     rows = []
+    recomputed = any(meta.get(n, meta.RECOMPUTE) is not None for n in gm.graph.nodes)
     for node in gm.graph.nodes:
         shape = meta.get(node, meta.LOCAL_SHAPE)
         shape_s = "(" + ", ".join(str(s) for s in shape) + ")" if shape is not None else ""
@@ -54,7 +56,8 @@ def format_graph(gm: fx.GraphModule, *, title: str = "") -> str:
         shown = node if getattr(node.target, "__name__", "") != "rng_call" else _Shifted(node)
         rows.append(["%" + node.name, _target(node), _args(shown) if node.op != "placeholder" else "",
                      shape_s, "" if placement is None else str(placement),
-                     meta.get(node, meta.KERNEL) or "", where])
-    table = tabulate(rows, headers=["node", "op", "args", "local shape", "placement", "kernel", "module / param"],
-                     tablefmt="simple")
+                     meta.get(node, meta.KERNEL) or "", where]
+                    + ([meta.get(node, meta.RECOMPUTE) or ""] if recomputed else []))
+    headers = ["node", "op", "args", "local shape", "placement", "kernel", "module / param"]
+    table = tabulate(rows, headers=headers + (["recompute"] if recomputed else []), tablefmt="simple")
     return (title + "\n" if title else "") + table

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fxtron.ops import transport as T
+from fxtron.ops.recompute import recomputing
 from fxtron.ops.registry import Comm, OpSpec, register
 
 
@@ -62,7 +63,7 @@ _LOG: contextvars.ContextVar[DispatchLog | None] = contextvars.ContextVar("fxtro
 def _sent(pg, rows_to: list[int], row: Tensor, counts: int = 0) -> None:
     """Log the bytes of rows (and `counts` int64 per-expert counts) sent to other ranks."""
     log = _LOG.get()
-    if log is None:
+    if log is None or recomputing():   # a recomputed layer's all-to-alls: counted once
         return
     me = dist.get_rank(pg)
     elsewhere = sum(n for r, n in enumerate(rows_to) if r != me)
@@ -170,7 +171,7 @@ def _log(layer: str, offs: Tensor, kept: int) -> None:
     """Enter a layer's routing in the active DispatchLog: its copies per expert, and how many
     of them were dropped (all but `kept`)."""
     log = _LOG.get()
-    if log is not None:
+    if log is not None and not recomputing():
         per_expert = _counts(offs).detach().cpu()
         log.copies[layer] = log.copies.get(layer, 0) + per_expert
         log.dropped[layer] = log.dropped.get(layer, 0) + int(per_expert.sum()) - kept

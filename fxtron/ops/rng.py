@@ -67,6 +67,23 @@ class RNGStreams:
         finally:
             _ACTIVE.reset(token)
 
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """Where every stream is now (a recomputed region's start, ops/recompute.py)."""
+        return dict(self.states)
+
+    @contextlib.contextmanager
+    def replaying(self, start: dict[str, torch.Tensor]):
+        """Run with every stream back at `start` (a stream made since starts where it was made),
+        these streams the active ones; afterwards every stream is where it was before."""
+        saved = self.states
+        self.states = dict(start)
+        token = _ACTIVE.set(self)
+        try:
+            yield
+        finally:
+            _ACTIVE.reset(token)
+            self.states = saved
+
     def run(self, region: str, fn, *args, **kwargs):
         if region not in self.states:
             self.states[region] = self._state(self.seed + self._offset(region))
@@ -81,6 +98,11 @@ class RNGStreams:
         finally:
             put(saved)
         return out
+
+
+def active_streams() -> "RNGStreams | None":
+    """The streams of the program whose graph is running, if any."""
+    return _ACTIVE.get()
 
 
 def rng_call(region: str, op, *args, **kwargs):
@@ -129,4 +151,4 @@ def is_random(node) -> bool:
     return True
 
 
-__all__ = ["REPLICATED", "RNGStreams", "draws_at", "is_random", "rng_call", "sharded_region", "takes_region"]
+__all__ = ["REPLICATED", "RNGStreams", "active_streams", "draws_at", "is_random", "rng_call", "sharded_region", "takes_region"]

@@ -11,6 +11,7 @@ import torch.utils._pytree as pytree
 from fxtron.core import meta
 from fxtron.ops import registry
 from fxtron.ops.linear import kernel_name
+from fxtron.ops.recompute import outline
 
 
 def bind(gm: fx.GraphModule, groups, device: torch.device) -> fx.GraphModule:
@@ -19,7 +20,8 @@ def bind(gm: fx.GraphModule, groups, device: torch.device) -> fx.GraphModule:
     that group's name, or "" where the axis has one rank. Tensors the graph creates (arange,
     zeros, .to(device)) land on `device` whatever device the model was traced on (meta, say),
     and the ops called once per layer run in their run-time forms (the same autograd formulas
-    without the custom-op dispatch overhead)."""
+    without the custom-op dispatch overhead). Each recomputed region becomes one checkpointed
+    call (ops/recompute.py)."""
     eager = registry.eager_forms()
     out = meta.copy_graph(gm)
     for node in out.graph.nodes:
@@ -38,7 +40,7 @@ def bind(gm: fx.GraphModule, groups, device: torch.device) -> fx.GraphModule:
         node.args, node.kwargs = pytree.tree_map(
             lambda a: device if isinstance(a, torch.device) else a, (node.args, node.kwargs))
     out.recompile()
-    return out
+    return outline(out)   # recomputed regions (passes/recompute.py) as checkpointed calls
 
 
 def group_name(groups, axis: str) -> str:
