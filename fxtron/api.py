@@ -250,6 +250,17 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
             f"context parallel splits the sequence, but no input of the model has a sequence dim (seq_dim={seq_dim}; "
             f"the inputs' shapes are {', '.join(str(tuple(x.shape)) for x in _tensors(example_inputs, example_kwargs))})"
             "; give the dim that holds the sequence")
+    ti = meta.info(traced)
+    fixed = [i for i, (dims, sig) in enumerate(zip(ti.user_dims, ti.signature))
+             if sig is not None and "seq" in dims and not sympy.sympify(sig[1][dims.index("seq")]).free_symbols]
+    if (sequence_parallel or mesh.cp > 1) and fixed:
+        lengths = sorted({int(ti.signature[i][1][ti.user_dims[i].index("seq")]) for i in fixed})
+        raise ParallelizeError(
+            f"{'sequence parallel' if sequence_parallel else 'context parallel'} splits the sequence, but the trace "
+            f"fixed its length to the example's ({', '.join(map(str, lengths))}): torch.export specializes a length "
+            f"the model equates with a constant -- typically a position table or causal-mask buffer as long as the "
+            f"example (slicing [:T] of a {lengths[0] if lengths else '?'}-long buffer). Trace with a shorter example "
+            f"sequence (the programs still take any length up to the model's limit)")
     if mesh.ep > 1:
         check_experts(traced, mesh.ep)     # experts that do not divide over ep: an error now
     if moe_aux_loss == "global":

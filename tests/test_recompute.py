@@ -148,7 +148,6 @@ CASES = {
     "tp2-pp2-interleaved-block": ("gpt", dict(tp=2, pp=2), dict(microbatches=2, schedule="interleaved", virtual_stages=2),
                                   dict(recompute="full", recompute_method="block", recompute_layers=1)),
     "tp2-dp2-eager-selective": ("hf-gpt2-eager", dict(tp=2), dict(sequence_parallel=True), dict(recompute="selective")),
-    "tp2-dp2-uniform2": ("llama", dict(tp=2), {}, dict(recompute="full", recompute_layers=2)),
     # the gathered keys' attention draws its dropout inside (from the stream it is told)
     "cp2-tp2-gather-selective": ("llama", dict(cp=2, tp=2), dict(cp_comm_type="all_gather"), dict(recompute="selective")),
     # the ring (no attention dropout: it takes none) sends its key blocks around again in backward

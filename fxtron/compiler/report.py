@@ -55,6 +55,13 @@ def _numel(shape) -> sympy.Expr:
     return n
 
 
+def _regathered(node: fx.Node) -> bool:
+    """Is `node` a sequence-parallel all-gather whose shard the fused linears it feeds save and
+    gather again in backward (Megatron's sequence-parallel linear)?"""
+    return (node.target == torch.ops.fxtron.gather_from_sequence.default
+            and any(u.target == torch.ops.fxtron.linear.default and u.args[0] is node for u in node.users))
+
+
 def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRecord]:
     """Every collective of the per-rank graph `gm`, forward and backward, in graph order: what
     each registered op (ops.registry) says it communicates, over the group of `rank` on the
@@ -121,6 +128,9 @@ def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRec
                 node=node.name, op=spec.name, phase=phase, kind=comm.kind, count=comm.count, group=axis or "",
                 ranks=ranks, shape=tuple(shape), payload_bytes=sympy.simplify(comm.count * nbytes),
                 wire_bytes=sympy.simplify(comm.count * factor * nbytes), module=meta.get(node, meta.MODULE) or ""))
+            if phase == "forward" and _regathered(node):
+                # the fused linears it feeds saved the shard: one all-gather again in backward (ops/linear.py)
+                out.append(dataclasses.replace(out[-1], phase="backward"))
     if uniform:
         out = [dataclasses.replace(r, payload_bytes=sympy.simplify(assume_uniform(r.payload_bytes, uniform)),
                                    wire_bytes=sympy.simplify(assume_uniform(r.wire_bytes, uniform)))

@@ -32,6 +32,9 @@ class GPTConfig:
     covers. n_layer / n_head / n_embd: depth, attention heads, hidden size h (h % n_head == 0).
     dropout: probability for embedding, attention and residual dropout (0 disables it).
     bias: whether Linear and LayerNorm layers carry a bias.
+    flash: attention by F.scaled_dot_product_attention (default), or written out as nanoGPT's
+    fallback and Megatron's unfused core attention: softmax(q k^T / sqrt(d), causal) with its
+    dropout, then @ v, keeping the s x s scores (Korthikanti et al.'s 5as/h term).
     """
 
     vocab_size: int
@@ -41,6 +44,7 @@ class GPTConfig:
     n_embd: int
     dropout: float = 0.0
     bias: bool = True
+    flash: bool = True
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head != 0:
@@ -69,6 +73,11 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_drop = _dropout(config.dropout)
+        self.flash = config.flash
+        if not config.flash:
+            self.attn_drop = _dropout(config.dropout)
+            future = torch.ones(config.block_size, config.block_size, dtype=torch.bool).triu(1)
+            self.register_buffer("future", future, persistent=False)   # True where a key comes after the query
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -76,9 +85,14 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
         k = k.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
         v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )  # (B, nh, T, hd)
+        if self.flash:
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            )  # (B, nh, T, hd)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, nh, T, T)
+            att = att.masked_fill(self.future[:T, :T], float("-inf")).softmax(dim=-1)
+            y = self.attn_drop(att) @ v  # (B, nh, T, hd)
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_embd)  # (B, T, h)
         return self.resid_drop(self.proj(y))
 

@@ -76,6 +76,37 @@ def _accumulate(x: Tensor, dy: Tensor, main_grad: Tensor, weight_in_out: bool, r
         report()
 
 
+class Gathered:
+    """What a tensor all-gathered from sequence-parallel shards (ops/tp.py gather_from_sequence)
+    carries as its attribute `fxtron_gathered`: its shard and how to gather it again. A linear
+    whose input it is saves the shard for backward instead of the whole tensor and gathers it
+    again there (Megatron's sequence-parallel linear); the linears that share one gathered input
+    (q, k and v projections) share one gather in backward, made by the first and dropped after
+    the last."""
+
+    def __init__(self, shard: Tensor, gather: Callable[[Tensor], Tensor]):
+        self.shard = shard
+        self._gather = gather
+        self.savers = 0        # linears that saved the shard
+        self._full: Tensor | None = None
+        self._taken = 0
+
+    def full(self, shard: Tensor) -> Tensor:
+        """The whole tensor again, from `shard` (the one saved: a recomputed region's own)."""
+        if self._full is None:
+            self._full = self._gather(shard)
+        out = self._full
+        self._taken += 1
+        if self._taken >= self.savers:       # the last saver has it: hold it no longer
+            self._full, self._taken = None, 0
+        return out
+
+
+def gathered(x: Tensor) -> Gathered | None:
+    """The sequence shard `x` was all-gathered from, if it was (see Gathered)."""
+    return getattr(x, "fxtron_gathered", None)
+
+
 def _linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], weight_in_out: bool) -> Tensor:
     w = weight if weight_in_out else weight.t()
     y = torch.matmul(x, w)
@@ -99,11 +130,18 @@ def _setup(ctx, inputs, output):
     x, weight, bias, ctx.weight_in_out = inputs
     ctx.weight = weight          # the Parameter itself: its main_grad attribute is read in backward
     ctx.has_bias = bias is not None
-    ctx.save_for_backward(x)
+    ctx.gathered = gathered(x)
+    if ctx.gathered is not None:     # sequence parallel: keep the shard, gather it again in backward
+        ctx.gathered.savers += 1
+        ctx.save_for_backward(ctx.gathered.shard)
+    else:
+        ctx.save_for_backward(x)
 
 
 def _backward(ctx, dy):
     (x,) = ctx.saved_tensors
+    if ctx.gathered is not None:
+        x = ctx.gathered.full(x)
     w = ctx.weight
     dy = dy.to(x.dtype)        # as Megatron: the weight-gradient GEMM takes both in the input's dtype
     dx = dy.matmul(w.t() if ctx.weight_in_out else w)
@@ -160,4 +198,4 @@ def kernel_name(device: torch.device, dtype: torch.dtype) -> str:
     return "wgrad:" + kernel_for(probe, probe, torch.zeros((1, 1), dtype=torch.float32))
 
 
-__all__ = ["WgradQueue", "active_queue", "kernel_name", "linear", "linear_eager"]
+__all__ = ["Gathered", "WgradQueue", "active_queue", "gathered", "kernel_name", "linear", "linear_eager"]

@@ -14,9 +14,8 @@ backward. Two things make the second run the first one's twin:
 - a collective inside the region (the all-reduce of a recomputed layer's row-parallel linear)
   runs again, on every rank of its group at the same point of backward, as in Megatron.
 `recomputing()` says whether the ops now run a recomputation (they then log nothing twice).
-The region's inputs are held until its backward through an identity that saves them, so that
-what saved-tensor hooks see (the memory timeline, the activation benchmark) is what a region
-keeps: its inputs, not its insides.
+The checkpoint keeps the region's inputs as saved tensors, so what saved-tensor hooks see (the
+memory timeline, the activation benchmark) is what a region keeps: its inputs, not its insides.
 """
 from __future__ import annotations
 
@@ -39,24 +38,9 @@ def recomputing() -> bool:
     return _RECOMPUTING.get()
 
 
-class _Hold(torch.autograd.Function):
-    """Identity on the region's tensor inputs that saves them for backward: the inputs a
-    checkpoint keeps are seen as saved (and freed with the region's backward)."""
-
-    @staticmethod
-    def forward(ctx, *xs):
-        ctx.save_for_backward(*xs)
-        return tuple(x.view_as(x) for x in xs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return grads
-
-
-def checkpointed(region: fx.GraphModule, held: tuple[int, ...], *args):
-    """Run `region(*args)` keeping only its inputs; its insides are recomputed in backward with
-    the random streams it began with. `held`: the positions of the activations among the
-    inputs (not parameters: a fused linear reads its weight's main_grad off the Parameter)."""
+def checkpointed(region: fx.GraphModule, *args):
+    """Run `region(*args)` keeping only its inputs (saved as saved tensors are: hooks see them);
+    its insides are recomputed in backward with the random streams it began with."""
     streams = rng.active_streams()
     start = streams.snapshot() if streams is not None else None
     first = True
@@ -73,12 +57,6 @@ def checkpointed(region: fx.GraphModule, held: tuple[int, ...], *args):
         finally:
             _RECOMPUTING.reset(token)
 
-    at = [i for i in held if isinstance(args[i], torch.Tensor) and args[i].requires_grad]
-    if at:
-        held = _Hold.apply(*(args[i] for i in at))
-        args = list(args)
-        for i, h in zip(at, held):
-            args[i] = h
     return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
 
 
@@ -87,14 +65,13 @@ class Recomputed(torch.nn.Module):
     nodes, called with the region's inputs, returning its outputs as a tuple) run under
     `checkpointed`."""
 
-    def __init__(self, region: fx.GraphModule, label: str, held: tuple[int, ...]):
+    def __init__(self, region: fx.GraphModule, label: str):
         super().__init__()
         self.region = region
         self.label = label
-        self.held = held
 
     def forward(self, *args):
-        return checkpointed(self.region, self.held, *args)
+        return checkpointed(self.region, *args)
 
     def extra_repr(self) -> str:
         return self.label
@@ -128,7 +105,6 @@ def outline(gm: fx.GraphModule) -> fx.GraphModule:
             raise ValueError(f"recompute region {label!r} is not a run of consecutive nodes: it reads "
                              f"%{late[0].name}, computed after its first node %{nodes[0].name}")
         outputs = [n for n in nodes if any(u not in inside for u in n.users)]
-        held = tuple(k for k, a in enumerate(inputs) if not (meta.is_param(a) or a.op == "get_attr"))
         sub = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
         for a in inputs:
@@ -138,7 +114,7 @@ def outline(gm: fx.GraphModule) -> fx.GraphModule:
             env[n] = sub.node_copy(n, lambda a: env[a])
         sub.output(tuple(env[o] for o in outputs))
         name = f"recompute_{i}"
-        gm.add_submodule(name, Recomputed(fx.GraphModule(gm, sub, class_name=f"Recompute{i}"), label, held))
+        gm.add_submodule(name, Recomputed(fx.GraphModule(gm, sub, class_name=f"Recompute{i}"), label))
         with g.inserting_before(nodes[0]):
             call = g.call_module(name, tuple(inputs))
             meta.set(call, meta.RECOMPUTE, label)

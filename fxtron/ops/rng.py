@@ -105,9 +105,20 @@ def active_streams() -> "RNGStreams | None":
     return _ACTIVE.get()
 
 
+def _dropout(x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+    """aten.dropout keeping a 1-byte mask for backward on every device, as CUDA's fused dropout
+    does (CPU's dropout keeps a mask of the input's dtype, 2-4x the bytes); the same draws and
+    values."""
+    return torch.native_dropout(x, p, train)[0] if train and p > 0 else x
+
+
+_BOOL_MASKED = {torch.ops.aten.dropout.default: _dropout}
+
+
 def rng_call(region: str, op, *args, **kwargs):
     """Run the random `op` on the `region` stream of the program whose graph is running;
-    outside a program, run it as it is."""
+    outside a program, run it as it is. Dropout keeps a 1-byte mask (`_dropout`)."""
+    op = _BOOL_MASKED.get(op, op)
     streams = _ACTIVE.get()
     if streams is None:
         return op(*args, **kwargs)

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from fxtron.core.layout import check_divisible, from_list, shard, unshard
 from fxtron.ops import transport as T
-from fxtron.ops.linear import active_queue
+from fxtron.ops.linear import Gathered, active_queue
 from fxtron.ops.registry import Comm, OpSpec, register
 
 _group = T.resolve
@@ -266,6 +266,28 @@ def _gather_from_sequence_bwd(ctx, grad):
 gather_from_sequence.register_autograd(_gather_from_sequence_bwd, setup_context=_setup_dim_world)
 
 
+class _GatherFromSequence(torch.autograd.Function):
+    """gather_from_sequence as a program runs it (see _CopyToRegion); its output carries the
+    shard (ops/linear.py Gathered), so the linears it feeds save the shard, not the whole."""
+
+    @staticmethod
+    def forward(ctx, x, dim, world, group):
+        ctx.dim, ctx.world, ctx.group = dim, world, group
+        out = gather_from_sequence(x, dim, world, group)
+        pg = _group(group)
+        if pg is not None:
+            d = _norm(dim, x.dim())
+            out.fxtron_gathered = Gathered(x.detach(), lambda shard: T.gather(shard, d, pg))
+        return out
+
+    backward = staticmethod(_gather_from_sequence_bwd)
+
+
+def gather_from_sequence_eager(x: Tensor, dim: int, world: int, group: str) -> Tensor:
+    """The run-time form of gather_from_sequence."""
+    return _GatherFromSequence.apply(x, dim, world, group)
+
+
 # ---------------------------------------------------------------------------------------------
 # what each op communicates (the collective report and the program's binding read this)
 
@@ -277,6 +299,6 @@ register(OpSpec("scatter", axis_arg=4, backward=Comm("all_gather", "grad_input")
 register(OpSpec("reduce_scatter", axis_arg=3, forward=Comm("reduce_scatter", "input"),
                 backward=Comm("all_gather", "grad_input")))
 register(OpSpec("gather_from_sequence", axis_arg=3, forward=Comm("all_gather", "output"),
-                backward=Comm("reduce_scatter", "grad_output")))
+                backward=Comm("reduce_scatter", "grad_output"), eager=gather_from_sequence_eager))
 
 __all__ = ["all_gather", "all_reduce", "copy_to_region", "gather_from_sequence", "reduce_scatter", "scatter"]

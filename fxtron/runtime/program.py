@@ -333,7 +333,7 @@ class Program(GradientSync, nn.Module):
         if not self.track_memory:
             return None
         if self._memory is None:
-            self._memory = MemoryTracker(list(self.parameters()), self._grad_bytes)
+            self._memory = MemoryTracker([*self.parameters(), *self.buffers()], self._grad_bytes)
         self._memory.start()
         return self._memory
 
