@@ -37,6 +37,12 @@ The model (every rate is an assumption, printed with the result; all formulas fr
                   (e-1)/e k b s h 16-bit values per MoE layer and microbatch (PAPERS.md 6,
                   dropless under uniform routing), every tp rank sending its copy; intra-node
                   when tp x ep fits a node; activations as a dense layer of the same width
+  recomputation   a mesh that does not fit is tried again with recomputation (Korthikanti et
+                  al. 2022 Sec. 4): selective drops the 5as/h term (attention cores) and adds one
+                  forward of them, 4 B L s^2 h FLOPs; full keeps each layer's input, 2 s b h / t
+                  (/t under sp) a layer, plus one layer's activations while it is recomputed, and
+                  adds one forward of the layers, 24 B L s h^2 (1 + s/(6h)) FLOPs (Eq. 7's 72 ->
+                  96); the table's recompute column names the cheapest that fits
 """
 from __future__ import annotations
 
@@ -97,6 +103,7 @@ class Candidate:
     cp_comm_s: float = 0.0
     ep: int = 1
     ep_comm_s: float = 0.0
+    recompute: str | None = None       # None, "selective" or "full" (parallelize's recompute=)
 
     @property
     def memory_bytes(self) -> float:
@@ -118,24 +125,47 @@ def weight_bytes(params_per_rank: float, dp: int, zero: int) -> float:
     return params_per_rank * (6 + 12 / (dp if zero else 1))
 
 
-def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int, sp: bool, cp: int = 1) -> float:
+RECOMPUTE = (None, "selective", "full")
+
+
+def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int, sp: bool, cp: int = 1,
+                               recompute: str | None = None) -> float:
     """Korthikanti et al. 2022 Table 2 (16-bit activations): Eq. 2 (tp) or Eq. 4 (tp+sp);
     t=1 gives Eq. 1, sbh(34 + 5as/h). Under context parallel a rank holds s/cp of the tokens,
-    whose attention scores still span all s keys: (s/cp) b h (... + 5as/h ...)."""
+    whose attention scores still span all s keys: (s/cp) b h (... + 5as/h ...). Selective
+    recomputation drops the 5as/h term; full keeps the layer's input, 2sbh (/t under sp)."""
     local = s / cp
+    scores = 0 if recompute == "selective" else 5 * a * s / h
+    if recompute == "full":
+        return 2 * local * b * h / (t if sp else 1)
     if sp or t == 1:
-        return local * b * h / t * (34 + 5 * a * s / h)
-    return local * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+        return local * b * h / t * (34 + scores)
+    return local * b * h * (10 + 24 / t + scores / t)
 
 
 def first_stage_activation_bytes(dims: ModelDims, s: int, b: int, t: int, sp: bool, p: int, v: int = 1,
-                                 cp: int = 1) -> float:
+                                 cp: int = 1, recompute: str | None = None) -> float:
     """The first pipeline stage's activations under 1F1B: p microbatches x L/p layers = L
-    layers (Eq. 5), x (1 + (p-1)/(p v)) for the interleaved schedule."""
-    total = dims.layers * activation_bytes_per_layer(s, b, dims.hidden, dims.heads, t, sp, cp)
+    layers (Eq. 5), x (1 + (p-1)/(p v)) for the interleaved schedule; under full recomputation
+    plus the one layer being recomputed."""
+    total = dims.layers * activation_bytes_per_layer(s, b, dims.hidden, dims.heads, t, sp, cp, recompute)
     if v > 1:
         total *= 1 + (p - 1) / (p * v)
+    if recompute == "full":
+        total += activation_bytes_per_layer(s, b, dims.hidden, dims.heads, t, sp, cp)
     return total
+
+
+def recompute_flops(dims: ModelDims, batch: int, s: int, recompute: str | None) -> float:
+    """FLOPs recomputation adds per step: one forward of the attention cores (q k^T and the
+    product with v, 4 B L s^2 h) for selective, one forward of the layers (a third of Eq. 7's
+    layer term, 24 B L s h^2 (1 + s/(6h))) for full."""
+    h, L = dims.hidden, dims.layers
+    if recompute == "selective":
+        return 4 * batch * L * s * s * h
+    if recompute == "full":
+        return 24 * batch * L * s * h * h * (1 + s / (6 * h))
+    return 0.0
 
 
 def model_flops(dims: ModelDims, batch: int, s: int) -> float:
@@ -156,7 +186,8 @@ def narayanan_params(layers: int, hidden: int, vocab: int, seq: int) -> float:
 
 
 def rate(dims: ModelDims, hw: Hardware, *, world: int, tp: int, pp: int, sp: bool, schedule: str, v: int,
-         global_batch: int, seq: int, micro_batch: int, zero: int, cp: int = 1, ep: int = 1) -> Candidate:
+         global_batch: int, seq: int, micro_batch: int, zero: int, cp: int = 1, ep: int = 1,
+         recompute: str | None = None) -> Candidate:
     dp = world // (tp * pp * cp)
     edp = world // (tp * ep * pp)
     m = global_batch // (dp * micro_batch)
@@ -165,9 +196,10 @@ def rate(dims: ModelDims, hw: Hardware, *, world: int, tp: int, pp: int, sp: boo
     dense = (dims.params - dims.expert_params) / (tp * pp)
     # zero=1 shards the dense weights' state over dp-cp, the experts' over expert-dp
     weights = weight_bytes(dense, dp * cp, zero) + weight_bytes(experts, edp, zero)
-    act = first_stage_activation_bytes(dims, s, b, tp, sp, pp, v, cp) * (
+    act = first_stage_activation_bytes(dims, s, b, tp, sp, pp, v, cp, recompute) * (
         min(m, pp) / pp if schedule != "gpipe" else m / pp)
-    compute = model_flops(dims, global_batch, s) / world / (hw.flops_per_s * hw.efficiency)
+    flops = model_flops(dims, global_batch, s) + recompute_flops(dims, global_batch, s, recompute)
+    compute = flops / world / (hw.flops_per_s * hw.efficiency)
     bubble = compute * (pp - 1) / (v * m) if pp > 1 else 0.0
     tp_bytes = 4 * 2 * (tp - 1) / tp * b * s * h * 2 * (dims.layers / pp) * m if tp > 1 else 0.0
     pp_bytes = 2 * b * s * h * 2 / (tp if sp else 1) * v * m if pp > 1 else 0.0
@@ -179,7 +211,7 @@ def rate(dims: ModelDims, hw: Hardware, *, world: int, tp: int, pp: int, sp: boo
     ep_bw = hw.intra_node_bw if tp * ep <= hw.gpus_per_node else hw.inter_node_bw
     return Candidate(tp, pp, dp, sp, schedule, v, m, zero, weights, act, compute, bubble, tp_bytes / hw.intra_node_bw,
                      pp_bytes / hw.inter_node_bw, dp_bytes / hw.inter_node_bw, cp, cp_bytes / cp_bw, ep,
-                     ep_bytes / ep_bw)
+                     ep_bytes / ep_bw, recompute)
 
 
 def candidates(dims: ModelDims, hw: Hardware, *, world: int, global_batch: int, seq: int, micro_batch: int = 1,
@@ -187,7 +219,8 @@ def candidates(dims: ModelDims, hw: Hardware, *, world: int, global_batch: int, 
     """Every (tp, pp, cp, ep, dp, sp, schedule, zero) that divides the model, the batch and
     the sequence (cp: 2 x cp chunks; ep: the experts, and tp x ep x pp the world; fxtron does
     not compose ep with cp), ranked by modeled step time; only those whose memory fits
-    `hw.memory` unless fits_only=False."""
+    `hw.memory` unless fits_only=False. A mesh that fits only with recomputation comes with the
+    cheapest that makes it fit (selective, then full: `Candidate.recompute`)."""
     out = []
     for tp in _divisors(world):
         if tp > hw.gpus_per_node or dims.heads % tp:
@@ -210,11 +243,19 @@ def candidates(dims: ModelDims, hw: Hardware, *, world: int, global_batch: int, 
                             scheds.append(("interleaved", 2))
                         for schedule, v in scheds:
                             for zero in ([0, 1] if dp * cp > 1 else [0]):
-                                p = rate(dims, hw, world=world, tp=tp, pp=pp, sp=sp, schedule=schedule, v=v,
-                                         global_batch=global_batch, seq=seq, micro_batch=micro_batch, zero=zero,
-                                         cp=cp, ep=ep)
-                                if not fits_only or p.memory_bytes <= hw.memory:
-                                    out.append(p)
+                                # without recomputation where that fits, else the cheapest that does
+                                for recompute in RECOMPUTE:
+                                    p = rate(dims, hw, world=world, tp=tp, pp=pp, sp=sp, schedule=schedule, v=v,
+                                             global_batch=global_batch, seq=seq, micro_batch=micro_batch,
+                                             zero=zero, cp=cp, ep=ep, recompute=recompute)
+                                    if p.memory_bytes <= hw.memory:
+                                        out.append(p)
+                                        break
+                                else:
+                                    if not fits_only:
+                                        out.append(rate(dims, hw, world=world, tp=tp, pp=pp, sp=sp,
+                                                        schedule=schedule, v=v, global_batch=global_batch, seq=seq,
+                                                        micro_batch=micro_batch, zero=zero, cp=cp, ep=ep))
     return sorted(out, key=lambda p: (p.step_s, p.memory_bytes))
 
 
@@ -262,14 +303,14 @@ def format_candidates(ps: list[Candidate], hw: Hardware, *, top: int = 10) -> st
     for p in ps[:top]:
         rows.append([p.tp, p.pp, p.cp, p.ep, p.dp, "on" if p.sequence_parallel else "-",
                      p.schedule + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else ""), p.microbatches,
-                     p.zero, f"{p.memory_bytes / 2**30:.1f}", f"{p.compute_s:.3f}", f"{p.bubble_s:.3f}",
+                     p.zero, p.recompute or "-", f"{p.memory_bytes / 2**30:.1f}", f"{p.compute_s:.3f}", f"{p.bubble_s:.3f}",
                      f"{p.tp_comm_s:.3f}", f"{p.cp_comm_s:.3f}", f"{p.ep_comm_s:.3f}", f"{p.pp_comm_s:.3f}",
                      f"{p.dp_comm_s:.3f}", f"{p.step_s:.3f}"])
     assumed = (f"assumed: {hw.memory / 2**30:.0f} GiB per GPU, {hw.flops_per_s / 1e12:.0f} TFLOP/s peak at "
                f"{hw.efficiency:.0%}, tp over {hw.intra_node_bw / 1e9:.0f} GB/s (<= {hw.gpus_per_node} GPUs a node), "
-               f"pp, dp (and cp, ep beyond a node) over {hw.inter_node_bw / 1e9:.0f} GB/s, 16-bit activations, Adam, no recomputation, "
-               "no overlap of communication")
-    return tabulate(rows, headers=["tp", "pp", "cp", "ep", "dp", "sp", "schedule", "m", "zero", "GiB / GPU", "compute s",
+               f"pp, dp (and cp, ep beyond a node) over {hw.inter_node_bw / 1e9:.0f} GB/s, 16-bit activations, Adam, "
+               "recomputation only where a mesh does not fit without it, no overlap of communication")
+    return tabulate(rows, headers=["tp", "pp", "cp", "ep", "dp", "sp", "schedule", "m", "zero", "recompute", "GiB / GPU", "compute s",
                                    "bubble s", "tp comm s", "cp comm s", "ep comm s", "pp comm s", "dp comm s",
                                    "step s"]) + "\n" + assumed
 
@@ -285,5 +326,5 @@ def parse_bytes(text: str) -> float:
 
 
 __all__ = ["ModelDims", "Hardware", "Candidate", "candidates", "rate", "dims_of", "format_candidates", "parse_bytes",
-           "weight_bytes", "activation_bytes_per_layer", "first_stage_activation_bytes", "model_flops",
+           "weight_bytes", "activation_bytes_per_layer", "first_stage_activation_bytes", "model_flops", "recompute_flops",
            "narayanan_params"]

@@ -187,10 +187,12 @@ def test_planner_context_parallel():
     assert one.cp_comm_s == 0 and two.step_s == pytest.approx(
         two.compute_s + two.bubble_s + two.tp_comm_s + two.cp_comm_s + two.pp_comm_s + two.dp_comm_s)
     # a sequence that fits only with its tokens split: Llama-2-7B at 16384 tokens on 64 GPUs of 80 GB
-    # (Korthikanti's activations keep the s x s scores, 5as/h = 640 here: no mesh fits at cp=1)
+    # (Korthikanti's activations keep the s x s scores, 5as/h = 640 here: no mesh fits at cp=1 without recomputation)
     big = whatif.ModelDims(layers=32, hidden=4096, heads=32, vocab=32000, params=6_740_000_000)
     ranked = whatif.candidates(big, whatif.Hardware(), world=64, global_batch=8, seq=16384)
-    assert ranked and all(q.cp >= 4 for q in ranked)
+    # ... unless recomputation drops the scores (selective): then cp=1 fits too, with it
+    assert ranked and all(q.cp >= 4 or q.recompute for q in ranked)
+    assert any(q.cp >= 4 and q.recompute is None for q in ranked)
     assert "cp comm s" in whatif.format_candidates(ranked, whatif.Hardware())
 
 
@@ -213,3 +215,39 @@ def test_bench_summary_table(tmp_path):
     path.write_text(json.dumps(data))
     text = summarize(str(path))
     assert "PyTorch DTensor tp=2" in text and "0.70x" in text and "formula 0.250" in text and "1.20x" in text
+
+
+def test_planner_recomputation():
+    """Korthikanti Sec. 4: selective drops 5as/h, full keeps the layer input (2sbh, /t under sp);
+    the FLOPs they add; a mesh that fits only with recomputation is listed with it, the cheapest
+    first, and one that fits without is listed without."""
+    s, b, h, a = 2048, 1, 12288, 96
+    assert whatif.activation_bytes_per_layer(s, b, h, a, 8, True, recompute="selective") == pytest.approx(s * b * h * 34 / 8)
+    assert whatif.activation_bytes_per_layer(s, b, h, a, 8, False, recompute="selective") == pytest.approx(
+        s * b * h * (10 + 3))
+    assert whatif.activation_bytes_per_layer(s, b, h, a, 8, True, recompute="full") == pytest.approx(2 * s * b * h / 8)
+    assert whatif.activation_bytes_per_layer(s, b, h, a, 1, False, recompute="full") == 2 * s * b * h
+    dims = whatif.ModelDims(layers=96, hidden=h, heads=a, vocab=51200, params=175_000_000_000)
+    layer = whatif.activation_bytes_per_layer(s, b, h, a, 8, True)
+    assert whatif.first_stage_activation_bytes(dims, s, b, 8, True, 8, recompute="full") == pytest.approx(
+        96 * 2 * s * b * h / 8 + layer)           # the inputs, and one layer while it is recomputed
+    # full adds a forward of the layers: Eq. 7's 72 -> 96 for the layer terms
+    assert whatif.model_flops(dims, 1, s) + whatif.recompute_flops(dims, 1, s, "full") == pytest.approx(
+        96 * 96 * s * h * h * (1 + s / (6 * h)) + 6 * s * h * 51200)
+    assert whatif.recompute_flops(dims, 1, s, "selective") == 4 * 96 * s * s * h
+    small = whatif.ModelDims(layers=4, hidden=1024, heads=16, vocab=32000, params=100_000_000)
+    roomy = whatif.Hardware(memory=2**40)
+    plain = whatif.rate(small, roomy, world=8, tp=8, pp=1, sp=True, schedule="1f1b", v=1, global_batch=8, seq=2048,
+                        micro_batch=1, zero=0)
+    full = whatif.rate(small, roomy, world=8, tp=8, pp=1, sp=True, schedule="1f1b", v=1, global_batch=8, seq=2048,
+                       micro_batch=1, zero=0, recompute="full")
+    assert full.activation_bytes < plain.activation_bytes and full.compute_s > plain.compute_s
+    # memory between the two: the mesh is listed with full recomputation, nothing without
+    tight = whatif.Hardware(memory=(full.memory_bytes + plain.memory_bytes) / 2)
+    listed = [q for q in whatif.candidates(small, tight, world=8, global_batch=8, seq=2048)
+              if (q.tp, q.pp, q.sequence_parallel, q.zero) == (8, 1, True, 0)]
+    assert [q.recompute for q in listed] in (["full"], ["selective"])
+    assert all(q.memory_bytes <= tight.memory for q in listed)
+    assert all(q.recompute is None for q in whatif.candidates(small, roomy, world=8, global_batch=8, seq=2048))
+    text = whatif.format_candidates(listed, tight)
+    assert "recompute" in text.splitlines()[0] and listed[0].recompute in text
