@@ -206,3 +206,35 @@ def test_export_dynamic_batch_and_seq(name):
     # same loss as eager at another batch and sequence length
     idx2, targets2 = models.example_inputs(name, batch=3, seq=24, seed=1)
     torch.testing.assert_close(ep.module()(idx2, targets2), model(idx2, targets2))
+
+
+def test_meta_init_is_made_shard_by_shard_with_the_values_of_the_whole(monkeypatch):
+    """runtime/materialize.py: a rank's shard of a meta model's parameter is made from blocks of
+    rows (here 1,000 elements: a (256, 64) weight in 18 blocks) with the values the whole
+    parameter has, for every layout fxtron cuts (rows, columns, a fused qkv's interleave, two
+    axes); nothing is made whole; Linear's own init (kaiming-uniform bounds) is kept."""
+    from fxtron.core import layout
+    from fxtron.core.params import AxisShard
+    from fxtron.runtime import materialize
+    monkeypatch.setattr(materialize, "BLOCK", 1000)
+    m = materialize.MetaMaterializer(models.build("gpt-tiny", device="meta"), seed=3)
+    for name, shards in [("wte.weight", (AxisShard("tp", 0),)), ("blocks.0.attn.qkv.weight", (AxisShard("tp", 0, 3),)),
+                         ("blocks.1.mlp.fc2.weight", (AxisShard("tp", 1),)), ("blocks.0.attn.qkv.bias", (AxisShard("tp", 0, 3),)),
+                         ("blocks.0.mlp.fc1.weight", (AxisShard("ep", 0), AxisShard("tp", 1)))]:
+        whole = m.local(name, (), {}, {})
+        for r in range(4):
+            sizes, coords = {"tp": 2, "ep": 2}, {"tp": r % 2, "ep": r // 2}
+            want = whole
+            for s in shards:
+                want = layout.shard(want, s.dim, sizes[s.axis], coords[s.axis], s.interleave)
+            assert torch.equal(m.local(name, shards, sizes, coords), want), (name, r)
+    assert m.whole == {}
+    w = m.local("blocks.0.mlp.fc1.weight", (), {}, {})
+    assert w.abs().max() <= 1 / 64 ** 0.5 and w.std() > 0.5 / (3 * 64) ** 0.5      # kaiming_uniform(a=sqrt 5)
+    assert m.local("blocks.0.ln1.weight", (), {}, {}).eq(1).all()
+    # an init that writes a slice (Embedding's padding row) is made whole with its module, and said so
+    padded = torch.nn.Embedding(10, 4, padding_idx=0, device="meta")
+    holder = torch.nn.Module()
+    holder.emb = padded
+    p = materialize.MetaMaterializer(holder, seed=0)
+    assert p.local("emb.weight", (), {}, {})[0].eq(0).all() and "emb.weight" in p.whole

@@ -4,11 +4,12 @@ its buffers, its graphs bound to this process's groups and device, its random st
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 
 from fxtron.core.rank import RankSpec
-from fxtron.errors import ParallelizeError
+from fxtron.errors import ParallelizeError, ParallelizeWarning
 from fxtron.ops.rng import RNGStreams
 from fxtron.runtime.bind import bind
 from fxtron.runtime.buffers import DataParallelOptions
@@ -25,10 +26,15 @@ def local_params(model: torch.nn.Module, spec: RankSpec, seed: int = 0) -> dict[
     sizes, coords = spec.mesh.sizes, spec.mesh.coords
     for name, lp in spec.local.items():
         full = named[name]
-        if full.device.type == "meta":
-            full = materialized.full(name)   # one module at a time, never the whole model
-        out[name] = lp.local_of(full.detach(), sizes, coords)
-        materialized.release(name)
+        if full.device.type == "meta":     # made shard by shard, never whole (runtime/materialize.py)
+            out[name] = materialized.local(name, lp.shards, sizes, coords)
+        else:
+            out[name] = lp.local_of(full.detach(), sizes, coords)
+    if materialized.whole:
+        warnings.warn(f"rank {spec.rank}: {len(materialized.whole)} parameter(s) of the meta model were made whole before "
+                      f"being cut, their init being more than elementwise writes: "
+                      + "; ".join(f"{n} ({why})" for n, why in list(materialized.whole.items())[:4]),
+                      ParallelizeWarning, stacklevel=3)
     return out
 
 
