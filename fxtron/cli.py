@@ -27,7 +27,8 @@ def _cmd_train(a) -> int:
 
     cfg = TrainConfig(model=a.model, world_size=a.world_size, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep,
                       steps=a.steps, batch=a.batch, seq=a.seq, lr=a.lr, seed=a.seed, data=a.data,
-                      microbatches=a.microbatches, schedule=a.schedule, trace=a.trace)
+                      microbatches=a.microbatches, schedule=a.schedule, trace=a.trace, recompute=a.recompute,
+                      recompute_method=a.recompute_method, recompute_layers=a.recompute_layers)
     cfg.mesh()  # validate before starting processes
     run(cfg, compare=not a.no_compare)
     return 0
@@ -65,7 +66,9 @@ def _cmd_inspect(a) -> int:
     m = a.microbatches or (2 * a.pp if a.pp > 1 else 1)
     pm = fxtron.parallelize(model, mesh, example_inputs=args, example_kwargs=kwargs,
                             sequence_parallel=a.sequence_parallel, microbatches=m, schedule=a.schedule,
-                            virtual_stages=a.virtual_stages, zero=a.zero, cp_comm_type=a.cp_comm_type)
+                            virtual_stages=a.virtual_stages, zero=a.zero, cp_comm_type=a.cp_comm_type,
+                            recompute=a.recompute, recompute_method=a.recompute_method,
+                            recompute_layers=a.recompute_layers)
     rank = a.rank if a.rank is not None else 0
     if a.dump:
         pm.compiled(rank, a.dump)
@@ -85,6 +88,14 @@ def _cmd_bench(a) -> int:
     return run(quick=a.quick, output=a.output, extra=a.pytest_args)
 
 
+def _recompute_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recompute", default=None, choices=["selective", "full"],
+                   help="activation recomputation: the attention cores (selective) or whole layers (full)")
+    p.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
+                   help="full: groups of --recompute-layers layers (uniform) or the first of every stage (block)")
+    p.add_argument("--recompute-layers", type=int, default=None, help="full: layers per group, or recomputed per stage")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fxtron", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -92,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("mesh", help="print a mesh's rank layout (Megatron's groups)")
     _mesh_args(p, 8)
     p.add_argument("--order", default="tp-cp-ep-dp-pp", help="axis order, fastest first")
+
     p.set_defaults(fn=_cmd_mesh)
 
     p = sub.add_parser("train", help="train a shipped model on local processes and compare with one process")
@@ -109,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="write the last step's passes and memory per rank to DIR (trace.json for Perfetto or "
                         "chrome://tracing, schedule.png)")
+    _recompute_args(p)
     p.set_defaults(fn=_cmd_train)
 
     p = sub.add_parser("inspect", help="compile one rank of a mesh without processes and describe it")
@@ -121,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--virtual-stages", type=int, default=1)
     p.add_argument("--microbatches", type=int, default=None, help="per step (default 2 x pp)")
     p.add_argument("--zero", type=int, default=0, help="1: distributed optimizer (memory per rank)")
+    _recompute_args(p)
     p.add_argument("--batch", type=int, default=1, help="sequences per rank and microbatch, to evaluate the formulas")
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence, to evaluate the formulas")
     p.add_argument("--json", action="store_true", help="the same as data")

@@ -217,6 +217,9 @@ def _activation_bytes(rg, sub) -> int:
             val = node.meta.get("val")
             if name in _VIEWS or not isinstance(val, torch.Tensor):
                 continue
+            region = meta.get(node, meta.RECOMPUTE)
+            if region is not None and all(meta.get(u, meta.RECOMPUTE) == region for u in node.users):
+                continue     # made again in backward, not kept: only a region's outputs stay
             shape = meta.get(node, meta.LOCAL_SHAPE)
             if shape is None:
                 continue

@@ -35,6 +35,9 @@ class TrainConfig:
     microbatches: int = 1
     schedule: str = "1f1b"
     trace: str | None = None     # a directory: the last step's passes and memory per rank (Chrome trace, picture)
+    recompute: str | None = None          # activation recomputation: "selective" or "full"
+    recompute_method: str | None = None   # full: "uniform" or "block"
+    recompute_layers: int | None = None
 
     def mesh(self) -> Mesh:
         return Mesh(self.world_size, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
@@ -82,7 +85,8 @@ def train_rank(rank: int, cfg: TrainConfig) -> dict:
     data = load_text(cfg.data, cfg.max_bytes)
     model = build(cfg.model, seed=cfg.seed)
     pm = fxtron.parallelize(model, cfg.mesh(), example_inputs=batch_at(data, 0, cfg), microbatches=cfg.microbatches,
-                            schedule=cfg.schedule)
+                            schedule=cfg.schedule, recompute=cfg.recompute, recompute_method=cfg.recompute_method,
+                            recompute_layers=cfg.recompute_layers)
     prog = pm.program(rank)
     opt = _optimizer(prog.parameters(), cfg)
     losses = []

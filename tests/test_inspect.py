@@ -251,3 +251,17 @@ def test_planner_recomputation():
     assert all(q.recompute is None for q in whatif.candidates(small, roomy, world=8, global_batch=8, seq=2048))
     text = whatif.format_candidates(listed, tight)
     assert "recompute" in text.splitlines()[0] and listed[0].recompute in text
+
+
+def test_cli_inspect_with_recomputation(capsys):
+    """--recompute reaches parallelize: the regions in the per-rank graph, and the activation
+    estimate keeps only what a recomputed region returns (full: the layers' inputs)."""
+    def activations(*extra):
+        assert main(["inspect", "gpt-tiny", "--world-size", "2", "--tp", "2", "--seq", "64", *extra]) == 0
+        out = capsys.readouterr().out
+        line = next(l for l in out.splitlines() if l.startswith("activations per microbatch"))
+        return float(line.split()[-2]), out
+    plain, _ = activations("--no-graph")
+    full, out = activations("--recompute", "full", "--recompute-layers", "2")
+    assert full < plain / 4
+    assert "blocks.0..1" in out                      # the graph's recompute column: both layers, one region
