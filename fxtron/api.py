@@ -345,6 +345,7 @@ class ParallelModel:
         self._warned_fallbacks = False     # warn of ops run replicated once per model, not per rank
         self._warned_gathers = False       # ... and of all-gathers Megatron would not issue
         self._warned_unringed = False      # ... and of attention the cp ring cannot take
+        self._warned_recompute = False     # ... and of selective recomputation that finds no attention
 
     @functools.cached_property
     def tp_plan(self) -> TPPlan | None:
@@ -479,6 +480,14 @@ class ParallelModel:
                 raise ParallelizeError(msg + ". Replicate the layers named after 'split by' (parallelize(..., "
                                        "plan={'<layer>': 'replicate'})), or register a rule that keeps the value "
                                        "split (fxtron.register_rule)")
+            warnings.warn(msg, ParallelizeWarning, stacklevel=2)
+        if o.recompute == "selective" and not self._warned_recompute and not all(region_labels(g) for g in rg.graphs):
+            self._warned_recompute = True
+            msg = (f"recompute='selective' found no attention core to recompute on rank {rank} (a matmul -> softmax "
+                   f"-> [dropout] -> matmul whose scores and probabilities have no other use, or an attention op); "
+                   f"its activations are kept")
+            if o.strict:
+                raise ParallelizeError(msg + ": use recompute='full', or write the attention as those ops")
             warnings.warn(msg, ParallelizeWarning, stacklevel=2)
         unringed = _unringed_attention(rg.graphs) if o.cp_comm_type == "p2p" else []
         if unringed and not self._warned_unringed:

@@ -18,7 +18,10 @@ The model (every rate is an assumption, printed with the result; all formulas fr
                   `flops_per_s` x `efficiency` per GPU
   bubble          x (1 + (p-1)/(v m)) (Narayanan et al. 2021)
   tp comm         4 all-reduces (2 forward, 2 backward) of b s h 16-bit values per layer and
-                  microbatch, ring 2(t-1)/t, at the intra-node bandwidth (tp stays in a node)
+                  microbatch, ring 2(t-1)/t, at the intra-node bandwidth (tp stays in a node);
+                  sequence parallel's all-gathers and reduce-scatters move the same bytes, plus
+                  the 2 linear inputs gathered again in backward (one all-reduce's worth); full
+                  recomputation runs the forward's 2 again
   pp comm         b s h 16-bit values per microbatch each way per boundary (x v interleaved),
                   at the inter-node bandwidth
   cp comm         K and V of every layer and microbatch gathered forward and their gradients
@@ -42,7 +45,8 @@ The model (every rate is an assumption, printed with the result; all formulas fr
                   forward of them, 4 B L s^2 h FLOPs; full keeps each layer's input, 2 s b h / t
                   (/t under sp) a layer, plus one layer's activations while it is recomputed, and
                   adds one forward of the layers, 24 B L s h^2 (1 + s/(6h)) FLOPs (Eq. 7's 72 ->
-                  96); the table's recompute column names the cheapest that fits
+                  96) and its tp collectives; the table's recompute column names the cheapest
+                  that fits
 """
 from __future__ import annotations
 
@@ -146,25 +150,23 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int, sp: bool,
 def first_stage_activation_bytes(dims: ModelDims, s: int, b: int, t: int, sp: bool, p: int, v: int = 1,
                                  cp: int = 1, recompute: str | None = None) -> float:
     """The first pipeline stage's activations under 1F1B: p microbatches x L/p layers = L
-    layers (Eq. 5), x (1 + (p-1)/(p v)) for the interleaved schedule; under full recomputation
-    plus the one layer being recomputed."""
+    layers (Eq. 5), x (1 + (p-1)/(p v)) for the interleaved schedule (under full recomputation
+    the layers' inputs; `rate` adds the one layer being recomputed)."""
     total = dims.layers * activation_bytes_per_layer(s, b, dims.hidden, dims.heads, t, sp, cp, recompute)
     if v > 1:
         total *= 1 + (p - 1) / (p * v)
-    if recompute == "full":
-        total += activation_bytes_per_layer(s, b, dims.hidden, dims.heads, t, sp, cp)
     return total
 
 
 def recompute_flops(dims: ModelDims, batch: int, s: int, recompute: str | None) -> float:
     """FLOPs recomputation adds per step: one forward of the attention cores (q k^T and the
-    product with v, 4 B L s^2 h) for selective, one forward of the layers (a third of Eq. 7's
-    layer term, 24 B L s h^2 (1 + s/(6h))) for full."""
-    h, L = dims.hidden, dims.layers
+    product with v, 4 B L s^2 h) for selective, one forward of the layers for full: a third of
+    `model_flops` without the head's 6 B s h V (24 B L s h^2 (1 + s/(6h)) for a dense model;
+    a mixture of experts' active experts only)."""
     if recompute == "selective":
-        return 4 * batch * L * s * s * h
+        return 4 * batch * dims.layers * s * s * dims.hidden
     if recompute == "full":
-        return 24 * batch * L * s * h * h * (1 + s / (6 * h))
+        return (model_flops(dims, batch, s) - 6 * batch * s * dims.hidden * dims.vocab) / 3
     return 0.0
 
 
@@ -198,10 +200,16 @@ def rate(dims: ModelDims, hw: Hardware, *, world: int, tp: int, pp: int, sp: boo
     weights = weight_bytes(dense, dp * cp, zero) + weight_bytes(experts, edp, zero)
     act = first_stage_activation_bytes(dims, s, b, tp, sp, pp, v, cp, recompute) * (
         min(m, pp) / pp if schedule != "gpipe" else m / pp)
+    if recompute == "full":       # the layer being recomputed, whole for a moment
+        act += activation_bytes_per_layer(s, b, h, dims.heads, tp, sp, cp)
     flops = model_flops(dims, global_batch, s) + recompute_flops(dims, global_batch, s, recompute)
     compute = flops / world / (hw.flops_per_s * hw.efficiency)
     bubble = compute * (pp - 1) / (v * m) if pp > 1 else 0.0
-    tp_bytes = 4 * 2 * (tp - 1) / tp * b * s * h * 2 * (dims.layers / pp) * m if tp > 1 else 0.0
+    # an all-reduce's bytes per (layer, microbatch): 2 forward, 2 backward; sequence parallel's
+    # gather and reduce-scatter pairs move the same, plus the 2 inputs gathered again in backward
+    # (one all-reduce's worth); full recomputation runs the forward's 2 again
+    tp_ars = 4 + (1 if sp else 0) + (2 if recompute == "full" else 0)
+    tp_bytes = tp_ars * 2 * (tp - 1) / tp * b * s * h * 2 * (dims.layers / pp) * m if tp > 1 else 0.0
     pp_bytes = 2 * b * s * h * 2 / (tp if sp else 1) * v * m if pp > 1 else 0.0
     d = dp * cp
     dp_bytes = (2 * (d - 1) / d * dense * 4 if d > 1 else 0.0) + (2 * (edp - 1) / edp * experts * 4 if edp > 1 else 0.0)

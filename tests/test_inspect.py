@@ -228,9 +228,8 @@ def test_planner_recomputation():
     assert whatif.activation_bytes_per_layer(s, b, h, a, 8, True, recompute="full") == pytest.approx(2 * s * b * h / 8)
     assert whatif.activation_bytes_per_layer(s, b, h, a, 1, False, recompute="full") == 2 * s * b * h
     dims = whatif.ModelDims(layers=96, hidden=h, heads=a, vocab=51200, params=175_000_000_000)
-    layer = whatif.activation_bytes_per_layer(s, b, h, a, 8, True)
     assert whatif.first_stage_activation_bytes(dims, s, b, 8, True, 8, recompute="full") == pytest.approx(
-        96 * 2 * s * b * h / 8 + layer)           # the inputs, and one layer while it is recomputed
+        96 * 2 * s * b * h / 8)                   # the layers' inputs (rate adds the layer being recomputed)
     # full adds a forward of the layers: Eq. 7's 72 -> 96 for the layer terms
     assert whatif.model_flops(dims, 1, s) + whatif.recompute_flops(dims, 1, s, "full") == pytest.approx(
         96 * 96 * s * h * h * (1 + s / (6 * h)) + 6 * s * h * 51200)
@@ -242,6 +241,10 @@ def test_planner_recomputation():
     full = whatif.rate(small, roomy, world=8, tp=8, pp=1, sp=True, schedule="1f1b", v=1, global_batch=8, seq=2048,
                        micro_batch=1, zero=0, recompute="full")
     assert full.activation_bytes < plain.activation_bytes and full.compute_s > plain.compute_s
+    # 1 microbatch on 1 stage: 4 layers' inputs plus one layer whole while it is recomputed
+    assert full.activation_bytes == pytest.approx(4 * 2 * 2048 * 1024 / 8 + plain.activation_bytes / 4)
+    # the tp collectives: 4 all-reduces' worth a layer, + 1 (sp's re-gathers), + 2 (the forward again)
+    assert full.tp_comm_s == pytest.approx(plain.tp_comm_s * 7 / 5)
     # memory between the two: the mesh is listed with full recomputation, nothing without
     tight = whatif.Hardware(memory=(full.memory_bytes + plain.memory_bytes) / 2)
     listed = [q for q in whatif.candidates(small, tight, world=8, global_batch=8, seq=2048)

@@ -187,3 +187,26 @@ def test_recomputation_changes_no_number(results, key):
     mesh = fxtron.Mesh(4, **CASES[key][1])
     for rank, (base, got) in enumerate(ranks_of(results, mesh, key)):
         _assert_equal(base, got, f"{key} rank {rank}")
+
+
+def test_selective_without_attention_warns_and_strict_refuses():
+    args, _ = _batch("cumsum-mlp", 2, 8, 0)
+    pm = fxtron.parallelize(make("cumsum-mlp"), fxtron.Mesh(1), example_inputs=args, recompute="selective")
+    with pytest.warns(fxtron.ParallelizeWarning, match="found no attention core"):
+        pm.compiled(0)
+    pm = fxtron.parallelize(make("cumsum-mlp"), fxtron.Mesh(1), example_inputs=args, recompute="selective", strict=True)
+    with pytest.raises(fxtron.ParallelizeError, match="found no attention core"):
+        pm.compiled(0)
+
+
+def test_recomputed_collectives_are_counted_twice():
+    """A recomputed layer's forward collectives run again in backward: pm.collectives says so
+    (tp=2, GPT: 2 all-reduces a layer forward; full recomputation adds them to backward)."""
+    args, _ = _batch("gpt", 2, 8, 0)
+    def count(**kw):
+        recs = fxtron.parallelize(_model("gpt"), fxtron.Mesh(2, tp=2), example_inputs=args, **kw).collectives(0)
+        return {(r.kind, r.phase): sum(1 for q in recs if (q.kind, q.phase) == (r.kind, r.phase)) for r in recs}
+    plain, full, selective = count(), count(recompute="full"), count(recompute="selective")
+    assert full[("all_reduce", "forward")] == plain[("all_reduce", "forward")]
+    assert full[("all_reduce", "backward")] == plain[("all_reduce", "backward")] + 2 * 2
+    assert selective == plain                      # the attention core communicates nothing

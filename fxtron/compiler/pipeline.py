@@ -226,8 +226,9 @@ def _split_stages(s: RankState) -> None:
 
 def _mark_recompute(s: RankState) -> None:
     o = s.options
+    prefix = s.stage_assignment.layer_list if s.stage_assignment is not None else None
     for g in ([s.gm] if s.stages is None else [st.gm for st in s.stages]):
-        mark_recompute(g, o.recompute, o.recompute_method, o.recompute_layers)
+        mark_recompute(g, o.recompute, o.recompute_method, o.recompute_layers, prefix=prefix)
 
 
 def shard_params(gm: fx.GraphModule, mesh: MeshView, mine: set[str]) -> dict[str, LocalParam]:

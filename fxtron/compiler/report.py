@@ -62,6 +62,18 @@ def _regathered(node: fx.Node) -> bool:
             and any(u.target == torch.ops.fxtron.linear.default and u.args[0] is node for u in node.users))
 
 
+def _with_recomputed(gm: fx.GraphModule, records: list[CollectiveRecord]) -> list[CollectiveRecord]:
+    """The records, each forward collective of a recomputed region (passes/recompute.py) followed
+    by its second run in backward (a recomputed layer's all-reduces, gathers, all-to-alls, ring)."""
+    recomputed = {n.name for n in gm.graph.nodes if meta.get(n, meta.RECOMPUTE) is not None}
+    out = []
+    for r in records:
+        out.append(r)
+        if r.node in recomputed and r.phase == "forward":
+            out.append(dataclasses.replace(r, phase="backward"))
+    return out
+
+
 def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRecord]:
     """Every collective of the per-rank graph `gm`, forward and backward, in graph order: what
     each registered op (ops.registry) says it communicates, over the group of `rank` on the
@@ -131,6 +143,7 @@ def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRec
             if phase == "forward" and _regathered(node):
                 # the fused linears it feeds saved the shard: one all-gather again in backward (ops/linear.py)
                 out.append(dataclasses.replace(out[-1], phase="backward"))
+    out = _with_recomputed(gm, out)
     if uniform:
         out = [dataclasses.replace(r, payload_bytes=sympy.simplify(assume_uniform(r.payload_bytes, uniform)),
                                    wire_bytes=sympy.simplify(assume_uniform(r.wire_bytes, uniform)))

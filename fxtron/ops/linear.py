@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from fxtron.ops.recompute import recomputing
 from fxtron.ops.registry import OpSpec, register
 
 _QUEUE: contextvars.ContextVar["WgradQueue | None"] = contextvars.ContextVar("fxtron_wgrad_queue", default=None)
@@ -76,16 +77,16 @@ def _accumulate(x: Tensor, dy: Tensor, main_grad: Tensor, weight_in_out: bool, r
         report()
 
 
-class Gathered:
-    """What a tensor all-gathered from sequence-parallel shards (ops/tp.py gather_from_sequence)
-    carries as its attribute `fxtron_gathered`: its shard and how to gather it again. A linear
-    whose input it is saves the shard for backward instead of the whole tensor and gathers it
-    again there (Megatron's sequence-parallel linear); the linears that share one gathered input
-    (q, k and v projections) share one gather in backward, made by the first and dropped after
-    the last."""
+class Regather:
+    """How a tensor all-gathered from sequence-parallel shards (ops/tp.py gather_from_sequence)
+    is gathered again in backward. The gathered tensor carries `fxtron_gathered = (shard,
+    Regather)`; a linear whose input it is saves the shard for backward instead of the whole
+    tensor and gathers it again there (Megatron's sequence-parallel linear). The linears that
+    share one gathered input (q, k and v projections) share one gather in backward, made by the
+    first and dropped after the last. It holds no tensor until backward: the shard lives only
+    as a saved tensor (so a recomputed region's checkpoint drops it)."""
 
-    def __init__(self, shard: Tensor, gather: Callable[[Tensor], Tensor]):
-        self.shard = shard
+    def __init__(self, gather: Callable[[Tensor], Tensor]):
         self._gather = gather
         self.savers = 0        # linears that saved the shard
         self._full: Tensor | None = None
@@ -102,8 +103,8 @@ class Gathered:
         return out
 
 
-def gathered(x: Tensor) -> Gathered | None:
-    """The sequence shard `x` was all-gathered from, if it was (see Gathered)."""
+def gathered(x: Tensor) -> tuple[Tensor, Regather] | None:
+    """(the sequence shard `x` was all-gathered from, how to gather it again), if it was."""
     return getattr(x, "fxtron_gathered", None)
 
 
@@ -130,18 +131,20 @@ def _setup(ctx, inputs, output):
     x, weight, bias, ctx.weight_in_out = inputs
     ctx.weight = weight          # the Parameter itself: its main_grad attribute is read in backward
     ctx.has_bias = bias is not None
-    ctx.gathered = gathered(x)
-    if ctx.gathered is not None:     # sequence parallel: keep the shard, gather it again in backward
-        ctx.gathered.savers += 1
-        ctx.save_for_backward(ctx.gathered.shard)
-    else:
+    g = gathered(x)
+    ctx.regather = g[1] if g is not None else None
+    if g is None:
         ctx.save_for_backward(x)
+        return
+    ctx.save_for_backward(g[0])      # sequence parallel: keep the shard, gather it again in backward
+    if not recomputing():            # a recomputation's ctx is not run backward: no saver more
+        ctx.regather.savers += 1
 
 
 def _backward(ctx, dy):
     (x,) = ctx.saved_tensors
-    if ctx.gathered is not None:
-        x = ctx.gathered.full(x)
+    if ctx.regather is not None:
+        x = ctx.regather.full(x)
     w = ctx.weight
     dy = dy.to(x.dtype)        # as Megatron: the weight-gradient GEMM takes both in the input's dtype
     dx = dy.matmul(w.t() if ctx.weight_in_out else w)
@@ -198,4 +201,4 @@ def kernel_name(device: torch.device, dtype: torch.dtype) -> str:
     return "wgrad:" + kernel_for(probe, probe, torch.zeros((1, 1), dtype=torch.float32))
 
 
-__all__ = ["Gathered", "WgradQueue", "active_queue", "gathered", "kernel_name", "linear", "linear_eager"]
+__all__ = ["Regather", "WgradQueue", "active_queue", "gathered", "kernel_name", "linear", "linear_eager"]

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from fxtron.core.layout import check_divisible, from_list, shard, unshard
 from fxtron.ops import transport as T
-from fxtron.ops.linear import Gathered, active_queue
+from fxtron.ops.linear import Regather, active_queue
 from fxtron.ops.registry import Comm, OpSpec, register
 
 _group = T.resolve
@@ -268,7 +268,7 @@ gather_from_sequence.register_autograd(_gather_from_sequence_bwd, setup_context=
 
 class _GatherFromSequence(torch.autograd.Function):
     """gather_from_sequence as a program runs it (see _CopyToRegion); its output carries the
-    shard (ops/linear.py Gathered), so the linears it feeds save the shard, not the whole."""
+    shard (ops/linear.py Regather), so the linears it feeds save the shard, not the whole."""
 
     @staticmethod
     def forward(ctx, x, dim, world, group):
@@ -277,7 +277,7 @@ class _GatherFromSequence(torch.autograd.Function):
         pg = _group(group)
         if pg is not None:
             d = _norm(dim, x.dim())
-            out.fxtron_gathered = Gathered(x.detach(), lambda shard: T.gather(shard, d, pg))
+            out.fxtron_gathered = (x.detach(), Regather(lambda shard: T.gather(shard, d, pg)))
         return out
 
     backward = staticmethod(_gather_from_sequence_bwd)

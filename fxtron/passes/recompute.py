@@ -28,7 +28,7 @@ from fxtron.core import meta
 from fxtron.errors import ParallelizeError
 from fxtron.ops.rng import rng_call, takes_region
 from fxtron.passes.rules import CASTS
-from fxtron.passes.stages import find_layer_list
+from fxtron.passes.stages import classify, find_layer_list
 
 aten = torch.ops.aten
 GRANULARITIES = ("selective", "full")
@@ -150,27 +150,33 @@ def _mark(gm: fx.GraphModule, first: fx.Node, last: fx.Node, label: str, *, hois
         meta.set(n, meta.RECOMPUTE, label)
 
 
-def _layer_spans(gm: fx.GraphModule) -> list[tuple[str, fx.Node, fx.Node]]:
-    """(layer, first node, last node) of each of the graph's transformer layers, in order."""
+def _layer_spans(gm: fx.GraphModule, prefix: str | None) -> list[tuple[str, fx.Node, fx.Node]]:
+    """(layer, first node, last node) of each of the graph's transformer layers (the entries of
+    `prefix`, the model's layer list; found on gm when None), in order: the first and last
+    activation each layer computes (a value of parameters or constants that a pipeline stage
+    copies from an earlier layer does not start that layer there)."""
     try:
-        prefix, units = find_layer_list(gm)
+        found, units = find_layer_list(gm)
     except ParallelizeError:
         raise ParallelizeError("recompute='full' recomputes whole transformer layers (the entries of a ModuleList "
                                "such as blocks.0, blocks.1, ...), and this graph has none: use recompute='selective' "
                                "or None") from None
+    prefix = prefix or found
+    kind = classify(gm)
     spans: dict[str, list[fx.Node]] = {}
     for n in gm.graph.nodes:
         path = meta.get(n, meta.MODULE) or ""
-        if n.op == "call_function" and path.startswith(prefix + "."):
+        if n.op == "call_function" and kind.get(n) == "act" and path.startswith(prefix + "."):
             layer = f"{prefix}.{path[len(prefix) + 1:].split('.', 1)[0]}"
             span = spans.setdefault(layer, [n, n])
             span[1] = n
-    return [(u, *spans[u]) for u in units if u in spans]
+    return sorted(((u, *sp) for u, sp in spans.items()), key=lambda t: int(t[0].rsplit(".", 1)[1]))
 
 
 def mark_recompute(gm: fx.GraphModule, granularity: str, method: str | None = None,
-                   layers: int | None = None) -> list[str]:
+                   layers: int | None = None, *, prefix: str | None = None) -> list[str]:
     """Mark gm's recomputed regions (see the module docstring); returns their labels in order.
+    `prefix`: the model's layer list (a pipeline stage's graph may not show which it is).
     Edits gm in place."""
     for i, n in enumerate(gm.graph.nodes):
         n.meta["_recompute_order"] = i
@@ -188,7 +194,7 @@ def mark_recompute(gm: fx.GraphModule, granularity: str, method: str | None = No
                 _mark(gm, *core, label, hoist=True)
                 labels.append(label)
     else:
-        spans = _layer_spans(gm)
+        spans = _layer_spans(gm, prefix)
         groups = ([spans[i:i + layers] for i in range(0, len(spans), layers)] if method == "uniform"
                   else [[s] for s in spans[:layers]])
         for group in groups:

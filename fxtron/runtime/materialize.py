@@ -5,14 +5,17 @@ is never made on a rank that holds 1/8 of it).
 A parameter's initialization is its module's own `reset_parameters()` (or GPT-2's: normal(0,
 0.02) matrices, ones for 1-d weights, zeros for biases), run once on a *recorder*: a tensor of
 the parameter's full shape and dtype with no storage that writes down the in-place,
-elementwise operations done to it (uniform_, normal_, fill_, zero_, mul_, add_, clamp_,
-erfinv_, ... -- everything torch.nn.init does, reading only the shape for its fans). The values
+elementwise operations done to it (uniform_, normal_, fill_, zero_, mul_, add_, clamp_, ...:
+torch.nn.init's uniform, normal, constant, kaiming and xavier inits, which read only the shape
+for their fans). The values
 are then made in fixed blocks of rows (dim 0, at most `BLOCK` elements a block), each block
 drawing from its own generator seeded by (seed, parameter name, block index): so any slice of
 the parameter -- whatever the mesh, the shard's dims and interleave -- has the same values,
 made block by block from the blocks it overlaps. An initialization that does more than
-elementwise writes (orthogonal_, one that reads values or writes a slice) cannot be recorded;
-that module's parameters are made whole (module by module, as before), and `whole` names them.
+elementwise writes (orthogonal_, trunc_normal_ -- which reads values --, one that writes a
+slice, assigns .data or a new Parameter, or leaves a parameter untouched) cannot be recorded;
+that module's parameters are made whole (module by module, as before), `whole` names them and
+the program's build warns.
 """
 from __future__ import annotations
 
@@ -122,6 +125,12 @@ class MetaMaterializer:
                 with torch.no_grad():
                     for n, r in recorders.items():
                         _default_init(n, r)
+            for n, r in recorders.items():
+                got = (shell._parameters if hasattr(module, "reset_parameters") else recorders).get(n)
+                if got is not r:
+                    raise NotRecordable(f"it replaces {n} (a new Parameter, or .data assigned)")
+                if not r.ops:
+                    raise NotRecordable(f"it writes nothing to {n} that can be recorded")
         except NotRecordable as e:
             for n in local:
                 self._recorded[names[n]] = None
