@@ -39,7 +39,7 @@ _SOFTMAX = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
           aten.unsqueeze.default, aten.squeeze.dim}
 _SCORE_OPS = CASTS | _VIEWS | {aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.masked_fill.Scalar,
-                               aten.where.self, aten.sub.Tensor}
+                               aten.where.self, aten.sub.Tensor, aten.tanh.default}   # tanh: softcapped scores (Gemma 2)
 _PROB_OPS = CASTS | _VIEWS | {aten.dropout.default, aten.native_dropout.default, aten.mul.Tensor, operator.getitem}
 _ATTENTION_OPS = {aten.scaled_dot_product_attention.default}
 
