@@ -18,6 +18,9 @@ records each rank's timeline (runtime/executor.py: every F, B, W with start and 
                     with the measured mean T_F, T_B, T_W: what the order would give with free
                     communication
 
+One more step per schedule tracks memory (runtime/memory.py): each rank's peak of the bytes
+saved for backward against the schedule's in-flight bound times one microbatch's.
+
 The single-process baseline trains the unmodified model with the same microbatches (gradient
 accumulation) in rank 0's process while rank 1 waits in a barrier; `ratio_vs_single_process`
 is the pipelined step's median over the baseline's (ideal: (m + p - 1) / (m p) of it for
@@ -94,7 +97,17 @@ def _job(rank: int, mesh: fxtron.Mesh) -> dict:
             if step >= WARMUP:
                 times.append(time.perf_counter() - t0)
                 timelines.append(prog.timeline())
-        out[_key(schedule, v, m)] = {"losses": losses, "times": times, "timelines": timelines}
+        # one more step with the memory tracked (untimed): the peak of the bytes saved for
+        # backward against the schedule's in-flight bound x one microbatch's (its first F's)
+        prog.track_memory = True
+        prog.train_step(data[0], opt)
+        samples = prog.memory_timeline()
+        prog.track_memory = False
+        first_f = next(i for i, smp in enumerate(samples) if smp.phase == "F")
+        per_microbatch = samples[first_f].activations - samples[first_f - 1].activations
+        memory = {"peak": max(smp.activations for smp in samples), "per_microbatch": per_microbatch,
+                  "bound": schedules.in_flight_bound(schedule, mesh.pp, m, mesh.coords(rank)["pp"], v)}
+        out[_key(schedule, v, m)] = {"losses": losses, "times": times, "timelines": timelines, "memory": memory}
     # the single-process baseline: the whole model, same microbatches, rank 1 idles
     for m in sorted({m for _, _, m in CASES}):
         losses, times = [], []
@@ -159,12 +172,21 @@ def test_pipeline_step(benchmark, results, bench_report, schedule, v, m):
 
     section = bench_report.setdefault("pipeline schedules, pp=2 on gloo (bubble = idle / time in passes)", {
         "headers": ["schedule", "m", "bubble measured", "formula", "simulated (measured pass times)",
-                    "T_F / T_B / T_W ms", "step ms", "vs 1 process"],
+                    "T_F / T_B / T_W ms", "step ms", "vs 1 process",
+                    "peak saved, rank 0 / 1 (x in-flight bound x one microbatch)"],
         "rows": [], "notes": [f"GPT hidden {CFG.n_embd}, {CFG.n_layer} layers, batch {BATCH} x {SEQ}; "
-                              "formula: (p-1)/m, (p-1)/(vm), ZB-H1 (p-1)(F+B-W)/(m(F+B+W)); charts in .benchmarks/"]})
+                              "formula: (p-1)/m, (p-1)/(vm), ZB-H1 (p-1)(F+B-W)/(m(F+B+W)); charts in .benchmarks/",
+                              "peak saved: the most bytes saved for backward at once in a tracked step, over the "
+                              "schedule's in-flight bound (1F1B pp-r, GPipe m, ZB-H1 pp, interleaved its own) times "
+                              "the first F's bytes (interleaved: one chunk's)"]})
+    peaks = [r[key]["memory"] for r in results]
+    held = [mem["peak"] / (mem["bound"] * mem["per_microbatch"]) for mem in peaks]
+    benchmark.extra_info.update({"peak_saved_bytes": [mem["peak"] for mem in peaks],
+                                 "peak_over_in_flight_bound": held})
     section["rows"].append([schedule + (f" v={v}" if v > 1 else ""), m, f"{measured:.3f}", f"{formula:.3f}",
                             f"{simulated:.3f}", " / ".join(f"{times[k] * 1e3:.1f}" for k in "FBW"),
-                            f"{step * 1e3:.0f}", f"{ratio:.2f}x"])
+                            f"{step * 1e3:.0f}", f"{ratio:.2f}x",
+                            " / ".join(f"{mem['peak'] / 2**20:.1f} MiB = {h:.2f} x {mem['bound']}" for mem, h in zip(peaks, held))])
 
 
 _noop = noop
