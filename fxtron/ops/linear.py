@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -86,21 +86,29 @@ class Regather:
     first and dropped after the last. It holds no tensor until backward: the shard lives only
     as a saved tensor (so a recomputed region's checkpoint drops it)."""
 
-    def __init__(self, gather: Callable[[Tensor], Tensor]):
-        self._gather = gather
+    def __init__(self, start_gather: Callable[[Tensor], Any]):
+        self._start = start_gather   # shard -> a work whose wait() returns the whole (ops/transport.py)
         self.savers = 0        # linears that saved the shard
         self._full: Tensor | None = None
+        self._work = None
         self._taken = 0
 
-    def full(self, shard: Tensor) -> Tensor:
-        """The whole tensor again, from `shard` (the one saved: a recomputed region's own)."""
-        if self._full is None:
-            self._full = self._gather(shard)
-        out = self._full
-        self._taken += 1
-        if self._taken >= self.savers:       # the last saver has it: hold it no longer
-            self._full, self._taken = None, 0
-        return out
+    def begin(self, shard: Tensor) -> Callable[[], Tensor]:
+        """Start gathering the whole tensor again from `shard` (the one saved: a recomputed
+        region's own), unless a saver before did; the call returned waits and gives it. Only
+        local computation may run in between."""
+        if self._full is None and self._work is None:
+            self._work = self._start(shard)
+
+        def finish() -> Tensor:
+            if self._full is None:
+                self._full, self._work = self._work.wait(), None
+            out = self._full
+            self._taken += 1
+            if self._taken >= self.savers:       # the last saver has it: hold it no longer
+                self._full, self._taken = None, 0
+            return out
+        return finish
 
 
 def gathered(x: Tensor) -> tuple[Tensor, Regather] | None:
@@ -143,11 +151,12 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dy):
     (x,) = ctx.saved_tensors
-    if ctx.regather is not None:
-        x = ctx.regather.full(x)
+    gathering = ctx.regather.begin(x) if ctx.regather is not None else None
     w = ctx.weight
     dy = dy.to(x.dtype)        # as Megatron: the weight-gradient GEMM takes both in the input's dtype
     dx = dy.matmul(w.t() if ctx.weight_in_out else w)
+    if gathering is not None:  # the input gathered again while the input gradient was computed
+        x = gathering()
     main_grad = getattr(w, "main_grad", None)
     grad_w = None
     if main_grad is not None:

@@ -277,7 +277,7 @@ class _GatherFromSequence(torch.autograd.Function):
         pg = _group(group)
         if pg is not None:
             d = _norm(dim, x.dim())
-            out.fxtron_gathered = (x.detach(), Regather(lambda shard: T.gather(shard, d, pg)))
+            out.fxtron_gathered = (x.detach(), Regather(lambda shard: T.start_gather(shard, d, pg)))
         return out
 
     backward = staticmethod(_gather_from_sequence_bwd)

@@ -90,6 +90,40 @@ def gather(t: Tensor, dim: int, pg) -> Tensor:
     return unshard(all_gather(t, pg), dim, 1)
 
 
+class _Done:
+    """A collective already complete: wait() returns its result."""
+
+    def __init__(self, out: Tensor):
+        self._out = out
+
+    def wait(self) -> Tensor:
+        return self._out
+
+
+def start_gather(t: Tensor, dim: int, pg):
+    """Begin `gather(t, dim, pg)`; returns a work whose wait() returns the whole tensor. Only
+    local computation may run before the wait (a linear's input-gradient GEMM while its
+    sequence-parallel input is gathered again: Megatron's overlap). Through the shared-memory
+    channel the gather completes here."""
+    if shm.channel(pg.group_name) is not None:
+        return _Done(gather(t, dim, pg))
+    world = pg.size()
+    src = t.movedim(dim, 0).contiguous()
+    e = ledger.issue(pg, "all_gather", t)
+    try:
+        if dist.get_backend(pg) == "nccl":
+            out = src.new_empty((world * src.shape[0], *src.shape[1:]))
+            work = dist.all_gather_into_tensor(out, src, group=pg, async_op=True)
+            finish = lambda: out.movedim(0, dim).contiguous()  # noqa: E731
+        else:
+            parts = [torch.empty_like(src) for _ in range(world)]
+            work = dist.all_gather(parts, src, group=pg, async_op=True)
+            finish = lambda: torch.cat(parts, 0).movedim(0, dim).contiguous()  # noqa: E731
+    except Exception as exc:  # noqa: BLE001 - a backend's error, whatever its type
+        raise ledger.failure(e, exc) from exc
+    return _Started(ledger.started(e, work), finish)
+
+
 def reduce_scatter(t: Tensor, dim: int, pg) -> Tensor:
     """Sum of `t` over the ranks, then this rank's 1/world slice along `dim` (a new tensor)."""
     comm = shm.channel(pg.group_name)
