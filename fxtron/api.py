@@ -487,7 +487,8 @@ class ParallelModel:
                    f"-> [dropout] -> matmul whose scores and probabilities have no other use, or an attention op); "
                    f"its activations are kept")
             if o.strict:
-                raise ParallelizeError(msg + ": use recompute='full', or write the attention as those ops")
+                raise ParallelizeError(msg + ": use recompute='full' (a model with a layer list) or None, or write "
+                                       "the attention as those ops")
             warnings.warn(msg, ParallelizeWarning, stacklevel=2)
         unringed = _unringed_attention(rg.graphs) if o.cp_comm_type == "p2p" else []
         if unringed and not self._warned_unringed:

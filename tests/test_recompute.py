@@ -21,7 +21,7 @@ from fxtron.core import meta
 from fxtron.models.moe import MoEConfig, MoETransformer
 from fxtron.ops.rng import rng_call
 from fxtron.passes.recompute import region_labels
-from fxtron.testing import ranks_of, run_cases
+from fxtron.testing import assert_trains_like, ranks_of, reference_training, run_cases, train_program
 from tp_models import batch, make
 
 DROPOUT = 0.1
@@ -106,12 +106,16 @@ def test_full_needs_layers():
         pm.program(0)
 
 
+def _opt(params):
+    return torch.optim.AdamW(params, lr=1e-3, eps=1e-6)
+
+
 def _saved_peak(prog, steps):
-    """(losses, first step's gradients, final weights, peak bytes saved for backward)."""
-    opt = torch.optim.AdamW(prog.parameters(), lr=1e-3, eps=1e-6)
+    """(losses, first step's gradients, final weights, peak bytes saved for backward over the steps)."""
+    opt = _opt(prog.parameters())
     losses, grads, peak = [], None, 0
+    prog.track_memory = True
     for step, (args, kwargs) in enumerate(steps):
-        prog.track_memory = True
         losses.append(prog.train_step(args, opt, kwargs=kwargs))
         peak = max(peak, max(m.activations for m in prog.memory_timeline()))
         if step == 0:
@@ -129,6 +133,21 @@ def test_one_process_equals_the_run_without(kw):
     base = _saved_peak(fxtron.parallelize(_model("gpt", 4), fxtron.Mesh(1), example_inputs=args).program(0), steps)
     got = _saved_peak(fxtron.parallelize(_model("gpt", 4), fxtron.Mesh(1), example_inputs=args, **kw).program(0), steps)
     _assert_equal(base, got, str(kw))
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_one_process_equals_the_unmodified_model(recompute):
+    """Without dropout, a recomputed program trains as the unmodified model in one process does
+    (Llama, written-out attention of transformers' GPT-2: losses, first-step gradients, weights)."""
+    for name in ("llama", "hf-gpt2-eager"):
+        steps = [_batch(name, 4, s, 10 + i) for i, s in enumerate((16, 8))]
+        args, kwargs = _batch(name, 2, 8, 0)
+        pm = fxtron.parallelize(make(name), fxtron.Mesh(1), example_inputs=args, example_kwargs=kwargs,
+                                recompute=recompute)
+        assert region_labels(pm.compiled(0).graphs[0])
+        prog = pm.program(0)
+        got = train_program(prog, steps, _opt(prog.parameters()))
+        assert_trains_like(got, reference_training(make(name), steps, _opt))
 
 
 def _assert_equal(base, got, where):
@@ -232,3 +251,13 @@ def test_transformers_attention_variants(name):
         got_loss, got, labels = _one_step(name, recompute=rc)
         assert len(labels) == 2, labels
         assert got_loss == loss and all(torch.equal(grads[k], got[k]) for k in grads), rc
+
+
+def test_recomputed_ring_trains_as_the_unmodified_model(results):
+    """The case without dropout (cp x tp, the ring recomputed): against one process as well."""
+    key = "cp2-tp2-ring-full"
+    name, axes = CASES[key][0], CASES[key][1]
+    steps = [_batch(name, 4, s, 10 + i) for i, s in enumerate((16, 8))]
+    ref = reference_training(_model(name), steps, _opt)
+    for rank, (_, got) in enumerate(ranks_of(results, fxtron.Mesh(4, **axes), key)):
+        assert_trains_like({"losses": got[0], "grads": got[1], "state": got[2]}, ref, rank=rank)

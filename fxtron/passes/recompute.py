@@ -87,8 +87,11 @@ def _attention_core(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     probabilities (cast, dropped out) go into a matmul."""
     t = _target(node)
     if t in _ATTENTION_OPS or takes_region(node) or t == torch.ops.fxtron.ring_attention.default:
-        items = [u for u in node.users if _target(u) is operator.getitem]
-        return node, max(items, key=_order, default=node)
+        last, pending = node, {u for u in node.users if _target(u) is operator.getitem}
+        while pending:                     # its outputs' getitems, up to the last in graph order
+            last = last.next
+            pending.discard(last)
+        return node, last
     if t not in _SOFTMAX:
         return None
     first = _scores(node.args[0])
@@ -116,10 +119,6 @@ def _scores(node, depth: int = 8) -> fx.Node | None:
         if (found := _scores(a, depth - 1)) is not None:
             return found
     return None
-
-
-def _order(node: fx.Node) -> int:
-    return node.meta.get("_recompute_order", 0)
 
 
 def _mark(gm: fx.GraphModule, first: fx.Node, last: fx.Node, label: str, *, hoist: bool) -> None:
@@ -178,8 +177,6 @@ def mark_recompute(gm: fx.GraphModule, granularity: str, method: str | None = No
     """Mark gm's recomputed regions (see the module docstring); returns their labels in order.
     `prefix`: the model's layer list (a pipeline stage's graph may not show which it is).
     Edits gm in place."""
-    for i, n in enumerate(gm.graph.nodes):
-        n.meta["_recompute_order"] = i
     labels: list[str] = []
     if granularity == "selective":
         for node in list(gm.graph.nodes):
@@ -201,8 +198,6 @@ def mark_recompute(gm: fx.GraphModule, granularity: str, method: str | None = No
             label = group[0][0] if len(group) == 1 else f"{group[0][0]}..{group[-1][0].rsplit('.', 1)[-1]}"
             _mark(gm, group[0][1], group[-1][2], label, hoist=False)
             labels.append(label)
-    for n in gm.graph.nodes:
-        n.meta.pop("_recompute_order", None)
     gm.recompile()
     return labels
 

@@ -88,6 +88,14 @@ def _replay(ops: list, block: torch.Tensor, generator: torch.Generator) -> torch
     return block
 
 
+def _shell(module: torch.nn.Module, params: dict) -> torch.nn.Module:
+    """A shallow copy of `module` holding `params` as its own parameters (its children stay
+    shared and untouched), for its reset_parameters() to write."""
+    shell = copy.copy(module)
+    shell._parameters = dict(params)
+    return shell
+
+
 def _default_init(name: str, t: torch.Tensor) -> None:
     if t.dim() >= 2:
         t.normal_(0.0, 0.02)
@@ -117,8 +125,7 @@ class MetaMaterializer:
         recorders = {n: _Recorder(p.shape, p.dtype) for n, p in local.items()}
         try:
             if hasattr(module, "reset_parameters"):
-                shell = copy.copy(module)           # shallow: children stay shared and untouched
-                shell._parameters = dict(recorders)
+                shell = _shell(module, recorders)
                 with torch.no_grad():
                     shell.reset_parameters()
             else:
@@ -193,9 +200,8 @@ class MetaMaterializer:
         local = dict(module.named_parameters(recurse=False))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed((self.seed * 1_000_003 + zlib.crc32(owner.encode())) % 2**63)
-            shell = copy.copy(module)
-            shell._parameters = {n: torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad)
-                                 for n, p in local.items()}
+            shell = _shell(module, {n: torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad)
+                                    for n, p in local.items()})
             shell.reset_parameters()
             return {n: p.detach() for n, p in shell._parameters.items()}
 
