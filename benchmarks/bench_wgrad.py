@@ -1,4 +1,4 @@
-"""Benchmarks: codegen.wgrad — the weight-gradient GEMM fused into fp32 main_grad accumulation.
+"""Benchmarks: ops.wgrad — the weight-gradient GEMM fused into fp32 main_grad accumulation.
 
     .venv/bin/python -m pytest benchmarks/bench_wgrad.py --benchmark-only     # ~20 s on 2 cores
 

@@ -22,14 +22,14 @@ from tabulate import tabulate
 
 import sympy
 
-from fxtron.compiler import pipeline, report
+from fxtron.compiler import passmanager, report
 from fxtron.compiler.show import format_graph
 from fxtron.compiler.trace import check_example_sizes, trace
 from fxtron.core import meta
 from fxtron.core.meta import BATCH, SEQ, info
 from fxtron.errors import ParallelizeError, ParallelizeWarning
 from fxtron.mesh import Mesh
-from fxtron.passes.plan import TPPlan, plan as make_tp_plan
+from fxtron.passes.tp_plan import TPPlan, make_tp_plan
 from fxtron.passes.recompute import check_options as check_recompute, region_labels
 from fxtron.passes.stages import StageAssignment, assign_stages
 from fxtron.runtime import groups as G
@@ -349,7 +349,7 @@ class ParallelModel:
 
     @functools.cached_property
     def tp_plan(self) -> TPPlan | None:
-        """The model's tensor-parallel plan (passes/plan.py), made once for every rank: which
+        """The model's tensor-parallel plan (passes/tp_plan.py), made once for every rank: which
         linears split by columns / rows, every parameter's tp placement. None at tp=1."""
         if self.mesh.tp == 1:
             return None
@@ -441,7 +441,7 @@ class ParallelModel:
         return f"{o.schedule}: pp={self.mesh.pp}, m={o.microbatches}{v}"
 
     @functools.lru_cache(maxsize=64)
-    def compiled(self, rank: int, dump: str | None = None) -> pipeline.RankGraph:
+    def compiled(self, rank: int, dump: str | None = None) -> passmanager.RankGraph:
         """The per-rank compilation result (graph module and parameter shard specs). With
         `dump` (or the environment variable FXTRON_DUMP) a directory, the graph after every
         pass is written there as readable Python (rank<r>/<nn>_<pass>.py)."""
@@ -453,9 +453,9 @@ class ParallelModel:
         else:
             observer = None
         o = self.options
-        rg = pipeline.compile_rank(
+        rg = passmanager.compile_rank(
             self.traced, self.mesh, rank, plan=self.tp_plan, stage_assignment=self.stage_assignment,
-            options=pipeline.CompileOptions(sequence_parallel=o.sequence_parallel, cp_comm_type=o.cp_comm_type,
+            options=passmanager.CompileOptions(sequence_parallel=o.sequence_parallel, cp_comm_type=o.cp_comm_type,
                                             gradient_accumulation_fusion=o.gradient_accumulation_fusion,
                                             device=o.device, strict=o.strict, moe_aux_loss=o.moe_aux_loss,
                                             moe_capacity_factor=o.moe_capacity_factor or 0.0,

@@ -38,18 +38,18 @@ def _cmd_inspect(a) -> int:
     import json
 
     import fxtron
-    from fxtron import whatif
+    from fxtron import planner
     from fxtron.inspection import inspect, load_model
 
     model, args, kwargs = load_model(a.model)
     if a.what_if:
         from fxtron.compiler.trace import trace
         traced = trace(model, args, example_kwargs=kwargs)
-        dims = whatif.dims_of(traced)
-        hw = whatif.Hardware(memory=whatif.parse_bytes(a.gpu_memory), flops_per_s=a.flops, efficiency=a.efficiency,
+        dims = planner.dims_of(traced)
+        hw = planner.Hardware(memory=planner.parse_bytes(a.gpu_memory), flops_per_s=a.flops, efficiency=a.efficiency,
                              intra_node_bw=a.intra_node_bw, inter_node_bw=a.inter_node_bw,
                              gpus_per_node=a.gpus_per_node)
-        ps = whatif.candidates(dims, hw, world=a.world_size, global_batch=a.global_batch, seq=a.seq)
+        ps = planner.candidates(dims, hw, world=a.world_size, global_batch=a.global_batch, seq=a.seq)
         if a.json:
             print(json.dumps({"dims": dims.__dict__, "hardware": hw.__dict__, "candidates": [p.as_dict() for p in ps]}))
             return 0
@@ -57,10 +57,10 @@ def _cmd_inspect(a) -> int:
               f"vocab {dims.vocab}; {a.world_size} GPUs, global batch {a.global_batch} x {a.seq} tokens")
         if not ps:
             print(f"no mesh fits in {a.gpu_memory} per GPU; the smallest needs "
-                  f"{min(p.memory_bytes for p in whatif.candidates(dims, hw, world=a.world_size, global_batch=a.global_batch, seq=a.seq, fits_only=False)) / 2**30:.1f} GiB")
+                  f"{min(p.memory_bytes for p in planner.candidates(dims, hw, world=a.world_size, global_batch=a.global_batch, seq=a.seq, fits_only=False)) / 2**30:.1f} GiB")
             return 1
         print(f"{len(ps)} meshes fit, fastest first (modeled):")
-        print(whatif.format_candidates(ps, hw, top=a.top))
+        print(planner.format_candidates(ps, hw, top=a.top))
         return 0
     mesh = fxtron.Mesh(a.world_size, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep)
     m = a.microbatches or (2 * a.pp if a.pp > 1 else 1)

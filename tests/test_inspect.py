@@ -11,7 +11,7 @@ import pathlib
 import pytest
 
 import fxtron
-from fxtron import whatif
+from fxtron import planner
 from fxtron.cli import main
 from fxtron.models import PRESETS, build, example_inputs
 
@@ -97,40 +97,40 @@ def test_cli_what_if(capsys):
 def test_planner_formulas_against_papers():
     # Korthikanti: 5as/h = 80 for GPT-3 (a=96, s=2048, h=12288); Eq. 1 = sbh(34 + 80)
     s, b, h, a = 2048, 1, 12288, 96
-    assert whatif.activation_bytes_per_layer(s, b, h, a, 1, False) == s * b * h * (34 + 80)
+    assert planner.activation_bytes_per_layer(s, b, h, a, 1, False) == s * b * h * (34 + 80)
     # Eq. 4 is Eq. 1 / t; Eq. 2 keeps 10 sbh unsplit
-    assert whatif.activation_bytes_per_layer(s, b, h, a, 8, True) == pytest.approx(s * b * h * (34 + 80) / 8)
-    assert whatif.activation_bytes_per_layer(s, b, h, a, 8, False) == pytest.approx(s * b * h * (10 + 3 + 10))
+    assert planner.activation_bytes_per_layer(s, b, h, a, 8, True) == pytest.approx(s * b * h * (34 + 80) / 8)
+    assert planner.activation_bytes_per_layer(s, b, h, a, 8, False) == pytest.approx(s * b * h * (10 + 3 + 10))
     # Narayanan Eq. 2 reproduces Table 1's parameter counts (V=51200, s=2048) to the digit shown
     for billions, hidden, layers in [(1.7, 2304, 24), (3.6, 3072, 30), (7.5, 4096, 36), (18.4, 6144, 40),
                                      (39.1, 8192, 48), (76.1, 10240, 60), (145.6, 12288, 80), (310.1, 16384, 96),
                                      (529.6, 20480, 105), (1008.0, 25600, 128)]:
-        assert round(whatif.narayanan_params(layers, hidden, 51200, 2048) / 1e9, 1) == billions
+        assert round(planner.narayanan_params(layers, hidden, 51200, 2048) / 1e9, 1) == billions
     # interleaving multiplies the first stage's activations by 1 + (p-1)/(p v)
-    dims = whatif.ModelDims(layers=96, hidden=h, heads=a, vocab=51200, params=175_000_000_000)
-    one = whatif.first_stage_activation_bytes(dims, s, 1, 8, True, 8)
-    assert whatif.first_stage_activation_bytes(dims, s, 1, 8, True, 8, v=3) == pytest.approx(one * (1 + 7 / 24))
+    dims = planner.ModelDims(layers=96, hidden=h, heads=a, vocab=51200, params=175_000_000_000)
+    one = planner.first_stage_activation_bytes(dims, s, 1, 8, True, 8)
+    assert planner.first_stage_activation_bytes(dims, s, 1, 8, True, 8, v=3) == pytest.approx(one * (1 + 7 / 24))
     # Eq. 7 model FLOPs; Megatron's mixed-precision weights: 18 bytes/param, 6 + 12/dp with zero
-    assert whatif.model_flops(dims, 1, s) == pytest.approx(72 * 96 * s * h * h * (1 + s / (6 * h) + 51200 / (12 * h * 96)))
-    assert whatif.weight_bytes(1e9, 8, 0) == 18e9 and whatif.weight_bytes(1e9, 8, 1) == 7.5e9
+    assert planner.model_flops(dims, 1, s) == pytest.approx(72 * 96 * s * h * h * (1 + s / (6 * h) + 51200 / (12 * h * 96)))
+    assert planner.weight_bytes(1e9, 8, 0) == 18e9 and planner.weight_bytes(1e9, 8, 1) == 7.5e9
 
 
 def test_planner_hand_computed_plan():
-    dims = whatif.ModelDims(layers=4, hidden=1024, heads=16, vocab=32000, params=100_000_000)
-    hw = whatif.Hardware(memory=2**40, flops_per_s=1e12, efficiency=1.0, intra_node_bw=1e9, inter_node_bw=1e8)
-    p = whatif.rate(dims, hw, world=8, tp=2, pp=2, sp=False, schedule="1f1b", v=1, global_batch=8, seq=128,
+    dims = planner.ModelDims(layers=4, hidden=1024, heads=16, vocab=32000, params=100_000_000)
+    hw = planner.Hardware(memory=2**40, flops_per_s=1e12, efficiency=1.0, intra_node_bw=1e9, inter_node_bw=1e8)
+    p = planner.rate(dims, hw, world=8, tp=2, pp=2, sp=False, schedule="1f1b", v=1, global_batch=8, seq=128,
                      micro_batch=1, zero=0)
     assert (p.dp, p.microbatches) == (2, 4)
     assert p.weights_bytes == 100e6 / 4 * 18
-    assert p.compute_s == pytest.approx(whatif.model_flops(dims, 8, 128) / 8 / 1e12)
+    assert p.compute_s == pytest.approx(planner.model_flops(dims, 8, 128) / 8 / 1e12)
     assert p.bubble_s == pytest.approx(p.compute_s * 1 / 4)
     assert p.tp_comm_s == pytest.approx(4 * 2 * 0.5 * 128 * 1024 * 2 * 2 * 4 / 1e9)      # 4 AR x layers 2 x m 4
     assert p.pp_comm_s == pytest.approx(2 * 128 * 1024 * 2 * 4 / 1e8)
     assert p.dp_comm_s == pytest.approx(2 * 0.5 * 100e6 / 4 * 4 / 1e8)
-    ranked = whatif.candidates(dims, hw, world=8, global_batch=8, seq=128)
+    ranked = planner.candidates(dims, hw, world=8, global_batch=8, seq=128)
     assert ranked == sorted(ranked, key=lambda q: (q.step_s, q.memory_bytes))
     assert {(q.tp, q.pp, q.dp) for q in ranked} >= {(1, 1, 8), (2, 2, 2), (8, 1, 1), (2, 4, 1)}
-    tight = whatif.candidates(dims, whatif.Hardware(memory=600e6), world=8, global_batch=8, seq=128)
+    tight = planner.candidates(dims, planner.Hardware(memory=600e6), world=8, global_batch=8, seq=128)
     assert tight and all(q.memory_bytes <= 600e6 for q in tight)
     keys = {(q.tp, q.pp, q.dp, q.zero) for q in tight}
     assert (1, 1, 8, 0) not in keys          # 100M x 18 B = 1.8 GB
@@ -141,43 +141,43 @@ def test_planner_hand_computed_plan():
 def test_planner_expert_parallel():
     """A mixture of experts (8 experts, top-2, 80M of 100M parameters in experts) at ep=2 x
     tp=2 x pp=2 on 16 ranks, against the formulas computed by hand; a dense model gets no ep."""
-    dims = whatif.ModelDims(layers=4, hidden=1024, heads=16, vocab=32000, params=100_000_000, experts=8, top_k=2,
+    dims = planner.ModelDims(layers=4, hidden=1024, heads=16, vocab=32000, params=100_000_000, experts=8, top_k=2,
                             expert_params=80_000_000, moe_layers=4)
-    hw = whatif.Hardware(memory=2**40, flops_per_s=1e12, efficiency=1.0, intra_node_bw=1e9, inter_node_bw=1e8)
-    p = whatif.rate(dims, hw, world=16, tp=2, pp=2, sp=True, schedule="1f1b", v=1, global_batch=8, seq=128,
+    hw = planner.Hardware(memory=2**40, flops_per_s=1e12, efficiency=1.0, intra_node_bw=1e9, inter_node_bw=1e8)
+    p = planner.rate(dims, hw, world=16, tp=2, pp=2, sp=True, schedule="1f1b", v=1, global_batch=8, seq=128,
                      micro_batch=1, zero=1, ep=2)
     assert (p.dp, p.microbatches, p.ep) == (4, 2, 2)
     dense, experts = 20e6 / 4, 80e6 / 8                  # per rank: /(tp pp), /(tp ep pp)
     assert p.weights_bytes == pytest.approx(dense * (6 + 12 / 4) + experts * (6 + 12 / 2))   # zero: dp 4, edp 2
     active = 100e6 - (1 - 2 / 8) * 80e6 - 32000 * 1024
     flops = 6 * 8 * 128 * active + 12 * 8 * 4 * 128 * 128 * 1024 + 6 * 8 * 128 * 1024 * 32000
-    assert whatif.model_flops(dims, 8, 128) == pytest.approx(flops)
+    assert planner.model_flops(dims, 8, 128) == pytest.approx(flops)
     assert p.compute_s == pytest.approx(flops / 16 / 1e12)
     # 4 all-to-alls x (e-1)/e x k b s h x 2 B x 2 MoE layers per stage x 2 microbatches, tp x ep in a node
     assert p.ep_comm_s == pytest.approx(4 * 0.5 * 2 * 128 * 1024 * 2 * 2 * 2 / 1e9)
     assert p.dp_comm_s == pytest.approx((2 * 3 / 4 * dense * 4 + 2 * 1 / 2 * experts * 4) / 1e8)
-    ranked = whatif.candidates(dims, hw, world=16, global_batch=8, seq=128)
+    ranked = planner.candidates(dims, hw, world=16, global_batch=8, seq=128)
     assert {q.ep for q in ranked} == {1, 2, 4, 8, 16} - {16}   # ep divides the experts and world/(tp pp)
     assert all(q.cp == 1 for q in ranked if q.ep > 1)
-    dense_model = whatif.ModelDims(layers=4, hidden=1024, heads=16, vocab=32000, params=100_000_000)
-    assert {q.ep for q in whatif.candidates(dense_model, hw, world=16, global_batch=8, seq=128)} == {1}
-    assert "ep comm s" in whatif.format_candidates(ranked, hw)
+    dense_model = planner.ModelDims(layers=4, hidden=1024, heads=16, vocab=32000, params=100_000_000)
+    assert {q.ep for q in planner.candidates(dense_model, hw, world=16, global_batch=8, seq=128)} == {1}
+    assert "ep comm s" in planner.format_candidates(ranked, hw)
     # read off the shipped MoE model's graph: 2 layers of 4 experts, top-2, 2 x 2 x [4, 2x96 | 96, 64] expert weights
     from fxtron.compiler.trace import trace
     from fxtron.models import build, example_inputs
-    got = whatif.dims_of(trace(build("moe-tiny"), example_inputs("moe-tiny", 2, 16)))
+    got = planner.dims_of(trace(build("moe-tiny"), example_inputs("moe-tiny", 2, 16)))
     assert (got.experts, got.top_k, got.moe_layers, got.expert_params) == (4, 2, 2, 2 * 4 * 3 * 96 * 64)
 
 
 def test_planner_context_parallel():
-    dims = whatif.ModelDims(layers=4, hidden=1024, heads=16, vocab=32000, params=100_000_000)
-    hw = whatif.Hardware(memory=2**40, flops_per_s=1e12, efficiency=1.0, intra_node_bw=1e9, inter_node_bw=1e8)
+    dims = planner.ModelDims(layers=4, hidden=1024, heads=16, vocab=32000, params=100_000_000)
+    hw = planner.Hardware(memory=2**40, flops_per_s=1e12, efficiency=1.0, intra_node_bw=1e9, inter_node_bw=1e8)
     kw = dict(world=8, pp=1, sp=True, schedule="1f1b", v=1, global_batch=8, seq=4096, micro_batch=1, zero=1)
-    one, two = whatif.rate(dims, hw, tp=2, cp=1, **kw), whatif.rate(dims, hw, tp=2, cp=2, **kw)
+    one, two = planner.rate(dims, hw, tp=2, cp=1, **kw), planner.rate(dims, hw, tp=2, cp=2, **kw)
     assert (two.cp, two.dp, two.microbatches) == (2, 2, 4)
     # a rank holds half the tokens, each against every key: the s b h factor halves, 5as/h stays
     assert two.activation_bytes == pytest.approx(one.activation_bytes / 2)
-    assert whatif.activation_bytes_per_layer(4096, 1, 1024, 16, 2, True, cp=2) == pytest.approx(
+    assert planner.activation_bytes_per_layer(4096, 1, 1024, 16, 2, True, cp=2) == pytest.approx(
         2048 * 1024 / 2 * (34 + 5 * 16 * 4096 / 1024))
     # the distributed optimizer shards over dp x cp; the gradients are reduced over it
     assert two.weights_bytes == one.weights_bytes
@@ -188,18 +188,18 @@ def test_planner_context_parallel():
         two.compute_s + two.bubble_s + two.tp_comm_s + two.cp_comm_s + two.pp_comm_s + two.dp_comm_s)
     # a sequence that fits only with its tokens split: Llama-2-7B at 16384 tokens on 64 GPUs of 80 GB
     # (Korthikanti's activations keep the s x s scores, 5as/h = 640 here: no mesh fits at cp=1 without recomputation)
-    big = whatif.ModelDims(layers=32, hidden=4096, heads=32, vocab=32000, params=6_740_000_000)
-    ranked = whatif.candidates(big, whatif.Hardware(), world=64, global_batch=8, seq=16384)
+    big = planner.ModelDims(layers=32, hidden=4096, heads=32, vocab=32000, params=6_740_000_000)
+    ranked = planner.candidates(big, planner.Hardware(), world=64, global_batch=8, seq=16384)
     # ... unless recomputation drops the scores (selective): then cp=1 fits too, with it
     assert ranked and all(q.cp >= 4 or q.recompute for q in ranked)
     assert any(q.cp >= 4 and q.recompute is None for q in ranked)
-    assert "cp comm s" in whatif.format_candidates(ranked, whatif.Hardware())
+    assert "cp comm s" in planner.format_candidates(ranked, planner.Hardware())
 
 
 def test_planner_reads_dims_from_the_graph():
     from fxtron.compiler.trace import trace
     traced = trace(build("llama-7b", device="meta"), example_inputs("llama-7b", 1, 16, device="meta"))
-    dims = whatif.dims_of(traced)
+    dims = planner.dims_of(traced)
     assert (dims.layers, dims.hidden, dims.heads, dims.vocab) == (32, 4096, 32, 32000)
     assert dims.params == pytest.approx(6.74e9, rel=0.01)
 
@@ -222,23 +222,23 @@ def test_planner_recomputation():
     the FLOPs they add; a mesh that fits only with recomputation is listed with it, the cheapest
     first, and one that fits without is listed without."""
     s, b, h, a = 2048, 1, 12288, 96
-    assert whatif.activation_bytes_per_layer(s, b, h, a, 8, True, recompute="selective") == pytest.approx(s * b * h * 34 / 8)
-    assert whatif.activation_bytes_per_layer(s, b, h, a, 8, False, recompute="selective") == pytest.approx(
+    assert planner.activation_bytes_per_layer(s, b, h, a, 8, True, recompute="selective") == pytest.approx(s * b * h * 34 / 8)
+    assert planner.activation_bytes_per_layer(s, b, h, a, 8, False, recompute="selective") == pytest.approx(
         s * b * h * (10 + 3))
-    assert whatif.activation_bytes_per_layer(s, b, h, a, 8, True, recompute="full") == pytest.approx(2 * s * b * h / 8)
-    assert whatif.activation_bytes_per_layer(s, b, h, a, 1, False, recompute="full") == 2 * s * b * h
-    dims = whatif.ModelDims(layers=96, hidden=h, heads=a, vocab=51200, params=175_000_000_000)
-    assert whatif.first_stage_activation_bytes(dims, s, b, 8, True, 8, recompute="full") == pytest.approx(
+    assert planner.activation_bytes_per_layer(s, b, h, a, 8, True, recompute="full") == pytest.approx(2 * s * b * h / 8)
+    assert planner.activation_bytes_per_layer(s, b, h, a, 1, False, recompute="full") == 2 * s * b * h
+    dims = planner.ModelDims(layers=96, hidden=h, heads=a, vocab=51200, params=175_000_000_000)
+    assert planner.first_stage_activation_bytes(dims, s, b, 8, True, 8, recompute="full") == pytest.approx(
         96 * 2 * s * b * h / 8)                   # the layers' inputs (rate adds the layer being recomputed)
     # full adds a forward of the layers: Eq. 7's 72 -> 96 for the layer terms
-    assert whatif.model_flops(dims, 1, s) + whatif.recompute_flops(dims, 1, s, "full") == pytest.approx(
+    assert planner.model_flops(dims, 1, s) + planner.recompute_flops(dims, 1, s, "full") == pytest.approx(
         96 * 96 * s * h * h * (1 + s / (6 * h)) + 6 * s * h * 51200)
-    assert whatif.recompute_flops(dims, 1, s, "selective") == 4 * 96 * s * s * h
-    small = whatif.ModelDims(layers=4, hidden=1024, heads=16, vocab=32000, params=100_000_000)
-    roomy = whatif.Hardware(memory=2**40)
-    plain = whatif.rate(small, roomy, world=8, tp=8, pp=1, sp=True, schedule="1f1b", v=1, global_batch=8, seq=2048,
+    assert planner.recompute_flops(dims, 1, s, "selective") == 4 * 96 * s * s * h
+    small = planner.ModelDims(layers=4, hidden=1024, heads=16, vocab=32000, params=100_000_000)
+    roomy = planner.Hardware(memory=2**40)
+    plain = planner.rate(small, roomy, world=8, tp=8, pp=1, sp=True, schedule="1f1b", v=1, global_batch=8, seq=2048,
                         micro_batch=1, zero=0)
-    full = whatif.rate(small, roomy, world=8, tp=8, pp=1, sp=True, schedule="1f1b", v=1, global_batch=8, seq=2048,
+    full = planner.rate(small, roomy, world=8, tp=8, pp=1, sp=True, schedule="1f1b", v=1, global_batch=8, seq=2048,
                        micro_batch=1, zero=0, recompute="full")
     assert full.activation_bytes < plain.activation_bytes and full.compute_s > plain.compute_s
     # 1 microbatch on 1 stage: 4 layers' inputs plus one layer whole while it is recomputed
@@ -246,13 +246,13 @@ def test_planner_recomputation():
     # the tp collectives: 4 all-reduces' worth a layer, + 1 (sp's re-gathers), + 2 (the forward again)
     assert full.tp_comm_s == pytest.approx(plain.tp_comm_s * 7 / 5)
     # memory between the two: the mesh is listed with full recomputation, nothing without
-    tight = whatif.Hardware(memory=(full.memory_bytes + plain.memory_bytes) / 2)
-    listed = [q for q in whatif.candidates(small, tight, world=8, global_batch=8, seq=2048)
+    tight = planner.Hardware(memory=(full.memory_bytes + plain.memory_bytes) / 2)
+    listed = [q for q in planner.candidates(small, tight, world=8, global_batch=8, seq=2048)
               if (q.tp, q.pp, q.sequence_parallel, q.zero) == (8, 1, True, 0)]
     assert [q.recompute for q in listed] in (["full"], ["selective"])
     assert all(q.memory_bytes <= tight.memory for q in listed)
-    assert all(q.recompute is None for q in whatif.candidates(small, roomy, world=8, global_batch=8, seq=2048))
-    text = whatif.format_candidates(listed, tight)
+    assert all(q.recompute is None for q in planner.candidates(small, roomy, world=8, global_batch=8, seq=2048))
+    text = planner.format_candidates(listed, tight)
     assert "recompute" in text.splitlines()[0] and listed[0].recompute in text
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import fxtron
-from fxtron.compiler import pipeline
-from fxtron.compiler.pipeline import PASSES, Pass, pass_list
+from fxtron.compiler import passmanager
+from fxtron.compiler.passmanager import PASSES, Pass, pass_list
 from fxtron.core import meta
 from fxtron.core.placement import Partial, Replicate
 from fxtron.ops import registry
@@ -56,7 +56,7 @@ def _after(pass_name: str, mesh: fxtron.Mesh, name: str = "gpt", **kw) -> torch.
         if name == pass_name:
             seen["gm"] = meta.copy_graph(gm)
 
-    pipeline.compile_rank(pm.traced, mesh, 0, plan=pm.tp_plan, stage_assignment=pm.stage_assignment,
+    passmanager.compile_rank(pm.traced, mesh, 0, plan=pm.tp_plan, stage_assignment=pm.stage_assignment,
                           observer=observe)
     return seen["gm"]
 

@@ -8,7 +8,7 @@ import torch
 import fxtron
 from fxtron.core import meta
 from fxtron.compiler.report import count
-from fxtron.passes.plan import Colwise, Replicated
+from fxtron.passes.tp_plan import Colwise, Replicated
 from fxtron.core import layout as shard_math
 from tp_models import batch, make
 

@@ -1,4 +1,4 @@
-"""Tests: codegen.wgrad — the fused weight-gradient accumulation (main_grad += dy^T @ x in fp32).
+"""Tests: ops.wgrad — the fused weight-gradient accumulation (main_grad += dy^T @ x in fp32).
 
 Every case is checked against a float64 reference built from the very inputs the kernel saw
 (16-bit inputs are exact in float64), so only the error of accumulating in fp32 remains:
@@ -11,7 +11,7 @@ are exact in fp32, and each call adds one rounding of main_grad. A 16-bit weight
 (the unfused path in bf16) misses this bound by far; a test shows that.
 
 The Triton kernel runs in Triton's interpreter on CPU tensors. The interpreter is chosen when
-the kernel is decorated, i.e. when fxtron.codegen.wgrad is first imported with
+the kernel is decorated, i.e. when fxtron.ops.wgrad is first imported with
 TRITON_INTERPRET=1, so those cases run in ONE subprocess (this file run as a script) and report
 back as JSON; the pytest process itself stays uninterpreted.
 """

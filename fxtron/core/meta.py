@@ -83,7 +83,7 @@ REDISTRIBUTE_OUT = _key("fxtron_redistribute_out", PerAxis,
 LOCAL_SHAPE = _key("fxtron_local_shape", tuple,
                    "this rank's shape, sympy expressions in the batch and sequence symbols",
                    "passes.shapes")
-KERNEL = _key("fxtron_kernel", str, "the GEMM kernel codegen chose for a linear", "codegen.fuse")
+KERNEL = _key("fxtron_kernel", str, "the GEMM kernel fuse_linears chose for a linear", "passes.fuse")
 GRAD_REDUCE = _key("fxtron_grad_reduce", tuple,
                    "on a parameter placeholder: the mesh axes over which its gradient is partial on "
                    "each rank (a replicated norm weight used on sequence shards: ('tp',)); summed there "

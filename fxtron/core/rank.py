@@ -1,6 +1,6 @@
 """Core: one rank's compiled program as the runtime receives it -- its graph (or its pipeline
 stages), its parameters' local descriptions and the facts the runtime needs to run and
-synchronize it. The compiler makes it (compiler/pipeline.py RankGraph.spec); the runtime builds
+synchronize it. The compiler makes it (compiler/passmanager.py RankGraph.spec); the runtime builds
 a Program from it (runtime/build.py); neither imports the other."""
 from __future__ import annotations
 

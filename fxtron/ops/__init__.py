@@ -2,7 +2,7 @@
 conjugate communication pairs over any mesh axis, the vocab-parallel embedding and cross
 entropy, the fused weight-gradient linear, random streams, recomputed regions), each with its fake and autograd
 forms and, in `registry`, what it communicates over which axis. Importing this package
-registers every torch.ops.fxtron op. Above fxtron.core; below passes, codegen and runtime.
+registers every torch.ops.fxtron op. Above fxtron.core; below passes and runtime.
 """
 from fxtron.ops import cp, ep, linear, registry, tp, vocab  # noqa: F401 - registers torch.ops.fxtron.*
 from fxtron.ops.wgrad import kernel_for, wgrad_accumulate

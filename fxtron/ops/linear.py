@@ -9,7 +9,7 @@ into `weight.main_grad` when the program gave the weight one (otherwise it is re
 autograd as usual). While a `WgradQueue` is active (a program's train_step), those
 weight-gradient GEMMs are queued instead of run: the next communicating op's backward
 (copy_to_region, gather_from_sequence) starts its collective asynchronously, runs the queue
-while the bytes move, then waits. codegen/fuse.py rewrites a graph's linears into this op.
+while the bytes move, then waits. passes/fuse.py rewrites a graph's linears into this op.
 """
 from __future__ import annotations
 

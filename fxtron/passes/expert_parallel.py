@@ -1,7 +1,7 @@
 """Passes, expert parallel: each mixture-of-experts layer's experts split over the ep ranks, the
 tokens moved to them and back (Megatron's dropless all-to-all dispatcher, MEGATRON.md 6).
 
-A layer is found on the graph with no model knowledge: grouped GEMMs (passes/plan.py's
+A layer is found on the graph with no model knowledge: grouped GEMMs (passes/tp_plan.py's
 `_is_grouped_mm`: aten._grouped_mm, transformers' fallback, fxtron::grouped_mm) whose weight is a
 3-D parameter (the experts first, possibly transposed) and which share one offsets node -- the
 cumulative token counts per expert of the copies sorted by expert. Its *region* is every node
@@ -172,7 +172,7 @@ class MoELayer:
 
 def moe_layers(gm: fx.GraphModule) -> list[MoELayer]:
     """Every mixture-of-experts layer of the graph, in graph order."""
-    from fxtron.passes.plan import _is_grouped_mm
+    from fxtron.passes.tp_plan import _is_grouped_mm
     by_offs: dict[fx.Node, list[fx.Node]] = {}
     for node in gm.graph.nodes:
         if (node.op == "call_function" and _is_grouped_mm(node.target) and len(node.args) > 2
@@ -268,7 +268,7 @@ def unshared(layer: MoELayer, plan) -> str | None:
     at ep x tp; None: they can): that needs the experts split over tp as Megatron's expert-tp
     splits them, the GEMMs taking the copies column-split and the last one row-split (its output
     a partial sum over tp), and nothing else in the experts reading the copies."""
-    from fxtron.passes.plan import Colwise, Rowwise
+    from fxtron.passes.tp_plan import Colwise, Rowwise
     styles = {plan.layers[p].node: plan.style(p) for p in plan.layers}
     copies = next(iter(layer.entry))
     readers = [u for u in copies.users if u in layer.region]

@@ -1,7 +1,7 @@
 """Passes, tensor parallel: what the tp axis adds to the generic SPMD passes -- its layout (the
 plan's parameter placements, the colwise linears whose output is gathered, sequence parallel's
 reduce-scatters) and the one rewrite Megatron's row-parallel linear needs before propagation
-(its bias added after the all-reduce). The plan itself is passes/plan.py; the vocab-parallel
+(its bias added after the all-reduce). The plan itself is passes/tp_plan.py; the vocab-parallel
 embedding and cross entropy are lowerings beside their rules (passes/rules/layers.py)."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 
 from fxtron.core import meta
-from fxtron.passes.plan import Colwise, Rowwise, TPPlan
+from fxtron.passes.tp_plan import Colwise, Rowwise, TPPlan
 from fxtron.passes.propagate import AxisLayout
 
 aten = torch.ops.aten

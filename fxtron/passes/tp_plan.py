@@ -577,10 +577,10 @@ def _parse_style(value, key: str) -> Style:
     if isinstance(value, str) and value.lower() in _BY_NAME:
         return _BY_NAME[value.lower()]
     raise ParallelizeError(f"plan[{key!r}] = {value!r}: use 'colwise', 'rowwise', 'vocab', 'replicate' "
-                           "or fxtron.passes.plan.Colwise(gather_output=...)/Rowwise(input_is_parallel=...)")
+                           "or fxtron.passes.tp_plan.Colwise(gather_output=...)/Rowwise(input_is_parallel=...)")
 
 
-def plan(gm: fx.GraphModule, *, tp: int, user_plan: dict | None = None, mode: str = "override") -> TPPlan:
+def make_tp_plan(gm: fx.GraphModule, *, tp: int, user_plan: dict | None = None, mode: str = "override") -> TPPlan:
     """The split plan for tp ranks. `user_plan` maps module path patterns (fnmatch, e.g.
     "blocks.*.attn.qkv"; a module's path names every linear and embedding under it) to styles; with mode "override" it refines the automatic plan, with
     "replace" it is the whole plan (everything it does not name is replicated)."""

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from fxtron.codegen.fuse import fuse_linears, fused_weights
+from fxtron.passes.fuse import fuse_linears, fused_weights
 from fxtron.core import layout, meta
 from fxtron.core.axes import MeshView
 from fxtron.core.params import AxisShard, LocalParam
@@ -33,7 +33,7 @@ from fxtron.passes.context_parallel import cp_layout, fuse_written_out_attention
 from fxtron.passes.expert_parallel import dispatch_experts, ep_layout, sum_aux_statistics
 from fxtron.passes.limits import SeqLimit, seq_limit
 from fxtron.passes.localize import drop_metadata_asserts, localize
-from fxtron.passes.plan import TPPlan
+from fxtron.passes.tp_plan import TPPlan
 from fxtron.passes.propagate import propagate
 from fxtron.passes.recompute import mark_recompute
 from fxtron.passes.redistribute import insert_redistributions
