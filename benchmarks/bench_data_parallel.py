@@ -59,7 +59,7 @@ def _job(rank: int, mesh: fxtron.Mesh) -> dict:
     out = {"times": times, "losses": losses, "info": {}}
     for name, prog in progs.items():
         buf = prog.grad_buffer
-        zero = prog._zero
+        zero = prog.zero
         state = zero.state_bytes() if zero is not None else sum(
             t.numel() * t.element_size() for st in opts[name].state.values() for t in st.values() if torch.is_tensor(t))
         out["info"][name] = {"buckets": len(buf.buckets), "early": buf.started_early, "sent": buf.bytes_sent,

@@ -2,35 +2,41 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
+from fxtron import config
+from fxtron.config import TrainConfig
 from fxtron.errors import LaunchError, ParallelizeError
 
 
-def _mesh_args(p: argparse.ArgumentParser, world_default: int) -> None:
-    p.add_argument("--world-size", type=int, default=world_default, help="number of ranks")
-    p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
-    p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
-    p.add_argument("--cp", type=int, default=1, help="context parallel size")
-    p.add_argument("--ep", type=int, default=1, help="expert parallel size")
+#: the sections of the configuration tree `fxtron inspect` takes (all but the trainer's own run)
+INSPECT_SKIP = ("model", "data", "optimizer", "training")
+#: the sections `fxtron mesh` takes
+MESH_ONLY = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name != "mesh")
+
+
+def _config_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """The configuration's flags (fxtron.config generates them) and --config FILE.toml."""
+    p.add_argument("--config", default=None, metavar="FILE.toml",
+                   help="read the configuration from this TOML file (--print-config writes one); flags override it")
+    config.add_arguments(p, TrainConfig, skip=skip)
 
 
 def _cmd_mesh(a) -> int:
-    from fxtron.mesh import Mesh
-
-    print(Mesh(a.world_size, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep, order=a.order).format_table())
+    print(config.from_arguments(a, TrainConfig).mesh.mesh().format_table())
     return 0
 
 
 def _cmd_train(a) -> int:
-    from fxtron.train import TrainConfig, run
+    from fxtron.train import run
 
-    cfg = TrainConfig(model=a.model, world_size=a.world_size, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep,
-                      steps=a.steps, batch=a.batch, seq=a.seq, lr=a.lr, seed=a.seed, data=a.data,
-                      microbatches=a.microbatches, schedule=a.schedule, trace=a.trace, recompute=a.recompute,
-                      recompute_method=a.recompute_method, recompute_layers=a.recompute_layers)
-    cfg.mesh()  # validate before starting processes
-    run(cfg, compare=not a.no_compare)
+    cfg = config.from_arguments(a, TrainConfig)
+    if a.print_config:
+        print(cfg.to_toml(), end="")
+        return 0
+    cfg.check()     # every option against the mesh before starting processes
+    run(cfg)
     return 0
 
 
@@ -41,6 +47,7 @@ def _cmd_inspect(a) -> int:
     from fxtron import planner
     from fxtron.inspection import inspect, load_model
 
+    cfg = config.from_arguments(a, TrainConfig)
     model, args, kwargs = load_model(a.model)
     if a.what_if:
         from fxtron.compiler.trace import trace
@@ -49,30 +56,26 @@ def _cmd_inspect(a) -> int:
         hw = planner.Hardware(memory=planner.parse_bytes(a.gpu_memory), flops_per_s=a.flops, efficiency=a.efficiency,
                              intra_node_bw=a.intra_node_bw, inter_node_bw=a.inter_node_bw,
                              gpus_per_node=a.gpus_per_node)
-        ps = planner.candidates(dims, hw, world=a.world_size, global_batch=a.global_batch, seq=a.seq)
+        world = cfg.mesh.mesh().world_size
+        ps = planner.candidates(dims, hw, world=world, global_batch=a.global_batch, seq=a.seq)
         if a.json:
             print(json.dumps({"dims": dims.__dict__, "hardware": hw.__dict__, "candidates": [p.as_dict() for p in ps]}))
             return 0
         print(f"{a.model}: {dims.params:,} parameters, {dims.layers} layers, hidden {dims.hidden}, {dims.heads} heads, "
-              f"vocab {dims.vocab}; {a.world_size} GPUs, global batch {a.global_batch} x {a.seq} tokens")
+              f"vocab {dims.vocab}; {world} GPUs, global batch {a.global_batch} x {a.seq} tokens")
         if not ps:
             print(f"no mesh fits in {a.gpu_memory} per GPU; the smallest needs "
-                  f"{min(p.memory_bytes for p in planner.candidates(dims, hw, world=a.world_size, global_batch=a.global_batch, seq=a.seq, fits_only=False)) / 2**30:.1f} GiB")
+                  f"{min(p.memory_bytes for p in planner.candidates(dims, hw, world=world, global_batch=a.global_batch, seq=a.seq, fits_only=False)) / 2**30:.1f} GiB")
             return 1
         print(f"{len(ps)} meshes fit, fastest first (modeled):")
         print(planner.format_candidates(ps, hw, top=a.top))
         return 0
-    mesh = fxtron.Mesh(a.world_size, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep)
-    m = a.microbatches or (2 * a.pp if a.pp > 1 else 1)
-    pm = fxtron.parallelize(model, mesh, example_inputs=args, example_kwargs=kwargs,
-                            sequence_parallel=a.sequence_parallel, microbatches=m, schedule=a.schedule,
-                            virtual_stages=a.virtual_stages, zero=a.zero, cp_comm_type=a.cp_comm_type,
-                            recompute=a.recompute, recompute_method=a.recompute_method,
-                            recompute_layers=a.recompute_layers)
+    mesh = cfg.mesh.mesh()
+    if mesh.pp > 1 and a.config is None and "microbatches" not in config.given(a).get("pipeline", {}):
+        cfg = cfg.replace(microbatches=2 * mesh.pp)      # inspect's default: 2 microbatches per stage
+    pm = fxtron.parallelize(model, mesh, example_inputs=args, example_kwargs=kwargs, config=cfg.parallel())
     rank = a.rank if a.rank is not None else 0
-    if a.dump:
-        pm.compiled(rank, a.dump)
-    report = inspect(pm, rank, model_name=a.model, batch=a.batch, seq=a.seq, zero=a.zero)
+    report = inspect(pm, rank, model_name=a.model, batch=a.batch, seq=a.seq)
     if a.svg:
         from fxtron.compiler.draw import draw_graph
         rg = pm.compiled(rank)
@@ -88,58 +91,29 @@ def _cmd_bench(a) -> int:
     return run(quick=a.quick, output=a.output, extra=a.pytest_args)
 
 
-def _recompute_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--recompute", default=None, choices=["selective", "full"],
-                   help="activation recomputation: the attention cores (selective) or whole layers (full)")
-    p.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
-                   help="full: groups of --recompute-layers layers (uniform) or the first of every stage (block)")
-    p.add_argument("--recompute-layers", type=int, default=None, help="full: layers per group, or recomputed per stage")
-
-
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser: mesh, train, inspect and bench, the configuration's flags generated."""
     parser = argparse.ArgumentParser(prog="fxtron", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("mesh", help="print a mesh's rank layout (Megatron's groups)")
-    _mesh_args(p, 8)
-    p.add_argument("--order", default="tp-cp-ep-dp-pp", help="axis order, fastest first")
-
+    config.add_arguments(p, TrainConfig, skip=MESH_ONLY)
     p.set_defaults(fn=_cmd_mesh)
 
-    p = sub.add_parser("train", help="train a shipped model on local processes and compare with one process")
-    p.add_argument("--model", default="gpt-tiny", help="shipped preset (fxtron.models.list_presets())")
-    _mesh_args(p, 4)
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--batch", type=int, default=8, help="global batch (samples per step)")
-    p.add_argument("--seq", type=int, default=64, help="tokens per sample")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", default=None, help="text file to train on (default: Python's standard library sources)")
-    p.add_argument("--microbatches", type=int, default=1, help="per step and data-parallel rank")
-    p.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, zb-h1")
-    p.add_argument("--no-compare", action="store_true", help="skip the one-process reference run")
-    p.add_argument("--trace", default=None, metavar="DIR",
-                   help="write the last step's passes and memory per rank to DIR (trace.json for Perfetto or "
-                        "chrome://tracing, schedule.png)")
-    _recompute_args(p)
+    p = sub.add_parser("train", help="train a shipped model on local processes and compare with one process",
+                       description="Every option is a field of fxtron.config.TrainConfig: --print-config writes the "
+                                   "resolved configuration as TOML, --config reads one, flags override it.")
+    p.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML and exit")
+    _config_args(p)
     p.set_defaults(fn=_cmd_train)
 
     p = sub.add_parser("inspect", help="compile one rank of a mesh without processes and describe it")
     p.add_argument("model", help="preset (gpt-tiny .. llama-7b), hf:<architecture> (hf:llama), or module:factory")
-    _mesh_args(p, 8)
     p.add_argument("--rank", type=int, default=None, help="the rank to compile (default 0)")
-    p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--cp-comm-type", default="p2p", help="context parallel attention: p2p (the ring) or all_gather")
-    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, zb-h1")
-    p.add_argument("--virtual-stages", type=int, default=1)
-    p.add_argument("--microbatches", type=int, default=None, help="per step (default 2 x pp)")
-    p.add_argument("--zero", type=int, default=0, help="1: distributed optimizer (memory per rank)")
-    _recompute_args(p)
     p.add_argument("--batch", type=int, default=1, help="sequences per rank and microbatch, to evaluate the formulas")
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence, to evaluate the formulas")
     p.add_argument("--json", action="store_true", help="the same as data")
     p.add_argument("--no-graph", action="store_true", help="leave the per-rank graph out of the text")
-    p.add_argument("--dump", default=None, help="write the graph after every pass to this directory")
     p.add_argument("--svg", default=None, help="draw the rank's graph to this .svg (or .png) file")
     p.add_argument("--what-if", "--plan", dest="what_if", action="store_true",
                    help="the meshes of --world-size that fit, fastest first (modeled)")
@@ -151,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inter-node-bw", type=float, default=25e9, help="bytes/s per GPU between nodes (--what-if)")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--top", type=int, default=10, help="meshes to list (--what-if)")
+    _config_args(p, skip=INSPECT_SKIP)
     p.set_defaults(fn=_cmd_inspect)
 
     p = sub.add_parser("bench", help="run the benchmark suite and print every figure beside its baseline")
@@ -158,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", default=".benchmarks/latest.json", help="pytest-benchmark JSON to write")
     p.add_argument("pytest_args", nargs="*", help="passed to pytest")
     p.set_defaults(fn=_cmd_bench)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     a = parser.parse_args(argv)
     try:
         return a.fn(a)

@@ -17,3 +17,13 @@ class ParallelizeWarning(UserWarning):
     """fxtron did less than the mesh asks and the result is still correct: a layer left
     replicated, an op run replicated for want of a sharding rule. `pm.summary()` lists each;
     `parallelize(..., strict=True)` turns them into ParallelizeError."""
+
+
+def warn_or_raise(message: str, *, strict: bool, fix: str, advice: str = "", stacklevel: int = 2) -> None:
+    """fxtron does less than asked, and correctly: a ParallelizeWarning saying `message` (then
+    `advice`, if any), or under strict mode a ParallelizeError saying it and then `fix`, what to
+    change."""
+    if strict:
+        raise ParallelizeError(f"{message}{fix}")
+    import warnings
+    warnings.warn(f"{message}{advice}", ParallelizeWarning, stacklevel=stacklevel + 1)

@@ -145,7 +145,7 @@ def _fmt(n: float) -> str:
     return fmt_bytes(n, digits=2)
 
 
-def inspect(pm, rank: int, *, model_name: str = "", batch: int = 1, seq: int = 2048, zero: int = 0) -> Report:
+def inspect(pm, rank: int, *, model_name: str = "", batch: int = 1, seq: int = 2048, zero: int | None = None) -> Report:
     """Compile `rank` of the ParallelModel `pm` and describe it; sizes evaluated at `batch`
     sequences (per rank and microbatch) of `seq` tokens."""
     from fxtron.core.meta import BATCH, SEQ
@@ -175,7 +175,8 @@ def inspect(pm, rank: int, *, model_name: str = "", batch: int = 1, seq: int = 2
     params = rg.param_count
     dp = mesh.dp
     activation = _activation_bytes(rg, sub)
-    o = pm.options
+    o = pm.config.pipeline
+    zero = pm.config.data_parallel.zero if zero is None else zero
     in_flight = 1
     pipeline = None
     if pm.stage_assignment is not None:

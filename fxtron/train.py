@@ -4,43 +4,20 @@ equal to the same training in one process.
 Text is byte-level (every shipped preset has a vocabulary of at least 256), read from a file
 the user names or, by default, from the sources of Python's standard library, which every
 machine with Python has offline.
+
+The run is described by one `fxtron.config.TrainConfig`: parallelize's sections (tensor,
+pipeline, data_parallel, ..., debug) and the trainer's own (mesh, model, data, optimizer,
+training); `fxtron train` generates its flags from it and reads it from TOML.
 """
 from __future__ import annotations
 
 import sysconfig
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from fxtron.mesh import Mesh
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    model: str = "gpt-tiny"
-    world_size: int = 4
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    steps: int = 50
-    batch: int = 8
-    seq: int = 64
-    lr: float = 3e-3
-    seed: int = 0
-    data: str | None = None
-    max_bytes: int = 4_000_000
-    microbatches: int = 1
-    schedule: str = "1f1b"
-    trace: str | None = None     # a directory: the last step's passes and memory per rank (Chrome trace, picture)
-    recompute: str | None = None          # activation recomputation: "selective" or "full"
-    recompute_method: str | None = None   # full: "uniform" or "block"
-    recompute_layers: int | None = None
-
-    def mesh(self) -> Mesh:
-        return Mesh(self.world_size, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
+from fxtron.config import TrainConfig
 
 
 def load_text(path: str | None, max_bytes: int) -> torch.Tensor:
@@ -65,15 +42,18 @@ def load_text(path: str | None, max_bytes: int) -> torch.Tensor:
 
 def batch_at(data: torch.Tensor, step: int, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of `step`: the same on every rank and in the reference run."""
-    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-    starts = torch.randint(0, len(data) - cfg.seq - 1, (cfg.batch,), generator=g)
-    idx = torch.stack([data[s:s + cfg.seq] for s in starts.tolist()]).long()
-    tgt = torch.stack([data[s + 1:s + cfg.seq + 1] for s in starts.tolist()]).long()
+    seq = cfg.data.seq
+    g = torch.Generator().manual_seed(cfg.training.seed * 1_000_003 + step)
+    starts = torch.randint(0, len(data) - seq - 1, (cfg.data.batch,), generator=g)
+    idx = torch.stack([data[s:s + seq] for s in starts.tolist()]).long()
+    tgt = torch.stack([data[s + 1:s + seq + 1] for s in starts.tolist()]).long()
     return idx, tgt
 
 
 def _optimizer(params, cfg: TrainConfig):
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    o = cfg.optimizer
+    return torch.optim.AdamW(params, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                             weight_decay=o.weight_decay)
 
 
 def train_rank(rank: int, cfg: TrainConfig) -> dict:
@@ -82,22 +62,21 @@ def train_rank(rank: int, cfg: TrainConfig) -> dict:
     from fxtron.models import build
     from tqdm import tqdm
 
-    data = load_text(cfg.data, cfg.max_bytes)
-    model = build(cfg.model, seed=cfg.seed)
-    pm = fxtron.parallelize(model, cfg.mesh(), example_inputs=batch_at(data, 0, cfg), microbatches=cfg.microbatches,
-                            schedule=cfg.schedule, recompute=cfg.recompute, recompute_method=cfg.recompute_method,
-                            recompute_layers=cfg.recompute_layers)
-    prog = pm.program(rank)
+    data = load_text(cfg.data.path, cfg.data.max_bytes)
+    model = build(cfg.model.name, seed=cfg.training.seed)
+    pm = fxtron.parallelize(model, cfg.mesh.mesh(), example_inputs=batch_at(data, 0, cfg), config=cfg.parallel())
+    prog = pm.program(rank, seed=cfg.training.seed)
     opt = _optimizer(prog.parameters(), cfg)
     losses = []
-    bar = tqdm(range(cfg.steps), desc=f"{cfg.model} on {cfg.world_size} ranks", disable=rank != 0,
+    steps, trace = cfg.training.steps, cfg.training.trace
+    bar = tqdm(range(steps), desc=f"{cfg.model.name} on {pm.mesh.world_size} ranks", disable=rank != 0,
                unit="step", dynamic_ncols=True)
-    tokens = cfg.batch * cfg.seq
+    tokens = cfg.data.batch * cfg.data.seq
     imbalance = []                 # per step: the worst layer's busiest expert over the mean (1: balanced)
     t0 = time.perf_counter()
     for step in bar:
         start = time.perf_counter()
-        prog.track_memory = cfg.trace is not None and step == cfg.steps - 1
+        prog.track_memory = trace is not None and step == steps - 1
         loss = prog.train_step(batch_at(data, step, cfg), opt)
         losses.append(loss)
         shown = {"loss": f"{loss:.4f}", "tok_s": f"{tokens / (time.perf_counter() - start):,.0f}"}
@@ -107,7 +86,7 @@ def train_rank(rank: int, cfg: TrainConfig) -> dict:
             shown["experts_max/mean"] = f"{imbalance[-1]:.2f}"
         bar.set_postfix(shown)
     out = {"losses": losses, "seconds": time.perf_counter() - t0, "imbalance": imbalance}
-    if cfg.trace is not None:
+    if trace is not None:
         out.update(timeline=prog.timeline(), memory=prog.memory_timeline())
     return out
 
@@ -119,12 +98,12 @@ def train_reference(cfg: TrainConfig) -> list[float]:
     same load-balancing loss, which each piece computes over its own tokens."""
     from fxtron.models import build
 
-    data = load_text(cfg.data, cfg.max_bytes)
-    model = build(cfg.model, seed=cfg.seed)
+    data = load_text(cfg.data.path, cfg.data.max_bytes)
+    model = build(cfg.model.name, seed=cfg.training.seed)
     opt = _optimizer(model.parameters(), cfg)
     losses = []
-    pieces = cfg.mesh().dp * cfg.microbatches
-    for step in range(cfg.steps):
+    pieces = cfg.mesh.mesh().dp * cfg.pipeline.microbatches
+    for step in range(cfg.training.steps):
         opt.zero_grad(set_to_none=True)
         idx, tgt = batch_at(data, step, cfg)
         loss = sum(model(i, t) for i, t in zip(idx.chunk(pieces), tgt.chunk(pieces))) / pieces
@@ -134,54 +113,57 @@ def train_reference(cfg: TrainConfig) -> list[float]:
     return losses
 
 
-def run(cfg: TrainConfig, *, compare: bool = True) -> dict:
-    """Train on cfg.world_size local processes; with `compare`, train again in one process
-    and report the largest loss difference. Returns the figures as a dict."""
+def run(cfg: TrainConfig) -> dict:
+    """Train on the mesh's local processes; with cfg.training.compare, train again in one
+    process and report the largest loss difference. Returns the figures as a dict."""
     import fxtron
 
+    cfg.check()      # every option against the mesh, before any process starts
+    mesh, steps = cfg.mesh.mesh(), cfg.training.steps
     t0 = time.perf_counter()
-    results = fxtron.launch(train_rank, cfg.mesh(), args=(cfg,))
+    results = fxtron.launch(train_rank, mesh, args=(cfg,), shm_transport=cfg.debug.shm,
+                            check_collectives=cfg.debug.check_collectives)
     wall = time.perf_counter() - t0
     losses = results[0]["losses"]
     out = {"losses": losses, "seconds": results[0]["seconds"], "wall_seconds": wall,
-           "tokens_per_s": cfg.steps * cfg.batch * cfg.seq / results[0]["seconds"]}
-    print(f"parallel run: {cfg.steps} steps on {cfg.mesh()}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+           "tokens_per_s": steps * cfg.data.batch * cfg.data.seq / results[0]["seconds"]}
+    print(f"parallel run: {steps} steps on {mesh}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
           f"{out['tokens_per_s']:,.0f} tokens/s ({wall:.1f} s with start-up)")
-    if cfg.trace is not None:
+    if cfg.training.trace is not None:
         out["trace"] = write_trace(cfg, results)
     imbalance = results[0]["imbalance"]
     if imbalance:
         out["imbalance"] = imbalance
         print(f"expert load, busiest expert over the mean (worst layer): step 0 {imbalance[0]:.2f}, last step "
               f"{imbalance[-1]:.2f}, worst {max(imbalance):.2f} (1.00: balanced)")
-    if compare:
+    if cfg.training.compare:
         ref = train_reference(cfg)
         diffs = [abs(a - b) for a, b in zip(losses, ref)]
         worst = max(range(len(diffs)), key=diffs.__getitem__)
         out.update(reference=ref, max_loss_diff=diffs[worst])
         print(f"one-process run: loss {ref[0]:.4f} -> {ref[-1]:.4f}")
         print(f"loss difference, parallel vs one process: first step {diffs[0]:.2e}, largest over "
-              f"{cfg.steps} steps {diffs[worst]:.2e} (step {worst}: {losses[worst]:.7f} vs {ref[worst]:.7f}); "
+              f"{steps} steps {diffs[worst]:.2e} (step {worst}: {losses[worst]:.7f} vs {ref[worst]:.7f}); "
               "float32 round-off of the different reduction order, compounded by AdamW")
     return out
 
 
 def write_trace(cfg: TrainConfig, results: list[dict]) -> dict[str, str]:
-    """The last step of every rank into cfg.trace: trace.json (Chrome trace: each rank's passes
+    """The last step of every rank into cfg.training.trace: trace.json (Chrome trace: each rank's passes
     and memory) and schedule.png (the pipeline ranks of the first data-parallel replica, their
     memory below). Returns the paths written."""
     from fxtron import chart
 
-    out = Path(cfg.trace)
+    out = Path(cfg.training.trace)
     out.mkdir(parents=True, exist_ok=True)
-    mesh = cfg.mesh()
+    mesh = cfg.mesh.mesh()
     paths = {"trace": chart.write_trace(str(out / "trace.json"), [r["timeline"] for r in results],
                                         [r["memory"] for r in results])}
     first = [r for r in range(mesh.world_size)
              if all(v == 0 for k, v in mesh.coords(r).items() if k not in ("pp", "ep", "edp", "etp"))]
     first = sorted(first, key=lambda r: mesh.coords(r)["pp"])[:mesh.pp]
     paths["picture"] = chart.draw_timelines([results[r]["timeline"] for r in first], str(out / "schedule.png"),
-                                            title=f"{cfg.model}, " + " ".join(f"{a}={getattr(mesh, a)}" for a in
+                                            title=f"{cfg.model.name}, " + " ".join(f"{a}={getattr(mesh, a)}" for a in
                                                                              ("tp", "pp", "dp", "cp", "ep")
                                                                              if getattr(mesh, a) > 1) + ", last step",
                                             memory=[results[r]["memory"] for r in first])

@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 from fxtron.cli import main
-from fxtron.train import TrainConfig, run
+from fxtron.config import TrainConfig
+from fxtron.train import run
 
 
 def test_mesh_table_is_megatrons_example(capsys):
@@ -25,7 +26,8 @@ def test_mesh_error_says_what_to_change():
 
 
 def test_train_matches_one_process(capsys, tmp_path):
-    cfg = TrainConfig(model="gpt-tiny", world_size=2, steps=4, batch=4, seq=32, max_bytes=200_000, trace=str(tmp_path))
+    cfg = TrainConfig().replace(model="gpt-tiny", world_size=2, steps=4, batch=4, seq=32, max_bytes=200_000,
+                                trace=str(tmp_path))
     out = run(cfg)
     assert len(out["losses"]) == 4 and out["tokens_per_s"] > 0
     # early steps, before AdamW compounds round-off: equal to float32 precision
@@ -43,7 +45,7 @@ def test_train_matches_one_process(capsys, tmp_path):
 
 
 def test_train_a_mixture_of_experts_over_ep_shows_the_load(capsys):
-    cfg = TrainConfig(model="moe-tiny", world_size=2, ep=2, steps=3, batch=4, seq=32, max_bytes=200_000)
+    cfg = TrainConfig().replace(model="moe-tiny", world_size=2, ep=2, steps=3, batch=4, seq=32, max_bytes=200_000)
     out = run(cfg)
     # each dp rank's load-balancing loss over its own tokens, as the reference's pieces compute it
     assert out["max_loss_diff"] < 1e-4, out

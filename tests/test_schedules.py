@@ -108,12 +108,12 @@ def test_in_flight_bounds():
 
 
 @pytest.mark.parametrize("args,match", [
-    (("pipedream", 2, 4, 1), "not one of"),
+    (("pipedream", 2, 4, 1), "must be one of"),
     (("interleaved", 2, 4, 1), "virtual_stages >= 2"),
     (("interleaved", 4, 6, 2), "not a multiple of 4"),
     (("interleaved", 1, 4, 2), "mesh.pp > 1"),
     (("1f1b", 2, 4, 2), "needs schedule='interleaved'"),
-    (("1f1b", 2, 0, 1), "at least 1"),
+    (("1f1b", 2, 0, 1), "must be a positive int"),
 ])
 def test_invalid_schedules(args, match):
     with pytest.raises(ParallelizeError, match=match):

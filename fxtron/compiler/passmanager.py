@@ -7,8 +7,8 @@ assignment -- are made once per model (api.ParallelModel) and passed in; the pas
 them. The result, `RankGraph`, says which slice of each full parameter the rank holds; its
 `spec()` is what the runtime builds the rank's Program from.
 
-With FXTRON_VERIFY=1 (the tests set it) the verifier (passes/verify.py) checks the graph after
-every pass.
+With config.debug.verify (FXTRON_VERIFY=1 sets its default; the tests set it) the verifier
+(passes/verify.py) checks the graph after every pass.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from fxtron.passes.fuse import fuse_linears, fused_weights
+from fxtron.config import Config
 from fxtron.core import layout, meta
 from fxtron.core.axes import MeshView
 from fxtron.core.params import AxisShard, LocalParam
@@ -41,23 +42,6 @@ from fxtron.passes.rng import assign_rng_regions
 from fxtron.passes.shapes import annotate_local_shapes
 from fxtron.passes.stages import StageAssignment, param_stages, split_stages
 from fxtron.passes.tensor_parallel import split_row_bias, tp_layout
-
-
-@dataclass(frozen=True)
-class CompileOptions:
-    """What a rank's compilation needs beyond the mesh and the model-wide plans."""
-
-    sequence_parallel: bool = False
-    gradient_accumulation_fusion: bool = True
-    device: str = "cpu"          # the device type the programs run on (the kernels recorded)
-    strict: bool = False         # an op with no sharding rule raises instead of running replicated
-    cp_comm_type: str = "p2p"    # how attention exchanges keys over cp: "p2p" (the ring) or "all_gather"
-    moe_aux_loss: str = "local"  # the load-balancing loss's token counts: the rank's own, or summed over dp ("global")
-    moe_capacity_factor: float = 0.0   # 0: dropless; c > 0: each expert takes at most ceil(c x copies / E) of a rank's
-    moe_pad_to_capacity: bool = False  # each expert's rows padded with zeros to its capacity (fixed splits)
-    recompute: str | None = None       # activation recomputation: None, "selective" or "full" (passes/recompute.py)
-    recompute_method: str | None = None   # full: "uniform" groups of recompute_layers, or the first ("block")
-    recompute_layers: int | None = None
 
 
 @dataclass
@@ -142,7 +126,7 @@ class RankState:
 
     gm: fx.GraphModule
     mesh: MeshView
-    options: CompileOptions
+    config: Config
     plan: TPPlan | None
     stage_assignment: StageAssignment | None
     stages: list[Stage] | None = None
@@ -225,10 +209,10 @@ def _split_stages(s: RankState) -> None:
 
 
 def _mark_recompute(s: RankState) -> None:
-    o = s.options
+    r = s.config.recompute
     prefix = s.stage_assignment.layer_list if s.stage_assignment is not None else None
     for g in ([s.gm] if s.stages is None else [st.gm for st in s.stages]):
-        mark_recompute(g, o.recompute, o.recompute_method, o.recompute_layers, prefix=prefix)
+        mark_recompute(g, r.granularity, r.method, r.num_layers, prefix=prefix)
 
 
 def shard_params(gm: fx.GraphModule, mesh: MeshView, mine: set[str]) -> dict[str, LocalParam]:
@@ -281,28 +265,28 @@ PASSES = pass_list(
          _set("gm", lambda s: split_row_bias(s.gm, s.plan)), _tp, "tp > 1", after=("plan",)),
     Pass("dispatch_experts", "each mixture-of-experts layer's copies go to the ranks of their experts and come back "
          "(Megatron's all-to-all dispatcher); the experts' GEMMs run on the rank's own experts",
-         _set("gm", lambda s: dispatch_experts(s.gm, s.mesh.size("ep"), s.options.moe_capacity_factor,
+         _set("gm", lambda s: dispatch_experts(s.gm, s.mesh.size("ep"), s.config.experts.capacity_factor or 0.0,
                                               tp=s.mesh.size("tp"), plan=s.plan,
-                                              pad=s.options.moe_pad_to_capacity)), _ep, "ep > 1", after=("split_row_bias",)),
+                                              pad=s.config.experts.pad_to_capacity)), _ep, "ep > 1", after=("split_row_bias",)),
     Pass("sum_aux_statistics", "the load-balancing loss counts every data-parallel rank's tokens per expert "
          "(Megatron's global aux loss)", _set("gm", lambda s: sum_aux_statistics(s.gm)),
-         lambda s: s.options.moe_aux_loss == "global" and s.mesh.parallel("dp"), "moe_aux_loss='global', dp > 1",
+         lambda s: s.config.experts.aux_loss == "global" and s.mesh.parallel("dp"), "moe_aux_loss='global', dp > 1",
          after=("dispatch_experts",)),
     Pass("propagate_ep", "an ep placement on every value: the experts' weights split on their experts dim",
-         _set("gm", lambda s: propagate(s.gm, ep_layout(s.gm, strict=s.options.strict), mesh=s.mesh)),
+         _set("gm", lambda s: propagate(s.gm, ep_layout(s.gm, strict=s.config.debug.strict), mesh=s.mesh)),
          _ep, "ep > 1", after=("dispatch_experts",)),
     Pass("fuse_written_out_attention", "attention written out as matmuls becomes one attention op, which the cp "
          "ring takes", _set("gm", lambda s: fuse_written_out_attention(s.gm)),
-         lambda s: s.mesh.parallel("cp") and s.options.cp_comm_type == "p2p", "cp > 1 with cp_comm_type='p2p'",
+         lambda s: s.mesh.parallel("cp") and s.config.context.comm_type == "p2p", "cp > 1 with cp_comm_type='p2p'",
          after=("split_row_bias",)),
     Pass("propagate_tp", "a tp placement on every value, from the plan's parameter placements",
-         _set("gm", lambda s: propagate(s.gm, tp_layout(s.plan, sequence_parallel=s.options.sequence_parallel,
-                                                  strict=s.options.strict),
+         _set("gm", lambda s: propagate(s.gm, tp_layout(s.plan, sequence_parallel=s.config.tensor.sequence_parallel,
+                                                  strict=s.config.debug.strict),
                                         mesh=s.mesh)),
          _tp, "tp > 1", after=("split_row_bias",)),
     Pass("propagate_cp", "a cp placement on every value: the inputs' sequence split load-balanced over cp",
-         _set("gm", lambda s: propagate(s.gm, cp_layout(meta.info(s.gm), comm_type=s.options.cp_comm_type,
-                                                      strict=s.options.strict), mesh=s.mesh)),
+         _set("gm", lambda s: propagate(s.gm, cp_layout(meta.info(s.gm), comm_type=s.config.context.comm_type,
+                                                      strict=s.config.debug.strict), mesh=s.mesh)),
          _cp, "cp > 1", after=("propagate_tp",)),
     Pass("insert_redistributions", "the collectives each placement mismatch needs (f/g pairs, gathers, "
          "scatters) and the lowerings (vocab-parallel, context-parallel attention and loss)", _redistribute,
@@ -312,8 +296,8 @@ PASSES = pass_list(
     Pass("assign_rng_regions", "random ops draw from the program's streams (replicated or per rank), which "
          "checkpoints save", _set("gm", lambda s: assign_rng_regions(s.gm)), after=("insert_redistributions",)),
     Pass("fuse_linears", "weight gradients straight into fp32 main_grad, deferrable behind the input "
-         "gradient's communication", _set("gm", lambda s: fuse_linears(s.gm, device=torch.device(s.options.device))),
-         lambda s: s.options.gradient_accumulation_fusion, "gradient_accumulation_fusion",
+         "gradient's communication", _set("gm", lambda s: fuse_linears(s.gm, device=torch.device(s.config.inputs.resolved_device()))),
+         lambda s: s.config.precision.gradient_accumulation_fusion, "gradient_accumulation_fusion",
          after=("insert_redistributions",)),
     Pass("annotate_local_shapes", "local symbolic shapes for inspection and the stage boundaries",
          _set("gm", lambda s: annotate_local_shapes(s.gm, mesh=s.mesh)), after=("localize", "fuse_linears")),
@@ -321,7 +305,7 @@ PASSES = pass_list(
          "as inputs and outputs", _split_stages, lambda s: s.stage_assignment is not None, "pp > 1",
          after=("annotate_local_shapes",)),
     Pass("mark_recompute", "activations of the attention cores (selective) or of whole layers (full) recomputed in "
-         "backward instead of kept, per stage graph", _mark_recompute, lambda s: s.options.recompute is not None,
+         "backward instead of kept, per stage graph", _mark_recompute, lambda s: s.config.recompute.granularity is not None,
          "recompute is 'selective' or 'full'", after=("split_stages",)),
     Pass("shard_params", "each parameter's local shape, shards per axis and gradient group", _shard_params,
          after=("split_stages",)),
@@ -329,10 +313,12 @@ PASSES = pass_list(
 
 
 def compile_rank(traced: fx.GraphModule, mesh: Mesh, rank: int, *, plan: TPPlan | None = None,
-                 stage_assignment: StageAssignment | None = None, options: CompileOptions = CompileOptions(),
+                 stage_assignment: StageAssignment | None = None, config: Config | None = None,
                  observer=None) -> RankGraph:
     """Run `PASSES` on a copy of `traced` for `rank` of `mesh`, with the model's tp `plan`
-    (required when mesh.tp > 1) and `stage_assignment` (when mesh.pp > 1).
+    (required when mesh.tp > 1) and `stage_assignment` (when mesh.pp > 1), under `config`
+(fxtron.config.Config: the sections a rank's passes read; default the defaults). With
+config.debug.verify the verifier checks the graph after every pass.
 
     `observer(pass_name, gm, seconds, doc)`, when given, sees the graph after every pass that
     applied (`fxtron inspect --dump`); after split_stages, each stage's graph.
@@ -340,8 +326,9 @@ def compile_rank(traced: fx.GraphModule, mesh: Mesh, rank: int, *, plan: TPPlan 
     view = mesh.view(rank)
     if view.parallel("tp") and plan is None:
         raise ValueError("compile_rank: mesh.tp > 1 needs the model's tp plan")
-    state = RankState(meta.copy_graph(traced), view, options, plan, stage_assignment)
-    check = verifier.enabled()
+    config = config if config is not None else Config()
+    state = RankState(meta.copy_graph(traced), view, config, plan, stage_assignment)
+    check = config.debug.verify
     for p in PASSES:
         if not p.when(state):
             continue
@@ -362,8 +349,8 @@ def compile_rank(traced: fx.GraphModule, mesh: Mesh, rank: int, *, plan: TPPlan 
     state.gm.graph.lint()
     return RankGraph(gm=state.gm, mesh=mesh, rank=rank, local=state.local, plan=plan,
                      stage_assignment=stage_assignment, stages=state.stages, shared=state.shared,
-                     seq_split=view.size("tp") if options.sequence_parallel else 1, max_seq=seq_limit(traced))
+                     seq_split=view.size("tp") if config.tensor.sequence_parallel else 1, max_seq=seq_limit(traced))
 
 
-__all__ = ["CompileOptions", "PASSES", "Pass", "RankGraph", "RankState", "compile_rank", "pass_list",
+__all__ = ["PASSES", "Pass", "RankGraph", "RankState", "compile_rank", "pass_list",
            "shard_params"]

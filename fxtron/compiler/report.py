@@ -8,7 +8,9 @@ Bytes on the wire per rank follow the ring algorithms (nccl-tests' bus-bandwidth
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
+import re
 from dataclasses import dataclass
 
 import sympy
@@ -231,3 +233,176 @@ def fmt_bytes(n: float, digits: int = 1) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
         n /= 1024
     return str(n)
+
+
+# ----------------------------------------------------------------------------- what a model's compilation did less well
+# (ParallelModel's reports: each a line per node or layer, folded over the layers where they say the same)
+def by_pattern(items: dict[str, str]) -> dict[str, str]:
+    """{path: text} with the layers' indices folded (model.layers.0.x, model.layers.1.x ->
+    model.layers.*.x) where they say the same."""
+    out: dict[str, str] = {}
+    for path, text in items.items():
+        pattern = re.sub(r"\.\d+\.", ".*.", path)
+        out.setdefault(pattern if out.get(pattern, text) == text else path, text)
+    return out
+
+
+def grouped(items: dict[str, str]) -> str:
+    """"path, path: why; path: why" -- the paths folded by `by_pattern`, grouped by why."""
+    by_why: dict[str, list[str]] = {}
+    for path, why in by_pattern(items).items():
+        by_why.setdefault(why, []).append(path)
+    return "; ".join(f"{', '.join(paths)}: {why}" for why, paths in by_why.items())
+
+
+def fallback_lines(graphs) -> list[str]:
+    """One line per node that ran replicated for want of a sharding rule (meta.FALLBACK)."""
+    return [f"%{n.name} ({n.target}) in {meta.get(n, meta.MODULE) or '(top level)'}: inputs made whole over "
+            f"{meta.get(n, meta.FALLBACK)}, run replicated"
+            for g in graphs for n in g.graph.nodes if meta.get(n, meta.FALLBACK) is not None]
+
+
+def gather_lines(graphs) -> list[str]:
+    """One line per all-gather inserted because an op's rule needs a split value whole
+    (meta.GATHERED): forward communication Megatron's layers would not issue."""
+    return [f"%{n.name} in {meta.get(n, meta.MODULE) or '(top level)'}: {meta.get(n, meta.GATHERED)}"
+            for g in graphs for n in g.graph.nodes if meta.get(n, meta.GATHERED) is not None]
+
+
+def unringed_attention(graphs) -> list[str]:
+    """The modules whose attention gathers keys over cp (attention written out in a form the
+    ring's pattern does not take -- einsums, say -- which the generic rules split by query
+    rows), as patterns."""
+    mods = {re.sub(r"\.\d+(\.|$)", r".*\1", meta.get(n, meta.MODULE) or "(top level)")
+            for g in graphs for n in g.graph.nodes
+            if n.op == "call_function" and n.target == torch.ops.fxtron.gather_from_sequence.default and n.args[3] == "cp"}
+    return sorted(mods)
+
+
+def ep_tp_note(mesh: Mesh, traced: fx.GraphModule, tp_plan) -> str:
+    """What ep x tp costs beyond Megatron: the layers whose tp ranks dispatch the copies whole
+    (empty without both, or when every layer dispatches shares, Megatron's order)."""
+    if mesh.ep == 1 or mesh.tp == 1:
+        return ""
+    from fxtron.passes.expert_parallel import moe_layers, unshared
+    whole = {layer.name: why for layer in moe_layers(traced) if (why := unshared(layer, tp_plan)) is not None}
+    if not whole:
+        return ""
+    return (f"at ep={mesh.ep} x tp={mesh.tp} the tp ranks of {', '.join(whole)} dispatch the copies whole "
+            f"({'; '.join(sorted(set(whole.values())))}), so each of their all-to-alls carries {mesh.tp}x the "
+            f"bytes of Megatron's, whose tp ranks each dispatch a part and gather the received rows over tp")
+
+
+def recompute_note(config, mesh: Mesh, pipelined: bool, compiled) -> str:
+    """One line: how activations are recomputed and the regions found, per pp rank
+    (`compiled(rank)` gives a rank's RankGraph)."""
+    from fxtron.passes.recompute import region_labels
+    r = config.recompute
+    if r.granularity == "selective":
+        how = "selective: every attention core's scores, softmax and dropout recomputed in backward from q, k, v"
+    else:
+        how = (f"full, {r.method} {r.num_layers}: " +
+               (f"layers in groups of {r.num_layers}, each group keeping only its input" if r.method == "uniform" else
+                f"the first {r.num_layers} layer(s) of every stage keep only their inputs"))
+    regions: dict[int, list[str]] = {}     # per pp rank (the stages differ; tp, cp, ep, dp ranks do not)
+    for pp in range(mesh.pp):
+        rank = next(q for q in range(mesh.world_size) if mesh.coords(q)["pp"] == pp)
+        regions[pp] = [label for g in compiled(rank).graphs for label in region_labels(g)]
+    where = "; ".join((f"pp rank {pp}: " if pipelined else "")
+                      + (", ".join(labels) if len(labels) <= 4 else
+                         f"{', '.join(labels[:2])}, ... {labels[-1]} ({len(labels)} regions)")
+                      for pp, labels in sorted(regions.items())) or "none found"
+    return f"recompute {how}. Regions: {where}"
+
+
+def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage_assignment, compiled,
+            schedule: str = "", bubble: str = "", batch: int | None = None, seq: int | None = None) -> str:
+    """ParallelModel.summary's text (see there): the model-wide notes, then a row per rank
+    that differs in more than its dp coordinate. `compiled(rank)` gives a rank's RankGraph;
+    `schedule` and `bubble` the pipeline schedule's title and bubble formula."""
+    from fxtron.passes.expert_parallel import moe_layers
+    rows, seen, fell, gathered = [], set(), set(), set()
+    dp = mesh.dp
+    for rank in range(mesh.world_size):
+        c = mesh.coords(rank)
+        if (c["tp"], c["pp"], c["cp"]) in seen:
+            continue
+        seen.add((c["tp"], c["pp"], c["cp"]))
+        rg = compiled(rank)
+        fell.update(fallback_lines(rg.graphs))
+        gathered.update(gather_lines(rg.graphs))
+        recs = [r for g in rg.graphs for r in collectives(g, mesh, rank)]
+        tp_wire = sum((r.wire_bytes for r in recs), sympy.Integer(0))
+        if batch is not None and seq is not None:
+            tp_wire = fmt_bytes(int(sum(r.evaluate(batch, seq)[1] for r in recs)))
+        expert_bytes = sum(math.prod(p.local_shape) * p.dtype.itemsize for p in rg.local.values()
+                           if p.grad_group == "expert-dp")
+        d, e = dp * mesh.cp, mesh.edp   # the dp-cp group reduces the gradients, expert-dp the experts'
+        # ring all-reduces of the gradients
+        dp_wire = 2 * (d - 1) / d * (rg.param_bytes - expert_bytes) + 2 * (e - 1) / e * expert_bytes
+        row = [rank, mesh.describe(rank).split(": ", 1)[1], f"{rg.param_count:,}", fmt_bytes(rg.param_bytes),
+               f"{count(recs, 'all_reduce')} AR, {count(recs, 'all_gather')} AG, {count(recs, 'reduce_scatter')} RS"
+               + (f", {count(recs, 'send_recv')} ring" if count(recs, 'send_recv') else "")
+               + (f", {count(recs, 'all_to_all')} A2A" if count(recs, 'all_to_all') else ""),
+               str(tp_wire), fmt_bytes(dp_wire) if d > 1 or e > 1 else "-"]
+        if rg.stages is not None:
+            sent = p2p_bytes(rg.stages)
+            if batch is not None and seq is not None:
+                sent = fmt_bytes(int(sent.subs({BATCH: batch, SEQ: seq})))
+            row += [",".join(str(st.index) for st in rg.stages), str(sent)]
+        rows.append(row)
+    head = (f"{type(model).__name__} on {mesh}\n"
+            f"parameters {sum(p.numel() for p in model.parameters()):,} "
+            f"({len(meta.info(traced).params)} tensors), graph nodes {len(traced.graph.nodes)}\n"
+            f"trace: {meta.info(traced).layers}")
+    if tp_plan is not None:
+        # one entry per layer pattern: blocks.0.attn.qkv, blocks.1.attn.qkv -> blocks.*.attn.qkv
+        styles: dict[str, str] = {}
+        for path, style, _ in tp_plan.table():
+            if style != "replicate":
+                styles.setdefault(re.sub(r"\.\d+\.", ".*.", path), style)
+        head += "\nplan: " + ", ".join(f"{p}={s}" for p, s in styles.items())
+        if tp_plan.notes:
+            head += "\nnotes: " + "; ".join(tp_plan.notes)
+        if tp_plan.replicated:
+            head += "\nreplicated linears: " + grouped({p: u.why for p, u in tp_plan.replicated.items()})
+    if fell:
+        head += "\nops run replicated for want of a sharding rule: " + "; ".join(sorted(fell))
+    if gathered:
+        head += "\nall-gathers Megatron's layers would not issue: " + "; ".join(sorted(gathered))
+    comm_type = config.context.comm_type
+    if mesh.cp > 1:
+        head += (f"\ncontext parallel: sequence split over cp={mesh.cp} (load-balanced chunks), attention by "
+                 f"{comm_type}; gradients reduced over dp-cp")
+        unringed = unringed_attention(compiled(0).graphs) if comm_type == "p2p" else []
+        if unringed:
+            head += f"; attention written out by hand gathers its keys instead: {', '.join(unringed)}"
+    if mesh.ep > 1:
+        x = config.experts
+        layers = moe_layers(traced)
+        counts = sorted({layer.n_experts for layer in layers})
+        head += (f"\nexpert parallel: {len(layers)} mixture-of-experts layer(s) of {'/'.join(map(str, counts))} experts "
+                 f"over ep={mesh.ep} ({'/'.join(str(c // mesh.ep) for c in counts)} per rank), tokens "
+                 f"dispatched and combined by all-to-all ("
+                 + ("dropless" if not x.capacity_factor else
+                    f"capacity factor {x.capacity_factor}: each rank's copies over an expert's "
+                    f"capacity dropped, a change of the model"
+                    + ("; each expert's rows padded to its capacity, fixed all-to-all splits"
+                       if x.pad_to_capacity else "")) + "); expert gradients reduced over expert-dp "
+                 f"({mesh.edp} rank(s)), the rest over {'dp-cp' if mesh.cp > 1 else 'dp'} ({dp * mesh.cp})")
+        note = ep_tp_note(mesh, traced, tp_plan)
+        if note:
+            head += f"; {note}"
+        elif mesh.tp > 1:
+            head += (f"; at tp={mesh.tp} each tp rank dispatches 1/{mesh.tp} of every expert's copies and the "
+                     f"rows received are gathered over tp (Megatron's order)")
+    if config.recompute.granularity is not None:
+        head += "\n" + recompute_note(config, mesh, stage_assignment is not None, compiled)
+    per = "microbatch" if config.pipeline.microbatches > 1 else "step"
+    axes = "+".join(a for a in ("tp", "cp", "ep") if getattr(mesh, a) > 1) or "tp"
+    headers = ["rank", "coords", "params", "param bytes", f"{axes} collectives / {per}", f"{axes} wire bytes / {per}",
+               ("dp-cp" if mesh.cp > 1 else "dp") + (" + expert-dp" if mesh.ep > 1 else "") + " grad sync sent / step"]
+    if stage_assignment is not None:
+        headers += ["stages", "p2p sent / microbatch"]
+        head += f"\nschedule {schedule}; bubble over ideal time (formula): {bubble} (unit F, B, W)"
+    return head + "\n" + tabulate(rows, headers=headers)

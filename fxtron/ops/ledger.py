@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from fxtron.config import DebugConfig
 from fxtron.errors import ParallelizeError
 
 FLIGHT = 16                 # operations the recorder keeps per rank (and slots in the file)
@@ -142,8 +143,8 @@ _S = _State()
 
 
 def check_default() -> bool:
-    """FXTRON_CHECK_COLLECTIVES=1 in the environment turns the order check on by default."""
-    return os.environ.get("FXTRON_CHECK_COLLECTIVES", "0").strip().lower() in ("1", "true", "yes", "on")
+    """The order check's default: config.DebugConfig.check_collectives (FXTRON_CHECK_COLLECTIVES)."""
+    return DebugConfig().check_collectives
 
 
 def install(rank: int, books: list[tuple[str, str, tuple[int, ...], object]], *, check: bool,

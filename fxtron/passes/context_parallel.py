@@ -18,10 +18,12 @@ gathered ("all_gather") each query chunk attends only the keys before it.
 from __future__ import annotations
 
 import operator
+from typing import get_args
 
 import torch
 import torch.fx as fx
 
+from fxtron.config import CPCommType
 from fxtron.core import meta
 from fxtron.core.placement import Shard
 from fxtron.errors import ParallelizeError
@@ -32,7 +34,7 @@ from fxtron.passes.rules.views import head_repeat
 
 aten = torch.ops.aten
 AXIS = "cp"
-COMM_TYPES = ("all_gather", "p2p")
+COMM_TYPES = get_args(CPCommType)
 
 
 def cp_layout(info: meta.TraceInfo, *, comm_type: str = "p2p", strict: bool = False) -> AxisLayout:

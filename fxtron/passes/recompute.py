@@ -20,10 +20,12 @@ runs. The program's binding turns each region into one checkpointed call (ops/re
 from __future__ import annotations
 
 import operator
+from typing import get_args
 
 import torch
 import torch.fx as fx
 
+from fxtron.config import Granularity, RecomputeMethod
 from fxtron.core import meta
 from fxtron.errors import ParallelizeError
 from fxtron.ops.rng import rng_call, takes_region
@@ -31,8 +33,8 @@ from fxtron.passes.rules import CASTS
 from fxtron.passes.stages import classify, find_layer_list
 
 aten = torch.ops.aten
-GRANULARITIES = ("selective", "full")
-METHODS = ("uniform", "block")
+GRANULARITIES = get_args(Granularity)
+METHODS = get_args(RecomputeMethod)
 
 _MATMULS = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default}
 _SOFTMAX = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
@@ -42,31 +44,6 @@ _SCORE_OPS = CASTS | _VIEWS | {aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor
                                aten.where.self, aten.sub.Tensor, aten.tanh.default}   # tanh: softcapped scores (Gemma 2)
 _PROB_OPS = CASTS | _VIEWS | {aten.dropout.default, aten.native_dropout.default, aten.mul.Tensor, operator.getitem}
 _ATTENTION_OPS = {aten.scaled_dot_product_attention.default}
-
-
-def check_options(granularity: str | None, method: str | None, layers: int | None) -> tuple:
-    """The options made whole (full: uniform groups of 1 by default), or a ParallelizeError
-    saying what to change."""
-    if granularity is None:
-        if method is not None or layers is not None:
-            raise ParallelizeError("recompute_method / recompute_layers need recompute='full'")
-        return None, None, None
-    if granularity not in GRANULARITIES:
-        raise ParallelizeError(f"recompute must be one of {', '.join(map(repr, GRANULARITIES))} or None, "
-                               f"not {granularity!r}")
-    if granularity == "selective":
-        if method is not None or layers is not None:
-            raise ParallelizeError("recompute='selective' recomputes every layer's attention core; "
-                                   "recompute_method and recompute_layers belong to recompute='full' (as Megatron's "
-                                   "--recompute-num-layers must be unset with --recompute-granularity selective)")
-        return granularity, None, None
-    method = method or "uniform"
-    layers = 1 if layers is None else layers
-    if method not in METHODS:
-        raise ParallelizeError(f"recompute_method must be one of {', '.join(map(repr, METHODS))}, not {method!r}")
-    if not isinstance(layers, int) or layers < 1:
-        raise ParallelizeError(f"recompute_layers must be a positive number of layers, not {layers!r}")
-    return granularity, method, layers
 
 
 def _target(node: fx.Node):
@@ -212,4 +189,4 @@ def region_labels(gm: fx.GraphModule) -> list[str]:
     return list(out)
 
 
-__all__ = ["GRANULARITIES", "METHODS", "check_options", "mark_recompute", "region_labels"]
+__all__ = ["GRANULARITIES", "METHODS", "mark_recompute", "region_labels"]

@@ -14,11 +14,11 @@ over, tinygrad's spec between rewrites).
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.fx as fx
 
+from fxtron.config import DebugConfig
 from fxtron.core import meta
 from fxtron.core.placement import Partial, Shard
 from fxtron.ops import registry
@@ -43,7 +43,8 @@ class VerifyError(AssertionError):
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+    """config.DebugConfig.verify's default (FXTRON_VERIFY)."""
+    return DebugConfig().verify
 
 
 def _tensor_valued(node: fx.Node) -> bool:

@@ -188,34 +188,3 @@ class GradBuffer:
 def _round_up(n: int, k: int) -> int:
     return (n + k - 1) // k * k
 
-
-@dataclass(frozen=True)
-class DataParallelOptions:
-    """How a program syncs gradients over data parallel (Megatron's DistributedDataParallelConfig
-    and optimizer config, in part).
-
-    bucket_size: elements per bucket (None: Megatron's max(4e7, 1e6 x dp)).
-    grad_reduce_dtype: the buffer's dtype (None: float32 main_grad; or the parameters' dtype).
-    overlap_grad_reduce: start each bucket's collective during backward as soon as it is
-    complete (False: all of them after backward).
-    clip_grad: clip the global gradient norm to this (None: no clipping).
-    zero: 1 for the distributed optimizer (reduce-scatter, optimizer state and fp32 main
-    parameters for 1/dp of the buffer per rank, all-gather of the updated parameters).
-    """
-
-    bucket_size: int | None = None
-    grad_reduce_dtype: torch.dtype | None = None
-    overlap_grad_reduce: bool = True
-    clip_grad: float | None = None
-    zero: int = 0
-
-    def __post_init__(self):
-        from fxtron.errors import ParallelizeError
-        if self.zero not in (0, 1):
-            raise ParallelizeError(f"zero must be 0 or 1 (the distributed optimizer), got {self.zero}")
-        if self.bucket_size is not None and self.bucket_size < 1:
-            raise ParallelizeError(f"bucket_size must be a positive number of elements, got {self.bucket_size}")
-        if self.grad_reduce_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
-            raise ParallelizeError(f"grad_reduce_dtype must be float32, bfloat16 or float16, got {self.grad_reduce_dtype}")
-        if self.clip_grad is not None and not self.clip_grad > 0:
-            raise ParallelizeError(f"clip_grad must be a positive norm, got {self.clip_grad}")

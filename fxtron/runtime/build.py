@@ -8,14 +8,14 @@ import warnings
 
 import torch
 
+from fxtron.config import Config
 from fxtron.core.rank import RankSpec
 from fxtron.errors import ParallelizeError, ParallelizeWarning
 from fxtron.ops.rng import RNGStreams
 from fxtron.runtime.bind import bind
-from fxtron.runtime.buffers import DataParallelOptions
 from fxtron.runtime.groups import ProcessGroups
 from fxtron.runtime.materialize import MetaMaterializer
-from fxtron.runtime.program import PipelineOptions, Program
+from fxtron.runtime.program import Program
 
 
 def local_params(model: torch.nn.Module, spec: RankSpec, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -58,10 +58,11 @@ def used_buffers(model: torch.nn.Module, spec: RankSpec) -> dict[str, torch.Tens
     return out
 
 
-def build_program(model: torch.nn.Module, spec: RankSpec, groups: ProcessGroups | None, *, seed: int = 0,
-                  dtype: torch.dtype | None = None, pipeline: PipelineOptions | None = None,
-                  data_parallel: DataParallelOptions | None = None) -> Program:
-    """The runnable Program of rank `spec.rank`: an nn.Module holding its parameters."""
+def build_program(model: torch.nn.Module, spec: RankSpec, groups: ProcessGroups | None, config: Config | None = None,
+                  *, seed: int = 0) -> Program:
+    """The runnable Program of rank `spec.rank` under `config` (default: the defaults): an
+    nn.Module holding its parameters."""
+    config = config if config is not None else Config()
     params = local_params(model, spec, seed)
     buffers = used_buffers(model, spec)
     device = groups.device if groups is not None else torch.device("cpu")
@@ -73,11 +74,8 @@ def build_program(model: torch.nn.Module, spec: RankSpec, groups: ProcessGroups 
     stages = None
     if spec.stages is not None:
         stages = [dataclasses.replace(s, gm=bind(s.gm, groups, device)) for s in spec.stages]
-    return Program(gm, spec.info, params, buffers, set(model.state_dict().keys()), dict(spec.local), spec.rank,
-                   groups, spec.info.aliases, rng, fused=list(spec.fused), dtype=dtype, stages=stages,
-                   pipeline=pipeline, shared=dict(spec.shared), data_parallel=data_parallel,
-                   grad_reports=dict(spec.grad_reports), param_order=list(spec.param_order),
-                   seq_split=spec.seq_split, max_seq=(spec.max_seq, spec.max_seq_why))
+    return Program(spec, params, buffers, set(model.state_dict().keys()), groups, config, rng=rng, gm=gm,
+                   stages=stages)
 
 
 __all__ = ["build_program", "local_params", "used_buffers"]

@@ -71,7 +71,7 @@ def _meshes(prog) -> dict:
     """The device mesh of every set of axes a parameter is split over: one axis's group, or
     the ep x tp grid of this rank's tp-ep group."""
     groups, out = prog.groups, {}
-    for spec in prog._local.values():
+    for spec in prog.local.values():
         axes = _axes(prog, spec)
         if not axes or axes in out:
             continue
@@ -86,7 +86,7 @@ def _meshes(prog) -> dict:
 
 def _entries(prog, name: str, local: torch.Tensor, meshes: dict, prefix: str) -> dict:
     """The checkpoint entries of one local tensor shaped like parameter `name`."""
-    spec = prog._local[name]
+    spec = prog.local[name]
     fused, axes = _fused(spec), _axes(prog, spec)
     if not axes:
         if fused is not None:     # whole here: store the parts all the same
@@ -107,7 +107,7 @@ def _parts(local: torch.Tensor, spec: AxisShard) -> tuple[torch.Tensor, ...]:
 
 
 def _unpack(prog, name: str, entries: dict, prefix: str) -> torch.Tensor:
-    fused = _fused(prog._local[name])
+    fused = _fused(prog.local[name])
     if fused is not None:
         blocks = [entries[f"{prefix}/part{j}"] for j in range(shard_math.n_blocks(fused.interleave))]
         blocks = [b.to_local() if isinstance(b, DTensor) else b for b in blocks]
@@ -118,8 +118,8 @@ def _unpack(prog, name: str, entries: dict, prefix: str) -> torch.Tensor:
 
 def _optimizer_state(prog, optimizer) -> dict[str, dict[str, torch.Tensor]]:
     """Per parameter name, its optimizer state shaped like the rank's local parameter."""
-    if prog._zero is not None:
-        return prog._zero.gathered_state()
+    if prog.zero is not None:
+        return prog.zero.gathered_state()
     names = {id(p): n for n, p in prog.named_parameters()}
     return {names[id(p)]: dict(st) for p, st in optimizer.state.items() if id(p) in names}
 
@@ -184,8 +184,8 @@ def _why(exc: BaseException, path: str) -> str:
 
 def _write(prog, path: str, optimizer, storage_writer) -> None:
     mesh = _meshes(prog)
-    if prog._zero is not None:
-        prog._zero.wait_params()
+    if prog.zero is not None:
+        prog.zero.wait_params()
     sd: dict = {}
     for name, p in prog.named_parameters():
         sd.update(_entries(prog, name, p.detach(), mesh, f"model/{name}"))
@@ -209,7 +209,7 @@ def _write(prog, path: str, optimizer, storage_writer) -> None:
         sd[f"rng/{_rank(prog)}"] = _pack(_rng_record(prog))
     # how interleaved parts join back (load_full_state_dict): name -> (dim, parts)
     # how interleaved parts join back: one object per parameter (every holder writes the same)
-    for n, lp in prog._local.items():
+    for n, lp in prog.local.items():
         spec = _fused(lp)
         if spec is not None:
             sd[f"layout/{n}"] = _pack((spec.dim, shard_math.n_blocks(spec.interleave)))
@@ -272,7 +272,7 @@ def _request(prog, name: str, like: torch.Tensor, meshes: dict, prefix: str, met
     whatever mesh it was saved at: DCP reshards Shard(dim) pieces itself; a fused projection
     saved whole (at tp=1) and wanted interleaved, or saved in parts and wanted whole, is read
     whole (per part) and cut or joined here."""
-    spec = prog._local[name]
+    spec = prog.local[name]
     fused, sharded = _fused(spec), bool(_axes(prog, spec))
     if f"{prefix}/part0" in meta:                  # saved in parts
         dim, k = layout[name]
@@ -293,7 +293,7 @@ def _request(prog, name: str, like: torch.Tensor, meshes: dict, prefix: str, met
 
 def _slice(prog, name: str, full: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a full tensor shaped like parameter `name`."""
-    spec, groups = prog._local[name], prog.groups
+    spec, groups = prog.local[name], prog.groups
     if not spec.shards or groups is None:
         return full
     axes = [s.axis for s in spec.shards]
@@ -307,8 +307,8 @@ def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
     _check_complete(path)
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     mesh = _meshes(prog)
-    if prog._zero is not None:
-        prog._zero.wait_params()
+    if prog.zero is not None:
+        prog.zero.wait_params()
     layout = _read_layout(path, meta, no_dist=_alone(prog))
     params = dict(prog.named_parameters())
     _check_model(prog, path, meta, layout)
@@ -378,8 +378,8 @@ def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
     if groups is not None:
         for mine, theirs in zip(optimizer.param_groups, groups):
             mine.update(theirs)
-    if prog._zero is not None:
-        prog._zero.load_state(optimizer, state)
+    if prog.zero is not None:
+        prog.zero.load_state(optimizer, state)
     else:
         for name, st in state.items():
             optimizer.state[params[name]] = st
@@ -410,10 +410,10 @@ def _check_model(prog, path: str, meta, layout) -> None:
     """Raise ParallelizeError listing every difference between the checkpoint's parameters
     (names and full shapes) and the program's model's."""
     saved = _saved_shapes(meta, layout)
-    mine = {n: tuple(spec.full_shape) for n, spec in prog._local.items()}
+    mine = {n: tuple(spec.full_shape) for n, spec in prog.local.items()}
     missing = sorted(set(mine) - set(saved))
     shapes = sorted(n for n in set(mine) & set(saved) if mine[n] != saved[n])
-    extra = sorted(set(saved) - set(prog._info.params) - set(prog._info.aliases))
+    extra = sorted(set(saved) - set(prog.info.params) - set(prog.info.aliases))
     if not (missing or shapes or extra):
         return
     lines = ([f"missing from the checkpoint: {', '.join(missing)}"] if missing else []) + \

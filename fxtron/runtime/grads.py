@@ -4,21 +4,28 @@ buckets, the sums over the axes where a whole weight's gradient is partial (norm
 sequence parallel), the sums over the pipeline ranks that share a tied weight, the global norm
 and clipping; full-shape gradients on request.
 
-`GradientSync` is mixed into runtime.program.Program: it reads the program's parameters
-(`named_parameters`), its parameter descriptions (`_local`), groups, gradient buffer
-(`grad_buffer`, `_grad_views`), distributed optimizer (`_zero`), shared weights (`_shared`) and
-data-parallel options.
+`Gradients` is the object a Program holds for this: made from the program's parameters, their
+descriptions (core.params.LocalParam), the groups and the data-parallel section of the
+configuration; it owns the gradient buffers, their views, the hooks and, under zero=1, the
+distributed optimizer (runtime/zero.py).
 """
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
 
+from torch import nn
+
+from fxtron.config import DataParallelConfig, torch_dtype
 from fxtron.core.layout import unshard
 from fxtron.core.params import LocalParam
+from fxtron.errors import ParallelizeError
 from fxtron.ops import ledger
+from fxtron.runtime.buffers import GradBuffer, default_bucket_size
+from fxtron.runtime.zero import ZeroOne
 
 #: the model-parallel axes a parameter may be sharded over inside a pipeline stage: the gradient
 #: norm counts a replica once (on the axis's rank 0) and sums over the group "tp-pp" (a new axis
@@ -48,17 +55,92 @@ def gather_full(local: torch.Tensor, spec: LocalParam, groups) -> torch.Tensor:
     return out
 
 
-class GradientSync:
-    """Gradient accumulation, finalize and norms of a Program (see the module docstring)."""
+def across_stages(groups, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Merge the dicts of every pipeline rank (each holds its stages' parameters)."""
+    if groups is None or groups.size("pp") == 1:
+        return mine
+    every = [None] * groups.size("pp")
+    with ledger.collective(groups.group("pp"), "all_gather_object"):
+        dist.all_gather_object(every, {k: v.cpu() for k, v in mine.items()}, group=groups.group("pp"))
+    out = {}
+    for part in every:
+        for k, v in part.items():
+            out.setdefault(k, v.to(groups.device))
+    return out
+
+
+class Gradients:
+    """A program's gradients (see the module docstring).
+
+    params: the program's parameters by name; local: their descriptions (a parameter without
+    one is whole and averaged over dp); groups: the rank's process groups (None: no
+    communication); config: the data-parallel section. shared: the parameters several pipeline
+    ranks hold (tied weights), by holder pp ranks; grad_reports: how many times each
+    parameter's gradient reports complete per step; param_order: the order of first use in
+    forward; chunk_params: each model chunk's parameter names (pipeline stages)."""
+
+    def __init__(self, params: dict[str, nn.Parameter], local: dict[str, LocalParam], groups,
+                 config: DataParallelConfig, *, shared: dict[str, tuple[int, ...]] | None = None,
+                 grad_reports: dict[str, int] | None = None, param_order: list[str] | None = None,
+                 chunk_params: list[set[str]] | None = None):
+        self.params = params
+        self.local = local
+        self.groups = groups
+        self.config = config
+        self.shared = dict(shared or {})
+        self.chunk_params = chunk_params
+        dp = 1 if groups is None else groups.size("dp")
+        order = [n for n in (param_order or params) if n in params]
+        order += [n for n in params if n not in set(order)]
+        # fp32 main_grad (Megatron's), or float64 for a float64 model: never narrower than its weights
+        wide = any(p.dtype == torch.float64 for p in params.values())
+        reduce_dtype = torch_dtype(config.grad_reduce_dtype) or (torch.float64 if wide else torch.float32)
+        # one buffer per group that reduces gradients: the dense parameters' (dp, or dp-cp), and the
+        # expert weights' over expert-dp; each averaged over the dense dp (Megatron scales the
+        # expert gradients by 1/dp too: an expert sums the tokens of every ep rank it served)
+        kinds: dict[str, list[str]] = {}
+        for n in order:
+            kinds.setdefault(local[n].grad_group if n in local else "dp", []).append(n)
+        self.buffers: dict[str, GradBuffer] = {}
+        for kind, names in kinds.items():
+            world, index = (1, 0) if groups is None else (groups.size(kind), groups.index(kind))
+            self.buffers[kind] = GradBuffer(
+                [(n, params[n], (grad_reports or {}).get(n, 1)) for n in names], reduce_dtype,
+                config.bucket_size or default_bucket_size(world),
+                group=groups.group(kind) if world > 1 else None, dp=world, reduce_scatter=config.zero == 1,
+                dp_rank=index, alone=frozenset(self.shared), average=dp)
+        self._buffer_of = {n: self.buffers[kind] for kind, names in kinds.items() for n in names}
+        dense = [k for k in self.buffers if k != "expert-dp"]
+        if len(dense) > 1:
+            raise ParallelizeError(f"this rank's parameters average their gradients over different groups "
+                                   f"({', '.join(sorted(dense))}); one gradient buffer serves the dense parameters")
+        #: the group kind of the dense parameters' buffer (dp, or dp-cp)
+        self.dense_group = dense[0] if dense else "dp"
+        #: the dense parameters' buffer (the distributed optimizer shards it)
+        self.buffer = self.buffers[dense[0]] if dense else next(iter(self.buffers.values()), None)
+        if self.buffer is None:
+            self.buffer = self.buffers["dp"] = GradBuffer([], torch.float32, 1)
+        # a gradient every rank of the group computes whole (not a partial sum over cp) enters the
+        # sum divided by those ranks' count
+        self._share = {n: 1.0 / math.prod(groups.size(a) for a in local[n].grad_whole_on)
+                       for n in order if groups is not None and n in local and local[n].grad_whole_on}
+        # one view per parameter, made once: .grad and .main_grad are the same tensors every step
+        self._views = {n: self._buffer_of[n].view(n, params[n]) for n in order}
+        self._in_step = False
+        self.last_norm: float | None = None   # the global norm before clipping, last step
+        for n in order:
+            params[n].register_post_accumulate_grad_hook(self._hook(n))
+        #: the distributed optimizer (zero=1): this rank's shards of every buffer
+        self.zero = ZeroOne(self.buffers, params) if config.zero == 1 else None
 
     # ---------------------------------------------------------------- accumulation
-    def _grad_hook(self, name: str):
+    def _hook(self, name: str):
         def hook(p: torch.Tensor) -> None:
             """Autograd finished this parameter's gradient for one backward: move it into the
             buffer (Megatron's DDP hook) and report it."""
             if not self._in_step or p.grad is None:
                 return
-            p.main_grad.add_(p.grad, alpha=self._grad_share.get(name, 1.0))
+            p.main_grad.add_(p.grad, alpha=self._share.get(name, 1.0))
             p.grad = None
             self._buffer_of[name].report(name)
         return hook
@@ -68,64 +150,63 @@ class GradientSync:
         return lambda: buf.report(name)
 
     @contextlib.contextmanager
-    def _quiet_grads(self):
+    def quiet(self):
         """Gradient reports inside do not count, in every buffer (GradBuffer.suspended)."""
         with contextlib.ExitStack() as stack:
-            for buf in self.grad_buffers.values():
+            for buf in self.buffers.values():
                 stack.enter_context(buf.suspended())
             yield
 
     @contextlib.contextmanager
-    def _grad_accumulation(self):
+    def accumulation(self):
         """During one step every parameter's gradient accumulates into its `main_grad`, a view
         of the bucketed buffer: fused linears write there directly (and report when their
         deferred GEMM has run), autograd's gradients are moved there by a hook."""
-        if self._zero is not None:
-            self._zero.wait_params()
-        for buf in self.grad_buffers.values():
+        if self.zero is not None:
+            self.zero.wait_params()
+        for buf in self.buffers.values():
             buf.reset()
-        params = dict(self.named_parameters())
-        for n, p in params.items():
-            p.main_grad = self._grad_views[n]
+        for n, p in self.params.items():
+            p.main_grad = self._views[n]
             p.fxtron_report = self._report(n)
         self._in_step = True
         try:
             yield
         finally:
             self._in_step = False
-            for p in params.values():
+            for p in self.params.values():
                 del p.main_grad, p.fxtron_report
 
-    def _last_backward(self, chunk: int | None) -> None:
+    def last_backward(self, chunk: int | None) -> None:
         """The next backward is the step's last for `chunk` (None: all parameters): bucket
         collectives may start as their gradients complete."""
-        if self.data_parallel.overlap_grad_reduce:
-            names = None if chunk is None or self._chunk_params is None else self._chunk_params[chunk]
-            for buf in self.grad_buffers.values():
+        if self.config.overlap_grad_reduce:
+            names = None if chunk is None or self.chunk_params is None else self.chunk_params[chunk]
+            for buf in self.buffers.values():
                 buf.start_reporting(names)
 
     # ---------------------------------------------------------------- finalize
-    def finalize_grads(self) -> None:
+    def finalize(self) -> None:
         """Megatron's finalize_model_grads, in order: finish the data-parallel sync of the
         buckets (all-reduce, or reduce-scatter under zero=1); sum over their axes the gradients
         that are partial there although the weight is whole (norm weights under sequence
         parallel: Megatron's _allreduce_layernorm_grads); sum tied weights over the pipeline
         ranks that hold them (the embedding group); then clip the global norm. Afterwards every
         parameter's .grad is its gradient (the rank's shard under zero=1)."""
-        for buf in self.grad_buffers.values():
+        for buf in self.buffers.values():
             buf.finish()
-        if self._zero is not None:
-            self._zero.set_grads()
+        if self.zero is not None:
+            self.zero.set_grads()
         else:
-            for n, p in self.named_parameters():
-                g = self._grad_views[n]
+            for n, p in self.params.items():
+                g = self._views[n]
                 p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
-        self.sync_partial_grads()
-        self.sync_shared_grads()
-        if self.data_parallel.clip_grad is not None:
-            self.last_grad_norm = float(self.clip_grad_norm_(self.data_parallel.clip_grad))
+        self.sync_partial()
+        self.sync_shared()
+        if self.config.clip_grad is not None:
+            self.last_norm = float(self.clip_(self.config.clip_grad))
 
-    def sync_partial_grads(self) -> None:
+    def sync_partial(self) -> None:
         """Sum over each axis the gradients of the weights whole there but used on shards of
         the data (LocalParam.partial_grad: norms under sequence parallel, over tp): each rank of
         the axis computed the part of its tokens. One all-reduce per axis of all of them
@@ -133,16 +214,16 @@ class GradientSync:
         if self.groups is None:
             return
         by_axis: dict[str, list[str]] = {}
-        for n, spec in self._local.items():
+        for n, spec in self.local.items():
             for axis in spec.partial_grad:
                 by_axis.setdefault(axis, []).append(n)
         for axis, names in by_axis.items():
             if self.groups.size(axis) == 1:
                 continue
-            if self._zero is not None:
-                grads = [g for g, n in self._zero.shard_grads() if n in set(names)]
+            if self.zero is not None:
+                grads = [g for g, n in self.zero.shard_grads() if n in set(names)]
             else:
-                grads = [get_by_path(self, n).grad for n in names]
+                grads = [self.params[n].grad for n in names]
                 grads = [g for g in grads if g is not None]
             if not grads:
                 continue
@@ -154,55 +235,55 @@ class GradientSync:
                 g.copy_(flat[at:at + g.numel()].view_as(g))
                 at += g.numel()
 
-    def sync_shared_grads(self) -> None:
+    def sync_shared(self) -> None:
         """Sum the gradients of weights that several pipeline stages use (a tied input
         embedding and LM head) over the ranks holding them: Megatron's embedding group."""
-        if not self._shared or self.groups is None:
+        if not self.shared or self.groups is None:
             return
         pp_ranks = self.groups.ranks("pp")
         first_last = (0, len(pp_ranks) - 1)
-        for name in sorted(self._shared):
-            holders = self._shared[name]
+        for name in sorted(self.shared):
+            holders = self.shared[name]
             if self.groups.index("pp") not in holders:
                 continue
             if holders == first_last:   # the compiler refuses any other sharing
-                if self._zero is not None:     # a bucket of its own: every holder has the same shard
-                    for g, n in self._zero.shard_grads():
+                if self.zero is not None:     # a bucket of its own: every holder has the same shard
+                    for g, n in self.zero.shard_grads():
                         if n == name:
                             with ledger.collective(self.groups.group("embedding"), "all_reduce", g):
                                 dist.all_reduce(g, group=self.groups.group("embedding"))
                     continue
-                p = get_by_path(self, name)
+                p = self.params[name]
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
                 with ledger.collective(self.groups.group("embedding"), "all_reduce", g):
                     dist.all_reduce(g, group=self.groups.group("embedding"))
                 p.grad = g
 
     # ---------------------------------------------------------------- norms
-    def grad_norm(self) -> torch.Tensor:
+    def norm(self) -> torch.Tensor:
         """The global L2 norm of the gradients of the whole model, each parameter counted
         once however it is sharded (tp, ep) or replicated (tp, dp, tied over pp): equal to
         torch.nn.utils.get_total_norm over the single-process model's gradients. The dense
         parameters' squares are summed over tp-pp, the expert weights' over tp-ep-pp (each ep
         rank holds other experts, and the same dense replicas), as Megatron's
         get_grad_norm_fp32 sums each over its model-parallel group."""
-        device = self.grad_buffer.data.device
+        device = self.buffer.data.device
         dense, experts = (torch.zeros((), dtype=torch.float32, device=device) for _ in range(2))
         coords = {a: self.groups.index(a) if self.groups is not None else 0 for a in NORM_AXES}
         pp_rank = self.groups.index("pp") if self.groups is not None else 0
-        for g, name in self._grads_for_norm():
-            spec = self._local.get(name)
+        for g, name in self._for_norm():
+            spec = self.local.get(name)
             if any(c != 0 and (spec is None or spec.shard_on(a) is None) for a, c in coords.items()):
                 continue                                   # a replica over a model axis: its rank 0 counts it
-            holders = self._shared.get(name)
+            holders = self.shared.get(name)
             if holders is not None and pp_rank != holders[0]:
                 continue                                   # a tied weight: its first stage counts it
             total = experts if spec is not None and spec.grad_group == "expert-dp" else dense
             total += g.float().pow(2).sum()
         if self.groups is not None:
-            if self._zero is not None:          # each rank holds 1/dp of each buffer's gradients
-                for kind, total in ((self._grad_group(), dense), ("expert-dp", experts)):
-                    buf = self.grad_buffers.get(kind)
+            if self.zero is not None:          # each rank holds 1/dp of each buffer's gradients
+                for kind, total in ((self.dense_group, dense), ("expert-dp", experts)):
+                    buf = self.buffers.get(kind)
                     if buf is not None and buf.group is not None:
                         with ledger.collective(buf.group, "all_reduce", total):
                             dist.all_reduce(total, group=buf.group)
@@ -214,35 +295,50 @@ class GradientSync:
                         dist.all_reduce(total, group=self.groups.group(kind))
         return (dense + experts).sqrt()
 
-    def _grads_for_norm(self):
-        if self._zero is not None:
-            yield from self._zero.shard_grads()
+    def _for_norm(self):
+        if self.zero is not None:
+            yield from self.zero.shard_grads()
             return
-        for n, p in self.named_parameters():
+        for n, p in self.params.items():
             if p.grad is not None:
                 yield p.grad, n
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+    def clip_(self, max_norm: float) -> torch.Tensor:
         """Scale every gradient by max_norm / (norm + 1e-6) when that is below 1, as
         torch.nn.utils.clip_grad_norm_ does on the single-process model; returns the norm."""
-        norm = self.grad_norm()
+        norm = self.norm()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g, _ in self._grads_for_norm():
+        for g, _ in self._for_norm():
             g.mul_(coef.to(g.dtype))
         return norm
 
-    # ---------------------------------------------------------------- full gradients
+    # ---------------------------------------------------------------- full tensors
+    def full(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """The full tensor of parameter `name` from every rank's `local` piece (itself when whole)."""
+        spec = self.local.get(name)
+        if spec is None or not spec.sharded:
+            return local
+        return gather_full(local, spec, self.groups)
+
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Full-shape gradients under the original parameter names (tied weights once)."""
         out = {}
-        data = self._zero.full_grad_data() if self._zero is not None else None
-        for name, p in self.named_parameters():
+        data = self.zero.full_grad_data() if self.zero is not None else None
+        for name, p in self.params.items():
             if data is not None:
                 g = data[name].view_as(p).to(p.dtype)
             else:
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
-            out[name] = self._full(name, g.detach()).clone()
-        return self._across_stages(out)
+            out[name] = self.full(name, g.detach()).clone()
+        return across_stages(self.groups, out)
+
+    def bytes(self) -> int:
+        """The rank's gradient bytes: its gradient buffers and any .grad outside them."""
+        held = sum(b.data.numel() * b.data.element_size() for b in self.buffers.values())
+        views = {b.data.untyped_storage().data_ptr() for b in self.buffers.values()}
+        loose = sum(p.grad.numel() * p.grad.element_size() for p in self.params.values()
+                    if p.grad is not None and p.grad.untyped_storage().data_ptr() not in views)
+        return held + loose
 
 
-__all__ = ["GradientSync", "gather_full", "get_by_path"]
+__all__ = ["Gradients", "across_stages", "gather_full", "get_by_path"]

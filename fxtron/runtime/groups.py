@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from fxtron.config import DebugConfig
 from fxtron.errors import ParallelizeError
 from fxtron.mesh import GROUP_KINDS, Mesh
 from fxtron.ops import ledger, shm
@@ -121,7 +122,7 @@ def _install_ledger(groups: ProcessGroups, check: bool) -> None:
         books.append((pg.group_name, kind, ranks, twin if check else None))
         if twin is not None:
             books.append((twin.group_name, f"{kind} control", ranks, None))
-    ledger.install(groups.rank, books, check=check, flight_dir=os.environ.get("FXTRON_FLIGHT_DIR"))
+    ledger.install(groups.rank, books, check=check, flight_dir=DebugConfig().flight_dir)
 
 
 def _env_int(name: str) -> int | None:
@@ -134,8 +135,8 @@ def default_backend() -> str:
 
 
 def shm_default() -> bool:
-    """FXTRON_SHM=0 in the environment turns the shared-memory transport off by default."""
-    return os.environ.get("FXTRON_SHM", "1").strip().lower() not in ("0", "false", "no", "off")
+    """config.DebugConfig.shm (FXTRON_SHM=0 turns the shared-memory transport off by default)."""
+    return DebugConfig().shm
 
 
 def init_distributed(mesh: Mesh, *, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,

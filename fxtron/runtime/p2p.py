@@ -19,12 +19,12 @@ its 1/tp slice by each tp rank and all-gathered over tp on the receiving stage.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from fxtron.config import DebugConfig
 from fxtron.core.stage import MAX_BOUNDARY_TENSORS
 from fxtron.ops import ledger, transport
 from fxtron.runtime.groups import ProcessGroups
@@ -60,8 +60,8 @@ class _Recv:
 
 
 def match_by_tag_default() -> bool:
-    """FXTRON_P2P_TAGS=0 in the environment matches transfers by order alone, as NCCL does."""
-    return os.environ.get("FXTRON_P2P_TAGS", "1").strip().lower() not in ("0", "false", "no", "off")
+    """config.DebugConfig.p2p_tags (FXTRON_P2P_TAGS=0: transfers matched by order alone, as NCCL does)."""
+    return DebugConfig().p2p_tags
 
 
 class P2P:

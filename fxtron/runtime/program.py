@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
+from fxtron.config import Config
 from fxtron.core.meta import TraceInfo
 from fxtron.core.params import LocalParam
+from fxtron.core.rank import RankSpec
 from fxtron.core.stage import Stage
 from fxtron.errors import ParallelizeError
 from fxtron.ops import ledger
@@ -27,25 +28,11 @@ from fxtron.ops.ep import DispatchLog
 from fxtron.ops.linear import WgradQueue
 from fxtron.ops.rng import RNGStreams
 from fxtron.runtime.batch import BatchSlicer, Microbatches
-from fxtron.runtime.buffers import DataParallelOptions, GradBuffer, default_bucket_size
-from fxtron.runtime.grads import GradientSync, gather_full, get_by_path
 from fxtron.runtime.executor import Event
+from fxtron.runtime.grads import Gradients, across_stages, get_by_path
 from fxtron.runtime.groups import ProcessGroups
 from fxtron.runtime.memory import MemoryTracker, tracking
 from fxtron.runtime.precision import LossScaler, compute_copy
-from fxtron.runtime.zero import ZeroOne
-
-
-@dataclass(frozen=True)
-class PipelineOptions:
-    """How a program runs its microbatches: `schedule` over `microbatches` per step (per
-    data-parallel rank), `virtual_stages` model chunks per pipeline rank (interleaved), and
-    whether stage boundaries travel as 1/tp slices all-gathered on arrival."""
-
-    schedule: str = "1f1b"
-    microbatches: int = 1
-    virtual_stages: int = 1
-    scatter_gather: bool = False
 
 
 def _set_by_path(root: nn.Module, path: str, value: torch.Tensor, *, parameter: bool, persistent: bool = True) -> None:
@@ -61,31 +48,27 @@ def _set_by_path(root: nn.Module, path: str, value: torch.Tensor, *, parameter: 
         node.register_buffer(leaf, value, persistent=persistent)
 
 
-def _prod(xs) -> int:
-    out = 1
-    for x in xs:
-        out *= x
-    return out
-
-
-class Program(GradientSync, nn.Module):
+class Program(nn.Module):
     """One rank's share of the model, ready for an optimizer.
 
-    params: name -> this rank's tensor (a shard or the whole parameter); buffers likewise;
-    local: name -> how the rank's parameter relates to the full one (core.params.LocalParam).
-    groups: the rank's process groups (None for a program that is only inspected or run
-    without communication, e.g. on a 1-rank mesh). runtime/build.py makes Programs.
+    Built (runtime/build.py) from the compiler's description of the rank, `spec`
+    (core.rank.RankSpec: its parameters' shards, stages, tied weights ...), and the
+    configuration (fxtron.config.Config: precision, pipeline, data parallel): `params` and
+    `buffers` are the rank's tensors by name (`persistent`: the buffers a state dict keeps),
+    `gm` / `stages` its graph or pipeline stages bound to `groups` (the rank's process groups;
+    None for a program run without communication, e.g. on a 1-rank mesh), `rng` its random
+    streams.
+
+    For checkpoints and tools: `local` (name -> core.params.LocalParam, how the rank's
+    parameter relates to the full one), `info` (the trace's signature), `grads` (the gradient
+    buffers and their sync, runtime/grads.py) and `zero` (the distributed optimizer or None).
     """
 
-    def __init__(self, gm: fx.GraphModule | None, info: TraceInfo, params: dict[str, torch.Tensor],
-                 buffers: dict[str, torch.Tensor], persistent: set[str], local: dict[str, LocalParam],
-                 rank: int, groups: ProcessGroups | None, aliases: dict[str, str], rng: RNGStreams | None = None,
-                 fused: list[str] | None = None, dtype: torch.dtype | None = None, stages: list | None = None,
-                 pipeline: "PipelineOptions | None" = None, shared: dict[str, tuple[int, ...]] | None = None,
-                 data_parallel: DataParallelOptions | None = None, grad_reports: dict[str, int] | None = None,
-                 param_order: list[str] | None = None, seq_split: int = 1,
-                 max_seq: tuple[int | None, str] = (None, "")):
+    def __init__(self, spec: RankSpec, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+                 persistent: set[str], groups: ProcessGroups | None, config: Config, *, rng: RNGStreams | None = None,
+                 gm: fx.GraphModule | None = None, stages: list | None = None):
         super().__init__()
+        info = spec.info
         for name in info.params:
             if name in params:
                 _set_by_path(self, name, nn.Parameter(params[name]), parameter=True)
@@ -93,81 +76,75 @@ class Program(GradientSync, nn.Module):
             if name in buffers:
                 _set_by_path(self, name, buffers[name], parameter=False, persistent=name in persistent)
         object.__setattr__(self, "graph_module", gm)  # not a submodule: keep the tree the model's
-        self._info = info
-        self._local = local
-        self.rank = rank
+        self.spec = spec
+        self.config = config
+        self.info: TraceInfo = info
+        self.local: dict[str, LocalParam] = dict(spec.local)
+        self.rank = spec.rank
         self.groups = groups
         self.rng = rng
         # mixed precision: parameters stay fp32 (the optimizer's main parameters); each forward
         # computes with 16-bit copies (Megatron's Float16Module + mixed-precision optimizer)
-        self.dtype = dtype if dtype not in (None, torch.float32) else None
+        self.dtype = config.precision.torch_dtype
         self.scaler = LossScaler() if self.dtype == torch.float16 else None
-        self._fused = set(fused or [])
-        # pipeline: this rank's stages (None: the whole graph is one stage), the schedule, and
-        # the parameters other pipeline ranks hold too (tied embeddings), by holder ranks
+        # pipeline: this rank's stages (None: the whole graph is one stage) and the schedule
         self._stages = stages
-        self.pipeline = pipeline or PipelineOptions()
-        self._shared = dict(shared or {})
+        self.pipeline = config.pipeline
         self._runner = None
         self.track_memory = False         # sample the memory after every pass of a step (memory_timeline)
         self._memory = None
         self._events: list = []           # the last step's passes without a schedule (F, B)
-        self._aliases = aliases if stages is None else {a: n for a, n in aliases.items() if n in params}
+        self._aliases = info.aliases if stages is None else {a: n for a, n in info.aliases.items() if n in params}
         dp, dp_rank = self._dp()
         cp, cp_rank = (1, 0) if groups is None else (groups.size("cp"), groups.index("cp"))
         self._batch = BatchSlicer(info, dp=dp, dp_index=dp_rank, microbatches=self.pipeline.microbatches,
                                   device=groups.device if groups is not None else None, cp=cp, cp_index=cp_rank,
-                                  seq_split=seq_split, max_seq=max_seq)
-        # data parallel: every gradient in one bucketed buffer (runtime/buffers.py), reduced over
-        # the group the parameters name (dp today; dp-cp and expert-dp with cp and ep)
-        self.data_parallel = data_parallel or DataParallelOptions()
-        names = [n for n, _ in self.named_parameters()]
-        order = [n for n in (param_order or names) if n in set(names)]
-        order += [n for n in names if n not in set(order)]
-        self._chunk_params = [set(st.params) for st in stages] if stages is not None else None
-        opts = self.data_parallel
-        # fp32 main_grad (Megatron's), or float64 for a float64 model: never narrower than its weights
-        wide = any(p.dtype == torch.float64 for _, p in self.named_parameters())
-        # one buffer per group that reduces gradients: the dense parameters' (dp, or dp-cp), and the
-        # expert weights' over expert-dp; each averaged over the dense dp (Megatron scales the
-        # expert gradients by 1/dp too: an expert sums the tokens of every ep rank it served)
-        kinds: dict[str, list[str]] = {}
-        for n in order:
-            kinds.setdefault(self._local[n].grad_group if n in self._local else "dp", []).append(n)
-        self.grad_buffers: dict[str, GradBuffer] = {}
-        for kind, names in kinds.items():
-            world, index = (1, 0) if groups is None else (groups.size(kind), groups.index(kind))
-            self.grad_buffers[kind] = GradBuffer(
-                [(n, get_by_path(self, n), (grad_reports or {}).get(n, 1)) for n in names],
-                opts.grad_reduce_dtype or (torch.float64 if wide else torch.float32),
-                opts.bucket_size or default_bucket_size(world),
-                group=self.groups.group(kind) if world > 1 else None, dp=world, reduce_scatter=opts.zero == 1,
-                dp_rank=index, alone=frozenset(self._shared), average=dp)
-        self._buffer_of = {n: self.grad_buffers[kind] for kind, names in kinds.items() for n in names}
-        dense = [k for k in self.grad_buffers if k != "expert-dp"]
-        if len(dense) > 1:
-            raise ParallelizeError(f"this rank's parameters average their gradients over different groups "
-                                   f"({', '.join(sorted(dense))}); one gradient buffer serves the dense parameters")
-        #: the dense parameters' buffer (the distributed optimizer shards it)
-        self.grad_buffer = self.grad_buffers[dense[0]] if dense else next(iter(self.grad_buffers.values()), None)
-        if self.grad_buffer is None:
-            self.grad_buffer = self.grad_buffers["dp"] = GradBuffer([], torch.float32, 1)
-        # a gradient every rank of the group computes whole (not a partial sum over cp) enters the
-        # sum divided by those ranks' count
-        self._grad_share = {n: 1.0 / _prod(groups.size(a) for a in self._local[n].grad_whole_on)
-                            for n in order if groups is not None and n in self._local and self._local[n].grad_whole_on}
-        # one view per parameter, made once: .grad and .main_grad are the same tensors every step
-        self._grad_views = {n: self._buffer_of[n].view(n, get_by_path(self, n)) for n in order}
-        self._in_step = False
-        self.last_grad_norm: float | None = None   # the global norm before clipping, last step
+                                  seq_split=spec.seq_split, max_seq=(spec.max_seq, spec.max_seq_why))
+        # data parallel: every gradient in bucketed buffers (runtime/buffers.py), reduced over the
+        # group the parameters name (dp; dp-cp and expert-dp with cp and ep), the distributed
+        # optimizer under zero=1
+        self.data_parallel = config.data_parallel
+        self.grads = Gradients(dict(self.named_parameters()), self.local, groups, config.data_parallel,
+                               shared=spec.shared, grad_reports=spec.grad_reports, param_order=list(spec.param_order),
+                               chunk_params=[set(st.params) for st in stages] if stages is not None else None)
         self.last_dispatch: DispatchLog | None = None   # what expert parallel's all-to-alls did, last step
-        for n in order:
-            get_by_path(self, n).register_post_accumulate_grad_hook(self._grad_hook(n))
-        self._zero = ZeroOne(self) if opts.zero == 1 else None
 
-    def _grad_group(self) -> str:
-        """The group kind of the dense parameters' gradient buffer (dp, or dp-cp)."""
-        return next((k for k in self.grad_buffers if k != "expert-dp"), "dp")
+    # ---------------------------------------------------------------- gradients (runtime/grads.py)
+    @property
+    def zero(self):
+        """The distributed optimizer (runtime/zero.py ZeroOne) under zero=1, else None."""
+        return self.grads.zero
+
+    @property
+    def grad_buffers(self):
+        """The gradient buffers by the group that reduces them (dp or dp-cp, expert-dp)."""
+        return self.grads.buffers
+
+    @property
+    def grad_buffer(self):
+        """The dense parameters' gradient buffer (the distributed optimizer shards it)."""
+        return self.grads.buffer
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm before clipping, last step (with clip_grad)."""
+        return self.grads.last_norm
+
+    def finalize_grads(self) -> None:
+        """Megatron's finalize_model_grads (runtime/grads.py Gradients.finalize)."""
+        self.grads.finalize()
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the whole model's gradients (Gradients.norm)."""
+        return self.grads.norm()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm to `max_norm` (Gradients.clip_); returns the norm."""
+        return self.grads.clip_(max_norm)
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Full-shape gradients under the original parameter names (tied weights once)."""
+        return self.grads.full_grads()
 
     # ---------------------------------------------------------------- running
     def _flat_inputs(self, inputs: tuple, kwargs: dict | None) -> list:
@@ -181,16 +158,16 @@ class Program(GradientSync, nn.Module):
         return self._run_graph(self._flat_inputs(inputs, kwargs))
 
     def _run_graph(self, flat: list) -> torch.Tensor:
-        args = [self._compute_copy(get_by_path(self, n)) for n in self._info.params]
-        args += [self._compute_copy(get_by_path(self, n)) for n in self._info.buffers]
+        args = [self._compute_copy(get_by_path(self, n)) for n in self.info.params]
+        args += [self._compute_copy(get_by_path(self, n)) for n in self.info.buffers]
         with self.rng.active() if self.rng is not None else contextlib.nullcontext():
             outs = self.graph_module(*args, *flat)
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)
         loss = None
         for i, out in enumerate(outs):
-            if i in self._info.buffer_mutations:
+            if i in self.info.buffer_mutations:
                 with torch.no_grad():
-                    get_by_path(self, self._info.buffer_mutations[i]).copy_(out)
+                    get_by_path(self, self.info.buffer_mutations[i]).copy_(out)
             else:
                 loss = out
         return loss
@@ -219,14 +196,14 @@ class Program(GradientSync, nn.Module):
         optimizer.zero_grad(set_to_none=True)
         memory = self._memory_tracker()
         t0 = time.perf_counter()
-        with self._grad_accumulation(), self._dispatch_log():
+        with self.grads.accumulation(), self._dispatch_log():
             with tracking(memory):
                 loss = self(*args, **kw)
             t1 = time.perf_counter()
             if memory is not None:
                 memory.sample("F", 0, 0)
             scaled = loss * self.scaler.scale if self.scaler is not None else loss
-            self._last_backward(None)
+            self.grads.last_backward(None)
             with WgradQueue().active():   # weight-gradient GEMMs overlap the input gradients' communication
                 scaled.backward()
             del scaled
@@ -234,7 +211,7 @@ class Program(GradientSync, nn.Module):
             if memory is not None:
                 memory.sample("B", 0, 0)
         self._events = [Event("F", 0, 0, 0, 0.0, t1 - t0), Event("B", 0, 0, 0, t1 - t0, t2 - t0)]
-        self.finalize_grads()
+        self.grads.finalize()
         self._optimizer_step(optimizer)
         out = self._global_loss(loss.detach().to(torch.promote_types(loss.dtype, torch.float32)))
         ledger.step_end(self.groups)
@@ -269,8 +246,8 @@ class Program(GradientSync, nn.Module):
             p2p = P2P(self.groups, scatter_gather=opts.scatter_gather) if pp > 1 else None
             self._runner = StageRunner(stages, self._call_stage, acts, num_stages=pp * opts.virtual_stages,
                                        microbatches=opts.microbatches, p2p=p2p,
-                                       zero_bubble=opts.schedule == "zb-h1", before_last_backward=self._last_backward,
-                                       quiet=self._quiet_grads)
+                                       zero_bubble=opts.schedule == "zb-h1", before_last_backward=self.grads.last_backward,
+                                       quiet=self.grads.quiet)
         return self._runner
 
     def _pipelined_step(self, inputs, optimizer, kwargs) -> float:
@@ -278,9 +255,9 @@ class Program(GradientSync, nn.Module):
         runner = self.runner()
         optimizer.zero_grad(set_to_none=True)
         runner.memory = self._memory_tracker()
-        with self._grad_accumulation(), self._dispatch_log():
+        with self.grads.accumulation(), self._dispatch_log():
             loss = runner.run(mbs, loss_scale=self.scaler.scale if self.scaler is not None else 1.0)
-        self.finalize_grads()
+        self.grads.finalize()
         self._optimizer_step(optimizer)
         if self.groups is not None and self.groups.size("pp") > 1:
             # float64 on every pp rank: the last stage's loss keeps a float64 model's precision
@@ -333,17 +310,9 @@ class Program(GradientSync, nn.Module):
         if not self.track_memory:
             return None
         if self._memory is None:
-            self._memory = MemoryTracker([*self.parameters(), *self.buffers()], self._grad_bytes)
+            self._memory = MemoryTracker([*self.parameters(), *self.buffers()], self.grads.bytes)
         self._memory.start()
         return self._memory
-
-    def _grad_bytes(self) -> int:
-        """The rank's gradient bytes: its gradient buffers and any .grad outside them."""
-        held = sum(b.data.numel() * b.data.element_size() for b in self.grad_buffers.values())
-        views = {b.data.untyped_storage().data_ptr() for b in self.grad_buffers.values()}
-        loose = sum(p.grad.numel() * p.grad.element_size() for p in self.parameters()
-                    if p.grad is not None and p.grad.untyped_storage().data_ptr() not in views)
-        return held + loose
 
     # ---------------------------------------------------------------- optimizer
     def _check_optimizer(self, optimizer) -> None:
@@ -362,12 +331,12 @@ class Program(GradientSync, nn.Module):
                 "original model's")
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self._zero is not None:
-            params = self._zero.optimizer_for(optimizer)
+        if self.zero is not None:
+            params = self.zero.optimizer_for(optimizer)
             grads_ok = self.scaler is None or self.scaler.unscale_and_check(params, self.groups, sharded_over_dp=True,
-                                                                               dp_kind=self._grad_group())
+                                                                               dp_kind=self.grads.dense_group)
             if grads_ok:
-                self._zero.step(optimizer)
+                self.zero.step(optimizer)
             return
         if self.scaler is None or self.scaler.unscale_and_check(list(self.parameters()), self.groups):
             optimizer.step()
@@ -403,42 +372,22 @@ class Program(GradientSync, nn.Module):
             loss /= dp
         return float(loss)
 
-    # ---------------------------------------------------------------- full tensors
-    def _full(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        spec = self._local.get(name)
-        if spec is None or not spec.sharded:
-            return local
-        return gather_full(local, spec, self.groups)
-
-    def _across_stages(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Merge the dicts of every pipeline rank (each holds its stages' parameters)."""
-        if self.groups is None or self.groups.size("pp") == 1:
-            return mine
-        every = [None] * self.groups.size("pp")
-        with ledger.collective(self.groups.group("pp"), "all_gather_object"):
-            dist.all_gather_object(every, {k: v.cpu() for k, v in mine.items()}, group=self.groups.group("pp"))
-        out = {}
-        for part in every:
-            for k, v in part.items():
-                out.setdefault(k, v.to(self.groups.device))
-        return out
-
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full-shape parameters and persistent buffers under the original names, tied aliases
         included, so `model.load_state_dict(prog.full_state_dict())` restores the model."""
         out = {}
-        if self._zero is not None:
-            self._zero.wait_params()
+        if self.zero is not None:
+            self.zero.wait_params()
         for name, p in self.named_parameters():
-            out[name] = self._full(name, p.detach()).clone()
+            out[name] = self.grads.full(name, p.detach()).clone()
         persistent = set(self.state_dict(keep_vars=True))
         for name, b in self.named_buffers():
             if name in persistent:
                 out[name] = b.detach().clone()
-        out = self._across_stages(out)
-        for alias, name in self._info.aliases.items():
+        out = across_stages(self.groups, out)
+        for alias, name in self.info.aliases.items():
             out[alias] = out[name]
         return out
 
 
-__all__ = ["Microbatches", "PipelineOptions", "Program"]
+__all__ = ["Microbatches", "Program"]

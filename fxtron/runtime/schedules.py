@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Literal
+from typing import Literal, get_args
 
-from fxtron.errors import ParallelizeError
+from fxtron.config import PipelineConfig, Schedule
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = get_args(Schedule)
 Kind = Literal["F", "B", "W"]
 
 
@@ -38,26 +38,9 @@ class Action:
 
 
 def check(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> None:
-    """ParallelizeError unless (schedule, pp, microbatches, virtual) can run."""
-    if schedule not in SCHEDULES:
-        raise ParallelizeError(f"schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
-    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-        raise ParallelizeError(f"microbatches must be an int of at least 1, got {microbatches!r}")
-    if not isinstance(virtual, int) or isinstance(virtual, bool) or virtual < 1:
-        raise ParallelizeError(f"virtual_stages must be an int of at least 1, got {virtual!r}")
-    if schedule == "interleaved":
-        if virtual < 2:
-            raise ParallelizeError("schedule='interleaved' needs virtual_stages >= 2 (model chunks per "
-                                   "pipeline rank); with one chunk use schedule='1f1b'")
-        if pp < 2:
-            raise ParallelizeError("schedule='interleaved' needs pipeline parallel (mesh.pp > 1)")
-        if microbatches % pp:
-            raise ParallelizeError(
-                f"the interleaved schedule runs microbatches in groups of pp={pp}; microbatches={microbatches} "
-                f"is not a multiple of {pp}: use {max(pp, microbatches // pp * pp)} or "
-                f"{(microbatches // pp + 1) * pp}")
-    elif virtual != 1:
-        raise ParallelizeError(f"virtual_stages={virtual} needs schedule='interleaved' (got {schedule!r})")
+    """ParallelizeError unless (schedule, pp, microbatches, virtual) can run (the rules are
+    config.PipelineConfig's)."""
+    PipelineConfig(microbatches=microbatches, schedule=schedule, virtual_stages=virtual).check_pp(pp)
 
 
 def actions(schedule: str, pp: int, microbatches: int, pp_rank: int, virtual: int = 1) -> list[Action]:

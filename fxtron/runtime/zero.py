@@ -67,10 +67,12 @@ class _Part:
 
 
 class ZeroOne:
-    def __init__(self, prog):
-        self.prog = prog
-        params = dict(prog.named_parameters())
-        self.parts = [_Part(buf, params) for buf in prog.grad_buffers.values() if buf.offsets]
+    """The distributed optimizer over a program's gradient buffers (`buffers`, by group kind)
+    and its parameters (`params`, by name), which become views of the fp32 parameter buffers."""
+
+    def __init__(self, buffers: dict, params: dict[str, nn.Parameter]):
+        self.params = params
+        self.parts = [_Part(buf, params) for buf in buffers.values() if buf.offsets]
         self._part_of = {n: part for part in self.parts for n in part.buf.offsets}
         # this rank's pieces, every buffer's: (part, parameter name, [lo, hi) in that buffer)
         self.pieces = [(part, n, lo, hi) for part in self.parts for n, lo, hi in part.pieces]
@@ -84,7 +86,7 @@ class ZeroOne:
     def optimizer_for(self, template: torch.optim.Optimizer) -> list[nn.Parameter]:
         """The shard parameters, with an optimizer over them mirroring `template`."""
         if self._inner is None or self._template is not template:
-            names = {id(p): n for n, p in self.prog.named_parameters()}
+            names = {id(p): n for n, p in self.params.items()}
             groups = []
             for g in template.param_groups:
                 mine = {names[id(p)] for p in g["params"] if id(p) in names}
@@ -142,7 +144,7 @@ class ZeroOne:
         if self._inner is None:
             return {}
         out = {}
-        params = dict(self.prog.named_parameters())
+        params = self.params
         for part in self.parts:
             flat: dict[str, torch.Tensor] = {}
             scalars: dict[str, object] = {}
