@@ -7,6 +7,7 @@
 
     mesh = fxtron.Mesh(world_size=8, tp=2, pp=2)            # dp = 2
     pm = fxtron.parallelize(model, mesh, example_inputs=..., microbatches=8, schedule="1f1b")
+    pm = fxtron.parallelize(model, mesh, example_inputs=..., config=fxtron.Config(...))   # the same, typed
     print(pm.stages())                                      # which layers each stage runs
 
     @fxtron.register_rule(torch.ops.aten.cumsum.default)   # an op fxtron has no sharding rule for
@@ -15,6 +16,7 @@
 The package's layers and where each piece lives: fxtron/README.md.
 """
 from fxtron.api import ParallelModel, parallelize
+from fxtron.config import Config, TrainConfig
 from fxtron.core.placement import PARTIAL, REPLICATE, Partial, Replicate, Shard
 from fxtron.errors import LaunchError, ParallelizeError, ParallelizeWarning
 from fxtron.mesh import Mesh
@@ -24,6 +26,6 @@ from fxtron.runtime.checkpoint import load_full_state_dict
 from fxtron.runtime.groups import ProcessGroups, init_distributed
 from fxtron.runtime.launch import launch
 
-__all__ = ["Mesh", "ParallelModel", "ParallelizeError", "ParallelizeWarning", "LaunchError", "ProcessGroups",
+__all__ = ["Config", "TrainConfig", "Mesh", "ParallelModel", "ParallelizeError", "ParallelizeWarning", "LaunchError", "ProcessGroups",
            "init_distributed", "launch", "parallelize", "Microbatches", "load_full_state_dict",
            "register_rule", "Replicate", "Shard", "Partial", "REPLICATE", "PARTIAL"]

@@ -122,7 +122,7 @@ def run(cfg: TrainConfig) -> dict:
     mesh, steps = cfg.mesh.mesh(), cfg.training.steps
     t0 = time.perf_counter()
     results = fxtron.launch(train_rank, mesh, args=(cfg,), shm_transport=cfg.debug.shm,
-                            check_collectives=cfg.debug.check_collectives)
+                            check_collectives=cfg.debug.check_collectives, flight_dir=cfg.debug.flight_dir)
     wall = time.perf_counter() - t0
     losses = results[0]["losses"]
     out = {"losses": losses, "seconds": results[0]["seconds"], "wall_seconds": wall,

@@ -89,14 +89,16 @@ def _failures(procs, results, done: dict, first: str | None, flight_dir: str, gr
 def launch(fn: Callable[..., Any], mesh: Mesh, args: tuple = (), *, backend: str | None = None,
            timeout_s: float = 600.0, collective_timeout_s: float = 120.0,
            threads_per_rank: int | None = None, shm_transport: bool | None = None,
-           check_collectives: bool | None = None) -> list[Any]:
+           check_collectives: bool | None = None, flight_dir: str | None = None) -> list[Any]:
     """Run `fn(rank, *args)` on mesh.world_size local processes; return results in rank order.
 
     fn and args must be picklable (a module-level function). `timeout_s` bounds the whole job,
     `collective_timeout_s` every collective. `shm_transport`: see init_distributed (tp
     collectives through shared memory with gloo; default on unless FXTRON_SHM=0).
     `check_collectives`: compare every collective across its group before it runs (default:
-    FXTRON_CHECK_COLLECTIVES=1; see init_distributed). Raises LaunchError with the failing
+    FXTRON_CHECK_COLLECTIVES=1; see init_distributed). `flight_dir`: where every rank's flight
+    recorder writes its last operations (default: a temporary directory, removed after the job;
+    a directory given is kept). Raises LaunchError with the failing
     rank's traceback and, for every rank, the operation it was in (the flight recorder).
     """
     if backend is None:
@@ -106,7 +108,11 @@ def launch(fn: Callable[..., Any], mesh: Mesh, args: tuple = (), *, backend: str
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    flight_dir = tempfile.mkdtemp(prefix="fxtron-flight-")
+    own_flight_dir = flight_dir is None
+    if own_flight_dir:
+        flight_dir = tempfile.mkdtemp(prefix="fxtron-flight-")
+    else:
+        os.makedirs(flight_dir, exist_ok=True)
     procs = [ctx.Process(target=_worker, name=f"fxtron-rank{r}",
                          args=(fn, mesh, r, tuple(args), port, backend, collective_timeout_s,
                                threads_per_rank, shm_transport, check_collectives, flight_dir, results), daemon=True)
@@ -139,5 +145,6 @@ def launch(fn: Callable[..., Any], mesh: Mesh, args: tuple = (), *, backend: str
         for p in procs:
             p.join(timeout=5)
         results.close()
-        shutil.rmtree(flight_dir, ignore_errors=True)
+        if own_flight_dir:
+            shutil.rmtree(flight_dir, ignore_errors=True)
     return [done[r] for r in range(mesh.world_size)]
