@@ -1,8 +1,9 @@
 """Test support: run a function on N gloo ranks with bounded time and every failure surfaced,
-many cases per set of processes (`run_cases`), and the single-process reference that every
-equivalence test compares against."""
+many cases per set of processes (`run_cases`, `cases_fixture`), the single-process reference
+that every equivalence test compares against, and the optimizer the tests train with (`adamw`)."""
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterable
 
 import torch
@@ -58,6 +59,18 @@ def run_cases(jobs: dict[int, list[tuple[Mesh, list]]], run_case: Callable[[int,
     return out
 
 
+def cases_fixture(jobs: dict | Callable[[], dict], run_case: Callable[[int, Mesh, Any], Any], **options):
+    """A module-scoped pytest fixture that runs `run_cases(jobs, run_case, **options)` once, when
+    the module's first test asks for it: `results = cases_fixture(JOBS, _run_case)` in a test
+    module (the fixture takes the name it is bound to). `jobs` may be a function of no arguments
+    that builds them then."""
+    import pytest
+
+    def results():
+        return run_cases(jobs() if callable(jobs) else jobs, run_case, **options)
+    return pytest.fixture(scope="module")(results)
+
+
 def ranks_of(results: dict, mesh: Mesh | str, case) -> list:
     """What every rank returned for `case` on `mesh` in `run_cases`' results, rank 0 first."""
     mesh_key, key = str(mesh), case_key(case)
@@ -65,6 +78,16 @@ def ranks_of(results: dict, mesh: Mesh | str, case) -> list:
     if not got:
         raise KeyError(f"no results for case {key!r} on {mesh_key}")
     return [v for _, v in got]
+
+
+def adamw(lr: float = 1e-3, *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+          weight_decay: float = 0.1) -> Callable[..., torch.optim.AdamW]:
+    """The tests' optimizer: `adamw(...)(params)` is torch.optim.AdamW with these settings, a
+    picklable factory for `reference_training` and for the ranks. The defaults are the
+    equivalence tests': eps 1e-6 sits well above float32 gradient noise, so Adam does not turn
+    round-off into full-size steps (a model whose gradients reach 1e-6, an embedding row of a
+    rare token, needs eps=1e-4); torch's own defaults are eps=1e-8, weight_decay=0.01."""
+    return functools.partial(torch.optim.AdamW, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
 def _model_loss(model: torch.nn.Module, args: tuple, kwargs: dict, params=None) -> torch.Tensor:
@@ -130,7 +153,8 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tupl
     return worst, where
 
 
-__all__ = ["case_key", "ranks_of", "run_cases", "run_on_ranks", "reference_training", "max_abs_diff", "LaunchError"]
+__all__ = ["adamw", "assert_trains_like", "case_key", "cases_fixture", "ranks_of", "run_cases", "run_on_ranks",
+           "reference_training", "train_program", "max_abs_diff", "LaunchError"]
 
 
 def train_program(prog, batches: Iterable, opt) -> dict:

@@ -10,18 +10,15 @@ import pytest
 import torch
 
 import fxtron
-from fxtron.testing import max_abs_diff, ranks_of, reference_training, run_cases, train_program
-from tp_models import batch, make
+from fxtron.testing import adamw, cases_fixture, max_abs_diff, ranks_of, reference_training, train_program
+from tp_models import batch, batches, make
 
 MESHES = [fxtron.Mesh(2), fxtron.Mesh(2, pp=2), fxtron.Mesh(2, cp=2)]
+_opt = adamw(eps=1e-8, weight_decay=0.01)         # torch's defaults
 
 
 def _batches():
-    return [batch("llama", 4, 16, 1), batch("llama", 4, 8, 2)]
-
-
-def _opt(params):
-    return torch.optim.AdamW(params, lr=1e-3)
+    return batches("llama", 4, [16, 8], seed=1)
 
 
 def test_float64_at_tp2_is_refused_at_parallelize():
@@ -38,11 +35,10 @@ def _run(rank, mesh, case):
     return out
 
 
-@pytest.fixture(scope="module")
-def trained():
-    return run_cases({2: [(m, ["f64"]) for m in MESHES]}, _run)
+trained = cases_fixture({2: [(m, ["f64"]) for m in MESHES]}, _run)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES, ids=str)
 def test_float64_trains_like_one_process(trained, mesh):
     ref = reference_training(make("llama").double(), _batches(), _opt)

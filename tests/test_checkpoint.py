@@ -18,18 +18,17 @@ import torch
 
 import fxtron
 from fxtron.runtime.groups import init_distributed
-from fxtron.testing import max_abs_diff, run_on_ranks
-from tp_models import batch, make
+from fxtron.testing import adamw, max_abs_diff, run_on_ranks
+from tp_models import batch, batches, make
+
+pytestmark = pytest.mark.slow      # one 4-process gloo job
 
 STEPS = 4   # save after 2
-
-
-def _opt(params):
-    return torch.optim.AdamW(params, lr=1e-3, eps=1e-6, weight_decay=0.1)
+_opt = adamw()
 
 
 def _steps(name):
-    return [batch(name, 8, s, seed=10 + i) for i, s in enumerate([16, 12, 16, 8])]
+    return batches(name, 8, [16, 12, 16, 8], seed=10)
 
 
 def _program(name, mesh, kw, rank):

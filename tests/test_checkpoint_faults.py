@@ -26,6 +26,8 @@ from fxtron.errors import LaunchError
 from fxtron.testing import max_abs_diff, run_on_ranks
 from tp_models import batch, make
 
+pytestmark = pytest.mark.slow      # gloo jobs, one under unshare on a small tmpfs
+
 
 class FullDisk(FileSystemWriter):
     """A FileSystemWriter whose writes fail on `rank` as a full disk does (or kill the process)."""

@@ -28,8 +28,10 @@ import fxtron
 from fxtron.errors import LaunchError, ParallelizeError
 from fxtron.ops import ledger, transport
 from fxtron.runtime.groups import groups_for
-from fxtron.testing import ranks_of, run_cases, run_on_ranks
+from fxtron.testing import adamw, cases_fixture, ranks_of, run_on_ranks
 from tp_models import batch, make
+
+pytestmark = pytest.mark.slow      # gloo jobs
 
 
 class MLP(nn.Module):
@@ -104,11 +106,14 @@ def _p2p_order(rank, mesh):
     return got
 
 
+_opt = adamw(eps=1e-8, weight_decay=0.01)         # torch's defaults
+
+
 def _correct(rank, mesh):
     model = make("gpt")
     args = batch("gpt", 4, 8, 0)[0]
     prog = fxtron.parallelize(model, mesh, example_inputs=args, sequence_parallel=True).program(rank)
-    opt = torch.optim.AdamW(prog.parameters(), lr=1e-3)
+    opt = _opt(prog.parameters())
     before = ledger.stats()["checked"]
     losses = [prog.train_step(batch("gpt", 4, 8, s)[0], opt) for s in range(2)]
     return {"losses": losses, "checked": ledger.stats()["checked"] - before}
@@ -120,12 +125,10 @@ TP = fxtron.Mesh(2, tp=2)
 PP = fxtron.Mesh(2, pp=2)
 
 
-@pytest.fixture(scope="module")
-def checked():
-    # the cases that raise leave both ranks at the same collective number, but "step-end"
-    # (one rank's collective against the other's step end) does not: it runs last on its mesh
-    jobs = {2: [(TP, ["correct", "widths", "ops", "extra", "step-end"]), (PP, ["p2p-order"])]}
-    return run_cases(jobs, _case, timeout_s=300, check_collectives=True, shm_transport=False)
+# the cases that raise leave both ranks at the same collective number, but "step-end"
+# (one rank's collective against the other's step end) does not: it runs last on its mesh
+checked = cases_fixture({2: [(TP, ["correct", "widths", "ops", "extra", "step-end"]), (PP, ["p2p-order"])]}, _case,
+                        timeout_s=300, check_collectives=True, shm_transport=False)
 
 
 def _errors(res, mesh, case):
@@ -171,7 +174,7 @@ def test_a_correct_program_is_checked_and_trains_unchanged(checked):
     out = [r["out"] for r in ranks_of(checked, TP, "correct")]
     assert all(o["checked"] > 20 for o in out), out        # every collective and both step ends
     ref = fxtron.testing.reference_training(make("gpt"), [batch("gpt", 4, 8, s) for s in range(2)],
-                                            lambda p: torch.optim.AdamW(p, lr=1e-3))
+                                            _opt)
     for o in out:
         assert max(abs(a - b) for a, b in zip(o["losses"], ref["losses"])) < 2e-6, (o["losses"], ref["losses"])
 

@@ -23,9 +23,9 @@ import fxtron
 from fxtron.compiler.report import count
 from fxtron.ops import cp as cp_ops
 from fxtron.runtime.batch import BatchSlicer
-from fxtron.testing import (assert_trains_like, max_abs_diff, ranks_of, reference_training, run_cases,
+from fxtron.testing import (adamw, assert_trains_like, max_abs_diff, ranks_of, reference_training, run_cases,
                             train_program)
-from tp_models import batch, make
+from tp_models import batch, batches, make
 
 SEQS = [16, 8]
 
@@ -218,18 +218,15 @@ class Case:
 
 
 def _batches(name):
-    out = []
-    for i, s in enumerate(SEQS):
-        args, kwargs = batch(name, 4, s, seed=10 + i)
+    out = batches(name, 4, SEQS, seed=10)
+    for (args, kwargs), s in zip(out, SEQS):
         labels = kwargs["labels"] if "labels" in kwargs else args[1]
         for row in (0, 2):                 # even over dp's halves of the batch, uneven over cp's chunks
             labels[row, : s // 4] = -100
-        out.append((args, kwargs))
     return out
 
 
-def _opt(params):
-    return torch.optim.AdamW(params, lr=1e-3, eps=1e-4, weight_decay=0.1)
+_opt = adamw(eps=1e-4)
 
 
 def _run_case(rank, mesh, case):
@@ -287,6 +284,7 @@ def trained(saved):
     return run_cases(_jobs(saved), _dispatch, check_collectives=True, shm_transport=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,case", [(w, Case(*c)) for w, cases in CASES.items() for c in cases],
                          ids=lambda x: x.key if isinstance(x, Case) else str(x))
 def test_trains_like_one_process(trained, world, case):
@@ -295,6 +293,7 @@ def test_trains_like_one_process(trained, world, case):
         assert_trains_like(got, ref, rank=rank)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", BF16, ids=lambda c: c.key)
 def test_bf16_trains_like_the_same_policy_in_one_process(trained, case):
     ref = reference_training(make(case.name), _batches(case.name), _opt, dtype=torch.bfloat16)
@@ -308,6 +307,7 @@ def test_bf16_trains_like_the_same_policy_in_one_process(trained, case):
         assert dw <= 2 * len(SEQS) * 1e-3, f"rank {rank}: weight {where} off by {dw:.3g}"
 
 
+@pytest.mark.slow
 def test_a_checkpoint_saved_at_cp2_loads_at_cp1(trained, saved):
     got = ranks_of(trained, fxtron.Mesh(2, cp=2), saved)[0]
     full = fxtron.load_full_state_dict(saved.path)

@@ -12,16 +12,14 @@ import torch
 
 import fxtron
 from fxtron.models import build, example_inputs
-from fxtron.testing import max_abs_diff, reference_training, run_on_ranks
+from fxtron.testing import adamw, max_abs_diff, reference_training, run_on_ranks
+
+pytestmark = pytest.mark.slow      # gloo jobs of 2 and 4 processes
 
 CASES = ["gpt-tiny", "llama-tiny"]
 SEQS = [16, 12, 16]        # per step: the sequence length changes, the program does not
 BATCH = 8
-
-
-def _opt(params):
-    # eps well above float32 gradient noise so Adam does not amplify round-off (see tests README)
-    return torch.optim.AdamW(params, lr=1e-3, eps=1e-6, weight_decay=0.1)
+_opt = adamw()             # eps well above float32 gradient noise (fxtron.testing.adamw)
 
 
 def _batches(name: str):

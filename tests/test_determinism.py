@@ -15,6 +15,8 @@ import fxtron
 from fxtron.testing import ranks_of, run_cases
 from tp_models import batch, make
 
+pytestmark = pytest.mark.slow      # gloo jobs of 2 and 4 processes
+
 CASES = [("tp", dict(tp=2), dict(sequence_parallel=False)), ("tp-sp", dict(tp=2), dict(sequence_parallel=True)),
          ("pp-1f1b", dict(pp=2), dict(microbatches=2)), ("pp-zbh1", dict(pp=2), dict(microbatches=2, schedule="zb-h1")),
          ("dp-zero1", dict(), dict(zero=1)), ("dp", dict(), dict()), ("cp-ring", dict(cp=2), dict(cp_comm_type="p2p")),

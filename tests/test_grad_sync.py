@@ -14,21 +14,20 @@ import pytest
 import torch
 
 import fxtron
-from fxtron.testing import max_abs_diff, ranks_of, reference_training, run_cases
-from tp_models import batch, make
+from fxtron.testing import adamw, cases_fixture, max_abs_diff, ranks_of, reference_training
+from tp_models import batch, batches, make
+
+pytestmark = pytest.mark.slow      # gloo jobs of 2, 4 and 8 processes
 
 SEQS = [16, 12, 16]
 BATCH = 8
 LR = 1e-3
 LOSS_TOL, GRAD_TOL, WEIGHT_TOL = 2e-6, 1e-6, 1e-5
-
-
-def _opt(params):
-    return torch.optim.AdamW(params, lr=LR, eps=1e-6, weight_decay=0.1)
+_opt = adamw(LR)
 
 
 def _batches(name):
-    return [batch(name, BATCH, s, seed=10 + i)[0] for i, s in enumerate(SEQS)]
+    return [args for args, _ in batches(name, BATCH, SEQS, seed=10)]
 
 
 class Case:
@@ -85,9 +84,7 @@ JOBS = {
 CASES = [(str(mesh), case) for plan in JOBS.values() for mesh, cases in plan for case in cases]
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_cases(JOBS, _run, timeout_s=900)
+results = cases_fixture(JOBS, _run, timeout_s=900)
 
 
 def _reference(name, layers, clip, dtype):

@@ -16,6 +16,8 @@ import fxtron
 from fxtron.runtime.groups import groups_for
 from fxtron.testing import run_on_ranks
 
+pytestmark = pytest.mark.slow      # gloo jobs and torchrun
+
 
 def _groups_job(rank: int, mesh: fxtron.Mesh):
     g = groups_for(mesh)

@@ -20,7 +20,7 @@ import torch
 
 import fxtron
 from fxtron import Mesh
-from fxtron.testing import ranks_of, run_cases
+from fxtron.testing import cases_fixture, ranks_of
 from tp_models import batch, make
 
 
@@ -339,16 +339,18 @@ def _mesh(axes):
     return Mesh(2, **axes)
 
 
-@pytest.fixture(scope="module")
-def stepped():
+def _jobs():
     plan: dict[str, list] = {}
     for c in STEP:
         plan.setdefault(str(_mesh(c.axes)), []).append(c.key)     # keys travel: the cases hold lambdas
     meshes = {str(_mesh(c.axes)): _mesh(c.axes) for c in STEP}
-    jobs = {2: [(meshes[k], keys + [AFTER]) for k, keys in plan.items()]}
-    return run_cases(jobs, _dispatch, timeout_s=600, collective_timeout_s=30)
+    return {2: [(meshes[k], keys + [AFTER]) for k, keys in plan.items()]}
 
 
+stepped = cases_fixture(_jobs, _dispatch, timeout_s=600, collective_timeout_s=30)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("case", STEP, ids=[c.key for c in STEP])
 def test_a_malformed_batch_is_refused_at_the_step(stepped, case):
     for rank, (kind, msg) in enumerate(ranks_of(stepped, _mesh(case.axes), case.key)):
@@ -356,6 +358,7 @@ def test_a_malformed_batch_is_refused_at_the_step(stepped, case):
         assert re.search(case.pattern, msg, re.S), f"rank {rank}: {msg}"
 
 
+@pytest.mark.slow
 def test_the_ranks_train_on_after_the_refused_steps(stepped):
     for axes in ({}, dict(tp=2), dict(cp=2), dict(pp=2)):
         losses = ranks_of(stepped, _mesh(axes), AFTER)

@@ -16,8 +16,10 @@ import pytest
 import torch
 
 import fxtron
-from fxtron.testing import max_abs_diff, reference_training, run_on_ranks, train_program
-from tp_models import batch, make
+from fxtron.testing import adamw, max_abs_diff, reference_training, run_on_ranks, train_program
+from tp_models import batch, batches, make
+
+pytestmark = pytest.mark.slow      # gloo jobs of 2 and 4 processes
 
 LR, STEPS = 1e-3, 3
 # (model, dtype, sequence parallel)
@@ -26,14 +28,11 @@ CASES = [("gpt", torch.bfloat16, False), ("llama", torch.bfloat16, False), ("lla
 GRAD_TOL = {torch.bfloat16: 2.0**-5, torch.float16: 2.0**-8}
 # tp=4 (a second job of 4 processes): a shipped and a transformers model, with and without sp
 CASES_TP4 = [("gpt", torch.bfloat16, True), ("hf-llama", torch.bfloat16, False)]
-
-
-def _opt(params):
-    return torch.optim.AdamW(params, lr=LR, eps=1e-6, weight_decay=0.1)
+_opt = adamw(LR)
 
 
 def _batches(name):
-    return [batch(name, 4, s, seed=100 + i) for i, s in enumerate([16, 12, 16])]
+    return batches(name, 4, [16, 12, 16], seed=100)
 
 
 def _key(name, dtype, sp):

@@ -35,7 +35,8 @@ import fxtron
 from fxtron.models import build, example_inputs
 from fxtron.ops import registry
 from fxtron.models.moe import Experts, MoEConfig, MoETransformer, SparseMoE, grouped_mm, switch_aux_loss
-from fxtron.testing import assert_trains_like, max_abs_diff, ranks_of, reference_training, run_cases, train_program
+from fxtron.testing import (adamw, assert_trains_like, cases_fixture, max_abs_diff, ranks_of, reference_training,
+                            train_program)
 
 CFG = MoEConfig(vocab_size=128, max_seq_len=64, n_layer=2, n_head=4, n_kv_head=2, dim=32, ffn_dim=48,
                 n_experts=4, top_k=2, shared_ffn_dim=32, aux_loss_coef=0.05)
@@ -133,8 +134,7 @@ def _steps(key):
     return SKEW_STEPS if key == "ep4-skew" else STEPS
 
 
-def _opt(params):
-    return torch.optim.AdamW(params, lr=1e-3, eps=1e-4, weight_decay=0.1)
+_opt = adamw(eps=1e-4)
 
 
 CASES = {"tp2": (dict(tp=2), {}), "tp2-sp": (dict(tp=2), dict(sequence_parallel=True)),
@@ -340,8 +340,8 @@ def _hf_world(key) -> int:
 
 
 def _hf_steps(name):
-    from tp_models import batch
-    return [batch(name, 4, 12, 20), batch(name, 4, 10, 21)]
+    from tp_models import batches
+    return batches(name, 4, [12, 10], seed=20)
 
 
 def _hf_pieces(item, n):
@@ -372,16 +372,18 @@ def _dispatch_case(rank, mesh, key):
     return _ep_ops(rank, mesh) if key == "ep-ops" else _run(rank, mesh, key)
 
 
-@pytest.fixture(scope="module")
-def trained():
+def _jobs():
     jobs = [(fxtron.Mesh(2, **axes), [key]) for key, (axes, _) in CASES.items() if key not in FOUR] + [(EP, ["ep-ops"])]
     jobs += [(fxtron.Mesh(2, **HF[k][1]), [k]) for k in HF if _hf_world(k) == 2]
     four = [(fxtron.Mesh(4, **CASES[k][0]), [k]) for k in FOUR] + [(EP_TP, EP_TP_OPS)]
     four += [(fxtron.Mesh(4, **HF[k][1]), [k]) for k in HF if _hf_world(k) == 4]
-    return run_cases({2: jobs, 4: four}, _dispatch_case,
-                     check_collectives=True)
+    return {2: jobs, 4: four}
 
 
+trained = cases_fixture(_jobs, _dispatch_case, check_collectives=True)
+
+
+@pytest.mark.slow
 def test_ep_dispatch_and_combine_equal_all_experts_on_one_rank(trained):
     out = ranks_of(trained, EP, "ep-ops")
     total = sum(o["grad_ref"] for o in out)              # every rank's copies reach the owning rank
@@ -399,6 +401,7 @@ def test_ep_dispatch_and_combine_equal_all_experts_on_one_rank(trained):
     assert sum(o["received"] for o in out) == (7 + 10) * K
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", EP_TP_OPS)
 def test_ep_shares_over_tp_equal_all_experts_on_one_rank(trained, key):
     out = ranks_of(trained, EP_TP, key)
@@ -451,6 +454,7 @@ def _capped(model):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", list(CASES))
 def test_trains_like_one_process(trained, key):
     # dp ranks and microbatches: each piece's loss (and aux) on its own, as gradient accumulation
@@ -493,6 +497,7 @@ def test_trains_like_one_process(trained, key):
             assert got["checked"] >= 2 * 12, got["checked"]    # 2 steps x 12 all-to-alls at least
 
 
+@pytest.mark.slow
 def test_ep_reports_the_routing_and_the_bytes_it_sent(trained):
     """ep=2, first step: the copies each expert received over the global batch equal the
     single-process model's routing of it (routing is per token), and the bytes each rank sent
@@ -530,6 +535,7 @@ def test_ep_reports_the_routing_and_the_bytes_it_sent(trained):
         assert min(both) < 0.75 * got["sent"], both                   # each about half, not the whole
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", list(HF))
 def test_transformers_moe_trains_like_one_process(trained, key):
     """transformers' Mixtral and Qwen3-MoE at ep=2, ep=4, ep=2 x tp=2 with sequence parallel and

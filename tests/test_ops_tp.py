@@ -289,6 +289,7 @@ def _close(a, b, tol=1e-10):
     torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol)
 
 
+@pytest.mark.slow
 def test_row_parallel_linear(job):
     tp, res = job
     d = _data(tp)
@@ -301,6 +302,7 @@ def test_row_parallel_linear(job):
     _close(unshard([o["row"][2] for o in res], 1, 2), W.grad)
 
 
+@pytest.mark.slow
 def test_column_parallel_fused_linear_with_f(job):
     tp, res = job
     d = _data(tp)
@@ -313,6 +315,7 @@ def test_column_parallel_fused_linear_with_f(job):
     _close(unshard([o["col"][2] for o in res], 0, 3), A.grad)
 
 
+@pytest.mark.slow
 def test_sequence_parallel_mlp(job):
     tp, res = job
     d = _data(tp)
@@ -325,6 +328,7 @@ def test_sequence_parallel_mlp(job):
     _close(unshard([o["sp"][3] for o in res], 1), B2.grad)
 
 
+@pytest.mark.slow
 def test_reduce_scatter_last_dim(job):
     tp, res = job
     d = _data(tp)
@@ -334,6 +338,7 @@ def test_reduce_scatter_last_dim(job):
         _close(o["rs1"][1], unshard(list(d["Gr"]), 1))
 
 
+@pytest.mark.slow
 def test_vocab_parallel_embedding(job):
     tp, res = job
     d = _data(tp)
@@ -345,6 +350,7 @@ def test_vocab_parallel_embedding(job):
     _close(unshard([o["emb"][1] for o in res], 0), E.grad)
 
 
+@pytest.mark.slow
 def test_vocab_parallel_cross_entropy(job):
     tp, res = job
     d = _data(tp)
@@ -366,6 +372,7 @@ def test_vocab_parallel_cross_entropy(job):
             assert (res[0]["ce"][i][0][ignored] == 0).all()
 
 
+@pytest.mark.slow
 def test_cross_entropy_issues_exactly_three_all_reduces(job):
     _, res = job
     for o in res:
@@ -377,6 +384,7 @@ def test_cross_entropy_issues_exactly_three_all_reduces(job):
                 assert bwd == [] and shm_fwd == shm_bwd == 0, bwd
 
 
+@pytest.mark.slow
 def test_collective_table_matches_what_ops_issue(job):
     _, res = job
     kinds = {"all_reduce": "all_reduce", "all_gather": "all_gather", "gather": "all_gather",
@@ -394,6 +402,7 @@ def test_collective_table_matches_what_ops_issue(job):
                 assert {kinds[c] for c, _ in calls} == ({comm.kind} if comm else set()), (name, phase)
 
 
+@pytest.mark.slow
 def test_one_rank_group_is_identity(job):
     _, res = job
     for same, grad in (o["one"] for o in res):

@@ -14,28 +14,26 @@ order check on (tests/test_collective_order.py).
 from __future__ import annotations
 
 import pytest
-import torch
 
 import fxtron
 from fxtron.runtime import schedules
-from fxtron.testing import max_abs_diff, ranks_of, reference_training, run_cases
-from tp_models import batch, make
+from fxtron.testing import adamw, max_abs_diff, ranks_of, reference_training, run_cases
+from tp_models import batch, batches, make
+
+pytestmark = pytest.mark.slow      # gloo jobs of 2, 4 and 8 processes
 
 SEQS = [16, 12]
 BATCH = 8
 VARYING = [16, 12, 8, 16]          # sequence lengths of the 4 microbatches of a Microbatches step
 LOSS_TOL, GRAD_TOL, WEIGHT_TOL = 2e-6, 1e-6, 1e-5
-
-
-def _opt(params):
-    return torch.optim.AdamW(params, lr=1e-3, eps=1e-6, weight_decay=0.1)
+_opt = adamw()
 
 
 def _steps(name: str, varying: bool, m: int) -> list:
     """Each step's input: a global batch (args, kwargs), or fxtron.Microbatches of m
     microbatches of different sequence lengths."""
     if not varying:
-        return [batch(name, BATCH, s, seed=10 + i) for i, s in enumerate(SEQS)]
+        return batches(name, BATCH, SEQS, seed=10)
     return [fxtron.Microbatches(batch(name, BATCH // m, s, seed=20 + 10 * i + j) for j, s in enumerate(VARYING[:m]))
             for i in range(len(SEQS))]
 

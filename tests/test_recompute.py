@@ -21,8 +21,8 @@ from fxtron.core import meta
 from fxtron.models.moe import MoEConfig, MoETransformer
 from fxtron.ops.rng import rng_call
 from fxtron.passes.recompute import region_labels
-from fxtron.testing import assert_trains_like, ranks_of, reference_training, run_cases, train_program
-from tp_models import batch, make
+from fxtron.testing import adamw, assert_trains_like, cases_fixture, ranks_of, reference_training, train_program
+from tp_models import batch, batches, make
 
 DROPOUT = 0.1
 
@@ -37,8 +37,13 @@ def _model(name: str, layers: int = 2):
     return make(name.removesuffix("-p0"), layers=layers)
 
 
+def _data(name: str) -> str:
+    """The tp_models name whose batches `name` trains on."""
+    return {"moe": "nanogpt", "llama-p0": "llama"}.get(name, name)   # nanogpt: ids < 64
+
+
 def _batch(name: str, b: int, s: int, seed: int):
-    return batch({"moe": "nanogpt", "llama-p0": "llama"}.get(name, name), b, s, seed)   # nanogpt: ids < 64
+    return batch(_data(name), b, s, seed)
 
 
 def _graphs(pm, rank=0):
@@ -106,8 +111,7 @@ def test_full_needs_layers():
         pm.program(0)
 
 
-def _opt(params):
-    return torch.optim.AdamW(params, lr=1e-3, eps=1e-6)
+_opt = adamw(eps=1e-6, weight_decay=0.01)
 
 
 def _saved_peak(prog, steps):
@@ -128,7 +132,7 @@ def _saved_peak(prog, steps):
                                 dict(recompute="full", recompute_method="block", recompute_layers=1)],
                          ids=["selective", "full", "full-uniform2", "full-block1"])
 def test_one_process_equals_the_run_without(kw):
-    steps = [_batch("gpt", 4, 16, 10 + i) for i in range(2)]
+    steps = batches("gpt", 4, [16, 16], seed=10)
     args, _ = steps[0]
     base = _saved_peak(fxtron.parallelize(_model("gpt", 4), fxtron.Mesh(1), example_inputs=args).program(0), steps)
     got = _saved_peak(fxtron.parallelize(_model("gpt", 4), fxtron.Mesh(1), example_inputs=args, **kw).program(0), steps)
@@ -140,7 +144,7 @@ def test_one_process_equals_the_unmodified_model(recompute):
     """Without dropout, a recomputed program trains as the unmodified model in one process does
     (Llama, written-out attention of transformers' GPT-2: losses, first-step gradients, weights)."""
     for name in ("llama", "hf-gpt2-eager"):
-        steps = [_batch(name, 4, s, 10 + i) for i, s in enumerate((16, 8))]
+        steps = batches(name, 4, [16, 8], seed=10)
         args, kwargs = _batch(name, 2, 8, 0)
         pm = fxtron.parallelize(make(name), fxtron.Mesh(1), example_inputs=args, example_kwargs=kwargs,
                                 recompute=recompute)
@@ -180,7 +184,7 @@ def _run(rank, mesh, key):
     import warnings
     name, _, kw, rc = CASES[key]
     layers = LAYERS.get(key, 2)
-    steps = [_batch(name, 4, s, 10 + i) for i, s in enumerate((16, 8))]
+    steps = batches(_data(name), 4, [16, 8], seed=10)
     args, kwargs = _batch(name, 2, 8, 0)
     out = []
     with warnings.catch_warnings():
@@ -191,16 +195,18 @@ def _run(rank, mesh, key):
     return out
 
 
-@pytest.fixture(scope="module")
-def results():
+def _jobs():
     by_mesh: dict[str, tuple] = {}
     for key, (_, axes, _, _) in CASES.items():
         mesh = fxtron.Mesh(4, **axes)
         by_mesh.setdefault(str(mesh), (mesh, []))[1].append(key)
-    jobs = {4: list(by_mesh.values())}
-    return run_cases(jobs, _run, timeout_s=900)
+    return {4: list(by_mesh.values())}
 
 
+results = cases_fixture(_jobs, _run, timeout_s=900)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("key", list(CASES))
 def test_recomputation_changes_no_number(results, key):
     mesh = fxtron.Mesh(4, **CASES[key][1])
@@ -253,11 +259,12 @@ def test_transformers_attention_variants(name):
         assert got_loss == loss and all(torch.equal(grads[k], got[k]) for k in grads), rc
 
 
+@pytest.mark.slow
 def test_recomputed_ring_trains_as_the_unmodified_model(results):
     """The case without dropout (cp x tp, the ring recomputed): against one process as well."""
     key = "cp2-tp2-ring-full"
     name, axes = CASES[key][0], CASES[key][1]
-    steps = [_batch(name, 4, s, 10 + i) for i, s in enumerate((16, 8))]
+    steps = batches(_data(name), 4, [16, 8], seed=10)
     ref = reference_training(_model(name), steps, _opt)
     for rank, (_, got) in enumerate(ranks_of(results, fxtron.Mesh(4, **axes), key)):
         assert_trains_like({"losses": got[0], "grads": got[1], "state": got[2]}, ref, rank=rank)

@@ -23,6 +23,8 @@ from fxtron.runtime.groups import groups_for
 from fxtron.testing import run_on_ranks
 from tp_models import batch, make
 
+pytestmark = pytest.mark.slow      # a 2-process gloo job
+
 BIG = shm.CAPACITY // 4 + 1000        # fp32 elements: more than one slot
 
 

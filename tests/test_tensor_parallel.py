@@ -12,19 +12,18 @@ import pytest
 import torch
 
 import fxtron
-from fxtron.testing import assert_trains_like, reference_training, run_cases, train_program
-from tp_models import OP_NAMES, NAMES, batch, make
+from fxtron.testing import adamw, assert_trains_like, cases_fixture, reference_training, train_program
+from tp_models import OP_NAMES, NAMES, batch, batches, make
+
+pytestmark = pytest.mark.slow      # gloo jobs of 2 and 4 processes
 
 SEQS = [16, 12, 16]
 BATCH = 4
-
-
-def _opt(params):
-    return torch.optim.AdamW(params, lr=1e-3, eps=1e-6, weight_decay=0.1)
+_opt = adamw()
 
 
 def _batches(name):
-    return [batch(name, BATCH, s, seed=10 + i) for i, s in enumerate(SEQS)]
+    return batches(name, BATCH, SEQS, seed=10)
 
 
 def _train_parallel(rank: int, name: str, mesh: fxtron.Mesh, sp: bool = False) -> dict:
@@ -83,9 +82,7 @@ def _cases(mesh: fxtron.Mesh) -> list[str]:
     return cases
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_cases({world: [(m, _cases(m)) for m in meshes] for world, meshes in MESHES.items()}, _run_case)
+results = cases_fixture({world: [(m, _cases(m)) for m in meshes] for world, meshes in MESHES.items()}, _run_case)
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,10 @@ import torch
 
 import fxtron
 from fxtron.compiler.report import count
-from fxtron.testing import assert_trains_like, reference_training, run_cases, train_program
-from tp_models import ZOO, batch, make
+from fxtron.testing import adamw, assert_trains_like, cases_fixture, reference_training, train_program
+from tp_models import ZOO, batch, batches, make
+
+pytestmark = pytest.mark.slow      # a minute of compiling 25 architectures, then gloo jobs of 2 and 4 processes
 
 ARCHS = list(ZOO)
 LAYERS = 2
@@ -44,14 +46,11 @@ STATISTICS = {"OLMo2": 2, "OLMoE": 2}
 WHOLE_BY_DESIGN = ("a router", "a low-rank down-projection")
 LAYER_PARAM = re.compile(r"\.(layers|h)\.\d+\.")
 SEQS = [16, 12]
-
-
-def _opt(params):
-    return torch.optim.AdamW(params, lr=1e-3, eps=1e-4, weight_decay=0.1)
+_opt = adamw(eps=1e-4)
 
 
 def _batches(name):
-    return [batch(name, 4, s, seed=10 + i) for i, s in enumerate(SEQS)]
+    return batches(name, 4, SEQS, seed=10)
 
 
 def _pm(name, tp, **kw):
@@ -101,9 +100,7 @@ MESH2, MESH4 = fxtron.Mesh(2, tp=2), fxtron.Mesh(4, tp=4)
 CASES = [(MESH2, a) for a in ARCHS] + [(MESH2, a + "+sp") for a in SP] + [(MESH4, a) for a in TP4]
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_cases({2: [(MESH2, ARCHS + [a + "+sp" for a in SP])], 4: [(MESH4, TP4)]}, _train)
+results = cases_fixture({2: [(MESH2, ARCHS + [a + "+sp" for a in SP])], 4: [(MESH4, TP4)]}, _train)
 
 
 @pytest.fixture(scope="module")

@@ -233,6 +233,12 @@ def batch(name: str, b: int, s: int, seed: int) -> dict | tuple:
     return (ids[:, :-1].clone(), ids[:, 1:].clone()), {}
 
 
+def batches(name: str, b: int, seqs, seed: int) -> list:
+    """One global batch per step, as `batch` makes them: step i of sequence length seqs[i],
+    drawn with seed + i."""
+    return [batch(name, b, s, seed + i) for i, s in enumerate(seqs)]
+
+
 def loss_of(model, args, kwargs) -> torch.Tensor:
     out = model(*args, **kwargs)
     return out if isinstance(out, torch.Tensor) else out.loss
