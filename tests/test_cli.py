@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from fxtron.cli import main
 from fxtron.config import TrainConfig
 from fxtron.train import run
@@ -25,6 +27,7 @@ def test_mesh_error_says_what_to_change():
     assert "ParallelizeError" in proc.stderr and "10" in proc.stderr
 
 
+@pytest.mark.slow     # two processes
 def test_train_matches_one_process(capsys, tmp_path):
     cfg = TrainConfig().replace(model="gpt-tiny", world_size=2, steps=4, batch=4, seq=32, max_bytes=200_000,
                                 trace=str(tmp_path))
@@ -44,6 +47,7 @@ def test_train_matches_one_process(capsys, tmp_path):
     assert (tmp_path / "schedule.png").stat().st_size > 0
 
 
+@pytest.mark.slow     # two processes
 def test_train_a_mixture_of_experts_over_ep_shows_the_load(capsys):
     cfg = TrainConfig().replace(model="moe-tiny", world_size=2, ep=2, steps=3, batch=4, seq=32, max_bytes=200_000)
     out = run(cfg)

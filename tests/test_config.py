@@ -193,6 +193,7 @@ def test_inspect_reads_the_options(capsys):
     assert out["pipeline"]["schedule"] == "gpipe" and out["pipeline"]["microbatches"] == 4
 
 
+@pytest.mark.slow     # three interpreters
 def test_a_bad_flag_exits_2_naming_it():
     proc = subprocess.run([sys.executable, "-m", "fxtron", "train", "--schedule", "1fb1"], capture_output=True,
                           text=True, timeout=120)

@@ -55,7 +55,7 @@ def _run(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
         if step == 0:
             grads = prog.full_grads()
     buf = prog.grad_buffer
-    zero = prog._zero
+    zero = prog.zero
     state = zero.state_bytes() if zero is not None else sum(
         t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
     return {"losses": losses, "grads": grads, "state": prog.full_state_dict(), "norms": norms,

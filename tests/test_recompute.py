@@ -95,7 +95,7 @@ def test_full_marks_layers_uniform_and_block():
 
 @pytest.mark.parametrize("kw,msg", [(dict(recompute="everything"), "recompute must be one of"),
                                     (dict(recompute="selective", recompute_layers=2), "belong to recompute='full'"),
-                                    (dict(recompute="full", recompute_layers=0), "positive number of layers"),
+                                    (dict(recompute="full", recompute_layers=0), "recompute_layers must be a positive int"),
                                     (dict(recompute="full", recompute_method="blocks"), "recompute_method must be"),
                                     (dict(recompute_layers=2), "need recompute='full'")])
 def test_bad_options_name_what_to_change(kw, msg):

@@ -162,7 +162,7 @@ def test_pipeline_program_has_no_plain_forward():
     pm = _pm("gpt", fxtron.Mesh(2, pp=2))
     from fxtron.runtime.build import build_program
     rg = pm.compiled(0)
-    prog = build_program(pm.model, rg.spec(), None, pipeline=pm.pipeline_options())
+    prog = build_program(pm.model, rg.spec(), None, pm.config)
     assert set(n for n, _ in prog.named_parameters()) == set(rg.local)
     with pytest.raises(ParallelizeError, match="train_step"):
         prog(*batch("gpt", 2, 8, seed=0)[0])
