@@ -48,7 +48,7 @@ def _cmd_inspect(a) -> int:
     from fxtron.inspection import inspect, load_model
 
     cfg = config.from_arguments(a, TrainConfig)
-    model, args, kwargs = load_model(a.model)
+    model, args, kwargs = load_model(a.model, overrides=_key_values(a.model_config))
     if a.what_if:
         from fxtron.compiler.trace import trace
         traced = trace(model, args, example_kwargs=kwargs)
@@ -86,6 +86,21 @@ def _cmd_inspect(a) -> int:
     return 0
 
 
+def _key_values(pairs: list[str]) -> dict:
+    """KEY=VALUE strings as a dict, each value read as JSON where it is (4, 1e-5, true, [1, 2])."""
+    import json
+    out = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise ParallelizeError(f"--model-config takes KEY=VALUE pairs, not {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
 def _cmd_bench(a) -> int:
     from fxtron.bench import run
     return run(quick=a.quick, output=a.output, extra=a.pytest_args)
@@ -110,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="compile one rank of a mesh without processes and describe it")
     p.add_argument("model", help="preset (gpt-tiny .. llama-7b), hf:<architecture> (hf:llama), or module:factory")
     p.add_argument("--rank", type=int, default=None, help="the rank to compile (default 0)")
+    p.add_argument("--model-config", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="fields of an hf:<architecture>'s transformers config (num_hidden_layers=4 hidden_size=1024)")
     p.add_argument("--batch", type=int, default=1, help="sequences per rank and microbatch, to evaluate the formulas")
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence, to evaluate the formulas")
     p.add_argument("--json", action="store_true", help="the same as data")

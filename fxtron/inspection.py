@@ -25,14 +25,18 @@ from fxtron.errors import ParallelizeError
 DUMP_ENV = "FXTRON_DUMP"
 
 
-def load_model(spec: str, *, batch: int = 2, seq: int = 16):
-    """(model on the meta device where possible, example args, example kwargs) for `spec`."""
+def load_model(spec: str, *, batch: int = 2, seq: int = 16, overrides: dict | None = None):
+    """(model on the meta device where possible, example args, example kwargs) for `spec`.
+    `overrides` set fields of an hf:<architecture>'s transformers config (num_hidden_layers=4)."""
     from fxtron import models
+    if overrides and not spec.startswith("hf:"):
+        raise ParallelizeError(f"a model configuration ({', '.join(overrides)}) is for hf:<architecture> models; "
+                               f"{spec!r} is not one")
     if spec in models.PRESETS:
         model = models.build(spec, device="meta")
         return model, models.example_inputs(spec, batch, seq, device="meta"), {}
     if spec.startswith("hf:"):
-        return _hf_model(spec[3:], batch, seq)
+        return _hf_model(spec[3:], batch, seq, overrides or {})
     if ":" in spec:
         mod, _, fn = spec.partition(":")
         try:
@@ -52,7 +56,7 @@ def load_model(spec: str, *, batch: int = 2, seq: int = 16):
                            "(hf:llama, hf:gpt2, ...) or package.module:factory")
 
 
-def _hf_model(arch: str, batch: int, seq: int):
+def _hf_model(arch: str, batch: int, seq: int, overrides: dict):
     try:
         import transformers
     except ImportError:
@@ -61,6 +65,14 @@ def _hf_model(arch: str, batch: int, seq: int):
         cfg = transformers.AutoConfig.for_model(arch)
     except ValueError as e:
         raise ParallelizeError(f"transformers knows no architecture {arch!r}: {e}") from None
+    known = set(cfg.to_dict())
+    for key, value in overrides.items():
+        if key not in known:
+            import difflib
+            near = difflib.get_close_matches(key, sorted(known), n=3)
+            raise ParallelizeError(f"{type(cfg).__name__} has no field {key!r}"
+                                   + (f" (did you mean {', '.join(map(repr, near))}?)" if near else ""))
+        setattr(cfg, key, value)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     ids = torch.zeros((batch, seq), dtype=torch.long, device="meta")

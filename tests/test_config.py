@@ -213,3 +213,16 @@ def test_every_field_is_documented_and_typed():
             assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help"
             assert hints[f.name] is not typing.Any
     TrainConfig.fields_by_shorthand()     # the shorthands are unique over the trainer's tree too
+
+
+def test_inspect_gives_an_hf_architecture_its_configuration(capsys):
+    import json
+    assert main(["inspect", "hf:llama", "--model-config", "num_hidden_layers=2", "hidden_size=256",
+                 "intermediate_size=512", "num_attention_heads=4", "num_key_value_heads=4", "vocab_size=1000",
+                 "--tp", "2", "--seq", "64", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["memory"]["parameters"] < 4 * 2 * 1000 * 256 + 4 * 2 * 256 * 1536    # the small model, not 7B
+    assert main(["inspect", "hf:llama", "--model-config", "num_hiden_layers=2"]) == 2
+    assert "did you mean 'num_hidden_layers'" in capsys.readouterr().err
+    assert main(["inspect", "gpt-tiny", "--model-config", "n_layer=2"]) == 2
+    assert "for hf:<architecture> models" in capsys.readouterr().err
