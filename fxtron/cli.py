@@ -23,15 +23,34 @@ def _config_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None
     config.add_arguments(p, TrainConfig, skip=skip)
 
 
+def _with_world(cfg: TrainConfig, default: int) -> TrainConfig:
+    """The command's default world size where none was given: `default` ranks when the
+    model-parallel sizes divide it, else one data-parallel replica."""
+    if cfg.mesh.world_size is not None:
+        return cfg
+    m = cfg.mesh
+    model_parallel = m.tp * m.pp * m.cp * m.ep
+    return cfg.replace(world_size=default if default % model_parallel == 0 else model_parallel)
+
+
+def _sets(path: str | None, section: str, name: str) -> bool:
+    """Whether the TOML file at `path` sets [section] name."""
+    if path is None:
+        return False
+    import tomllib
+    with open(path, "rb") as fh:
+        return name in tomllib.load(fh).get(section, {})
+
+
 def _cmd_mesh(a) -> int:
-    print(config.from_arguments(a, TrainConfig).mesh.mesh().format_table())
+    print(_with_world(config.from_arguments(a, TrainConfig), 8).mesh.mesh().format_table())
     return 0
 
 
 def _cmd_train(a) -> int:
     from fxtron.train import run
 
-    cfg = config.from_arguments(a, TrainConfig)
+    cfg = _with_world(config.from_arguments(a, TrainConfig), 4)
     if a.print_config:
         print(cfg.to_toml(), end="")
         return 0
@@ -47,7 +66,7 @@ def _cmd_inspect(a) -> int:
     from fxtron import planner
     from fxtron.inspection import inspect, load_model
 
-    cfg = config.from_arguments(a, TrainConfig)
+    cfg = _with_world(config.from_arguments(a, TrainConfig), 8)
     model, args, kwargs = load_model(a.model, overrides=_key_values(a.model_config))
     if a.what_if:
         from fxtron.compiler.trace import trace
@@ -71,7 +90,8 @@ def _cmd_inspect(a) -> int:
         print(planner.format_candidates(ps, hw, top=a.top))
         return 0
     mesh = cfg.mesh.mesh()
-    if mesh.pp > 1 and a.config is None and "microbatches" not in config.given(a).get("pipeline", {}):
+    if mesh.pp > 1 and "microbatches" not in config.given(a).get("pipeline", {}) and \
+            not _sets(a.config, "pipeline", "microbatches"):
         cfg = cfg.replace(microbatches=2 * mesh.pp)      # inspect's default: 2 microbatches per stage
     pm = fxtron.parallelize(model, mesh, example_inputs=args, example_kwargs=kwargs, config=cfg.parallel())
     rank = a.rank if a.rank is not None else 0

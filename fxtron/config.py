@@ -376,9 +376,14 @@ class RecomputeConfig(Section):
                                        "recompute_method and recompute_layers belong to recompute='full' (as "
                                        "Megatron's --recompute-num-layers must be unset with --recompute-granularity "
                                        "selective)")
-        else:       # full: uniform groups of one layer unless told
-            object.__setattr__(self, "method", self.method or "uniform")
-            object.__setattr__(self, "num_layers", 1 if self.num_layers is None else self.num_layers)
+
+    def resolved(self) -> tuple[str | None, str | None, int | None]:
+        """(granularity, method, num_layers) with full's defaults filled in (uniform groups of
+        one layer, Megatron's); the fields keep what was given, so a configuration that changes
+        the granularity later carries no default it did not choose."""
+        if self.granularity != "full":
+            return self.granularity, None, None
+        return "full", self.method or "uniform", 1 if self.num_layers is None else self.num_layers
 
 
 @dataclass(frozen=True)
@@ -408,14 +413,17 @@ class DebugConfig(Section):
                           help="check every pass's output graph (placements, a collective at every mismatch)")
     check_collectives: bool = option(factory=lambda: env_flag("FXTRON_CHECK_COLLECTIVES", False),
                                      env="FXTRON_CHECK_COLLECTIVES",
-                                     help="before every collective, check every rank of its group issues the same one")
+                                     help="before every collective, check every rank of its group issues the same one "
+                                          "(read where the process groups are made: fxtron train, launch, "
+                                          "init_distributed)")
     flight_dir: str | None = option(factory=lambda: env_str("FXTRON_FLIGHT_DIR"), env="FXTRON_FLIGHT_DIR",
                                     help="the flight recorder's directory: each rank's last collectives, written on "
-                                         "a failure or a timeout")
+                                         "a failure or a timeout (read where the process groups are made)")
     dump: str | None = option(factory=lambda: env_str("FXTRON_DUMP"), env="FXTRON_DUMP",
                               help="write the graph after every pass to this directory")
     shm: bool = option(factory=lambda: env_flag("FXTRON_SHM", True), env="FXTRON_SHM",
-                       help="tensor-parallel collectives of one host through shared memory")
+                       help="tensor-parallel collectives of one host through shared memory (read where the "
+                            "process groups are made)")
     p2p_tags: bool = option(factory=lambda: env_flag("FXTRON_P2P_TAGS", True), env="FXTRON_P2P_TAGS",
                             help="tag pipeline messages by microbatch and chunk (off for backends without tags)")
 
@@ -567,7 +575,12 @@ class Config:
             raise ParallelizeError(f"configuration file {path} does not exist") from None
         except tomllib.TOMLDecodeError as e:
             raise ParallelizeError(f"configuration file {path} is not valid TOML: {e}") from None
-        return cls.from_dict(data, base=base, source=path)
+        try:
+            return cls.from_dict(data, base=base, source=path)
+        except ParallelizeError as e:
+            if str(e).startswith(path):
+                raise
+            raise ParallelizeError(f"{path}: {e}") from None
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -580,8 +593,8 @@ def _default(f: dataclasses.Field) -> Any:
 
 def _from_text(tp, value: Any) -> Any:
     """A value read from TOML or a flag: "none" is None where the field takes None."""
-    _, nullable = _optional(tp)
-    if nullable and isinstance(value, str) and value.lower() == "none":
+    inner, nullable = _optional(tp)
+    if nullable and inner is not str and isinstance(value, str) and value.lower() == "none":
         return None
     return value
 
@@ -592,7 +605,8 @@ class MeshConfig(Section):
     """The device mesh (fxtron.Mesh)."""
 
     _name = "mesh"
-    world_size: int | None = option(None, positive=True, help="number of ranks (default: tp x pp x cp x ep, dp=1)")
+    world_size: int | None = option(None, positive=True, help="number of ranks (default: the command's; in Python "
+                                                              "tp x pp x cp x ep, dp=1)")
     tp: int = option(1, positive=True, help="tensor parallel size")
     pp: int = option(1, positive=True, help="pipeline parallel size")
     cp: int = option(1, positive=True, help="context parallel size")

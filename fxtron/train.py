@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from fxtron.config import TrainConfig
+from fxtron.errors import ParallelizeError
 
 
 def load_text(path: str | None, max_bytes: int) -> torch.Tensor:
@@ -101,6 +102,7 @@ def train_reference(cfg: TrainConfig) -> list[float]:
     data = load_text(cfg.data.path, cfg.data.max_bytes)
     model = build(cfg.model.name, seed=cfg.training.seed)
     opt = _optimizer(model.parameters(), cfg)
+    clip = cfg.data_parallel.clip_grad
     losses = []
     pieces = cfg.mesh.mesh().dp * cfg.pipeline.microbatches
     for step in range(cfg.training.steps):
@@ -108,9 +110,25 @@ def train_reference(cfg: TrainConfig) -> list[float]:
         idx, tgt = batch_at(data, step, cfg)
         loss = sum(model(i, t) for i, t in zip(idx.chunk(pieces), tgt.chunk(pieces))) / pieces
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         losses.append(float(loss.detach()))
     return losses
+
+
+def reference_differs(cfg: TrainConfig) -> list[str]:
+    """The options under which the one-process reference (train_reference) is another training."""
+    out = []
+    if cfg.precision.dtype != "fp32":
+        out.append(f"dtype={cfg.precision.dtype} (the reference computes in fp32)")
+    if cfg.data_parallel.grad_reduce_dtype not in (None, "fp32"):
+        out.append(f"grad_reduce_dtype={cfg.data_parallel.grad_reduce_dtype}")
+    if cfg.experts.capacity_factor is not None:
+        out.append(f"moe_capacity_factor={cfg.experts.capacity_factor} (tokens dropped per rank)")
+    if cfg.experts.aux_loss == "global":
+        out.append("moe_aux_loss='global' (the reference's pieces each take their own load-balancing loss)")
+    return out
 
 
 def run(cfg: TrainConfig) -> dict:
@@ -119,6 +137,12 @@ def run(cfg: TrainConfig) -> dict:
     import fxtron
 
     cfg.check()      # every option against the mesh, before any process starts
+    if cfg.training.compare:
+        unmodeled = reference_differs(cfg)
+        if unmodeled:
+            raise ParallelizeError(
+                f"--compare holds the run to the same training in one fp32 process, which does not model "
+                f"{'; '.join(unmodeled)}: its differences would not be round-off. Pass --no-compare")
     mesh, steps = cfg.mesh.mesh(), cfg.training.steps
     t0 = time.perf_counter()
     results = fxtron.launch(train_rank, mesh, args=(cfg,), shm_transport=cfg.debug.shm,

@@ -94,7 +94,9 @@ def test_shorthand_and_config_are_one_thing():
     assert over.pipeline.microbatches == 8 and over.pipeline.schedule == "interleaved"
     # every shorthand names one field; the options read back by shorthand
     assert set(Config().options()) == set(Config.fields_by_shorthand())
-    assert Config().replace(recompute="full").recompute == C.RecomputeConfig("full", "uniform", 1)
+    assert Config().replace(recompute="full").recompute.resolved() == ("full", "uniform", 1)
+    # what was not given stays unset, so the granularity can change later
+    assert Config().replace(recompute="full").replace(recompute="selective").recompute.resolved() == ("selective", None, None)
     with pytest.raises(fxtron.ParallelizeError, match="zb-h1.*gradient_accumulation_fusion"):
         Config().replace(schedule="zb-h1", gradient_accumulation_fusion=False)
 
@@ -226,3 +228,47 @@ def test_inspect_gives_an_hf_architecture_its_configuration(capsys):
     assert "did you mean 'num_hidden_layers'" in capsys.readouterr().err
     assert main(["inspect", "gpt-tiny", "--model-config", "n_layer=2"]) == 2
     assert "for hf:<architecture> models" in capsys.readouterr().err
+
+
+def test_a_file_sets_what_it_names_and_no_more(tmp_path, capsys):
+    # recomputation: full's defaults are not written into the tree, so a flag may change the granularity
+    assert main(["train", "--recompute", "full", "--print-config"]) == 0
+    path = _write(tmp_path / "full.toml", capsys.readouterr().out)
+    assert main(["train", "--config", str(path), "--recompute", "selective", "--print-config"]) == 0
+    assert TrainConfig.from_toml(str(_write(tmp_path / "sel.toml", capsys.readouterr().out))).recompute.resolved() == \
+        ("selective", None, None)
+    # inspect's 2 x pp microbatches unless the flags or the file set them
+    import json
+    pp = _write(tmp_path / "pp.toml", "[mesh]\npp = 2\nworld_size = 2\n")
+    assert main(["inspect", "gpt-tiny", "--config", str(pp), "--json", "--seq", "32"]) == 0
+    assert json.loads(capsys.readouterr().out)["pipeline"]["microbatches"] == 4
+    three = _write(tmp_path / "m3.toml", "[mesh]\npp = 2\nworld_size = 2\n[pipeline]\nmicrobatches = 3\n")
+    assert main(["inspect", "gpt-tiny", "--config", str(three), "--json", "--seq", "32"]) == 0
+    assert json.loads(capsys.readouterr().out)["pipeline"]["microbatches"] == 3
+    # a bad value in a file names the file; a string field keeps the word "none"
+    bad = _write(tmp_path / "bad.toml", "[data_parallel]\nbucket_size = 0\n")
+    with pytest.raises(fxtron.ParallelizeError, match=r"bad.toml: bucket_size must be a positive int"):
+        TrainConfig.from_toml(str(bad))
+    assert TrainConfig.from_dict({"training": {"trace": "none"}}).training.trace == "none"
+    # each command's world size: 8 for mesh and inspect, 4 for train, where the model-parallel sizes divide it
+    assert main(["train", "--print-config", "--tp", "2"]) == 0
+    assert "world_size = 4" in capsys.readouterr().out
+    assert main(["train", "--print-config", "--tp", "3"]) == 0
+    assert "world_size = 3" in capsys.readouterr().out
+
+
+def test_what_parallelize_cannot_apply_is_said():
+    from fxtron.models import build, example_inputs
+    with pytest.warns(fxtron.ParallelizeWarning, match="check_collectives take effect where the process groups"):
+        fxtron.parallelize(build("gpt-tiny"), fxtron.Mesh(1), example_inputs=example_inputs("gpt-tiny", 2, 16),
+                           check_collectives=True)
+    with pytest.raises(fxtron.ParallelizeError, match="give them to launch"):
+        fxtron.parallelize(_Untraceable(), fxtron.Mesh(1), shm=False, strict=True)
+
+
+def test_the_trainer_refuses_a_comparison_it_cannot_make():
+    from fxtron.train import run
+    for kw, what in [(dict(dtype="bf16"), "dtype=bf16"), (dict(grad_reduce_dtype="bf16"), "grad_reduce_dtype"),
+                     (dict(moe_aux_loss="global", model="moe-tiny"), "moe_aux_loss='global'")]:
+        with pytest.raises(fxtron.ParallelizeError, match=f"does not model {what}.*--no-compare"):
+            run(TrainConfig().replace(world_size=1, **kw))

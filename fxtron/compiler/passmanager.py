@@ -209,10 +209,10 @@ def _split_stages(s: RankState) -> None:
 
 
 def _mark_recompute(s: RankState) -> None:
-    r = s.config.recompute
+    granularity, method, layers = s.config.recompute.resolved()
     prefix = s.stage_assignment.layer_list if s.stage_assignment is not None else None
     for g in ([s.gm] if s.stages is None else [st.gm for st in s.stages]):
-        mark_recompute(g, r.granularity, r.method, r.num_layers, prefix=prefix)
+        mark_recompute(g, granularity, method, layers, prefix=prefix)
 
 
 def shard_params(gm: fx.GraphModule, mesh: MeshView, mine: set[str]) -> dict[str, LocalParam]:

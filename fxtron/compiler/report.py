@@ -300,13 +300,13 @@ def recompute_note(config, mesh: Mesh, pipelined: bool, compiled) -> str:
     """One line: how activations are recomputed and the regions found, per pp rank
     (`compiled(rank)` gives a rank's RankGraph)."""
     from fxtron.passes.recompute import region_labels
-    r = config.recompute
-    if r.granularity == "selective":
+    granularity, method, layers = config.recompute.resolved()
+    if granularity == "selective":
         how = "selective: every attention core's scores, softmax and dropout recomputed in backward from q, k, v"
     else:
-        how = (f"full, {r.method} {r.num_layers}: " +
-               (f"layers in groups of {r.num_layers}, each group keeping only its input" if r.method == "uniform" else
-                f"the first {r.num_layers} layer(s) of every stage keep only their inputs"))
+        how = (f"full, {method} {layers}: " +
+               (f"layers in groups of {layers}, each group keeping only its input" if method == "uniform" else
+                f"the first {layers} layer(s) of every stage keep only their inputs"))
     regions: dict[int, list[str]] = {}     # per pp rank (the stages differ; tp, cp, ep, dp ranks do not)
     for pp in range(mesh.pp):
         rank = next(q for q in range(mesh.world_size) if mesh.coords(q)["pp"] == pp)

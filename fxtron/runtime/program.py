@@ -243,7 +243,8 @@ class Program(nn.Module):
             whole = Stage(index=0, gm=None, params=[], buffers=[], user_inputs=[], has_loss=True)
             stages = self._stages if self._stages is not None else [whole]
             acts = schedules.actions(opts.schedule, pp, opts.microbatches, pp_rank, opts.virtual_stages)
-            p2p = P2P(self.groups, scatter_gather=opts.scatter_gather) if pp > 1 else None
+            p2p = (P2P(self.groups, scatter_gather=opts.scatter_gather, match_by_tag=self.config.debug.p2p_tags)
+                   if pp > 1 else None)
             self._runner = StageRunner(stages, self._call_stage, acts, num_stages=pp * opts.virtual_stages,
                                        microbatches=opts.microbatches, p2p=p2p,
                                        zero_bubble=opts.schedule == "zb-h1", before_last_backward=self.grads.last_backward,
