@@ -187,9 +187,11 @@ def resolve_config(config: Config | None, options: dict) -> Config:
     made = sorted(k for k in ("shm", "check_collectives", "flight_dir") if k in options)
     if made:
         warn_or_raise(f"{', '.join(made)} take effect where the process groups are made -- fxtron.launch(..., "
-                      f"shm_transport=, check_collectives=, flight_dir=) or fxtron.init_distributed -- not in "
-                      f"parallelize, whose programs use the groups as they were made", strict=config.debug.strict,
-                      fix=": give them to launch / init_distributed (or the FXTRON_* variables)", stacklevel=3)
+                      f"shm_transport=, check_collectives=, flight_dir=) or fxtron.init_distributed(..., "
+                      f"shm_transport=, check_collectives=) -- not in parallelize, whose programs use the groups as "
+                      f"they were made", strict=config.debug.strict,
+                      fix=": give them to launch or init_distributed (or set FXTRON_SHM, FXTRON_CHECK_COLLECTIVES, "
+                          "FXTRON_FLIGHT_DIR)", stacklevel=3)
     if config.inputs.device is None:
         config = config.replace(device=config.inputs.resolved_device())
     return config

@@ -296,9 +296,11 @@ class PipelineConfig(Section):
                 raise ParallelizeError("schedule='interleaved' needs pipeline parallel (mesh.pp > 1)")
             if self.microbatches % pp:
                 m = self.microbatches
+                below, above = max(pp, m // pp * pp), (m // pp + 1) * pp
+                use = f"{below} or {above}" if below != above else f"{above}"
                 raise ParallelizeError(
                     f"the interleaved schedule runs microbatches in groups of pp={pp}; microbatches={m} is not a "
-                    f"multiple of {pp}: use {max(pp, m // pp * pp)} or {(m // pp + 1) * pp}")
+                    f"multiple of {pp}: use {use}")
 
 
 @dataclass(frozen=True)

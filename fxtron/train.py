@@ -142,7 +142,7 @@ def run(cfg: TrainConfig) -> dict:
         if unmodeled:
             raise ParallelizeError(
                 f"--compare holds the run to the same training in one fp32 process, which does not model "
-                f"{'; '.join(unmodeled)}: its differences would not be round-off. Pass --no-compare")
+                f"{'; '.join(unmodeled)}: its differences would not be round-off. Pass --no-compare (training.compare = false)")
     mesh, steps = cfg.mesh.mesh(), cfg.training.steps
     t0 = time.perf_counter()
     results = fxtron.launch(train_rank, mesh, args=(cfg,), shm_transport=cfg.debug.shm,

@@ -24,7 +24,6 @@ from fxtron.core.placement import Partial, Shard
 from fxtron.ops import registry
 from fxtron.passes.rules import reduced_dims, tensor_inputs
 
-ENV = "FXTRON_VERIFY"
 
 aten = torch.ops.aten
 #: ops that reduce their first input over the dims in args[1] (all dims when absent): a sum or
@@ -126,4 +125,4 @@ def _check_reduction(node: fx.Node, axes, after: str) -> None:
                 f"is {axis}:{have} there: each rank would compute its own part's statistic as if it were the whole")
 
 
-__all__ = ["ENV", "VerifyError", "enabled", "verify"]
+__all__ = ["VerifyError", "enabled", "verify"]
