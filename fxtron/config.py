@@ -333,9 +333,11 @@ class ExpertsConfig(Section):
     """Mixtures of experts (TransformerConfig's moe_* fields)."""
 
     _name = "experts"
-    aux_loss: AuxLoss = option("local", shorthand="moe_aux_loss",
-                               help="the load-balancing loss's token counts: each dp rank's own (local) or summed "
-                                    "over dp (global)")
+    aux_loss: AuxLoss = option("global", shorthand="moe_aux_loss",
+                               help="batch statistics the loss uses nonlinearly (a load-balancing loss's tokens per "
+                                    "expert and router probabilities): over the global batch, as one process computes "
+                                    "them (global), or each data-parallel rank's own (local: Megatron's default, a "
+                                    "change of the model)")
     capacity_factor: float | None = option(None, positive=True, shorthand="moe_capacity_factor",
                                            help="cap each expert at ceil(c k T / E) of a rank's copies (None: "
                                                 "dropless)")

@@ -31,7 +31,7 @@ from fxtron.errors import ParallelizeError
 from fxtron.mesh import Mesh
 from fxtron.passes import verify as verifier
 from fxtron.passes.context_parallel import cp_layout, fuse_written_out_attention
-from fxtron.passes.expert_parallel import dispatch_experts, ep_layout, sum_aux_statistics
+from fxtron.passes.expert_parallel import dispatch_experts, ep_layout
 from fxtron.passes.limits import SeqLimit, seq_limit
 from fxtron.passes.localize import drop_metadata_asserts, localize
 from fxtron.passes.tp_plan import TPPlan
@@ -40,6 +40,7 @@ from fxtron.passes.recompute import mark_recompute
 from fxtron.passes.redistribute import insert_redistributions
 from fxtron.passes.rng import assign_rng_regions
 from fxtron.passes.shapes import annotate_local_shapes
+from fxtron.passes.statistics import global_statistics
 from fxtron.passes.stages import StageAssignment, param_stages, split_stages
 from fxtron.passes.tensor_parallel import split_row_bias, tp_layout
 
@@ -151,6 +152,11 @@ def _ep(s: RankState) -> bool:
     return s.mesh.parallel("ep")
 
 
+def _pieces(s: RankState) -> int:
+    """The pieces a step cuts the global batch into: data-parallel ranks x microbatches."""
+    return s.mesh.size("dp") * s.config.pipeline.microbatches
+
+
 def _distributed(s: RankState) -> bool:
     return bool(meta.graph_axes(s.gm))
 
@@ -259,6 +265,11 @@ def _shard_params(s: RankState) -> None:
 PASSES = pass_list(
     Pass("trace", "the traced graph (torch.export), export's metadata asserts dropped",
          _set("gm", lambda s: drop_metadata_asserts(s.gm))),
+    Pass("global_statistics", "what the model computes over its batch is the global batch's: a token mean over "
+         "every piece's counted tokens, a summed loss summed, a load-balancing loss's statistics summed over dp",
+         _set("gm", lambda s: global_statistics(s.gm, dp=s.mesh.size("dp"), pieces=_pieces(s),
+                                                local=s.config.experts.aux_loss == "local")),
+         lambda s: _pieces(s) > 1, "dp x microbatches > 1", after=("trace",)),
     Pass("plan", "which linears split by columns / rows: the model's tp plan, made once for every rank "
          "(data; the graph is unchanged)", lambda s: None, _tp, "tp > 1"),
     Pass("split_row_bias", "rowwise biases move after the all-reduce (Megatron adds them there)",
@@ -268,10 +279,6 @@ PASSES = pass_list(
          _set("gm", lambda s: dispatch_experts(s.gm, s.mesh.size("ep"), s.config.experts.capacity_factor or 0.0,
                                               tp=s.mesh.size("tp"), plan=s.plan,
                                               pad=s.config.experts.pad_to_capacity)), _ep, "ep > 1", after=("split_row_bias",)),
-    Pass("sum_aux_statistics", "the load-balancing loss counts every data-parallel rank's tokens per expert "
-         "(Megatron's global aux loss)", _set("gm", lambda s: sum_aux_statistics(s.gm)),
-         lambda s: s.config.experts.aux_loss == "global" and s.mesh.parallel("dp"), "moe_aux_loss='global', dp > 1",
-         after=("dispatch_experts",)),
     Pass("propagate_ep", "an ep placement on every value: the experts' weights split on their experts dim",
          _set("gm", lambda s: propagate(s.gm, ep_layout(s.gm, strict=s.config.debug.strict), mesh=s.mesh)),
          _ep, "ep > 1", after=("dispatch_experts",)),

@@ -224,6 +224,7 @@ class TraceInfo:
     buffer_mutations: output index -> buffer name written back after forward.
     layers: whether the layers were traced once and repeated, or why the model was traced whole.
     signature, token_ranges: what the step checks every batch against (runtime/batch.py).
+    statistics, statistics_report: the batch statistics made global (passes/statistics.py).
     """
 
     params: list[str]
@@ -240,6 +241,10 @@ class TraceInfo:
     signature: list = field(default_factory=list)
     # the user inputs that are token ids or class targets, and their range (passes/limits.TokenRange)
     token_ranges: list = field(default_factory=list)
+    # input statistics the runtime computes over the global batch before each step, by key
+    # (passes/statistics.Statistic), and what that pass did (its StatisticsReport, or None)
+    statistics: dict = field(default_factory=dict)
+    statistics_report: Any = None
 
     @property
     def n_user_inputs(self) -> int:

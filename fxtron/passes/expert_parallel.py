@@ -201,61 +201,6 @@ def check_experts(gm: fx.GraphModule, ep: int) -> list[MoELayer]:
     return layers
 
 
-#: the ops a layer's offsets pass through once dispatched (their offsets argument is args[1])
-_MOVES_OFFSETS = {torch.ops.fxtron.ep_dispatch.default, torch.ops.fxtron.ep_gather.default,
-                  torch.ops.fxtron.ep_share.default}
-_CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.to.device, aten.cumsum.default,
-          aten.clone.default, aten.alias.default}
-
-
-def aux_statistics(gm: fx.GraphModule) -> list[tuple[fx.Node, list[fx.Node]]]:
-    """Each MoE layer's per-expert count of its copies (the op its offsets are the running sum
-    of: histc, bincount, ...) with its uses outside the offsets -- the load-balancing loss's
-    f_e. ParallelizeError when no layer's count feeds anything else: there is no statistic to
-    make global (transformers' models compute their load-balancing loss outside forward)."""
-    out = []
-    layers = moe_layers(gm)
-    if not layers:
-        raise ParallelizeError("moe_aux_loss='global' sums a mixture-of-experts layer's tokens per expert over the "
-                               "data-parallel ranks, but the model has no mixture-of-experts layer fxtron recognises "
-                               "(a grouped GEMM over a 3-D expert weight); leave moe_aux_loss at 'local'")
-    for layer in layers:
-        chain, node = set(), layer.offs
-        while node.target is operator.getitem and node.args[0].target in _MOVES_OFFSETS:
-            node = node.args[0].args[1]          # dispatched already: back to the rank's offsets of all E experts
-        while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _CASTS:
-            chain.add(node)
-            node = node.args[0]
-        if not isinstance(node, fx.Node) or node.op != "call_function":
-            continue
-        others = [u for u in node.users if u not in chain]
-        if others:
-            out.append((node, others))
-    if not out:
-        raise ParallelizeError(
-            "moe_aux_loss='global' sums each mixture-of-experts layer's tokens per expert over the data-parallel "
-            "ranks, but no layer's count of tokens per expert (the op its grouped GEMM's offsets are the running "
-            "sum of) is used by anything else -- the model computes no load-balancing loss in its graph; use "
-            "moe_aux_loss='local'")
-    return out
-
-
-def sum_aux_statistics(gm: fx.GraphModule) -> fx.GraphModule:
-    """Megatron's global aux loss: each layer's per-expert counts, where the load-balancing
-    loss reads them (not the offsets, which are this rank's own), become their sum over the
-    data-parallel ranks (one all-reduce of E numbers per layer; the counts take no gradient).
-    Each rank's f_e is then the whole batch's, its P_e (mean router probability) stays its own,
-    and the mean over dp of E sum f_e P_e is the single-process loss of the whole batch (equal
-    tokens per rank). Edits gm in place and returns it."""
-    g = gm.graph
-    for counts, users in aux_statistics(gm):
-        _reroute(g, counts, users, torch.ops.fxtron.all_reduce.default, (counts, "dp"), counts.meta["val"],
-                 "tokens per expert summed over the data-parallel ranks (global aux loss)")
-    g.lint()
-    gm.recompile()
-    return gm
-
-
 def ep_layout(gm: fx.GraphModule, *, strict: bool = False) -> AxisLayout:
     """The ep axis's AxisLayout: every expert weight Shard(0) (its experts split), the rest
     Replicate."""
@@ -407,5 +352,5 @@ def _inherit(node: fx.Node, like: fx.Node, why: str) -> None:
     meta.set(node, meta.PROVENANCE, meta.Provenance("expert_parallel", why))
 
 
-__all__ = ["AXIS", "MoELayer", "aux_statistics", "check_experts", "dispatch_experts", "ep_layout", "expert_weight", "moe_layers",
-           "sum_aux_statistics", "unshared"]
+__all__ = ["AXIS", "MoELayer", "check_experts", "dispatch_experts", "ep_layout", "expert_weight", "moe_layers",
+           "unshared"]

@@ -10,6 +10,7 @@ import torch.utils._pytree as pytree
 
 from fxtron.core.meta import TraceInfo
 from fxtron.errors import ParallelizeError
+from fxtron.ops.batch import BatchContext
 from fxtron.ops.cp import positions
 
 
@@ -158,6 +159,22 @@ class BatchSlicer:
         def move(x):
             return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) and x.device != device else x
         return pytree.tree_map(move, (args, kw))
+
+    def context(self, inputs, kwargs: dict | None = None) -> BatchContext:
+        """The step's view of the global batch (ops/batch.py): its pieces (dp x microbatches)
+        and every input statistic of the trace (passes/statistics.py) summed over the global
+        batch -- every rank has all of it -- and divided by the pieces, on the rank's device."""
+        pieces = self.dp * self.m
+        values = {}
+        if self.info.statistics:
+            items = list(inputs) if isinstance(inputs, Microbatches) else [(inputs, kwargs)]
+            flats = [self.flat(a, kw) for a, kw in items]
+            for key, stat in self.info.statistics.items():
+                total = sum(stat.value(flat, self.info.user_dims) for flat in flats)
+                values[key] = total / pieces
+                if self.device is not None and self.device.type != "cpu":
+                    values[key] = values[key].to(self.device, non_blocking=True)
+        return BatchContext(pieces, values)
 
     def microbatches(self, inputs, kwargs: dict | None = None) -> list[list[torch.Tensor]]:
         """This rank's microbatches of a global batch: flat tensor inputs of each."""

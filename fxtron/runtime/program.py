@@ -193,10 +193,11 @@ class Program(nn.Module):
         if self._stages is not None or self.pipeline.microbatches > 1 or isinstance(inputs, Microbatches):
             return self._pipelined_step(inputs, optimizer, kwargs)
         args, kw = self.local_batch(inputs, kwargs)
+        batch = self._batch.context(inputs, kwargs)
         optimizer.zero_grad(set_to_none=True)
         memory = self._memory_tracker()
         t0 = time.perf_counter()
-        with self.grads.accumulation(), self._dispatch_log():
+        with self.grads.accumulation(), self._dispatch_log(), batch.active():
             with tracking(memory):
                 loss = self(*args, **kw)
             t1 = time.perf_counter()
@@ -253,10 +254,11 @@ class Program(nn.Module):
 
     def _pipelined_step(self, inputs, optimizer, kwargs) -> float:
         mbs = self.microbatches(inputs, kwargs)
+        batch = self._batch.context(inputs, kwargs)
         runner = self.runner()
         optimizer.zero_grad(set_to_none=True)
         runner.memory = self._memory_tracker()
-        with self.grads.accumulation(), self._dispatch_log():
+        with self.grads.accumulation(), self._dispatch_log(), batch.active():
             loss = runner.run(mbs, loss_scale=self.scaler.scale if self.scaler is not None else 1.0)
         self.grads.finalize()
         self._optimizer_step(optimizer)

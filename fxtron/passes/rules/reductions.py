@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+import fxtron.ops  # noqa: F401 - torch.ops.fxtron.batch_*
+
 from fxtron.core.placement import PARTIAL, REPLICATE, Shard
 from fxtron.passes.rules.registry import Ctx, reduced_dims, register_lowering, register_rule
 
@@ -46,3 +48,16 @@ def _mean_over_shards(node, lower):
                        "rank's part", kwargs=dict(node.kwargs))
     return lower.call(aten.div.Scalar, (local, lower.size), node, PARTIAL,
                       f"... divided by {lower.axis}={lower.size}: a partial sum of the whole mean")
+
+
+@register_rule(torch.ops.fxtron.batch_all_reduce.default, torch.ops.fxtron.batch_scale.default)
+def _over_the_batch(c: Ctx):
+    """A statistic summed over the data-parallel ranks, or scaled by the step's pieces
+    (passes/statistics.py): linear, so it lies on any other axis as its input does."""
+    return c.p[0], [None]
+
+
+@register_rule(torch.ops.fxtron.global_statistic.default)
+def _global_statistic(c: Ctx):
+    """An input statistic's global value, which the runtime gives every rank whole."""
+    return REPLICATE, [None]

@@ -1,0 +1,429 @@
+"""Passes: what a model computes over its batch, computed over the global batch.
+
+A rank runs the model on one piece of the global batch -- its data-parallel slice, cut into
+microbatches -- and the runtime averages what the pieces give: the gradients over dp, the
+losses over the microbatches. That is the one-process model only where the loss is a mean over
+equal pieces. `global_statistics(gm, dp=, pieces=)` finds, on the traced graph, every
+statistic of the batch -- a node that reduces away the batch dim (its input's shape holds the
+batch symbol B, its output's does not: a sum, a mean, a histogram, a loss reduced over tokens,
+or a count of tokens taken from a shape) -- that the loss depends on, and makes it the global
+batch's:
+
+* a mean cross entropy (or nll loss) is first written as its sum over tokens divided by the
+  count of tokens it counts (targets other than ignore_index), as one process computes it;
+* where a statistic reaches the loss linearly (added, scaled by a number that is the same on
+  every rank), the average over the pieces is already the global value for a mean; a sum is
+  multiplied by the pieces (fxtron::batch_scale); a sum divided by a count of the inputs alone
+  (the token mean) divides instead by the global batch's count over the pieces
+  (fxtron::global_statistic, computed by the runtime from the global batch before the step:
+  every rank has the labels). So a token mean is over the global batch's counted tokens across
+  dp, cp and microbatches, however the ignored labels spread, and a summed loss stays a sum;
+* where the loss uses a statistic nonlinearly (a load-balancing loss's tokens per expert f_e
+  times its mean router probability P_e), the statistic is summed over the data-parallel ranks
+  (fxtron::batch_all_reduce, whose backward sums too) -- per microbatch, as one process
+  accumulating gradients computes it. `moe_aux_loss="local"` (Megatron's default) opts out:
+  those statistics stay each rank's own, a change of the model `pm.summary()` names.
+
+The counts a mixture-of-experts layer's grouped GEMMs are offset by stay the rank's (they
+describe the rank's rows). A reduction over the batch the pass cannot reason about (a max over
+the batch, a sort of all tokens feeding the loss) is a ParallelizeError unless the user opted
+into per-rank statistics.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field, replace
+
+import sympy
+import torch
+import torch.fx as fx
+
+import fxtron.ops.batch  # noqa: F401 - registers torch.ops.fxtron.batch_*
+from fxtron.core import meta
+from fxtron.core.meta import BATCH, SEQ
+from fxtron.errors import ParallelizeError
+
+aten = torch.ops.aten
+fxops = torch.ops.fxtron
+
+#: reductions whose result is a sum over the reduced elements
+_SUMS = {aten.sum.default, aten.sum.dim_IntList, aten.histc.default, aten.bincount.default,
+         aten.count_nonzero.default, aten.count_nonzero.dim_IntList, aten.scatter_add.default,
+         aten.scatter_add_.default, aten.index_add.default, aten.index_add_.default}
+_MEANS = {aten.mean.default, aten.mean.dim}
+_LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default}
+#: ops that only copy, cast or reshape a value
+_SAME = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.to.device, aten.clone.default,
+         aten.alias.default, aten.view.default, aten.reshape.default, aten.squeeze.default, aten.squeeze.dim,
+         aten.squeeze.dims, aten.unsqueeze.default, aten.contiguous.default, aten.expand.default,
+         aten.flatten.using_ints, aten.type_as.default, aten.detach.default}
+_ADDS = {aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.sub_.Tensor, aten.add.Scalar, aten.sub.Scalar,
+         operator.add, operator.sub}
+_NEG = {aten.neg.default, operator.neg}
+_MULS = {aten.mul.Tensor, aten.mul_.Tensor, aten.mul.Scalar, operator.mul}
+_DIVS = {aten.div.Tensor, aten.div_.Tensor, aten.div.Scalar, operator.truediv}
+#: linear reductions over dims that are not the batch's (a sum of per-layer losses)
+_LINEAR_REDUCTIONS = {aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim}
+_JOINS = {aten.stack.default, aten.cat.default}
+#: the casts and running sums between a mixture-of-experts layer's count and its GEMMs' offsets
+_OFFSET_CHAIN = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.to.device, aten.cumsum.default,
+                 aten.clone.default, aten.alias.default}
+
+
+@dataclass(frozen=True)
+class Statistic:
+    """An input statistic the runtime computes over the global batch before each step: the sum
+    over the global batch's microbatches of `gm(*user inputs)` (a graph of the inputs alone) or
+    of `expr` (a count from the inputs' batch and sequence sizes), divided by the pieces."""
+
+    key: str
+    what: str
+    gm: fx.GraphModule | None = None
+    expr: sympy.Expr | None = None
+
+    def value(self, flat: list[torch.Tensor], user_dims) -> torch.Tensor:
+        """This statistic of one global microbatch (its flat user inputs)."""
+        if self.gm is not None:
+            with torch.no_grad():
+                return self.gm(*flat).detach().to(torch.float64)
+        sizes = {}
+        for x, dims in zip(flat, user_dims):
+            for d, role in enumerate(dims):
+                if role == "batch":
+                    sizes.setdefault(BATCH, x.shape[d])
+                elif role == "seq":
+                    sizes.setdefault(SEQ, x.shape[d])
+        return torch.tensor(float(self.expr.subs(sizes)), dtype=torch.float64)
+
+
+@dataclass
+class StatisticsReport:
+    """What the pass did, for pm.summary(): each statistic by node and module, and how."""
+
+    scaled: list[str] = field(default_factory=list)       # sums reaching the loss linearly, x pieces
+    global_counts: list[str] = field(default_factory=list)  # counts a loss divides by, the global batch's
+    summed: list[str] = field(default_factory=list)       # statistics summed over dp (used nonlinearly)
+    local: list[str] = field(default_factory=list)        # left per rank (moe_aux_loss="local")
+
+
+def _batchy(val, ti) -> bool:
+    if isinstance(val, torch.Tensor):
+        return any(BATCH in ti.expr(d).free_symbols for d in val.shape)
+    return False
+
+
+def _sym_expr(val, ti) -> sympy.Expr | None:
+    """A SymInt / SymFloat value's expression in B and S, None for anything else."""
+    if isinstance(val, (torch.SymInt, torch.SymFloat)):
+        return sympy.sympify(val.node.expr).xreplace(ti.symbols)
+    return None
+
+
+def _where(node: fx.Node) -> str:
+    return f"%{node.name} ({node.target}, in {meta.get(node, meta.MODULE) or 'the top level'})"
+
+
+def _loss_args(node: fx.Node) -> tuple:
+    args = list(node.args) + [None] * (6 - len(node.args))
+    names = ("self", "target", "weight", "reduction", "ignore_index", "label_smoothing")
+    out = [node.kwargs.get(n, a) for n, a in zip(names, args)]
+    if out[3] is None:
+        out[3] = 1
+    if out[4] is None:
+        out[4] = -100
+    return tuple(out)
+
+
+def _insert(g: fx.Graph, like: fx.Node, target, args, kwargs=None, val=None) -> fx.Node:
+    n = g.call_function(target, tuple(args), kwargs or {})
+    for k in ("stack_trace", "nn_module_stack", meta.MODULE, meta.PROVENANCE):
+        if k in like.meta:
+            n.meta[k] = like.meta[k]
+    if val is not None:
+        n.meta["val"] = val
+    return n
+
+
+def _fake(node: fx.Node):
+    return node.meta.get("val")
+
+
+def split_token_means(gm: fx.GraphModule) -> list[fx.Node]:
+    """Each mean cross entropy / nll loss over the batch's tokens written as its sum over the
+    tokens divided by the count of tokens it counts (targets other than ignore_index): the
+    same number, with the count a statistic of the inputs the runtime can take globally.
+    Returns the counts. A mean with class weights (its denominator the targets' weights) stays."""
+    g, ti = gm.graph, meta.info(gm)
+    counts = []
+    for node in list(g.nodes):
+        if node.op != "call_function" or node.target not in _LOSSES:
+            continue
+        x, t, w, reduction, ignore, smoothing = _loss_args(node)
+        if reduction != 1 or w is not None or not _batchy(_fake(x), ti):
+            continue
+        out = _fake(node)
+        with g.inserting_before(node):
+            args = (x, t, None, 2, ignore) + ((smoothing if smoothing is not None else 0.0,)
+                                              if node.target is aten.cross_entropy_loss.default else ())
+            total = _insert(g, node, node.target, args, val=out)
+            tv = _fake(t)
+            mask = _insert(g, node, aten.ne.Scalar, (t, ignore), val=tv.ne(0) if tv is not None else None)
+            dtype = out.dtype if out.dtype in (torch.float32, torch.float64) else torch.float32
+            count = _insert(g, node, aten.sum.dim_IntList, (mask, []), {"dtype": dtype},
+                            val=out.new_empty((), dtype=dtype))
+            if dtype != out.dtype:
+                total = _insert(g, node, aten.to.dtype, (total, dtype), val=out.new_empty((), dtype=dtype))
+            mean = _insert(g, node, aten.div.Tensor, (total, count), val=out.new_empty((), dtype=dtype))
+            if dtype != out.dtype:
+                mean = _insert(g, node, aten.to.dtype, (mean, out.dtype), val=out)
+        node.replace_all_uses_with(mean)
+        g.erase_node(node)
+        counts.append(count)
+    g.lint()
+    gm.recompile()
+    return counts
+
+
+def _structural_uses(gm: fx.GraphModule) -> set[tuple[fx.Node, fx.Node]]:
+    """(count, user) edges through which a mixture-of-experts layer's count of copies per
+    expert becomes its grouped GEMMs' offsets: the rank's own rows, never made global."""
+    from fxtron.passes.expert_parallel import moe_layers
+    edges = set()
+    for layer in moe_layers(gm):
+        node, prev = layer.offs, None
+        while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _OFFSET_CHAIN:
+            prev, node = node, node.args[0]
+        if isinstance(node, fx.Node) and prev is not None:
+            edges.add((node, prev))
+    return edges
+
+
+def _ancestors_of(node: fx.Node) -> set[fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return seen
+
+
+def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool = False,
+                      group: str = "dp") -> fx.GraphModule:
+    """Make every statistic of the batch the loss depends on the global batch's (module
+    docstring): `dp` data-parallel ranks, `pieces` = dp x microbatches per step; `local`
+    (moe_aux_loss="local") leaves the statistics the loss uses nonlinearly per rank. Records
+    the input statistics the runtime computes (TraceInfo.statistics) and what it did
+    (TraceInfo.statistics_report). Edits gm in place and returns it."""
+    if dp == 1 and pieces == 1:
+        return gm
+    split_token_means(gm)
+    g, ti = gm.graph, meta.info(gm)
+    out_node = g.output_node()
+    loss = out_node.args[0][0] if isinstance(out_node.args[0], (tuple, list)) else out_node.args[0]
+    upstream = _ancestors_of(loss) | {loss}
+    structural = _structural_uses(gm)
+
+    # what every node depends on: parameters or buffers (anything but the inputs and constants)
+    stateful: set[fx.Node] = set()
+    for node in g.nodes:
+        if node.op == "placeholder":
+            spec = meta.get(node, meta.INPUT)
+            if spec is None or spec.kind != "user":
+                stateful.add(node)
+        elif any(a in stateful for a in node.all_input_nodes):
+            stateful.add(node)
+
+    # the statistics: nodes the loss depends on that reduce the batch away
+    stats: dict[fx.Node, str] = {}          # node -> "sum" | "mean" | "count" (a size) | "other"
+    for node in g.nodes:
+        if node.op != "call_function" or node not in upstream:
+            continue
+        val = _fake(node)
+        expr = _sym_expr(val, ti)
+        if expr is not None:
+            if BATCH in expr.free_symbols and any(_takes_value(u, node) for u in node.users):
+                stats[node] = "count"
+            continue
+        if not isinstance(val, torch.Tensor) or _batchy(val, ti):
+            continue
+        if not any(_batchy(_fake(a), ti) for a in node.all_input_nodes):
+            continue
+        if node.target in _SUMS or (node.target in _LOSSES and _loss_args(node)[3] == 2):
+            stats[node] = "sum"
+        elif node.target in _MEANS or node.target in _LOSSES:
+            stats[node] = "mean"
+        else:
+            stats[node] = "other"
+    derived: set[fx.Node] = set()           # computed from a statistic
+    for node in g.nodes:
+        if node in stats or any(a in derived for a in node.all_input_nodes):
+            if node.op != "output":
+                derived.add(node)
+
+    # the loss's linear terms: walk back from the loss through sums, casts and scalings
+    linear: dict[tuple[fx.Node, fx.Node], str] = {}     # (statistic, user) -> "plain" | "mean"
+    denominators: set[tuple[fx.Node, fx.Node]] = set()  # (statistic, division) the token mean divides by
+    seen: set[tuple[fx.Node, str]] = set()
+
+    def constant(a) -> bool:
+        return not isinstance(a, fx.Node) or (a not in derived and not _batchy(_fake(a), ti))
+
+    def walk(node: fx.Node, user: fx.Node | None, tag: str) -> None:
+        if (node, tag) in seen or not isinstance(node, fx.Node):
+            return
+        if node in stats:
+            linear.setdefault((node, user), tag)
+            if linear[(node, user)] != tag:
+                linear[(node, user)] = "nonlinear"
+            return
+        if node not in derived or node.op != "call_function":
+            return
+        seen.add((node, tag))
+        t, args = node.target, [a for a in node.args]
+        if t in _SAME or t in _NEG or (t in _ADDS):
+            for a in args:
+                if isinstance(a, fx.Node):
+                    walk(a, node, tag)
+        elif t in _JOINS:
+            for a in args[0]:
+                walk(a, node, tag)
+        elif t in _LINEAR_REDUCTIONS and not _batchy(_fake(args[0]), ti):
+            walk(args[0], node, tag)
+        elif t in _MULS and len(args) == 2:
+            a, b = args
+            if constant(b):
+                walk(a, node, tag)
+            elif constant(a):
+                walk(b, node, tag)
+        elif t in _DIVS and len(args) == 2:
+            a, b = args
+            if constant(b):
+                walk(a, node, tag)
+            elif tag == "plain" and _denominator(b) is not None:
+                denominators.add((_denominator(b), _first_use(b, node)))
+                walk(a, node, "mean")
+
+    def _denominator(b) -> fx.Node | None:
+        """The input statistic a division divides by (through casts), if it is one."""
+        while isinstance(b, fx.Node) and b not in stats and b.op == "call_function" and b.target in _SAME:
+            b = b.args[0]
+        if not isinstance(b, fx.Node) or b not in stats:
+            return None
+        if stats[b] == "count" or (stats[b] == "sum" and b not in stateful):
+            return b
+        return None
+
+    def _first_use(b, div: fx.Node) -> fx.Node:
+        """The node that consumes the statistic on the way to `div` (div itself when direct)."""
+        prev = div
+        while isinstance(b, fx.Node) and b not in stats:
+            prev, b = b, b.args[0]
+        return prev
+
+    walk(loss, out_node, "plain")
+
+    report = StatisticsReport()
+    statistics: dict[str, Statistic] = {}
+    for node, kind in stats.items():
+        uses = [u for u in node.users if u in upstream or u is out_node]
+        lin = {u: linear[(node, u)] for u in uses if (node, u) in linear and linear[(node, u)] != "nonlinear"}
+        den = {u for u in uses if (node, u) in denominators}
+        rest = [u for u in uses if u not in lin and u not in den and (node, u) not in structural]
+        if kind == "count":
+            rest = [u for u in rest if _takes_value(u, node)]
+        where = _where(node)
+        if kind == "other" and (lin or den or rest):
+            if local:
+                report.local.append(where)
+                continue
+            raise ParallelizeError(
+                f"{where} reduces over the batch (input {_shapes(node, ti)} -> {tuple(ti.shape(_fake(node)))}), and the loss "
+                f"depends on it: each data-parallel rank and microbatch would compute it over its own samples only, "
+                f"not over the global batch as one process does, and fxtron cannot make this op global (only sums, "
+                f"means, histograms and losses over tokens). Compute it as a sum or mean, or opt into per-rank "
+                f"statistics with moe_aux_loss='local'")
+        # linear uses: a sum x pieces; a mean or a token mean's numerator as it is
+        scaled = [u for u, tag in lin.items() if tag == "plain" and kind in ("sum", "count")]
+        if scaled:
+            with g.inserting_before(node.next):
+                s = _insert(g, node, fxops.batch_scale.default, (_as_tensor(g, node, ti),), val=_tensor_val(node))
+            for u in scaled:
+                u.replace_input_with(node, s)
+            report.scaled.append(where)
+        if den:
+            key = node.name
+            statistics[key] = _statistic(gm, node, kind, ti)
+            with g.inserting_before(node.next):
+                s = _insert(g, node, fxops.global_statistic.default, (_as_tensor(g, node, ti), key),
+                            val=_tensor_val(node))
+            for u in den:
+                u.replace_input_with(node, s)
+            report.global_counts.append(where)
+        if rest and dp > 1:
+            if local:
+                report.local.append(where)
+                continue
+            with g.inserting_before(node.next):
+                if kind == "count":
+                    s = _insert(g, node, operator.mul, (node, dp), val=_fake(node) * dp)
+                else:
+                    s = _insert(g, node, fxops.batch_all_reduce.default, (node, group), val=_tensor_val(node))
+                    if kind == "mean":
+                        s = _insert(g, node, aten.div.Tensor, (s, dp), val=_tensor_val(node))
+            for u in rest:
+                u.replace_input_with(node, s)
+            report.summed.append(where)
+    g.lint()
+    gm.recompile()
+    gm.meta[meta.TRACE_INFO] = replace(ti, statistics={**ti.statistics, **statistics},
+                                       statistics_report=report)
+    return gm
+
+
+def _takes_value(user: fx.Node, sym: fx.Node) -> bool:
+    """Whether `user` reads the size `sym` as a number in tensor arithmetic (not as a shape)."""
+    return (user.op == "call_function" and isinstance(_fake(user), torch.Tensor)
+            and user.target in (_ADDS | _MULS | _DIVS | {aten.full.default, aten.scalar_tensor.default,
+                                                         aten.rsub.Scalar, aten.sub.Scalar}))
+
+
+def _as_tensor(g: fx.Graph, node: fx.Node, ti) -> fx.Node:
+    """node, or for a size a 0-dim float tensor of it."""
+    if isinstance(_fake(node), torch.Tensor):
+        return node
+    return _insert(g, node, aten.scalar_tensor.default, (node,), {"dtype": torch.float32},
+                   val=torch.empty((), dtype=torch.float32, device="meta"))
+
+
+def _tensor_val(node: fx.Node):
+    v = _fake(node)
+    return torch.empty_like(v) if isinstance(v, torch.Tensor) else torch.empty((), dtype=torch.float32, device="meta")
+
+
+def _shapes(node: fx.Node, ti) -> str:
+    return ", ".join(str(tuple(ti.shape(_fake(a)))) for a in node.all_input_nodes if isinstance(_fake(a), torch.Tensor))
+
+
+def _statistic(gm: fx.GraphModule, node: fx.Node, kind: str, ti) -> Statistic:
+    """The runtime's recipe for input statistic `node`: a graph of the user inputs alone, or
+    the expression of a count from sizes."""
+    if kind == "count":
+        return Statistic(node.name, _where(node), expr=_sym_expr(_fake(node), ti))
+    keep = _ancestors_of(node) | {node}
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and (meta.get(n, meta.INPUT) is not None and meta.get(n, meta.INPUT).kind == "user"):
+            env[n] = g.placeholder(n.name)
+    for n in gm.graph.nodes:
+        if n in keep and n not in env:
+            if n.op == "placeholder":
+                raise AssertionError(f"input statistic {node.name} depends on {n.name}")
+            env[n] = g.node_copy(n, lambda a: env[a])
+    g.output(env[node])
+    return Statistic(node.name, _where(node), gm=fx.GraphModule(gm, g))
+
+
+__all__ = ["Statistic", "StatisticsReport", "global_statistics", "split_token_means"]
