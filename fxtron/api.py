@@ -22,6 +22,7 @@ from fxtron.core import meta
 from fxtron.errors import ParallelizeError, warn_or_raise
 from fxtron.mesh import Mesh
 from fxtron.passes.expert_parallel import check_experts
+from fxtron.passes.statistics import global_statistics
 from fxtron.passes.recompute import region_labels
 from fxtron.passes.stages import StageAssignment, assign_stages
 from fxtron.passes.tp_plan import TPPlan, make_tp_plan
@@ -161,6 +162,9 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
             f"sequence (the programs still take any length up to the model's limit)")
     if mesh.ep > 1:
         check_experts(traced, mesh.ep)     # experts that do not divide over ep: an error now
+    if mesh.dp * config.pipeline.microbatches > 1:    # a batch statistic it cannot make global: an error now
+        global_statistics(meta.copy_graph(traced), dp=mesh.dp, pieces=mesh.dp * config.pipeline.microbatches,
+                          local=config.experts.aux_loss == "local")
     pm = ParallelModel(model, mesh, traced, config)
     pm._check_plan()
     pm.stage_assignment            # a bad stage cut is an error now, not at the first program

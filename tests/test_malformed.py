@@ -73,11 +73,16 @@ def _eager_mixtral():
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager"))
 
 
-def _hf_mixtral():
-    import transformers as T
-    return T.MixtralForCausalLM(T.MixtralConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2))
+class _MaxOverBatch(torch.nn.Module):
+    """A loss with a max over the batch: no sum or mean the ranks' pieces could add up."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h.pow(2).mean() + h.amax()
 
 
 def _moe():
@@ -119,12 +124,8 @@ AT_PARALLELIZE = [
     ("model: experts not divisible by ep", lambda: _par(_moe(), Mesh(3, ep=3)),
      r"4 experts of layers\.0\.mlp\.experts\.gate_up, layers\.0\.mlp\.experts\.down \(shape \(4, 96, 32\)\) do not "
      r"divide over ep=3 ranks; use an ep that divides 4"),
-    ("options: global aux loss of a dense model", lambda: _par(_gpt(), Mesh(2), moe_aux_loss="global"),
-     r"moe_aux_loss='global' .* no mixture-of-experts layer"),
-    ("options: global aux loss, transformers' loss outside forward",
-     lambda: fxtron.parallelize(_hf_mixtral(), Mesh(2, ep=2), example_kwargs={"input_ids": _ex()[0], "labels": _ex()[0]},
-                                moe_aux_loss="global"),
-     r"computes no load-balancing loss in its graph; use moe_aux_loss='local'"),
+    ("options: a batch statistic fxtron cannot make global", lambda: fxtron.parallelize(_MaxOverBatch(), Mesh(2), example_inputs=_x()),
+     r"%amax .* reduces over the batch \(input \(B, S, 8\) -> \(\)\).* moe_aux_loss='local'"),
     ("options: capacity factor without ep", lambda: _par(_moe(), Mesh(2), moe_capacity_factor=1.25),
      r"moe_capacity_factor=1.25 caps what each expert-parallel dispatch .* ep=1"),
     ("options: capacity factor of 0", lambda: _par(_moe(), Mesh(2, ep=2), moe_capacity_factor=0),

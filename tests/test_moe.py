@@ -9,14 +9,16 @@ exported with symbolic batch and sequence, and the presets built on meta.
 Then one gloo job trains two AdamW steps equal to one process: tp=2 (experts' gate/up split by
 columns and down by rows, the router whole, no op run replicated), tp=2 with sequence
 parallel, pp=2 (the layers' summed aux loss crossing the stage boundary as one scalar) and
-dp=2, whose loss -- like Megatron's default, local aux loss -- is the mean over the dp ranks of
-each rank's language-model and aux loss: the reference trains the same halves as microbatches.
+dp=2, whose load-balancing statistics are the global batch's (summed over dp, per microbatch):
+the reference trains the whole batch (as its microbatches where the case has them). With
+moe_aux_loss='local' (Megatron's default, opt-in) the loss is the mean over the dp ranks of each
+rank's own: the reference trains the dp ranks' pieces as microbatches.
 Expert parallel (the pass that finds each MoE layer and dispatches its copies), against one
 process: ep=2 (its collectives' order checked, the routing and the bytes sent after a step
 checked against the single-process routing), ep=2 on 4 ranks with clipping (experts reduced
 over expert-dp), ep=4, ep=4 with a routing so scarce every rank sends some experts nothing,
-ep=2 x pp=2, ep=2 with zero=1, ep=2 x tp=2 with sequence parallel, the global aux loss (ep=2
-and dp=2 against the whole batch), and capacity-factor routing against an independent capped
+ep=2 x pp=2, ep=2 with zero=1, ep=2 x tp=2 with sequence parallel, the local aux loss (ep=2
+and dp=2 against the dp ranks' pieces), and capacity-factor routing against an independent capped
 reference. In the same job, ep=2: the dropless dispatch and combine ops (fxtron/ops/ep.py) around the local
 experts' grouped GEMM equal all experts on one rank in float64, forward and backward, with
 uneven token counts and an expert that receives nothing from a rank.
@@ -146,18 +148,16 @@ CASES = {"tp2": (dict(tp=2), {}), "tp2-sp": (dict(tp=2), dict(sequence_parallel=
          "ep2-zero": (dict(ep=2), dict(zero=1, clip_grad=0.05)),
          # each ep rank's experts split over tp too (Megatron's expert-tp), tokens on sequence shards
          "ep2-tp2-sp": (dict(ep=2, tp=2), dict(sequence_parallel=True)),
-         # Megatron's global aux loss: tokens per expert summed over dp, so the loss is the whole batch's
-         "ep2-global": (dict(ep=2), dict(moe_aux_loss="global")), "dp2-global": ({}, dict(moe_aux_loss="global")),
+         # Megatron's default, local aux loss (opt-in, a change of the model): each dp rank's own statistics
+         "ep2-local": (dict(ep=2), dict(moe_aux_loss="local")), "dp2-local": ({}, dict(moe_aux_loss="local")),
          # capacity-factor routing (opt-in, a change of the model): each expert takes at most ceil(c k T / E)
-         # of a rank's copies; the reference caps each rank's piece the same way (CappedExperts)
-         "ep2-cap": (dict(ep=2), dict(moe_capacity_factor=1.0)),
+         # of a rank's copies; the reference caps each rank's piece the same way (CappedExperts), each
+         # piece with its own aux loss
+         "ep2-cap": (dict(ep=2), dict(moe_capacity_factor=1.0, moe_aux_loss="local")),
          # ... padded to capacity (Megatron's moe_pad_expert_input_to_capacity): the same numbers, fixed splits
-         "ep2-cap-pad": (dict(ep=2), dict(moe_capacity_factor=1.0, moe_pad_to_capacity=True)),
+         "ep2-cap-pad": (dict(ep=2), dict(moe_capacity_factor=1.0, moe_pad_to_capacity=True, moe_aux_loss="local")),
          # mixed precision: bf16 compute copies, fp32 main weights and gradients (the 16-bit policy's tolerances)
          "ep2-bf16": (dict(ep=2), dict(dtype=torch.bfloat16))}
-#: the batch's pieces each case trains on as one process would: dp ranks' (and microbatches') losses
-#: averaged, each with its own aux loss
-PIECES = {"ep2-cap": 2, "ep2-cap-pad": 2, "ep2-bf16": 2, "dp2": 2, "pp2": 2, "ep2": 2, "ep2-clip": 4, "ep4": 4, "ep4-skew": 4, "ep2-pp2": 4, "ep2-zero": 4, "ep2-tp2-sp": 2}
 FOUR = ("ep2-clip", "ep4", "ep4-skew", "ep2-pp2", "ep2-zero", "ep2-tp2-sp")     # cases of the 4-process job
 
 
@@ -165,6 +165,28 @@ def _pieces(item, n=2):
     x, y = item
     k = x.shape[0] // n
     return fxtron.Microbatches([((x[i * k:(i + 1) * k], y[i * k:(i + 1) * k]), {}) for i in range(n)])
+
+
+def _global_microbatches(item, dp, m):
+    """The global batch's microbatches as a program cuts it: microbatch i is every dp rank's
+    i-th microbatch of its slice."""
+    x, y = item
+    k = x.shape[0] // (dp * m)
+    parts = [[slice((r * m + i) * k, (r * m + i + 1) * k) for r in range(dp)] for i in range(m)]
+    return fxtron.Microbatches([((torch.cat([x[p] for p in part]), torch.cat([y[p] for p in part])), {})
+                                for part in parts])
+
+
+def _reference_batches(key, steps):
+    """What one process trains for `key`: the whole batch, as its microbatches where the case
+    has them (the load-balancing statistics per microbatch, as gradient accumulation computes
+    them); with moe_aux_loss='local', every dp rank's piece on its own."""
+    axes, kw = CASES[key]
+    dp = (4 if key in FOUR else 2) // (axes.get("tp", 1) * axes.get("pp", 1))
+    m = kw.get("microbatches", 1)
+    if kw.get("moe_aux_loss") == "local":
+        return [_pieces(s, dp * m) for s in steps] if dp * m > 1 else steps
+    return [_global_microbatches(s, dp, m) for s in steps] if m > 1 else steps
 
 
 def _halves(item):
@@ -457,14 +479,13 @@ def _capped(model):
 @pytest.mark.slow
 @pytest.mark.parametrize("key", list(CASES))
 def test_trains_like_one_process(trained, key):
-    # dp ranks and microbatches: each piece's loss (and aux) on its own, as gradient accumulation
-    n = PIECES.get(key, 1)
+    # the whole batch (its microbatches' aux losses each their own, as gradient accumulation); with
+    # moe_aux_loss='local' every dp rank's piece on its own
     clip = CASES[key][1].get("clip_grad")
     steps = _steps(key)
     model = _capped(_model(key)) if key.startswith("ep2-cap") else _model(key)
     dtype = CASES[key][1].get("dtype")
-    ref = reference_training(model, [_pieces(s, n) for s in steps] if n > 1 else steps, _opt, clip_grad=clip,
-                             dtype=dtype)
+    ref = reference_training(model, _reference_batches(key, steps), _opt, clip_grad=clip, dtype=dtype)
     axes = CASES[key][0]
     mesh = fxtron.Mesh(4 if key in FOUR else 2, **axes)
     for rank, got in enumerate(ranks_of(trained, mesh, key)):

@@ -278,7 +278,7 @@ PASSES = pass_list(
          "(Megatron's all-to-all dispatcher); the experts' GEMMs run on the rank's own experts",
          _set("gm", lambda s: dispatch_experts(s.gm, s.mesh.size("ep"), s.config.experts.capacity_factor or 0.0,
                                               tp=s.mesh.size("tp"), plan=s.plan,
-                                              pad=s.config.experts.pad_to_capacity)), _ep, "ep > 1", after=("split_row_bias",)),
+                                              pad=s.config.experts.pad_to_capacity, rank=s.mesh.coord("ep"))), _ep, "ep > 1", after=("split_row_bias",)),
     Pass("propagate_ep", "an ep placement on every value: the experts' weights split on their experts dim",
          _set("gm", lambda s: propagate(s.gm, ep_layout(s.gm, strict=s.config.debug.strict), mesh=s.mesh)),
          _ep, "ep > 1", after=("dispatch_experts",)),

@@ -318,6 +318,34 @@ def recompute_note(config, mesh: Mesh, pipelined: bool, compiled) -> str:
     return f"recompute {how}. Regions: {where}"
 
 
+def _few(items: list[str], n: int = 3) -> str:
+    return "; ".join(items[:n]) + (f"; and {len(items) - n} more" if len(items) > n else "")
+
+
+def statistics_note(mesh: Mesh, config, report) -> str:
+    """What passes/statistics.py made of the model's batch-wide statistics (its report), in
+    words: which are the global batch's and how, and which stay each rank's (a change of the
+    model, moe_aux_loss='local')."""
+    if report is None:
+        return ""
+    pieces = mesh.dp * config.pipeline.microbatches
+    parts = []
+    if report.global_counts:
+        parts.append(f"token means divide by the global batch's count ({_few(report.global_counts)})")
+    if report.scaled:
+        parts.append(f"sums over tokens summed over the global batch ({_few(report.scaled)})")
+    if report.summed:
+        parts.append(f"statistics the loss uses nonlinearly summed over dp={mesh.dp}, per microbatch "
+                     f"({_few(report.summed)})")
+    text = (f"batch statistics over the global batch ({mesh.dp} dp x {config.pipeline.microbatches} microbatches = "
+            f"{pieces} pieces): " + ("; ".join(parts) if parts else "none the loss depends on"))
+    if report.local:
+        text += (f"\nbatch statistics left per data-parallel rank (moe_aux_loss='local', Megatron's default) -- a change "
+                 f"of the model: the loss averages each rank's own value of {_few(report.local)}, not the global "
+                 f"batch's; moe_aux_loss='global' computes them as one process does")
+    return text
+
+
 def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage_assignment, compiled,
             schedule: str = "", bubble: str = "", batch: int | None = None, seq: int | None = None) -> str:
     """ParallelModel.summary's text (see there): the model-wide notes, then a row per rank
@@ -401,6 +429,9 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
                      f"rows received are gathered over tp (Megatron's order)")
     if config.recompute.granularity is not None:
         head += "\n" + recompute_note(config, mesh, stage_assignment is not None, compiled)
+    note = statistics_note(mesh, config, meta.info(compiled(0).gm).statistics_report)
+    if note:
+        head += "\n" + note
     per = "microbatch" if config.pipeline.microbatches > 1 else "step"
     axes = "+".join(a for a in ("tp", "cp", "ep") if getattr(mesh, a) > 1) or "tp"
     headers = ["rank", "coords", "params", "param bytes", f"{axes} collectives / {per}", f"{axes} wire bytes / {per}",

@@ -42,6 +42,11 @@ aten = torch.ops.aten
 AXIS = "ep"
 TP = "tp"
 _VIEWS = {aten.transpose.int, aten.permute.default, aten.t.default, aten.alias.default}
+#: the casts and running sums between a layer's count of copies per expert and its offsets
+_OFFSET_CHAIN = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.to.device, aten.cumsum.default,
+                 aten.clone.default, aten.alias.default}
+#: the ops that count the copies per expert
+_COUNTS = {aten.histc.default, aten.bincount.default}
 
 
 @register_rule("fxtron::ep_dispatch", "fxtron::ep_combine")
@@ -224,8 +229,77 @@ def unshared(layer: MoELayer, plan) -> str | None:
     return None
 
 
+def _through(node, targets) -> fx.Node:
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets:
+        node = node.args[0]
+    return node
+
+
+def _copy_experts(layer: MoELayer) -> fx.Node | None:
+    """The expert of each sorted copy: what the count the layer's offsets sum is a histogram
+    of (through casts), or None where the graph does not show it."""
+    count = _through(layer.offs, _OFFSET_CHAIN)
+    if not (isinstance(count, fx.Node) and count.op == "call_function" and count.target in _COUNTS):
+        return None
+    return _through(count.args[0], _OFFSET_CHAIN)
+
+
+def _per_row_inputs(layer: MoELayer, copies: fx.Node) -> list[fx.Node]:
+    """Values entering the experts' region beside the copies, the offsets and the expert
+    weights that hold one row per copy -- a per-expert parameter gathered at each copy's expert
+    (GPT-OSS's biases, `bias[expert_of_copy]`). ParallelizeError for any other: once dispatched,
+    the region holds the rows this rank received, not its own copies."""
+    rows = copies.meta["val"].shape[0]
+    weights = {g.args[1] for g in layer.gemms}
+    experts = _copy_experts(layer)
+    out = []
+    for n in sorted(layer.region, key=lambda n: n.name):
+        for a in n.all_input_nodes:
+            if a in layer.region or a is copies or a is layer.offs or a in weights or a in out:
+                continue
+            v = a.meta.get("val")
+            if not (isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == rows):
+                continue
+            ok = (a.target is aten.index.Tensor and len(a.args[1]) == 1 and meta.is_param(a.args[0])
+                  and int(a.args[0].meta["val"].shape[0]) == layer.n_experts and experts is not None
+                  and _through(a.args[1][0], _OFFSET_CHAIN) is experts)
+            if not ok:
+                raise ParallelizeError(
+                    f"the mixture-of-experts layer at {layer.name}: %{n.name} ({n.target}) inside the experts reads "
+                    f"%{a.name} ({a.target}), one row per copy of this rank's tokens; expert parallel runs the "
+                    f"experts on the rows other ranks send, so only the copies and per-expert parameters gathered "
+                    f"at each copy's expert (bias[expert]) may enter them. Apply it outside the experts, or use ep=1")
+            out.append(a)
+    return out
+
+
+def _received_expert_ids(g: fx.Graph, layer: MoELayer, rows: fx.Node, local_offs: fx.Node, start: int, mode,
+                         like: fx.Node) -> fx.Node:
+    """The (global) expert of each received row: rows are sorted by this rank's experts, whose
+    local offsets end each one's rows, so row i belongs to local expert searchsorted(offs, i)."""
+    why = "the expert of each row this rank received"
+    rv, ov = rows.meta["val"], local_offs.meta["val"]
+    with mode:
+        idx_v = ov.new_empty((rv.shape[0],))
+        long_v = idx_v.new_empty(idx_v.shape, dtype=torch.int64)
+    n = _call(g, aten.sym_size.int, (rows, 0), rv.shape[0], like, why)
+    meta.set(n, meta.OWN_SIZE, True)
+    at = _call(g, aten.arange.default, (n,), long_v, like, why)
+    at.kwargs = {"dtype": ov.dtype, "device": ov.device}
+    at.meta["val"] = idx_v
+    which = _call(g, aten.searchsorted.Tensor, (local_offs, at), long_v, like, why)
+    which.kwargs = {"right": True}
+    return _call(g, aten.add.Tensor, (which, start), long_v, like, why) if start else which
+
+
+def _rows_like(a: fx.Node, rows_v, mode):
+    v = a.meta["val"]
+    with mode:
+        return v.new_empty((rows_v.shape[0], *v.shape[1:]))
+
+
 def dispatch_experts(gm: fx.GraphModule, ep: int, capacity: float = 0.0, *, tp: int = 1,
-                     plan=None, pad: bool = False) -> fx.GraphModule:
+                     plan=None, pad: bool = False, rank: int = 0) -> fx.GraphModule:
     """Rewrite every MoE layer (module docstring): dispatch before its experts, combine after,
     the experts' GEMMs on the rank's local experts; with a capacity factor (> 0) each expert
     takes at most ceil(capacity x copies / E) of each rank's copies, the rest dropped, and with
@@ -264,11 +338,18 @@ def dispatch_experts(gm: fx.GraphModule, ep: int, capacity: float = 0.0, *, tp: 
                                (rows_v, ov.new_empty((local,)), ov.new_empty((shares, ep, local), dtype=torch.int64)),
                                first, "every tp rank's share of the rows for this rank's experts")
                 rows, local_offs, every = _getitems(g, gather, 3, first, why)
+        side = dict.fromkeys(_per_row_inputs(layer, copies))
+        if side:
+            with g.inserting_before(first):
+                ids = _received_expert_ids(g, layer, rows, local_offs, rank * local, mode, first)
+                side = {a: _call(g, aten.index.Tensor, (a.args[0], [ids]), _rows_like(a, rows_v, mode), a,
+                                 "the expert parameter's row of each received row")
+                        for a in side}
         for gemm in layer.gemms:
             gemm.args = tuple(rows if a is copies else local_offs if a is layer.offs else a for a in gemm.args)
         for n in layer.region:
             if n not in layer.gemms:
-                n.args = tuple(rows if a is copies else a for a in n.args)
+                n.args = tuple(rows if a is copies else side.get(a, a) for a in n.args)
         local_w = {gemm.args[1]: gemm.args[1].meta["val"].narrow(0, 0, local) for gemm in layer.gemms}
         _refake(sorted(layer.region, key=_order(g)), mode, local_w)
         ov_out = out.meta["val"]

@@ -65,6 +65,9 @@ _DIVS = {aten.div.Tensor, aten.div_.Tensor, aten.div.Scalar, operator.truediv}
 #: linear reductions over dims that are not the batch's (a sum of per-layer losses)
 _LINEAR_REDUCTIONS = {aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim}
 _JOINS = {aten.stack.default, aten.cat.default}
+#: ops that read only their input's dtype and device, not its values
+_FACTORIES = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
+              aten.new_empty_strided.default, aten.scalar_tensor.default}
 #: the casts and running sums between a mixture-of-experts layer's count and its GEMMs' offsets
 _OFFSET_CHAIN = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.to.device, aten.cumsum.default,
                  aten.clone.default, aten.alias.default}
@@ -248,7 +251,7 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
             continue
         if not isinstance(val, torch.Tensor) or _batchy(val, ti):
             continue
-        if not any(_batchy(_fake(a), ti) for a in node.all_input_nodes):
+        if node.target in _FACTORIES or not any(_batchy(_fake(a), ti) for a in node.all_input_nodes):
             continue
         if node.target in _SUMS or (node.target in _LOSSES and _loss_args(node)[3] == 2):
             stats[node] = "sum"

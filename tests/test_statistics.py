@@ -1,0 +1,254 @@
+"""A model's own math at every mesh (issue 30): what it computes over its batch is computed over
+the global batch, as in one process (passes/statistics.py, ops/batch.py).
+
+Without processes: the pass on the graph -- a mean cross entropy becomes its sum over the
+global batch's counted tokens, a summed loss is scaled by the pieces, a load-balancing loss's
+statistics are summed over dp, the grouped GEMMs' offsets stay the rank's, moe_aux_loss='local'
+leaves them and the summary calls it a change of the model -- and the global count the runtime
+computes from the labels.
+
+Then gloo jobs train two AdamW steps against the unmodified model on the whole global batch in
+one process:
+
+* a third of the labels ignored (-100), spread unevenly (60%, 50%, 10%, 10% of the four
+  sequences), at dp=2, dp=2 x tp=2, dp=2 with 2 microbatches, and transformers' Llama at pp=2
+  with 2 microbatches: each rank and microbatch divides by the global batch's count;
+* a loss summed over tokens (reduction='sum') at dp=2 and at pp=2 with microbatches: a sum;
+* five transformers mixture-of-experts families with their load-balancing loss in the loss
+  (output_router_logits=True, router_aux_loss_coef=0.02) -- Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE
+  and GPT-OSS (per-expert biases, interleaved gate/up, clamped gating) -- at dp=2, ep=2 and
+  ep=2 x tp=2 with sequence parallel; Mixtral, Qwen2-MoE and GPT-OSS at ep=4 and at ep=2 with
+  zero=1 too; Mixtral with 2 microbatches (each microbatch's statistics its own, as gradient
+  accumulation computes them) and with moe_aux_loss='local' (each dp rank's own: the reference
+  trains the ranks' pieces).
+
+Losses within 1e-6 relative, first-step gradients within 1e-4 of the largest gradient
+(relative), the weights after both steps within 1e-5 (Adam's eps 1e-4, see test_zoo.py). The
+padding and summed-loss cases hold the suite's tighter absolute bounds (assert_trains_like).
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import fxtron
+from fxtron.core import meta
+from fxtron.testing import (adamw, assert_trains_like, cases_fixture, max_abs_diff, ranks_of, reference_training,
+                            train_program)
+from tp_models import batches, make
+
+_opt = adamw(eps=1e-4)
+SEQS = [12, 10]
+
+
+# ------------------------------------------------------------------------------ models and data
+class SummedLoss(torch.nn.Module):
+    """The shipped GPT with its cross entropy summed over tokens (and scaled)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = make("gpt")
+
+    def forward(self, idx, targets):
+        logits = self.gpt(idx)
+        return 0.01 * torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+_COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, max_position_embeddings=64,
+               num_key_value_heads=4, output_router_logits=True, router_aux_loss_coef=0.02)
+MOE = ["mixtral", "qwen2moe", "qwen3moe", "olmoe", "gptoss"]
+
+
+def moe_model(family: str) -> torch.nn.Module:
+    """A tiny transformers mixture of experts (4 experts, top-2) with its load-balancing loss in
+    the loss."""
+    import transformers as T
+    torch.manual_seed(0)
+    experts = dict(num_experts=4, num_experts_per_tok=2)
+    if family == "mixtral":
+        return T.MixtralForCausalLM(T.MixtralConfig(**_COMMON, intermediate_size=32, num_local_experts=4,
+                                                    num_experts_per_tok=2))
+    if family == "qwen2moe":
+        return T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(**_COMMON, intermediate_size=32, moe_intermediate_size=32,
+                                                      shared_expert_intermediate_size=32, decoder_sparse_step=1,
+                                                      mlp_only_layers=[], **experts))
+    if family == "qwen3moe":
+        return T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**_COMMON, intermediate_size=32, head_dim=8,
+                                                      moe_intermediate_size=32, decoder_sparse_step=1,
+                                                      mlp_only_layers=[], **experts))
+    if family == "olmoe":
+        return T.OlmoeForCausalLM(T.OlmoeConfig(**_COMMON, intermediate_size=32, eos_token_id=0, pad_token_id=0,
+                                                bos_token_id=0, **experts))
+    if family == "gptoss":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return T.GptOssForCausalLM(T.GptOssConfig(**_COMMON, intermediate_size=32, head_dim=8, num_local_experts=4,
+                                                      num_experts_per_tok=2, layer_types=["full_attention"] * 2))
+    raise KeyError(family)
+
+
+def padded(name: str, seed: int = 3) -> list:
+    """Two global batches of 4 sequences with about a third of the labels ignored, unevenly:
+    60%, 50%, 10% and 10% of each sequence's."""
+    out = []
+    for i, (args, kwargs) in enumerate(batches(name, 4, SEQS, seed)):
+        labels = kwargs["labels"] if name.startswith("hf-") else args[1]
+        g = torch.Generator().manual_seed(seed + i)
+        labels[torch.rand(labels.shape, generator=g) < torch.tensor([0.6, 0.5, 0.1, 0.1])[:, None]] = -100
+        out.append((args, kwargs))
+    return out
+
+
+# case -> (model, world, mesh axes, parallelize options)
+PADDED = {"pad-dp2": ("gpt", 2, {}, {}), "pad-dp2-mb2": ("gpt", 2, {}, dict(microbatches=2)),
+          "pad-dp2-tp2": ("gpt", 4, dict(tp=2), {}), "pad-llama-pp2": ("hf-llama", 2, dict(pp=2), dict(microbatches=2)),
+          "sum-dp2": ("summed", 2, {}, {}), "sum-pp2": ("summed", 2, dict(pp=2), dict(microbatches=2))}
+MOE_CASES = {}
+for _f in MOE:
+    MOE_CASES[f"{_f}-dp2"] = (_f, 2, {}, {})
+    MOE_CASES[f"{_f}-ep2"] = (_f, 2, dict(ep=2), {})
+    MOE_CASES[f"{_f}-ep2-tp2-sp"] = (_f, 4, dict(ep=2, tp=2), dict(sequence_parallel=True))
+for _f in ("mixtral", "qwen2moe", "gptoss"):
+    MOE_CASES[f"{_f}-ep4"] = (_f, 4, dict(ep=4), {})
+    MOE_CASES[f"{_f}-ep2-zero"] = (_f, 4, dict(ep=2), dict(zero=1))
+MOE_CASES["mixtral-dp2-mb2"] = ("mixtral", 2, {}, dict(microbatches=2))
+MOE_CASES["mixtral-ep2-local"] = ("mixtral", 2, dict(ep=2), dict(moe_aux_loss="local"))
+CASES = {**PADDED, **MOE_CASES}
+
+
+def _model(key):
+    name = CASES[key][0]
+    if name in MOE:
+        return moe_model(name)
+    return SummedLoss() if name == "summed" else make(name)
+
+
+def _data(key):
+    name = CASES[key][0]
+    if name in MOE:
+        return batches("hf-llama", 4, SEQS, 20)
+    return padded("gpt" if name == "summed" else name)
+
+
+def _mesh(key):
+    _, world, axes, _ = CASES[key]
+    return fxtron.Mesh(world, **axes)
+
+
+def _run(rank, mesh, key):
+    _, _, _, options = CASES[key]
+    args, kwargs = _data(key)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")       # sequence parallel's fold gathers, transformers' config notes
+        pm = fxtron.parallelize(_model(key), mesh, example_inputs=args, example_kwargs=kwargs, **options)
+        prog = pm.program(rank)
+    out = train_program(prog, _data(key), _opt(prog.parameters()))
+    if rank == 0:
+        out["summary"] = pm.summary()
+    return out
+
+
+def _jobs():
+    jobs: dict[int, list] = {}
+    for key in CASES:
+        jobs.setdefault(CASES[key][1], []).append((_mesh(key), [key]))
+    return jobs
+
+
+trained = cases_fixture(_jobs, _run)
+
+
+def _pieces(item, n: int):
+    """A global batch (args, kwargs) as n contiguous microbatches."""
+    args, kwargs = item
+    k = 4 // n
+    return fxtron.Microbatches([((), {a: t[i * k:(i + 1) * k] for a, t in kwargs.items()}) for i in range(n)])
+
+
+# ------------------------------------------------------------------------------ on the graph
+def test_the_pass_makes_each_statistic_global_on_the_graph():
+    from fxtron.passes.statistics import global_statistics
+    model = moe_model("mixtral")
+    args, kwargs = batches("hf-llama", 2, [8], 0)[0]
+    pm = fxtron.parallelize(model, fxtron.Mesh(2, ep=2), example_kwargs=kwargs)
+    report = meta.info(pm.compiled(0).gm).statistics_report
+    # the token mean: one count of the labels, the global batch's
+    assert len(report.global_counts) == 1 and "sum" in report.global_counts[0], report
+    # the load-balancing loss: per layer tokens per expert (histc) and summed router probabilities, and
+    # the count of rows it divides by (a size), summed over dp; the offsets of the GEMMs left alone
+    assert sum("histc" in w for w in report.summed) == 2 and sum("sum" in w for w in report.summed) == 2, report
+    assert any("add" in w for w in report.summed), report
+    assert not report.scaled and not report.local
+    g = pm.compiled(0).gm.graph
+    reduces = [n for n in g.nodes if n.target == torch.ops.fxtron.batch_all_reduce.default]
+    assert len(reduces) == 4 and all(n.args[1] == "dp" for n in reduces)
+    for layer_offsets in [n for n in g.nodes if n.target == torch.ops.aten.cumsum.default]:
+        assert all(a.target != torch.ops.fxtron.batch_all_reduce.default for a in layer_offsets.all_input_nodes)
+    text = pm.summary()
+    assert "batch statistics over the global batch (2 dp x 1 microbatches = 2 pieces)" in text, text
+    assert "change of the model" not in text
+    # one process, one piece: nothing to do
+    traced = pm.traced
+    assert global_statistics(meta.copy_graph(traced), dp=1, pieces=1) is not None
+    local = fxtron.parallelize(moe_model("mixtral"), fxtron.Mesh(2, ep=2), example_kwargs=kwargs, moe_aux_loss="local")
+    lr = meta.info(local.compiled(0).gm).statistics_report
+    assert len(lr.local) == 5 and not lr.summed and len(lr.global_counts) == 1, lr
+    assert "moe_aux_loss='local', Megatron's default) -- a change of the model" in local.summary()
+
+
+def test_a_summed_loss_is_scaled_and_a_mean_counts_the_global_tokens():
+    pm = fxtron.parallelize(SummedLoss(), fxtron.Mesh(2), example_inputs=padded("gpt")[0][0], microbatches=2)
+    report = meta.info(pm.compiled(0).gm).statistics_report
+    assert len(report.scaled) == 1 and "cross_entropy" in report.scaled[0] and not report.global_counts
+    # the count the runtime gives the step: the global batch's counted labels over its 4 pieces
+    args, _ = padded("gpt")[0]
+    from fxtron.runtime.batch import BatchSlicer
+    mean = fxtron.parallelize(make("gpt"), fxtron.Mesh(2), example_inputs=args, microbatches=2)
+    ctx = BatchSlicer(meta.info(mean.compiled(1).gm), dp=2, dp_index=1, microbatches=2, device=None).context(args)
+    (value,) = ctx.values.values()
+    assert ctx.pieces == 4 and float(value) * 4 == float((args[1] != -100).sum())
+
+
+# ------------------------------------------------------------------------------ against one process
+@pytest.mark.slow
+@pytest.mark.parametrize("key", list(PADDED))
+def test_ignored_labels_and_summed_losses_change_nothing(trained, key):
+    torch.manual_seed(0)
+    ref = reference_training(_model(key), _data(key), _opt)
+    assert sum(int((item[0][1] if item[0] else item[1]["labels"]).eq(-100).sum()) for item in _data(key)) > 0
+    for rank, got in enumerate(ranks_of(trained, _mesh(key), key)):
+        assert_trains_like(got, ref, rank=rank)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", list(MOE_CASES))
+def test_moe_families_with_their_aux_loss_train_like_one_process(trained, key):
+    family, world, axes, options = CASES[key]
+    steps = _data(key)
+    if options.get("moe_aux_loss") == "local":          # each dp rank's statistics: its piece on its own
+        steps = [_pieces(s, world // axes.get("tp", 1)) for s in steps]
+    elif options.get("microbatches", 1) > 1:            # each microbatch's statistics, as gradient accumulation
+        steps = [_microbatches_of(s, world, options["microbatches"]) for s in steps]
+    ref = reference_training(moe_model(family), steps, _opt)
+    gmax = max(g.abs().max().item() for g in ref["grads"].values())
+    for rank, got in enumerate(ranks_of(trained, _mesh(key), key)):
+        for a, b in zip(got["losses"], ref["losses"]):
+            assert abs(a - b) <= 1e-6 * abs(b), (rank, got["losses"], ref["losses"])
+        dg, where = max_abs_diff(got["grads"], ref["grads"])
+        assert dg <= 1e-4 * gmax, f"rank {rank}: gradient of {where} off by {dg:.3g} (largest {gmax:.3g})"
+        dw, where = max_abs_diff(got["state"], {k: v for k, v in ref["state"].items() if k in got["state"]})
+        assert dw < 1e-5, f"rank {rank}: weight {where} off by {dw:.3g}"
+    summary = ranks_of(trained, _mesh(key), key)[0]["summary"]
+    assert ("a change of the model" in summary) == (options.get("moe_aux_loss") == "local"), summary
+
+
+def _microbatches_of(item, dp: int, m: int):
+    """The global batch's microbatches as the program cuts it: microbatch i is every dp rank's
+    i-th microbatch of its slice."""
+    _, kwargs = item
+    k = 4 // (dp * m)
+    parts = [[slice((r * m + i) * k, (r * m + i + 1) * k) for r in range(dp)] for i in range(m)]
+    return fxtron.Microbatches([((), {a: torch.cat([t[p] for p in part]) for a, t in kwargs.items()})
+                                for part in parts])
