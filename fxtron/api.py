@@ -91,10 +91,16 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
     Expert parallel (mesh.ep > 1): each mixture-of-experts layer (grouped GEMMs over 3-D expert
     weights, found on the graph) holds E/ep experts per rank; the copies of the rank's tokens
     go to the ranks of their experts and come back by all-to-all, dropless (Megatron's
-    dispatcher); the experts' gradients are reduced over expert-dp. The load-balancing loss's
-    per-expert token counts are each data-parallel rank's own (`moe_aux_loss="local"`,
-    Megatron's default) or summed over the data-parallel ranks first ("global", Megatron's
-    global aux loss: the loss then equals the single-process loss of the whole batch).
+    dispatcher); the experts' gradients are reduced over expert-dp.
+
+    The model's own math (passes/statistics.py): what it computes over its batch is the global
+    batch's, as in one process. A mean loss over tokens divides by the global batch's counted
+    tokens (ignored labels spread unevenly over ranks and microbatches change nothing), a loss
+    summed over tokens stays a sum, and a statistic the loss uses nonlinearly (a load-balancing
+    loss's tokens per expert and router probabilities) is summed over the data-parallel ranks,
+    per microbatch as gradient accumulation computes it. `moe_aux_loss="local"` (Megatron's
+    default) opts out of the last: each dp rank's own statistics, a change of the model the
+    summary names. A reduction over the batch fxtron cannot make global is a ParallelizeError.
     Routing is dropless (the single-process model's); `moe_capacity_factor=c` opts into
     Switch/GShard capacity instead: each expert takes at most ceil(c x k T / E) of each rank's k T
     copies (the first in token order), the rest dropped -- a change of the model, since which

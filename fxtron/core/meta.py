@@ -103,6 +103,10 @@ OWN_SIZE = _key("fxtron_own_size", bool,
                 "on a sym_size of a split value: the graph means this rank's own size (a tp rank's share of a "
                 "mixture-of-experts layer's copies, uneven by routing), which localize leaves as it is",
                 "passes.expert_parallel")
+STATISTIC = _key("fxtron_statistic", str,
+                 "on a batch statistic the loss depends on (a reduction over the batch dim): how it was made the "
+                 "global batch's -- 'scaled', 'global count', 'summed over dp', 'as is' (a mean, or a token mean's "
+                 "numerator, reaching the loss linearly), 'local' (moe_aux_loss='local')", "passes.statistics")
 RECOMPUTE = _key("fxtron_recompute", str,
                  "the activation-recomputation region the node belongs to ('blocks.3', 'blocks.2.attn core'): "
                  "its activations are computed again in backward instead of kept", "passes.recompute")

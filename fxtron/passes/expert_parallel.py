@@ -43,7 +43,7 @@ AXIS = "ep"
 TP = "tp"
 _VIEWS = {aten.transpose.int, aten.permute.default, aten.t.default, aten.alias.default}
 #: the casts and running sums between a layer's count of copies per expert and its offsets
-_OFFSET_CHAIN = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.to.device, aten.cumsum.default,
+OFFSET_CHAIN = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.to.device, aten.cumsum.default,
                  aten.clone.default, aten.alias.default}
 #: the ops that count the copies per expert
 _COUNTS = {aten.histc.default, aten.bincount.default}
@@ -238,10 +238,10 @@ def _through(node, targets) -> fx.Node:
 def _copy_experts(layer: MoELayer) -> fx.Node | None:
     """The expert of each sorted copy: what the count the layer's offsets sum is a histogram
     of (through casts), or None where the graph does not show it."""
-    count = _through(layer.offs, _OFFSET_CHAIN)
+    count = _through(layer.offs, OFFSET_CHAIN)
     if not (isinstance(count, fx.Node) and count.op == "call_function" and count.target in _COUNTS):
         return None
-    return _through(count.args[0], _OFFSET_CHAIN)
+    return _through(count.args[0], OFFSET_CHAIN)
 
 
 def _per_row_inputs(layer: MoELayer, copies: fx.Node) -> list[fx.Node]:
@@ -262,7 +262,7 @@ def _per_row_inputs(layer: MoELayer, copies: fx.Node) -> list[fx.Node]:
                 continue
             ok = (a.target is aten.index.Tensor and len(a.args[1]) == 1 and meta.is_param(a.args[0])
                   and int(a.args[0].meta["val"].shape[0]) == layer.n_experts and experts is not None
-                  and _through(a.args[1][0], _OFFSET_CHAIN) is experts)
+                  and _through(a.args[1][0], OFFSET_CHAIN) is experts)
             if not ok:
                 raise ParallelizeError(
                     f"the mixture-of-experts layer at {layer.name}: %{n.name} ({n.target}) inside the experts reads "

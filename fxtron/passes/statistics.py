@@ -42,6 +42,7 @@ import fxtron.ops.batch  # noqa: F401 - registers torch.ops.fxtron.batch_*
 from fxtron.core import meta
 from fxtron.core.meta import BATCH, SEQ
 from fxtron.errors import ParallelizeError
+from fxtron.ops import registry
 
 aten = torch.ops.aten
 fxops = torch.ops.fxtron
@@ -68,11 +69,6 @@ _JOINS = {aten.stack.default, aten.cat.default}
 #: ops that read only their input's dtype and device, not its values
 _FACTORIES = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
               aten.new_empty_strided.default, aten.scalar_tensor.default}
-#: the casts and running sums between a mixture-of-experts layer's count and its GEMMs' offsets
-_OFFSET_CHAIN = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.to.device, aten.cumsum.default,
-                 aten.clone.default, aten.alias.default}
-
-
 @dataclass(frozen=True)
 class Statistic:
     """An input statistic the runtime computes over the global batch before each step: the sum
@@ -190,11 +186,11 @@ def split_token_means(gm: fx.GraphModule) -> list[fx.Node]:
 def _structural_uses(gm: fx.GraphModule) -> set[tuple[fx.Node, fx.Node]]:
     """(count, user) edges through which a mixture-of-experts layer's count of copies per
     expert becomes its grouped GEMMs' offsets: the rank's own rows, never made global."""
-    from fxtron.passes.expert_parallel import moe_layers
+    from fxtron.passes.expert_parallel import OFFSET_CHAIN, moe_layers
     edges = set()
     for layer in moe_layers(gm):
         node, prev = layer.offs, None
-        while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _OFFSET_CHAIN:
+        while isinstance(node, fx.Node) and node.op == "call_function" and node.target in OFFSET_CHAIN:
             prev, node = node, node.args[0]
         if isinstance(node, fx.Node) and prev is not None:
             edges.add((node, prev))
@@ -212,6 +208,53 @@ def _ancestors_of(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
+def _loss_node(gm: fx.GraphModule) -> fx.Node:
+    out = gm.graph.output_node().args[0]
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def find_statistics(gm: fx.GraphModule) -> dict[fx.Node, str]:
+    """The batch statistics the loss depends on: calls whose tensor input holds the batch symbol
+    B and whose output does not -- "sum" (a sum, a histogram, a count, a loss summed over
+    tokens), "mean" (a mean, a mean loss), "other" (any other reduction over the batch) -- and
+    sizes holding B read as numbers in tensor arithmetic, "count"."""
+    ti = meta.info(gm)
+    loss = _loss_node(gm)
+    upstream = _ancestors_of(loss) | {loss}
+    stats: dict[fx.Node, str] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node not in upstream:
+            continue
+        val = _fake(node)
+        expr = _sym_expr(val, ti)
+        if expr is not None:
+            if BATCH in expr.free_symbols and any(_takes_value(u, node) for u in node.users):
+                stats[node] = "count"
+            continue
+        if not isinstance(val, torch.Tensor) or _batchy(val, ti):
+            continue
+        if node.target in _FACTORIES or registry.op_name(node.target) is not None:
+            continue     # a factory reads no values; fxtron's own ops (batch_*, global_statistic) are made here
+        if not any(_batchy(_fake(a), ti) for a in node.all_input_nodes):
+            continue
+        if node.target in _SUMS or (node.target in _LOSSES and _loss_args(node)[3] == 2):
+            stats[node] = "sum"
+        elif node.target in _MEANS or node.target in _LOSSES:
+            stats[node] = "mean"
+        else:
+            stats[node] = "other"
+    return stats
+
+
+def check_statistics(gm: fx.GraphModule) -> str | None:
+    """What is wrong after global_statistics: a batch statistic the loss depends on that the pass
+    did not mark as made global (or left local at the user's request); None when nothing."""
+    for node in find_statistics(gm):
+        if meta.get(node, meta.STATISTIC) is None:
+            return f"{_where(node)} reduces over the batch, and the loss depends on it, but nothing made it global"
+    return None
+
+
 def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool = False,
                       group: str = "dp") -> fx.GraphModule:
     """Make every statistic of the batch the loss depends on the global batch's (module
@@ -224,7 +267,7 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
     split_token_means(gm)
     g, ti = gm.graph, meta.info(gm)
     out_node = g.output_node()
-    loss = out_node.args[0][0] if isinstance(out_node.args[0], (tuple, list)) else out_node.args[0]
+    loss = _loss_node(gm)
     upstream = _ancestors_of(loss) | {loss}
     structural = _structural_uses(gm)
 
@@ -238,27 +281,7 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
         elif any(a in stateful for a in node.all_input_nodes):
             stateful.add(node)
 
-    # the statistics: nodes the loss depends on that reduce the batch away
-    stats: dict[fx.Node, str] = {}          # node -> "sum" | "mean" | "count" (a size) | "other"
-    for node in g.nodes:
-        if node.op != "call_function" or node not in upstream:
-            continue
-        val = _fake(node)
-        expr = _sym_expr(val, ti)
-        if expr is not None:
-            if BATCH in expr.free_symbols and any(_takes_value(u, node) for u in node.users):
-                stats[node] = "count"
-            continue
-        if not isinstance(val, torch.Tensor) or _batchy(val, ti):
-            continue
-        if node.target in _FACTORIES or not any(_batchy(_fake(a), ti) for a in node.all_input_nodes):
-            continue
-        if node.target in _SUMS or (node.target in _LOSSES and _loss_args(node)[3] == 2):
-            stats[node] = "sum"
-        elif node.target in _MEANS or node.target in _LOSSES:
-            stats[node] = "mean"
-        else:
-            stats[node] = "other"
+    stats = find_statistics(gm)
     derived: set[fx.Node] = set()           # computed from a statistic
     for node in g.nodes:
         if node in stats or any(a in derived for a in node.all_input_nodes):
@@ -337,9 +360,11 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
         if kind == "count":
             rest = [u for u in rest if _takes_value(u, node)]
         where = _where(node)
+        done = []
         if kind == "other" and (lin or den or rest):
             if local:
                 report.local.append(where)
+                meta.set(node, meta.STATISTIC, "local")
                 continue
             raise ParallelizeError(
                 f"{where} reduces over the batch (input {_shapes(node, ti)} -> {tuple(ti.shape(_fake(node)))}), and the loss "
@@ -355,6 +380,7 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
             for u in scaled:
                 u.replace_input_with(node, s)
             report.scaled.append(where)
+            done.append("scaled")
         if den:
             key = node.name
             statistics[key] = _statistic(gm, node, kind, ti)
@@ -364,13 +390,16 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
             for u in den:
                 u.replace_input_with(node, s)
             report.global_counts.append(where)
+            done.append("global count")
         if rest and dp > 1:
             if local:
                 report.local.append(where)
+                meta.set(node, meta.STATISTIC, ", ".join(done + ["local"]))
                 continue
             with g.inserting_before(node.next):
                 if kind == "count":
                     s = _insert(g, node, operator.mul, (node, dp), val=_fake(node) * dp)
+                    meta.set(s, meta.STATISTIC, "the count over every dp rank")
                 else:
                     s = _insert(g, node, fxops.batch_all_reduce.default, (node, group), val=_tensor_val(node))
                     if kind == "mean":
@@ -378,6 +407,8 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
             for u in rest:
                 u.replace_input_with(node, s)
             report.summed.append(where)
+            done.append("summed over dp")
+        meta.set(node, meta.STATISTIC, ", ".join(done) or "as is")
     g.lint()
     gm.recompile()
     gm.meta[meta.TRACE_INFO] = replace(ti, statistics={**ti.statistics, **statistics},

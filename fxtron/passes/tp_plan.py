@@ -378,12 +378,25 @@ def _reaches_residual(layer: _Found, order: dict[fx.Node, int]) -> bool:
 
 def _is_residual(add: fx.Node, via: fx.Node, linear: fx.Node, order: dict[fx.Node, int]) -> bool:
     """Is `add` (reached from `linear` through `via`) a residual: its other operand computed
-    before the linear, of the add's own shape (a mask added to attention scores broadcasts)?"""
+    before the linear -- or a sum one of whose terms was (Cohere's parallel block, `residual +
+    attention + mlp`: the MLP's output joins a sum the attention's output made after it) --, of
+    the add's own shape (a mask added to attention scores broadcasts)?"""
     other = add.args[1] if add.args[0] is via else add.args[0]
-    if not isinstance(other, fx.Node) or order[other] >= order[linear]:
+    b = add.meta.get("val")
+    return isinstance(b, torch.Tensor) and _earlier_term(other, tuple(b.shape), linear, order)
+
+
+def _earlier_term(node, shape: tuple, linear: fx.Node, order: dict[fx.Node, int], depth: int = 4) -> bool:
+    """`node`, of `shape`, was computed before `linear`, or is a sum with such a term."""
+    if not isinstance(node, fx.Node):
         return False
-    a, b = other.meta.get("val"), add.meta.get("val")
-    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and tuple(a.shape) == tuple(b.shape)
+    a = node.meta.get("val")
+    if not (isinstance(a, torch.Tensor) and tuple(a.shape) == shape):
+        return False
+    if order[node] < order[linear]:
+        return True
+    return (depth > 0 and node.op == "call_function" and node.target in _ADDS
+            and any(_earlier_term(t, shape, linear, order, depth - 1) for t in node.args[:2]))
 
 
 def _reaches_loss(layer: _Found) -> bool:
@@ -502,6 +515,18 @@ def _unbound_blocks(view: fx.Node, feat: int) -> int | None:
     return None
 
 
+def _model_parallel_blocks(view: fx.Node, feat: int) -> int | None:
+    """m where `view` holds a fused output as (..., m, feat/m) -- m blocks, each cut into its
+    parts along the last dim (CodeGen's qkv in model-parallel-blocked order: mp_num blocks of
+    [q | v | k] for their own heads): a contiguous split over tp then gives each rank whole
+    blocks, its heads' q, k and v, with no gather."""
+    val = view.meta.get("val")
+    if val is None or val.dim() < 2 or isinstance(val.shape[-1], torch.SymInt) or isinstance(val.shape[-2], torch.SymInt):
+        return None
+    m, per = int(val.shape[-2]), int(val.shape[-1])
+    return m if m > 1 and m * per == feat else None
+
+
 def _interleave(layer: _Found, tp: int) -> Interleave:
     """k for a fused projection split later into k equal parts (or viewed as (k, heads, d)), or
     the proportions of unequal parts cut from it by slicing or split_with_sizes."""
@@ -520,6 +545,11 @@ def _interleave(layer: _Found, tp: int) -> Interleave:
         if val is None:
             continue
         last = val.dim() - 1
+        if user.target in (aten.split.Tensor, aten.chunk.default, aten.split_with_sizes.default):
+            dim = user.args[2] if len(user.args) > 2 else 0
+            blocks = _model_parallel_blocks(via, feat)
+            if dim in (-1, last) and blocks is not None and blocks % tp == 0:
+                return 1
         if user.target == aten.split.Tensor:
             size, dim = user.args[1], (user.args[2] if len(user.args) > 2 else 0)
             if dim in (-1, last) and isinstance(size, int) and feat % size == 0:

@@ -8,8 +8,9 @@ summed over an axis after backward (meta.GRAD_REDUCE: each rank's part is partia
 whole on that axis, never scattered first (its gradient would then be complete on each rank,
 and the sum would count it axis-size times); no reduction (sum, mean, var, amax, softmax, ...)
 runs over a dim its input holds only part of, or over a partial sum, except a sum that stays
-partial; and every communicating op
-names an axis the graph is distributed over (jax shard_map's check of which axes a value varies
+partial; every communicating op
+names an axis the graph is distributed over; and, after global_statistics, every batch statistic
+the loss depends on was made the global batch's or left per rank at the user's request (jax shard_map's check of which axes a value varies
 over, tinygrad's spec between rewrites).
 """
 from __future__ import annotations
@@ -74,6 +75,11 @@ def verify(gm: fx.GraphModule, *, after: str, redistributed: bool = False) -> No
             if axis is not None and axes and axis not in axes and axis != "dp":
                 raise VerifyError(f"after {after}: %{node.name} communicates over {axis!r}, which the graph "
                                   f"is not distributed over ({', '.join(axes)})")
+    if after == "global_statistics":
+        from fxtron.passes.statistics import check_statistics
+        wrong = check_statistics(gm)
+        if wrong:
+            raise VerifyError(f"after {after}: {wrong}")
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in _REDUCTIONS:
             _check_reduction(node, axes, after)

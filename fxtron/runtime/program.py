@@ -188,7 +188,8 @@ class Program(nn.Module):
         With microbatches > 1 or pipeline parallel, the rank's slice is cut into equal
         microbatches along the batch dim (or `inputs` is a `fxtron.Microbatches` list, whose
         microbatches may differ in sequence length), run by the schedule, and the loss is the
-        mean of the microbatches' losses, as gradient accumulation computes it."""
+        mean of the microbatches' losses, as gradient accumulation computes it -- a token mean
+        over the whole batch's counted tokens (passes/statistics.py)."""
         self._check_optimizer(optimizer)
         if self._stages is not None or self.pipeline.microbatches > 1 or isinstance(inputs, Microbatches):
             return self._pipelined_step(inputs, optimizer, kwargs)

@@ -85,6 +85,13 @@ def _view(c: Ctx):
                 # needs no layout of it, and its collectives refuse it)
                 return Shard(go[0], prefix), [None]
             return REPLICATE, [REPLICATE]   # (B, S/tp) -> B*S has no shard layout: gather first
+        if p.interleave == 1 and gi[0] == p.dim:
+            # the outermost dim of the group split contiguously: each rank holds one contiguous
+            # run of the flattened group, which is a contiguous split of the output's outermost
+            # dim when it divides (CodeGen's (blocks, 3 x local) qkv viewed as (heads, d))
+            first = c.sym(outs[go[0]])
+            if first.is_Integer and int(first) % c.size == 0:
+                return Shard(go[0]), [None]
         raise c.fail("a view that regroups the sharded dim with others both ways")
     raise c.fail("could not follow the sharded dim through this view")
 
