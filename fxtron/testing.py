@@ -158,12 +158,18 @@ __all__ = ["adamw", "assert_trains_like", "case_key", "cases_fixture", "ranks_of
 
 
 def train_program(prog, batches: Iterable, opt) -> dict:
-    """Train a rank's program on `batches` ((args, kwargs) global batches) with `opt`: its
-    losses, the full gradients of the first step (before its optimizer step) and the full
-    state at the end -- what `assert_trains_like` compares with `reference_training`."""
+    """Train a rank's program on `batches` ((args, kwargs) global batches, or
+    `fxtron.Microbatches` lists) with `opt`: its losses, the full gradients of the first step
+    (before its optimizer step) and the full state at the end -- what `assert_trains_like`
+    compares with `reference_training`."""
+    from fxtron.runtime.batch import Microbatches
     losses, grads = [], None
-    for step, (args, kwargs) in enumerate(batches):
-        losses.append(prog.train_step(args, opt, kwargs=kwargs))
+    for step, item in enumerate(batches):
+        if isinstance(item, Microbatches):
+            losses.append(prog.train_step(item, opt))
+        else:
+            args, kwargs = item
+            losses.append(prog.train_step(args, opt, kwargs=kwargs))
         if step == 0:
             grads = prog.full_grads()
     return {"losses": losses, "grads": grads, "state": prog.full_state_dict()}

@@ -13,7 +13,10 @@ one process:
 * a third of the labels ignored (-100), spread unevenly (60%, 50%, 10%, 10% of the four
   sequences), at dp=2, dp=2 x tp=2, dp=2 with 2 microbatches, and transformers' Llama at pp=2
   with 2 microbatches: each rank and microbatch divides by the global batch's count;
-* a loss summed over tokens (reduction='sum') at dp=2 and at pp=2 with microbatches: a sum;
+* the same at cp=2 x dp=2 (Llama: each rank's tokens a load-balanced half of every sequence);
+* a loss summed over tokens (reduction='sum') at dp=2, at pp=2 with microbatches and at cp=2:
+  a sum; a plain mean over tokens with microbatches of 12 and 6 tokens at dp=2: the mean over
+  every token of the batch;
 * five transformers mixture-of-experts families with their load-balancing loss in the loss
   (output_router_logits=True, router_aux_loss_coef=0.02) -- Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE
   and GPT-OSS (per-expert biases, interleaved gate/up, clamped gating) -- at dp=2, ep=2 and
@@ -32,6 +35,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fxtron
 from fxtron.core import meta
@@ -45,11 +49,11 @@ SEQS = [12, 10]
 
 # ------------------------------------------------------------------------------ models and data
 class SummedLoss(torch.nn.Module):
-    """The shipped GPT with its cross entropy summed over tokens (and scaled)."""
+    """The shipped GPT (or Llama) with its cross entropy summed over tokens (and scaled)."""
 
-    def __init__(self):
+    def __init__(self, name: str = "gpt"):
         super().__init__()
-        self.gpt = make("gpt")
+        self.gpt = make(name)
 
     def forward(self, idx, targets):
         logits = self.gpt(idx)
@@ -89,11 +93,36 @@ def moe_model(family: str) -> torch.nn.Module:
     raise KeyError(family)
 
 
-def padded(name: str, seed: int = 3) -> list:
+class MeanLoss(torch.nn.Module):
+    """The shipped GPT with its loss the plain mean of the per-token losses."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = make("gpt")
+
+    def forward(self, idx, targets):
+        logits = self.gpt(idx)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").mean()
+
+
+def unequal_microbatches() -> list:
+    """Two global batches, each two microbatches of 4 sequences of 12 and 6 tokens."""
+    out = []
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        mbs = []
+        for s in (12, 6):
+            ids = torch.randint(0, 256, (4, s + 1), generator=g)
+            mbs.append(((ids[:, :-1].clone(), ids[:, 1:].clone()), {}))
+        out.append(fxtron.Microbatches(mbs))
+    return out
+
+
+def padded(name: str, seed: int = 3, seqs=SEQS) -> list:
     """Two global batches of 4 sequences with about a third of the labels ignored, unevenly:
     60%, 50%, 10% and 10% of each sequence's."""
     out = []
-    for i, (args, kwargs) in enumerate(batches(name, 4, SEQS, seed)):
+    for i, (args, kwargs) in enumerate(batches(name, 4, seqs, seed)):
         labels = kwargs["labels"] if name.startswith("hf-") else args[1]
         g = torch.Generator().manual_seed(seed + i)
         labels[torch.rand(labels.shape, generator=g) < torch.tensor([0.6, 0.5, 0.1, 0.1])[:, None]] = -100
@@ -104,7 +133,11 @@ def padded(name: str, seed: int = 3) -> list:
 # case -> (model, world, mesh axes, parallelize options)
 PADDED = {"pad-dp2": ("gpt", 2, {}, {}), "pad-dp2-mb2": ("gpt", 2, {}, dict(microbatches=2)),
           "pad-dp2-tp2": ("gpt", 4, dict(tp=2), {}), "pad-llama-pp2": ("hf-llama", 2, dict(pp=2), dict(microbatches=2)),
-          "sum-dp2": ("summed", 2, {}, {}), "sum-pp2": ("summed", 2, dict(pp=2), dict(microbatches=2))}
+          "sum-dp2": ("summed", 2, {}, {}), "sum-pp2": ("summed", 2, dict(pp=2), dict(microbatches=2)),
+          # context parallel: each rank's tokens a load-balanced half of every sequence
+          "pad-llama-cp2-dp2": ("llama", 4, dict(cp=2), {}), "sum-cp2": ("summed-llama", 2, dict(cp=2), {})}
+#: a plain mean over tokens, microbatches of 12 and 6 tokens: the mean over every token of the batch
+MEAN = {"mean-dp2-mb2": ("mean", 2, {}, dict(microbatches=2))}
 MOE_CASES = {}
 for _f in MOE:
     MOE_CASES[f"{_f}-dp2"] = (_f, 2, {}, {})
@@ -115,21 +148,26 @@ for _f in ("mixtral", "qwen2moe", "gptoss"):
     MOE_CASES[f"{_f}-ep2-zero"] = (_f, 4, dict(ep=2), dict(zero=1))
 MOE_CASES["mixtral-dp2-mb2"] = ("mixtral", 2, {}, dict(microbatches=2))
 MOE_CASES["mixtral-ep2-local"] = ("mixtral", 2, dict(ep=2), dict(moe_aux_loss="local"))
-CASES = {**PADDED, **MOE_CASES}
+CASES = {**PADDED, **MEAN, **MOE_CASES}
 
 
 def _model(key):
     name = CASES[key][0]
     if name in MOE:
         return moe_model(name)
-    return SummedLoss() if name == "summed" else make(name)
+    if name == "mean":
+        return MeanLoss()
+    return SummedLoss(name.removeprefix("summed-") if "-" in name else "gpt") if name.startswith("summed") else make(name)
 
 
 def _data(key):
     name = CASES[key][0]
     if name in MOE:
         return batches("hf-llama", 4, SEQS, 20)
-    return padded("gpt" if name == "summed" else name)
+    if name == "mean":
+        return unequal_microbatches()
+    seqs = [12, 8] if CASES[key][2].get("cp") else SEQS       # a multiple of 2 x cp
+    return padded({"summed": "gpt", "summed-llama": "llama"}.get(name, name), seqs=seqs)
 
 
 def _mesh(key):
@@ -139,7 +177,8 @@ def _mesh(key):
 
 def _run(rank, mesh, key):
     _, _, _, options = CASES[key]
-    args, kwargs = _data(key)[0]
+    first = _data(key)[0]
+    args, kwargs = first[0] if isinstance(first, fxtron.Microbatches) else first
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")       # sequence parallel's fold gathers, transformers' config notes
         pm = fxtron.parallelize(_model(key), mesh, example_inputs=args, example_kwargs=kwargs, **options)
@@ -218,6 +257,24 @@ def test_ignored_labels_and_summed_losses_change_nothing(trained, key):
     torch.manual_seed(0)
     ref = reference_training(_model(key), _data(key), _opt)
     assert sum(int((item[0][1] if item[0] else item[1]["labels"]).eq(-100).sum()) for item in _data(key)) > 0
+    for rank, got in enumerate(ranks_of(trained, _mesh(key), key)):
+        assert_trains_like(got, ref, rank=rank)
+
+
+@pytest.mark.slow
+def test_a_plain_mean_is_over_every_token_of_unequal_microbatches(trained):
+    torch.manual_seed(0)
+    model, key = MeanLoss(), "mean-dp2-mb2"
+    opt, losses, grads = _opt(model.parameters()), [], None
+    for step, mbs in enumerate(_data(key)):       # one process: every token of the batch, one mean
+        opt.zero_grad(set_to_none=True)
+        total = sum(F.cross_entropy(model.gpt(x).flatten(0, 1), y.flatten(), reduction="sum") for (x, y), _ in mbs)
+        loss = total / sum(y.numel() for (_, y), _ in mbs)
+        loss.backward()
+        grads = grads or {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        losses.append(float(loss))
+    ref = {"losses": losses, "grads": grads, "state": model.state_dict()}
     for rank, got in enumerate(ranks_of(trained, _mesh(key), key)):
         assert_trains_like(got, ref, rank=rank)
 

@@ -372,7 +372,18 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
                 f"not over the global batch as one process does, and fxtron cannot make this op global (only sums, "
                 f"means, histograms and losses over tokens). Compute it as a sum or mean, or opt into per-rank "
                 f"statistics with moe_aux_loss='local'")
-        # linear uses: a sum x pieces; a mean or a token mean's numerator as it is
+        # linear uses: a sum x pieces; a mean over the batch the sum over its elements divided by
+        # the global batch's count of them (microbatches may differ in length); a token mean's
+        # numerator as it is
+        means = [u for u, tag in lin.items() if tag == "plain" and kind == "mean" and node.target in _MEANS]
+        if means:
+            key = f"{node.name}_elements"
+            statistics[key] = Statistic(key, where, expr=_elements(node, ti))
+            s = _mean_as_sum(g, node, key, ti)
+            for u in means:
+                u.replace_input_with(node, s)
+            report.global_counts.append(where)
+            done.append("global count")
         scaled = [u for u, tag in lin.items() if tag == "plain" and kind in ("sum", "count")]
         if scaled:
             with g.inserting_before(node.next):
@@ -414,6 +425,48 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
     gm.meta[meta.TRACE_INFO] = replace(ti, statistics={**ti.statistics, **statistics},
                                        statistics_report=report)
     return gm
+
+
+def _elements(node: fx.Node, ti) -> sympy.Expr:
+    """How many elements mean `node` averages, in B and S."""
+    from fxtron.passes.rules.registry import reduced_dims
+    shape = ti.shape(_fake(node.args[0]))
+    return sympy.Mul(*[shape[d] for d in reduced_dims(node)])
+
+
+def _mean_as_sum(g: fx.Graph, node: fx.Node, key: str, ti) -> fx.Node:
+    """mean(x, dims) as sum(x, dims) / the global batch's count of averaged elements over the
+    pieces (the rank's own count outside a step)."""
+    from fxtron.passes.rules.registry import reduced_dims
+    x = node.args[0]
+    dims = reduced_dims(node)
+    keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    kwargs = {k: v for k, v in node.kwargs.items() if k == "dtype"}
+    out = _fake(node)
+    with g.inserting_before(node.next):
+        total = _insert(g, node, aten.sum.dim_IntList, (x, dims, keep), kwargs, val=out)
+        xv = _fake(x)
+        count, count_val = 1, 1               # the rank's own count: static sizes, then each symbolic one
+        for d in dims:
+            size = xv.shape[d]
+            if isinstance(size, torch.SymInt):
+                size_node = _insert(g, node, aten.sym_size.int, (x, d), val=size)
+                count_val = count_val * size
+                count = (size_node if count == 1 else
+                         _insert(g, node, operator.mul, (count, size_node), val=count_val))
+            else:
+                count_val = count_val * int(size)
+                count = (int(size) if not isinstance(count, fx.Node) else
+                         _insert(g, node, operator.mul, (count, int(size)), val=count_val))
+                if not isinstance(count, fx.Node):
+                    count = count_val
+        if isinstance(count, fx.Node):
+            meta.set(count, meta.STATISTIC, "the rank's own count, outside a step")
+        local = _insert(g, node, aten.scalar_tensor.default, (count,), {"dtype": out.dtype},
+                        val=out.new_empty(()))
+        glob = _insert(g, node, fxops.global_statistic.default, (local, key), val=out.new_empty(()))
+        meta.set(total, meta.STATISTIC, "as is")
+        return _insert(g, node, aten.div.Tensor, (total, glob), val=out)
 
 
 def _takes_value(user: fx.Node, sym: fx.Node) -> bool:
