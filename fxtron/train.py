@@ -104,17 +104,30 @@ def train_reference(cfg: TrainConfig) -> list[float]:
     opt = _optimizer(model.parameters(), cfg)
     clip = cfg.data_parallel.clip_grad
     losses = []
-    pieces = cfg.mesh.mesh().dp * cfg.pipeline.microbatches
+    dp, m = cfg.mesh.mesh().dp, cfg.pipeline.microbatches
     for step in range(cfg.training.steps):
         opt.zero_grad(set_to_none=True)
         idx, tgt = batch_at(data, step, cfg)
-        loss = sum(model(i, t) for i, t in zip(idx.chunk(pieces), tgt.chunk(pieces))) / pieces
+        parts = _pieces(idx, tgt, dp, m, local=cfg.experts.aux_loss == "local")
+        loss = sum(model(i, t) for i, t in parts) / len(parts)
         loss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         losses.append(float(loss.detach()))
     return losses
+
+
+def _pieces(idx: torch.Tensor, tgt: torch.Tensor, dp: int, m: int, *, local: bool) -> list:
+    """What one process trains a step as: the global batch's m microbatches (microbatch i is
+    every dp rank's i-th; batch statistics such as the load-balancing loss per microbatch, as
+    gradient accumulation computes them), or with moe_aux_loss='local' every dp rank's own
+    microbatches (each its own statistics)."""
+    idx_parts, tgt_parts = idx.chunk(dp * m), tgt.chunk(dp * m)
+    if local:
+        return list(zip(idx_parts, tgt_parts))
+    return [(torch.cat([idx_parts[r * m + i] for r in range(dp)]), torch.cat([tgt_parts[r * m + i] for r in range(dp)]))
+            for i in range(m)]
 
 
 def reference_differs(cfg: TrainConfig) -> list[str]:
@@ -126,8 +139,6 @@ def reference_differs(cfg: TrainConfig) -> list[str]:
         out.append(f"grad_reduce_dtype={cfg.data_parallel.grad_reduce_dtype}")
     if cfg.experts.capacity_factor is not None:
         out.append(f"moe_capacity_factor={cfg.experts.capacity_factor} (tokens dropped per rank)")
-    if cfg.experts.aux_loss == "global":
-        out.append("moe_aux_loss='global' (the reference's pieces each take their own load-balancing loss)")
     return out
 
 

@@ -51,7 +51,10 @@ def test_train_matches_one_process(capsys, tmp_path):
 def test_train_a_mixture_of_experts_over_ep_shows_the_load(capsys):
     cfg = TrainConfig().replace(model="moe-tiny", world_size=2, ep=2, steps=3, batch=4, seq=32, max_bytes=200_000)
     out = run(cfg)
-    # each dp rank's load-balancing loss over its own tokens, as the reference's pieces compute it
+    # the load-balancing loss over the whole batch, as the one-process reference computes it
     assert out["max_loss_diff"] < 1e-4, out
+    local = run(cfg.replace(moe_aux_loss="local"))
+    # each dp rank's over its own tokens (Megatron's default): the reference trains the ranks' pieces
+    assert local["max_loss_diff"] < 1e-4 and local["losses"] != out["losses"], (local, out)
     assert len(out["imbalance"]) == 3 and all(x >= 1.0 for x in out["imbalance"])
     assert "busiest expert over the mean" in capsys.readouterr().out

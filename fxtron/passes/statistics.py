@@ -158,15 +158,15 @@ def split_token_means(gm: fx.GraphModule) -> list[fx.Node]:
         if node.op != "call_function" or node.target not in _LOSSES:
             continue
         x, t, w, reduction, ignore, smoothing = _loss_args(node)
-        if reduction != 1 or w is not None or not _batchy(_fake(x), ti):
-            continue
+        tv = _fake(t)
+        if reduction != 1 or w is not None or not _batchy(_fake(x), ti) or tv is None or tv.is_floating_point():
+            continue         # (class probabilities as targets: the mean is over the samples, a plain mean)
         out = _fake(node)
         with g.inserting_before(node):
             args = (x, t, None, 2, ignore) + ((smoothing if smoothing is not None else 0.0,)
                                               if node.target is aten.cross_entropy_loss.default else ())
             total = _insert(g, node, node.target, args, val=out)
-            tv = _fake(t)
-            mask = _insert(g, node, aten.ne.Scalar, (t, ignore), val=tv.ne(0) if tv is not None else None)
+            mask = _insert(g, node, aten.ne.Scalar, (t, ignore), val=tv.ne(0))
             dtype = out.dtype if out.dtype in (torch.float32, torch.float64) else torch.float32
             count = _insert(g, node, aten.sum.dim_IntList, (mask, []), {"dtype": dtype},
                             val=out.new_empty((), dtype=dtype))
