@@ -107,7 +107,8 @@ def _microbatches(item) -> list[tuple[tuple, dict]]:
 
 
 def reference_training(model: torch.nn.Module, batches: Iterable, make_optimizer,
-                       dtype: torch.dtype | None = None, clip_grad: float | None = None) -> dict:
+                       dtype: torch.dtype | None = None, clip_grad: float | None = None,
+                       tokens: Callable[[tuple, dict], int] | None = None) -> dict:
     """Train `model` in this process on `batches` (global batches); return the losses, the
     gradients of the first step (before its optimizer step, after clipping), the global norms
     before clipping (with `clip_grad`) and the final state dict: the single-process reference
@@ -115,7 +116,9 @@ def reference_training(model: torch.nn.Module, batches: Iterable, make_optimizer
 
     Each item of `batches` is a tuple of positional inputs, an (args, kwargs) pair, or a
     `fxtron.Microbatches` list, whose loss is the mean of its microbatches' losses (gradient
-    accumulation). With `dtype` (bf16), the same precision policy as a mixed-precision program:
+    accumulation) -- or, with `tokens(args, kwargs)` (the tokens a microbatch's mean loss
+    counts), their mean weighted by those counts: the token mean over the whole batch, as a
+    program computes a mean cross entropy over microbatches of different lengths. With `dtype` (bf16), the same precision policy as a mixed-precision program:
     fp32 parameters updated by the optimizer, forward computed with 16-bit copies of
     parameters and buffers. With `clip_grad`, torch.nn.utils.clip_grad_norm_ before each step."""
     opt = make_optimizer(model.parameters())
@@ -127,7 +130,8 @@ def reference_training(model: torch.nn.Module, batches: Iterable, make_optimizer
             tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
             params = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
         parts = _microbatches(item)
-        loss = sum(_model_loss(model, a, kw, params) for a, kw in parts) / len(parts)
+        w = [tokens(a, kw) if tokens is not None else 1 for a, kw in parts]
+        loss = sum(_model_loss(model, a, kw, params) * n for (a, kw), n in zip(parts, w)) / sum(w)
         loss.backward()
         if clip_grad is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)))

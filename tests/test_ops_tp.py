@@ -235,6 +235,10 @@ def _cases(pg, one_rank_group: str) -> dict:
             _leaf(shard(d["L"], -1, tp, r)), d["T"], r * V // tp, IGNORE, 0, 0.0, group),
         "vocab_parallel_cross_entropy_with_softmax": lambda: ops.vocab_parallel_cross_entropy_with_softmax(
             _leaf(shard(d["L"], -1, tp, r)), d["T"], r * V // tp, IGNORE, 0, 0.0, group)[0],
+        # the batch statistics' ops (ops/batch.py): over whatever group they are given
+        "batch_all_reduce": lambda: ops.batch_all_reduce(_leaf(x8), group),
+        "batch_scale": lambda: ops.batch_scale(_leaf(x8)),
+        "global_statistic": lambda: ops.global_statistic(_leaf(x8), "count"),
     }
     counter = _Count(transport, ["all_reduce", "all_gather", "gather", "reduce_scatter"])
     out["table"] = {}

@@ -38,6 +38,14 @@ def _steps(name: str, varying: bool, m: int) -> list:
             for i in range(len(SEQS))]
 
 
+def _tokens(args, kwargs) -> int:
+    """The tokens a microbatch's mean cross entropy counts: every target (the shipped models),
+    every label but the last of each sequence (transformers' models shift them)."""
+    if "labels" in kwargs:
+        return kwargs["labels"][:, 1:].numel()
+    return args[1].numel()
+
+
 class Case:
     def __init__(self, name, schedule="1f1b", m=4, v=1, layers=4, varying=False, **kw):
         self.name, self.schedule, self.m, self.v, self.layers, self.varying, self.kw = (
@@ -127,8 +135,10 @@ def reference():
     for _, case in CASES:
         if case.reference_key in ref:
             continue
+        # microbatches of different lengths: the token mean over the whole batch, each
+        # microbatch's mean weighted by its tokens
         ref[case.reference_key] = reference_training(make(case.name, layers=case.layers),
-                                                     _steps(case.name, case.varying, case.m), _opt)
+                                                     _steps(case.name, case.varying, case.m), _opt, tokens=_tokens)
     return ref
 
 

@@ -146,6 +146,13 @@ def _(x, key):
     return torch.empty_like(x)
 
 
+def _global_statistic_bwd(ctx, grad):
+    return None, None     # a statistic of the inputs alone: no gradient reaches them
+
+
+global_statistic.register_autograd(_global_statistic_bwd)
+
+
 register(OpSpec("batch_all_reduce", axis_arg=1, forward=Comm("all_reduce", "input"),
                 backward=Comm("all_reduce", "grad_output"), eager=batch_all_reduce_eager))
 register(OpSpec("batch_scale"))
