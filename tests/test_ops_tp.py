@@ -76,6 +76,20 @@ def test_shard_unshard_round_trip(shape, dim, world, k):
     assert torch.equal(unshard(pieces, dim, k), full)
 
 
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_blocks_held_whole_beside_split_ones(world):
+    """Multi-query attention's fused [q | k | v] (8 query heads, one key and one value head of
+    4): each rank holds its slice of q and all of k and v."""
+    full = torch.arange(40 * 3).view(40, 3).float()
+    pieces = [shard(full, 0, world, r, (8, 1, 1), whole=(1, 2)) for r in range(world)]
+    for r, p in enumerate(pieces):
+        q = 32 // world
+        assert p.shape == (q + 8, 3) == (shard_math.local_size(40, world, (8, 1, 1), (1, 2)), 3)
+        assert torch.equal(p[:q], full[r * q:(r + 1) * q]) and torch.equal(p[q:], full[32:])
+        assert shard_math.blocks_of_piece(p.shape[0], world, (8, 1, 1), (1, 2)) == [q, 4, 4]
+    assert torch.equal(unshard(pieces, 0, (8, 1, 1), whole=(1, 2)), full)
+
+
 def test_check_divisible_names_what_and_the_fix():
     check_divisible(12, 2, 3, "w")
     with pytest.raises(ParallelizeError, match=r"'mlp.fc1' weight dim 0.*size 10.*multiple of 4.*tp size"):

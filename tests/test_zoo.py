@@ -1,4 +1,4 @@
-"""The transformers decoder architectures fxtron is held to (tp_models.ZOO: 26 families, and
+"""The transformers decoder architectures fxtron is held to (tp_models.ZOO: 27 families, and
 Falcon in both its layouts, from tiny random configs, two layers, no downloads), split the way
 Megatron would.
 
@@ -25,7 +25,7 @@ import torch
 
 import fxtron
 from fxtron.compiler.report import count
-from fxtron.testing import adamw, assert_trains_like, cases_fixture, reference_training, train_program
+from fxtron.testing import adamw, assert_trains_like, cases_fixture, max_abs_diff, ranks_of, reference_training, train_program
 from tp_models import ZOO, batch, batches, make
 
 pytestmark = pytest.mark.slow      # a minute of compiling 25 architectures, then gloo jobs of 2 and 4 processes
@@ -34,8 +34,8 @@ ARCHS = list(ZOO)
 LAYERS = 2
 # a third with sequence parallel at tp=2, another at tp=4 (both: norms before and after the
 # sublayers, parallel residuals, fused qkv, rotary variants, experts, latent attention)
-SP = ["Llama", "Qwen3", "Gemma2", "OLMo2", "Phi", "GPT-J", "GPT-NeoX", "Falcon", "Cohere"]
-TP4 = ["Mistral", "Gemma3", "OLMoE", "Phi-3", "GPT-2", "Starcoder2", "Mixtral", "DeepSeek-V3", "CodeGen"]
+SP = ["Llama", "Qwen3", "Gemma2", "OLMo2", "Phi", "GPT-J", "GPT-NeoX", "Falcon", "Cohere", "GPTBigCode"]
+TP4 = ["Mistral", "Gemma3", "OLMoE", "Phi-3", "GPT-2", "Starcoder2", "Mixtral", "DeepSeek-V3", "CodeGen", "GPTBigCode"]
 # forward all-reduces of the hidden state per layer where they differ from Megatron's 2:
 # Falcon's parallel residual adds the attention and MLP partial sums before one all-reduce
 # (CodeGen's and GPT-J's parallel blocks add the MLP's bias after its all-reduce, Megatron's way: 2)
@@ -46,6 +46,10 @@ STATISTICS = {"OLMo2": 2, "OLMoE": 2}
 # statistics all-reduced once per step, not per layer: Cohere's layer norm, written out, takes
 # the mean of the vocab-parallel embedding's partial sum before that sum is all-reduced
 STATISTICS_ONCE = {"Cohere": 1}
+# all-gathers in backward only: GPTBigCode's one key and value head, whole on every rank and
+# expanded to the query heads, is sliced to the rank's heads; the slice's backward gathers the
+# gradient (2 a layer). Megatron cannot split this layer at all
+BACKWARD_GATHERS = {"GPTBigCode": 2}
 # linears Megatron keeps whole, and why
 WHOLE_BY_DESIGN = ("a router", "a low-rank down-projection")
 LAYER_PARAM = re.compile(r"\.(layers|h)\.\d+\.")
@@ -88,7 +92,9 @@ def test_split_megatron_way_at_tp2(arch):
     assert len(hidden) == FWD_PER_LAYER.get(arch, 2) * LAYERS + 1, [(r.module, r.shape) for r in fwd]
     assert len(stats) == STATISTICS.get(arch, 0) * LAYERS + STATISTICS_ONCE.get(arch, 0), \
         [(r.module, r.shape) for r in stats]
-    assert count(recs, "all_gather") == 0, [(r.node, r.module, r.shape) for r in recs if r.kind == "all_gather"]
+    assert not [r for r in recs if r.kind == "all_gather" and r.phase == "forward"], recs
+    gathers = [(r.node, r.module, r.shape) for r in recs if r.kind == "all_gather"]
+    assert len(gathers) == BACKWARD_GATHERS.get(arch, 0) * LAYERS, gathers
     assert pm.gathers(0) == [] and pm.fallbacks(0) == []
 
 
@@ -118,3 +124,41 @@ def test_trains_like_one_process(results, reference, mesh, case):
     ref = reference[case.removesuffix("+sp")]
     for rank in range(mesh.world_size):
         assert_trains_like(results[(str(mesh), case, rank)], ref, rank=rank)
+
+
+# ------------------------------------------------------------------------------ multi-query attention
+def _mqa(rank: int, mesh: fxtron.Mesh, case: str, path: str) -> dict:
+    name = ZOO["GPTBigCode"]
+    _, kwargs = batch(name, 2, 8, seed=0)
+    options = dict(zero=1, clip_grad=0.05) if case == "zero" else {}
+    prog = fxtron.parallelize(make(name), mesh, example_kwargs=kwargs, **options).program(rank)
+    opt = _opt(prog.parameters())
+    if case == "load":
+        prog.load(path, opt)
+        return prog.full_state_dict()
+    out = train_program(prog, _batches(name)[:1] if case == "save" else _batches(name), opt)
+    if case == "save":
+        prog.save(path, opt)
+    return {**out, "norm": prog.last_grad_norm}
+
+
+def test_multi_query_attention_keeps_key_and_value_whole(tmp_path):
+    """GPTBigCode's c_attn at tp=2 with dp=2 under zero=1 and clipping: the query heads split,
+    the one key and value head whole on every rank (counted once in the norm), equal to one
+    process; its checkpoint saved at tp=2 loads at tp=4, every parameter equal."""
+    from functools import partial
+    from fxtron.testing import run_cases
+    name, path = ZOO["GPTBigCode"], str(tmp_path / "ckpt")
+    pm = fxtron.parallelize(make(name), fxtron.Mesh(2, tp=2), example_kwargs=batch(name, 2, 8, seed=0)[1])
+    w = pm.compiled(0).local["transformer.h.0.attn.c_attn.weight"]
+    assert w.full_shape == (80, 64) and w.local_shape == (48, 64), w     # 32 of 64 query rows, key and value whole
+    run = partial(_mqa, path=path)
+    got = run_cases({4: [(fxtron.Mesh(4, tp=2), ["zero"])], 2: [(fxtron.Mesh(2, tp=2), ["save"])]}, run)
+    got.update(run_cases({4: [(fxtron.Mesh(4, tp=4), ["load"])]}, run))
+    ref = reference_training(make(name), _batches(name), _opt, clip_grad=0.05)
+    for rank, out in enumerate(ranks_of(got, fxtron.Mesh(4, tp=2), "zero")):
+        assert_trains_like(out, ref, rank=rank)
+        assert abs(out["norm"] - ref["norms"][-1]) < 1e-5 * ref["norms"][-1], (out["norm"], ref["norms"])
+    saved = ranks_of(got, fxtron.Mesh(2, tp=2), "save")[0]["state"]
+    for rank, state in enumerate(ranks_of(got, fxtron.Mesh(4, tp=4), "load")):
+        assert max_abs_diff(state, saved)[0] == 0.0, rank

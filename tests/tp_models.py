@@ -13,7 +13,8 @@ ZOO = {"Llama": "hf-llama", "Mistral": "hf-mistral", "Qwen2": "hf-qwen2", "Qwen3
        "Phi": "hf-phi", "Phi-3": "hf-phi3", "GPT-2": "hf-gpt2", "GPT-J": "hf-gptj", "GPT-NeoX": "hf-neox",
        "BLOOM": "hf-bloom", "Falcon": "hf-falcon", "Falcon-40B": "hf-falcon40b", "OPT": "hf-opt", "StableLM": "hf-stablelm",
        "Starcoder2": "hf-starcoder2", "SmolLM3": "hf-smollm3", "Mixtral": "hf-mixtral", "Qwen3-MoE": "hf-qwen3moe",
-       "DeepSeek-V3": "hf-deepseekv3", "Cohere": "hf-cohere", "CodeGen": "hf-codegen"}
+       "DeepSeek-V3": "hf-deepseekv3", "Cohere": "hf-cohere", "CodeGen": "hf-codegen",
+       "GPTBigCode": "hf-bigcode"}
 VOCAB = {"gpt": 256, "llama": 256, "cumsum-mlp": 64, "factories-mlp": 64, "gather-mlp": 64, "einsum-attn": 64,
          "nanogpt": 64, "hf-gpt2-eager": 128, **{n: 128 for n in ZOO.values()}}
 NAMES = ["gpt", "llama", "hf-gpt2", "hf-llama"]
@@ -196,6 +197,11 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
         # qkv fused in model-parallel-blocked order (4 blocks of [q | v | k]), parallel attention and MLP
         "hf-codegen": lambda: T.CodeGenForCausalLM(T.CodeGenConfig(vocab_size=128, n_positions=64, n_ctx=64, n_embd=64,
                                                                    n_layer=layers, n_head=8, rotary_dim=4, **ids)),
+        # multi-query attention: one key and value head, fused with the query heads in c_attn
+        "hf-bigcode": lambda: T.GPTBigCodeForCausalLM(T.GPTBigCodeConfig(vocab_size=128, n_positions=64, n_embd=64,
+                                                                         n_layer=layers, n_head=8, multi_query=True,
+                                                                         resid_pdrop=0.0, embd_pdrop=0.0,
+                                                                         attn_pdrop=0.0, **ids)),
         # multi-latent attention (low-rank q and kv), a dense first layer, routed and shared experts
         "hf-deepseekv3": lambda: T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
             **common, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,

@@ -42,7 +42,7 @@ from fxtron.passes.rng import assign_rng_regions
 from fxtron.passes.shapes import annotate_local_shapes
 from fxtron.passes.statistics import global_statistics
 from fxtron.passes.stages import StageAssignment, param_stages, split_stages
-from fxtron.passes.tensor_parallel import split_row_bias, tp_layout
+from fxtron.passes.tensor_parallel import split_fused_parts, split_row_bias, tp_layout
 
 
 @dataclass
@@ -237,10 +237,11 @@ def shard_params(gm: fx.GraphModule, mesh: MeshView, mine: set[str]) -> dict[str
         for axis in meta.graph_axes(gm):
             pl = meta.placement(node, axis)
             if isinstance(pl, Shard):
-                layout.check_divisible(full[pl.dim], mesh.size(axis), pl.interleave,
-                                       f"parameter {name} {full} dim {pl.dim}")
-                shape[pl.dim] //= mesh.size(axis)
-                shards.append(AxisShard(axis, pl.dim, pl.interleave))
+                if not pl.whole:
+                    layout.check_divisible(full[pl.dim], mesh.size(axis), pl.interleave,
+                                           f"parameter {name} {full} dim {pl.dim}")
+                shape[pl.dim] = layout.local_size(shape[pl.dim], mesh.size(axis), pl.interleave, pl.whole)
+                shards.append(AxisShard(axis, pl.dim, pl.interleave, pl.whole))
         partial = tuple(meta.get(node, meta.GRAD_REDUCE) or ())
         group, whole = "dp", ()
         if any(s.axis == "ep" for s in shards):
@@ -274,6 +275,11 @@ PASSES = pass_list(
          "(data; the graph is unchanged)", lambda s: None, _tp, "tp > 1"),
     Pass("split_row_bias", "rowwise biases move after the all-reduce (Megatron adds them there)",
          _set("gm", lambda s: split_row_bias(s.gm, s.plan)), _tp, "tp > 1", after=("plan",)),
+    Pass("split_fused_parts", "a fused projection with parts too few heads to split (multi-query attention's "
+         "key and value) becomes a column-split linear of the rest and a whole one of those",
+         _set("gm", lambda s: split_fused_parts(s.gm, s.plan)),
+         lambda s: s.mesh.parallel("tp") and any(getattr(p, "whole", ()) for p in s.plan.params.values()),
+         "tp > 1 and such a projection", after=("split_row_bias",)),
     Pass("dispatch_experts", "each mixture-of-experts layer's copies go to the ranks of their experts and come back "
          "(Megatron's all-to-all dispatcher); the experts' GEMMs run on the rank's own experts",
          _set("gm", lambda s: dispatch_experts(s.gm, s.mesh.size("ep"), s.config.experts.capacity_factor or 0.0,

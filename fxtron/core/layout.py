@@ -23,6 +23,11 @@ heads into one dim (B*heads, S, d) with the heads split, B blocks of `heads` eac
 placement lives only in the graph: its collectives unflatten the dim into (B, heads) and move
 the heads (passes/redistribute.py), and no parameter or checkpoint ever has one.
 
+Some blocks may be held *whole* by every rank (`whole`: their indices): a fused [q|k|v] under
+multi-query attention splits its query heads and keeps the one key and value head on every
+rank. Rank r then holds the r-th slice of each split block and all of each whole block, in
+block order; only parameters are laid out so.
+
 No communication happens here; the ops of `fxtron.ops` move the pieces between ranks.
 """
 from __future__ import annotations
@@ -127,7 +132,30 @@ def _norm_dim(dim: int, ndim: int) -> int:
     return dim % ndim if ndim else 0
 
 
-def shard(full: torch.Tensor, dim: int, world: int, rank: int, interleave: Interleave = 1) -> torch.Tensor:
+def local_block_sizes(full_size: int, world: int, interleave: Interleave, whole: tuple[int, ...]) -> list[int]:
+    """The sizes of one rank's blocks of a dim of `full_size`: each split block's 1/world, each
+    whole block's all."""
+    return [b if i in whole else b // world for i, b in enumerate(block_sizes(full_size, interleave))]
+
+
+def blocks_of_piece(local: int, world: int, interleave: Interleave, whole: tuple[int, ...] = ()) -> list[int]:
+    """The sizes of the blocks of one rank's piece of `local` elements along the dim (what
+    `shard` gave it): the proportions of the full blocks, each split one divided by world."""
+    if not whole:
+        return block_sizes(local, interleave)
+    w = [1] * interleave if isinstance(interleave, int) else list(interleave)
+    # full block i is u * w_i; a piece holds u * w_i of a whole one, u * w_i / world of a split one
+    u = local * world // sum(x * world if i in whole else x for i, x in enumerate(w))
+    return [u * x if i in whole else u * x // world for i, x in enumerate(w)]
+
+
+def local_size(full_size: int, world: int, interleave: Interleave = 1, whole: tuple[int, ...] = ()) -> int:
+    """One rank's size of a dim of `full_size` sharded over `world` ranks."""
+    return sum(local_block_sizes(full_size, world, interleave, whole)) if whole else full_size // world
+
+
+def shard(full: torch.Tensor, dim: int, world: int, rank: int, interleave: Interleave = 1,
+          whole: tuple[int, ...] = ()) -> torch.Tensor:
     """This rank's piece of `full` along `dim`: a new contiguous tensor (never a view).
 
     In: the full tensor, the dim (negative counts from the end), the number of ranks, this
@@ -140,6 +168,10 @@ def shard(full: torch.Tensor, dim: int, world: int, rank: int, interleave: Inter
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not in [0, {world})")
     size = full.shape[dim]
+    if whole:                                # split blocks' r-th slice, whole blocks entire
+        pieces = [b if i in whole else b.narrow(dim, rank * (b.shape[dim] // world), b.shape[dim] // world)
+                  for i, b in enumerate(full.split(block_sizes(size, interleave), dim))]
+        return torch.cat(pieces, dim).contiguous()
     check_divisible(size, world, interleave, f"dim {dim} of a tensor of shape {tuple(full.shape)}")
     if not isinstance(interleave, int):      # unequal blocks: the r-th slice of each
         pieces = [b.narrow(dim, rank * (b.shape[dim] // world), b.shape[dim] // world)
@@ -150,7 +182,8 @@ def shard(full: torch.Tensor, dim: int, world: int, rank: int, interleave: Inter
     return piece.flatten(dim, dim + 1).clone(memory_format=torch.contiguous_format)
 
 
-def unshard(pieces: list[torch.Tensor], dim: int, interleave: Interleave = 1) -> torch.Tensor:
+def unshard(pieces: list[torch.Tensor], dim: int, interleave: Interleave = 1,
+            whole: tuple[int, ...] = ()) -> torch.Tensor:
     """The full tensor from every rank's piece: the inverse of `shard`.
 
     In: the pieces in rank order (equal shapes; each one's `dim` is k*part), the dim and the
@@ -167,6 +200,10 @@ def unshard(pieces: list[torch.Tensor], dim: int, interleave: Interleave = 1) ->
                              f"all pieces of one tensor have the same shape")
     dim = _norm_dim(dim, len(shape))
     local = shape[dim]
+    if whole:                                # whole blocks from the first piece, split ones joined
+        parts = [p.split(blocks_of_piece(local, len(pieces), interleave, whole), dim) for p in pieces]
+        return torch.cat([parts[0][i] if i in whole else torch.cat([q[i] for q in parts], dim)
+                          for i in range(len(parts[0]))], dim).contiguous()
     if not isinstance(interleave, int):      # unequal blocks: block i is every rank's i-th part
         parts = [p.split(block_sizes(local, interleave), dim) for p in pieces]
         return torch.cat([torch.cat([q[i] for q in parts], dim) for i in range(len(interleave))], dim).contiguous()
@@ -178,5 +215,5 @@ def unshard(pieces: list[torch.Tensor], dim: int, interleave: Interleave = 1) ->
     return full.flatten(dim, dim + 2).contiguous()
 
 
-__all__ = ["Interleave", "block_sizes", "check_divisible", "from_list", "n_blocks", "normalize", "shard",
-           "to_list", "unshard"]
+__all__ = ["Interleave", "block_sizes", "blocks_of_piece", "check_divisible", "from_list", "local_block_sizes", "local_size",
+           "n_blocks", "normalize", "shard", "to_list", "unshard"]

@@ -20,6 +20,7 @@ class AxisShard:
     axis: str
     dim: int
     interleave: layout.Interleave = 1
+    whole: tuple[int, ...] = ()       # blocks every rank holds whole (core/layout.py)
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class LocalParam:
         """This rank's piece of the full tensor (a new tensor) at mesh `coords`."""
         out = full
         for s in self.shards:
-            out = layout.shard(out, s.dim, sizes[s.axis], coords[s.axis], s.interleave)
+            out = layout.shard(out, s.dim, sizes[s.axis], coords[s.axis], s.interleave, s.whole)
         return out if out is not full else full.clone()
 
 

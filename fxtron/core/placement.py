@@ -51,19 +51,25 @@ class Replicate(Placement):
 class Shard(Placement):
     dim: int
     interleave: int | tuple[int, ...] = 1   # k equal blocks, or block proportions (core/layout.py)
+    #: blocks every rank holds whole (a parameter only: a fused projection's single key/value head
+    #: under multi-query attention beside its split queries; core/layout.py). Rules never see it:
+    #: such a parameter is only read through slices of its blocks (passes/tensor_parallel.py)
+    whole: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.dim < 0:
             raise ValueError("Shard dims are stored non-negative; normalize with the tensor's ndim")
         object.__setattr__(self, "interleave", normalize(self.interleave))
+        object.__setattr__(self, "whole", tuple(sorted(self.whole)))
 
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
 
     def __str__(self) -> str:
+        whole = f",whole {':'.join(map(str, self.whole))}" if self.whole else ""
         if isinstance(self.interleave, tuple):
-            return f"S({self.dim},{':'.join(map(str, self.interleave))})"
-        return f"S({self.dim})" if self.interleave == 1 else f"S({self.dim},x{self.interleave})"
+            return f"S({self.dim},{':'.join(map(str, self.interleave))}{whole})"
+        return (f"S({self.dim}{whole})" if self.interleave == 1 else f"S({self.dim},x{self.interleave}{whole})")
 
 
 @dataclass(frozen=True)

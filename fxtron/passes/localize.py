@@ -8,7 +8,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from fxtron.core import meta
+from fxtron.core import layout, meta
 from fxtron.core.axes import MeshView
 from fxtron.core.placement import Shard
 from fxtron.errors import ParallelizeError
@@ -80,6 +80,19 @@ def _localize(g: fx.Graph, node: fx.Node, axis: str, n: int) -> None:
             sizes = node.args[1]
             new = [_div(s, n, node, axis) for s in sizes] if isinstance(sizes, (list, tuple)) else _div(sizes, n, node, axis)
             node.args = (node.args[0], new) + tuple(node.args[2:])
+    elif t == aten.slice.Tensor and isinstance(meta.placement(node.args[0], axis), Shard) and \
+            meta.placement(node.args[0], axis).whole:
+        src = meta.placement(node.args[0], axis)
+        full = int(node.args[0].meta["val"].shape[src.dim])
+        bounds, local = [0], [0]
+        for b, lb in zip(layout.block_sizes(full, src.interleave),
+                         layout.local_block_sizes(full, n, src.interleave, src.whole)):
+            bounds.append(bounds[-1] + b)
+            local.append(local[-1] + lb)
+        start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+        end = min(node.args[3], full) if len(node.args) > 3 and node.args[3] is not None else full
+        # block-aligned (the slice rule checked): the same blocks of this rank's piece
+        node.args = (node.args[0], node.args[1], local[bounds.index(start)], local[bounds.index(end)], *node.args[4:])
     elif t == aten.slice.Tensor and isinstance(pl, Shard):
         src = meta.placement(node.args[0], axis)
         nd = node.args[0].meta["val"].dim()

@@ -10,6 +10,7 @@ import torch.fx as fx
 
 from fxtron.core import meta
 from fxtron.core.axes import MeshView
+from fxtron.core import layout
 from fxtron.core.placement import Shard
 
 
@@ -25,6 +26,7 @@ def annotate_local_shapes(gm: fx.GraphModule, *, mesh: MeshView) -> fx.GraphModu
             for axis in axes:
                 pl = meta.placement(node, axis)
                 if isinstance(pl, Shard) and mesh.size(axis) > 1:
-                    shape[pl.dim] = shape[pl.dim] / mesh.size(axis)
+                    shape[pl.dim] = (layout.local_size(int(shape[pl.dim]), mesh.size(axis), pl.interleave, pl.whole)
+                                     if pl.whole else shape[pl.dim] / mesh.size(axis))
             meta.set(node, meta.LOCAL_SHAPE, tuple(shape))
     return gm

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import operator
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
@@ -527,6 +528,61 @@ def _model_parallel_blocks(view: fx.Node, feat: int) -> int | None:
     return m if m > 1 and m * per == feat else None
 
 
+#: ops between a fused projection and the split of its parts that the split into per-part
+#: linears replays on each part (passes/tensor_parallel.py split_fused_parts): none changes the
+#: last dim
+_PART_CHAIN = {aten.unsqueeze.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
+               aten.to.dtype, aten._to_copy.default}
+
+
+def fused_split(linear: fx.Node) -> tuple[list[fx.Node], fx.Node] | None:
+    """The ops from a linear to the split_with_sizes that cuts its output's last dim into its
+    parts (GPTBigCode's `c_attn(x).unsqueeze(1).split((h, d, d), dim=3)`), and that split;
+    None unless the chain is one user each of _PART_CHAIN ops."""
+    chain, cur = [], linear
+    while len(cur.users) == 1:
+        (user,) = cur.users
+        if user.op != "call_function":
+            return None
+        if user.target in _PART_CHAIN:
+            chain.append(user)
+            cur = user
+            continue
+        if user.target == aten.split_with_sizes.default:
+            nd = cur.meta["val"].dim()
+            dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
+            return (chain, user) if dim in (-1, nd - 1) else None
+        return None
+    return None
+
+
+def whole_parts(linear: fx.Node, out_features: int, k: Interleave, tp: int) -> tuple[int, ...]:
+    """The parts of a fused projection too few heads to split over tp -- GPTBigCode's one key
+    and one value head under multi-query attention beside its query heads --, which every rank
+    keeps whole while the others split (Megatron cannot split this layer). The head size is the
+    last dim the first part is viewed with ((..., heads, d)); a part whose heads do not divide
+    over tp is whole. Only for a linear whose parts are cut by one split_with_sizes, which
+    split_fused_parts turns into one linear per part."""
+    if tp == 1 or isinstance(k, int) or linear.target != aten.linear.default:
+        return ()
+    found = fused_split(linear)
+    if found is None:
+        return ()
+    _, split = found
+    first = [u for u in split.users if u.target is operator.getitem and u.args[1] == 0]
+    head = None
+    for view, _ in (_first_views(first[0]) if first else []):
+        out = view.meta["val"].shape
+        if len(out) >= 2 and not isinstance(out[-1], torch.SymInt) and int(out[-1]) > 1:
+            head = int(out[-1])
+            break
+    if head is None:
+        return ()
+    sizes = block_sizes(out_features, k)
+    whole = tuple(i for i, s in enumerate(sizes) if s % head or (s // head) % tp)
+    return whole if len(whole) < len(sizes) else ()
+
+
 def _interleave(layer: _Found, tp: int) -> Interleave:
     """k for a fused projection split later into k equal parts (or viewed as (k, heads, d)), or
     the proportions of unequal parts cut from it by slicing or split_with_sizes."""
@@ -688,9 +744,10 @@ def _param_placements(l: _Found, style: Style, tp: int) -> dict[str, Placement]:
     out_dim, in_dim = WEIGHT_DIMS[l.layout]
     if isinstance(style, Colwise):
         k = _interleave(l, tp)
-        out = {l.weight: Shard(out_dim, k)}
+        whole = whole_parts(l.node, l.out_features, k, tp) if l.layout == "out_in" else ()
+        out = {l.weight: Shard(out_dim, k, whole)}
         if l.bias:
-            out[l.bias] = Shard(0, k)
+            out[l.bias] = Shard(0, k, whole)
         return out
     out = {l.weight: Shard(in_dim)}
     if l.bias:
@@ -705,7 +762,8 @@ def _indivisible(l: _Found, style: Style, tp: int, result: _Draft, path: str) ->
         k = _interleave(l, tp)
         result.interleave[path] = k
         blocks = block_sizes(l.out_features, k)
-        if any(b % tp for b in blocks):
+        whole = whole_parts(l.node, l.out_features, k, tp) if l.layout == "out_in" else ()
+        if any(b % tp for i, b in enumerate(blocks) if i not in whole):
             parts = "" if k == 1 else f" in {len(blocks)} fused parts of {', '.join(map(str, blocks))}"
             return (f"{path} ({l.weight}, {l.out_features} output features{parts}) cannot be split colwise over "
                     f"tp={tp}: " + (f"{l.out_features} is not divisible by {tp * k}; choose a tp that divides it"

@@ -94,16 +94,20 @@ def _entries(prog, name: str, local: torch.Tensor, meshes: dict, prefix: str) ->
         return {prefix: local}
     placements = [Shard(spec.shard_on(a).dim) for a in axes]
     out = {}
-    for j, block in enumerate(_parts(local, fused) if fused is not None else (local,)):
+    world = prog.groups.size(fused.axis) if fused is not None else 1
+    for j, block in enumerate(_parts(local, fused, world) if fused is not None else (local,)):
         key = prefix if fused is None else f"{prefix}/part{j}"
+        if fused is not None and j in fused.whole:      # a block every rank holds whole: one copy
+            out[key] = block.contiguous()
+            continue
         out[key] = DTensor.from_local(block.contiguous(), meshes[axes], placements, run_check=False)
     return out
 
 
-def _parts(local: torch.Tensor, spec: AxisShard) -> tuple[torch.Tensor, ...]:
+def _parts(local: torch.Tensor, spec: AxisShard, world: int = 1) -> tuple[torch.Tensor, ...]:
     """A local tensor's blocks of a fused projection: each saved as its own entry, so a
     checkpoint reshards to any tp."""
-    return local.split(shard_math.block_sizes(local.shape[spec.dim], spec.interleave), spec.dim)
+    return local.split(shard_math.blocks_of_piece(local.shape[spec.dim], world, spec.interleave, spec.whole), spec.dim)
 
 
 def _unpack(prog, name: str, entries: dict, prefix: str) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fxtron.config import DataParallelConfig, torch_dtype
+from fxtron.core import layout
 from fxtron.core.layout import unshard
 from fxtron.core.params import LocalParam
 from fxtron.errors import ParallelizeError
@@ -51,8 +52,29 @@ def gather_full(local: torch.Tensor, spec: LocalParam, groups) -> torch.Tensor:
         pieces = [torch.empty_like(out) for _ in range(groups.size(s.axis))]
         with ledger.collective(groups.group(s.axis), "all_gather", out):
             dist.all_gather(pieces, out.contiguous(), group=groups.group(s.axis))
-        out = unshard(pieces, s.dim, s.interleave)
+        out = unshard(pieces, s.dim, s.interleave, s.whole)
     return out
+
+
+def _whole_elements(spec: LocalParam, coords: dict, sizes: dict, start: int, n: int, device) -> torch.Tensor | None:
+    """Which of the `n` elements from `start` of a parameter's flat local tensor lie in a block
+    every rank of an axis holds whole (core/layout.py), on a rank other than the axis's first:
+    that copy is not counted again in the norm. None when there are none."""
+    mask = None
+    for s in spec.shards:
+        if not s.whole or coords.get(s.axis, 0) == 0:
+            continue
+        shape = list(spec.local_shape)
+        rows = torch.zeros(shape[s.dim], dtype=torch.bool, device=device)
+        at = 0
+        for i, size in enumerate(layout.blocks_of_piece(shape[s.dim], sizes[s.axis], s.interleave, s.whole)):
+            rows[at:at + size] = i in s.whole
+            at += size
+        view = [1] * len(shape)
+        view[s.dim] = shape[s.dim]
+        m = rows.view(view).expand(shape).reshape(-1)[start:start + n]
+        mask = m if mask is None else mask | m
+    return mask
 
 
 def across_stages(groups, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -270,8 +292,10 @@ class Gradients:
         device = self.buffer.data.device
         dense, experts = (torch.zeros((), dtype=torch.float32, device=device) for _ in range(2))
         coords = {a: self.groups.index(a) if self.groups is not None else 0 for a in NORM_AXES}
+        sizes = {a: self.groups.size(a) if self.groups is not None else 1 for a in NORM_AXES}
         pp_rank = self.groups.index("pp") if self.groups is not None else 0
-        for g, name in self._for_norm():
+        starts = self.zero.shard_starts() if self.zero is not None else iter(lambda: 0, None)
+        for (g, name), start in zip(self._for_norm(), starts):
             spec = self.local.get(name)
             if any(c != 0 and (spec is None or spec.shard_on(a) is None) for a, c in coords.items()):
                 continue                                   # a replica over a model axis: its rank 0 counts it
@@ -279,7 +303,9 @@ class Gradients:
             if holders is not None and pp_rank != holders[0]:
                 continue                                   # a tied weight: its first stage counts it
             total = experts if spec is not None and spec.grad_group == "expert-dp" else dense
-            total += g.float().pow(2).sum()
+            squares = g.float().pow(2)
+            whole = _whole_elements(spec, coords, sizes, start, g.numel(), g.device) if spec is not None else None
+            total += squares.sum() if whole is None else squares.reshape(-1)[~whole].sum()
         if self.groups is not None:
             if self.zero is not None:          # each rank holds 1/dp of each buffer's gradients
                 for kind, total in ((self.dense_group, dense), ("expert-dp", experts)):

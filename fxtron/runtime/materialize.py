@@ -159,11 +159,11 @@ class MetaMaterializer:
         if ops is None:                              # made whole with its module, then sliced
             out = self._whole(name)
             for s in shards:
-                out = layout.shard(out, s.dim, sizes[s.axis], coords[s.axis], s.interleave)
+                out = layout.shard(out, s.dim, sizes[s.axis], coords[s.axis], s.interleave, s.whole)
             return out if shards else out.clone()
         index = [torch.arange(n) for n in shape]     # per dim, the full indices this rank holds
         for s in shards:
-            index[s.dim] = layout.shard(index[s.dim], 0, sizes[s.axis], coords[s.axis], s.interleave)
+            index[s.dim] = layout.shard(index[s.dim], 0, sizes[s.axis], coords[s.axis], s.interleave, s.whole)
         out = torch.empty([len(i) for i in index], dtype=dtype)
         if not shape:
             return _replay(ops, out, self._generator(name, 0))

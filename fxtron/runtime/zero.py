@@ -111,6 +111,12 @@ class ZeroOne:
             if s.grad is not None:
                 yield s.grad, n
 
+    def shard_starts(self):
+        """Per shard of shard_grads: where it starts in its parameter's flat local tensor."""
+        for s, (part, n, lo, _) in zip(self.shards, self.pieces):
+            if s.grad is not None:
+                yield lo - part.buf.offsets[n][0]
+
     def step(self, template: torch.optim.Optimizer) -> None:
         self.optimizer_for(template)
         for mine, theirs in zip(self._inner.param_groups, template.param_groups):

@@ -163,6 +163,8 @@ def _slice_select(c: Ctx):
         end = node.args[3] if len(node.args) > 3 else None
         step = node.args[4] if len(node.args) > 4 else 1
         size = shape(c.inputs[0])[dim]
+        if p.whole:               # a parameter's blocks, some held whole by every rank (core/layout.py)
+            return _part_of_mixed(c, p, size, start, end, step)
         if p.interleave != 1:     # whole blocks of a fused projection ([q|k|v][..., q:q+k]): a shard of them
             part = _blocks_cut(p, size, start, end, step)
             return (Shard(dim, part), [None]) if part is not None else (REPLICATE, [REPLICATE])
@@ -208,6 +210,25 @@ def _split(c: Ctx):
             and [int(expr(x)) for x in sizes] == layout.block_sizes(int(full), p.interleave):
         return tuple([Shard(dim)] * n_out), [None]   # unequal fused parts, each this rank's slice
     return tuple([REPLICATE] * n_out), [REPLICATE]
+
+
+def _part_of_mixed(c: Ctx, p: Shard, size, start, end, step):
+    """A slice of consecutive blocks of a parameter some of whose blocks every rank holds whole:
+    Replicate where they are all whole (each rank has them), a shard where all are split; the
+    slice is then local, no communication."""
+    bounds = [0]
+    for b in layout.block_sizes(int(expr(size)), p.interleave):
+        bounds.append(bounds[-1] + b)
+    start, end = start or 0, bounds[-1] if end is None else min(end, bounds[-1])
+    if step != 1 or start not in bounds or end not in bounds or end <= start:
+        raise c.fail(f"a slice [{start}, {end}) of a parameter laid out as blocks {bounds} must take whole blocks")
+    i, j = bounds.index(start), bounds.index(end)
+    kept = {t in p.whole for t in range(i, j)}
+    if kept == {True}:
+        return REPLICATE, [None]
+    if kept == {False}:
+        return Shard(p.dim, layout.normalize(tuple(bounds[t + 1] - bounds[t] for t in range(i, j)))), [None]
+    raise c.fail("a slice of a parameter takes blocks held whole and blocks split together")
 
 
 def _blocks_cut(p: Shard, size, start, end, step) -> "layout.Interleave | None":
