@@ -238,3 +238,14 @@ def test_meta_init_is_made_shard_by_shard_with_the_values_of_the_whole(monkeypat
     holder.emb = padded
     p = materialize.MetaMaterializer(holder, seed=0)
     assert p.local("emb.weight", (), {}, {})[0].eq(0).all() and "emb.weight" in p.whole
+
+
+def test_meta_init_of_a_linear_without_bias():
+    """A linear built without a bias on meta (Llama's, Mistral's, Qwen's) keeps its own init:
+    reset_parameters sees its bias slot empty, as in the module (issue 31's crash)."""
+    from fxtron.runtime import materialize
+    holder = torch.nn.Module()
+    holder.proj = torch.nn.Linear(64, 32, bias=False, device="meta")
+    m = materialize.MetaMaterializer(holder, seed=0)
+    w = m.local("proj.weight", (), {}, {})
+    assert w.shape == (32, 64) and w.abs().max() <= 1 / 64 ** 0.5 and w.std() > 0 and m.whole == {}

@@ -125,7 +125,8 @@ class MetaMaterializer:
         recorders = {n: _Recorder(p.shape, p.dtype) for n, p in local.items()}
         try:
             if hasattr(module, "reset_parameters"):
-                shell = _shell(module, recorders)
+                # every slot the module has, None where it holds none (a linear without bias)
+                shell = _shell(module, {n: recorders.get(n) for n in module._parameters})
                 with torch.no_grad():
                     shell.reset_parameters()
             else:
