@@ -361,6 +361,14 @@ class Program(nn.Module):
         from fxtron.runtime import checkpoint
         checkpoint.load(self, path, optimizer)
 
+    def load_pretrained(self, path: str, prefix: str = "") -> None:
+        """Pretrained weights from safetensors (a directory save_pretrained wrote, or one file)
+        into this rank's shards, each rank reading only its own slices (runtime/pretrained.py);
+        every rank calls it. `prefix`: what the checkpoint's keys carry in front of the model's
+        names. Missing, unexpected and mis-shaped tensors are one ParallelizeError."""
+        from fxtron.runtime import pretrained
+        pretrained.load_pretrained(self, path, prefix)
+
     # ---------------------------------------------------------------- communication
     def _dp(self) -> tuple[int, int]:
         if self.groups is None:
