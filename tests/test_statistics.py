@@ -93,6 +93,19 @@ def moe_model(family: str) -> torch.nn.Module:
     raise KeyError(family)
 
 
+class WeightedLoss(torch.nn.Module):
+    """The shipped GPT with class weights in its mean cross entropy (a buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = make("gpt")
+        self.register_buffer("weight", torch.linspace(0.5, 2.0, 256))
+
+    def forward(self, idx, targets):
+        logits = self.gpt(idx)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), weight=self.weight)
+
+
 class MeanLoss(torch.nn.Module):
     """The shipped GPT with its loss the plain mean of the per-token losses."""
 
@@ -133,6 +146,8 @@ def padded(name: str, seed: int = 3, seqs=SEQS) -> list:
 # case -> (model, world, mesh axes, parallelize options)
 PADDED = {"pad-dp2": ("gpt", 2, {}, {}), "pad-dp2-mb2": ("gpt", 2, {}, dict(microbatches=2)),
           "pad-dp2-tp2": ("gpt", 4, dict(tp=2), {}), "pad-llama-pp2": ("hf-llama", 2, dict(pp=2), dict(microbatches=2)),
+          # class weights: the mean divides by the counted targets' weights, summed over dp
+          "pad-weighted-dp2": ("weighted", 2, {}, {}),
           "sum-dp2": ("summed", 2, {}, {}), "sum-pp2": ("summed", 2, dict(pp=2), dict(microbatches=2)),
           # context parallel: each rank's tokens a load-balanced half of every sequence
           "pad-llama-cp2-dp2": ("llama", 4, dict(cp=2), {}), "sum-cp2": ("summed-llama", 2, dict(cp=2), {})}
@@ -157,6 +172,8 @@ def _model(key):
         return moe_model(name)
     if name == "mean":
         return MeanLoss()
+    if name == "weighted":
+        return WeightedLoss()
     return SummedLoss(name.removeprefix("summed-") if "-" in name else "gpt") if name.startswith("summed") else make(name)
 
 
@@ -167,7 +184,7 @@ def _data(key):
     if name == "mean":
         return unequal_microbatches()
     seqs = [12, 8] if CASES[key][2].get("cp") else SEQS       # a multiple of 2 x cp
-    return padded({"summed": "gpt", "summed-llama": "llama"}.get(name, name), seqs=seqs)
+    return padded({"summed": "gpt", "summed-llama": "llama", "weighted": "gpt"}.get(name, name), seqs=seqs)
 
 
 def _mesh(key):

@@ -151,7 +151,8 @@ def split_token_means(gm: fx.GraphModule) -> list[fx.Node]:
     """Each mean cross entropy / nll loss over the batch's tokens written as its sum over the
     tokens divided by the count of tokens it counts (targets other than ignore_index): the
     same number, with the count a statistic of the inputs the runtime can take globally.
-    Returns the counts. A mean with class weights (its denominator the targets' weights) stays."""
+    With class weights the count is the counted targets' weights (a statistic of the weights
+    too, summed over dp where the loss divides by it). Returns the counts."""
     g, ti = gm.graph, meta.info(gm)
     counts = []
     for node in list(g.nodes):
@@ -159,16 +160,21 @@ def split_token_means(gm: fx.GraphModule) -> list[fx.Node]:
             continue
         x, t, w, reduction, ignore, smoothing = _loss_args(node)
         tv = _fake(t)
-        if reduction != 1 or w is not None or not _batchy(_fake(x), ti) or tv is None or tv.is_floating_point():
+        if reduction != 1 or not _batchy(_fake(x), ti) or tv is None or tv.is_floating_point():
             continue         # (class probabilities as targets: the mean is over the samples, a plain mean)
         out = _fake(node)
         with g.inserting_before(node):
-            args = (x, t, None, 2, ignore) + ((smoothing if smoothing is not None else 0.0,)
-                                              if node.target is aten.cross_entropy_loss.default else ())
+            args = (x, t, w, 2, ignore) + ((smoothing if smoothing is not None else 0.0,)
+                                           if node.target is aten.cross_entropy_loss.default else ())
             total = _insert(g, node, node.target, args, val=out)
             mask = _insert(g, node, aten.ne.Scalar, (t, ignore), val=tv.ne(0))
             dtype = out.dtype if out.dtype in (torch.float32, torch.float64) else torch.float32
-            count = _insert(g, node, aten.sum.dim_IntList, (mask, []), {"dtype": dtype},
+            counted = mask
+            if w is not None:   # with class weights the mean divides by the counted targets' weights
+                safe = _insert(g, node, aten.where.ScalarOther, (mask, t, 0), val=tv.clone())
+                picked = _insert(g, node, aten.index.Tensor, (w, [safe]), val=tv.new_empty(tv.shape, dtype=out.dtype))
+                counted = _insert(g, node, aten.mul.Tensor, (picked, mask), val=tv.new_empty(tv.shape, dtype=out.dtype))
+            count = _insert(g, node, aten.sum.dim_IntList, (counted, []), {"dtype": dtype},
                             val=out.new_empty((), dtype=dtype))
             if dtype != out.dtype:
                 total = _insert(g, node, aten.to.dtype, (total, dtype), val=out.new_empty((), dtype=dtype))
