@@ -212,7 +212,8 @@ def test_meta_init_is_made_shard_by_shard_with_the_values_of_the_whole(monkeypat
     """runtime/materialize.py: a rank's shard of a meta model's parameter is made from blocks of
     rows (here 1,000 elements: a (256, 64) weight in 18 blocks) with the values the whole
     parameter has, for every layout fxtron cuts (rows, columns, a fused qkv's interleave, two
-    axes); nothing is made whole; Linear's own init (kaiming-uniform bounds) is kept."""
+    axes); nothing is made whole; the model's own init (GPT.init_weights: normal(0, 0.02), the
+    residual projections scaled by 1/sqrt(2 n_layer)) is what the parameters get."""
     from fxtron.core import layout
     from fxtron.core.params import AxisShard
     from fxtron.runtime import materialize
@@ -230,14 +231,31 @@ def test_meta_init_is_made_shard_by_shard_with_the_values_of_the_whole(monkeypat
             assert torch.equal(m.local(name, shards, sizes, coords), want), (name, r)
     assert m.whole == {}
     w = m.local("blocks.0.mlp.fc1.weight", (), {}, {})
-    assert w.abs().max() <= 1 / 64 ** 0.5 and w.std() > 0.5 / (3 * 64) ** 0.5      # kaiming_uniform(a=sqrt 5)
+    assert abs(w.std() - 0.02) < 0.002 and abs(w.mean()) < 0.002
+    n_layer = models.build("gpt-tiny", device="meta").config.n_layer
+    assert abs(m.local("blocks.0.mlp.fc2.weight", (), {}, {}).std() - 0.02 / (2 * n_layer) ** 0.5) < 0.001
+    assert m.init_of["blocks.0.mlp.fc2.weight"] == f"GPT.init_weights: normal(0, {0.02 / (2 * n_layer) ** 0.5:.6g})"
     assert m.local("blocks.0.ln1.weight", (), {}, {}).eq(1).all()
-    # an init that writes a slice (Embedding's padding row) is made whole with its module, and said so
-    padded = torch.nn.Embedding(10, 4, padding_idx=0, device="meta")
+    assert m.init_of["blocks.0.ln1.weight"] == "GPT.init_weights: ones"      # its LayerNorm.reset_parameters()
+    # an init that writes a slice (Embedding's padding row) is recorded with its box, not made whole
     holder = torch.nn.Module()
-    holder.emb = padded
+    holder.emb = torch.nn.Embedding(10, 4, padding_idx=3, device="meta")
     p = materialize.MetaMaterializer(holder, seed=0)
-    assert p.local("emb.weight", (), {}, {})[0].eq(0).all() and "emb.weight" in p.whole
+    for first in range(4):
+        monkeypatch.setattr(materialize, "BLOCK", 4 * (first + 1))
+        e = p.local("emb.weight", (), {}, {})
+        assert e[3].eq(0).all() and e[[0, 1, 2, 4]].ne(0).all() and p.whole == {}
+    assert p.init_of["emb.weight"] == "Embedding.reset_parameters: normal() then zeros on a slice"
+    # one that reads the values (orthogonal_) is made whole first, and said so
+    class Orthogonal(torch.nn.Linear):
+        def reset_parameters(self):
+            torch.nn.init.orthogonal_(self.weight)
+            torch.nn.init.zeros_(self.bias)
+    holder.lin = Orthogonal(6, 6, device="meta")
+    o = materialize.MetaMaterializer(holder, seed=0)
+    w = o.local("lin.weight", (AxisShard("tp", 0),), {"tp": 2}, {"tp": 1})
+    assert torch.allclose(w @ w.T, torch.eye(3), atol=1e-5) and list(o.whole) == ["lin.weight"]
+    assert o.local("lin.bias", (), {}, {}).eq(0).all() and o.init_of["lin.bias"] == "Orthogonal.reset_parameters: zeros"
 
 
 def test_meta_init_of_a_linear_without_bias():

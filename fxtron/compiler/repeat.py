@@ -202,6 +202,40 @@ class _Recorder(TorchDispatchMode):
             self.where = "post" if i == self.record.n_layers - 1 else "between"
 
 
+def fake_on_cpu(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+    """A fake tensor of `mode` like `t`; a meta tensor's on the CPU, as the model will run (a
+    model built on meta is traced as the CPU-built one: code that asks a tensor's device --
+    transformers' MoE picks histc's dtype by it -- takes the path the program will run)."""
+    if t.device.type != "meta":
+        return mode.from_tensor(t)
+    with mode:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+
+
+def fake_twin(module: torch.nn.Module, mode: FakeTensorMode) -> torch.nn.Module:
+    """A shallow copy of `module`'s whole tree whose meta parameters and buffers are fake CPU
+    tensors of `mode` (tied ones stay one tensor; the model itself is not touched)."""
+    made: dict[int, torch.Tensor] = {}
+    modules: dict[int, torch.nn.Module] = {}
+
+    def tensor(t, parameter: bool):
+        if t is None or t.device.type != "meta":
+            return t
+        if id(t) not in made:
+            f = fake_on_cpu(mode, t.detach())
+            made[id(t)] = torch.nn.Parameter(f, t.requires_grad) if parameter else f
+        return made[id(t)]
+
+    def twin_of(m):
+        if id(m) not in modules:
+            s = modules[id(m)] = copy.copy(m)
+            s._parameters = {n: tensor(p, True) for n, p in m._parameters.items()}
+            s._buffers = {n: tensor(b, False) for n, b in m._buffers.items()}
+            s._modules = {n: None if c is None else twin_of(c) for n, c in m._modules.items()}
+        return modules[id(m)]
+    return twin_of(module)
+
+
 def _record(wrapped: torch.nn.Module, layers: list[torch.nn.Module], prefix: str, tensors: list) -> _Record:
     """Run `wrapped(*tensors)` on fake tensors of the example's sizes (static: no symbols, so
     cheap; fake, as under export, so models that ask "am I being traced?" take the traced
@@ -211,7 +245,7 @@ def _record(wrapped: torch.nn.Module, layers: list[torch.nn.Module], prefix: str
     state, names = {}, {}
     for name, t in _named_tensors(wrapped):
         if id(t) not in memo:
-            memo[id(t)] = fake.from_tensor(t.detach())
+            memo[id(t)] = fake_on_cpu(fake, t.detach())
             names[id(memo[id(t)])] = name
         state[name] = memo[id(t)]
     args = [fake.from_tensor(t) for t in tensors]

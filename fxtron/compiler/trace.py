@@ -14,6 +14,7 @@ import sympy
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
@@ -123,6 +124,19 @@ def _check_experts_implementation(model) -> None:
 def _export(module, args, shapes) -> ExportedProgram:
     from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
 
+    if any(t.device.type == "meta" for t in module.parameters()):
+        # a model built on meta is exported as its CPU build would be: fake CPU tensors
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+        mode = FakeTensorMode(shape_env=ShapeEnv())
+        module = repeat.fake_twin(module, mode)
+        args = tuple(repeat.fake_on_cpu(mode, a) if isinstance(a, torch.Tensor) else a for a in args)
+        ep = _export(module, args, shapes)
+        for k, v in list(ep.constants.items()):         # what the program builds from the model's meta buffers
+            if isinstance(v, FakeTensor):
+                ep.constants[k] = v.constant if v.constant is not None else \
+                    torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+        return ep
     for _ in range(3):
         try:
             return torch.export.export(module, args, dynamic_shapes=shapes, strict=False)
@@ -164,9 +178,10 @@ def trace(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwargs:
     _check_examples([x for x in leaves if isinstance(x, torch.Tensor)], batch_dim, seq_dim)
     params = list(model.parameters())
     if params and all(p.device.type == "meta" for p in params):
-        # a model built on meta traces with meta inputs; programs later put created tensors
-        # on their own device
-        leaves = [x.to("meta") if isinstance(x, torch.Tensor) else x for x in leaves]
+        # a model built on meta traces as its CPU build (fake CPU tensors, see _export), on
+        # fake copies of the example: a meta example is made a CPU one of its shape
+        leaves = [torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) and x.device.type == "meta"
+                  else x for x in leaves]
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     _check_experts_implementation(model)
     wrapped = _WithLoss(model, loss_fn or default_loss, leaves, spec)

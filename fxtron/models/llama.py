@@ -216,12 +216,14 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """normal(0, 0.02) for every Linear and Embedding weight, ones for RMSNorm weights."""
+        """normal(0, 0.02) for every Linear and Embedding weight, ones for RMSNorm weights, and
+        the rotary tables (a model built on the meta device gets them from here too)."""
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+        self.reset_rope()
 
     @torch.no_grad()
     def reset_rope(self) -> None:

@@ -18,11 +18,12 @@ from fxtron.runtime.materialize import MetaMaterializer
 from fxtron.runtime.program import Program
 
 
-def local_params(model: torch.nn.Module, spec: RankSpec, seed: int = 0) -> dict[str, torch.Tensor]:
+def local_params(model: torch.nn.Module, spec: RankSpec, seed: int = 0,
+                 materialized: MetaMaterializer | None = None) -> dict[str, torch.Tensor]:
     """This rank's piece of every parameter it holds, new tensors on the CPU."""
     named = dict(model.named_parameters())
     out = {}
-    materialized = MetaMaterializer(model, seed)
+    materialized = materialized if materialized is not None else MetaMaterializer(model, seed)
     sizes, coords = spec.mesh.sizes, spec.mesh.coords
     for name, lp in spec.local.items():
         full = named[name]
@@ -38,8 +39,10 @@ def local_params(model: torch.nn.Module, spec: RankSpec, seed: int = 0) -> dict[
     return out
 
 
-def used_buffers(model: torch.nn.Module, spec: RankSpec) -> dict[str, torch.Tensor]:
-    """Copies of the buffers (and lifted constants) the rank's graphs read."""
+def used_buffers(model: torch.nn.Module, spec: RankSpec,
+                 materialized: MetaMaterializer | None = None) -> dict[str, torch.Tensor]:
+    """Copies of the buffers (and lifted constants) the rank's graphs read; a meta model's
+    buffers as its initialization computes them (runtime/materialize.py)."""
     model_buffers = dict(model.named_buffers())
     names = spec.info.buffers if spec.stages is None else sorted({b for s in spec.stages for b in s.buffers})
     out = {}
@@ -50,10 +53,12 @@ def used_buffers(model: torch.nn.Module, spec: RankSpec) -> dict[str, torch.Tens
         if b.device.type == "meta" and b.numel() == 0:
             b = torch.empty(b.shape, dtype=b.dtype)   # an empty constant has no values to know
         if b.device.type == "meta":
-            raise ParallelizeError(
-                f"buffer {name} {tuple(b.shape)} is on the meta device and fxtron cannot know its "
-                "values; create buffers on the CPU when building the model on meta (they are small), "
-                "or load them into the model before pm.program()")
+            if name not in model_buffers:
+                raise ParallelizeError(
+                    f"constant {name} {tuple(b.shape)} of the traced model is on the meta device and fxtron cannot "
+                    "know its values; make it a buffer of its module, computed by the module's init")
+            materialized = materialized if materialized is not None else MetaMaterializer(model, 0)
+            b = materialized.buffer(name)
         out[name] = b.detach().clone()
     return out
 
@@ -63,8 +68,9 @@ def build_program(model: torch.nn.Module, spec: RankSpec, groups: ProcessGroups 
     """The runnable Program of rank `spec.rank` under `config` (default: the defaults): an
     nn.Module holding its parameters."""
     config = config if config is not None else Config()
-    params = local_params(model, spec, seed)
-    buffers = used_buffers(model, spec)
+    materialized = MetaMaterializer(model, seed)
+    params = local_params(model, spec, seed, materialized)
+    buffers = used_buffers(model, spec, materialized)
     device = groups.device if groups is not None else torch.device("cpu")
     if device.type != "cpu":
         params = {k: v.to(device) for k, v in params.items()}
