@@ -346,6 +346,25 @@ def statistics_note(mesh: Mesh, config, report) -> str:
     return text
 
 
+def init_note(model) -> str:
+    """How a model built on the meta device is initialized, shard by shard, per parameter
+    (runtime/materialize.py): which init wrote it and what it drew; the buffers its init
+    computes; what is made whole first or got fxtron's default. '' for a model with values."""
+    from fxtron.runtime.materialize import MetaMaterializer
+    if not any(p.device.type == "meta" for p in model.parameters()):
+        return ""
+    m = MetaMaterializer(model, 0)
+    m._ensure()
+    text = "initialization (built on meta: each rank makes its own shards): " + grouped(m.init_of)
+    if m.buffers:
+        text += f"; buffers computed by the init: {', '.join(sorted(m.buffers))}"
+    if m.uncomputed:
+        text += f"; meta buffers no init computes (pm.program will refuse them): {_few(m.uncomputed)}"
+    if m.defaulted:
+        text += f"; no init of their own, fxtron's default given: {_few(m.defaulted)}"
+    return text
+
+
 def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage_assignment, compiled,
             schedule: str = "", bubble: str = "", batch: int | None = None, seq: int | None = None) -> str:
     """ParallelModel.summary's text (see there): the model-wide notes, then a row per rank
@@ -430,6 +449,9 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
     if config.recompute.granularity is not None:
         head += "\n" + recompute_note(config, mesh, stage_assignment is not None, compiled)
     note = statistics_note(mesh, config, meta.info(compiled(0).gm).statistics_report)
+    if note:
+        head += "\n" + note
+    note = init_note(model)
     if note:
         head += "\n" + note
     per = "microbatch" if config.pipeline.microbatches > 1 else "step"
