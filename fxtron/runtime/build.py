@@ -15,6 +15,7 @@ from fxtron.ops.rng import RNGStreams
 from fxtron.runtime.bind import bind
 from fxtron.runtime.groups import ProcessGroups
 from fxtron.runtime.materialize import MetaMaterializer
+from fxtron.runtime.pretrained import origin_of
 from fxtron.runtime.program import Program
 
 
@@ -31,6 +32,10 @@ def local_params(model: torch.nn.Module, spec: RankSpec, seed: int = 0,
             out[name] = materialized.local(name, lp.shards, sizes, coords)
         else:
             out[name] = lp.local_of(full.detach(), sizes, coords)
+    if materialized.defaulted:
+        warnings.warn(f"rank {spec.rank}: {len(materialized.defaulted)} parameter(s) of the meta model have no init of "
+                      f"their own (no reset_parameters, no init_weights): fxtron's default given: "
+                      + ", ".join(materialized.defaulted[:4]), ParallelizeWarning, stacklevel=3)
     if materialized.whole:
         warnings.warn(f"rank {spec.rank}: {len(materialized.whole)} parameter(s) of the meta model were made whole before "
                       f"being cut, their init being more than elementwise writes: "
@@ -80,8 +85,10 @@ def build_program(model: torch.nn.Module, spec: RankSpec, groups: ProcessGroups 
     stages = None
     if spec.stages is not None:
         stages = [dataclasses.replace(s, gm=bind(s.gm, groups, device)) for s in spec.stages]
-    return Program(spec, params, buffers, set(model.state_dict().keys()), groups, config, rng=rng, gm=gm,
-                   stages=stages)
+    program = Program(spec, params, buffers, set(model.state_dict().keys()), groups, config, rng=rng, gm=gm,
+                      stages=stages)
+    program.origin = origin_of(model)      # transformers' config and key layout, for load/save_pretrained
+    return program
 
 
 __all__ = ["build_program", "local_params", "used_buffers"]

@@ -1,20 +1,41 @@
-"""Runtime: pretrained weights into a rank's shards, read slice by slice from safetensors files.
+"""Runtime: pretrained weights in and out of a rank's shards, as transformers reads and writes
+them, slice by slice and tensor by tensor.
 
-`load_pretrained(prog, path, prefix="")` (Program.load_pretrained; every rank calls it): `path`
-is a directory written by transformers' save_pretrained (model.safetensors, or shards listed
-in model.safetensors.index.json) or one .safetensors file. fxtron keeps the model's own
-parameter names, so a checkpoint's keys are the program's names (`prefix`, when given, is what
-the checkpoint's keys carry in front of them). Each rank reads from the memory-mapped files only
-the rows and columns of its own shards (safetensors' get_slice), for every layout fxtron cuts:
-column, row and vocabulary splits, fused projections' interleaved blocks and blocks held whole,
-experts over ep and tp; a pipeline rank reads its stages' parameters only, a tied weight
-from whichever of its names the file holds. Missing, unexpected and mis-shaped tensors are one
-ParallelizeError naming them all, before anything is written into the program.
+In: `load_pretrained(prog, path, prefix="")` (Program.load_pretrained; every rank calls it):
+`path` is a directory written by transformers' save_pretrained (model.safetensors, or shards
+listed in model.safetensors.index.json) or one .safetensors file. fxtron keeps the model's own
+parameter names, so a checkpoint's keys are the program's names; where transformers stores a
+tensor in another layout than the module's (a fused expert weight as one key per expert and
+projection: Mixtral's `block_sparse_moe.experts.3.w1.weight`), its own conversion table
+(transformers.conversion_mapping, for the model's class) says how, and the rank reads the
+pieces of its slice from those keys. `prefix` is a wrapper's prefix: what the checkpoint's keys
+carry in front of the model's names, or the model's in front of the checkpoint's (a
+transformers base model's `model.` is found without it). Each rank reads from the
+memory-mapped files only the rows and columns of its own shards (safetensors' get_slice), for
+every layout fxtron cuts: column, row and vocabulary splits, fused projections' interleaved
+blocks and blocks held whole, experts over ep and tp; a pipeline rank reads its stages'
+parameters only, a tied weight from whichever of its names the file holds. Missing, unexpected
+and mis-shaped tensors are one ParallelizeError naming them all, before anything is written.
+
+Out: `save_pretrained(prog, path)` (Program.save_pretrained; every rank calls it) writes what
+transformers' save_pretrained writes -- safetensors files sharded by size with an index, the
+model's keys reverted to its checkpoint layout by transformers' own revert_weight_conversion,
+tied weights once, config.json and generation_config.json -- tensor by tensor: each tensor is
+gathered once over the axes it is split on (by the ranks of dp = cp = 0 of the pipeline stage
+holding it) and streamed into its file by that stage's first rank; no rank holds more than one
+tensor beyond its shards. `write_pretrained` does the same in one process from any source of
+whole tensors (`python -m fxtron export`).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
+import re
+import shutil
+import struct
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -23,8 +44,66 @@ from fxtron.errors import ParallelizeError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+DEFAULT_SHARD = "5GB"
 
 
+# ----------------------------------------------------------------------------- the model's origin
+@dataclasses.dataclass
+class Origin:
+    """What a program keeps of the model it was built from, to read and write its weights as
+    transformers does: for a transformers model a storage-free (meta) replica, for its config,
+    generation config and conversion tables; None for another model."""
+
+    skeleton: torch.nn.Module | None = None
+
+    @property
+    def config(self):
+        return getattr(self.skeleton, "config", None)
+
+    @property
+    def generation_config(self):
+        return getattr(self.skeleton, "generation_config", None)
+
+    @property
+    def base_prefix(self) -> str:
+        return getattr(self.skeleton, "base_model_prefix", "") or ""
+
+    def conversions(self) -> list:
+        """transformers' conversions from checkpoint keys to the module's (with legacy renames)."""
+        if self.skeleton is None:
+            return []
+        try:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+        except ImportError:
+            return []
+        return list(get_model_conversion_mapping(self.skeleton))
+
+    def revert(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The checkpoint keys and tensors transformers' save_pretrained writes for these
+        module tensors (one fused tensor may become several keys)."""
+        if self.skeleton is None:
+            return tensors
+        from transformers.core_model_loading import revert_weight_conversion
+        return dict(revert_weight_conversion(self.skeleton, dict(tensors)))
+
+
+def origin_of(model: torch.nn.Module) -> Origin:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return Origin()
+    if not isinstance(model, PreTrainedModel):
+        return Origin()
+    import copy
+    memo: dict[int, torch.Tensor] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in memo:
+            e = torch.empty_like(t, device="meta")
+            memo[id(t)] = torch.nn.Parameter(e, t.requires_grad) if isinstance(t, torch.nn.Parameter) else e
+    return Origin(copy.deepcopy(model, memo))
+
+
+# ----------------------------------------------------------------------------- reading
 def checkpoint_files(path: str) -> dict[str, str]:
     """Every tensor key of the safetensors checkpoint at `path` -> the file holding it."""
     from safetensors import safe_open
@@ -52,6 +131,8 @@ def checkpoint_files(path: str) -> dict[str, str]:
 def _runs(index: torch.Tensor) -> list[tuple[int, int]]:
     """Consecutive runs [start, stop) of an increasing index."""
     out, values = [], index.tolist()
+    if not values:
+        return out
     start = prev = values[0]
     for v in values[1:]:
         if v != prev + 1:
@@ -62,26 +143,146 @@ def _runs(index: torch.Tensor) -> list[tuple[int, int]]:
     return out
 
 
-def read_local(sl, full_shape: tuple[int, ...], shards, sizes: dict, coords: dict) -> torch.Tensor:
-    """This rank's piece of a tensor of `full_shape` laid out by `shards` (core.params.AxisShard,
-    in order), read from a safetensors slice `sl` run by run: only its own elements."""
+def _index(full_shape: tuple[int, ...], shards, sizes: dict, coords: dict) -> list[torch.Tensor]:
+    """Per dim, the full tensor's indices a rank holds under `shards` (increasing)."""
     index = [torch.arange(n) for n in full_shape]
     for s in shards:
         index[s.dim] = layout.shard(index[s.dim], 0, sizes[s.axis], coords[s.axis], s.interleave, s.whole)
-    runs = [_runs(ix) for ix in index]
-
-    def read(d: int, chosen: list) -> torch.Tensor:
-        if d == len(runs):
-            return sl[tuple(slice(a, b) for a, b in chosen)]
-        return torch.cat([read(d + 1, chosen + [r]) for r in runs[d]], dim=d)
-    return read(0, [])
+    return index
 
 
-def _open(handles: dict, file: str):
-    from safetensors import safe_open
-    if file not in handles:
-        handles[file] = safe_open(file, framework="pt")
-    return handles[file]
+class _Key:
+    """One tensor of the checkpoint, read run by run."""
+
+    def __init__(self, handles: dict, file: str, key: str):
+        self.handles, self.file, self.key = handles, file, key
+
+    @property
+    def slice(self):
+        from safetensors import safe_open
+        if self.file not in self.handles:
+            self.handles[self.file] = safe_open(self.file, framework="pt")
+        return self.handles[self.file].get_slice(self.key)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.slice.get_shape())
+
+    @property
+    def keys(self) -> list[str]:
+        return [self.key]
+
+    def read(self, index: list[torch.Tensor]) -> torch.Tensor:
+        sl = self.slice
+        if not index:
+            return self.handles[self.file].get_tensor(self.key)
+        runs = [_runs(ix) for ix in index]
+
+        def read(d: int, chosen: list) -> torch.Tensor:
+            if d == len(runs):
+                return sl[tuple(slice(a, b) for a, b in chosen)]
+            return torch.cat([read(d + 1, chosen + [r]) for r in runs[d]], dim=d)
+        return read(0, [])
+
+
+class _Stacked:
+    """A module tensor transformers stores as one key per expert and projection: target[e] is
+    the concatenation over `parts` (along `dim` of the per-expert tensors) of parts[i][e]
+    (MergeModulelist(0), then Concatenate(dim + 1))."""
+
+    def __init__(self, parts: list[dict[int, _Key]], dim: int | None):
+        self.parts, self.dim = parts, dim
+
+    @property
+    def keys(self) -> list[str]:
+        return [k.key for part in self.parts for e in sorted(part) for k in [part[e]]]
+
+    def check(self, name: str) -> str | None:
+        experts = [sorted(p) for p in self.parts]
+        n = len(experts[0])
+        if any(e != list(range(n)) for e in experts):
+            return f"{name}: the experts' keys are not 0..{n - 1} for every projection"
+        shapes = {k.shape for p in self.parts for k in p.values()}
+        first = [p[0].shape for p in self.parts]
+        if any(p[e].shape != first[i] for i, p in enumerate(self.parts) for e in p):
+            return f"{name}: the experts' keys have different shapes ({sorted(shapes)})"
+        return None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        first = [p[0].shape for p in self.parts]
+        each = list(first[0])
+        if self.dim is not None:
+            each[self.dim] = sum(s[self.dim] for s in first)
+        return (len(self.parts[0]), *each)
+
+    def read(self, index: list[torch.Tensor]) -> torch.Tensor:
+        rest = index[1:]
+        out = []
+        for e in index[0].tolist():
+            if self.dim is None:
+                out.append(self.parts[0][e].read(rest))
+                continue
+            pieces, off = [], 0
+            sel = rest[self.dim]
+            for part in self.parts:
+                key = part[e]
+                size = key.shape[self.dim]
+                mine = sel[(sel >= off) & (sel < off + size)] - off
+                if len(mine):
+                    pieces.append(key.read([mine if d == self.dim else ix for d, ix in enumerate(rest)]))
+                off += size
+            out.append(torch.cat(pieces, dim=self.dim))
+        return torch.stack(out)
+
+
+def _glob(pattern: str) -> re.Pattern:
+    return re.compile(re.escape(pattern).replace(r"\*", r"(\d+)") + "$")
+
+
+def _sources(files: dict[str, str], handles: dict, conversions: list) -> tuple[dict[str, object], list[str]]:
+    """The checkpoint's tensors under the module's names: {name: _Key | _Stacked}, and what
+    cannot be read (keys a conversion fxtron does not read slice by slice would need)."""
+    renamed: dict[str, str] = {}                     # module-side key -> checkpoint key
+    renames = [c for c in conversions if type(c).__name__ == "WeightRenaming"]
+    converters = [c for c in conversions if type(c).__name__ != "WeightRenaming"]
+    for key in files:
+        new = key
+        for r in renames:
+            for src in r.source_patterns:
+                new = re.sub(src, r.target_patterns[0], new)
+        renamed[new] = key
+    out: dict[str, object] = {}
+    refused: list[str] = []
+    used: set[str] = set()
+    for c in converters:
+        ops = [type(o).__name__ for o in getattr(c, "operations", [])]
+        patterns = [_glob(p) for p in c.source_patterns]
+        matched: dict[str, list[dict[int, _Key]]] = {}
+        for new, key in renamed.items():
+            for i, rx in enumerate(patterns):
+                m = rx.search(new)
+                if m:
+                    prefix = new[:m.start()]
+                    parts = matched.setdefault(prefix, [{} for _ in patterns])
+                    parts[i][int(m.group(1)) if rx.groups else 0] = _Key(handles, files[key], key)
+                    used.add(new)
+                    break
+        if not matched:
+            continue
+        simple = ops in (["MergeModulelist"], ["MergeModulelist", "Concatenate"]) and len(c.target_patterns) == 1 \
+            and c.operations[0].dim == 0 and all(p.groups == 1 for p in patterns)
+        for prefix, parts in matched.items():
+            target = prefix + c.target_patterns[0]
+            if not simple:
+                refused.append(f"{target} from {', '.join(k.key for p in parts for k in list(p.values())[:1])} ... "
+                               f"(transformers' {' + '.join(ops) or type(c).__name__})")
+                continue
+            out[target] = _Stacked(parts, c.operations[1].dim - 1 if len(ops) == 2 else None)
+    for new, key in renamed.items():
+        if new not in used:
+            out[new] = _Key(handles, files[key], key)
+    return out, refused
 
 
 def load_pretrained(prog, path: str, prefix: str = "") -> None:
@@ -89,6 +290,7 @@ def load_pretrained(prog, path: str, prefix: str = "") -> None:
     files = checkpoint_files(path)
     info = prog.info
     groups = prog.groups
+    origin: Origin = getattr(prog, "origin", None) or Origin()
     axes = {s.axis for spec in prog.local.values() for s in spec.shards}
     sizes = {a: groups.size(a) if groups is not None else 1 for a in axes}
     coords = {a: groups.index(a) if groups is not None else 0 for a in axes}
@@ -97,29 +299,47 @@ def load_pretrained(prog, path: str, prefix: str = "") -> None:
         names_of.setdefault(name, [name]).append(alias)
     persistent = set(prog.state_dict(keep_vars=True)) - set(dict(prog.named_parameters()))
     known = set(info.params) | set(info.buffers) | set(info.aliases)
-    unexpected = sorted(k for k in files if not k.startswith(prefix) or k[len(prefix):] not in known)
-    plan, missing, misshaped = [], [], []
-    for name, spec in prog.local.items():
-        key = next((prefix + n for n in names_of.get(name, [name]) if prefix + n in files), None)
-        if key is None:
-            missing.append(name)
-            continue
-        plan.append((name, key, spec.full_shape, spec.shards))
-    for name in sorted(persistent):
-        if prefix + name in files:
-            plan.append((name, prefix + name, None, ()))
-        elif name in set(info.buffers):
-            missing.append(name)
-    handles = {}
+    handles: dict = {}
     try:
-        for name, key, full, _ in plan:
-            if full is None:
+        sources, refused = _sources(files, handles, origin.conversions())
+        base = origin.base_prefix + "." if origin.base_prefix else ""
+
+        def module_name(key: str) -> str | None:
+            candidates = [key]
+            if prefix:
+                candidates = ([key[len(prefix):]] if key.startswith(prefix) else []) + [prefix + key]
+            for c in list(candidates):
+                if base:
+                    candidates += [base + c] + ([c[len(base):]] if c.startswith(base) else [])
+            return next((c for c in candidates if c in known), None)
+        by_name: dict[str, tuple[str, object]] = {}
+        unexpected = []
+        for key, src in sources.items():
+            name = module_name(key)
+            if name is None:
+                unexpected.append(key)
+            else:
+                by_name[name] = (key, src)
+        plan, missing, misshaped = [], [], []
+        for name, spec in prog.local.items():
+            found = next((by_name[n] for n in names_of.get(name, [name]) if n in by_name), None)
+            if found is None:
+                missing.append(name)
                 continue
-            f = _open(handles, files[key])
-            shape = tuple(f.get_slice(key).get_shape())
-            if shape != tuple(full):
-                misshaped.append(f"{key} {shape} (the model's {name} is {tuple(full)})")
-        if missing or unexpected or misshaped:
+            plan.append((name, found[1], spec.full_shape, spec.shards))
+        for name in sorted(persistent):
+            if name in by_name:
+                plan.append((name, by_name[name][1], None, ()))
+            elif name in set(info.buffers):
+                missing.append(name)
+        for name, src, full, _ in plan:
+            why = src.check(name) if isinstance(src, _Stacked) else None
+            if why:
+                misshaped.append(why)
+            elif full is not None and tuple(src.shape) != tuple(full):
+                misshaped.append(f"{'+'.join(src.keys[:2])}{' ...' if len(src.keys) > 2 else ''} {tuple(src.shape)} "
+                                 f"(the model's {name} is {tuple(full)})")
+        if missing or unexpected or misshaped or refused:
             parts = []
             if missing:
                 parts.append(f"missing {len(missing)}: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
@@ -128,6 +348,9 @@ def load_pretrained(prog, path: str, prefix: str = "") -> None:
                              + (" ..." if len(unexpected) > 8 else ""))
             if misshaped:
                 parts.append(f"mis-shaped {len(misshaped)}: {'; '.join(misshaped[:8])}")
+            if refused:
+                parts.append(f"stored in a layout fxtron does not read slice by slice {len(refused)}: "
+                             f"{'; '.join(refused[:4])}")
             raise ParallelizeError(
                 f"the pretrained weights at {path} do not fit this model ({'; '.join(parts)})"
                 + (f", keys read with the prefix {prefix!r}" if prefix else "")
@@ -136,14 +359,249 @@ def load_pretrained(prog, path: str, prefix: str = "") -> None:
         params = dict(prog.named_parameters())
         buffers = dict(prog.named_buffers())
         with torch.no_grad():
-            for name, key, full, shards in plan:
-                f = _open(handles, files[key])
+            for name, src, full, shards in plan:
                 target = params.get(name, buffers.get(name))
-                value = f.get_tensor(key) if full is None or not full else read_local(
-                    f.get_slice(key), tuple(full), shards, sizes, coords)
-                target.copy_(value.to(device=target.device, dtype=target.dtype))
+                index = _index(tuple(full), shards, sizes, coords) if full is not None else \
+                    [torch.arange(n) for n in src.shape]
+                target.copy_(src.read(index).to(device=target.device, dtype=target.dtype))
     finally:
         handles.clear()
 
 
-__all__ = ["checkpoint_files", "load_pretrained", "read_local"]
+def read_local(sl, full_shape: tuple[int, ...], shards, sizes: dict, coords: dict) -> torch.Tensor:
+    """This rank's piece of a tensor of `full_shape` laid out by `shards` (core.params.AxisShard,
+    in order), read from a safetensors slice `sl` run by run: only its own elements."""
+    class _One(_Key):
+        @property
+        def slice(self):
+            return sl
+    return _One({}, "", "").read(_index(tuple(full_shape), shards, sizes, coords))
+
+
+# ----------------------------------------------------------------------------- writing
+_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL", getattr(torch, "float8_e4m3fn", None): "F8_E4M3", getattr(torch, "float8_e5m2", None): "F8_E5M2"}
+
+
+def parse_size(size: int | str) -> int:
+    """'5GB' / '500MB' / '60KB' / bytes -> bytes (transformers' units: GB = 10^9, GiB = 2^30)."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*", size.upper())
+    if not m:
+        raise ParallelizeError(f"max_shard_size={size!r}: give bytes or a size like '5GB', '500MB'")
+    unit = m.group(2) or "B"
+    power = " KMGT".index(unit[0]) if unit != "B" else 0
+    return int(float(m.group(1)) * ((1024 if "I" in unit else 1000) ** power))
+
+
+@dataclasses.dataclass
+class _Entry:
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    group: int              # the writer's group (a pipeline stage): a file holds one group's keys
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def plan_files(entries: list[_Entry], max_shard_size: int) -> list[list[_Entry]]:
+    """Entries in order into files of at most `max_shard_size` bytes (a larger tensor alone),
+    a file holding one group's entries."""
+    files: list[list[_Entry]] = []
+    size = 0
+    for e in entries:
+        if not files or files[-1][0].group != e.group or (size + e.nbytes > max_shard_size and files[-1]):
+            files.append([])
+            size = 0
+        files[-1].append(e)
+        size += e.nbytes
+    return files
+
+
+def file_names(n: int) -> list[str]:
+    return [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+class StreamingFile:
+    """A safetensors file written tensor by tensor: the header (every key's dtype, shape and
+    offsets) first, then each tensor's bytes at its offset as it comes."""
+
+    def __init__(self, path: str, entries: list[_Entry]):
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        self.offsets = {}
+        for e in entries:
+            header[e.key] = {"dtype": _DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+            self.offsets[e.key] = (offset, e)
+            offset += e.nbytes
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        self.start = 8 + len(text)
+        self.path = path
+        self.file = open(path, "wb")
+        self.file.write(struct.pack("<Q", len(text)))
+        self.file.write(text)
+        self.file.truncate(self.start + offset)
+        self.written: set[str] = set()
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        offset, e = self.offsets[key]
+        if tuple(tensor.shape) != e.shape or tensor.dtype != e.dtype:
+            raise ParallelizeError(f"{key}: got {tuple(tensor.shape)} {tensor.dtype}, the header says {e.shape} {e.dtype}")
+        self.file.seek(self.start + offset)
+        data = tensor.detach().to("cpu").contiguous().reshape(-1)
+        if data.numel():
+            self.file.write(data.view(torch.uint8).numpy().tobytes())
+        self.written.add(key)
+
+    def close(self) -> None:
+        self.file.close()
+        missing = set(self.offsets) - self.written
+        if missing:
+            raise ParallelizeError(f"{self.path}: {len(missing)} tensor(s) never written: {sorted(missing)[:4]}")
+
+
+def _entries_of(origin: Origin, name: str, shape: tuple[int, ...], dtype: torch.dtype, group: int) -> list[_Entry]:
+    """The checkpoint keys a module tensor becomes (transformers' reverted layout), on meta."""
+    out = origin.revert({name: torch.empty(shape, dtype=dtype, device="meta")})
+    return [_Entry(k, tuple(v.shape), v.dtype, group) for k, v in out.items()]
+
+
+def write_index(path: str, files: list[list[_Entry]], names: list[str]) -> None:
+    total = sum(e.nbytes for f in files for e in f)
+    index = {"metadata": {"total_size": total},
+             "weight_map": {e.key: name for f, name in zip(files, names) for e in f}}
+    with open(os.path.join(path, INDEX), "w") as f:
+        json.dump(index, f, indent=2, sort_keys=True)
+
+
+def write_configs(path: str, origin: Origin, config=None) -> None:
+    config = config if config is not None else origin.config
+    if config is not None:
+        config.save_pretrained(path)
+    gen = origin.generation_config
+    if gen is not None:
+        gen.save_pretrained(path)
+
+
+def _fresh(path: str) -> None:
+    """Remove what an earlier save_pretrained wrote at `path` (its safetensors files and
+    index), so no stale shard stays listed."""
+    os.makedirs(path, exist_ok=True)
+    for f in os.listdir(path):
+        if f.endswith(".safetensors") or f == INDEX or f.endswith(".safetensors.partial"):
+            os.remove(os.path.join(path, f))
+
+
+def write_pretrained(path: str, tensors: Iterable[tuple[str, torch.Tensor]], layout_of: list[tuple[str, tuple, torch.dtype]],
+                     origin: Origin, *, max_shard_size: int | str = DEFAULT_SHARD, dtype: torch.dtype | None = None,
+                     config=None) -> list[str]:
+    """One process: stream (name, whole tensor) pairs (in the order of `layout_of`: (name,
+    shape, dtype)) into a save_pretrained directory. Returns the files written."""
+    cast = (lambda d: dtype if dtype is not None and d.is_floating_point else d)
+    entries = [e for n, s, d in layout_of for e in _entries_of(origin, n, tuple(s), cast(d), 0)]
+    files = plan_files(entries, parse_size(max_shard_size))
+    names = file_names(len(files))
+    _fresh(path)
+    where = {e.key: i for i, f in enumerate(files) for e in f}
+    writers = [StreamingFile(os.path.join(path, n + ".partial"), f) for f, n in zip(files, names)]
+    try:
+        for name, t in tensors:
+            t = t.to(cast(t.dtype))
+            for key, v in origin.revert({name: t}).items():
+                writers[where[key]].write(key, v)
+    finally:
+        for w in writers:
+            w.file.close()
+    for w, n in zip(writers, names):
+        w.close()
+        os.replace(w.path, os.path.join(path, n))
+    if len(files) > 1:
+        write_index(path, files, names)
+    write_configs(path, origin, config)
+    return names
+
+
+def save_pretrained(prog, path: str, max_shard_size: int | str = DEFAULT_SHARD, dtype: torch.dtype | None = None) -> None:
+    """See the module docstring (Program.save_pretrained)."""
+    import torch.distributed as dist
+
+    from fxtron.ops import ledger
+    groups = prog.groups
+    origin: Origin = getattr(prog, "origin", None) or Origin()
+    limit = parse_size(max_shard_size)
+    cast = (lambda d: dtype if dtype is not None and d.is_floating_point else d)
+    if prog.zero is not None:
+        prog.zero.wait_params()
+    idx = (lambda a: groups.index(a) if groups is not None else 0)
+    pp, stage = (groups.size("pp"), idx("pp")) if groups is not None else (1, 0)
+    params = dict(prog.named_parameters())
+    persistent = set(prog.state_dict(keep_vars=True))
+    buffers = {n: b for n, b in prog.named_buffers() if n in persistent}
+    order = [n for n in prog.info.params if n in params] + [n for n in prog.info.buffers if n in buffers]
+    order += [n for n in list(params) + list(buffers) if n not in order]
+    mine = [(n, tuple(prog.local[n].full_shape) if n in prog.local else tuple((params.get(n, buffers.get(n))).shape),
+             (params.get(n, buffers.get(n))).dtype) for n in order]
+    stages = [mine]
+    if pp > 1:
+        stages = [None] * pp
+        with ledger.collective(groups.group("pp"), "all_gather_object"):
+            dist.all_gather_object(stages, mine, group=groups.group("pp"))
+    held, seen = [], set()                      # (stage, name, shape, dtype): each tensor by its first stage
+    for s, listed in enumerate(stages):
+        for n, shape, d in listed:
+            if n not in seen:
+                seen.add(n)
+                held.append((s, n, shape, d))
+    entries = [e for s, n, shape, d in held for e in _entries_of(origin, n, shape, cast(d), s)]
+    files = plan_files(entries, limit)
+    names = file_names(len(files))
+    where = {e.key: i for i, f in enumerate(files) for e in f}
+    lead = all(idx(a) == 0 for a in ("tp", "cp", "ep", "dp")) if groups is not None else True
+    gathers = groups is None or (idx("dp") == 0 and idx("cp") == 0)
+    rank0 = groups is None or groups.rank == 0
+    if rank0:
+        _fresh(path)
+    if groups is not None:
+        dist.barrier()
+    writers = {i: StreamingFile(os.path.join(path, names[i] + ".partial"), f)
+               for i, f in enumerate(files) if f[0].group == stage and lead}
+    try:
+        for s, n, shape, d in held:
+            if s != stage or not gathers:
+                continue
+            t = params.get(n, buffers.get(n)).detach()
+            full = prog.grads.full(n, t) if n in params else t
+            if lead:
+                for key, v in origin.revert({n: full.to(cast(full.dtype))}).items():
+                    writers[where[key]].write(key, v)
+            del full
+    finally:
+        for w in writers.values():
+            w.file.close()
+    for i, w in writers.items():
+        w.close()
+        os.replace(w.path, os.path.join(path, names[i]))
+    if groups is not None:
+        dist.barrier()
+    if rank0:
+        if len(files) > 1:
+            write_index(path, files, names)
+        write_configs(path, origin)
+    if groups is not None:
+        dist.barrier()
+
+
+def iter_checkpoint(files: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+    for key, file in files.items():
+        with safe_open(file, framework="pt") as f:
+            yield key, f.get_tensor(key)
+
+
+__all__ = ["Origin", "StreamingFile", "checkpoint_files", "load_pretrained", "origin_of", "parse_size", "read_local",
+           "save_pretrained", "write_pretrained"]

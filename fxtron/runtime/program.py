@@ -369,6 +369,15 @@ class Program(nn.Module):
         from fxtron.runtime import pretrained
         pretrained.load_pretrained(self, path, prefix)
 
+    def save_pretrained(self, path: str, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None) -> None:
+        """Write the model as transformers' save_pretrained does -- safetensors files of at most
+        `max_shard_size` with an index, transformers' own key layout, config.json and
+        generation_config.json for a transformers model -- tensor by tensor, each gathered once
+        (runtime/pretrained.py); every rank calls it. `dtype` (torch.bfloat16): the floating
+        tensors written in it. `AutoModelForCausalLM.from_pretrained(path)` loads it."""
+        from fxtron.runtime import pretrained
+        pretrained.save_pretrained(self, path, max_shard_size, dtype)
+
     # ---------------------------------------------------------------- communication
     def _dp(self) -> tuple[int, int]:
         if self.groups is None:
