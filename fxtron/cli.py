@@ -1,4 +1,4 @@
-"""Command line: `python -m fxtron {mesh,train,inspect,bench} ...` (also installed as `fxtron`)."""
+"""Command line: `python -m fxtron {mesh,train,inspect,bench,export} ...` (also installed as `fxtron`)."""
 from __future__ import annotations
 
 import argparse
@@ -126,8 +126,15 @@ def _cmd_bench(a) -> int:
     return run(quick=a.quick, output=a.output, extra=a.pytest_args)
 
 
+def _cmd_export(a) -> int:
+    from fxtron.runtime.pretrained import export
+    files = export(a.checkpoint, a.out, like=a.like, max_shard_size=a.max_shard_size, dtype=a.dtype)
+    print(f"wrote {a.out}: {', '.join(files)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The command line's parser: mesh, train, inspect and bench, the configuration's flags generated."""
+    """The command line's parser: mesh, train, inspect, export and bench, the configuration's flags generated."""
     parser = argparse.ArgumentParser(prog="fxtron", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
 
@@ -164,6 +171,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=10, help="meshes to list (--what-if)")
     _config_args(p, skip=INSPECT_SKIP)
     p.set_defaults(fn=_cmd_inspect)
+
+    p = sub.add_parser("export", help="write an fxtron checkpoint (any mesh) as a transformers directory",
+                       description="Reads the checkpoint tensor by tensor in this one process and writes what "
+                                   "transformers' save_pretrained writes: safetensors shards with an index, "
+                                   "transformers' key layout, config.json and generation_config.json from --like.")
+    p.add_argument("checkpoint", help="a checkpoint directory prog.save wrote")
+    p.add_argument("out", help="the directory to write")
+    p.add_argument("--like", required=True, metavar="DIR",
+                   help="the transformers directory (or its config.json) whose configuration the model has")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="write the floating tensors in this dtype (default: as saved)")
+    p.set_defaults(fn=_cmd_export)
 
     p = sub.add_parser("bench", help="run the benchmark suite and print every figure beside its baseline")
     p.add_argument("--quick", action="store_true", help="the fast benchmarks only (a few minutes on 2 cores)")

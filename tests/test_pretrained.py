@@ -1,33 +1,76 @@
-"""Pretrained weights into the shards (issue 31, point 2, first part): `prog.load_pretrained`
-reads a directory transformers' save_pretrained wrote in several files, each rank only its own
-slices. Without processes: a one-rank program gets every weight, and a checkpoint that does
-not fit is one ParallelizeError naming the missing, unexpected and mis-shaped tensors. Then a
-gloo job of 4 (Llama at tp=2 x pp=2 and at tp=4; GPT-2, Conv1D and tied, at tp=2 x dp=2 with
-zero=1 and at tp=2 with sequence parallel): every rank's parameters equal the saved model's,
-and the first loss and gradients equal that model's in one process."""
+"""Pretrained models in and out (issue 31, points 2-4): `prog.load_pretrained` reads a directory
+transformers' save_pretrained wrote in several files, each rank only its own slices;
+`prog.save_pretrained` and `python -m fxtron export` write directories transformers loads back.
+
+Without processes: a one-rank program gets every weight (Mixtral's per-expert keys through
+transformers' own conversion table), a wrapper's prefix is stripped or added, a checkpoint that
+does not fit is one ParallelizeError naming the missing, unexpected and mis-shaped tensors, and
+the directory save_pretrained writes has transformers' keys and loads back equal. Then a gloo
+job of 4: Llama, Qwen2 (biases, tied) and GPT-2 (Conv1D, tied) at tp=2 x pp=2, tp=2 with
+sequence parallel (dp=2) and tp=2 x dp=2 with zero=1, and Mixtral at ep=2 x tp=2, each built on
+meta, loaded, trained three AdamW steps equal to the saved model in one process, then saved by
+every rank into a directory transformers loads equal to the program's full state."""
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 import fxtron
-from fxtron.testing import cases_fixture, max_abs_diff, ranks_of
+from fxtron.testing import adamw, assert_trains_like, cases_fixture, max_abs_diff, ranks_of, reference_training
 from tp_models import batch, make
 
 
 def _saved(name: str, path: str) -> torch.nn.Module:
     torch.manual_seed(123)                  # other weights than make()'s: the load must replace them all
     model = make(name)
+    with torch.no_grad():                   # and biases that are not zeros
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0, 0.02)
     model.save_pretrained(path, max_shard_size="60KB")   # several files and an index
     return model
+
+
+def _meta(name: str) -> torch.nn.Module:
+    with torch.device("meta"):
+        return make(name)
+
+
+def _program(name: str, mesh=None, rank: int = 0, **options):
+    import warnings
+    args, kw = batch(name, 4, 8, seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fxtron.parallelize(_meta(name), mesh or fxtron.Mesh(1), example_inputs=args, example_kwargs=kw,
+                                  **options).program(rank)
+
+
+def _keys(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return sorted(json.load(f)["weight_map"])
+    from safetensors import safe_open
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        return sorted(f.keys())
+
+
+def _loaded(path: str) -> dict:
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    return {k: v for k, v in model.state_dict().items()}
 
 
 def test_one_rank_loads_every_weight_and_refuses_what_does_not_fit(tmp_path):
     saved = _saved("hf-llama", str(tmp_path / "llama"))
     assert (tmp_path / "llama" / "model.safetensors.index.json").exists()
-    _, kw = batch("hf-llama", 2, 8, seed=0)
-    prog = fxtron.parallelize(make("hf-llama"), fxtron.Mesh(1), example_kwargs=kw).program(0)
+    prog = _program("hf-llama")
     prog.load_pretrained(str(tmp_path / "llama"))
     assert max_abs_diff(prog.full_state_dict(), saved.state_dict())[0] == 0.0
     sd = {k: v.clone() for k, v in saved.state_dict().items()}
@@ -40,34 +83,114 @@ def test_one_rank_loads_every_weight_and_refuses_what_does_not_fit(tmp_path):
         prog.load_pretrained(str(tmp_path / "bad.safetensors"))
     with pytest.raises(fxtron.ParallelizeError, match="neither model.safetensors nor"):
         prog.load_pretrained(str(tmp_path))
+    with pytest.raises(fxtron.ParallelizeError, match="no such file"):
+        prog.load_pretrained(str(tmp_path / "nowhere"))
+
+
+def test_prefix_strips_or_adds_a_wrappers_and_finds_the_base_models(tmp_path):
+    saved = _saved("hf-llama", str(tmp_path / "llama"))
+    sd = saved.state_dict()
+    prog = _program("hf-llama")
+    # a wrapper's checkpoint: every key under "backbone."
+    save_file({"backbone." + k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "wrapped.safetensors"))
+    prog.load_pretrained(str(tmp_path / "wrapped.safetensors"), prefix="backbone.")
+    assert max_abs_diff(prog.full_state_dict(), sd)[0] == 0.0
+    with pytest.raises(fxtron.ParallelizeError, match="unexpected 21: backbone."):
+        prog.load_pretrained(str(tmp_path / "wrapped.safetensors"))
+    # a base model's checkpoint (LlamaModel: no "model.") into the causal LM: transformers' base prefix
+    base = {k[len("model."):]: v.contiguous() for k, v in sd.items() if k.startswith("model.")}
+    save_file({**base, "lm_head.weight": sd["lm_head.weight"].contiguous()}, str(tmp_path / "base.safetensors"))
+    prog.load_pretrained(str(tmp_path / "base.safetensors"))
+    assert max_abs_diff(prog.full_state_dict(), sd)[0] == 0.0
+
+
+@pytest.mark.parametrize("name", ["hf-mixtral", "hf-qwen3moe", "hf-qwen2-tied", "hf-gpt2"])
+def test_one_rank_round_trip_is_transformers_own(name, tmp_path):
+    """transformers writes a fused expert weight as one key per expert (Mixtral renames its
+    module too): the load reads them, save_pretrained writes the same keys and files
+    transformers loads back equal; a tied weight is written once."""
+    saved = _saved(name, str(tmp_path / "in"))
+    prog = _program(name)
+    prog.load_pretrained(str(tmp_path / "in"))
+    assert max_abs_diff(prog.full_state_dict(), saved.state_dict())[0] == 0.0
+    prog.save_pretrained(str(tmp_path / "out"), max_shard_size="60KB")
+    assert _keys(str(tmp_path / "out")) == _keys(str(tmp_path / "in"))
+    assert (tmp_path / "out" / "config.json").exists() and (tmp_path / "out" / "generation_config.json").exists()
+    assert max_abs_diff(_loaded(str(tmp_path / "out")), saved.state_dict())[0] == 0.0
+    # bf16 on request, one file when it fits
+    prog.save_pretrained(str(tmp_path / "bf16"), dtype=torch.bfloat16)
+    assert sorted(os.listdir(tmp_path / "bf16")) == ["config.json", "generation_config.json", "model.safetensors"]
+    back = _loaded(str(tmp_path / "bf16"))
+    assert max_abs_diff({k: v.float() for k, v in back.items()},
+                        {k: v.bfloat16().float() for k, v in saved.state_dict().items()})[0] == 0.0
+
+
+def test_a_converted_key_layout_that_does_not_fit_is_named(tmp_path):
+    saved = _saved("hf-mixtral", str(tmp_path / "in"))
+    sd = {k: v.contiguous() for k, v in saved.state_dict().items()}
+    from transformers.core_model_loading import revert_weight_conversion
+    legacy = dict(revert_weight_conversion(saved, sd))
+    del legacy["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    save_file(legacy, str(tmp_path / "gap.safetensors"))
+    prog = _program("hf-mixtral")
+    with pytest.raises(fxtron.ParallelizeError, match=r"mis-shaped 1: model.layers.1.mlp.experts.gate_up_proj: the "
+                                                      r"experts' keys are not 0..3"):
+        prog.load_pretrained(str(tmp_path / "gap.safetensors"))
+
+
+def test_export_writes_a_directory_transformers_loads(tmp_path):
+    """`python -m fxtron export CKPT OUT --like DIR`: an fxtron checkpoint written in one
+    process as transformers' directory (checkpoints of tp, pp and ep meshes: the slow test)."""
+    saved = _saved("hf-mixtral", str(tmp_path / "in"))
+    full = {k: v.clone() for k, v in saved.state_dict().items()}
+    prog = _program("hf-mixtral")
+    prog.load_pretrained(str(tmp_path / "in"))
+    prog.save(str(tmp_path / "ckpt"))
+    out = subprocess.run([sys.executable, "-m", "fxtron", "export", str(tmp_path / "ckpt"), str(tmp_path / "out"),
+                          "--like", str(tmp_path / "in"), "--max-shard-size", "60KB"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert _keys(str(tmp_path / "out")) == _keys(str(tmp_path / "in"))
+    assert max_abs_diff(_loaded(str(tmp_path / "out")), full)[0] == 0.0
+    bad = subprocess.run([sys.executable, "-m", "fxtron", "export", str(tmp_path / "nope"), str(tmp_path / "o2"),
+                          "--like", str(tmp_path / "in")], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "nope" in bad.stderr
 
 
 CASES = {"llama-tp2-pp2": ("hf-llama", dict(tp=2, pp=2), dict(microbatches=2)),
-         "llama-tp4": ("hf-llama", dict(tp=4), {}),
-         "gpt2-tp2-zero": ("hf-gpt2", dict(tp=2), dict(zero=1)),
-         "gpt2-tp2-sp": ("hf-gpt2", dict(tp=2), dict(sequence_parallel=True))}
+         "llama-tp2-sp": ("hf-llama", dict(tp=2), dict(sequence_parallel=True)),
+         "qwen2-tp2-pp2": ("hf-qwen2-tied", dict(tp=2, pp=2), dict(microbatches=2)),
+         "qwen2-tp2-sp": ("hf-qwen2-tied", dict(tp=2), dict(sequence_parallel=True)),
+         "qwen2-tp2-dp2-zero": ("hf-qwen2-tied", dict(tp=2), dict(zero=1)),
+         "gpt2-tp2-pp2": ("hf-gpt2", dict(tp=2, pp=2), dict(microbatches=2)),
+         "gpt2-tp2-sp": ("hf-gpt2", dict(tp=2), dict(sequence_parallel=True)),
+         "gpt2-tp2-dp2-zero": ("hf-gpt2", dict(tp=2), dict(zero=1)),
+         "mixtral-ep2-tp2": ("hf-mixtral", dict(tp=2, ep=2), dict(sequence_parallel=True))}
+
+
+def _dir(pid: int, *parts: str) -> str:
+    import tempfile
+    return os.path.join(tempfile.gettempdir(), f"fxtron-pretrained-{pid}", *parts)
+
+
+def _steps(name: str) -> list:
+    return [batch(name, 4, 8, seed=s) for s in (1, 2, 3)]
 
 
 def _run(rank: int, mesh: fxtron.Mesh, key: str) -> dict:
-    import os
-    import tempfile
-    import warnings
+    import torch.distributed as dist
+    from fxtron.testing import train_program
     name, _, options = CASES[key]
-    # one directory per test run: the ranks' parent is the pytest process
-    path = os.path.join(tempfile.gettempdir(), f"fxtron-pretrained-{os.getppid()}", name)
+    path = _dir(os.getppid(), name)            # the ranks' parent is the pytest process
     if rank == 0 and not os.path.exists(os.path.join(path, "model.safetensors.index.json")):
         _saved(name, path)
-    import torch.distributed as dist
     dist.barrier()
-    args, kw = batch(name, 4, 8, seed=1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        prog = fxtron.parallelize(make(name), mesh, example_kwargs=kw, **options).program(rank)
+    prog = _program(name, mesh, rank, **options)
     prog.load_pretrained(path)
-    state = prog.full_state_dict()
-    opt = torch.optim.SGD(prog.parameters(), lr=0.0)
-    loss = prog.train_step(args, opt, kwargs=kw)
-    return {"state": state, "loss": loss, "grads": prog.full_grads()}
+    got = train_program(prog, _steps(name), adamw(1e-3)(prog.parameters()))
+    prog.save_pretrained(_dir(os.getppid(), "out", key), max_shard_size="60KB")
+    prog.save(_dir(os.getppid(), "ckpt", key))
+    return got
 
 
 trained = cases_fixture({4: [(fxtron.Mesh(4, **CASES[k][1]), [k]) for k in CASES]}, _run)
@@ -75,14 +198,18 @@ trained = cases_fixture({4: [(fxtron.Mesh(4, **CASES[k][1]), [k]) for k in CASES
 
 @pytest.mark.slow
 @pytest.mark.parametrize("key", list(CASES))
-def test_every_rank_reads_its_slices(trained, key, tmp_path):
+def test_every_rank_reads_its_slices_and_writes_back(trained, key, tmp_path):
     name, axes, _ = CASES[key]
-    ref = _saved(name, str(tmp_path / name))
-    args, kw = batch(name, 4, 8, seed=1)
-    loss = ref(*args, **kw).loss
-    loss.backward()
-    for rank, got in enumerate(ranks_of(trained, fxtron.Mesh(4, **axes), key)):
-        assert max_abs_diff(got["state"], ref.state_dict())[0] == 0.0, rank
-        assert abs(got["loss"] - float(loss)) < 2e-6, (got["loss"], float(loss))
-        dg, where = max_abs_diff(got["grads"], {n: p.grad for n, p in ref.named_parameters()})
-        assert dg < 1e-6, (rank, where, dg)
+    ref = reference_training(_saved(name, str(tmp_path / name)), _steps(name), adamw(1e-3))
+    got = ranks_of(trained, fxtron.Mesh(4, **axes), key)
+    for rank, g in enumerate(got):
+        assert_trains_like(g, ref, rank=rank)
+    out = _dir(os.getpid(), "out", key)
+    assert _keys(out) == _keys(str(tmp_path / name))
+    assert max_abs_diff(_loaded(out), got[0]["state"])[0] == 0.0
+    # the mesh's fxtron checkpoint exported in one process: the same directory
+    from fxtron.runtime.pretrained import export
+    export(_dir(os.getpid(), "ckpt", key), str(tmp_path / "exported"), like=str(tmp_path / name),
+           max_shard_size="60KB")
+    assert _keys(str(tmp_path / "exported")) == _keys(out)
+    assert max_abs_diff(_loaded(str(tmp_path / "exported")), got[0]["state"])[0] == 0.0

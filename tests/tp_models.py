@@ -16,7 +16,7 @@ ZOO = {"Llama": "hf-llama", "Mistral": "hf-mistral", "Qwen2": "hf-qwen2", "Qwen3
        "DeepSeek-V3": "hf-deepseekv3", "Cohere": "hf-cohere", "CodeGen": "hf-codegen",
        "GPTBigCode": "hf-bigcode"}
 VOCAB = {"gpt": 256, "llama": 256, "cumsum-mlp": 64, "factories-mlp": 64, "gather-mlp": 64, "einsum-attn": 64,
-         "nanogpt": 64, "hf-gpt2-eager": 128, **{n: 128 for n in ZOO.values()}}
+         "nanogpt": 64, "hf-gpt2-eager": 128, "hf-qwen2-tied": 128, **{n: 128 for n in ZOO.values()}}
 NAMES = ["gpt", "llama", "hf-gpt2", "hf-llama"]
 # more transformers decoders (traced layer by layer in test_repeat; test_zoo.py holds all of ZOO
 # to Megatron's split): q/k/v biases (Qwen2), parallel residual and
@@ -159,6 +159,9 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
                   num_attention_heads=8, max_position_embeddings=64)
     if name == "hf-qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, num_key_value_heads=4))
+    if name == "hf-qwen2-tied":          # biases on q, k, v and the embedding tied to the LM head
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, num_key_value_heads=4,
+                                                                       tie_word_embeddings=True))
     if name == "hf-neox":
         return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**common))
     if name == "hf-phi3":

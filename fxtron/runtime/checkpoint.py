@@ -29,6 +29,7 @@ import io
 import os
 import pickle
 import shutil
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -483,3 +484,37 @@ def load_full_state_dict(path: str, optimizer: bool = False) -> dict[str, torch.
         out[base] = torch.cat([ps[j] for j in sorted(ps)], dim=layout.get(base, 0))
     return {k.split("/", 1)[1]: v for k, v in out.items() if k.startswith(("model/", "buffer/"))} | (
         {k: v for k, v in out.items() if k.startswith("optim/")} if optimizer else {})
+
+
+def full_tensors(path: str) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], Callable]:
+    """The model tensors of a checkpoint one at a time, in one process: ([(name, full shape,
+    dtype)] of every parameter and persistent buffer, read(name) -> its whole tensor, read
+    from the checkpoint alone -- its fused parts joined -- so a caller holds one at a time)."""
+    _check_complete(os.path.abspath(path))
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    layout = _read_layout(path, meta, no_dist=True)
+    keys: dict[str, list[tuple[int | None, str]]] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    for k, m in meta.items():
+        if not (k.startswith("model/") or k.startswith("buffer/")) or not _is_tensor_meta(m):
+            continue
+        name = k.split("/", 1)[1]
+        base, _, last = name.rpartition("/")
+        part = None
+        if last.startswith("part") and last[4:].isdigit():
+            name, part = base, int(last[4:])
+        keys.setdefault(name, []).append((part, k))
+        dtypes[name] = m.properties.dtype
+    shapes = _saved_shapes(meta, layout)
+    for k, m in meta.items():
+        if k.startswith("buffer/") and _is_tensor_meta(m):
+            shapes[k.split("/", 1)[1]] = tuple(m.size)
+
+    def read(name: str) -> torch.Tensor:
+        sd = {k: torch.empty(meta[k].size, dtype=meta[k].properties.dtype) for _, k in keys[name]}
+        dcp.load(sd, checkpoint_id=path, no_dist=True)
+        parts = sorted(keys[name], key=lambda pk: pk[0] if pk[0] is not None else -1)
+        if len(parts) == 1 and parts[0][0] is None:
+            return sd[parts[0][1]]
+        return torch.cat([sd[k] for _, k in parts], dim=layout.get(name, (0, 1))[0])
+    return [(n, shapes[n], dtypes[n]) for n in keys], read

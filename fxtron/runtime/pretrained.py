@@ -21,8 +21,8 @@ Out: `save_pretrained(prog, path)` (Program.save_pretrained; every rank calls it
 transformers' save_pretrained writes -- safetensors files sharded by size with an index, the
 model's keys reverted to its checkpoint layout by transformers' own revert_weight_conversion,
 tied weights once, config.json and generation_config.json -- tensor by tensor: each tensor is
-gathered once over the axes it is split on (by the ranks of dp = cp = 0 of the pipeline stage
-holding it) and streamed into its file by that stage's first rank; no rank holds more than one
+gathered once over the axes it is split on (by the first of its data-parallel replicas in
+the pipeline stage holding it) and streamed into its file by that stage's first rank; no rank holds more than one
 tensor beyond its shards. `write_pretrained` does the same in one process from any source of
 whole tensors (`python -m fxtron export`).
 """
@@ -35,7 +35,7 @@ import os
 import re
 import shutil
 import struct
-from typing import Callable, Iterable, Iterator
+from typing import Iterable
 
 import torch
 
@@ -562,7 +562,12 @@ def save_pretrained(prog, path: str, max_shard_size: int | str = DEFAULT_SHARD, 
     names = file_names(len(files))
     where = {e.key: i for i, f in enumerate(files) for e in f}
     lead = all(idx(a) == 0 for a in ("tp", "cp", "ep", "dp")) if groups is not None else True
-    gathers = groups is None or (idx("dp") == 0 and idx("cp") == 0)
+
+    def gathers(n: str) -> bool:
+        """Whether this rank takes part in gathering `n`: the first of its replicas (the group
+        reducing its gradient: dp, dp-cp, or expert-dp for an expert weight over ep)."""
+        spec = prog.local.get(n)
+        return spec is None or not spec.sharded or groups is None or groups.index(spec.grad_group) == 0
     rank0 = groups is None or groups.rank == 0
     if rank0:
         _fresh(path)
@@ -572,7 +577,7 @@ def save_pretrained(prog, path: str, max_shard_size: int | str = DEFAULT_SHARD, 
                for i, f in enumerate(files) if f[0].group == stage and lead}
     try:
         for s, n, shape, d in held:
-            if s != stage or not gathers:
+            if s != stage or not gathers(n):
                 continue
             t = params.get(n, buffers.get(n)).detach()
             full = prog.grads.full(n, t) if n in params else t
@@ -596,12 +601,62 @@ def save_pretrained(prog, path: str, max_shard_size: int | str = DEFAULT_SHARD, 
         dist.barrier()
 
 
-def iter_checkpoint(files: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-    for key, file in files.items():
-        with safe_open(file, framework="pt") as f:
-            yield key, f.get_tensor(key)
+def _like(like: str):
+    """(transformers config, generation_config.json path or None) of the directory `like` (or
+    its config.json)."""
+    directory = os.path.dirname(like) if os.path.isfile(like) else like
+    if not os.path.exists(os.path.join(directory, "config.json")):
+        raise ParallelizeError(f"--like {like}: no config.json there; give the transformers directory (or its "
+                               "config.json) of the model the checkpoint was trained from")
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(directory)
+    gen = os.path.join(directory, "generation_config.json")
+    return config, gen if os.path.exists(gen) else None
 
 
-__all__ = ["Origin", "StreamingFile", "checkpoint_files", "load_pretrained", "origin_of", "parse_size", "read_local",
+def _skeleton(config) -> torch.nn.Module:
+    """The transformers model of `config` on the meta device (its class by config.architectures)."""
+    import transformers
+    cls = next((getattr(transformers, a) for a in (config.architectures or []) if hasattr(transformers, a)), None)
+    with torch.device("meta"):
+        if cls is not None:
+            return cls(config)
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def export(checkpoint: str, out: str, *, like: str, max_shard_size: int | str = DEFAULT_SHARD,
+           dtype: torch.dtype | str | None = None) -> list[str]:
+    """An fxtron checkpoint of any mesh (prog.save) written as transformers' save_pretrained
+    directory in one process, tensor by tensor (`python -m fxtron export`); `like` names the
+    directory whose config.json (and generation_config.json) the model has. Returns the files."""
+    from fxtron.runtime.checkpoint import full_tensors
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    config, gen = _like(like)
+    origin = Origin(_skeleton(config))
+    listed, read = full_tensors(checkpoint)
+    state = origin.skeleton.state_dict()
+    tied = set(state) - {n for n, _ in origin.skeleton.named_parameters()} - \
+        {n for n, _ in origin.skeleton.named_buffers()}
+    have = {n for n, _, _ in listed}
+    missing = sorted(set(state) - have - tied)
+    extra = sorted(have - set(state))
+    shapes = sorted(f"{n} {tuple(s)} (the model's {tuple(state[n].shape)})" for n, s, _ in listed
+                    if n in state and tuple(s) != tuple(state[n].shape))
+    if missing or extra or shapes:
+        raise ParallelizeError(
+            f"checkpoint {checkpoint} does not fit the model of {like}: "
+            + "; ".join(x for x in [f"missing {', '.join(missing[:8])}" if missing else "",
+                                    f"not in the model {', '.join(extra[:8])}" if extra else "",
+                                    f"shapes differ {', '.join(shapes[:8])}" if shapes else ""] if x))
+    order = [n for n in state if n in have]
+    layout_of = [(n, s, d) for n in order for m, s, d in listed if m == n]
+    names = write_pretrained(out, ((n, read(n)) for n in order), layout_of, origin, max_shard_size=max_shard_size,
+                             dtype=dtype, config=config)
+    if gen is not None:
+        shutil.copyfile(gen, os.path.join(out, "generation_config.json"))
+    return names
+
+
+__all__ = ["Origin", "StreamingFile", "checkpoint_files", "export", "load_pretrained", "origin_of", "parse_size", "read_local",
            "save_pretrained", "write_pretrained"]
