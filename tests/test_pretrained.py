@@ -213,3 +213,81 @@ def test_every_rank_reads_its_slices_and_writes_back(trained, key, tmp_path):
            max_shard_size="60KB")
     assert _keys(str(tmp_path / "exported")) == _keys(out)
     assert max_abs_diff(_loaded(str(tmp_path / "exported")), got[0]["state"])[0] == 0.0
+
+
+# ----------------------------------------------------------------------------- memory (point 5)
+BIG = dict(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+           num_key_value_heads=8, max_position_embeddings=64)
+
+
+def _rss() -> tuple[int, int]:
+    """(resident, peak resident since the last reset) bytes of this process (Linux)."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(value.split()[0]) * 1024
+    return fields["VmRSS"], fields["VmHWM"]
+
+
+def _memory(rank: int, mesh: fxtron.Mesh, key: str) -> dict:
+    import gc
+    import warnings
+
+    import torch.distributed as dist
+    import transformers
+    path = _dir(os.getppid(), "big")
+    if rank == 0 and not os.path.exists(os.path.join(path, "model.safetensors.index.json")):
+        torch.manual_seed(0)
+        big = transformers.LlamaForCausalLM(transformers.LlamaConfig(**BIG))
+        big.save_pretrained(path, max_shard_size="100MB")
+        del big
+        gc.collect()
+    dist.barrier()
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**BIG))
+    ids = torch.randint(0, BIG["vocab_size"], (4, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = fxtron.parallelize(model, mesh, example_kwargs={"input_ids": ids, "labels": ids},
+                                  microbatches=2).program(rank)
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")                      # the peak resident size starts again from now
+    except OSError as e:
+        return {"skip": f"cannot reset the peak resident size: {e}"}
+    before, _ = _rss()
+    prog.load_pretrained(path)
+    _, peak = _rss()
+    files = pretrained_files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    from safetensors import safe_open
+    largest = 0
+    for f in pretrained_files:
+        with safe_open(os.path.join(path, f), "pt") as h:
+            for k in h.keys():
+                sl = h.get_slice(k)
+                largest = max(largest, 4 * int(torch.tensor(sl.get_shape()).prod()))
+    shard = sum(p.numel() * p.element_size() for p in prog.parameters())
+    whole = sum(os.path.getsize(os.path.join(path, f)) for f in files)
+    return {"before": before, "peak": peak, "shard": shard, "whole": whole, "largest": largest}
+
+
+memory = cases_fixture({4: [(fxtron.Mesh(4, tp=2, pp=2), ["big"])]}, _memory)
+
+
+@pytest.mark.slow
+def test_loading_holds_a_shard_and_a_slice_not_the_model(memory):
+    """A ~440 MB Llama at tp=2 x pp=2 (each rank ~1/4 of it): while loading, a rank's resident
+    memory grows by at most twice the largest tensor (the pages read of one tensor, and its
+    slice) plus 32 MB -- never by the model, nor by its stage."""
+    for rank, got in enumerate(ranks_of(memory, fxtron.Mesh(4, tp=2, pp=2), "big")):
+        if "skip" in got:
+            pytest.skip(got["skip"])
+        grew = got["peak"] - got["before"]
+        print(f"rank {rank}: shard {got['shard'] / 2**20:.0f} MiB of a {got['whole'] / 2**20:.0f} MiB model, "
+              f"largest tensor {got['largest'] / 2**20:.1f} MiB; resident {got['before'] / 2**20:.0f} MiB before "
+              f"loading, peak {got['peak'] / 2**20:.0f} MiB (+{grew / 2**20:.1f} MiB)")
+        assert got["whole"] > 3 * got["shard"]
+        assert grew < 2 * got["largest"] + 32 * 2**20, (rank, grew)

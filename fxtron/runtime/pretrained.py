@@ -29,6 +29,7 @@ whole tensors (`python -m fxtron export`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -176,13 +177,21 @@ class _Key:
         sl = self.slice
         if not index:
             return self.handles[self.file].get_tensor(self.key)
-        runs = [_runs(ix) for ix in index]
-
-        def read(d: int, chosen: list) -> torch.Tensor:
-            if d == len(runs):
-                return sl[tuple(slice(a, b) for a, b in chosen)]
-            return torch.cat([read(d + 1, chosen + [r]) for r in runs[d]], dim=d)
-        return read(0, [])
+        runs = []                                       # per dim: (source slice, where in the output)
+        for ix in index:
+            at, dim_runs = 0, []
+            for a, b in _runs(ix):
+                dim_runs.append((slice(a, b), slice(at, at + b - a)))
+                at += b - a
+            runs.append(dim_runs)
+        out = None
+        for box in itertools.product(*runs):           # each box of consecutive elements, copied into place
+            piece = sl[tuple(src for src, _ in box)]
+            if out is None:
+                out = torch.empty([len(ix) for ix in index], dtype=piece.dtype)
+            out[tuple(dst for _, dst in box)] = piece
+            del piece
+        return out
 
 
 class _Stacked:
@@ -364,6 +373,7 @@ def load_pretrained(prog, path: str, prefix: str = "") -> None:
                 index = _index(tuple(full), shards, sizes, coords) if full is not None else \
                     [torch.arange(n) for n in src.shape]
                 target.copy_(src.read(index).to(device=target.device, dtype=target.dtype))
+                handles.clear()     # unmap: the pages read leave the rank's resident memory
     finally:
         handles.clear()
 
