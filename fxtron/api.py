@@ -28,6 +28,7 @@ from fxtron.passes.stages import StageAssignment, assign_stages
 from fxtron.passes.tp_plan import TPPlan, make_tp_plan
 from fxtron.runtime import groups as G
 from fxtron.runtime import schedules
+from fxtron.runtime import materialize
 from fxtron.runtime.build import build_program
 from fxtron.runtime.program import Program
 
@@ -208,6 +209,24 @@ def resolve_config(config: Config | None, options: dict) -> Config:
 def _tensors(args, kwargs) -> list[torch.Tensor]:
     import torch.utils._pytree as pytree
     return [x for x in pytree.tree_leaves((args, kwargs or {})) if isinstance(x, torch.Tensor)]
+
+
+def _init_note(model) -> str:
+    """How a model built on the meta device is initialized, shard by shard, per parameter
+    (runtime/materialize.py): which init wrote it and what it drew; the buffers its init
+    computes; what is made whole first or got fxtron's default. '' for a model with values."""
+    if not any(p.device.type == "meta" for p in model.parameters()):
+        return ""
+    m = materialize.MetaMaterializer(model, 0)
+    m._ensure()
+    text = "initialization (built on meta: each rank makes its own shards): " + report.grouped(m.init_of)
+    if m.buffers:
+        text += f"; buffers computed by the init: {', '.join(sorted(m.buffers))}"
+    if m.uncomputed:
+        text += f"; meta buffers no init computes (pm.program will refuse them): {report._few(m.uncomputed)}"
+    if m.defaulted:
+        text += f"; no init of their own, fxtron's default given: {report._few(m.defaulted)}"
+    return text
 
 
 def _meta_replica(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -402,7 +421,8 @@ class ParallelModel:
             bubble = str(schedules.bubble_fraction_formula(p.schedule, self.mesh.pp, p.microbatches, p.virtual_stages))
         return report.summary(model=self.model, mesh=self.mesh, traced=self.traced, config=self.config,
                               tp_plan=self.tp_plan, stage_assignment=self.stage_assignment, compiled=self.compiled,
-                              schedule=self._schedule_title(), bubble=bubble, batch=batch, seq=seq)
+                              schedule=self._schedule_title(), bubble=bubble, batch=batch, seq=seq,
+                              init=_init_note(self.model))
 
     # ------------------------------------------------------------ running
     def program(self, rank: int, groups: G.ProcessGroups | None = None, *, seed: int = 0) -> Program:

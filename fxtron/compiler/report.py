@@ -346,30 +346,13 @@ def statistics_note(mesh: Mesh, config, report) -> str:
     return text
 
 
-def init_note(model) -> str:
-    """How a model built on the meta device is initialized, shard by shard, per parameter
-    (runtime/materialize.py): which init wrote it and what it drew; the buffers its init
-    computes; what is made whole first or got fxtron's default. '' for a model with values."""
-    from fxtron.runtime.materialize import MetaMaterializer
-    if not any(p.device.type == "meta" for p in model.parameters()):
-        return ""
-    m = MetaMaterializer(model, 0)
-    m._ensure()
-    text = "initialization (built on meta: each rank makes its own shards): " + grouped(m.init_of)
-    if m.buffers:
-        text += f"; buffers computed by the init: {', '.join(sorted(m.buffers))}"
-    if m.uncomputed:
-        text += f"; meta buffers no init computes (pm.program will refuse them): {_few(m.uncomputed)}"
-    if m.defaulted:
-        text += f"; no init of their own, fxtron's default given: {_few(m.defaulted)}"
-    return text
-
-
 def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage_assignment, compiled,
-            schedule: str = "", bubble: str = "", batch: int | None = None, seq: int | None = None) -> str:
+            schedule: str = "", bubble: str = "", batch: int | None = None, seq: int | None = None,
+            init: str = "") -> str:
     """ParallelModel.summary's text (see there): the model-wide notes, then a row per rank
     that differs in more than its dp coordinate. `compiled(rank)` gives a rank's RankGraph;
-    `schedule` and `bubble` the pipeline schedule's title and bubble formula."""
+    `schedule` and `bubble` the pipeline schedule's title and bubble formula; `init` how a meta
+    model is initialized (runtime.materialize.init_note)."""
     from fxtron.passes.expert_parallel import moe_layers
     rows, seen, fell, gathered = [], set(), set(), set()
     dp = mesh.dp
@@ -451,9 +434,8 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
     note = statistics_note(mesh, config, meta.info(compiled(0).gm).statistics_report)
     if note:
         head += "\n" + note
-    note = init_note(model)
-    if note:
-        head += "\n" + note
+    if init:
+        head += "\n" + init
     per = "microbatch" if config.pipeline.microbatches > 1 else "step"
     axes = "+".join(a for a in ("tp", "cp", "ep") if getattr(mesh, a) > 1) or "tp"
     headers = ["rank", "coords", "params", "param bytes", f"{axes} collectives / {per}", f"{axes} wire bytes / {per}",
