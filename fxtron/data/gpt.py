@@ -1,0 +1,220 @@
+"""Megatron's GPT datasets over indexed token files (../shared/MEGATRON-TRAINING.md section 2):
+train / valid / test splits by sequence, samples of seq + 1 tokens cut across document
+boundaries in a seeded shuffle, and blends of several datasets by weight -- the same samples, in
+the same order, as megatron.core.datasets' GPTDataset and BlendedDataset build for the same
+files, split, seed and sizes.
+
+Sample i of a split is global sample i: the trainer's step k reads samples [k GBS, (k+1) GBS),
+whatever the mesh, so a run resumed on another mesh (another dp, other microbatches) sees the
+same global batches.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+
+from fxtron.data.indexed import IndexedDataset
+from fxtron.errors import ParallelizeError
+
+SPLITS = ("train", "valid", "test")
+
+
+def parse_split(split: str) -> list[float]:
+    """'98,2,0' -> [0.98, 0.02, 0.0] (numbers by regex, padded with zeros to three, normalised)."""
+    values = [float(x) for x in re.findall(r"[.0-9]+", split)]
+    if not values or len(values) > 3 or sum(values) <= 0:
+        raise ParallelizeError(f"split {split!r}: give up to three non-negative weights for train, valid and test, "
+                               "like '98,2,0'")
+    values += [0.0] * (3 - len(values))
+    total = float(np.sum(np.array(values, dtype=np.float64)))
+    return [v / total for v in values]
+
+
+def split_indices(n: int, split: list[float]) -> list[np.ndarray | None]:
+    """Each split's sequence ids of a dataset of n sequences (None where the split is empty)."""
+    bookends = [0.0]
+    for w in split:
+        bookends.append(bookends[-1] + w)
+    out = []
+    for lo, hi in zip(bookends[:-1], bookends[1:]):
+        beg, end = int(round(lo * n)), int(round(hi * n))
+        out.append(np.arange(beg, end, dtype=np.int32) if end > beg and hi > lo else None)
+    return out
+
+
+def document_index(documents: np.ndarray, epochs: int, rng: np.random.RandomState, separate_final: bool) -> np.ndarray:
+    """The documents of every epoch in a shuffled order (Megatron's _build_document_index)."""
+    if not separate_final or epochs == 1:
+        index = np.mgrid[0:epochs, 0:len(documents)][1]
+        index[:] = documents
+        index = index.reshape(-1).astype(np.int32)
+        rng.shuffle(index)
+        return index
+    first = document_index(documents, epochs - 1, rng, False)
+    last = document_index(documents, 1, rng, False)
+    return np.concatenate((first, last))
+
+
+def shuffle_index(num_samples: int, total: int, rng: np.random.RandomState) -> np.ndarray:
+    """A permutation of the samples (the final epoch's shuffled apart: _build_shuffle_index)."""
+    dtype = np.uint32 if total < np.iinfo(np.uint32).max - 1 else np.int64
+    first = np.arange(0, num_samples, 1, dtype=dtype)
+    rng.shuffle(first)
+    if num_samples == total:
+        return first
+    last = np.arange(num_samples, total, 1, dtype=dtype)
+    rng.shuffle(last)
+    return np.concatenate((first, last))
+
+
+def sample_index(lengths: np.ndarray, doc_index: np.ndarray, seq: int, n: int, extra: int = 1) -> np.ndarray:
+    """(n + 1, 2) rows of (position in doc_index, token offset): sample i runs from row i to row
+    i + 1 with one extra token (Megatron's build_sample_idx): row i is where token i * seq of the
+    documents in doc_index order lies."""
+    ends = np.cumsum(lengths[doc_index].astype(np.int64))
+    starts = ends - lengths[doc_index]
+    positions = np.arange(n + 1, dtype=np.int64) * seq
+    where = np.searchsorted(ends, positions, side="right")
+    rows = np.empty((n + 1, 2), dtype=np.int64)
+    rows[:, 0] = where
+    rows[:, 1] = positions - starts[np.minimum(where, len(ends) - 1)]
+    dtype = np.int32 if max(len(doc_index), int(lengths.max(initial=0))) <= np.iinfo(np.int32).max else np.int64
+    return rows.astype(dtype)
+
+
+class GPTDataset:
+    """Megatron's GPTDataset over `indexed` restricted to sequence ids `indices`: at least
+    `num_samples` samples (None: one epoch) of seq + 1 tokens, shuffled with `seed`."""
+
+    def __init__(self, indexed: IndexedDataset, indices: np.ndarray, num_samples: int | None, seq: int, seed: int,
+                 name: str = "train"):
+        self.indexed, self.seq, self.name = indexed, seq, name
+        extra = 1
+        lengths = np.asarray(indexed.sequence_lengths)
+        tokens_per_epoch = int(lengths[indices].sum(dtype=np.int64))
+        if tokens_per_epoch <= seq:
+            raise ParallelizeError(f"dataset {indexed.prefix} ({name} split): {tokens_per_epoch} tokens, fewer than one "
+                                   f"sample of {seq + 1}; give more data, a larger split or a shorter --seq")
+        epochs = 1
+        if num_samples is not None:
+            while epochs * tokens_per_epoch < num_samples * seq + extra:
+                epochs += 1
+        separate = False
+        sans_final = None
+        if epochs > 1:
+            sans_final = ((epochs - 1) * tokens_per_epoch - extra) // seq
+            from_final = num_samples - sans_final
+            per_epoch = (tokens_per_epoch - extra) // seq
+            separate = from_final < int(0.80 * per_epoch)
+        rng = np.random.RandomState(seed)
+        self.document_index = document_index(indices, epochs, rng, separate)
+        n = (epochs * tokens_per_epoch - extra) // seq
+        self.sample_index = sample_index(lengths, self.document_index, seq, n, extra)
+        self.shuffle_index = shuffle_index(sans_final if separate else n, n, rng)
+        self.epochs = epochs
+
+    def __len__(self) -> int:
+        return self.sample_index.shape[0] - 1
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        """Sample i: seq + 1 tokens (int64)."""
+        j = int(self.shuffle_index[i])
+        (d0, o0), (d1, o1) = self.sample_index[j], self.sample_index[j + 1]
+        d0, o0, d1, o1 = int(d0), int(o0), int(d1), int(o1)
+        if d0 == d1:
+            parts = [self.indexed.get(int(self.document_index[d0]), o0, o1 - o0 + 1)]
+        else:
+            parts = [self.indexed.get(int(self.document_index[d0]), o0)]
+            parts += [self.indexed.get(int(self.document_index[d])) for d in range(d0 + 1, d1)]
+            parts.append(self.indexed.get(int(self.document_index[d1]), 0, o1 + 1))
+        return np.concatenate(parts).astype(np.int64)
+
+
+def blending_indices(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(dataset of each blended sample, its index in that dataset): sample k comes from the
+    dataset furthest behind its share, w_d max(k, 1) - taken_d (the first on a tie)."""
+    w = np.asarray(weights, dtype=np.float64)
+    taken = np.zeros(len(w), dtype=np.int64)
+    which = np.empty(size, dtype=np.int16)
+    where = np.empty(size, dtype=np.int64)
+    for k in range(size):
+        d = int(np.argmax(w * max(k, 1) - taken))
+        which[k], where[k] = d, taken[d]
+        taken[d] += 1
+    return which, where
+
+
+class BlendedDataset:
+    """Megatron's BlendedDataset: `size` samples drawn from `datasets` by `weights`."""
+
+    def __init__(self, datasets: list[GPTDataset], weights: list[float], size: int):
+        self.datasets = datasets
+        self.dataset_index, self.dataset_sample_index = blending_indices(weights, size)
+        for d, ds in enumerate(datasets):
+            need = int((self.dataset_index == d).sum())
+            if need > len(ds):
+                raise ParallelizeError(f"blend: dataset {ds.indexed.prefix} gives {len(ds)} samples, {need} are drawn")
+
+    def __len__(self) -> int:
+        return len(self.dataset_index)
+
+    def __getitem__(self, k: int) -> np.ndarray:
+        return self.datasets[int(self.dataset_index[k])][int(self.dataset_sample_index[k])]
+
+
+def parse_blend(items: list[str] | tuple[str, ...]) -> tuple[list[str], list[float] | None]:
+    """['0.7', 'A', '0.3', 'B'] -> (['A', 'B'], [0.7, 0.3]); ['A', 'B'] -> (['A', 'B'], None)."""
+    items = list(items)
+    if not items:
+        raise ParallelizeError("--data names no dataset; give PREFIX, or a blend 'W1 PREFIX1 W2 PREFIX2'")
+
+    def number(x: str) -> bool:
+        try:
+            float(x)
+            return True
+        except ValueError:
+            return False
+    if len(items) % 2 == 0 and all(number(items[i]) for i in range(0, len(items), 2)):
+        weights = [float(items[i]) for i in range(0, len(items), 2)]
+        if any(w < 0 for w in weights) or sum(weights) <= 0:
+            raise ParallelizeError(f"blend weights {weights}: give non-negative weights that do not all vanish")
+        return [items[i] for i in range(1, len(items), 2)], weights
+    if any(number(x) for x in items):
+        raise ParallelizeError(f"--data {' '.join(items)}: give prefixes alone, or pairs 'WEIGHT PREFIX'")
+    return items, None
+
+
+def build_datasets(data: list[str] | tuple[str, ...], split: str, seq: int, seed: int,
+                   sizes: tuple[int | None, int | None, int | None]) -> list:
+    """The train, valid and test datasets (None where a split is empty) of a prefix or a blend,
+    of at least `sizes` samples each, as Megatron's BlendedMegatronDatasetBuilder builds them."""
+    prefixes, weights = parse_blend(data)
+    fractions = parse_split(split)
+    indexed = [IndexedDataset(p) for p in prefixes]
+    if len(indexed) == 1 and weights is None:
+        ranges = split_indices(len(indexed[0]), fractions)
+        return [GPTDataset(indexed[0], r, size, seq, seed, name) if r is not None else None
+                for r, size, name in zip(ranges, sizes, SPLITS)]
+    if weights is None:
+        weights = [float(len(d)) for d in indexed]
+    total = sum(weights)
+    weights = [w / total for w in weights]
+    out = []
+    for s, (size, name) in enumerate(zip(sizes, SPLITS)):
+        if fractions[s] == 0 or size is None:
+            out.append(None)
+            continue
+        parts = []
+        for d, w in zip(indexed, weights):
+            r = split_indices(len(d), fractions)[s]
+            if r is None:
+                raise ParallelizeError(f"dataset {d.prefix} has no {name} sequences at split {split}")
+            parts.append(GPTDataset(d, r, int(math.ceil(math.ceil(size * w) * 1.005)), seq, seed, name))
+        out.append(BlendedDataset(parts, weights, sum(int(math.ceil(size * w)) for w in weights)))
+    return out
+
+
+__all__ = ["BlendedDataset", "GPTDataset", "blending_indices", "build_datasets", "document_index", "parse_blend",
+           "parse_split", "sample_index", "shuffle_index", "split_indices"]

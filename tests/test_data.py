@@ -1,0 +1,175 @@
+"""Megatron's token datasets (issue 32, point 2), against megatron-core itself (installed with
+--no-deps into the test cache: only its pure-Python dataset code is used) as the independent
+reference: the .bin/.idx bytes fxtron writes are Megatron's, each reads the other's; the splits,
+document and shuffle orders are megatron-core's own functions' for the same seed; the sample
+index and the blend follow megatron's C++ helpers (transcribed here loop for loop)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import fxtron
+from fxtron.data import gpt
+from fxtron.data.indexed import IndexedDataset, IndexedDatasetWriter
+
+
+@pytest.fixture(scope="session")
+def megatron(tmp_path_factory):
+    """megatron.core's dataset modules (megatron-core 0.16.1, --no-deps, cached beside the venv)."""
+    target = os.path.join(os.path.dirname(os.path.dirname(sys.executable)), "megatron-ref")
+    if not os.path.exists(os.path.join(target, "megatron", "core")):
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", target,
+                        "megatron-core==0.16.1"], check=True, timeout=600)
+    sys.path.insert(0, target)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets import blended_megatron_dataset_config as config
+        from megatron.core.datasets import gpt_dataset, indexed_dataset
+    return {"indexed": indexed_dataset, "gpt": gpt_dataset, "config": config}
+
+
+def _documents(n: int = 40, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.RandomState(seed)
+    return [rng.randint(0, 50000, size=rng.randint(0, 60)).astype(np.int64) for _ in range(n)]
+
+
+def test_indexed_files_are_megatrons_byte_for_byte(megatron, tmp_path):
+    import torch
+    docs = _documents()
+    w = IndexedDatasetWriter(str(tmp_path / "ours"), np.uint16)
+    for d in docs:
+        w.add_document(d)
+    w.finalize()
+    theirs = megatron["indexed"].IndexedDatasetBuilder(str(tmp_path / "theirs.bin"), dtype=np.uint16)
+    for d in docs:
+        theirs.add_document(torch.from_numpy(d), [len(d)])
+    theirs.finalize(str(tmp_path / "theirs.idx"))
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"ours{ext}").read_bytes() == (tmp_path / f"theirs{ext}").read_bytes(), ext
+    mine, ref = IndexedDataset(str(tmp_path / "theirs")), megatron["indexed"].IndexedDataset(str(tmp_path / "ours"))
+    assert len(mine) == len(ref) == len(docs)
+    for i, d in enumerate(docs):
+        assert np.array_equal(mine.get(i), d) and np.array_equal(ref.get(i), d)
+        if len(d) > 5:
+            assert np.array_equal(mine.get(i, 2, 3), ref.get(i, offset=2, length=3))
+    assert np.array_equal(mine.document_indices, ref.document_indices)
+
+
+def test_a_missing_or_foreign_dataset_is_named(tmp_path):
+    with pytest.raises(fxtron.ParallelizeError, match=r"nowhere.idx does not exist"):
+        IndexedDataset(str(tmp_path / "nowhere"))
+    (tmp_path / "junk.idx").write_bytes(b"not an index at all, no" * 3)
+    (tmp_path / "junk.bin").write_bytes(b"")
+    with pytest.raises(fxtron.ParallelizeError, match="not a Megatron indexed dataset"):
+        IndexedDataset(str(tmp_path / "junk"))
+
+
+def _sample_index_cpp(lengths, doc_index, seq, n, extra=1):
+    """megatron/core/datasets/helpers.cpp build_sample_idx, loop for loop."""
+    out = np.zeros((n + 1, 2), dtype=np.int64)
+    sample, doc_i, offset = 0, 0, 0
+    out[0] = (0, 0)
+    sample = 1
+    while sample <= n:
+        remaining = seq + extra
+        while remaining != 0:
+            length = int(lengths[doc_index[doc_i]]) - offset
+            remaining -= length
+            if remaining <= 0:
+                offset += remaining + length - extra
+                remaining = 0
+            else:
+                doc_i += 1
+                offset = 0
+        out[sample] = (doc_i, offset)
+        sample += 1
+    return out
+
+
+def _blend_cpp(weights, size):
+    current = [0] * len(weights)
+    which, where = [], []
+    for k in range(size):
+        x = max(float(k), 1.0)
+        best, err = 0, weights[0] * x - current[0]
+        for d in range(1, len(weights)):
+            e = weights[d] * x - current[d]
+            if e > err:
+                best, err = d, e
+        which.append(best)
+        where.append(current[best])
+        current[best] += 1
+    return which, where
+
+
+@pytest.mark.parametrize("num_samples,seq", [(10, 16), (60, 16), (95, 8), (None, 16), (400, 32)])
+def test_gpt_dataset_is_megatrons(megatron, tmp_path, num_samples, seq):
+    """Several epochs (the last one shuffled apart or not), samples across document boundaries,
+    empty documents: megatron-core's document and shuffle orders for the same seed, its C++
+    sample index, and samples of seq + 1 tokens read across documents."""
+    docs = _documents(50, seed=3)
+    w = IndexedDatasetWriter(str(tmp_path / "d"), np.int32)
+    for d in docs:
+        w.add_document(d)
+    w.finalize()
+    ds = IndexedDataset(str(tmp_path / "d"))
+    indices = gpt.split_indices(len(ds), gpt.parse_split("90,10,0"))[0]
+    mine = gpt.GPTDataset(ds, indices, num_samples, seq, seed=1234)
+    lengths = ds.sequence_lengths
+    tokens = int(lengths[indices].sum())
+    rng = np.random.RandomState(1234)
+    epochs = mine.epochs
+    separate = False
+    if epochs > 1:
+        sans = ((epochs - 1) * tokens - 1) // seq
+        separate = num_samples - sans < int(0.8 * ((tokens - 1) // seq))
+    ref_doc = megatron["gpt"]._build_document_index(indices, epochs, rng, separate)
+    assert np.array_equal(mine.document_index, ref_doc)
+    n = (epochs * tokens - 1) // seq
+    assert np.array_equal(mine.sample_index, _sample_index_cpp(lengths, ref_doc, seq, n))
+    ref_shuffle = megatron["gpt"]._build_shuffle_index(sans if separate else n, n, rng)
+    assert np.array_equal(mine.shuffle_index, ref_shuffle)
+    assert len(mine) == n and (num_samples is None or n >= num_samples)
+    stream = np.concatenate([ds.get(int(d)) for d in ref_doc])
+    for i in range(len(mine)):
+        j = int(ref_shuffle[i])
+        assert np.array_equal(mine[i], stream[j * seq:j * seq + seq + 1]), i
+
+
+def test_splits_and_blends_are_megatrons(megatron):
+    cfg = megatron["config"]
+    for split in ["98,2,0", "969, 30, 1", "1", "0.7,0.3"]:
+        assert gpt.parse_split(split) == cfg.parse_and_normalize_split(split)
+    matrix = cfg.convert_split_vector_to_split_matrix(gpt.parse_split("969,30,1"))
+    for n in (7, 100, 1001):
+        ours = gpt.split_indices(n, gpt.parse_split("969,30,1"))
+        for got, bounds in zip(ours, matrix):
+            beg, end = int(round(bounds[0] * n)), int(round(bounds[1] * n))
+            assert (got is None and end <= beg) or (list(got) == list(range(beg, end)))
+    for weights, size in [([0.7, 0.3], 50), ([0.2, 0.5, 0.3], 97), ([0.5, 0.5], 10)]:
+        which, where = gpt.blending_indices(weights, size)
+        assert (which.tolist(), where.tolist()) == _blend_cpp(weights, size)
+    assert gpt.parse_blend(["0.7", "A", "0.3", "B"]) == (["A", "B"], [0.7, 0.3])
+    assert gpt.parse_blend(["A"]) == (["A"], None)
+    with pytest.raises(fxtron.ParallelizeError, match="pairs 'WEIGHT PREFIX'"):
+        gpt.parse_blend(["0.7", "A", "B"])
+    with pytest.raises(fxtron.ParallelizeError, match="up to three"):
+        gpt.parse_split("1,2,3,4")
+
+
+def test_build_datasets_blend_sizes(tmp_path):
+    for name, seed in (("a", 0), ("b", 1)):
+        w = IndexedDatasetWriter(str(tmp_path / name), np.uint16)
+        for d in _documents(30, seed):
+            w.add_document(d)
+        w.finalize()
+    train, valid, test = gpt.build_datasets(["0.7", str(tmp_path / "a"), "0.3", str(tmp_path / "b")], "90,10,0",
+                                            16, 7, (40, 8, None))
+    assert test is None and len(train) == 28 + 12 and len(valid) == 6 + 3
+    assert all(len(train[k]) == 17 for k in range(len(train)))
+    assert (train.dataset_index == 0).sum() == 28
