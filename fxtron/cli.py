@@ -1,4 +1,4 @@
-"""Command line: `python -m fxtron {mesh,train,inspect,bench,export} ...` (also installed as `fxtron`)."""
+"""Command line: `python -m fxtron {mesh,train,inspect,bench,export,preprocess} ...` (also installed as `fxtron`)."""
 from __future__ import annotations
 
 import argparse
@@ -133,8 +133,18 @@ def _cmd_export(a) -> int:
     return 0
 
 
+def _cmd_preprocess(a) -> int:
+    from fxtron.data.preprocess import preprocess
+    counts = preprocess(a.input, a.tokenizer, a.output_prefix, json_key=a.json_key, eod_token=a.eod_token,
+                        append_eod=a.append_eod)
+    print(f"wrote {a.output_prefix}.bin and {a.output_prefix}.idx: {counts['documents']:,} documents, "
+          f"{counts['tokens']:,} tokens")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The command line's parser: mesh, train, inspect, export and bench, the configuration's flags generated."""
+    """The command line's parser: mesh, train, inspect, export, preprocess and bench, the configuration's flags
+    generated."""
     parser = argparse.ArgumentParser(prog="fxtron", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
 
@@ -184,6 +194,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="write the floating tensors in this dtype (default: as saved)")
     p.set_defaults(fn=_cmd_export)
+
+    p = sub.add_parser("preprocess", help="tokenize .jsonl / .txt into Megatron's indexed dataset (PREFIX.bin/.idx)",
+                       description="Megatron's tools/preprocess_data.py format: one document per JSON line or .txt "
+                                   "file, an end-of-document token appended, uint16 tokens below 65,500 of "
+                                   "vocabulary, else int32.")
+    p.add_argument("--input", nargs="+", required=True, help=".jsonl or .txt files")
+    p.add_argument("--tokenizer", required=True, help="a tokenizer.json (transformers' tokenizers) or its directory")
+    p.add_argument("--output-prefix", required=True, help="write OUTPUT_PREFIX.bin and OUTPUT_PREFIX.idx")
+    p.add_argument("--json-key", default="text", help="the field of each JSON line holding the text")
+    p.add_argument("--eod-token", default=None, help="the end-of-document token (default: tokenizer_config.json's "
+                                                     "eos_token, else <|endoftext|>, </s>, ...)")
+    p.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
+                   help="append the end-of-document token to every document")
+    p.set_defaults(fn=_cmd_preprocess)
 
     p = sub.add_parser("bench", help="run the benchmark suite and print every figure beside its baseline")
     p.add_argument("--quick", action="store_true", help="the fast benchmarks only (a few minutes on 2 cores)")

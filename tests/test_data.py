@@ -173,3 +173,42 @@ def test_build_datasets_blend_sizes(tmp_path):
     assert test is None and len(train) == 28 + 12 and len(valid) == 6 + 3
     assert all(len(train[k]) == 17 for k in range(len(train)))
     assert (train.dataset_index == 0).sum() == 28
+
+
+def _tokenizer(path) -> str:
+    """A small byte-level BPE tokenizer.json trained here, with <|endoftext|>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = ["the quick brown fox jumps over the lazy dog " * 3, "pack my box with five dozen liquor jugs"] * 20
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"]))
+    tok.save(str(path))
+    return str(path)
+
+
+def test_preprocess_writes_what_megatron_reads(megatron, tmp_path):
+    """`python -m fxtron preprocess`: .jsonl lines and a .txt file tokenized, an end-of-document
+    token after each; megatron-core reads the documents back, ids equal to the tokenizer's."""
+    import json as js
+
+    from tokenizers import Tokenizer
+    tok = _tokenizer(tmp_path / "tokenizer.json")
+    texts = ["the quick brown fox", "pack my box", "jumps over the lazy dog"]
+    (tmp_path / "a.jsonl").write_text("\n".join(js.dumps({"text": t, "id": i}) for i, t in enumerate(texts)) + "\n")
+    (tmp_path / "b.txt").write_text("five dozen liquor jugs")
+    out = subprocess.run([sys.executable, "-m", "fxtron", "preprocess", "--input", str(tmp_path / "a.jsonl"),
+                          str(tmp_path / "b.txt"), "--tokenizer", tok, "--output-prefix", str(tmp_path / "ds")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "4 documents" in out.stdout
+    ref = megatron["indexed"].IndexedDataset(str(tmp_path / "ds"))
+    t = Tokenizer.from_file(tok)
+    eod = t.token_to_id("<|endoftext|>")
+    assert ref.index.dtype == np.uint16 and len(ref) == 4
+    for i, text in enumerate(texts + ["five dozen liquor jugs"]):
+        assert ref.get(i).tolist() == t.encode(text, add_special_tokens=False).ids + [eod]
+    bad = subprocess.run([sys.executable, "-m", "fxtron", "preprocess", "--input", str(tmp_path / "a.jsonl"),
+                          "--tokenizer", tok, "--output-prefix", str(tmp_path / "x"), "--json-key", "body"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "no 'body' field" in bad.stderr
