@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m fxtron train --model gpt-tiny --world-size 4 --tp 2 --steps 40
+	$(PY) -m fxtron train --model gpt-tiny --world-size 4 --tp 2 --steps 40 --compare
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -48,7 +48,7 @@ def _cmd_mesh(a) -> int:
 
 
 def _cmd_train(a) -> int:
-    from fxtron.train import run
+    from fxtron.trainer.loop import run
 
     cfg = _with_world(config.from_arguments(a, TrainConfig), 4)
     if a.print_config:

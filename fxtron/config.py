@@ -625,10 +625,16 @@ class MeshConfig(Section):
 
 @dataclass(frozen=True)
 class ModelConfig(Section):
-    """Which model to train."""
+    """Which model to train (built on the meta device; each rank makes only its shards)."""
 
     _name = "model"
-    name: str = option("gpt-tiny", shorthand="model", help="shipped preset (fxtron.models.list_presets())")
+    name: str = option("gpt-tiny", shorthand="model",
+                       help="a shipped preset (fxtron.models.list_presets()), hf:<architecture> (hf:llama), "
+                            "package.module:factory, or a transformers directory (config.json; its weights are "
+                            "loaded when it has them)")
+
+
+DecayStyle = Literal["constant", "linear", "cosine"]
 
 
 @dataclass(frozen=True)
@@ -636,35 +642,72 @@ class DataConfig(Section):
     """What the trainer reads, and how much of it per step."""
 
     _name = "data"
-    path: str | None = option(None, shorthand="data", help="text file to train on (default: Python's standard "
-                                                           "library sources)")
+    path: tuple[str, ...] | None = option(None, shorthand="data",
+                                          help="Megatron indexed dataset PREFIX (PREFIX.bin/.idx), or a blend "
+                                               "'W1 PREFIX1 W2 PREFIX2' (default: byte-level text, --text)")
+    split: str = option("969,30,1", help="train, valid and test weights over the datasets' documents (Megatron's "
+                                         "--split)")
+    text: str | None = option(None, help="without --data: a text file to train on byte by byte (default: Python's "
+                                         "standard library sources)")
     max_bytes: int = option(4_000_000, positive=True, help="read at most this many bytes of the text")
-    batch: int = option(8, positive=True, help="global batch (samples per step)")
-    seq: int = option(64, positive=True, help="tokens per sample")
+    batch: int = option(8, positive=True, help="global batch (samples per step, Megatron's --global-batch-size)")
+    seq: int = option(64, positive=True, help="tokens per sample (Megatron's --seq-length)")
 
 
 @dataclass(frozen=True)
 class OptimizerConfig(Section):
-    """AdamW (Megatron's OptimizerConfig names)."""
+    """AdamW and its learning-rate schedule (Megatron's names and formulas); weight decay leaves
+    biases and 1-d weights (norms) out, as Megatron does."""
 
     _name = "optimizer"
-    lr: float = option(3e-3, positive=True, help="learning rate")
-    weight_decay: float = option(0.1, minimum=0, help="AdamW's decoupled weight decay")
+    lr: float = option(3e-3, positive=True, help="peak learning rate")
+    min_lr: float = option(0.0, minimum=0, help="learning rate at the end of the decay")
+    lr_warmup_steps: int = option(0, minimum=0, help="steps of linear warm-up from 0 (Megatron's --lr-warmup-iters)")
+    lr_decay_style: DecayStyle = option("constant", help="after warm-up: constant, linear or cosine to min_lr")
+    lr_decay_steps: int | None = option(None, positive=True, help="steps over which the learning rate decays "
+                                                                  "(default: --steps)")
+    weight_decay: float = option(0.1, minimum=0, help="AdamW's decoupled weight decay (not on biases and norms)")
     adam_beta1: float = option(0.9, minimum=0, help="AdamW's beta1")
     adam_beta2: float = option(0.95, minimum=0, help="AdamW's beta2")
     adam_eps: float = option(1e-8, positive=True, help="AdamW's epsilon")
 
+    def _rules(self) -> None:
+        if self.min_lr > self.lr:
+            raise ParallelizeError(f"optimizer.min_lr = {self.min_lr} is above optimizer.lr = {self.lr}; give a "
+                                   "min_lr at most the peak")
+
 
 @dataclass(frozen=True)
 class TrainingConfig(Section):
-    """The run."""
+    """The run: its length, evaluation, checkpoints and metrics."""
 
     _name = "training"
-    steps: int = option(50, positive=True, help="training steps")
+    steps: int = option(50, positive=True, help="the run's total training steps (Megatron's --train-iters): a "
+                                                "resumed run continues up to it")
     seed: int = option(0, minimum=0, help="seeds the model, the data order and dropout")
-    compare: bool = option(True, help="train again in one process and report the largest loss difference")
+    compare: bool = option(False, help="train again in one process and report the largest loss difference")
     trace: str | None = option(None, help="write the last step's passes and memory per rank to this directory "
                                           "(trace.json for Perfetto, schedule.png)")
+    eval_interval: int | None = option(None, positive=True, help="every this many steps, the loss on the valid split")
+    eval_iters: int = option(2, positive=True, help="global batches of the valid split per evaluation")
+    save: str | None = option(None, help="checkpoint directory (Megatron's layout: DIR/iter_0000004, "
+                                         "DIR/latest_checkpointed_iteration.txt); a run there is resumed")
+    save_interval: int | None = option(None, positive=True, help="save every this many steps (and at the end)")
+    keep_last: int | None = option(None, positive=True, help="keep only the newest K checkpoints (default: all)")
+    load: str | None = option(None, help="resume from the latest complete checkpoint of this directory, on any "
+                                         "mesh (default: --save)")
+    export_hf: str | None = option(None, help="at the end, write the model as transformers' save_pretrained does")
+    log_interval: int = option(1, positive=True, help="one log line every this many steps")
+    log_file: str | None = option(None, help="append one JSON object per step to this .jsonl file")
+    tensorboard_dir: str | None = option(None, help="write the metrics as TensorBoard events here")
+    max_skipped: int = option(3, positive=True, help="stop when this many steps in a row had a non-finite loss "
+                                                     "or gradient norm (each is skipped)")
+    peak_flops: float | None = option(None, positive=True, help="peak FLOP/s of one device for MFU (default: the "
+                                                                "device's, when known)")
+
+    def _rules(self) -> None:
+        if self.save_interval is not None and self.save is None:
+            raise ParallelizeError("training.save_interval needs training.save (--save DIR)")
 
 
 @dataclass(frozen=True)

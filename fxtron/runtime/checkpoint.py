@@ -132,16 +132,19 @@ def _optimizer_state(prog, optimizer) -> dict[str, dict[str, torch.Tensor]]:
 COMMIT = ".fxtron-complete"     # written last, by rank 0, once every rank's files are in
 
 
-def save(prog, path: str, optimizer: torch.optim.Optimizer | None = None, storage_writer=None) -> None:
+def save(prog, path: str, optimizer: torch.optim.Optimizer | None = None, storage_writer=None,
+         extra: dict | None = None) -> None:
     """Write `prog`'s parameters, persistent buffers and (given) optimizer state to directory
     `path`, atomically (module docstring); every rank of the job calls it. `storage_writer`:
-    a function of the directory giving DCP's StorageWriter (default FileSystemWriter)."""
+    a function of the directory giving DCP's StorageWriter (default FileSystemWriter).
+    `extra`: a picklable object saved with them, the same on every rank (a trainer's state:
+    step, data position, schedule), read back by `read_extra`."""
     path = os.path.abspath(path)
     staging = path + ".saving"
     _on_rank0(prog, lambda: shutil.rmtree(staging, ignore_errors=True))     # a killed save's leftovers
     errors: list[tuple[int, str]] = []
     try:
-        _write(prog, staging, optimizer, storage_writer)
+        _write(prog, staging, optimizer, storage_writer, extra)
     except CheckpointException as e:           # DCP's: every rank's failure, known to every rank
         errors = [(r, _why(exc, path)) for r, (exc, _) in sorted(e.failures.items())]
     except Exception as e:                     # noqa: BLE001 - every rank must hear of it, then raise
@@ -187,7 +190,7 @@ def _why(exc: BaseException, path: str) -> str:
     return f"{text} (a write came up short; {free} bytes free on the filesystem of {os.path.dirname(path)})"
 
 
-def _write(prog, path: str, optimizer, storage_writer) -> None:
+def _write(prog, path: str, optimizer, storage_writer, extra=None) -> None:
     mesh = _meshes(prog)
     if prog.zero is not None:
         prog.zero.wait_params()
@@ -218,6 +221,8 @@ def _write(prog, path: str, optimizer, storage_writer) -> None:
         spec = _fused(lp)
         if spec is not None:
             sd[f"layout/{n}"] = _pack((spec.dim, shard_math.n_blocks(spec.interleave)))
+    if extra is not None:
+        sd["extra"] = _pack(extra)
     os.makedirs(path, exist_ok=True)
     writer = storage_writer(path) if storage_writer is not None else None
     dcp.save(sd, checkpoint_id=path, storage_writer=writer, no_dist=_alone(prog))
@@ -518,3 +523,14 @@ def full_tensors(path: str) -> tuple[list[tuple[str, tuple[int, ...], torch.dtyp
             return sd[parts[0][1]]
         return torch.cat([sd[k] for _, k in parts], dim=layout.get(name, (0, 1))[0])
     return [(n, shapes[n], dtypes[n]) for n in keys], read
+
+
+def read_extra(path: str):
+    """The `extra` object saved with a checkpoint (None when it has none); in any process."""
+    _check_complete(os.path.abspath(path))
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    if "extra" not in meta:
+        return None
+    sd = {"extra": io.BytesIO()}
+    dcp.load(sd, checkpoint_id=path, no_dist=True)
+    return _unpack_obj(sd["extra"])

@@ -139,6 +139,23 @@ def shm_default() -> bool:
     return DebugConfig().shm
 
 
+def _elastic_store(rank: int, world: int, timeout_s: float):
+    """Under torchrun (TORCHELASTIC_RESTART_COUNT set), the rendezvous store with a prefix per
+    restart: torchrun's agent keeps its store across a restart, and a restarted group reading
+    the killed group's keys (gloo's addresses) fails in connectFullMesh ("Connection refused").
+    None elsewhere (init_process_group's env:// rendezvous)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    host, port = os.environ.get("MASTER_ADDR"), _env_int("MASTER_PORT")
+    if attempt is None or host is None or port is None:
+        return None
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+        base = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    else:
+        base = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout, multi_tenant=True)
+    return dist.PrefixStore(f"fxtron/attempt_{attempt}", base)
+
+
 def init_distributed(mesh: Mesh, *, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                      shm_transport: bool | None = None, check_collectives: bool | None = None) -> ProcessGroups:
     """Initialize torch.distributed for this process (torchrun or fxtron.launch set the
@@ -173,7 +190,8 @@ def init_distributed(mesh: Mesh, *, backend: str | None = None, timeout_s: float
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+                                timeout=datetime.timedelta(seconds=timeout_s),
+                                store=_elastic_store(rank, world, timeout_s))
     if check_collectives is None:
         check_collectives = ledger.check_default()
     groups = build_groups(mesh, rank, backend, device, twins_for_all=check_collectives)

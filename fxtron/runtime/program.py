@@ -10,6 +10,7 @@ gradient sync (runtime/grads.py), mixed precision (runtime/precision.py) and the
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 
 import torch
@@ -92,6 +93,9 @@ class Program(nn.Module):
         self.pipeline = config.pipeline
         self._runner = None
         self.track_memory = False         # sample the memory after every pass of a step (memory_timeline)
+        # a step whose global gradient norm is not finite leaves the weights as they were (the trainer's)
+        self.skip_nonfinite = False
+        self.last_step_skipped = False
         self._memory = None
         self._events: list = []           # the last step's passes without a schedule (F, B)
         self._aliases = info.aliases if stages is None else {a: n for a, n in info.aliases.items() if n in params}
@@ -253,16 +257,40 @@ class Program(nn.Module):
                                        quiet=self.grads.quiet)
         return self._runner
 
+    def eval_step(self, inputs, *, kwargs: dict | None = None) -> float:
+        """The global batch's loss, as train_step computes it, with the weights, the optimizer
+        and the last step's gradient norm left as they were (an evaluation). Without a pipeline
+        schedule the forward runs alone under no_grad; a schedule runs its forward and backward
+        (its passes are paired) and the gradients are dropped. Dropout stays as traced."""
+        if self._stages is not None or self.pipeline.microbatches > 1 or isinstance(inputs, Microbatches):
+            norm = self.grads.last_norm
+            try:
+                return self._pipelined_step(inputs, None, kwargs)
+            finally:
+                self.grads.last_norm = norm
+        args, kw = self.local_batch(inputs, kwargs)
+        batch = self._batch.context(inputs, kwargs)
+        with torch.no_grad(), self._dispatch_log(), batch.active():
+            loss = self(*args, **kw)
+        out = self._global_loss(loss.detach().to(torch.promote_types(loss.dtype, torch.float32)))
+        ledger.step_end(self.groups)
+        return out
+
     def _pipelined_step(self, inputs, optimizer, kwargs) -> float:
         mbs = self.microbatches(inputs, kwargs)
         batch = self._batch.context(inputs, kwargs)
         runner = self.runner()
-        optimizer.zero_grad(set_to_none=True)
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
         runner.memory = self._memory_tracker()
         with self.grads.accumulation(), self._dispatch_log(), batch.active():
             loss = runner.run(mbs, loss_scale=self.scaler.scale if self.scaler is not None else 1.0)
         self.grads.finalize()
-        self._optimizer_step(optimizer)
+        if optimizer is not None:
+            self._optimizer_step(optimizer)
+        else:
+            for p in self.parameters():
+                p.grad = None
         if self.groups is not None and self.groups.size("pp") > 1:
             # float64 on every pp rank: the last stage's loss keeps a float64 model's precision
             loss = (loss.double().clone() if loss is not None
@@ -335,6 +363,12 @@ class Program(nn.Module):
                 "original model's")
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.skip_nonfinite and self.scaler is None:      # (fp16's scaler skips such steps itself)
+            norm = self.grads.last_norm if self.grads.config.clip_grad is not None else float(self.grads.norm())
+            self.grads.last_norm = norm
+            self.last_step_skipped = not math.isfinite(norm)
+            if self.last_step_skipped:
+                return
         if self.zero is not None:
             params = self.zero.optimizer_for(optimizer)
             grads_ok = self.scaler is None or self.scaler.unscale_and_check(params, self.groups, sharded_over_dp=True,
@@ -346,15 +380,17 @@ class Program(nn.Module):
             optimizer.step()
 
     # ---------------------------------------------------------------- checkpoints
-    def save(self, path: str, optimizer: torch.optim.Optimizer | None = None, storage_writer=None) -> None:
+    def save(self, path: str, optimizer: torch.optim.Optimizer | None = None, storage_writer=None,
+             extra: dict | None = None) -> None:
         """Write this rank's shards of the parameters, buffers and optimizer state to the
         directory `path` (torch.distributed.checkpoint; every rank of the job calls it),
         atomically: a failed or interrupted save leaves the checkpoint that was at `path`
         loadable and unchanged. The checkpoint loads on any mesh (`prog.load`) or in one
         process (`fxtron.load_full_state_dict`). `storage_writer(directory)`, optional, gives
-        DCP's StorageWriter (default: files)."""
+        DCP's StorageWriter (default: files). `extra`: a picklable object (the same on every
+        rank) saved with them, read back by fxtron.runtime.checkpoint.read_extra."""
         from fxtron.runtime import checkpoint
-        checkpoint.save(self, path, optimizer, storage_writer)
+        checkpoint.save(self, path, optimizer, storage_writer, extra)
 
     def load(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Read a checkpoint saved by `save` from any mesh into this program (and optimizer)."""

@@ -1,0 +1,98 @@
+"""The trainer's batches: global batch k is samples [first, first + GBS) of the train split, the
+same on every rank and on every mesh (the position, `consumed_train_samples`, is Megatron's and
+is saved with the checkpoint). From Megatron datasets (`--data`, fxtron.data.gpt) or, without
+them, byte-level text (`--text`, default Python's standard library sources) whose samples are
+drawn at seeded offsets -- the demo's data, on every machine offline."""
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fxtron.config import TrainConfig
+from fxtron.errors import ParallelizeError
+
+
+def load_text(path: str | None, max_bytes: int) -> torch.Tensor:
+    """Bytes of `path`, or of the standard library's .py files (sorted, so every process and
+    every run reads the same), as a uint8 tensor."""
+    if path:
+        if not Path(path).exists():
+            raise ParallelizeError(f"--text {path}: no such file")
+        data = Path(path).read_bytes()[:max_bytes]
+    else:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        chunks, total = [], 0
+        for f in sorted(root.glob("*.py")):
+            b = f.read_bytes()
+            chunks.append(b)
+            total += len(b)
+            if total >= max_bytes:
+                break
+        data = b"".join(chunks)[:max_bytes]
+    if len(data) < 1024:
+        raise ParallelizeError(f"training text has only {len(data)} bytes; give a longer file")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
+
+
+class TextSamples:
+    """Samples of seq + 1 bytes at offsets drawn from (seed, sample index)."""
+
+    def __init__(self, data: torch.Tensor, seq: int, seed: int):
+        self.data, self.seq, self.seed = data, seq, seed
+
+    def __len__(self) -> int:
+        return 1 << 62
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        start = int(torch.randint(0, len(self.data) - self.seq - 1, (1,), generator=g))
+        return self.data[start:start + self.seq + 1].numpy().astype(np.int64)
+
+
+class TrainData:
+    """Train and valid samples of the run `cfg`, for a model of `vocab_size` tokens."""
+
+    def __init__(self, cfg: TrainConfig, vocab_size: int):
+        d, t = cfg.data, cfg.training
+        self.batch, self.vocab_size = d.batch, vocab_size
+        if d.path:
+            from fxtron.data.gpt import build_datasets
+            valid = (t.steps // t.eval_interval + 1) * t.eval_iters * d.batch if t.eval_interval else None
+            self.train, self.valid, _ = build_datasets(d.path, d.split, d.seq, t.seed, (t.steps * d.batch, valid, None))
+            if self.train is None:
+                raise ParallelizeError(f"--split {d.split} leaves no train split")
+            if t.eval_interval and self.valid is None:
+                raise ParallelizeError(f"--eval-interval needs a valid split; --split {d.split} gives none")
+            self.source = " + ".join(d.path)
+        else:
+            if vocab_size < 256:
+                raise ParallelizeError(f"byte-level text needs a vocabulary of 256 tokens, the model has {vocab_size}; "
+                                       "give --data (a Megatron dataset of its tokenizer)")
+            text = load_text(d.text, d.max_bytes)
+            cut = len(text) * 98 // 100
+            self.train = TextSamples(text[:cut], d.seq, t.seed)
+            self.valid = TextSamples(text[cut:], d.seq, t.seed + 1)
+            self.source = d.text or "Python's standard library sources (bytes)"
+
+    def _batch(self, ds, first: int, what: str) -> torch.Tensor:
+        if first + self.batch > len(ds):
+            raise ParallelizeError(f"the {what} split has {len(ds)} samples; batch at {first} needs {self.batch} more")
+        out = torch.from_numpy(np.stack([ds[first + i] for i in range(self.batch)]))
+        top = int(out.max())
+        if top >= self.vocab_size:
+            raise ParallelizeError(f"the {what} data holds token id {top}, the model's vocabulary has {self.vocab_size}; "
+                                   "preprocess the data with the model's tokenizer")
+        return out
+
+    def train_batch(self, first: int) -> torch.Tensor:
+        """(GBS, seq + 1) int64: train samples [first, first + GBS)."""
+        return self._batch(self.train, first, "train")
+
+    def valid_batch(self, first: int) -> torch.Tensor:
+        return self._batch(self.valid, first, "valid")
+
+
+__all__ = ["TextSamples", "TrainData", "load_text"]

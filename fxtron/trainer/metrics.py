@@ -1,0 +1,137 @@
+"""The trainer's metrics: every --log-interval steps one line (Megatron's training_log fields:
+step, consumed samples, time per step, learning rate, global batch, loss, grad norm, skipped
+steps; with tokens/s, MFU and memory); --log-file one JSON object per step; --tensorboard-dir
+TensorBoard scalars; a progress bar on a terminal, plain lines elsewhere. Written by one rank
+(the caller's choice: the last pipeline stage's first rank holds the loss first)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+#: dense bf16 peak FLOP/s by device name (MFU's default denominator)
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "V100": 125e12}
+
+
+def device_peak_flops() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def memory_bytes() -> int:
+    """The device's peak allocated bytes (CUDA), else this process's peak resident size."""
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    import resource
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def step_flops(traced) -> float:
+    """Model FLOPs of one training step read off the traced graph (forward matmuls and
+    attention at the global batch's size, x 3 for the backward's two GEMMs)."""
+    from fxtron.passes.stages import node_flops
+    return 3.0 * sum(node_flops(n) for n in traced.graph.nodes)
+
+
+class Metrics:
+    def __init__(self, cfg, *, writer: bool, world: int, flops: float, resumed_from: int | None):
+        t = cfg.training
+        self.cfg, self.writer, self.world, self.flops = cfg, writer, world, flops
+        self.peak = t.peak_flops or device_peak_flops()
+        self.resumed_from = resumed_from
+        self.log = open(t.log_file, "a") if writer and t.log_file else None
+        self.tb = None
+        if writer and t.tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                from fxtron.errors import ParallelizeError
+                raise ParallelizeError("--tensorboard-dir needs the tensorboard package (pip install tensorboard)") from e
+            self.tb = SummaryWriter(t.tensorboard_dir)
+        self.bar = None
+        if writer and sys.stderr.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=t.steps, initial=resumed_from or 0, unit="step", dynamic_ncols=True,
+                            desc=cfg.model.name)
+        self.pending: dict | None = None
+        self.losses: list[float] = []
+        self._tokens, self._seconds = 0, 0.0
+
+    def step(self, record: dict) -> None:
+        """A finished step's figures (before any evaluation of the same step)."""
+        step_time = record["step_time"]
+        record["tokens_per_s"] = self.cfg.data.batch * self.cfg.data.seq / step_time
+        self._tokens += self.cfg.data.batch * self.cfg.data.seq
+        self._seconds += step_time
+        record["mfu"] = (self.flops / (step_time * self.world * self.peak)) if self.peak else None
+        record["memory_bytes"] = memory_bytes()
+        if self.resumed_from is not None and not self.losses:
+            record["resumed_from"] = self.resumed_from
+        self.losses.append(record["loss"])
+        self.flush()
+        self.pending = record
+        if not self.writer:
+            return
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
+        if record["step"] % self.cfg.training.log_interval == 0 or record["step"] == self.cfg.training.steps:
+            self._line(record)
+
+    def tokens_per_s(self) -> float:
+        """Tokens per second over the run's steps (the first, which compiles, included)."""
+        return self._tokens / self._seconds if self._seconds else 0.0
+
+    def eval(self, loss: float) -> None:
+        if self.pending is not None:
+            self.pending["eval_loss"] = loss
+        if self.writer:
+            self._print(f" validation loss at step {self.pending['step'] if self.pending else '?'}: {loss:.6E} | "
+                        f"ppl: {math.exp(min(loss, 50)):.3f}")
+
+    def flush(self) -> None:
+        r, self.pending = self.pending, None
+        if r is None or not self.writer:
+            return
+        if self.log is not None:
+            self.log.write(json.dumps({k: v for k, v in r.items()}) + "\n")
+            self.log.flush()
+        if self.tb is not None:
+            for k in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time", "mfu", "eval_loss"):
+                if r.get(k) is not None and isinstance(r[k], (int, float)) and math.isfinite(r[k]):
+                    self.tb.add_scalar(f"train/{k}" if k != "eval_loss" else "valid/loss", r[k], r["step"])
+            self.tb.flush()
+
+    def close(self) -> None:
+        self.flush()
+        if self.bar is not None:
+            self.bar.close()
+        if self.log is not None:
+            self.log.close()
+        if self.tb is not None:
+            self.tb.close()
+
+    def _print(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def _line(self, r: dict) -> None:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        norm = "-" if r["grad_norm"] is None else f"{r['grad_norm']:.3f}"
+        mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        self._print(f"[{stamp}] iteration {r['step']:8d}/{self.cfg.training.steps:8d} | consumed samples: "
+                    f"{r['consumed_samples']:12d} | elapsed time per iteration (ms): {1e3 * r['step_time']:.1f} | "
+                    f"learning rate: {r['lr']:.6E} | global batch size: {self.cfg.data.batch:5d} | lm loss: "
+                    f"{r['loss']:.6E} | grad norm: {norm} | tokens/s: {r['tokens_per_s']:,.0f} | MFU: {mfu} | "
+                    f"memory: {r['memory_bytes'] / 2**30:.2f} GiB | number of skipped iterations: {r['skipped']:3d}")
+
+
+__all__ = ["Metrics", "PEAK_FLOPS", "device_peak_flops", "memory_bytes", "step_flops"]

@@ -1,0 +1,90 @@
+"""The trainer's model: `--model` as a shipped preset, hf:<architecture>, package.module:factory
+or a transformers directory (config.json, and its weights when it has them), always built on
+the meta device -- each rank makes only its shards -- and how a batch of samples (seq + 1
+tokens each) becomes the model's inputs: (tokens, targets) for fxtron's models and a factory's,
+input_ids with shift_labels for transformers' (so the loss predicts every next token of the
+sample, as Megatron's labels = text[1:])."""
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+from fxtron.errors import ParallelizeError
+
+
+@dataclass
+class TrainModel:
+    model: torch.nn.Module               # on the meta device
+    transformers: bool                   # inputs as transformers' keywords
+    vocab_size: int
+    pretrained: str | None = None        # a directory whose weights to load
+
+    def inputs(self, tokens: torch.Tensor) -> tuple[tuple, dict]:
+        """(args, kwargs) of a (B, seq + 1) batch of samples."""
+        x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        if self.transformers:
+            return (), {"input_ids": x, "labels": x, "shift_labels": y}
+        return (x, y), {}
+
+
+def _has_weights(path: str) -> bool:
+    return any(os.path.exists(os.path.join(path, f)) for f in ("model.safetensors", "model.safetensors.index.json"))
+
+
+def _vocab(model: torch.nn.Module, spec: str) -> int:
+    for holder in (model, getattr(model, "config", None)):
+        v = getattr(holder, "vocab_size", None)
+        if isinstance(v, int):
+            return v
+    emb = getattr(model, "get_input_embeddings", None)
+    if callable(emb) and emb() is not None:
+        return emb().num_embeddings
+    raise ParallelizeError(f"model {spec!r}: cannot tell its vocabulary size (give the model a vocab_size)")
+
+
+def resolve(spec: str, seed: int = 0) -> TrainModel:
+    """The model `spec` names, built on the meta device."""
+    from fxtron import models
+    if spec in models.PRESETS:
+        model = models.build(spec, device="meta", seed=seed)
+        return TrainModel(model, False, _vocab(model, spec))
+    if spec.startswith("hf:") or os.path.isdir(spec):
+        try:
+            import transformers
+        except ImportError:
+            raise ParallelizeError(f"model {spec}: transformers models need the transformers package") from None
+        if os.path.isdir(spec):
+            if not os.path.exists(os.path.join(spec, "config.json")):
+                raise ParallelizeError(f"model directory {spec} has no config.json; give a transformers directory "
+                                       "(save_pretrained), a preset, hf:<architecture> or package.module:factory")
+            config = transformers.AutoConfig.from_pretrained(spec)
+            pretrained = spec if _has_weights(spec) else None
+        else:
+            try:
+                config = transformers.AutoConfig.for_model(spec[3:])
+            except ValueError as e:
+                raise ParallelizeError(f"transformers knows no architecture {spec[3:]!r}: {e}") from None
+            pretrained = None
+        cls = next((getattr(transformers, a) for a in (config.architectures or []) if hasattr(transformers, a)), None)
+        with torch.device("meta"):
+            model = cls(config) if cls is not None else transformers.AutoModelForCausalLM.from_config(config)
+        return TrainModel(model, True, int(config.vocab_size), pretrained)
+    if ":" in spec:
+        mod, _, fn = spec.partition(":")
+        try:
+            factory = getattr(importlib.import_module(mod), fn)
+        except (ImportError, AttributeError) as e:
+            raise ParallelizeError(f"cannot load the model factory {spec!r}: {e}") from None
+        with torch.device("meta"):
+            model = factory()
+        if isinstance(model, tuple):
+            model = model[0]
+        return TrainModel(model, False, _vocab(model, spec))
+    raise ParallelizeError(f"unknown model {spec!r}: a preset ({', '.join(models.PRESETS)}), hf:<architecture> "
+                           "(hf:llama), package.module:factory, or a directory with config.json")
+
+
+__all__ = ["TrainModel", "resolve"]
