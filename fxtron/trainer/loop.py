@@ -140,6 +140,7 @@ def train_rank(rank: int, cfg: TrainConfig, groups=None) -> dict:
                 metrics.eval(evals[step])
             if t.save and ((t.save_interval and step % t.save_interval == 0) or step == t.steps):
                 save(prog, opt, cfg, state, sched)
+            metrics.flush()                      # the step's JSON line, its evaluation included
         if t.export_hf:
             prog.save_pretrained(t.export_hf)
     finally:
@@ -269,8 +270,11 @@ def run(cfg: TrainConfig) -> dict:
     t0 = time.perf_counter()
     if world is not None:
         groups = fxtron.init_distributed(mesh, shm_transport=cfg.debug.shm, check_collectives=cfg.debug.check_collectives)
-        results = [train_rank(groups.rank, cfg, groups)]
-        fxtron.destroy()
+        from fxtron.runtime.groups import destroy
+        try:
+            results = [train_rank(groups.rank, cfg, groups)]
+        finally:
+            destroy()
     else:
         results = fxtron.launch(train_rank, mesh, args=(cfg,), shm_transport=cfg.debug.shm,
                                 check_collectives=cfg.debug.check_collectives, flight_dir=cfg.debug.flight_dir)
