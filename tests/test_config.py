@@ -267,7 +267,7 @@ def test_what_parallelize_cannot_apply_is_said():
 
 
 def test_the_trainer_refuses_a_comparison_it_cannot_make():
-    from fxtron.train import run
+    from fxtron.trainer.loop import run
     for kw, what in [(dict(dtype="bf16"), "dtype=bf16"), (dict(grad_reduce_dtype="bf16"), "grad_reduce_dtype")]:
-        with pytest.raises(fxtron.ParallelizeError, match=f"does not model {what}.*--no-compare"):
-            run(TrainConfig().replace(world_size=1, **kw))
+        with pytest.raises(fxtron.ParallelizeError, match=f"does not model {what}.*Drop --compare"):
+            run(TrainConfig().replace(world_size=1, compare=True, **kw))

@@ -1,0 +1,196 @@
+"""`fxtron train` as a trainer (issue 32).
+
+Without processes: Megatron's learning-rate formulas (warm-up from 0, linear and cosine decay,
+the first step at lr 0, skipped steps not advancing), AdamW's groups (no decay on biases and
+norms), the checkpoint directory's latest complete iteration, and the options' checks.
+
+Then, slow: a transformers model directory and a Megatron dataset trained by the command at
+tp=2 x pp=2 with warm-up then cosine, clipping, evaluation and checkpoints every 2 steps,
+equal to the same run in one process (--compare); its step-4 checkpoint resumed at tp=2 x dp=2
+gives the same losses for steps 5-10; --export-hf writes what transformers loads, equal to
+the last checkpoint; and the same run under `torchrun --max-restarts 1` with a worker killed
+mid-run exits 0 with the uninterrupted run's losses."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import fxtron
+from fxtron.config import TrainConfig
+from fxtron.trainer import checkpoints
+from fxtron.trainer.loop import param_groups
+from fxtron.trainer.schedule import LRSchedule
+
+
+def test_learning_rate_is_megatrons():
+    s = LRSchedule(max_lr=1e-3, min_lr=1e-4, warmup_steps=2, decay_steps=10, style="cosine", global_batch=8)
+    lrs = []
+    for _ in range(12):
+        lrs.append(s.lr)
+        s.step()
+    # n = k * GBS samples: warm-up lr = max n / W from 0; then min + 0.5 (cos(pi r) + 1) (max - min)
+    want = [0.0, 5e-4, 1e-3] + [1e-4 + 0.5 * (math.cos(math.pi * (k - 2) / 8) + 1) * 9e-4 for k in range(3, 11)] + [1e-4]
+    assert max(abs(a - b) for a, b in zip(lrs, want)) < 1e-15, (lrs, want)
+    lin = LRSchedule(1.0, 0.0, 0, 4, "linear", 2)
+    assert [lin.lr_at(2 * k) for k in range(6)] == [1.0, 0.75, 0.5, 0.25, 0.0, 0.0]
+    assert LRSchedule(1.0, 0.0, 3, 4, "constant", 1).lr_at(5) == 1.0
+    s2 = LRSchedule(1e-3, 1e-4, 2, 10, "cosine", 8)
+    s2.load_state_dict(s.state_dict())
+    assert s2.lr == s.lr
+    with pytest.raises(fxtron.ParallelizeError, match="max_lr 0.001 in the checkpoint, 0.002 now"):
+        LRSchedule(2e-3, 1e-4, 2, 10, "cosine", 8).load_state_dict(s.state_dict())
+    with pytest.raises(fxtron.ParallelizeError, match="not below the decay"):
+        LRSchedule(1e-3, 0.0, 10, 10, "cosine", 8)
+
+
+def test_weight_decay_leaves_biases_and_norms_out():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Embedding(5, 4))
+    decay, plain = param_groups(model.named_parameters())
+    assert [p.shape for p in decay["params"]] == [(4, 4), (5, 4)]
+    assert len(plain["params"]) == 3 and plain["weight_decay"] == 0.0
+
+
+def test_latest_checkpoint_is_the_newest_complete(tmp_path):
+    root = str(tmp_path)
+    assert checkpoints.latest(root) is None
+    for it, done in [(2, True), (4, True), (6, False)]:
+        os.makedirs(checkpoints.iter_dir(root, it))
+        if done:
+            open(os.path.join(checkpoints.iter_dir(root, it), ".fxtron-complete"), "w").close()
+    assert checkpoints.latest(root) == 4                # 6 was never completed
+    checkpoints.write_tracker(root, 2)
+    assert checkpoints.latest(root) == 2                # the tracker names a complete one
+    checkpoints.write_tracker(root, 6)
+    assert checkpoints.latest(root) == 4
+    assert checkpoints.prune(root, 1) == [2] and checkpoints.complete(root) == [4]
+
+
+def test_options_are_checked():
+    with pytest.raises(fxtron.ParallelizeError, match="save_interval needs training.save"):
+        TrainConfig().replace(save_interval=2)
+    with pytest.raises(fxtron.ParallelizeError, match="min_lr = 0.1 is above optimizer.lr"):
+        TrainConfig().replace(lr=1e-3, min_lr=0.1)
+    from fxtron.trainer.models import resolve
+    with pytest.raises(fxtron.ParallelizeError, match="unknown model 'nope'"):
+        resolve("nope")
+
+
+# ----------------------------------------------------------------------------- slow: the command
+ARGS = ["--data", "{dir}/tokens", "--split", "90,10,0", "--batch", "8", "--seq", "16", "--steps", "10", "--lr", "1e-3",
+        "--min-lr", "1e-4", "--lr-warmup-steps", "2", "--lr-decay-style", "cosine", "--clip-grad", "1.0",
+        "--eval-interval", "2", "--eval-iters", "1", "--microbatches", "2", "--save-interval", "2"]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A transformers Llama directory and a Megatron dataset of 400 documents of its tokens."""
+    import transformers
+
+    from fxtron.data.indexed import IndexedDatasetWriter
+    d = tmp_path_factory.mktemp("trainer")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(d / "llama"))
+    rng = np.random.RandomState(0)
+    w = IndexedDatasetWriter(str(d / "tokens"), np.uint16)
+    for _ in range(400):
+        w.add_document(rng.randint(0, 127, size=rng.randint(5, 80)))
+    w.finalize()
+    return d
+
+
+def _train(d, *extra, torchrun: bool = False, timeout: int = 600):
+    args = ["--model", str(d / "llama")] + [a.format(dir=d) for a in ARGS] + list(extra)
+    cmd = [sys.executable, "-m", "fxtron", "train"] + args
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--max-restarts", "1",
+               "-m", "fxtron", "train"] + args
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _losses(path) -> dict[int, dict]:
+    out = {}
+    for line in open(path):
+        r = json.loads(line)
+        out[r["step"]] = r                      # a resumed run's records come later and win
+    return out
+
+
+@pytest.fixture(scope="module")
+def first_run(workdir):
+    """The run at tp=2 x pp=2, with --compare and --export-hf."""
+    p = _train(workdir, "--world-size", "4", "--tp", "2", "--pp", "2", "--save", str(workdir / "ckpt"),
+               "--log-file", str(workdir / "run.jsonl"), "--export-hf", str(workdir / "hf"), "--compare")
+    out, _ = p.communicate(timeout=900)
+    assert p.returncode == 0, out[-4000:]
+    return out
+
+
+@pytest.mark.slow
+def test_a_model_directory_and_a_megatron_dataset_train_like_one_process(workdir, first_run):
+    line = next(x for x in first_run.splitlines() if "loss difference" in x)
+    assert float(line.split("largest ")[1].split()[0]) < 1e-5, line
+    runs = _losses(workdir / "run.jsonl")
+    assert sorted(runs) == list(range(1, 11))
+    assert [k for k, r in runs.items() if "eval_loss" in r] == [2, 4, 6, 8, 10]
+    assert runs[1]["lr"] == 0.0 and abs(runs[3]["lr"] - 1e-3) < 1e-12        # warm-up from 0, then cosine
+    assert all(r["grad_norm"] > 0 and r["tokens_per_s"] > 0 for r in runs.values())
+    assert checkpoints.complete(str(workdir / "ckpt")) == [2, 4, 6, 8, 10]
+    assert open(workdir / "ckpt" / checkpoints.TRACKER).read().strip() == "10"
+    # --export-hf: what transformers loads, equal to the last checkpoint
+    import transformers
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(workdir / "hf")).state_dict()
+    last = fxtron.load_full_state_dict(checkpoints.iter_dir(str(workdir / "ckpt"), 10))
+    assert max((back[k] - v).abs().max().item() for k, v in last.items()) == 0.0
+
+
+@pytest.mark.slow
+def test_step4_checkpoint_resumes_on_another_mesh(workdir, first_run):
+    resumed = workdir / "resume"
+    shutil.rmtree(resumed, ignore_errors=True)
+    os.makedirs(resumed)
+    shutil.copytree(checkpoints.iter_dir(str(workdir / "ckpt"), 4), checkpoints.iter_dir(str(resumed), 4))
+    checkpoints.write_tracker(str(resumed), 4)
+    p = _train(workdir, "--world-size", "4", "--tp", "2", "--save", str(resumed),
+               "--log-file", str(workdir / "resume.jsonl"))
+    out, _ = p.communicate(timeout=900)
+    assert p.returncode == 0, out[-4000:]
+    assert "resumed from step 4" in out
+    a, b = _losses(workdir / "run.jsonl"), _losses(workdir / "resume.jsonl")
+    assert sorted(b) == list(range(5, 11)) and b[5]["resumed_from"] == 4
+    worst = max(abs(a[s]["loss"] - b[s]["loss"]) for s in b)
+    worst_eval = max(abs(a[s]["eval_loss"] - b[s]["eval_loss"]) for s in b if "eval_loss" in b[s])
+    print(f"tp2xpp2 -> tp2xdp2 resumed at step 4: steps 5-10 loss difference {worst:.2e}, eval {worst_eval:.2e}")
+    assert worst < 5e-6 and worst_eval < 5e-6
+
+
+@pytest.mark.slow
+def test_torchrun_restart_after_a_killed_worker_gives_the_same_losses(workdir, first_run):
+    root = workdir / "elastic"
+    shutil.rmtree(root, ignore_errors=True)
+    p = _train(workdir, "--tp", "2", "--pp", "2", "--save", str(root), "--log-file", str(workdir / "elastic.jsonl"),
+               torchrun=True)
+    deadline = time.monotonic() + 600
+    while not os.path.isdir(checkpoints.iter_dir(str(root), 2)):
+        assert p.poll() is None and time.monotonic() < deadline, "the run ended before its step-2 checkpoint"
+        time.sleep(0.05)
+    workers = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 4, workers
+    os.kill(int(workers[2]), signal.SIGKILL)
+    out, _ = p.communicate(timeout=900)
+    assert p.returncode == 0, out[-4000:]
+    assert "resumed from step" in out
+    a, b = _losses(workdir / "run.jsonl"), _losses(workdir / "elastic.jsonl")
+    assert sorted(b) == list(range(1, 11))
+    assert max(abs(a[s]["loss"] - b[s]["loss"]) for s in b) == 0.0
