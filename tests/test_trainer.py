@@ -85,6 +85,33 @@ def test_options_are_checked():
         resolve("nope")
 
 
+class _Scaled(torch.nn.Module):
+    """loss = scale x sum((x W)^2): a scale of inf makes the step's gradients non-finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(4, 4, bias=False)
+
+    def forward(self, x, scale):
+        return (self.w(x) ** 2).mean() * scale.mean()
+
+
+def test_a_non_finite_step_leaves_the_weights_and_is_said():
+    torch.manual_seed(0)
+    x, one = torch.randn(2, 3, 4), torch.ones(2, 3)
+    prog = fxtron.parallelize(_Scaled(), fxtron.Mesh(1), example_inputs=(x, one)).program(0)
+    prog.skip_nonfinite = True
+    opt = torch.optim.AdamW(prog.parameters(), lr=0.1)
+    prog.train_step((x, one), opt)
+    assert not prog.last_step_skipped and math.isfinite(prog.last_grad_norm)
+    before = {k: v.clone() for k, v in prog.state_dict().items()}
+    prog.train_step((x, one * float("inf")), opt)
+    assert prog.last_step_skipped and not math.isfinite(prog.last_grad_norm)
+    assert all(torch.equal(before[k], v) for k, v in prog.state_dict().items())
+    prog.train_step((x, one), opt)
+    assert not prog.last_step_skipped and not torch.equal(before["w.weight"], prog.state_dict()["w.weight"])
+
+
 # ----------------------------------------------------------------------------- slow: the command
 ARGS = ["--data", "{dir}/tokens", "--split", "90,10,0", "--batch", "8", "--seq", "16", "--steps", "10", "--lr", "1e-3",
         "--min-lr", "1e-4", "--lr-warmup-steps", "2", "--lr-decay-style", "cosine", "--clip-grad", "1.0",
@@ -131,7 +158,8 @@ def _losses(path) -> dict[int, dict]:
 def first_run(workdir):
     """The run at tp=2 x pp=2, with --compare and --export-hf."""
     p = _train(workdir, "--world-size", "4", "--tp", "2", "--pp", "2", "--save", str(workdir / "ckpt"),
-               "--log-file", str(workdir / "run.jsonl"), "--export-hf", str(workdir / "hf"), "--compare")
+               "--log-file", str(workdir / "run.jsonl"), "--export-hf", str(workdir / "hf"), "--compare",
+               "--tensorboard-dir", str(workdir / "tb"))
     out, _ = p.communicate(timeout=900)
     assert p.returncode == 0, out[-4000:]
     return out
@@ -147,6 +175,11 @@ def test_a_model_directory_and_a_megatron_dataset_train_like_one_process(workdir
     assert runs[1]["lr"] == 0.0 and abs(runs[3]["lr"] - 1e-3) < 1e-12        # warm-up from 0, then cosine
     assert all(r["grad_norm"] > 0 and r["tokens_per_s"] > 0 for r in runs.values())
     assert checkpoints.complete(str(workdir / "ckpt")) == [2, 4, 6, 8, 10]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(workdir / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 11))
+    assert [e.step for e in events.Scalars("valid/loss")] == [2, 4, 6, 8, 10]
     assert open(workdir / "ckpt" / checkpoints.TRACKER).read().strip() == "10"
     # --export-hf: what transformers loads, equal to the last checkpoint
     import transformers
