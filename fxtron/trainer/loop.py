@@ -202,9 +202,13 @@ def reference(cfg: TrainConfig) -> list[float]:
 
 
 def _whole(tm: TrainModel, seed: int) -> torch.nn.Module:
-    """The model on the CPU holding what the run starts from."""
-    from fxtron.runtime.materialize import MetaMaterializer
+    """The model on the CPU holding what the run starts from: its directory's weights read by
+    transformers itself, or the meta build's initialization made whole."""
     import copy
+
+    from fxtron.runtime.materialize import MetaMaterializer
+    if tm.pretrained:
+        return type(tm.model).from_pretrained(tm.pretrained)
     meta = tm.model
     m = MetaMaterializer(meta, seed)
     memo = {}
@@ -213,17 +217,7 @@ def _whole(tm: TrainModel, seed: int) -> torch.nn.Module:
     for n, b in meta.named_buffers():
         if id(b) not in memo:
             memo[id(b)] = m.buffer(n) if b.device.type == "meta" else b.clone()
-    model = copy.deepcopy(meta, memo)
-    if tm.pretrained:
-        from fxtron.runtime.pretrained import checkpoint_files
-        from safetensors import safe_open
-        names = dict(model.named_parameters())
-        with torch.no_grad():
-            for key, file in checkpoint_files(tm.pretrained).items():
-                with safe_open(file, "pt") as f:
-                    if key in names:
-                        names[key].copy_(f.get_tensor(key))
-    return model
+    return copy.deepcopy(meta, memo)
 
 
 def _loss(model, args, kwargs) -> torch.Tensor:
