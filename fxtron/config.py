@@ -653,6 +653,11 @@ class DataConfig(Section):
     batch: int = option(8, positive=True, help="global batch (samples per step, Megatron's --global-batch-size)")
     seq: int = option(64, positive=True, help="tokens per sample (Megatron's --seq-length)")
 
+    def __post_init__(self):
+        if isinstance(self.path, str) and self.path:          # one dataset's prefix
+            object.__setattr__(self, "path", (self.path,))
+        super().__post_init__()
+
 
 @dataclass(frozen=True)
 class OptimizerConfig(Section):

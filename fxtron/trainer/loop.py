@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -234,6 +235,43 @@ def _pieces(tokens: torch.Tensor, dp: int, m: int, *, local: bool) -> list[torch
     return [torch.cat([parts[r * m + i] for r in range(dp)]) for i in range(m)]
 
 
+def reference_differs(cfg: TrainConfig) -> list[str]:
+    """The options under which the one-process reference (trainer.loop.reference) is another training."""
+    out = []
+    if cfg.precision.dtype != "fp32":
+        out.append(f"dtype={cfg.precision.dtype} (the reference computes in fp32)")
+    if cfg.data_parallel.grad_reduce_dtype not in (None, "fp32"):
+        out.append(f"grad_reduce_dtype={cfg.data_parallel.grad_reduce_dtype}")
+    if cfg.experts.capacity_factor is not None:
+        out.append(f"moe_capacity_factor={cfg.experts.capacity_factor} (tokens dropped per rank)")
+    return out
+
+
+def write_trace(cfg: TrainConfig, results: list[dict]) -> dict[str, str]:
+    """The last step of every rank into cfg.training.trace: trace.json (Chrome trace: each rank's passes
+    and memory) and schedule.png (the pipeline ranks of the first data-parallel replica, their
+    memory below). Returns the paths written."""
+    from fxtron import chart
+
+    out = Path(cfg.training.trace)
+    out.mkdir(parents=True, exist_ok=True)
+    mesh = cfg.mesh.mesh()
+    paths = {"trace": chart.write_trace(str(out / "trace.json"), [r["timeline"] for r in results],
+                                        [r["memory"] for r in results])}
+    first = [r for r in range(mesh.world_size)
+             if all(v == 0 for k, v in mesh.coords(r).items() if k not in ("pp", "ep", "edp", "etp"))]
+    first = sorted(first, key=lambda r: mesh.coords(r)["pp"])[:mesh.pp]
+    paths["picture"] = chart.draw_timelines([results[r]["timeline"] for r in first], str(out / "schedule.png"),
+                                            title=f"{cfg.model.name}, " + " ".join(f"{a}={getattr(mesh, a)}" for a in
+                                                                             ("tp", "pp", "dp", "cp", "ep")
+                                                                             if getattr(mesh, a) > 1) + ", last step",
+                                            memory=[results[r]["memory"] for r in first])
+    peak = max(s.activations for r in results for s in r["memory"])
+    print(f"trace of the last step: {paths['trace']} (Perfetto, chrome://tracing), {paths['picture']}; "
+          f"peak activations saved for backward on a rank: {peak / 2**20:.2f} MiB")
+    return paths
+
+
 # ----------------------------------------------------------------------------- the command
 def torchrun_world() -> int | None:
     """WORLD_SIZE when this process is one rank of a torchrun job."""
@@ -255,7 +293,6 @@ def run(cfg: TrainConfig) -> dict:
     cfg.check()
     mesh = cfg.mesh.mesh()
     if cfg.training.compare:
-        from fxtron.train import reference_differs
         unmodeled = reference_differs(cfg)
         if unmodeled:
             raise ParallelizeError(
@@ -282,7 +319,6 @@ def run(cfg: TrainConfig) -> dict:
               f"({wall:.1f} s with start-up)" + (f", resumed from step {out['resumed_from']}"
                                                   if out["resumed_from"] is not None else ""))
     if cfg.training.trace is not None and world is None and losses:
-        from fxtron.train import write_trace
         out["trace"] = write_trace(cfg, results)
     imbalance = results[0]["imbalance"]
     if imbalance:
@@ -300,4 +336,5 @@ def run(cfg: TrainConfig) -> dict:
     return out
 
 
-__all__ = ["optimizer", "param_groups", "reference", "run", "schedule", "train_rank"]
+__all__ = ["optimizer", "param_groups", "reference", "reference_differs", "run", "schedule", "train_rank",
+           "write_trace"]
