@@ -168,6 +168,7 @@ def first_run(workdir):
 @pytest.mark.slow
 def test_a_model_directory_and_a_megatron_dataset_train_like_one_process(workdir, first_run):
     line = next(x for x in first_run.splitlines() if "loss difference" in x)
+    print(line)
     assert float(line.split("largest ")[1].split()[0]) < 1e-5, line
     runs = _losses(workdir / "run.jsonl")
     assert sorted(runs) == list(range(1, 11))
