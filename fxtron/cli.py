@@ -67,7 +67,8 @@ def _cmd_inspect(a) -> int:
     from fxtron.inspection import inspect, load_model
 
     cfg = _with_world(config.from_arguments(a, TrainConfig), 8)
-    model, args, kwargs = load_model(a.model, overrides=_key_values(a.model_config))
+    from fxtron.trainer.models import key_values
+    model, args, kwargs = load_model(a.model, overrides=key_values(a.model_config))
     if a.what_if:
         from fxtron.compiler.trace import trace
         traced = trace(model, args, example_kwargs=kwargs)
@@ -104,21 +105,6 @@ def _cmd_inspect(a) -> int:
             draw_graph(g, path, title=f"{a.model} rank {rank}")
     print(json.dumps(report.as_dict()) if a.json else report.text(graph=not a.no_graph))
     return 0
-
-
-def _key_values(pairs: list[str]) -> dict:
-    """KEY=VALUE strings as a dict, each value read as JSON where it is (4, 1e-5, true, [1, 2])."""
-    import json
-    out = {}
-    for pair in pairs:
-        key, eq, value = pair.partition("=")
-        if not eq or not key:
-            raise ParallelizeError(f"--model-config takes KEY=VALUE pairs, not {pair!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
 
 
 def _cmd_bench(a) -> int:

@@ -632,6 +632,9 @@ class ModelConfig(Section):
                        help="a shipped preset (fxtron.models.list_presets()), hf:<architecture> (hf:llama), "
                             "package.module:factory, or a transformers directory (config.json; its weights are "
                             "loaded when it has them)")
+    config: tuple[str, ...] | None = option(None, shorthand="model_config",
+                                            help="KEY=VALUE fields of an hf:<architecture>'s transformers config "
+                                                 "(num_hidden_layers=4 hidden_size=256)")
 
 
 DecayStyle = Literal["constant", "linear", "cosine"]

@@ -56,7 +56,9 @@ def load_model(spec: str, *, batch: int = 2, seq: int = 16, overrides: dict | No
                            "(hf:llama, hf:gpt2, ...) or package.module:factory")
 
 
-def _hf_model(arch: str, batch: int, seq: int, overrides: dict):
+def hf_config(arch: str, overrides: dict | None = None):
+    """transformers' default config of architecture `arch` with `overrides` set (each a field
+    the config has, or a ParallelizeError naming the closest)."""
     try:
         import transformers
     except ImportError:
@@ -66,13 +68,19 @@ def _hf_model(arch: str, batch: int, seq: int, overrides: dict):
     except ValueError as e:
         raise ParallelizeError(f"transformers knows no architecture {arch!r}: {e}") from None
     known = set(cfg.to_dict())
-    for key, value in overrides.items():
+    for key, value in (overrides or {}).items():
         if key not in known:
             import difflib
             near = difflib.get_close_matches(key, sorted(known), n=3)
             raise ParallelizeError(f"{type(cfg).__name__} has no field {key!r}"
                                    + (f" (did you mean {', '.join(map(repr, near))}?)" if near else ""))
         setattr(cfg, key, value)
+    return cfg
+
+
+def _hf_model(arch: str, batch: int, seq: int, overrides: dict):
+    import transformers
+    cfg = hf_config(arch, overrides)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     ids = torch.zeros((batch, seq), dtype=torch.long, device="meta")

@@ -80,9 +80,16 @@ def test_options_are_checked():
         TrainConfig().replace(save_interval=2)
     with pytest.raises(fxtron.ParallelizeError, match="min_lr = 0.1 is above optimizer.lr"):
         TrainConfig().replace(lr=1e-3, min_lr=0.1)
-    from fxtron.trainer.models import resolve
+    from fxtron.trainer.models import key_values, resolve
     with pytest.raises(fxtron.ParallelizeError, match="unknown model 'nope'"):
         resolve("nope")
+    small = resolve("hf:llama", overrides=key_values(["num_hidden_layers=2", "hidden_size=64", "vocab_size=300"]))
+    assert small.transformers and small.vocab_size == 300 and len(small.model.model.layers) == 2
+    assert all(p.is_meta for p in small.model.parameters())
+    with pytest.raises(fxtron.ParallelizeError, match="no field 'num_hiden_layers' \\(did you mean 'num_hidden_layers'"):
+        resolve("hf:llama", overrides=key_values(["num_hiden_layers=2"]))
+    with pytest.raises(fxtron.ParallelizeError, match="sets fields of an hf:<architecture>'s config; 'gpt-tiny'"):
+        resolve("gpt-tiny", overrides={"n_layer": 2})
 
 
 class _Scaled(torch.nn.Module):

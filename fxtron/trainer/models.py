@@ -45,9 +45,28 @@ def _vocab(model: torch.nn.Module, spec: str) -> int:
     raise ParallelizeError(f"model {spec!r}: cannot tell its vocabulary size (give the model a vocab_size)")
 
 
-def resolve(spec: str, seed: int = 0) -> TrainModel:
-    """The model `spec` names, built on the meta device."""
+def key_values(pairs) -> dict:
+    """KEY=VALUE strings as a dict, each value read as JSON where it is (4, 1e-5, true)."""
+    import json
+    out = {}
+    for pair in pairs or ():
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise ParallelizeError(f"--model-config takes KEY=VALUE pairs, not {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def resolve(spec: str, seed: int = 0, overrides: dict | None = None) -> TrainModel:
+    """The model `spec` names, built on the meta device; `overrides` set fields of an
+    hf:<architecture>'s config."""
     from fxtron import models
+    if overrides and not spec.startswith("hf:"):
+        raise ParallelizeError(f"--model-config ({', '.join(overrides)}) sets fields of an hf:<architecture>'s "
+                               f"config; {spec!r} is not one")
     if spec in models.PRESETS:
         model = models.build(spec, device="meta", seed=seed)
         return TrainModel(model, False, _vocab(model, spec))
@@ -63,10 +82,8 @@ def resolve(spec: str, seed: int = 0) -> TrainModel:
             config = transformers.AutoConfig.from_pretrained(spec)
             pretrained = spec if _has_weights(spec) else None
         else:
-            try:
-                config = transformers.AutoConfig.for_model(spec[3:])
-            except ValueError as e:
-                raise ParallelizeError(f"transformers knows no architecture {spec[3:]!r}: {e}") from None
+            from fxtron.inspection import hf_config
+            config = hf_config(spec[3:], overrides)
             pretrained = None
         cls = next((getattr(transformers, a) for a in (config.architectures or []) if hasattr(transformers, a)), None)
         with torch.device("meta"):
