@@ -117,9 +117,13 @@ def gathered(x: Tensor) -> tuple[Tensor, Regather] | None:
 
 
 def _linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], weight_in_out: bool) -> Tensor:
-    w = weight if weight_in_out else weight.t()
-    y = torch.matmul(x, w)
-    return y + bias if bias is not None else y
+    """The forward GEMM with the bias added inside it (addmm, as nn.Linear's F.linear), not in a
+    second pass over the output."""
+    if not weight_in_out:
+        return torch.nn.functional.linear(x, weight, bias)
+    if bias is None:
+        return torch.matmul(x, weight)
+    return torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[1])
 
 
 @torch.library.custom_op("fxtron::linear", mutates_args=())
