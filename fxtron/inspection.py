@@ -38,12 +38,7 @@ def load_model(spec: str, *, batch: int = 2, seq: int = 16, overrides: dict | No
     if spec.startswith("hf:"):
         return _hf_model(spec[3:], batch, seq, overrides or {})
     if ":" in spec:
-        mod, _, fn = spec.partition(":")
-        try:
-            factory = getattr(importlib.import_module(mod), fn)
-        except (ImportError, AttributeError) as e:
-            raise ParallelizeError(f"cannot load {spec!r}: {e}") from None
-        out = factory()
+        out = load_factory(spec)()
         if isinstance(out, tuple):
             model, args = out[0], tuple(out[1])
             return model, args, dict(out[2]) if len(out) > 2 else {}
@@ -54,6 +49,15 @@ def load_model(spec: str, *, batch: int = 2, seq: int = 16, overrides: dict | No
         return out, (ids[:, :-1].clone(), ids[:, 1:].clone()), {}
     raise ParallelizeError(f"unknown model {spec!r}: a preset ({', '.join(models.PRESETS)}), hf:<architecture> "
                            "(hf:llama, hf:gpt2, ...) or package.module:factory")
+
+
+def load_factory(spec: str):
+    """The function `package.module:factory` names, or a ParallelizeError saying why not."""
+    mod, _, fn = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(mod), fn)
+    except (ImportError, AttributeError) as e:
+        raise ParallelizeError(f"cannot load the model factory {spec!r}: {e}") from None
 
 
 def hf_config(arch: str, overrides: dict | None = None):

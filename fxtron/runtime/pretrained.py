@@ -378,16 +378,6 @@ def load_pretrained(prog, path: str, prefix: str = "") -> None:
         handles.clear()
 
 
-def read_local(sl, full_shape: tuple[int, ...], shards, sizes: dict, coords: dict) -> torch.Tensor:
-    """This rank's piece of a tensor of `full_shape` laid out by `shards` (core.params.AxisShard,
-    in order), read from a safetensors slice `sl` run by run: only its own elements."""
-    class _One(_Key):
-        @property
-        def slice(self):
-            return sl
-    return _One({}, "", "").read(_index(tuple(full_shape), shards, sizes, coords))
-
-
 # ----------------------------------------------------------------------------- writing
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -668,5 +658,5 @@ def export(checkpoint: str, out: str, *, like: str, max_shard_size: int | str = 
     return names
 
 
-__all__ = ["Origin", "StreamingFile", "checkpoint_files", "export", "load_pretrained", "origin_of", "parse_size", "read_local",
+__all__ = ["Origin", "StreamingFile", "checkpoint_files", "export", "load_pretrained", "origin_of", "parse_size",
            "save_pretrained", "write_pretrained"]

@@ -6,7 +6,6 @@ input_ids with shift_labels for transformers' (so the loss predicts every next t
 sample, as Megatron's labels = text[1:])."""
 from __future__ import annotations
 
-import importlib
 import os
 from dataclasses import dataclass
 
@@ -90,11 +89,8 @@ def resolve(spec: str, seed: int = 0, overrides: dict | None = None) -> TrainMod
             model = cls(config) if cls is not None else transformers.AutoModelForCausalLM.from_config(config)
         return TrainModel(model, True, int(config.vocab_size), pretrained)
     if ":" in spec:
-        mod, _, fn = spec.partition(":")
-        try:
-            factory = getattr(importlib.import_module(mod), fn)
-        except (ImportError, AttributeError) as e:
-            raise ParallelizeError(f"cannot load the model factory {spec!r}: {e}") from None
+        from fxtron.inspection import load_factory
+        factory = load_factory(spec)
         with torch.device("meta"):
             model = factory()
         if isinstance(model, tuple):
