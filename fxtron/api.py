@@ -148,7 +148,7 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
     if isinstance(example_inputs, (tuple, list, torch.Tensor)):
         check_example_sizes(example_inputs, example_kwargs, config.inputs.batch_dim, seq_dim)
     dtype = config.precision.torch_dtype
-    subject = _meta_replica(model, dtype) if dtype is not None else model
+    subject = materialize.meta_replica(model, dtype) if dtype is not None else model
     traced = trace(subject, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
                    batch_dim=config.inputs.batch_dim, seq_dim=seq_dim, layers_once=config.inputs.trace_layers_once)
     if mesh.cp > 1 and not any("seq" in dims for dims in meta.info(traced).user_dims):
@@ -227,22 +227,6 @@ def _init_note(model) -> str:
     if m.defaulted:
         text += f"; no init of their own, fxtron's default given: {report._few(m.defaulted)}"
     return text
-
-
-def _meta_replica(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """The model's structure on the meta device with floating parameters and buffers in
-    `dtype`: deepcopy with every tensor pre-mapped in the memo, so no data is copied (tied
-    weights stay tied: one id, one replica)."""
-    import copy
-    memo: dict[int, torch.Tensor] = {}
-    for p in model.parameters():
-        if id(p) not in memo:
-            memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta", dtype=dtype if p.is_floating_point() else p.dtype),
-                                             requires_grad=p.requires_grad)
-    for b in model.buffers():
-        if id(b) not in memo:
-            memo[id(b)] = torch.empty_like(b, device="meta", dtype=dtype if b.is_floating_point() else b.dtype)
-    return copy.deepcopy(model, memo)
 
 
 class ParallelModel:

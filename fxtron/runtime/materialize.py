@@ -437,4 +437,16 @@ class MetaMaterializer:
         return self._whole_values[name]
 
 
-__all__ = ["BLOCK", "MetaMaterializer", "NotRecordable", "describe", "model_init_name"]
+def meta_replica(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The model's structure on the meta device (floating parameters and buffers in `dtype`
+    when given): deepcopy with every tensor pre-mapped in the memo, so no data is copied (tied
+    weights stay tied: one id, one replica)."""
+    memo: dict[int, torch.Tensor] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in memo:
+            e = torch.empty_like(t, device="meta", dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
+            memo[id(t)] = torch.nn.Parameter(e, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else e
+    return copy.deepcopy(model, memo)
+
+
+__all__ = ["BLOCK", "MetaMaterializer", "meta_replica", "NotRecordable", "describe", "model_init_name"]

@@ -95,13 +95,8 @@ def origin_of(model: torch.nn.Module) -> Origin:
         return Origin()
     if not isinstance(model, PreTrainedModel):
         return Origin()
-    import copy
-    memo: dict[int, torch.Tensor] = {}
-    for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) not in memo:
-            e = torch.empty_like(t, device="meta")
-            memo[id(t)] = torch.nn.Parameter(e, t.requires_grad) if isinstance(t, torch.nn.Parameter) else e
-    return Origin(copy.deepcopy(model, memo))
+    from fxtron.runtime.materialize import meta_replica
+    return Origin(meta_replica(model))
 
 
 # ----------------------------------------------------------------------------- reading
