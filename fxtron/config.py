@@ -51,7 +51,7 @@ Granularity = Literal["selective", "full"]
 RecomputeMethod = Literal["uniform", "block"]
 DType = Literal["fp32", "bf16", "fp16"]
 Device = Literal["cpu", "cuda"]
-ZeroStage = Literal[0, 1]
+ZeroStage = Literal[0, 1, 2, 3]
 
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
@@ -314,7 +314,11 @@ class DataParallelConfig(Section):
     grad_reduce_dtype: DType | None = option(None, help="the gradient buffer's dtype (default: fp32 main_grad)")
     overlap_grad_reduce: bool = option(True, help="start each bucket's collective during backward")
     zero: ZeroStage = option(0, help="1: the distributed optimizer (optimizer state and main parameters sharded "
-                                     "over dp)")
+                                     "over dp); 2: and the gradients, reduce-scattered during backward; 3: and the "
+                                     "parameters (FSDP), each layer gathered just before use")
+    gather_per_step: bool = option(False, help="zero=3: gather each layer once per step and keep it until the step "
+                                               "ends (no gather again in backward or per microbatch), holding the "
+                                               "whole parameters during the step")
     clip_grad: float | None = option(None, positive=True, help="clip the global gradient norm to this")
 
 

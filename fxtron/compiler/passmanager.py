@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from fxtron.passes.fsdp import is_free, param_of, shard_data_parallel
 from fxtron.passes.fuse import fuse_linears, fused_weights
 from fxtron.config import Config
 from fxtron.core import layout, meta
@@ -79,9 +80,12 @@ class RankGraph:
         order: dict[str, None] = {}
         for g in self.graphs:
             for node in g.graph.nodes:
+                if node.target == torch.ops.fxtron.fsdp_gather.default:
+                    continue
                 for a in node.all_input_nodes:
-                    if meta.is_param(a):
-                        order.setdefault(meta.param_name(a))
+                    name = param_of(a)
+                    if name is not None:
+                        order.setdefault(name)
         return list(order)
 
     def grad_reports(self) -> dict[str, int]:
@@ -92,11 +96,13 @@ class RankGraph:
         linear = torch.ops.fxtron.linear.default
         for g in self.graphs:
             for node in g.graph.nodes:
-                if not meta.is_param(node):
+                name = param_of(node)
+                if name is None or (meta.is_param(node) and any(u.target == torch.ops.fxtron.fsdp_gather.default
+                                                                for u in node.users)):
                     continue
-                fused = sum(1 for u in node.users if u.target == linear and u.args[1] is node)
-                other = any(not (u.target == linear and u.args[1] is node) for u in node.users)
-                name = meta.param_name(node)
+                users = [u for u in node.users if not is_free(u)]
+                fused = sum(1 for u in users if u.target == linear and u.args[1] is node)
+                other = any(not (u.target == linear and u.args[1] is node) for u in users)
                 out[name] = out.get(name, 0) + fused + int(other)
         return out
 
@@ -134,6 +140,7 @@ class RankState:
     shared: dict[str, tuple[int, ...]] = field(default_factory=dict)
     local: dict[str, LocalParam] = field(default_factory=dict)
     redistributed: bool = False
+    job: Mesh | None = None             # the whole mesh (group sizes beyond one axis)
 
 
 def _always(s: RankState) -> bool:
@@ -263,6 +270,18 @@ def _shard_params(s: RankState) -> None:
     assert set(s.local) == mine
 
 
+def _zero3(s: RankState) -> bool:
+    return s.config.data_parallel.zero == 3
+
+
+def _shard_data_parallel(s: RankState) -> None:
+    def group_of(kind: str) -> tuple[int, int]:
+        ranks = s.job.group_of(kind, s.mesh.rank)
+        return len(ranks), ranks.index(s.mesh.rank)
+    graphs = [s.gm] if s.stages is None else [st.gm for st in s.stages]
+    s.local = shard_data_parallel(graphs, s.local, group_of)
+
+
 PASSES = pass_list(
     Pass("trace", "the traced graph (torch.export), export's metadata asserts dropped",
          _set("gm", lambda s: drop_metadata_asserts(s.gm))),
@@ -322,6 +341,9 @@ PASSES = pass_list(
          "recompute is 'selective' or 'full'", after=("split_stages",)),
     Pass("shard_params", "each parameter's local shape, shards per axis and gradient group", _shard_params,
          after=("split_stages",)),
+    Pass("shard_data_parallel", "each parameter held as the rank's 1/d flat piece; each layer's pieces gathered just "
+         "before its first use and freed after its last (FSDP)", _shard_data_parallel, _zero3, "zero=3",
+         after=("shard_params", "mark_recompute")),
 )
 
 
@@ -340,7 +362,7 @@ config.debug.verify the verifier checks the graph after every pass.
     if view.parallel("tp") and plan is None:
         raise ValueError("compile_rank: mesh.tp > 1 needs the model's tp plan")
     config = config if config is not None else Config()
-    state = RankState(meta.copy_graph(traced), view, config, plan, stage_assignment)
+    state = RankState(meta.copy_graph(traced), view, config, plan, stage_assignment, job=mesh)
     check = config.debug.verify
     for p in PASSES:
         if not p.when(state):
@@ -357,7 +379,7 @@ config.debug.verify the verifier checks the graph after every pass.
                 for st in state.stages:
                     observer(f"split_stages_stage{st.index}", st.gm, seconds,
                              f"stage {st.index}: receives {', '.join(st.inputs) or '-'}; sends {', '.join(st.outputs) or '-'}")
-            elif p.name != "shard_params":
+            elif p.name not in ("shard_params", "shard_data_parallel"):
                 observer(p.name, state.gm, seconds, p.reason)
     state.gm.graph.lint()
     return RankGraph(gm=state.gm, mesh=mesh, rank=rank, local=state.local, plan=plan,

@@ -24,6 +24,23 @@ class AxisShard:
 
 
 @dataclass(frozen=True)
+class FlatShard:
+    """Sharded data parallel (zero=3): the rank holds only the `index`-th of `world` equal
+    pieces of its local tensor, flattened and zero-padded to `world x chunk` elements, over the
+    parameter's gradient group (dp, dp-cp, expert-dp). The graph gathers the pieces of every
+    parameter of `unit` (a layer) together just before they are used."""
+
+    world: int
+    index: int
+    chunk: int
+    unit: str
+
+    @property
+    def padded(self) -> int:
+        return self.world * self.chunk
+
+
+@dataclass(frozen=True)
 class LocalParam:
     """One parameter of a rank. `shards`: the axes it is split over (none: whole on this
     rank), applied in order. `partial_grad`: axes over which each rank's gradient is a partial
@@ -43,6 +60,24 @@ class LocalParam:
     partial_grad: tuple[str, ...] = ()
     grad_group: str = "dp"
     grad_whole_on: tuple[str, ...] = ()
+    flat: FlatShard | None = None
+
+    @property
+    def held_shape(self) -> tuple[int, ...]:
+        """The shape of the tensor the rank holds between steps: its local shape, or its flat
+        data-parallel piece under zero=3."""
+        return (self.flat.chunk,) if self.flat is not None else self.local_shape
+
+    def held_of(self, local: torch.Tensor) -> torch.Tensor:
+        """The rank's held piece of its local tensor (itself without zero=3; a new tensor)."""
+        if self.flat is None:
+            return local
+        f = self.flat
+        flat = local.reshape(-1)
+        out = flat.new_zeros(f.chunk)
+        lo, hi = min(f.index * f.chunk, flat.numel()), min((f.index + 1) * f.chunk, flat.numel())
+        out[:hi - lo].copy_(flat[lo:hi])
+        return out
 
     def shard_on(self, axis: str) -> AxisShard | None:
         return next((s for s in self.shards if s.axis == axis), None)
@@ -59,4 +94,4 @@ class LocalParam:
         return out if out is not full else full.clone()
 
 
-__all__ = ["AxisShard", "LocalParam"]
+__all__ = ["AxisShard", "FlatShard", "LocalParam"]

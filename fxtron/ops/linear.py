@@ -141,7 +141,11 @@ def _(x, weight, bias, weight_in_out):
 
 def _setup(ctx, inputs, output):
     x, weight, bias, ctx.weight_in_out = inputs
-    ctx.weight = weight          # the Parameter itself: its main_grad attribute is read in backward
+    ctx.fsdp = getattr(weight, "fxtron_fsdp", None)   # a weight gathered under zero=3 (ops/fsdp.py)
+    if ctx.fsdp is not None:     # keep the handle, not the whole weight: backward gathers it again
+        ctx.weight = None
+    else:
+        ctx.weight = weight      # the Parameter itself: its main_grad attribute is read in backward
     ctx.has_bias = bias is not None
     g = gathered(x)
     ctx.regather = g[1] if g is not None else None
@@ -156,15 +160,19 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, dy):
     (x,) = ctx.saved_tensors
     gathering = ctx.regather.begin(x) if ctx.regather is not None else None
-    w = ctx.weight
+    if ctx.fsdp is not None:   # zero=3: the weight gathered again, its gradient into the layer's
+        units, unit, index = ctx.fsdp
+        w = units.weight(unit, index)
+        main_grad, report = units.main_grad(unit, index), units.reporter(unit)
+    else:
+        w = ctx.weight
+        main_grad, report = getattr(w, "main_grad", None), getattr(w, "fxtron_report", None)
     dy = dy.to(x.dtype)        # as Megatron: the weight-gradient GEMM takes both in the input's dtype
     dx = dy.matmul(w.t() if ctx.weight_in_out else w)
     if gathering is not None:  # the input gathered again while the input gradient was computed
         x = gathering()
-    main_grad = getattr(w, "main_grad", None)
     grad_w = None
     if main_grad is not None:
-        report = getattr(w, "fxtron_report", None)
         job = lambda: _accumulate(x, dy, main_grad, ctx.weight_in_out, report)  # noqa: E731
         queue = active_queue()
         if queue is not None:

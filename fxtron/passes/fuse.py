@@ -58,8 +58,9 @@ def fused_weights(gm: fx.GraphModule) -> list[str]:
     out = []
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target == torch.ops.fxtron.linear.default:
-            name = meta.param_name(node.args[1])
-            if name not in out:
+            from fxtron.passes.fsdp import param_of
+            name = param_of(node.args[1])       # (under zero=3, a gathered one)
+            if name is not None and name not in out:
                 out.append(name)
     return out
 

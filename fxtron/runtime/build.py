@@ -21,7 +21,8 @@ from fxtron.runtime.program import Program
 
 def local_params(model: torch.nn.Module, spec: RankSpec, seed: int = 0,
                  materialized: MetaMaterializer | None = None) -> dict[str, torch.Tensor]:
-    """This rank's piece of every parameter it holds, new tensors on the CPU."""
+    """This rank's piece of every parameter it holds, new tensors on the CPU (under zero=3 its
+    flat data-parallel piece of that)."""
     named = dict(model.named_parameters())
     out = {}
     materialized = materialized if materialized is not None else MetaMaterializer(model, seed)
@@ -29,9 +30,10 @@ def local_params(model: torch.nn.Module, spec: RankSpec, seed: int = 0,
     for name, lp in spec.local.items():
         full = named[name]
         if full.device.type == "meta":     # made shard by shard, never whole (runtime/materialize.py)
-            out[name] = materialized.local(name, lp.shards, sizes, coords)
+            local = materialized.local(name, lp.shards, sizes, coords)
         else:
-            out[name] = lp.local_of(full.detach(), sizes, coords)
+            local = lp.local_of(full.detach(), sizes, coords)
+        out[name] = lp.held_of(local)      # (under zero=3, the rank's flat piece)
     if materialized.defaulted:
         warnings.warn(f"rank {spec.rank}: {len(materialized.defaulted)} parameter(s) of the meta model have no init of "
                       f"their own (no reset_parameters, no init_weights): fxtron's default given: "

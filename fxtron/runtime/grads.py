@@ -77,6 +77,10 @@ def _whole_elements(spec: LocalParam, coords: dict, sizes: dict, start: int, n: 
     return mask
 
 
+def _count(shape) -> int:
+    return math.prod(int(s) for s in shape)
+
+
 def across_stages(groups, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Merge the dicts of every pipeline rank (each holds its stages' parameters)."""
     if groups is None or groups.size("pp") == 1:
@@ -124,13 +128,23 @@ class Gradients:
         for n in order:
             kinds.setdefault(local[n].grad_group if n in local else "dp", []).append(n)
         self.buffers: dict[str, GradBuffer] = {}
+        #: the group kinds whose ranks each hold another piece of the gradients after the step
+        #: (zero=1's shards of every buffer; zero=3's flat pieces, reduced by runtime/fsdp.py)
+        self.sharded_kinds: set[str] = set()
         for kind, names in kinds.items():
             world, index = (1, 0) if groups is None else (groups.size(kind), groups.index(kind))
+            if config.zero == 1 and world > 1:
+                self.sharded_kinds.add(kind)
+            if any(n in local and local[n].flat is not None for n in names):
+                self.sharded_kinds.add(kind)
+                world, index, average = 1, 0, 1     # the pieces' gradients come reduced (runtime/fsdp.py)
+            else:
+                average = dp
             self.buffers[kind] = GradBuffer(
                 [(n, params[n], (grad_reports or {}).get(n, 1)) for n in names], reduce_dtype,
                 config.bucket_size or default_bucket_size(world),
                 group=groups.group(kind) if world > 1 else None, dp=world, reduce_scatter=config.zero == 1,
-                dp_rank=index, alone=frozenset(self.shared), average=dp)
+                dp_rank=index, alone=frozenset(self.shared), average=average)
         self._buffer_of = {n: self.buffers[kind] for kind, names in kinds.items() for n in names}
         dense = [k for k in self.buffers if k != "expert-dp"]
         if len(dense) > 1:
@@ -144,7 +158,7 @@ class Gradients:
             self.buffer = self.buffers["dp"] = GradBuffer([], torch.float32, 1)
         # a gradient every rank of the group computes whole (not a partial sum over cp) enters the
         # sum divided by those ranks' count
-        self._share = {n: 1.0 / math.prod(groups.size(a) for a in local[n].grad_whole_on)
+        self.share = self._share = {n: 1.0 / math.prod(groups.size(a) for a in local[n].grad_whole_on)
                        for n in order if groups is not None and n in local and local[n].grad_whole_on}
         # one view per parameter, made once: .grad and .main_grad are the same tensors every step
         self._views = {n: self._buffer_of[n].view(n, params[n]) for n in order}
@@ -154,6 +168,9 @@ class Gradients:
             params[n].register_post_accumulate_grad_hook(self._hook(n))
         #: the distributed optimizer (zero=1): this rank's shards of every buffer
         self.zero = ZeroOne(self.buffers, params) if config.zero == 1 else None
+        #: zero=3's units (runtime/fsdp.py FsdpUnits), set by the program
+        self.fsdp = None
+        self.reduce_dtype = reduce_dtype
 
     # ---------------------------------------------------------------- accumulation
     def _hook(self, name: str):
@@ -191,6 +208,8 @@ class Gradients:
         for n, p in self.params.items():
             p.main_grad = self._views[n]
             p.fxtron_report = self._report(n)
+        if self.fsdp is not None:
+            self.fsdp.begin({n: self._views[n] for n in self.params if n in self.local and self.local[n].flat is not None})
         self._in_step = True
         try:
             yield
@@ -214,7 +233,9 @@ class Gradients:
         that are partial there although the weight is whole (norm weights under sequence
         parallel: Megatron's _allreduce_layernorm_grads); sum tied weights over the pipeline
         ranks that hold them (the embedding group); then clip the global norm. Afterwards every
-        parameter's .grad is its gradient (the rank's shard under zero=1)."""
+        parameter's .grad is its gradient (the rank's shard under zero=1, its piece under zero=3)."""
+        if self.fsdp is not None:
+            self.fsdp.finish()
         for buf in self.buffers.values():
             buf.finish()
         if self.zero is not None:
@@ -297,6 +318,10 @@ class Gradients:
         starts = self.zero.shard_starts() if self.zero is not None else iter(lambda: 0, None)
         for (g, name), start in zip(self._for_norm(), starts):
             spec = self.local.get(name)
+            if spec is not None and spec.flat is not None:    # zero=3: the piece, its padding left out
+                f = spec.flat
+                start = min(f.index * f.chunk, _count(spec.local_shape))
+                g = g[:min(f.chunk, _count(spec.local_shape) - start)]
             if any(c != 0 and (spec is None or spec.shard_on(a) is None) for a, c in coords.items()):
                 continue                                   # a replica over a model axis: its rank 0 counts it
             holders = self.shared.get(name)
@@ -307,12 +332,11 @@ class Gradients:
             whole = _whole_elements(spec, coords, sizes, start, g.numel(), g.device) if spec is not None else None
             total += squares.sum() if whole is None else squares.reshape(-1)[~whole].sum()
         if self.groups is not None:
-            if self.zero is not None:          # each rank holds 1/dp of each buffer's gradients
-                for kind, total in ((self.dense_group, dense), ("expert-dp", experts)):
-                    buf = self.buffers.get(kind)
-                    if buf is not None and buf.group is not None:
-                        with ledger.collective(buf.group, "all_reduce", total):
-                            dist.all_reduce(total, group=buf.group)
+            for kind, total in ((self.dense_group, dense), ("expert-dp", experts)):
+                if kind in self.sharded_kinds:     # each rank holds 1/d of the gradients
+                    group = self.groups.group(kind)
+                    with ledger.collective(group, "all_reduce", total):
+                        dist.all_reduce(total, group=group)
             for kind, total in (("tp-pp", dense), ("tp-ep-pp", experts)):
                 if kind == "tp-ep-pp" and self.groups.size("ep") == 1:
                     continue                               # (every pp rank alike, experts on its stages or not)
@@ -346,6 +370,15 @@ class Gradients:
             return local
         return gather_full(local, spec, self.groups)
 
+    def local_of(self, name: str, held: torch.Tensor) -> torch.Tensor:
+        """The rank's local tensor of parameter `name` from what the rank holds of it (under
+        zero=3, its flat piece: gathered over its group; every rank of the group calls it)."""
+        spec = self.local.get(name)
+        if spec is None or spec.flat is None:
+            return held
+        from fxtron.runtime.fsdp import whole_local
+        return whole_local(held, spec, self.groups)
+
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Full-shape gradients under the original parameter names (tied weights once)."""
         out = {}
@@ -355,7 +388,8 @@ class Gradients:
                 g = data[name].view_as(p).to(p.dtype)
             else:
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
-            out[name] = self.full(name, g.detach()).clone()
+            g = self.local_of(name, g.detach())
+            out[name] = self.full(name, g).clone()
         return across_stages(self.groups, out)
 
     def bytes(self) -> int:

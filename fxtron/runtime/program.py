@@ -112,6 +112,15 @@ class Program(nn.Module):
                                shared=spec.shared, grad_reports=spec.grad_reports, param_order=list(spec.param_order),
                                chunk_params=[set(st.params) for st in stages] if stages is not None else None)
         self.last_dispatch: DispatchLog | None = None   # what expert parallel's all-to-alls did, last step
+        # sharded data parallel (zero=3): each layer's pieces gathered at the graph's fsdp_gather nodes
+        self.fsdp = None
+        if any(lp.flat is not None for lp in self.local.values()):
+            from fxtron.runtime.fsdp import FsdpUnits
+            self.fsdp = FsdpUnits(list(spec.graphs), dict(self.named_parameters()), self.local, groups,
+                                  dtype=self.dtype, grad_dtype=self.grads.reduce_dtype,
+                                  average=dp, share=self.grads.share,
+                                  gather_per_step=config.data_parallel.gather_per_step)
+            self.grads.fsdp = self.fsdp
 
     # ---------------------------------------------------------------- gradients (runtime/grads.py)
     @property
@@ -164,7 +173,7 @@ class Program(nn.Module):
     def _run_graph(self, flat: list) -> torch.Tensor:
         args = [self._compute_copy(get_by_path(self, n)) for n in self.info.params]
         args += [self._compute_copy(get_by_path(self, n)) for n in self.info.buffers]
-        with self.rng.active() if self.rng is not None else contextlib.nullcontext():
+        with self.rng.active() if self.rng is not None else contextlib.nullcontext(), self._gathering():
             outs = self.graph_module(*args, *flat)
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)
         loss = None
@@ -234,8 +243,12 @@ class Program(nn.Module):
         args = [self._compute_copy(get_by_path(self, n)) for n in stage.params]
         args += [self._compute_copy(get_by_path(self, n)) for n in stage.buffers]
         args += [flat[i] for i in stage.user_inputs] + list(received)
-        with self.rng.active() if self.rng is not None else contextlib.nullcontext():
+        with self.rng.active() if self.rng is not None else contextlib.nullcontext(), self._gathering():
             return stage.gm(*args)
+
+    def _gathering(self):
+        """zero=3: the graph's gathers find this program's units (runtime/fsdp.py)."""
+        return self.fsdp.running() if self.fsdp is not None else contextlib.nullcontext()
 
     def runner(self):
         """The schedule runner of this rank (built once): its chunks, actions and p2p."""
@@ -376,7 +389,9 @@ class Program(nn.Module):
             if grads_ok:
                 self.zero.step(optimizer)
             return
-        if self.scaler is None or self.scaler.unscale_and_check(list(self.parameters()), self.groups):
+        if self.scaler is None or self.scaler.unscale_and_check(
+                list(self.parameters()), self.groups, sharded_over_dp=self.fsdp is not None,
+                dp_kind=self.grads.dense_group):
             optimizer.step()
 
     # ---------------------------------------------------------------- checkpoints
@@ -436,7 +451,7 @@ class Program(nn.Module):
         if self.zero is not None:
             self.zero.wait_params()
         for name, p in self.named_parameters():
-            out[name] = self.grads.full(name, p.detach()).clone()
+            out[name] = self.grads.full(name, self.grads.local_of(name, p.detach())).clone()
         persistent = set(self.state_dict(keep_vars=True))
         for name, b in self.named_buffers():
             if name in persistent:

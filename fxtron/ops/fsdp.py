@@ -1,0 +1,137 @@
+"""Ops: sharded data parallel's parameter gathers (zero=3, FSDP), as graph ops.
+
+Under zero=3 a rank holds only its 1/d piece of each parameter (flattened, zero-padded; d the
+ranks of the parameter's gradient group). The compiler (passes/fsdp.py) puts, before the first
+use of each layer's parameters, one
+
+    fxtron::fsdp_gather(str group, str unit, Tensor[] shards, int[] shapes, int[] dims) -> Tensor[]
+
+which all-gathers the pieces of every parameter of `unit` (one collective for the layer) and
+returns them whole, shaped like the rank's local (tensor-parallel) parameters; and after their
+last use in forward
+
+    fxtron::fsdp_free(str group, str unit, Tensor[] gathered) -> ()
+
+after which the rank no longer holds them: what backward needs of them (the weight of a fused
+linear, a norm's weight saved by its multiply) is gathered again there, and each layer's
+gradients are reduce-scattered as soon as its backward completes them (runtime/fsdp.py).
+
+`shapes` is the local shapes of the parameters, concatenated, and `dims` their ranks, so the
+fake implementation needs no group. The run-time forms call the program's `FsdpUnits`, active
+while it runs a step (`active()`); the gathered tensors carry `fxtron_fsdp = (units, unit,
+index)` so that a fused linear (ops/linear.py) keeps that handle, not the whole weight, for
+its backward.
+"""
+from __future__ import annotations
+
+import contextvars
+
+import torch
+from torch import Tensor
+
+from fxtron.errors import ParallelizeError
+from fxtron.ops.registry import Comm, OpSpec, register
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("fxtron_fsdp_units", default=None)
+
+
+def active():
+    """The FsdpUnits (runtime/fsdp.py) of the program running now, or None."""
+    return _ACTIVE.get()
+
+
+def set_active(units):
+    """Make `units` the active FsdpUnits; returns the token to reset with."""
+    return _ACTIVE.set(units)
+
+
+def reset_active(token) -> None:
+    _ACTIVE.reset(token)
+
+
+def shapes_of(shapes: list[int], dims: list[int]) -> list[tuple[int, ...]]:
+    """The per-parameter shapes of fsdp_gather's flat (shapes, dims) arguments."""
+    out, at = [], 0
+    for d in dims:
+        out.append(tuple(shapes[at:at + d]))
+        at += d
+    return out
+
+
+@torch.library.custom_op("fxtron::fsdp_gather", mutates_args=())
+def fsdp_gather(group: str, unit: str, shards: list[Tensor], shapes: list[int], dims: list[int]) -> list[Tensor]:
+    """The whole local parameters of `unit` from every rank's flat pieces `shards` (zero=3)."""
+    if group == "":          # one rank holds everything: the pieces are the tensors, padding aside
+        return [s[:_numel(shape)].reshape(shape).clone() for s, shape in zip(shards, shapes_of(shapes, dims))]
+    raise ParallelizeError(f"fxtron::fsdp_gather of {unit} runs inside a program's step (prog.train_step)")
+
+
+@fsdp_gather.register_fake
+def _(group, unit, shards, shapes, dims):
+    return [s.new_empty(shape) for s, shape in zip(shards, shapes_of(shapes, dims))]
+
+
+@torch.library.custom_op("fxtron::fsdp_free", mutates_args=())
+def fsdp_free(group: str, unit: str, gathered: list[Tensor]) -> None:
+    """`unit`'s gathered parameters are no longer needed in forward: the rank drops them."""
+    return None
+
+
+@fsdp_free.register_fake
+def _(group, unit, gathered):
+    return None
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+class _Gather(torch.autograd.Function):
+    """The run-time gather: forward asks the program's units for the whole parameters;
+    backward hands their gradients (those autograd computes: all but fused linears', which
+    accumulate in place) to the units, which reduce-scatter each layer's once it is complete.
+    The pieces get no gradient through autograd: the units add the reduced ones to theirs."""
+
+    @staticmethod
+    def forward(ctx, units, unit, *shards):
+        ctx.units, ctx.unit, ctx.n = units, unit, len(shards)
+        ctx.set_materialize_grads(False)
+        return tuple(units.gather(unit, list(shards)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.units.autograd_grads(ctx.unit, list(grads))
+        return (None, None) + (None,) * ctx.n
+
+
+def fsdp_gather_eager(group: str, unit: str, shards: list[Tensor], shapes: list[int], dims: list[int]) -> list[Tensor]:
+    units = active()
+    if units is None:
+        return fsdp_gather(group, unit, shards, shapes, dims)
+    out = _Gather.apply(units, unit, *shards)
+    out = list(out) if isinstance(out, tuple) else [out]
+    for i, t in enumerate(out):
+        t.fxtron_fsdp = (units, unit, i)
+    return out
+
+
+def fsdp_free_eager(group: str, unit: str, gathered: list[Tensor]) -> None:
+    units = active()
+    if units is not None:
+        units.free(unit)
+
+
+register(OpSpec("fsdp_gather", axis_arg=0, forward=Comm("all_gather", "params"),
+                backward=Comm("reduce_scatter", "params"), eager=fsdp_gather_eager))
+register(OpSpec("fsdp_free", eager=fsdp_free_eager))
+
+
+def handle(weight: Tensor):
+    """(units, unit, index) of a parameter gathered by fsdp_gather, or None."""
+    return getattr(weight, "fxtron_fsdp", None)
+
+
+__all__ = ["active", "fsdp_free", "fsdp_gather", "handle", "reset_active", "set_active", "shapes_of"]

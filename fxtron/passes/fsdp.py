@@ -1,0 +1,135 @@
+"""Passes: sharded data parallel (zero=3, FSDP) as graph nodes.
+
+Each parameter is held as the rank's 1/d flat piece (core.params.FlatShard; d the ranks of its
+gradient group: dp, dp-cp under context parallel, expert-dp for experts). The parameters are
+grouped into units, one per layer (the model's path up to its layer index: `blocks.3`,
+`model.layers.3`; every other module its own unit, and a layer's experts apart from its dense
+weights, since they shard over another group). Per graph (each pipeline stage's):
+
+- `fxtron::fsdp_gather(group, unit, pieces...)` just before the first use of any of the unit's
+  parameters, every use then reading its outputs (the whole local parameters);
+- `fxtron::fsdp_free(group, unit, gathered...)` just after their last use in forward.
+
+Inside a recomputed region that holds every use of a unit, the gather joins the region, so the
+recomputation gathers again. What the runtime does at these nodes (prefetching the next unit,
+gathering again in backward, reduce-scattering each unit's gradients) is runtime/fsdp.py's.
+"""
+from __future__ import annotations
+
+import operator
+import re
+
+import torch
+import torch.fx as fx
+
+from fxtron.core import meta
+from fxtron.core.params import FlatShard, LocalParam
+from fxtron.errors import ParallelizeError
+from fxtron.ops import fsdp as _ops  # noqa: F401 - registers torch.ops.fxtron.fsdp_*
+
+_GATHER = torch.ops.fxtron.fsdp_gather.default
+_FREE = torch.ops.fxtron.fsdp_free.default
+
+
+def unit_of(name: str) -> str:
+    """The unit (layer) a parameter belongs to: its path up to and including the first index
+    (`model.layers.3`), else its module's path (`lm_head`; a top-level tensor: its name)."""
+    parts = name.split(".")
+    for i, p in enumerate(parts):
+        if re.fullmatch(r"\d+", p):
+            return ".".join(parts[:i + 1])
+    return ".".join(parts[:-1]) or name
+
+
+def shard_data_parallel(graphs: list[fx.GraphModule], local: dict[str, LocalParam],
+                        group_of) -> dict[str, LocalParam]:
+    """Insert each unit's gather and free into `graphs` (edited in place) and return `local`
+    with every parameter's flat piece. `group_of(kind)` gives the rank's (world, index) in a
+    gradient group kind; a kind of one rank shards nothing."""
+    out = dict(local)
+    seen: dict[str, int] = {}
+    for gi, gm in enumerate(graphs):
+        units: dict[tuple[str, str], list[fx.Node]] = {}
+        for node in gm.graph.nodes:
+            name = meta.param_name(node)
+            if name is None or not node.users or name not in local:
+                continue
+            kind = local[name].grad_group
+            world, _ = group_of(kind)
+            if world == 1:
+                continue
+            label = unit_of(name) + ("" if kind != "expert-dp" else " (experts)")
+            units.setdefault((kind, label), []).append(node)
+        order = list(gm.graph.nodes)
+        position = {n: i for i, n in enumerate(order)}
+        for (kind, label), params in units.items():
+            if seen.setdefault(label, gi) != gi:
+                raise ParallelizeError(f"zero=3: layer {label} is used by two pipeline chunks of rank; fxtron gathers "
+                                       "a layer's parameters in one chunk")
+            world, index = group_of(kind)
+            users = [u for p in params for u in p.users]
+            first = min(users, key=position.__getitem__)
+            last = max(users, key=position.__getitem__)
+            shapes, dims = [], []
+            for p in params:
+                lp = local[meta.param_name(p)]
+                shapes += list(lp.local_shape)
+                dims.append(len(lp.local_shape))
+                numel = 1
+                for s in lp.local_shape:
+                    numel *= int(s)
+                chunk = -(-numel // world)
+                out[lp.name] = _replace(lp, FlatShard(world, index, chunk, label))
+            g = gm.graph
+            with g.inserting_before(first):
+                gather = g.call_function(_GATHER, (kind, label, list(params), shapes, dims))
+                outs = []
+                for i, p in enumerate(params):
+                    item = g.call_function(operator.getitem, (gather, i))
+                    item.meta.update({k: v for k, v in p.meta.items() if k != meta.INPUT})
+                    outs.append(item)
+            gather.meta["val"] = [o.meta.get("val") for o in outs]
+            meta.set(gather, meta.MODULE, label)
+            meta.set(gather, meta.PROVENANCE, meta.Provenance("shard_data_parallel", f"gather {label} (zero=3)"))
+            for p, item in zip(params, outs):
+                p.replace_all_uses_with(item, delete_user_cb=lambda u, gather=gather: u is not gather)
+            with g.inserting_after(last):
+                free = g.call_function(_FREE, (kind, label, outs))
+            meta.set(free, meta.MODULE, label)
+            meta.set(free, meta.PROVENANCE, meta.Provenance("shard_data_parallel", f"free {label} (zero=3)"))
+            regions = {meta.get(u, meta.RECOMPUTE) for u in users}
+            if len(regions) == 1 and None not in regions:      # the recomputation gathers again
+                region = regions.pop()
+                for n in (gather, *outs, free):
+                    meta.set(n, meta.RECOMPUTE, region)
+            for p in params:       # the placeholder is the flat piece now
+                lp = out[meta.param_name(p)]
+                val = p.meta.get("val")
+                if isinstance(val, torch.Tensor):
+                    p.meta["val"] = torch.empty((lp.flat.chunk,), dtype=val.dtype, device="meta")
+                meta.set(p, meta.LOCAL_SHAPE, (lp.flat.chunk,))
+        gm.graph.lint()
+        gm.recompile()
+    return out
+
+
+def _replace(lp: LocalParam, flat: FlatShard) -> LocalParam:
+    import dataclasses
+    return dataclasses.replace(lp, flat=flat)
+
+
+def param_of(node) -> str | None:
+    """The parameter `node` stands for: a parameter placeholder, or one output of a gather."""
+    if meta.is_param(node):
+        return meta.param_name(node)
+    if (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem
+            and isinstance(node.args[0], fx.Node) and node.args[0].target == _GATHER):
+        return meta.param_name(node.args[0].args[2][node.args[1]])
+    return None
+
+
+def is_free(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target == _FREE
+
+
+__all__ = ["is_free", "param_of", "shard_data_parallel", "unit_of"]
