@@ -112,13 +112,22 @@ class GradBuffer:
 
     # ------------------------------------------------------------------ one step
     def reset(self) -> None:
-        """Zero the gradients and forget the last step's collectives."""
+        """Zero the gradients and forget the last step's collectives (the memory allocated
+        again first, if `release` gave it back)."""
+        storage = self.data.untyped_storage()
+        if storage.nbytes() == 0 and self.data.numel():
+            storage.resize_(self.data.numel() * self.data.element_size())
         self.data.zero_()
         self.started_early = 0
         self.bytes_sent = 0
         for b in self.buckets:
             b.pending, b.work, b.started = b.expected, None, False
         self._reporting = False
+
+    def release(self) -> None:
+        """Give the buffer's memory back until the next `reset` (zero=2 between steps); the
+        parameters' views of it stay valid and see it again then."""
+        self.data.untyped_storage().resize_(0)
 
     def start_reporting(self, names=None) -> None:
         """The next backward is the step's last for these parameters (None: all): count

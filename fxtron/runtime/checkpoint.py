@@ -195,8 +195,8 @@ def _write(prog, path: str, optimizer, storage_writer, extra=None) -> None:
     if prog.zero is not None:
         prog.zero.wait_params()
     sd: dict = {}
-    for name, p in prog.named_parameters():
-        sd.update(_entries(prog, name, p.detach(), mesh, f"model/{name}"))
+    for name, p in prog.named_parameters():     # (zero=3: each gathered over dp into the rank's local tensor)
+        sd.update(_entries(prog, name, prog.grads.local_of(name, p.detach()), mesh, f"model/{name}"))
     persistent = set(prog.state_dict(keep_vars=True))
     for name, b in prog.named_buffers():
         if name in persistent:
@@ -206,7 +206,7 @@ def _write(prog, path: str, optimizer, storage_writer, extra=None) -> None:
             p = dict(prog.named_parameters())[name]
             for key, value in st.items():
                 if isinstance(value, torch.Tensor) and value.shape == p.shape and value.dim() > 0:
-                    sd.update(_entries(prog, name, value, mesh, f"optim/{name}/{key}"))
+                    sd.update(_entries(prog, name, prog.grads.local_of(name, value), mesh, f"optim/{name}/{key}"))
                 elif isinstance(value, torch.Tensor):
                     sd[f"optim/{name}/{key}"] = value
                 else:
@@ -325,7 +325,8 @@ def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
     sd: dict = {}
     finish: dict[str, object] = {}
     for name, p in params.items():
-        entries, finish[f"model/{name}"] = _request(prog, name, torch.empty_like(p), mesh, f"model/{name}", meta, layout)
+        entries, finish[f"model/{name}"] = _request(prog, name, _local_like(prog, name, p), mesh, f"model/{name}",
+                                                    meta, layout)
         sd.update(entries)
     persistent = set(prog.state_dict(keep_vars=True))
     for name, b in prog.named_buffers():
@@ -353,7 +354,7 @@ def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
                 elif m is not None and m.size == torch.Size([]):
                     sd[key] = torch.zeros((), dtype=m.properties.dtype)
                 else:
-                    entries, finish[key] = _request(prog, name, torch.zeros_like(p, dtype=torch.float32), mesh, key,
+                    entries, finish[key] = _request(prog, name, _local_like(prog, name, p, torch.float32), mesh, key,
                                                     meta, layout)
                     sd.update(entries)
         if "optim/param_groups" in meta:
@@ -361,7 +362,7 @@ def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
     dcp.load(sd, checkpoint_id=path, no_dist=_alone(prog))
     with torch.no_grad():
         for name, p in params.items():
-            p.copy_(finish[f"model/{name}"](sd))
+            p.copy_(_held(prog, name, finish[f"model/{name}"](sd)))
         for name, b in prog.named_buffers():
             if f"buffer/{name}" in sd:
                 b.copy_(sd[f"buffer/{name}"])
@@ -378,7 +379,7 @@ def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
         for k in stkeys:
             key = f"optim/{name}/{k}"
             if key in finish:
-                st[k] = finish[key](sd)
+                st[k] = _held(prog, name, finish[key](sd))
             elif isinstance(sd[key], io.BytesIO):
                 st[k] = _unpack_obj(sd[key])
             else:
@@ -393,6 +394,20 @@ def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
     else:
         for name, st in state.items():
             optimizer.state[params[name]] = st
+
+
+def _local_like(prog, name: str, p: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An empty tensor shaped like the rank's local tensor of parameter `name` (what it holds,
+    but whole over data parallel under zero=3)."""
+    spec = prog.local.get(name)
+    shape = spec.local_shape if spec is not None else p.shape
+    return torch.empty(shape, dtype=dtype or p.dtype, device=p.device)
+
+
+def _held(prog, name: str, local: torch.Tensor) -> torch.Tensor:
+    """What the rank holds of a local tensor of parameter `name` (under zero=3 its flat piece)."""
+    spec = prog.local.get(name)
+    return spec.held_of(local) if spec is not None else local
 
 
 def _saved_shapes(meta, layout) -> dict[str, tuple[int, ...]]:

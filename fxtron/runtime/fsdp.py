@@ -62,11 +62,23 @@ class _Unit:
         self.reports = 0
         self.expected = 0
         self.other = False                                # autograd computes some of its gradient
+        self.backward_reads = True                        # its backward reads its parameters
         self.next: _Unit | None = None                    # forward order within its graph
         self.prev: _Unit | None = None
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         return flat[self.offsets[i]:self.offsets[i] + self.numels[i]].view(self.shapes[i])
+
+
+def _needing(u: _Unit | None) -> _Unit | None:
+    """u, if its backward reads its parameters (a fused linear's weight, a norm's multiply;
+    not an embedding lookup's table alone): the unit worth gathering ahead in backward."""
+    return u if u is not None and u.backward_reads else None
+
+
+def _reads_in_backward(gather: fx.Node) -> bool:
+    lookup = (torch.ops.aten.embedding.default, torch.ops.fxtron.fsdp_free.default)
+    return any(u.target not in lookup for item in gather.users for u in item.users)
 
 
 def _reports(gather: fx.Node) -> tuple[int, bool]:
@@ -133,6 +145,7 @@ class FsdpUnits:
                 unit = _Unit(label, kind, names, ops.shapes_of(shapes, dims), [params[n].numel() for n in names],
                              groups.group(kind), world, index)
                 unit.expected, unit.other = _reports(node)
+                unit.backward_reads = _reads_in_backward(node)
                 unit.prev, self.units[label] = prev, unit
                 if prev is not None:
                     prev.next = unit
@@ -213,14 +226,14 @@ class FsdpUnits:
         self.peak_held = max(self.peak_held, self._held)
 
     def _held_flat(self, u: _Unit, pieces=None, prefetch: _Unit | None = None) -> torch.Tensor:
+        """u's gathered flat, gathered now unless held or started; then `prefetch` is started
+        (after u's copy-out, so that at most two units' received buffers exist at once)."""
         if u.flat is None:
             if u.pending is None:
                 self._start(u, pieces)
-            if prefetch is not None and prefetch.flat is None and prefetch.pending is None:
-                self._start(prefetch)            # the next unit's bytes move while this one computes
             self._receive(u)
-        elif prefetch is not None and prefetch.flat is None and prefetch.pending is None:
-            self._start(prefetch)
+        if prefetch is not None and prefetch.flat is None and prefetch.pending is None:
+            self._start(prefetch)                # its bytes move while this unit computes
         return u.flat
 
     def _drop(self, u: _Unit) -> None:
@@ -245,7 +258,7 @@ class FsdpUnits:
         """Parameter i of the unit in backward, gathered again if it is not held."""
         u = self.units[label]
         self._entering(u)
-        return u.view(self._held_flat(u, prefetch=u.prev), i)
+        return u.view(self._held_flat(u, prefetch=_needing(u.prev)), i)
 
     def _entering(self, u: _Unit) -> None:
         """Backward reaches unit u: the weight-gradient GEMMs queued so far (the later units',
@@ -270,7 +283,7 @@ class FsdpUnits:
         if not isinstance(x, _Packed):
             return x
         self._entering(x.unit)
-        flat = self._held_flat(x.unit, prefetch=x.unit.prev)
+        flat = self._held_flat(x.unit, prefetch=_needing(x.unit.prev))
         return flat.as_strided(x.size, x.stride, x.offset)
 
     def _compute(self, t: torch.Tensor) -> torch.Tensor:

@@ -133,7 +133,7 @@ class Gradients:
         self.sharded_kinds: set[str] = set()
         for kind, names in kinds.items():
             world, index = (1, 0) if groups is None else (groups.size(kind), groups.index(kind))
-            if config.zero == 1 and world > 1:
+            if config.zero in (1, 2) and world > 1:
                 self.sharded_kinds.add(kind)
             if any(n in local and local[n].flat is not None for n in names):
                 self.sharded_kinds.add(kind)
@@ -143,7 +143,7 @@ class Gradients:
             self.buffers[kind] = GradBuffer(
                 [(n, params[n], (grad_reports or {}).get(n, 1)) for n in names], reduce_dtype,
                 config.bucket_size or default_bucket_size(world),
-                group=groups.group(kind) if world > 1 else None, dp=world, reduce_scatter=config.zero == 1,
+                group=groups.group(kind) if world > 1 else None, dp=world, reduce_scatter=config.zero in (1, 2),
                 dp_rank=index, alone=frozenset(self.shared), average=average)
         self._buffer_of = {n: self.buffers[kind] for kind, names in kinds.items() for n in names}
         dense = [k for k in self.buffers if k != "expert-dp"]
@@ -167,7 +167,7 @@ class Gradients:
         for n in order:
             params[n].register_post_accumulate_grad_hook(self._hook(n))
         #: the distributed optimizer (zero=1): this rank's shards of every buffer
-        self.zero = ZeroOne(self.buffers, params) if config.zero == 1 else None
+        self.zero = ZeroOne(self.buffers, params, release=config.zero == 2) if config.zero in (1, 2) else None
         #: zero=3's units (runtime/fsdp.py FsdpUnits), set by the program
         self.fsdp = None
         self.reduce_dtype = reduce_dtype
@@ -394,7 +394,7 @@ class Gradients:
 
     def bytes(self) -> int:
         """The rank's gradient bytes: its gradient buffers and any .grad outside them."""
-        held = sum(b.data.numel() * b.data.element_size() for b in self.buffers.values())
+        held = sum(b.data.untyped_storage().nbytes() for b in self.buffers.values())
         views = {b.data.untyped_storage().data_ptr() for b in self.buffers.values()}
         loose = sum(p.grad.numel() * p.grad.element_size() for p in self.params.values()
                     if p.grad is not None and p.grad.untyped_storage().data_ptr() not in views)

@@ -139,6 +139,21 @@ def _runs(index: torch.Tensor) -> list[tuple[int, int]]:
     return out
 
 
+def _read_piece(target: torch.Tensor, src, index: list[torch.Tensor], local_shape, flat) -> None:
+    """Read into `target` the rank's flat piece (core.params.FlatShard) of the local tensor
+    that `index` selects of `src`: the rows it spans, then the piece's elements of them."""
+    row = math.prod(local_shape[1:])
+    numel = math.prod(local_shape)
+    lo, hi = min(flat.index * flat.chunk, numel), min((flat.index + 1) * flat.chunk, numel)
+    target.zero_()
+    if lo == hi:
+        return
+    r0, r1 = lo // row, -(-hi // row)
+    index = [index[0][r0:r1], *index[1:]]
+    part = src.read(index).reshape(-1)[lo - r0 * row:hi - r0 * row]
+    target[:hi - lo].copy_(part.to(device=target.device, dtype=target.dtype))
+
+
 def _index(full_shape: tuple[int, ...], shards, sizes: dict, coords: dict) -> list[torch.Tensor]:
     """Per dim, the full tensor's indices a rank holds under `shards` (increasing)."""
     index = [torch.arange(n) for n in full_shape]
@@ -367,7 +382,11 @@ def load_pretrained(prog, path: str, prefix: str = "") -> None:
                 target = params.get(name, buffers.get(name))
                 index = _index(tuple(full), shards, sizes, coords) if full is not None else \
                     [torch.arange(n) for n in src.shape]
-                target.copy_(src.read(index).to(device=target.device, dtype=target.dtype))
+                flat = prog.local[name].flat if name in prog.local else None
+                if flat is None:
+                    target.copy_(src.read(index).to(device=target.device, dtype=target.dtype))
+                else:        # zero=3: only the rows holding the rank's flat piece are read
+                    _read_piece(target, src, index, prog.local[name].local_shape, flat)
                 handles.clear()     # unmap: the pages read leave the rank's resident memory
     finally:
         handles.clear()
@@ -572,9 +591,13 @@ def save_pretrained(prog, path: str, max_shard_size: int | str = DEFAULT_SHARD, 
                for i, f in enumerate(files) if f[0].group == stage and lead}
     try:
         for s, n, shape, d in held:
-            if s != stage or not gathers(n):
+            if s != stage:
                 continue
             t = params.get(n, buffers.get(n)).detach()
+            if n in params:
+                t = prog.grads.local_of(n, t)      # (zero=3: every rank of its group gathers the pieces)
+            if not gathers(n):
+                continue
             full = prog.grads.full(n, t) if n in params else t
             if lead:
                 for key, v in origin.revert({n: full.to(cast(full.dtype))}).items():

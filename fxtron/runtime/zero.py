@@ -1,4 +1,4 @@
-"""Runtime: the distributed optimizer (ZeRO stage 1, Megatron's DistributedOptimizer).
+"""Runtime: the distributed optimizer (ZeRO stage 1, Megatron's DistributedOptimizer; stage 2).
 
 The gradient buffer's buckets are reduce-scattered over data parallel, so dp rank r holds the
 averaged gradient of the r-th 1/dp of every bucket. The parameters become views of one fp32
@@ -7,6 +7,10 @@ of it (the pieces of parameters that fall in its shard of each bucket), so optim
 (AdamW's two moments) takes 1/dp of the memory. After the step each bucket's updated shard is
 all-gathered over data parallel, asynchronously; the next step (or a state-dict read) waits
 for it before using the parameters.
+
+Under zero=2 the rank keeps, after the reduce-scatter, copies of its shards of the gradients
+only: the whole buffer's memory is released between steps and allocated again when the next
+step's backward begins (during backward the buffer is whole, as under zero=1).
 
 With expert parallel the program has two gradient buffers -- the dense parameters' over dp and
 the expert weights' over expert-dp (Megatron's expert distributed optimizer) --; each is
@@ -70,8 +74,11 @@ class ZeroOne:
     """The distributed optimizer over a program's gradient buffers (`buffers`, by group kind)
     and its parameters (`params`, by name), which become views of the fp32 parameter buffers."""
 
-    def __init__(self, buffers: dict, params: dict[str, nn.Parameter]):
+    def __init__(self, buffers: dict, params: dict[str, nn.Parameter], *, release: bool = False):
         self.params = params
+        #: zero=2: after the reduce-scatter the rank keeps only its shards of the gradients (copies);
+        #: the whole buffer's memory is released until the next step's backward
+        self.release = release
         self.parts = [_Part(buf, params) for buf in buffers.values() if buf.offsets]
         self._part_of = {n: part for part in self.parts for n in part.buf.offsets}
         # this rank's pieces, every buffer's: (part, parameter name, [lo, hi) in that buffer)
@@ -104,7 +111,10 @@ class ZeroOne:
     def set_grads(self) -> None:
         for s, (part, _, lo, hi) in zip(self.shards, self.pieces):
             g = part.buf.data[lo:hi]
-            s.grad = g if g.dtype == s.dtype else g.to(s.dtype)
+            s.grad = g.clone() if self.release and g.dtype == s.dtype else g if g.dtype == s.dtype else g.to(s.dtype)
+        if self.release:
+            for part in self.parts:
+                part.buf.release()
 
     def shard_grads(self):
         for s, (_, n, _, _) in zip(self.shards, self.pieces):
@@ -138,7 +148,10 @@ class ZeroOne:
         of its buffer."""
         out = {}
         for part in self.parts:
-            data = part.buf.data.clone()
+            data = torch.zeros(part.buf.data.numel(), dtype=part.buf.dtype, device=part.buf.data.device)
+            for s, (owner, _, lo, hi) in zip(self.shards, self.pieces):
+                if owner is part and s.grad is not None:
+                    data[lo:hi].copy_(s.grad)
             part.gather(data)
             for n, (off, k) in part.buf.offsets.items():
                 out[n] = data[off:off + k]
