@@ -110,6 +110,9 @@ def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRec
                     ranks=ranks, shape=tuple(meta.get(k, meta.LOCAL_SHAPE)), payload_bytes=sympy.simplify(steps * nbytes),
                     wire_bytes=sympy.simplify(steps * nbytes), module=meta.get(node, meta.MODULE) or ""))
                 continue
+            if comm.payload == "params":        # zero=3: a layer's pieces gathered whole (ops/fsdp.py)
+                out += _fsdp_records(node, spec.name, phase, axis or "", ranks)
+                continue
             if comm.payload == "copies":        # expert parallel: the copies (and the per-expert counts)
                 copies = node if isinstance(node.meta["val"], torch.Tensor) else node.args[0]   # combine's out, dispatch's in
                 shape = meta.get(copies, meta.LOCAL_SHAPE) or ()
@@ -154,6 +157,27 @@ def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRec
                                    wire_bytes=sympy.simplify(assume_uniform(r.wire_bytes, uniform)))
                for r in out]
     return out
+
+
+def _fsdp_records(node: fx.Node, op: str, phase: str, group: str, ranks: tuple) -> list[CollectiveRecord]:
+    """A unit's gather (zero=3): in forward one all-gather of its parameters (padded pieces of
+    every rank, in their dtype); in backward the same all-gather again and the reduce-scatter of
+    their fp32 gradients: 3 (n-1)/n of the bytes, where an all-reduce moves 2 (n-1)/n."""
+    n = len(ranks)
+    pieces = node.args[2]
+    elems = sum(int(p.meta["val"].shape[0]) for p in pieces) * n
+    itemsize = pieces[0].meta["val"].dtype.itemsize
+    factor = sympy.Rational(n - 1, n)
+    module = meta.get(node, meta.MODULE) or ""
+    shape = (elems,)
+
+    def record(kind, nbytes):
+        return CollectiveRecord(node=node.name, op=op, phase=phase, kind=kind, count=1, group=group, ranks=ranks,
+                                shape=shape, payload_bytes=sympy.Integer(nbytes), wire_bytes=factor * nbytes,
+                                module=module)
+    if phase == "forward":
+        return [record("all_gather", elems * itemsize)]
+    return [record("all_gather", elems * itemsize), record("reduce_scatter", elems * 4)]
 
 
 def _padded(node: fx.Node):
@@ -365,6 +389,8 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
         fell.update(fallback_lines(rg.graphs))
         gathered.update(gather_lines(rg.graphs))
         recs = [r for g in rg.graphs for r in collectives(g, mesh, rank)]
+        fsdp = [r for r in recs if r.op == "fsdp_gather"]       # zero=3's gathers and reduce-scatters
+        recs = [r for r in recs if r.op != "fsdp_gather"]
         tp_wire = sum((r.wire_bytes for r in recs), sympy.Integer(0))
         if batch is not None and seq is not None:
             tp_wire = fmt_bytes(int(sum(r.evaluate(batch, seq)[1] for r in recs)))
@@ -373,7 +399,11 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
         d, e = dp * mesh.cp, mesh.edp   # the dp-cp group reduces the gradients, expert-dp the experts'
         # ring all-reduces of the gradients
         dp_wire = 2 * (d - 1) / d * (rg.param_bytes - expert_bytes) + 2 * (e - 1) / e * expert_bytes
-        row = [rank, mesh.describe(rank).split(": ", 1)[1], f"{rg.param_count:,}", fmt_bytes(rg.param_bytes),
+        held = [(math.prod(p.held_shape), math.prod(p.held_shape) * p.dtype.itemsize) for p in rg.local.values()]
+        if fsdp:      # zero=3: the pieces held, and per layer gather, gather again, reduce-scatter
+            dp_wire = float(sum(r.wire_bytes for r in fsdp))
+        row = [rank, mesh.describe(rank).split(": ", 1)[1], f"{sum(n for n, _ in held):,}",
+               fmt_bytes(sum(b for _, b in held)),
                f"{count(recs, 'all_reduce')} AR, {count(recs, 'all_gather')} AG, {count(recs, 'reduce_scatter')} RS"
                + (f", {count(recs, 'send_recv')} ring" if count(recs, 'send_recv') else "")
                + (f", {count(recs, 'all_to_all')} A2A" if count(recs, 'all_to_all') else ""),

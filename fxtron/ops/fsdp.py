@@ -17,37 +17,18 @@ linear, a norm's weight saved by its multiply) is gathered again there, and each
 gradients are reduce-scattered as soon as its backward completes them (runtime/fsdp.py).
 
 `shapes` is the local shapes of the parameters, concatenated, and `dims` their ranks, so the
-fake implementation needs no group. The run-time forms call the program's `FsdpUnits`, active
-while it runs a step (`active()`); the gathered tensors carry `fxtron_fsdp = (units, unit,
+fake implementation needs no group. The run-time forms call the program's `FsdpUnits`, which
+the pieces carry (`fxtron_units`, set by the program and kept by its compute copies); the gathered tensors carry `fxtron_fsdp = (units, unit,
 index)` so that a fused linear (ops/linear.py) keeps that handle, not the whole weight, for
 its backward.
 """
 from __future__ import annotations
-
-import contextvars
 
 import torch
 from torch import Tensor
 
 from fxtron.errors import ParallelizeError
 from fxtron.ops.registry import Comm, OpSpec, register
-
-_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("fxtron_fsdp_units", default=None)
-
-
-def active():
-    """The FsdpUnits (runtime/fsdp.py) of the program running now, or None."""
-    return _ACTIVE.get()
-
-
-def set_active(units):
-    """Make `units` the active FsdpUnits; returns the token to reset with."""
-    return _ACTIVE.set(units)
-
-
-def reset_active(token) -> None:
-    _ACTIVE.reset(token)
-
 
 def shapes_of(shapes: list[int], dims: list[int]) -> list[tuple[int, ...]]:
     """The per-parameter shapes of fsdp_gather's flat (shapes, dims) arguments."""
@@ -108,7 +89,9 @@ class _Gather(torch.autograd.Function):
 
 
 def fsdp_gather_eager(group: str, unit: str, shards: list[Tensor], shapes: list[int], dims: list[int]) -> list[Tensor]:
-    units = active()
+    # the pieces carry their program's units (a recomputation in backward runs outside the step's
+    # context, and on a GPU in autograd's own thread)
+    units = getattr(shards[0], "fxtron_units", None) if shards else None
     if units is None:
         return fsdp_gather(group, unit, shards, shapes, dims)
     out = _Gather.apply(units, unit, *shards)
@@ -119,9 +102,9 @@ def fsdp_gather_eager(group: str, unit: str, shards: list[Tensor], shapes: list[
 
 
 def fsdp_free_eager(group: str, unit: str, gathered: list[Tensor]) -> None:
-    units = active()
-    if units is not None:
-        units.free(unit)
+    h = handle(gathered[0]) if gathered else None
+    if h is not None:
+        h[0].free(unit)
 
 
 register(OpSpec("fsdp_gather", axis_arg=0, forward=Comm("all_gather", "params"),
@@ -134,4 +117,4 @@ def handle(weight: Tensor):
     return getattr(weight, "fxtron_fsdp", None)
 
 
-__all__ = ["active", "fsdp_free", "fsdp_gather", "handle", "reset_active", "set_active", "shapes_of"]
+__all__ = ["fsdp_free", "fsdp_gather", "handle", "shapes_of"]

@@ -61,10 +61,13 @@ def active_queue() -> WgradQueue | None:
     return _QUEUE.get()
 
 
-def _accumulate(x: Tensor, dy: Tensor, main_grad: Tensor, weight_in_out: bool, report=None) -> None:
+def _accumulate(x: Tensor, dy: Tensor, main_grad, weight_in_out: bool, report=None) -> None:
     """main_grad += the weight gradient; then tell the data-parallel buffer (when the program
-    gave the weight a `report`) that this contribution is complete."""
+    gave the weight a `report`) that this contribution is complete. `main_grad` may be a
+    function giving it (zero=3's, asked when the GEMM runs)."""
     from fxtron.ops.wgrad import wgrad_accumulate
+    if callable(main_grad):
+        main_grad = main_grad()
     if main_grad.dtype != torch.float32:   # a 16-bit gradient buffer (grad_reduce_dtype)
         x2, dy2 = x.reshape(-1, x.shape[-1]).detach(), dy.reshape(-1, dy.shape[-1]).detach()
         a, b = (x2, dy2) if weight_in_out else (dy2, x2)
@@ -163,7 +166,9 @@ def _backward(ctx, dy):
     if ctx.fsdp is not None:   # zero=3: the weight gathered again, its gradient into the layer's
         units, unit, index = ctx.fsdp
         w = units.weight(unit, index)
-        main_grad, report = units.main_grad(unit, index), units.reporter(unit)
+        # where it accumulates is asked when the GEMM runs (a deferred W pass may run after the
+        # layer's gradient of this microbatch was reduced: its share then joins the next reduction)
+        main_grad, report = (lambda: units.main_grad(unit, index)), units.reporter(unit)
     else:
         w = ctx.weight
         main_grad, report = getattr(w, "main_grad", None), getattr(w, "fxtron_report", None)

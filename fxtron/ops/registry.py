@@ -22,7 +22,7 @@ CommKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "
 #: first collective carries the E per-expert counts, int64), or "shares" (ep x tp: the rows a
 #: rank's experts received from every tp rank's share; with count 2 the first carries every
 #: share's counts, int64)
-Payload = Literal["input", "output", "grad_input", "grad_output", "rows", "ring", "copies", "shares"]
+Payload = Literal["input", "output", "grad_input", "grad_output", "rows", "ring", "copies", "shares", "params"]
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,9 @@ weights, since they shard over another group). Per graph (each pipeline stage's)
   parameters, every use then reading its outputs (the whole local parameters);
 - `fxtron::fsdp_free(group, unit, gathered...)` just after their last use in forward.
 
-Inside a recomputed region that holds every use of a unit, the gather joins the region, so the
-recomputation gathers again. What the runtime does at these nodes (prefetching the next unit,
+A recomputed region reads the gathered parameters as its inputs, which its checkpoint keeps
+as saved tensors: packed as their place in the unit like any other (runtime/fsdp.py), so the
+recomputation gathers them again. What the runtime does at these nodes (prefetching the next unit,
 gathering again in backward, reduce-scattering each unit's gradients) is runtime/fsdp.py's.
 """
 from __future__ import annotations
@@ -80,6 +81,9 @@ def shard_data_parallel(graphs: list[fx.GraphModule], local: dict[str, LocalPara
                     numel *= int(s)
                 chunk = -(-numel // world)
                 out[lp.name] = _replace(lp, FlatShard(world, index, chunk, label))
+            region = meta.get(first, meta.RECOMPUTE)
+            while region is not None and meta.get(first.prev, meta.RECOMPUTE) == region:
+                first = first.prev                   # before a recomputed region, whose input it is
             g = gm.graph
             with g.inserting_before(first):
                 gather = g.call_function(_GATHER, (kind, label, list(params), shapes, dims))
@@ -89,6 +93,8 @@ def shard_data_parallel(graphs: list[fx.GraphModule], local: dict[str, LocalPara
                     item.meta.update({k: v for k, v in p.meta.items() if k != meta.INPUT})
                     outs.append(item)
             gather.meta["val"] = [o.meta.get("val") for o in outs]
+            for axis in meta.graph_axes(gm):      # each output placed as its parameter
+                meta.set_placement(gather, axis, tuple(meta.placement(p, axis) for p in params))
             meta.set(gather, meta.MODULE, label)
             meta.set(gather, meta.PROVENANCE, meta.Provenance("shard_data_parallel", f"gather {label} (zero=3)"))
             for p, item in zip(params, outs):
@@ -97,11 +103,8 @@ def shard_data_parallel(graphs: list[fx.GraphModule], local: dict[str, LocalPara
                 free = g.call_function(_FREE, (kind, label, outs))
             meta.set(free, meta.MODULE, label)
             meta.set(free, meta.PROVENANCE, meta.Provenance("shard_data_parallel", f"free {label} (zero=3)"))
-            regions = {meta.get(u, meta.RECOMPUTE) for u in users}
-            if len(regions) == 1 and None not in regions:      # the recomputation gathers again
-                region = regions.pop()
-                for n in (gather, *outs, free):
-                    meta.set(n, meta.RECOMPUTE, region)
+            if meta.get(last, meta.RECOMPUTE) is not None:      # (the free after the region, not inside it)
+                meta.set(free, meta.RECOMPUTE, meta.get(last, meta.RECOMPUTE))
             for p in params:       # the placeholder is the flat piece now
                 lp = out[meta.param_name(p)]
                 val = p.meta.get("val")

@@ -66,6 +66,13 @@ class _Unit:
         self.next: _Unit | None = None                    # forward order within its graph
         self.prev: _Unit | None = None
 
+    def index_of(self, x: "_Packed") -> int | None:
+        """Which parameter a packed tensor is, if it is one whole (not a view of part of it)."""
+        for i, (off, shape) in enumerate(zip(self.offsets, self.shapes)):
+            if x.offset == off and tuple(x.size) == tuple(shape) and tuple(x.stride) == _contiguous(shape):
+                return i
+        return None
+
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         return flat[self.offsets[i]:self.offsets[i] + self.numels[i]].view(self.shapes[i])
 
@@ -103,6 +110,14 @@ def _numel(shape) -> int:
     for s in shape:
         n *= int(s)
     return n
+
+
+def _contiguous(shape) -> tuple[int, ...]:
+    out, at = [], 1
+    for s in reversed(shape):
+        out.append(at)
+        at *= int(s)
+    return tuple(reversed(out))
 
 
 def _offsets(sizes: list[int]) -> list[int]:
@@ -162,14 +177,10 @@ class FsdpUnits:
     # ------------------------------------------------------------------ the step
     @contextlib.contextmanager
     def running(self):
-        """While the program's graph runs: the ops find these units, and what autograd saves of
-        a gathered parameter is packed as its place in the unit."""
-        token = ops.set_active(self)
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                yield
-        finally:
-            ops.reset_active(token)
+        """While the program's graph runs: what autograd saves of a gathered parameter is
+        packed as its place in the unit."""
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
 
     def begin(self, grads: dict[str, torch.Tensor]) -> None:
         """A step starts: reduced gradients go into `grads` (name -> the piece's gradient)."""
@@ -283,8 +294,13 @@ class FsdpUnits:
         if not isinstance(x, _Packed):
             return x
         self._entering(x.unit)
-        flat = self._held_flat(x.unit, prefetch=_needing(x.unit.prev))
-        return flat.as_strided(x.size, x.stride, x.offset)
+        u = x.unit
+        flat = self._held_flat(u, prefetch=_needing(u.prev))
+        out = flat.as_strided(x.size, x.stride, x.offset)
+        i = u.index_of(x)
+        if i is not None:     # a whole parameter (a recomputed region's input): a fused linear's handle again
+            out.fxtron_fsdp = (self, u.label, i)
+        return out
 
     def _compute(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.dtype is None or not t.is_floating_point() else t.to(self.dtype)

@@ -16,6 +16,9 @@ def compute_copy(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     if dtype is None or not t.is_floating_point():
         return t
     copy = t.to(dtype)
+    units = getattr(t, "fxtron_units", None)     # zero=3's pieces: the program's units (ops/fsdp.py)
+    if units is not None:
+        copy.fxtron_units = units
     main_grad = getattr(t, "main_grad", None)
     if main_grad is not None:
         copy.main_grad = main_grad

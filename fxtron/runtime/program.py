@@ -121,6 +121,9 @@ class Program(nn.Module):
                                   average=dp, share=self.grads.share,
                                   gather_per_step=config.data_parallel.gather_per_step)
             self.grads.fsdp = self.fsdp
+            for name, p in self.named_parameters():
+                if name in self.local and self.local[name].flat is not None:
+                    p.fxtron_units = self.fsdp       # what the graph's gathers call (ops/fsdp.py)
 
     # ---------------------------------------------------------------- gradients (runtime/grads.py)
     @property
