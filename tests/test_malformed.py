@@ -174,7 +174,7 @@ AT_PARALLELIZE = [
      lambda: _par(_gpt(4), Mesh(2, pp=2), microbatches=3, schedule="interleaved", virtual_stages=2), r"use 2 or 4"),
     ("option: zb-h1 without fusion", lambda: _par(_gpt(), Mesh(2, pp=2), microbatches=2, schedule="zb-h1",
                                                    gradient_accumulation_fusion=False), r"needs gradient_accumulation_fusion"),
-    ("option: zero=2", lambda: _par(_gpt(), Mesh(2), zero=2), r"zero must be one of 0, 1, not 2"),
+    ("option: zero=4", lambda: _par(_gpt(), Mesh(2), zero=4), r"zero must be one of 0, 1, 2, 3, not 4"),
     ("option: bucket_size 0", lambda: _par(_gpt(), Mesh(2), bucket_size=0), r"bucket_size must be a positive"),
     ("option: integer gradient dtype", lambda: _par(_gpt(), Mesh(2), grad_reduce_dtype=torch.int32),
      r"grad_reduce_dtype must be one of 'fp32', 'bf16', 'fp16' or None, not 'torch.int32'"),

@@ -379,7 +379,10 @@ config.debug.verify the verifier checks the graph after every pass.
                 for st in state.stages:
                     observer(f"split_stages_stage{st.index}", st.gm, seconds,
                              f"stage {st.index}: receives {', '.join(st.inputs) or '-'}; sends {', '.join(st.outputs) or '-'}")
-            elif p.name not in ("shard_params", "shard_data_parallel"):
+            elif p.name == "shard_data_parallel" and state.stages is not None:
+                for st in state.stages:
+                    observer(f"shard_data_parallel_stage{st.index}", st.gm, seconds, p.reason)
+            elif p.name != "shard_params":
                 observer(p.name, state.gm, seconds, p.reason)
     state.gm.graph.lint()
     return RankGraph(gm=state.gm, mesh=mesh, rank=rank, local=state.local, plan=plan,

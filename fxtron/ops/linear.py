@@ -68,6 +68,16 @@ def _accumulate(x: Tensor, dy: Tensor, main_grad, weight_in_out: bool, report=No
     from fxtron.ops.wgrad import wgrad_accumulate
     if callable(main_grad):
         main_grad = main_grad()
+    if getattr(main_grad, "fxtron_fresh", False):    # the step's first contribution (runtime/buffers.py)
+        main_grad.fxtron_fresh = False
+        x2, dy2 = x.reshape(-1, x.shape[-1]).detach(), dy.reshape(-1, dy.shape[-1]).detach()
+        a, b = (x2, dy2) if weight_in_out else (dy2, x2)
+        if a.dtype == main_grad.dtype:
+            torch.mm(a.t(), b, out=main_grad)        # written, as autograd's weight gradient is: no read of it
+            if report is not None:
+                report()
+            return
+        main_grad.zero_()
     if main_grad.dtype != torch.float32:   # a 16-bit gradient buffer (grad_reduce_dtype)
         x2, dy2 = x.reshape(-1, x.shape[-1]).detach(), dy.reshape(-1, dy.shape[-1]).detach()
         a, b = (x2, dy2) if weight_in_out else (dy2, x2)

@@ -104,6 +104,7 @@ class GradBuffer:
             self.offsets[name] = (off, n)
         self._reporting = False
         self._suspended = False
+        self._fresh: dict = {}          # name -> its view, not yet written this step (reset)
 
     # ------------------------------------------------------------------ views
     def view(self, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -111,13 +112,24 @@ class GradBuffer:
         return self.data[off:off + n].view(like.shape)
 
     # ------------------------------------------------------------------ one step
-    def reset(self) -> None:
-        """Zero the gradients and forget the last step's collectives (the memory allocated
-        again first, if `release` gave it back)."""
+    def reset(self, views: dict | None = None) -> None:
+        """Forget the last step's gradients and collectives. The buffer is not zero-filled: each
+        parameter's view (`views`, name -> its main_grad) is marked `fxtron_fresh`, so the
+        step's first contribution is written, not added (a fused linear's first weight-gradient
+        GEMM writes its output, as autograd's does; ops/linear.py), and a view still fresh when
+        its bucket is reduced is zeroed then (a parameter without a gradient this step). Without
+        `views`, or after `release`, the buffer is zeroed."""
         storage = self.data.untyped_storage()
         if storage.nbytes() == 0 and self.data.numel():
             storage.resize_(self.data.numel() * self.data.element_size())
-        self.data.zero_()
+            self.data.zero_()           # (the padding between buckets too)
+        if views is None:
+            self.data.zero_()
+            self._fresh = {}
+        else:
+            self._fresh = {n: views[n] for n in self.offsets if n in views}
+            for v in self._fresh.values():
+                v.fxtron_fresh = True
         self.started_early = 0
         self.bytes_sent = 0
         for b in self.buckets:
@@ -161,6 +173,11 @@ class GradBuffer:
 
     def _start(self, b: Bucket) -> None:
         b.started = True
+        for n in b.params:             # no gradient this step: zero, not last step's
+            v = self._fresh.pop(n, None)
+            if v is not None and v.fxtron_fresh:
+                v.zero_()
+                v.fxtron_fresh = False
         chunk = self.data[b.start:b.end]
         if (self.average or self.dp) != 1:
             chunk.div_(self.average or self.dp)     # scale once: the average over dp

@@ -173,6 +173,7 @@ class FsdpUnits:
         self.peak_held = 0                        # most gathered parameter bytes held at once, last step
         self._held = 0
         self._last: _Unit | None = None           # the unit backward last entered
+        self._queued = False                      # the end-of-backward callback is queued
 
     # ------------------------------------------------------------------ the step
     @contextlib.contextmanager
@@ -192,7 +193,7 @@ class FsdpUnits:
 
     def finish(self) -> None:
         """Reduce every unit's gradient that has not been (a report that never came), wait for
-        every collective, drop every gathered unit."""
+        every collective, drop every gathered unit; the step is over."""
         for u in self.units.values():
             if u.grad is not None:
                 self._reduce(u)
@@ -201,6 +202,7 @@ class FsdpUnits:
             if u.pending is not None:
                 self._receive(u)
             self._drop(u)
+        self.grads = {}
 
     # ------------------------------------------------------------------ gathers
     def _start(self, u: _Unit, pieces: list[torch.Tensor] | None = None) -> None:
@@ -275,6 +277,7 @@ class FsdpUnits:
         """Backward reaches unit u: the weight-gradient GEMMs queued so far (the later units',
         ops/linear.py WgradQueue) run now, while u's gather is in flight, so those units
         complete, reduce and drop their parameters instead of waiting for backward's end."""
+        self._in_backward()
         if self._last is u:
             return
         self._last = u
@@ -324,11 +327,27 @@ class FsdpUnits:
     def autograd_grads(self, label: str, grads: list) -> None:
         """The gather's backward: the gradients autograd computed for the unit's parameters."""
         u = self.units[label]
+        self._in_backward()
         for i, g in enumerate(grads):
             if g is not None:
                 self.main_grad(label, i).add_(g)
         if u.other:       # (called also when only fused linears read the unit: nothing to report then)
             self._report(u)
+
+    def _in_backward(self) -> None:
+        """Once per backward: when it ends, wait for the reductions still in flight (so a
+        backward run outside train_step leaves complete gradients)."""
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+
+    def _backward_done(self) -> None:
+        self._queued = False
+        if not self.grads:          # outside a step: nothing else will wait for them
+            for u in self.units.values():
+                if u.grad is not None:
+                    self._reduce(u)
+            self._drain(0)
 
     def _report(self, u: _Unit) -> None:
         u.reports += 1
@@ -363,7 +382,16 @@ class FsdpUnits:
             u, work, out = self._reducing.pop(0)
             work.wait()
             for i, n in enumerate(u.names):
-                self.grads[n].add_(out[u.cols[i]:u.cols[i] + u.chunks[i]].to(self.grads[n].dtype))
+                part = out[u.cols[i]:u.cols[i] + u.chunks[i]]
+                g = self.grads.get(n)
+                if g is None:           # outside train_step (prog(...).backward()): into the piece's .grad
+                    p = self.params[n]
+                    p.grad = part.to(p.dtype).clone() if p.grad is None else p.grad.add_(part.to(p.dtype))
+                elif getattr(g, "fxtron_fresh", False):      # the step's first (runtime/buffers.py)
+                    g.copy_(part)
+                    g.fxtron_fresh = False
+                else:
+                    g.add_(part.to(g.dtype))
 
 
 # ---------------------------------------------------------------------- whole and held tensors

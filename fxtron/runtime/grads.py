@@ -179,7 +179,14 @@ class Gradients:
             buffer (Megatron's DDP hook) and report it."""
             if not self._in_step or p.grad is None:
                 return
-            p.main_grad.add_(p.grad, alpha=self._share.get(name, 1.0))
+            g, share = p.main_grad, self._share.get(name, 1.0)
+            if g.fxtron_fresh:          # the step's first contribution: written, not added
+                g.copy_(p.grad)
+                if share != 1.0:
+                    g.mul_(share)
+                g.fxtron_fresh = False
+            else:
+                g.add_(p.grad, alpha=share)
             p.grad = None
             self._buffer_of[name].report(name)
         return hook
@@ -204,7 +211,7 @@ class Gradients:
         if self.zero is not None:
             self.zero.wait_params()
         for buf in self.buffers.values():
-            buf.reset()
+            buf.reset(self._views)
         for n, p in self.params.items():
             p.main_grad = self._views[n]
             p.fxtron_report = self._report(n)

@@ -112,6 +112,7 @@ class Program(nn.Module):
                                shared=spec.shared, grad_reports=spec.grad_reports, param_order=list(spec.param_order),
                                chunk_params=[set(st.params) for st in stages] if stages is not None else None)
         self.last_dispatch: DispatchLog | None = None   # what expert parallel's all-to-alls did, last step
+        self._tp_comm = groups is not None and groups.size("tp") > 1
         # sharded data parallel (zero=3): each layer's pieces gathered at the graph's fsdp_gather nodes
         self.fsdp = None
         if any(lp.flat is not None for lp in self.local.values()):
@@ -220,9 +221,12 @@ class Program(nn.Module):
             t1 = time.perf_counter()
             if memory is not None:
                 memory.sample("F", 0, 0)
+            total = self._start_global_loss(loss.detach().to(torch.promote_types(loss.dtype, torch.float32)))
             scaled = loss * self.scaler.scale if self.scaler is not None else loss
             self.grads.last_backward(None)
-            with WgradQueue().active():   # weight-gradient GEMMs overlap the input gradients' communication
+            # weight-gradient GEMMs overlap the input gradients' tp communication; without any, each
+            # runs as its linear's backward does (while its inputs are hot in cache)
+            with WgradQueue().active() if self._tp_comm else contextlib.nullcontext():
                 scaled.backward()
             del scaled
             t2 = time.perf_counter()
@@ -231,7 +235,7 @@ class Program(nn.Module):
         self._events = [Event("F", 0, 0, 0, 0.0, t1 - t0), Event("B", 0, 0, 0, t1 - t0, t2 - t0)]
         self.grads.finalize()
         self._optimizer_step(optimizer)
-        out = self._global_loss(loss.detach().to(torch.promote_types(loss.dtype, torch.float32)))
+        out = total()
         ledger.step_end(self.groups)
         return out
 
@@ -437,6 +441,21 @@ class Program(nn.Module):
         if self.groups is None:
             return 1, 0
         return self.groups.size("dp"), self.groups.index("dp")
+
+    def _start_global_loss(self, loss: torch.Tensor):
+        """Start summing the ranks' losses over dp (it runs during backward); the function
+        returned waits and gives the global batch's loss."""
+        dp, _ = self._dp()
+        if dp == 1:
+            return lambda: float(loss)
+        loss = loss.clone()
+        e = ledger.issue(self.groups.group("dp"), "all_reduce", loss)
+        work = ledger.started(e, dist.all_reduce(loss, group=self.groups.group("dp"), async_op=True))
+
+        def finish() -> float:
+            work.wait()
+            return float(loss) / dp
+        return finish
 
     def _global_loss(self, loss: torch.Tensor) -> float:
         dp, _ = self._dp()

@@ -36,6 +36,7 @@ class _Part:
     def __init__(self, buf, params: dict):
         self.buf = buf
         self.dp, self.rank = buf.dp, buf.dp_rank
+        self.bytes_gathered = 0                 # sent by this rank's all-gathers (ring), since reset
         first = next(iter(params.values()))
         self.param_data = torch.zeros(buf.data.numel(), dtype=first.dtype, device=first.device)
         for n in buf.offsets:
@@ -61,6 +62,7 @@ class _Part:
         for b in self.buf.buckets:
             s0, s1 = self.buf.shard(b, self.rank)
             src = flat[s0:s1].clone()
+            self.bytes_gathered += src.numel() * src.element_size() * (self.dp - 1)
             if works is None:
                 with ledger.collective(group, "all_gather", src):
                     dist.all_gather_into_tensor(flat[b.start:b.end], src, group=group)
@@ -104,6 +106,11 @@ class ZeroOne:
         return self.shards
 
     @property
+    def bytes_gathered(self) -> int:
+        """Bytes this rank sent in the last step's all-gathers of the updated parameters."""
+        return sum(part.bytes_gathered for part in self.parts)
+
+    @property
     def optimizer(self) -> torch.optim.Optimizer | None:
         """The optimizer over this rank's shards (its state is 1/dp of the whole)."""
         return self._inner
@@ -135,6 +142,7 @@ class ZeroOne:
                     mine[k] = v
         self._inner.step()
         for part in self.parts:    # every rank's updated shard to every rank, bucket by bucket
+            part.bytes_gathered = 0
             part.gather(part.param_data, self._works)
 
     def wait_params(self) -> None:
