@@ -11,6 +11,8 @@ gets token ids and targets of the shipped models' form, with its `vocab_size` or
 """
 from __future__ import annotations
 
+import math
+
 import importlib
 import os
 import time
@@ -212,18 +214,37 @@ def inspect(pm, rank: int, *, model_name: str = "", batch: int = 1, seq: int = 2
         pipeline = {"table": str(pm.stage_assignment), "schedule": o.schedule, "microbatches": o.microbatches,
                     "virtual_stages": o.virtual_stages, "bubble": str(bubble), "bubble_formula": formula,
                     "stages": [s.index for s in rg.stages], "in_flight": in_flight}
+    held = sum(math.prod(p.held_shape) * p.dtype.itemsize for p in rg.local.values())
+    d = dp * mesh.cp
     memory = {
-        "parameters": rg.param_bytes,
-        "gradients (fp32 main_grad)": params * 4,
-        "optimizer (Adam, fp32 moments)" + (" / dp" if zero else ""): params * 8 // (dp if zero else 1),
+        "parameters" + (" (zero=3: the rank's 1/d pieces)" if zero >= 3 else ""): held if zero >= 3 else rg.param_bytes,
+        "gradients (fp32 main_grad)" + (" / dp" if zero >= 2 else ""): params * 4 // (d if zero >= 2 else 1),
+        "optimizer (Adam, fp32 moments)" + (" / dp" if zero else ""): params * 8 // (d if zero else 1),
         "activations per microbatch (upper bound)": activation,
         f"activations held ({in_flight} microbatch{'es' if in_flight > 1 else ''} in flight)": activation * in_flight,
     }
-    memory["total"] = sum(v for v in memory.values() if isinstance(v, int)) - activation
     notes = ["activations: every tensor the forward makes, an upper bound of what autograd keeps for backward"]
+    if zero >= 3 and held < rg.param_bytes:
+        units = _unit_bytes(rg)
+        if pm.config.data_parallel.gather_per_step:
+            memory["gathered parameters (gather_per_step: every layer held during the step)"] = rg.param_bytes
+        else:
+            memory["gathered parameters (two layers at once)"] = sum(sorted(units.values())[-2:])
+        notes.append(f"zero=3: {len(units)} layers gathered before use, the next one prefetched, each gathered again "
+                     "in backward and its gradients reduce-scattered as backward completes them")
+    memory["total"] = sum(v for v in memory.values() if isinstance(v, int)) - activation
     return Report(model=model_name or type(pm.model).__name__, mesh=str(mesh), rank=rank, coords=coords, groups=groups,
                   graph=pm.graph(rank), collectives=colls, memory=memory, pipeline=pipeline, batch=batch, seq=seq,
                   compile_s=compile_s, notes=notes)
+
+
+def _unit_bytes(rg) -> dict[str, int]:
+    """zero=3: each unit's (layer's) whole local parameter bytes."""
+    out: dict[str, int] = {}
+    for p in rg.local.values():
+        if p.flat is not None:
+            out[p.flat.unit] = out.get(p.flat.unit, 0) + math.prod(p.local_shape) * p.dtype.itemsize
+    return out
 
 
 _VIEWS = {"view", "reshape", "_unsafe_view", "transpose", "permute", "expand", "slice", "select", "unsqueeze",

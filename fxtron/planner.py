@@ -8,7 +8,9 @@ The model (every rate is an assumption, printed with the result; all formulas fr
                   context parallel (cp) splits tokens, not weights
   weights         mixed precision, Megatron's layout: 2 B 16-bit weights + 4 B fp32 main grads
                   + 4 B fp32 master weights + 8 B Adam moments per parameter; the distributed
-                  optimizer (zero=1) divides the last 12 B by dp
+                  optimizer (zero=1) divides the last 12 B by dp, zero=2 the last 16 B, zero=3
+                  all 18 B, plus two layers' 16-bit weights gathered at once (one computing, the
+                  next prefetched)
   activations     Korthikanti et al. 2022, bytes per layer with 16-bit activations:
                   tp: s b h (10 + 24/t + 5 a s/(h t));  tp+sp: (s b h / t)(34 + 5 a s/h);
                   the first pipeline stage holds pp microbatches of L/pp layers = L layers
@@ -31,7 +33,10 @@ The model (every rate is an assumption, printed with the result; all formulas fr
   dp comm         ring all-reduce 2(d-1)/d of the fp32 gradients (reduce-scatter + all-gather
                   of the same bytes under zero=1) over the d = dp x cp ranks that hold the same
                   weights (Megatron's dp-cp group), at the inter-node bandwidth, not overlapped;
-                  an expert's over its edp = world/(tp ep pp) replicas
+                  an expert's over its edp = world/(tp ep pp) replicas; zero=3 per microbatch
+                  (d-1)/d of 2 + 2 + 4 bytes a parameter (16-bit gathers in forward and again in
+                  backward, the fp32 reduce-scatter), modeled not overlapped although the runtime
+                  prefetches the next layer's gather and reduce-scatters during backward
   experts         a mixture of experts (E experts, top-k) splits its expert weights over ep
                   (and tp): per rank dense/(tp pp) + experts/(tp ep pp) parameters; compute
                   counts the k active experts only: 6 B s (P - (1-k/E) P_experts - V h)
@@ -124,8 +129,13 @@ class Candidate:
 
 # ----------------------------------------------------------------------------- formulas
 def weight_bytes(params_per_rank: float, dp: int, zero: int) -> float:
-    """2 + 4 bytes (16-bit weights, fp32 main grads) + 12 bytes (fp32 master, Adam moments),
-    the 12 divided by dp under the distributed optimizer."""
+    """2 + 4 bytes (16-bit weights, fp32 main grads) + 12 bytes (fp32 master, Adam moments):
+    the 12 divided by dp under the distributed optimizer (zero=1), the 4 + 12 under zero=2, all
+    18 under zero=3 (Rajbhandari et al.; zero=3's gathered layers are counted apart)."""
+    if zero >= 3:
+        return params_per_rank * 18 / dp
+    if zero == 2:
+        return params_per_rank * (2 + 16 / dp)
     return params_per_rank * (6 + 12 / (dp if zero else 1))
 
 
@@ -198,6 +208,8 @@ def rate(dims: ModelDims, hw: Hardware, *, world: int, tp: int, pp: int, sp: boo
     dense = (dims.params - dims.expert_params) / (tp * pp)
     # zero=1 shards the dense weights' state over dp-cp, the experts' over expert-dp
     weights = weight_bytes(dense, dp * cp, zero) + weight_bytes(experts, edp, zero)
+    if zero >= 3 and dp * cp > 1:     # a layer gathered whole (16-bit) and the next one prefetched
+        weights += 2 * 2 * (dense + experts) / max(1, dims.layers // pp)
     act = first_stage_activation_bytes(dims, s, b, tp, sp, pp, v, cp, recompute) * (
         min(m, pp) / pp if schedule != "gpipe" else m / pp)
     if recompute == "full":       # the layer being recomputed, whole for a moment
@@ -212,7 +224,13 @@ def rate(dims: ModelDims, hw: Hardware, *, world: int, tp: int, pp: int, sp: boo
     tp_bytes = tp_ars * 2 * (tp - 1) / tp * b * s * h * 2 * (dims.layers / pp) * m if tp > 1 else 0.0
     pp_bytes = 2 * b * s * h * 2 / (tp if sp else 1) * v * m if pp > 1 else 0.0
     d = dp * cp
-    dp_bytes = (2 * (d - 1) / d * dense * 4 if d > 1 else 0.0) + (2 * (edp - 1) / edp * experts * 4 if edp > 1 else 0.0)
+    if zero >= 3:   # per microbatch: gathered (16-bit) in forward and again in backward, fp32 gradients reduce-scattered
+        per_param = (2 + 2 + 4) * m
+        dp_bytes = ((d - 1) / d * dense * per_param if d > 1 else 0.0) + \
+            ((edp - 1) / edp * experts * per_param if edp > 1 else 0.0)
+    else:
+        dp_bytes = (2 * (d - 1) / d * dense * 4 if d > 1 else 0.0) + \
+            (2 * (edp - 1) / edp * experts * 4 if edp > 1 else 0.0)
     cp_bytes = 2 * (cp - 1) / cp * 2 * b * s * h / tp * 2 * (dims.layers / pp) * m if cp > 1 else 0.0
     cp_bw = hw.intra_node_bw if tp * cp <= hw.gpus_per_node else hw.inter_node_bw
     ep_bytes = 4 * (ep - 1) / ep * dims.top_k * b * s * h * 2 * (dims.moe_layers / pp) * m if ep > 1 else 0.0
@@ -250,7 +268,7 @@ def candidates(dims: ModelDims, hw: Hardware, *, world: int, global_batch: int, 
                         if pp > 1 and m % pp == 0 and dims.layers % (2 * pp) == 0:
                             scheds.append(("interleaved", 2))
                         for schedule, v in scheds:
-                            for zero in ([0, 1] if dp * cp > 1 else [0]):
+                            for zero in ([0, 1, 2, 3] if dp * cp > 1 else [0]):
                                 # without recomputation where that fits, else the cheapest that does
                                 for recompute in RECOMPUTE:
                                     p = rate(dims, hw, world=world, tp=tp, pp=pp, sp=sp, schedule=schedule, v=v,

@@ -82,6 +82,8 @@ def _run(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
         prog.load(case.where + str(kw.get("zero", 0)), opt)
         losses, norms, _ = _train(prog, opt, _batches(case.name)[2:])
         return {"losses": losses, "state": prog.full_state_dict()}
+    if case.tag == "pretrained":     # transformers' weights into the pieces, and back out
+        return _pretrained(rank, mesh, case, args, kwargs)
     pm = fxtron.parallelize(make(case.name, layers=4), mesh, example_inputs=args, example_kwargs=kwargs or None, **kw)
     prog = pm.program(rank)
     opt = _opt(prog.parameters())
@@ -100,13 +102,33 @@ def _run(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
     return out
 
 
+def _pretrained(rank, mesh, case, args, kwargs) -> dict:
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    src, out = case.where + "-hf", case.where + "-hf-out"
+    torch.manual_seed(7)
+    model = make(case.name, layers=4)
+    if rank == 0:
+        model.save_pretrained(src)
+    dist.barrier()
+    pm = fxtron.parallelize(model, mesh, example_inputs=args, example_kwargs=kwargs or None, **case.kw)
+    prog = pm.program(rank, seed=123)          # its own init first: the load must overwrite every piece
+    prog.load_pretrained(src)
+    loaded = prog.full_state_dict()
+    prog.save_pretrained(out)
+    dist.barrier()
+    back = AutoModelForCausalLM.from_pretrained(out).state_dict() if rank == 0 else None
+    return {"loaded": loaded, "want": model.state_dict(), "back": back,
+            "pieces": {n: tuple(p.shape) for n, p in prog.named_parameters()}}
+
+
 JOBS = {
     2: [(fxtron.Mesh(2), [Case(zero=3), Case(zero=3, microbatches=2, clip_grad=0.5),
                           Case(zero=2, clip_grad=0.5, bucket_size=SMALL), Case(zero=2, microbatches=2),
                           Case(zero=3, dtype=torch.bfloat16, clip_grad=0.5),
                           Case(zero=3, gather_per_step=True, microbatches=2),
                           Case("llama", zero=3, recompute="selective", clip_grad=0.5),
-                          Case("hf-llama", zero=3, recompute="full")])],
+                          Case("hf-llama", zero=3, recompute="full"), Case("hf-llama", tag="pretrained", zero=3)])],
     4: [(fxtron.Mesh(4), [Case(zero=3, clip_grad=0.5), Case(zero=2), Case("hf-qwen2-tied", zero=3),
                           Case(tag="save", zero=3)]),
         (fxtron.Mesh(4, tp=2), [Case(zero=3, sequence_parallel=True, clip_grad=0.5),
@@ -120,7 +142,7 @@ JOBS = {
         (fxtron.Mesh(4, ep=2), [Case("hf-mixtral", zero=3, clip_grad=0.5)])],
 }
 CASES = [(str(mesh), case) for plan in JOBS.values() for mesh, cases in plan for case in cases
-         if case.tag not in ("save", "load")]
+         if case.tag not in ("save", "load", "pretrained")]
 
 
 results = cases_fixture(JOBS, _run, timeout_s=1500)
@@ -247,3 +269,17 @@ def test_gathers_and_frees_in_the_graph():
     assert all(len(s) == 1 and s[0] == -(-torch.Size(local[n].local_shape).numel() // 2) for n, s in held.items())
     total = sum(s[0] for s in held.values())
     assert f"{total:,}" in pm.summary()
+
+
+def test_pretrained_into_pieces_and_back(results):
+    """load_pretrained under zero=3 fills each rank's flat pieces (reading only the rows they
+    span) with transformers' own weights, exactly; save_pretrained gathers them back into files
+    transformers loads to the same tensors."""
+    for rank, res in enumerate(ranks_of(results, fxtron.Mesh(2), Case("hf-llama", tag="pretrained", zero=3))):
+        assert all(len(shape) == 1 for shape in res["pieces"].values())
+        d, where = max_abs_diff({k: v for k, v in res["loaded"].items() if k in res["want"]},
+                                {k: v for k, v in res["want"].items() if k in res["loaded"]})
+        assert d == 0.0, f"{where} differs by {d}"
+        if rank == 0:
+            d, where = max_abs_diff(res["back"], res["want"])
+            assert d == 0.0, f"{where} differs by {d}"
