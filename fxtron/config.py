@@ -319,7 +319,19 @@ class DataParallelConfig(Section):
     gather_per_step: bool = option(False, help="zero=3: gather each layer once per step and keep it until the step "
                                                "ends (no gather again in backward or per microbatch), holding the "
                                                "whole parameters during the step")
+    overlap_param_gather: bool = option(False, help="zero=1/2: the updated parameters are all-gathered bucket by "
+                                                    "bucket during the next forward, each layer waiting only for its "
+                                                    "own buckets (Megatron's overlap_param_gather)")
     clip_grad: float | None = option(None, positive=True, help="clip the global gradient norm to this")
+
+    def _rules(self) -> None:
+        if self.overlap_param_gather and self.zero not in (1, 2):
+            raise ParallelizeError(f"overlap_param_gather=True overlaps the distributed optimizer's all-gather of the "
+                                   f"updated parameters with the next forward; zero={self.zero} has none: use zero=1 "
+                                   f"or zero=2 (zero=3 gathers each layer before use anyway)")
+        if self.gather_per_step and self.zero != 3:
+            raise ParallelizeError(f"gather_per_step=True keeps zero=3's gathered layers for the whole step; "
+                                   f"zero={self.zero} does not gather layers: use zero=3 or drop gather_per_step")
 
 
 @dataclass(frozen=True)

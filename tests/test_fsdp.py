@@ -95,6 +95,8 @@ def _run(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
     losses, norms, grads = _train(prog, opt, items)
     out = {"losses": losses, "grads": grads, "state": prog.full_state_dict(), "norms": norms,
            "held": _held(prog, opt), "total": sum(p.numel() for p in make(case.name, layers=4).parameters())}
+    if prog.zero is not None:
+        out.update(waited=list(prog.zero.last_waited), buckets=sum(len(part.buf.buckets) for part in prog.zero.parts))
     if prog.fsdp is not None:
         units = list(prog.fsdp.units.values())
         out.update(peak=prog.fsdp.peak_held, gathers=prog.fsdp.gathers,
@@ -128,7 +130,9 @@ JOBS = {
                           Case(zero=3, dtype=torch.bfloat16, clip_grad=0.5),
                           Case(zero=3, gather_per_step=True, microbatches=2),
                           Case("llama", zero=3, recompute="selective", clip_grad=0.5),
-                          Case("hf-llama", zero=3, recompute="full"), Case("hf-llama", tag="pretrained", zero=3)])],
+                          Case("hf-llama", zero=3, recompute="full"), Case("hf-llama", tag="pretrained", zero=3),
+                          Case(zero=1, overlap_param_gather=True, bucket_size=SMALL, clip_grad=0.5),
+                          Case(zero=2, overlap_param_gather=True, bucket_size=SMALL, dtype=torch.bfloat16)])],
     4: [(fxtron.Mesh(4), [Case(zero=3, clip_grad=0.5), Case(zero=2), Case("hf-qwen2-tied", zero=3),
                           Case(tag="save", zero=3)]),
         (fxtron.Mesh(4, tp=2), [Case(zero=3, sequence_parallel=True, clip_grad=0.5),
@@ -136,7 +140,8 @@ JOBS = {
                                 Case(tag="load", zero=0), Case(tag="save", zero=0)]),
         (fxtron.Mesh(4, pp=2), [Case(zero=3, microbatches=2, clip_grad=0.5),
                                 Case("llama", zero=3, microbatches=4, schedule="zb-h1"),
-                                Case(zero=2, microbatches=2)]),
+                                Case(zero=2, microbatches=2),
+                                Case(zero=1, overlap_param_gather=True, microbatches=2, bucket_size=SMALL)]),
         (fxtron.Mesh(4), [Case(tag="load", zero=3)]),
         (fxtron.Mesh(4, cp=2), [Case(zero=3)]),
         (fxtron.Mesh(4, ep=2), [Case("hf-mixtral", zero=3, clip_grad=0.5)])],
@@ -283,3 +288,23 @@ def test_pretrained_into_pieces_and_back(results):
         if rank == 0:
             d, where = max_abs_diff(res["back"], res["want"])
             assert d == 0.0, f"{where} differs by {d}"
+
+
+def test_overlap_param_gather_waits_bucket_by_bucket(results):
+    """zero=1/2 with overlap_param_gather: nothing waits for the updated parameters before the
+    forward; each layer's param_wait waits for its own buckets as the forward reaches it --
+    every bucket once, in the order the forward uses them (the buffer holds them last-used
+    first, so indices fall)."""
+    for kw in (dict(zero=1, overlap_param_gather=True, bucket_size=SMALL, clip_grad=0.5),
+               dict(zero=2, overlap_param_gather=True, bucket_size=SMALL, dtype=torch.bfloat16)):
+        for res in _case(results, fxtron.Mesh(2), **kw):
+            assert res["buckets"] >= 6
+            assert sorted(res["waited"]) == list(range(res["buckets"])), res["waited"]
+            assert res["waited"] == sorted(res["waited"], reverse=True), res["waited"]
+    args, _ = batch("gpt", 2, 8, 0)
+    pm = fxtron.parallelize(make("gpt", layers=2), fxtron.Mesh(2), example_inputs=args, zero=1,
+                            overlap_param_gather=True)
+    waits = [n.args[1] for n in pm.compiled(0).gm.graph.nodes if n.target == torch.ops.fxtron.param_wait.default]
+    assert waits == ["wte", "wpe", "blocks.0", "blocks.1", "ln_f"]
+    with pytest.raises(fxtron.ParallelizeError, match="overlap_param_gather=True .* zero=0 has none"):
+        fxtron.parallelize(make("gpt", layers=2), fxtron.Mesh(2), example_inputs=args, overlap_param_gather=True)

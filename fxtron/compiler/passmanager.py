@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from fxtron.passes.fsdp import is_free, param_of, shard_data_parallel
+from fxtron.passes.fsdp import STANDS_FOR_PARAMS, is_free, param_of, shard_data_parallel, wait_for_params
 from fxtron.passes.fuse import fuse_linears, fused_weights
 from fxtron.config import Config
 from fxtron.core import layout, meta
@@ -80,7 +80,7 @@ class RankGraph:
         order: dict[str, None] = {}
         for g in self.graphs:
             for node in g.graph.nodes:
-                if node.target == torch.ops.fxtron.fsdp_gather.default:
+                if node.target in STANDS_FOR_PARAMS:
                     continue
                 for a in node.all_input_nodes:
                     name = param_of(a)
@@ -97,8 +97,7 @@ class RankGraph:
         for g in self.graphs:
             for node in g.graph.nodes:
                 name = param_of(node)
-                if name is None or (meta.is_param(node) and any(u.target == torch.ops.fxtron.fsdp_gather.default
-                                                                for u in node.users)):
+                if name is None or (meta.is_param(node) and any(u.target in STANDS_FOR_PARAMS for u in node.users)):
                     continue
                 users = [u for u in node.users if not is_free(u)]
                 fused = sum(1 for u in users if u.target == linear and u.args[1] is node)
@@ -271,7 +270,8 @@ def _shard_params(s: RankState) -> None:
 
 
 def _zero3(s: RankState) -> bool:
-    return s.config.data_parallel.zero == 3
+    c = s.config.data_parallel
+    return c.zero == 3 or (c.zero in (1, 2) and c.overlap_param_gather)
 
 
 def _shard_data_parallel(s: RankState) -> None:
@@ -279,7 +279,10 @@ def _shard_data_parallel(s: RankState) -> None:
         ranks = s.job.group_of(kind, s.mesh.rank)
         return len(ranks), ranks.index(s.mesh.rank)
     graphs = [s.gm] if s.stages is None else [st.gm for st in s.stages]
-    s.local = shard_data_parallel(graphs, s.local, group_of)
+    if s.config.data_parallel.zero == 3:
+        s.local = shard_data_parallel(graphs, s.local, group_of)
+    else:
+        wait_for_params(graphs, s.local, group_of)
 
 
 PASSES = pass_list(
@@ -342,7 +345,9 @@ PASSES = pass_list(
     Pass("shard_params", "each parameter's local shape, shards per axis and gradient group", _shard_params,
          after=("split_stages",)),
     Pass("shard_data_parallel", "each parameter held as the rank's 1/d flat piece; each layer's pieces gathered just "
-         "before its first use and freed after its last (FSDP)", _shard_data_parallel, _zero3, "zero=3",
+         "before its first use and freed after its last (FSDP); under zero=1/2 with overlap_param_gather, each "
+         "layer waits for its own buckets' gathered update", _shard_data_parallel, _zero3,
+         "zero=3, or zero=1/2 with overlap_param_gather",
          after=("shard_params", "mark_recompute")),
 )
 

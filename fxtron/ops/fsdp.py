@@ -16,6 +16,14 @@ after which the rank no longer holds them: what backward needs of them (the weig
 linear, a norm's weight saved by its multiply) is gathered again there, and each layer's
 gradients are reduce-scattered as soon as its backward completes them (runtime/fsdp.py).
 
+With zero=1 or 2 and overlap_param_gather, the same place gets
+
+    fxtron::param_wait(str group, str unit, Tensor[] params) -> Tensor[]
+
+which waits only for the buckets of `unit`'s parameters in the distributed optimizer's
+all-gather of the last step's update (Megatron's overlap_param_gather), then gives them in the
+compute dtype.
+
 `shapes` is the local shapes of the parameters, concatenated, and `dims` their ranks, so the
 fake implementation needs no group. The run-time forms call the program's `FsdpUnits`, which
 the pieces carry (`fxtron_units`, set by the program and kept by its compute copies); the gathered tensors carry `fxtron_fsdp = (units, unit,
@@ -70,6 +78,25 @@ def _numel(shape) -> int:
     return n
 
 
+@torch.library.custom_op("fxtron::param_wait", mutates_args=())
+def param_wait(group: str, unit: str, params: list[Tensor]) -> list[Tensor]:
+    """zero=1/2 with overlap_param_gather: `unit`'s parameters once their buckets' all-gather
+    of the last step's update has arrived (the graph's form: a copy)."""
+    return [p.clone() for p in params]
+
+
+@param_wait.register_fake
+def _(group, unit, params):
+    return [p.new_empty(p.shape) for p in params]
+
+
+def param_wait_eager(group: str, unit: str, params: list[Tensor]) -> list[Tensor]:
+    """The run-time form: the distributed optimizer the parameters carry (`fxtron_zero`,
+    runtime/zero.py) waits for their buckets and gives them in the compute dtype."""
+    zero = getattr(params[0], "fxtron_zero", None) if params else None
+    return list(params) if zero is None else zero.ready(unit, params)
+
+
 class _Gather(torch.autograd.Function):
     """The run-time gather: forward asks the program's units for the whole parameters;
     backward hands their gradients (those autograd computes: all but fused linears', which
@@ -110,6 +137,7 @@ def fsdp_free_eager(group: str, unit: str, gathered: list[Tensor]) -> None:
 register(OpSpec("fsdp_gather", axis_arg=0, forward=Comm("all_gather", "params"),
                 backward=Comm("reduce_scatter", "params"), eager=fsdp_gather_eager))
 register(OpSpec("fsdp_free", eager=fsdp_free_eager))
+register(OpSpec("param_wait", eager=param_wait_eager))
 
 
 def handle(weight: Tensor):
@@ -117,4 +145,4 @@ def handle(weight: Tensor):
     return getattr(weight, "fxtron_fsdp", None)
 
 
-__all__ = ["fsdp_free", "fsdp_gather", "handle", "shapes_of"]
+__all__ = ["fsdp_free", "fsdp_gather", "handle", "param_wait", "shapes_of"]

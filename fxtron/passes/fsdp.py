@@ -30,6 +30,9 @@ from fxtron.ops import fsdp as _ops  # noqa: F401 - registers torch.ops.fxtron.f
 
 _GATHER = torch.ops.fxtron.fsdp_gather.default
 _FREE = torch.ops.fxtron.fsdp_free.default
+_WAIT = torch.ops.fxtron.param_wait.default
+#: the ops whose outputs stand for parameters (param_of)
+STANDS_FOR_PARAMS = (_GATHER, _WAIT)
 
 
 def unit_of(name: str) -> str:
@@ -116,6 +119,46 @@ def shard_data_parallel(graphs: list[fx.GraphModule], local: dict[str, LocalPara
     return out
 
 
+def wait_for_params(graphs: list[fx.GraphModule], local: dict[str, LocalParam], group_of) -> None:
+    """zero=1/2 with overlap_param_gather: a `fxtron::param_wait` of each layer's parameters
+    just before their first use, every use then reading its outputs (the parameters once their
+    buckets' all-gather has arrived, in the compute dtype). Edits `graphs` in place."""
+    for gm in graphs:
+        units: dict[tuple[str, str], list[fx.Node]] = {}
+        for node in gm.graph.nodes:
+            name = meta.param_name(node)
+            if name is None or not node.users or name not in local:
+                continue
+            kind = local[name].grad_group
+            if group_of(kind)[0] == 1:
+                continue
+            units.setdefault((kind, unit_of(name) + ("" if kind != "expert-dp" else " (experts)")), []).append(node)
+        position = {n: i for i, n in enumerate(gm.graph.nodes)}
+        for (kind, label), params in units.items():
+            first = min((u for p in params for u in p.users), key=position.__getitem__)
+            region = meta.get(first, meta.RECOMPUTE)
+            while region is not None and meta.get(first.prev, meta.RECOMPUTE) == region:
+                first = first.prev
+            g = gm.graph
+            with g.inserting_before(first):
+                wait = g.call_function(_WAIT, (kind, label, list(params)))
+                outs = []
+                for i, p in enumerate(params):
+                    item = g.call_function(operator.getitem, (wait, i))
+                    item.meta.update({k: v for k, v in p.meta.items() if k != meta.INPUT})
+                    outs.append(item)
+            wait.meta["val"] = [o.meta.get("val") for o in outs]
+            for axis in meta.graph_axes(gm):
+                meta.set_placement(wait, axis, tuple(meta.placement(p, axis) for p in params))
+            meta.set(wait, meta.MODULE, label)
+            meta.set(wait, meta.PROVENANCE, meta.Provenance("shard_data_parallel",
+                                                            f"wait for {label}'s gathered update (overlap_param_gather)"))
+            for p, item in zip(params, outs):
+                p.replace_all_uses_with(item, delete_user_cb=lambda u, wait=wait: u is not wait)
+        gm.graph.lint()
+        gm.recompile()
+
+
 def _replace(lp: LocalParam, flat: FlatShard) -> LocalParam:
     import dataclasses
     return dataclasses.replace(lp, flat=flat)
@@ -126,7 +169,7 @@ def param_of(node) -> str | None:
     if meta.is_param(node):
         return meta.param_name(node)
     if (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem
-            and isinstance(node.args[0], fx.Node) and node.args[0].target == _GATHER):
+            and isinstance(node.args[0], fx.Node) and node.args[0].target in STANDS_FOR_PARAMS):
         return meta.param_name(node.args[0].args[2][node.args[1]])
     return None
 
@@ -135,4 +178,4 @@ def is_free(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target == _FREE
 
 
-__all__ = ["is_free", "param_of", "shard_data_parallel", "unit_of"]
+__all__ = ["STANDS_FOR_PARAMS", "is_free", "param_of", "shard_data_parallel", "unit_of", "wait_for_params"]

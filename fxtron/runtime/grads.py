@@ -170,6 +170,8 @@ class Gradients:
         self.zero = ZeroOne(self.buffers, params, release=config.zero == 2) if config.zero in (1, 2) else None
         #: zero=3's units (runtime/fsdp.py FsdpUnits), set by the program
         self.fsdp = None
+        #: overlap_param_gather: the parameters whose buckets the graph waits for itself (param_wait)
+        self.waited_in_graph: set[str] = set()
         self.reduce_dtype = reduce_dtype
 
     # ---------------------------------------------------------------- accumulation
@@ -208,8 +210,11 @@ class Gradients:
         """During one step every parameter's gradient accumulates into its `main_grad`, a view
         of the bucketed buffer: fused linears write there directly (and report when their
         deferred GEMM has run), autograd's gradients are moved there by a hook."""
-        if self.zero is not None:
-            self.zero.wait_params()
+        if self.zero is not None:      # (overlap_param_gather: the graph waits for what it has not yet)
+            if self.waited_in_graph:
+                self.zero.wait_for([n for n in self.params if n not in self.waited_in_graph])
+            else:
+                self.zero.wait_params()
         for buf in self.buffers.values():
             buf.reset(self._views)
         for n, p in self.params.items():

@@ -20,6 +20,7 @@ from torch import nn
 
 from fxtron.config import Config
 from fxtron.core.meta import TraceInfo
+from fxtron.core.meta import param_name as meta_param_name
 from fxtron.core.params import LocalParam
 from fxtron.core.rank import RankSpec
 from fxtron.core.stage import Stage
@@ -113,6 +114,18 @@ class Program(nn.Module):
                                chunk_params=[set(st.params) for st in stages] if stages is not None else None)
         self.last_dispatch: DispatchLog | None = None   # what expert parallel's all-to-alls did, last step
         self._tp_comm = groups is not None and groups.size("tp") > 1
+        # overlap_param_gather (zero=1/2): the graph's param_wait nodes wait for each layer's buckets
+        # and make its compute copies; those parameters are passed to the graph as they are
+        self._raw: set[str] = set()
+        if self.zero is not None:
+            self.zero.dtype = self.dtype
+            wait = torch.ops.fxtron.param_wait.default
+            self._raw = {meta_param_name(a) for g in spec.graphs for n in g.graph.nodes if n.target == wait
+                         for a in n.args[2]}
+            named = dict(self.named_parameters())
+            for n in self._raw:
+                named[n].fxtron_zero, named[n].fxtron_name = self.zero, n
+            self.grads.waited_in_graph = set(self._raw)
         # sharded data parallel (zero=3): each layer's pieces gathered at the graph's fsdp_gather nodes
         self.fsdp = None
         if any(lp.flat is not None for lp in self.local.values()):
@@ -175,7 +188,7 @@ class Program(nn.Module):
         return self._run_graph(self._flat_inputs(inputs, kwargs))
 
     def _run_graph(self, flat: list) -> torch.Tensor:
-        args = [self._compute_copy(get_by_path(self, n)) for n in self.info.params]
+        args = [self._param_arg(n) for n in self.info.params]
         args += [self._compute_copy(get_by_path(self, n)) for n in self.info.buffers]
         with self.rng.active() if self.rng is not None else contextlib.nullcontext(), self._gathering():
             outs = self.graph_module(*args, *flat)
@@ -188,6 +201,12 @@ class Program(nn.Module):
             else:
                 loss = out
         return loss
+
+    def _param_arg(self, name: str) -> torch.Tensor:
+        """What the graph receives for parameter `name`: its compute copy, or the parameter
+        itself where a param_wait node makes the copy once its bucket has arrived."""
+        p = get_by_path(self, name)
+        return p if name in self._raw else self._compute_copy(p)
 
     def _compute_copy(self, t: torch.Tensor) -> torch.Tensor:
         return compute_copy(t, self.dtype)
@@ -247,7 +266,7 @@ class Program(nn.Module):
     def _call_stage(self, stage, flat: list, received: list) -> tuple:
         if stage.gm is None:     # the whole graph as one stage
             return (self._run_graph(flat),)
-        args = [self._compute_copy(get_by_path(self, n)) for n in stage.params]
+        args = [self._param_arg(n) for n in stage.params]
         args += [self._compute_copy(get_by_path(self, n)) for n in stage.buffers]
         args += [flat[i] for i in stage.user_inputs] + list(received)
         with self.rng.active() if self.rng is not None else contextlib.nullcontext(), self._gathering():

@@ -6,7 +6,8 @@ parameter buffer laid out like the gradient buffer; each rank's optimizer sees o
 of it (the pieces of parameters that fall in its shard of each bucket), so optimizer state
 (AdamW's two moments) takes 1/dp of the memory. After the step each bucket's updated shard is
 all-gathered over data parallel, asynchronously; the next step (or a state-dict read) waits
-for it before using the parameters.
+for it before using the parameters -- with overlap_param_gather each layer's forward waits
+only for its own buckets (the graph's param_wait nodes, `ready`).
 
 Under zero=2 the rank keeps, after the reduce-scatter, copies of its shards of the gradients
 only: the whole buffer's memory is released between steps and allocated again when the next
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fxtron.ops import ledger
+from fxtron.runtime.precision import compute_copy
 
 
 class _Part:
@@ -55,7 +57,7 @@ class _Part:
 
     def gather(self, flat: torch.Tensor, works: list | None = None) -> None:
         """Every rank's shard of each bucket of `flat` (laid out like the buffer) to every rank:
-        asynchronously into `works`, or now."""
+        asynchronously into `works` (as (part, bucket index, work, source)), or now."""
         if self.dp == 1:
             return
         group = self.buf.group
@@ -68,8 +70,8 @@ class _Part:
                     dist.all_gather_into_tensor(flat[b.start:b.end], src, group=group)
             else:
                 e = ledger.issue(group, "all_gather", src)
-                works.append((ledger.started(e, dist.all_gather_into_tensor(flat[b.start:b.end], src, group=group,
-                                                                              async_op=True)), src))
+                works.append((self, b.index, ledger.started(e, dist.all_gather_into_tensor(
+                    flat[b.start:b.end], src, group=group, async_op=True)), src))
 
 
 class ZeroOne:
@@ -90,6 +92,9 @@ class ZeroOne:
         self._inner: torch.optim.Optimizer | None = None
         self._template = None
         self._works: list = []
+        self.dtype = None            # the compute dtype (mixed precision), set by the program
+        self.waited: list[int] = []  # bucket indices waited for by forwards since the step (overlap_param_gather)
+        self.last_waited: list[int] = []   # ... in the last step's forwards
 
     # ------------------------------------------------------------------ the optimizer
     def optimizer_for(self, template: torch.optim.Optimizer) -> list[nn.Parameter]:
@@ -141,6 +146,8 @@ class ZeroOne:
                 if k != "params":
                     mine[k] = v
         self._inner.step()
+        self.wait_params()         # (none left in flight before new ones start)
+        self.last_waited, self.waited = self.waited, []
         for part in self.parts:    # every rank's updated shard to every rank, bucket by bucket
             part.bytes_gathered = 0
             part.gather(part.param_data, self._works)
@@ -148,8 +155,37 @@ class ZeroOne:
     def wait_params(self) -> None:
         """Wait for the all-gathers of the last step's updated parameters."""
         works, self._works = self._works, []
-        for work, _ in works:
+        for _, _, work, _ in works:
             work.wait()
+
+    def wait_for(self, names) -> None:
+        """Wait only for the all-gathers of the buckets holding parameters `names` (in the order
+        they were started: every rank waits alike)."""
+        want = set()
+        for n in names:
+            part = self._part_of.get(n)
+            if part is None:
+                continue
+            off, k = part.buf.offsets[n]
+            want.update((id(part), b.index) for b in part.buf.buckets if b.start < off + k and off < b.end)
+        if not want:
+            return
+        keep = []
+        for entry in self._works:
+            if (id(entry[0]), entry[1]) in want:
+                entry[2].wait()
+                self.waited.append(entry[1])
+            else:
+                keep.append(entry)
+        self._works = keep
+
+    def ready(self, unit: str, params: list) -> list:
+        """overlap_param_gather (ops/fsdp.py param_wait): a layer's parameters once their
+        buckets have arrived, as the graph computes with them (16-bit copies under mixed
+        precision, carrying their main_grad)."""
+        names = [getattr(p, "fxtron_name", None) for p in params]
+        self.wait_for([n for n in names if n is not None])
+        return [compute_copy(p, self.dtype) for p in params]
 
     def full_grad_data(self) -> dict[str, torch.Tensor]:
         """Every parameter's whole averaged gradient (flat), gathered from every rank's shards
