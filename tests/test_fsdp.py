@@ -293,14 +293,14 @@ def test_pretrained_into_pieces_and_back(results):
 def test_overlap_param_gather_waits_bucket_by_bucket(results):
     """zero=1/2 with overlap_param_gather: nothing waits for the updated parameters before the
     forward; each layer's param_wait waits for its own buckets as the forward reaches it --
-    every bucket once, in the order the forward uses them (the buffer holds them last-used
-    first, so indices fall)."""
+    every bucket once during the forward, the first layer's first (the buffer holds the buckets
+    last-used first: the highest index)."""
     for kw in (dict(zero=1, overlap_param_gather=True, bucket_size=SMALL, clip_grad=0.5),
                dict(zero=2, overlap_param_gather=True, bucket_size=SMALL, dtype=torch.bfloat16)):
         for res in _case(results, fxtron.Mesh(2), **kw):
             assert res["buckets"] >= 6
-            assert sorted(res["waited"]) == list(range(res["buckets"])), res["waited"]
-            assert res["waited"] == sorted(res["waited"], reverse=True), res["waited"]
+            assert sorted(res["waited"]) == list(range(res["buckets"])), res["waited"]   # each in the forward
+            assert res["waited"][0] == res["buckets"] - 1, res["waited"]     # the first layer's bucket first
     args, _ = batch("gpt", 2, 8, 0)
     pm = fxtron.parallelize(make("gpt", layers=2), fxtron.Mesh(2), example_inputs=args, zero=1,
                             overlap_param_gather=True)
