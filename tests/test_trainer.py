@@ -58,6 +58,11 @@ def test_weight_decay_leaves_biases_and_norms_out():
     decay, plain = param_groups(model.named_parameters())
     assert [p.shape for p in decay["params"]] == [(4, 4), (5, 4)]
     assert len(plain["params"]) == 3 and plain["weight_decay"] == 0.0
+    # zero=3 holds flat pieces: the model's own dims decide, not the piece's
+    pieces = [(n, torch.zeros(8)) for n, _ in model.named_parameters()]
+    dims = {n: p.dim() for n, p in model.named_parameters()}
+    decay, plain = param_groups(pieces, dims)
+    assert len(decay["params"]) == 2 and len(plain["params"]) == 3
 
 
 def test_latest_checkpoint_is_the_newest_complete(tmp_path):

@@ -27,17 +27,20 @@ from fxtron.trainer.models import TrainModel, key_values, resolve
 from fxtron.trainer.schedule import LRSchedule
 
 
-def param_groups(named) -> list[dict]:
-    """AdamW's groups: weight decay on the matrices, none on biases and 1-d weights (norms)."""
+def param_groups(named, dims: dict[str, int] | None = None) -> list[dict]:
+    """AdamW's groups: weight decay on the matrices, none on biases and 1-d weights (norms).
+    `dims`: each parameter's number of dims in the model, where the tensor is not shaped like
+    it (zero=3's flat pieces)."""
     decay, plain = [], []
     for n, p in named:
-        (plain if n.endswith(".bias") or p.dim() <= 1 else decay).append(p)
+        ndim = (dims or {}).get(n, p.dim())
+        (plain if n.endswith(".bias") or ndim <= 1 else decay).append(p)
     return [{"params": decay}, {"params": plain, "weight_decay": 0.0}]
 
 
-def optimizer(named, cfg: TrainConfig) -> torch.optim.AdamW:
+def optimizer(named, cfg: TrainConfig, dims: dict[str, int] | None = None) -> torch.optim.AdamW:
     o = cfg.optimizer
-    return torch.optim.AdamW(param_groups(named), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+    return torch.optim.AdamW(param_groups(named, dims), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
                              weight_decay=o.weight_decay)
 
 
@@ -73,7 +76,7 @@ def train_rank(rank: int, cfg: TrainConfig, groups=None) -> dict:
     prog.skip_nonfinite = True
     if tm.pretrained:
         prog.load_pretrained(tm.pretrained)
-    opt = optimizer(prog.named_parameters(), cfg)
+    opt = optimizer(prog.named_parameters(), cfg, {n: len(lp.full_shape) for n, lp in prog.local.items()})
     sched = schedule(cfg)
     state = {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0, "skipped_iterations": 0}
     source = t.load or t.save
