@@ -17,6 +17,8 @@ gathering again in backward, reduce-scattering each unit's gradients) is runtime
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 import operator
 import re
 
@@ -45,6 +47,48 @@ def unit_of(name: str) -> str:
     return ".".join(parts[:-1]) or name
 
 
+def _units(gm: fx.GraphModule, local: dict[str, LocalParam], group_of) -> dict[tuple[str, str], list[fx.Node]]:
+    """(group kind, unit label) -> the parameter placeholders of that unit the graph uses, for
+    the kinds of more than one rank; units in order of first use (placeholder order)."""
+    units: dict[tuple[str, str], list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        name = meta.param_name(node)
+        if name is None or not node.users or name not in local:
+            continue
+        kind = local[name].grad_group
+        if group_of(kind)[0] == 1:
+            continue
+        units.setdefault((kind, unit_of(name) + ("" if kind != "expert-dp" else " (experts)")), []).append(node)
+    return units
+
+
+def _before_first_use(gm: fx.GraphModule, op, args: tuple, params: list[fx.Node], label: str, why: str) -> list[fx.Node]:
+    """Insert `op(*args)` (its outputs standing for `params`) just before the first use of any
+    of them -- before the recomputed region holding it, whose input it becomes -- and route
+    every use to its outputs. Returns the output nodes (getitems)."""
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    first = min((u for p in params for u in p.users), key=position.__getitem__)
+    region = meta.get(first, meta.RECOMPUTE)
+    while region is not None and meta.get(first.prev, meta.RECOMPUTE) == region:
+        first = first.prev
+    g = gm.graph
+    with g.inserting_before(first):
+        node = g.call_function(op, args)
+        outs = []
+        for i, p in enumerate(params):
+            item = g.call_function(operator.getitem, (node, i))
+            item.meta.update({k: v for k, v in p.meta.items() if k != meta.INPUT})
+            outs.append(item)
+    node.meta["val"] = [o.meta.get("val") for o in outs]
+    for axis in meta.graph_axes(gm):      # each output placed as its parameter
+        meta.set_placement(node, axis, tuple(meta.placement(p, axis) for p in params))
+    meta.set(node, meta.MODULE, label)
+    meta.set(node, meta.PROVENANCE, meta.Provenance("shard_data_parallel", why))
+    for p, item in zip(params, outs):
+        p.replace_all_uses_with(item, delete_user_cb=lambda u, node=node: u is not node)
+    return outs
+
+
 def shard_data_parallel(graphs: list[fx.GraphModule], local: dict[str, LocalParam],
                         group_of) -> dict[str, LocalParam]:
     """Insert each unit's gather and free into `graphs` (edited in place) and return `local`
@@ -53,60 +97,28 @@ def shard_data_parallel(graphs: list[fx.GraphModule], local: dict[str, LocalPara
     out = dict(local)
     seen: dict[str, int] = {}
     for gi, gm in enumerate(graphs):
-        units: dict[tuple[str, str], list[fx.Node]] = {}
-        for node in gm.graph.nodes:
-            name = meta.param_name(node)
-            if name is None or not node.users or name not in local:
-                continue
-            kind = local[name].grad_group
-            world, _ = group_of(kind)
-            if world == 1:
-                continue
-            label = unit_of(name) + ("" if kind != "expert-dp" else " (experts)")
-            units.setdefault((kind, label), []).append(node)
-        order = list(gm.graph.nodes)
-        position = {n: i for i, n in enumerate(order)}
-        for (kind, label), params in units.items():
+        for (kind, label), params in _units(gm, local, group_of).items():
             if seen.setdefault(label, gi) != gi:
                 raise ParallelizeError(f"zero=3: layer {label} is used by two pipeline chunks of rank; fxtron gathers "
                                        "a layer's parameters in one chunk")
             world, index = group_of(kind)
-            users = [u for p in params for u in p.users]
-            first = min(users, key=position.__getitem__)
-            last = max(users, key=position.__getitem__)
+            position = {n: i for i, n in enumerate(gm.graph.nodes)}
+            last = max((u for p in params for u in p.users), key=position.__getitem__)
             shapes, dims = [], []
             for p in params:
                 lp = local[meta.param_name(p)]
                 shapes += list(lp.local_shape)
                 dims.append(len(lp.local_shape))
-                numel = 1
-                for s in lp.local_shape:
-                    numel *= int(s)
-                chunk = -(-numel // world)
-                out[lp.name] = _replace(lp, FlatShard(world, index, chunk, label))
-            region = meta.get(first, meta.RECOMPUTE)
-            while region is not None and meta.get(first.prev, meta.RECOMPUTE) == region:
-                first = first.prev                   # before a recomputed region, whose input it is
+                chunk = -(-math.prod(int(d) for d in lp.local_shape) // world)
+                out[lp.name] = dataclasses.replace(lp, flat=FlatShard(world, index, chunk, label))
+            outs = _before_first_use(gm, _GATHER, (kind, label, list(params), shapes, dims), params, label,
+                                     f"gather {label} (zero=3)")
             g = gm.graph
-            with g.inserting_before(first):
-                gather = g.call_function(_GATHER, (kind, label, list(params), shapes, dims))
-                outs = []
-                for i, p in enumerate(params):
-                    item = g.call_function(operator.getitem, (gather, i))
-                    item.meta.update({k: v for k, v in p.meta.items() if k != meta.INPUT})
-                    outs.append(item)
-            gather.meta["val"] = [o.meta.get("val") for o in outs]
-            for axis in meta.graph_axes(gm):      # each output placed as its parameter
-                meta.set_placement(gather, axis, tuple(meta.placement(p, axis) for p in params))
-            meta.set(gather, meta.MODULE, label)
-            meta.set(gather, meta.PROVENANCE, meta.Provenance("shard_data_parallel", f"gather {label} (zero=3)"))
-            for p, item in zip(params, outs):
-                p.replace_all_uses_with(item, delete_user_cb=lambda u, gather=gather: u is not gather)
             with g.inserting_after(last):
                 free = g.call_function(_FREE, (kind, label, outs))
             meta.set(free, meta.MODULE, label)
             meta.set(free, meta.PROVENANCE, meta.Provenance("shard_data_parallel", f"free {label} (zero=3)"))
-            if meta.get(last, meta.RECOMPUTE) is not None:      # (the free after the region, not inside it)
+            if meta.get(last, meta.RECOMPUTE) is not None:      # (inside the region, which stays one run)
                 meta.set(free, meta.RECOMPUTE, meta.get(last, meta.RECOMPUTE))
             for p in params:       # the placeholder is the flat piece now
                 lp = out[meta.param_name(p)]
@@ -124,44 +136,11 @@ def wait_for_params(graphs: list[fx.GraphModule], local: dict[str, LocalParam], 
     just before their first use, every use then reading its outputs (the parameters once their
     buckets' all-gather has arrived, in the compute dtype). Edits `graphs` in place."""
     for gm in graphs:
-        units: dict[tuple[str, str], list[fx.Node]] = {}
-        for node in gm.graph.nodes:
-            name = meta.param_name(node)
-            if name is None or not node.users or name not in local:
-                continue
-            kind = local[name].grad_group
-            if group_of(kind)[0] == 1:
-                continue
-            units.setdefault((kind, unit_of(name) + ("" if kind != "expert-dp" else " (experts)")), []).append(node)
-        position = {n: i for i, n in enumerate(gm.graph.nodes)}
-        for (kind, label), params in units.items():
-            first = min((u for p in params for u in p.users), key=position.__getitem__)
-            region = meta.get(first, meta.RECOMPUTE)
-            while region is not None and meta.get(first.prev, meta.RECOMPUTE) == region:
-                first = first.prev
-            g = gm.graph
-            with g.inserting_before(first):
-                wait = g.call_function(_WAIT, (kind, label, list(params)))
-                outs = []
-                for i, p in enumerate(params):
-                    item = g.call_function(operator.getitem, (wait, i))
-                    item.meta.update({k: v for k, v in p.meta.items() if k != meta.INPUT})
-                    outs.append(item)
-            wait.meta["val"] = [o.meta.get("val") for o in outs]
-            for axis in meta.graph_axes(gm):
-                meta.set_placement(wait, axis, tuple(meta.placement(p, axis) for p in params))
-            meta.set(wait, meta.MODULE, label)
-            meta.set(wait, meta.PROVENANCE, meta.Provenance("shard_data_parallel",
-                                                            f"wait for {label}'s gathered update (overlap_param_gather)"))
-            for p, item in zip(params, outs):
-                p.replace_all_uses_with(item, delete_user_cb=lambda u, wait=wait: u is not wait)
+        for (kind, label), params in _units(gm, local, group_of).items():
+            _before_first_use(gm, _WAIT, (kind, label, list(params)), params, label,
+                              f"wait for {label}'s gathered update (overlap_param_gather)")
         gm.graph.lint()
         gm.recompile()
-
-
-def _replace(lp: LocalParam, flat: FlatShard) -> LocalParam:
-    import dataclasses
-    return dataclasses.replace(lp, flat=flat)
 
 
 def param_of(node) -> str | None:
