@@ -319,6 +319,10 @@ class DataParallelConfig(Section):
     gather_per_step: bool = option(False, help="zero=3: gather each layer once per step and keep it until the step "
                                                "ends (no gather again in backward or per microbatch), holding the "
                                                "whole parameters during the step")
+    dp_shard: int | None = option(None, positive=True,
+                                  help="zero=3: shard over groups of this many consecutive data-parallel ranks and "
+                                       "replicate across the groups (HSDP; torchtitan's data_parallel_shard_degree); "
+                                       "default: over all of them")
     overlap_param_gather: bool = option(False, help="zero=1/2: the updated parameters are all-gathered bucket by "
                                                     "bucket during the next forward, each layer waiting only for its "
                                                     "own buckets (Megatron's overlap_param_gather)")
@@ -329,9 +333,19 @@ class DataParallelConfig(Section):
             raise ParallelizeError(f"overlap_param_gather=True overlaps the distributed optimizer's all-gather of the "
                                    f"updated parameters with the next forward; zero={self.zero} has none: use zero=1 "
                                    f"or zero=2 (zero=3 gathers each layer before use anyway)")
+        if self.dp_shard is not None and self.zero != 3:
+            raise ParallelizeError(f"dp_shard={self.dp_shard} shards zero=3's parameters over groups of that many "
+                                   f"ranks; zero={self.zero} does not shard parameters: use zero=3")
         if self.gather_per_step and self.zero != 3:
             raise ParallelizeError(f"gather_per_step=True keeps zero=3's gathered layers for the whole step; "
                                    f"zero={self.zero} does not gather layers: use zero=3 or drop gather_per_step")
+
+    def check(self, mesh) -> None:
+        d = mesh.dp * mesh.cp
+        if self.dp_shard is not None and (d % self.dp_shard or self.dp_shard > d):
+            raise ParallelizeError(f"dp_shard={self.dp_shard} must divide the {d} data-parallel ranks that hold the same "
+                                   f"weights (dp={mesh.dp} x cp={mesh.cp}): use one of "
+                                   f"{', '.join(str(k) for k in range(1, d + 1) if d % k == 0)}")
 
 
 @dataclass(frozen=True)

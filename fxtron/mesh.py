@@ -56,6 +56,32 @@ _EMBEDDING_KINDS = ("embedding", "position-embedding")
 GROUP_KINDS = (*_DENSE_TOKENS, *_EXPERT_TOKENS, *_EMBEDDING_KINDS)
 
 
+def hsdp_kinds(kind: str, k: int) -> tuple[str, str]:
+    """Hybrid sharding (HSDP) of the groups of `kind` into consecutive groups of k ranks: the
+    kinds naming those shard groups and the replicate groups across them (the ranks at the
+    same place of each), which `Mesh.groups` accepts."""
+    return f"{kind}/shard:{k}", f"{kind}/replicate:{k}"
+
+
+def _split_groups(mesh: "Mesh", kind: str) -> list[list[int]]:
+    base, _, part = kind.partition("/")
+    mode, _, k = part.partition(":")
+    if mode not in ("shard", "replicate") or not k.isdigit() or int(k) < 1:
+        raise ParallelizeError(f"unknown group kind {kind!r}: a split kind is '<kind>/shard:<k>' or "
+                               f"'<kind>/replicate:<k>'")
+    k = int(k)
+    out = []
+    for g in mesh.groups(base):
+        if len(g) % k:
+            raise ParallelizeError(f"the {base} groups have {len(g)} ranks, which {k} does not divide: shard over a "
+                                   f"divisor of {len(g)}")
+        if mode == "shard":
+            out += [g[i:i + k] for i in range(0, len(g), k)]
+        else:
+            out += [g[i::k] for i in range(k)]
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Megatron's generate_masked_orthogonal_rank_groups (MEGATRON.md 1.1), transcribed.
 
@@ -306,6 +332,8 @@ class Mesh:
         elif kind == "embedding":
             # Megatron's default_embedding_ranks: first and last pipeline stage (tied weights).
             lists = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in self._groups("pp")]
+        elif "/" in kind:
+            lists = _split_groups(self, kind)
         elif kind == "position-embedding":
             lists = [[g[0]] for g in self._groups("pp")]
         else:

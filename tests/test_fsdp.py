@@ -134,6 +134,7 @@ JOBS = {
                           Case(zero=1, overlap_param_gather=True, bucket_size=SMALL, clip_grad=0.5),
                           Case(zero=2, overlap_param_gather=True, bucket_size=SMALL, dtype=torch.bfloat16)])],
     4: [(fxtron.Mesh(4), [Case(zero=3, clip_grad=0.5), Case(zero=2), Case("hf-qwen2-tied", zero=3),
+                          Case(zero=3, dp_shard=2, clip_grad=0.5), Case("llama", zero=3, dp_shard=2, microbatches=2),
                           Case(tag="save", zero=3)]),
         (fxtron.Mesh(4, tp=2), [Case(zero=3, sequence_parallel=True, clip_grad=0.5),
                                 Case(zero=2, sequence_parallel=True),
@@ -143,7 +144,7 @@ JOBS = {
                                 Case(zero=2, microbatches=2),
                                 Case(zero=1, overlap_param_gather=True, microbatches=2, bucket_size=SMALL)]),
         (fxtron.Mesh(4), [Case(tag="load", zero=3)]),
-        (fxtron.Mesh(4, cp=2), [Case(zero=3)]),
+        (fxtron.Mesh(4, cp=2), [Case(zero=3), Case(zero=3, dp_shard=2)]),
         (fxtron.Mesh(4, ep=2), [Case("hf-mixtral", zero=3, clip_grad=0.5)])],
 }
 CASES = [(str(mesh), case) for plan in JOBS.values() for mesh, cases in plan for case in cases
@@ -308,3 +309,23 @@ def test_overlap_param_gather_waits_bucket_by_bucket(results):
     assert waits == ["wte", "wpe", "blocks.0", "blocks.1", "ln_f"]
     with pytest.raises(fxtron.ParallelizeError, match="overlap_param_gather=True .* zero=0 has none"):
         fxtron.parallelize(make("gpt", layers=2), fxtron.Mesh(2), example_inputs=args, overlap_param_gather=True)
+
+
+def test_hybrid_sharding(results):
+    """HSDP (dp_shard=2 at dp=4): a rank holds half of the parameters and of Adam's state (its
+    shard group's piece, the same as its replica's); pm.collectives adds each layer's all-reduce
+    of the reduced pieces over the replicas."""
+    for res in _case(results, fxtron.Mesh(4), zero=3, dp_shard=2, clip_grad=0.5):
+        total, held = res["total"], res["held"]
+        assert total / 2 <= held["params"] <= total / 2 + 2 * 30, (held, total)
+        assert held["state"] == 2 * held["params"]
+    args, _ = batch("gpt", 2, 8, 0)
+    pm = fxtron.parallelize(make("gpt", layers=2), fxtron.Mesh(4), example_inputs=args, zero=3, dp_shard=2)
+    recs = [r for r in pm.collectives(1) if r.op == "fsdp_gather"]
+    assert {(r.kind, r.group, r.ranks) for r in recs} == {("all_gather", "dp/shard:2", (0, 1)),
+                                                         ("reduce_scatter", "dp/shard:2", (0, 1)),
+                                                         ("all_reduce", "dp/replicate:2", (1, 3))}
+    with pytest.raises(fxtron.ParallelizeError, match="dp_shard=3 must divide the 4 data-parallel ranks"):
+        fxtron.parallelize(make("gpt", layers=2), fxtron.Mesh(4), example_inputs=args, zero=3, dp_shard=3)
+    with pytest.raises(fxtron.ParallelizeError, match="dp_shard=2 shards zero=3's parameters"):
+        fxtron.parallelize(make("gpt", layers=2), fxtron.Mesh(4), example_inputs=args, zero=1, dp_shard=2)

@@ -29,7 +29,7 @@ from fxtron.core.placement import Shard
 from fxtron.core.rank import RankSpec
 from fxtron.core.stage import Stage
 from fxtron.errors import ParallelizeError
-from fxtron.mesh import Mesh
+from fxtron.mesh import Mesh, hsdp_kinds
 from fxtron.passes import verify as verifier
 from fxtron.passes.context_parallel import cp_layout, fuse_written_out_attention
 from fxtron.passes.expert_parallel import dispatch_experts, ep_layout
@@ -279,8 +279,15 @@ def _shard_data_parallel(s: RankState) -> None:
         ranks = s.job.group_of(kind, s.mesh.rank)
         return len(ranks), ranks.index(s.mesh.rank)
     graphs = [s.gm] if s.stages is None else [st.gm for st in s.stages]
+    k = s.config.data_parallel.dp_shard
+
+    def split(kind: str):
+        """HSDP: the dense weights' group cut into shard groups of k (experts shard over all of expert-dp)."""
+        if k is None or kind == "expert-dp" or group_of(kind)[0] == k:
+            return None
+        return hsdp_kinds(kind, k)
     if s.config.data_parallel.zero == 3:
-        s.local = shard_data_parallel(graphs, s.local, group_of)
+        s.local = shard_data_parallel(graphs, s.local, group_of, split)
     else:
         wait_for_params(graphs, s.local, group_of)
 

@@ -111,7 +111,7 @@ def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRec
                     wire_bytes=sympy.simplify(steps * nbytes), module=meta.get(node, meta.MODULE) or ""))
                 continue
             if comm.payload == "params":        # zero=3: a layer's pieces gathered whole (ops/fsdp.py)
-                out += _fsdp_records(node, spec.name, phase, axis or "", ranks)
+                out += _fsdp_records(node, spec.name, phase, axis or "", ranks, mesh, rank)
                 continue
             if comm.payload == "copies":        # expert parallel: the copies (and the per-expert counts)
                 copies = node if isinstance(node.meta["val"], torch.Tensor) else node.args[0]   # combine's out, dispatch's in
@@ -159,7 +159,8 @@ def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRec
     return out
 
 
-def _fsdp_records(node: fx.Node, op: str, phase: str, group: str, ranks: tuple) -> list[CollectiveRecord]:
+def _fsdp_records(node: fx.Node, op: str, phase: str, group: str, ranks: tuple, mesh, rank: int
+                  ) -> list[CollectiveRecord]:
     """A unit's gather (zero=3): in forward one all-gather of its parameters (padded pieces of
     every rank, in their dtype); in backward the same all-gather again and the reduce-scatter of
     their fp32 gradients: 3 (n-1)/n of the bytes, where an all-reduce moves 2 (n-1)/n."""
@@ -177,7 +178,17 @@ def _fsdp_records(node: fx.Node, op: str, phase: str, group: str, ranks: tuple) 
                                 module=module)
     if phase == "forward":
         return [record("all_gather", elems * itemsize)]
-    return [record("all_gather", elems * itemsize), record("reduce_scatter", elems * 4)]
+    out = [record("all_gather", elems * itemsize), record("reduce_scatter", elems * 4)]
+    base, _, part = group.partition("/shard:")
+    if part:                 # HSDP: the reduced pieces all-reduced over their replicas
+        rep = f"{base}/replicate:{part}"
+        rranks = tuple(mesh.group_of(rep, rank))
+        r = len(rranks)
+        nbytes = elems // n * 4
+        out.append(CollectiveRecord(node=node.name, op=op, phase=phase, kind="all_reduce", count=1, group=rep,
+                                    ranks=rranks, shape=(elems // n,), payload_bytes=sympy.Integer(nbytes),
+                                    wire_bytes=sympy.Rational(2 * (r - 1), r) * nbytes, module=module))
+    return out
 
 
 def _padded(node: fx.Node):

@@ -27,13 +27,16 @@ class AxisShard:
 class FlatShard:
     """Sharded data parallel (zero=3): the rank holds only the `index`-th of `world` equal
     pieces of its local tensor, flattened and zero-padded to `world x chunk` elements, over the
-    parameter's gradient group (dp, dp-cp, expert-dp). The graph gathers the pieces of every
-    parameter of `unit` (a layer) together just before they are used."""
+    group kind `group`: the parameter's gradient group (dp, dp-cp, expert-dp), or under hybrid
+    sharding (HSDP) a shard group of it, replicated over `replicate`. The graph gathers the
+    pieces of every parameter of `unit` (a layer) together just before they are used."""
 
     world: int
     index: int
     chunk: int
     unit: str
+    group: str = ""            # the group kind gathering the pieces (the gradient group's, or an HSDP shard kind)
+    replicate: str = ""        # HSDP: the group kind across which the pieces are replicas ("" without)
 
     @property
     def padded(self) -> int:

@@ -90,10 +90,11 @@ def _before_first_use(gm: fx.GraphModule, op, args: tuple, params: list[fx.Node]
 
 
 def shard_data_parallel(graphs: list[fx.GraphModule], local: dict[str, LocalParam],
-                        group_of) -> dict[str, LocalParam]:
+                        group_of, split=None) -> dict[str, LocalParam]:
     """Insert each unit's gather and free into `graphs` (edited in place) and return `local`
     with every parameter's flat piece. `group_of(kind)` gives the rank's (world, index) in a
-    gradient group kind; a kind of one rank shards nothing."""
+    group kind; a gradient group of one rank shards nothing. `split(kind)`, given, names the
+    (shard, replicate) kinds a gradient group is hybrid-sharded into (HSDP), or None."""
     out = dict(local)
     seen: dict[str, int] = {}
     for gi, gm in enumerate(graphs):
@@ -101,7 +102,8 @@ def shard_data_parallel(graphs: list[fx.GraphModule], local: dict[str, LocalPara
             if seen.setdefault(label, gi) != gi:
                 raise ParallelizeError(f"zero=3: layer {label} is used by two pipeline chunks of rank; fxtron gathers "
                                        "a layer's parameters in one chunk")
-            world, index = group_of(kind)
+            shard, replicate = (split(kind) if split is not None else None) or (kind, "")
+            world, index = group_of(shard)
             position = {n: i for i, n in enumerate(gm.graph.nodes)}
             last = max((u for p in params for u in p.users), key=position.__getitem__)
             shapes, dims = [], []
@@ -110,8 +112,8 @@ def shard_data_parallel(graphs: list[fx.GraphModule], local: dict[str, LocalPara
                 shapes += list(lp.local_shape)
                 dims.append(len(lp.local_shape))
                 chunk = -(-math.prod(int(d) for d in lp.local_shape) // world)
-                out[lp.name] = dataclasses.replace(lp, flat=FlatShard(world, index, chunk, label))
-            outs = _before_first_use(gm, _GATHER, (kind, label, list(params), shapes, dims), params, label,
+                out[lp.name] = dataclasses.replace(lp, flat=FlatShard(world, index, chunk, label, shard, replicate))
+            outs = _before_first_use(gm, _GATHER, (shard, label, list(params), shapes, dims), params, label,
                                      f"gather {label} (zero=3)")
             g = gm.graph
             with g.inserting_after(last):

@@ -72,8 +72,9 @@ def verify(gm: fx.GraphModule, *, after: str, redistributed: bool = False) -> No
             axis = registry.axis_of(node)
             # dp is no placement axis (each dp rank's batch is its own, sliced by the runtime): an
             # op over dp sums a statistic of every rank's batch (the global aux loss's counts), or
-            # gathers zero=3's parameter pieces over a gradient group (dp, dp-cp, expert-dp)
-            if axis is not None and axes and axis not in axes and axis not in ("dp", "dp-cp", "expert-dp"):
+            # gathers zero=3's parameter pieces over a gradient group (dp, dp-cp, expert-dp; or an HSDP
+            # shard group of one, "dp/shard:2")
+            if axis is not None and axes and axis not in axes and axis.partition("/")[0] not in ("dp", "dp-cp", "expert-dp"):
                 raise VerifyError(f"after {after}: %{node.name} communicates over {axis!r}, which the graph "
                                   f"is not distributed over ({', '.join(axes)})")
     if after == "global_statistics":

@@ -11,6 +11,7 @@ import torch
 from fxtron.config import Config
 from fxtron.core.rank import RankSpec
 from fxtron.errors import ParallelizeError, ParallelizeWarning
+from fxtron.mesh import hsdp_kinds
 from fxtron.ops.rng import RNGStreams
 from fxtron.runtime.bind import bind
 from fxtron.runtime.groups import ProcessGroups
@@ -70,6 +71,15 @@ def used_buffers(model: torch.nn.Module, spec: RankSpec,
     return out
 
 
+def hsdp_group_kinds(config: Config, mesh) -> list[str]:
+    """The derived group kinds hybrid sharding (zero=3 with dp_shard) needs on `mesh`."""
+    k = config.data_parallel.dp_shard
+    if config.data_parallel.zero != 3 or k is None:
+        return []
+    kind = "dp-cp" if mesh.cp > 1 else "dp"
+    return list(hsdp_kinds(kind, k)) if mesh.dp * mesh.cp != k else []
+
+
 def build_program(model: torch.nn.Module, spec: RankSpec, groups: ProcessGroups | None, config: Config | None = None,
                   *, seed: int = 0) -> Program:
     """The runnable Program of rank `spec.rank` under `config` (default: the defaults): an
@@ -82,6 +92,8 @@ def build_program(model: torch.nn.Module, spec: RankSpec, groups: ProcessGroups 
     if device.type != "cpu":
         params = {k: v.to(device) for k, v in params.items()}
         buffers = {k: v.to(device) for k, v in buffers.items()}
+    if groups is not None:       # HSDP's groups, made by every rank alike (the same kinds on each)
+        groups.add(hsdp_group_kinds(config, groups.mesh))
     rng = RNGStreams(seed, coords=dict(spec.mesh.coords), device=device, sizes=dict(spec.mesh.sizes))
     gm = bind(spec.gm, groups, device) if spec.gm is not None else None
     stages = None

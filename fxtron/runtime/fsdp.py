@@ -20,6 +20,9 @@ program's parameters, 1/d of each local parameter, zero-padded. Per unit and ste
   dropped, and the reduced piece is added to the rank's gradient of its pieces when the
   collective completes. `finish()` reduces what never reported and waits for everything.
 
+Under hybrid sharding (HSDP, dp_shard=k) the pieces are over consecutive groups of k ranks of
+the gradient group, and each reduce-scattered piece is then all-reduced over its replicas.
+
 With `gather_per_step` the units gathered in a step stay gathered until it ends (no gather
 again in backward or for later microbatches): the whole local parameters are held during the
 step, as without zero=3, for one gather per unit and step.
@@ -63,6 +66,7 @@ class _Unit:
         self.expected = 0
         self.other = False                                # autograd computes some of its gradient
         self.backward_reads = True                        # its backward reads its parameters
+        self.replicate = None                             # HSDP: the group of the pieces' replicas
         self.next: _Unit | None = None                    # forward order within its graph
         self.prev: _Unit | None = None
 
@@ -155,10 +159,13 @@ class FsdpUnits:
                     continue
                 _, label, shards, shapes, dims = node.args
                 names = [meta.param_name(s) for s in shards]
-                kind = local[names[0]].grad_group
+                flat = local[names[0]].flat
+                kind = flat.group or local[names[0]].grad_group
                 world, index = groups.size(kind), groups.index(kind)
                 unit = _Unit(label, kind, names, ops.shapes_of(shapes, dims), [params[n].numel() for n in names],
                              groups.group(kind), world, index)
+                if flat.replicate and groups.size(flat.replicate) > 1:   # HSDP: the replicas' sum
+                    unit.replicate = groups.group(flat.replicate)
                 unit.expected, unit.other = _reports(node)
                 unit.backward_reads = _reads_in_backward(node)
                 unit.prev, self.units[label] = prev, unit
@@ -381,6 +388,11 @@ class FsdpUnits:
         while len(self._reducing) > keep:
             u, work, out = self._reducing.pop(0)
             work.wait()
+            if u.replicate is not None:    # HSDP: summed over the shard group, now over its replicas
+                with ledger.collective(u.replicate, "all_reduce", out):
+                    dist.all_reduce(out, group=u.replicate)
+                r = dist.get_world_size(u.replicate)
+                self.bytes_sent += 2 * out.numel() * out.element_size() * (r - 1) // r
             for i, n in enumerate(u.names):
                 part = out[u.cols[i]:u.cols[i] + u.chunks[i]]
                 g = self.grads.get(n)
@@ -402,9 +414,10 @@ def whole_local(held: torch.Tensor, spec, groups) -> torch.Tensor:
     f = spec.flat
     if f is None:
         return held
+    group = groups.group(f.group or spec.grad_group)
     out = held.new_empty(f.world * f.chunk)
-    with ledger.collective(groups.group(spec.grad_group), "all_gather", held):
-        dist.all_gather_into_tensor(out, held.contiguous(), group=groups.group(spec.grad_group))
+    with ledger.collective(group, "all_gather", held):
+        dist.all_gather_into_tensor(out, held.contiguous(), group=group)
     return out[:_numel(spec.local_shape)].view(spec.local_shape)
 
 

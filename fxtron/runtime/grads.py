@@ -131,12 +131,15 @@ class Gradients:
         #: the group kinds whose ranks each hold another piece of the gradients after the step
         #: (zero=1's shards of every buffer; zero=3's flat pieces, reduced by runtime/fsdp.py)
         self.sharded_kinds: set[str] = set()
+        self._norm_kind: dict[str, str] = {}
         for kind, names in kinds.items():
             world, index = (1, 0) if groups is None else (groups.size(kind), groups.index(kind))
             if config.zero in (1, 2) and world > 1:
                 self.sharded_kinds.add(kind)
-            if any(n in local and local[n].flat is not None for n in names):
+            flat = next((local[n].flat for n in names if n in local and local[n].flat is not None), None)
+            if flat is not None:
                 self.sharded_kinds.add(kind)
+                self._norm_kind[kind] = flat.group or kind     # (HSDP: the pieces differ within a shard group)
                 world, index, average = 1, 0, 1     # the pieces' gradients come reduced (runtime/fsdp.py)
             else:
                 average = dp
@@ -346,7 +349,7 @@ class Gradients:
         if self.groups is not None:
             for kind, total in ((self.dense_group, dense), ("expert-dp", experts)):
                 if kind in self.sharded_kinds:     # each rank holds 1/d of the gradients
-                    group = self.groups.group(kind)
+                    group = self.groups.group(self._norm_kind.get(kind, kind))
                     with ledger.collective(group, "all_reduce", total):
                         dist.all_reduce(total, group=group)
             for kind, total in (("tp-pp", dense), ("tp-ep-pp", experts)):

@@ -40,6 +40,7 @@ class ProcessGroups:
     # shared-memory channels by group name (ops/shm.py), made by init_distributed
     channels: dict = field(default_factory=dict, repr=False)
     _by_kind: dict[str, tuple[tuple[int, ...], object]] = field(default_factory=dict, repr=False)
+    _made: dict[tuple[int, ...], object] = field(default_factory=dict, repr=False)   # (Mesh.groups' derived kinds)
     # gloo twins (same ranks) of groups, by group name: small control messages on the CPU
     # (pipeline shapes, the ledger's order check), never ordered against the group's own traffic
     _twins: dict[str, object] = field(default_factory=dict, repr=False)
@@ -77,6 +78,24 @@ class ProcessGroups:
                 seen.add(pg.group_name)
                 out.append((kind, ranks, pg))
         return out
+
+    def add(self, kinds) -> None:
+        """Create the groups of derived `kinds` (Mesh.groups' '<kind>/shard:<k>', HSDP) not made
+        yet. Every rank of the job calls it with the same kinds, in the same order (each group
+        is made by every rank, torch.distributed's rule)."""
+        world = tuple(range(self.mesh.world_size))
+        for kind in kinds:
+            if kind in self._by_kind:
+                continue
+            mine = None
+            for ranks in self.mesh.groups(kind):
+                key = tuple(ranks)
+                pg = self._made.get(key)
+                if pg is None:
+                    pg = self._made[key] = dist.group.WORLD if key == world else dist.new_group(list(key))
+                if self.rank in key:
+                    mine = (key, pg)
+            self._by_kind[kind] = mine
 
     def _entry(self, kind: str):
         if kind not in self._by_kind:
