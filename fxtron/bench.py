@@ -25,6 +25,7 @@ _PAIRS = {
     "ratio_vs_single_process": "one process",
     "ratio_vs_dtensor": "PyTorch DTensor tp=2",
     "ratio_vs_after_backward": "all-reduce after backward",
+    "ratio_vs_ddp": "PyTorch DDP, dp=2",
     "speedup_fused_vs_unfused": "unfused GEMM then add",
     "optimizer_state_ratio": "optimizer state without zero",
 }
@@ -65,6 +66,11 @@ def summarize(path: str) -> str:
         if "bubble_measured" in info:
             rows.append([name, f"bubble {info['bubble_measured']:.3f}", f"formula {info['bubble_formula']:.3f}",
                          f"{info['bubble_measured'] / max(info['bubble_formula'], 1e-9):.2f}x"])
+        if "held_bytes" in info and info.get("held_formula"):
+            rows.append([name, f"held {info['held_bytes'] / 2**20:.2f} MiB", f"Rajbhandari {info['held_formula'] / 2**20:.2f} MiB",
+                         f"{info['held_bytes'] / info['held_formula']:.2f}x"])
+            rows.append([name, f"sent {info['sent_bytes'] / 2**20:.2f} MiB", f"ring {info['sent_formula'] / 2**20:.2f} MiB",
+                         f"{info['sent_bytes'] / info['sent_formula']:.2f}x"])
         if "bytes_per_layer" in info and info.get("paper_bytes_16bit"):
             rows.append([name, f"{info['bytes_per_layer'] / 2**20:.2f} MiB/layer",
                          f"paper {info['paper_bytes_16bit'] / 2**20:.2f} MiB (16-bit)",
