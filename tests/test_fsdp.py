@@ -99,7 +99,8 @@ def _run(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
         out.update(waited=list(prog.zero.last_waited), buckets=sum(len(part.buf.buckets) for part in prog.zero.parts))
     if prog.fsdp is not None:
         units = list(prog.fsdp.units.values())
-        out.update(peak=prog.fsdp.peak_held, gathers=prog.fsdp.gathers,
+        table = sum(float(r.wire_bytes) for r in pm.collectives(rank) if r.op == "fsdp_gather")
+        out.update(peak=prog.fsdp.peak_held, gathers=prog.fsdp.gathers, sent=prog.fsdp.bytes_sent, table=table,
                    largest=max(sum(u.numels) for u in units) * 4, units=len(units))
     return out
 
@@ -230,6 +231,15 @@ def test_zero3_gathers_a_layer_at_a_time(results):
         assert res["gathers"] == res["units"]
 
 
+def test_collective_table_is_what_zero3_sends(results):
+    """pm.collectives' gathers and reduce-scatters of a zero=3 rank add up to the bytes the step
+    sent (ring algorithms), at dp=2 and dp=4 and with HSDP's replica all-reduce."""
+    for mesh, kw in ((fxtron.Mesh(2), dict(zero=3)), (fxtron.Mesh(4), dict(zero=3, clip_grad=0.5)),
+                     (fxtron.Mesh(4), dict(zero=3, dp_shard=2, clip_grad=0.5))):
+        for res in _case(results, mesh, **kw):
+            assert res["sent"] == pytest.approx(res["table"], rel=1e-9, abs=8), (kw, res["sent"], res["table"])
+
+
 def test_checkpoint_between_zero3_and_plain(results, reference):
     """A zero=3 checkpoint (dp=4) resumes at tp=2 x dp=2 without zero, and a plain tp=2 x dp=2
     one resumes at dp=4 with zero=3: the third step equals the uninterrupted run's."""
@@ -245,8 +255,8 @@ def test_checkpoint_between_zero3_and_plain(results, reference):
 def test_gathers_and_frees_in_the_graph():
     """zero=3 is in the per-rank graph: one gather before each layer's first use, one free after
     its last; pm.collectives lists per layer the forward all-gather and backward's all-gather and
-    reduce-scatter, 1.5x the bytes of zero=0's gradient all-reduce; the summary's parameters are
-    the rank's pieces."""
+    reduce-scatter, 1.5x the bytes of zero=0's gradient all-reduce (but for the position table,
+    which backward does not gather again); the summary's parameters are the rank's pieces."""
     args, _ = batch("gpt", 2, 8, 0)
     plain = fxtron.parallelize(make("gpt", layers=2), fxtron.Mesh(4, tp=2), example_inputs=args)
     pm = fxtron.parallelize(make("gpt", layers=2), fxtron.Mesh(4, tp=2), example_inputs=args, zero=3)
@@ -268,9 +278,10 @@ def test_gathers_and_frees_in_the_graph():
     assert all(r.group == "dp" and len(r.ranks) == 2 for r in recs)
     wire = float(sum(r.wire_bytes for r in recs))
     local = plain.compiled(0).local
-    padded = sum(-(-torch.Size(p.local_shape).numel() // 2) * 2 for p in local.values())
-    allreduce = 2 * (2 - 1) / 2 * padded * 4           # ring all-reduce of the fp32 gradients over dp=2
-    assert wire == pytest.approx(1.5 * allreduce, rel=1e-9)
+    padded = {n: -(-torch.Size(p.local_shape).numel() // 2) * 2 for n, p in local.items()}
+    allreduce = 2 * (2 - 1) / 2 * sum(padded.values()) * 4      # ring all-reduce of the fp32 gradients over dp=2
+    lookup = (2 - 1) / 2 * padded["wpe.weight"] * 4     # the position table, read by a lookup, is not gathered again
+    assert wire == pytest.approx(1.5 * allreduce - lookup, rel=1e-9)
     held = {n: p.held_shape for n, p in pm.compiled(0).local.items()}
     assert all(len(s) == 1 and s[0] == -(-torch.Size(local[n].local_shape).numel() // 2) for n, s in held.items())
     total = sum(s[0] for s in held.values())

@@ -162,8 +162,9 @@ def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRec
 def _fsdp_records(node: fx.Node, op: str, phase: str, group: str, ranks: tuple, mesh, rank: int
                   ) -> list[CollectiveRecord]:
     """A unit's gather (zero=3): in forward one all-gather of its parameters (padded pieces of
-    every rank, in their dtype); in backward the same all-gather again and the reduce-scatter of
-    their fp32 gradients: 3 (n-1)/n of the bytes, where an all-reduce moves 2 (n-1)/n."""
+    every rank, in their dtype); in backward the same all-gather again (unless only embedding
+    lookups read them, whose backward needs no table) and the reduce-scatter of their fp32
+    gradients: 3 (n-1)/n of the bytes, where an all-reduce moves 2 (n-1)/n."""
     n = len(ranks)
     pieces = node.args[2]
     elems = sum(int(p.meta["val"].shape[0]) for p in pieces) * n
@@ -178,7 +179,9 @@ def _fsdp_records(node: fx.Node, op: str, phase: str, group: str, ranks: tuple, 
                                 module=module)
     if phase == "forward":
         return [record("all_gather", elems * itemsize)]
-    out = [record("all_gather", elems * itemsize), record("reduce_scatter", elems * 4)]
+    lookup = (torch.ops.aten.embedding.default, torch.ops.fxtron.fsdp_free.default)
+    again = any(u.target not in lookup for item in node.users for u in item.users)   # (a lookup's table: not)
+    out = ([record("all_gather", elems * itemsize)] if again else []) + [record("reduce_scatter", elems * 4)]
     base, _, part = group.partition("/shard:")
     if part:                 # HSDP: the reduced pieces all-reduced over their replicas
         rep = f"{base}/replicate:{part}"
