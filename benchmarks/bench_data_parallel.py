@@ -162,6 +162,25 @@ def test_data_parallel_step(benchmark, results, bench_report, system):
     section["rows"].append([system, f"{median * 1e3:.1f}", f"{ratio:.2f}x"])
 
 
+@pytest.mark.benchmark(group="data-parallel step, dp=4 (worker-measured)", timer=REPLAY)
+@pytest.mark.parametrize("system", DP4)
+def test_data_parallel_step_dp4(benchmark, results, bench_report, system):
+    """dp=4 (four processes on the machine's cores: the figures say more about contention than
+    about the ZeRO levels; each against zero=0 measured in the same job)."""
+    res = results[4]
+    ref = res["losses"]["zero0"]
+    assert max(abs(a - b) for a, b in zip(res["losses"][system], ref)) < 1e-4, (system, res["losses"][system], ref)
+    times = res["times"][system]
+    median = statistics.median(times)
+    ratio = median / statistics.median(res["times"]["zero0"])
+    REPLAY.load(times)
+    benchmark.pedantic(noop, rounds=len(times), iterations=1)
+    benchmark.extra_info.update({"median_step_s": median, "ratio_vs_zero0": ratio})
+    section = bench_report.setdefault("data parallel step, dp=4 on gloo", {
+        "headers": ["system", "step ms", "vs zero=0"], "rows": [], "notes": ["four processes, one thread each"]})
+    section["rows"].append([system, f"{median * 1e3:.1f}", f"{ratio:.2f}x"])
+
+
 @pytest.mark.benchmark(group="data-parallel bytes and memory (measured, not timed)")
 @pytest.mark.parametrize("dp", [2, 4])
 @pytest.mark.parametrize("system", DP4)

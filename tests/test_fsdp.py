@@ -146,7 +146,7 @@ JOBS = {
                                 Case(zero=1, overlap_param_gather=True, microbatches=2, bucket_size=SMALL)]),
         (fxtron.Mesh(4), [Case(tag="load", zero=3)]),
         (fxtron.Mesh(4, cp=2), [Case(zero=3), Case(zero=3, dp_shard=2)]),
-        (fxtron.Mesh(4, ep=2), [Case("hf-mixtral", zero=3, clip_grad=0.5)])],
+        (fxtron.Mesh(4, ep=2), [Case("hf-mixtral", zero=3, clip_grad=0.5), Case("hf-mixtral", zero=2, clip_grad=0.5)])],
 }
 CASES = [(str(mesh), case) for plan in JOBS.values() for mesh, cases in plan for case in cases
          if case.tag not in ("save", "load", "pretrained")]
