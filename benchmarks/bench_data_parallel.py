@@ -143,23 +143,28 @@ def formula_sent(system: str, psi: int, n: int) -> float:
     return (3 if system == "zero3" else 2) * (n - 1) / n * psi
 
 
-@pytest.mark.benchmark(group="data-parallel step, dp=2 (worker-measured)", timer=REPLAY)
-@pytest.mark.parametrize("system", ["ddp", *SYSTEMS])
-def test_data_parallel_step(benchmark, results, bench_report, system):
-    res = results[2]
-    ref = res["losses"]["ddp"]
+def _step(benchmark, bench_report, res: dict, system: str, baseline: str, title: str, notes: list[str]) -> None:
+    """One system's step times of a job: losses equal to the baseline's, the median and its
+    ratio to the baseline's, replayed to pytest-benchmark and added to the report."""
+    ref = res["losses"][baseline]
     assert max(abs(a - b) for a, b in zip(res["losses"][system], ref)) < 1e-4, (system, res["losses"][system], ref)
     times = res["times"][system]
     median = statistics.median(times)
-    ratio = median / statistics.median(res["times"]["ddp"])
+    ratio = median / statistics.median(res["times"][baseline])
     REPLAY.load(times)
     benchmark.pedantic(noop, rounds=len(times), iterations=1)
-    benchmark.extra_info.update({"median_step_s": median, "ratio_vs_ddp": ratio})
-    section = bench_report.setdefault("data parallel step, dp=2 on gloo", {
-        "headers": ["system", "step ms", "vs DDP"], "rows": [],
-        "notes": [f"GPT hidden {CFG.n_embd}, {CFG.n_layer} layers, batch {BATCH} x {SEQ}, AdamW, one thread a rank; "
-                  f"buckets of {BUCKET:,} elements (DDP's bucket_cap_mb alike)"]})
+    benchmark.extra_info.update({"median_step_s": median, f"ratio_vs_{baseline}": ratio})
+    section = bench_report.setdefault(title, {"headers": ["system", "step ms", f"vs {baseline}"], "rows": [],
+                                              "notes": notes})
     section["rows"].append([system, f"{median * 1e3:.1f}", f"{ratio:.2f}x"])
+
+
+@pytest.mark.benchmark(group="data-parallel step, dp=2 (worker-measured)", timer=REPLAY)
+@pytest.mark.parametrize("system", ["ddp", *SYSTEMS])
+def test_data_parallel_step(benchmark, results, bench_report, system):
+    _step(benchmark, bench_report, results[2], system, "ddp", "data parallel step, dp=2 on gloo",
+          [f"GPT hidden {CFG.n_embd}, {CFG.n_layer} layers, batch {BATCH} x {SEQ}, AdamW, one thread a rank; "
+           f"buckets of {BUCKET:,} elements (DDP's bucket_cap_mb alike)"])
 
 
 @pytest.mark.benchmark(group="data-parallel step, dp=4 (worker-measured)", timer=REPLAY)
@@ -167,18 +172,8 @@ def test_data_parallel_step(benchmark, results, bench_report, system):
 def test_data_parallel_step_dp4(benchmark, results, bench_report, system):
     """dp=4 (four processes on the machine's cores: the figures say more about contention than
     about the ZeRO levels; each against zero=0 measured in the same job)."""
-    res = results[4]
-    ref = res["losses"]["zero0"]
-    assert max(abs(a - b) for a, b in zip(res["losses"][system], ref)) < 1e-4, (system, res["losses"][system], ref)
-    times = res["times"][system]
-    median = statistics.median(times)
-    ratio = median / statistics.median(res["times"]["zero0"])
-    REPLAY.load(times)
-    benchmark.pedantic(noop, rounds=len(times), iterations=1)
-    benchmark.extra_info.update({"median_step_s": median, "ratio_vs_zero0": ratio})
-    section = bench_report.setdefault("data parallel step, dp=4 on gloo", {
-        "headers": ["system", "step ms", "vs zero=0"], "rows": [], "notes": ["four processes, one thread each"]})
-    section["rows"].append([system, f"{median * 1e3:.1f}", f"{ratio:.2f}x"])
+    _step(benchmark, bench_report, results[4], system, "zero0", "data parallel step, dp=4 on gloo",
+          ["four processes, one thread each"])
 
 
 @pytest.mark.benchmark(group="data-parallel bytes and memory (measured, not timed)")

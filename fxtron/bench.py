@@ -26,6 +26,7 @@ _PAIRS = {
     "ratio_vs_dtensor": "PyTorch DTensor tp=2",
     "ratio_vs_after_backward": "all-reduce after backward",
     "ratio_vs_ddp": "PyTorch DDP, dp=2",
+    "ratio_vs_zero0": "zero=0, dp=4",
     "speedup_fused_vs_unfused": "unfused GEMM then add",
     "optimizer_state_ratio": "optimizer state without zero",
 }
