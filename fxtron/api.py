@@ -130,6 +130,10 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
         raise ParallelizeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     config = resolve_config(config, options)
     config.check(mesh)
+    unsharded = report.unsharded_zero(config, mesh)
+    if unsharded:
+        warn_or_raise(unsharded, strict=config.debug.strict,
+                      fix=": use a mesh with dp x cp > 1, or zero=0", stacklevel=2)
     seq_dim, sequence_parallel = config.inputs.seq_dim, config.tensor.sequence_parallel
     wide = next((n for n, p in model.named_parameters() if p.dtype == torch.float64), None)
     if wide is not None and mesh.tp > 1:

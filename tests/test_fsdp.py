@@ -340,3 +340,15 @@ def test_hybrid_sharding(results):
         fxtron.parallelize(make("gpt", layers=2), fxtron.Mesh(4), example_inputs=args, zero=3, dp_shard=3)
     with pytest.raises(fxtron.ParallelizeError, match="dp_shard=2 shards zero=3's parameters"):
         fxtron.parallelize(make("gpt", layers=2), fxtron.Mesh(4), example_inputs=args, zero=1, dp_shard=2)
+
+
+def test_zero_without_data_parallel_ranks_says_so():
+    """zero on a mesh with one data-parallel rank shards nothing: a warning and a summary line,
+    an error under strict; the fix it names (zero=0) is accepted."""
+    args, _ = batch("gpt", 2, 8, 0)
+    with pytest.warns(fxtron.ParallelizeWarning, match=r"zero=3 .* \(dp=1 x cp=1\): nothing is sharded"):
+        pm = fxtron.parallelize(make("gpt", layers=2), fxtron.Mesh(2, tp=2), example_inputs=args, zero=3)
+    assert "data parallel: zero=3" in pm.summary()
+    with pytest.raises(fxtron.ParallelizeError, match="use a mesh with dp x cp > 1, or zero=0"):
+        fxtron.parallelize(make("gpt", layers=2), fxtron.Mesh(2, tp=2), example_inputs=args, zero=3, strict=True)
+    fxtron.parallelize(make("gpt", layers=2), fxtron.Mesh(2, tp=2), example_inputs=args, zero=0, strict=True)

@@ -194,6 +194,17 @@ def _fsdp_records(node: fx.Node, op: str, phase: str, group: str, ranks: tuple, 
     return out
 
 
+def unsharded_zero(config, mesh) -> str:
+    """What a ZeRO level asked for on a mesh with no data-parallel ranks to shard over does
+    (nothing), in words; "" when it shards."""
+    zero = config.data_parallel.zero
+    if zero == 0 or mesh.dp * mesh.cp > 1 or mesh.edp > 1:
+        return ""
+    return (f"zero={zero} shards over the data-parallel ranks that hold the same weights, and this mesh has one "
+            f"(dp={mesh.dp} x cp={mesh.cp}): nothing is sharded, every rank holds its whole parameters, gradients "
+            f"and optimizer state")
+
+
 def _padded(node: fx.Node):
     """The factor by which an expert-parallel all-to-all's rows exceed the copies under uniform
     routing: the capacity factor where each expert's rows are padded to capacity, else 1."""
@@ -445,6 +456,9 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
             head += "\nreplicated linears: " + grouped({p: u.why for p, u in tp_plan.replicated.items()})
     if fell:
         head += "\nops run replicated for want of a sharding rule: " + "; ".join(sorted(fell))
+    unsharded = unsharded_zero(config, mesh)
+    if unsharded:
+        head += "\ndata parallel: " + unsharded
     if gathered:
         head += "\nall-gathers Megatron's layers would not issue: " + "; ".join(sorted(gathered))
     comm_type = config.context.comm_type
