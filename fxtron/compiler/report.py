@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 from tabulate import tabulate
 
+from fxtron.ops.fsdp import read_in_backward
 from fxtron.core import meta
 from fxtron.core.meta import BATCH, SEQ
 from fxtron.mesh import Mesh
@@ -179,8 +180,7 @@ def _fsdp_records(node: fx.Node, op: str, phase: str, group: str, ranks: tuple, 
                                 module=module)
     if phase == "forward":
         return [record("all_gather", elems * itemsize)]
-    lookup = (torch.ops.aten.embedding.default, torch.ops.fxtron.fsdp_free.default)
-    again = any(u.target not in lookup for item in node.users for u in item.users)   # (a lookup's table: not)
+    again = read_in_backward(node)      # (a table only lookups read: not gathered again)
     out = ([record("all_gather", elems * itemsize)] if again else []) + [record("reduce_scatter", elems * 4)]
     base, _, part = group.partition("/shard:")
     if part:                 # HSDP: the reduced pieces all-reduced over their replicas

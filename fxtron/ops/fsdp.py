@@ -140,9 +140,17 @@ register(OpSpec("fsdp_free", eager=fsdp_free_eager))
 register(OpSpec("param_wait", eager=param_wait_eager))
 
 
+def read_in_backward(gather) -> bool:
+    """Does backward read the parameters a gather node (fx) gives -- a fused linear's weight,
+    a norm's multiply -- so that the layer is gathered again there? Not when embedding lookups
+    alone read them (their backward needs no table)."""
+    lookup = (torch.ops.aten.embedding.default, torch.ops.fxtron.fsdp_free.default)
+    return any(u.target not in lookup for item in gather.users for u in item.users)
+
+
 def handle(weight: Tensor):
     """(units, unit, index) of a parameter gathered by fsdp_gather, or None."""
     return getattr(weight, "fxtron_fsdp", None)
 
 
-__all__ = ["fsdp_free", "fsdp_gather", "handle", "param_wait", "shapes_of"]
+__all__ = ["fsdp_free", "fsdp_gather", "handle", "param_wait", "read_in_backward", "shapes_of"]

@@ -87,11 +87,6 @@ def _needing(u: _Unit | None) -> _Unit | None:
     return u if u is not None and u.backward_reads else None
 
 
-def _reads_in_backward(gather: fx.Node) -> bool:
-    lookup = (torch.ops.aten.embedding.default, torch.ops.fxtron.fsdp_free.default)
-    return any(u.target not in lookup for item in gather.users for u in item.users)
-
-
 def _reports(gather: fx.Node) -> tuple[int, bool]:
     """How many reports complete a unit's gradient in one backward: one per fused linear
     reading one of its parameters (its weight-gradient GEMM), and one for the gather's own
@@ -167,7 +162,7 @@ class FsdpUnits:
                 if flat.replicate and groups.size(flat.replicate) > 1:   # HSDP: the replicas' sum
                     unit.replicate = groups.group(flat.replicate)
                 unit.expected, unit.other = _reports(node)
-                unit.backward_reads = _reads_in_backward(node)
+                unit.backward_reads = ops.read_in_backward(node)
                 unit.prev, self.units[label] = prev, unit
                 if prev is not None:
                     prev.next = unit
