@@ -86,7 +86,7 @@ _IDENTITY = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
              aten.select.int, aten.clone.default, aten.alias.default, aten.detach.default,
              aten._to_copy.default, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim,
              aten.squeeze.default, aten.permute.default, aten.transpose.int, aten.t.default,
-             aten.contiguous.default, aten.flatten.using_ints, aten.constant_pad_nd.default, aten.pad.default,
+             aten.contiguous.default, aten.flatten.using_ints, aten.unflatten.int, aten.constant_pad_nd.default, aten.pad.default,
              aten.to.dtype, aten.to.dtype_layout, aten.to.device}
 
 

@@ -72,6 +72,13 @@ def _localize(g: fx.Graph, node: fx.Node, axis: str, n: int) -> None:
             meta.set(local, meta.PROVENANCE, meta.Provenance("localize", f"local size of dim {pl.dim} over {axis}"))
             sizes[pl.dim] = local
         node.args = (node.args[0], sizes) + tuple(node.args[2:])
+    elif t == aten.unflatten.int and isinstance(pl, Shard):
+        # x.unflatten(dim, sizes): the shard lands on one of `sizes` (the view rule's choice)
+        d = node.args[1] % node.args[0].meta["val"].dim()
+        if d <= pl.dim < d + len(node.args[2]) and node.args[2][pl.dim - d] != -1:
+            sizes = list(node.args[2])
+            sizes[pl.dim - d] = _div(sizes[pl.dim - d], n, node, axis)
+            node.args = (node.args[0], node.args[1], sizes, *node.args[3:])
     elif t in (aten.split.Tensor, aten.split_with_sizes.default):
         src = meta.placement(node.args[0], axis)
         nd = node.args[0].meta["val"].dim()

@@ -57,7 +57,7 @@ _LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss
 _SAME = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.to.device, aten.clone.default,
          aten.alias.default, aten.view.default, aten.reshape.default, aten.squeeze.default, aten.squeeze.dim,
          aten.squeeze.dims, aten.unsqueeze.default, aten.contiguous.default, aten.expand.default,
-         aten.flatten.using_ints, aten.type_as.default, aten.detach.default}
+         aten.flatten.using_ints, aten.unflatten.int, aten.type_as.default, aten.detach.default}
 _ADDS = {aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.sub_.Tensor, aten.add.Scalar, aten.sub.Scalar,
          operator.add, operator.sub}
 _NEG = {aten.neg.default, operator.neg}

@@ -207,7 +207,7 @@ class _Draft:
 _SAME_LAYOUT = {aten.clone.default, aten.contiguous.default, aten.to.dtype, aten.to.dtype_layout, aten.alias.default,
                 aten.detach.default, aten._to_copy.default, aten.dropout.default}
 _SHAPE_OPS = _SAME_LAYOUT | {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.slice.Tensor,
-                             aten.flatten.using_ints, aten.unsqueeze.default, aten.squeeze.dim, aten.t.default}
+                             aten.flatten.using_ints, aten.unflatten.int, aten.unsqueeze.default, aten.squeeze.dim, aten.t.default}
 
 
 _param_name = meta.param_name
@@ -511,7 +511,18 @@ def _unbound_blocks(view: fx.Node, feat: int) -> int | None:
         at = 1 if user.target in (aten.unbind.int, aten.select.int) else 2
         d = user.args[at] if len(user.args) > at else 0
         d = d + len(out) if d < 0 else d
-        if d == dims[0]:
+        if d != dims[0]:
+            continue
+        if user.target == aten.chunk.default:
+            return int(user.args[1])
+        if user.target == aten.split.Tensor and isinstance(user.args[1], int) and int(out[d]) % user.args[1] == 0:
+            return int(out[d]) // user.args[1]
+        if user.target == aten.split_with_sizes.default:
+            sizes = list(user.args[1])
+            # equal parts are k blocks; unequal ones (Falcon-7B's 8 query heads, one key, one
+            # value: (B, S, 10, d).split([8, 1, 1], -2)) are no blocks of whole heads
+            return len(sizes) if len(set(sizes)) == 1 and len(sizes) > 1 else None
+        if user.target in (aten.unbind.int, aten.select.int):
             return int(out[d])
     return None
 

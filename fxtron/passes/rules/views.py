@@ -41,7 +41,8 @@ def _groups(ins: tuple, outs: tuple) -> list[tuple[list[int], list[int]]]:
     return groups
 
 
-@register_rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints)
+@register_rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+               aten.unflatten.int)
 def _view(c: Ctx):
     x, p = c.inputs[0], c.p[0]
     if not isinstance(p, Shard):
