@@ -30,6 +30,7 @@ from fxtron.runtime import groups as G
 from fxtron.runtime import schedules
 from fxtron.runtime import materialize
 from fxtron.runtime.build import build_program
+from fxtron import step_comm
 from fxtron.runtime.program import Program
 
 
@@ -63,12 +64,14 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
     from fp32 gradients (Megatron's Float16Module and mixed-precision optimizer).
 
     Pipeline parallel (mesh.pp > 1): the graph is cut between transformer layers into pp
-    stages (pp x virtual_stages for the interleaved schedule), balanced by FLOPs and
+    stages (pp x virtual_stages for the interleaved schedule, 2pp in a V for zb-v), balanced by FLOPs and
     parameters or cut before the layers named in `split_points` (["blocks.6"]); `pm.stages()`
     shows the cut. Each step runs `microbatches` microbatches per data-parallel rank with
     `schedule` "gpipe", "1f1b" (default), "interleaved" (virtual_stages >= 2, microbatches a
-    multiple of pp) or "zb-h1" (weight gradients deferred into the bubbles; needs
-    gradient_accumulation_fusion). `scatter_gather=True` (tp > 1) sends each stage boundary
+    multiple of pp), "zb-h1" (weight gradients deferred into the bubbles; needs
+    gradient_accumulation_fusion) or "zb-v" (two chunks per rank in a V, rank 0 holding the
+    first and the last stage, weight gradients in the bubbles: 1F1B's activation memory, a
+    bubble of (pp-1) chunk forwards). `scatter_gather=True` (tp > 1) sends each stage boundary
     as 1/tp slices and all-gathers it on arrival. microbatches > 1 without pipeline parallel
     is gradient accumulation.
 
@@ -259,8 +262,9 @@ class ParallelModel:
         if self.mesh.pp == 1:
             return None
         p = self.config.pipeline
-        return assign_stages(self.traced, pp=self.mesh.pp, virtual=p.virtual_stages,
-                             split_points=list(p.split_points) if p.split_points else None)
+        return assign_stages(self.traced, pp=self.mesh.pp, virtual=p.chunks,
+                             split_points=list(p.split_points) if p.split_points else None,
+                             v_shape=p.schedule == "zb-v")
 
     def _warn_once(self, kind: str, message: str, *, fix: str, advice: str = "") -> None:
         """warn_or_raise the first time a kind of shortfall is found on this model."""
@@ -314,14 +318,14 @@ class ParallelModel:
         from fxtron import chart
         p = self.config.pipeline
         if timelines is None:
-            sim = schedules.simulate(p.schedule, self.mesh.pp, p.microbatches, p.virtual_stages,
+            sim = schedules.simulate(p.schedule, self.mesh.pp, p.microbatches, p.chunks,
                                      t_f=t_f, t_b=t_b, t_w=t_w)
             return chart.draw_simulation(sim, path, title=self._schedule_title())
         return chart.draw_timelines(timelines, path, title=self._schedule_title(), memory=memory)
 
     def _schedule_title(self) -> str:
         p = self.config.pipeline
-        v = f", v={p.virtual_stages}" if p.virtual_stages > 1 else ""
+        v = f", v={p.virtual_stages}" if p.schedule == "interleaved" else ""
         return f"{p.schedule}: pp={self.mesh.pp}, m={p.microbatches}{v}"
 
     def compiled(self, rank: int, dump: str | None = None) -> passmanager.RankGraph:
@@ -387,11 +391,18 @@ class ParallelModel:
                          f"receives {', '.join(s.inputs) or '-'}; sends {', '.join(s.outputs) or '-'}")
             for i, s in enumerate(rg.stages))
 
-    def collectives(self, rank: int = 0) -> list[report.CollectiveRecord]:
-        """Every collective rank issues per step inside its graphs (forward and backward, over
-        whichever mesh axis each communicates), with its group, local shape and bytes as
-        formulas in B and S; `report.format_collectives(...)` prints them as a table."""
-        return [r for g in self.compiled(rank).graphs for r in report.collectives(g, self.mesh, rank)]
+    def collectives(self, rank: int = 0, *, graphs_only: bool = False) -> list[report.CollectiveRecord]:
+        """Every collective and transfer rank issues in a step, with its group, local shape and
+        bytes as formulas in B and S (B a microbatch's batch): its graphs' (forward and
+        backward, over whichever mesh axis each communicates), then, unless `graphs_only`, the
+        pipeline's sends and receives per microbatch, the data-parallel gradient reduction per
+        bucket, the sums after backward and the loss's (fxtron/step_comm.py; `per` says which
+        run per microbatch and which per step). `report.format_collectives(...)` prints them;
+        `step_comm.step_bytes(records, microbatches, batch, seq)` totals what the rank sends."""
+        out = [r for g in self.compiled(rank).graphs for r in report.collectives(g, self.mesh, rank)]
+        if not graphs_only:
+            out += step_comm.step_records(self, rank)
+        return out
 
     def summary(self, *, batch: int | None = None, seq: int | None = None) -> str:
         """Per rank: coordinates, local parameters and bytes, tensor-parallel collectives and
@@ -406,7 +417,7 @@ class ParallelModel:
         p = self.config.pipeline
         bubble = ""
         if self.stage_assignment is not None:
-            bubble = str(schedules.bubble_fraction_formula(p.schedule, self.mesh.pp, p.microbatches, p.virtual_stages))
+            bubble = str(schedules.bubble_fraction_formula(p.schedule, self.mesh.pp, p.microbatches, p.chunks))
         return report.summary(model=self.model, mesh=self.mesh, traced=self.traced, config=self.config,
                               tp_plan=self.tp_plan, stage_assignment=self.stage_assignment, compiled=self.compiled,
                               schedule=self._schedule_title(), bubble=bubble, batch=batch, seq=seq,

@@ -43,7 +43,7 @@ from typing import Any, Literal, get_args, get_origin
 from fxtron.errors import ParallelizeError
 
 # ----------------------------------------------------------------------------- choices
-Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1"]
+Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]
 PlanMode = Literal["override", "replace"]
 CPCommType = Literal["p2p", "all_gather"]
 AuxLoss = Literal["local", "global"]
@@ -269,7 +269,8 @@ class PipelineConfig(Section):
     microbatches: int = option(1, positive=True, help="microbatches per step and data-parallel rank (pipeline "
                                                       "parallel; gradient accumulation without it)")
     schedule: Schedule = option("1f1b", help="the pipeline schedule")
-    virtual_stages: int = option(1, positive=True, help="model chunks per pipeline rank (schedule interleaved)")
+    virtual_stages: int = option(1, positive=True, help="model chunks per pipeline rank (schedule interleaved; "
+                                                        "zb-v always runs two, in a V)")
     split_points: tuple[str, ...] | None = option(None, help="cut stages before these modules (blocks.6 ...) "
                                                              "instead of balancing")
     scatter_gather: bool = option(False, help="send stage boundaries as 1/tp slices, all-gathered on arrival")
@@ -278,9 +279,22 @@ class PipelineConfig(Section):
         if self.schedule == "interleaved" and self.virtual_stages < 2:
             raise ParallelizeError("schedule='interleaved' needs virtual_stages >= 2 (model chunks per pipeline rank); "
                                    "with one chunk use schedule='1f1b'")
-        if self.schedule != "interleaved" and self.virtual_stages != 1:
+        if self.schedule == "zb-v" and self.virtual_stages not in (1, 2):
+            raise ParallelizeError(f"schedule='zb-v' runs two model chunks per pipeline rank, in a V; "
+                                   f"virtual_stages={self.virtual_stages} asks for more: use schedule='interleaved'")
+        if self.schedule not in ("interleaved", "zb-v") and self.virtual_stages != 1:
             raise ParallelizeError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved' "
                                    f"(got {self.schedule!r})")
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per pipeline rank: virtual_stages interleaved, two for zb-v, else one."""
+        return 2 if self.schedule == "zb-v" else self.virtual_stages
+
+    @property
+    def split_backward(self) -> bool:
+        """The schedule runs input gradients (B) and weight gradients (W) as separate passes."""
+        return self.schedule in ("zb-h1", "zb-v")
 
     def check(self, mesh) -> None:
         self.check_pp(mesh.pp)
@@ -291,6 +305,9 @@ class PipelineConfig(Section):
                                    "has tp=1")
 
     def check_pp(self, pp: int) -> None:
+        if self.schedule == "zb-v" and pp < 2:
+            raise ParallelizeError("schedule='zb-v' places two model chunks on every pipeline rank in a V and needs "
+                                   "pipeline parallel (mesh.pp > 1); at pp=1 use schedule='1f1b'")
         if self.schedule == "interleaved":
             if pp < 2:
                 raise ParallelizeError("schedule='interleaved' needs pipeline parallel (mesh.pp > 1)")
@@ -491,9 +508,9 @@ class Config:
         self._rules()
 
     def _rules(self) -> None:
-        if self.pipeline.schedule == "zb-h1" and not self.precision.gradient_accumulation_fusion:
-            raise ParallelizeError("schedule='zb-h1' defers the linears' weight-gradient GEMMs into the pipeline "
-                                   "bubbles, which needs gradient_accumulation_fusion=True")
+        if self.pipeline.split_backward and not self.precision.gradient_accumulation_fusion:
+            raise ParallelizeError(f"schedule={self.pipeline.schedule!r} defers the linears' weight-gradient GEMMs "
+                                   "into the pipeline bubbles, which needs gradient_accumulation_fusion=True")
         if self.tensor.sequence_parallel and self.inputs.seq_dim is None:
             raise ParallelizeError("sequence_parallel=True needs the inputs' sequence dim (seq_dim)")
 

@@ -207,12 +207,12 @@ def inspect(pm, rank: int, *, model_name: str = "", batch: int = 1, seq: int = 2
     pipeline = None
     if pm.stage_assignment is not None:
         pp_rank = mesh.coords(rank)["pp"]
-        in_flight = schedules.in_flight_bound(o.schedule, mesh.pp, o.microbatches, pp_rank, o.virtual_stages)
-        bubble = schedules.bubble_fraction_formula(o.schedule, mesh.pp, o.microbatches, o.virtual_stages)
+        in_flight = schedules.in_flight_bound(o.schedule, mesh.pp, o.microbatches, pp_rank, o.chunks)
+        bubble = schedules.bubble_fraction_formula(o.schedule, mesh.pp, o.microbatches, o.chunks)
         formula = {"gpipe": "(p-1)/m", "1f1b": "(p-1)/m", "interleaved": "(p-1)/(v m)",
-                   "zb-h1": "(p-1)(F+B-W)/(m(F+B+W)), here F=B=W... shown for W=0"}[o.schedule]
+                   "zb-h1": "(p-1)(F+B-W)/(m(F+B+W)) at F=B=W", "zb-v": "(p-1)(F/2)/(m(F+B+W)) at F=B=W"}[o.schedule]
         pipeline = {"table": str(pm.stage_assignment), "schedule": o.schedule, "microbatches": o.microbatches,
-                    "virtual_stages": o.virtual_stages, "bubble": str(bubble), "bubble_formula": formula,
+                    "virtual_stages": o.chunks, "bubble": str(bubble), "bubble_formula": formula,
                     "stages": [s.index for s in rg.stages], "in_flight": in_flight}
     held = sum(math.prod(p.held_shape) * p.dtype.itemsize for p in rg.local.values())
     pieces = sum(math.prod(p.held_shape) for p in rg.local.values())     # zero=3 (HSDP: 1/dp_shard)

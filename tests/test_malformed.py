@@ -163,7 +163,7 @@ AT_PARALLELIZE = [
     ("option: negative microbatches", lambda: _par(_gpt(), Mesh(2, pp=2), microbatches=-1), r"microbatches must be a positive int, not -1"),
     ("option: fractional microbatches", lambda: _par(_gpt(), Mesh(2, pp=2), microbatches=2.5), r"microbatches must be a positive int, not 2\.5"),
     ("option: unknown schedule", lambda: _par(_gpt(), Mesh(2, pp=2), microbatches=2, schedule="2f2b"),
-     r"schedule must be one of 'gpipe', '1f1b', 'interleaved', 'zb-h1', not '2f2b'"),
+     r"schedule must be one of 'gpipe', '1f1b', 'interleaved', 'zb-h1', 'zb-v', not '2f2b'"),
     ("option: virtual_stages 0", lambda: _par(_gpt(), Mesh(2, pp=2), microbatches=2, virtual_stages=0),
      r"virtual_stages must be a positive int, not 0"),
     ("option: virtual stages without interleaving", lambda: _par(_gpt(4), Mesh(2, pp=2), microbatches=2, virtual_stages=2),

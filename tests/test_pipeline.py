@@ -1,8 +1,9 @@
 """Pipeline parallel: every schedule trains exactly like the unmodified model.
 
 Three gloo jobs (2, 4 and 8 processes) run pp=2 and pp=4, alone and with tp=2 and dp=2, with
-GPipe, 1F1B, interleaved (virtual stages) and ZB-H1, for the shipped GPT (tied embedding and LM
-head on the first and last stage) and Llama and for transformers' GPT-2 and Llama; some cases
+GPipe, 1F1B, interleaved (virtual stages), ZB-H1 and ZB-V (two chunks a rank in a V: the first
+and the last stage, and the tied embedding and LM head, on rank 0), for the shipped GPT (tied
+embedding and LM head on the first and last stage) and Llama and for transformers' GPT-2 and Llama; some cases
 with sequence parallel, scatter/gather boundaries, or microbatches whose sequence lengths
 differ. Each case runs 2 AdamW steps whose global sequence length changes, and is compared with
 the single-process model: losses, the first step's gradients (gathered to full shape, across
@@ -16,6 +17,8 @@ from __future__ import annotations
 import pytest
 
 import fxtron
+from fxtron.core.meta import BATCH as BATCH_SYM, SEQ as SEQ_SYM
+from fxtron.ops import ledger
 from fxtron.runtime import schedules
 from fxtron.testing import adamw, max_abs_diff, ranks_of, reference_training, run_cases
 from tp_models import batch, batches, make
@@ -73,25 +76,35 @@ def _run_case(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
     steps = _steps(case.name, case.varying, case.m)
     for step, item in enumerate(steps):
         prog.track_memory = step == len(steps) - 1             # the last step's memory, pass by pass
+        ledger.tally(reset=True)                               # what the last step sends, by group
         if isinstance(item, fxtron.Microbatches):
             losses.append(prog.train_step(item, opt))
         else:
             losses.append(prog.train_step(item[0], opt, kwargs=item[1]))
         if step == 0:
             grads = prog.full_grads()
+    sent = ledger.tally()
     runner = prog.runner()
     pp_rank = mesh.coords(rank)["pp"]
+    listed = {}
+    if not case.varying:       # pm.collectives at the last step's microbatch (B, S)
+        b = BATCH // (mesh.dp * case.m)
+        for r in pm.collectives(rank):
+            n, wire = listed.get((r.ranks, r.kind), (0, 0.0))
+            times = case.m if r.per == "microbatch" else 1
+            listed[(r.ranks, r.kind)] = (n + r.count * times, wire + times * float(r.wire_bytes.subs({BATCH_SYM: b, SEQ_SYM: SEQS[-1]})))
     return {"losses": losses, "grads": grads, "state": prog.full_state_dict(),
             "peak": runner.peak_in_flight,
-            "order_peak": schedules.in_flight(runner.actions, case.schedule == "zb-h1"),
+            "order_peak": schedules.in_flight(runner.actions, case.schedule in schedules.SPLIT_BACKWARD),
             "bound": schedules.in_flight_bound(case.schedule, mesh.pp, case.m, pp_rank, case.v),
             "sent": runner.p2p.bytes_sent if runner.p2p is not None else 0,
             "freed": runner.freed_bytes,
             "events": [e.kind for e in prog.timeline()],
+            "ledger": {k: (v[0], v[2]) for k, v in sent.items()}, "listed": listed,
             "memory": [(m.phase, m.activations) for m in prog.memory_timeline()]}
 
 
-ALL = ["gpipe", "1f1b", "interleaved", "zb-h1"]
+ALL = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]
 
 
 def _every_schedule(name):
@@ -103,13 +116,17 @@ JOBS = {
          + [Case("gpt", "1f1b", varying=True), Case("hf-llama", "1f1b")]),
         (fxtron.Mesh(2), [Case("gpt", "1f1b", m=2)])],           # dp=2, gradient accumulation
     4: [(fxtron.Mesh(4, pp=4), [Case("gpt", "1f1b"), Case("gpt", "gpipe", m=8), Case("gpt", "interleaved", v=2, layers=8),
-                                Case("llama", "zb-h1", m=8), Case("hf-gpt2", "1f1b", m=2)]),
+                                Case("llama", "zb-h1", m=8), Case("hf-gpt2", "1f1b", m=2),
+                                Case("gpt", "zb-v", m=8, layers=8), Case("hf-llama", "zb-v", m=4, layers=8)]),
         (fxtron.Mesh(4, tp=2, pp=2), [Case("gpt", "1f1b"), Case("llama", "interleaved", v=2), Case("hf-gpt2", "zb-h1"),
                                       Case("gpt", "gpipe", sequence_parallel=True),
                                       Case("llama", "1f1b", scatter_gather=True),
-                                      Case("gpt", "zb-h1", varying=True, scatter_gather=True)]),
+                                      Case("gpt", "zb-h1", varying=True, scatter_gather=True),
+                                      Case("llama", "zb-v", sequence_parallel=True),
+                                      Case("gpt", "zb-v", varying=True, scatter_gather=True)]),
         (fxtron.Mesh(4, pp=2), [Case("gpt", "1f1b", m=2), Case("llama", "interleaved", v=2, m=2),
-                                Case("hf-gpt2", "zb-h1", m=2, varying=True)])],
+                                Case("hf-gpt2", "zb-h1", m=2, varying=True), Case("gpt", "zb-v", m=2),
+                                Case("llama", "zb-v", zero=1, recompute="selective")])],
     8: [(fxtron.Mesh(8, tp=2, pp=2), [Case("gpt", "1f1b", m=2), Case("llama", "zb-h1", m=2),
                                       Case("gpt", "interleaved", v=2, m=2, sequence_parallel=True)])],
 }
@@ -203,8 +220,10 @@ def test_sent_outputs_are_released(results):
     assert last["freed"] == 0
 
 
-@pytest.mark.parametrize("mesh_key,case", [(m, c) for m, c in CASES if not c.varying and c.v == 1],
-                         ids=[f"{m}-{c.key}" for m, c in CASES if not c.varying and c.v == 1])
+ONE_CHUNK = [(m, c) for m, c in CASES if not c.varying and c.v == 1 and c.schedule != "zb-v"]
+
+
+@pytest.mark.parametrize("mesh_key,case", ONE_CHUNK, ids=[f"{m}-{c.key}" for m, c in ONE_CHUNK])
 def test_peak_memory_is_the_schedules_in_flight_bound(results, mesh_key, case):
     """The memory timeline (prog.memory_timeline(), the last step): each forward pass adds one
     microbatch's activations saved for backward (the same bytes for every microbatch; the
@@ -224,3 +243,44 @@ def test_peak_memory_is_the_schedules_in_flight_bound(results, mesh_key, case):
         if case.schedule != "zb-h1":
             assert peak >= bound, (peak, res["order_peak"], str(mem))
         assert mem[-1][1] <= 0.15 * per_mb, str(mem)
+
+
+def test_zb_v_memory_and_transfers(results):
+    """ZB-V at pp=2, GPT, m=4: each rank holds at most 2p = 4 microbatch-chunks (the order's
+    count, pp whole stages: 1F1B's first stage), so its activation peak is at most 4 times its
+    largest chunk's per-microbatch bytes; every rank sends twice 1F1B's bytes (each microbatch
+    crosses the pp ranks twice, down the V and back: Qi et al.'s 2x communication), and the
+    hand-over from stage 1 to stage 2 on rank 1 sends nothing."""
+    mesh_key = str(fxtron.Mesh(2, pp=2))
+    pick = {c.schedule: c for m, c in CASES if m == mesh_key and c.name == "gpt" and not c.varying and c.m == 4}
+    zbv, one = ranks_of(results, mesh_key, pick["zb-v"]), ranks_of(results, mesh_key, pick["1f1b"])
+    for res, base in zip(zbv, one):
+        assert res["peak"] == res["order_peak"] == 4
+        added = [b[1] - a[1] for a, b in zip(res["memory"], res["memory"][1:]) if b[0] == "F"]
+        assert len(added) == 2 * 4 and max(a for _, a in res["memory"]) <= 4 * max(added) * 1.05, res["memory"]
+        assert res["sent"] == 2 * base["sent"]
+    ratio = max(max(a for _, a in r["memory"]) for r in zbv) / max(max(a for _, a in r["memory"]) for r in one)
+    print(f"zb-v peak activations / 1F1B's: {ratio:.3f}")    # pytest -s
+
+
+NOT_VARYING = [(m, c) for m, c in CASES if not c.varying]
+
+
+@pytest.mark.parametrize("mesh_key,case", NOT_VARYING, ids=[f"{m}-{c.key}" for m, c in NOT_VARYING])
+def test_collective_list_is_what_the_run_sends(results, mesh_key, case):
+    """pm.collectives(rank) -- the graphs' collectives, the pipeline's transfers and shape
+    messages, the data-parallel buckets, the sums after backward, the loss's -- evaluated at the
+    last step's microbatch and counted per microbatch or per step, is what the ledger counted
+    the rank issue in that step: per group and kind, the same number of operations and the same
+    bytes sent (ring algorithms; a receive sends nothing). A tp x pp x dp rank lists pp and dp
+    entries."""
+    for res in ranks_of(results, mesh_key, case):
+        got, listed = res["ledger"], res["listed"]
+        assert set(got) == set(listed), (sorted(got), sorted(listed))
+        for key, (n, wire) in got.items():
+            assert listed[key][0] == n and abs(listed[key][1] - wire) <= 1e-9 * max(1.0, wire), (key, got[key], listed[key])
+    mesh = next(mh for jobs in JOBS.values() for mh, cases in jobs for c in cases if str(mh) == mesh_key and c is case)
+    if mesh.pp > 1 and mesh.dp > 1:
+        kinds = {k for res in ranks_of(results, mesh_key, case) for k in res["ledger"]}
+        assert any(op == "send" for _, op in kinds) and any(len(r) == mesh.dp and op in ("all_reduce", "reduce_scatter")
+                                                             for r, op in kinds)

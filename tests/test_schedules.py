@@ -126,3 +126,57 @@ def test_charts(tmp_path):
         path = chart.draw_simulation(simulate("zb-h1", 4, 8, t_f=1, t_b=1, t_w=1), str(tmp_path / f"zb.{suffix}"), "zb-h1")
         data = open(path, "rb").read()
         assert data.startswith(b"\x89PNG") if suffix == "png" else b"<svg" in data
+
+
+# ----------------------------------------------------------------------------- ZB-V
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (3, 5), (4, 2), (4, 8), (4, 12), (8, 16)])
+def test_zb_v_runs_every_pass_once_in_a_v(p, m):
+    """Rank r holds stage r and stage 2p-1-r (rank 0 the first and the last); each of its two
+    chunks runs F, B and W of every microbatch once, B after F, W after B; the orders never
+    deadlock (simulate runs them against the dependencies) and hold at most 2p chunks in flight,
+    pp whole stages, as 1F1B's first stage does."""
+    assert [[schedules.stage_of("zb-v", p, r, c) for c in (0, 1)] for r in range(p)] == \
+        [[r, 2 * p - 1 - r] for r in range(p)]
+    assert [schedules.rank_of("zb-v", p, s) for s in range(2 * p)] == list(range(p)) + list(range(p - 1, -1, -1))
+    for r in range(p):
+        order = actions("zb-v", p, m, r)
+        assert Counter(order) == Counter(Action(k, i, c) for k in "FBW" for i in range(m) for c in (0, 1))
+        for i, a in enumerate(order):
+            if a.kind != "F":
+                assert Action("F" if a.kind == "B" else "B", a.microbatch, a.chunk) in order[:i]
+        assert in_flight(order, deferred_w=True) <= schedules.in_flight_bound("zb-v", p, m, r) == min(2 * p, 2 * m)
+    simulate("zb-v", p, m)
+
+
+@pytest.mark.parametrize("p,m", [(2, 3), (2, 8), (3, 5), (4, 7), (4, 8), (4, 16), (8, 15), (8, 24)])
+def test_zb_v_bubble_is_the_ramp_up(p, m):
+    """At T_F = T_B = T_W (one chunk's pass 1/2) and m >= 2p-1 the only idle time is the
+    ramp-up: (p-1) chunk forwards, (p-1)/2 -- against ZB-H1's p-1 and 1F1B's 3(p-1), each rank
+    holding 2p chunks: the peak of 1F1B's first stage (Qi et al. 2024 §6)."""
+    sim = simulate("zb-v", p, m)
+    assert sim.bubble == schedules.bubble_formula("zb-v", p, m) == Fraction(p - 1, 2)
+    assert sim.bubble_fraction == schedules.bubble_fraction_formula("zb-v", p, m) == Fraction(p - 1, 6 * m)
+    assert [in_flight(actions("zb-v", p, m, r), deferred_w=True) for r in range(p)] == [2 * p] * p
+
+
+def test_zb_v_below_zb_h1_below_1f1b():
+    """pp=4, m=8 (the issue's case): ZB-V < ZB-H1 < 1F1B at unit times, and ZB-V at most ZB-H1
+    for unequal pass times too (B twice F, W half of it, ...): the order, built for equal times,
+    keeps its advantage when they are not."""
+    bubbles = [simulate(s, 4, 8).bubble_fraction for s in ("zb-v", "zb-h1", "1f1b")]
+    assert bubbles == sorted(bubbles) and len(set(bubbles)) == 3, bubbles
+    assert bubbles == [Fraction(1, 16), Fraction(1, 8), Fraction(3, 8)]
+    for t in [(1, 2, 1), (2, 3, 1), (1, 1, Fraction(1, 2)), (3, 1, 2), (1, 3, 2)]:
+        for p, m in [(2, 4), (4, 8), (4, 16), (8, 16)]:
+            t_f, t_b, t_w = t
+            v, h = (simulate(s, p, m, t_f=t_f, t_b=t_b, t_w=t_w).bubble for s in ("zb-v", "zb-h1"))
+            assert v <= h, (t, p, m, v, h)
+    with pytest.raises(ValueError, match="T_F = T_B = T_W"):
+        schedules.bubble_formula("zb-v", 4, 8, t_f=1, t_b=2, t_w=1)
+
+
+@pytest.mark.parametrize("args,match", [(("zb-v", 1, 4, 1), "needs pipeline parallel"),
+                                        (("zb-v", 2, 4, 3), "two model chunks per pipeline rank")])
+def test_invalid_zb_v(args, match):
+    with pytest.raises(ParallelizeError, match=match):
+        schedules.check(*args)

@@ -105,7 +105,21 @@ def test_schedule_chart(tmp_path):
     assert open(path, "rb").read(4) == b"\x89PNG"
 
 
+def test_zb_v_places_stages_in_a_v():
+    """zb-v at pp=2 cuts 4 stages; rank 0 runs stage 0 and stage 3 (the embedding and the tied
+    LM head, one parameter on one rank: no embedding-group sum), rank 1 stages 1 and 2."""
+    pm = _pm("gpt", fxtron.Mesh(2, pp=2), microbatches=4, schedule="zb-v")
+    plan = pm.stages()
+    assert plan.num_stages == 4 and [plan.rank_of(s) for s in range(4)] == [0, 1, 1, 0]
+    assert [[st.index for st in pm.compiled(r).stages] for r in range(2)] == [[0, 3], [1, 2]]
+    assert "2 in a V" in str(plan)
+    assert "wte.weight" in pm.compiled(0).stages[0].params and "wte.weight" in pm.compiled(0).stages[1].params
+    assert not any("wte" in p for st in pm.compiled(1).stages for p in st.params)
+    assert "bubble over ideal time (formula): 1/24" in pm.summary(batch=2, seq=16)
+
+
 @pytest.mark.parametrize("kw,mesh,match", [
+    (dict(schedule="zb-v"), fxtron.Mesh(4, pp=4), "8 pipeline stages .* but the model has 4 layers"),
     (dict(), fxtron.Mesh(8, pp=8), "8 pipeline stages .* but the model has 4 layers"),
     (dict(schedule="interleaved", virtual_stages=2, microbatches=3), fxtron.Mesh(2, pp=2), "not a multiple of 2"),
     (dict(schedule="interleaved", virtual_stages=4), fxtron.Mesh(2, pp=2), "8 pipeline stages"),

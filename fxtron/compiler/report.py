@@ -34,7 +34,9 @@ class CollectiveRecord:
     """One collective a rank issues per step: `node` in the per-rank graph, forward or
     backward, its kind and count, its group (kind and global ranks), the local shape of the
     tensor it carries, and the bytes of that tensor and on the wire (sympy in B, S). `group`
-    is the mesh axis the op communicates over (its group kind: "tp", "cp", ...)."""
+    is the mesh axis the op communicates over (its group kind: "tp", "cp", ...). `per`: how
+    often it runs, once per "microbatch" (a graph's collectives, a pipeline transfer; B is then
+    a microbatch's batch) or once per "step" (the data-parallel reduction, fxtron/step_comm.py)."""
 
     node: str
     op: str
@@ -47,6 +49,7 @@ class CollectiveRecord:
     payload_bytes: sympy.Expr
     wire_bytes: sympy.Expr
     module: str
+    per: str = "microbatch"
 
     def evaluate(self, batch: int, seq: int) -> tuple[int, int]:
         """(payload bytes, wire bytes) at a concrete batch and sequence length."""

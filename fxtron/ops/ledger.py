@@ -137,6 +137,7 @@ class _State:
         self.step = 0
         self.checked = 0            # operations compared across their group (the order check)
         self.file: mmap.mmap | None = None
+        self.tally: dict[tuple[tuple[int, ...], str], list] = {}   # (group ranks, op) -> [count, bytes, wire]
 
 
 _S = _State()
@@ -181,6 +182,22 @@ def stats() -> dict[str, int]:
     return {"operations": _S.n, "checked": _S.checked, "steps": _S.step}
 
 
+def tally(reset: bool = False) -> dict[tuple[tuple[int, ...], str], tuple[int, int, float]]:
+    """What this rank issued since the last reset, by group (its global ranks; a gloo control
+    twin counts with its group) and operation: (operations, bytes of the tensors passed, bytes
+    this rank sends by the ring algorithms: an all-reduce 2(n-1)/n of its tensor, a
+    reduce-scatter or all-to-all (n-1)/n, an all-gather (n-1) times its piece, a send its
+    tensor, a receive nothing). pm.collectives(rank) lists the same, as formulas."""
+    out = {k: (v[0], v[1], v[2]) for k, v in _S.tally.items()}
+    if reset:
+        _S.tally = {}
+    return out
+
+
+_RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+         "all_to_all": lambda n: (n - 1) / n, "all_gather": lambda n: n - 1, "send": lambda n: 1}
+
+
 def _book(pg) -> _Book:
     name = pg.group_name
     book = _S.books.get(name)
@@ -204,6 +221,11 @@ def issue(pg, op: str, t: torch.Tensor | None = None, *, peer: int | None = None
     shape = tuple(t.shape) if t is not None else ()
     dtype = _DTYPE_CODE.get(t.dtype, 0) if t is not None else 0
     _S.n += 1
+    count = _S.tally.setdefault((book.ranks, op.split("(")[0]), [0, 0, 0.0])     # all_reduce(max): an all_reduce
+    nbytes = t.numel() * t.element_size() if t is not None else 0
+    count[0] += 1
+    count[1] += nbytes
+    count[2] += nbytes * _RING.get(op.split("(")[0], lambda n: 0)(max(1, len(book.ranks)))
     if peer is None:
         book.seq += 1
         e = Entry(_S.n, book.label, book.seq, op, shape, dtype, issued=time.time())

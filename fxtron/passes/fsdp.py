@@ -100,8 +100,10 @@ def shard_data_parallel(graphs: list[fx.GraphModule], local: dict[str, LocalPara
     for gi, gm in enumerate(graphs):
         for (kind, label), params in _units(gm, local, group_of).items():
             if seen.setdefault(label, gi) != gi:
-                raise ParallelizeError(f"zero=3: layer {label} is used by two pipeline chunks of rank; fxtron gathers "
-                                       "a layer's parameters in one chunk")
+                raise ParallelizeError(f"zero=3: layer {label} is used by two pipeline chunks of this rank (a tied "
+                                       "embedding and LM head on zb-v's first and last stage?); fxtron gathers a "
+                                       "layer's parameters within one chunk: use zero<=2, another schedule, or untie "
+                                       "the weights")
             shard, replicate = (split(kind) if split is not None else None) or (kind, "")
             world, index = group_of(shard)
             position = {n: i for i, n in enumerate(gm.graph.nodes)}

@@ -35,9 +35,10 @@ _LAYER = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 @dataclass(frozen=True)
 class StageAssignment:
     """Which layers each pipeline stage runs. Stage j of the pp*v-stage chain runs on
-    pipeline rank j % pp as its model chunk j // pp. `layers[j]` are the module paths of stage
-    j's layers; `flops[j]` (at the traced example's batch and sequence sizes, forward) and
-    `params[j]` what the balancing saw."""
+    pipeline rank j % pp as its model chunk j // pp, or, with `v_shape` (schedule zb-v, two
+    chunks), in a V: rank r runs stages r and 2pp-1-r. `layers[j]` are the module paths of
+    stage j's layers; `flops[j]` (at the traced example's batch and sequence sizes, forward)
+    and `params[j]` what the balancing saw."""
 
     pp: int
     virtual: int
@@ -47,12 +48,15 @@ class StageAssignment:
     flops: tuple[int, ...]
     params: tuple[int, ...]
     split_points: tuple[str, ...] = ()
+    v_shape: bool = False
 
     @property
     def num_stages(self) -> int:
         return self.pp * self.virtual
 
     def rank_of(self, stage: int) -> int:
+        if self.v_shape:
+            return stage if stage < self.pp else 2 * self.pp - 1 - stage
         return stage % self.pp
 
     def chunk_of(self, stage: int) -> int:
@@ -60,6 +64,8 @@ class StageAssignment:
 
     def stages_of(self, pp_rank: int) -> list[int]:
         """The stages pipeline rank `pp_rank` runs, chunk 0 first."""
+        if self.v_shape:
+            return [pp_rank, 2 * self.pp - 1 - pp_rank]
         return [c * self.pp + pp_rank for c in range(self.virtual)]
 
     def layers(self, stage: int) -> list[str]:
@@ -77,7 +83,8 @@ class StageAssignment:
 
     def __str__(self) -> str:
         how = f"cut before {', '.join(self.split_points)}" if self.split_points else "balanced by FLOPs and parameters"
-        return (f"{self.num_stages} stages (pp={self.pp} x virtual={self.virtual}) over {len(self.units)} layers of "
+        return (f"{self.num_stages} stages (pp={self.pp} x {'2 in a V' if self.v_shape else f'virtual={self.virtual}'}) "
+                f"over {len(self.units)} layers of "
                 f"{self.layer_list}, {how}\n"
                 + tabulate(self.rows(), headers=["stage", "pp rank", "chunk", "layers", "params", "forward FLOPs"]))
 
@@ -198,11 +205,15 @@ def node_flops(node: fx.Node) -> int:
     return 0
 
 
-def assign_stages(gm: fx.GraphModule, *, pp: int, virtual: int = 1, split_points: list[str] | None = None) -> StageAssignment:
+def assign_stages(gm: fx.GraphModule, *, pp: int, virtual: int = 1, split_points: list[str] | None = None,
+                  v_shape: bool = False) -> StageAssignment:
     """Assign the model's layers to pp * virtual stages: at `split_points` (module paths of
     the layers that begin stages 1, 2, ...), or balanced so the costliest stage is as cheap as
     possible, the cost of a layer being its share of the model's forward FLOPs plus its share
-    of the parameters (embeddings count with the first layer, head and loss with the last)."""
+    of the parameters (embeddings count with the first layer, head and loss with the last).
+    `v_shape`: two stages per rank placed in a V (virtual must be 2)."""
+    if v_shape and virtual != 2:
+        raise ValueError("a V places two stages per pipeline rank")
     prefix, units = find_layer_list(gm)
     k = pp * virtual
     if k > len(units):
@@ -241,7 +252,7 @@ def assign_stages(gm: fx.GraphModule, *, pp: int, virtual: int = 1, split_points
     st_flops = [sum(f for f, s in zip(flops, unit_stage) if s == j) for j in range(k)]
     st_params = [sum(p for p, s in zip(params, unit_stage) if s == j) for j in range(k)]
     return StageAssignment(pp, virtual, prefix, tuple(units), tuple(unit_stage), tuple(st_flops), tuple(st_params),
-                     tuple(split_points or ()))
+                           tuple(split_points or ()), v_shape)
 
 
 def _balanced(cost: list[float], k: int) -> list[int]:

@@ -15,6 +15,10 @@ is released (Megatron's deallocate_pipeline_outputs), so a rank holds each in-fl
 microbatch's boundary activation once -- in the send buffer until it is sent -- not again in
 `saved` until its backward; the backward runs the engine from those roots with the received
 gradients (which have the outputs' shapes), as Megatron's custom_backward does.
+
+Two neighbouring stages on one rank (ZB-V's stages pp-1 and pp) hand their activations and
+gradients over in memory: no message, and the output is not released (its data is the next
+stage's input).
 """
 from __future__ import annotations
 
@@ -65,7 +69,7 @@ class StageRunner:
     """This rank's model chunks and the schedule it runs them in."""
 
     def __init__(self, stages: list[Stage], call, actions: list[Action], *, num_stages: int, microbatches: int,
-                 p2p: P2P | None, zero_bubble: bool, before_last_backward=None, quiet=None):
+                 p2p: P2P | None, zero_bubble: bool, before_last_backward=None, quiet=None, peers=None):
         self.stages = stages                    # chunk c -> Stage
         self.call = call                        # (stage, flat user inputs, received) -> outputs
         self.actions = actions
@@ -78,21 +82,68 @@ class StageRunner:
         self.in_slots = [slots(s, s.inputs) for s in stages]
         self.out_slots = [slots(s, s.outputs) for s in stages]
         self.events: list[Event] = []
+        # what each neighbour sends this rank, in its order: receives are posted in that order
+        # (NCCL pairs a peer's sends with this rank's receives by order alone), even where this
+        # rank consumes them in another (ZB-V: activations and gradients share both directions)
+        self._from_peer: dict[tuple, list[tuple]] = {}
+        self._recv_slots: dict[tuple, list[Slot]] = {}
+        if peers is not None:
+            self._sent_to_me(*peers)
         self.peak_in_flight = 0
         self.freed_bytes = 0      # output data released once sent, last step
         self.memory = None        # a runtime.memory.MemoryTracker sampling after every pass, or None
 
     def _needs(self, a: Action) -> list[tuple]:
         st = self.stages[a.chunk]
-        if a.kind == "F" and st.inputs:
+        if a.kind == "F" and st.inputs and not self._local(st.index - 1):
             return [("act", a.microbatch, st.index, self.in_slots[a.chunk])]
-        if a.kind == "B" and st.outputs:
+        if a.kind == "B" and st.outputs and not self._local(st.index + 1):
             return [("grad", a.microbatch, st.index, _floating(self.out_slots[a.chunk]))]
         return []
 
+    def _sent_to_me(self, orders: list[list[Action]], stage_of) -> None:
+        """From every pipeline rank's order (`orders[r]`, `stage_of(r, chunk)`): the messages
+        each sends this rank, in the order it sends them, as this rank's receive keys."""
+        mine = {st.index: c for c, st in enumerate(self.stages)}
+        for r, order in enumerate(orders):
+            for a in order:
+                s = stage_of(r, a.chunk)
+                kind, at = ("act", s + 1) if a.kind == "F" else ("grad", s - 1) if a.kind == "B" else (None, None)
+                if kind is None or at not in mine or s in mine:
+                    continue
+                need = self._needs(Action("F" if kind == "act" else "B", a.microbatch, mine[at]))
+                if need:
+                    key = (need[0][0], need[0][1], need[0][2])
+                    self._from_peer.setdefault(r, []).append(key)
+                    self._recv_slots[key] = need[0][3]
+
+    def _in_sender_order(self, needs: list[tuple], posted: set) -> list[tuple]:
+        """The receives to post for `needs`: each preceded by those its sender sends earlier."""
+        out = []
+        for kind, mb, stage, slots in needs:
+            key = (kind, mb, stage)
+            for order in self._from_peer.values():
+                if key in order:
+                    for k in order[:order.index(key) + 1]:
+                        if k not in posted:
+                            posted.add(k)
+                            out.append((*k, self._recv_slots[k]))
+                    break
+            else:
+                if key not in posted:
+                    posted.add(key)
+                    out.append((kind, mb, stage, slots))
+        return out
+
+    def _local(self, stage: int) -> bool:
+        return self.p2p is None or self.p2p.is_local(stage)
+
     def _recv(self, kind: str, mb: int, chunk: int, t0: float) -> list[torch.Tensor]:
+        index = self.stages[chunk].index
+        if self._local(index - 1 if kind == "act" else index + 1):
+            return self._handed.pop((kind, mb, index))
         start = time.perf_counter() - t0
-        out = self.p2p.wait(kind, mb, self.stages[chunk].index)
+        out = self.p2p.wait(kind, mb, index)
         self.events.append(Event("recv", mb, chunk, self.stages[chunk].index, start, time.perf_counter() - t0))
         return out
 
@@ -101,6 +152,7 @@ class StageRunner:
         microbatches of loss / microbatches on the rank holding the last stage, else None."""
         self.events = []
         self.freed_bytes = 0
+        self._handed: dict[tuple[str, int, int], list[torch.Tensor]] = {}   # in-memory transfers
         t0 = time.perf_counter()
         saved: dict[tuple[int, int], tuple] = {}
         deferred: dict[tuple[int, int], WgradQueue] = {}
@@ -108,8 +160,9 @@ class StageRunner:
         self.peak_in_flight = 0
         loss_sum = None
         m = self.microbatches
+        posted: set[tuple] = set()
         if self.p2p is not None:
-            self.p2p.exchange([], self._needs(self.actions[0]))
+            self.p2p.exchange([], self._in_sender_order(self._needs(self.actions[0]), posted))
         for i, a in enumerate(self.actions):
             st, key = self.stages[a.chunk], (a.microbatch, a.chunk)
             sends = []
@@ -158,21 +211,25 @@ class StageRunner:
                     deferred.pop(key).run()
                 live.discard(key)
             self.events.append(Event(a.kind, a.microbatch, a.chunk, st.index, start, time.perf_counter() - t0))
+            handed = [s for s in sends if self._local(s[2])]
+            for kind, mb, to, tensors, _ in handed:          # the next stage runs here: no message
+                self._handed[(kind, mb, to)] = [t.detach() for t in tensors]
+            sends = [s for s in sends if not self._local(s[2])]
             if self.p2p is not None:
-                nxt = self._needs(self.actions[i + 1]) if i + 1 < len(self.actions) else []
+                nxt = self._in_sender_order(self._needs(self.actions[i + 1]), posted) if i + 1 < len(self.actions) else []
                 if sends or nxt:
                     start = time.perf_counter() - t0
                     self.p2p.exchange(sends, nxt)
                     if sends:
                         self.events.append(Event("send", a.microbatch, a.chunk, st.index, start,
                                                  time.perf_counter() - t0))
-                if a.kind == "F" and st.outputs:     # posted: the send holds the data, autograd the root
+                if a.kind == "F" and st.outputs and sends:   # posted: the send holds the data, autograd the root
                     self.freed_bytes += sum(_deallocate(o) for o in saved[key][1])
             if self.memory is not None:   # the output gradients deferred W passes hold count too
                 self.memory.sample(a.kind, a.microbatch, a.chunk, held=sum(q.held_bytes for q in deferred.values()))
         if self.p2p is not None:
             self.p2p.finish()
-        assert not saved and not deferred, "schedule left microbatches unfinished"
+        assert not saved and not deferred and not self._handed, "schedule left microbatches unfinished"
         return loss_sum
 
 

@@ -115,6 +115,7 @@ class Gradients:
         self.config = config
         self.shared = dict(shared or {})
         self.chunk_params = chunk_params
+        self._last_started: set[int] = set()      # chunks whose last backward began, this step
         dp = 1 if groups is None else groups.size("dp")
         order = [n for n in (param_order or params) if n in params]
         order += [n for n in params if n not in set(order)]
@@ -220,6 +221,7 @@ class Gradients:
                 self.zero.wait_params()
         for buf in self.buffers.values():
             buf.reset(self._views)
+        self._last_started: set[int] = set()
         for n, p in self.params.items():
             p.main_grad = self._views[n]
             p.fxtron_report = self._report(n)
@@ -235,11 +237,19 @@ class Gradients:
 
     def last_backward(self, chunk: int | None) -> None:
         """The next backward is the step's last for `chunk` (None: all parameters): bucket
-        collectives may start as their gradients complete."""
-        if self.config.overlap_grad_reduce:
-            names = None if chunk is None or self.chunk_params is None else self.chunk_params[chunk]
-            for buf in self.buffers.values():
-                buf.start_reporting(names)
+        collectives may start as their gradients complete. A parameter two chunks of this rank
+        use (ZB-V's first and last stage share a tied embedding) counts only once the last of
+        them has begun its last backward: until then the other chunk's earlier microbatches
+        still add to it (its bucket then starts when the step's backward ends)."""
+        if not self.config.overlap_grad_reduce:
+            return
+        names = None
+        if chunk is not None and self.chunk_params is not None:
+            self._last_started.add(chunk)
+            names = {n for n in self.chunk_params[chunk]
+                     if all(c in self._last_started for c, ps in enumerate(self.chunk_params) if n in ps)}
+        for buf in self.buffers.values():
+            buf.start_reporting(names)
 
     # ---------------------------------------------------------------- finalize
     def finalize(self) -> None:

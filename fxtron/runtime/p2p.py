@@ -67,8 +67,10 @@ def match_by_tag_default() -> bool:
 class P2P:
     """Send and receive boundary tensors to the neighbouring pipeline stages of this rank.
 
-    Stage j of a pp*v-stage chain lives on pipeline rank j % pp; its neighbours are the ranks
-    of stages j-1 and j+1 (around the ring for the interleaved schedule's chunks).
+    Stage j of a pp*v-stage chain lives on pipeline rank j % pp, or where `rank_of(j)` says
+    (ZB-V's V); its neighbours are the ranks of stages j-1 and j+1 (around the ring for the
+    interleaved schedule's chunks). A transfer between two stages of one rank never comes here:
+    the executor hands it over in memory.
 
     Transfers between two ranks pair up in the order they are posted, as NCCL pairs them (tags
     are ignored there): the schedules post a pair's sends and receives in the same order, the
@@ -79,8 +81,10 @@ class P2P:
     off), which is how tests run the schedules under NCCL's rule on gloo.
     """
 
-    def __init__(self, groups: ProcessGroups, *, scatter_gather: bool = False, match_by_tag: bool | None = None):
+    def __init__(self, groups: ProcessGroups, *, scatter_gather: bool = False, match_by_tag: bool | None = None,
+                 rank_of=None):
         self.groups = groups
+        self._rank_of = rank_of
         self.pp_ranks = groups.ranks("pp")
         self.pp = len(self.pp_ranks)
         self.pp_index = groups.index("pp")
@@ -99,7 +103,11 @@ class P2P:
 
     # ------------------------------------------------------------------ addressing
     def rank_of_stage(self, stage: int) -> int:
-        return self.pp_ranks[stage % self.pp]
+        return self.pp_ranks[stage % self.pp if self._rank_of is None else self._rank_of(stage)]
+
+    def is_local(self, stage: int) -> bool:
+        """Does this rank run `stage`'s neighbour itself? (ZB-V: stages pp-1 and pp.)"""
+        return self.rank_of_stage(stage) == self.pp_ranks[self.pp_index]
 
     def _tag(self, kind: str, microbatch: int, stage: int, index: int, shape: bool) -> int:
         if index >= MAX_TENSORS - 2 and not (shape and index == MAX_TENSORS - 2):

@@ -10,6 +10,7 @@ gradient sync (runtime/grads.py), mixed precision (runtime/precision.py) and the
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 
@@ -288,11 +289,14 @@ class Program(nn.Module):
             whole = Stage(index=0, gm=None, params=[], buffers=[], user_inputs=[], has_loss=True)
             stages = self._stages if self._stages is not None else [whole]
             acts = schedules.actions(opts.schedule, pp, opts.microbatches, pp_rank, opts.virtual_stages)
-            p2p = (P2P(self.groups, scatter_gather=opts.scatter_gather, match_by_tag=self.config.debug.p2p_tags)
+            p2p = (P2P(self.groups, scatter_gather=opts.scatter_gather, match_by_tag=self.config.debug.p2p_tags,
+                       rank_of=functools.partial(schedules.rank_of, opts.schedule, pp))
                    if pp > 1 else None)
-            self._runner = StageRunner(stages, self._call_stage, acts, num_stages=pp * opts.virtual_stages,
+            orders = [schedules.actions(opts.schedule, pp, opts.microbatches, r, opts.virtual_stages) for r in range(pp)]
+            peers = (orders, functools.partial(schedules.stage_of, opts.schedule, pp))
+            self._runner = StageRunner(stages, self._call_stage, acts, num_stages=pp * opts.chunks, peers=peers,
                                        microbatches=opts.microbatches, p2p=p2p,
-                                       zero_bubble=opts.schedule == "zb-h1", before_last_backward=self.grads.last_backward,
+                                       zero_bubble=opts.split_backward, before_last_backward=self.grads.last_backward,
                                        quiet=self.grads.quiet)
         return self._runner
 
