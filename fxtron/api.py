@@ -421,7 +421,7 @@ class ParallelModel:
         return report.summary(model=self.model, mesh=self.mesh, traced=self.traced, config=self.config,
                               tp_plan=self.tp_plan, stage_assignment=self.stage_assignment, compiled=self.compiled,
                               schedule=self._schedule_title(), bubble=bubble, batch=batch, seq=seq,
-                              init=_init_note(self.model))
+                              init=_init_note(self.model), step_records=lambda r: step_comm.step_records(self, r))
 
     # ------------------------------------------------------------ running
     def program(self, rank: int, groups: G.ProcessGroups | None = None, *, seed: int = 0) -> Program:

@@ -138,6 +138,8 @@ class Report:
     seq: int
     compile_s: float
     notes: list[str] = field(default_factory=list)
+    microbatches: int = 1
+    step_bytes: int = 0      # what the rank sends per step: the list's wire bytes, per-microbatch ones m times
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -152,12 +154,12 @@ class Report:
                     f"({self.pipeline['bubble_formula']})"]
         if graph:
             out += ["", self.graph]
-        rows = [[c["node"], c["collective"], c["phase"], c["group"], c["shape"], c["wire_bytes"], _fmt(c["wire_at"])]
-                for c in self.collectives]
-        total = sum(c["wire_at"] for c in self.collectives)
-        out += ["", tabulate(rows, headers=["node", "collective", "phase", "group", "local shape", "wire bytes / rank",
-                                            f"at B={self.batch}, S={self.seq}"]),
-                f"{len(rows)} collectives per microbatch; {_fmt(total)} on the wire per rank"]
+        rows = [[c["node"] or c["what"], c["collective"], c["phase"], c["group"], c["shape"], c["per"], c["wire_bytes"],
+                 _fmt(c["wire_at"])] for c in self.collectives]
+        out += ["", tabulate(rows, headers=["node / what", "collective", "phase", "group", "local shape", "per",
+                                            "wire bytes / rank", f"at B={self.batch}, S={self.seq}"]),
+                f"{len(rows)} collectives and transfers; {_fmt(self.step_bytes)} sent per rank and step "
+                f"({self.microbatches} microbatch(es) of B={self.batch})"]
         m = self.memory
         out += ["", tabulate([[k, _fmt(v) if isinstance(v, (int, float)) else v] for k, v in m.items()],
                              headers=["memory per rank", f"B={self.batch}, S={self.seq}"])]
@@ -193,8 +195,8 @@ def inspect(pm, rank: int, *, model_name: str = "", batch: int = 1, seq: int = 2
     sub = {BATCH: batch, SEQ: seq}
     colls = []
     for r in pm.collectives(rank):
-        colls.append({"node": r.node, "collective": f"{r.kind} x{r.count}" if r.count > 1 else r.kind,
-                      "phase": r.phase, "group": f"{r.group} {list(r.ranks)}",
+        colls.append({"node": r.node, "what": r.module, "collective": f"{r.kind} x{r.count}" if r.count > 1 else r.kind,
+                      "phase": r.phase, "group": f"{r.group} {list(r.ranks)}", "per": r.per,
                       "shape": "(" + ", ".join(str(s) for s in r.shape) + ")",
                       "payload_bytes": str(r.payload_bytes), "wire_bytes": str(r.wire_bytes),
                       "wire_at": int(r.evaluate(batch, seq)[1])})
@@ -238,7 +240,8 @@ def inspect(pm, rank: int, *, model_name: str = "", batch: int = 1, seq: int = 2
     memory["total"] = sum(v for v in memory.values() if isinstance(v, int)) - activation
     return Report(model=model_name or type(pm.model).__name__, mesh=str(mesh), rank=rank, coords=coords, groups=groups,
                   graph=pm.graph(rank), collectives=colls, memory=memory, pipeline=pipeline, batch=batch, seq=seq,
-                  compile_s=compile_s, notes=notes)
+                  compile_s=compile_s, notes=notes, microbatches=o.microbatches,
+                  step_bytes=sum(c["wire_at"] * (o.microbatches if c["per"] == "microbatch" else 1) for c in colls))
 
 
 def _unit_bytes(rg) -> dict[str, int]:

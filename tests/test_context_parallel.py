@@ -171,14 +171,14 @@ def test_dropout_draws_differ_across_cp_ranks():
 def test_collective_bytes_are_the_formulas():
     # llama: 8 heads, 4 kv heads of 8: h_kv = 32 elements a token, float32
     b, s, cp, h_kv = 2, 16, 2, 32
-    recs = _pm("llama", fxtron.Mesh(2, cp=cp), cp_comm_type="all_gather").collectives(0)
+    recs = _pm("llama", fxtron.Mesh(2, cp=cp), cp_comm_type="all_gather").collectives(0, graphs_only=True)
     gathers = [r for r in recs if r.op == "gather_from_sequence" and r.phase == "forward"]
     assert len(gathers) == 2 * 2                                 # K and V, two layers
     per_layer = sum(r.evaluate(b, s)[1] for r in gathers) / 2     # wire bytes
     assert per_layer == (cp - 1) / cp * 2 * b * s * h_kv * 4
     assert count(recs, "reduce_scatter", "backward") == 4        # dK, dV reduce-scattered
     for world in (2, 4):
-        recs = _pm("llama", fxtron.Mesh(world, cp=world), cp_comm_type="p2p").collectives(0)
+        recs = _pm("llama", fxtron.Mesh(world, cp=world), cp_comm_type="p2p").collectives(0, graphs_only=True)
         ring = [r for r in recs if r.op == "ring_attention" and r.phase == "forward"]
         assert len(ring) == 2 and all(r.count == world - 1 for r in ring)
         assert ring[0].evaluate(b, s)[1] == (world - 1) * 2 * b * (s // world) * h_kv * 4

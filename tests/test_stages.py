@@ -81,11 +81,19 @@ def test_balancing_weighs_embeddings_and_head():
 
 
 def test_collectives_split_across_stages():
-    """tp=2 x pp=2: the stages' tensor-parallel collectives together are the pp=1 program's."""
+    """tp=2 x pp=2: the stages' tensor-parallel collectives together are the pp=1 program's;
+    around them each stage sends and receives one boundary tensor per microbatch and direction,
+    both stages sum the tied embedding's gradient and the loss over pp."""
     whole = _pm("gpt", fxtron.Mesh(2, tp=2))
     piped = _pm("gpt", fxtron.Mesh(4, tp=2, pp=2))
     count = lambda recs: sorted((r.op, r.phase) for r in recs)  # noqa: E731
-    assert count(piped.collectives(0) + piped.collectives(2)) == count(whole.collectives(0))
+    first, last = piped.collectives(0, graphs_only=True), piped.collectives(2, graphs_only=True)
+    assert count(first + last) == count(whole.collectives(0)) == count(whole.collectives(0, graphs_only=True))
+    around = [r for r in piped.collectives(0) if r.group != "tp"]
+    assert sorted((r.op, r.phase, r.group, r.per) for r in around) == [
+        ("all_reduce", "step", "embedding", "step"), ("all_reduce", "step", "pp", "step"),
+        ("recv", "backward", "pp", "microbatch"), ("recv", "backward", "pp control", "microbatch"),
+        ("send", "forward", "pp", "microbatch"), ("send", "forward", "pp control", "microbatch")]
 
 
 def test_graph_and_summary_show_stages():

@@ -400,11 +400,13 @@ def statistics_note(mesh: Mesh, config, report) -> str:
 
 def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage_assignment, compiled,
             schedule: str = "", bubble: str = "", batch: int | None = None, seq: int | None = None,
-            init: str = "") -> str:
+            init: str = "", step_records=None) -> str:
     """ParallelModel.summary's text (see there): the model-wide notes, then a row per rank
     that differs in more than its dp coordinate. `compiled(rank)` gives a rank's RankGraph;
     `schedule` and `bubble` the pipeline schedule's title and bubble formula; `init` how a meta
-    model is initialized (runtime.materialize.init_note)."""
+    model is initialized (runtime.materialize.init_note); `step_records(rank)` what the rank
+    sends outside its graphs (fxtron/step_comm.py): the dp and p2p columns are their sums, and
+    the last column everything the rank sends in a step, the sum of pm.collectives(rank)."""
     from fxtron.passes.expert_parallel import moe_layers
     rows, seen, fell, gathered = [], set(), set(), set()
     dp = mesh.dp
@@ -430,6 +432,17 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
         held = [(math.prod(p.held_shape), math.prod(p.held_shape) * p.dtype.itemsize) for p in rg.local.values()]
         if fsdp:      # zero=3: the pieces held, and per layer gather, gather again, reduce-scatter
             dp_wire = float(sum(r.wire_bytes for r in fsdp))
+        around = step_records(rank) if step_records is not None else None
+        m = config.pipeline.microbatches
+
+        def total(records, times=1):
+            if batch is not None and seq is not None:
+                return fmt_bytes(times * sum(r.evaluate(batch, seq)[1] for r in records))
+            return str(sympy.simplify(times * sum((r.wire_bytes for r in records), sympy.Integer(0))))
+        if around is not None:
+            dp_recs = [r for r in around if r.group.split("/")[0] in ("dp", "dp-cp", "expert-dp")]
+            if dp_recs and not fsdp:
+                dp_wire = float(sum(r.wire_bytes for r in dp_recs if not r.wire_bytes.free_symbols))
         row = [rank, mesh.describe(rank).split(": ", 1)[1], f"{sum(n for n, _ in held):,}",
                fmt_bytes(sum(b for _, b in held)),
                f"{count(recs, 'all_reduce')} AR, {count(recs, 'all_gather')} AG, {count(recs, 'reduce_scatter')} RS"
@@ -437,10 +450,20 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
                + (f", {count(recs, 'all_to_all')} A2A" if count(recs, 'all_to_all') else ""),
                str(tp_wire), fmt_bytes(dp_wire) if d > 1 or e > 1 else "-"]
         if rg.stages is not None:
-            sent = p2p_bytes(rg.stages)
-            if batch is not None and seq is not None:
-                sent = fmt_bytes(int(sent.subs({BATCH: batch, SEQ: seq})))
+            if around is not None:
+                sent = total([r for r in around if r.group in ("pp", "pp control")])
+            else:
+                sent = p2p_bytes(rg.stages)
+                if batch is not None and seq is not None:
+                    sent = fmt_bytes(int(sent.subs({BATCH: batch, SEQ: seq})))
             row += [",".join(str(st.index) for st in rg.stages), str(sent)]
+        if around is not None:
+            every = recs + fsdp + around
+            if batch is not None and seq is not None:
+                row.append(fmt_bytes(sum(r.evaluate(batch, seq)[1] * (m if r.per == "microbatch" else 1) for r in every)))
+            else:
+                row.append(str(sympy.simplify(sum((r.wire_bytes * (m if r.per == "microbatch" else 1) for r in every),
+                                                  sympy.Integer(0)))))
         rows.append(row)
     head = (f"{type(model).__name__} on {mesh}\n"
             f"parameters {sum(p.numel() for p in model.parameters()):,} "
@@ -504,4 +527,6 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
     if stage_assignment is not None:
         headers += ["stages", "p2p sent / microbatch"]
         head += f"\nschedule {schedule}; bubble over ideal time (formula): {bubble} (unit F, B, W)"
+    if step_records is not None:
+        headers.append("sent / step (all)")
     return head + "\n" + tabulate(rows, headers=headers)
