@@ -5,7 +5,7 @@ formula, and the step time against one process.
 
 One job of 2 gloo processes (pp=2, one torch thread each) trains a GPT (CFG: hidden 256,
 4 layers, vocab 256) on a global batch of 8 x 64 tokens with each schedule in CASES
-(GPipe, 1F1B, interleaved with 2 virtual stages, ZB-H1; 4 and 8 microbatches). Every step
+(GPipe, 1F1B, interleaved with 2 virtual stages, ZB-H1, ZB-V; 4 and 8 microbatches). Every step
 records each rank's timeline (runtime/executor.py: every F, B, W with start and end); from it:
 
   measured bubble   per rank, (time from the step's start to its last pass) - (time in
@@ -13,7 +13,8 @@ records each rank's timeline (runtime/executor.py: every F, B, W with start and 
                     over ranks and timed steps is reported (includes waiting on gloo messages)
   formula           (p-1)/m for GPipe and 1F1B, (p-1)/(v m) interleaved (Narayanan et al.
                     2021), (p-1)(T_F+T_B-T_W) / (m(T_F+T_B+T_W)) for ZB-H1 (Qi et al. 2023)
-                    with the measured mean pass times
+                    with the measured mean pass times; ZB-V's (p-1)/(6m) at T_F = T_B = T_W
+                    (Qi et al. 2024: the ramp-up only; it has no closed form for other times)
   simulated         the unit-time simulator (runtime/schedules.py) run on the same orders
                     with the measured mean T_F, T_B, T_W: what the order would give with free
                     communication
@@ -47,8 +48,8 @@ from replay import ReplayTimer, noop, token_batches
 CFG = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256)
 BATCH, SEQ = 8, 64
 PP = 2
-CASES = [("gpipe", 1, 4), ("1f1b", 1, 4), ("interleaved", 2, 4), ("zb-h1", 1, 4),
-         ("1f1b", 1, 8), ("interleaved", 2, 8), ("zb-h1", 1, 8)]
+CASES = [("gpipe", 1, 4), ("1f1b", 1, 4), ("interleaved", 2, 4), ("zb-h1", 1, 4), ("zb-v", 1, 4),
+         ("1f1b", 1, 8), ("interleaved", 2, 8), ("zb-h1", 1, 8), ("zb-v", 1, 8)]
 WARMUP, STEPS = 2, 6
 OUT = ".benchmarks"
 
@@ -155,7 +156,8 @@ def test_pipeline_step(benchmark, results, bench_report, schedule, v, m):
     measured = statistics.mean(bubbles)
     times = {k: statistics.mean(_pass_times(tl)[k] for r in results for tl in r[key]["timelines"]) for k in "FBW"}
     t_f, t_b, t_w = (Fraction(times[k]).limit_denominator(10**6) for k in "FBW")
-    formula = float(schedules.bubble_fraction_formula(schedule, PP, m, v, t_f=t_f, t_b=t_b, t_w=t_w))
+    formula = float(schedules.bubble_fraction_formula(schedule, PP, m, v) if schedule == "zb-v" else
+                    schedules.bubble_fraction_formula(schedule, PP, m, v, t_f=t_f, t_b=t_b, t_w=t_w))
     simulated = float(schedules.simulate(schedule, PP, m, v, t_f=t_f, t_b=t_b, t_w=t_w).bubble_fraction)
     step = statistics.median(rank0["times"])
     ratio = step / statistics.median(base["times"])
@@ -175,10 +177,11 @@ def test_pipeline_step(benchmark, results, bench_report, schedule, v, m):
                     "T_F / T_B / T_W ms", "step ms", "vs 1 process",
                     "peak saved, rank 0 / 1 (x in-flight bound x one microbatch)"],
         "rows": [], "notes": [f"GPT hidden {CFG.n_embd}, {CFG.n_layer} layers, batch {BATCH} x {SEQ}; "
-                              "formula: (p-1)/m, (p-1)/(vm), ZB-H1 (p-1)(F+B-W)/(m(F+B+W)); charts in .benchmarks/",
+                              "formula: (p-1)/m, (p-1)/(vm), ZB-H1 (p-1)(F+B-W)/(m(F+B+W)), ZB-V (p-1)/(6m) at F=B=W; "
+                              "charts in .benchmarks/; ZB-V's passes are a chunk's (half a stage)",
                               "peak saved: the most bytes saved for backward at once in a tracked step, over the "
-                              "schedule's in-flight bound (1F1B pp-r, GPipe m, ZB-H1 pp, interleaved its own) times "
-                              "the first F's bytes (interleaved: one chunk's)"]})
+                              "schedule's in-flight bound (1F1B pp-r, GPipe m, ZB-H1 pp, ZB-V 2pp chunks, interleaved its "
+                              "own) times the first F's bytes (interleaved, ZB-V: one chunk's)"]})
     peaks = [r[key]["memory"] for r in results]
     held = [mem["peak"] / (mem["bound"] * mem["per_microbatch"]) for mem in peaks]
     benchmark.extra_info.update({"peak_saved_bytes": [mem["peak"] for mem in peaks],
