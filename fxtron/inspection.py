@@ -220,11 +220,16 @@ def inspect(pm, rank: int, *, model_name: str = "", batch: int = 1, seq: int = 2
     pieces = sum(math.prod(p.held_shape) for p in rg.local.values())     # zero=3 (HSDP: 1/dp_shard)
     d = dp * mesh.cp
     memory = {
-        "parameters" + (" (zero=3: the rank's 1/d pieces)" if zero >= 3 else ""): held if zero >= 3 else rg.param_bytes,
+        "parameters" + (" (zero=3: the rank's 1/d pieces)" if zero >= 3 else "")
+        + (" (16-bit compute copies)" if any(p.dtype.itemsize == 2 for p in rg.local.values()) else ""):
+            held if zero >= 3 else rg.param_bytes,
         "gradients (fp32 main_grad)" + (" / dp" if zero >= 2 else ""):
             pieces * 4 if zero >= 3 else params * 4 // (d if zero >= 2 else 1),
         "optimizer (Adam, fp32 moments)" + (" / dp" if zero else ""):
             pieces * 8 if zero >= 3 else params * 8 // (d if zero else 1),
+        **({"main parameters (fp32 beside the 16-bit copies)" + (" / dp" if zero else ""):
+            pieces * 4 if zero >= 3 else params * 4 // (d if zero else 1)}
+           if any(p.dtype.itemsize == 2 for p in rg.local.values()) else {}),
         "activations per microbatch (upper bound)": activation,
         f"activations held ({in_flight} microbatch{'es' if in_flight > 1 else ''} in flight)": activation * in_flight,
     }
