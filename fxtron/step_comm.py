@@ -120,6 +120,7 @@ def _gradients(pm, rank: int, rg) -> list[CollectiveRecord]:
         kinds.setdefault(local[n].grad_group, []).append(n)
     out = []
     zero = dpc.zero
+    held: dict[str, int] = {n: math.prod(local[n].local_shape) for n in order}   # gradient elements summed after backward
     for kind, names in kinds.items():
         if any(local[n].flat is not None for n in names):
             continue                       # zero=3: reduce-scattered in the graph (report._fsdp_records)
@@ -130,6 +131,13 @@ def _gradients(pm, rank: int, rg) -> list[CollectiveRecord]:
         params = [(n, torch.empty(math.prod(local[n].local_shape), device="meta"), 1) for n in names]
         buf = GradBuffer(params, reduce_dtype, dpc.bucket_size or default_bucket_size(world), dp=world,
                          reduce_scatter=zero in (1, 2), alone=frozenset(rg.shared))
+        if zero in (1, 2):        # after the reduce-scatter a rank holds (and sums) its shard's part of each
+            me = ranks.index(rank)
+            for b in buf.buckets:
+                lo, hi = buf.shard(b, me)
+                for n in b.params:
+                    off, k = buf.offsets[n]
+                    held[n] = max(0, min(off + k, hi) - max(off, lo))
         for b in buf.buckets:
             n = b.end - b.start
             label = f"bucket {b.index} ({len(b.params)} parameters)"
@@ -146,34 +154,25 @@ def _gradients(pm, rank: int, rg) -> list[CollectiveRecord]:
     by_axis: dict[str, int] = {}
     for n in order:
         for axis in local[n].partial_grad:
-            by_axis[axis] = by_axis.get(axis, 0) + _held(local[n], zero, mesh)
+            by_axis[axis] = by_axis.get(axis, 0) + held[n]
     for axis, elems in by_axis.items():
         ranks = mesh.group_of(axis, rank)
-        if len(ranks) > 1:
+        if len(ranks) > 1 and elems:
             r = len(ranks)
             out.append(_record("all_reduce", "step", axis, ranks, (elems,), elems * 4,
                                sympy.Rational(2 * (r - 1), r) * elems * 4, "partial gradients of whole weights"))
     # a tied weight over the first and last stage's ranks (Megatron's embedding group)
     first_last = (0, mesh.pp - 1)
     for name, holders in sorted(rg.shared.items()):
-        if holders == first_last and mesh.pp > 1 and name in local:
+        if holders == first_last and mesh.pp > 1 and name in local and held[name]:
             ranks = mesh.group_of("embedding", rank)
-            elems = _held(local[name], zero, mesh)
+            elems = held[name]
             r = len(ranks)
             out.append(_record("all_reduce", "step", "embedding", ranks, (elems,), elems * 4,
                                sympy.Rational(2 * (r - 1), r) * elems * 4, f"tied weight {name}"))
     if dpc.clip_grad is not None:
         out += _norm(pm, rank, kinds, zero)
     return out
-
-
-def _held(spec, zero: int, mesh) -> int:
-    """Gradient elements of a parameter the rank sums after backward: its shard under zero=1/2
-    (an approximation: the shard boundaries of its bucket), else all of it."""
-    n = math.prod(spec.local_shape)
-    if zero in (1, 2):
-        return n // max(1, len(mesh.group_of(spec.grad_group, 0)))
-    return n
 
 
 def _norm(pm, rank: int, kinds: dict, zero: int) -> list[CollectiveRecord]:

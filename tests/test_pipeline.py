@@ -129,7 +129,8 @@ JOBS = {
                                 Case("hf-gpt2", "zb-h1", m=2, varying=True), Case("gpt", "zb-v", m=2),
                                 Case("llama", "zb-v", zero=1, recompute="selective")])],
     8: [(fxtron.Mesh(8, tp=2, pp=2), [Case("gpt", "1f1b", m=2), Case("llama", "zb-h1", m=2),
-                                      Case("gpt", "interleaved", v=2, m=2, sequence_parallel=True)])],
+                                      Case("gpt", "interleaved", v=2, m=2, sequence_parallel=True),
+                                      Case("gpt", "1f1b", m=2, sequence_parallel=True, zero=1, clip_grad=1.0)])],
 }
 CASES = [(str(mesh), case) for jobs in JOBS.values() for mesh, cases in jobs for case in cases]
 
