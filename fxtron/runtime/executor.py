@@ -85,7 +85,7 @@ class StageRunner:
         # what each neighbour sends this rank, in its order: receives are posted in that order
         # (NCCL pairs a peer's sends with this rank's receives by order alone), even where this
         # rank consumes them in another (ZB-V: activations and gradients share both directions)
-        self._from_peer: dict[tuple, list[tuple]] = {}
+        self._from_peer: dict[int, list[tuple]] = {}      # pp rank -> receive keys, in its send order
         self._recv_slots: dict[tuple, list[Slot]] = {}
         if peers is not None:
             self._sent_to_me(*peers)

@@ -221,7 +221,7 @@ class Gradients:
                 self.zero.wait_params()
         for buf in self.buffers.values():
             buf.reset(self._views)
-        self._last_started: set[int] = set()
+        self._last_started = set()
         for n, p in self.params.items():
             p.main_grad = self._views[n]
             p.fxtron_report = self._report(n)
