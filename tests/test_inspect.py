@@ -4,6 +4,8 @@ pass shows up as a diff; regenerate with FXTRON_UPDATE_GOLDEN=1 after checking i
 dumps, graph pictures, and the what-if planner against hand-computed cases."""
 from __future__ import annotations
 
+from fractions import Fraction
+
 import json
 import os
 import pathlib
@@ -83,6 +85,33 @@ def test_cli_inspect_text_and_dumps(tmp_path, capsys):
     assert inserted.startswith("# fxtron: graph after pass `insert_redistributions`") and "fxtron.all_reduce" in inserted
     assert "fxtron.all_reduce" not in next(f for f in files if "propagate" in f.name).read_text().split("\n\n", 1)[1]
     assert (tmp_path / "rank2.svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_inspect_zb_v_bubble_and_every_collective(capsys):
+    """inspect --json at pp=4, m=8: the bubble over ideal time is ZB-V 1/16 < ZB-H1 1/8 < 1F1B
+    3/8; at tp=2 x pp=2 x dp=2 (llama-tiny) the collective list has the pipeline's sends and
+    receives and the data-parallel bucket all-reduce, and the step total is their sum."""
+    import json
+    bubbles = {}
+    for schedule in ("zb-v", "zb-h1", "1f1b"):
+        rc = main(["inspect", "hf:llama", "--model-config", "num_hidden_layers=8", "hidden_size=64",
+                   "intermediate_size=128", "num_attention_heads=4", "num_key_value_heads=2", "vocab_size=256",
+                   "--world-size", "4", "--pp", "4", "--microbatches", "8", "--schedule", schedule, "--json",
+                   "--seq", "32"])
+        out = capsys.readouterr().out
+        assert rc == 0, out
+        bubbles[schedule] = Fraction(json.loads(out)["pipeline"]["bubble"])
+    assert bubbles == {"zb-v": Fraction(1, 16), "zb-h1": Fraction(1, 8), "1f1b": Fraction(3, 8)}
+    rc = main(["inspect", "llama-tiny", "--world-size", "8", "--tp", "2", "--pp", "2", "--microbatches", "4",
+               "--json", "--batch", "1", "--seq", "128"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    report = json.loads(out)
+    kinds = {(c["collective"], c["group"].split(" ")[0], c["per"]) for c in report["collectives"]}
+    assert {("send", "pp", "microbatch"), ("recv", "pp", "microbatch"), ("all_reduce", "dp", "step"),
+            ("all_reduce", "tp", "microbatch")} <= kinds, kinds
+    total = sum(c["wire_at"] * (4 if c["per"] == "microbatch" else 1) for c in report["collectives"])
+    assert report["step_bytes"] == total > 0
 
 
 def test_cli_what_if(capsys):
