@@ -62,7 +62,7 @@ class Case:
 
     @property
     def reference_key(self) -> tuple:
-        return (self.name, self.layers, self.m if self.varying else None)
+        return (self.name, self.layers, self.m if self.varying else None, self.kw.get("clip_grad"))
 
 
 def _run_case(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
@@ -157,7 +157,8 @@ def reference():
         # microbatches of different lengths: the token mean over the whole batch, each
         # microbatch's mean weighted by its tokens
         ref[case.reference_key] = reference_training(make(case.name, layers=case.layers),
-                                                     _steps(case.name, case.varying, case.m), _opt, tokens=_tokens)
+                                                     _steps(case.name, case.varying, case.m), _opt, tokens=_tokens,
+                                                     clip_grad=case.kw.get("clip_grad"))
     return ref
 
 
