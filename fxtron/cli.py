@@ -77,7 +77,12 @@ def _cmd_inspect(a) -> int:
                              intra_node_bw=a.intra_node_bw, inter_node_bw=a.inter_node_bw,
                              gpus_per_node=a.gpus_per_node)
         world = cfg.mesh.mesh().world_size
-        ps = planner.candidates(dims, hw, world=world, global_batch=a.global_batch, seq=a.seq)
+        measured = (None if a.formulas else
+                    planner.MeasuredActivations(model, args, kwargs, micro_batch=1, seq=a.seq, dtype="bf16"))
+        ps = planner.candidates(dims, hw, world=world, global_batch=a.global_batch, seq=a.seq, activations=measured)
+        if measured is not None and measured.errors:
+            print("activations by the formulas where the model could not run on fake tensors: "
+                  + "; ".join(f"tp={k[0]} sp={k[1]} recompute={k[2]}: {e}" for k, e in list(measured.errors.items())[:2]))
         if a.json:
             print(json.dumps({"dims": dims.__dict__, "hardware": hw.__dict__, "candidates": [p.as_dict() for p in ps]}))
             return 0
@@ -85,7 +90,7 @@ def _cmd_inspect(a) -> int:
               f"vocab {dims.vocab}; {world} GPUs, global batch {a.global_batch} x {a.seq} tokens")
         if not ps:
             print(f"no mesh fits in {a.gpu_memory} per GPU; the smallest needs "
-                  f"{min(p.memory_bytes for p in planner.candidates(dims, hw, world=world, global_batch=a.global_batch, seq=a.seq, fits_only=False)) / 2**30:.1f} GiB")
+                  f"{min(p.memory_bytes for p in planner.candidates(dims, hw, world=world, global_batch=a.global_batch, seq=a.seq, fits_only=False, activations=measured)) / 2**30:.1f} GiB")
             return 1
         print(f"{len(ps)} meshes fit, fastest first (modeled):")
         print(planner.format_candidates(ps, hw, top=a.top))
@@ -165,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inter-node-bw", type=float, default=25e9, help="bytes/s per GPU between nodes (--what-if)")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--top", type=int, default=10, help="meshes to list (--what-if)")
+    p.add_argument("--formulas", action="store_true",
+                   help="--what-if: activations by Korthikanti's formulas, not measured on fake tensors")
     _config_args(p, skip=INSPECT_SKIP)
     p.set_defaults(fn=_cmd_inspect)
 

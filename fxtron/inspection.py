@@ -202,7 +202,7 @@ def inspect(pm, rank: int, *, model_name: str = "", batch: int = 1, seq: int = 2
                       "wire_at": int(r.evaluate(batch, seq)[1])})
     params = rg.param_count
     dp = mesh.dp
-    activation = _activation_bytes(rg, sub)
+    activation, held_acts, activation_note = _saved_for_backward(pm, rank, rg, batch, seq, sub)
     o = pm.config.pipeline
     zero = pm.config.data_parallel.zero if zero is None else zero
     in_flight = 1
@@ -230,10 +230,11 @@ def inspect(pm, rank: int, *, model_name: str = "", batch: int = 1, seq: int = 2
         **({"main parameters (fp32 beside the 16-bit copies)" + (" / dp" if zero else ""):
             pieces * 4 if zero >= 3 else params * 4 // (d if zero else 1)}
            if any(p.dtype.itemsize == 2 for p in rg.local.values()) else {}),
-        "activations per microbatch (upper bound)": activation,
-        f"activations held ({in_flight} microbatch{'es' if in_flight > 1 else ''} in flight)": activation * in_flight,
+        "activations per microbatch" + (" (upper bound)" if held_acts is None else ""): activation,
+        f"activations held ({in_flight} microbatch{'es' if in_flight > 1 else ''} in flight)":
+            held_acts if held_acts is not None else activation * in_flight,
     }
-    notes = ["activations: every tensor the forward makes, an upper bound of what autograd keeps for backward"]
+    notes = [activation_note]
     if zero >= 3 and held < rg.param_bytes:
         units = _unit_bytes(rg)
         if pm.config.data_parallel.gather_per_step:
@@ -260,6 +261,25 @@ def _unit_bytes(rg) -> dict[str, int]:
 
 _VIEWS = {"view", "reshape", "_unsafe_view", "transpose", "permute", "expand", "slice", "select", "unsqueeze",
           "squeeze", "t", "alias", "detach", "split", "chunk", "unbind", "getitem", "sym_size"}
+
+
+def _saved_for_backward(pm, rank, rg, batch, seq, sub) -> tuple[int, int | None, str]:
+    """(one microbatch's activations, the most held at once over the schedule, what they are):
+    what autograd saves, counted by running the rank's graphs on fake tensors (activations.py);
+    where that cannot run, every tensor the forward makes (an upper bound) and None."""
+    from fxtron import activations
+    try:
+        per_chunk = activations.saved_bytes(pm, rank, batch, seq)
+    except ParallelizeError as e:
+        return (_activation_bytes(rg, sub), None,
+                f"activations: every tensor the forward makes, an upper bound of what autograd keeps ({e})")
+    recomputed = max(s.recomputed for s in per_chunk)
+    return (sum(s.activations for s in per_chunk),
+            activations.peak_saved_bytes(pm, rank, per_chunk, copies=False) + recomputed,
+            "activations: what autograd saves for backward, counted by running the rank's graphs on fake tensors "
+            "(the memory tracker's measure, without the 16-bit parameter copies listed above); the peak follows the "
+            "schedule's forwards and backwards" + (f", plus {recomputed:,} bytes the largest recomputed region saves "
+                                                   "while backward runs it again" if recomputed else ""))
 
 
 def _activation_bytes(rg, sub) -> int:

@@ -113,6 +113,9 @@ class Candidate:
     ep: int = 1
     ep_comm_s: float = 0.0
     recompute: str | None = None       # None, "selective" or "full" (parallelize's recompute=)
+    tp_hidden_s: float = 0.0           # of tp_comm_s, behind the weight-gradient GEMMs
+    dp_hidden_s: float = 0.0           # of dp_comm_s, behind the last microbatch's backward
+    activations_from: str = "formula"  # "formula" (Korthikanti) or "measured" (activations.py)
 
     @property
     def memory_bytes(self) -> float:
@@ -120,8 +123,9 @@ class Candidate:
 
     @property
     def step_s(self) -> float:
+        """Compute, bubble and the communication nothing hides."""
         return (self.compute_s + self.bubble_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.cp_comm_s
-                + self.ep_comm_s)
+                + self.ep_comm_s - self.tp_hidden_s - self.dp_hidden_s)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "memory_bytes": self.memory_bytes, "step_s": self.step_s}
@@ -197,9 +201,35 @@ def narayanan_params(layers: int, hidden: int, vocab: int, seq: int) -> float:
     return 12 * l * h * h * (1 + 13 / (12 * h) + (vocab + seq) / (12 * l * h))
 
 
+def measured_stage_activation_bytes(saved, layer_saved, dims: ModelDims, *, pp: int, m: int, schedule: str, v: int,
+                                    cp: int = 1, recompute: str | None = None) -> float:
+    """The most activation bytes a pipeline rank holds, from one microbatch's measured figures
+    at the same tp, sp and recomputation (activations.Saved: per layer, before the layers,
+    after them): the first stage holds min(m, p) microbatches of L/p layers and the embedding's
+    (x (1 + (p-1)/(p v)) interleaved; all m under GPipe), the last one microbatch of L/p layers
+    and the head's; ZB-V puts both ends on rank 0, with p microbatches in flight over its two
+    chunks. Under cp a rank holds s/cp of the tokens (its scores s/cp x s): / cp. Full
+    recomputation adds the region held whole while backward recomputes it (measured; else
+    `layer_saved`'s layer, measured without recomputation)."""
+    layers = dims.layers / pp * saved.per_layer
+    in_flight = m if schedule == "gpipe" else min(m, pp)
+    if schedule == "zb-v":
+        act = in_flight * (layers + saved.pre + saved.post)
+    else:
+        first = in_flight * (layers + saved.pre) * (1 + (pp - 1) / (pp * v) if v > 1 else 1)
+        last = (m if schedule == "gpipe" else 1) * (layers + saved.post)
+        act = max(first, last) if pp > 1 else layers + saved.pre + saved.post
+    if recompute == "full":
+        act += saved.recomputed or layer_saved.per_layer
+    return act / cp
+
+
 def rate(dims: ModelDims, hw: Hardware, *, world: int, tp: int, pp: int, sp: bool, schedule: str, v: int,
          global_batch: int, seq: int, micro_batch: int, zero: int, cp: int = 1, ep: int = 1,
-         recompute: str | None = None) -> Candidate:
+         recompute: str | None = None, activations=None, bucket_size: int | None = None) -> Candidate:
+    """One mesh rated by the module's model. `activations`: (tp, sp, recompute) ->
+    activations.Saved of one microbatch (measured on fake tensors, 16-bit), or None for
+    Korthikanti's formulas."""
     dp = world // (tp * pp * cp)
     edp = world // (tp * ep * pp)
     m = global_batch // (dp * micro_batch)
@@ -210,13 +240,24 @@ def rate(dims: ModelDims, hw: Hardware, *, world: int, tp: int, pp: int, sp: boo
     weights = weight_bytes(dense, dp * cp, zero) + weight_bytes(experts, edp, zero)
     if zero >= 3 and dp * cp > 1:     # a layer gathered whole (16-bit) and the next one prefetched
         weights += 2 * 2 * (dense + experts) / max(1, dims.layers // pp)
-    act = first_stage_activation_bytes(dims, s, b, tp, sp, pp, v, cp, recompute) * (
-        min(m, pp) / pp if schedule != "gpipe" else m / pp)
-    if recompute == "full":       # the layer being recomputed, whole for a moment
-        act += activation_bytes_per_layer(s, b, h, dims.heads, tp, sp, cp)
+    saved = activations(tp, sp, recompute) if activations is not None else None
+    if saved is not None:
+        layer = activations(tp, sp, None) if recompute == "full" else None
+        act = measured_stage_activation_bytes(saved, layer, dims, pp=pp, m=m, schedule=schedule, v=v, cp=cp,
+                                              recompute=recompute)
+    else:
+        act = first_stage_activation_bytes(dims, s, b, tp, sp, pp, v if schedule == "interleaved" else 1, cp,
+                                           recompute) * (min(m, pp) / pp if schedule != "gpipe" else m / pp)
+        if recompute == "full":       # the layer being recomputed, whole for a moment
+            act += activation_bytes_per_layer(s, b, h, dims.heads, tp, sp, cp)
     flops = model_flops(dims, global_batch, s) + recompute_flops(dims, global_batch, s, recompute)
     compute = flops / world / (hw.flops_per_s * hw.efficiency)
-    bubble = compute * (pp - 1) / (v * m) if pp > 1 else 0.0
+    if pp == 1:
+        bubble = 0.0
+    elif schedule == "zb-v":          # (p-1) forwards of a half-stage chunk, at F = B = W (Qi et al. 2024)
+        bubble = compute * (pp - 1) / (6 * m)
+    else:
+        bubble = compute * (pp - 1) / (v * m)
     # an all-reduce's bytes per (layer, microbatch): 2 forward, 2 backward; sequence parallel's
     # gather and reduce-scatter pairs move the same, plus the 2 inputs gathered again in backward
     # (one all-reduce's worth); full recomputation runs the forward's 2 again
@@ -235,13 +276,23 @@ def rate(dims: ModelDims, hw: Hardware, *, world: int, tp: int, pp: int, sp: boo
     cp_bw = hw.intra_node_bw if tp * cp <= hw.gpus_per_node else hw.inter_node_bw
     ep_bytes = 4 * (ep - 1) / ep * dims.top_k * b * s * h * 2 * (dims.moe_layers / pp) * m if ep > 1 else 0.0
     ep_bw = hw.intra_node_bw if tp * ep <= hw.gpus_per_node else hw.inter_node_bw
-    return Candidate(tp, pp, dp, sp, schedule, v, m, zero, weights, act, compute, bubble, tp_bytes / hw.intra_node_bw,
-                     pp_bytes / hw.inter_node_bw, dp_bytes / hw.inter_node_bw, cp, cp_bytes / cp_bw, ep,
-                     ep_bytes / ep_bw, recompute)
+    tp_s, dp_s = tp_bytes / hw.intra_node_bw, dp_bytes / hw.inter_node_bw
+    # what the runtime overlaps: each backward all-reduce (or sp's gather and reduce-scatter) of
+    # the input gradients runs while the weight-gradient GEMMs, a third of the compute, run
+    tp_hidden = min(tp_s * (tp_ars - 2 - (2 if recompute == "full" else 0)) / tp_ars, compute / 3) if tp > 1 else 0.0
+    # the dp buckets are reduced as the last microbatch's backward completes them (two thirds of
+    # a microbatch's compute), all but the last bucket hidden; zero=3's gathers are not modelled so
+    dp_hidden = 0.0
+    if dp_s and zero < 3:
+        buckets = max(1, -(-int(dense + experts) // (bucket_size or max(40_000_000, 1_000_000 * dp * cp))))
+        dp_hidden = min(dp_s - dp_s / buckets, 2 * compute / (3 * m))
+    return Candidate(tp, pp, dp, sp, schedule, v, m, zero, weights, act, compute, bubble, tp_s,
+                     pp_bytes / hw.inter_node_bw, dp_s, cp, cp_bytes / cp_bw, ep, ep_bytes / ep_bw, recompute,
+                     tp_hidden, dp_hidden, "measured" if saved is not None else "formula")
 
 
 def candidates(dims: ModelDims, hw: Hardware, *, world: int, global_batch: int, seq: int, micro_batch: int = 1,
-               fits_only: bool = True) -> list[Candidate]:
+               fits_only: bool = True, activations=None) -> list[Candidate]:
     """Every (tp, pp, cp, ep, dp, sp, schedule, zero) that divides the model, the batch and
     the sequence (cp: 2 x cp chunks; ep: the experts, and tp x ep x pp the world; fxtron does
     not compose ep with cp), ranked by modeled step time; only those whose memory fits
@@ -267,13 +318,16 @@ def candidates(dims: ModelDims, hw: Hardware, *, world: int, global_batch: int, 
                         scheds = [("1f1b", 1)]
                         if pp > 1 and m % pp == 0 and dims.layers % (2 * pp) == 0:
                             scheds.append(("interleaved", 2))
+                        if pp > 1 and dims.layers % (2 * pp) == 0:
+                            scheds.append(("zb-v", 2))
                         for schedule, v in scheds:
                             for zero in ([0, 1, 2, 3] if dp * cp > 1 else [0]):
                                 # without recomputation where that fits, else the cheapest that does
                                 for recompute in RECOMPUTE:
                                     p = rate(dims, hw, world=world, tp=tp, pp=pp, sp=sp, schedule=schedule, v=v,
                                              global_batch=global_batch, seq=seq, micro_batch=micro_batch,
-                                             zero=zero, cp=cp, ep=ep, recompute=recompute)
+                                             zero=zero, cp=cp, ep=ep, recompute=recompute,
+                                             activations=activations)
                                     if p.memory_bytes <= hw.memory:
                                         out.append(p)
                                         break
@@ -281,8 +335,43 @@ def candidates(dims: ModelDims, hw: Hardware, *, world: int, global_batch: int, 
                                     if not fits_only:
                                         out.append(rate(dims, hw, world=world, tp=tp, pp=pp, sp=sp,
                                                         schedule=schedule, v=v, global_batch=global_batch, seq=seq,
-                                                        micro_batch=micro_batch, zero=zero, cp=cp, ep=ep))
+                                                        micro_batch=micro_batch, zero=zero, cp=cp, ep=ep,
+                                                        activations=activations))
     return sorted(out, key=lambda p: (p.step_s, p.memory_bytes))
+
+
+class MeasuredActivations:
+    """(tp, sp, recompute) -> what one microbatch of `micro_batch` x `seq` tokens leaves saved
+    for backward on a tp rank (activations.Saved: per layer, before and after the layers), the
+    model compiled at that tp and run on fake tensors in 16 bits: the measure `inspect` gives
+    and the memory tracker takes, not a formula. Each key is compiled once (a second or two for
+    a 7B model); None where the model cannot be run so (the planner then uses the formulas)."""
+
+    def __init__(self, model, args: tuple, kwargs: dict | None = None, *, micro_batch: int, seq: int,
+                 dtype: str = "bf16"):
+        self.model, self.args, self.kwargs = model, args, kwargs or {}
+        self.micro_batch, self.seq, self.dtype = micro_batch, seq, dtype
+        self._cache: dict[tuple, object] = {}
+        self.errors: dict[tuple, str] = {}
+
+    def __call__(self, tp: int, sp: bool, recompute: str | None):
+        key = (tp, sp, recompute)
+        if key not in self._cache:
+            import warnings
+
+            import fxtron
+            from fxtron.activations import saved_bytes
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", fxtron.ParallelizeWarning)
+                    pm = fxtron.parallelize(self.model, fxtron.Mesh(tp, tp=tp), example_inputs=self.args,
+                                            example_kwargs=self.kwargs, sequence_parallel=sp, recompute=recompute,
+                                            dtype=self.dtype)
+                    (self._cache[key],) = saved_bytes(pm, 0, self.micro_batch, self.seq)
+            except ParallelizeError as e:
+                self._cache[key] = None
+                self.errors[key] = str(e)
+        return self._cache[key]
 
 
 def _divisors(n: int) -> list[int]:
@@ -331,14 +420,22 @@ def format_candidates(ps: list[Candidate], hw: Hardware, *, top: int = 10) -> st
                      p.schedule + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else ""), p.microbatches,
                      p.zero, p.recompute or "-", f"{p.memory_bytes / 2**30:.1f}", f"{p.compute_s:.3f}", f"{p.bubble_s:.3f}",
                      f"{p.tp_comm_s:.3f}", f"{p.cp_comm_s:.3f}", f"{p.ep_comm_s:.3f}", f"{p.pp_comm_s:.3f}",
-                     f"{p.dp_comm_s:.3f}", f"{p.step_s:.3f}"])
+                     f"{p.dp_comm_s:.3f}", f"{p.tp_hidden_s + p.dp_hidden_s:.3f}", f"{p.step_s:.3f}"])
+    measured = {p.activations_from for p in ps[:top]}
+    acts = ("activations measured (the model run on fake tensors at each tp, sp and recomputation, 16-bit)"
+            if measured == {"measured"} else "16-bit activations by Korthikanti's formulas"
+            if measured <= {"formula"} else "activations measured where the model ran on fake tensors, else formulas")
     assumed = (f"assumed: {hw.memory / 2**30:.0f} GiB per GPU, {hw.flops_per_s / 1e12:.0f} TFLOP/s peak at "
                f"{hw.efficiency:.0%}, tp over {hw.intra_node_bw / 1e9:.0f} GB/s (<= {hw.gpus_per_node} GPUs a node), "
-               f"pp, dp (and cp, ep beyond a node) over {hw.inter_node_bw / 1e9:.0f} GB/s, 16-bit activations, Adam, "
-               "recomputation only where a mesh does not fit without it, no overlap of communication")
+               f"pp, dp (and cp, ep beyond a node) over {hw.inter_node_bw / 1e9:.0f} GB/s, {acts}, Adam, "
+               "recomputation only where a mesh does not fit without it.\n"
+               "overlapped (hidden s): the backward's tp communication behind the weight-gradient GEMMs, the dp "
+               "buckets behind the last microbatch's backward (all but the last bucket); not overlapped: tp in "
+               "forward, pp, cp, ep, zero=3's gathers. zb-v: bubble (p-1)/(6m) of the compute at F = B = W, "
+               "twice 1F1B's pp bytes, 1F1B's memory with both ends on rank 0")
     return tabulate(rows, headers=["tp", "pp", "cp", "ep", "dp", "sp", "schedule", "m", "zero", "recompute", "GiB / GPU", "compute s",
                                    "bubble s", "tp comm s", "cp comm s", "ep comm s", "pp comm s", "dp comm s",
-                                   "step s"]) + "\n" + assumed
+                                   "hidden s", "step s"]) + "\n" + assumed
 
 
 def parse_bytes(text: str) -> float:
@@ -351,6 +448,6 @@ def parse_bytes(text: str) -> float:
     return float(t)
 
 
-__all__ = ["ModelDims", "Hardware", "Candidate", "candidates", "rate", "dims_of", "format_candidates", "parse_bytes",
+__all__ = ["ModelDims", "Hardware", "Candidate", "MeasuredActivations", "candidates", "measured_stage_activation_bytes", "rate", "dims_of", "format_candidates", "parse_bytes",
            "weight_bytes", "activation_bytes_per_layer", "first_stage_activation_bytes", "model_flops", "recompute_flops",
            "narayanan_params"]

@@ -152,7 +152,7 @@ def _(logits, target, vocab_start, ignore_index, reduction, label_smoothing, gro
 def _setup_ce(ctx, inputs, output):
     logits, target, ctx.vocab_start, ctx.ignore_index, ctx.reduction, ctx.label_smoothing, group = inputs
     ctx.logits_dtype = logits.dtype
-    ctx.vocab = logits.shape[-1] * T.group_size(group)
+    ctx.group = group       # the vocabulary's size (label smoothing) is asked of it in backward only
     ctx.mark_non_differentiable(output[1])
     ctx.save_for_backward(target, output[1])
 
@@ -167,7 +167,7 @@ def _ce_bwd(ctx, grad_loss, grad_softmax):
     hit = (~outside).to(grad.dtype) * (1.0 - a)
     grad.scatter_add_(-1, local.unsqueeze(-1), -hit.unsqueeze(-1))   # softmax - (1-a) * onehot
     if a > 0:
-        grad.sub_(a / ctx.vocab)
+        grad.sub_(a / (per * T.group_size(ctx.group)))
     valid = target != ctx.ignore_index
     if ctx.reduction == REDUCTION_MEAN:
         scale = (grad_loss / valid.sum()).expand(target.shape)
