@@ -39,7 +39,11 @@ def _concrete(shape, sub: dict) -> tuple[int, ...]:
     return tuple(int(sympy.sympify(d).subs(sub)) for d in shape)
 
 
-_LINEARS = {torch.ops.fxtron.linear.default}
+def _deferred(node: fx.Node | None) -> bool:
+    """Is `node` a fused linear whose weight-gradient GEMM a split backward defers to its W pass
+    (its weight a parameter, accumulating into main_grad: ops/linear.py)?"""
+    return (node is not None and node.op == "call_function" and node.target == torch.ops.fxtron.linear.default
+            and meta.is_param(node.args[1]))
 
 
 def _gather_from_sequence(x, dim, world, group):
@@ -102,7 +106,7 @@ class _Where(fx.Interpreter):
             elif self.part == "layer":
                 self.part = "post"
         out = super().run_node(node)
-        if node.op == "call_function" and node.target in _LINEARS:
+        if _deferred(node):
             self.linear_outputs += out.numel() * out.element_size()
         return out
 
@@ -153,7 +157,7 @@ def _run_forward(gm: fx.GraphModule, dtype: torch.dtype | None, sub: dict, prefi
         if key not in excluded and key not in saved:
             saved[key] = ("copies" if key in copies else runner.part, storage.nbytes())
             held.append(t)
-        if key not in excluded and getattr(runner.node, "target", None) in _LINEARS:
+        if key not in excluded and _deferred(runner.node):
             wgrad.add(key)
         return t
 

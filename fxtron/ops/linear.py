@@ -34,7 +34,19 @@ class WgradQueue:
     def __init__(self, deferred: bool = False):
         self.jobs: list[Callable[[], None]] = []
         self.deferred = deferred
-        self.held_bytes = 0        # bytes of the output gradients the queued jobs hold (a deferred W pass's)
+        self._held: dict[int, int] = {}   # storage -> bytes the queued jobs hold (inputs, output gradients)
+
+    def hold(self, *tensors: Tensor) -> None:
+        """Count `tensors` as held by the queued jobs (each storage once): a deferred W pass
+        keeps its linears' saved inputs, which autograd has released, and their output gradients."""
+        for t in tensors:
+            st = t.untyped_storage()
+            self._held[st.data_ptr()] = st.nbytes()
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the queued jobs hold (what a deferred W pass keeps from its B)."""
+        return sum(self._held.values())
 
     @contextlib.contextmanager
     def active(self):
@@ -52,7 +64,7 @@ class WgradQueue:
     def run(self) -> None:
         """Run every queued weight-gradient GEMM now."""
         jobs, self.jobs = self.jobs, []
-        self.held_bytes = 0
+        self._held = {}
         for job in jobs:
             job()
 
@@ -192,7 +204,7 @@ def _backward(ctx, dy):
         queue = active_queue()
         if queue is not None:
             queue.jobs.append(job)
-            queue.held_bytes += dy.numel() * dy.element_size()
+            queue.hold(x, dy)
         else:
             job()
     else:
