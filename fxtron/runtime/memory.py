@@ -24,7 +24,7 @@ class MemorySample:
     """The rank's memory right after one pass of a step: `phase` "start", "F", "B" or "W"
     (of `microbatch`, model chunk `chunk`), `time` in seconds from the step's start;
     `activations` the bytes saved for backward then alive (with the output gradients that
-    deferred weight-gradient passes hold, ZB-H1's between B and W), `grads` the gradient bytes (the
+    deferred weight-gradient passes hold, their linears' inputs and output gradients, between B and W), `grads` the gradient bytes (the
     fp32 gradient buffers and any .grad of the rank's parameters), `allocated` what the CUDA
     allocator holds (None on CPU)."""
 
