@@ -45,7 +45,7 @@ from fxtron.errors import ParallelizeError
 # ----------------------------------------------------------------------------- choices
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]
 PlanMode = Literal["override", "replace"]
-CPCommType = Literal["p2p", "all_gather"]
+CPCommType = Literal["p2p", "all_gather", "a2a"]
 AuxLoss = Literal["local", "global"]
 Granularity = Literal["selective", "full"]
 RecomputeMethod = Literal["uniform", "block"]
@@ -371,8 +371,9 @@ class ContextConfig(Section):
 
     _name = "context"
     comm_type: CPCommType = option("p2p", shorthand="cp_comm_type",
-                                   help="how attention exchanges keys and values over cp: p2p (the ring) or "
-                                        "all_gather")
+                                   help="how attention exchanges keys and values over cp: p2p (the ring), "
+                                        "all_gather, or a2a (Ulysses: all-to-alls from a sequence split to a "
+                                        "head split and back)")
 
 
 @dataclass(frozen=True)

@@ -186,6 +186,33 @@ def test_collective_bytes_are_the_formulas():
     assert [r.shape for r in recs if r.kind == "all_reduce"] == [(), ()]
 
 
+def test_a2a_sends_heads_and_refuses_what_it_cannot_split():
+    """cp_comm_type="a2a" (Ulysses): per attention 4 all-to-alls forward (q, k and v to a head
+    split, the output back) and 4 backward, each moving (n-1)/n of its input; grouped-query
+    keys and values go un-repeated (llama: 4 of the 8 heads, half a query's bytes). Heads
+    that cp does not divide, and attention dropout, are ParallelizeErrors naming the fix."""
+    pm = _pm("llama", fxtron.Mesh(2, cp=2), cp_comm_type="a2a")
+    recs = [r for r in pm.collectives(0, graphs_only=True) if r.op == "cp_all_to_all"]
+    layers = 2
+    assert len([r for r in recs if r.phase == "forward"]) == 4 * layers
+    assert len([r for r in recs if r.phase == "backward"]) == 4 * layers
+    # at B=2, S=16: q (2, 8 heads, 8 tokens, head dim) fp32, k and v 4 heads, the output as q;
+    # (n-1)/n = 1/2 of each on the wire
+    head_dim = make("llama").config.dim // 8
+    q_bytes = 2 * 8 * 8 * head_dim * 4
+    per_layer = sum(r.evaluate(2, 16)[1] for r in recs if r.phase == "forward") / layers
+    assert per_layer == (q_bytes + q_bytes // 2 + q_bytes // 2 + q_bytes) / 2
+    ops = _ops(pm)
+    assert ops.count("fxtron.cp_all_to_all") == 4 * layers and "fxtron.ring_attention" not in ops
+    assert sum("scaled_dot_product_attention" in o for o in ops) == layers
+    with pytest.raises(fxtron.ParallelizeError, match="do not divide by cp=8"):
+        _pm("llama", fxtron.Mesh(8, cp=8), cp_comm_type="a2a").compiled(0)
+    args, _ = batch("gpt", 2, 16, 0)
+    model = make("gpt", dropout=0.1)
+    with pytest.raises(fxtron.ParallelizeError, match="dropout.*all_gather"):
+        fxtron.parallelize(model, fxtron.Mesh(2, cp=2), example_inputs=args, cp_comm_type="a2a").compiled(0)
+
+
 def test_user_mistakes_raise():
     with pytest.raises(fxtron.ParallelizeError, match="cp_comm_type"):
         _pm("gpt", fxtron.Mesh(2, cp=2), cp_comm_type="ring")
@@ -202,8 +229,16 @@ CASES = {
     2: [(dict(cp=2), "gpt", "p2p", {}), (dict(cp=2), "llama", "all_gather", dict(zero=1)),
         (dict(cp=2), "hf-llama", "p2p", {}), (dict(cp=2), "hf-gpt2", "all_gather", {}),
         # attention written out: nanoGPT's registered tril buffer, GPT-2's eager matmuls
-        (dict(cp=2), "nanogpt", "p2p", {}), (dict(cp=2), "hf-gpt2-eager", "all_gather", {})],
+        (dict(cp=2), "nanogpt", "p2p", {}), (dict(cp=2), "hf-gpt2-eager", "all_gather", {}),
+        # Ulysses: grouped-query keys sent un-repeated (llama: 8 query heads, 4 key/value heads)
+        (dict(cp=2), "llama", "a2a", {}), (dict(cp=2), "hf-llama", "a2a", {}), (dict(cp=2), "gpt", "a2a", {}),
+        (dict(cp=2), "hf-gpt2-eager", "a2a", {})],
     4: [(dict(cp=4), "llama", "p2p", {}),
+        (dict(cp=4), "llama", "a2a", {}),
+        (dict(cp=2, tp=2), "llama", "a2a", {}),
+        (dict(cp=2, tp=2), "gpt", "a2a", dict(sequence_parallel=True)),
+        (dict(cp=2, pp=2), "llama", "a2a", dict(microbatches=2)),
+        (dict(cp=2), "llama", "a2a", dict(zero=1)),                                   # cp x dp=2
         (dict(cp=2), "gpt", "all_gather", dict(zero=1)),                              # cp x dp=2
         (dict(cp=2, tp=2), "gpt", "p2p", dict(sequence_parallel=True)),
         (dict(cp=2, tp=2), "llama", "all_gather", {}),

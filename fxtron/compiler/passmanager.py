@@ -319,7 +319,8 @@ PASSES = pass_list(
          _ep, "ep > 1", after=("dispatch_experts",)),
     Pass("fuse_written_out_attention", "attention written out as matmuls becomes one attention op, which the cp "
          "ring takes", _set("gm", lambda s: fuse_written_out_attention(s.gm)),
-         lambda s: s.mesh.parallel("cp") and s.config.context.comm_type == "p2p", "cp > 1 with cp_comm_type='p2p'",
+         lambda s: s.mesh.parallel("cp") and s.config.context.comm_type in ("p2p", "a2a"),
+         "cp > 1 with cp_comm_type='p2p' or 'a2a'",
          after=("split_row_bias",)),
     Pass("propagate_tp", "a tp placement on every value, from the plan's parameter placements",
          _set("gm", lambda s: propagate(s.gm, tp_layout(s.plan, sequence_parallel=s.config.tensor.sequence_parallel,

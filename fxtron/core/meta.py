@@ -291,6 +291,19 @@ def add_balanced_axis(gm: fx.GraphModule, axis: str) -> None:
         gm.meta[BALANCED_AXES] = balanced_axes(gm) + (axis,)
 
 
+AXIS_OPTIONS = "fxtron_axis_options"
+
+
+def axis_options(gm: fx.GraphModule, axis: str) -> dict:
+    """The choices `propagate` was given for `axis` (cp: its cp_comm_type), which its
+    lowerings read too."""
+    return dict(gm.meta.get(AXIS_OPTIONS, {}).get(axis, {}))
+
+
+def set_axis_options(gm: fx.GraphModule, axis: str, options) -> None:
+    gm.meta[AXIS_OPTIONS] = {**gm.meta.get(AXIS_OPTIONS, {}), axis: dict(options)}
+
+
 def info(gm: fx.GraphModule) -> TraceInfo:
     """The TraceInfo that `trace` attached to a graph module (and passes carry along)."""
     try:

@@ -154,6 +154,8 @@ def _context_parallel_attention(node: fx.Node, lower) -> fx.Node | None:
     mask, dropout, causal, scale, gqa = _sdpa_args(node)
     if causal and mask is not None:
         raise ParallelizeError(f"node %{node.name}: attention with both a mask and is_causal")
+    if lower.options.get("cp_comm_type") == "a2a":
+        return _ulysses(node, lower, mask, dropout, causal, scale)
     if isinstance(meta.expects(node, lower.axis)[1], Shard):   # the keys stay split: the ring
         return _ring(node, lower, mask, dropout, causal, scale)
     if not causal:
@@ -163,6 +165,59 @@ def _context_parallel_attention(node: fx.Node, lower) -> fx.Node | None:
                        lower.coord, lower.size),
                       node, pq, f"causal attention of this rank's query chunks against the keys before them "
                                 f"(keys gathered over {lower.axis})")
+
+
+def _local_heads(x: fx.Node, lower) -> int:
+    """Heads (dim 1) of x on this rank before cp: the whole count over the other axes that
+    split them (tp)."""
+    heads = int(x.meta["val"].shape[1])
+    for axis in lower.axes():
+        p = lower.on(axis).placement(x)
+        if axis != lower.axis and isinstance(p, Shard) and p.dim == 1:
+            heads //= lower.on(axis).size
+    return heads
+
+
+def _ulysses(node: fx.Node, lower, mask, dropout, causal, scale) -> fx.Node:
+    """cp_comm_type="a2a" (DeepSpeed-Ulysses): q, k and v go from the rank's sequence chunks of
+    every head to every token of 1/cp of the heads (grouped-query keys and values before their
+    heads are repeated), in natural order; the attention runs there, with its own mask and
+    causality; the inverse all-to-all brings back the rank's chunks of every head."""
+    q, k, v = node.args[:3]
+    where = f"node %{node.name} ({meta.get(node, meta.MODULE) or 'top level'})"
+    if dropout:
+        raise ParallelizeError(f"{where}: attention dropout (dropout_p={dropout}) under cp_comm_type='a2a' is not "
+                               "supported yet; use cp_comm_type='all_gather' or set the attention dropout to 0")
+    if mask is not None and lower.carries_grad(mask):
+        raise ParallelizeError(f"{where}: an attention mask that takes a gradient (a learned bias) under "
+                               "cp_comm_type='a2a' is not supported; use cp_comm_type='all_gather'")
+    k, v = ((r[0] if (r := head_repeat(t)) is not None else t) for t in (k, v))
+    n = lower.size
+    for name, t in (("query", q), ("key/value", k)):
+        heads = _local_heads(t, lower)
+        if heads % n:
+            raise ParallelizeError(f"{where}: cp_comm_type='a2a' splits the {name} heads over cp, and this rank's "
+                                   f"{heads} {name} head(s) do not divide by cp={n}; use a cp that divides "
+                                   f"{heads}, or cp_comm_type='p2p' / 'all_gather'")
+    heads = Shard(1)
+
+    def to_heads(t: fx.Node) -> fx.Node:
+        a2a = lower.call(torch.ops.fxtron.cp_all_to_all.default, (lower.remap(t), 1, 2, n, lower.axis), t, heads,
+                         f"Ulysses: %{t.name} from the rank's sequence chunks to all tokens of 1/{n} of the heads")
+        return lower.call(torch.ops.fxtron.zigzag.default, (a2a, 2, 1, n, True), t, heads,
+                          "the gathered sequence in natural order")
+
+    q2, k2, v2 = to_heads(q), to_heads(k), to_heads(v)
+    kwargs = {"scale": scale} if scale is not None else {}
+    if k.meta["val"].shape[1] != q.meta["val"].shape[1]:
+        kwargs["enable_gqa"] = True          # the key/value heads repeated inside the attention
+    out = lower.call(aten.scaled_dot_product_attention.default,
+                     (q2, k2, v2, None if mask is None else lower.remap(mask), 0.0, bool(causal)), node, heads,
+                     f"attention of 1/{n} of the heads over the whole sequence", kwargs=kwargs)
+    out = lower.call(torch.ops.fxtron.zigzag.default, (out, 2, 1, n, False), node, heads,
+                     "the sequence in the ranks' load-balanced order")
+    return lower.call(torch.ops.fxtron.cp_all_to_all.default, (out, 2, 1, n, lower.axis), node,
+                      lower.placement(q), "Ulysses: back to the rank's sequence chunks of every head")
 
 
 def _ring(node: fx.Node, lower, mask, dropout, causal, scale) -> fx.Node:

@@ -117,6 +117,8 @@ def propagate(gm: fx.GraphModule, layout: AxisLayout, *, mesh: MeshView) -> fx.G
     meta.add_graph_axis(gm, axis)
     if layout.balanced:
         meta.add_balanced_axis(gm, axis)
+    if layout.options:
+        meta.set_axis_options(gm, axis, layout.options)
     return gm
 
 

@@ -40,8 +40,9 @@ class _Emitter:
     """Makes the new graph's communication nodes, one per (value, axis, redistribution)."""
 
     def __init__(self, graph: fx.Graph, mesh: MeshView, grad: set[fx.Node] = frozenset(),
-                 balanced: tuple[str, ...] = (), axes: tuple[str, ...] = ()):
+                 balanced: tuple[str, ...] = (), axes: tuple[str, ...] = (), options: dict | None = None):
         self.g, self.mesh, self.grad, self.balanced, self.axes = graph, mesh, grad, balanced, axes
+        self.options = options or {}       # axis -> the choices propagate was given (cp_comm_type)
         self.cache: dict[tuple, fx.Node] = {}
 
     def call(self, target, args, like: fx.Node, placements: meta.PerAxis, reason: str, kwargs=None,
@@ -294,6 +295,7 @@ class Lower:
     def __init__(self, em: _Emitter, axis: str, remap, placed: dict, node: fx.Node):
         self.axis, self.size, self.coord = axis, em.mesh.size(axis), em.mesh.coord(axis)
         self.balanced = axis in em.balanced        # shards are load-balanced chunks (cp)
+        self.options = em.options.get(axis, {})     # the axis's choices (cp_comm_type)
         self._em, self._remap, self._placed, self._node = em, remap, placed, node
 
     def placement(self, arg: fx.Node):
@@ -433,7 +435,7 @@ def insert_redistributions(gm: fx.GraphModule, *, mesh: MeshView) -> fx.GraphMod
     grad = meta.carries_grad(gm)
     deferred = {axis: _params_summed_after_backward(gm, axis) for axis in axes}
     new = fx.Graph()
-    em = _Emitter(new, mesh, grad, meta.balanced_axes(gm), axes)
+    em = _Emitter(new, mesh, grad, meta.balanced_axes(gm), axes, {a: meta.axis_options(gm, a) for a in axes})
     env: dict[fx.Node, fx.Node] = {}
     placed: dict[fx.Node, meta.PerAxis] = {}   # the placements each old node's env value has
     for node in gm.graph.nodes:

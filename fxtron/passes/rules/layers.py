@@ -170,12 +170,16 @@ def _sdpa_over_sequence(c: Ctx):
     """Queries split on their sequence dim (context parallel): with cp_comm_type "all_gather"
     every rank attends its queries to the whole sequence's keys and values (gathered, their
     gradients reduce-scattered) under the mask's rows of its queries; with "p2p" the keys stay
-    split and travel around the ring (the lowering, passes/context_parallel.py)."""
-    ring = c.options.get("cp_comm_type") == "p2p"
+    split and travel around the ring; with "a2a" queries, keys and values go through an
+    all-to-all to a head split, under the whole mask (the lowerings, passes/context_parallel.py)."""
+    comm = c.options.get("cp_comm_type")
+    ring = comm in ("p2p", "a2a")          # the keys stay split: around the ring, or into an all-to-all
     expects = [None]
     for a in c.inputs[1:]:
         if a is c.node.args[1] or a is c.node.args[2]:
             expects.append(Shard(2) if ring else REPLICATE)
+        elif comm == "a2a":                     # the mask: whole (every query of the rank's heads)
+            expects.append(REPLICATE)
         else:                                   # the mask: the queries' rows, every key
             d = ndim(a) - 2
             expects.append(Shard(d) if not is_one(shape(a)[d]) else REPLICATE)
