@@ -174,6 +174,8 @@ CASES = {
     "tp2-dp2-eager-selective": ("hf-gpt2-eager", dict(tp=2), dict(sequence_parallel=True), dict(recompute="selective")),
     # the gathered keys' attention draws its dropout inside (from the stream it is told)
     "cp2-tp2-gather-selective": ("llama", dict(cp=2, tp=2), dict(cp_comm_type="all_gather"), dict(recompute="selective")),
+    # Ulysses: the attention of the rank's heads draws its dropout again from where it began
+    "cp2-tp2-a2a-selective": ("llama", dict(cp=2, tp=2), dict(cp_comm_type="a2a"), dict(recompute="selective")),
     # the ring (no attention dropout: it takes none) sends its key blocks around again in backward
     "cp2-tp2-ring-full": ("llama-p0", dict(cp=2, tp=2), {}, dict(recompute="full")),
     "ep2-tp2-sp-full": ("moe", dict(ep=2, tp=2), dict(sequence_parallel=True), dict(recompute="full")),

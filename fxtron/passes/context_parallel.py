@@ -182,12 +182,10 @@ def _ulysses(node: fx.Node, lower, mask, dropout, causal, scale) -> fx.Node:
     """cp_comm_type="a2a" (DeepSpeed-Ulysses): q, k and v go from the rank's sequence chunks of
     every head to every token of 1/cp of the heads (grouped-query keys and values before their
     heads are repeated), in natural order; the attention runs there, with its own mask and
-    causality; the inverse all-to-all brings back the rank's chunks of every head."""
+    causality, its dropout drawn from the rank's own stream (its heads differ from every other
+    rank's); the inverse all-to-all brings back the rank's chunks of every head."""
     q, k, v = node.args[:3]
     where = f"node %{node.name} ({meta.get(node, meta.MODULE) or 'top level'})"
-    if dropout:
-        raise ParallelizeError(f"{where}: attention dropout (dropout_p={dropout}) under cp_comm_type='a2a' is not "
-                               "supported yet; use cp_comm_type='all_gather' or set the attention dropout to 0")
     if mask is not None and lower.carries_grad(mask):
         raise ParallelizeError(f"{where}: an attention mask that takes a gradient (a learned bias) under "
                                "cp_comm_type='a2a' is not supported; use cp_comm_type='all_gather'")
@@ -212,7 +210,7 @@ def _ulysses(node: fx.Node, lower, mask, dropout, causal, scale) -> fx.Node:
     if k.meta["val"].shape[1] != q.meta["val"].shape[1]:
         kwargs["enable_gqa"] = True          # the key/value heads repeated inside the attention
     out = lower.call(aten.scaled_dot_product_attention.default,
-                     (q2, k2, v2, None if mask is None else lower.remap(mask), 0.0, bool(causal)), node, heads,
+                     (q2, k2, v2, None if mask is None else lower.remap(mask), float(dropout), bool(causal)), node, heads,
                      f"attention of 1/{n} of the heads over the whole sequence", kwargs=kwargs)
     out = lower.call(torch.ops.fxtron.zigzag.default, (out, 2, 1, n, False), node, heads,
                      "the sequence in the ranks' load-balanced order")
