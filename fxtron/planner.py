@@ -29,7 +29,9 @@ The model (every rate is an assumption, printed with the result; all formulas fr
   cp comm         K and V of every layer and microbatch gathered forward and their gradients
                   reduce-scattered backward, (c-1)/c of 2 b s h_kv 16-bit values each way
                   (h_kv = h: no grouped-query saving assumed), the ring moving the same bytes;
-                  intra-node when tp x cp fits a node, else inter-node
+                  a2a (Ulysses, where tp x cp divides the heads) four all-to-alls each way of
+                  (c-1)/c of b (s/c) h: 1/c of the ring's bytes; intra-node when tp x cp fits a
+                  node, else inter-node
   dp comm         ring all-reduce 2(d-1)/d of the fp32 gradients (reduce-scatter + all-gather
                   of the same bytes under zero=1) over the d = dp x cp ranks that hold the same
                   weights (Megatron's dp-cp group), at the inter-node bandwidth, not overlapped;
@@ -116,6 +118,7 @@ class Candidate:
     tp_hidden_s: float = 0.0           # of tp_comm_s, behind the weight-gradient GEMMs
     dp_hidden_s: float = 0.0           # of dp_comm_s, behind the last microbatch's backward
     activations_from: str = "formula"  # "formula" (Korthikanti) or "measured" (activations.py)
+    cp_comm_type: str = "p2p"          # how cp attention exchanges keys: p2p/all_gather bytes, or a2a
 
     @property
     def memory_bytes(self) -> float:
@@ -226,7 +229,8 @@ def measured_stage_activation_bytes(saved, layer_saved, dims: ModelDims, *, pp: 
 
 def rate(dims: ModelDims, hw: Hardware, *, world: int, tp: int, pp: int, sp: bool, schedule: str, v: int,
          global_batch: int, seq: int, micro_batch: int, zero: int, cp: int = 1, ep: int = 1,
-         recompute: str | None = None, activations=None, bucket_size: int | None = None) -> Candidate:
+         recompute: str | None = None, activations=None, bucket_size: int | None = None,
+         cp_comm_type: str = "p2p") -> Candidate:
     """One mesh rated by the module's model. `activations`: (tp, sp, recompute) ->
     activations.Saved of one microbatch (measured on fake tensors, 16-bit), or None for
     Korthikanti's formulas."""
@@ -273,6 +277,8 @@ def rate(dims: ModelDims, hw: Hardware, *, world: int, tp: int, pp: int, sp: boo
         dp_bytes = (2 * (d - 1) / d * dense * 4 if d > 1 else 0.0) + \
             (2 * (edp - 1) / edp * experts * 4 if edp > 1 else 0.0)
     cp_bytes = 2 * (cp - 1) / cp * 2 * b * s * h / tp * 2 * (dims.layers / pp) * m if cp > 1 else 0.0
+    if cp_comm_type == "a2a":     # Ulysses: q, k, v and the output, (cp-1)/cp of b (s/cp) h/tp each way
+        cp_bytes /= cp
     cp_bw = hw.intra_node_bw if tp * cp <= hw.gpus_per_node else hw.inter_node_bw
     ep_bytes = 4 * (ep - 1) / ep * dims.top_k * b * s * h * 2 * (dims.moe_layers / pp) * m if ep > 1 else 0.0
     ep_bw = hw.intra_node_bw if tp * ep <= hw.gpus_per_node else hw.inter_node_bw
@@ -288,7 +294,7 @@ def rate(dims: ModelDims, hw: Hardware, *, world: int, tp: int, pp: int, sp: boo
         dp_hidden = min(dp_s - dp_s / buckets, 2 * compute / (3 * m))
     return Candidate(tp, pp, dp, sp, schedule, v, m, zero, weights, act, compute, bubble, tp_s,
                      pp_bytes / hw.inter_node_bw, dp_s, cp, cp_bytes / cp_bw, ep, ep_bytes / ep_bw, recompute,
-                     tp_hidden, dp_hidden, "measured" if saved is not None else "formula")
+                     tp_hidden, dp_hidden, "measured" if saved is not None else "formula", cp_comm_type)
 
 
 def candidates(dims: ModelDims, hw: Hardware, *, world: int, global_batch: int, seq: int, micro_batch: int = 1,
@@ -323,20 +329,22 @@ def candidates(dims: ModelDims, hw: Hardware, *, world: int, global_batch: int, 
                         for schedule, v in scheds:
                             for zero in ([0, 1, 2, 3] if dp * cp > 1 else [0]):
                                 # without recomputation where that fits, else the cheapest that does
-                                for recompute in RECOMPUTE:
-                                    p = rate(dims, hw, world=world, tp=tp, pp=pp, sp=sp, schedule=schedule, v=v,
-                                             global_batch=global_batch, seq=seq, micro_batch=micro_batch,
-                                             zero=zero, cp=cp, ep=ep, recompute=recompute,
-                                             activations=activations)
-                                    if p.memory_bytes <= hw.memory:
-                                        out.append(p)
-                                        break
-                                else:
-                                    if not fits_only:
-                                        out.append(rate(dims, hw, world=world, tp=tp, pp=pp, sp=sp,
-                                                        schedule=schedule, v=v, global_batch=global_batch, seq=seq,
-                                                        micro_batch=micro_batch, zero=zero, cp=cp, ep=ep,
-                                                        activations=activations))
+                                comms = ["p2p"] + (["a2a"] if cp > 1 and dims.heads % (tp * cp) == 0 else [])
+                                for comm in comms:
+                                    for recompute in RECOMPUTE:
+                                        p = rate(dims, hw, world=world, tp=tp, pp=pp, sp=sp, schedule=schedule,
+                                                 v=v, global_batch=global_batch, seq=seq, micro_batch=micro_batch,
+                                                 zero=zero, cp=cp, ep=ep, recompute=recompute,
+                                                 activations=activations, cp_comm_type=comm)
+                                        if p.memory_bytes <= hw.memory:
+                                            out.append(p)
+                                            break
+                                    else:
+                                        if not fits_only:
+                                            out.append(rate(dims, hw, world=world, tp=tp, pp=pp, sp=sp,
+                                                            schedule=schedule, v=v, global_batch=global_batch,
+                                                            seq=seq, micro_batch=micro_batch, zero=zero, cp=cp,
+                                                            ep=ep, activations=activations, cp_comm_type=comm))
     return sorted(out, key=lambda p: (p.step_s, p.memory_bytes))
 
 
@@ -416,7 +424,7 @@ def format_candidates(ps: list[Candidate], hw: Hardware, *, top: int = 10) -> st
     from tabulate import tabulate
     rows = []
     for p in ps[:top]:
-        rows.append([p.tp, p.pp, p.cp, p.ep, p.dp, "on" if p.sequence_parallel else "-",
+        rows.append([p.tp, p.pp, f"{p.cp} {p.cp_comm_type}" if p.cp > 1 else p.cp, p.ep, p.dp, "on" if p.sequence_parallel else "-",
                      p.schedule + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else ""), p.microbatches,
                      p.zero, p.recompute or "-", f"{p.memory_bytes / 2**30:.1f}", f"{p.compute_s:.3f}", f"{p.bubble_s:.3f}",
                      f"{p.tp_comm_s:.3f}", f"{p.cp_comm_s:.3f}", f"{p.ep_comm_s:.3f}", f"{p.pp_comm_s:.3f}",

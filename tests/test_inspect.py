@@ -368,3 +368,18 @@ def test_planner_uses_the_measured_activations_and_models_overlap_and_zb_v():
     assert any(q.schedule == "zb-v" for q in listed)
     text = planner.format_candidates(listed, hw)
     assert "hidden s" in text and "overlapped" in text and "zb-v" in text
+
+
+def test_planner_rates_ulysses():
+    """cp_comm_type="a2a" in the planner: four all-to-alls each way of (c-1)/c of b (s/c) h a
+    layer, 1/c of the ring's bytes; listed where tp x cp divides the heads."""
+    dims = planner.ModelDims(layers=32, hidden=4096, heads=32, vocab=32000, params=6_738_415_616)
+    hw = planner.Hardware()
+    one = dict(world=64, tp=4, pp=1, sp=True, schedule="1f1b", v=1, global_batch=64, seq=16384, micro_batch=1,
+               zero=1, cp=4)
+    ring, ulysses = planner.rate(dims, hw, **one), planner.rate(dims, hw, **one, cp_comm_type="a2a")
+    assert ulysses.cp_comm_s == pytest.approx(ring.cp_comm_s / 4) and ulysses.cp_comm_type == "a2a"
+    listed = planner.candidates(dims, hw, world=64, global_batch=64, seq=16384)
+    assert any(q.cp_comm_type == "a2a" for q in listed)
+    assert all(dims.heads % (q.tp * q.cp) == 0 for q in listed if q.cp_comm_type == "a2a")
+    assert "a2a" in planner.format_candidates([q for q in listed if q.cp_comm_type == "a2a"], hw)
