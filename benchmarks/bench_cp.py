@@ -15,13 +15,15 @@
    processes, one torch thread each:
      fxtron_cp2_p2p         parallelize(model, Mesh(2, cp=2), cp_comm_type="p2p"): the ring
      fxtron_cp2_all_gather  the same with cp_comm_type="all_gather"
+     fxtron_cp2_a2a         the same with cp_comm_type="a2a" (Ulysses: heads split over cp)
      single_process         the unmodified model in rank 0's process while rank 1 waits in a
                             barrier (no CPU)
    All start from the same weights and see the same batches; timed blocks are interleaved
    (rounds x steps, order rotating); rank 0's perf_counter per step; the losses must agree.
    Beside each: its cp bytes per step from pm.collectives (formulas in B and S, evaluated),
    and the issue's formulas per layer: all_gather (cp-1)/cp x 2*b*s*h_kv elements forward,
-   p2p (cp-1) transfers of 2*b*(s/cp)*h_kv. Ratios are reported, never asserted.
+   p2p (cp-1) transfers of 2*b*(s/cp)*h_kv, a2a (cp-1)/cp x b*(s/cp)*(2h + 2h_kv). Ratios are
+   reported, never asserted.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ from replay import ReplayTimer, eager_step, noop, timed_job, token_batches
 CFG = LlamaConfig(vocab_size=256, max_seq_len=4096, n_layer=2, n_head=4, n_kv_head=2, dim=64, ffn_dim=172)
 BATCH, SEQ = 1, 4096
 WARMUP_STEPS, ROUNDS, STEPS_PER_ROUND = 1, 3, 2
-SYSTEMS = ["fxtron_cp2_p2p", "fxtron_cp2_all_gather", "single_process"]
+SYSTEMS = ["fxtron_cp2_p2p", "fxtron_cp2_all_gather", "fxtron_cp2_a2a", "single_process"]
 H_KV = CFG.n_kv_head * (CFG.dim // CFG.n_head)       # key (or value) elements per token
 
 
@@ -83,7 +85,7 @@ def test_attention_work(world, bench_report, benchmark):
 def _train_job(rank: int, mesh: fxtron.Mesh) -> dict:
     batches = token_batches(CFG.vocab_size, BATCH, SEQ, n=2)
     runners, setup, wire = {}, {}, {}
-    for comm in ("p2p", "all_gather"):
+    for comm in ("p2p", "all_gather", "a2a"):
         t0 = time.perf_counter()
         pm = fxtron.parallelize(make_model(), mesh, example_inputs=token_batches(CFG.vocab_size, 2, 8, n=1)[0],
                                 cp_comm_type=comm)
@@ -138,6 +140,8 @@ def _formula(comm: str, cp: int = 2) -> int:
     """The issue's forward bytes per layer (fp32): K and V gathered, or sent around the ring."""
     if comm == "all_gather":
         return int((cp - 1) / cp * 2 * BATCH * SEQ * H_KV * 4)
+    if comm == "a2a":        # q and the output (every head), k and v (the key/value heads), (cp-1)/cp of each
+        return int((cp - 1) / cp * BATCH * (SEQ // cp) * (2 * CFG.dim + 2 * H_KV) * 4)
     return (cp - 1) * 2 * BATCH * (SEQ // cp) * H_KV * 4
 
 
