@@ -211,6 +211,21 @@ def test_a2a_sends_heads_and_refuses_what_it_cannot_split():
         _pm("llama", fxtron.Mesh(8, cp=8), cp_comm_type="a2a").compiled(0)
 
 
+@pytest.mark.parametrize("name", ["gpt", "hf-gpt2"])
+def test_a_position_table_looks_up_the_rank_positions(name):
+    """A learned position table read at arange(S) is looked up at the rank's positions (the
+    ids split first, as Megatron slices position ids): no all-gather of the rows' gradient in
+    backward; the table's gradient is the rank's partial sum, summed over dp-cp with the rest
+    (training equal to one process: test_trains_like_one_process, gpt and hf-gpt2)."""
+    pm = _pm(name, fxtron.Mesh(2, cp=2), cp_comm_type="p2p")
+    table = next(n for n in pm.compiled(0).local if "wpe" in n)
+    assert not [r for r in pm.collectives(0, graphs_only=True) if r.kind == "all_gather" and r.phase == "backward"]
+    rows = [line for line in pm.graph(0).splitlines() if line.split()[1:2] == ["embedding"]
+            and f"%{table.replace('.', '_')}" in line]
+    assert rows and all("cp:S" in line for line in rows), rows
+    assert pm.compiled(0).local[table].grad_whole_on == ()
+
+
 def test_user_mistakes_raise():
     with pytest.raises(fxtron.ParallelizeError, match="cp_comm_type"):
         _pm("gpt", fxtron.Mesh(2, cp=2), cp_comm_type="ring")

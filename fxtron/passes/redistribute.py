@@ -43,6 +43,7 @@ class _Emitter:
                  balanced: tuple[str, ...] = (), axes: tuple[str, ...] = (), options: dict | None = None):
         self.g, self.mesh, self.grad, self.balanced, self.axes = graph, mesh, grad, balanced, axes
         self.options = options or {}       # axis -> the choices propagate was given (cp_comm_type)
+        self.replaced: list[fx.Node] = []  # new nodes superseded by a local form (erased if unused)
         self.cache: dict[tuple, fx.Node] = {}
 
     def call(self, target, args, like: fx.Node, placements: meta.PerAxis, reason: str, kwargs=None,
@@ -180,8 +181,41 @@ class _Emitter:
                             kwargs=dict(n_new.kwargs))
         return out
 
+    def _lookup_of_split_ids(self, src, value, placed, axis, want: Shard, why: str) -> fx.Node | None:
+        """A whole table looked up at whole ids (a learned position table at arange(S)) wanted
+        split on an ids dim: split the ids and look up the rank's rows, as Megatron slices the
+        position ids before the embedding. The table's gradient is then the rank's partial sum,
+        summed over the axis after backward (meta.GRAD_REDUCE) instead of an all-gather of the
+        looked-up rows' gradient in backward. Only for a table with this one lookup, whose
+        output has this one use; None otherwise."""
+        chain = []                       # casts after the lookup (GPT-2's .to(device)): made on the rank's rows
+        while (src.op == "call_function" and src.target in _CAST_LIKE and _uses(src) == 1
+               and value.op == "call_function" and value.target == src.target):
+            chain.append((src, value))
+            src, value = src.args[0], value.args[0]
+        if not (src.op == "call_function" and src.target == torch.ops.aten.embedding.default and _uses(src) == 1
+                and value.op == "call_function" and value.target == src.target):
+            return None
+        w, ids = src.args[:2]
+        w_new, ids_new = value.args[:2]
+        if (ids in self.grad or not meta.is_param(w) or len(w.users) != 1 or w_new.op != "placeholder"
+                or not isinstance(placed.get(axis), Replicate) or want.dim >= ids.meta["val"].dim()):
+            return None
+        split = self._split_balanced(ids, ids_new, placed, axis, want, why + " (the ids, before the lookup)")
+        out = self.call(src.target, (w_new, split, *value.args[2:]), src, placed.with_axis(axis, want),
+                        why + " (the rank's rows looked up)", kwargs=dict(value.kwargs))
+        for n_old, n_new in reversed(chain):
+            out = self.call(n_new.target, (out, *n_new.args[1:]), n_old, placed.with_axis(axis, want), why,
+                            kwargs=dict(n_new.kwargs))
+        meta.set(w_new, meta.GRAD_REDUCE, tuple(meta.get(w_new, meta.GRAD_REDUCE) or ()) + (axis,))
+        self.replaced += [n for _, n in chain] + [value]       # users before what they use
+        return out
+
     def _split_balanced(self, src, value, placed, axis, want: Shard, why: str) -> fx.Node:
         n = self.mesh.size(axis)
+        local = self._lookup_of_split_ids(src, value, placed, axis, want, why)
+        if local is not None:
+            return local
         if src.op == "call_function" and _broadcast_at(src, want) and src.args[0] not in self.grad:
             # expanded along the split dim: any order is the same; expand to the local part
             return self.call(src.target, (value.args[0], *value.args[1:]), src, placed.with_axis(axis, want),
@@ -320,6 +354,12 @@ class Lower:
         return self._em.call(target, args, like, placements, reason, kwargs=kwargs)
 
 
+def _uses(node: fx.Node) -> int:
+    """Users of node, not counting export's metadata asserts."""
+    return sum(1 for u in node.users if u.target != torch.ops.aten._assert_tensor_metadata.default)
+
+
+_CAST_LIKE = CASTS | {torch.ops.aten.to.dtype_layout, torch.ops.aten._to_copy.default, torch.ops.aten.alias.default}
 _FOLDS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
           torch.ops.aten.flatten.using_ints}
 
@@ -489,6 +529,12 @@ def insert_redistributions(gm: fx.GraphModule, *, mesh: MeshView) -> fx.GraphMod
             if redist is not None:   # colwise with gather_output: every consumer sees the gathered value
                 env[node] = em.redistribute(node, env[node], placed[node], axis, redist, node)
                 placed[node] = placed[node].with_axis(axis, redist)
+    for n in em.replaced:
+        for u in list(n.users):
+            if u.target == torch.ops.aten._assert_tensor_metadata.default:
+                new.erase_node(u)             # export's check of a value no longer computed
+        if not n.users:
+            new.erase_node(n)
     out = fx.GraphModule(gm, new)
     out.meta.update(gm.meta)
     out.graph.lint()
