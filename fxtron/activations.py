@@ -1,9 +1,9 @@
 """What autograd keeps for backward, estimated without processes: each of a rank's graphs is run
 forward on fake tensors (torch's FakeTensorMode: shapes, dtypes and storages, no data, no
-communication) at the batch and sequence asked, under the same saved-tensor hooks the runtime's
-memory tracker uses (runtime/memory.py), and the storages saved for backward are added up, each
-once, parameters and buffers excluded (their 16-bit compute copies included, as the tracker
-counts them).
+communication; expert parallel's dispatch under uniform routing) at the batch and sequence
+asked, under the same saved-tensor hooks the runtime's memory tracker uses (runtime/memory.py),
+and the storages saved for backward are added up, each once, parameters and buffers excluded
+(their 16-bit compute copies included, as the tracker counts them).
 
 The figure is therefore the tracker's own measure, not a formula: it sees what each op's
 autograd formula saves (a linear its input, a softmax its output, the vocab-parallel cross
@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fxtron.core import meta
 from fxtron.core.meta import BATCH, SEQ
 from fxtron.errors import ParallelizeError
+from fxtron.ops import ep as ep_ops
 from fxtron.ops.linear import Regather
 from fxtron.ops.recompute import Recomputed, outline
 from fxtron.passes.stages import find_layer_list
@@ -200,7 +201,7 @@ def _run_forward(gm: fx.GraphModule, dtype: torch.dtype | None, sub: dict, prefi
             else:                                           # a received activation
                 t = torch.zeros(shape, dtype=val.dtype)
                 args.append(t.requires_grad_() if t.is_floating_point() else t)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ep_ops.uniform_routing():
             runner.run(*args)
     parts = {"pre": 0, "layer": 0, "post": 0, "copies": 0}
     for part, nbytes in saved.values():

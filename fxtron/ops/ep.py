@@ -58,6 +58,24 @@ class DispatchLog:
 
 
 _LOG: contextvars.ContextVar[DispatchLog | None] = contextvars.ContextVar("fxtron_dispatch_log", default=None)
+_UNIFORM: contextvars.ContextVar[bool] = contextvars.ContextVar("fxtron_uniform_routing", default=False)
+
+
+@contextlib.contextmanager
+def uniform_routing():
+    """Inside, the fake kernels give the rows uniform routing would (a rank receives as many
+    copies as it sends; a tp share is 1/t of them) as plain sizes, not unbacked ones: what a
+    forward on fake tensors needs to run through (fxtron/activations.py)."""
+    token = _UNIFORM.set(True)
+    try:
+        yield
+    finally:
+        _UNIFORM.reset(token)
+
+
+def _rows(uniform: int) -> int:
+    """A fake kernel's data-dependent row count: `uniform` inside uniform_routing(), else unbacked."""
+    return uniform if _UNIFORM.get() else torch.library.get_ctx().new_dynamic_size()
 
 
 def _sent(pg, rows_to: list[int], row: Tensor, counts: int = 0) -> None:
@@ -206,8 +224,7 @@ def ep_dispatch(x: Tensor, offs: Tensor, group: str, world: int, layer: str = ""
 
 @ep_dispatch.register_fake
 def _(x, offs, group, world, layer="", capacity=0.0, pad=False):
-    ctx = torch.library.get_ctx()
-    received = ctx.new_dynamic_size()
+    received = _rows(x.shape[0])
     local = offs.shape[0] // world
     return (x.new_empty((received, *x.shape[1:])), offs.new_empty((local,)),
             offs.new_empty((world, local), dtype=torch.int64))
@@ -366,7 +383,7 @@ def ep_share(x: Tensor, offs: Tensor, group: str, world: int, layer: str = "",
 
 @ep_share.register_fake
 def _(x, offs, group, world, layer="", capacity=0.0, pad=False):
-    rows = torch.library.get_ctx().new_dynamic_size()
+    rows = _rows(-(-x.shape[0] // world))
     return x.new_empty((rows, *x.shape[1:])), torch.empty_like(offs)
 
 
@@ -439,7 +456,7 @@ def ep_gather(rows: Tensor, offs: Tensor, counts: Tensor, group: str, world: int
 
 @ep_gather.register_fake
 def _(rows, offs, counts, group, world):
-    n = torch.library.get_ctx().new_dynamic_size()
+    n = _rows(rows.shape[0] * world)
     return rows.new_empty((n, *rows.shape[1:])), torch.empty_like(offs), counts.new_empty((world, *counts.shape))
 
 
@@ -469,7 +486,7 @@ def ep_scatter(y: Tensor, counts: Tensor, group: str, world: int) -> Tensor:
 
 @ep_scatter.register_fake
 def _(y, counts, group, world):
-    n = torch.library.get_ctx().new_dynamic_size()
+    n = _rows(y.shape[0] // world)
     return y.new_empty((n, *y.shape[1:]))
 
 
