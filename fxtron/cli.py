@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 from fxtron import config
@@ -19,7 +20,8 @@ MESH_ONLY = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name != "
 def _config_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     """The configuration's flags (fxtron.config generates them) and --config FILE.toml."""
     p.add_argument("--config", default=None, metavar="FILE.toml",
-                   help="read the configuration from this TOML file (--print-config writes one); flags override it")
+                   help="read the configuration from this TOML file (--print-config writes one); flags override it. "
+                        "inspect also takes KEY=VALUE,... here: an hf:<architecture>'s configuration (--model-config)")
     config.add_arguments(p, TrainConfig, skip=skip)
 
 
@@ -66,6 +68,9 @@ def _cmd_inspect(a) -> int:
     from fxtron import planner
     from fxtron.inspection import inspect, load_model
 
+    if a.config and "=" in a.config and not os.path.exists(a.config):
+        # `--config key=value,...`: the hf:<architecture>'s configuration, as --model-config takes it
+        a.model_config, a.config = [*a.model_config, *a.config.split(",")], None
     cfg = _with_world(config.from_arguments(a, TrainConfig), 8)
     from fxtron.trainer.models import key_values
     model, args, kwargs = load_model(a.model, overrides=key_values(a.model_config))

@@ -224,6 +224,11 @@ def test_inspect_gives_an_hf_architecture_its_configuration(capsys):
                  "--tp", "2", "--seq", "64", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["memory"]["parameters"] < 4 * 2 * 1000 * 256 + 4 * 2 * 256 * 1536    # the small model, not 7B
+    # the spelling: --config key=value,... (a TOML file path still reads the configuration)
+    assert main(["inspect", "hf:llama", "--config", "num_hidden_layers=2,hidden_size=256,intermediate_size=512,"
+                 "num_attention_heads=4,num_key_value_heads=4,vocab_size=1000", "--tp", "2", "--seq", "64",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["memory"] == out["memory"]
     assert main(["inspect", "hf:llama", "--model-config", "num_hiden_layers=2"]) == 2
     assert "did you mean 'num_hidden_layers'" in capsys.readouterr().err
     assert main(["inspect", "gpt-tiny", "--model-config", "n_layer=2"]) == 2
