@@ -33,6 +33,7 @@ from fxtron.ops.linear import Regather
 from fxtron.ops.recompute import Recomputed, outline
 from fxtron.passes.stages import find_layer_list
 from fxtron.runtime import schedules
+from fxtron.runtime.bind import on_device
 from fxtron.runtime.precision import compute_copy
 
 
@@ -64,8 +65,7 @@ def _placed(gm: fx.GraphModule) -> fx.GraphModule:
     cpu = torch.device("cpu")
     for node in out.graph.nodes:
         if node.op == "call_function":
-            node.args, node.kwargs = torch.utils._pytree.tree_map(
-                lambda a: cpu if isinstance(a, torch.device) else a, (node.args, node.kwargs))
+            on_device(node, cpu)
             if node.target == torch.ops.fxtron.gather_from_sequence.default:
                 node.target = _gather_from_sequence
     out.recompile()

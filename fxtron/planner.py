@@ -60,6 +60,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from fxtron.errors import ParallelizeError
+from fxtron.runtime.buffers import default_bucket_size
 
 
 @dataclass(frozen=True)
@@ -290,7 +291,7 @@ def rate(dims: ModelDims, hw: Hardware, *, world: int, tp: int, pp: int, sp: boo
     # a microbatch's compute), all but the last bucket hidden; zero=3's gathers are not modelled so
     dp_hidden = 0.0
     if dp_s and zero < 3:
-        buckets = max(1, -(-int(dense + experts) // (bucket_size or max(40_000_000, 1_000_000 * dp * cp))))
+        buckets = max(1, -(-int(dense + experts) // (bucket_size or default_bucket_size(dp * cp))))
         dp_hidden = min(dp_s - dp_s / buckets, 2 * compute / (3 * m))
     return Candidate(tp, pp, dp, sp, schedule, v, m, zero, weights, act, compute, bubble, tp_s,
                      pp_bytes / hw.inter_node_bw, dp_s, cp, cp_bytes / cp_bw, ep, ep_bytes / ep_bw, recompute,

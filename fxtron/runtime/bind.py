@@ -37,10 +37,15 @@ def bind(gm: fx.GraphModule, groups, device: torch.device) -> fx.GraphModule:
             if node.target == torch.ops.fxtron.linear.default:
                 meta.set(node, meta.KERNEL, kernel_name(device, node.args[0].meta["val"].dtype))
             node.target = eager.get(node.target, node.target)
-        node.args, node.kwargs = pytree.tree_map(
-            lambda a: device if isinstance(a, torch.device) else a, (node.args, node.kwargs))
+        on_device(node, device)
     out.recompile()
     return outline(out)   # recomputed regions (passes/recompute.py) as checkpointed calls
+
+
+def on_device(node: fx.Node, device: torch.device) -> None:
+    """Every device argument of node (arange's, .to's) made `device`."""
+    node.args, node.kwargs = pytree.tree_map(
+        lambda a: device if isinstance(a, torch.device) else a, (node.args, node.kwargs))
 
 
 def group_name(groups, axis: str) -> str:
@@ -51,4 +56,4 @@ def group_name(groups, axis: str) -> str:
     return groups.group(axis).group_name
 
 
-__all__ = ["bind", "group_name"]
+__all__ = ["bind", "group_name", "on_device"]
