@@ -89,8 +89,11 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
     chunks r and 2cp-1-r, so causal attention costs every rank the same; the sequence length
     must be a multiple of 2 x cp), and attention exchanges keys and values: `cp_comm_type`
     "p2p" (default, Megatron's: key/value blocks travel around the cp ranks while a block is
-    computed) or "all_gather" (Llama 3's: keys and values gathered, their gradients
-    reduce-scattered). Weights are whole on every cp rank; their gradients are summed over cp.
+    computed), "all_gather" (Llama 3's: keys and values gathered, their gradients
+    reduce-scattered), "a2a" (DeepSpeed-Ulysses: all-to-alls from the sequence split to a head
+    split and back) or "a2a+p2p" with `cp_a2a_size=k` (Megatron's hierarchical cp: a2a inside
+    groups of k consecutive cp ranks, the ring across the groups). Weights are whole on every
+    cp rank; their gradients are summed over cp.
 
     Expert parallel (mesh.ep > 1): each mixture-of-experts layer (grouped GEMMs over 3-D expert
     weights, found on the graph) holds E/ep experts per rank; the copies of the rank's tokens
@@ -368,11 +371,12 @@ class ParallelModel:
                             f"use, or an attention op); its activations are kept",
                             fix=": use recompute='full' (a model with a layer list) or None, or write the attention as "
                                 "those ops")
-        unringed = report.unringed_attention(rg.graphs) if self.config.context.comm_type == "p2p" else []
+        comm = self.config.context.comm_type
+        unringed = report.unringed_attention(rg.graphs) if comm != "all_gather" else []
         if unringed:
             self._warn_once("unringed", f"attention written out by hand ({', '.join(unringed)}) exchanges keys and "
-                            "values over cp by all-gather (cp_comm_type='all_gather'); the ring of "
-                            "cp_comm_type='p2p' takes scaled_dot_product_attention",
+                            f"values over cp by all-gather (cp_comm_type='all_gather'); cp_comm_type={comm!r} "
+                            "takes scaled_dot_product_attention",
                             fix=": call F.scaled_dot_product_attention in the model, or pass "
                                 "cp_comm_type='all_gather'")
 

@@ -45,7 +45,7 @@ from fxtron.errors import ParallelizeError
 # ----------------------------------------------------------------------------- choices
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]
 PlanMode = Literal["override", "replace"]
-CPCommType = Literal["p2p", "all_gather", "a2a"]
+CPCommType = Literal["p2p", "all_gather", "a2a", "a2a+p2p"]
 AuxLoss = Literal["local", "global"]
 Granularity = Literal["selective", "full"]
 RecomputeMethod = Literal["uniform", "block"]
@@ -372,8 +372,26 @@ class ContextConfig(Section):
     _name = "context"
     comm_type: CPCommType = option("p2p", shorthand="cp_comm_type",
                                    help="how attention exchanges keys and values over cp: p2p (the ring), "
-                                        "all_gather, or a2a (Ulysses: all-to-alls from a sequence split to a "
-                                        "head split and back)")
+                                        "all_gather, a2a (Ulysses: all-to-alls from a sequence split to a "
+                                        "head split and back), or a2a+p2p (a2a inside groups of cp_a2a_size "
+                                        "consecutive cp ranks, the ring across the groups)")
+    a2a_size: int | None = option(None, positive=True, shorthand="cp_a2a_size",
+                                  help="cp_comm_type='a2a+p2p': the cp ranks of one all-to-all group "
+                                       "(Megatron's hierarchical_context_parallel_sizes [a2a_size, cp / a2a_size])")
+
+    def _rules(self) -> None:
+        if (self.comm_type == "a2a+p2p") != (self.a2a_size is not None):
+            raise ParallelizeError(
+                f"cp_comm_type={self.comm_type!r} with cp_a2a_size={self.a2a_size}: cp_a2a_size sizes the all-to-all "
+                f"groups of cp_comm_type='a2a+p2p' and goes with it alone; set both, or neither")
+
+    def check(self, mesh) -> None:
+        k = self.a2a_size
+        if k is not None and (mesh.cp % k or k == 1 or k == mesh.cp):
+            raise ParallelizeError(
+                f"cp_a2a_size={k} must divide cp={mesh.cp} and lie strictly between 1 and cp (1 is "
+                f"cp_comm_type='p2p', cp is 'a2a'): use one of "
+                f"{', '.join(str(d) for d in range(2, mesh.cp) if mesh.cp % d == 0) or 'none at this cp'}")
 
 
 @dataclass(frozen=True)

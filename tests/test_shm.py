@@ -1,4 +1,5 @@
-"""The shared-memory transport (ops/shm.py) of the tp group's collectives.
+"""The shared-memory transport (ops/shm.py) of the tp group's collectives and of data
+parallel's gradient buckets.
 
 One 2-rank gloo job (Mesh(2, tp=2), whose tp group gets a channel) checks: all-reduce SUM / MAX,
 all-gather and reduce-scatter against float64 sums of every rank's input, in several dtypes and
@@ -7,7 +8,10 @@ split all-reduce; a diverged program (ranks calling different ops) and a missing
 clear errors instead of returning garbage or hanging; a segment that cannot be made leaves the
 group on gloo on every rank; and tp=2 training through shared memory equals the same training
 through gloo bit for bit (two ranks: a + b == b + a), while the channel carried every
-collective of the programs (gloo carried none of theirs).
+collective of the programs (gloo carried none of theirs); collectives left open while others
+start complete correctly; and dp=2 training, its buckets (zero=0's all-reduces, zero=1's
+reduce-scatters) published during backward through the dp group's channel, equals gloo's bit
+for bit.
 """
 from __future__ import annotations
 
@@ -58,6 +62,14 @@ def _primitives(rank: int, comm: shm.ShmComm) -> dict:
         work = comm.start_reduce_scatter(y, 1)
         torch.mm(torch.randn(8, 8), torch.randn(8, 8))
         out[("rs-split", n)] = work.wait()
+    # split-phase collectives left open while others run (gradient buckets started during
+    # backward, a gather in between): the next collective completes the open one first
+    a, b = _input(rank, 10, torch.float32), _input(rank, BIG, torch.float32)
+    wa = comm.start_all_reduce(a)
+    wb = comm.start_reduce_scatter(_input(rank, 12, torch.float32).view(2, 6), 0)
+    c = comm.gather(_input(rank, 4, torch.float32), 0)
+    wc = comm.start_all_reduce(b)                          # larger than a slot: reduced at once
+    out["open"] = (wb.wait(), wa.wait(), a, c, wc.wait(), b, wb.wait())
     return out
 
 
@@ -100,6 +112,25 @@ def _train(rank: int, mesh: fxtron.Mesh, name: str, sp: bool) -> dict:
     return res
 
 
+def _train_dp(rank: int, mesh: fxtron.Mesh, zero: int) -> dict:
+    """dp=2: the gradient buckets go through the dp group's channel, started during backward."""
+    groups = groups_for(mesh) or fxtron.init_distributed(mesh)
+    comm = shm.channel(groups.group("dp").group_name)
+    args, _ = batch("gpt", 2, 8, seed=0)
+    pm = fxtron.parallelize(make("gpt"), mesh, example_inputs=args, zero=zero, bucket_size=5000)
+    res = {}
+    for transport in ("shm", "gloo"):
+        prog = pm.program(rank)
+        opt = torch.optim.AdamW(prog.parameters(), lr=1e-3)
+        ops0 = comm.ops
+        with (shm.disabled() if transport == "gloo" else contextlib.nullcontext()):
+            losses = [prog.train_step(batch("gpt", 4, s, seed=10 + i)[0], opt) for i, s in enumerate((16, 12, 16))]
+        res[transport] = {"losses": losses, "state": {k: v.clone() for k, v in prog.state_dict().items()},
+                          "shm_ops": comm.ops - ops0, "buckets": len(prog.grads.buffer.buckets),
+                          "early": prog.grads.buffer.started_early}
+    return res
+
+
 def _job(rank: int, mesh: fxtron.Mesh) -> dict:
     pg = groups_for(mesh).group("tp")
     comm = shm.channel(pg.group_name)
@@ -107,6 +138,8 @@ def _job(rank: int, mesh: fxtron.Mesh) -> dict:
     out = {"prim": _primitives(rank, comm), "err": _errors(rank, pg)}
     for name, sp in (("llama", False), ("gpt", True)):
         out[(name, sp)] = _train(rank, mesh, name, sp)
+    for zero in (0, 1):
+        out[("dp", zero)] = _train_dp(rank, fxtron.Mesh(2), zero)
     return out
 
 
@@ -150,6 +183,20 @@ def test_all_gather_and_reduce_scatter(ranks, n):
             torch.testing.assert_close(r["prim"][(key, n)].double(), total[:, rank * n:(rank + 1) * n], rtol=0, atol=1e-6)
 
 
+def test_open_collectives_complete_when_the_next_one_starts(ranks):
+    a = [_input(r, 10, torch.float32) for r in range(2)]
+    y = [_input(r, 12, torch.float32).view(2, 6) for r in range(2)]
+    c = torch.cat([_input(r, 4, torch.float32) for r in range(2)])
+    b = [_input(r, BIG, torch.float32) for r in range(2)]
+    for rank, r in enumerate(ranks):
+        rs, done_a, got_a, got_c, done_b, got_b, rs_again = r["prim"]["open"]
+        assert done_a is True and done_b is True and rs_again is rs        # a second wait() changes nothing
+        torch.testing.assert_close(got_a, a[0] + a[1], rtol=0, atol=1e-6)
+        torch.testing.assert_close(rs, (y[0] + y[1])[rank:rank + 1], rtol=0, atol=1e-6)
+        assert torch.equal(got_c, c)
+        torch.testing.assert_close(got_b, b[0] + b[1], rtol=0, atol=1e-6)
+
+
 def test_diverged_program_and_missing_peer_raise(ranks):
     for rank, r in enumerate(ranks):
         msg = r["err"]["diverged"]
@@ -164,6 +211,19 @@ def test_training_through_shared_memory_equals_gloo_bit_for_bit(ranks, case):
     for r in ranks:
         res = r[case]
         assert res["shm"]["shm_ops"] > 0 and res["gloo"]["shm_ops"] == 0
+        assert res["shm"]["losses"] == res["gloo"]["losses"]
+        for k, v in res["shm"]["state"].items():
+            assert torch.equal(v, res["gloo"]["state"][k]), k
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_data_parallel_buckets_through_shared_memory_equal_gloo_bit_for_bit(ranks, zero):
+    """dp=2 on one host: each bucket is published as backward completes it (zero=0's all-reduce,
+    zero=1's reduce-scatter), the channel carrying them all; the same training as through gloo."""
+    for r in ranks:
+        res = r[("dp", zero)]
+        assert res["shm"]["buckets"] > 2 and res["shm"]["early"] > 0
+        assert res["shm"]["shm_ops"] >= 3 * res["shm"]["buckets"] and res["gloo"]["shm_ops"] == 0
         assert res["shm"]["losses"] == res["gloo"]["losses"]
         for k, v in res["shm"]["state"].items():
             assert torch.equal(v, res["gloo"]["state"][k]), k

@@ -319,8 +319,8 @@ PASSES = pass_list(
          _ep, "ep > 1", after=("dispatch_experts",)),
     Pass("fuse_written_out_attention", "attention written out as matmuls becomes one attention op, which the cp "
          "ring takes", _set("gm", lambda s: fuse_written_out_attention(s.gm)),
-         lambda s: s.mesh.parallel("cp") and s.config.context.comm_type in ("p2p", "a2a"),
-         "cp > 1 with cp_comm_type='p2p' or 'a2a'",
+         lambda s: s.mesh.parallel("cp") and s.config.context.comm_type in ("p2p", "a2a", "a2a+p2p"),
+         "cp > 1 with cp_comm_type='p2p', 'a2a' or 'a2a+p2p'",
          after=("split_row_bias",)),
     Pass("propagate_tp", "a tp placement on every value, from the plan's parameter placements",
          _set("gm", lambda s: propagate(s.gm, tp_layout(s.plan, sequence_parallel=s.config.tensor.sequence_parallel,
@@ -329,6 +329,7 @@ PASSES = pass_list(
          _tp, "tp > 1", after=("split_row_bias",)),
     Pass("propagate_cp", "a cp placement on every value: the inputs' sequence split load-balanced over cp",
          _set("gm", lambda s: propagate(s.gm, cp_layout(meta.info(s.gm), comm_type=s.config.context.comm_type,
+                                                      a2a_size=s.config.context.a2a_size,
                                                       strict=s.config.debug.strict), mesh=s.mesh)),
          _cp, "cp > 1", after=("propagate_tp",)),
     Pass("insert_redistributions", "the collectives each placement mismatch needs (f/g pairs, gathers, "

@@ -114,6 +114,9 @@ def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRec
                     ranks=ranks, shape=tuple(meta.get(k, meta.LOCAL_SHAPE)), payload_bytes=sympy.simplify(steps * nbytes),
                     wire_bytes=sympy.simplify(steps * nbytes), module=meta.get(node, meta.MODULE) or ""))
                 continue
+            if comm.payload == "hierarchical":  # a2a+p2p: all-to-alls in the group, the ring across groups
+                out += _hierarchical_records(node, spec.name, phase, mesh, rank)
+                continue
             if comm.payload == "params":        # zero=3: a layer's pieces gathered whole (ops/fsdp.py)
                 out += _fsdp_records(node, spec.name, phase, axis or "", ranks, mesh, rank)
                 continue
@@ -161,6 +164,34 @@ def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRec
                                    wire_bytes=sympy.simplify(assume_uniform(r.wire_bytes, uniform)))
                for r in out]
     return out
+
+
+def _hierarchical_records(node: fx.Node, op: str, phase: str, mesh, rank: int) -> list[CollectiveRecord]:
+    """cp_comm_type='a2a+p2p' (ops/cp.py hierarchical_attention): in forward the all-to-alls of
+    q, k, v and of the output inside the group of a2a_size ranks ((a-1)/a of each on the wire),
+    and the keys and values of the head split around the ring of the groups (g-1 steps of the
+    rank's k and v, which hold as many elements as before the all-to-all); in backward the
+    all-to-alls of the output's gradient and of dq, dk, dv, and 2g-1 ring steps."""
+    q, k, v = node.args[:3]
+    inner, outer = node.args[9], node.args[10]
+    a = int(node.args[6])
+    module = meta.get(node, meta.MODULE) or ""
+
+    def nbytes(t):
+        return _numel(meta.get(t, meta.LOCAL_SHAPE)) * t.meta["val"].dtype.itemsize
+
+    qb, kvb = nbytes(q), nbytes(k) + nbytes(v)
+    rin, rout = tuple(mesh.group_of(inner, rank)), tuple(mesh.group_of(outer, rank))
+    g = len(rout)
+    steps = g - 1 if phase == "forward" else 2 * g - 1
+    a2a = 2 * qb + kvb                                   # q, k, v one way; the output (or dq) the other
+    return [CollectiveRecord(node=node.name, op=op, phase=phase, kind="all_to_all", count=4, group=inner, ranks=rin,
+                             shape=tuple(meta.get(q, meta.LOCAL_SHAPE)), payload_bytes=sympy.simplify(a2a),
+                             wire_bytes=sympy.simplify(sympy.Rational(a - 1, a) * a2a), module=module),
+            CollectiveRecord(node=node.name, op=op, phase=phase, kind="send_recv", count=steps, group=outer,
+                             ranks=rout, shape=tuple(meta.get(k, meta.LOCAL_SHAPE)),
+                             payload_bytes=sympy.simplify(steps * kvb), wire_bytes=sympy.simplify(steps * kvb),
+                             module=module)]
 
 
 def _fsdp_records(node: fx.Node, op: str, phase: str, group: str, ranks: tuple, mesh, rank: int
@@ -491,7 +522,9 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
     if mesh.cp > 1:
         head += (f"\ncontext parallel: sequence split over cp={mesh.cp} (load-balanced chunks), attention by "
                  f"{comm_type}; gradients reduced over dp-cp")
-        unringed = unringed_attention(compiled(0).graphs) if comm_type == "p2p" else []
+        if comm_type == "a2a+p2p":
+            head += f" (a2a inside groups of {config.context.a2a_size} cp ranks, the ring across them)"
+        unringed = unringed_attention(compiled(0).graphs) if comm_type != "all_gather" else []
         if unringed:
             head += f"; attention written out by hand gathers its keys instead: {', '.join(unringed)}"
     if mesh.ep > 1:

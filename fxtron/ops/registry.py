@@ -21,8 +21,11 @@ CommKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "
 #: combine's output --, of which a rank keeps 1/world under uniform routing; with count 2 the
 #: first collective carries the E per-expert counts, int64), or "shares" (ep x tp: the rows a
 #: rank's experts received from every tp rank's share; with count 2 the first carries every
-#: share's counts, int64)
-Payload = Literal["input", "output", "grad_input", "grad_output", "rows", "ring", "copies", "shares", "params"]
+#: share's counts, int64), or "hierarchical" (cp's a2a+p2p: all-to-alls of q, k, v and the
+#: output inside the a2a group, the keys and values of the head split around the ring of the
+#: groups)
+Payload = Literal["input", "output", "grad_input", "grad_output", "rows", "ring", "copies", "shares", "params",
+                  "hierarchical"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,9 @@ class OpSpec:
 
     name: str
     axis_arg: int | None = None
+    #: further arguments naming group kinds of sub-groups of the axis (a split kind such as
+    #: "cp/shard:2"), bound to their process groups' names like the axis argument
+    group_args: tuple[int, ...] = ()
     forward: Comm | None = None
     backward: Comm | None = None
     eager: Callable | None = None

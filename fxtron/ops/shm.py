@@ -33,7 +33,9 @@ then sleeps in short steps, so ranks that outnumber the cores do not starve the 
 wait for; a wait longer than the collective timeout raises, naming the ranks not yet arrived.
 
 `start_all_reduce` splits an all-reduce in two: publishing now, reducing at `wait()`, so the
-weight-gradient GEMMs of Megatron's overlapped backward run while the slower rank catches up.
+weight-gradient GEMMs of Megatron's overlapped backward run while the slower rank catches up,
+and data parallel's gradient buckets are published as backward completes them. A channel holds
+one such open collective at a time: the next collective on it completes the open one first.
 """
 from __future__ import annotations
 
@@ -93,24 +95,53 @@ def disabled():
         _DISABLED[0] -= 1
 
 
-class ShmWork:
+class _Open:
+    """A published collective not yet completed. The channel holds at most one: the next
+    collective on it completes this one first (its slots' parity is reused two operations
+    later), so split-phase users -- gradient buckets started during backward, a gather inside
+    an overlapped backward -- may interleave freely. `wait()` completes it once and returns
+    its result every time."""
+
+    def __init__(self, comm: "ShmComm", seq: int):
+        self.comm, self.seq, self._done, self._result = comm, seq, seq < 0, None
+        if not self._done:
+            comm._open = self
+
+    def wait(self):
+        if not self._done:
+            self._done = True
+            if self.comm._open is self:
+                self.comm._open = None
+            self._result = self._complete()
+        return self._result
+
+    def _complete(self):
+        raise NotImplementedError
+
+
+class ShmWork(_Open):
     """The second half of `start_all_reduce`; `wait()` writes the sum into the tensor given."""
 
     def __init__(self, comm: "ShmComm", out: Tensor, seq: int):
-        self.comm, self.out, self.seq = comm, out, seq
+        self.out = out
+        super().__init__(comm, seq)
+        self._result = True
 
-    def wait(self) -> bool:
+    def _complete(self) -> bool:
         self.comm._finish(self.out, self.seq, OP_SUM)
         return True
 
 
-class ShmScatterWork:
+class ShmScatterWork(_Open):
     """The second half of `start_reduce_scatter`; `wait()` returns this rank's slice of the sum."""
 
     def __init__(self, comm: "ShmComm", t: Tensor, dim: int, seq: int):
-        self.comm, self.t, self.dim, self.seq = comm, t, dim, seq
+        self.t, self.dim = t, dim
+        super().__init__(comm, seq)
+        if seq < 0:
+            self._result = t              # reduced already (an input larger than a slot)
 
-    def wait(self) -> Tensor:
+    def _complete(self) -> Tensor:
         return self.comm._finish_reduce_scatter(self.t, self.dim, self.seq)
 
 
@@ -134,6 +165,7 @@ class ShmComm:
         self._slots = raw[head:head + 2 * size * capacity].view(2, size, capacity)
         self._mine = self._header[index]
         self.seq = 0
+        self._open: _Open | None = None      # the published collective not yet completed
         self.ops = 0            # collectives carried (a piece of a large input counts once)
         self.bytes = 0          # input bytes carried
 
@@ -197,8 +229,8 @@ class ShmComm:
         return out
 
     def start_all_reduce(self, t: Tensor) -> ShmWork:
-        """Publish `t` now; the returned work's wait() sums into `t`. No other collective of
-        this channel may run in between. Inputs larger than one slot reduce at once."""
+        """Publish `t` now; the returned work's wait() sums into `t`; the
+        channel's next collective completes it first. Inputs larger than one slot reduce at once."""
         flat = t.view(-1)
         if flat.numel() * flat.element_size() > self.capacity:
             self.all_reduce(t)
@@ -220,8 +252,8 @@ class ShmComm:
 
     def start_reduce_scatter(self, t: Tensor, dim: int) -> "ShmScatterWork":
         """Publish `t` now; the work's wait() returns this rank's 1/size slice along `dim` of the
-        sum (plain split), read straight from every rank's slot. No other collective of this
-        channel may run in between."""
+        sum (plain split), read straight from every rank's slot. The
+        channel's next collective completes it first."""
         t = t.contiguous()
         if t.numel() * t.element_size() > self.capacity:
             return ShmScatterWork(self, self.reduce_scatter(t, dim), dim, -1)
@@ -282,6 +314,8 @@ class ShmComm:
     def _publish(self, piece: Tensor, op: int) -> int:
         if piece.dtype not in _DTYPE_CODE:
             raise TypeError(f"shared-memory collectives do not carry {piece.dtype}")
+        if self._open is not None:          # its slots' parity comes round again after this one
+            self._open.wait()
         seq = self.seq + 1
         self.seq = seq
         self._slots[seq % 2, self.index, :piece.numel() * piece.element_size()].view(piece.dtype).copy_(piece)

@@ -59,7 +59,8 @@ def summed(x: Tensor, pg) -> Tensor:
 
 def start_all_reduce(t: Tensor, pg):
     """Begin an all-reduce SUM of contiguous `t` in place; returns a work whose wait()
-    completes it. Only local computation may run before the wait (no other collective)."""
+    completes it. Other collectives may run before the wait (through a shared-memory channel
+    the next one completes this one first)."""
     e = ledger.issue(pg, "all_reduce", t)
     comm = shm.channel(pg.group_name)
     try:
@@ -146,7 +147,8 @@ class _Started:
 
 def start_reduce_scatter(t: Tensor, dim: int, pg):
     """Begin a reduce-scatter of `t` along `dim` (as `reduce_scatter`); returns a work whose
-    wait() returns this rank's slice. Only local computation may run before the wait."""
+    wait() returns this rank's slice. Other collectives may run before the wait, as for
+    `start_all_reduce`."""
     world, rank = pg.size(), dist.get_rank(pg)
     comm = shm.channel(pg.group_name)
     if comm is not None:

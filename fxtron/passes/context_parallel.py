@@ -37,7 +37,8 @@ AXIS = "cp"
 COMM_TYPES = get_args(CPCommType)
 
 
-def cp_layout(info: meta.TraceInfo, *, comm_type: str = "p2p", strict: bool = False) -> AxisLayout:
+def cp_layout(info: meta.TraceInfo, *, comm_type: str = "p2p", a2a_size: int | None = None,
+              strict: bool = False) -> AxisLayout:
     """The cp axis's AxisLayout: user inputs split on their sequence dim, load-balanced."""
     if comm_type not in COMM_TYPES:
         raise ParallelizeError(f"cp_comm_type must be one of {', '.join(map(repr, COMM_TYPES))}, not {comm_type!r}")
@@ -45,7 +46,8 @@ def cp_layout(info: meta.TraceInfo, *, comm_type: str = "p2p", strict: bool = Fa
     if not inputs:
         raise ParallelizeError("context parallel splits the sequence, but no input of the model has a sequence "
                                "dim (dim 1 of a token tensor); trace it with inputs of shape (batch, seq, ...)")
-    return AxisLayout(AXIS, inputs=inputs, balanced=True, strict=strict, options={"cp_comm_type": comm_type})
+    return AxisLayout(AXIS, inputs=inputs, balanced=True, strict=strict,
+                      options={"cp_comm_type": comm_type, "cp_a2a_size": a2a_size})
 
 
 _MATMULS = {aten.matmul.default, aten.bmm.default}
@@ -156,6 +158,8 @@ def _context_parallel_attention(node: fx.Node, lower) -> fx.Node | None:
         raise ParallelizeError(f"node %{node.name}: attention with both a mask and is_causal")
     if lower.options.get("cp_comm_type") == "a2a":
         return _ulysses(node, lower, mask, dropout, causal, scale)
+    if lower.options.get("cp_comm_type") == "a2a+p2p":
+        return _hierarchical(node, lower, mask, dropout, causal, scale)
     if isinstance(meta.expects(node, lower.axis)[1], Shard):   # the keys stay split: the ring
         return _ring(node, lower, mask, dropout, causal, scale)
     if not causal:
@@ -191,12 +195,7 @@ def _ulysses(node: fx.Node, lower, mask, dropout, causal, scale) -> fx.Node:
                                "cp_comm_type='a2a' is not supported; use cp_comm_type='all_gather'")
     k, v = ((r[0] if (r := head_repeat(t)) is not None else t) for t in (k, v))
     n = lower.size
-    for name, t in (("query", q), ("key/value", k)):
-        heads = _local_heads(t, lower)
-        if heads % n:
-            raise ParallelizeError(f"{where}: cp_comm_type='a2a' splits the {name} heads over cp, and this rank's "
-                                   f"{heads} {name} head(s) do not divide by cp={n}; use a cp that divides "
-                                   f"{heads}, or cp_comm_type='p2p' / 'all_gather'")
+    _check_heads(where, lower, q, k, n, "a2a", f"cp={n}")
     heads = Shard(1)
 
     def to_heads(t: fx.Node) -> fx.Node:
@@ -216,6 +215,49 @@ def _ulysses(node: fx.Node, lower, mask, dropout, causal, scale) -> fx.Node:
                      "the sequence in the ranks' load-balanced order")
     return lower.call(torch.ops.fxtron.cp_all_to_all.default, (out, 2, 1, n, lower.axis), node,
                       lower.placement(q), "Ulysses: back to the rank's sequence chunks of every head")
+
+
+def _check_heads(where: str, lower, q: fx.Node, k: fx.Node, n: int, comm: str, what: str) -> None:
+    for name, t in (("query", q), ("key/value", k)):
+        heads = _local_heads(t, lower)
+        if heads % n:
+            raise ParallelizeError(f"{where}: cp_comm_type={comm!r} splits the {name} heads over {what}, and this "
+                                   f"rank's {heads} {name} head(s) do not divide by {n}; use a {what.split('=')[0]} "
+                                   f"that divides {heads}, or cp_comm_type='p2p' / 'all_gather'")
+
+
+def _hierarchical(node: fx.Node, lower, mask, dropout, causal, scale) -> fx.Node:
+    """cp_comm_type="a2a+p2p" (Megatron's hierarchical cp): Ulysses inside groups of
+    cp_a2a_size consecutive cp ranks, the ring across the groups -- one op
+    (ops/cp.py hierarchical_attention) over the cp axis and its two split group kinds."""
+    q, k, v = node.args[:3]
+    where = f"node %{node.name} ({meta.get(node, meta.MODULE) or 'top level'})"
+    if dropout:
+        raise ParallelizeError(f"{where}: attention dropout (dropout_p={dropout}) inside the cp ring of "
+                               "cp_comm_type='a2a+p2p' is not supported; use cp_comm_type='a2a' or 'all_gather', or "
+                               "set the attention dropout to 0")
+    if mask is not None and lower.carries_grad(mask):
+        raise ParallelizeError(f"{where}: an attention mask that takes a gradient (a learned bias) under "
+                               "cp_comm_type='a2a+p2p' is not supported; use cp_comm_type='all_gather'")
+    a = int(lower.options["cp_a2a_size"])
+    k, v = ((r[0] if (r := head_repeat(t)) is not None else t) for t in (k, v))
+    _check_heads(where, lower, q, k, a, "a2a+p2p", f"cp_a2a_size={a}")
+    if scale is None:
+        scale = float(q.meta["val"].shape[-1]) ** -0.5
+    inner, outer = f"{AXIS}/shard:{a}", f"{AXIS}/replicate:{a}"
+    pq = lower.placement(q)
+    op = lower.call(torch.ops.fxtron.hierarchical_attention.default,
+                    (lower.remap(q), lower.remap(k), lower.remap(v), None if mask is None else lower.remap(mask),
+                     float(scale), bool(causal), a, lower.size, lower.axis, inner, outer),
+                    node, pq, f"a2a+p2p: all-to-all over groups of {a} cp ranks, the ring over the "
+                              f"{lower.size // a} groups")
+    val = node.meta.get("val")
+    if val is not None:
+        # (whole-sequence shapes: split on the sequence over cp, each has a rank's elements)
+        op.meta["val"] = (val, val.new_empty(val.shape[:-1], dtype=torch.float32), q.meta["val"], k.meta["val"],
+                          v.meta["val"], val)
+        meta.set(op, meta.PLACEMENT, meta.get(op, meta.PLACEMENT).with_axis(lower.axis, (pq,) * 6))
+    return lower.call(operator.getitem, (op, 0), node, pq, "the attention output")
 
 
 def _ring(node: fx.Node, lower, mask, dropout, causal, scale) -> fx.Node:

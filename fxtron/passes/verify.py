@@ -74,7 +74,8 @@ def verify(gm: fx.GraphModule, *, after: str, redistributed: bool = False) -> No
             # op over dp sums a statistic of every rank's batch (the global aux loss's counts), or
             # gathers zero=3's parameter pieces over a gradient group (dp, dp-cp, expert-dp; or an HSDP
             # shard group of one, "dp/shard:2")
-            if axis is not None and axes and axis not in axes and axis.partition("/")[0] not in ("dp", "dp-cp", "expert-dp"):
+            base = axis.partition("/")[0] if axis is not None else None     # "cp/shard:2": a split of cp
+            if axis is not None and axes and base not in axes and base not in ("dp", "dp-cp", "expert-dp"):
                 raise VerifyError(f"after {after}: %{node.name} communicates over {axis!r}, which the graph "
                                   f"is not distributed over ({', '.join(axes)})")
     if after == "global_statistics":

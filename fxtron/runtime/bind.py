@@ -30,9 +30,9 @@ def bind(gm: fx.GraphModule, groups, device: torch.device) -> fx.GraphModule:
         spec = registry.spec_of(node.target)
         if spec is not None:
             if spec.axis_arg is not None:
-                axis = node.args[spec.axis_arg]
                 args = list(node.args)
-                args[spec.axis_arg] = group_name(groups, axis)
+                for i in (spec.axis_arg, *spec.group_args):
+                    args[i] = group_name(groups, args[i])
                 node.args = tuple(args)
             if node.target == torch.ops.fxtron.linear.default:
                 meta.set(node, meta.KERNEL, kernel_name(device, node.args[0].meta["val"].dtype))

@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
-from fxtron.ops import ledger
+from fxtron.ops import ledger, shm
+from fxtron.ops import transport as T
 
 
 def default_bucket_size(dp: int) -> int:
@@ -183,14 +185,19 @@ class GradBuffer:
             chunk.div_(self.average or self.dp)     # scale once: the average over dp
         if self.dp == 1 or self.group is None:      # (an expert weight's replicas may be one rank: ep = dp)
             return
+        # through the group's shared-memory channel where it has one (ranks of one host, gloo:
+        # ops/shm.py), else the backend's own async collective
         if self.reduce_scatter:
             out = chunk.view(self.dp, -1)[self.dp_rank]
-            e = ledger.issue(self.group, "reduce_scatter", chunk)
-            b.work = ledger.started(e, dist.reduce_scatter_tensor(out, chunk.clone(), group=self.group, async_op=True))
+            if shm.channel(self.group.group_name) is not None:
+                b.work = _Into(T.start_reduce_scatter(chunk.view(self.dp, -1), 0, self.group), out)
+            else:
+                e = ledger.issue(self.group, "reduce_scatter", chunk)
+                b.work = ledger.started(e, dist.reduce_scatter_tensor(out, chunk.clone(), group=self.group,
+                                                                      async_op=True))
             self.bytes_sent += chunk.numel() * chunk.element_size() * (self.dp - 1) // self.dp
         else:
-            e = ledger.issue(self.group, "all_reduce", chunk)
-            b.work = ledger.started(e, dist.all_reduce(chunk, group=self.group, async_op=True))
+            b.work = T.start_all_reduce(chunk, self.group)
             self.bytes_sent += 2 * chunk.numel() * chunk.element_size() * (self.dp - 1) // self.dp
 
     def finish(self) -> None:
@@ -209,6 +216,16 @@ class GradBuffer:
         """[start, end) of dp rank `rank`'s shard of bucket b in the buffer."""
         n = b.numel // self.dp
         return b.start + rank * n, b.start + (rank + 1) * n
+
+
+class _Into:
+    """A started reduce-scatter whose wait() copies this rank's slice where the bucket keeps it."""
+
+    def __init__(self, work, out: Tensor):
+        self.work, self.out = work, out
+
+    def wait(self) -> None:
+        self.out.copy_(self.work.wait().view_as(self.out))
 
 
 def _round_up(n: int, k: int) -> int:

@@ -80,6 +80,13 @@ def hsdp_group_kinds(config: Config, mesh) -> list[str]:
     return list(hsdp_kinds(kind, k)) if mesh.dp * mesh.cp != k else []
 
 
+def cp_group_kinds(config: Config, mesh) -> list[str]:
+    """The derived group kinds cp_comm_type='a2a+p2p' needs on `mesh`: its all-to-all groups of
+    cp_a2a_size consecutive cp ranks and the rings across them."""
+    k = config.context.a2a_size
+    return list(hsdp_kinds("cp", k)) if config.context.comm_type == "a2a+p2p" and mesh.cp > 1 else []
+
+
 def build_program(model: torch.nn.Module, spec: RankSpec, groups: ProcessGroups | None, config: Config | None = None,
                   *, seed: int = 0) -> Program:
     """The runnable Program of rank `spec.rank` under `config` (default: the defaults): an
@@ -92,8 +99,8 @@ def build_program(model: torch.nn.Module, spec: RankSpec, groups: ProcessGroups 
     if device.type != "cpu":
         params = {k: v.to(device) for k, v in params.items()}
         buffers = {k: v.to(device) for k, v in buffers.items()}
-    if groups is not None:       # HSDP's groups, made by every rank alike (the same kinds on each)
-        groups.add(hsdp_group_kinds(config, groups.mesh))
+    if groups is not None:       # HSDP's and a2a+p2p's groups, made by every rank alike (the same kinds on each)
+        groups.add(hsdp_group_kinds(config, groups.mesh) + cp_group_kinds(config, groups.mesh))
     rng = RNGStreams(seed, coords=dict(spec.mesh.coords), device=device, sizes=dict(spec.mesh.sizes))
     gm = bind(spec.gm, groups, device) if spec.gm is not None else None
     stages = None

@@ -20,9 +20,10 @@ from fxtron.mesh import GROUP_KINDS, Mesh
 from fxtron.ops import ledger, shm
 
 DEFAULT_TIMEOUT_S = 300.0
-# The groups whose collectives sit on the critical path of every layer: these get a
-# shared-memory channel when all their ranks share a host (ops/shm.py).
-SHM_KINDS = ("tp",)
+# The groups whose collectives sit on the critical path of every layer (tp) or of every step
+# (data parallel's gradient buckets): these get a shared-memory channel when all their ranks
+# share a host (ops/shm.py). Kinds with identical ranks share one channel.
+SHM_KINDS = ("tp", "dp", "dp-cp", "expert-dp")
 
 
 @dataclass

@@ -489,6 +489,13 @@ class Program(nn.Module):
             loss /= dp
         return float(loss)
 
+    def state_dict(self, *args, **kwargs):
+        """nn.Module's, once the distributed optimizer's all-gathers of the updated parameters
+        (started after the step, asynchronous) have landed: never a stale shard."""
+        if self.zero is not None:
+            self.zero.wait_params()
+        return super().state_dict(*args, **kwargs)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full-shape parameters and persistent buffers under the original names, tied aliases
         included, so `model.load_state_dict(prog.full_state_dict())` restores the model."""

@@ -171,14 +171,15 @@ def _sdpa_over_sequence(c: Ctx):
     every rank attends its queries to the whole sequence's keys and values (gathered, their
     gradients reduce-scattered) under the mask's rows of its queries; with "p2p" the keys stay
     split and travel around the ring; with "a2a" queries, keys and values go through an
-    all-to-all to a head split, under the whole mask (the lowerings, passes/context_parallel.py)."""
+    all-to-all to a head split, under the whole mask ("a2a+p2p": inside groups of cp ranks, the
+    ring across them; the lowerings, passes/context_parallel.py)."""
     comm = c.options.get("cp_comm_type")
-    ring = comm in ("p2p", "a2a")          # the keys stay split: around the ring, or into an all-to-all
+    ring = comm in ("p2p", "a2a", "a2a+p2p")   # the keys stay split: around the ring, or into an all-to-all
     expects = [None]
     for a in c.inputs[1:]:
         if a is c.node.args[1] or a is c.node.args[2]:
             expects.append(Shard(2) if ring else REPLICATE)
-        elif comm == "a2a":                     # the mask: whole (every query of the rank's heads)
+        elif comm in ("a2a", "a2a+p2p"):        # the mask: whole (every query of the rank's heads)
             expects.append(REPLICATE)
         else:                                   # the mask: the queries' rows, every key
             d = ndim(a) - 2
