@@ -26,12 +26,14 @@ The model (every rate is an assumption, printed with the result; all formulas fr
                   recomputation runs the forward's 2 again
   pp comm         b s h 16-bit values per microbatch each way per boundary (x v interleaved),
                   at the inter-node bandwidth
-  cp comm         K and V of every layer and microbatch gathered forward and their gradients
-                  reduce-scattered backward, (c-1)/c of 2 b s h_kv 16-bit values each way
-                  (h_kv = h: no grouped-query saving assumed), the ring moving the same bytes;
-                  a2a (Ulysses, where tp x cp divides the heads) four all-to-alls each way of
-                  (c-1)/c of b (s/c) h: 1/c of the ring's bytes; intra-node when tp x cp fits a
-                  node, else inter-node
+  cp comm         per layer and microbatch, 16-bit, h_kv = h (no grouped-query saving assumed),
+                  as the runtime moves them: the ring (p2p) K and V of b (s/c) h each, c-1 steps
+                  forward and 2c-1 backward (the blocks again, then their gradients); a2a
+                  (Ulysses, where tp x cp divides the heads) four all-to-alls each way of (c-1)/c
+                  of b (s/c) h; a2a+p2p with groups of a (where tp x a divides the heads) those
+                  all-to-alls at (a-1)/a inside the group, and the ring of the g = c/a groups
+                  moving K and V of b (s/g) (h/a) each, g-1 steps forward and 2g-1 backward;
+                  intra-node when tp x (the group) fits a node, else inter-node
   dp comm         ring all-reduce 2(d-1)/d of the fp32 gradients (reduce-scatter + all-gather
                   of the same bytes under zero=1) over the d = dp x cp ranks that hold the same
                   weights (Megatron's dp-cp group), at the inter-node bandwidth, not overlapped;
@@ -119,7 +121,8 @@ class Candidate:
     tp_hidden_s: float = 0.0           # of tp_comm_s, behind the weight-gradient GEMMs
     dp_hidden_s: float = 0.0           # of dp_comm_s, behind the last microbatch's backward
     activations_from: str = "formula"  # "formula" (Korthikanti) or "measured" (activations.py)
-    cp_comm_type: str = "p2p"          # how cp attention exchanges keys: p2p/all_gather bytes, or a2a
+    cp_comm_type: str = "p2p"          # how cp attention exchanges keys: p2p, a2a or a2a+p2p
+    cp_a2a_size: int | None = None     # a2a+p2p: the cp ranks of one all-to-all group
 
     @property
     def memory_bytes(self) -> float:
@@ -231,7 +234,7 @@ def measured_stage_activation_bytes(saved, layer_saved, dims: ModelDims, *, pp: 
 def rate(dims: ModelDims, hw: Hardware, *, world: int, tp: int, pp: int, sp: bool, schedule: str, v: int,
          global_batch: int, seq: int, micro_batch: int, zero: int, cp: int = 1, ep: int = 1,
          recompute: str | None = None, activations=None, bucket_size: int | None = None,
-         cp_comm_type: str = "p2p") -> Candidate:
+         cp_comm_type: str = "p2p", cp_a2a_size: int | None = None) -> Candidate:
     """One mesh rated by the module's model. `activations`: (tp, sp, recompute) ->
     activations.Saved of one microbatch (measured on fake tensors, 16-bit), or None for
     Korthikanti's formulas."""
@@ -277,10 +280,12 @@ def rate(dims: ModelDims, hw: Hardware, *, world: int, tp: int, pp: int, sp: boo
     else:
         dp_bytes = (2 * (d - 1) / d * dense * 4 if d > 1 else 0.0) + \
             (2 * (edp - 1) / edp * experts * 4 if edp > 1 else 0.0)
-    cp_bytes = 2 * (cp - 1) / cp * 2 * b * s * h / tp * 2 * (dims.layers / pp) * m if cp > 1 else 0.0
-    if cp_comm_type == "a2a":     # Ulysses: q, k, v and the output, (cp-1)/cp of b (s/cp) h/tp each way
-        cp_bytes /= cp
-    cp_bw = hw.intra_node_bw if tp * cp <= hw.gpus_per_node else hw.inter_node_bw
+    cp_s = 0.0
+    if cp > 1:
+        a = {"a2a": cp, "a2a+p2p": cp_a2a_size}.get(cp_comm_type, 1)
+        inner, outer = cp_bytes(a, cp, b * s * h / tp * 2 * (dims.layers / pp) * m)
+        bw = lambda n: hw.intra_node_bw if tp * n <= hw.gpus_per_node else hw.inter_node_bw  # noqa: E731
+        cp_s = inner / bw(a) + outer / bw(cp)
     ep_bytes = 4 * (ep - 1) / ep * dims.top_k * b * s * h * 2 * (dims.moe_layers / pp) * m if ep > 1 else 0.0
     ep_bw = hw.intra_node_bw if tp * ep <= hw.gpus_per_node else hw.inter_node_bw
     tp_s, dp_s = tp_bytes / hw.intra_node_bw, dp_bytes / hw.inter_node_bw
@@ -294,8 +299,21 @@ def rate(dims: ModelDims, hw: Hardware, *, world: int, tp: int, pp: int, sp: boo
         buckets = max(1, -(-int(dense + experts) // (bucket_size or default_bucket_size(dp * cp))))
         dp_hidden = min(dp_s - dp_s / buckets, 2 * compute / (3 * m))
     return Candidate(tp, pp, dp, sp, schedule, v, m, zero, weights, act, compute, bubble, tp_s,
-                     pp_bytes / hw.inter_node_bw, dp_s, cp, cp_bytes / cp_bw, ep, ep_bytes / ep_bw, recompute,
-                     tp_hidden, dp_hidden, "measured" if saved is not None else "formula", cp_comm_type)
+                     pp_bytes / hw.inter_node_bw, dp_s, cp, cp_s, ep, ep_bytes / ep_bw, recompute,
+                     tp_hidden, dp_hidden, "measured" if saved is not None else "formula", cp_comm_type,
+                     cp_a2a_size if cp_comm_type == "a2a+p2p" else None)
+
+
+def cp_bytes(a: int, cp: int, bsh: float) -> tuple[float, float]:
+    """Bytes a rank moves for one attention's cp exchange, forward and backward, when the
+    all-to-alls run over groups of `a` cp ranks (1: the ring alone, p2p; cp: Ulysses alone,
+    a2a) and the ring over the g = cp/a groups: (inside the groups, across them). `bsh`:
+    bytes of one (b, s, h) activation, whole sequence. The all-to-alls carry q, k, v one way
+    and the output back, forward and again backward: 8 (a-1)/a of the rank's b (s/cp) h; the
+    ring carries K and V of the head split, b (s/g) (h/a) each, g-1 steps forward and 2g-1
+    backward."""
+    g = cp // a
+    return 8 * (a - 1) / a * bsh / cp, (3 * g - 2) * 2 * bsh / cp if g > 1 else 0.0
 
 
 def candidates(dims: ModelDims, hw: Hardware, *, world: int, global_batch: int, seq: int, micro_batch: int = 1,
@@ -330,13 +348,16 @@ def candidates(dims: ModelDims, hw: Hardware, *, world: int, global_batch: int, 
                         for schedule, v in scheds:
                             for zero in ([0, 1, 2, 3] if dp * cp > 1 else [0]):
                                 # without recomputation where that fits, else the cheapest that does
-                                comms = ["p2p"] + (["a2a"] if cp > 1 and dims.heads % (tp * cp) == 0 else [])
-                                for comm in comms:
+                                comms = [("p2p", None)] + ([("a2a", None)] if cp > 1 and dims.heads % (tp * cp) == 0
+                                                           else [])
+                                comms += [("a2a+p2p", a) for a in range(2, cp) if cp % a == 0
+                                          and dims.heads % (tp * a) == 0]
+                                for comm, a in comms:
                                     for recompute in RECOMPUTE:
                                         p = rate(dims, hw, world=world, tp=tp, pp=pp, sp=sp, schedule=schedule,
                                                  v=v, global_batch=global_batch, seq=seq, micro_batch=micro_batch,
                                                  zero=zero, cp=cp, ep=ep, recompute=recompute,
-                                                 activations=activations, cp_comm_type=comm)
+                                                 activations=activations, cp_comm_type=comm, cp_a2a_size=a)
                                         if p.memory_bytes <= hw.memory:
                                             out.append(p)
                                             break
@@ -345,7 +366,8 @@ def candidates(dims: ModelDims, hw: Hardware, *, world: int, global_batch: int, 
                                             out.append(rate(dims, hw, world=world, tp=tp, pp=pp, sp=sp,
                                                             schedule=schedule, v=v, global_batch=global_batch,
                                                             seq=seq, micro_batch=micro_batch, zero=zero, cp=cp,
-                                                            ep=ep, activations=activations, cp_comm_type=comm))
+                                                            ep=ep, activations=activations, cp_comm_type=comm,
+                                                            cp_a2a_size=a))
     return sorted(out, key=lambda p: (p.step_s, p.memory_bytes))
 
 
@@ -425,7 +447,7 @@ def format_candidates(ps: list[Candidate], hw: Hardware, *, top: int = 10) -> st
     from tabulate import tabulate
     rows = []
     for p in ps[:top]:
-        rows.append([p.tp, p.pp, f"{p.cp} {p.cp_comm_type}" if p.cp > 1 else p.cp, p.ep, p.dp, "on" if p.sequence_parallel else "-",
+        rows.append([p.tp, p.pp, f"{p.cp} {p.cp_comm_type}" + (f":{p.cp_a2a_size}" if p.cp_a2a_size else "") if p.cp > 1 else p.cp, p.ep, p.dp, "on" if p.sequence_parallel else "-",
                      p.schedule + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else ""), p.microbatches,
                      p.zero, p.recompute or "-", f"{p.memory_bytes / 2**30:.1f}", f"{p.compute_s:.3f}", f"{p.bubble_s:.3f}",
                      f"{p.tp_comm_s:.3f}", f"{p.cp_comm_s:.3f}", f"{p.ep_comm_s:.3f}", f"{p.pp_comm_s:.3f}",

@@ -211,6 +211,37 @@ def test_a2a_sends_heads_and_refuses_what_it_cannot_split():
         _pm("llama", fxtron.Mesh(8, cp=8), cp_comm_type="a2a").compiled(0)
 
 
+def test_a2a_p2p_sends_heads_inside_groups_and_rings_across_them():
+    """cp_comm_type="a2a+p2p" with cp_a2a_size=2 at cp=4 (Megatron's hierarchical cp): one op
+    per attention; its all-to-alls (q, k, v and the output, 4 forward, 4 backward) stay inside
+    the group of 2 consecutive cp ranks, (a-1)/a of each on the wire; the keys and values of
+    the head split (as many elements as the rank's own) go around the ring of the 2 groups: 1
+    step forward, 3 backward. A cp_a2a_size that does not divide cp or the heads, or that comes
+    without a2a+p2p, is a ParallelizeError naming the fix."""
+    pm = _pm("llama", fxtron.Mesh(4, cp=4), cp_comm_type="a2a+p2p", cp_a2a_size=2)
+    layers = 2
+    assert _ops(pm).count("fxtron.hierarchical_attention") == layers
+    recs = [r for r in pm.collectives(1, graphs_only=True) if r.op == "hierarchical_attention"]
+    head_dim = make("llama").config.dim // 8
+    q_bytes = 2 * 8 * 4 * head_dim * 4                  # B=2, 8 heads, S/cp = 4 tokens, fp32
+    kv_bytes = 2 * (q_bytes // 2)                       # k and v: 4 key/value heads
+    for phase, steps in (("forward", 1), ("backward", 3)):
+        a2a = [r for r in recs if r.phase == phase and r.kind == "all_to_all"]
+        ring = [r for r in recs if r.phase == phase and r.kind == "send_recv"]
+        assert len(a2a) == len(ring) == layers
+        assert a2a[0].group == "cp/shard:2" and a2a[0].ranks == (0, 1) and a2a[0].count == 4
+        assert ring[0].group == "cp/replicate:2" and ring[0].ranks == (1, 3) and ring[0].count == steps
+        assert a2a[0].evaluate(2, 16)[1] == (2 * q_bytes + kv_bytes) / 2
+        assert ring[0].evaluate(2, 16)[1] == steps * kv_bytes
+    assert "a2a inside groups of 2 cp ranks" in pm.summary()
+    with pytest.raises(fxtron.ParallelizeError, match="cp_a2a_size=3 must divide cp=4"):
+        _pm("llama", fxtron.Mesh(4, cp=4), cp_comm_type="a2a+p2p", cp_a2a_size=3).compiled(0)
+    with pytest.raises(fxtron.ParallelizeError, match="set both, or neither"):
+        _pm("llama", fxtron.Mesh(4, cp=4), cp_comm_type="p2p", cp_a2a_size=2)
+    with pytest.raises(fxtron.ParallelizeError, match="do not divide by cp_a2a_size=8"):
+        _pm("llama", fxtron.Mesh(16, cp=16), cp_comm_type="a2a+p2p", cp_a2a_size=8).compiled(0)
+
+
 @pytest.mark.parametrize("name", ["gpt", "hf-gpt2"])
 def test_a_position_table_looks_up_the_rank_positions(name):
     """A learned position table read at arange(S) is looked up at the rank's positions (the
@@ -255,7 +286,13 @@ CASES = {
         (dict(cp=2), "gpt", "all_gather", dict(zero=1)),                              # cp x dp=2
         (dict(cp=2, tp=2), "gpt", "p2p", dict(sequence_parallel=True)),
         (dict(cp=2, tp=2), "llama", "all_gather", {}),
-        (dict(cp=2, pp=2), "llama", "p2p", dict(microbatches=2))],
+        (dict(cp=2, pp=2), "llama", "p2p", dict(microbatches=2)),
+        # a2a+p2p: Ulysses inside groups of 2 cp ranks, the ring across the 2 groups
+        (dict(cp=4), "llama", "a2a+p2p", dict(cp_a2a_size=2)), (dict(cp=4), "hf-llama", "a2a+p2p", dict(cp_a2a_size=2)),
+        (dict(cp=4), "gpt", "a2a+p2p", dict(cp_a2a_size=2)), (dict(cp=4), "hf-gpt2-eager", "a2a+p2p", dict(cp_a2a_size=2))],
+    8: [(dict(cp=4, tp=2), "llama", "a2a+p2p", dict(cp_a2a_size=2)),
+        (dict(cp=4, tp=2), "gpt", "a2a+p2p", dict(cp_a2a_size=2, sequence_parallel=True)),
+        (dict(cp=4, pp=2), "llama", "a2a+p2p", dict(cp_a2a_size=2, microbatches=2))],
 }
 
 

@@ -213,8 +213,9 @@ def test_planner_context_parallel():
     # the distributed optimizer shards over dp x cp; the gradients are reduced over it
     assert two.weights_bytes == one.weights_bytes
     assert two.dp_comm_s == pytest.approx(one.dp_comm_s)
-    # K and V gathered and reduce-scattered: (cp-1)/cp of 2 b s h/tp 16-bit values, x2, per layer and microbatch
-    assert two.cp_comm_s == pytest.approx(2 * 0.5 * 2 * 4096 * 1024 / 2 * 2 * 4 * 4 / 1e9)
+    # the ring: K and V of b (s/cp) h/tp 16-bit values each, cp-1 steps forward and 2cp-1 backward,
+    # per layer and microbatch
+    assert two.cp_comm_s == pytest.approx((1 + 3) * 2 * 1 * 2048 * 1024 / 2 * 2 * 4 * 4 / 1e9)
     assert one.cp_comm_s == 0 and two.step_s == pytest.approx(
         two.compute_s + two.bubble_s + two.tp_comm_s + two.cp_comm_s + two.pp_comm_s + two.dp_comm_s
         - two.tp_hidden_s - two.dp_hidden_s)
@@ -370,16 +371,40 @@ def test_planner_uses_the_measured_activations_and_models_overlap_and_zb_v():
     assert "hidden s" in text and "overlapped" in text and "zb-v" in text
 
 
-def test_planner_rates_ulysses():
-    """cp_comm_type="a2a" in the planner: four all-to-alls each way of (c-1)/c of b (s/c) h a
-    layer, 1/c of the ring's bytes; listed where tp x cp divides the heads."""
+def test_planner_rates_ulysses_and_hierarchical_cp():
+    """The planner's cp bytes are the runtime's: the ring moves K and V c-1 times forward and
+    2c-1 times backward; a2a four all-to-alls each way of (c-1)/c of b (s/c) h; a2a+p2p those
+    at (a-1)/a inside groups of a (intra-node where tp x a fits one) and the ring of the c/a
+    groups across them. Listed where tp x (the all-to-all group) divides the heads. The
+    formulas are pm.collectives' for the same mesh (llama, fp32, checked at the end)."""
     dims = planner.ModelDims(layers=32, hidden=4096, heads=32, vocab=32000, params=6_738_415_616)
     hw = planner.Hardware()
     one = dict(world=64, tp=4, pp=1, sp=True, schedule="1f1b", v=1, global_batch=64, seq=16384, micro_batch=1,
                zero=1, cp=4)
     ring, ulysses = planner.rate(dims, hw, **one), planner.rate(dims, hw, **one, cp_comm_type="a2a")
-    assert ulysses.cp_comm_s == pytest.approx(ring.cp_comm_s / 4) and ulysses.cp_comm_type == "a2a"
+    hier = planner.rate(dims, hw, **one, cp_comm_type="a2a+p2p", cp_a2a_size=2)
+    m = 64 // (64 // 16)                                # microbatches of the rank's dp share
+    bsh = 1 * 16384 * 4096 / 4 * 2 * 32 * m             # 16-bit b s h / tp, every layer and microbatch
+    inter, intra = hw.inter_node_bw, hw.intra_node_bw   # tp x cp = 16 spans nodes; tp x 2 = 8 does not
+    assert ring.cp_comm_s == pytest.approx((3 * 4 - 2) * 2 * bsh / 4 / inter)
+    assert ulysses.cp_comm_s == pytest.approx(8 * 3 / 4 * bsh / 4 / inter) and ulysses.cp_comm_type == "a2a"
+    assert hier.cp_comm_s == pytest.approx(8 / 2 * bsh / 4 / intra + (3 * 2 - 2) * 2 * bsh / 4 / inter)
+    assert hier.cp_a2a_size == 2 and ring.cp_a2a_size is None
     listed = planner.candidates(dims, hw, world=64, global_batch=64, seq=16384)
-    assert any(q.cp_comm_type == "a2a" for q in listed)
+    for comm in ("a2a", "a2a+p2p"):
+        assert any(q.cp_comm_type == comm for q in listed)
     assert all(dims.heads % (q.tp * q.cp) == 0 for q in listed if q.cp_comm_type == "a2a")
-    assert "a2a" in planner.format_candidates([q for q in listed if q.cp_comm_type == "a2a"], hw)
+    assert all(dims.heads % (q.tp * q.cp_a2a_size) == 0 and q.cp % q.cp_a2a_size == 0 and 1 < q.cp_a2a_size < q.cp
+               for q in listed if q.cp_comm_type == "a2a+p2p")
+    text = planner.format_candidates([q for q in listed if q.cp_comm_type != "p2p"], hw, top=len(listed))
+    assert "a2a" in text and "a2a+p2p:2" in text
+    # the same formulas as the compiled graphs' records: gpt (hidden 64, no grouped-query
+    # keys), B=2, S=16, fp32, per attention
+    args, _ = batches("gpt", 2, [16], seed=0)[0]
+    for comm, a in (("p2p", 1), ("a2a", 4), ("a2a+p2p", 2)):
+        pm = fxtron.parallelize(make("gpt"), fxtron.Mesh(4, cp=4), example_inputs=args, cp_comm_type=comm,
+                                **({"cp_a2a_size": a} if comm == "a2a+p2p" else {}))
+        recs = [r for r in pm.collectives(0, graphs_only=True) if r.op in
+                ("ring_attention", "cp_all_to_all", "hierarchical_attention")]
+        wire = sum(r.evaluate(2, 16)[1] for r in recs) / 2                    # two layers
+        assert wire == pytest.approx(sum(planner.cp_bytes(a, 4, 2 * 16 * 64 * 4))), comm

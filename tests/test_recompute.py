@@ -178,6 +178,8 @@ CASES = {
     "cp2-tp2-a2a-selective": ("llama", dict(cp=2, tp=2), dict(cp_comm_type="a2a"), dict(recompute="selective")),
     # the ring (no attention dropout: it takes none) sends its key blocks around again in backward
     "cp2-tp2-ring-full": ("llama-p0", dict(cp=2, tp=2), {}, dict(recompute="full")),
+    # a2a+p2p: the all-to-alls and the ring of the groups run again in the recomputed forward
+    "cp4-a2a+p2p-full": ("llama-p0", dict(cp=4), dict(cp_comm_type="a2a+p2p", cp_a2a_size=2), dict(recompute="full")),
     "ep2-tp2-sp-full": ("moe", dict(ep=2, tp=2), dict(sequence_parallel=True), dict(recompute="full")),
 }
 LAYERS = {"tp2-pp2-interleaved-block": 4, "tp2-pp2-sp-1f1b-full": 4}
@@ -236,7 +238,7 @@ def test_activation_estimate_is_the_trackers(results, key):
     """What inspect says autograd keeps (activations.py, no processes) is within 10% of what the
     runtime's tracker measured at the peak of each rank's steps, with and without recomputation
     (tp with sp, pp under 1F1B, ZB-H1 (what a deferred W pass keeps from B) and the interleaved
-    schedule, cp by gather, ring and a2a, transformers' GPT-2, ep x tp: its dispatch estimated
+    schedule, cp by gather, ring, a2a and a2a+p2p, transformers' GPT-2, ep x tp: its dispatch estimated
     under uniform routing, which the trained router is close to)."""
     mesh = fxtron.Mesh(4, **CASES[key][1])
     for rank, runs in enumerate(ranks_of(results, mesh, key)):

@@ -23,6 +23,8 @@ inverse all-to-all brings the rank's chunks of every head back.
 """
 from __future__ import annotations
 
+import types
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -515,19 +517,20 @@ def _(q, k, v, mask, scale, causal, a2a_size, world, group, inner, outer):
 def _hierarchical_setup(ctx, inputs, output):
     q, k, v, mask, scale, causal, a2a_size, world, group, inner, outer = inputs
     _, lse, q2, k2, v2, out2 = output
-    pin, pout = T.resolve(inner), T.resolve(outer)
-    m = world // a2a_size
-    rows = _group_mask(mask, q.shape[1], a2a_size, pin.rank() if pin is not None else 0, m,
-                       pout.rank() if pout is not None else 0)
-    ctx.save_for_backward(q2, k2, v2, rows, out2, lse)
-    ctx.scale, ctx.causal, ctx.world, ctx.group = scale, causal, m, outer
-    ctx.a2a_size, ctx.inner = a2a_size, inner
+    ctx.save_for_backward(q2, k2, v2, mask, out2, lse)
+    ctx.scale, ctx.causal, ctx.world, ctx.group = scale, causal, world // a2a_size, outer
+    ctx.a2a_size, ctx.inner, ctx.heads = a2a_size, inner, q.shape[1]
 
 
 def _hierarchical_backward(ctx, dout, *_):
-    pin = T.resolve(ctx.inner)
+    q2, k2, v2, mask, out2, lse = ctx.saved_tensors
+    pin, pout = T.resolve(ctx.inner), T.resolve(ctx.group)
     k = ctx.a2a_size
-    dq2, dk2, dv2, *_ = _ring_backward(ctx, _to_heads(dout, k, pin), None)
+    rows = _group_mask(mask, ctx.heads, k, pin.rank() if pin is not None else 0, ctx.world,
+                       pout.rank() if pout is not None else 0)
+    ring = types.SimpleNamespace(saved_tensors=(q2, k2, v2, rows, out2, lse), scale=ctx.scale, causal=ctx.causal,
+                                 world=ctx.world, group=ctx.group)
+    dq2, dk2, dv2, *_ = _ring_backward(ring, _to_heads(dout, k, pin), None)
     dq, dk, dv = (_from_heads(t, k, pin) for t in (dq2, dk2, dv2))
     return dq, dk, dv, None, None, None, None, None, None, None, None
 

@@ -221,9 +221,9 @@ def _check_heads(where: str, lower, q: fx.Node, k: fx.Node, n: int, comm: str, w
     for name, t in (("query", q), ("key/value", k)):
         heads = _local_heads(t, lower)
         if heads % n:
-            raise ParallelizeError(f"{where}: cp_comm_type={comm!r} splits the {name} heads over {what}, and this "
-                                   f"rank's {heads} {name} head(s) do not divide by {n}; use a {what.split('=')[0]} "
-                                   f"that divides {heads}, or cp_comm_type='p2p' / 'all_gather'")
+            raise ParallelizeError(f"{where}: cp_comm_type={comm!r} splits the {name} heads over {n} cp ranks, and "
+                                   f"this rank's {heads} {name} head(s) do not divide by {what}; use a "
+                                   f"{what.split('=')[0]} that divides {heads}, or cp_comm_type='p2p' / 'all_gather'")
 
 
 def _hierarchical(node: fx.Node, lower, mask, dropout, causal, scale) -> fx.Node:
