@@ -79,6 +79,50 @@ def test_all_gather_attention_equals_causal_attention_rows(world, gqa):
         torch.testing.assert_close(t.grad, want, rtol=0, atol=1e-12)
 
 
+def _doc_mask(docs: list[int]) -> torch.Tensor:
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(docs)])
+    p = torch.arange(len(doc))
+    return (doc[:, None] == doc[None, :]) & (p[:, None] >= p[None, :])
+
+
+@pytest.mark.parametrize("world,gqa", [(2, False), (4, True)])
+def test_masked_attention_skips_empty_blocks_and_equals_attention(world, gqa):
+    """all_gather under a document mask (ops/cp.py masked_attention): each rank's rows against
+    the gathered keys, block by block as the ring visits them, in float64 against the whole
+    attention; its gradients summed over ranks are the whole's. Blocks whose documents never
+    meet are skipped (ring_blocks), by the ring as well."""
+    g = torch.Generator().manual_seed(0)
+    b, h, d = 2, 4, 8
+    s = 8 * world
+    docs = [4, 2 * world + 1, s - 2 * world - 5]          # the first ends at the first chunk's edge
+    mask = _doc_mask(docs)
+    hkv = 2 if gqa else h
+    q = torch.randn(b, h, s, d, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(b, hkv, s, d, dtype=torch.float64, generator=g, requires_grad=True)
+    v = torch.randn(b, hkv, s, d, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(b, h, s, d, dtype=torch.float64, generator=g)
+    full = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    (full * weight).sum().backward()
+    ref = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    skipped = 0
+    for r in range(world):
+        pos = cp_ops.positions(s, world, r)
+        rows = mask[pos][None, None]
+        out, _ = cp_ops.masked_attention(q[:, :, pos], k, v, rows, d ** -0.5, world, r)
+        torch.testing.assert_close(out, full.detach()[:, :, pos], rtol=0, atol=1e-12)
+        (out * weight[:, :, pos]).sum().backward()
+        blocks = cp_ops.ring_blocks(rows, False, world, r)
+        skipped += sum(1 for _, n, _ in blocks if n == 0)
+        for src, n, m in blocks:       # a block is skipped exactly when no query of it sees a key of it
+            live = rows[0, 0][:, cp_ops.positions(s, world, src)]
+            assert (n == 0) == (not live.any())
+    assert skipped > 0
+    for t, want in zip((q, k, v), ref):
+        torch.testing.assert_close(t.grad, want, rtol=0, atol=1e-12)
+
+
 def test_load_balanced_split_gives_every_rank_the_same_attention_work():
     s = 4096
     for world in (2, 4, 8):

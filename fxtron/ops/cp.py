@@ -276,7 +276,9 @@ def _step_plan(rank: int, src: int, world: int, c: int, causal: bool, mask: Tens
     is computed)."""
     rows, cols = slice(0, 2 * c), slice(0, 2 * c)
     if mask is not None:                       # an explicit mask: its columns of src's positions
-        return rows, cols, mask.index_select(-1, positions(seq, world, src).to(device))
+        m = mask.index_select(-1, positions(seq, world, src).to(device))
+        rows, cols = _live_chunks(m, c)
+        return rows, cols, m
     if not causal:
         return rows, cols, None
     if src == rank:            # chunks (r, 2n-1-r) against themselves: exactly the top-left causal mask
@@ -284,6 +286,40 @@ def _step_plan(rank: int, src: int, world: int, c: int, causal: bool, mask: Tens
     if src < rank:
         return rows, slice(0, c), None
     return slice(c, 2 * c), cols, None
+
+
+def _live_chunks(m: Tensor, c: int) -> tuple[slice | None, slice | None]:
+    """The query chunks and key chunks (of 2 each, c tokens) of a mask block that hold any
+    position attended: a document mask leaves whole chunks empty (queries of one document
+    against keys of another), which the ring does not compute. (None, None): the block is
+    empty."""
+    live = m if m.dtype == torch.bool else m > float("-inf")
+    live = live.reshape(-1, *live.shape[-2:]).any(0)               # (2c, 2c): any batch, any head
+    q = [bool(live[i * c:(i + 1) * c].any()) for i in (0, 1)]
+    k = [bool(live[:, j * c:(j + 1) * c].any()) for j in (0, 1)]
+
+    def span(used):
+        if not any(used):
+            return None
+        lo, hi = (0 if used[0] else 1), (2 if used[1] else 1)
+        return slice(lo * c, hi * c)
+    rows = span(q)
+    return (rows, span(k)) if rows is not None else (None, None)
+
+
+def ring_blocks(mask: Tensor | None, causal: bool, world: int, rank: int) -> list[tuple[int, int, int]]:
+    """The blocks cp rank `rank`'s ring computes, one per step: (the key block's rank, query
+    rows, key columns) -- 0 rows where the block is skipped. `mask`: the rank's query rows
+    against every key (B or 1, H or 1, 2c, S), as the ring takes it."""
+    c = (mask.shape[-2] // 2) if mask is not None else 1
+    seq = 2 * c * world
+    out = []
+    for i in range(world):
+        src = (rank - i) % world
+        rows, cols, _ = _step_plan(rank, src, world, c, causal, mask, seq, torch.device("cpu"))
+        span = lambda s: 0 if s is None else (s.stop - s.start)  # noqa: E731
+        out.append((src, span(rows), span(cols) if rows is not None else 0))
+    return out
 
 
 def _expand_kv(k: Tensor, heads: int) -> Tensor:
@@ -305,24 +341,51 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: 
     return _ring_forward(q, k, v, mask, scale, causal, world, group)
 
 
+def _step_forward(q, kv, rank, src, world, causal, mask, scale, out, lse) -> None:
+    """One block of the ring: this rank's queries against the keys and values `kv` of cp rank
+    `src`'s positions, merged into `out` and `lse` (nothing where the mask leaves it empty)."""
+    c, heads = q.shape[-2] // 2, q.shape[1]
+    rows, cols, m = _step_plan(rank, src, world, c, causal, mask, 2 * c * world, q.device)
+    if rows is None:
+        return
+    kb, vb = (_expand_kv(t, heads)[..., cols, :] for t in kv)
+    diag = isinstance(m, str)
+    m = None if diag or m is None else m[..., rows, :][..., cols]
+    o, l = _block(q[..., rows, :], kb, vb, scale, m, diag)
+    _merge(out[..., rows, :], lse[..., rows], o, l)
+
+
+def _step_backward(dout, q, kv, out, lse, rank, src, world, causal, mask, scale, dq, dkv) -> None:
+    """The gradients of one block: dq accumulated, the block's dK and dV added into `dkv`
+    (nothing where the mask leaves it empty)."""
+    c, heads, hkv = q.shape[-2] // 2, q.shape[1], kv[0].shape[1]
+    rows, cols, m = _step_plan(rank, src, world, c, causal, mask, 2 * c * world, q.device)
+    if rows is None:
+        return
+    kb, vb = (_expand_kv(t, heads)[..., cols, :] for t in kv)
+    diag = isinstance(m, str)
+    m = None if diag or m is None else m[..., rows, :][..., cols]
+    dqb, dk, dv = _block_backward(dout[..., rows, :], q[..., rows, :], kb, vb, out[..., rows, :], lse[..., rows],
+                                  scale, m, diag)
+    dq[..., rows, :] += dqb
+    if hkv != heads:                                         # grouped-query: sum the repeated heads
+        dk = dk.unflatten(1, (hkv, heads // hkv)).sum(2)
+        dv = dv.unflatten(1, (hkv, heads // hkv)).sum(2)
+    dkv[0][..., cols, :] += dk
+    dkv[1][..., cols, :] += dv
+
+
 def _ring_forward(q, k, v, mask, scale, causal, world, group):
     pg = T.resolve(group)
     T.check_world(pg, world, "ring_attention", group)
     rank = pg.rank() if pg is not None else 0
-    c, heads = q.shape[-2] // 2, q.shape[1]
-    seq = 2 * c * world
     out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=_acc(q), device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=_acc(q), device=q.device)
     kv = [k.contiguous(), v.contiguous()]
     for i in range(world):
         src = (rank - i) % world
         pending = T.start_ring_exchange(kv, pg) if i + 1 < world else None   # the next block, while this computes
-        rows, cols, m = _step_plan(rank, src, world, c, causal, mask, seq, q.device)
-        kb, vb = (_expand_kv(t, heads)[..., cols, :] for t in kv)
-        diag = isinstance(m, str)
-        m = None if diag or m is None else m[..., rows, :][..., cols]
-        o, l = _block(q[..., rows, :], kb, vb, scale, m, diag)
-        _merge(out[..., rows, :], lse[..., rows], o, l)
+        _step_forward(q, kv, rank, src, world, causal, mask, scale, out, lse)
         if pending is not None:
             works, kv = pending
             for w in works:
@@ -348,26 +411,13 @@ def _ring_backward(ctx, dout, _dlse):
     scale, causal, world = ctx.scale, ctx.causal, ctx.world
     pg = T.resolve(ctx.group)
     rank = pg.rank() if pg is not None else 0
-    c, heads, hkv = q.shape[-2] // 2, q.shape[1], k.shape[1]
-    seq = 2 * c * world
     dq = torch.zeros(q.shape, dtype=_acc(q), device=q.device)
     kv = [k.contiguous(), v.contiguous()]
     dkv = [torch.zeros(t.shape, dtype=_acc(q), device=t.device) for t in (k, v)]
     for i in range(world):
         src = (rank - i) % world
         pending = T.start_ring_exchange(kv, pg) if i + 1 < world else None
-        rows, cols, m = _step_plan(rank, src, world, c, causal, mask, seq, q.device)
-        kb, vb = (_expand_kv(t, heads)[..., cols, :] for t in kv)
-        diag = isinstance(m, str)
-        m = None if diag or m is None else m[..., rows, :][..., cols]
-        dqb, dk, dv = _block_backward(dout[..., rows, :], q[..., rows, :], kb, vb, out[..., rows, :], lse[..., rows],
-                                      scale, m, diag)
-        dq[..., rows, :] += dqb
-        if hkv != heads:                                         # grouped-query: sum the repeated heads
-            dk = dk.unflatten(1, (hkv, heads // hkv)).sum(2)
-            dv = dv.unflatten(1, (hkv, heads // hkv)).sum(2)
-        dkv[0][..., cols, :] += dk
-        dkv[1][..., cols, :] += dv
+        _step_backward(dout, q, kv, out, lse, rank, src, world, causal, mask, scale, dq, dkv)
         # this block's dK, dV go on with it: the next rank adds its share, the owner gets the sum
         if world > 1:
             works, dkv = T.start_ring_exchange(dkv, pg)
@@ -383,6 +433,62 @@ def _ring_backward(ctx, dout, _dlse):
 
 ring_attention.register_autograd(_ring_backward, setup_context=_ring_setup)
 register(OpSpec("ring_attention", axis_arg=7, forward=Comm("send_recv", "ring"), backward=Comm("send_recv", "ring")))
+
+
+# ---------------------------------------------------------------------------------------------
+# all_gather under an explicit mask (a document mask): the ring's blocks, without the ring
+
+
+@torch.library.custom_op("fxtron::masked_attention", mutates_args=())
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, world: int, rank: int
+                     ) -> tuple[Tensor, Tensor]:
+    """This cp rank's queries (its load-balanced chunks, B, H, 2c, D) against the whole
+    sequence's keys and values (gathered, natural order; grouped-query heads un-repeated) under
+    `mask` (the rows of the rank's queries against every key), block by block as the ring
+    computes them -- the keys of each rank's chunks in turn -- so that the blocks a document
+    mask leaves empty are not computed. Returns the output, laid out as
+    scaled_dot_product_attention's, and the rows' log-sum-exp, which backward reuses."""
+    out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=_acc(q), device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=_acc(q), device=q.device)
+    seq = k.shape[-2]
+    for src in range(world):
+        at = positions(seq, world, src).to(q.device)
+        _step_forward(q, [k.index_select(-2, at), v.index_select(-2, at)], rank, src, world, False, mask, scale,
+                      out, lse)
+    result = sdpa_like_output(q, v)
+    result.copy_(out)
+    return result, lse
+
+
+@masked_attention.register_fake
+def _(q, k, v, mask, scale, world, rank):
+    return sdpa_like_output(q, v), q.new_empty(q.shape[:-1], dtype=_acc(q))
+
+
+def _masked_setup(ctx, inputs, output):
+    q, k, v, mask, scale, world, rank = inputs
+    ctx.save_for_backward(q, k, v, mask, *output)
+    ctx.scale, ctx.world, ctx.rank = scale, world, rank
+
+
+def _masked_backward(ctx, dout, _dlse):
+    q, k, v, mask, out, lse = ctx.saved_tensors
+    dq = torch.zeros(q.shape, dtype=_acc(q), device=q.device)
+    dk, dv = (torch.zeros(t.shape, dtype=_acc(q), device=t.device) for t in (k, v))
+    seq = k.shape[-2]
+    for src in range(ctx.world):
+        at = positions(seq, ctx.world, src).to(q.device)
+        dkv = [torch.zeros(k.shape[:-2] + (len(at), k.shape[-1]), dtype=_acc(q), device=q.device),
+               torch.zeros(v.shape[:-2] + (len(at), v.shape[-1]), dtype=_acc(q), device=q.device)]
+        _step_backward(dout, q, [k.index_select(-2, at), v.index_select(-2, at)], out, lse, ctx.rank, src, ctx.world,
+                       False, mask, ctx.scale, dq, dkv)
+        dk.index_add_(-2, at, dkv[0])
+        dv.index_add_(-2, at, dkv[1])
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+masked_attention.register_autograd(_masked_backward, setup_context=_masked_setup)
+register(OpSpec("masked_attention"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -553,5 +659,6 @@ def score_elements(seq: int, world: int, rank: int, *, balanced: bool = True) ->
     return sum(p + 1 for p in pos)
 
 
-__all__ = ["attention_all_gather", "chunk_order", "cp_all_to_all", "hierarchical_attention", "positions",
-           "ring_attention", "score_elements", "zigzag"]
+__all__ = ["attention_all_gather", "chunk_order", "cp_all_to_all", "hierarchical_attention", "masked_attention",
+           "positions",
+           "ring_attention", "ring_blocks", "score_elements", "zigzag"]

@@ -94,7 +94,8 @@ def propagate(gm: fx.GraphModule, layout: AxisLayout, *, mesh: MeshView) -> fx.G
             continue
         c = ctx(node)
         rule = rule_for(node.target)
-        if rule is None:
+        ruled = rule(c) if rule is not None else None     # a rule returns None for placements it has no way for
+        if ruled is None:
             replicated = all(isinstance(p, Replicate) for p in c.p)
             if not replicated and layout.strict:
                 raise no_rule(node, c.p, axis=axis)
@@ -104,7 +105,7 @@ def propagate(gm: fx.GraphModule, layout: AxisLayout, *, mesh: MeshView) -> fx.G
             out = tuple(REPLICATE for _ in val) if isinstance(val, (list, tuple)) else REPLICATE
             expects = [None if replicated else REPLICATE] * len(c.p)
         else:
-            out, expects = rule(c)
+            out, expects = ruled
         if node.name in layout.gather_outputs and isinstance(out, Shard):
             meta.set_redistribute_out(node, axis, REPLICATE)
             placements[node] = REPLICATE       # what every consumer sees

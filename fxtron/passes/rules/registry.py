@@ -2,7 +2,8 @@
 through it -- and of lowerings, ops that become another op on sharded inputs (the vocab-parallel
 embedding and cross entropy).
 
-A rule is a function `rule(ctx) -> (output placement, expects)`: `ctx.node` is the FX node,
+A rule is a function `rule(ctx) -> (output placement, expects)` (or None where it has no way
+for these placements: the op then runs replicated, as an op without a rule does): `ctx.node` is the FX node,
 `ctx.inputs` its tensor inputs in flattened-args order and `ctx.p` their placements on the axis
 being propagated (`ctx.axis`, of `ctx.size` ranks); it returns the node's placement on that axis
 (a tuple of them for a multi-output op) and, per tensor input, the placement that input must

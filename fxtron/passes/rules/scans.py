@@ -1,0 +1,86 @@
+"""Rules: prefix ops along a split dim -- `diff` and `cumsum` over the sequence that a model
+derives its packed documents from (transformers' find_packed_sequence_indices: the position
+ids' diff, then `(diff != 1).cumsum(-1)`). Along another dim each shard scans on its own; along
+the split dim they lower to ops/scan.py's shard_prev / shard_cumsum, which exchange only the
+chunks' edges (the ids are not gathered). Values that take a gradient there, `n > 1` and
+`append` run replicated as ops without a rule do (a warning; strict mode refuses)."""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fxtron.core.placement import REPLICATE, Shard
+from fxtron.errors import ParallelizeError
+from fxtron.ops import scan  # noqa: F401 - registers fxtron::shard_prev / shard_cumsum
+from fxtron.passes.rules.registry import Ctx, ndim, norm, register_lowering, register_rule
+
+aten = torch.ops.aten
+
+
+def _diff_args(node: fx.Node):
+    args = list(node.args) + [None] * (5 - len(node.args))
+    n = node.kwargs.get("n", args[1] if args[1] is not None else 1)
+    dim = node.kwargs.get("dim", args[2] if args[2] is not None else -1)
+    return n, norm(dim, ndim(node.args[0])), node.kwargs.get("prepend", args[3]), node.kwargs.get("append", args[4])
+
+
+@register_rule(aten.diff.default)
+def _diff(c: Ctx):
+    n, dim, prepend, append = _diff_args(c.node)
+    p = c.p[0]
+    if not isinstance(p, Shard) or p.interleave != 1:
+        return None if any(not q.is_replicate() for q in c.p) else (REPLICATE, [None] * len(c.p))
+    if p.dim != dim:                    # along another dim: each shard on its own, the edges split alike
+        return p, [None] + [Shard(p.dim)] * (len(c.p) - 1)
+    if n != 1 or append is not None:
+        return None
+    return p, [None] + [REPLICATE] * (len(c.p) - 1)      # the prepended slice: whole, it is one position
+
+
+@register_rule(aten.cumsum.default)
+def _cumsum(c: Ctx):
+    p = c.p[0]
+    dim = norm(c.node.args[1], ndim(c.node.args[0]))
+    if not isinstance(p, Shard) or p.interleave != 1:
+        return None if not p.is_replicate() else (REPLICATE, [None])
+    return p, [None]
+
+
+def _refuse_grad(node: fx.Node, lower, what: str) -> None:
+    if lower.carries_grad(node.args[0]):
+        raise ParallelizeError(f"node %{node.name}: {what} along the {lower.axis}-split dim of a value that takes a "
+                               f"gradient is not supported (fxtron's split scans carry ids and masks); compute it "
+                               f"before the value is split, or keep it replicated")
+
+
+@register_lowering(aten.diff.default)
+def _lower_diff(node: fx.Node, lower):
+    n, dim, prepend, _ = _diff_args(node)
+    p = lower.placement(node.args[0])
+    if not (isinstance(p, Shard) and p.dim == dim and n == 1):
+        return None
+    _refuse_grad(node, lower, "diff")
+    x = lower.remap(node.args[0])
+    if prepend is None:     # diff without prepend drops the first position: not a split of the same length
+        raise ParallelizeError(f"node %{node.name}: diff without prepend along the {lower.axis}-split dim shortens "
+                               f"the sequence by one, which no split of the sequence holds; pass prepend=")
+    prev = lower.call(torch.ops.fxtron.shard_prev.default, (x, dim, lower.remap(prepend), lower.balanced, lower.size,
+                                                          lower.axis),
+                      node, p, f"the position before each of this rank's (over {lower.axis}): the chunks' edges "
+                               "all-gathered")
+    return lower.call(aten.sub.Tensor, (x, prev), node, p, "diff: each position less the one before it")
+
+
+@register_lowering(aten.cumsum.default)
+def _lower_cumsum(node: fx.Node, lower):
+    dim = norm(node.args[1], ndim(node.args[0]))
+    p = lower.placement(node.args[0])
+    if not (isinstance(p, Shard) and p.dim == dim):
+        return None
+    _refuse_grad(node, lower, "cumsum")
+    if node.kwargs.get("dtype") is not None or len(node.args) > 2:
+        return None
+    return lower.call(torch.ops.fxtron.shard_cumsum.default,
+                      (lower.remap(node.args[0]), dim, lower.balanced, lower.size, lower.axis), node, p,
+                      f"the running sum of the whole dim: each chunk's own plus the totals before it (over "
+                      f"{lower.axis})")
