@@ -385,18 +385,75 @@ def _run_bf16(rank, mesh, case):
 BF16 = [Bf16(dict(cp=2), "llama", "p2p", {}), Bf16(dict(cp=2), "gpt", "all_gather", {})]
 
 
+def packed(b: int, s: int, seed: int) -> tuple:
+    """transformers' packed documents: position ids restarting at each document (2 or 3 a
+    row, cut at random), from which transformers builds a block-diagonal causal mask (with
+    use_cache=False, its training setup)."""
+    args, kwargs = batch("hf-llama", b, s, seed)
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.zeros(b, s, dtype=torch.long)
+    for row in range(b):
+        starts = [0] + sorted(torch.randperm(s - 1, generator=g)[:2].add(1).tolist())
+        for i, st in enumerate(starts):
+            end = starts[i + 1] if i + 1 < len(starts) else s
+            pos[row, st:end] = torch.arange(end - st)
+    return args, {**kwargs, "position_ids": pos, "use_cache": False}
+
+
+def _packed_batches():
+    out = [packed(4, s, 10 + i) for i, s in enumerate(SEQS)]
+    for (_, kwargs), s in zip(out, SEQS):
+        kwargs["labels"][0, : s // 4] = -100
+    return out
+
+
+class Packed(Case):
+    pass
+
+
+PACKED = [Packed(dict(cp=2), "hf-llama", "p2p", dict(strict=True)),
+          Packed(dict(cp=2), "hf-llama", "all_gather", dict(strict=True))]
+
+
+def _run_packed(rank, mesh, case):
+    args, kwargs = packed(2, 8, 0)
+    pm = fxtron.parallelize(make("hf-llama"), mesh, example_inputs=args, example_kwargs=kwargs, cp_comm_type=case.comm,
+                            **case.kw)
+    prog = pm.program(rank)
+    return train_program(prog, _packed_batches(), _opt(prog.parameters()))
+
+
+def test_packed_documents_split_their_scans_and_skip_empty_blocks():
+    """Packed hf Llama at cp=2 under strict=True: the position ids' diff and the document
+    index's cumsum run on the split sequence (shard_prev, shard_cumsum: the chunks' edges
+    all-gathered, B x 2 values a rank), nothing runs replicated; p2p takes the document mask
+    into the ring, all_gather into the block-wise masked attention (which skips empty blocks)."""
+    args, kwargs = packed(2, 8, 0)
+    for comm, attention in (("p2p", "fxtron.ring_attention"), ("all_gather", "fxtron.masked_attention")):
+        pm = fxtron.parallelize(make("hf-llama"), fxtron.Mesh(2, cp=2), example_inputs=args, example_kwargs=kwargs,
+                                cp_comm_type=comm, strict=True)
+        ops = _ops(pm)
+        assert ops.count("fxtron.shard_prev") == 1 and ops.count("fxtron.shard_cumsum") == 1
+        assert ops.count(attention) == 2 and "diff" not in ops and "cumsum" not in ops
+        edges = [r for r in pm.collectives(0, graphs_only=True) if r.op in ("shard_prev", "shard_cumsum")]
+        # every rank's B x 2 edges, int64 (the position ids; the document flags' running sums)
+        assert len(edges) == 2 and all(r.evaluate(2, 8)[0] == 2 * 2 * 2 * 8 for r in edges)
+        assert "run replicated" not in pm.summary()
+
+
 def _jobs(saved):
     jobs = {}
     for world, cases in CASES.items():
         for axes, name, comm, kw in cases:
             mesh = fxtron.Mesh(world, **axes)
             jobs.setdefault(world, []).append((mesh, [Case(axes, name, comm, kw)]))
-    jobs[2] += [(fxtron.Mesh(2, cp=2), [saved] + BF16)]
+    jobs[2] += [(fxtron.Mesh(2, cp=2), [saved] + BF16 + PACKED)]
     return jobs
 
 
 def _dispatch(rank, mesh, case):
-    return (_run_bf16 if isinstance(case, Bf16) else _run_case)(rank, mesh, case)
+    run = _run_bf16 if isinstance(case, Bf16) else _run_packed if isinstance(case, Packed) else _run_case
+    return run(rank, mesh, case)
 
 
 @pytest.fixture(scope="module")
@@ -419,6 +476,20 @@ def trained(saved):
 def test_trains_like_one_process(trained, world, case):
     ref = reference_training(make(case.name), _batches(case.name), _opt)
     for rank, got in enumerate(ranks_of(trained, fxtron.Mesh(world, **case.axes), case)):
+        assert_trains_like(got, ref, rank=rank)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", PACKED, ids=lambda c: c.key)
+def test_packed_documents_train_like_one_process(trained, case):
+    """The document mask matters (one process without the position ids trains otherwise), and
+    cp=2 with it equals one process with it."""
+    ref = reference_training(make(case.name), _packed_batches(), _opt)
+    plain = reference_training(make(case.name), [(a, {k: v for k, v in kw.items() if k != "position_ids"})
+                                                  for a, kw in _packed_batches()], _opt)
+    # (100x the tolerance on losses below, 2e-6)
+    assert abs(plain["losses"][0] - ref["losses"][0]) > 2e-4 and max_abs_diff(plain["grads"], ref["grads"])[0] > 1e-4
+    for rank, got in enumerate(ranks_of(trained, fxtron.Mesh(2, cp=2), case)):
         assert_trains_like(got, ref, rank=rank)
 
 

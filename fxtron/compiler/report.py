@@ -114,6 +114,16 @@ def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRec
                     ranks=ranks, shape=tuple(meta.get(k, meta.LOCAL_SHAPE)), payload_bytes=sympy.simplify(steps * nbytes),
                     wire_bytes=sympy.simplify(steps * nbytes), module=meta.get(node, meta.MODULE) or ""))
                 continue
+            if comm.payload == "edges":         # a split scan: the last element of each chunk, gathered
+                x = node.args[0]
+                xs = meta.get(x, meta.LOCAL_SHAPE) or ()
+                chunks = 2 if node.args[3 if spec.name == "shard_prev" else 2] else 1
+                nbytes = _numel(xs) / xs[int(node.args[1]) % len(xs)] * chunks * n * node.meta["val"].dtype.itemsize
+                out.append(CollectiveRecord(
+                    node=node.name, op=spec.name, phase=phase, kind=comm.kind, count=comm.count, group=axis or "",
+                    ranks=ranks, shape=tuple(xs), payload_bytes=sympy.simplify(nbytes),
+                    wire_bytes=sympy.simplify(sympy.Rational(n - 1, n) * nbytes), module=meta.get(node, meta.MODULE) or ""))
+                continue
             if comm.payload == "hierarchical":  # a2a+p2p: all-to-alls in the group, the ring across groups
                 out += _hierarchical_records(node, spec.name, phase, mesh, rank)
                 continue

@@ -23,9 +23,10 @@ CommKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "
 #: rank's experts received from every tp rank's share; with count 2 the first carries every
 #: share's counts, int64), or "hierarchical" (cp's a2a+p2p: all-to-alls of q, k, v and the
 #: output inside the a2a group, the keys and values of the head split around the ring of the
-#: groups)
+#: groups), or "edges" (a scan of a split dim: the last element of each of the rank's chunks
+#: along it, every rank's gathered)
 Payload = Literal["input", "output", "grad_input", "grad_output", "rows", "ring", "copies", "shares", "params",
-                  "hierarchical"]
+                  "hierarchical", "edges"]
 
 
 @dataclass(frozen=True)

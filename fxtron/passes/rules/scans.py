@@ -40,9 +40,11 @@ def _diff(c: Ctx):
 @register_rule(aten.cumsum.default)
 def _cumsum(c: Ctx):
     p = c.p[0]
-    dim = norm(c.node.args[1], ndim(c.node.args[0]))
     if not isinstance(p, Shard) or p.interleave != 1:
         return None if not p.is_replicate() else (REPLICATE, [None])
+    if norm(c.node.args[1], ndim(c.node.args[0])) == p.dim and (c.node.kwargs.get("dtype") is not None
+                                                                 or len(c.node.args) > 2):
+        return None                      # (a dtype= the split scan does not take: replicated)
     return p, [None]
 
 
@@ -78,8 +80,6 @@ def _lower_cumsum(node: fx.Node, lower):
     if not (isinstance(p, Shard) and p.dim == dim):
         return None
     _refuse_grad(node, lower, "cumsum")
-    if node.kwargs.get("dtype") is not None or len(node.args) > 2:
-        return None
     return lower.call(torch.ops.fxtron.shard_cumsum.default,
                       (lower.remap(node.args[0]), dim, lower.balanced, lower.size, lower.axis), node, p,
                       f"the running sum of the whole dim: each chunk's own plus the totals before it (over "
