@@ -1,6 +1,8 @@
 """Context parallel (mesh.cp > 1): the sequence split over the cp ranks with Megatron's load
-balancing, attention across the split by all-gather and by ring, composed with tp (with and
-without sequence parallel), pp, dp and zero=1.
+balancing, attention across the split by all-gather, by ring, by Ulysses' all-to-all and by
+a2a+p2p (all-to-all inside groups of cp ranks, the ring across them), composed with tp (with
+and without sequence parallel), pp, dp and zero=1; packed documents (transformers' position ids
+restarting per document) with their scans split and the mask's empty blocks skipped.
 
 Without processes: the layout (a rank's global positions, the zigzag reorder and its
 gradient), the all-gather attention op against causal attention over the whole sequence in

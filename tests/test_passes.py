@@ -100,7 +100,7 @@ def test_verifier_finds_an_op_over_an_axis_the_graph_lacks():
 
 # ----------------------------------------------------------------------------- register_rule
 class _Cumsum(torch.nn.Module):
-    """An MLP whose hidden activation (split by columns at tp=2) goes through cumsum, an op
+    """An MLP whose hidden activation (split by columns at tp=2) goes through cumprod, an op
     fxtron has no sharding rule for."""
 
     def __init__(self):
@@ -113,7 +113,7 @@ class _Cumsum(torch.nn.Module):
 
     def forward(self, idx, tgt):
         x = self.emb(idx)
-        x = x + self.down(torch.cumsum(self.up(x), dim=1))   # a scan over the sequence
+        x = x + self.down(torch.cumprod(self.up(x), dim=1))   # a scan over the sequence
         return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), tgt.flatten())
 
 
@@ -125,22 +125,22 @@ def _cumsum_pm(**kw):
 
 def test_op_without_rule_runs_replicated_and_says_so():
     pm = _cumsum_pm()
-    with pytest.warns(fxtron.ParallelizeWarning, match=r"%cumsum .*fxtron.register_rule"):
+    with pytest.warns(fxtron.ParallelizeWarning, match=r"%cumprod .*fxtron.register_rule"):
         rg = pm.compiled(0)
-    node = next(n for n in rg.gm.graph.nodes if n.target == torch.ops.aten.cumsum.default)
+    node = next(n for n in rg.gm.graph.nodes if n.target == torch.ops.aten.cumprod.default)
     assert meta.get(node, meta.FALLBACK) == "tp" and str(meta.placement(node, "tp")) == "R"
     gathers = [n for n in rg.gm.graph.nodes if registry.op_name(n.target) == "all_gather"]
     assert [list(g.users) for g in gathers] == [[node]]     # its input gathered, nothing else
-    assert pm.fallbacks(0) == ["%cumsum (aten.cumsum.default) in (top level): inputs made whole over tp, run replicated"]
-    assert "ops run replicated for want of a sharding rule: %cumsum" in pm.summary()
+    assert pm.fallbacks(0) == ["%cumprod (aten.cumprod.default) in (top level): inputs made whole over tp, run replicated"]
+    assert "ops run replicated for want of a sharding rule: %cumprod" in pm.summary()
 
 
 def test_strict_no_rule_error_names_node_and_what_to_change():
     with pytest.raises(fxtron.ParallelizeError) as err:
         _cumsum_pm(strict=True).graph(0)
     msg = str(err.value)
-    assert "%cumsum" in msg and "in module (top level)" in msg and "tp:S(2)" in msg   # the node, its inputs
-    assert "plan={'up': 'replicate'}" in msg and "fxtron.register_rule(torch.ops.aten.cumsum.default)" in msg
+    assert "%cumprod" in msg and "in module (top level)" in msg and "tp:S(2)" in msg   # the node, its inputs
+    assert "plan={'up': 'replicate'}" in msg and "fxtron.register_rule(torch.ops.aten.cumprod.default)" in msg
     # the suggestion is accepted, and it is enough
     pm = _cumsum_pm(strict=True, plan={"head": "replicate", "up": "replicate"})
     assert "fxtron.all_gather" not in pm.graph(0) and pm.fallbacks(0) == []
@@ -150,8 +150,8 @@ def test_register_rule_makes_the_model_parallelize(monkeypatch):
     monkeypatch.setattr(rules, "_RULES", dict(rules._RULES))    # the registration ends with the test
     calls = []
 
-    @fxtron.register_rule(torch.ops.aten.cumsum.default)
-    def cumsum(ctx):
+    @fxtron.register_rule(torch.ops.aten.cumprod.default)
+    def cumprod(ctx):
         calls.append(ctx.axis)
         p, dim = ctx.p[0], ctx.node.args[1] % ctx.node.meta["val"].dim()
         if isinstance(p, fxtron.Shard) and p.dim != dim:
@@ -160,11 +160,11 @@ def test_register_rule_makes_the_model_parallelize(monkeypatch):
 
     rg = _cumsum_pm().compiled(0)
     assert calls == ["tp"]
-    node = next(n for n in rg.gm.graph.nodes if n.target == torch.ops.aten.cumsum.default)
+    node = next(n for n in rg.gm.graph.nodes if n.target == torch.ops.aten.cumprod.default)
     assert str(meta.placement(node, "tp")) == "S(2)"     # stayed split: no collective around it
     assert [registry.op_name(n.target) for n in rg.gm.graph.nodes if registry.axis_of(n)].count("all_gather") == 0
     with pytest.raises(ValueError, match="already has a sharding rule"):
-        fxtron.register_rule(torch.ops.aten.cumsum.default)(lambda ctx: None)
+        fxtron.register_rule(torch.ops.aten.cumprod.default)(lambda ctx: None)
 
 
 class _SoftmaxMLP(_Cumsum):

@@ -74,11 +74,12 @@ def propagate(gm: fx.GraphModule, layout: AxisLayout, *, mesh: MeshView) -> fx.G
     axis, size = layout.axis, mesh.size(layout.axis)
     ti = meta.info(gm)
     placements: dict[fx.Node, object] = {}
+    grad = meta.carries_grad(gm)
 
     def ctx(node: fx.Node) -> Ctx:
         return Ctx(node, placements, axis=axis, size=size, trace=ti,
                    partials_to_sequence=layout.partials_to_sequence, balanced=layout.balanced,
-                   options=layout.options)
+                   options=layout.options, grad=grad)
 
     for node in gm.graph.nodes:
         if node.op == "placeholder":

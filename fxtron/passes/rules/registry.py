@@ -138,12 +138,14 @@ def reduced_dims(node: fx.Node) -> list[int]:
 class Ctx:
     """What a rule may ask: the node, its tensor inputs and their placements `p` on the axis
     being propagated, the axis (`axis`) and its number of ranks (`size`), whether its shards
-    are load-balanced chunks (`balanced`: cp) and the axis's options (`options`)."""
+    are load-balanced chunks (`balanced`: cp), the axis's options (`options`) and whether a
+    value takes a gradient (`carries_grad`)."""
 
     def __init__(self, node: fx.Node, placements: dict, *, axis: str, size: int, trace: TraceInfo,
-                 partials_to_sequence: bool = False, balanced: bool = False, options=None):
+                 partials_to_sequence: bool = False, balanced: bool = False, options=None, grad=None):
         self.node, self.axis, self.size = node, axis, size
         self.balanced, self.options = balanced, dict(options or {})
+        self._grad = grad
         self._trace, self._partials_to_sequence = trace, partials_to_sequence
         self.inputs = tensor_inputs(node)
         self.p = [placements[a] for a in self.inputs]
@@ -167,6 +169,10 @@ class Ctx:
     def sym(self, s) -> sympy.Expr:
         """A dim of a `val` as a sympy expression in the batch and sequence symbols B and S."""
         return self._trace.expr(s) if self._trace is not None else expr(s)
+
+    def carries_grad(self, node: fx.Node) -> bool:
+        """Does a gradient flow back through `node` (meta.carries_grad)? False where unknown."""
+        return self._grad is not None and node in self._grad
 
     def fail(self, why: str) -> ParallelizeError:
         return no_rule(self.node, self.p, why, axis=self.axis)

@@ -32,7 +32,7 @@ def _diff(c: Ctx):
         return None if any(not q.is_replicate() for q in c.p) else (REPLICATE, [None] * len(c.p))
     if p.dim != dim:                    # along another dim: each shard on its own, the edges split alike
         return p, [None] + [Shard(p.dim)] * (len(c.p) - 1)
-    if n != 1 or append is not None:
+    if n != 1 or append is not None or c.carries_grad(c.node.args[0]):
         return None
     return p, [None] + [REPLICATE] * (len(c.p) - 1)      # the prepended slice: whole, it is one position
 
@@ -43,8 +43,9 @@ def _cumsum(c: Ctx):
     if not isinstance(p, Shard) or p.interleave != 1:
         return None if not p.is_replicate() else (REPLICATE, [None])
     if norm(c.node.args[1], ndim(c.node.args[0])) == p.dim and (c.node.kwargs.get("dtype") is not None
-                                                                 or len(c.node.args) > 2):
-        return None                      # (a dtype= the split scan does not take: replicated)
+                                                                 or len(c.node.args) > 2
+                                                                 or c.carries_grad(c.node.args[0])):
+        return None                      # (a dtype= or a gradient, which the split scan does not take: replicated)
     return p, [None]
 
 
