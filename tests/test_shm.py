@@ -96,10 +96,12 @@ def _errors(rank: int, pg) -> dict:
     return out
 
 
-def _train(rank: int, mesh: fxtron.Mesh, name: str, sp: bool) -> dict:
-    comm = shm.channel(groups_for(mesh).group("tp").group_name)
+def _train_both(rank: int, mesh: fxtron.Mesh, name: str, kind: str, **options) -> dict:
+    """The same three steps through the `kind` group's shared-memory channel and through gloo:
+    losses, weights after, and the collectives the channel carried."""
+    comm = shm.channel((groups_for(mesh) or fxtron.init_distributed(mesh)).group(kind).group_name)
     args, _ = batch(name, 2, 8, seed=0)
-    pm = fxtron.parallelize(make(name), mesh, example_inputs=args, sequence_parallel=sp)
+    pm = fxtron.parallelize(make(name), mesh, example_inputs=args, **options)
     res = {}
     for transport in ("shm", "gloo"):
         prog = pm.program(rank)
@@ -108,27 +110,18 @@ def _train(rank: int, mesh: fxtron.Mesh, name: str, sp: bool) -> dict:
         with (shm.disabled() if transport == "gloo" else contextlib.nullcontext()):
             losses = [prog.train_step(batch(name, 4, s, seed=10 + i)[0], opt) for i, s in enumerate((16, 12, 16))]
         res[transport] = {"losses": losses, "state": {k: v.clone() for k, v in prog.state_dict().items()},
-                          "shm_ops": comm.ops - ops0}
+                          "shm_ops": comm.ops - ops0, "buckets": len(prog.grads.buffer.buckets),
+                          "early": prog.grads.buffer.started_early}
     return res
+
+
+def _train(rank: int, mesh: fxtron.Mesh, name: str, sp: bool) -> dict:
+    return _train_both(rank, mesh, name, "tp", sequence_parallel=sp)
 
 
 def _train_dp(rank: int, mesh: fxtron.Mesh, zero: int) -> dict:
     """dp=2: the gradient buckets go through the dp group's channel, started during backward."""
-    groups = groups_for(mesh) or fxtron.init_distributed(mesh)
-    comm = shm.channel(groups.group("dp").group_name)
-    args, _ = batch("gpt", 2, 8, seed=0)
-    pm = fxtron.parallelize(make("gpt"), mesh, example_inputs=args, zero=zero, bucket_size=5000)
-    res = {}
-    for transport in ("shm", "gloo"):
-        prog = pm.program(rank)
-        opt = torch.optim.AdamW(prog.parameters(), lr=1e-3)
-        ops0 = comm.ops
-        with (shm.disabled() if transport == "gloo" else contextlib.nullcontext()):
-            losses = [prog.train_step(batch("gpt", 4, s, seed=10 + i)[0], opt) for i, s in enumerate((16, 12, 16))]
-        res[transport] = {"losses": losses, "state": {k: v.clone() for k, v in prog.state_dict().items()},
-                          "shm_ops": comm.ops - ops0, "buckets": len(prog.grads.buffer.buckets),
-                          "early": prog.grads.buffer.started_early}
-    return res
+    return _train_both(rank, mesh, "gpt", "dp", zero=zero, bucket_size=5000)
 
 
 def _job(rank: int, mesh: fxtron.Mesh) -> dict:

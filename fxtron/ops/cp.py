@@ -341,16 +341,26 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: 
     return _ring_forward(q, k, v, mask, scale, causal, world, group)
 
 
-def _step_forward(q, kv, rank, src, world, causal, mask, scale, out, lse) -> None:
-    """One block of the ring: this rank's queries against the keys and values `kv` of cp rank
-    `src`'s positions, merged into `out` and `lse` (nothing where the mask leaves it empty)."""
+def _step(q, kv, rank, src, world, causal, mask):
+    """One block of the ring, planned: (query rows, key columns, the block's keys and values
+    with grouped-query heads repeated, its mask or None, whether it is the causal diagonal),
+    or None where the mask leaves it empty."""
     c, heads = q.shape[-2] // 2, q.shape[1]
     rows, cols, m = _step_plan(rank, src, world, c, causal, mask, 2 * c * world, q.device)
     if rows is None:
-        return
+        return None
     kb, vb = (_expand_kv(t, heads)[..., cols, :] for t in kv)
     diag = isinstance(m, str)
-    m = None if diag or m is None else m[..., rows, :][..., cols]
+    return rows, cols, kb, vb, (None if diag or m is None else m[..., rows, :][..., cols]), diag
+
+
+def _step_forward(q, kv, rank, src, world, causal, mask, scale, out, lse) -> None:
+    """One block of the ring: this rank's queries against the keys and values `kv` of cp rank
+    `src`'s positions, merged into `out` and `lse` (nothing where the mask leaves it empty)."""
+    step = _step(q, kv, rank, src, world, causal, mask)
+    if step is None:
+        return
+    rows, _, kb, vb, m, diag = step
     o, l = _block(q[..., rows, :], kb, vb, scale, m, diag)
     _merge(out[..., rows, :], lse[..., rows], o, l)
 
@@ -358,13 +368,11 @@ def _step_forward(q, kv, rank, src, world, causal, mask, scale, out, lse) -> Non
 def _step_backward(dout, q, kv, out, lse, rank, src, world, causal, mask, scale, dq, dkv) -> None:
     """The gradients of one block: dq accumulated, the block's dK and dV added into `dkv`
     (nothing where the mask leaves it empty)."""
-    c, heads, hkv = q.shape[-2] // 2, q.shape[1], kv[0].shape[1]
-    rows, cols, m = _step_plan(rank, src, world, c, causal, mask, 2 * c * world, q.device)
-    if rows is None:
+    step = _step(q, kv, rank, src, world, causal, mask)
+    if step is None:
         return
-    kb, vb = (_expand_kv(t, heads)[..., cols, :] for t in kv)
-    diag = isinstance(m, str)
-    m = None if diag or m is None else m[..., rows, :][..., cols]
+    rows, cols, kb, vb, m, diag = step
+    heads, hkv = q.shape[1], kv[0].shape[1]
     dqb, dk, dv = _block_backward(dout[..., rows, :], q[..., rows, :], kb, vb, out[..., rows, :], lse[..., rows],
                                   scale, m, diag)
     dq[..., rows, :] += dqb
