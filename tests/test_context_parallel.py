@@ -303,6 +303,29 @@ def test_a_position_table_looks_up_the_rank_positions(name):
     assert pm.compiled(0).local[table].grad_whole_on == ()
 
 
+class _Select(torch.nn.Module):
+    """top-k and sort along the features of sequence-split tokens (a router's choice)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.up, self.head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 16)
+
+    def forward(self, idx, tgt):
+        x = self.emb(idx)
+        v, _ = torch.topk(x.softmax(-1), 2, dim=-1)
+        s, _ = torch.sort(x, dim=-1)
+        x = x + self.up(s) * v.sum(-1, keepdim=True)
+        return F.cross_entropy(self.head(x).flatten(0, 1), tgt.flatten())
+
+
+def test_topk_and_sort_along_another_dim_stay_split():
+    idx = torch.randint(0, 16, (2, 8))
+    pm = fxtron.parallelize(_Select(), fxtron.Mesh(2, cp=2), example_inputs=(idx, idx), strict=True)
+    lines = [line for line in pm.graph(0).splitlines() if line.split()[1:2] in (["topk"], ["sort"])]
+    assert len(lines) == 2 and all("cp:(S(1), S(1))" in line for line in lines)
+    assert not [r for r in pm.collectives(0, graphs_only=True) if r.kind == "all_gather"]
+
+
 def test_user_mistakes_raise():
     with pytest.raises(fxtron.ParallelizeError, match="cp_comm_type"):
         _pm("gpt", fxtron.Mesh(2, cp=2), cp_comm_type="ring")
@@ -338,7 +361,8 @@ CASES = {
         (dict(cp=4), "gpt", "a2a+p2p", dict(cp_a2a_size=2)), (dict(cp=4), "hf-gpt2-eager", "a2a+p2p", dict(cp_a2a_size=2))],
     8: [(dict(cp=4, tp=2), "llama", "a2a+p2p", dict(cp_a2a_size=2)),
         (dict(cp=4, tp=2), "gpt", "a2a+p2p", dict(cp_a2a_size=2, sequence_parallel=True)),
-        (dict(cp=4, pp=2), "llama", "a2a+p2p", dict(cp_a2a_size=2, microbatches=2))],
+        (dict(cp=4, pp=2), "llama", "a2a+p2p", dict(cp_a2a_size=2, microbatches=2)),
+        (dict(cp=4), "llama", "a2a+p2p", dict(cp_a2a_size=2, zero=1))],                   # cp4 x dp2
 }
 
 

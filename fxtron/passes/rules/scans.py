@@ -85,3 +85,24 @@ def _lower_cumsum(node: fx.Node, lower):
                       (lower.remap(node.args[0]), dim, lower.balanced, lower.size, lower.axis), node, p,
                       f"the running sum of the whole dim: each chunk's own plus the totals before it (over "
                       f"{lower.axis})")
+
+
+def _along(node: fx.Node, at: int) -> int:
+    args = list(node.args) + [None] * (at + 1 - len(node.args))
+    d = node.kwargs.get("dim", args[at] if args[at] is not None else -1)
+    return norm(d, ndim(node.args[0]))
+
+
+@register_rule(aten.topk.default, aten.sort.default, aten.sort.stable)
+def _select_along(c: Ctx):
+    """topk and sort along one dim (a router's top-k experts of each token): along another dim
+    than the split one each shard selects on its own, values and indices split alike; along
+    the split dim (or of a partial sum) there is no rule: the op runs replicated."""
+    p = c.p[0]
+    at = {aten.topk.default: 2, aten.sort.default: 1}.get(c.node.target)
+    dim = _along(c.node, at) if at is not None else norm(c.node.kwargs.get("dim", -1), ndim(c.node.args[0]))
+    if p.is_replicate():
+        return (REPLICATE, REPLICATE), [None]
+    if isinstance(p, Shard) and p.dim != dim:
+        return (p, p), [None]
+    return None
