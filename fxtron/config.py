@@ -721,11 +721,31 @@ class DataConfig(Section):
     max_bytes: int = option(4_000_000, positive=True, help="read at most this many bytes of the text")
     batch: int = option(8, positive=True, help="global batch (samples per step, Megatron's --global-batch-size)")
     seq: int = option(64, positive=True, help="tokens per sample (Megatron's --seq-length)")
+    eod_id: int | None = option(None, minimum=0, help="the end-of-document token's id in the data (preprocess "
+                                                      "appends it to every document), for the three options below")
+    reset_position_ids: bool = option(False, help="positions restart at 0 after each end-of-document token (Megatron's "
+                                                  "--reset-position-ids)")
+    reset_attention_mask: bool = option(False, help="a token attends only its own document (Megatron's "
+                                                    "--reset-attention-mask)")
+    eod_mask_loss: bool = option(False, help="no loss where the input token is the end of a document (Megatron's "
+                                             "--eod-mask-loss)")
 
     def __post_init__(self):
         if isinstance(self.path, str) and self.path:          # one dataset's prefix
             object.__setattr__(self, "path", (self.path,))
         super().__post_init__()
+
+    def _rules(self) -> None:
+        wanted = [f"--{n.replace('_', '-')}" for n in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
+                  if getattr(self, n)]
+        if wanted and self.eod_id is None:
+            raise ParallelizeError(f"{', '.join(wanted)} find the documents by their end-of-document token: give its id "
+                                   "(--eod-id, the tokenizer's eos/eod id that preprocessing appended)")
+
+    @property
+    def packed(self) -> bool:
+        """Are the samples' documents kept apart (positions or attention)?"""
+        return self.reset_position_ids or self.reset_attention_mask
 
 
 @dataclass(frozen=True)

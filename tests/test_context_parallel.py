@@ -411,12 +411,25 @@ def _run_bf16(rank, mesh, case):
 BF16 = [Bf16(dict(cp=2), "llama", "p2p", {}), Bf16(dict(cp=2), "gpt", "all_gather", {})]
 
 
-def packed(b: int, s: int, seed: int) -> tuple:
-    """transformers' packed documents: position ids restarting at each document (2 or 3 a
-    row, cut at random), from which transformers builds a block-diagonal causal mask (with
-    use_cache=False, its training setup)."""
-    args, kwargs = batch("hf-llama", b, s, seed)
+EOD = 3
+
+
+def packed(b: int, s: int, seed: int, name: str = "hf-llama") -> tuple:
+    """Packed documents (2 or 3 a row, cut at random): for transformers' models position ids
+    restarting at each document, from which transformers builds a block-diagonal causal mask
+    (with use_cache=False, its training setup); for the shipped ones an end-of-document token
+    ending each but the last, and the position and document ids the trainer derives from it
+    (Megatron's --reset-position-ids / --reset-attention-mask)."""
+    from fxtron.data.gpt import position_and_document_ids
+    args, kwargs = batch(name, b, s, seed)
     g = torch.Generator().manual_seed(seed)
+    if not name.startswith("hf-"):
+        idx = args[0]
+        idx[idx == EOD] = EOD + 1
+        for row in range(b):
+            idx[row, sorted(torch.randperm(s - 1, generator=g)[:2].tolist())] = EOD
+        pos, doc = position_and_document_ids(idx, EOD)
+        return args, {"position_ids": pos, "document_ids": doc}
     pos = torch.zeros(b, s, dtype=torch.long)
     for row in range(b):
         starts = [0] + sorted(torch.randperm(s - 1, generator=g)[:2].add(1).tolist())
@@ -426,10 +439,10 @@ def packed(b: int, s: int, seed: int) -> tuple:
     return args, {**kwargs, "position_ids": pos, "use_cache": False}
 
 
-def _packed_batches():
-    out = [packed(4, s, 10 + i) for i, s in enumerate(SEQS)]
-    for (_, kwargs), s in zip(out, SEQS):
-        kwargs["labels"][0, : s // 4] = -100
+def _packed_batches(name: str = "hf-llama"):
+    out = [packed(4, s, 10 + i, name) for i, s in enumerate(SEQS)]
+    for (args, kwargs), s in zip(out, SEQS):
+        (kwargs["labels"] if "labels" in kwargs else args[1])[0, : s // 4] = -100
     return out
 
 
@@ -438,15 +451,19 @@ class Packed(Case):
 
 
 PACKED = [Packed(dict(cp=2), "hf-llama", "p2p", dict(strict=True)),
-          Packed(dict(cp=2), "hf-llama", "all_gather", dict(strict=True))]
+          Packed(dict(cp=2), "hf-llama", "all_gather", dict(strict=True)),
+          # the shipped models with the trainer's packed samples: Llama's rotary and GPT's learned
+          # table at the restarted positions, attention inside each document
+          Packed(dict(cp=2), "llama", "p2p", dict(strict=True)),
+          Packed(dict(cp=2), "gpt", "all_gather", dict(strict=True))]
 
 
 def _run_packed(rank, mesh, case):
-    args, kwargs = packed(2, 8, 0)
-    pm = fxtron.parallelize(make("hf-llama"), mesh, example_inputs=args, example_kwargs=kwargs, cp_comm_type=case.comm,
+    args, kwargs = packed(2, 8, 0, case.name)
+    pm = fxtron.parallelize(make(case.name), mesh, example_inputs=args, example_kwargs=kwargs, cp_comm_type=case.comm,
                             **case.kw)
     prog = pm.program(rank)
-    return train_program(prog, _packed_batches(), _opt(prog.parameters()))
+    return train_program(prog, _packed_batches(case.name), _opt(prog.parameters()))
 
 
 def test_packed_documents_split_their_scans_and_skip_empty_blocks():
@@ -510,9 +527,10 @@ def test_trains_like_one_process(trained, world, case):
 def test_packed_documents_train_like_one_process(trained, case):
     """The document mask matters (one process without the position ids trains otherwise), and
     cp=2 with it equals one process with it."""
-    ref = reference_training(make(case.name), _packed_batches(), _opt)
-    plain = reference_training(make(case.name), [(a, {k: v for k, v in kw.items() if k != "position_ids"})
-                                                  for a, kw in _packed_batches()], _opt)
+    ref = reference_training(make(case.name), _packed_batches(case.name), _opt)
+    plain = reference_training(make(case.name), [(a, {k: v for k, v in kw.items()
+                                                      if k not in ("position_ids", "document_ids")})
+                                                  for a, kw in _packed_batches(case.name)], _opt)
     # (100x the tolerance on losses below, 2e-6)
     assert abs(plain["losses"][0] - ref["losses"][0]) > 2e-4 and max_abs_diff(plain["grads"], ref["grads"])[0] > 1e-4
     for rank, got in enumerate(ranks_of(trained, fxtron.Mesh(2, cp=2), case)):

@@ -212,3 +212,36 @@ def test_preprocess_writes_what_megatron_reads(megatron, tmp_path):
                           "--tokenizer", tok, "--output-prefix", str(tmp_path / "x"), "--json-key", "body"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "no 'body' field" in bad.stderr
+
+
+def test_packed_documents_are_megatrons(megatron):
+    """--reset-position-ids / --reset-attention-mask / --eod-mask-loss: the positions, the
+    document of each token (as fxtron's models mask attention with it) and the loss mask are
+    megatron.core's _get_ltor_masks_and_position_ids', sample by sample (EOD at the start, at
+    the end, twice in a row, and none)."""
+    import torch
+
+    from fxtron.models.masks import document_mask
+    from fxtron.trainer.models import TrainModel
+    eod = 7
+    tokens = torch.randint(8, 100, (5, 17), generator=torch.Generator().manual_seed(0))
+    tokens[0, [3, 9]] = eod
+    tokens[1, [0, 16]] = eod
+    tokens[2, [5, 6]] = eod
+    tokens[3, 11] = eod
+    position, document = gpt.position_and_document_ids(tokens, eod)
+    mask = document_mask(document)
+    for b in range(tokens.shape[0]):
+        ref_mask, loss_mask, ref_pos = megatron["gpt"]._get_ltor_masks_and_position_ids(
+            tokens[b], eod, True, True, True, True)
+        assert torch.equal(position[b], ref_pos)
+        assert torch.equal(mask[b, 0], ~ref_mask[0])                   # Megatron's True = masked
+        assert torch.equal((tokens[b] != eod).float(), loss_mask)
+    cfg = fxtron.TrainConfig().replace(eod_id=eod, reset_position_ids=True, reset_attention_mask=True,
+                                       eod_mask_loss=True)
+    sample = torch.cat([tokens, tokens[:, :1]], 1)                     # seq + 1 tokens a sample
+    (x, y), kw = TrainModel(None, False, 100, data=cfg.data).inputs(sample)
+    assert torch.equal(kw["position_ids"], position) and torch.equal(kw["document_ids"], document)
+    assert torch.equal(y == -100, tokens == eod)                       # no loss where the input is an EOD
+    _, hf = TrainModel(None, True, 100, data=cfg.data).inputs(sample)
+    assert torch.equal(hf["position_ids"], position) and hf["use_cache"] is False and "document_ids" not in hf

@@ -95,6 +95,15 @@ def test_options_are_checked():
         resolve("hf:llama", overrides=key_values(["num_hiden_layers=2"]))
     with pytest.raises(fxtron.ParallelizeError, match="sets fields of an hf:<architecture>'s config; 'gpt-tiny'"):
         resolve("gpt-tiny", overrides={"n_layer": 2})
+    # packed documents: the end-of-document id is needed; the model must take what is passed
+    with pytest.raises(fxtron.ParallelizeError, match="--reset-position-ids, --eod-mask-loss find the documents.*--eod-id"):
+        TrainConfig().replace(reset_position_ids=True, eod_mask_loss=True)
+    packed = TrainConfig().replace(eod_id=0, reset_position_ids=True, reset_attention_mask=True).data
+    assert resolve("llama-tiny", data=packed).data is packed and resolve("gpt-tiny", data=packed)
+    with pytest.raises(fxtron.ParallelizeError, match="moe-tiny: packed documents pass position_ids, document_ids="):
+        resolve("moe-tiny", data=packed)
+    with pytest.raises(fxtron.ParallelizeError, match="--reset-position-ids and --reset-attention-mask go together"):
+        resolve("hf:llama", data=TrainConfig().replace(eod_id=0, reset_attention_mask=True).data)
 
 
 class _Scaled(torch.nn.Module):

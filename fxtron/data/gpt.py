@@ -14,6 +14,7 @@ import math
 import re
 
 import numpy as np
+import torch
 
 from fxtron.data.indexed import IndexedDataset
 from fxtron.errors import ParallelizeError
@@ -216,5 +217,18 @@ def build_datasets(data: list[str] | tuple[str, ...], split: str, seq: int, seed
     return out
 
 
+def position_and_document_ids(tokens: torch.Tensor, eod: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's _get_ltor_masks_and_position_ids on (B, s) input tokens, as indices: the
+    positions, restarting at 0 after each end-of-document token at i (from i+1;
+    --reset-position-ids), and each token's document -- the end-of-document tokens strictly
+    before it -- so that rows after i lose the columns up to i (--reset-attention-mask)."""
+    at = tokens == eod
+    document = at.long().cumsum(1) - at.long()
+    idx = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    last = torch.where(at, idx, torch.full_like(idx, -1)).cummax(1).values      # the last EOD at or before
+    before = torch.cat([torch.full_like(last[:, :1], -1), last[:, :-1]], 1)    # ... strictly before
+    return idx - before - 1, document
+
+
 __all__ = ["BlendedDataset", "GPTDataset", "blending_indices", "build_datasets", "document_index", "parse_blend",
-           "parse_split", "sample_index", "shuffle_index", "split_indices"]
+           "parse_split", "position_and_document_ids", "sample_index", "shuffle_index", "split_indices"]

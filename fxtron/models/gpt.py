@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fxtron.models.masks import document_mask
+
 __all__ = ["GPTConfig", "GPT"]
 
 
@@ -79,7 +81,7 @@ class CausalSelfAttention(nn.Module):
             future = torch.ones(config.block_size, config.block_size, dtype=torch.bool).triu(1)
             self.register_buffer("future", future, persistent=False)   # True where a key comes after the query
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split(self.n_embd, dim=-1)  # 3 x (B, T, h)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
@@ -87,11 +89,12 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
         if self.flash:
             y = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-            )  # (B, nh, T, hd)
+                q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=self.dropout if self.training else 0.0
+            )  # (B, nh, T, hd); mask: a document mask (B, 1, T, T), causal inside each document
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, nh, T, T)
-            att = att.masked_fill(self.future[:T, :T], float("-inf")).softmax(dim=-1)
+            hidden = self.future[:T, :T] if mask is None else ~mask
+            att = att.masked_fill(hidden, float("-inf")).softmax(dim=-1)
             y = self.attn_drop(att) @ v  # (B, nh, T, hd)
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_embd)  # (B, T, h)
         return self.resid_drop(self.proj(y))
@@ -127,8 +130,8 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), mask)
         x = x + self.mlp(self.ln2(x))
         return x
 
@@ -136,9 +139,13 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """GPT-2 style language model with learned positions and an lm_head tied to wte.
 
-    forward(idx, targets=None):
+    forward(idx, targets=None, position_ids=None, document_ids=None):
         idx: (B, T) int64 token ids < vocab_size, with T <= block_size.
         targets: optional (B, T) int64 next-token ids.
+        position_ids: optional (B, T) positions of the learned table (packed documents:
+            restarting at each one, Megatron's --reset-position-ids); default 0..T-1.
+        document_ids: optional (B, T) document index of each token: attention stays inside a
+            document (Megatron's --reset-attention-mask); default one document.
         returns logits (B, T, V) when targets is None, else the scalar mean cross-entropy loss.
     """
 
@@ -173,13 +180,15 @@ class GPT(nn.Module):
             nn.init.normal_(block.mlp.fc2.weight, mean=0.0, std=resid_std)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         _, T = idx.shape
-        pos = torch.arange(T, device=idx.device)  # (T,)
+        pos = torch.arange(T, device=idx.device) if position_ids is None else position_ids  # (T,) or (B, T)
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, h)
+        mask = document_mask(document_ids) if document_ids is not None else None  # (B, 1, T, T)
         for block in self.blocks:
-            x = block(x)  # (B, T, h)
+            x = block(x) if mask is None else block(x, mask)  # (B, T, h)
         logits = self.lm_head(self.ln_f(x))  # (B, T, V)
         if targets is None:
             return logits

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fxtron.models.masks import document_mask
+
 __all__ = ["LlamaConfig", "Llama", "RMSNorm", "rope_tables", "apply_rotary"]
 
 
@@ -137,7 +139,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.n_head * hd, config.dim, bias=False)
         self.resid_drop = _dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
         k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
@@ -150,8 +153,8 @@ class Attention(nn.Module):
             k = k.repeat_interleave(n_rep, dim=1)  # (B, nh, T, hd)
             v = v.repeat_interleave(n_rep, dim=1)  # (B, nh, T, hd)
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )  # (B, nh, T, hd)
+            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=self.dropout if self.training else 0.0
+        )  # (B, nh, T, hd); mask: a document mask (B, 1, T, T), causal inside each document
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)  # (B, T, nh*hd)
         return self.resid_drop(self.wo(y))
 
@@ -187,8 +190,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.mlp = mlp if mlp is not None else FeedForward(config)     # another block's (an MoE's)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         x = x + self.mlp(self.ffn_norm(x))
         return x
 
@@ -196,9 +200,13 @@ class TransformerBlock(nn.Module):
 class Llama(nn.Module):
     """Llama style language model with an untied output projection.
 
-    forward(idx, targets=None):
+    forward(idx, targets=None, position_ids=None, document_ids=None):
         idx: (B, T) int64 token ids < vocab_size, with T <= max_seq_len.
         targets: optional (B, T) int64 next-token ids.
+        position_ids: optional (B, T) rotary positions (packed documents: restarting at each one,
+            Megatron's --reset-position-ids); default 0..T-1.
+        document_ids: optional (B, T) document index of each token: attention stays inside a
+            document (Megatron's --reset-attention-mask); default one document.
         returns logits (B, T, V) when targets is None, else the scalar mean cross-entropy loss.
     """
 
@@ -235,14 +243,20 @@ class Llama(nn.Module):
         self.rope_sin.copy_(sin)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         _, T = idx.shape
-        cos = self.rope_cos[:T]  # (T, hd)
-        sin = self.rope_sin[:T]  # (T, hd)
+        if position_ids is None:
+            cos = self.rope_cos[:T]  # (T, hd)
+            sin = self.rope_sin[:T]  # (T, hd)
+        else:
+            cos = self.rope_cos[position_ids].unsqueeze(1)  # (B, 1, T, hd)
+            sin = self.rope_sin[position_ids].unsqueeze(1)  # (B, 1, T, hd)
+        mask = document_mask(document_ids) if document_ids is not None else None  # (B, 1, T, T)
         x = self.tok_embeddings(idx)  # (B, T, dim)
         for layer in self.layers:
-            x = layer(x, cos, sin)  # (B, T, dim)
+            x = layer(x, cos, sin) if mask is None else layer(x, cos, sin, mask)  # (B, T, dim)
         logits = self.output(self.norm(x))  # (B, T, V)
         if targets is None:
             return logits

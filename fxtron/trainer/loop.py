@@ -68,7 +68,7 @@ def train_rank(rank: int, cfg: TrainConfig, groups=None) -> dict:
     import fxtron
     t = cfg.training
     mesh = cfg.mesh.mesh()
-    tm = resolve(cfg.model.name, t.seed, key_values(cfg.model.config))
+    tm = resolve(cfg.model.name, t.seed, key_values(cfg.model.config), cfg.data)
     data = TrainData(cfg, tm.vocab_size)
     args, kw = tm.inputs(data.train_batch(0))
     pm = fxtron.parallelize(tm.model, mesh, example_inputs=args, example_kwargs=kw, config=cfg.parallel())
@@ -182,7 +182,7 @@ def reference(cfg: TrainConfig) -> list[float]:
     clipping: each global batch in the pieces the run's dp ranks and microbatches take, their
     losses averaged (gradient accumulation)."""
     t = cfg.training
-    tm = resolve(cfg.model.name, t.seed, key_values(cfg.model.config))
+    tm = resolve(cfg.model.name, t.seed, key_values(cfg.model.config), cfg.data)
     data = TrainData(cfg, tm.vocab_size)
     model = _whole(tm, t.seed)
     opt = optimizer(model.named_parameters(), cfg)

@@ -6,11 +6,13 @@ input_ids with shift_labels for transformers' (so the loss predicts every next t
 sample, as Megatron's labels = text[1:])."""
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 
 import torch
 
+from fxtron.config import DataConfig
 from fxtron.errors import ParallelizeError
 
 
@@ -20,13 +22,51 @@ class TrainModel:
     transformers: bool                   # inputs as transformers' keywords
     vocab_size: int
     pretrained: str | None = None        # a directory whose weights to load
+    data: DataConfig | None = None       # how samples pack documents (--reset-position-ids, ...)
 
     def inputs(self, tokens: torch.Tensor) -> tuple[tuple, dict]:
-        """(args, kwargs) of a (B, seq + 1) batch of samples."""
+        """(args, kwargs) of a (B, seq + 1) batch of samples. With packed documents
+        (Megatron's --reset-position-ids / --reset-attention-mask / --eod-mask-loss): the
+        positions restarting after each end-of-document token, each token's document (fxtron's
+        models keep attention inside it; transformers' build that mask from the positions), and
+        no loss where the input is the end of a document."""
         x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        d = self.data
+        if d is not None and d.eod_mask_loss:
+            y = y.masked_fill(x == d.eod_id, -100)            # the losses' ignore_index
+        extra = {}
+        if d is not None and d.packed:
+            from fxtron.data.gpt import position_and_document_ids
+            position, document = position_and_document_ids(x, d.eod_id)
+            if d.reset_position_ids:
+                extra["position_ids"] = position
+            if d.reset_attention_mask:
+                extra["document_ids"] = document
         if self.transformers:
-            return (), {"input_ids": x, "labels": x, "shift_labels": y}
-        return (x, y), {}
+            if extra:
+                extra = {"position_ids": extra["position_ids"], "use_cache": False}   # (the mask from the positions)
+            return (), {"input_ids": x, "labels": x, "shift_labels": y, **extra}
+        return (x, y), extra
+
+    def check_packing(self, spec: str) -> None:
+        """Can the model take the packed documents asked for? (a ParallelizeError if not)"""
+        d = self.data
+        if d is None or not d.packed:
+            return
+        if self.transformers:
+            if d.reset_position_ids != d.reset_attention_mask:
+                raise ParallelizeError(
+                    f"model {spec}: transformers' models build the document mask from positions that restart at each "
+                    f"document, so --reset-position-ids and --reset-attention-mask go together for them")
+            return
+        wanted = [k for k, on in (("position_ids", d.reset_position_ids), ("document_ids", d.reset_attention_mask)) if on]
+        params = inspect.signature(self.model.forward).parameters
+        missing = [k for k in wanted if k not in params]
+        if missing:
+            raise ParallelizeError(f"model {spec}: packed documents pass {', '.join(missing)}= to its forward, which "
+                                   f"takes no such argument ({type(self.model).__name__}.forward"
+                                   f"{inspect.signature(self.model.forward)}); drop --reset-position-ids / "
+                                   "--reset-attention-mask, or use a model that takes them (gpt-*, llama-*)")
 
 
 def _has_weights(path: str) -> bool:
@@ -59,9 +99,16 @@ def key_values(pairs) -> dict:
     return out
 
 
-def resolve(spec: str, seed: int = 0, overrides: dict | None = None) -> TrainModel:
+def resolve(spec: str, seed: int = 0, overrides: dict | None = None, data: DataConfig | None = None) -> TrainModel:
     """The model `spec` names, built on the meta device; `overrides` set fields of an
-    hf:<architecture>'s config."""
+    hf:<architecture>'s config; `data`: how its samples pack documents."""
+    tm = _resolve(spec, seed, overrides)
+    tm.data = data
+    tm.check_packing(spec)
+    return tm
+
+
+def _resolve(spec: str, seed: int = 0, overrides: dict | None = None) -> TrainModel:
     from fxtron import models
     if overrides and not spec.startswith("hf:"):
         raise ParallelizeError(f"--model-config ({', '.join(overrides)}) sets fields of an hf:<architecture>'s "

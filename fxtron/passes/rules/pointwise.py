@@ -25,7 +25,8 @@ _POINTWISE = {
     aten.lt.Scalar, aten.le.Scalar, aten.gt.Scalar, aten.ge.Scalar, aten.eq.Scalar, aten.ne.Scalar,
     aten.lt.Tensor, aten.le.Tensor, aten.gt.Tensor, aten.ge.Tensor, aten.eq.Tensor, aten.ne.Tensor,
     aten.logical_and.default, aten.logical_or.default, aten.logical_not.default, aten.bitwise_and.Tensor,
-    aten.bitwise_or.Tensor, aten.bitwise_not.default, aten.dropout.default, aten.gelu_.default,
+    aten.bitwise_or.Tensor, aten.bitwise_not.default, aten.__and__.Tensor, aten.__or__.Tensor, aten.__xor__.Tensor,
+    aten.bitwise_xor.Tensor, aten.logical_xor.default, aten.dropout.default, aten.gelu_.default,
     aten.tril.default, aten.triu.default, aten.mul_.Tensor, aten.add_.Tensor,
 } | _LINEAR_UNARY
 _LIKE = {aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default,
