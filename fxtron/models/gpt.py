@@ -139,7 +139,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """GPT-2 style language model with learned positions and an lm_head tied to wte.
 
-    forward(idx, targets=None, position_ids=None, document_ids=None):
+    forward(idx, targets=None, *, position_ids=None, document_ids=None):
         idx: (B, T) int64 token ids < vocab_size, with T <= block_size.
         targets: optional (B, T) int64 next-token ids.
         position_ids: optional (B, T) positions of the learned table (packed documents:
@@ -180,7 +180,7 @@ class GPT(nn.Module):
             nn.init.normal_(block.mlp.fc2.weight, mean=0.0, std=resid_std)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         _, T = idx.shape

@@ -200,7 +200,7 @@ class TransformerBlock(nn.Module):
 class Llama(nn.Module):
     """Llama style language model with an untied output projection.
 
-    forward(idx, targets=None, position_ids=None, document_ids=None):
+    forward(idx, targets=None, *, position_ids=None, document_ids=None):
         idx: (B, T) int64 token ids < vocab_size, with T <= max_seq_len.
         targets: optional (B, T) int64 next-token ids.
         position_ids: optional (B, T) rotary positions (packed documents: restarting at each one,
@@ -243,7 +243,7 @@ class Llama(nn.Module):
         self.rope_sin.copy_(sin)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         _, T = idx.shape
