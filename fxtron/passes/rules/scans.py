@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from fxtron.core import meta
 from fxtron.core.placement import REPLICATE, Shard
 from fxtron.errors import ParallelizeError
 from fxtron.ops import scan  # noqa: F401 - registers fxtron::shard_prev / shard_cumsum
@@ -59,7 +60,7 @@ def _refuse_grad(node: fx.Node, lower, what: str) -> None:
 @register_lowering(aten.diff.default)
 def _lower_diff(node: fx.Node, lower):
     n, dim, prepend, _ = _diff_args(node)
-    p = lower.placement(node.args[0])
+    p = meta.placement(node, lower.axis)          # the rule's choice: split along the dim, or not
     if not (isinstance(p, Shard) and p.dim == dim and n == 1):
         return None
     _refuse_grad(node, lower, "diff")
@@ -77,7 +78,7 @@ def _lower_diff(node: fx.Node, lower):
 @register_lowering(aten.cumsum.default)
 def _lower_cumsum(node: fx.Node, lower):
     dim = norm(node.args[1], ndim(node.args[0]))
-    p = lower.placement(node.args[0])
+    p = meta.placement(node, lower.axis)          # the rule's choice: split along the dim, or not
     if not (isinstance(p, Shard) and p.dim == dim):
         return None
     _refuse_grad(node, lower, "cumsum")
