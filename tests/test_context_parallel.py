@@ -58,8 +58,10 @@ def test_zigzag_then_a_plain_split_gives_each_rank_its_positions(world):
                        x.detach()[:, cp_ops.positions(8 * world, world, 1)].reshape(-1, 5))
 
 
-@pytest.mark.parametrize("world,gqa", [(2, False), (4, True)])
-def test_all_gather_attention_equals_causal_attention_rows(world, gqa):
+def _whole_attention(world: int, gqa: bool, **sdpa) -> tuple:
+    """float64 q, k, v (B=2, 4 heads, 2 of keys with gqa, S = 8 x world, d=8), an upstream
+    gradient, attention over the whole sequence and its input gradients (the leaves' .grad
+    cleared for the ranks' ops to accumulate into)."""
     g = torch.Generator().manual_seed(0)
     b, h, s, d = 2, 4, 8 * world, 8
     hkv = 2 if gqa else h
@@ -67,15 +69,22 @@ def test_all_gather_attention_equals_causal_attention_rows(world, gqa):
     k = torch.randn(b, hkv, s, d, dtype=torch.float64, generator=g, requires_grad=True)
     v = torch.randn(b, hkv, s, d, dtype=torch.float64, generator=g, requires_grad=True)
     weight = torch.randn(b, h, s, d, dtype=torch.float64, generator=g)
-    full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    full = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, **sdpa)
     (full * weight).sum().backward()
     ref = [t.grad.clone() for t in (q, k, v)]
     for t in (q, k, v):
         t.grad = None
+    return q, k, v, weight, full.detach(), ref
+
+
+@pytest.mark.parametrize("world,gqa", [(2, False), (4, True)])
+def test_all_gather_attention_equals_causal_attention_rows(world, gqa):
+    q, k, v, weight, full, ref = _whole_attention(world, gqa, is_causal=True)
+    s = q.shape[2]
     for r in range(world):                              # each rank: its rows, its gradients' share
         pos = cp_ops.positions(s, world, r)
         out = cp_ops.attention_all_gather(q[:, :, pos], k, v, 0.0, None, gqa, r, world)
-        torch.testing.assert_close(out, full.detach()[:, :, pos], rtol=0, atol=1e-12)
+        torch.testing.assert_close(out, full[:, :, pos], rtol=0, atol=1e-12)
         (out * weight[:, :, pos]).sum().backward()
     for t, want in zip((q, k, v), ref):                 # summed over ranks: the reduce-scatter's sum
         torch.testing.assert_close(t.grad, want, rtol=0, atol=1e-12)
@@ -93,27 +102,15 @@ def test_masked_attention_skips_empty_blocks_and_equals_attention(world, gqa):
     the gathered keys, block by block as the ring visits them, in float64 against the whole
     attention; its gradients summed over ranks are the whole's. Blocks whose documents never
     meet are skipped (ring_blocks), by the ring as well."""
-    g = torch.Generator().manual_seed(0)
-    b, h, d = 2, 4, 8
-    s = 8 * world
-    docs = [4, 2 * world + 1, s - 2 * world - 5]          # the first ends at the first chunk's edge
-    mask = _doc_mask(docs)
-    hkv = 2 if gqa else h
-    q = torch.randn(b, h, s, d, dtype=torch.float64, generator=g, requires_grad=True)
-    k = torch.randn(b, hkv, s, d, dtype=torch.float64, generator=g, requires_grad=True)
-    v = torch.randn(b, hkv, s, d, dtype=torch.float64, generator=g, requires_grad=True)
-    weight = torch.randn(b, h, s, d, dtype=torch.float64, generator=g)
-    full = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    (full * weight).sum().backward()
-    ref = [t.grad.clone() for t in (q, k, v)]
-    for t in (q, k, v):
-        t.grad = None
+    s, d = 8 * world, 8
+    mask = _doc_mask([4, 2 * world + 1, s - 2 * world - 5])      # the first ends at the first chunk's edge
+    q, k, v, weight, full, ref = _whole_attention(world, gqa, attn_mask=mask)
     skipped = 0
     for r in range(world):
         pos = cp_ops.positions(s, world, r)
         rows = mask[pos][None, None]
         out, _ = cp_ops.masked_attention(q[:, :, pos], k, v, rows, d ** -0.5, world, r)
-        torch.testing.assert_close(out, full.detach()[:, :, pos], rtol=0, atol=1e-12)
+        torch.testing.assert_close(out, full[:, :, pos], rtol=0, atol=1e-12)
         (out * weight[:, :, pos]).sum().backward()
         blocks = cp_ops.ring_blocks(rows, False, world, r)
         skipped += sum(1 for _, n, _ in blocks if n == 0)

@@ -310,7 +310,8 @@ def _live_chunks(m: Tensor, c: int) -> tuple[slice | None, slice | None]:
 def ring_blocks(mask: Tensor | None, causal: bool, world: int, rank: int) -> list[tuple[int, int, int]]:
     """The blocks cp rank `rank`'s ring computes, one per step: (the key block's rank, query
     rows, key columns) -- 0 rows where the block is skipped. `mask`: the rank's query rows
-    against every key (B or 1, H or 1, 2c, S), as the ring takes it."""
+    against every key (B or 1, H or 1, 2c, S), as the ring takes it; None: the causal plan (or
+    every block whole), counted in chunks (c = 1)."""
     c = (mask.shape[-2] // 2) if mask is not None else 1
     seq = 2 * c * world
     out = []

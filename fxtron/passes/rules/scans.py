@@ -2,8 +2,10 @@
 derives its packed documents from (transformers' find_packed_sequence_indices: the position
 ids' diff, then `(diff != 1).cumsum(-1)`). Along another dim each shard scans on its own; along
 the split dim they lower to ops/scan.py's shard_prev / shard_cumsum, which exchange only the
-chunks' edges (the ids are not gathered). Values that take a gradient there, `n > 1` and
-`append` run replicated as ops without a rule do (a warning; strict mode refuses)."""
+chunks' edges (the ids are not gathered). The rules alone decide: values that take a gradient
+there, `n > 1`, `append`, a diff without `prepend` and a cumsum with `dtype=` run replicated as
+ops without a rule do (a warning; strict mode refuses), and the lowerings split only what the
+rules split."""
 from __future__ import annotations
 
 import torch
@@ -11,7 +13,6 @@ import torch.fx as fx
 
 from fxtron.core import meta
 from fxtron.core.placement import REPLICATE, Shard
-from fxtron.errors import ParallelizeError
 from fxtron.ops import scan  # noqa: F401 - registers fxtron::shard_prev / shard_cumsum
 from fxtron.passes.rules.registry import Ctx, ndim, norm, register_lowering, register_rule
 
@@ -33,8 +34,8 @@ def _diff(c: Ctx):
         return None if any(not q.is_replicate() for q in c.p) else (REPLICATE, [None] * len(c.p))
     if p.dim != dim:                    # along another dim: each shard on its own, the edges split alike
         return p, [None] + [Shard(p.dim)] * (len(c.p) - 1)
-    if n != 1 or append is not None or c.carries_grad(c.node.args[0]):
-        return None
+    if n != 1 or append is not None or prepend is None or c.carries_grad(c.node.args[0]):
+        return None                      # (without prepend the result is one position short: no split holds it)
     return p, [None] + [REPLICATE] * (len(c.p) - 1)      # the prepended slice: whole, it is one position
 
 
@@ -44,17 +45,9 @@ def _cumsum(c: Ctx):
     if not isinstance(p, Shard) or p.interleave != 1:
         return None if not p.is_replicate() else (REPLICATE, [None])
     if norm(c.node.args[1], ndim(c.node.args[0])) == p.dim and (c.node.kwargs.get("dtype") is not None
-                                                                 or len(c.node.args) > 2
                                                                  or c.carries_grad(c.node.args[0])):
         return None                      # (a dtype= or a gradient, which the split scan does not take: replicated)
     return p, [None]
-
-
-def _refuse_grad(node: fx.Node, lower, what: str) -> None:
-    if lower.carries_grad(node.args[0]):
-        raise ParallelizeError(f"node %{node.name}: {what} along the {lower.axis}-split dim of a value that takes a "
-                               f"gradient is not supported (fxtron's split scans carry ids and masks); compute it "
-                               f"before the value is split, or keep it replicated")
 
 
 @register_lowering(aten.diff.default)
@@ -63,11 +56,7 @@ def _lower_diff(node: fx.Node, lower):
     p = meta.placement(node, lower.axis)          # the rule's choice: split along the dim, or not
     if not (isinstance(p, Shard) and p.dim == dim and n == 1):
         return None
-    _refuse_grad(node, lower, "diff")
     x = lower.remap(node.args[0])
-    if prepend is None:     # diff without prepend drops the first position: not a split of the same length
-        raise ParallelizeError(f"node %{node.name}: diff without prepend along the {lower.axis}-split dim shortens "
-                               f"the sequence by one, which no split of the sequence holds; pass prepend=")
     prev = lower.call(torch.ops.fxtron.shard_prev.default, (x, dim, lower.remap(prepend), lower.balanced, lower.size,
                                                           lower.axis),
                       node, p, f"the position before each of this rank's (over {lower.axis}): the chunks' edges "
@@ -81,7 +70,6 @@ def _lower_cumsum(node: fx.Node, lower):
     p = meta.placement(node, lower.axis)          # the rule's choice: split along the dim, or not
     if not (isinstance(p, Shard) and p.dim == dim):
         return None
-    _refuse_grad(node, lower, "cumsum")
     return lower.call(torch.ops.fxtron.shard_cumsum.default,
                       (lower.remap(node.args[0]), dim, lower.balanced, lower.size, lower.axis), node, p,
                       f"the running sum of the whole dim: each chunk's own plus the totals before it (over "
