@@ -148,11 +148,6 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
             "weight-gradient kernels, the shared-memory transport) compute in 32 bits or less, so a float64 model "
             "would not keep float64 precision at tp > 1; use model.float() (or bfloat16 with dtype=), or tp=1 "
             "(data, pipeline and context parallel keep float64)")
-    if mesh.ep > 1 and mesh.cp > 1:
-        raise ParallelizeError(
-            f"expert parallel composes with tensor, data and pipeline parallel in this build; the mesh asks for "
-            f"ep={mesh.ep} with tp={mesh.tp}, cp={mesh.cp} (the experts' tokens split over cp are not built yet). "
-            f"Use cp=1 -- Mesh(world_size={mesh.world_size}, ep={mesh.ep}, tp={mesh.tp}, pp={mesh.pp}) -- or ep=1")
     # a 16-bit program is traced in 16 bits (casts such as a norm's .float() ... .type_as(x) only
     # mean something then), on a meta replica so the model's weights are never copied
     if isinstance(example_inputs, (tuple, list, torch.Tensor)):

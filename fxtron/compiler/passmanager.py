@@ -39,6 +39,7 @@ from fxtron.passes.tp_plan import TPPlan
 from fxtron.passes.propagate import propagate
 from fxtron.passes.recompute import mark_recompute
 from fxtron.passes.redistribute import insert_redistributions
+from fxtron.passes.rules.order import rewrite_inverse_permutations
 from fxtron.passes.rng import assign_rng_regions
 from fxtron.passes.shapes import annotate_local_shapes
 from fxtron.passes.statistics import global_statistics
@@ -252,8 +253,10 @@ def shard_params(gm: fx.GraphModule, mesh: MeshView, mine: set[str]) -> dict[str
         group, whole = "dp", ()
         if any(s.axis == "ep" for s in shards):
             # an expert's gradient sums the tokens every ep rank sent it; the replicas of the
-            # rank's experts are its expert-dp group (Megatron's expert data parallel)
+            # rank's experts are its expert-dp group (Megatron's expert data parallel). The cp
+            # ranks fold into ep x expert-dp, so that sum already takes every cp rank's tokens
             group = "expert-dp"
+            partial = tuple(a for a in partial if a != "cp")
         elif mesh.parallel("cp"):        # the cp sum joins the dp average in one collective
             group = "dp-cp"
             whole = () if "cp" in partial else ("cp",)
@@ -309,6 +312,9 @@ PASSES = pass_list(
          _set("gm", lambda s: split_fused_parts(s.gm, s.plan)),
          lambda s: s.mesh.parallel("tp") and any(getattr(p, "whole", ()) for p in s.plan.params.values()),
          "tp > 1 and such a projection", after=("split_row_bias",)),
+    Pass("inverse_permutations", "a permutation's inverse written index_put_(empty_like(p), [p], arange(n)) "
+         "becomes argsort(p), which each rank computes from its own sort (a mixture of experts' copies under cp)",
+         _set("gm", lambda s: rewrite_inverse_permutations(s.gm)), _cp, "cp > 1", after=("trace",)),
     Pass("dispatch_experts", "each mixture-of-experts layer's copies go to the ranks of their experts and come back "
          "(Megatron's all-to-all dispatcher); the experts' GEMMs run on the rank's own experts",
          _set("gm", lambda s: dispatch_experts(s.gm, s.mesh.size("ep"), s.config.experts.capacity_factor or 0.0,

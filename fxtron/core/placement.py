@@ -55,6 +55,12 @@ class Shard(Placement):
     #: under multi-query attention beside its split queries; core/layout.py). Rules never see it:
     #: such a parameter is only read through slices of its blocks (passes/tensor_parallel.py)
     whole: tuple[int, ...] = ()
+    #: a rank-local order (passes/rules/order.py): the rank holds the elements of `dim` that its
+    #: own tokens give, in an order of its own -- a sort of its shard by a key, named by the sort
+    #: node ("%sort"), or the inverse of one ("inverse %sort": a rank's positions in that order).
+    #: No global layout exists, so such a value is never moved; ops that do not depend on the
+    #: order across ranks take it, and the sort's inverse permutation undoes it
+    order: str = ""
 
     def __post_init__(self):
         if self.dim < 0:
@@ -66,6 +72,8 @@ class Shard(Placement):
         return dim is None or dim == self.dim
 
     def __str__(self) -> str:
+        if self.order:
+            return f"S({self.dim},{'by ' if not self.order.startswith('inverse') else ''}{self.order})"
         whole = f",whole {':'.join(map(str, self.whole))}" if self.whole else ""
         if isinstance(self.interleave, tuple):
             return f"S({self.dim},{':'.join(map(str, self.interleave))}{whole})"

@@ -36,7 +36,7 @@ from fxtron.errors import ParallelizeError
 from fxtron.ops import ep as _ep_ops  # noqa: F401 - registers fxtron::ep_dispatch / ep_combine
 from fxtron.ops import registry
 from fxtron.passes.propagate import AxisLayout
-from fxtron.passes.rules import Ctx, register_rule
+from fxtron.passes.rules import Ctx, order, register_rule
 
 aten = torch.ops.aten
 AXIS = "ep"
@@ -47,6 +47,8 @@ OFFSET_CHAIN = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten
                  aten.clone.default, aten.alias.default}
 #: the ops that count the copies per expert
 _COUNTS = {aten.histc.default, aten.bincount.default}
+#: the order of the rows a dispatch of copies in a rank-local order gives (rules/order.py)
+DISPATCHED = " dispatched"
 
 
 @register_rule("fxtron::ep_dispatch", "fxtron::ep_combine")
@@ -54,13 +56,24 @@ def _moves_rows(c: Ctx):
     """The dispatch and the combine move whole rows between the ep ranks (linear in them): a
     split of the features (a column-split expert's output) or a partial sum (a row-split one's)
     passes through on any other axis, and so does a tp rank's share of the rows (ep_share,
-    ep_scatter); the offsets and counts stay whole."""
+    ep_scatter); the offsets and counts stay whole. Copies in a rank-local order (context
+    parallel: each rank sorted its own tokens' copies, rules/order.py) are dispatched as they
+    are, by the rank's own counts: the rows received are in an order of their own, and the
+    combine puts them back in the copies' order."""
     p = c.p[0]
+    is_dispatch = isinstance(c.node.meta.get("val"), (tuple, list))
+    if order.ordered(p):
+        if any(not (q.is_partial() or q.is_replicate() or order.ordered(q)) for q in c.p[1:]):
+            raise c.fail("the counts of the copies in a rank-local order must be the rank's own (partial sums)")
+        if is_dispatch:
+            return (Shard(0, order=p.order + DISPATCHED), PARTIAL, PARTIAL), [None] * len(c.p)
+        if not p.order.endswith(DISPATCHED):
+            raise c.fail(f"combines rows in the order {p.order}, not rows fxtron::ep_dispatch gave this rank")
+        return Shard(0, order=p.order[:-len(DISPATCHED)]), [None] * len(c.p)
     keep = (p.is_partial() or p.is_replicate() or (isinstance(p, Shard) and p.dim > 0)
             or (p == Shard(0) and _is_share(c.node.args[0])))
     out = p if keep else REPLICATE
     expects = [None if keep else REPLICATE] + [REPLICATE] * (len(c.p) - 1)
-    is_dispatch = isinstance(c.node.meta.get("val"), (tuple, list))
     return ((out, REPLICATE, REPLICATE) if is_dispatch else out), expects
 
 
@@ -322,6 +335,7 @@ def dispatch_experts(gm: fx.GraphModule, ep: int, capacity: float = 0.0, *, tp: 
         why = "dispatch the copies to the ranks of their experts"
         with g.inserting_before(first):
             rows_n = _call(g, aten.sym_size.int, (copies, 0), cv.shape[0], first, why)
+            meta.set(rows_n, meta.OWN_SIZE, True)     # the rank's copies (under cp, its own tokens')
             sent, sent_offs, dispatch_args = copies, layer.offs, (layer.name, float(capacity), pad)
             if shares > 1:
                 share = _call(g, torch.ops.fxtron.ep_share.default, (copies, layer.offs, TP, shares, layer.name,

@@ -26,6 +26,7 @@ import torch.fx as fx
 from fxtron.core import meta
 from fxtron.core.axes import MeshView
 from fxtron.core.placement import REPLICATE, Placement, Replicate, Shard
+from fxtron.passes.rules import order as local_order
 from fxtron.passes.rules import Ctx, no_rule, rule_for, tensor_inputs
 
 
@@ -96,7 +97,11 @@ def propagate(gm: fx.GraphModule, layout: AxisLayout, *, mesh: MeshView) -> fx.G
         c = ctx(node)
         rule = rule_for(node.target)
         ruled = rule(c) if rule is not None else None     # a rule returns None for placements it has no way for
+        if ruled is not None and not local_order.is_aware(node.target):
+            ruled = local_order.carry(c, *ruled)           # a rank-local order: carried, or an error
         if ruled is None:
+            if any(local_order.ordered(p) for p in c.p):
+                raise c.fail(local_order.why(c, "has no rule that keeps the order of"))
             replicated = all(isinstance(p, Replicate) for p in c.p)
             if not replicated and layout.strict:
                 raise no_rule(node, c.p, axis=axis)

@@ -69,6 +69,12 @@ class _Emitter:
         if key in self.cache:
             return self.cache[key]
         why = f"%{src.name} {axis}:{have} -> {axis}:{want} for %{consumer.name}"
+        if getattr(have, "order", "") or getattr(want, "order", ""):
+            raise ParallelizeError(
+                f"{why}: a value in a rank-local order (each {axis} rank sorted its own tokens, rules/order.py) has "
+                f"no global layout to move it to or from; %{consumer.name} ({consumer.target}, module "
+                f"{meta.get(consumer, meta.MODULE) or '(top level)'}) must take it in that order, which only "
+                f"elementwise and row-wise ops, sums and the sort's inverse permutation do")
         origin = src   # a partial sum belongs to the layer that made it, not to the cast after it
         while isinstance(have, Partial) and origin.op == "call_function" and origin.target in PARTIAL_THROUGH:
             origin = origin.args[0]

@@ -12,6 +12,7 @@ import fxtron.ops  # noqa: F401 - torch.ops.fxtron.vocab_parallel_*
 from fxtron.core import meta
 from fxtron.core.placement import PARTIAL, REPLICATE, Shard
 from fxtron.errors import ParallelizeError
+from fxtron.passes.rules import order
 from fxtron.passes.rules.registry import Ctx, is_one, ndim, norm, register_lowering, register_rule, shape
 
 aten = torch.ops.aten
@@ -57,6 +58,9 @@ def grouped_mm(c: Ctx):
     parallel -- colwise (each expert's output features: gate/up) or rowwise (its input features:
     down, a partial sum). Tokens are rows grouped by the offsets: never sharded."""
     x, w = c.node.args[:2]
+    in_order = order.grouped_rows(c, x, c.node.args[2] if len(c.node.args) > 2 else None)
+    if in_order is not None:              # each rank's own rows, sorted by expert (cp: rules/order.py)
+        return in_order
     pw = c.p[c.index(w)]
     expects = [REPLICATE] * len(c.p)
     expects[c.index(w)] = None

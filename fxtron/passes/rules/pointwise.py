@@ -27,7 +27,8 @@ _POINTWISE = {
     aten.logical_and.default, aten.logical_or.default, aten.logical_not.default, aten.bitwise_and.Tensor,
     aten.bitwise_or.Tensor, aten.bitwise_not.default, aten.__and__.Tensor, aten.__or__.Tensor, aten.__xor__.Tensor,
     aten.bitwise_xor.Tensor, aten.logical_xor.default, aten.dropout.default, aten.gelu_.default,
-    aten.tril.default, aten.triu.default, aten.mul_.Tensor, aten.add_.Tensor,
+    aten.tril.default, aten.triu.default, aten.mul_.Tensor, aten.add_.Tensor, aten.div_.Tensor, aten.sub_.Tensor,
+    aten.floor_divide.default, aten.div.Tensor_mode, aten.remainder.Scalar, aten.remainder.Tensor,
 } | _LINEAR_UNARY
 _LIKE = {aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default,
          aten.rand_like.default, aten.randn_like.default}

@@ -149,6 +149,11 @@ class Ctx:
         self._trace, self._partials_to_sequence = trace, partials_to_sequence
         self.inputs = tensor_inputs(node)
         self.p = [placements[a] for a in self.inputs]
+        self._placements = placements
+
+    def placement_of(self, node: fx.Node):
+        """The placement on this axis of any node before this one (None if it has none)."""
+        return self._placements.get(node)
 
     @property
     def placements(self) -> list:

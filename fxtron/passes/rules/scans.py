@@ -12,8 +12,9 @@ import torch
 import torch.fx as fx
 
 from fxtron.core import meta
-from fxtron.core.placement import REPLICATE, Shard
+from fxtron.core.placement import PARTIAL, REPLICATE, Shard
 from fxtron.ops import scan  # noqa: F401 - registers fxtron::shard_prev / shard_cumsum
+from fxtron.passes.rules import order
 from fxtron.passes.rules.registry import Ctx, ndim, norm, register_lowering, register_rule
 
 aten = torch.ops.aten
@@ -42,6 +43,8 @@ def _diff(c: Ctx):
 @register_rule(aten.cumsum.default)
 def _cumsum(c: Ctx):
     p = c.p[0]
+    if p.is_partial():
+        return PARTIAL, [None]           # linear: the running sums of the summands sum to the whole's
     if not isinstance(p, Shard) or p.interleave != 1:
         return None if not p.is_replicate() else (REPLICATE, [None])
     if norm(c.node.args[1], ndim(c.node.args[0])) == p.dim and (c.node.kwargs.get("dtype") is not None
@@ -86,7 +89,9 @@ def _along(node: fx.Node, at: int) -> int:
 def _select_along(c: Ctx):
     """topk and sort along one dim (a router's top-k experts of each token): along another dim
     than the split one each shard selects on its own, values and indices split alike; along
-    the split dim (or of a partial sum) there is no rule: the op runs replicated."""
+    the split dim of a 1-D value whose order the graph undoes, each rank sorts its own (a mixture of
+    experts' copies by expert, rules/order.py); any other there (or of a partial sum) has no rule:
+    the op runs replicated."""
     p = c.p[0]
     at = {aten.topk.default: 2, aten.sort.default: 1}.get(c.node.target)
     dim = _along(c.node, at) if at is not None else norm(c.node.kwargs.get("dim", -1), ndim(c.node.args[0]))
@@ -94,4 +99,4 @@ def _select_along(c: Ctx):
         return (REPLICATE, REPLICATE), [None]
     if isinstance(p, Shard) and p.dim != dim:
         return (p, p), [None]
-    return None
+    return order.sort_rule(c, dim)      # along the split dim: each rank's own order, where the graph undoes it

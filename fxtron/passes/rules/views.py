@@ -9,6 +9,7 @@ import torch.fx as fx
 
 from fxtron.core import layout, meta
 from fxtron.core.placement import PARTIAL, REPLICATE, Shard
+from fxtron.passes.rules import order
 from fxtron.passes.rules.registry import Ctx, expr, is_one, is_zero, ndim, norm, register_rule, shape
 
 from fxtron.errors import ParallelizeError
@@ -55,6 +56,10 @@ def _view(c: Ctx):
             return Shard(go[0], p.interleave), [None]
         if layout.is_symbolic(p.interleave) and len(gi) == 1:
             return _unfold(c, p, [c.sym(outs[j]) for j in go], go)
+        if layout.is_symbolic(p.interleave) and len(go) == 1 and gi[0] == p.dim:
+            # (B*S, k) -> B*S*k: each block of the fold grows by the whole dims after it (a
+            # mixture of experts' k copies of each token flattened), split as before
+            return Shard(go[0], p.interleave), [None]
         if not isinstance(p.interleave, int):              # unequal fused blocks: no view layout
             return REPLICATE, [REPLICATE]
         if len(gi) == 1:                                   # split: (F,) -> (a0, a1, ...)
@@ -101,6 +106,12 @@ def _unfold(c: Ctx, p: Shard, sizes: list, go: list[int]):
     """A dim split into a symbolic count of blocks, viewed as (a0, a1, ...): the shard lands
     on the first size past the blocks (BLOOM's B*heads -> (B, heads))."""
     prefix = sympy.Integer(1)
+    if c.balanced and all(a.is_Integer for a in sizes[1:]):
+        # B*S*k -> (B*S, k): the blocks stay in the first dim, whole dims after it (a cp shard
+        # of a mixture of experts' k copies of each token, viewed per token again)
+        _, den = sympy.fraction(sympy.simplify(sizes[0] / p.interleave))
+        if den == 1:
+            return Shard(go[0], p.interleave), [None]
     for t, a in enumerate(sizes):
         q = sympy.simplify(p.interleave / prefix)
         if q.is_Integer and a.is_Integer and int(a) % (int(q) * c.size) == 0:
@@ -315,6 +326,9 @@ def _index(c: Ctx):
     only here stays partial (picking rows is linear); a shard of the one index tensor on a dim the others
     broadcast along makes the output sharded there (Falcon's rotary tables picked by sequence-
     sharded positions). Anything else is gathered first."""
+    in_order = order.index_rule(c)        # a sort's indices in each rank's own order, or their inverse
+    if in_order is not None:
+        return in_order
     x, idx = c.node.args[0], list(c.node.args[1])
     px = c.p[c.index(x)]
     pos = [i for i, t in enumerate(idx) if t is not None]
