@@ -203,7 +203,8 @@ def test_attention_the_ring_cannot_take_is_reported():
 
 
 @pytest.mark.parametrize("comm,attention", [("all_gather", "attention_all_gather"),
-                                            ("a2a", "scaled_dot_product_attention")])
+                                            ("a2a", "scaled_dot_product_attention"),
+                                            ("p2p", "fxtron.ring_attention")])
 def test_dropout_draws_differ_across_cp_ranks(comm, attention):
     model = make("gpt", dropout=0.1)
     pm = fxtron.parallelize(model, fxtron.Mesh(2, cp=2), example_inputs=batch("gpt", 2, 8, 0)[0],
@@ -326,12 +327,6 @@ def test_topk_and_sort_along_another_dim_stay_split():
 def test_user_mistakes_raise():
     with pytest.raises(fxtron.ParallelizeError, match="cp_comm_type"):
         _pm("gpt", fxtron.Mesh(2, cp=2), cp_comm_type="ring")
-    model = make("gpt", dropout=0.1)
-    args, _ = batch("gpt", 2, 8, seed=0)
-    pm = fxtron.parallelize(model, fxtron.Mesh(2, cp=2), example_inputs=args, cp_comm_type="p2p")
-    with pytest.raises(fxtron.ParallelizeError, match="dropout.*all_gather"):
-        pm.compiled(0)
-    fxtron.parallelize(model, fxtron.Mesh(2, cp=2), example_inputs=args, cp_comm_type="all_gather").compiled(0)
 
 
 # ----------------------------------------------------------------------------- equal to one process
@@ -342,7 +337,12 @@ CASES = {
         (dict(cp=2), "nanogpt", "p2p", {}), (dict(cp=2), "hf-gpt2-eager", "all_gather", {}),
         # Ulysses: grouped-query keys sent un-repeated (llama: 8 query heads, 4 key/value heads)
         (dict(cp=2), "llama", "a2a", {}), (dict(cp=2), "hf-llama", "a2a", {}), (dict(cp=2), "gpt", "a2a", {}),
-        (dict(cp=2), "hf-gpt2-eager", "a2a", {})],
+        (dict(cp=2), "hf-gpt2-eager", "a2a", {}),
+        # mixtures of experts: each rank routes its own tokens (sorted by expert in a rank-local
+        # order), the load-balancing loss's statistics summed over cp; with ep, drawn from cp
+        (dict(cp=2), "hf-mixtral-aux", "p2p", dict(strict=True)), (dict(cp=2), "moe", "all_gather", dict(strict=True)),
+        (dict(cp=2), "hf-qwen3moe", "a2a", dict(strict=True)), (dict(cp=2), "hf-deepseekv3", "p2p", dict(strict=True)),
+        (dict(cp=2, ep=2), "hf-mixtral", "p2p", dict(strict=True)), (dict(cp=2, ep=2), "moe", "p2p", dict(strict=True))],
     4: [(dict(cp=4), "llama", "p2p", {}),
         (dict(cp=4), "llama", "a2a", {}),
         (dict(cp=2, tp=2), "llama", "a2a", {}),
@@ -355,7 +355,11 @@ CASES = {
         (dict(cp=2, pp=2), "llama", "p2p", dict(microbatches=2)),
         # a2a+p2p: Ulysses inside groups of 2 cp ranks, the ring across the 2 groups
         (dict(cp=4), "llama", "a2a+p2p", dict(cp_a2a_size=2)), (dict(cp=4), "hf-llama", "a2a+p2p", dict(cp_a2a_size=2)),
-        (dict(cp=4), "gpt", "a2a+p2p", dict(cp_a2a_size=2)), (dict(cp=4), "hf-gpt2-eager", "a2a+p2p", dict(cp_a2a_size=2))],
+        (dict(cp=4), "gpt", "a2a+p2p", dict(cp_a2a_size=2)), (dict(cp=4), "hf-gpt2-eager", "a2a+p2p", dict(cp_a2a_size=2)),
+        # experts: ep=2 inside cp=2 x dp=2 (the aux loss's statistics summed over dp and cp),
+        # ep=4 over all of them, and the experts split over tp beside cp
+        (dict(cp=2, ep=2), "hf-mixtral-aux", "p2p", {}), (dict(cp=2, ep=4), "moe", "p2p", {}),
+        (dict(cp=2, tp=2), "hf-mixtral", "p2p", dict(sequence_parallel=True))],
     8: [(dict(cp=4, tp=2), "llama", "a2a+p2p", dict(cp_a2a_size=2)),
         (dict(cp=4, tp=2), "gpt", "a2a+p2p", dict(cp_a2a_size=2, sequence_parallel=True)),
         (dict(cp=4, pp=2), "llama", "a2a+p2p", dict(cp_a2a_size=2, microbatches=2)),
@@ -406,6 +410,57 @@ def _run_bf16(rank, mesh, case):
 
 
 BF16 = [Bf16(dict(cp=2), "llama", "p2p", {}), Bf16(dict(cp=2), "gpt", "all_gather", {})]
+
+
+class RingDropout(Case):
+    """The ring op itself with attention dropout (p=0.25), float64, on each rank's chunks."""
+
+
+RING_DROPOUT = {2: RingDropout(dict(cp=2), "ring", "p2p", {}), 4: RingDropout(dict(cp=4), "ring", "p2p", {})}
+P_DROP = 0.25
+
+
+def _run_ring_dropout(rank, mesh, case):
+    world = mesh.size("cp")
+    q, k, v, weight, _, _ = _whole_attention(world, True, is_causal=True)
+    pos = cp_ops.positions(q.shape[2], world, rank)
+    mine = [t.detach()[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(100 + rank)                     # outside a program: the seed from torch's own stream
+    out, _, seed = cp_ops.ring_attention(*mine, None, 8 ** -0.5, True, world, "cp", P_DROP)
+    (out * weight[:, :, pos]).sum().backward()
+    return {"out": out.detach(), "seed": int(seed), "grads": [t.grad for t in mine]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_dropout_is_attention_under_its_masks(trained, world):
+    """Attention dropout inside the ring: each block's mask is regenerated from the seed the
+    rank drew and the key block's rank (cp_ops.keep_mask), in forward and backward. Put
+    together from every rank's seed, the masks are one (B, H, S, S) mask; the ranks' outputs
+    and gradients (each rank's dK, dV of its own keys, after the ring brought them home) equal
+    float64 attention with that mask applied to its probabilities -- dropout of the whole
+    softmax, not of each block's."""
+    got = ranks_of(trained, fxtron.Mesh(world, cp=world), RING_DROPOUT[world])
+    q, k, v, weight, _, _ = _whole_attention(world, True, is_causal=True)
+    b, h, s, _ = q.shape
+    c = s // (2 * world)
+    keep = torch.zeros(b, h, s, s, dtype=torch.float64)
+    for r, res in enumerate(got):
+        rows = cp_ops.positions(s, world, r)
+        for src in range(world):
+            cols = cp_ops.positions(s, world, src)
+            keep[:, :, rows[:, None], cols[None, :]] = cp_ops.keep_mask(res["seed"], P_DROP, src, (b, h, 2 * c, 2 * c),
+                                                                       q.device, torch.float64)
+    assert 0.15 < (keep == 0).double().mean() < 0.35 and len({res["seed"] for res in got}) == world
+    scores = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * 8 ** -0.5
+    scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+    ref = (scores.softmax(-1) * keep) @ v.repeat_interleave(2, 1)
+    (ref * weight).sum().backward()
+    for r, res in enumerate(got):
+        pos = cp_ops.positions(s, world, r)
+        torch.testing.assert_close(res["out"], ref.detach()[:, :, pos], rtol=0, atol=1e-12)
+        for t, grad in zip((q, k, v), res["grads"]):
+            torch.testing.assert_close(grad, t.grad[:, :, pos], rtol=0, atol=1e-12)
 
 
 EOD = 3
@@ -463,6 +518,32 @@ def _run_packed(rank, mesh, case):
     return train_program(prog, _packed_batches(case.name), _opt(prog.parameters()))
 
 
+def test_experts_route_each_ranks_own_tokens():
+    """transformers' Mixtral at cp=2 under strict=True: the copies of the rank's tokens sorted by
+    expert in its own order (histc of them a partial sum, the grouped GEMMs over the rank's
+    rows), transformers' inverse permutation (index_put_ of an arange) an argsort of the sort's
+    indices, which puts the rows back in the tokens' split. Nothing in the experts communicates
+    over cp; with ep=2 the dispatch moves the rank's rows and brings them back."""
+    from fxtron.core import meta
+    from fxtron.core.placement import describe
+    for mesh in (fxtron.Mesh(2, cp=2), fxtron.Mesh(2, cp=2, ep=2)):
+        pm = _pm("hf-mixtral", mesh, strict=True)
+        gm = pm.compiled(1).gm
+        placed = {n.name: describe(meta.placement(n, "cp")) for n in gm.graph.nodes
+                  if meta.get(n, meta.MODULE, "").startswith("model.layers.0.mlp")}
+        assert placed["sort"] == "(S(0,by %sort), S(0,by %sort))" and placed["histc"] == "P(sum)"
+        assert placed["argsort_stable"] == "S(0,inverse %sort)"
+        gemms = [k for k in placed if k.startswith("grouped_mm")]
+        rows = "S(0,by %sort dispatched)" if mesh.ep > 1 else "S(0,by %sort)"     # (the rows ep gave the rank)
+        assert len(gemms) == 2 and all(placed[k] == rows for k in gemms)
+        assert placed["reshape_7"] == "S(1)"                  # (B, S/2, h): the layer's output, split as it came
+        ops = _ops(pm)
+        assert not any(op.startswith("index_put") for op in ops) and ops.count("argsort.stable") == 2
+        moe = [r for r in pm.collectives(0, graphs_only=True) if r.module.startswith("model.layers.0.mlp")]
+        assert all(r.group != "cp" for r in moe) and bool(moe) == (mesh.ep > 1)
+        assert "run replicated" not in pm.summary()
+
+
 def test_packed_documents_split_their_scans_and_skip_empty_blocks():
     """Packed hf Llama at cp=2 under strict=True: the position ids' diff and the document
     index's cumsum run on the split sequence (shard_prev, shard_cumsum: the chunks' edges
@@ -487,12 +568,14 @@ def _jobs(saved):
         for axes, name, comm, kw in cases:
             mesh = fxtron.Mesh(world, **axes)
             jobs.setdefault(world, []).append((mesh, [Case(axes, name, comm, kw)]))
-    jobs[2] += [(fxtron.Mesh(2, cp=2), [saved] + BF16 + PACKED)]
+    jobs[2] += [(fxtron.Mesh(2, cp=2), [saved] + BF16 + PACKED + [RING_DROPOUT[2]])]
+    jobs[4] += [(fxtron.Mesh(4, cp=4), [RING_DROPOUT[4]])]
     return jobs
 
 
 def _dispatch(rank, mesh, case):
-    run = _run_bf16 if isinstance(case, Bf16) else _run_packed if isinstance(case, Packed) else _run_case
+    run = (_run_bf16 if isinstance(case, Bf16) else _run_packed if isinstance(case, Packed)
+           else _run_ring_dropout if isinstance(case, RingDropout) else _run_case)
     return run(rank, mesh, case)
 
 

@@ -3,7 +3,7 @@ recompute_layers)): which regions are marked, the errors a user can cause, and t
 recomputation is the run without it, bit for bit.
 
 With processes: one 4-process gloo job trains each case twice, without and with recomputation
-(2 AdamW steps, dropout 0.1 wherever the model has dropout (but in the cp ring, which takes none), so every recomputed dropout must
+(2 AdamW steps, dropout 0.1 wherever the model has dropout, inside the cp ring too, so every recomputed dropout must
 draw its first masks again): tp x pp with sequence parallel and 1F1B, ZB-H1 and the interleaved
 schedule, tp x dp with transformers' written-out attention, cp x tp (attention over gathered keys, and the ring),
 ep x tp (the all-to-alls run again). Losses, the first step's gradients (gathered) and the
@@ -178,8 +178,11 @@ CASES = {
     "cp2-tp2-a2a-selective": ("llama", dict(cp=2, tp=2), dict(cp_comm_type="a2a"), dict(recompute="selective")),
     # the ring (no attention dropout: it takes none) sends its key blocks around again in backward
     "cp2-tp2-ring-full": ("llama-p0", dict(cp=2, tp=2), {}, dict(recompute="full")),
-    # a2a+p2p: the all-to-alls and the ring of the groups run again in the recomputed forward
-    "cp4-a2a+p2p-full": ("llama-p0", dict(cp=4), dict(cp_comm_type="a2a+p2p", cp_a2a_size=2), dict(recompute="full")),
+    # ... and with attention dropout inside the ring: each block's mask drawn again from the seed
+    # the recomputed ring draws where the first one did
+    "cp2-ring-dropout-selective": ("llama", dict(cp=2), {}, dict(recompute="selective")),
+    # a2a+p2p: the all-to-alls and the ring of the groups (with dropout) run again in the recomputed forward
+    "cp4-a2a+p2p-full": ("llama", dict(cp=4), dict(cp_comm_type="a2a+p2p", cp_a2a_size=2), dict(recompute="full")),
     "ep2-tp2-sp-full": ("moe", dict(ep=2, tp=2), dict(sequence_parallel=True), dict(recompute="full")),
 }
 LAYERS = {"tp2-pp2-interleaved-block": 4, "tp2-pp2-sp-1f1b-full": 4}

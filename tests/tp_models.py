@@ -15,7 +15,7 @@ ZOO = {"Llama": "hf-llama", "Mistral": "hf-mistral", "Qwen2": "hf-qwen2", "Qwen3
        "Starcoder2": "hf-starcoder2", "SmolLM3": "hf-smollm3", "Mixtral": "hf-mixtral", "Qwen3-MoE": "hf-qwen3moe",
        "DeepSeek-V3": "hf-deepseekv3", "Cohere": "hf-cohere", "CodeGen": "hf-codegen",
        "GPTBigCode": "hf-bigcode"}
-VOCAB = {"gpt": 256, "llama": 256, "cumsum-mlp": 64, "factories-mlp": 64, "gather-mlp": 64, "einsum-attn": 64,
+VOCAB = {"gpt": 256, "llama": 256, "moe": 256, "hf-mixtral-aux": 128, "cumsum-mlp": 64, "factories-mlp": 64, "gather-mlp": 64, "einsum-attn": 64,
          "nanogpt": 64, "hf-gpt2-eager": 128, "hf-qwen2-tied": 128, **{n: 128 for n in ZOO.values()}}
 NAMES = ["gpt", "llama", "hf-gpt2", "hf-llama"]
 # more transformers decoders (traced layer by layer in test_repeat; test_zoo.py holds all of ZOO
@@ -142,6 +142,10 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
         return EinsumAttention()
     if name == "nanogpt":
         return NanoGPT(layers=layers)
+    if name == "moe":                     # fxtron's own: argsort by expert, a shared expert, the Switch loss
+        from fxtron.models.moe import MoEConfig, MoETransformer
+        return MoETransformer(MoEConfig(vocab_size=256, max_seq_len=64, n_layer=layers, n_head=4, n_kv_head=2, dim=32,
+                                        ffn_dim=48, n_experts=4, top_k=2, shared_ffn_dim=32, aux_loss_coef=0.05))
     if name == "llama":
         return Llama(LlamaConfig(vocab_size=256, max_seq_len=64, n_layer=layers, n_head=8, n_kv_head=4,
                                  dim=64, ffn_dim=96, dropout=dropout))
@@ -192,6 +196,10 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
         # experts: 3-D weights (experts, out, in), run by transformers' grouped GEMM
         "hf-mixtral": lambda: T.MixtralForCausalLM(T.MixtralConfig(**{**common, "intermediate_size": 32}, **kv,
                                                                    num_local_experts=4, num_experts_per_tok=2)),
+        # ... with its load-balancing loss in the loss (router logits of every token, every layer)
+        "hf-mixtral-aux": lambda: T.MixtralForCausalLM(T.MixtralConfig(
+            **{**common, "intermediate_size": 32}, **kv, num_local_experts=4, num_experts_per_tok=2,
+            output_router_logits=True, router_aux_loss_coef=0.1)),
         "hf-qwen3moe": lambda: T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(
             **common, **kv, head_dim=8, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
             decoder_sparse_step=1, mlp_only_layers=[])),

@@ -23,6 +23,7 @@ inverse all-to-all brings the rank's chunks of every head back.
 """
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -204,14 +205,22 @@ def _acc(q: Tensor) -> torch.dtype:
     return torch.promote_types(q.dtype, torch.float32)
 
 
+def _fused(q: Tensor, v: Tensor) -> bool:
+    """Does a block run on torch's CPU flash kernel (with its log-sum-exp)?"""
+    return q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
+
+
 def _block(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None,
-           causal: bool, fused: bool | None = None) -> tuple[Tensor, Tensor]:
+           causal: bool, fused: bool | None = None, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Attention of q against one block of keys: (out (B,H,Lq,Dv), lse (B,H,Lq)) in fp32 (or
     the inputs' wider dtype); a row that sees no key has lse -inf and out 0. `causal`: the top-left causal mask
     (the diagonal step: the rank's own chunks against themselves). On CPU torch's flash
     kernel, which returns the log-sum-exp; elsewhere (or `fused=False`) the same in plain
-    matmuls (fp32)."""
-    if q.device.type == "cpu" if fused is None else fused:
+    matmuls (fp32), also where the values' head size differs from the queries' (DeepSeek's MLA),
+    which the flash kernel does not take. `keep`: attention dropout's mask of the block, scaled
+    by 1/(1-p) (`_keep`): the probabilities are dropped, the log-sum-exp is the undropped
+    softmax's (plain matmuls)."""
+    if keep is None and (_fused(q, v) if fused is None else fused):
         bias = _additive(mask, q.dtype)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
@@ -228,14 +237,17 @@ def _block(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None,
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(acc)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
-    return torch.matmul(p, v.to(acc)), lse
+    return torch.matmul(p if keep is None else p * keep, v.to(acc)), lse
 
 
 def _block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
-                    mask: Tensor | None, causal: bool, fused: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                    mask: Tensor | None, causal: bool, fused: bool | None = None,
+                    keep: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of one block, in fp32 (or wider), given the rows' final output and log-sum-exp (the
-    block's probabilities are exp(scores - lse): its share of the whole softmax)."""
-    if q.device.type == "cpu" if fused is None else fused:
+    block's probabilities are exp(scores - lse): its share of the whole softmax). With dropout's
+    scaled mask `keep` (FlashAttention-2's backward): dV = (P*keep)^T dO, and the scores'
+    gradient P * ((dO V^T) * keep - rowsum(dO * O)), O the dropped output."""
+    if keep is None and (_fused(q, v) if fused is None else fused):
         lse = torch.where(torch.isinf(lse), 0.0, lse)    # a row that sees no key anywhere: no gradient
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.to(q.dtype) if q.dtype == torch.float64 else lse, 0.0,
@@ -250,8 +262,9 @@ def _block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(acc)
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
     delta = (do * out.to(acc)).sum(-1, keepdim=True)
-    dv = torch.matmul(p.transpose(-1, -2), do)
-    ds = p * (torch.matmul(do, vf.transpose(-1, -2)) - delta)
+    dp = torch.matmul(do, vf.transpose(-1, -2))
+    dv = torch.matmul((p if keep is None else p * keep).transpose(-1, -2), do)
+    ds = p * ((dp if keep is None else dp * keep) - delta)
     return torch.matmul(ds, kf) * scale, torch.matmul(ds.transpose(-1, -2), qf) * scale, dv
 
 
@@ -329,7 +342,8 @@ def _expand_kv(k: Tensor, heads: int) -> Tensor:
 
 @torch.library.custom_op("fxtron::ring_attention", mutates_args=())
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, causal: bool,
-                   world: int, group: str) -> tuple[Tensor, Tensor]:
+                   world: int, group: str, dropout_p: float = 0.0, *, rng_region: str | None = None
+                   ) -> tuple[Tensor, Tensor, Tensor]:
     """Attention of this cp rank's queries over the whole sequence with the keys and values
     split: each rank's (k, v) travels around the cp group (`world` ranks of `group`) by
     batch_isend_irecv while the block in hand is computed, and the blocks' partial results
@@ -337,45 +351,78 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: 
     load-balanced chunks. `mask` (optional): the rows of the rank's queries against every key
     in natural order (B or 1, H or 1, 2c, S); `causal`: the causal mask by position. Backward
     sends the key blocks around again, with their dK and dV accumulating on the way home.
-    Returns the output, laid out as scaled_dot_product_attention's, and the rows' log-sum-exp
-    (B, H, 2c) in fp32, which backward reuses."""
-    return _ring_forward(q, k, v, mask, scale, causal, world, group)
+    `dropout_p`: attention dropout, each block's mask drawn from a seed the op draws from the
+    program's `rng_region` stream (`keep_mask`), regenerated in backward. Returns the output,
+    laid out as scaled_dot_product_attention's, the rows' log-sum-exp (B, H, 2c) in fp32 and
+    the dropout seed (1,), which backward reuses."""
+    seed = _draw_seed(dropout_p, rng_region, q.device)
+    out, lse = _ring_forward(q, k, v, mask, scale, causal, world, group, _drop(dropout_p, seed))
+    return out, lse, seed
 
 
-def _step(q, kv, rank, src, world, causal, mask):
+def _drop(dropout_p: float, seed: Tensor):
+    return (float(dropout_p), int(seed.item())) if dropout_p else None
+
+
+def keep_mask(seed: int, p: float, src: int, shape, device, dtype=torch.float32) -> Tensor:
+    """Attention dropout's mask of the ring's block of cp rank `src`'s keys for a rank whose
+    ring drew `seed`: the whole block (B, H, 2c, 2c) drawn from its own generator (the same in
+    forward, backward and recomputation, whichever of it is computed), kept entries 1/(1-p),
+    dropped ones 0."""
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + src) % (2 ** 63))
+    keep = torch.rand(shape, generator=g, device=device) >= p
+    return keep.to(dtype) / (1.0 - p)
+
+
+def _draw_seed(dropout_p: float, rng_region: str | None, device) -> Tensor:
+    """The seed of an attention's dropout masks, drawn from the program's `rng_region` stream
+    (independent per cp rank; ops/rng.py); zero without dropout."""
+    if not dropout_p:
+        return torch.zeros(1, dtype=torch.int64, device=device)
+    draw = functools.partial(torch.randint, 0, 2 ** 62, (1,), dtype=torch.int64, device=device)
+    return rng_call(rng_region, draw) if rng_region else draw()
+
+
+def _step(q, kv, rank, src, world, causal, mask, drop=None):
     """One block of the ring, planned: (query rows, key columns, the block's keys and values
-    with grouped-query heads repeated, its mask or None, whether it is the causal diagonal),
-    or None where the mask leaves it empty."""
+    with grouped-query heads repeated, its mask or None, whether it is the causal diagonal,
+    dropout's scaled keep-mask of those rows and columns or None), or None where the mask
+    leaves it empty. `drop`: (p, seed) with attention dropout."""
     c, heads = q.shape[-2] // 2, q.shape[1]
     rows, cols, m = _step_plan(rank, src, world, c, causal, mask, 2 * c * world, q.device)
     if rows is None:
         return None
     kb, vb = (_expand_kv(t, heads)[..., cols, :] for t in kv)
     diag = isinstance(m, str)
-    return rows, cols, kb, vb, (None if diag or m is None else m[..., rows, :][..., cols]), diag
+    keep = None
+    if drop is not None:
+        keep = keep_mask(drop[1], drop[0], src, (q.shape[0], heads, 2 * c, 2 * c), q.device, _acc(q))
+        keep = keep[..., rows, :][..., cols]
+    return rows, cols, kb, vb, (None if diag or m is None else m[..., rows, :][..., cols]), diag, keep
 
 
-def _step_forward(q, kv, rank, src, world, causal, mask, scale, out, lse) -> None:
+def _step_forward(q, kv, rank, src, world, causal, mask, scale, out, lse, drop=None) -> None:
     """One block of the ring: this rank's queries against the keys and values `kv` of cp rank
     `src`'s positions, merged into `out` and `lse` (nothing where the mask leaves it empty)."""
-    step = _step(q, kv, rank, src, world, causal, mask)
+    step = _step(q, kv, rank, src, world, causal, mask, drop)
     if step is None:
         return
-    rows, _, kb, vb, m, diag = step
-    o, l = _block(q[..., rows, :], kb, vb, scale, m, diag)
+    rows, _, kb, vb, m, diag, keep = step
+    o, l = _block(q[..., rows, :], kb, vb, scale, m, diag, keep=keep)
     _merge(out[..., rows, :], lse[..., rows], o, l)
 
 
-def _step_backward(dout, q, kv, out, lse, rank, src, world, causal, mask, scale, dq, dkv) -> None:
+def _step_backward(dout, q, kv, out, lse, rank, src, world, causal, mask, scale, dq, dkv, drop=None) -> None:
     """The gradients of one block: dq accumulated, the block's dK and dV added into `dkv`
     (nothing where the mask leaves it empty)."""
-    step = _step(q, kv, rank, src, world, causal, mask)
+    step = _step(q, kv, rank, src, world, causal, mask, drop)
     if step is None:
         return
-    rows, cols, kb, vb, m, diag = step
+    rows, cols, kb, vb, m, diag, keep = step
     heads, hkv = q.shape[1], kv[0].shape[1]
     dqb, dk, dv = _block_backward(dout[..., rows, :], q[..., rows, :], kb, vb, out[..., rows, :], lse[..., rows],
-                                  scale, m, diag)
+                                  scale, m, diag, keep=keep)
     dq[..., rows, :] += dqb
     if hkv != heads:                                         # grouped-query: sum the repeated heads
         dk = dk.unflatten(1, (hkv, heads // hkv)).sum(2)
@@ -384,7 +431,7 @@ def _step_backward(dout, q, kv, out, lse, rank, src, world, causal, mask, scale,
     dkv[1][..., cols, :] += dv
 
 
-def _ring_forward(q, k, v, mask, scale, causal, world, group):
+def _ring_forward(q, k, v, mask, scale, causal, world, group, drop=None):
     pg = T.resolve(group)
     T.check_world(pg, world, "ring_attention", group)
     rank = pg.rank() if pg is not None else 0
@@ -394,7 +441,7 @@ def _ring_forward(q, k, v, mask, scale, causal, world, group):
     for i in range(world):
         src = (rank - i) % world
         pending = T.start_ring_exchange(kv, pg) if i + 1 < world else None   # the next block, while this computes
-        _step_forward(q, kv, rank, src, world, causal, mask, scale, out, lse)
+        _step_forward(q, kv, rank, src, world, causal, mask, scale, out, lse, drop)
         if pending is not None:
             works, kv = pending
             for w in works:
@@ -405,19 +452,20 @@ def _ring_forward(q, k, v, mask, scale, causal, world, group):
 
 
 @ring_attention.register_fake
-def _(q, k, v, mask, scale, causal, world, group):
-    return sdpa_like_output(q, v), q.new_empty(q.shape[:-1], dtype=_acc(q))
+def _(q, k, v, mask, scale, causal, world, group, dropout_p=0.0, *, rng_region=None):
+    return sdpa_like_output(q, v), q.new_empty(q.shape[:-1], dtype=_acc(q)), q.new_empty((1,), dtype=torch.int64)
 
 
-def _ring_setup(ctx, inputs, output):
-    q, k, v, mask, scale, causal, world, group = inputs
+def _ring_setup(ctx, inputs, keyword_only_inputs, output):
+    q, k, v, mask, scale, causal, world, group, dropout_p = inputs
     ctx.save_for_backward(q, k, v, mask, *output)
-    ctx.scale, ctx.causal, ctx.world, ctx.group = scale, causal, world, group
+    ctx.scale, ctx.causal, ctx.world, ctx.group, ctx.dropout_p = scale, causal, world, group, dropout_p
 
 
-def _ring_backward(ctx, dout, _dlse):
-    q, k, v, mask, out, lse = ctx.saved_tensors
+def _ring_backward(ctx, dout, *_):
+    q, k, v, mask, out, lse, seed = ctx.saved_tensors
     scale, causal, world = ctx.scale, ctx.causal, ctx.world
+    drop = _drop(ctx.dropout_p, seed)
     pg = T.resolve(ctx.group)
     rank = pg.rank() if pg is not None else 0
     dq = torch.zeros(q.shape, dtype=_acc(q), device=q.device)
@@ -426,7 +474,7 @@ def _ring_backward(ctx, dout, _dlse):
     for i in range(world):
         src = (rank - i) % world
         pending = T.start_ring_exchange(kv, pg) if i + 1 < world else None
-        _step_backward(dout, q, kv, out, lse, rank, src, world, causal, mask, scale, dq, dkv)
+        _step_backward(dout, q, kv, out, lse, rank, src, world, causal, mask, scale, dq, dkv, drop)
         # this block's dK, dV go on with it: the next rank adds its share, the owner gets the sum
         if world > 1:
             works, dkv = T.start_ring_exchange(dkv, pg)
@@ -437,10 +485,11 @@ def _ring_backward(ctx, dout, _dlse):
             for w in works:
                 w.wait()
     # after `world` steps each rank holds the dK, dV of its own block, every rank's share in it
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
 
 
 ring_attention.register_autograd(_ring_backward, setup_context=_ring_setup)
+draws_at(8)(torch.ops.fxtron.ring_attention.default)
 register(OpSpec("ring_attention", axis_arg=7, forward=Comm("send_recv", "ring"), backward=Comm("send_recv", "ring")))
 
 
@@ -590,17 +639,19 @@ def _group_mask(mask: Tensor | None, heads: int, k: int, inner: int, m: int, out
 
 @torch.library.custom_op("fxtron::hierarchical_attention", mutates_args=())
 def hierarchical_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, causal: bool,
-                           a2a_size: int, world: int, group: str, inner: str, outer: str
-                           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                           a2a_size: int, world: int, group: str, inner: str, outer: str, dropout_p: float = 0.0,
+                           *, rng_region: str | None = None
+                           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """cp_comm_type="a2a+p2p" over `world` cp ranks (`group`): inside each group of `a2a_size`
     consecutive ranks (`inner`) an all-to-all turns q, k and v (the rank's load-balanced chunks
     of every head, grouped-query keys un-repeated) into the group's tokens of 1/a2a_size of the
     heads; the ring of ring_attention runs over the world / a2a_size groups (`outer`: the
     ranks at this one's place in every group), and the inverse all-to-all brings this rank's
     chunks of every head back. `mask`: the whole mask (every query against every key, in
-    natural order), or None. Returns the output, laid out as scaled_dot_product_attention's,
-    and what backward reuses: the rows' log-sum-exp and q, k, v and the output in the head
-    split."""
+    natural order), or None. `dropout_p`: attention dropout inside the ring, as ring_attention
+    draws it. Returns the output, laid out as scaled_dot_product_attention's, and what backward
+    reuses: the rows' log-sum-exp, q, k, v and the output in the head split, and the dropout
+    seed."""
     pin, pout = T.resolve(inner), T.resolve(outer)
     T.check_world(T.resolve(group), world, "hierarchical_attention", group)
     T.check_world(pin, a2a_size, "hierarchical_attention", inner)
@@ -609,10 +660,11 @@ def hierarchical_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
     q2, k2, v2 = (_to_heads(t, a2a_size, pin) for t in (q, k, v))
     rows = _group_mask(mask, q.shape[1], a2a_size, pin.rank() if pin is not None else 0, m,
                        pout.rank() if pout is not None else 0)
-    out2, lse = _ring_forward(q2, k2, v2, rows, scale, causal, m, outer)
+    seed = _draw_seed(dropout_p, rng_region, q.device)
+    out2, lse = _ring_forward(q2, k2, v2, rows, scale, causal, m, outer, _drop(dropout_p, seed))
     result = sdpa_like_output(q, v)
     result.copy_(_from_heads(out2, a2a_size, pin))
-    return result, lse, q2, k2, v2, out2
+    return result, lse, q2, k2, v2, out2, seed
 
 
 def _split_heads(x: Tensor, k: int) -> Tensor:
@@ -623,34 +675,37 @@ def _split_heads(x: Tensor, k: int) -> Tensor:
 
 
 @hierarchical_attention.register_fake
-def _(q, k, v, mask, scale, causal, a2a_size, world, group, inner, outer):
+def _(q, k, v, mask, scale, causal, a2a_size, world, group, inner, outer, dropout_p=0.0, *, rng_region=None):
     q2 = _split_heads(q, a2a_size)
     return (sdpa_like_output(q, v), q2.new_empty(q2.shape[:-1], dtype=_acc(q)), q2,
-            _split_heads(k, a2a_size), _split_heads(v, a2a_size), _split_heads(sdpa_like_output(q, v), a2a_size))
+            _split_heads(k, a2a_size), _split_heads(v, a2a_size), _split_heads(sdpa_like_output(q, v), a2a_size),
+            q.new_empty((1,), dtype=torch.int64))
 
 
-def _hierarchical_setup(ctx, inputs, output):
-    q, k, v, mask, scale, causal, a2a_size, world, group, inner, outer = inputs
-    _, lse, q2, k2, v2, out2 = output
-    ctx.save_for_backward(q2, k2, v2, mask, out2, lse)
+def _hierarchical_setup(ctx, inputs, keyword_only_inputs, output):
+    q, k, v, mask, scale, causal, a2a_size, world, group, inner, outer, dropout_p = inputs
+    _, lse, q2, k2, v2, out2, seed = output
+    ctx.save_for_backward(q2, k2, v2, mask, out2, lse, seed)
+    ctx.dropout_p = dropout_p
     ctx.scale, ctx.causal, ctx.world, ctx.group = scale, causal, world // a2a_size, outer
     ctx.a2a_size, ctx.inner, ctx.heads = a2a_size, inner, q.shape[1]
 
 
 def _hierarchical_backward(ctx, dout, *_):
-    q2, k2, v2, mask, out2, lse = ctx.saved_tensors
+    q2, k2, v2, mask, out2, lse, seed = ctx.saved_tensors
     pin, pout = T.resolve(ctx.inner), T.resolve(ctx.group)
     k = ctx.a2a_size
     rows = _group_mask(mask, ctx.heads, k, pin.rank() if pin is not None else 0, ctx.world,
                        pout.rank() if pout is not None else 0)
-    ring = types.SimpleNamespace(saved_tensors=(q2, k2, v2, rows, out2, lse), scale=ctx.scale, causal=ctx.causal,
-                                 world=ctx.world, group=ctx.group)
+    ring = types.SimpleNamespace(saved_tensors=(q2, k2, v2, rows, out2, lse, seed), scale=ctx.scale,
+                                 causal=ctx.causal, world=ctx.world, group=ctx.group, dropout_p=ctx.dropout_p)
     dq2, dk2, dv2, *_ = _ring_backward(ring, _to_heads(dout, k, pin), None)
     dq, dk, dv = (_from_heads(t, k, pin) for t in (dq2, dk2, dv2))
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 hierarchical_attention.register_autograd(_hierarchical_backward, setup_context=_hierarchical_setup)
+draws_at(11)(torch.ops.fxtron.hierarchical_attention.default)
 register(OpSpec("hierarchical_attention", axis_arg=8, group_args=(9, 10), forward=Comm("all_to_all", "hierarchical"),
                 backward=Comm("all_to_all", "hierarchical")))
 
@@ -670,4 +725,4 @@ def score_elements(seq: int, world: int, rank: int, *, balanced: bool = True) ->
 
 __all__ = ["attention_all_gather", "chunk_order", "cp_all_to_all", "hierarchical_attention", "masked_attention",
            "positions",
-           "ring_attention", "ring_blocks", "score_elements", "zigzag"]
+           "keep_mask", "ring_attention", "ring_blocks", "score_elements", "zigzag"]

@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from fxtron.config import CPCommType
 from fxtron.core import meta
-from fxtron.core.placement import Shard
+from fxtron.core.placement import REPLICATE, Shard
 from fxtron.errors import ParallelizeError
 from fxtron.ops import cp as cp_ops
 from fxtron.passes.propagate import AxisLayout
@@ -66,16 +66,16 @@ def _single(node) -> bool:
 def _written_out_attention(out: fx.Node, grad: set):
     """If `out` is softmax(q @ k^T * scale [masked]) @ v written out -- nanoGPT's masked_fill
     of a causal buffer with -inf, GPT-2 eager's additive mask, casts around the softmax, a
-    dropout of p=0 -- return (q, k, v, mask, scale, is the mask boolean 'where not'); else
-    None. Every intermediate value must have this one use, and the mask take no gradient (a
+    dropout of the probabilities -- return (q, k, v, mask, scale, is the mask boolean 'where
+    not', the dropout probability in training); else None. Every intermediate value must have this one use, and the mask take no gradient (a
     learned bias stays written out: the attention ops treat masks as constants)."""
     if out.op != "call_function" or out.target not in _MATMULS or len(out.args) < 2:
         return None
     p, v = out.args[:2]
     p = _through(p, CASTS)
+    dropout = 0.0
     if _single(p) and p.target == aten.dropout.default:
-        if p.args[1] and p.args[2]:
-            return None                      # attention dropout: the ring does not take it
+        dropout = float(p.args[1]) if p.args[2] else 0.0
         p = _through(p.args[0], CASTS)
     if not (_single(p) and p.target in (aten.softmax.int, aten._softmax.default)
             and p.args[1] % p.meta["val"].dim() == p.meta["val"].dim() - 1):
@@ -99,7 +99,7 @@ def _written_out_attention(out: fx.Node, grad: set):
     if not (_single(kt) and kt.target == aten.transpose.int and kt.meta["val"].dim() == 4
             and {a % 4 for a in kt.args[1:3]} == {2, 3} and q.meta["val"].dim() == 4 and v.meta["val"].dim() == 4):
         return None
-    return q, kt.args[0], v, mask, 1.0 if scale is None else scale, negate
+    return q, kt.args[0], v, mask, 1.0 if scale is None else scale, negate, dropout
 
 
 def fuse_written_out_attention(gm: fx.GraphModule) -> fx.GraphModule:
@@ -112,14 +112,14 @@ def fuse_written_out_attention(gm: fx.GraphModule) -> fx.GraphModule:
         found = _written_out_attention(node, grad) if node.op == "call_function" else None
         if found is None:
             continue
-        q, k, v, mask, scale, negate = found
+        q, k, v, mask, scale, negate, dropout = found
         with g.inserting_before(node):
             if mask is not None and negate:
                 keep = g.call_function(aten.logical_not.default, (mask,))
                 keep.meta.update({"val": mask.meta["val"]})
                 meta.set(keep, meta.MODULE, meta.get(node, meta.MODULE) or "")
                 mask = keep
-            sdpa = g.call_function(aten.scaled_dot_product_attention.default, (q, k, v, mask, 0.0, False),
+            sdpa = g.call_function(aten.scaled_dot_product_attention.default, (q, k, v, mask, dropout, False),
                                    {"scale": scale})
         sdpa.meta.update(node.meta)
         meta.set(sdpa, meta.PROVENANCE, meta.Provenance(
@@ -254,10 +254,6 @@ def _hierarchical(node: fx.Node, lower, mask, dropout, causal, scale) -> fx.Node
     (ops/cp.py hierarchical_attention) over the cp axis and its two split group kinds."""
     q, k, v = node.args[:3]
     where = f"node %{node.name} ({meta.get(node, meta.MODULE) or 'top level'})"
-    if dropout:
-        raise ParallelizeError(f"{where}: attention dropout (dropout_p={dropout}) inside the cp ring of "
-                               "cp_comm_type='a2a+p2p' is not supported; use cp_comm_type='a2a' or 'all_gather', or "
-                               "set the attention dropout to 0")
     if mask is not None and lower.carries_grad(mask):
         raise ParallelizeError(f"{where}: an attention mask that takes a gradient (a learned bias) under "
                                "cp_comm_type='a2a+p2p' is not supported; use cp_comm_type='all_gather'")
@@ -270,26 +266,22 @@ def _hierarchical(node: fx.Node, lower, mask, dropout, causal, scale) -> fx.Node
     pq = lower.placement(q)
     op = lower.call(torch.ops.fxtron.hierarchical_attention.default,
                     (lower.remap(q), lower.remap(k), lower.remap(v), None if mask is None else lower.remap(mask),
-                     float(scale), bool(causal), a, lower.size, lower.axis, inner, outer),
+                     float(scale), bool(causal), a, lower.size, lower.axis, inner, outer, float(dropout or 0.0)),
                     node, pq, f"a2a+p2p: all-to-all over groups of {a} cp ranks, the ring over the "
                               f"{lower.size // a} groups")
     val = node.meta.get("val")
     if val is not None:
         # (whole-sequence shapes: split on the sequence over cp, each has a rank's elements)
         op.meta["val"] = (val, val.new_empty(val.shape[:-1], dtype=torch.float32), q.meta["val"], k.meta["val"],
-                          v.meta["val"], val)
-        meta.set(op, meta.PLACEMENT, meta.get(op, meta.PLACEMENT).with_axis(lower.axis, (pq,) * 6))
+                          v.meta["val"], val, val.new_empty((1,), dtype=torch.int64))
+        meta.set(op, meta.PLACEMENT, meta.get(op, meta.PLACEMENT).with_axis(lower.axis, (pq,) * 6 + (REPLICATE,)))
     return lower.call(operator.getitem, (op, 0), node, pq, "the attention output")
 
 
 def _ring(node: fx.Node, lower, mask, dropout, causal, scale) -> fx.Node:
-    """cp_comm_type="p2p": the keys stay split and travel around the ring (ops/cp.py)."""
+    """cp_comm_type="p2p": the keys stay split and travel around the ring (ops/cp.py); attention
+    dropout inside it, each block's mask from the rank's own stream."""
     q, k, v = node.args[:3]
-    if dropout:
-        raise ParallelizeError(
-            f"node %{node.name} ({meta.get(node, meta.MODULE) or 'top level'}): attention dropout "
-            f"(dropout_p={dropout}) inside the cp ring is not supported; use cp_comm_type='all_gather' or "
-            "set the attention dropout to 0")
     if mask is not None and lower.carries_grad(mask):
         raise ParallelizeError(
             f"node %{node.name} ({meta.get(node, meta.MODULE) or 'top level'}): an attention mask that takes a gradient "
@@ -300,13 +292,13 @@ def _ring(node: fx.Node, lower, mask, dropout, causal, scale) -> fx.Node:
     k, v = ((r[0] if (r := head_repeat(t)) is not None else t) for t in (k, v))
     ring = lower.call(torch.ops.fxtron.ring_attention.default,
                       (lower.remap(q), lower.remap(k), lower.remap(v), None if mask is None else lower.remap(mask),
-                       float(scale), bool(causal), lower.size, lower.axis),
+                       float(scale), bool(causal), lower.size, lower.axis, float(dropout or 0.0)),
                       node, lower.placement(q), f"attention over the cp ring: key blocks travel around {lower.axis}")
     val = node.meta.get("val")
     if val is not None:
-        ring.meta["val"] = (val, val.new_empty(val.shape[:-1], dtype=torch.float32))
+        ring.meta["val"] = (val, val.new_empty(val.shape[:-1], dtype=torch.float32), val.new_empty((1,), dtype=torch.int64))
         meta.set(ring, meta.PLACEMENT, meta.get(ring, meta.PLACEMENT).with_axis(
-            lower.axis, (lower.placement(q), lower.placement(q))))
+            lower.axis, (lower.placement(q), lower.placement(q), REPLICATE)))
     return lower.call(operator.getitem, (ring, 0), node, lower.placement(q), "the attention output")
 
 

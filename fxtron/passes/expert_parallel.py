@@ -37,18 +37,14 @@ from fxtron.ops import ep as _ep_ops  # noqa: F401 - registers fxtron::ep_dispat
 from fxtron.ops import registry
 from fxtron.passes.propagate import AxisLayout
 from fxtron.passes.rules import Ctx, order, register_rule
+from fxtron.passes.rules.order import DISPATCHED, OFFSET_CHAIN
 
 aten = torch.ops.aten
 AXIS = "ep"
 TP = "tp"
 _VIEWS = {aten.transpose.int, aten.permute.default, aten.t.default, aten.alias.default}
-#: the casts and running sums between a layer's count of copies per expert and its offsets
-OFFSET_CHAIN = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.to.device, aten.cumsum.default,
-                 aten.clone.default, aten.alias.default}
 #: the ops that count the copies per expert
 _COUNTS = {aten.histc.default, aten.bincount.default}
-#: the order of the rows a dispatch of copies in a rank-local order gives (rules/order.py)
-DISPATCHED = " dispatched"
 
 
 @register_rule("fxtron::ep_dispatch", "fxtron::ep_combine")

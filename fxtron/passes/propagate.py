@@ -101,7 +101,7 @@ def propagate(gm: fx.GraphModule, layout: AxisLayout, *, mesh: MeshView) -> fx.G
             ruled = local_order.carry(c, *ruled)           # a rank-local order: carried, or an error
         if ruled is None:
             if any(local_order.ordered(p) for p in c.p):
-                raise c.fail(local_order.why(c, "has no rule that keeps the order of"))
+                raise local_order.refused(c, "has no rule that keeps the order of")
             replicated = all(isinstance(p, Replicate) for p in c.p)
             if not replicated and layout.strict:
                 raise no_rule(node, c.p, axis=axis)

@@ -47,6 +47,11 @@ _SORTS = {aten.sort.default, aten.sort.stable}
 _ARGSORTS = {aten.argsort.default, aten.argsort.stable}
 _FLATTENS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints}
 INVERSE = "inverse "
+#: the order of the rows an expert-parallel dispatch of copies in a rank-local order gives
+DISPATCHED = " dispatched"
+#: the casts and running sums between a layer's count of copies per expert and its offsets
+OFFSET_CHAIN = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.to.device, aten.cumsum.default,
+                aten.clone.default, aten.alias.default}
 
 
 def ordered(p) -> str:
@@ -61,17 +66,25 @@ def _through(node, targets=CASTS):
 
 
 def _sort_indices(node) -> fx.Node | None:
-    """The sort whose indices `node` is (through casts), or None."""
+    """The sort whose indices `node` is (through casts): a sort's second output, or an argsort
+    that is not itself the inverse of one; else None."""
     node = _through(node)
     if (isinstance(node, fx.Node) and node.target is operator.getitem and node.args[1] == 1
             and isinstance(node.args[0], fx.Node) and node.args[0].target in _SORTS):
         return node.args[0]
+    if isinstance(node, fx.Node) and node.target in _ARGSORTS and _sort_indices(node.args[0]) is None:
+        return node
     return None
+
+
+def _sort_named(graph: fx.Graph, key: str) -> fx.Node | None:
+    return next((n for n in graph.nodes if f"%{n.name}" == key), None)
 
 
 def _inverted(sort: fx.Node) -> bool:
     """Does the graph take the inverse permutation of `sort`'s indices (an argsort of them)?"""
-    frontier = [u for u in sort.users if u.target is operator.getitem and u.args[1] == 1]
+    frontier = ([sort] if sort.target in _ARGSORTS else
+                [u for u in sort.users if u.target is operator.getitem and u.args[1] == 1])
     while frontier:
         n = frontier.pop()
         for u in n.users:
@@ -126,10 +139,10 @@ def sort_rule(c: Ctx, dim: int):
     """A sort of a 1-D split value along it, whose inverse the graph takes: values and indices
     in the rank's own order. None where that does not hold."""
     p = c.p[0]
-    if (c.node.target in _SORTS and isinstance(p, Shard) and not p.order and p.dim == dim == 0
-            and ndim(c.inputs[0]) == 1 and _inverted(c.node)):
+    if (isinstance(p, Shard) and not p.order and p.dim == dim == 0 and ndim(c.inputs[0]) == 1
+            and _inverted(c.node)):
         mine = Shard(0, order=f"%{c.node.name}")
-        return (mine, mine), [None]
+        return ((mine, mine) if c.node.target in _SORTS else mine), [None]
     return None
 
 
@@ -147,9 +160,10 @@ def _argsort(c: Ctx):
         sort = _sort_indices(node.args[0])
         if sort is not None and f"%{sort.name}" == p.order and dim == 0 and not desc:
             return Shard(0, order=INVERSE + p.order), [None]
+        raise refused(c, "sorts again")
     if isinstance(p, Shard) and not p.order and p.dim != dim:
         return p, [None]
-    return None
+    return None if desc else sort_rule(c, dim)      # the sort itself (an argsort of the copies' experts)
 
 
 @register_rule(aten.histc.default)
@@ -189,7 +203,7 @@ def index_rule(c: Ctx):
             sort, k = _indices_of(i)
             if sort is not None and pi.order == f"%{sort.name}" and _laid_out_as(c, x, sort, k):
                 return Shard(0, order=pi.order), [None, None]
-    raise c.fail(why(c, "indexes with or into"))
+    raise refused(c, "indexes with or into")
 
 
 def _indices_of(i: fx.Node) -> tuple[fx.Node | None, int]:
@@ -229,18 +243,19 @@ def grouped_rows(c: Ctx, x: fx.Node, offs) -> tuple | None:
         return None
     w = c.node.args[1]
     if not c.p[c.index(w)].is_replicate():
-        raise c.fail(why(c, "splits the experts of"))
+        raise refused(c, "splits the experts of")
     if isinstance(offs, fx.Node):
-        from fxtron.passes.expert_parallel import OFFSET_CHAIN
         if not c.p[c.index(offs)].is_partial():
-            raise c.fail(why(c, "groups rows by offsets that are not each rank's own counts, of"))
+            raise refused(c, "groups rows by offsets that are not each rank's own counts, of")
         count = _through(offs, OFFSET_CHAIN)
         dispatched = (count.target is operator.getitem and getattr(count.args[0], "target", None)
                       in (torch.ops.fxtron.ep_dispatch.default, torch.ops.fxtron.ep_gather.default))
-        counted = (count.target == aten.histc.default and ordered(c.placement_of(_through(count.args[0])))
-                   == px.order)
+        # counts of the rank's copies: of their sorted experts, or of the experts the sort sorted
+        counted = count.target == aten.histc.default and (
+            ordered(c.placement_of(_through(count.args[0]))) == px.order
+            or _through(count.args[0]) is _through(getattr(_sort_named(c.node.graph, px.order), "args", [None])[0]))
         if not (dispatched or counted):
-            raise c.fail(why(c, "groups rows by offsets that do not count them, of"))
+            raise refused(c, "groups rows by offsets that do not count them, of")
     return px, [None] * len(c.p)
 
 
@@ -256,9 +271,9 @@ def carry(c: Ctx, out, expects):
     if not orders:
         return out, expects
     if len(orders) > 1:
-        raise c.fail(why(c, "mixes values in different rank-local orders"))
+        raise refused(c, "mixes values in different rank-local orders")
     if c.node.target not in safe_targets():
-        raise c.fail(why(c, "may depend on the order of"))
+        raise refused(c, "may depend on the order of")
     k = orders.pop()
     sizes = {str(expr(shape(a)[p.dim])) for a, p in zip(c.inputs, c.p) if ordered(p)}
 
@@ -266,7 +281,7 @@ def carry(c: Ctx, out, expects):
         if not isinstance(p, Shard):
             return p
         if str(expr(node_val.shape[p.dim])) not in sizes:
-            raise c.fail(why(c, "regroups the ordered dim of"))
+            raise refused(c, "regroups the ordered dim of")
         return replace(p, interleave=1, order=k)
     val = c.node.meta["val"]
     if isinstance(out, tuple):
@@ -276,9 +291,15 @@ def carry(c: Ctx, out, expects):
     new = []
     for a, p, e in zip(c.inputs, c.p, expects):
         if ordered(p) and e is not None and not (isinstance(e, Shard) and e.dim == p.dim):
-            raise c.fail(why(c, "needs whole or moved"))
+            raise refused(c, "needs whole or moved")
         new.append(fix(e, a.meta["val"]) if isinstance(e, Shard) else e)
     return out, new
+
+
+def refused(c: Ctx, what: str) -> ParallelizeError:
+    """The error for an op that meets a rank-local order some way it cannot take."""
+    module = meta.get(c.node, meta.MODULE) or "(top level)"
+    return ParallelizeError(f"node %{c.node.name} ({c.node.target}) in module {module}: {why(c, what)}")
 
 
 def why(c: Ctx, what: str) -> str:
@@ -318,5 +339,5 @@ def is_aware(target) -> bool:
     return False
 
 
-__all__ = ["INVERSE", "carry", "grouped_rows", "index_rule", "is_aware", "ordered",
+__all__ = ["DISPATCHED", "INVERSE", "OFFSET_CHAIN", "carry", "grouped_rows", "index_rule", "is_aware", "ordered",
            "rewrite_inverse_permutations", "safe_targets", "sort_rule"]

@@ -292,6 +292,23 @@ def _expand_as(c: Ctx):
     return REPLICATE, [None] * len(c.inputs)
 
 
+@register_rule(aten.scatter.value, aten.scatter_.value, aten.scatter.src, aten.scatter_.src)
+def _scatter(c: Ctx):
+    """x.scatter(dim, index, src or value): writes along `dim` row by row. A shard on another
+    dim pairs x, index (and src) position by position: all split alike there, the output too
+    (DeepSeek's group-limited routing masks each token's expert groups); anything else runs
+    replicated."""
+    x, index = c.node.args[0], c.node.args[2]
+    dim = norm(c.node.args[1], ndim(x))
+    shard = next((p for p in c.p if isinstance(p, Shard)), None)
+    if shard is None:
+        return None if any(p.is_partial() for p in c.p) else (REPLICATE, [None] * len(c.p))
+    if shard.dim != dim and len({str(expr(shape(a)[shard.dim])) for a in c.inputs
+                                 if ndim(a) > shard.dim}) == 1 and all(ndim(a) == ndim(x) for a in c.inputs):
+        return shard, [None if p == shard else shard for p in c.p]
+    return None
+
+
 @register_rule(aten.gather.default)
 def _gather(c: Ctx):
     """x.gather(dim, index): out[..i..] = x[.. index[..i..] at dim ..]; the output has the
@@ -303,14 +320,14 @@ def _gather(c: Ctx):
     dim = norm(c.node.args[1], ndim(x))
     want = {x: REPLICATE, index: REPLICATE}
     shard = px if isinstance(px, Shard) else pi if isinstance(pi, Shard) else None
-    if shard is not None and shard.interleave == 1:
+    if shard is not None:
         d = shard.dim
-        if d == dim and not isinstance(px, Shard):
+        if d == dim and not isinstance(px, Shard) and shard.interleave == 1:
             want[index] = None
             return Shard(d), [want[a] for a in c.inputs]
         if d != dim and expr(shape(x)[d]) == expr(shape(index)[d]):
-            want = {x: Shard(d), index: Shard(d)}
-            return Shard(d), [None if c.p[i] == want[a] else want[a] for i, a in enumerate(c.inputs)]
+            want = {x: shard, index: shard}      # (a cp shard of the folded tokens too: row by row)
+            return shard, [None if c.p[i] == want[a] else want[a] for i, a in enumerate(c.inputs)]
     if px.is_partial() and pi.is_replicate():
         return PARTIAL, [None, None]
     if px.is_replicate() and pi.is_replicate():
