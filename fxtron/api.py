@@ -93,12 +93,15 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
     reduce-scattered), "a2a" (DeepSpeed-Ulysses: all-to-alls from the sequence split to a head
     split and back) or "a2a+p2p" with `cp_a2a_size=k` (Megatron's hierarchical cp: a2a inside
     groups of k consecutive cp ranks, the ring across the groups). Weights are whole on every
-    cp rank; their gradients are summed over cp.
+    cp rank; their gradients are summed over cp. A mixture-of-experts layer routes each rank's
+    own tokens: their copies sorted by expert on the rank (a rank-local order,
+    passes/rules/order.py), nothing communicated over cp inside the experts.
 
     Expert parallel (mesh.ep > 1): each mixture-of-experts layer (grouped GEMMs over 3-D expert
     weights, found on the graph) holds E/ep experts per rank; the copies of the rank's tokens
     go to the ranks of their experts and come back by all-to-all, dropless (Megatron's
-    dispatcher); the experts' gradients are reduced over expert-dp.
+    dispatcher); the experts' gradients are reduced over expert-dp. Under cp the ep ranks are
+    drawn from dp x cp, as Megatron's expert layout draws them.
 
     The model's own math (passes/statistics.py): what it computes over its batch is the global
     batch's, as in one process. A mean loss over tokens divides by the global batch's counted

@@ -286,7 +286,8 @@ def rate(dims: ModelDims, hw: Hardware, *, world: int, tp: int, pp: int, sp: boo
         inner, outer = cp_bytes(a, cp, b * s * h / tp * 2 * (dims.layers / pp) * m)
         bw = lambda n: hw.intra_node_bw if tp * n <= hw.gpus_per_node else hw.inter_node_bw  # noqa: E731
         cp_s = inner / bw(a) + outer / bw(cp)
-    ep_bytes = 4 * (ep - 1) / ep * dims.top_k * b * s * h * 2 * (dims.moe_layers / pp) * m if ep > 1 else 0.0
+    # the copies of the rank's tokens (its s/cp under cp) out and back, forward and backward
+    ep_bytes = 4 * (ep - 1) / ep * dims.top_k * b * (s / cp) * h * 2 * (dims.moe_layers / pp) * m if ep > 1 else 0.0
     ep_bw = hw.intra_node_bw if tp * ep <= hw.gpus_per_node else hw.inter_node_bw
     tp_s, dp_s = tp_bytes / hw.intra_node_bw, dp_bytes / hw.inter_node_bw
     # what the runtime overlaps: each backward all-reduce (or sp's gather and reduce-scatter) of
@@ -319,8 +320,8 @@ def cp_bytes(a: int, cp: int, bsh: float) -> tuple[float, float]:
 def candidates(dims: ModelDims, hw: Hardware, *, world: int, global_batch: int, seq: int, micro_batch: int = 1,
                fits_only: bool = True, activations=None) -> list[Candidate]:
     """Every (tp, pp, cp, ep, dp, sp, schedule, zero) that divides the model, the batch and
-    the sequence (cp: 2 x cp chunks; ep: the experts, and tp x ep x pp the world; fxtron does
-    not compose ep with cp), ranked by modeled step time; only those whose memory fits
+    the sequence (cp: 2 x cp chunks; ep: the experts, and tp x ep x pp the world, its ranks drawn
+    from dp x cp), ranked by modeled step time; only those whose memory fits
     `hw.memory` unless fits_only=False. A mesh that fits only with recomputation comes with the
     cheapest that makes it fit (selective, then full: `Candidate.recompute`)."""
     out = []
@@ -338,7 +339,7 @@ def candidates(dims: ModelDims, hw: Hardware, *, world: int, global_batch: int, 
                     continue
                 m = global_batch // (dp * micro_batch)
                 eps = [e for e in _divisors(dims.experts) if (world // (tp * pp)) % e == 0] if dims.experts else [1]
-                for ep in eps if cp == 1 else [1]:
+                for ep in eps:
                     for sp in ([False, True] if tp > 1 else [False]):
                         scheds = [("1f1b", 1)]
                         if pp > 1 and m % pp == 0 and dims.layers % (2 * pp) == 0:

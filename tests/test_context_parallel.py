@@ -421,12 +421,14 @@ P_DROP = 0.25
 
 
 def _run_ring_dropout(rank, mesh, case):
-    world = mesh.size("cp")
+    world = mesh.cp
     q, k, v, weight, _, _ = _whole_attention(world, True, is_causal=True)
     pos = cp_ops.positions(q.shape[2], world, rank)
     mine = [t.detach()[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
     torch.manual_seed(100 + rank)                     # outside a program: the seed from torch's own stream
-    out, _, seed = cp_ops.ring_attention(*mine, None, 8 ** -0.5, True, world, "cp", P_DROP)
+    from fxtron.runtime.groups import groups_for
+    group = groups_for(mesh).group("cp").group_name
+    out, _, seed = cp_ops.ring_attention(*mine, None, 8 ** -0.5, True, world, group, P_DROP)
     (out * weight[:, :, pos]).sum().backward()
     return {"out": out.detach(), "seed": int(seed), "grads": [t.grad for t in mine]}
 

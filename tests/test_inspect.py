@@ -189,7 +189,12 @@ def test_planner_expert_parallel():
     assert p.dp_comm_s == pytest.approx((2 * 3 / 4 * dense * 4 + 2 * 1 / 2 * experts * 4) / 1e8)
     ranked = planner.candidates(dims, hw, world=16, global_batch=8, seq=128)
     assert {q.ep for q in ranked} == {1, 2, 4, 8, 16} - {16}   # ep divides the experts and world/(tp pp)
-    assert all(q.cp == 1 for q in ranked if q.ep > 1)
+    # ep drawn from dp x cp: a rank dispatches the copies of its own s/cp tokens
+    assert any(q.ep > 1 and q.cp > 1 for q in ranked)
+    both = planner.rate(dims, hw, world=16, tp=2, pp=2, sp=True, schedule="1f1b", v=1, global_batch=8, seq=128,
+                        micro_batch=1, zero=1, cp=2, ep=2)
+    assert (both.dp, both.microbatches) == (2, 4)
+    assert both.ep_comm_s == pytest.approx(4 * 0.5 * 2 * 64 * 1024 * 2 * 2 * 4 / 1e9)
     dense_model = planner.ModelDims(layers=4, hidden=1024, heads=16, vocab=32000, params=100_000_000)
     assert {q.ep for q in planner.candidates(dense_model, hw, world=16, global_batch=8, seq=128)} == {1}
     assert "ep comm s" in planner.format_candidates(ranked, hw)

@@ -16,7 +16,7 @@ def assign_rng_regions(gm: fx.GraphModule) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
         if not is_random(node):
             continue
-        axes = tuple(a for a in meta.graph_axes(gm) if isinstance(meta.placement(node, a), Shard))
+        axes = tuple(a for a in meta.graph_axes(gm) if _sharded(meta.placement(node, a)))
         region = sharded_region(axes) if axes else REPLICATED
         if takes_region(node):           # an op that draws inside (cp attention): told its stream
             node.kwargs = {**node.kwargs, "rng_region": region}
@@ -26,6 +26,12 @@ def assign_rng_regions(gm: fx.GraphModule) -> fx.GraphModule:
         meta.set(node, meta.PROVENANCE, meta.Provenance("assign_rng_regions", f"{region} random stream"))
     gm.recompile()
     return gm
+
+
+def _sharded(p) -> bool:
+    """Is the op's output sharded (a multi-output op's: its first, the value it draws for --
+    the ring's output beside its replicated seed)?"""
+    return isinstance(p[0] if isinstance(p, tuple) else p, Shard)
 
 
 __all__ = ["assign_rng_regions"]
