@@ -96,14 +96,17 @@ def _doc_mask(docs: list[int]) -> torch.Tensor:
     return (doc[:, None] == doc[None, :]) & (p[:, None] >= p[None, :])
 
 
-@pytest.mark.parametrize("world,gqa", [(2, False), (4, True)])
-def test_masked_attention_skips_empty_blocks_and_equals_attention(world, gqa):
+@pytest.mark.parametrize("world,gqa,additive", [(2, False, False), (4, True, False), (4, False, True)])
+def test_masked_attention_skips_empty_blocks_and_equals_attention(world, gqa, additive):
     """all_gather under a document mask (ops/cp.py masked_attention): each rank's rows against
     the gathered keys, block by block as the ring visits them, in float64 against the whole
     attention; its gradients summed over ranks are the whole's. Blocks whose documents never
-    meet are skipped (ring_blocks), by the ring as well."""
+    meet are skipped (ring_blocks), by the ring as well -- also under an additive mask of
+    finfo.min (transformers' eager masks), where every query sees some key."""
     s, d = 8 * world, 8
     mask = _doc_mask([4, 2 * world + 1, s - 2 * world - 5])      # the first ends at the first chunk's edge
+    if additive:
+        mask = torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, torch.finfo(torch.float64).min)
     q, k, v, weight, full, ref = _whole_attention(world, gqa, attn_mask=mask)
     skipped = 0
     for r in range(world):
@@ -116,6 +119,7 @@ def test_masked_attention_skips_empty_blocks_and_equals_attention(world, gqa):
         skipped += sum(1 for _, n, _ in blocks if n == 0)
         for src, n, m in blocks:       # a block is skipped exactly when no query of it sees a key of it
             live = rows[0, 0][:, cp_ops.positions(s, world, src)]
+            live = live if not additive else live > torch.finfo(torch.float64).min
             assert (n == 0) == (not live.any())
     assert skipped > 0
     for t, want in zip((q, k, v), ref):

@@ -290,7 +290,7 @@ def _step_plan(rank: int, src: int, world: int, c: int, causal: bool, mask: Tens
     rows, cols = slice(0, 2 * c), slice(0, 2 * c)
     if mask is not None:                       # an explicit mask: its columns of src's positions
         m = mask.index_select(-1, positions(seq, world, src).to(device))
-        rows, cols = _live_chunks(m, c)
+        rows, cols = _live_chunks(m, c, _floor(mask))
         return rows, cols, m
     if not causal:
         return rows, cols, None
@@ -301,12 +301,24 @@ def _step_plan(rank: int, src: int, world: int, c: int, causal: bool, mask: Tens
     return slice(c, 2 * c), cols, None
 
 
-def _live_chunks(m: Tensor, c: int) -> tuple[slice | None, slice | None]:
+def _floor(mask: Tensor) -> float:
+    """The value at or below which an additive mask's entry hides its key: -inf, and also the
+    dtype's lowest (transformers' eager masks add finfo.min) where every query row of the mask
+    sees some key above it -- then such an entry's probability is exactly 0 (exp underflows),
+    while a row that sees none gets SDPA's uniform weights over its keys, which only computing
+    every block gives."""
+    if mask.dtype == torch.bool:
+        return 0.0
+    low = torch.finfo(mask.dtype).min / 2
+    return low if bool((mask > low).any(-1).all()) else float("-inf")
+
+
+def _live_chunks(m: Tensor, c: int, floor: float = float("-inf")) -> tuple[slice | None, slice | None]:
     """The query chunks and key chunks (of 2 each, c tokens) of a mask block that hold any
-    position attended: a document mask leaves whole chunks empty (queries of one document
-    against keys of another), which the ring does not compute. (None, None): the block is
-    empty."""
-    live = m if m.dtype == torch.bool else m > float("-inf")
+    position attended (an additive mask: above `floor`): a document mask leaves whole chunks
+    empty (queries of one document against keys of another), which the ring does not compute.
+    (None, None): the block is empty."""
+    live = m if m.dtype == torch.bool else m > floor
     live = live.reshape(-1, *live.shape[-2:]).any(0)               # (2c, 2c): any batch, any head
     q = [bool(live[i * c:(i + 1) * c].any()) for i in (0, 1)]
     k = [bool(live[:, j * c:(j + 1) * c].any()) for j in (0, 1)]
