@@ -112,7 +112,7 @@ def test_masked_attention_skips_empty_blocks_and_equals_attention(world, gqa, ad
     for r in range(world):
         pos = cp_ops.positions(s, world, r)
         rows = mask[pos][None, None]
-        out, _ = cp_ops.masked_attention(q[:, :, pos], k, v, rows, d ** -0.5, world, r)
+        out, _, _ = cp_ops.masked_attention(q[:, :, pos], k, v, rows, d ** -0.5, world, r)
         torch.testing.assert_close(out, full[:, :, pos], rtol=0, atol=1e-12)
         (out * weight[:, :, pos]).sum().backward()
         blocks = cp_ops.ring_blocks(rows, False, world, r)
@@ -124,6 +124,38 @@ def test_masked_attention_skips_empty_blocks_and_equals_attention(world, gqa, ad
     assert skipped > 0
     for t, want in zip((q, k, v), ref):
         torch.testing.assert_close(t.grad, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_masked_attention_with_dropout_is_attention_under_its_masks(world):
+    """all_gather under a document mask with attention dropout: each rank's blocks dropped by
+    the masks its seed gives (cp_ops.keep_mask, as the ring draws them); put together, float64
+    attention with the assembled (B, H, S, S) mask on its probabilities, gradients included."""
+    p, s, d = 0.25, 8 * world, 8
+    mask = _doc_mask([4, 2 * world + 1, s - 2 * world - 5])
+    q, k, v, weight, _, _ = _whole_attention(world, True, attn_mask=mask)
+    keep = torch.zeros(2, 4, s, s, dtype=torch.float64)
+    outs = []
+    for r in range(world):
+        pos = cp_ops.positions(s, world, r)
+        torch.manual_seed(r)
+        out, _, seed = cp_ops.masked_attention(q[:, :, pos], k, v, mask[pos][None, None], d ** -0.5, world, r, p)
+        (out * weight[:, :, pos]).sum().backward()
+        outs.append(out.detach())
+        for src in range(world):
+            cols = cp_ops.positions(s, world, src)
+            keep[:, :, pos[:, None], cols[None, :]] = cp_ops.keep_mask(int(seed), p, src, (2, 4, s // world, s // world),
+                                                                       q.device, torch.float64)
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    scores = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * d ** -0.5
+    ref = (scores.masked_fill(~mask, float("-inf")).softmax(-1) * keep) @ v.repeat_interleave(2, 1)
+    (ref * weight).sum().backward()
+    for r in range(world):
+        torch.testing.assert_close(outs[r], ref.detach()[:, :, cp_ops.positions(s, world, r)], rtol=0, atol=1e-12)
+    for t, got in zip((q, k, v), grads):
+        torch.testing.assert_close(got, t.grad, rtol=0, atol=1e-12)
 
 
 def test_load_balanced_split_gives_every_rank_the_same_attention_work():

@@ -162,8 +162,8 @@ def _context_parallel_attention(node: fx.Node, lower) -> fx.Node | None:
         return _hierarchical(node, lower, mask, dropout, causal, scale)
     if isinstance(meta.expects(node, lower.axis)[1], Shard):   # the keys stay split: the ring
         return _ring(node, lower, mask, dropout, causal, scale)
-    if mask is not None and not dropout and not lower.carries_grad(mask):
-        return _masked(node, lower, mask, scale)
+    if mask is not None and not lower.carries_grad(mask):
+        return _masked(node, lower, mask, scale, dropout)
     if not causal:
         return None
     return lower.call(cp_ops.attention_all_gather,
@@ -173,23 +173,23 @@ def _context_parallel_attention(node: fx.Node, lower) -> fx.Node | None:
                                 f"(keys gathered over {lower.axis})")
 
 
-def _masked(node: fx.Node, lower, mask, scale) -> fx.Node:
+def _masked(node: fx.Node, lower, mask, scale, dropout) -> fx.Node:
     """cp_comm_type="all_gather" under an explicit mask: the rank's queries against the
     gathered keys block by block, the blocks the mask leaves empty (a document mask's) not
-    computed (ops/cp.py masked_attention)."""
+    computed (ops/cp.py masked_attention), attention dropout drawn per block as the ring's."""
     q, k, v = node.args[:3]
     if scale is None:
         scale = float(q.meta["val"].shape[-1]) ** -0.5
     pq = lower.placement(q)
     op = lower.call(torch.ops.fxtron.masked_attention.default,
                     (lower.remap(q), lower.remap(k), lower.remap(v), lower.remap(mask), float(scale), lower.size,
-                     lower.coord),
+                     lower.coord, float(dropout or 0.0)),
                     node, pq, "attention of this rank's query chunks against the gathered keys, block by block, "
                               "the blocks the mask leaves empty skipped")
     val = node.meta.get("val")
     if val is not None:
-        op.meta["val"] = (val, val.new_empty(val.shape[:-1], dtype=torch.float32))
-        meta.set(op, meta.PLACEMENT, meta.get(op, meta.PLACEMENT).with_axis(lower.axis, (pq, pq)))
+        op.meta["val"] = (val, val.new_empty(val.shape[:-1], dtype=torch.float32), val.new_empty((1,), dtype=torch.int64))
+        meta.set(op, meta.PLACEMENT, meta.get(op, meta.PLACEMENT).with_axis(lower.axis, (pq, pq, REPLICATE)))
     return lower.call(operator.getitem, (op, 0), node, pq, "the attention output")
 
 
