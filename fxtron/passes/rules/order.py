@@ -47,6 +47,9 @@ _SORTS = {aten.sort.default, aten.sort.stable}
 _ARGSORTS = {aten.argsort.default, aten.argsort.stable}
 _FLATTENS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints}
 INVERSE = "inverse "
+#: what an inverse permutation's arange and its size are made of
+_SIZES = {aten.arange.default, aten.empty_like.default, aten.sym_size.int, operator.mul, operator.add,
+          operator.floordiv}
 #: the order of the rows an expert-parallel dispatch of copies in a rank-local order gives
 DISPATCHED = " dispatched"
 #: the casts and running sums between a layer's count of copies per expert and its offsets
@@ -125,10 +128,13 @@ def rewrite_inverse_permutations(gm: fx.GraphModule) -> fx.GraphModule:
             "rewrite_inverse_permutations", "the inverse permutation of the sort's indices, from them alone"))
         node.replace_all_uses_with(inv)
         g.erase_node(node)
-        for n in (values, dst):
-            if not n.users:
+        dead = [values, dst]
+        while dead:                  # the arange's size, read from the inputs' sizes, goes with it
+            n = dead.pop()
+            if isinstance(n, fx.Node) and n.op == "call_function" and not n.users and n.target in _SIZES:
+                inputs = n.all_input_nodes
                 g.erase_node(n)
-    g.eliminate_dead_code()
+                dead.extend(inputs)
     g.lint()
     gm.recompile()
     return gm
