@@ -579,7 +579,10 @@ def test_experts_route_each_ranks_own_tokens():
         assert not any(op.startswith("index_put") for op in ops) and ops.count("argsort.stable") == 2
         moe = [r for r in pm.collectives(0, graphs_only=True) if r.module.startswith("model.layers.0.mlp")]
         assert all(r.group != "cp" for r in moe) and bool(moe) == (mesh.ep > 1)
-        assert "run replicated" not in pm.summary()
+        summary = pm.summary()
+        assert "run replicated" not in summary
+        assert "run on each rank's own tokens (a mixture of experts routing them, in a rank-local order): " \
+               "model.layers.0.mlp.experts, model.layers.1.mlp.experts" in summary
 
 
 def test_packed_documents_split_their_scans_and_skip_empty_blocks():

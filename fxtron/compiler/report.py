@@ -365,6 +365,18 @@ def gather_lines(graphs) -> list[str]:
             for g in graphs for n in g.graph.nodes if meta.get(n, meta.GATHERED) is not None]
 
 
+def local_orders(graphs) -> list[str]:
+    """The modules whose sorts put a split dim in a rank-local order (passes/rules/order.py)."""
+    out = []
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            p = meta.placement(node, "cp") if node.op == "call_function" else None
+            first = p[0] if isinstance(p, tuple) else p
+            if getattr(first, "order", "") == f"%{node.name}":
+                out.append(meta.get(node, meta.MODULE) or node.name)
+    return list(dict.fromkeys(out))
+
+
 def unringed_attention(graphs) -> list[str]:
     """The modules whose attention gathers keys over cp (attention written out in a form the
     ring's pattern does not take -- einsums, say -- which the generic rules split by query
@@ -537,6 +549,10 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
         unringed = unringed_attention(compiled(0).graphs) if comm_type != "all_gather" else []
         if unringed:
             head += f"; attention written out by hand gathers its keys instead: {', '.join(unringed)}"
+        routed = local_orders(compiled(0).graphs)
+        if routed:
+            head += (f"; {len(routed)} sort(s) of the tokens' copies run on each rank's own tokens (a mixture of "
+                     f"experts routing them, in a rank-local order): {', '.join(routed)}")
     if mesh.ep > 1:
         x = config.experts
         layers = moe_layers(traced)
