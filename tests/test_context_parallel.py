@@ -250,6 +250,17 @@ def test_dropout_draws_differ_across_cp_ranks(comm, attention):
     assert any(line.split()[1] == attention for line in random)   # (a2a: the rank's heads over every token)
 
 
+def test_written_out_attention_with_dropout_takes_the_ring():
+    """GPT-2 eager's attention written out with its dropout of the probabilities becomes one
+    attention op with that dropout, drawn inside the ring from the rank's own stream."""
+    args, kwargs = batch("hf-gpt2-eager", 2, 8, 0)
+    pm = fxtron.parallelize(make("hf-gpt2-eager", dropout=0.1), fxtron.Mesh(2, cp=2), example_inputs=args,
+                            example_kwargs=kwargs, cp_comm_type="p2p")
+    rings = [line for line in pm.graph(0).splitlines() if line.split()[1:2] == ["fxtron.ring_attention"]]
+    assert len(rings) == 2 and all("[sharded:cp rng]" in line for line in rings)     # (random: dropout_p > 0)
+    assert "gathers its keys instead" not in pm.summary()
+
+
 def test_collective_bytes_are_the_formulas():
     # llama: 8 heads, 4 kv heads of 8: h_kv = 32 elements a token, float32
     b, s, cp, h_kv = 2, 16, 2, 32
