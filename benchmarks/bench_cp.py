@@ -216,31 +216,15 @@ def _thd_positions(lengths: list[int], world: int, rank: int) -> torch.Tensor:
     return torch.tensor(out)
 
 
-def _thd_chunks(lengths: list[int], world: int, rank: int) -> list[list[int]]:
-    """THD's two chunks of a rank as the ring would hold them: chunk r of every document, and
-    chunk 2cp-1-r of every document (global positions)."""
-    out = []
-    for i in (rank, 2 * world - 1 - rank):
-        at, chunk = 0, []
-        for n in lengths:
-            c = -(-n // (2 * world))
-            chunk += [at + j for j in range(i * c, min((i + 1) * c, n))]
-            at += n
-        out.append(chunk)
-    return out
-
-
 def _thd_ring_computed(lengths: list[int], mask: torch.Tensor, world: int, rank: int) -> int:
-    """Score elements the ring computes for a rank under THD with its dense blocks: a pair of
-    chunks (the rank's query chunk, a key chunk of another rank) whole wherever any of it is
-    attended, as ring_blocks computes them under the zigzag."""
-    mine = _thd_chunks(lengths, world, rank)
+    """Score elements the ring would compute for a rank under THD: its tokens (both chunks of
+    every document, in position order) against each rank's, in the pieces the ring computes a
+    block in under a mask (ops/cp.py rectangles, one per document)."""
+    mine = _thd_positions(lengths, world, rank)
     out = 0
     for src in range(world):
-        for q in mine:
-            for k in _thd_chunks(lengths, world, src):
-                if q and k and bool(mask[torch.tensor(q)][:, torch.tensor(k)].any()):
-                    out += len(q) * len(k)
+        live = mask[mine][:, _thd_positions(lengths, world, src)]
+        out += sum((r.stop - r.start) * (c.stop - c.start) for r, c in cp_ops.rectangles(live))
     return out
 
 
@@ -248,11 +232,10 @@ def _thd_ring_computed(lengths: list[int], mask: torch.Tensor, world: int, rank:
 def test_packed_documents(world, bench_report, benchmark):
     """Packed batches: the document-causal score elements each cp rank needs under the plain
     load-balanced split and under Megatron's THD (per-document) split, and those the ring
-    computes (its blocks, the empty ones skipped: ops/cp.py ring_blocks) -- over 8 random
-    packings of SEQ tokens. The step waits for the busiest rank: max / mean is the loss. THD
-    balances what is needed, but the ring computes whole blocks of chunks: under THD every
-    rank's chunk holds a piece of every document, so no block is empty -- the busiest rank's
-    computed elements under each split say which one the ring's kernel runs faster."""
+    computes (its blocks in pieces of one document each, the empty ones skipped: ops/cp.py
+    ring_blocks) -- over 8 random packings of SEQ tokens. The step waits for the busiest rank:
+    max / mean is the loss, and the busiest rank's computed elements under each split say which
+    one the ring runs faster."""
     benchmark.pedantic(noop, rounds=1, iterations=1)
     rows = {"zigzag": [], "thd": [], "ring": [], "ring_dense": []}
     skipped = total = 0
@@ -267,9 +250,9 @@ def test_packed_documents(world, bench_report, benchmark):
         ring, dense = [], []
         for r in range(world):
             blocks = cp_ops.ring_blocks(mask[cp_ops.positions(SEQ, world, r)][None, None], False, world, r)
-            ring.append(sum(a * b for _, a, b in blocks))
+            ring.append(sum(n for _, n in blocks))
             dense.append(len(blocks) * (SEQ // world) ** 2)
-            skipped += sum(1 for _, a, _ in blocks if a == 0)
+            skipped += sum(1 for _, n in blocks if n == 0)
             total += len(blocks)
         for k, v in (("zigzag", zig), ("thd", thd), ("ring", ring), ("ring_dense", dense)):
             rows[k].append(max(v) / (sum(v) / len(v)))
@@ -285,8 +268,8 @@ def test_packed_documents(world, bench_report, benchmark):
         "headers": ["cp", "max/mean needed, zigzag", "max/mean needed, THD", "THD's gain", "max/mean ring computes",
                     "ring blocks skipped", "busiest rank's ring work, THD / zigzag"],
         "rows": [], "notes": ["documents log-normal, median ~400 tokens; needed: keys of the query's document "
-                              "before it; the ring computes whole live chunks of its blocks and skips the empty "
-                              "ones; THD is adopted only if it beats the zigzag by more than 10% in what the ring "
-                              "computes (its blocks are dense: under THD none is empty)"]})
+                              "before it; the ring computes a block document by document "
+                              "(a piece per document, as a variable-length kernel) and skips the empty ones; THD "
+                              "is adopted if it beats the zigzag by more than 10% in what the ring computes"]})
     section["rows"].append([world, f"{imb['zigzag']:.3f}", f"{imb['thd']:.3f}", f"{info['thd_gain']:+.1%}",
                             f"{imb['ring']:.3f}", f"{skipped} of {total}", f"{info['thd_computed_over_zigzag']:.3f}"])

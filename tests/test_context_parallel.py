@@ -96,34 +96,67 @@ def _doc_mask(docs: list[int]) -> torch.Tensor:
     return (doc[:, None] == doc[None, :]) & (p[:, None] >= p[None, :])
 
 
-@pytest.mark.parametrize("world,gqa,additive", [(2, False, False), (4, True, False), (4, False, True)])
-def test_masked_attention_skips_empty_blocks_and_equals_attention(world, gqa, additive):
+@pytest.mark.parametrize("world,gqa,additive,per_row", [(2, False, False, False), (4, True, False, False),
+                                                       (4, False, True, False), (2, True, False, True),
+                                                       (4, False, False, True)])
+def test_masked_attention_skips_empty_blocks_and_equals_attention(world, gqa, additive, per_row):
     """all_gather under a document mask (ops/cp.py masked_attention): each rank's rows against
     the gathered keys, block by block as the ring visits them, in float64 against the whole
     attention; its gradients summed over ranks are the whole's. Blocks whose documents never
     meet are skipped (ring_blocks), by the ring as well -- also under an additive mask of
-    finfo.min (transformers' eager masks), where every query sees some key."""
+    finfo.min (transformers' eager masks), where every query sees some key, and where the batch
+    rows pack different documents (each row's own pieces)."""
     s, d = 8 * world, 8
-    mask = _doc_mask([4, 2 * world + 1, s - 2 * world - 5])      # the first ends at the first chunk's edge
+    mask = _doc_mask([4, 2 * world + 1, s - 2 * world - 5])[None, None]    # the first ends at the first chunk's edge
+    if per_row:
+        mask = torch.cat([mask, _doc_mask([4, 1, s - 5])[None, None]])
     if additive:
         mask = torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, torch.finfo(torch.float64).min)
     q, k, v, weight, full, ref = _whole_attention(world, gqa, attn_mask=mask)
     skipped = 0
     for r in range(world):
         pos = cp_ops.positions(s, world, r)
-        rows = mask[pos][None, None]
+        rows = mask[..., pos, :]
         out, _, _ = cp_ops.masked_attention(q[:, :, pos], k, v, rows, d ** -0.5, world, r)
         torch.testing.assert_close(out, full[:, :, pos], rtol=0, atol=1e-12)
         (out * weight[:, :, pos]).sum().backward()
         blocks = cp_ops.ring_blocks(rows, False, world, r)
-        skipped += sum(1 for _, n, _ in blocks if n == 0)
-        for src, n, m in blocks:       # a block is skipped exactly when no query of it sees a key of it
-            live = rows[0, 0][:, cp_ops.positions(s, world, src)]
+        skipped += sum(1 for _, n in blocks if n == 0)
+        for src, n in blocks:       # a block is skipped exactly when no query of it sees a key of it
+            live = rows[..., cp_ops.positions(s, world, src)]
             live = live if not additive else live > torch.finfo(torch.float64).min
             assert (n == 0) == (not live.any())
     assert skipped > 0
     for t, want in zip((q, k, v), ref):
         torch.testing.assert_close(t.grad, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_ring_computes_document_by_document(world):
+    """A block under a document mask is computed in pieces (ops/cp.py rectangles), as a
+    variable-length kernel computes it: each piece's query rows and key columns lie in one
+    document, the pieces cover every pair attended, and no row is in two."""
+    docs = [5, 11, 3, 7 * world, 9 * world - 3]
+    s = sum(docs)
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(docs)])
+    mask = _doc_mask(docs)
+    computed = dense = 0
+    for r in range(world):
+        mine = cp_ops.positions(s, world, r)
+        for src in range(world):
+            theirs = cp_ops.positions(s, world, src)
+            live = mask[mine][:, theirs]
+            covered = torch.zeros_like(live)
+            used = torch.zeros(len(mine), dtype=torch.bool)
+            for rows, cols in cp_ops.rectangles(live):
+                assert len(set(doc[mine[rows]].tolist()) | set(doc[theirs[cols]].tolist())) == 1
+                assert not used[rows].any()
+                used[rows] = True
+                covered[rows, cols] = True
+                computed += (rows.stop - rows.start) * (cols.stop - cols.start)
+            assert torch.equal(covered | live, covered)
+            dense += live.any(1).sum() * live.any(0).sum()
+    assert computed < dense
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -282,23 +282,24 @@ CAUSAL = "causal"
 
 
 def _step_plan(rank: int, src: int, world: int, c: int, causal: bool, mask: Tensor | None, seq: int, device):
-    """For the key block of cp rank `src`: which query rows of this rank, which of the block's
-    key columns, and the mask between them (Megatron's ring under the load-balanced split:
-    its own block under the causal mask; an earlier rank's first chunk against all queries;
-    a later rank's whole block against the second query chunk only -- no block wholly masked
-    is computed)."""
-    rows, cols = slice(0, 2 * c), slice(0, 2 * c)
+    """For the key block of cp rank `src`: the pieces it is computed in -- (batch rows, query
+    rows of this rank, key columns of the block) -- and the mask between them (Megatron's ring
+    under the load-balanced split: its own block under the causal mask; an earlier rank's first
+    chunk against all queries; a later rank's whole block against the second query chunk only).
+    Under an explicit mask, one piece per run of rows that see the same keys (`rectangles`): a
+    document mask's block is computed document by document, no pair of documents that never
+    meet, as a variable-length kernel computes it; none where the block is empty."""
+    whole, both = slice(None), slice(0, 2 * c)
     if mask is not None:                       # an explicit mask: its columns of src's positions
         m = mask.index_select(-1, positions(seq, world, src).to(device))
-        rows, cols = _live_chunks(m, c, _floor(mask))
-        return rows, cols, m
+        return _pieces(m, _floor(mask)), m
     if not causal:
-        return rows, cols, None
+        return [(whole, both, both)], None
     if src == rank:            # chunks (r, 2n-1-r) against themselves: exactly the top-left causal mask
-        return rows, cols, CAUSAL
+        return [(whole, both, both)], CAUSAL
     if src < rank:
-        return rows, slice(0, c), None
-    return slice(c, 2 * c), cols, None
+        return [(whole, both, slice(0, c))], None
+    return [(whole, slice(c, 2 * c), both)], None
 
 
 def _floor(mask: Tensor) -> float:
@@ -313,38 +314,59 @@ def _floor(mask: Tensor) -> float:
     return low if bool((mask > low).any(-1).all()) else float("-inf")
 
 
-def _live_chunks(m: Tensor, c: int, floor: float = float("-inf")) -> tuple[slice | None, slice | None]:
-    """The query chunks and key chunks (of 2 each, c tokens) of a mask block that hold any
-    position attended (an additive mask: above `floor`): a document mask leaves whole chunks
-    empty (queries of one document against keys of another), which the ring does not compute.
-    (None, None): the block is empty."""
-    live = m if m.dtype == torch.bool else m > floor
-    live = live.reshape(-1, *live.shape[-2:]).any(0)               # (2c, 2c): any batch, any head
-    q = [bool(live[i * c:(i + 1) * c].any()) for i in (0, 1)]
-    k = [bool(live[:, j * c:(j + 1) * c].any()) for j in (0, 1)]
-
-    def span(used):
-        if not any(used):
-            return None
-        lo, hi = (0 if used[0] else 1), (2 if used[1] else 1)
-        return slice(lo * c, hi * c)
-    rows = span(q)
-    return (rows, span(k)) if rows is not None else (None, None)
+def _pieces(m: Tensor, floor: float) -> list[tuple[slice, slice, slice]]:
+    """The pieces of a mask block (B or 1, H or 1, rows, cols) a rank computes: `rectangles` of
+    its entries attended (an additive mask: above `floor`) in any head -- for all batch rows at
+    once where every row's are the same, else row by row."""
+    live = (m if m.dtype == torch.bool else m > floor).any(1)
+    per = [rectangles(b) for b in live]
+    if all(p == per[0] for p in per[1:]):
+        return [(slice(None), rows, cols) for rows, cols in per[0]]
+    return [(slice(b, b + 1), rows, cols) for b, p in enumerate(per) for rows, cols in p]
 
 
-def ring_blocks(mask: Tensor | None, causal: bool, world: int, rank: int) -> list[tuple[int, int, int]]:
-    """The blocks cp rank `rank`'s ring computes, one per step: (the key block's rank, query
-    rows, key columns) -- 0 rows where the block is skipped. `mask`: the rank's query rows
-    against every key (B or 1, H or 1, 2c, S), as the ring takes it; None: the causal plan (or
-    every block whole), counted in chunks (c = 1)."""
+def rectangles(live: Tensor) -> list[tuple[slice, slice]]:
+    """A block's pieces: (row run, column span) covering every True entry of `live` (rows,
+    cols), each row in at most one, rows that see nothing in none. A run of rows goes on while
+    the next row's first column lies before the furthest column seen so far: over rows and
+    columns in position order a causal document mask gives one piece per document (its rows
+    against its columns), the work a variable-length kernel does, where a dense block computes
+    every pair of documents."""
+    alive = live.any(-1)
+    if not bool(alive.any()):
+        return []
+    n_rows, n_cols = live.shape
+    col = torch.arange(n_cols, device=live.device)
+    lo = torch.where(live, col, n_cols).amin(-1)
+    hi = torch.where(live, col + 1, 0).amax(-1)
+    reach = hi.cummax(0).values
+    before = F.pad(alive[:-1], (1, 0), value=False)
+    start = alive & (~before | (lo >= F.pad(reach[:-1], (1, 0), value=0)))
+    rows = torch.nonzero(alive).flatten()
+    group = (start.cumsum(0) - 1)[rows]
+    n = int(start.sum())
+
+    def reduce(values, how, init):
+        return torch.full((n,), init, dtype=torch.long, device=live.device).scatter_reduce(
+            0, group, values, how, include_self=False).tolist()
+    first, last = reduce(rows, "amin", n_rows), reduce(rows, "amax", 0)
+    lo, hi = reduce(lo[rows], "amin", n_cols), reduce(hi[rows], "amax", 0)
+    return [(slice(a, b + 1), slice(x, y)) for a, b, x, y in zip(first, last, lo, hi)]
+
+
+def ring_blocks(mask: Tensor | None, causal: bool, world: int, rank: int) -> list[tuple[int, int]]:
+    """The blocks cp rank `rank`'s ring computes, one per step: (the key block's rank, the score
+    elements computed per head, summed over the mask's batch rows) -- 0 where the block is
+    skipped. `mask`: the rank's query rows against every key (B or 1, H or 1, 2c, S), as the ring
+    takes it; None: the causal plan (or every block whole), counted in chunks (c = 1)."""
     c = (mask.shape[-2] // 2) if mask is not None else 1
-    seq = 2 * c * world
+    batch = mask.shape[0] if mask is not None else 1
     out = []
     for i in range(world):
         src = (rank - i) % world
-        rows, cols, _ = _step_plan(rank, src, world, c, causal, mask, seq, torch.device("cpu"))
-        span = lambda s: 0 if s is None else (s.stop - s.start)  # noqa: E731
-        out.append((src, span(rows), span(cols) if rows is not None else 0))
+        pieces, _ = _step_plan(rank, src, world, c, causal, mask, 2 * c * world, torch.device("cpu"))
+        span = lambda s, n: len(range(*s.indices(n)))  # noqa: E731
+        out.append((src, sum(span(b, batch) * span(r, 2 * c) * span(k, 2 * c) for b, r, k in pieces)))
     return out
 
 
@@ -396,51 +418,48 @@ def _draw_seed(dropout_p: float, rng_region: str | None, device) -> Tensor:
     return rng_call(rng_region, draw) if rng_region else draw()
 
 
-def _step(q, kv, rank, src, world, causal, mask, drop=None):
-    """One block of the ring, planned: (query rows, key columns, the block's keys and values
-    with grouped-query heads repeated, its mask or None, whether it is the causal diagonal,
-    dropout's scaled keep-mask of those rows and columns or None), or None where the mask
-    leaves it empty. `drop`: (p, seed) with attention dropout."""
+def _step(q, kv, rank, src, world, causal, mask, drop=None) -> list[tuple]:
+    """One block of the ring, planned: its pieces, each (batch rows, query rows, key columns,
+    the piece's keys and values with grouped-query heads repeated, its mask or None, whether it
+    is the causal diagonal, dropout's scaled keep-mask of it or None) -- none where the mask
+    leaves the block empty. `drop`: (p, seed) with attention dropout."""
     c, heads = q.shape[-2] // 2, q.shape[1]
-    rows, cols, m = _step_plan(rank, src, world, c, causal, mask, 2 * c * world, q.device)
-    if rows is None:
-        return None
-    kb, vb = (_expand_kv(t, heads)[..., cols, :] for t in kv)
+    pieces, m = _step_plan(rank, src, world, c, causal, mask, 2 * c * world, q.device)
+    if not pieces:
+        return []
     diag = isinstance(m, str)
-    keep = None
-    if drop is not None:
-        keep = keep_mask(drop[1], drop[0], src, (q.shape[0], heads, 2 * c, 2 * c), q.device, _acc(q))
-        keep = keep[..., rows, :][..., cols]
-    return rows, cols, kb, vb, (None if diag or m is None else m[..., rows, :][..., cols]), diag, keep
+    keep = None if drop is None else keep_mask(drop[1], drop[0], src, (q.shape[0], heads, 2 * c, 2 * c), q.device,
+                                               _acc(q))
+    out = []
+    for b, rows, cols in pieces:
+        kb, vb = (_expand_kv(t[b], heads)[..., cols, :] for t in kv)
+        mb = None if diag or m is None else (m[b] if m.shape[0] > 1 else m)[..., rows, :][..., cols]
+        out.append((b, rows, cols, kb, vb, mb, diag, None if keep is None else keep[b][..., rows, :][..., cols]))
+    return out
 
 
 def _step_forward(q, kv, rank, src, world, causal, mask, scale, out, lse, drop=None) -> None:
     """One block of the ring: this rank's queries against the keys and values `kv` of cp rank
-    `src`'s positions, merged into `out` and `lse` (nothing where the mask leaves it empty)."""
-    step = _step(q, kv, rank, src, world, causal, mask, drop)
-    if step is None:
-        return
-    rows, _, kb, vb, m, diag, keep = step
-    o, l = _block(q[..., rows, :], kb, vb, scale, m, diag, keep=keep)
-    _merge(out[..., rows, :], lse[..., rows], o, l)
+    `src`'s positions, merged into `out` and `lse` piece by piece (nothing where the mask leaves
+    it empty)."""
+    for b, rows, _, kb, vb, m, diag, keep in _step(q, kv, rank, src, world, causal, mask, drop):
+        o, l = _block(q[b][..., rows, :], kb, vb, scale, m, diag, keep=keep)
+        _merge(out[b][..., rows, :], lse[b][..., rows], o, l)
 
 
 def _step_backward(dout, q, kv, out, lse, rank, src, world, causal, mask, scale, dq, dkv, drop=None) -> None:
     """The gradients of one block: dq accumulated, the block's dK and dV added into `dkv`
     (nothing where the mask leaves it empty)."""
-    step = _step(q, kv, rank, src, world, causal, mask, drop)
-    if step is None:
-        return
-    rows, cols, kb, vb, m, diag, keep = step
     heads, hkv = q.shape[1], kv[0].shape[1]
-    dqb, dk, dv = _block_backward(dout[..., rows, :], q[..., rows, :], kb, vb, out[..., rows, :], lse[..., rows],
-                                  scale, m, diag, keep=keep)
-    dq[..., rows, :] += dqb
-    if hkv != heads:                                         # grouped-query: sum the repeated heads
-        dk = dk.unflatten(1, (hkv, heads // hkv)).sum(2)
-        dv = dv.unflatten(1, (hkv, heads // hkv)).sum(2)
-    dkv[0][..., cols, :] += dk
-    dkv[1][..., cols, :] += dv
+    for b, rows, cols, kb, vb, m, diag, keep in _step(q, kv, rank, src, world, causal, mask, drop):
+        dqb, dk, dv = _block_backward(dout[b][..., rows, :], q[b][..., rows, :], kb, vb, out[b][..., rows, :],
+                                      lse[b][..., rows], scale, m, diag, keep=keep)
+        dq[b][..., rows, :] += dqb
+        if hkv != heads:                                     # grouped-query: sum the repeated heads
+            dk = dk.unflatten(1, (hkv, heads // hkv)).sum(2)
+            dv = dv.unflatten(1, (hkv, heads // hkv)).sum(2)
+        dkv[0][b][..., cols, :] += dk
+        dkv[1][b][..., cols, :] += dv
 
 
 def _ring_forward(q, k, v, mask, scale, causal, world, group, drop=None):
@@ -743,4 +762,4 @@ def score_elements(seq: int, world: int, rank: int, *, balanced: bool = True) ->
 
 __all__ = ["attention_all_gather", "chunk_order", "cp_all_to_all", "hierarchical_attention", "masked_attention",
            "positions",
-           "keep_mask", "ring_attention", "ring_blocks", "score_elements", "zigzag"]
+           "keep_mask", "rectangles", "ring_attention", "ring_blocks", "score_elements", "zigzag"]
