@@ -99,13 +99,15 @@ def _doc_mask(docs: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("world,gqa,additive,per_row", [(2, False, False, False), (4, True, False, False),
                                                        (4, False, True, False), (2, True, False, True),
                                                        (4, False, False, True)])
-def test_masked_attention_skips_empty_blocks_and_equals_attention(world, gqa, additive, per_row):
+def test_masked_attention_skips_empty_blocks_and_equals_attention(world, gqa, additive, per_row, monkeypatch):
     """all_gather under a document mask (ops/cp.py masked_attention): each rank's rows against
     the gathered keys, block by block as the ring visits them, in float64 against the whole
     attention; its gradients summed over ranks are the whole's. Blocks whose documents never
     meet are skipped (ring_blocks), by the ring as well -- also under an additive mask of
     finfo.min (transformers' eager masks), where every query sees some key, and where the batch
-    rows pack different documents (each row's own pieces)."""
+    rows pack different documents (each row's own pieces). Blocks computed document by document
+    (no small pieces merged: the ring's jobs run them merged)."""
+    monkeypatch.setattr(cp_ops, "SMALL_PIECE", 0)
     s, d = 8 * world, 8
     mask = _doc_mask([4, 2 * world + 1, s - 2 * world - 5])[None, None]    # the first ends at the first chunk's edge
     if per_row:
@@ -135,7 +137,9 @@ def test_masked_attention_skips_empty_blocks_and_equals_attention(world, gqa, ad
 def test_the_ring_computes_document_by_document(world):
     """A block under a document mask is computed in pieces (ops/cp.py rectangles), as a
     variable-length kernel computes it: each piece's query rows and key columns lie in one
-    document, the pieces cover every pair attended, and no row is in two."""
+    document (pieces of a few elements not merged), the pieces cover every pair attended, and no
+    row is in two. Merged, a run of one-token documents (padding) is a few pieces, not one
+    each."""
     docs = [5, 11, 3, 7 * world, 9 * world - 3]
     s = sum(docs)
     doc = torch.cat([torch.full((n,), i) for i, n in enumerate(docs)])
@@ -148,7 +152,7 @@ def test_the_ring_computes_document_by_document(world):
             live = mask[mine][:, theirs]
             covered = torch.zeros_like(live)
             used = torch.zeros(len(mine), dtype=torch.bool)
-            for rows, cols in cp_ops.rectangles(live):
+            for rows, cols in cp_ops.rectangles(live, small=0):
                 assert len(set(doc[mine[rows]].tolist()) | set(doc[theirs[cols]].tolist())) == 1
                 assert not used[rows].any()
                 used[rows] = True
@@ -157,6 +161,13 @@ def test_the_ring_computes_document_by_document(world):
             assert torch.equal(covered | live, covered)
             dense += live.any(1).sum() * live.any(0).sum()
     assert computed < dense
+    padded = _doc_mask([200] + [1] * 312)                 # 312 tokens of padding, each its own document
+    pieces = cp_ops.rectangles(padded)
+    assert len(pieces) <= 2 + 312 // 64
+    covered = torch.zeros_like(padded)
+    for rows, cols in pieces:
+        covered[rows, cols] = True
+    assert torch.equal(covered | padded, covered)
 
 
 @pytest.mark.parametrize("world", [2, 4])

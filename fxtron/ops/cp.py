@@ -319,19 +319,24 @@ def _pieces(m: Tensor, floor: float) -> list[tuple[slice, slice, slice]]:
     its entries attended (an additive mask: above `floor`) in any head -- for all batch rows at
     once where every row's are the same, else row by row."""
     live = (m if m.dtype == torch.bool else m > floor).any(1)
-    per = [rectangles(b) for b in live]
+    per = [rectangles(b, SMALL_PIECE) for b in live]
     if all(p == per[0] for p in per[1:]):
         return [(slice(None), rows, cols) for rows, cols in per[0]]
     return [(slice(b, b + 1), rows, cols) for b, p in enumerate(per) for rows, cols in p]
 
 
-def rectangles(live: Tensor) -> list[tuple[slice, slice]]:
+#: score elements under which neighbouring pieces of a block are computed as one (many documents
+#: of a few tokens -- padding, each token its own -- would otherwise be as many kernel calls)
+SMALL_PIECE = 64 * 64
+
+
+def rectangles(live: Tensor, small: int = SMALL_PIECE) -> list[tuple[slice, slice]]:
     """A block's pieces: (row run, column span) covering every True entry of `live` (rows,
-    cols), each row in at most one, rows that see nothing in none. A run of rows goes on while
-    the next row's first column lies before the furthest column seen so far: over rows and
-    columns in position order a causal document mask gives one piece per document (its rows
-    against its columns), the work a variable-length kernel does, where a dense block computes
-    every pair of documents."""
+    cols), each row in at most one. A run of rows goes on while the next row's first column
+    lies before the furthest column seen so far: over rows and columns in position order a
+    causal document mask gives one piece per document (its rows against its columns), the work
+    a variable-length kernel does, where a dense block computes every pair of documents.
+    Neighbouring pieces whose span together holds at most `small` elements are one."""
     alive = live.any(-1)
     if not bool(alive.any()):
         return []
@@ -351,7 +356,13 @@ def rectangles(live: Tensor) -> list[tuple[slice, slice]]:
             0, group, values, how, include_self=False).tolist()
     first, last = reduce(rows, "amin", n_rows), reduce(rows, "amax", 0)
     lo, hi = reduce(lo[rows], "amin", n_cols), reduce(hi[rows], "amax", 0)
-    return [(slice(a, b + 1), slice(x, y)) for a, b, x, y in zip(first, last, lo, hi)]
+    out: list[list[int]] = []
+    for a, b, x, y in zip(first, last, lo, hi):
+        if out and (b + 1 - out[-1][0]) * (max(y, out[-1][3]) - min(x, out[-1][2])) <= small:
+            out[-1] = [out[-1][0], b + 1, min(x, out[-1][2]), max(y, out[-1][3])]
+        else:
+            out.append([a, b + 1, x, y])
+    return [(slice(a, b), slice(x, y)) for a, b, x, y in out]
 
 
 def ring_blocks(mask: Tensor | None, causal: bool, world: int, rank: int) -> list[tuple[int, int]]:
