@@ -133,6 +133,39 @@ def test_masked_attention_skips_empty_blocks_and_equals_attention(world, gqa, ad
         torch.testing.assert_close(t.grad, want, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("world,dv", [(2, 8), (4, 8), (2, 12)], ids=["cp2", "cp4", "cp2-matmuls"])
+def test_a_query_that_sees_no_key_is_uniform_over_its_keys(world, dv):
+    """An additive mask of the dtype's lowest value (transformers' eager masks) where a query
+    sees no key -- a left-padded sequence's padding: softmax gives it uniform weights over its
+    keys, and the blockwise merge, whose log-sum-exp cannot carry log(keys) at -1.8e308, gives
+    the same (the blocks' means weighted by their keys). float64 against eager softmax, forward
+    and gradients, on torch's flash kernel and in matmuls (a value head size not the query's)."""
+    g = torch.Generator().manual_seed(3)
+    b, h, s, d = 2, 2, 8 * world, 8
+    low = torch.finfo(torch.float64).min
+    q, k = (torch.randn(b, h, s, d, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(2))
+    v = torch.randn(b, h, s, dv, dtype=torch.float64, generator=g, requires_grad=True)
+    pos = torch.arange(s)
+    pad = torch.tensor([3, 0])[:, None]                       # row 0 left-padded by 3 tokens
+    seen = (pos[None, :, None] >= pos[None, None, :]) & (pos[None, None, :] >= pad[:, :, None])   # (B, S, S)
+    mask = torch.zeros(b, 1, s, s, dtype=torch.float64).masked_fill(~seen[:, None], low)
+    assert (mask[0, 0, :3] == low).all()                      # the padding queries see no key
+    scores = q @ k.transpose(-1, -2) * d ** -0.5 + mask
+    full = torch.softmax(scores, -1) @ v
+    weight = torch.randn(full.shape, dtype=torch.float64, generator=g)
+    (full * weight).sum().backward()
+    ref = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    for r in range(world):
+        at = cp_ops.positions(s, world, r)
+        out, _, _ = cp_ops.masked_attention(q[:, :, at], k, v, mask[..., at, :], d ** -0.5, world, r)
+        torch.testing.assert_close(out, full[:, :, at].detach(), rtol=0, atol=1e-12)
+        (out * weight[:, :, at]).sum().backward()
+    for t, want in zip((q, k, v), ref):
+        torch.testing.assert_close(t.grad, want, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_the_ring_computes_document_by_document(world):
     """A block under a document mask is computed in pieces (ops/cp.py rectangles), as a

@@ -237,17 +237,21 @@ def _block(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None,
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(acc)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+    keys = _floor_keys(mask, lse)            # a row that sees no key: the mean of its keys, as the flash kernel's
+    if keys is not None:
+        p = p / keys.unsqueeze(-1)
     return torch.matmul(p if keep is None else p * keep, v.to(acc)), lse
 
 
 def _block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
                     mask: Tensor | None, causal: bool, fused: bool | None = None,
-                    keep: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                    keep: Tensor | None = None, norm: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of one block, in fp32 (or wider), given the rows' final output and log-sum-exp (the
     block's probabilities are exp(scores - lse): its share of the whole softmax). With dropout's
     scaled mask `keep` (FlashAttention-2's backward): dV = (P*keep)^T dO, and the scores'
-    gradient P * ((dO V^T) * keep - rowsum(dO * O)), O the dropped output."""
-    if keep is None and (_fused(q, v) if fused is None else fused):
+    gradient P * ((dO V^T) * keep - rowsum(dO * O)), O the dropped output. `norm` (B, H, Lq): what
+    each row's exp(scores - lse) is divided by (`_floor_keys`: a row that sees no key)."""
+    if keep is None and norm is None and (_fused(q, v) if fused is None else fused):
         lse = torch.where(torch.isinf(lse), 0.0, lse)    # a row that sees no key anywhere: no gradient
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.to(q.dtype) if q.dtype == torch.float64 else lse, 0.0,
@@ -261,6 +265,8 @@ def _block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(acc)
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+    if norm is not None:
+        p = p / norm.to(acc).unsqueeze(-1)
     delta = (do * out.to(acc)).sum(-1, keepdim=True)
     dp = torch.matmul(do, vf.transpose(-1, -2))
     dv = torch.matmul((p if keep is None else p * keep).transpose(-1, -2), do)
@@ -268,12 +274,19 @@ def _block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     return torch.matmul(ds, kf) * scale, torch.matmul(ds.transpose(-1, -2), qf) * scale, dv
 
 
-def _merge(out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> None:
-    """Fold a block's (o, l) into the running (out, lse) in place (online softmax)."""
+def _merge(out: Tensor, lse: Tensor, o: Tensor, l: Tensor, keys: Tensor | None = None,
+           low: float = float("-inf")) -> None:
+    """Fold a block's (o, l) into the running (out, lse) in place (online softmax). `keys`: the
+    block's keys per row under an additive mask whose lowest value is below `low`: a row whose
+    every key is at that value (a query that sees none) has softmax uniform over its keys, but
+    its log-sum-exp cannot carry log(keys) at -3.4e38 -- such rows add the blocks' means
+    weighted by their keys, divided by the row's keys at the end (`_floor_keys`)."""
     new = torch.logaddexp(lse, l)
     safe = torch.where(torch.isinf(new), 0.0, new)
     a = torch.where(torch.isinf(lse), 0.0, torch.exp(lse - safe))
     b = torch.where(torch.isinf(l), 0.0, torch.exp(l - safe))
+    if keys is not None:
+        b = torch.where((l <= low) & (new <= low) & ~torch.isinf(l), keys.to(b.dtype), b)
     out.mul_(a.unsqueeze(-1)).add_(o * b.unsqueeze(-1))
     lse.copy_(new)
 
@@ -300,6 +313,20 @@ def _step_plan(rank: int, src: int, world: int, c: int, causal: bool, mask: Tens
     if src < rank:
         return [(whole, both, slice(0, c))], None
     return [(whole, slice(c, 2 * c), both)], None
+
+
+def _floor_keys(mask: Tensor | None, lse: Tensor) -> Tensor | None:
+    """Under an additive mask, the rows whose every key is at the mask's lowest value (a query
+    that sees no key: softmax is uniform over its keys, transformers' eager masks) get their
+    number of keys, the others 1 (B, H, rows); None where there are none. Forward divides
+    those rows' summed means by it, backward the probabilities exp(s - lse)."""
+    if mask is None or mask.dtype == torch.bool:
+        return None
+    at_floor = (lse <= torch.finfo(mask.dtype).min / 2) & ~torch.isinf(lse)
+    if not bool(at_floor.any()):
+        return None
+    keys = (mask > float("-inf")).sum(-1).to(lse.dtype)
+    return torch.where(at_floor, keys, 1.0)
 
 
 def _floor(mask: Tensor) -> float:
@@ -455,16 +482,20 @@ def _step_forward(q, kv, rank, src, world, causal, mask, scale, out, lse, drop=N
     it empty)."""
     for b, rows, _, kb, vb, m, diag, keep in _step(q, kv, rank, src, world, causal, mask, drop):
         o, l = _block(q[b][..., rows, :], kb, vb, scale, m, diag, keep=keep)
-        _merge(out[b][..., rows, :], lse[b][..., rows], o, l)
+        additive = m is not None and m.dtype != torch.bool
+        _merge(out[b][..., rows, :], lse[b][..., rows], o, l, (m > float("-inf")).sum(-1) if additive else None,
+               torch.finfo(m.dtype).min / 2 if additive else float("-inf"))
 
 
 def _step_backward(dout, q, kv, out, lse, rank, src, world, causal, mask, scale, dq, dkv, drop=None) -> None:
     """The gradients of one block: dq accumulated, the block's dK and dV added into `dkv`
     (nothing where the mask leaves it empty)."""
     heads, hkv = q.shape[1], kv[0].shape[1]
+    norm = _floor_keys(mask, lse)
     for b, rows, cols, kb, vb, m, diag, keep in _step(q, kv, rank, src, world, causal, mask, drop):
         dqb, dk, dv = _block_backward(dout[b][..., rows, :], q[b][..., rows, :], kb, vb, out[b][..., rows, :],
-                                      lse[b][..., rows], scale, m, diag, keep=keep)
+                                      lse[b][..., rows], scale, m, diag, keep=keep,
+                                      norm=None if norm is None else norm.expand_as(lse)[b][..., rows])
         dq[b][..., rows, :] += dqb
         if hkv != heads:                                     # grouped-query: sum the repeated heads
             dk = dk.unflatten(1, (hkv, heads // hkv)).sum(2)
@@ -489,8 +520,14 @@ def _ring_forward(q, k, v, mask, scale, causal, world, group, drop=None):
             for w in works:
                 w.wait()
     result = sdpa_like_output(q, v)
-    result.copy_(out)
+    result.copy_(_normed(out, mask, lse))
     return result, lse
+
+
+def _normed(out: Tensor, mask: Tensor | None, lse: Tensor) -> Tensor:
+    """The merged output, the rows that see no key under an additive mask divided by their keys."""
+    norm = _floor_keys(mask, lse)
+    return out if norm is None else out / norm.unsqueeze(-1)
 
 
 @ring_attention.register_fake
@@ -560,7 +597,7 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float
         _step_forward(q, [k.index_select(-2, at), v.index_select(-2, at)], rank, src, world, False, mask, scale,
                       out, lse, drop)
     result = sdpa_like_output(q, v)
-    result.copy_(out)
+    result.copy_(_normed(out, mask, lse))
     return result, lse, seed
 
 
