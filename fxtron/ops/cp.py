@@ -315,6 +315,17 @@ def _step_plan(rank: int, src: int, world: int, c: int, causal: bool, mask: Tens
     return [(whole, slice(c, 2 * c), both)], None
 
 
+def _lowest(dtype: torch.dtype) -> float:
+    """At or below this an additive mask's entry (or a row's log-sum-exp) is at the dtype's lowest
+    value, finfo.min, which transformers' eager masks add: half of it."""
+    return torch.finfo(dtype).min / 2
+
+
+def _keys(mask: Tensor) -> Tensor:
+    """Each row's keys under an additive mask: its entries above -inf."""
+    return (mask > float("-inf")).sum(-1)
+
+
 def _floor_keys(mask: Tensor | None, lse: Tensor) -> Tensor | None:
     """Under an additive mask, the rows whose every key is at the mask's lowest value (a query
     that sees no key: softmax is uniform over its keys, transformers' eager masks) get their
@@ -322,11 +333,10 @@ def _floor_keys(mask: Tensor | None, lse: Tensor) -> Tensor | None:
     those rows' summed means by it, backward the probabilities exp(s - lse)."""
     if mask is None or mask.dtype == torch.bool:
         return None
-    at_floor = (lse <= torch.finfo(mask.dtype).min / 2) & ~torch.isinf(lse)
+    at_floor = (lse <= _lowest(mask.dtype)) & ~torch.isinf(lse)
     if not bool(at_floor.any()):
         return None
-    keys = (mask > float("-inf")).sum(-1).to(lse.dtype)
-    return torch.where(at_floor, keys, 1.0)
+    return torch.where(at_floor, _keys(mask).to(lse.dtype), 1.0)
 
 
 def _floor(mask: Tensor) -> float:
@@ -337,7 +347,7 @@ def _floor(mask: Tensor) -> float:
     every block gives."""
     if mask.dtype == torch.bool:
         return 0.0
-    low = torch.finfo(mask.dtype).min / 2
+    low = _lowest(mask.dtype)
     return low if bool((mask > low).any(-1).all()) else float("-inf")
 
 
@@ -483,8 +493,8 @@ def _step_forward(q, kv, rank, src, world, causal, mask, scale, out, lse, drop=N
     for b, rows, _, kb, vb, m, diag, keep in _step(q, kv, rank, src, world, causal, mask, drop):
         o, l = _block(q[b][..., rows, :], kb, vb, scale, m, diag, keep=keep)
         additive = m is not None and m.dtype != torch.bool
-        _merge(out[b][..., rows, :], lse[b][..., rows], o, l, (m > float("-inf")).sum(-1) if additive else None,
-               torch.finfo(m.dtype).min / 2 if additive else float("-inf"))
+        _merge(out[b][..., rows, :], lse[b][..., rows], o, l, _keys(m) if additive else None,
+               _lowest(m.dtype) if additive else float("-inf"))
 
 
 def _step_backward(dout, q, kv, out, lse, rank, src, world, causal, mask, scale, dq, dkv, drop=None) -> None:
