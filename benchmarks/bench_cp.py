@@ -204,38 +204,23 @@ def _needed(doc: torch.Tensor, pos: torch.Tensor) -> int:
     return int(sum(int(p) - int(start[p]) + 1 for p in pos))
 
 
-def _thd_positions(lengths: list[int], world: int, rank: int) -> torch.Tensor:
-    """Megatron's THD split (per-document load balancing): each document cut into 2cp chunks
-    (padded to a multiple of 2cp), rank r holding chunks r and 2cp-1-r of every one."""
-    out, at = [], 0
-    for n in lengths:
-        c = -(-n // (2 * world))
-        for i in (rank, 2 * world - 1 - rank):
-            out += [at + j for j in range(i * c, min((i + 1) * c, n))]
-        at += n
-    return torch.tensor(out)
-
-
-def _thd_ring_computed(lengths: list[int], mask: torch.Tensor, world: int, rank: int) -> int:
-    """Score elements the ring would compute for a rank under THD: its tokens (both chunks of
-    every document, in position order) against each rank's, in the pieces the ring computes a
-    block in under a mask (ops/cp.py rectangles, one per document)."""
-    mine = _thd_positions(lengths, world, rank)
-    out = 0
-    for src in range(world):
-        live = mask[mine][:, _thd_positions(lengths, world, src)]
-        out += sum((r.stop - r.start) * (c.stop - c.start) for r, c in cp_ops.rectangles(live))
-    return out
+def _ring_computed(mask: torch.Tensor, order: torch.Tensor, world: int, rank: int) -> int:
+    """Score elements the ring computes for a rank when the row is laid out in `order` (positions;
+    THD: cp_documents' reordering), each block in its pieces (ops/cp.py: rows and columns
+    grouped by document, a piece per document, small ones merged), empty ones skipped."""
+    rows = mask[order][:, order][cp_ops.positions(len(order), world, rank)]
+    return sum(n for _, n in cp_ops.ring_blocks(rows[None, None], False, world, rank))
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_packed_documents(world, bench_report, benchmark):
     """Packed batches: the document-causal score elements each cp rank needs under the plain
-    load-balanced split and under Megatron's THD (per-document) split, and those the ring
-    computes (its blocks in pieces of one document each, the empty ones skipped: ops/cp.py
-    ring_blocks) -- over 8 random packings of SEQ tokens. The step waits for the busiest rank:
-    max / mean is the loss, and the busiest rank's computed elements under each split say which
-    one the ring runs faster."""
+    load-balanced split and under THD (cp_documents: each row reordered so a rank holds chunks
+    r and 2cp-1-r of every document, Megatron's per-document split without its padding), and
+    those the ring computes (its blocks in pieces of one document each, the empty ones skipped:
+    ops/cp.py ring_blocks) -- over 8 random packings of SEQ tokens. The step waits for the
+    busiest rank: max / mean is the loss, and the busiest rank's computed elements under each
+    split say which one the ring runs faster."""
     benchmark.pedantic(noop, rounds=1, iterations=1)
     rows = {"zigzag": [], "thd": [], "ring": [], "ring_dense": []}
     skipped = total = 0
@@ -246,7 +231,8 @@ def test_packed_documents(world, bench_report, benchmark):
         p = torch.arange(SEQ)
         mask = (doc[:, None] == doc[None, :]) & (p[:, None] >= p[None, :])
         zig = [_needed(doc, cp_ops.positions(SEQ, world, r)) for r in range(world)]
-        thd = [_needed(doc, _thd_positions(lengths, world, r)) for r in range(world)]
+        order = cp_ops.document_order(doc[None], world)[0]
+        thd = [_needed(doc, order[cp_ops.positions(SEQ, world, r)]) for r in range(world)]
         ring, dense = [], []
         for r in range(world):
             blocks = cp_ops.ring_blocks(mask[cp_ops.positions(SEQ, world, r)][None, None], False, world, r)
@@ -257,7 +243,7 @@ def test_packed_documents(world, bench_report, benchmark):
         for k, v in (("zigzag", zig), ("thd", thd), ("ring", ring), ("ring_dense", dense)):
             rows[k].append(max(v) / (sum(v) / len(v)))
         busiest["zigzag"].append(max(ring))
-        busiest["thd"].append(max(_thd_ring_computed(lengths, mask, world, r) for r in range(world)))
+        busiest["thd"].append(max(_ring_computed(mask, order, world, r) for r in range(world)))
     imb = {k: sum(v) / len(v) for k, v in rows.items()}
     info = {"max_over_mean_zigzag": imb["zigzag"], "max_over_mean_thd": imb["thd"],
             "max_over_mean_ring_computed": imb["ring"], "blocks_skipped": skipped, "blocks": total,
@@ -270,6 +256,6 @@ def test_packed_documents(world, bench_report, benchmark):
         "rows": [], "notes": ["documents log-normal, median ~400 tokens; needed: keys of the query's document "
                               "before it; the ring computes a block document by document "
                               "(a piece per document, as a variable-length kernel) and skips the empty ones; THD "
-                              "is adopted if it beats the zigzag by more than 10% in what the ring computes"]})
+                              "(cp_documents) is adopted: it beats the zigzag by more than 10% in what the ring computes"]})
     section["rows"].append([world, f"{imb['zigzag']:.3f}", f"{imb['thd']:.3f}", f"{info['thd_gain']:+.1%}",
                             f"{imb['ring']:.3f}", f"{skipped} of {total}", f"{info['thd_computed_over_zigzag']:.3f}"])

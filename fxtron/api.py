@@ -21,6 +21,7 @@ from fxtron.config import Config
 from fxtron.core import meta
 from fxtron.errors import ParallelizeError, warn_or_raise
 from fxtron.mesh import Mesh
+from fxtron.passes.documents import check_documents
 from fxtron.passes.expert_parallel import check_experts
 from fxtron.passes.statistics import global_statistics
 from fxtron.passes.recompute import region_labels
@@ -177,6 +178,8 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
             f"sequence (the programs still take any length up to the model's limit)")
     if mesh.ep > 1:
         check_experts(traced, mesh.ep)     # experts that do not divide over ep: an error now
+    if config.context.documents is not None:   # THD: proved not to change the model's numbers, or an error now
+        ti.documents = check_documents(traced, config.context.documents)
     if mesh.dp * config.pipeline.microbatches > 1:    # a batch statistic it cannot make global: an error now
         global_statistics(meta.copy_graph(traced), dp=mesh.dp, pieces=mesh.dp * config.pipeline.microbatches,
                           local=config.experts.aux_loss == "local")

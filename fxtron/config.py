@@ -378,6 +378,11 @@ class ContextConfig(Section):
     a2a_size: int | None = option(None, positive=True, shorthand="cp_a2a_size",
                                   help="cp_comm_type='a2a+p2p': the cp ranks of one all-to-all group "
                                        "(Megatron's hierarchical_context_parallel_sizes [a2a_size, cp / a2a_size])")
+    documents: str | None = option(None, shorthand="cp_documents",
+                                   help="the keyword input holding each token's document id (B, S): each row's "
+                                        "tokens are reordered so a rank holds chunks r and 2cp-1-r of every document "
+                                        "(Megatron's THD load balancing of packed sequences), once proved not to "
+                                        "change what the model computes")
 
     def _rules(self) -> None:
         if (self.comm_type == "a2a+p2p") != (self.a2a_size is not None):

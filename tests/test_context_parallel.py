@@ -58,12 +58,12 @@ def test_zigzag_then_a_plain_split_gives_each_rank_its_positions(world):
                        x.detach()[:, cp_ops.positions(8 * world, world, 1)].reshape(-1, 5))
 
 
-def _whole_attention(world: int, gqa: bool, **sdpa) -> tuple:
-    """float64 q, k, v (B=2, 4 heads, 2 of keys with gqa, S = 8 x world, d=8), an upstream
+def _whole_attention(world: int, gqa: bool, seq: int | None = None, **sdpa) -> tuple:
+    """float64 q, k, v (B=2, 4 heads, 2 of keys with gqa, S = seq or 8 x world, d=8), an upstream
     gradient, attention over the whole sequence and its input gradients (the leaves' .grad
     cleared for the ranks' ops to accumulate into)."""
     g = torch.Generator().manual_seed(0)
-    b, h, s, d = 2, 4, 8 * world, 8
+    b, h, s, d = 2, 4, seq or 8 * world, 8
     hkv = 2 if gqa else h
     q = torch.randn(b, h, s, d, dtype=torch.float64, generator=g, requires_grad=True)
     k = torch.randn(b, hkv, s, d, dtype=torch.float64, generator=g, requires_grad=True)
@@ -164,6 +164,73 @@ def test_a_query_that_sees_no_key_is_uniform_over_its_keys(world, dv):
         (out * weight[:, :, at]).sum().backward()
     for t, want in zip((q, k, v), ref):
         torch.testing.assert_close(t.grad, want, rtol=0, atol=1e-12)
+
+
+def test_documents_order_keeps_each_document_in_order():
+    """cp_documents (Megatron's THD without padding): each row reordered stably by the chunk of
+    its document a token falls in; a rank's share of the reordered row holds about chunks r and
+    2cp-1-r of every document, each document's tokens still in order. One document: the plain
+    split."""
+    assert cp_ops.document_order(torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]]), 2).tolist() == [[0, 4, 1, 5, 2, 6, 3, 7]]
+    one = torch.zeros(1, 16, dtype=torch.long)
+    assert torch.equal(cp_ops.document_positions(one, 2, 1)[0], cp_ops.positions(16, 2, 1))
+    doc = torch.tensor([[0] * 8 + [1] * 24 + [2] * 16, [5] * 4 + [7] * 44])      # ids need not be 0, 1, ...
+    for world in (2, 4):
+        order = cp_ops.document_order(doc, world)
+        for row in range(2):
+            assert sorted(order[row].tolist()) == list(range(48))
+            for d in doc[row].unique():
+                mine = order[row][doc[row][order[row]] == d]
+                assert torch.equal(mine, mine.sort().values)            # a document keeps its order
+        for r in range(world):
+            at = cp_ops.document_positions(doc, world, r)[0]
+            for d, n in ((0, 8), (1, 24), (2, 16)):                      # chunks r and 2cp-1-r of each
+                start = doc[0].tolist().index(d)
+                c = n // (2 * world)
+                want = [start + i for k in (r, 2 * world - 1 - r) for i in range(k * c, (k + 1) * c)]
+                assert sorted(x for x in at.tolist() if doc[0, x] == d) == want
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reordered_documents_are_computed_document_by_document(world, monkeypatch):
+    """The rows of packed documents reordered for THD (cp_documents), as the ring gets them:
+    masked attention on each rank's share of the reordered sequence, under the mask built in
+    reordered coordinates (document equality & causal order, which the reordering keeps inside
+    a document), equals float64 attention on the original rows, forward and gradients. The
+    block's rows and columns grouped by document (ops/cp.py grouped), each piece lies in one
+    document, and the busiest rank computes less than under the plain split."""
+    monkeypatch.setattr(cp_ops, "SMALL_PIECE", 0)
+    docs = [5, 11, 3, 7 * world, 9 * world - 3]
+    s, d = sum(docs), 8
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(docs)])
+    mask = _doc_mask(docs)
+    q, k, v, weight, full, ref = _whole_attention(world, True, attn_mask=mask[None, None], seq=s)
+    order = cp_ops.document_order(doc[None], world)[0]
+    p = torch.arange(s)
+    moved = (doc[order][:, None] == doc[order][None, :]) & (p[:, None] >= p[None, :])    # built on the reordered rows
+    assert torch.equal(moved, mask[order][:, order])
+    busiest = {}
+    for how, perm in (("zigzag", p), ("thd", order)):
+        work = []
+        for r in range(world):
+            pos = cp_ops.positions(s, world, r)
+            at = perm[pos]                                        # the rank's tokens' original positions
+            rows = mask[perm][:, perm][pos][None, None]
+            out, _, _ = cp_ops.masked_attention(q[:, :, at], k[:, :, perm], v[:, :, perm], rows, d ** -0.5, world, r)
+            torch.testing.assert_close(out, full[:, :, at], rtol=0, atol=1e-12)
+            if how == "thd":
+                (out * weight[:, :, at]).sum().backward()
+            work.append(sum(n for _, n in cp_ops.ring_blocks(rows, False, world, r)))
+            for src in range(world):
+                live = rows[0, 0][:, cp_ops.positions(s, world, src)]
+                theirs = perm[cp_ops.positions(s, world, src)]
+                g_rows, g_cols = cp_ops.grouped(live)
+                for rr, cc in cp_ops.rectangles(live[g_rows][:, g_cols], small=0):
+                    assert len(set(doc[at[g_rows[rr]]].tolist()) | set(doc[theirs[g_cols[cc]]].tolist())) == 1
+        busiest[how] = max(work)
+    for t, want in zip((q, k, v), ref):
+        torch.testing.assert_close(t.grad, want, rtol=0, atol=1e-12)
+    assert busiest["thd"] < busiest["zigzag"], busiest
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -546,6 +546,10 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
                  f"{comm_type}; gradients reduced over dp-cp")
         if comm_type == "a2a+p2p":
             head += f" (a2a inside groups of {config.context.a2a_size} cp ranks, the ring across them)"
+        if config.context.documents is not None:
+            head += (f"; packed documents balanced document by document (Megatron's THD): each row's tokens reordered "
+                     f"by the chunk of their document in {config.context.documents}= before the split, proved not to "
+                     f"change the model's numbers")
         unringed = unringed_attention(compiled(0).graphs) if comm_type != "all_gather" else []
         if unringed:
             head += f"; attention written out by hand gathers its keys instead: {', '.join(unringed)}"

@@ -51,6 +51,32 @@ def positions(seq: int, world: int, rank: int) -> Tensor:
     return torch.cat([torch.arange(a, a + c), torch.arange(b, b + c)])
 
 
+def document_order(documents: Tensor, world: int) -> Tensor:
+    """(B, S) int64: each row of token positions reordered by the chunk of its document a token
+    falls in, stably (Megatron's THD load balancing without padding, passes/documents.py). A
+    token at offset o of a document of L tokens (the tokens of the row with its id) is in chunk
+    floor(2 world o / L); the load-balanced split of the reordered row then gives rank r about
+    chunks r and 2 world - 1 - r of every document. documents=[[0, 0, 0, 0, 1, 1, 1, 1]],
+    world=2: [[0, 4, 1, 5, 2, 6, 3, 7]]."""
+    rows = []
+    for row in documents:
+        _, doc, counts = torch.unique(row, return_inverse=True, return_counts=True)
+        grouped = torch.argsort(doc, stable=True)                 # each document's tokens, in order
+        start = (torch.cumsum(counts, 0) - counts)[doc[grouped]]
+        offset = torch.empty_like(grouped)
+        offset[grouped] = torch.arange(row.numel(), device=row.device) - start
+        chunk = torch.div(2 * world * offset, counts[doc], rounding_mode="floor")
+        rows.append(torch.argsort(chunk, stable=True))
+    return torch.stack(rows) if rows else documents.new_zeros(documents.shape, dtype=torch.long)
+
+
+def document_positions(documents: Tensor, world: int, rank: int) -> Tensor:
+    """(B, S / world): the row positions of the tokens cp rank `rank` holds when each row is
+    reordered by its documents (`document_order`), in the order the rank holds them."""
+    pick = positions(documents.shape[1], world, rank).to(documents.device)
+    return document_order(documents, world)[:, pick]
+
+
 def _reorder(x: Tensor, dim: int, blocks: int, world: int, order: list[int]) -> Tensor:
     dim = dim % x.dim()
     size = x.shape[dim]
@@ -351,15 +377,55 @@ def _floor(mask: Tensor) -> float:
     return low if bool((mask > low).any(-1).all()) else float("-inf")
 
 
-def _pieces(m: Tensor, floor: float) -> list[tuple[slice, slice, slice]]:
+Index = "slice | Tensor"     # a piece's rows or columns: a run, or positions (int64) in the block
+
+
+def _pieces(m: Tensor, floor: float) -> list[tuple[slice, Index, Index]]:
     """The pieces of a mask block (B or 1, H or 1, rows, cols) a rank computes: `rectangles` of
-    its entries attended (an additive mask: above `floor`) in any head -- for all batch rows at
-    once where every row's are the same, else row by row."""
+    its entries attended (an additive mask: above `floor`) in any head, over its rows and
+    columns grouped by what they attend (`grouped`) -- for all batch rows at once where every
+    row's are the same, else row by row."""
     live = (m if m.dtype == torch.bool else m > floor).any(1)
-    per = [rectangles(b, SMALL_PIECE) for b in live]
-    if all(p == per[0] for p in per[1:]):
+    per = [_grouped_rectangles(b) for b in live]
+    if all(_same(p, per[0]) for p in per[1:]):
         return [(slice(None), rows, cols) for rows, cols in per[0]]
     return [(slice(b, b + 1), rows, cols) for b, p in enumerate(per) for rows, cols in p]
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(
+        type(x) is type(y) and (x == y if isinstance(x, slice) else torch.equal(x, y))
+        for pa, pb in zip(a, b) for x, y in zip(pa, pb))
+
+
+def grouped(live: Tensor) -> tuple[Tensor, Tensor]:
+    """Orders of a block's rows and columns (rows, cols) that put each document's together: rows
+    by the first column they attend, columns by the first of those rows attending them, both
+    stable. A block in position order is left as it is; one whose rows hold the chunks of many
+    documents one after the other (the documents' order, passes/documents.py) gets each
+    document's rows and columns in one run, which `rectangles` computes as one piece."""
+    n_rows, n_cols = live.shape
+    first = torch.where(live, torch.arange(n_cols, device=live.device), n_cols).amin(-1)
+    rows = torch.argsort(first, stable=True)
+    at = torch.empty_like(rows)
+    at[rows] = torch.arange(n_rows, device=live.device)
+    cols = torch.argsort(torch.where(live, at[:, None], n_rows).amin(0), stable=True)
+    return rows, cols
+
+
+def _index(order: Tensor, run: slice) -> Index:
+    """The block's positions of a run of the grouped order: a slice where they are one run."""
+    picked = order[run]
+    if picked.numel() and int(picked[-1]) - int(picked[0]) == picked.numel() - 1 and \
+            bool((picked.diff() == 1).all()):
+        return slice(int(picked[0]), int(picked[-1]) + 1)
+    return picked
+
+
+def _grouped_rectangles(live: Tensor) -> list[tuple[Index, Index]]:
+    rows, cols = grouped(live)
+    pieces = rectangles(live[rows][:, cols], SMALL_PIECE)
+    return [(_index(rows, r), _index(cols, c)) for r, c in pieces]
 
 
 #: score elements under which neighbouring pieces of a block are computed as one (many documents
@@ -413,7 +479,7 @@ def ring_blocks(mask: Tensor | None, causal: bool, world: int, rank: int) -> lis
     for i in range(world):
         src = (rank - i) % world
         pieces, _ = _step_plan(rank, src, world, c, causal, mask, 2 * c * world, torch.device("cpu"))
-        span = lambda s, n: len(range(*s.indices(n)))  # noqa: E731
+        span = lambda s, n: len(range(*s.indices(n))) if isinstance(s, slice) else len(s)  # noqa: E731
         out.append((src, sum(span(b, batch) * span(r, 2 * c) * span(k, 2 * c) for b, r, k in pieces)))
     return out
 
@@ -493,8 +559,10 @@ def _step_forward(q, kv, rank, src, world, causal, mask, scale, out, lse, drop=N
     for b, rows, _, kb, vb, m, diag, keep in _step(q, kv, rank, src, world, causal, mask, drop):
         o, l = _block(q[b][..., rows, :], kb, vb, scale, m, diag, keep=keep)
         additive = m is not None and m.dtype != torch.bool
-        _merge(out[b][..., rows, :], lse[b][..., rows], o, l, _keys(m) if additive else None,
-               _lowest(m.dtype) if additive else float("-inf"))
+        ob, lb = out[b][..., rows, :], lse[b][..., rows]        # views of a run; copies of grouped rows
+        _merge(ob, lb, o, l, _keys(m) if additive else None, _lowest(m.dtype) if additive else float("-inf"))
+        if not isinstance(rows, slice):
+            out[b][..., rows, :], lse[b][..., rows] = ob, lb
 
 
 def _step_backward(dout, q, kv, out, lse, rank, src, world, causal, mask, scale, dq, dkv, drop=None) -> None:
@@ -818,6 +886,6 @@ def score_elements(seq: int, world: int, rank: int, *, balanced: bool = True) ->
     return sum(p + 1 for p in pos)
 
 
-__all__ = ["attention_all_gather", "chunk_order", "cp_all_to_all", "hierarchical_attention", "masked_attention",
-           "positions",
+__all__ = ["attention_all_gather", "chunk_order", "cp_all_to_all", "document_order", "document_positions",
+           "hierarchical_attention", "masked_attention", "positions",
            "keep_mask", "rectangles", "ring_attention", "ring_blocks", "score_elements", "zigzag"]

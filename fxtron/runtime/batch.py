@@ -11,7 +11,16 @@ import torch.utils._pytree as pytree
 from fxtron.core.meta import TraceInfo
 from fxtron.errors import ParallelizeError
 from fxtron.ops.batch import BatchContext
-from fxtron.ops.cp import positions
+from fxtron.ops.cp import document_positions, positions
+
+
+def _take_rows(x: torch.Tensor, dims: tuple, pick: torch.Tensor) -> torch.Tensor:
+    """x's tokens at `pick` (B, n): row b's positions pick[b] along x's sequence dim."""
+    d, b = dims.index("seq"), dims.index("batch")
+    shape = [1] * x.dim()
+    shape[b], shape[d] = pick.shape
+    idx = (pick if b < d else pick.t()).reshape(shape)
+    return torch.take_along_dim(x, idx.to(x.device), dim=d)
 
 
 class Microbatches(list):
@@ -24,7 +33,8 @@ class BatchSlicer:
     """Slices global batches for one rank: `dp` data-parallel ranks of which this is `dp_index`,
     `cp` context-parallel ranks of which this is `cp_index` (each input's sequence dim split
     load-balanced: chunks cp_index and 2cp-1-cp_index of 2cp, Megatron's
-    get_batch_on_this_cp_rank), `microbatches` per step, inputs moved to `device`;
+    get_batch_on_this_cp_rank; with the trace's `documents`, each row reordered by its documents
+    first, Megatron's THD), `microbatches` per step, inputs moved to `device`;
     `seq_split`: the parts each rank's tokens are cut into in the graph (tp under sequence
     parallel), checked with the sequence at the step's entry, as is `max_seq` (the longest
     sequence the model takes, and why)."""
@@ -53,10 +63,16 @@ class BatchSlicer:
         if self.dp == 1 and self.cp == 1:
             return self.on_device(tuple(inputs), dict(kwargs or {}))
         out = []
+        pick = None
+        if self.cp > 1 and self.info.documents is not None:     # (B, S/cp): THD, each row by its documents
+            pick = document_positions(flat[self.info.documents], self.cp, self.cp_index)
         for x, dims in zip(flat, self.info.user_dims):
             if self.cp > 1 and "seq" in dims:
                 d = dims.index("seq")
-                x = x.index_select(d, positions(x.shape[d], self.cp, self.cp_index).to(x.device))
+                if pick is None:
+                    x = x.index_select(d, positions(x.shape[d], self.cp, self.cp_index).to(x.device))
+                else:
+                    x = _take_rows(x, dims, pick)
             if self.dp > 1 and isinstance(x, torch.Tensor) and "batch" in dims:
                 d = dims.index("batch")
                 if x.shape[d] % self.dp:
