@@ -701,6 +701,16 @@ PACKED = [Packed(dict(cp=2), "hf-llama", "p2p", dict(strict=True)),
           # table at the restarted positions, attention inside each document
           Packed(dict(cp=2), "llama", "p2p", dict(strict=True)),
           Packed(dict(cp=2), "gpt", "all_gather", dict(strict=True))]
+# THD (cp_documents): each row reordered by its documents before the split, with every comm type
+# and beside tp (sp), dp (zero=1) and pp
+DOCS = dict(cp_documents="document_ids")
+THD = {2: [Packed(dict(cp=2), "llama", "p2p", dict(strict=True, **DOCS)),
+           Packed(dict(cp=2), "gpt", "all_gather", dict(strict=True, **DOCS))],
+       4: [Packed(dict(cp=4), "llama", "p2p", DOCS), Packed(dict(cp=4), "gpt", "a2a", DOCS),
+           Packed(dict(cp=4), "llama", "a2a+p2p", dict(cp_a2a_size=2, **DOCS)),
+           Packed(dict(cp=2, tp=2), "llama", "p2p", dict(sequence_parallel=True, **DOCS)),
+           Packed(dict(cp=2), "gpt", "p2p", dict(zero=1, **DOCS)),                        # cp x dp=2
+           Packed(dict(cp=2, pp=2), "llama", "all_gather", dict(microbatches=2, **DOCS))]}
 
 
 def _run_packed(rank, mesh, case):
@@ -709,6 +719,102 @@ def _run_packed(rank, mesh, case):
                             **case.kw)
     prog = pm.program(rank)
     return train_program(prog, _packed_batches(case.name), _opt(prog.parameters()))
+
+
+class _Documents(torch.nn.Module):
+    """A one-layer attention model over packed documents, written wrong in one way: `how` is
+    'shifted' (the loss shifts the labels inside), 'causal' (is_causal, the documents ignored),
+    'order' (a causal mask not ANDed with the documents), 'flip' (the mask flipped along the
+    sequence) or 'ok'."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.emb = torch.nn.Embedding(16, 8)
+        self.qkv = torch.nn.Linear(8, 24)
+        self.out = torch.nn.Linear(8, 16)
+
+    def forward(self, idx, targets, *, document_ids):
+        x = self.emb(idx)
+        q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=-1)
+        s = idx.shape[1]
+        causal = torch.ones(s, s, dtype=torch.bool).tril()
+        same = document_ids.unsqueeze(2) == document_ids.unsqueeze(1)
+        mask = causal & (document_ids >= 0).unsqueeze(2) if self.how == "order" else (same & causal).flip(1) if self.how == "flip" else same & causal
+        mask = mask.unsqueeze(1)
+        if self.how == "causal":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        logits = self.out(y.squeeze(1))
+        if self.how == "shifted":
+            return F.cross_entropy(logits[:, :-1].reshape(-1, 16), targets[:, 1:].reshape(-1))
+        return F.cross_entropy(logits.reshape(-1, 16), targets.reshape(-1))
+
+
+def test_documents_order_is_proved_not_to_change_the_model():
+    """cp_documents reorders each row's tokens; passes/documents.py lets it only where the model
+    cannot tell. Accepted: the shipped Llama and GPT with the trainer's position and document
+    ids, and a model whose mask is the documents' equality ANDed with the causal order.
+    Refused, naming the op: GPT's positions from an arange (a learned table read at the
+    reordered index), labels shifted inside the model, causal attention, a causal mask alone,
+    a mask flipped along the sequence, no such input."""
+    from fxtron.compiler.trace import trace
+    from fxtron.passes.documents import check_documents
+    for name in ("llama", "gpt"):
+        args, kwargs = packed(2, 8, 0, name)
+        pm = fxtron.parallelize(make(name), fxtron.Mesh(2, cp=2), example_inputs=args, example_kwargs=kwargs,
+                                cp_documents="document_ids", strict=True)
+        assert "balanced document by document (Megatron's THD)" in pm.summary()
+        info, doc = fxtron.core.meta.info(pm.traced), kwargs["document_ids"]
+        moved = False
+        for r in range(2):                 # what a step gives cp rank r (and dp rank 1 of 2): rows by documents
+            mine = cp_ops.document_positions(doc, 2, r)
+            _, kw = BatchSlicer(info, dp=2, dp_index=1, microbatches=1, device=None, cp=2, cp_index=r).local(args, kwargs)
+            for key in ("document_ids", "position_ids"):
+                assert torch.equal(kw[key], kwargs[key][1:].gather(1, mine[1:]))
+            moved |= not torch.equal(mine, cp_ops.positions(8, 2, r).expand(2, 4))
+        assert moved
+        with pytest.raises(fxtron.ParallelizeError, match="positions in the sequence|a table sliced to the sequence"):
+            fxtron.parallelize(make(name), fxtron.Mesh(2, cp=2), example_inputs=args,
+                               example_kwargs={"document_ids": kwargs["document_ids"]}, cp_documents="document_ids")
+    with pytest.raises(fxtron.ParallelizeError, match="traced with the keyword inputs .'document_ids', 'position_ids'."):
+        fxtron.parallelize(make("llama"), fxtron.Mesh(2, cp=2), example_inputs=args, example_kwargs=kwargs,
+                           cp_documents="documents")
+    idx = torch.randint(16, (2, 8))
+    doc = torch.tensor([[0] * 3 + [1] * 5, [0] * 6 + [1] * 2])
+    assert check_documents(trace(_Documents("ok"), (idx, idx), example_kwargs={"document_ids": doc}),
+                           "document_ids") == 2
+    for how, why in (("shifted", "slices the sequence"), ("causal", r"causal attention \(is_causal=True\)"),
+                     ("order", "not ANDed with the documents' equality"),
+                     ("flip", "acts along the sequence dim")):
+        gm = trace(_Documents(how), (idx, idx), example_kwargs={"document_ids": doc})
+        with pytest.raises(fxtron.ParallelizeError, match=why):
+            check_documents(gm, "document_ids")
+
+
+def test_reordering_the_documents_changes_only_what_the_proof_refuses():
+    """One process, float64: Llama's loss and gradients on rows reordered by their documents
+    (each input gathered by cp_ops.document_order, as the ranks get them) equal those on the
+    rows -- and GPT's, whose positions come from an arange, do not: the refusal above is needed."""
+    args, kwargs = packed(2, 16, 3, "llama")
+    order = cp_ops.document_order(kwargs["document_ids"], 4)
+    assert not torch.equal(order, torch.arange(16).expand(2, 16))
+    take = lambda x: x.gather(1, order)                  # noqa: E731
+
+    def run(name, kw, reorder):
+        torch.manual_seed(0)
+        model = make(name).double()
+        a = tuple(take(x) for x in args) if reorder else args
+        k = {key: take(x) for key, x in kw.items()} if reorder else kw
+        loss = model(*a, **k)
+        loss.backward()
+        return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+    loss, grads = run("llama", kwargs, False)
+    moved, moved_grads = run("llama", kwargs, True)
+    assert abs(loss - moved) < 1e-12 and max_abs_diff(moved_grads, grads)[0] < 1e-12
+    gpt = {"document_ids": kwargs["document_ids"]}
+    assert abs(run("gpt", gpt, False)[0] - run("gpt", gpt, True)[0]) > 1e-3
 
 
 def test_experts_route_each_ranks_own_tokens():
@@ -764,7 +870,9 @@ def _jobs(saved):
         for axes, name, comm, kw in cases:
             mesh = fxtron.Mesh(world, **axes)
             jobs.setdefault(world, []).append((mesh, [Case(axes, name, comm, kw)]))
-    jobs[2] += [(fxtron.Mesh(2, cp=2), [saved] + BF16 + PACKED + [RING_DROPOUT[2]])]
+    jobs[2] += [(fxtron.Mesh(2, cp=2), [saved] + BF16 + PACKED + THD[2] + [RING_DROPOUT[2]])]
+    for case in THD[4]:
+        jobs[4].append((fxtron.Mesh(4, **case.axes), [case]))
     jobs[4] += [(fxtron.Mesh(4, cp=4), [RING_DROPOUT[4]])]
     return jobs
 
@@ -799,17 +907,19 @@ def test_trains_like_one_process(trained, world, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", PACKED, ids=lambda c: c.key)
-def test_packed_documents_train_like_one_process(trained, case):
+@pytest.mark.parametrize("world,case", [(2, c) for c in PACKED] + [(w, c) for w, cs in THD.items() for c in cs],
+                         ids=lambda x: x.key if isinstance(x, Case) else str(x))
+def test_packed_documents_train_like_one_process(trained, world, case):
     """The document mask matters (one process without the position ids trains otherwise), and
-    cp=2 with it equals one process with it."""
+    cp with it equals one process with it -- also with each row reordered by its documents
+    (cp_documents)."""
     ref = reference_training(make(case.name), _packed_batches(case.name), _opt)
     plain = reference_training(make(case.name), [(a, {k: v for k, v in kw.items()
                                                       if k not in ("position_ids", "document_ids")})
                                                   for a, kw in _packed_batches(case.name)], _opt)
     # (100x the tolerance on losses below, 2e-6)
     assert abs(plain["losses"][0] - ref["losses"][0]) > 2e-4 and max_abs_diff(plain["grads"], ref["grads"])[0] > 1e-4
-    for rank, got in enumerate(ranks_of(trained, fxtron.Mesh(2, cp=2), case)):
+    for rank, got in enumerate(ranks_of(trained, fxtron.Mesh(world, **case.axes), case)):
         assert_trains_like(got, ref, rank=rank)
 
 

@@ -9,7 +9,8 @@ tp=2 x pp=2 with warm-up then cosine, clipping, evaluation and checkpoints every
 equal to the same run in one process (--compare); its step-4 checkpoint resumed at tp=2 x dp=2
 gives the same losses for steps 5-10; --export-hf writes what transformers loads, equal to
 the last checkpoint; and the same run under `torchrun --max-restarts 1` with a worker killed
-mid-run exits 0 with the uninterrupted run's losses."""
+mid-run exits 0 with the uninterrupted run's losses. Packed documents at cp=2: balanced document
+by document (THD) and equal to one process."""
 from __future__ import annotations
 
 import json
@@ -249,3 +250,25 @@ def test_torchrun_restart_after_a_killed_worker_gives_the_same_losses(workdir, f
     a, b = _losses(workdir / "run.jsonl"), _losses(workdir / "elastic.jsonl")
     assert sorted(b) == list(range(1, 11))
     assert max(abs(a[s]["loss"] - b[s]["loss"]) for s in b) == 0.0
+
+
+@pytest.mark.slow
+def test_packed_documents_at_cp_are_balanced_document_by_document(tmp_path):
+    """The trainer's packed samples (Megatron's --reset-position-ids --reset-attention-mask) of a
+    shipped model at cp=2 go through THD (cp_documents: each row reordered by its documents
+    before the split) and train like one process."""
+    from fxtron.data.indexed import IndexedDatasetWriter
+    rng = np.random.RandomState(0)
+    w = IndexedDatasetWriter(str(tmp_path / "docs"), np.uint16)
+    for _ in range(300):                       # documents of 4-40 tokens, each ended by the EOD id 0
+        w.add_document(np.concatenate([rng.randint(1, 255, size=rng.randint(3, 40)), [0]]))
+    w.finalize()
+    out = subprocess.run([sys.executable, "-m", "fxtron", "train", "--model", "llama-tiny", "--data",
+                          str(tmp_path / "docs"), "--split", "100,0,0", "--eod-id", "0", "--reset-position-ids",
+                          "--reset-attention-mask", "--eod-mask-loss", "--world-size", "2", "--cp", "2", "--batch", "4",
+                          "--seq", "64", "--steps", "4", "--compare"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "balanced document by document (Megatron's THD): each row reordered by document_ids" in out.stdout
+    line = next(x for x in out.stdout.splitlines() if "loss difference" in x)
+    assert float(line.split("largest ")[1].split()[0]) < 1e-5, line

@@ -22,8 +22,8 @@ sliced to it, a scan, shift, slice, concatenation or sort along it, causal atten
 (`is_causal`). One pattern is let through, the document mask: a comparison of two aranges
 (or a tril/triu) knows only the order of two tokens, and the reordering keeps the order of
 two tokens of one document; ANDed with the equality of their document ids it is the mask of
-the reordered rows. Anything else that meets the index, or an output that keeps the sequence
-(it would come back reordered), is a ParallelizeError naming the op.
+the reordered rows. Anything else that meets the index is a ParallelizeError naming the op
+(the traced program returns the loss; an output along the sequence would be one too).
 """
 from __future__ import annotations
 

@@ -71,7 +71,10 @@ def train_rank(rank: int, cfg: TrainConfig, groups=None) -> dict:
     tm = resolve(cfg.model.name, t.seed, key_values(cfg.model.config), cfg.data)
     data = TrainData(cfg, tm.vocab_size)
     args, kw = tm.inputs(data.train_batch(0))
-    pm = fxtron.parallelize(tm.model, mesh, example_inputs=args, example_kwargs=kw, config=cfg.parallel())
+    config = cfg.parallel()
+    if mesh.cp > 1 and config.context.documents is None and tm.documents is not None:
+        config = config.replace(cp_documents=tm.documents)     # packed documents: THD, each rank a share of each
+    pm = fxtron.parallelize(tm.model, mesh, example_inputs=args, example_kwargs=kw, config=config)
     prog = pm.program(rank, groups, seed=t.seed)
     prog.skip_nonfinite = True
     if tm.pretrained:
@@ -150,6 +153,7 @@ def train_rank(rank: int, cfg: TrainConfig, groups=None) -> dict:
     finally:
         metrics.close()
     out = {"losses": losses, "evals": evals, "resumed_from": resumed_from, "skipped": state["skipped_iterations"],
+           "documents": config.context.documents if mesh.cp > 1 else None,
            "imbalance": imbalance, "tokens_per_s": metrics.tokens_per_s()}
     if t.trace is not None and losses:
         out.update(timeline=prog.timeline(), memory=prog.memory_timeline())
@@ -321,6 +325,9 @@ def run(cfg: TrainConfig) -> dict:
         print(f"trained steps {first}..{last} on {mesh}: loss {losses[first]:.4f} -> {losses[last]:.4f} "
               f"({wall:.1f} s with start-up)" + (f", resumed from step {out['resumed_from']}"
                                                   if out["resumed_from"] is not None else ""))
+        if results[0].get("documents"):
+            print(f"context parallel: packed documents balanced document by document (Megatron's THD): each row "
+                  f"reordered by {results[0]['documents']} before the cp split")
     if cfg.training.trace is not None and world is None and losses:
         out["trace"] = write_trace(cfg, results)
     imbalance = results[0]["imbalance"]

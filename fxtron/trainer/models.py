@@ -48,6 +48,17 @@ class TrainModel:
             return (), {"input_ids": x, "labels": x, "shift_labels": y, **extra}
         return (x, y), extra
 
+    @property
+    def documents(self) -> str | None:
+        """The input of each token's document when the samples pack documents apart, positions
+        restarting in each (Megatron's --reset-position-ids --reset-attention-mask) -- what
+        context parallel balances document by document (cp_documents, THD); None otherwise
+        (transformers' models take the positions alone and build the mask from them)."""
+        d = self.data
+        if d is None or self.transformers or not (d.reset_position_ids and d.reset_attention_mask):
+            return None
+        return "document_ids"
+
     def check_packing(self, spec: str) -> None:
         """Can the model take the packed documents asked for? (a ParallelizeError if not)"""
         d = self.data
