@@ -41,7 +41,7 @@ aten = torch.ops.aten
 
 # what a value is to the proof
 CLEAN = "clean"      # permuted with the tokens (or without a sequence dim)
-INDEX = "index"      # a token's index in the sequence (an arange over it), shifted by constants
+INDEX = "index"      # a token's index in the sequence (an arange over it)
 ORDER = "order"      # a boolean of the order of two tokens (a causal mask)
 SAME = "same"        # a boolean, false wherever two tokens' documents differ
 
@@ -85,7 +85,6 @@ _COMPARE = {aten.lt.Tensor, aten.le.Tensor, aten.gt.Tensor, aten.ge.Tensor, aten
 _AND = {aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default, aten.mul.Tensor}
 _OR = {aten.__or__.Tensor, aten.bitwise_or.Tensor, aten.logical_or.default}
 _NOT = {aten.bitwise_not.default, aten.logical_not.default}
-_SHIFT = {aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar}
 _TRIANGLES = {aten.tril.default, aten.triu.default}
 _ATTENTION = {aten.scaled_dot_product_attention.default}
 _INF = 2 ** 62
@@ -155,6 +154,7 @@ class _Proof:
     def __init__(self, info: meta.TraceInfo, seq: sympy.Symbol, name: str):
         self.info, self.seq, self.name = info, seq, name
         self.documents: set[fx.Node] = set()     # the document ids and views of them
+        self.aranges: dict[fx.Node, tuple] = {}   # an INDEX value -> its arange's (start, end, step)
 
     def shape(self, node: fx.Node) -> tuple:
         val = node.meta.get("val")
@@ -185,25 +185,30 @@ class _Proof:
             self._check_view(node)
             if node.args[0] in self.documents:
                 self.documents.add(node)
+            if node.args[0] in self.aranges:
+                self.aranges[node] = self.aranges[node.args[0]]
             return got[0]
         if not self.carries(node) and not any(self.carries(a) for a in args) and all(k == CLEAN for k in got):
             return CLEAN                              # nothing here sees the sequence
         if t in _ARANGES:
+            self.aranges[node] = self._range(node)
             return INDEX
         if t in _SOURCES:
             return CLEAN                              # a constant: every order of it is itself
         pair = self._pair(node)
-        if t in _TRIANGLES and got == [CLEAN] and pair and self._pair(args[0]) == pair:
-            return ORDER                              # x & (i >= j)
-        if t in _TRIANGLES and got == [SAME] and pair and self._pair(args[0]) == pair:
-            return CLEAN                              # (same document) & (i >= j)
+        if t in _TRIANGLES and self._ordered(node) and pair and self._pair(args[0]) == pair:
+            if got == [CLEAN]:
+                return ORDER                          # x & (i >= j)
+            if got == [SAME]:
+                return CLEAN                          # (same document) & (i >= j)
+        if t in _TRIANGLES and not self._ordered(node):
+            raise self.refuse(node, "keeps the band of a diagonal other than the main one (the tokens' distance, "
+                                    "which the reordering changes)")
         if t in _COMPARE and len(args) == 2 and pair and self._lands(args, node) == pair:
-            if got == [INDEX, INDEX]:
-                return ORDER
+            if got == [INDEX, INDEX] and self.aranges[args[0]] == self.aranges[args[1]]:
+                return ORDER                          # one arange against itself: the order of i and j
             if t is aten.eq.Tensor and all(a in self.documents for a in args) and self._rows_kept(args, node):
                 return SAME
-        if t in _SHIFT and got == [INDEX] and not isinstance(node.args[1], fx.Node):
-            return INDEX
         if t in _AND and len(got) == 2 and all(k in (CLEAN, ORDER, SAME) for k in got):
             if ORDER in got and not (pair and all(self._lands([a], node) == pair for a, k in zip(args, got)
                                                   if k != CLEAN)):
@@ -253,6 +258,24 @@ class _Proof:
             raise self.refuse(node, "has no rule for reordered tokens")
         return CLEAN
 
+    def _range(self, node: fx.Node) -> tuple:
+        """An arange's (start, end, step), sizes as expressions: two aranges alike index alike."""
+        def value(a):
+            return self.info.expr(a.meta["val"]) if isinstance(a, fx.Node) and "val" in a.meta else a
+        args = [value(a) for a in node.args]
+        if node.target is aten.arange.default:
+            args = [0] + args[:1] + [1]
+        elif node.target is aten.arange.start:
+            args = args[:2] + [1]
+        return tuple(args[:3]) + (str(node.kwargs.get("dtype")),)
+
+    @staticmethod
+    def _ordered(node: fx.Node) -> bool:
+        """tril / triu keeping i >= j, i > j (tril, diagonal 0 or -1) or i <= j, i < j (triu, 0
+        or 1): the order of two tokens, where another diagonal reads their distance."""
+        diagonal = node.args[1] if len(node.args) > 1 else node.kwargs.get("diagonal", 0)
+        return diagonal in ((0, -1) if node.target is aten.tril.default else (0, 1))
+
     def _pair(self, node) -> tuple[int, int] | None:
         """The value's two sequence dims (i, j) when it has exactly two, else None."""
         dims = self.seq_dims(node)
@@ -284,7 +307,8 @@ class _Proof:
         batch = meta.BATCH
         if t in (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default, aten.max.dim,
                  aten.min.dim, aten.logsumexp.default, aten.var.correction, aten.std.correction,
-                 aten.var_mean.correction, aten.count_nonzero.dim_IntList) and self.carries(node):
+                 aten.var_mean.correction, aten.count_nonzero.dim_IntList, aten.softmax.int, aten._softmax.default,
+                 aten.log_softmax.int, aten._log_softmax.default) and self.carries(node):
             x = node.args[0]
             dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
             dims = [dims] if isinstance(dims, int) else list(dims or range(x.meta["val"].dim()))
@@ -315,8 +339,10 @@ class _Proof:
 
         def inner(shape):
             dims = [d for d, s in enumerate(shape) if self.seq in s.free_symbols]
-            if len(dims) != 1 or sympy.degree(shape[dims[0]], self.seq) != 1 or \
-                    self.seq in sympy.cancel(shape[dims[0]] / self.seq).free_symbols:
+            if len(dims) != 1 or sympy.degree(shape[dims[0]], self.seq) != 1:
+                return None
+            rest = sympy.cancel(shape[dims[0]] / self.seq)          # the dim is S x rest, rest a whole number
+            if self.seq in rest.free_symbols or sympy.fraction(rest)[1] != 1:
                 return None
             return sympy.simplify(sympy.Mul(*shape[dims[0] + 1:]))
         a, b = inner(ins), inner(outs)
