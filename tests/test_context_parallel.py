@@ -725,7 +725,8 @@ class _Documents(torch.nn.Module):
     """A one-layer attention model over packed documents, written wrong in one way: `how` is
     'shifted' (the loss shifts the labels inside), 'causal' (is_causal, the documents ignored),
     'order' (a causal mask not ANDed with the documents), 'flip' (the mask flipped along the
-    sequence), 'window' (a sliding window), 'band' (tril(-2)) or 'ok'."""
+    sequence), 'window' (a sliding window), 'band' (tril(-2)), 'across' (attention across documents
+    only) or 'ok'."""
 
     def __init__(self, how: str):
         super().__init__()
@@ -743,6 +744,8 @@ class _Documents(torch.nn.Module):
         if self.how == "window":                  # a sliding window of 2: the tokens' distance
             i = torch.arange(s)
             causal = causal & (i[None, :] + 2 > i[:, None])
+        if self.how == "across":                  # the causal order across documents only: ~same is no mask of them
+            same = ~same
         if self.how == "band":
             causal = torch.ones(s, s, dtype=torch.bool).tril(-2)
         mask = causal & (document_ids >= 0).unsqueeze(2) if self.how == "order" else (same & causal).flip(1) if self.how == "flip" else same & causal
@@ -763,8 +766,8 @@ def test_documents_order_is_proved_not_to_change_the_model():
     ids, and a model whose mask is the documents' equality ANDed with the causal order.
     Refused, naming the op: GPT's positions from an arange (a learned table read at the
     reordered index), labels shifted inside the model, causal attention, a causal mask alone,
-    a mask flipped along the sequence, a sliding window or a band (the tokens' distance), no such
-    input."""
+    a mask flipped along the sequence, a sliding window or a band (the tokens' distance), the
+    causal order across documents, no such input."""
     from fxtron.compiler.trace import trace
     from fxtron.passes.documents import check_documents
     for name in ("llama", "gpt"):
@@ -794,7 +797,7 @@ def test_documents_order_is_proved_not_to_change_the_model():
     for how, why in (("shifted", "slices the sequence"), ("causal", r"causal attention \(is_causal=True\)"),
                      ("order", "not ANDed with the documents' equality"),
                      ("flip", "acts along the sequence dim"), ("window", "positions in the sequence"),
-                     ("band", "a diagonal other than the main one")):
+                     ("band", "a diagonal other than the main one"), ("across", "not ANDed with the documents")):
         gm = trace(_Documents(how), (idx, idx), example_kwargs={"document_ids": doc})
         with pytest.raises(fxtron.ParallelizeError, match=why):
             check_documents(gm, "document_ids")

@@ -220,7 +220,8 @@ class _Proof:
         if t in _OR | _NOT and all(k in (CLEAN, ORDER, SAME) for k in got):
             if ORDER in got:
                 return ORDER
-            return SAME if all(k == SAME for k in got) else CLEAN
+            # two documents' masks or'ed stay inside the documents; not of one holds the pairs across them
+            return SAME if t in _OR and all(k == SAME for k in got) else CLEAN
         if INDEX in got:
             raise self.refuse(node, "computes with the tokens' positions in the sequence (an arange over it)")
         if ORDER in got:
