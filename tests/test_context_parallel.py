@@ -722,11 +722,8 @@ def _run_packed(rank, mesh, case):
 
 
 class _Documents(torch.nn.Module):
-    """A one-layer attention model over packed documents, written wrong in one way: `how` is
-    'shifted' (the loss shifts the labels inside), 'causal' (is_causal, the documents ignored),
-    'order' (a causal mask not ANDed with the documents), 'flip' (the mask flipped along the
-    sequence), 'window' (a sliding window), 'band' (tril(-2)), 'across' (attention across documents
-    only) or 'ok'."""
+    """A one-layer attention model over packed documents, written wrong in one way (`how`, the
+    comments below) or right ('ok'). Each wrong one changes its loss when rows are reordered."""
 
     def __init__(self, how: str):
         super().__init__()
@@ -736,28 +733,46 @@ class _Documents(torch.nn.Module):
         self.out = torch.nn.Linear(8, 16)
 
     def forward(self, idx, targets, *, document_ids):
+        how, s = self.how, idx.shape[1]
         x = self.emb(idx)
+        if how == "row0":                     # every row gets row 0's token at its position
+            x = x + x[0]
+        if how == "batch-softmax":            # a softmax over the batch, position by position
+            x = F.softmax(x, dim=0)
+        if how == "swap":                     # a reshape that reads (B, h, S) as (h, B, S)
+            x = x + x.transpose(1, 2).reshape(8, -1, s)[0].unsqueeze(-1)
         q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=-1)
-        s = idx.shape[1]
         causal = torch.ones(s, s, dtype=torch.bool).tril()
-        same = document_ids.unsqueeze(2) == document_ids.unsqueeze(1)
-        if self.how == "window":                  # a sliding window of 2: the tokens' distance
+        docs = document_ids.bool() if how == "cast" else document_ids      # (a lossy cast of the ids)
+        same = docs.unsqueeze(2) == docs.unsqueeze(1)
+        if how == "window":                   # a sliding window of 2: the tokens' distance
             i = torch.arange(s)
             causal = causal & (i[None, :] + 2 > i[:, None])
-        if self.how == "across":                  # the causal order across documents only: ~same is no mask of them
+        if how == "across":                   # the causal order across documents only
             same = ~same
-        if self.how == "band":
+        if how == "band":                     # tril(-2): the tokens' distance
             causal = torch.ones(s, s, dtype=torch.bool).tril(-2)
-        mask = causal & (document_ids >= 0).unsqueeze(2) if self.how == "order" else (same & causal).flip(1) if self.how == "flip" else same & causal
+        mask = same & causal
+        if how == "order":                    # the causal order alone
+            mask = causal & (document_ids >= 0).unsqueeze(2)
+        if how == "flip":                     # flipped along the sequence
+            mask = mask.flip(1)
         mask = mask.unsqueeze(1)
-        if self.how == "causal":
+        if how == "causal":                   # is_causal, the documents ignored
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         logits = self.out(y.squeeze(1))
-        if self.how == "shifted":
+        extra = 0.0
+        if how == "sort":                     # sorted along the sequence (the default dim, -1)
+            extra = (torch.sort(logits[..., 0])[1] * logits[..., 0]).sum()
+        if how == "span":                     # a span loss: the sequence as the classes
+            extra = F.cross_entropy(logits[..., 0], targets.sum(1) % s)
+        if how == "boolmask":                 # the tokens kept by a mask, in the layout's order
+            extra = logits[targets >= 0].cumsum(0).sum()
+        if how == "shifted":                  # labels shifted inside the model
             return F.cross_entropy(logits[:, :-1].reshape(-1, 16), targets[:, 1:].reshape(-1))
-        return F.cross_entropy(logits.reshape(-1, 16), targets.reshape(-1))
+        return F.cross_entropy(logits.reshape(-1, 16), targets.reshape(-1)) + extra
 
 
 def test_documents_order_is_proved_not_to_change_the_model():
@@ -765,9 +780,8 @@ def test_documents_order_is_proved_not_to_change_the_model():
     cannot tell. Accepted: the shipped Llama and GPT with the trainer's position and document
     ids, and a model whose mask is the documents' equality ANDed with the causal order.
     Refused, naming the op: GPT's positions from an arange (a learned table read at the
-    reordered index), labels shifted inside the model, causal attention, a causal mask alone,
-    a mask flipped along the sequence, a sliding window or a band (the tokens' distance), the
-    causal order across documents, no such input."""
+    reordered index), no such input, and each of _Documents' mistakes -- each of which does
+    compute another loss on the reordered rows."""
     from fxtron.compiler.trace import trace
     from fxtron.passes.documents import check_documents
     for name in ("llama", "gpt"):
@@ -791,16 +805,25 @@ def test_documents_order_is_proved_not_to_change_the_model():
         fxtron.parallelize(make("llama"), fxtron.Mesh(2, cp=2), example_inputs=args, example_kwargs=kwargs,
                            cp_documents="documents")
     idx = torch.randint(16, (2, 8))
-    doc = torch.tensor([[0] * 3 + [1] * 5, [0] * 6 + [1] * 2])
+    doc = torch.tensor([[0] * 3 + [1] * 3 + [2] * 2, [0] * 6 + [1] * 2])
     assert check_documents(trace(_Documents("ok"), (idx, idx), example_kwargs={"document_ids": doc}),
                            "document_ids") == 2
     for how, why in (("shifted", "slices the sequence"), ("causal", r"causal attention \(is_causal=True\)"),
                      ("order", "not ANDed with the documents' equality"),
-                     ("flip", "acts along the sequence dim"), ("window", "positions in the sequence"),
-                     ("band", "a diagonal other than the main one"), ("across", "not ANDed with the documents")):
-        gm = trace(_Documents(how), (idx, idx), example_kwargs={"document_ids": doc})
+                     ("flip", "acts along the sequence or the batch"), ("window", "positions in the sequence"),
+                     ("band", "a diagonal other than the main one"), ("across", "not ANDed with the documents"),
+                     ("row0", "out of its batch rows"), ("batch-softmax", "reduces over the batch"),
+                     ("swap", r"reshapes \(8, B, S\)|reshapes \(B, 8, S\)"), ("cast", "not ANDed with the documents"),
+                     ("sort", "acts along the sequence or the batch"), ("span", "the sequence as its classes"),
+                     ("boolmask", "depends on the values|selects by a mask")):
+        model = _Documents(how)
+        gm = trace(model, (idx, idx), example_kwargs={"document_ids": doc})
         with pytest.raises(fxtron.ParallelizeError, match=why):
             check_documents(gm, "document_ids")
+        order = cp_ops.document_order(doc, 2)
+        with torch.no_grad():                 # and the refusal is needed: reordered rows compute otherwise
+            moved = model(idx.gather(1, order), idx.gather(1, order), document_ids=doc.gather(1, order))
+            assert (moved - model(idx, idx, document_ids=doc)).abs() > 1e-6, how
 
 
 def test_reordering_the_documents_changes_only_what_the_proof_refuses():

@@ -45,42 +45,48 @@ INDEX = "index"      # a token's index in the sequence (an arange over it)
 ORDER = "order"      # a boolean of the order of two tokens (a causal mask)
 SAME = "same"        # a boolean, false wherever two tokens' documents differ
 
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
-          aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default, aten.transpose.int,
-          aten.permute.default, aten.t.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
-          aten.detach.default, aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.type_as.default,
-          aten.lift_fresh_copy.default, aten.expand_as.default, aten.view_as.default, aten.reshape_as.default,
-          aten.flatten.using_ints, aten.unflatten.int, aten.movedim.int, aten.swapaxes.default}
+_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.view_as.default,
+             aten.reshape_as.default, aten.flatten.using_ints, aten.unflatten.int}
+_MOVES = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default,
+          aten.expand_as.default, aten.transpose.int, aten.permute.default, aten.t.default, aten.movedim.int,
+          aten.swapaxes.default}
+_COPIES = {aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
+           aten.lift_fresh_copy.default}
+_CASTS = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.type_as.default}
+_VIEWS = _RESHAPES | _MOVES | _COPIES | _CASTS
 _PASS = {operator.getitem, aten._assert_tensor_metadata.default, aten.sym_size.int, aten.sym_numel.default,
          aten._assert_scalar.default, aten.sym_constrain_range_for_size.default}
-# ops that treat tokens alike wherever the sequence is, as long as it is not the dim they act along
+# ops that treat tokens alike wherever the sequence is, as long as it is not a dim they act along
 _ROWWISE = {aten.linear.default, aten.matmul.default, aten.bmm.default, aten.mm.default, aten.addmm.default,
             aten.baddbmm.default, aten.embedding.default, aten.layer_norm.default,
             aten.native_layer_norm.default, aten.rms_norm.default, aten.group_norm.default,
             aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default,
-            aten.dropout.default, aten.native_dropout.default, aten.softmax.int, aten._softmax.default,
-            aten.log_softmax.int, aten._log_softmax.default, aten.sum.default, aten.sum.dim_IntList,
-            aten.mean.default, aten.mean.dim, aten.amax.default, aten.amin.default, aten.max.default,
-            aten.min.default, aten.max.dim, aten.min.dim, aten.logsumexp.default, aten.norm.ScalarOpt_dim,
-            aten.linalg_vector_norm.default, aten.var.correction, aten.var_mean.correction,
-            aten.std.correction, aten.count_nonzero.default, aten.count_nonzero.dim_IntList,
+            aten.dropout.default, aten.native_dropout.default, aten.sum.default, aten.mean.default,
+            aten.amax.default, aten.amin.default, aten.max.default, aten.min.default, aten.count_nonzero.default,
             aten.ones_like.default, aten.zeros_like.default, aten.full_like.default, aten.empty_like.default,
             aten.rand_like.default, aten.randn_like.default, aten.bernoulli.p, aten.gelu.default,
-            aten.silu.default, aten.relu.default, aten.tanh.default, aten.sigmoid.default,
+            aten.silu.default, aten.relu.default, aten.tanh.default, aten.sigmoid.default, aten.stack.default,
             aten.scaled_dot_product_attention.default, aten.any.default, aten.all.default}
-# ops with a dim argument (position, name) that must not be a sequence dim
-_ALONG = {aten.cat.default: 1, aten.stack.default: 1, aten.split.Tensor: 2, aten.split_with_sizes.default: 2,
-          aten.chunk.default: 2, aten.tensor_split.sections: 2, aten.unbind.int: 1, aten.select.int: 1,
-          aten.narrow.default: 1, aten.index_select.default: 1, aten.gather.default: 1, aten.cumsum.default: 1,
-          aten.cumprod.default: 1, aten.cummax.default: 1, aten.cummin.default: 1, aten.diff.default: 2,
-          aten.sort.default: 1, aten.sort.stable: 2, aten.argsort.default: 1, aten.argsort.stable: 2,
-          aten.topk.default: 3, aten.repeat_interleave.self_int: 2, aten.repeat_interleave.self_Tensor: 2,
-          aten.scatter.src: 1, aten.scatter.value: 1, aten.scatter_add.default: 1, aten.index_add.default: 1,
-          aten.unfold.default: 1, aten.softmax.int: None, aten.roll.default: 2, aten.flip.default: 1}
+# reductions and normalisations over `dim`: over the sequence a token's value is the same sum, over
+# the batch they would mix rows reordered each its own way
+_OVER = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default, aten.logsumexp.default,
+         aten.var.correction, aten.std.correction, aten.var_mean.correction, aten.count_nonzero.dim_IntList,
+         aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default,
+         aten.norm.ScalarOpt_dim, aten.linalg_vector_norm.default, aten.any.dim, aten.all.dim, aten.prod.dim_int}
+# ops acting along `dim` (their schema's argument), which must be neither the sequence nor the batch
+_ALONG = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.tensor_split.sections,
+          aten.unbind.int, aten.select.int, aten.narrow.default, aten.index_select.default, aten.gather.default,
+          aten.cumsum.default, aten.cumprod.default, aten.cummax.default, aten.cummin.default, aten.diff.default,
+          aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable, aten.topk.default,
+          aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default, aten.kthvalue.default,
+          aten.median.dim, aten.mode.default, aten.repeat_interleave.self_int,
+          aten.repeat_interleave.self_Tensor, aten.scatter.src, aten.scatter.value, aten.scatter_add.default,
+          aten.index_add.default, aten.unfold.default, aten.roll.default, aten.flip.default}
 _SOURCES = {aten.ones.default, aten.zeros.default, aten.full.default, aten.empty.memory_format,
             aten.scalar_tensor.default, aten.new_ones.default, aten.new_zeros.default, aten.new_full.default,
             aten.new_empty.default}
 _ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
+_EXACT = (None, torch.int32, torch.int64, torch.float64)      # dtypes an arange over any sequence is exact in
 _COMPARE = {aten.lt.Tensor, aten.le.Tensor, aten.gt.Tensor, aten.ge.Tensor, aten.eq.Tensor, aten.ne.Tensor}
 _AND = {aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default, aten.mul.Tensor}
 _OR = {aten.__or__.Tensor, aten.bitwise_or.Tensor, aten.logical_or.default}
@@ -150,22 +156,44 @@ def check_documents(gm: fx.GraphModule, name: str) -> int:
     return index
 
 
+def _arg(node: fx.Node, name: str):
+    """Argument `name` of an aten call as the op takes it (its schema's default when not given)."""
+    for i, a in enumerate(node.target._schema.arguments):
+        if a.name == name:
+            if not a.kwarg_only and i < len(node.args):
+                return node.args[i]
+            return node.kwargs.get(name, a.default_value if a.has_default_value() else None)
+    raise KeyError(f"{node.target} takes no argument {name!r}")
+
+
 class _Proof:
     def __init__(self, info: meta.TraceInfo, seq: sympy.Symbol, name: str):
         self.info, self.seq, self.name = info, seq, name
         self.documents: set[fx.Node] = set()     # the document ids and views of them
-        self.aranges: dict[fx.Node, tuple] = {}   # an INDEX value -> its arange's (start, end, step)
+        self.aranges: dict[fx.Node, tuple] = {}   # an INDEX value -> its arange's (start, end, step, dtype)
+        # where the sequence (S) and the batch (B) lie inside a dim that folds them with other factors:
+        # (node, dim) -> {atom: the product of the factors inside it in that dim}
+        self.folds: dict[tuple[fx.Node, int], dict] = {}
 
-    def shape(self, node: fx.Node) -> tuple:
-        val = node.meta.get("val")
+    # ------------------------------------------------------------------ shapes
+    def shape(self, node) -> tuple:
+        val = node.meta.get("val") if isinstance(node, fx.Node) else None
         return self.info.shape(val) if isinstance(val, torch.Tensor) else ()
 
     def seq_dims(self, node) -> list[int]:
-        return [d for d, s in enumerate(self.shape(node)) if self.seq in s.free_symbols] \
-            if isinstance(node, fx.Node) else []
+        return [d for d, s in enumerate(self.shape(node)) if self.seq in s.free_symbols]
+
+    def batch_dims(self, node) -> list[int]:
+        return [d for d, s in enumerate(self.shape(node)) if meta.BATCH in s.free_symbols]
 
     def carries(self, node) -> bool:
         return bool(self.seq_dims(node))
+
+    def atoms(self, node, d: int) -> dict:
+        """{S or B: the product inside it} for dim d of node (None where not known)."""
+        size = self.shape(node)[d]
+        got = self.folds.get((node, d), {})
+        return {a: got.get(a, 1 if size == a else None) for a in (self.seq, meta.BATCH) if a in size.free_symbols}
 
     def refuse(self, node: fx.Node, why: str):
         where = meta.get(node, meta.MODULE) or "the model"
@@ -175,37 +203,47 @@ class _Proof:
             f"numbers. Build the mask from the document ids (fxtron.models.masks.document_mask), pass positions as an "
             f"input (position_ids=), or drop cp_documents (the plain load-balanced split)")
 
+    # ------------------------------------------------------------------ the rules
     def kind(self, node: fx.Node, kinds: dict) -> str:
         args = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node)]
         got = [kinds.get(a, CLEAN) for a in args]
         t = node.target
         if t in _PASS:
             return got[0] if got and t is operator.getitem else CLEAN
+        seq_in = [a for a in args if self.carries(a)]
+        if seq_in:
+            self._check_rows_kept(node, seq_in)
         if t in _VIEWS:
-            self._check_view(node)
-            if node.args[0] in self.documents:
+            self._view(node)
+            x = node.args[0]
+            if x in self.documents and t not in _CASTS:
                 self.documents.add(node)
-            if node.args[0] in self.aranges:
-                self.aranges[node] = self.aranges[node.args[0]]
+            if x in self.aranges and (t not in _CASTS or node.meta["val"].dtype in _EXACT):
+                self.aranges[node] = self.aranges[x]
             return got[0]
-        if not self.carries(node) and not any(self.carries(a) for a in args) and all(k == CLEAN for k in got):
+        self._carry_folds(node, args)
+        if not self.carries(node) and not seq_in and all(k == CLEAN for k in got):
             return CLEAN                              # nothing here sees the sequence
         if t in _ARANGES:
-            self.aranges[node] = self._range(node)
+            if node.kwargs.get("dtype") in _EXACT:
+                self.aranges[node] = self._range(node)
             return INDEX
         if t in _SOURCES:
             return CLEAN                              # a constant: every order of it is itself
         pair = self._pair(node)
-        if t in _TRIANGLES and self._ordered(node) and pair and self._pair(args[0]) == pair:
-            if got == [CLEAN]:
-                return ORDER                          # x & (i >= j)
-            if got == [SAME]:
-                return CLEAN                          # (same document) & (i >= j)
-        if t in _TRIANGLES and not self._ordered(node):
-            raise self.refuse(node, "keeps the band of a diagonal other than the main one (the tokens' distance, "
-                                    "which the reordering changes)")
+        n = node.meta["val"].dim() if isinstance(node.meta.get("val"), torch.Tensor) else 0
+        if t in _TRIANGLES:
+            if not self._ordered(node):
+                raise self.refuse(node, "keeps the band of a diagonal other than the main one (the tokens' "
+                                        "distance, which the reordering changes)")
+            if pair == (n - 2, n - 1) and self._pair(args[0]) == pair:
+                if got == [CLEAN]:
+                    return ORDER                      # x & (i >= j)
+                if got == [SAME]:
+                    return CLEAN                      # (same document) & (i >= j)
         if t in _COMPARE and len(args) == 2 and pair and self._lands(args, node) == pair:
-            if got == [INDEX, INDEX] and self.aranges[args[0]] == self.aranges[args[1]]:
+            ranges = [self.aranges.get(a) for a in args]
+            if got == [INDEX, INDEX] and ranges[0] is not None and ranges[0] == ranges[1]:
                 return ORDER                          # one arange against itself: the order of i and j
             if t is aten.eq.Tensor and all(a in self.documents for a in args) and self._rows_kept(args, node):
                 return SAME
@@ -229,38 +267,48 @@ class _Proof:
                                     "equality (document_ids[:, :, None] == document_ids[:, None, :])")
         # from here on every input is permuted with the tokens (a SAME is one too)
         if t in _ATTENTION:
-            if node.kwargs.get("is_causal") or (len(node.args) > 5 and node.args[5]):
+            if _arg(node, "is_causal"):
                 raise self.refuse(node, "is causal attention (is_causal=True), a mask of the tokens' positions")
             return CLEAN
-        if not any(self.carries(a) for a in args):
+        if not seq_in:
             raise self.refuse(node, f"makes a value of shape {self.shape(node)} along the sequence from none "
                                     "(a table sliced to the sequence's length)")
+        self._check_sizes(node)
         if t in _ALONG:
-            self._check_along(node, _ALONG[t])
+            self._check_along(node)
+        elif t in _OVER:
+            self._check_over(node)
+        elif t is aten.cat.default:
+            dim = _arg(node, "dim")
+            for x in node.args[0]:
+                if isinstance(x, fx.Node) and dim % max(x.meta["val"].dim(), 1) in self.seq_dims(x):
+                    raise self.refuse(node, "concatenates along the sequence")
         elif t is aten.slice.Tensor:
             self._check_slice(node)
         elif t is aten.index.Tensor:
-            dims = self.seq_dims(node.args[0])
-            indexed = [d for d, i in enumerate(node.args[1]) if i is not None]
-            if set(dims) & set(indexed):
-                raise self.refuse(node, "indexes the sequence dim")
+            x, indices = node.args[0], node.args[1]
+            if any(isinstance(i, fx.Node) and i.meta["val"].dtype in (torch.bool, torch.uint8) for i in indices):
+                raise self.refuse(node, "selects by a mask (which tokens, and their order, depend on the layout)")
+            indexed = [d for d, i in enumerate(indices) if i is not None]
+            if set(self.seq_dims(x) + self.batch_dims(x)) & set(indexed):
+                raise self.refuse(node, "indexes the sequence or the batch dim")
         elif t is aten.repeat.default:
             x, reps = node.args[0], list(node.args[1])
-            if any(reps[d + len(reps) - x.meta["val"].dim()] != 1 for d in self.seq_dims(x)):
-                raise self.refuse(node, "repeats the sequence")
+            if any(reps[d + len(reps) - x.meta["val"].dim()] != 1 for d in self.seq_dims(x) + self.batch_dims(x)):
+                raise self.refuse(node, "repeats the sequence or the batch")
         elif t in (aten.constant_pad_nd.default, aten.pad.default):
             x, pad = node.args[0], list(node.args[1])
-            n = x.meta["val"].dim()
-            if any(pad[2 * (n - 1 - d):2 * (n - 1 - d) + 2] not in ([], [0, 0]) for d in self.seq_dims(x)):
+            m = x.meta["val"].dim()
+            if any(pad[2 * (m - 1 - d):2 * (m - 1 - d) + 2] not in ([], [0, 0]) for d in self.seq_dims(x)):
                 raise self.refuse(node, "pads the sequence")
         elif t in _ROWWISE or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
-            self._check_rows(node)
+            self._check_rowwise(node)
         else:
             raise self.refuse(node, "has no rule for reordered tokens")
         return CLEAN
 
     def _range(self, node: fx.Node) -> tuple:
-        """An arange's (start, end, step), sizes as expressions: two aranges alike index alike."""
+        """An arange's (start, end, step, dtype), sizes as expressions: two alike index alike."""
         def value(a):
             return self.info.expr(a.meta["val"]) if isinstance(a, fx.Node) and "val" in a.meta else a
         args = [value(a) for a in node.args]
@@ -274,7 +322,7 @@ class _Proof:
     def _ordered(node: fx.Node) -> bool:
         """tril / triu keeping i >= j, i > j (tril, diagonal 0 or -1) or i <= j, i < j (triu, 0
         or 1): the order of two tokens, where another diagonal reads their distance."""
-        diagonal = node.args[1] if len(node.args) > 1 else node.kwargs.get("diagonal", 0)
+        diagonal = _arg(node, "diagonal")
         return diagonal in ((0, -1) if node.target is aten.tril.default else (0, 1))
 
     def _pair(self, node) -> tuple[int, int] | None:
@@ -291,94 +339,183 @@ class _Proof:
         """The two views of the document ids keep their batch dim at one output dim (row b's
         tokens compared with row b's) and their sequence dims apart."""
         n = node.meta["val"].dim()
-        batch = meta.BATCH
         rows = set()
         for a in args:
             shape = self.shape(a)
-            seq = self.seq_dims(a)
-            rows |= {n - len(shape) + d for d, s in enumerate(shape) if s == batch}
-            if len(seq) != 1 or sum(1 for s in shape if s == batch) != 1:
+            if len(self.seq_dims(a)) != 1 or sum(1 for s in shape if s == meta.BATCH) != 1:
                 return False
+            rows |= {n - len(shape) + d for d, s in enumerate(shape) if s == meta.BATCH}
         return len(rows) == 1
 
-    def _check_rows(self, node: fx.Node) -> None:
-        """Rows are permuted each by its own order: an op that sums over the batch while the
-        sequence stays (row b's token i with row b''s token i) would mix them."""
+    def _check_rows_kept(self, node: fx.Node, seq_in: list) -> None:
+        """A value along the sequence of some rows may not lose its rows (x[0], a sum over the
+        batch): each row is reordered its own way, and a token of one would meet another's."""
+        if any(self.batch_dims(a) for a in seq_in) and self.carries(node) and not self.batch_dims(node):
+            raise self.refuse(node, "takes a value along the sequence out of its batch rows (each row is reordered "
+                                    "by its own documents)")
+
+    def _check_sizes(self, node: fx.Node) -> None:
+        known = {self.seq, meta.BATCH}
+        if any(s.free_symbols - known for s in self.shape(node)):
+            raise self.refuse(node, f"has a size that depends on the values ({self.shape(node)}), as the tokens it "
+                                    "keeps do")
+
+    def _check_along(self, node: fx.Node) -> None:
         t = node.target
-        batch = meta.BATCH
-        if t in (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default, aten.max.dim,
-                 aten.min.dim, aten.logsumexp.default, aten.var.correction, aten.std.correction,
-                 aten.var_mean.correction, aten.count_nonzero.dim_IntList, aten.softmax.int, aten._softmax.default,
-                 aten.log_softmax.int, aten._log_softmax.default) and self.carries(node):
-            x = node.args[0]
-            dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-            dims = [dims] if isinstance(dims, int) else list(dims or range(x.meta["val"].dim()))
-            if any(self.shape(x)[d] == batch for d in dims):
-                raise self.refuse(node, "sums over the batch while keeping the sequence (each row is reordered "
-                                        "by its own documents)")
+        x = node.args[0]
+        n = x.meta["val"].dim()
+        name = "dims" if t in (aten.roll.default, aten.flip.default) else "dimension" \
+            if t is aten.unfold.default else "dim"
+        dims = _arg(node, name)
+        dims = list(range(n)) if dims is None or dims == [] else [dims] if isinstance(dims, int) else list(dims)
+        if set(d % max(n, 1) for d in dims) & set(self.seq_dims(x) + self.batch_dims(x)):
+            raise self.refuse(node, "acts along the sequence or the batch (it depends on the tokens' order)")
+
+    def _check_over(self, node: fx.Node) -> None:
+        """A reduction or softmax over the batch that keeps the sequence mixes rows' orders."""
+        x = node.args[0]
+        n = x.meta["val"].dim()
+        dims = _arg(node, "dim")
+        dims = list(range(n)) if dims is None or dims == [] else [dims] if isinstance(dims, int) else list(dims)
+        over = {d % max(n, 1) for d in dims}
+        softmax = node.target in (aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
+                                  aten._log_softmax.default)
+        if over & set(self.batch_dims(x)) and (softmax or self.carries(node)):
+            raise self.refuse(node, "reduces over the batch while keeping the sequence (each row is reordered by "
+                                    "its own documents)")
+
+    def _check_rowwise(self, node: fx.Node) -> None:
+        t = node.target
         if t in (aten.linear.default, aten.matmul.default, aten.mm.default, aten.bmm.default, aten.addmm.default,
                  aten.baddbmm.default):
             x = node.args[1] if t in (aten.addmm.default, aten.baddbmm.default) else node.args[0]
             last = self.shape(x)[-1] if self.shape(x) else None
-            if last is not None and last == batch and self.carries(node):
+            if last is not None and meta.BATCH in last.free_symbols and self.carries(node):
                 raise self.refuse(node, "contracts the batch while keeping the sequence")
             if t is aten.linear.default and last is not None and self.seq in last.free_symbols:
                 raise self.refuse(node, "contracts the sequence with a weight")
-
-    def _check_view(self, node: fx.Node) -> None:
-        """A view keeps the sequence whole, as one dim's factor with the same elements inside it:
-        (B, S, h) <-> (B*S, h) <-> (B, S, n, d); splitting S or moving what lies inside it is an
-        error."""
-        t = node.target
-        if t not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
-                     aten.unflatten.int, aten.view_as.default, aten.reshape_as.default):
-            return
-        x = node.args[0]
-        if not isinstance(x, fx.Node) or not self.carries(x):
-            return
-        ins, outs = self.shape(x), self.shape(node)
-
-        def inner(shape):
-            dims = [d for d, s in enumerate(shape) if self.seq in s.free_symbols]
-            if len(dims) != 1 or sympy.degree(shape[dims[0]], self.seq) != 1:
-                return None
-            rest = sympy.cancel(shape[dims[0]] / self.seq)          # the dim is S x rest, rest a whole number
-            if self.seq in rest.free_symbols or sympy.fraction(rest)[1] != 1:
-                return None
-            return sympy.simplify(sympy.Mul(*shape[dims[0] + 1:]))
-        a, b = inner(ins), inner(outs)
-        if a is None or b is None or sympy.simplify(a - b) != 0:
-            raise self.refuse(node, f"reshapes {ins} to {outs}, which does not keep each token's elements together")
-
-    def _check_along(self, node: fx.Node, at) -> None:
-        if at is None:
-            return
-        x = node.args[0]
-        if isinstance(x, (list, tuple)):
-            x = x[0]
-        n = x.meta["val"].dim()
-        if node.target in (aten.flip.default,):
-            dims = list(node.args[1])
-        elif node.target in (aten.roll.default,):
-            dims = list(node.args[2]) if len(node.args) > 2 else list(range(n))
-        else:
-            dims = [node.args[at] if len(node.args) > at else node.kwargs.get("dim", 0)]
-        dims = [d % n for d in dims if d is not None] if all(d is not None for d in dims) else list(range(n))
-        if set(dims) & set(self.seq_dims(x)):
-            raise self.refuse(node, "acts along the sequence dim (it depends on the tokens' order)")
+        if t is aten.embedding.default and self.carries(node.args[0]):
+            raise self.refuse(node, "looks ids up in a table along the sequence")
+        if t in (aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default):
+            x = node.args[0]
+            classes = 1 if x.meta["val"].dim() >= 2 else 0
+            if classes in self.seq_dims(x) + self.batch_dims(x):
+                raise self.refuse(node, "takes the sequence as its classes (a target picks a position)")
 
     def _check_slice(self, node: fx.Node) -> None:
-        x, dim = node.args[0], node.args[1] if len(node.args) > 1 else 0
-        start = node.args[2] if len(node.args) > 2 else None
-        end = node.args[3] if len(node.args) > 3 else None
-        step = node.args[4] if len(node.args) > 4 else 1
-        if dim % x.meta["val"].dim() not in self.seq_dims(x):
+        x, dim = node.args[0], _arg(node, "dim")
+        start, end, step = _arg(node, "start"), _arg(node, "end"), _arg(node, "step")
+        dim = dim % x.meta["val"].dim()
+        if dim not in self.seq_dims(x) + self.batch_dims(x):
             return
         whole = (start in (None, 0) and step == 1
                  and (end is None or (isinstance(end, int) and end >= _INF)
                       or self.info.expr(node.meta["val"].shape[dim]) == self.info.expr(x.meta["val"].shape[dim])))
         if not whole:
-            raise self.refuse(node, "slices the sequence")
+            raise self.refuse(node, "slices the sequence or the batch")
+
+    # ------------------------------------------------------------------ views and folds
+    def _view(self, node: fx.Node) -> None:
+        """Where a view puts S and B: moved dims carry their folds; a reshape keeps each inside
+        one dim with the same factors inside it -- (B, S, h) <-> (B*S, h) <-> (B, S, n, d),
+        (B, n, S, S) <-> (B*n, S, S) -- and anything else (S cut into parts, a fold read back
+        in another order, B and n swapped by a reshape) is an error."""
+        t, x = node.target, node.args[0]
+        if not isinstance(x, fx.Node) or not isinstance(x.meta.get("val"), torch.Tensor):
+            return
+        n_in, n_out = x.meta["val"].dim(), node.meta["val"].dim()
+        if t in _COPIES | _CASTS or t in (aten.expand.default, aten.expand_as.default):
+            mapping = {d + n_out - n_in: d for d in range(n_in)}
+        elif t in (aten.transpose.int, aten.swapaxes.default, aten.t.default):
+            a, b = (0, 1) if t is aten.t.default else (node.args[1] % n_in, node.args[2] % n_in)
+            mapping = {d: (b if d == a else a if d == b else d) for d in range(n_in)}
+        elif t is aten.permute.default:
+            mapping = {i: d % n_in for i, d in enumerate(node.args[1])}
+        elif t is aten.movedim.int:
+            order = list(range(n_in))
+            order.insert(node.args[2] % n_in, order.pop(node.args[1] % n_in))
+            mapping = dict(enumerate(order))
+        elif t is aten.unsqueeze.default:
+            at = node.args[1] % n_out
+            mapping = {i: (i if i < at else i - 1) for i in range(n_out) if i != at}
+        elif t in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
+            kept = [d for d, s in enumerate(self.shape(x)) if s != 1 or d not in self._squeezed(node, n_in)]
+            mapping = dict(enumerate(kept))
+        else:
+            return self._reshape(node, x)
+        for out, d in mapping.items():
+            if (x, d) in self.folds:
+                self.folds[(node, out)] = self.folds[(x, d)]
+
+    @staticmethod
+    def _squeezed(node: fx.Node, n: int) -> set[int]:
+        if node.target is aten.squeeze.default:
+            return set(range(n))
+        dims = node.args[1]
+        return {d % n for d in ([dims] if isinstance(dims, int) else dims)}
+
+    def _reshape(self, node: fx.Node, x: fx.Node) -> None:
+        ins = [(d, s) for d, s in enumerate(self.shape(x)) if s != 1]
+        outs = [(d, s) for d, s in enumerate(self.shape(node)) if s != 1]
+        atoms = (self.seq, meta.BATCH)
+        if not any(a in s.free_symbols for _, s in ins for a in atoms):
+            return
+        bad = lambda why: self.refuse(node, f"reshapes {self.shape(x)} to {self.shape(node)}: {why}")  # noqa: E731
+        i = j = 0
+        while i < len(ins) or j < len(outs):
+            if i == len(ins) or j == len(outs):
+                raise bad("its sizes do not pair up")
+            a, b = [ins[i]], [outs[j]]
+            pa, pb = ins[i][1], outs[j][1]
+            i, j = i + 1, j + 1
+            while sympy.simplify(pa - pb) != 0:
+                if sympy.fraction(sympy.cancel(pb / pa))[1] == 1 and i < len(ins):
+                    a.append(ins[i])
+                    pa, i = pa * ins[i][1], i + 1
+                elif j < len(outs):
+                    b.append(outs[j])
+                    pb, j = pb * outs[j][1], j + 1
+                else:
+                    raise bad("its sizes do not pair up")
+            if not any(s in pa.free_symbols for s in atoms):
+                continue
+            if len(a) > 1 and len(b) > 1:
+                raise bad("it reads dims holding the sequence or the batch in another order")
+            # where each of S and B lies: the product of the factors inside it, across the block
+            inside: dict = {}
+            for k, (d, size) in enumerate(a):
+                after = sympy.Mul(*[sz for _, sz in a[k + 1:]])
+                for atom, q in self.atoms(x, d).items():
+                    inside[atom] = None if q is None else q * after
+            for k, (d, size) in enumerate(b):
+                after = sympy.Mul(*[sz for _, sz in b[k + 1:]])
+                here = {}
+                for atom in atoms:
+                    if atom not in size.free_symbols:
+                        continue
+                    q = inside.get(atom)
+                    if q is None:
+                        raise bad("where the sequence or the batch lies inside a folded dim is not known")
+                    q = sympy.cancel(q / after)
+                    outer = sympy.cancel(size / (atom * q))
+                    if sympy.fraction(q)[1] != 1 or sympy.fraction(outer)[1] != 1 or \
+                            sympy.degree(size, atom) != 1:
+                        raise bad("it cuts the sequence or the batch into parts")
+                    here[atom] = q
+                self.folds[(node, d)] = here
+
+    def _carry_folds(self, node: fx.Node, args: list) -> None:
+        """An op's output dims hold S and B as the input dims of the same size they broadcast from."""
+        out = self.shape(node)
+        for d, size in enumerate(out):
+            if len([a for a in (self.seq, meta.BATCH) if a in size.free_symbols]) < 2 and size in (self.seq, meta.BATCH):
+                continue
+            for a in args:
+                shape = self.shape(a)
+                k = d - len(out) + len(shape)
+                if 0 <= k < len(shape) and sympy.simplify(shape[k] - size) == 0 and (a, k) in self.folds:
+                    self.folds[(node, d)] = self.folds[(a, k)]
+                    break
 
 
 __all__ = ["check_documents", "documents_input"]
