@@ -508,7 +508,7 @@ class _Proof:
         """An op's output dims hold S and B as the input dims of the same size they broadcast from."""
         out = self.shape(node)
         for d, size in enumerate(out):
-            if len([a for a in (self.seq, meta.BATCH) if a in size.free_symbols]) < 2 and size in (self.seq, meta.BATCH):
+            if size in (self.seq, meta.BATCH):       # S or B alone: nothing inside it (`atoms`)
                 continue
             for a in args:
                 shape = self.shape(a)
