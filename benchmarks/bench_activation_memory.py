@@ -23,7 +23,7 @@ import torch
 
 import fxtron
 from fxtron.models.gpt import GPT, GPTConfig
-from fxtron.testing import run_on_ranks
+from fxtron.tools.testing import run_on_ranks
 
 S, B, H, A, TP = 128, 4, 256, 8, 2
 #: label -> (tp, sequence parallel, recompute)

@@ -6,7 +6,7 @@ formula, and the step time against one process.
 One job of 2 gloo processes (pp=2, one torch thread each) trains a GPT (CFG: hidden 256,
 4 layers, vocab 256) on a global batch of 8 x 64 tokens with each schedule in CASES
 (GPipe, 1F1B, interleaved with 2 virtual stages, ZB-H1, ZB-V; 4 and 8 microbatches). Every step
-records each rank's timeline (runtime/executor.py: every F, B, W with start and end); from it:
+records each rank's timeline (runtime/pp/executor.py: every F, B, W with start and end); from it:
 
   measured bubble   per rank, (time from the step's start to its last pass) - (time in
                     passes), over the time in passes: Narayanan's "bubble / ideal"; the mean
@@ -15,7 +15,7 @@ records each rank's timeline (runtime/executor.py: every F, B, W with start and 
                     2021), (p-1)(T_F+T_B-T_W) / (m(T_F+T_B+T_W)) for ZB-H1 (Qi et al. 2023)
                     with the measured mean pass times; ZB-V's (p-1)/(6m) at T_F = T_B = T_W
                     (Qi et al. 2024: the ramp-up only; it has no closed form for other times)
-  simulated         the unit-time simulator (runtime/schedules.py) run on the same orders
+  simulated         the unit-time simulator (runtime/pp/schedules.py) run on the same orders
                     with the measured mean T_F, T_B, T_W: what the order would give with free
                     communication
 
@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 import fxtron
 from fxtron.models.gpt import GPT, GPTConfig
-from fxtron.runtime import schedules
+from fxtron.runtime.pp import schedules
 from replay import ReplayTimer, noop, token_batches
 
 CFG = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256)
@@ -168,7 +168,7 @@ def test_pipeline_step(benchmark, results, bench_report, schedule, v, m):
                                  "bubble_simulated": simulated, "pass_times_s": times,
                                  "median_step_s": step, "ratio_vs_single_process": ratio})
     os.makedirs(OUT, exist_ok=True)
-    from fxtron import chart
+    from fxtron.tools import chart
     chart.draw_timelines([r[key]["timelines"][-1] for r in results], os.path.join(OUT, f"pipeline_{key}.png"),
                          title=f"{schedule}: pp={PP}, m={m}" + (f", v={v}" if v > 1 else ""))
 

@@ -32,8 +32,8 @@ import torch
 
 from replay import ReplayTimer, noop
 
-from fxtron.ops import wgrad
-from fxtron.ops.wgrad import TRITON_KERNEL, kernel_for, wgrad_accumulate
+from fxtron.codegen import wgrad
+from fxtron.codegen.wgrad import TRITON_KERNEL, kernel_for, wgrad_accumulate
 
 CPU_SIZES = [(2048, 1024, 1024), (1024, 1024, 4096)]   # (tokens, in, out)
 CPU_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_check.py [--quick] [--out FILE.json]
 
-1. The Triton weight-gradient kernel (ops/wgrad.py) compiled for the GPU, not interpreted:
+1. The Triton weight-gradient kernel (codegen/wgrad.py) compiled for the GPU, not interpreted:
    for bf16 and fp16 inputs at several (tokens, in, out) shapes, including ones that are not
    multiples of the block sizes, one call into a main_grad already holding values; error
    against float64 as a fraction of sum|dy||x| + |main_grad|; time (triton.testing.do_bench)
@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/", 2)[0])   # the repository root, when run as a script
 
 import fxtron  # noqa: E402
-from fxtron.ops.wgrad import TRITON_KERNEL, kernel_for, wgrad_accumulate  # noqa: E402
+from fxtron.codegen.wgrad import TRITON_KERNEL, kernel_for, wgrad_accumulate  # noqa: E402
 from fxtron.models.llama import Llama, LlamaConfig  # noqa: E402
 
 SHAPES = [(8192, 4096, 4096), (4096, 4096, 11008), (4096, 11008, 4096), (1000, 1000, 3000), (77, 4096, 4096)]

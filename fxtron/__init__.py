@@ -15,6 +15,7 @@
 
 The package's layers and where each piece lives: fxtron/README.md.
 """
+import fxtron.codegen  # noqa: F401 - the kernels the ops call (fxtron.ops.kernels)
 from fxtron.api import ParallelModel, parallelize
 from fxtron.config import Config, TrainConfig
 from fxtron.core.placement import PARTIAL, REPLICATE, Partial, Replicate, Shard
@@ -22,7 +23,7 @@ from fxtron.errors import LaunchError, ParallelizeError, ParallelizeWarning
 from fxtron.mesh import Mesh
 from fxtron.passes.rules import register_rule
 from fxtron.runtime.batch import Microbatches
-from fxtron.runtime.checkpoint import load_full_state_dict
+from fxtron.runtime.checkpoint.dcp import load_full_state_dict
 from fxtron.runtime.groups import ProcessGroups, init_distributed
 from fxtron.runtime.launch import launch
 

@@ -21,17 +21,17 @@ from fxtron.config import Config
 from fxtron.core import meta
 from fxtron.errors import ParallelizeError, warn_or_raise
 from fxtron.mesh import Mesh
-from fxtron.passes.documents import check_documents
-from fxtron.passes.expert_parallel import check_experts
+from fxtron.passes.cp_documents import check_documents
+from fxtron.passes.ep import check_experts
 from fxtron.passes.statistics import global_statistics
 from fxtron.passes.recompute import region_labels
-from fxtron.passes.stages import StageAssignment, assign_stages
+from fxtron.passes.pp import StageAssignment, assign_stages
 from fxtron.passes.tp_plan import TPPlan, make_tp_plan
 from fxtron.runtime import groups as G
-from fxtron.runtime import schedules
+from fxtron.runtime.pp import schedules
 from fxtron.runtime import materialize
 from fxtron.runtime.build import build_program
-from fxtron import step_comm
+from fxtron.tools import step_comm
 from fxtron.runtime.program import Program
 
 
@@ -319,7 +319,7 @@ class ParallelModel:
         under zb-h1, part of B otherwise); unit costs by default. With measured timelines,
         `memory` (each rank's `prog.memory_timeline()` of the same step) is drawn below on the
         same time axis. Returns the path."""
-        from fxtron import chart
+        from fxtron.tools import chart
         p = self.config.pipeline
         if timelines is None:
             sim = schedules.simulate(p.schedule, self.mesh.pp, p.microbatches, p.chunks,
@@ -342,7 +342,7 @@ class ParallelModel:
         dump = dump or self.config.debug.dump
         observer = None
         if dump:
-            from fxtron.inspection import PassDump
+            from fxtron.tools.inspect import PassDump
             observer = PassDump(dump, rank)
         rg = passmanager.compile_rank(self.traced, self.mesh, rank, plan=self.tp_plan,
                                       stage_assignment=self.stage_assignment, config=self.config, observer=observer)
@@ -401,7 +401,7 @@ class ParallelModel:
         bytes as formulas in B and S (B a microbatch's batch): its graphs' (forward and
         backward, over whichever mesh axis each communicates), then, unless `graphs_only`, the
         pipeline's sends and receives per microbatch, the data-parallel gradient reduction per
-        bucket, the sums after backward and the loss's (fxtron/step_comm.py; `per` says which
+        bucket, the sums after backward and the loss's (fxtron/tools/step_comm.py; `per` says which
         run per microbatch and which per step). `report.format_collectives(...)` prints them;
         `step_comm.step_bytes(records, microbatches, batch, seq)` totals what the rank sends."""
         out = [r for g in self.compiled(rank).graphs for r in report.collectives(g, self.mesh, rank)]

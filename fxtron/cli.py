@@ -65,8 +65,8 @@ def _cmd_inspect(a) -> int:
     import json
 
     import fxtron
-    from fxtron import planner
-    from fxtron.inspection import inspect, load_model
+    from fxtron.tools import planner
+    from fxtron.tools.inspect import inspect, load_model
 
     if a.config and "=" in a.config and not os.path.exists(a.config):
         # `--config key=value,...`: the hf:<architecture>'s configuration, as --model-config takes it
@@ -118,12 +118,12 @@ def _cmd_inspect(a) -> int:
 
 
 def _cmd_bench(a) -> int:
-    from fxtron.bench import run
+    from fxtron.tools.bench import run
     return run(quick=a.quick, output=a.output, extra=a.pytest_args)
 
 
 def _cmd_export(a) -> int:
-    from fxtron.runtime.pretrained import export
+    from fxtron.runtime.checkpoint.hf import export
     files = export(a.checkpoint, a.out, like=a.like, max_shard_size=a.max_shard_size, dtype=a.dtype)
     print(f"wrote {a.out}: {', '.join(files)}")
     return 0

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fxtron
-from fxtron.testing import adamw, cases_fixture, max_abs_diff, ranks_of, reference_training, train_program
+from fxtron.tools.testing import adamw, cases_fixture, max_abs_diff, ranks_of, reference_training, train_program
 from tp_models import batch, batches, make
 
 MESHES = [fxtron.Mesh(2), fxtron.Mesh(2, pp=2), fxtron.Mesh(2, cp=2)]

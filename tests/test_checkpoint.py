@@ -18,7 +18,7 @@ import torch
 
 import fxtron
 from fxtron.runtime.groups import init_distributed
-from fxtron.testing import adamw, max_abs_diff, run_on_ranks
+from fxtron.tools.testing import adamw, max_abs_diff, run_on_ranks
 from tp_models import batch, batches, make
 
 pytestmark = pytest.mark.slow      # one 4-process gloo job

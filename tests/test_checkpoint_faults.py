@@ -23,7 +23,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 import fxtron
 from fxtron.errors import LaunchError
-from fxtron.testing import max_abs_diff, run_on_ranks
+from fxtron.tools.testing import max_abs_diff, run_on_ranks
 from tp_models import batch, make
 
 pytestmark = pytest.mark.slow      # gloo jobs, one under unshare on a small tmpfs
@@ -117,7 +117,7 @@ def _fills(rank, mesh, root):
     out["left"] = sorted(os.listdir(root))
     # torch's serializer may meet the full disk as a short write ("unexpected pos"), not ENOSPC:
     # which one comes depends on where the space runs out; both must read as a full disk
-    from fxtron.runtime.checkpoint import _why
+    from fxtron.runtime.checkpoint.dcp import _why
     out["short write"] = _why(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"),
                               os.path.join(root, "new"))
     prog.load(good, opt)

@@ -28,7 +28,7 @@ import fxtron
 from fxtron.errors import LaunchError, ParallelizeError
 from fxtron.ops import ledger, transport
 from fxtron.runtime.groups import groups_for
-from fxtron.testing import adamw, cases_fixture, ranks_of, run_on_ranks
+from fxtron.tools.testing import adamw, cases_fixture, ranks_of, run_on_ranks
 from tp_models import batch, make
 
 pytestmark = pytest.mark.slow      # gloo jobs
@@ -91,7 +91,7 @@ def _step_end(rank, mesh):
 
 
 def _p2p_order(rank, mesh):
-    from fxtron.runtime.p2p import P2P, Slot
+    from fxtron.runtime.pp.p2p import P2P, Slot
     p2p = P2P(groups_for(mesh), match_by_tag=False)
     slot = [Slot(torch.float32, 2, (2, 3), False)]
     got = []
@@ -173,7 +173,7 @@ def test_transfers_received_in_another_order_are_named_at_the_step_end(checked):
 def test_a_correct_program_is_checked_and_trains_unchanged(checked):
     out = [r["out"] for r in ranks_of(checked, TP, "correct")]
     assert all(o["checked"] > 20 for o in out), out        # every collective and both step ends
-    ref = fxtron.testing.reference_training(make("gpt"), [batch("gpt", 4, 8, s) for s in range(2)],
+    ref = fxtron.tools.testing.reference_training(make("gpt"), [batch("gpt", 4, 8, s) for s in range(2)],
                                             _opt)
     for o in out:
         assert max(abs(a - b) for a, b in zip(o["losses"], ref["losses"])) < 2e-6, (o["losses"], ref["losses"])

@@ -25,7 +25,7 @@ import fxtron
 from fxtron.compiler.report import count
 from fxtron.ops import cp as cp_ops
 from fxtron.runtime.batch import BatchSlicer
-from fxtron.testing import (adamw, assert_trains_like, max_abs_diff, ranks_of, reference_training, run_cases,
+from fxtron.tools.testing import (adamw, assert_trains_like, max_abs_diff, ranks_of, reference_training, run_cases,
                             train_program)
 from tp_models import batch, batches, make
 
@@ -776,14 +776,14 @@ class _Documents(torch.nn.Module):
 
 
 def test_documents_order_is_proved_not_to_change_the_model():
-    """cp_documents reorders each row's tokens; passes/documents.py lets it only where the model
+    """cp_documents reorders each row's tokens; passes/cp_documents.py lets it only where the model
     cannot tell. Accepted: the shipped Llama and GPT with the trainer's position and document
     ids, and a model whose mask is the documents' equality ANDed with the causal order.
     Refused, naming the op: GPT's positions from an arange (a learned table read at the
     reordered index), no such input, and each of _Documents' mistakes -- each of which does
     compute another loss on the reordered rows."""
     from fxtron.compiler.trace import trace
-    from fxtron.passes.documents import check_documents
+    from fxtron.passes.cp_documents import check_documents
     for name in ("llama", "gpt"):
         args, kwargs = packed(2, 8, 0, name)
         pm = fxtron.parallelize(make(name), fxtron.Mesh(2, cp=2), example_inputs=args, example_kwargs=kwargs,

@@ -12,14 +12,14 @@ import torch
 
 import fxtron
 from fxtron.models import build, example_inputs
-from fxtron.testing import adamw, max_abs_diff, reference_training, run_on_ranks
+from fxtron.tools.testing import adamw, max_abs_diff, reference_training, run_on_ranks
 
 pytestmark = pytest.mark.slow      # gloo jobs of 2 and 4 processes
 
 CASES = ["gpt-tiny", "llama-tiny"]
 SEQS = [16, 12, 16]        # per step: the sequence length changes, the program does not
 BATCH = 8
-_opt = adamw()             # eps well above float32 gradient noise (fxtron.testing.adamw)
+_opt = adamw()             # eps well above float32 gradient noise (fxtron.tools.testing.adamw)
 
 
 def _batches(name: str):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fxtron
-from fxtron.testing import ranks_of, run_cases
+from fxtron.tools.testing import ranks_of, run_cases
 from tp_models import batch, make
 
 pytestmark = pytest.mark.slow      # gloo jobs of 2 and 4 processes

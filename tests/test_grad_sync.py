@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fxtron
-from fxtron.testing import adamw, cases_fixture, max_abs_diff, ranks_of, reference_training
+from fxtron.tools.testing import adamw, cases_fixture, max_abs_diff, ranks_of, reference_training
 from tp_models import batch, batches, make
 
 pytestmark = pytest.mark.slow      # gloo jobs of 2, 4 and 8 processes

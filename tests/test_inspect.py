@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fxtron
-from fxtron import planner
+from fxtron.tools import planner
 from fxtron.cli import main
 from fxtron.models import PRESETS, build, example_inputs
 from tp_models import batches, make
@@ -243,7 +243,7 @@ def test_planner_reads_dims_from_the_graph():
 
 
 def test_bench_summary_table(tmp_path):
-    from fxtron.bench import summarize
+    from fxtron.tools.bench import summarize
     data = {"machine_info": {"cpu": {"brand_raw": "test cpu"}}, "benchmarks": [
         {"name": "test_train_step[fxtron_tp2]", "stats": {"median": 0.25},
          "extra_info": {"ratio_vs_single_process": 0.8, "ratio_vs_dtensor": 0.7}},
@@ -314,8 +314,8 @@ def test_activation_estimate_is_what_autograd_saves():
     of every tensor the forward makes was 21.0 MB); one process against the tracker itself for
     plain, selective and full recomputation, bf16 (half the fp32 figure) and microbatches (tp, sp,
     pp, cp and the schedules are held to the tracker in tests/test_recompute.py)."""
-    from fxtron.activations import peak_saved_bytes, saved_bytes
-    from fxtron.inspection import inspect, load_model
+    from fxtron.tools.activations import peak_saved_bytes, saved_bytes
+    from fxtron.tools.inspect import inspect, load_model
     model, args, kwargs = load_model("gpt-small", batch=2, seq=16)
     pm = fxtron.parallelize(model, fxtron.Mesh(2, tp=2), example_inputs=args)
     report = inspect(pm, 0, batch=4, seq=128)
@@ -339,13 +339,13 @@ def test_activation_estimate_is_what_autograd_saves():
 
 
 def test_planner_uses_the_measured_activations_and_models_overlap_and_zb_v():
-    """The planner's activations are inspect's (activations.py on the same model, 16-bit) for
+    """The planner's activations are inspect's (tools/activations.py on the same model, 16-bit) for
     tp with sp, pp under 1F1B, interleaved, ZB-V, and full recomputation (with the region held
     while backward runs it again); it hides the backward's tp communication behind the
     weight-gradient GEMMs and the dp buckets behind the last backward, and rates ZB-V's bubble
     (p-1)/(6m) of the compute, below 1F1B's (p-1)/m."""
     from fxtron.compiler.trace import trace
-    from fxtron.inspection import inspect, load_model
+    from fxtron.tools.inspect import inspect, load_model
     model, args, kwargs = load_model("gpt-small", batch=2, seq=16)
     dims = planner.dims_of(trace(model, args, example_kwargs=kwargs))
     measured = planner.MeasuredActivations(model, args, kwargs, micro_batch=2, seq=256)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import fxtron
 from fxtron.runtime.groups import groups_for
-from fxtron.testing import run_on_ranks
+from fxtron.tools.testing import run_on_ranks
 
 pytestmark = pytest.mark.slow      # gloo jobs and torchrun
 

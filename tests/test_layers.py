@@ -17,7 +17,7 @@ import fxtron
 LAYERS = [
     ("core", {"errors", "mesh", "core", "config"}),
     ("ops", {"ops"}),
-    ("passes", {"passes"}),
+    ("passes, codegen", {"passes", "codegen"}),
     ("compiler, runtime", {"compiler", "runtime"}),
 ]
 TOP = "api and tools"

@@ -20,7 +20,7 @@ import torch
 
 import fxtron
 from fxtron import Mesh
-from fxtron.testing import cases_fixture, ranks_of
+from fxtron.tools.testing import cases_fixture, ranks_of
 from tp_models import batch, make
 
 

@@ -18,7 +18,7 @@ import torch
 import fxtron
 from fxtron import models
 from fxtron.runtime.materialize import MetaMaterializer
-from fxtron.testing import adamw, assert_trains_like, cases_fixture, ranks_of, reference_training, train_program
+from fxtron.tools.testing import adamw, assert_trains_like, cases_fixture, ranks_of, reference_training, train_program
 from tp_models import batch, make
 
 NAMES = ["llama-tiny", "hf-llama", "hf-qwen3", "hf-mixtral"]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fxtron
-from fxtron.testing import adamw, max_abs_diff, reference_training, run_on_ranks, train_program
+from fxtron.tools.testing import adamw, max_abs_diff, reference_training, run_on_ranks, train_program
 from tp_models import batch, batches, make
 
 pytestmark = pytest.mark.slow      # gloo jobs of 2 and 4 processes

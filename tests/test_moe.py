@@ -37,7 +37,7 @@ import fxtron
 from fxtron.models import build, example_inputs
 from fxtron.ops import registry
 from fxtron.models.moe import Experts, MoEConfig, MoETransformer, SparseMoE, grouped_mm, switch_aux_loss
-from fxtron.testing import (adamw, assert_trains_like, cases_fixture, max_abs_diff, ranks_of, reference_training,
+from fxtron.tools.testing import (adamw, assert_trains_like, cases_fixture, max_abs_diff, ranks_of, reference_training,
                             train_program)
 
 CFG = MoEConfig(vocab_size=128, max_seq_len=64, n_layer=2, n_head=4, n_kv_head=2, dim=32, ffn_dim=48,

@@ -24,7 +24,7 @@ from fxtron.core import layout as shard_math
 from fxtron.ops import shm
 from fxtron.runtime.groups import groups_for
 from fxtron.core.layout import check_divisible, shard, unshard
-from fxtron.testing import run_on_ranks
+from fxtron.tools.testing import run_on_ranks
 
 ops = torch.ops.fxtron
 V = 16          # CE / embedding vocabulary
@@ -249,7 +249,7 @@ def _cases(pg, one_rank_group: str) -> dict:
             _leaf(shard(d["L"], -1, tp, r)), d["T"], r * V // tp, IGNORE, 0, 0.0, group),
         "vocab_parallel_cross_entropy_with_softmax": lambda: ops.vocab_parallel_cross_entropy_with_softmax(
             _leaf(shard(d["L"], -1, tp, r)), d["T"], r * V // tp, IGNORE, 0, 0.0, group)[0],
-        # the batch statistics' ops (ops/batch.py): over whatever group they are given
+        # the batch statistics' ops (ops/statistics.py): over whatever group they are given
         "batch_all_reduce": lambda: ops.batch_all_reduce(_leaf(x8), group),
         "batch_scale": lambda: ops.batch_scale(_leaf(x8)),
         "global_statistic": lambda: ops.global_statistic(_leaf(x8), "count"),

@@ -19,8 +19,8 @@ import pytest
 import fxtron
 from fxtron.core.meta import BATCH as BATCH_SYM, SEQ as SEQ_SYM
 from fxtron.ops import ledger, shm
-from fxtron.runtime import schedules
-from fxtron.testing import adamw, max_abs_diff, ranks_of, reference_training, run_cases
+from fxtron.runtime.pp import schedules
+from fxtron.tools.testing import adamw, max_abs_diff, ranks_of, reference_training, run_cases
 from tp_models import batch, batches, make
 
 pytestmark = pytest.mark.slow      # gloo jobs of 2, 4 and 8 processes

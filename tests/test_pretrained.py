@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 import fxtron
-from fxtron.testing import adamw, assert_trains_like, cases_fixture, max_abs_diff, ranks_of, reference_training
+from fxtron.tools.testing import adamw, assert_trains_like, cases_fixture, max_abs_diff, ranks_of, reference_training
 from tp_models import batch, make
 
 
@@ -179,7 +179,7 @@ def _steps(name: str) -> list:
 
 def _run(rank: int, mesh: fxtron.Mesh, key: str) -> dict:
     import torch.distributed as dist
-    from fxtron.testing import train_program
+    from fxtron.tools.testing import train_program
     name, _, options = CASES[key]
     path = _dir(os.getppid(), name)            # the ranks' parent is the pytest process
     if rank == 0 and not os.path.exists(os.path.join(path, "model.safetensors.index.json")):
@@ -208,7 +208,7 @@ def test_every_rank_reads_its_slices_and_writes_back(trained, key, tmp_path):
     assert _keys(out) == _keys(str(tmp_path / name))
     assert max_abs_diff(_loaded(out), got[0]["state"])[0] == 0.0
     # the mesh's fxtron checkpoint exported in one process: the same directory
-    from fxtron.runtime.pretrained import export
+    from fxtron.runtime.checkpoint.hf import export
     export(_dir(os.getpid(), "ckpt", key), str(tmp_path / "exported"), like=str(tmp_path / name),
            max_shard_size="60KB")
     assert _keys(str(tmp_path / "exported")) == _keys(out)

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 import fxtron
-from fxtron.activations import peak_saved_bytes, saved_bytes
+from fxtron.tools.activations import peak_saved_bytes, saved_bytes
 from fxtron.core import meta
 from fxtron.models.moe import MoEConfig, MoETransformer
 from fxtron.ops.rng import rng_call
 from fxtron.passes.recompute import region_labels
-from fxtron.testing import adamw, assert_trains_like, cases_fixture, ranks_of, reference_training, train_program
+from fxtron.tools.testing import adamw, assert_trains_like, cases_fixture, ranks_of, reference_training, train_program
 from tp_models import batch, batches, make
 
 DROPOUT = 0.1
@@ -204,7 +204,7 @@ def _run(rank, mesh, key):
 
 
 def _estimate(pm, rank, steps):
-    """inspect's estimate of the peak saved for backward over `steps` (activations.py: the
+    """inspect's estimate of the peak saved for backward over `steps` (tools/activations.py: the
     rank's graphs run on fake tensors), or None where it cannot run (expert parallel's
     data-dependent dispatch)."""
     ids = [next(t for t in (*a, *k.values()) if isinstance(t, torch.Tensor)) for a, k in steps]
@@ -238,7 +238,7 @@ def test_recomputation_changes_no_number(results, key):
 @pytest.mark.slow
 @pytest.mark.parametrize("key", list(CASES))
 def test_activation_estimate_is_the_trackers(results, key):
-    """What inspect says autograd keeps (activations.py, no processes) is within 10% of what the
+    """What inspect says autograd keeps (tools/activations.py, no processes) is within 10% of what the
     runtime's tracker measured at the peak of each rank's steps, with and without recomputation
     (tp with sp, pp under 1F1B, ZB-H1 (what a deferred W pass keeps from B) and the interleaved
     schedule, cp by gather, ring, a2a and a2a+p2p, transformers' GPT-2, ep x tp: its dispatch estimated

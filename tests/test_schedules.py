@@ -9,8 +9,8 @@ from fractions import Fraction
 import pytest
 
 from fxtron import ParallelizeError
-from fxtron.runtime import schedules
-from fxtron.runtime.schedules import Action, actions, in_flight, simulate
+from fxtron.runtime.pp import schedules
+from fxtron.runtime.pp.schedules import Action, actions, in_flight, simulate
 
 
 @pytest.mark.parametrize("p,m,makespan,frac", [(4, 8, 33, Fraction(3, 8)), (4, 16, 57, Fraction(3, 16)),
@@ -121,7 +121,7 @@ def test_invalid_schedules(args, match):
 
 
 def test_charts(tmp_path):
-    from fxtron import chart
+    from fxtron.tools import chart
     for suffix in ("png", "svg"):
         path = chart.draw_simulation(simulate("zb-h1", 4, 8, t_f=1, t_b=1, t_w=1), str(tmp_path / f"zb.{suffix}"), "zb-h1")
         data = open(path, "rb").read()

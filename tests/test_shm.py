@@ -24,7 +24,7 @@ import torch.distributed as dist
 import fxtron
 from fxtron.ops import shm
 from fxtron.runtime.groups import groups_for
-from fxtron.testing import run_on_ranks
+from fxtron.tools.testing import run_on_ranks
 from tp_models import batch, make
 
 pytestmark = pytest.mark.slow      # a 2-process gloo job

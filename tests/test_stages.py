@@ -10,7 +10,7 @@ import torch
 import fxtron
 from fxtron import ParallelizeError
 from fxtron.core import meta
-from fxtron.passes.stages import _balanced
+from fxtron.passes.pp import _balanced
 from tp_models import batch, make
 
 

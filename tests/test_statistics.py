@@ -1,5 +1,5 @@
 """A model's own math at every mesh (issue 30): what it computes over its batch is computed over
-the global batch, as in one process (passes/statistics.py, ops/batch.py).
+the global batch, as in one process (passes/statistics.py, ops/statistics.py).
 
 Without processes: the pass on the graph -- a mean cross entropy becomes its sum over the
 global batch's counted tokens, a summed loss is scaled by the pieces, a load-balancing loss's
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 import fxtron
 from fxtron.core import meta
-from fxtron.testing import (adamw, assert_trains_like, cases_fixture, max_abs_diff, ranks_of, reference_training,
+from fxtron.tools.testing import (adamw, assert_trains_like, cases_fixture, max_abs_diff, ranks_of, reference_training,
                             train_program)
 from tp_models import batches, make
 

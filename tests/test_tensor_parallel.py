@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fxtron
-from fxtron.testing import adamw, assert_trains_like, cases_fixture, reference_training, train_program
+from fxtron.tools.testing import adamw, assert_trains_like, cases_fixture, reference_training, train_program
 from tp_models import OP_NAMES, NAMES, batch, batches, make
 
 pytestmark = pytest.mark.slow      # gloo jobs of 2 and 4 processes

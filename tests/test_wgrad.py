@@ -11,7 +11,7 @@ are exact in fp32, and each call adds one rounding of main_grad. A 16-bit weight
 (the unfused path in bf16) misses this bound by far; a test shows that.
 
 The Triton kernel runs in Triton's interpreter on CPU tensors. The interpreter is chosen when
-the kernel is decorated, i.e. when fxtron.ops.wgrad is first imported with
+the kernel is decorated, i.e. when fxtron.codegen.wgrad is first imported with
 TRITON_INTERPRET=1, so those cases run in ONE subprocess (this file run as a script) and report
 back as JSON; the pytest process itself stays uninterpreted.
 """
@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fxtron.ops import wgrad
-from fxtron.ops.wgrad import TORCH_KERNEL, TRITON_KERNEL, kernel_for, wgrad_accumulate
+from fxtron.codegen import wgrad
+from fxtron.codegen.wgrad import TORCH_KERNEL, TRITON_KERNEL, kernel_for, wgrad_accumulate
 
 RTOL = 1e-5
 REPO = Path(__file__).resolve().parents[1]

@@ -25,7 +25,7 @@ import torch
 
 import fxtron
 from fxtron.compiler.report import count
-from fxtron.testing import adamw, assert_trains_like, cases_fixture, max_abs_diff, ranks_of, reference_training, train_program
+from fxtron.tools.testing import adamw, assert_trains_like, cases_fixture, max_abs_diff, ranks_of, reference_training, train_program
 from tp_models import ZOO, batch, batches, make
 
 pytestmark = pytest.mark.slow      # a minute of compiling 25 architectures, then gloo jobs of 2 and 4 processes
@@ -147,7 +147,7 @@ def test_multi_query_attention_keeps_key_and_value_whole(tmp_path):
     the one key and value head whole on every rank (counted once in the norm), equal to one
     process; its checkpoint saved at tp=2 loads at tp=4, every parameter equal."""
     from functools import partial
-    from fxtron.testing import run_cases
+    from fxtron.tools.testing import run_cases
     name, path = ZOO["GPTBigCode"], str(tmp_path / "ckpt")
     pm = fxtron.parallelize(make(name), fxtron.Mesh(2, tp=2), example_kwargs=batch(name, 2, 8, seed=0)[1])
     w = pm.compiled(0).local["transformer.h.0.attn.c_attn.weight"]

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from fxtron.passes.fsdp import STANDS_FOR_PARAMS, is_free, param_of, shard_data_parallel, wait_for_params
-from fxtron.passes.fuse import fuse_linears, fused_weights
+from fxtron.codegen.fuse import fuse_linears, fused_weights
 from fxtron.config import Config
 from fxtron.core import layout, meta
 from fxtron.core.axes import MeshView
@@ -31,8 +31,8 @@ from fxtron.core.stage import Stage
 from fxtron.errors import ParallelizeError
 from fxtron.mesh import Mesh, hsdp_kinds
 from fxtron.passes import verify as verifier
-from fxtron.passes.context_parallel import cp_layout, fuse_written_out_attention
-from fxtron.passes.expert_parallel import dispatch_experts, ep_layout
+from fxtron.passes.cp import cp_layout, fuse_written_out_attention
+from fxtron.passes.ep import dispatch_experts, ep_layout
 from fxtron.passes.limits import SeqLimit, seq_limit
 from fxtron.passes.localize import drop_metadata_asserts, localize
 from fxtron.passes.tp_plan import TPPlan
@@ -43,8 +43,8 @@ from fxtron.passes.rules.order import rewrite_inverse_permutations
 from fxtron.passes.rng import assign_rng_regions
 from fxtron.passes.shapes import annotate_local_shapes
 from fxtron.passes.statistics import global_statistics
-from fxtron.passes.stages import StageAssignment, param_stages, split_stages
-from fxtron.passes.tensor_parallel import split_fused_parts, split_row_bias, tp_layout
+from fxtron.passes.pp import StageAssignment, param_stages, split_stages
+from fxtron.passes.tp import split_fused_parts, split_row_bias, tp_layout
 
 
 @dataclass

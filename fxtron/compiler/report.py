@@ -36,7 +36,7 @@ class CollectiveRecord:
     tensor it carries, and the bytes of that tensor and on the wire (sympy in B, S). `group`
     is the mesh axis the op communicates over (its group kind: "tp", "cp", ...). `per`: how
     often it runs, once per "microbatch" (a graph's collectives, a pipeline transfer; B is then
-    a microbatch's batch) or once per "step" (the data-parallel reduction, fxtron/step_comm.py)."""
+    a microbatch's batch) or once per "step" (the data-parallel reduction, fxtron/tools/step_comm.py)."""
 
     node: str
     op: str
@@ -392,7 +392,7 @@ def ep_tp_note(mesh: Mesh, traced: fx.GraphModule, tp_plan) -> str:
     (empty without both, or when every layer dispatches shares, Megatron's order)."""
     if mesh.ep == 1 or mesh.tp == 1:
         return ""
-    from fxtron.passes.expert_parallel import moe_layers, unshared
+    from fxtron.passes.ep import moe_layers, unshared
     whole = {layer.name: why for layer in moe_layers(traced) if (why := unshared(layer, tp_plan)) is not None}
     if not whole:
         return ""
@@ -458,9 +458,9 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
     that differs in more than its dp coordinate. `compiled(rank)` gives a rank's RankGraph;
     `schedule` and `bubble` the pipeline schedule's title and bubble formula; `init` how a meta
     model is initialized (runtime.materialize.init_note); `step_records(rank)` what the rank
-    sends outside its graphs (fxtron/step_comm.py): the dp and p2p columns are their sums, and
+    sends outside its graphs (fxtron/tools/step_comm.py): the dp and p2p columns are their sums, and
     the last column everything the rank sends in a step, the sum of pm.collectives(rank)."""
-    from fxtron.passes.expert_parallel import moe_layers
+    from fxtron.passes.ep import moe_layers
     rows, seen, fell, gathered = [], set(), set(), set()
     dp = mesh.dp
     for rank in range(mesh.world_size):

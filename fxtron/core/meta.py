@@ -229,7 +229,7 @@ class TraceInfo:
     layers: whether the layers were traced once and repeated, or why the model was traced whole.
     signature, token_ranges: what the step checks every batch against (runtime/batch.py).
     statistics, statistics_report: the batch statistics made global (passes/statistics.py).
-    documents: the input of document ids whose order the cp split follows (passes/documents.py).
+    documents: the input of document ids whose order the cp split follows (passes/cp_documents.py).
     """
 
     params: list[str]
@@ -251,7 +251,7 @@ class TraceInfo:
     statistics: dict = field(default_factory=dict)
     statistics_report: Any = None
     # cp_documents: the user input of each token's document id, by which the runtime reorders
-    # every row before the cp split (passes/documents.py); None: the plain load-balanced split
+    # every row before the cp split (passes/cp_documents.py); None: the plain load-balanced split
     documents: int | None = None
 
     @property

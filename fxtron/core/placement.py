@@ -53,7 +53,7 @@ class Shard(Placement):
     interleave: int | tuple[int, ...] = 1   # k equal blocks, or block proportions (core/layout.py)
     #: blocks every rank holds whole (a parameter only: a fused projection's single key/value head
     #: under multi-query attention beside its split queries; core/layout.py). Rules never see it:
-    #: such a parameter is only read through slices of its blocks (passes/tensor_parallel.py)
+    #: such a parameter is only read through slices of its blocks (passes/tp.py)
     whole: tuple[int, ...] = ()
     #: a rank-local order (passes/rules/order.py): the rank holds the elements of `dim` that its
     #: own tokens give, in an order of its own -- a sort of its shard by a key, named by the sort

@@ -4,7 +4,6 @@ entropy, the fused weight-gradient linear, random streams, recomputed regions), 
 forms and, in `registry`, what it communicates over which axis. Importing this package
 registers every torch.ops.fxtron op. Above fxtron.core; below passes and runtime.
 """
-from fxtron.ops import batch, cp, ep, fsdp, linear, registry, scan, tp, vocab  # noqa: F401 - registers torch.ops.fxtron.*
-from fxtron.ops.wgrad import kernel_for, wgrad_accumulate
+from fxtron.ops import cp, ep, fsdp, kernels, linear, registry, scan, statistics, tp, vocab  # noqa: F401 - registers torch.ops.fxtron.*
 
-__all__ = ["batch", "cp", "ep", "fsdp", "kernel_for", "linear", "registry", "tp", "vocab", "wgrad_accumulate"]
+__all__ = ["cp", "ep", "fsdp", "kernels", "linear", "registry", "scan", "statistics", "tp", "vocab"]

@@ -53,7 +53,7 @@ def positions(seq: int, world: int, rank: int) -> Tensor:
 
 def document_order(documents: Tensor, world: int) -> Tensor:
     """(B, S) int64: each row of token positions reordered by the chunk of its document a token
-    falls in, stably (Megatron's THD load balancing without padding, passes/documents.py). A
+    falls in, stably (Megatron's THD load balancing without padding, passes/cp_documents.py). A
     token at offset o of a document of L tokens (the tokens of the row with its id) is in chunk
     floor(2 world o / L); the load-balanced split of the reordered row then gives rank r about
     chunks r and 2 world - 1 - r of every document. documents=[[0, 0, 0, 0, 1, 1, 1, 1]],
@@ -402,7 +402,7 @@ def grouped(live: Tensor) -> tuple[Tensor, Tensor]:
     """Orders of a block's rows and columns (rows, cols) that put each document's together: rows
     by the first column they attend, columns by the first of those rows attending them, both
     stable. A block in position order is left as it is; one whose rows hold the chunks of many
-    documents one after the other (the documents' order, passes/documents.py) gets each
+    documents one after the other (the documents' order, passes/cp_documents.py) gets each
     document's rows and columns in one run, which `rectangles` computes as one piece."""
     n_rows, n_cols = live.shape
     first = torch.where(live, torch.arange(n_cols, device=live.device), n_cols).amin(-1)

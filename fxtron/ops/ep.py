@@ -65,7 +65,7 @@ _UNIFORM: contextvars.ContextVar[bool] = contextvars.ContextVar("fxtron_uniform_
 def uniform_routing():
     """Inside, the fake kernels give the rows uniform routing would (a rank receives as many
     copies as it sends; a tp share is 1/t of them) as plain sizes, not unbacked ones: what a
-    forward on fake tensors needs to run through (fxtron/activations.py)."""
+    forward on fake tensors needs to run through (fxtron/tools/activations.py)."""
     token = _UNIFORM.set(True)
     try:
         yield

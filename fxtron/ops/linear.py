@@ -4,12 +4,12 @@ overlaps the communication of the input gradient (Megatron's
 LinearWithGradAccumulationAndAsyncCommunication).
 
 `fxtron::linear(x, weight, bias, weight_in_out)`: y = x W^T + b (or x W + b). Its backward
-computes the input gradient first; the weight gradient goes through `ops.wgrad.wgrad_accumulate`
+computes the input gradient first; the weight gradient goes through the "wgrad" kernel (codegen/wgrad.py's `wgrad_accumulate`)
 into `weight.main_grad` when the program gave the weight one (otherwise it is returned to
 autograd as usual). While a `WgradQueue` is active (a program's train_step), those
 weight-gradient GEMMs are queued instead of run: the next communicating op's backward
 (copy_to_region, gather_from_sequence) starts its collective asynchronously, runs the queue
-while the bytes move, then waits. passes/fuse.py rewrites a graph's linears into this op.
+while the bytes move, then waits. codegen/fuse.py rewrites a graph's linears into this op.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from fxtron.ops.kernels import kernel
 from fxtron.ops.recompute import recomputing
 from fxtron.ops.registry import OpSpec, register
 
@@ -77,10 +78,10 @@ def _accumulate(x: Tensor, dy: Tensor, main_grad, weight_in_out: bool, report=No
     """main_grad += the weight gradient; then tell the data-parallel buffer (when the program
     gave the weight a `report`) that this contribution is complete. `main_grad` may be a
     function giving it (zero=3's, asked when the GEMM runs)."""
-    from fxtron.ops.wgrad import wgrad_accumulate
+    wgrad_accumulate = kernel("wgrad").run
     if callable(main_grad):
         main_grad = main_grad()
-    if getattr(main_grad, "fxtron_fresh", False):    # the step's first contribution (runtime/buffers.py)
+    if getattr(main_grad, "fxtron_fresh", False):    # the step's first contribution (runtime/dp.py)
         main_grad.fxtron_fresh = False
         x2, dy2 = x.reshape(-1, x.shape[-1]).detach(), dy.reshape(-1, dy.shape[-1]).detach()
         a, b = (x2, dy2) if weight_in_out else (dy2, x2)
@@ -242,7 +243,7 @@ register(OpSpec("linear", eager=linear_eager))
 def kernel_name(device: torch.device, dtype: torch.dtype) -> str:
     """The weight-gradient kernel a fused linear with `dtype` activations uses on `device`:
     wgrad_accumulate's own choice (Triton for 16-bit inputs on CUDA, addmm_ otherwise)."""
-    from fxtron.ops.wgrad import kernel_for
+    kernel_for = kernel("wgrad").choose
     if device.type == "cuda":
         return "wgrad:" + ("triton_wgrad_accum_fp32" if dtype in (torch.bfloat16, torch.float16) else "addmm_fp32")
     probe = torch.empty((1, 1), dtype=dtype, device=device)

@@ -6,7 +6,7 @@ the placement its op's rule (passes/rules) computes from its inputs' placements,
 placement each input must have (`meta.expects`); `insert_redistributions` then emits the
 collective where an input's placement differs from what its consumer expects. Shapes are the
 global ones from export (`val`); rules never run tensors. The pass knows no axis: tensor
-parallel is one `AxisLayout` (passes/tensor_parallel.py), context and expert parallel others.
+parallel is one `AxisLayout` (passes/tp.py), context and expert parallel others.
 
 An op whose inputs are all Replicate is computed redundantly on every rank of the axis and
 stays Replicate: that is always correct. An op that receives a Shard or Partial input and has

@@ -30,7 +30,7 @@ from fxtron.core import meta
 from fxtron.errors import ParallelizeError
 from fxtron.ops.rng import rng_call, takes_region
 from fxtron.passes.rules import CASTS
-from fxtron.passes.stages import classify, find_layer_list
+from fxtron.passes.pp import classify, find_layer_list
 
 aten = torch.ops.aten
 GRANULARITIES = get_args(Granularity)

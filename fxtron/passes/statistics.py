@@ -38,7 +38,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-import fxtron.ops.batch  # noqa: F401 - registers torch.ops.fxtron.batch_*
+import fxtron.ops.statistics  # noqa: F401 - registers torch.ops.fxtron.batch_*
 from fxtron.core import meta
 from fxtron.core.meta import BATCH, SEQ
 from fxtron.errors import ParallelizeError
@@ -192,7 +192,7 @@ def split_token_means(gm: fx.GraphModule) -> list[fx.Node]:
 def _structural_uses(gm: fx.GraphModule) -> set[tuple[fx.Node, fx.Node]]:
     """(count, user) edges through which a mixture-of-experts layer's count of copies per
     expert becomes its grouped GEMMs' offsets: the rank's own rows, never made global."""
-    from fxtron.passes.expert_parallel import OFFSET_CHAIN, moe_layers
+    from fxtron.passes.ep import OFFSET_CHAIN, moe_layers
     edges = set()
     for layer in moe_layers(gm):
         node, prev = layer.offs, None

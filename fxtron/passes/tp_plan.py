@@ -2,7 +2,7 @@
 which embeddings by vocabulary -- found on the traced graph (Megatron's pattern) or given by
 the user keyed by module path. The plan is data, computed once per model (not per rank) and
 immutable: `{module path: style}`, each layer's graph node by name, and the tp placement of
-every parameter; the tensor-parallel passes (passes/tensor_parallel.py) apply it.
+every parameter; the tensor-parallel passes (passes/tp.py) apply it.
 
 How the pattern is found, with no knowledge of the model's code:
 - a linear whose output reaches a residual add (an add whose other operand was computed before
@@ -540,7 +540,7 @@ def _model_parallel_blocks(view: fx.Node, feat: int) -> int | None:
 
 
 #: ops between a fused projection and the split of its parts that the split into per-part
-#: linears replays on each part (passes/tensor_parallel.py split_fused_parts): none changes the
+#: linears replays on each part (passes/tp.py split_fused_parts): none changes the
 #: last dim
 _PART_CHAIN = {aten.unsqueeze.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
                aten.to.dtype, aten._to_copy.default}

@@ -10,7 +10,7 @@ import torch.utils._pytree as pytree
 
 from fxtron.core.meta import TraceInfo
 from fxtron.errors import ParallelizeError
-from fxtron.ops.batch import BatchContext
+from fxtron.ops.statistics import BatchContext
 from fxtron.ops.cp import document_positions, positions
 
 
@@ -177,7 +177,7 @@ class BatchSlicer:
         return pytree.tree_map(move, (args, kw))
 
     def context(self, inputs, kwargs: dict | None = None) -> BatchContext:
-        """The step's view of the global batch (ops/batch.py): its pieces (dp x microbatches)
+        """The step's view of the global batch (ops/statistics.py): its pieces (dp x microbatches)
         and every input statistic of the trace (passes/statistics.py) summed over the global
         batch -- every rank has all of it -- and divided by the pieces, on the rank's device."""
         pieces = self.dp * self.m

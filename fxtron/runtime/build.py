@@ -16,7 +16,7 @@ from fxtron.ops.rng import RNGStreams
 from fxtron.runtime.bind import bind
 from fxtron.runtime.groups import ProcessGroups
 from fxtron.runtime.materialize import MetaMaterializer
-from fxtron.runtime.pretrained import origin_of
+from fxtron.runtime.checkpoint.hf import origin_of
 from fxtron.runtime.program import Program
 
 

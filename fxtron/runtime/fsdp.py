@@ -394,7 +394,7 @@ class FsdpUnits:
                 if g is None:           # outside train_step (prog(...).backward()): into the piece's .grad
                     p = self.params[n]
                     p.grad = part.to(p.dtype).clone() if p.grad is None else p.grad.add_(part.to(p.dtype))
-                elif getattr(g, "fxtron_fresh", False):      # the step's first (runtime/buffers.py)
+                elif getattr(g, "fxtron_fresh", False):      # the step's first (runtime/dp.py)
                     g.copy_(part)
                     g.fxtron_fresh = False
                 else:

@@ -1,5 +1,5 @@
 """Runtime: a program's gradients -- accumulated into one bucketed fp32 buffer during backward
-(runtime/buffers.py), then Megatron's finalize_model_grads: the data-parallel sync of the
+(runtime/dp.py), then Megatron's finalize_model_grads: the data-parallel sync of the
 buckets, the sums over the axes where a whole weight's gradient is partial (norm weights under
 sequence parallel), the sums over the pipeline ranks that share a tied weight, the global norm
 and clipping; full-shape gradients on request.
@@ -25,7 +25,7 @@ from fxtron.core.layout import unshard
 from fxtron.core.params import LocalParam
 from fxtron.errors import ParallelizeError
 from fxtron.ops import ledger
-from fxtron.runtime.buffers import GradBuffer, default_bucket_size
+from fxtron.runtime.dp import GradBuffer, default_bucket_size
 from fxtron.runtime.zero import ZeroOne
 
 #: the model-parallel axes a parameter may be sharded over inside a pipeline stage: the gradient

@@ -6,7 +6,7 @@ Saved activations are seen as autograd saves them (torch.autograd.graph.saved_te
 every tensor a pass saves for backward, parameters and buffers excluded (under a 16-bit dtype their compute
 copies count: a rank holds them), each storage counted once for as long as a tensor saved on it
 is alive. A sample is taken after each pass of the step, so the list is the step's
-memory timeline phase by phase; `fxtron.chart` draws it and writes it, with the passes, as a
+memory timeline phase by phase; `fxtron.tools.chart` draws it and writes it, with the passes, as a
 Chrome trace.
 """
 from __future__ import annotations

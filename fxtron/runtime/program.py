@@ -4,7 +4,7 @@ The module tree mirrors the original model's (`prog.named_parameters()` yields
 `blocks.0.attn.qkv.weight`, ...), so optimizers, clipping and state dicts see familiar names.
 Forward calls the per-rank GraphModule with (parameters, buffers, flattened inputs) in the
 order the trace fixed. `train_step` does one whole step: the rank's slice of the batch
-(runtime/batch.py), forward and backward (or the pipeline schedule, runtime/executor.py), the
+(runtime/batch.py), forward and backward (or the pipeline schedule, runtime/pp/executor.py), the
 gradient sync (runtime/grads.py), mixed precision (runtime/precision.py) and the optimizer.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from fxtron.ops.ep import DispatchLog
 from fxtron.ops.linear import WgradQueue
 from fxtron.ops.rng import RNGStreams
 from fxtron.runtime.batch import BatchSlicer, Microbatches
-from fxtron.runtime.executor import Event
+from fxtron.runtime.pp.executor import Event
 from fxtron.runtime.grads import Gradients, across_stages, get_by_path
 from fxtron.runtime.groups import ProcessGroups
 from fxtron.runtime.memory import MemoryTracker, tracking
@@ -106,7 +106,7 @@ class Program(nn.Module):
         self._batch = BatchSlicer(info, dp=dp, dp_index=dp_rank, microbatches=self.pipeline.microbatches,
                                   device=groups.device if groups is not None else None, cp=cp, cp_index=cp_rank,
                                   seq_split=spec.seq_split, max_seq=(spec.max_seq, spec.max_seq_why))
-        # data parallel: every gradient in bucketed buffers (runtime/buffers.py), reduced over the
+        # data parallel: every gradient in bucketed buffers (runtime/dp.py), reduced over the
         # group the parameters name (dp; dp-cp and expert-dp with cp and ep), the distributed
         # optimizer under zero=1
         self.data_parallel = config.data_parallel
@@ -280,9 +280,9 @@ class Program(nn.Module):
     def runner(self):
         """The schedule runner of this rank (built once): its chunks, actions and p2p."""
         if self._runner is None:
-            from fxtron.runtime import schedules
-            from fxtron.runtime.executor import StageRunner
-            from fxtron.runtime.p2p import P2P
+            from fxtron.runtime.pp import schedules
+            from fxtron.runtime.pp.executor import StageRunner
+            from fxtron.runtime.pp.p2p import P2P
             opts = self.pipeline
             pp = self.groups.size("pp") if self.groups is not None else 1
             pp_rank = self.groups.index("pp") if self.groups is not None else 0
@@ -433,30 +433,30 @@ class Program(nn.Module):
         loadable and unchanged. The checkpoint loads on any mesh (`prog.load`) or in one
         process (`fxtron.load_full_state_dict`). `storage_writer(directory)`, optional, gives
         DCP's StorageWriter (default: files). `extra`: a picklable object (the same on every
-        rank) saved with them, read back by fxtron.runtime.checkpoint.read_extra."""
-        from fxtron.runtime import checkpoint
+        rank) saved with them, read back by fxtron.runtime.checkpoint.dcp.read_extra."""
+        from fxtron.runtime.checkpoint import dcp as checkpoint
         checkpoint.save(self, path, optimizer, storage_writer, extra)
 
     def load(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Read a checkpoint saved by `save` from any mesh into this program (and optimizer)."""
-        from fxtron.runtime import checkpoint
+        from fxtron.runtime.checkpoint import dcp as checkpoint
         checkpoint.load(self, path, optimizer)
 
     def load_pretrained(self, path: str, prefix: str = "") -> None:
         """Pretrained weights from safetensors (a directory save_pretrained wrote, or one file)
-        into this rank's shards, each rank reading only its own slices (runtime/pretrained.py);
+        into this rank's shards, each rank reading only its own slices (runtime/checkpoint/hf.py);
         every rank calls it. `prefix`: what the checkpoint's keys carry in front of the model's
         names. Missing, unexpected and mis-shaped tensors are one ParallelizeError."""
-        from fxtron.runtime import pretrained
+        from fxtron.runtime.checkpoint import hf as pretrained
         pretrained.load_pretrained(self, path, prefix)
 
     def save_pretrained(self, path: str, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None) -> None:
         """Write the model as transformers' save_pretrained does -- safetensors files of at most
         `max_shard_size` with an index, transformers' own key layout, config.json and
         generation_config.json for a transformers model -- tensor by tensor, each gathered once
-        (runtime/pretrained.py); every rank calls it. `dtype` (torch.bfloat16): the floating
+        (runtime/checkpoint/hf.py); every rank calls it. `dtype` (torch.bfloat16): the floating
         tensors written in it. `AutoModelForCausalLM.from_pretrained(path)` loads it."""
-        from fxtron.runtime import pretrained
+        from fxtron.runtime.checkpoint import hf as pretrained
         pretrained.save_pretrained(self, path, max_shard_size, dtype)
 
     # ---------------------------------------------------------------- communication

@@ -20,7 +20,7 @@ import torch
 
 from fxtron.config import TrainConfig
 from fxtron.errors import ParallelizeError
-from fxtron.trainer import checkpoints
+from fxtron.trainer import checkpoint as checkpoints
 from fxtron.trainer.data import TrainData
 from fxtron.trainer.metrics import Metrics, step_flops
 from fxtron.trainer.models import TrainModel, key_values, resolve
@@ -258,7 +258,7 @@ def write_trace(cfg: TrainConfig, results: list[dict]) -> dict[str, str]:
     """The last step of every rank into cfg.training.trace: trace.json (Chrome trace: each rank's passes
     and memory) and schedule.png (the pipeline ranks of the first data-parallel replica, their
     memory below). Returns the paths written."""
-    from fxtron import chart
+    from fxtron.tools import chart
 
     out = Path(cfg.training.trace)
     out.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,7 @@ def memory_bytes() -> int:
 def step_flops(traced) -> float:
     """Model FLOPs of one training step read off the traced graph (forward matmuls and
     attention at the global batch's size, x 3 for the backward's two GEMMs)."""
-    from fxtron.passes.stages import node_flops
+    from fxtron.passes.pp import node_flops
     return 3.0 * sum(node_flops(n) for n in traced.graph.nodes)
 
 

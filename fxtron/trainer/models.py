@@ -139,7 +139,7 @@ def _resolve(spec: str, seed: int = 0, overrides: dict | None = None) -> TrainMo
             config = transformers.AutoConfig.from_pretrained(spec)
             pretrained = spec if _has_weights(spec) else None
         else:
-            from fxtron.inspection import hf_config
+            from fxtron.tools.inspect import hf_config
             config = hf_config(spec[3:], overrides)
             pretrained = None
         cls = next((getattr(transformers, a) for a in (config.architectures or []) if hasattr(transformers, a)), None)
@@ -147,7 +147,7 @@ def _resolve(spec: str, seed: int = 0, overrides: dict | None = None) -> TrainMo
             model = cls(config) if cls is not None else transformers.AutoModelForCausalLM.from_config(config)
         return TrainModel(model, True, int(config.vocab_size), pretrained)
     if ":" in spec:
-        from fxtron.inspection import load_factory
+        from fxtron.tools.inspect import load_factory
         factory = load_factory(spec)
         with torch.device("meta"):
             model = factory()

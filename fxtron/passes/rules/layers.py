@@ -71,7 +71,7 @@ def grouped_mm(c: Ctx):
         return PARTIAL, expects
     if isinstance(pw, Shard) and pw.dim == 0:
         # the experts split (expert parallel): the rows are the ones dispatched to this rank's
-        # experts, counted by its local offsets (passes/expert_parallel.py) -- nothing to move
+        # experts, counted by its local offsets (passes/ep.py) -- nothing to move
         offs = c.node.args[2] if len(c.node.args) > 2 else None
         src = offs.args[0] if isinstance(offs, fx.Node) and offs.target is operator.getitem else None
         if getattr(src, "target", None) not in (torch.ops.fxtron.ep_dispatch.default, torch.ops.fxtron.ep_gather.default):
@@ -176,7 +176,7 @@ def _sdpa_over_sequence(c: Ctx):
     gradients reduce-scattered) under the mask's rows of its queries; with "p2p" the keys stay
     split and travel around the ring; with "a2a" queries, keys and values go through an
     all-to-all to a head split, under the whole mask ("a2a+p2p": inside groups of cp ranks, the
-    ring across them; the lowerings, passes/context_parallel.py)."""
+    ring across them; the lowerings, passes/cp.py)."""
     comm = c.options.get("cp_comm_type")
     ring = comm in ("p2p", "a2a", "a2a+p2p")   # the keys stay split: around the ring, or into an all-to-all
     expects = [None]

@@ -62,7 +62,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from fxtron.errors import ParallelizeError
-from fxtron.runtime.buffers import default_bucket_size
+from fxtron.runtime.dp import default_bucket_size
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ class Candidate:
     recompute: str | None = None       # None, "selective" or "full" (parallelize's recompute=)
     tp_hidden_s: float = 0.0           # of tp_comm_s, behind the weight-gradient GEMMs
     dp_hidden_s: float = 0.0           # of dp_comm_s, behind the last microbatch's backward
-    activations_from: str = "formula"  # "formula" (Korthikanti) or "measured" (activations.py)
+    activations_from: str = "formula"  # "formula" (Korthikanti) or "measured" (tools/activations.py)
     cp_comm_type: str = "p2p"          # how cp attention exchanges keys: p2p, a2a or a2a+p2p
     cp_a2a_size: int | None = None     # a2a+p2p: the cp ranks of one all-to-all group
 
@@ -392,7 +392,7 @@ class MeasuredActivations:
             import warnings
 
             import fxtron
-            from fxtron.activations import saved_bytes
+            from fxtron.tools.activations import saved_bytes
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", fxtron.ParallelizeWarning)
@@ -415,7 +415,7 @@ def dims_of(traced) -> ModelDims:
     the embedding's weight, the attention's query shape) and the parameter count."""
     import torch
     from fxtron.core import meta
-    from fxtron.passes.stages import find_layer_list
+    from fxtron.passes.pp import find_layer_list
     aten = torch.ops.aten
     _, units = find_layer_list(traced)
     vocab = hidden = heads = None
@@ -431,7 +431,7 @@ def dims_of(traced) -> ModelDims:
             heads = int(node.args[0].meta["val"].shape[1])
     if vocab is None or heads is None:
         raise ParallelizeError("what-if sizing needs a transformer with a token embedding and scaled_dot_product_attention")
-    from fxtron.passes.expert_parallel import moe_layers
+    from fxtron.passes.ep import moe_layers
     layers = moe_layers(traced)
     if not layers:
         return ModelDims(layers=len(units), hidden=hidden, heads=heads, vocab=vocab, params=params)

@@ -2,7 +2,7 @@
 forward (F), backward (B) and weight-gradient (W) passes of every microbatch — and a
 unit-time simulator that executes those orders against their data dependencies.
 
-A schedule is a list of `Action`s per pipeline rank. The executor (runtime/executor.py) runs
+A schedule is a list of `Action`s per pipeline rank. The executor (runtime/pp/executor.py) runs
 exactly these lists; the simulator runs the same lists with given pass durations, so the
 bubble it reports is the bubble of the order fxtron executes, checked against the closed forms
 of ../shared/PAPERS.md (Narayanan et al. 2021 for GPipe / 1F1B / interleaved, Qi et al. 2023 for

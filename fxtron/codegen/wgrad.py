@@ -1,4 +1,4 @@
-"""Ops: the weight-gradient GEMM fused with gradient accumulation (Megatron's
+"""Codegen: the weight-gradient GEMM fused with gradient accumulation (Megatron's
 `gradient_accumulation_fusion`, apex's `wgrad_gemm_accum_fp32`).
 
 For a linear `y = x @ W.T` (W is [out, in], nn.Linear's layout) the weight gradient of one
@@ -37,6 +37,8 @@ from typing import Literal
 
 import torch
 from torch import Tensor
+
+from fxtron.ops.kernels import Kernel, register_kernel
 
 try:  # triton is a Linux-only dependency; without it everything takes the torch path
     import triton
@@ -221,7 +223,7 @@ def triton_check(x: Tensor, dy: Tensor, main_grad: Tensor) -> str | None:
         return "triton is not installed"
     if not INTERPRETED and main_grad.device.type != "cuda":
         return (f"tensors on {main_grad.device}: the compiled kernel needs a GPU (set "
-                "TRITON_INTERPRET=1 before importing fxtron.ops.wgrad to interpret it)")
+                "TRITON_INTERPRET=1 before importing fxtron.codegen.wgrad to interpret it)")
     return None
 
 
@@ -273,6 +275,8 @@ def wgrad_accumulate(x: Tensor, dy: Tensor, main_grad: Tensor, *,
         _launch_addmm(x2, dy2, main_grad)
     return main_grad
 
+
+register_kernel(Kernel("wgrad", run=wgrad_accumulate, choose=kernel_for))   # what fxtron::linear's backward calls
 
 __all__ = ["wgrad_accumulate", "kernel_for", "triton_check", "TRITON_KERNEL", "TORCH_KERNEL",
            "INTERPRETED"]

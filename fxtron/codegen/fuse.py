@@ -1,4 +1,4 @@
-"""Passes: linears rewritten to `fxtron::linear` (ops/linear.py), whose weight gradient
+"""Codegen: linears rewritten to `fxtron::linear` (ops/linear.py), whose weight gradient
 accumulates straight into an fp32 `main_grad` (Megatron's gradient_accumulation_fusion) and can
 be deferred behind the communication of the input gradient; each records the weight-gradient
 kernel it uses on the programs' device (`pm.graph` shows it)."""

@@ -1,6 +1,6 @@
 """Runtime: run one training step's pipeline schedule on this rank.
 
-The schedule is a list of Actions (runtime/schedules.py); each F runs a stage's GraphModule on
+The schedule is a list of Actions (runtime/pp/schedules.py); each F runs a stage's GraphModule on
 one microbatch, each B runs autograd from the stage's outputs (the loss, scaled by
 1/microbatches, on the last stage; the received output gradients elsewhere), each W (zb-h1)
 runs the weight-gradient GEMMs its B deferred. After every action, the sends it produced and
@@ -34,8 +34,8 @@ from fxtron.core.placement import REPLICATE, Replicate
 from fxtron.core.stage import Stage
 from fxtron.ops.linear import WgradQueue
 from fxtron.runtime.memory import tracking
-from fxtron.runtime.p2p import P2P, Slot
-from fxtron.runtime.schedules import Action
+from fxtron.runtime.pp.p2p import P2P, Slot
+from fxtron.runtime.pp.schedules import Action
 
 
 @dataclass(frozen=True)

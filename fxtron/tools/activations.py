@@ -31,8 +31,8 @@ from fxtron.errors import ParallelizeError
 from fxtron.ops import ep as ep_ops
 from fxtron.ops.linear import Regather
 from fxtron.ops.recompute import Recomputed, outline
-from fxtron.passes.stages import find_layer_list
-from fxtron.runtime import schedules
+from fxtron.passes.pp import find_layer_list
+from fxtron.runtime.pp import schedules
 from fxtron.runtime.bind import on_device
 from fxtron.runtime.precision import compute_copy
 

@@ -178,7 +178,7 @@ def inspect(pm, rank: int, *, model_name: str = "", batch: int = 1, seq: int = 2
     sequences (per rank and microbatch) of `seq` tokens."""
     from fxtron.core.meta import BATCH, SEQ
     from fxtron.mesh import GROUP_KINDS
-    from fxtron.runtime import schedules
+    from fxtron.runtime.pp import schedules
     t0 = time.perf_counter()
     rg = pm.compiled(rank)
     compile_s = time.perf_counter() - t0
@@ -265,9 +265,9 @@ _VIEWS = {"view", "reshape", "_unsafe_view", "transpose", "permute", "expand", "
 
 def _saved_for_backward(pm, rank, rg, batch, seq, sub) -> tuple[int, int | None, str]:
     """(one microbatch's activations, the most held at once over the schedule, what they are):
-    what autograd saves, counted by running the rank's graphs on fake tensors (activations.py);
+    what autograd saves, counted by running the rank's graphs on fake tensors (tools/activations.py);
     where that cannot run, every tensor the forward makes (an upper bound) and None."""
-    from fxtron import activations
+    from fxtron.tools import activations
     try:
         per_chunk = activations.saved_bytes(pm, rank, batch, seq)
     except ParallelizeError as e:

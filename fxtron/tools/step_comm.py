@@ -3,13 +3,13 @@
 The graphs' own collectives (tensor, sequence, context, expert parallel; zero=3's gathers)
 come from compiler/report.collectives. Around them the runtime issues, per step:
 
-- pipeline transfers, per microbatch and stage (runtime/executor.py, runtime/p2p.py): a
+- pipeline transfers, per microbatch and stage (runtime/pp/executor.py, runtime/pp/p2p.py): a
   stage's boundary outputs to the next stage in forward, the gradients of its floating
   boundary inputs to the previous one in backward, and the matching receives; a message of
   the tensors' shapes first when they vary; under scatter_gather a 1/tp slice of each
   replicated tensor, all-gathered over tp on arrival. Two stages of one rank (ZB-V's pp-1 and
   pp) hand over in memory: nothing;
-- the data-parallel gradient reduction (runtime/buffers.py, runtime/zero.py): per bucket an
+- the data-parallel gradient reduction (runtime/dp.py, runtime/zero.py): per bucket an
   all-reduce, or under zero=1/2 a reduce-scatter and, after the optimizer step, the
   all-gather of the updated parameters; over dp (dp-cp with cp) for the dense parameters and
   expert-dp for the experts;
@@ -32,8 +32,8 @@ from fxtron.compiler.report import CollectiveRecord, _numel
 from fxtron.config import torch_dtype
 from fxtron.core import meta
 from fxtron.core.placement import REPLICATE, Replicate
-from fxtron.runtime import schedules
-from fxtron.runtime.buffers import GradBuffer, default_bucket_size
+from fxtron.runtime.pp import schedules
+from fxtron.runtime.dp import GradBuffer, default_bucket_size
 
 
 def step_records(pm, rank: int) -> list[CollectiveRecord]:

@@ -12,7 +12,7 @@ import re
 import shutil
 
 from fxtron.errors import ParallelizeError
-from fxtron.runtime.checkpoint import COMMIT, read_extra
+from fxtron.runtime.checkpoint.dcp import COMMIT, read_extra
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _ITER = re.compile(r"^iter_(\d{7})$")

@@ -647,7 +647,7 @@ def export(checkpoint: str, out: str, *, like: str, max_shard_size: int | str = 
     """An fxtron checkpoint of any mesh (prog.save) written as transformers' save_pretrained
     directory in one process, tensor by tensor (`python -m fxtron export`); `like` names the
     directory whose config.json (and generation_config.json) the model has. Returns the files."""
-    from fxtron.runtime.checkpoint import full_tensors
+    from fxtron.runtime.checkpoint.dcp import full_tensors
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     config, gen = _like(like)

@@ -1,0 +1,1 @@
+"""fxtron.runtime.checkpoint.dcp"""

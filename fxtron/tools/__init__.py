@@ -1,0 +1,1 @@
+"""fxtron.tools"""
