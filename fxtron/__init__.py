@@ -19,7 +19,7 @@ import fxtron.codegen  # noqa: F401 - the kernels the ops call (fxtron.ops.kerne
 from fxtron.api import ParallelModel, parallelize
 from fxtron.config import Config, TrainConfig
 from fxtron.core.placement import PARTIAL, REPLICATE, Partial, Replicate, Shard
-from fxtron.errors import LaunchError, ParallelizeError, ParallelizeWarning
+from fxtron.errors import CompileError, LaunchError, ParallelizeError, ParallelizeWarning
 from fxtron.mesh import Mesh
 from fxtron.passes.rules import register_rule
 from fxtron.runtime.batch import Microbatches
@@ -27,6 +27,6 @@ from fxtron.runtime.checkpoint.dcp import load_full_state_dict
 from fxtron.runtime.groups import ProcessGroups, init_distributed
 from fxtron.runtime.launch import launch
 
-__all__ = ["Config", "TrainConfig", "Mesh", "ParallelModel", "ParallelizeError", "ParallelizeWarning", "LaunchError", "ProcessGroups",
+__all__ = ["Config", "TrainConfig", "Mesh", "ParallelModel", "ParallelizeError", "ParallelizeWarning", "LaunchError", "CompileError", "ProcessGroups",
            "init_distributed", "launch", "parallelize", "Microbatches", "load_full_state_dict",
            "register_rule", "Replicate", "Shard", "Partial", "REPLICATE", "PARTIAL"]

@@ -23,7 +23,6 @@ from fxtron.errors import ParallelizeError, warn_or_raise
 from fxtron.mesh import Mesh
 from fxtron.passes.cp_documents import check_documents
 from fxtron.passes.ep import check_experts
-from fxtron.passes.statistics import global_statistics
 from fxtron.passes.recompute import region_labels
 from fxtron.passes.pp import StageAssignment, assign_stages
 from fxtron.passes.tp_plan import TPPlan, make_tp_plan
@@ -180,10 +179,9 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
         check_experts(traced, mesh.ep)     # experts that do not divide over ep: an error now
     if config.context.documents is not None:   # THD: proved not to change the model's numbers, or an error now
         ti.documents = check_documents(traced, config.context.documents)
-    if mesh.dp * config.pipeline.microbatches > 1:    # a batch statistic it cannot make global: an error now
-        global_statistics(meta.copy_graph(traced), dp=mesh.dp, pieces=mesh.dp * config.pipeline.microbatches,
-                          local=config.experts.aux_loss == "local")
-    pm = ParallelModel(model, mesh, traced, config)
+    # the model-wide passes, once for every rank: a batch statistic it cannot make global is an error now
+    prepared = passmanager.prepare(traced, mesh, config=config)
+    pm = ParallelModel(model, mesh, traced, config, prepared=prepared)
     pm._check_plan()
     pm.stage_assignment            # a bad stage cut is an error now, not at the first program
     return pm
@@ -243,11 +241,13 @@ def _init_note(model) -> str:
 class ParallelModel:
     """The compiled model: per-rank graphs and programs for every rank of the mesh."""
 
-    def __init__(self, model: torch.nn.Module, mesh: Mesh, traced: fx.GraphModule, config: Config):
+    def __init__(self, model: torch.nn.Module, mesh: Mesh, traced: fx.GraphModule, config: Config,
+                 prepared: fx.GraphModule | None = None):
         self.model = model
         self.mesh = mesh
         self.traced = traced
         self.config = config
+        self._prepared = prepared     # traced after the model-wide passes (passmanager.prepare)
         self._compiled: dict[int, passmanager.RankGraph] = {}   # rank -> its compilation, made once
         self._warned: set[str] = set()     # each kind of warning once per model, not per rank
 
@@ -345,7 +345,8 @@ class ParallelModel:
             from fxtron.tools.inspect import PassDump
             observer = PassDump(dump, rank)
         rg = passmanager.compile_rank(self.traced, self.mesh, rank, plan=self.tp_plan,
-                                      stage_assignment=self.stage_assignment, config=self.config, observer=observer)
+                                      stage_assignment=self.stage_assignment, config=self.config, observer=observer,
+                                      prepared=None if observer is not None else self._prepared)
         self._compiled.setdefault(rank, rg)
         self._check_compiled(rank, rg)
         return rg

@@ -9,6 +9,12 @@ class ParallelizeError(ValueError):
     """
 
 
+class CompileError(RuntimeError):
+    """A compiler pass failed on a model in a way no check foresaw: a bug in fxtron, or an op
+    or pattern it does not know. The message names the pass, the rank and the mesh; the
+    original exception is its __cause__. (Mistakes a user can fix raise ParallelizeError.)"""
+
+
 class LaunchError(RuntimeError):
     """A rank of a job started by `fxtron.launch` failed; the message carries its traceback."""
 

@@ -98,6 +98,47 @@ def test_verifier_finds_an_op_over_an_axis_the_graph_lacks():
         verifier.verify(gm, after="a broken pass", redistributed=True)
 
 
+def test_a_failing_pass_is_named(monkeypatch):
+    """A pass that fails where no check foresaw names itself, the rank and the mesh (a
+    CompileError from the original exception); a user's mistake stays a ParallelizeError,
+    with the pass as a note."""
+    mesh = fxtron.Mesh(2, tp=2)
+    pm = fxtron.parallelize(make("gpt"), mesh, example_inputs=batch("gpt", 2, 8, seed=0)[0])
+
+    def broken(gm, **kw):
+        raise IndexError("list index out of range")
+
+    def refused(gm, **kw):
+        raise fxtron.ParallelizeError("node %x: change y")
+
+    for fn, kind in ((broken, fxtron.CompileError), (refused, fxtron.ParallelizeError)):
+        monkeypatch.setattr(passmanager, "localize", fn)
+        with pytest.raises(kind) as info:
+            passmanager.compile_rank(pm.traced, mesh, 1, plan=pm.tp_plan)
+        told = str(info.value) + "".join(getattr(info.value, "__notes__", []))
+        assert "the pass 'localize' compiling rank 1 of Mesh(" in told, told
+    assert isinstance(info.value, fxtron.ParallelizeError) and "change y" in str(info.value)
+
+
+def test_bind_checks_its_output():
+    """bind's output is checked too (the verifier runs before it): no op may still name a mesh
+    axis where a process group belongs, nor a device other than the process's."""
+    from fxtron.runtime.bind import BindError, bind, check_bound
+    mesh = fxtron.Mesh(2, tp=2)
+    pm = fxtron.parallelize(make("gpt"), mesh, example_inputs=batch("gpt", 2, 8, seed=0)[0])
+    bound = bind(pm.compiled(0).gm, None, torch.device("cpu"))        # no groups: every axis bound to ""
+    check_bound(bound, torch.device("cpu"))
+    node = next(n for n in bound.graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.arange.start
+                or any(isinstance(a, torch.device) for a in n.kwargs.values()))
+    node.kwargs = {**node.kwargs, "device": torch.device("meta")}
+    with pytest.raises(BindError, match=f"%{node.name} .* names meta, not this process's cpu"):
+        check_bound(bound, torch.device("cpu"))
+    comm = passmanager.compile_rank(pm.traced, mesh, 0, plan=pm.tp_plan).gm
+    node = next(n for n in comm.graph.nodes if registry.axis_of(n) == "tp")
+    with pytest.raises(BindError, match=f"%{node.name} .* still names the axis 'tp'"):
+        check_bound(comm, torch.device("cpu"))
+
+
 # ----------------------------------------------------------------------------- register_rule
 class _Cumsum(torch.nn.Module):
     """An MLP whose hidden activation (split by columns at tp=2) goes through cumprod, an op

@@ -28,7 +28,7 @@ from fxtron.core.params import AxisShard, LocalParam
 from fxtron.core.placement import Shard
 from fxtron.core.rank import RankSpec
 from fxtron.core.stage import Stage
-from fxtron.errors import ParallelizeError
+from fxtron.errors import CompileError, ParallelizeError
 from fxtron.mesh import Mesh, hsdp_kinds
 from fxtron.passes import verify as verifier
 from fxtron.passes.cp import cp_layout, fuse_written_out_attention
@@ -70,11 +70,11 @@ class RankGraph:
 
     @property
     def param_count(self) -> int:
-        return sum(_numel(p.local_shape) for p in self.local.values())
+        return sum(layout.numel(p.local_shape) for p in self.local.values())
 
     @property
     def param_bytes(self) -> int:
-        return sum(_numel(p.local_shape) * p.dtype.itemsize for p in self.local.values())
+        return sum(layout.numel(p.local_shape) * p.dtype.itemsize for p in self.local.values())
 
     def param_order(self) -> list[str]:
         """This rank's parameters in order of first use in forward (chunk by chunk)."""
@@ -116,13 +116,6 @@ class RankGraph:
                         fused=tuple(sorted({w for g in self.graphs for w in fused_weights(g)})),
                         seq_split=self.seq_split, max_seq=self.max_seq.tokens if self.max_seq else None,
                         max_seq_why=self.max_seq.why if self.max_seq else "")
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 # ----------------------------------------------------------------------------- the pass list
@@ -179,13 +172,16 @@ class Pass:
     when: Callable[[RankState], bool] = _always
     when_doc: str = "always"
     after: tuple[str, ...] = ()
+    model_wide: bool = False    # the same result on every rank: run once per model (`prepare`), copied per rank
 
 
 def pass_list(*passes: Pass) -> tuple[Pass, ...]:
     """The passes in order, with every order constraint checked: each name in `after` is an
     earlier entry of the list."""
     seen: list[str] = []
-    for p in passes:
+    for i, p in enumerate(passes):
+        if p.model_wide and not all(q.model_wide for q in passes[:i]):
+            raise ValueError(f"model-wide pass {p.name!r} follows a per-rank one: model-wide passes lead the list")
         if p.name in seen:
             raise ValueError(f"pass {p.name!r} appears twice in the pipeline")
         for before in p.after:
@@ -297,12 +293,12 @@ def _shard_data_parallel(s: RankState) -> None:
 
 PASSES = pass_list(
     Pass("trace", "the traced graph (torch.export), export's metadata asserts dropped",
-         _set("gm", lambda s: drop_metadata_asserts(s.gm))),
+         _set("gm", lambda s: drop_metadata_asserts(s.gm)), model_wide=True),
     Pass("global_statistics", "what the model computes over its batch is the global batch's: a token mean over "
          "every piece's counted tokens, a summed loss summed, a load-balancing loss's statistics summed over dp",
          _set("gm", lambda s: global_statistics(s.gm, dp=s.mesh.size("dp"), pieces=_pieces(s),
                                                 local=s.config.experts.aux_loss == "local")),
-         lambda s: _pieces(s) > 1, "dp x microbatches > 1", after=("trace",)),
+         lambda s: _pieces(s) > 1, "dp x microbatches > 1", after=("trace",), model_wide=True),
     Pass("plan", "which linears split by columns / rows: the model's tp plan, made once for every rank "
          "(data; the graph is unchanged)", lambda s: None, _tp, "tp > 1"),
     Pass("split_row_bias", "rowwise biases move after the all-reduce (Megatron adds them there)",
@@ -367,28 +363,63 @@ PASSES = pass_list(
 )
 
 
+def _run(p: Pass, state: RankState, mesh: Mesh, rank: int | None) -> None:
+    """Apply one pass; whatever it raises names the pass and the rank (None: a model-wide pass,
+    every rank's). A user's mistake stays a ParallelizeError (its message already says what to
+    change; the pass is added as a note, shown with the traceback); anything else is a
+    CompileError naming the pass, from the original exception."""
+    where = f"the pass {p.name!r} compiling {'every rank' if rank is None else f'rank {rank}'} of {mesh}"
+    try:
+        p.run(state)
+    except (ParallelizeError, verifier.VerifyError) as e:
+        e.add_note(f"fxtron: raised by {where}")
+        raise
+    except Exception as e:   # noqa: BLE001 - any other failure is the pass's, named as such
+        raise CompileError(f"{where} failed: {type(e).__name__}: {e}") from e
+
+
+def prepare(traced: fx.GraphModule, mesh: Mesh, *, config: Config | None = None) -> fx.GraphModule:
+    """The model-wide passes (the list's head, `Pass.model_wide`) run once on a copy of
+    `traced`: their result is every rank's, so `compile_rank(..., prepared=...)` starts from it
+    instead of running them again per rank. Their errors (a batch statistic fxtron cannot make
+    global) are raised here, before any rank compiles."""
+    config = config if config is not None else Config()
+    state = RankState(meta.copy_graph(traced), mesh.view(0), config, None, None, job=mesh)
+    for p in PASSES:
+        if not p.model_wide:
+            break
+        if p.when(state):
+            _run(p, state, mesh, None)
+            if config.debug.verify:
+                verifier.verify(state.gm, after=p.name)
+    return state.gm
+
+
 def compile_rank(traced: fx.GraphModule, mesh: Mesh, rank: int, *, plan: TPPlan | None = None,
                  stage_assignment: StageAssignment | None = None, config: Config | None = None,
-                 observer=None) -> RankGraph:
+                 observer=None, prepared: fx.GraphModule | None = None) -> RankGraph:
     """Run `PASSES` on a copy of `traced` for `rank` of `mesh`, with the model's tp `plan`
     (required when mesh.tp > 1) and `stage_assignment` (when mesh.pp > 1), under `config`
 (fxtron.config.Config: the sections a rank's passes read; default the defaults). With
 config.debug.verify the verifier checks the graph after every pass.
 
     `observer(pass_name, gm, seconds, doc)`, when given, sees the graph after every pass that
-    applied (`fxtron inspect --dump`); after split_stages, each stage's graph.
+    applied (`fxtron inspect --dump`); after split_stages, each stage's graph. `prepared`
+    (`prepare(traced, mesh, config=config)`) is the graph after the model-wide passes, which
+    then do not run again.
     """
     view = mesh.view(rank)
     if view.parallel("tp") and plan is None:
         raise ValueError("compile_rank: mesh.tp > 1 needs the model's tp plan")
     config = config if config is not None else Config()
-    state = RankState(meta.copy_graph(traced), view, config, plan, stage_assignment, job=mesh)
+    state = RankState(meta.copy_graph(traced if prepared is None else prepared), view, config, plan,
+                      stage_assignment, job=mesh)
     check = config.debug.verify
     for p in PASSES:
-        if not p.when(state):
+        if (p.model_wide and prepared is not None) or not p.when(state):
             continue
         t0 = time.perf_counter()
-        p.run(state)
+        _run(p, state, mesh, rank)
         seconds = time.perf_counter() - t0
         graphs = [state.gm] if state.stages is None else [st.gm for st in state.stages]
         if check:
@@ -410,5 +441,5 @@ config.debug.verify the verifier checks the graph after every pass.
                      seq_split=view.size("tp") if config.tensor.sequence_parallel else 1, max_seq=seq_limit(traced))
 
 
-__all__ = ["PASSES", "Pass", "RankGraph", "RankState", "compile_rank", "pass_list",
+__all__ = ["PASSES", "Pass", "RankGraph", "RankState", "compile_rank", "pass_list", "prepare",
            "shard_params"]

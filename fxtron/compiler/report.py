@@ -22,7 +22,7 @@ import torch.fx as fx
 from tabulate import tabulate
 
 from fxtron.ops.fsdp import read_in_backward
-from fxtron.core import meta
+from fxtron.core import layout, meta
 from fxtron.core.meta import BATCH, SEQ
 from fxtron.mesh import Mesh
 from fxtron.ops import registry
@@ -55,13 +55,6 @@ class CollectiveRecord:
         """(payload bytes, wire bytes) at a concrete batch and sequence length."""
         sub = {BATCH: batch, SEQ: seq}
         return int(self.payload_bytes.subs(sub)), int(sympy.ceiling(self.wire_bytes.subs(sub)))
-
-
-def _numel(shape) -> sympy.Expr:
-    n = sympy.Integer(1)
-    for s in shape:
-        n *= s
-    return n
 
 
 def _regathered(node: fx.Node) -> bool:
@@ -108,7 +101,7 @@ def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRec
             if comm.payload == "ring":          # keys and values around the ring (ops/registry.py)
                 k, v = node.args[1], node.args[2]
                 steps = n - 1 if phase == "forward" else 2 * n - 1
-                nbytes = sum(_numel(meta.get(a, meta.LOCAL_SHAPE)) * a.meta["val"].dtype.itemsize for a in (k, v))
+                nbytes = sum(layout.numel(meta.get(a, meta.LOCAL_SHAPE), symbolic=True) * a.meta["val"].dtype.itemsize for a in (k, v))
                 out.append(CollectiveRecord(
                     node=node.name, op=spec.name, phase=phase, kind=comm.kind, count=steps, group=axis or "",
                     ranks=ranks, shape=tuple(meta.get(k, meta.LOCAL_SHAPE)), payload_bytes=sympy.simplify(steps * nbytes),
@@ -118,7 +111,7 @@ def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRec
                 x = node.args[0]
                 xs = meta.get(x, meta.LOCAL_SHAPE) or ()
                 chunks = 2 if node.args[3 if spec.name == "shard_prev" else 2] else 1
-                nbytes = _numel(xs) / xs[int(node.args[1]) % len(xs)] * chunks * n * node.meta["val"].dtype.itemsize
+                nbytes = layout.numel(xs, symbolic=True) / xs[int(node.args[1]) % len(xs)] * chunks * n * node.meta["val"].dtype.itemsize
                 out.append(CollectiveRecord(
                     node=node.name, op=spec.name, phase=phase, kind=comm.kind, count=comm.count, group=axis or "",
                     ranks=ranks, shape=tuple(xs), payload_bytes=sympy.simplify(nbytes),
@@ -133,7 +126,7 @@ def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRec
             if comm.payload == "copies":        # expert parallel: the copies (and the per-expert counts)
                 copies = node if isinstance(node.meta["val"], torch.Tensor) else node.args[0]   # combine's out, dispatch's in
                 shape = meta.get(copies, meta.LOCAL_SHAPE) or ()
-                nbytes = _numel(shape) * copies.meta["val"].dtype.itemsize * _padded(node)
+                nbytes = layout.numel(shape, symbolic=True) * copies.meta["val"].dtype.itemsize * _padded(node)
                 nbytes += (comm.count - 1) * int(node.args[1].meta["val"].shape[0]) * 8
                 factor = sympy.Rational(n - 1, n)
                 out.append(CollectiveRecord(
@@ -144,8 +137,8 @@ def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRec
             if comm.payload == "shares":         # expert parallel at ep x tp: every share of the received rows
                 rows = next(u for u in node.users if u.target is operator.getitem and u.args[1] == 0)
                 shape = meta.get(rows, meta.LOCAL_SHAPE) or ()
-                nbytes = _numel(shape) * rows.meta["val"].dtype.itemsize
-                nbytes += (comm.count - 1) * _numel(node.meta["val"][2].shape) * 8
+                nbytes = layout.numel(shape, symbolic=True) * rows.meta["val"].dtype.itemsize
+                nbytes += (comm.count - 1) * layout.numel(node.meta["val"][2].shape, symbolic=True) * 8
                 out.append(CollectiveRecord(
                     node=node.name, op=spec.name, phase=phase, kind=comm.kind, count=comm.count, group=axis or "",
                     ranks=ranks, shape=tuple(shape), payload_bytes=sympy.simplify(nbytes),
@@ -158,7 +151,7 @@ def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRec
                 itemsize = node.meta["val"].dtype.itemsize
             else:
                 itemsize = src.meta["val"].dtype.itemsize
-            elems = _numel(shape)
+            elems = layout.numel(shape, symbolic=True)
             nbytes = elems * itemsize
             factor = sympy.Rational(2 * (n - 1), n) if comm.kind == "all_reduce" else sympy.Rational(n - 1, n)
             out.append(CollectiveRecord(
@@ -188,7 +181,7 @@ def _hierarchical_records(node: fx.Node, op: str, phase: str, mesh, rank: int) -
     module = meta.get(node, meta.MODULE) or ""
 
     def nbytes(t):
-        return _numel(meta.get(t, meta.LOCAL_SHAPE)) * t.meta["val"].dtype.itemsize
+        return layout.numel(meta.get(t, meta.LOCAL_SHAPE), symbolic=True) * t.meta["val"].dtype.itemsize
 
     qb, kvb = nbytes(q), nbytes(k) + nbytes(v)
     rin, rout = tuple(mesh.group_of(inner, rank)), tuple(mesh.group_of(outer, rank))
@@ -318,7 +311,7 @@ def p2p_bytes(stages) -> sympy.Expr:
                 val = node.meta["val"]
                 if floating_only and not val.dtype.is_floating_point:
                     continue
-                total += _numel(meta.get(node, meta.LOCAL_SHAPE) or ()) * val.dtype.itemsize
+                total += layout.numel(meta.get(node, meta.LOCAL_SHAPE) or (), symbolic=True) * val.dtype.itemsize
     return sympy.simplify(total)
 
 

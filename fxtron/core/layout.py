@@ -42,6 +42,16 @@ from fxtron.errors import ParallelizeError
 Interleave = int | tuple[int, ...] | sympy.Expr
 
 
+def numel(shape, *, symbolic: bool = False):
+    """The number of elements of a tensor of `shape`: an int for int sizes, a sympy expression
+    when a size is symbolic (the batch, the sequence) or `symbolic` asks for one (reports
+    divide counts exactly)."""
+    n = sympy.Integer(1) if symbolic else 1
+    for s in shape:
+        n = n * (s if isinstance(s, sympy.Expr) else int(s))
+    return n
+
+
 def is_symbolic(interleave) -> bool:
     """A count in the batch size (see the module docstring), not a number."""
     return isinstance(interleave, sympy.Expr) and not interleave.is_Integer

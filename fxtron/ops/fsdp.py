@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from fxtron.core import layout
 from fxtron.errors import ParallelizeError
 from fxtron.ops.registry import Comm, OpSpec, register
 
@@ -51,7 +52,7 @@ def shapes_of(shapes: list[int], dims: list[int]) -> list[tuple[int, ...]]:
 def fsdp_gather(group: str, unit: str, shards: list[Tensor], shapes: list[int], dims: list[int]) -> list[Tensor]:
     """The whole local parameters of `unit` from every rank's flat pieces `shards` (zero=3)."""
     if group == "":          # one rank holds everything: the pieces are the tensors, padding aside
-        return [s[:_numel(shape)].reshape(shape).clone() for s, shape in zip(shards, shapes_of(shapes, dims))]
+        return [s[:layout.numel(shape)].reshape(shape).clone() for s, shape in zip(shards, shapes_of(shapes, dims))]
     raise ParallelizeError(f"fxtron::fsdp_gather of {unit} runs inside a program's step (prog.train_step)")
 
 
@@ -69,13 +70,6 @@ def fsdp_free(group: str, unit: str, gathered: list[Tensor]) -> None:
 @fsdp_free.register_fake
 def _(group, unit, gathered):
     return None
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 @torch.library.custom_op("fxtron::param_wait", mutates_args=())

@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from fxtron.core import meta
+from fxtron.core import meta, opsets
 from fxtron.errors import ParallelizeError
 
 aten = torch.ops.aten
@@ -45,14 +45,10 @@ INDEX = "index"      # a token's index in the sequence (an arange over it)
 ORDER = "order"      # a boolean of the order of two tokens (a causal mask)
 SAME = "same"        # a boolean, false wherever two tokens' documents differ
 
-_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.view_as.default,
-             aten.reshape_as.default, aten.flatten.using_ints, aten.unflatten.int}
-_MOVES = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default,
-          aten.expand_as.default, aten.transpose.int, aten.permute.default, aten.t.default, aten.movedim.int,
-          aten.swapaxes.default}
-_COPIES = {aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
-           aten.lift_fresh_copy.default}
-_CASTS = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.type_as.default}
+_RESHAPES = opsets.RESHAPES | opsets.FOLDS | opsets.RESHAPES_AS
+_MOVES = opsets.UNSQUEEZES | opsets.EXPANDS | opsets.TRANSPOSES
+_COPIES = opsets.COPIES
+_CASTS = opsets.CASTS
 _VIEWS = _RESHAPES | _MOVES | _COPIES | _CASTS
 _PASS = {operator.getitem, aten._assert_tensor_metadata.default, aten.sym_size.int, aten.sym_numel.default,
          aten._assert_scalar.default, aten.sym_constrain_range_for_size.default}

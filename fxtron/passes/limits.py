@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fxtron.core import meta
+from fxtron.core import meta, opsets
 
 aten = torch.ops.aten
 
@@ -82,12 +82,7 @@ class TokenRange:
 
 
 # ops that move ids without changing them (a cast, a view, a slice, a pad with the ignore value)
-_IDENTITY = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.slice.Tensor,
-             aten.select.int, aten.clone.default, aten.alias.default, aten.detach.default,
-             aten._to_copy.default, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim,
-             aten.squeeze.default, aten.permute.default, aten.transpose.int, aten.t.default,
-             aten.contiguous.default, aten.flatten.using_ints, aten.unflatten.int, aten.constant_pad_nd.default, aten.pad.default,
-             aten.to.dtype, aten.to.dtype_layout, aten.to.device}
+_IDENTITY = opsets.VIEWS | opsets.SLICES | opsets.COPIES | opsets.CASTS | {aten.constant_pad_nd.default, aten.pad.default}
 
 
 def _source_input(node) -> int | None:

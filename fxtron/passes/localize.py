@@ -8,14 +8,13 @@ import operator
 import torch
 import torch.fx as fx
 
-from fxtron.core import layout, meta
+from fxtron.core import layout, meta, opsets
 from fxtron.core.axes import MeshView
 from fxtron.core.placement import Shard
 from fxtron.errors import ParallelizeError
 
 aten = torch.ops.aten
-_SIZE_ARG_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
-                   aten.broadcast_to.default,
+_SIZE_ARG_VIEWS = opsets.RESHAPES | {aten.expand.default, aten.broadcast_to.default,
                    aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}
 
 

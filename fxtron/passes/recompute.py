@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from fxtron.config import Granularity, RecomputeMethod
-from fxtron.core import meta
+from fxtron.core import meta, opsets
 from fxtron.errors import ParallelizeError
 from fxtron.ops.rng import rng_call, takes_region
 from fxtron.passes.rules import CASTS
@@ -38,8 +38,7 @@ METHODS = get_args(RecomputeMethod)
 
 _MATMULS = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default}
 _SOFTMAX = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
-          aten.unsqueeze.default, aten.squeeze.dim}
+_VIEWS = opsets.RESHAPES | opsets.EXPANDS | opsets.UNSQUEEZES
 _SCORE_OPS = CASTS | _VIEWS | {aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.masked_fill.Scalar,
                                aten.where.self, aten.sub.Tensor, aten.tanh.default}   # tanh: softcapped scores (Gemma 2)
 _PROB_OPS = CASTS | _VIEWS | {aten.dropout.default, aten.native_dropout.default, aten.mul.Tensor, operator.getitem}

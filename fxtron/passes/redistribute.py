@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 import fxtron.ops  # noqa: F401 - registers torch.ops.fxtron
-from fxtron.core import meta
+from fxtron.core import meta, opsets
 from fxtron.core.axes import MeshView
 from fxtron.core.layout import is_symbolic, to_list
 from fxtron.core.placement import NESTED, REPLICATE, Partial, Replicate, Shard, is_sharded
@@ -366,8 +366,7 @@ def _uses(node: fx.Node) -> int:
 
 
 _CAST_LIKE = CASTS | {torch.ops.aten.to.dtype_layout, torch.ops.aten._to_copy.default, torch.ops.aten.alias.default}
-_FOLDS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
-          torch.ops.aten.flatten.using_ints}
+_FOLDS = opsets.FLATTENS
 
 
 def _picks_more_rows(src: fx.Node, value: fx.Node, grad) -> bool:

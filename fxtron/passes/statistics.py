@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 
 import fxtron.ops.statistics  # noqa: F401 - registers torch.ops.fxtron.batch_*
-from fxtron.core import meta
+from fxtron.core import meta, opsets
 from fxtron.core.meta import BATCH, SEQ
 from fxtron.errors import ParallelizeError
 from fxtron.ops import registry
@@ -54,10 +54,7 @@ _SUMS = {aten.sum.default, aten.sum.dim_IntList, aten.histc.default, aten.bincou
 _MEANS = {aten.mean.default, aten.mean.dim}
 _LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default}
 #: ops that only copy, cast or reshape a value
-_SAME = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.to.device, aten.clone.default,
-         aten.alias.default, aten.view.default, aten.reshape.default, aten.squeeze.default, aten.squeeze.dim,
-         aten.squeeze.dims, aten.unsqueeze.default, aten.contiguous.default, aten.expand.default,
-         aten.flatten.using_ints, aten.unflatten.int, aten.type_as.default, aten.detach.default}
+_SAME = opsets.CASTS | opsets.COPIES | opsets.RESHAPES | opsets.FOLDS | opsets.UNSQUEEZES | {aten.expand.default}
 _ADDS = {aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.sub_.Tensor, aten.add.Scalar, aten.sub.Scalar,
          operator.add, operator.sub}
 _NEG = {aten.neg.default, operator.neg}

@@ -30,7 +30,7 @@ from typing import Mapping
 import torch
 import torch.fx as fx
 
-from fxtron.core import meta
+from fxtron.core import meta, opsets
 from fxtron.core.layout import Interleave, block_sizes, normalize
 from fxtron.core.placement import REPLICATE, Placement, Shard
 from fxtron.errors import ParallelizeError
@@ -204,10 +204,9 @@ class _Draft:
 
 # ----------------------------------------------------------------------------- graph helpers
 # ops that keep a value's layout (copies, casts, dropout), and those that only reshape it
-_SAME_LAYOUT = {aten.clone.default, aten.contiguous.default, aten.to.dtype, aten.to.dtype_layout, aten.alias.default,
-                aten.detach.default, aten._to_copy.default, aten.dropout.default}
-_SHAPE_OPS = _SAME_LAYOUT | {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.slice.Tensor,
-                             aten.flatten.using_ints, aten.unflatten.int, aten.unsqueeze.default, aten.squeeze.dim, aten.t.default}
+_SAME_LAYOUT = opsets.COPIES | (opsets.CASTS - {aten.type_as.default}) | {aten.dropout.default}   # type_as: two inputs
+_SHAPE_OPS = _SAME_LAYOUT | opsets.RESHAPES | opsets.FOLDS | {aten.slice.Tensor, aten.unsqueeze.default, aten.squeeze.dim,
+                                                           aten.t.default}
 
 
 _param_name = meta.param_name
@@ -485,7 +484,7 @@ def _first_views(node: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
                 continue
             if user.target in _SAME_LAYOUT:
                 frontier.append(user)
-            elif user.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+            elif user.target in opsets.RESHAPES:
                 out.append((user, cur))
     return out
 

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from fxtron.config import DebugConfig
-from fxtron.core import meta
+from fxtron.core import meta, opsets
 from fxtron.core.placement import Partial, Shard
 from fxtron.ops import registry
 from fxtron.passes.rules import reduced_dims, tensor_inputs
@@ -30,12 +30,8 @@ aten = torch.ops.aten
 #: ops that reduce their first input over the dims in args[1] (all dims when absent): a sum or
 #: a mean (lowered to this rank's part) are the only ones a rank may compute over its own shard of a
 #: reduced dim (its output then Partial)
-_SUMS = {aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default}
-_REDUCTIONS = _SUMS | {
-    aten.mean.dim, aten.mean.default, aten.amax.default, aten.amin.default, aten.var.correction,
-    aten.std.correction, aten.var_mean.correction, aten.logsumexp.default, aten.argmax.default,
-    aten.argmin.default, aten._softmax.default, aten.softmax.int, aten._log_softmax.default,
-    aten.log_softmax.int, aten.cumsum.default, aten.norm.ScalarOpt_dim, aten.linalg_vector_norm.default}
+_SUMS = opsets.SUMS
+_REDUCTIONS = opsets.REDUCTIONS
 
 
 class VerifyError(AssertionError):

@@ -4,6 +4,8 @@ graph creates land on the process's device, and fused linears record the kernel 
 """
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
@@ -39,7 +41,38 @@ def bind(gm: fx.GraphModule, groups, device: torch.device) -> fx.GraphModule:
             node.target = eager.get(node.target, node.target)
         on_device(node, device)
     out.recompile()
+    check_bound(out, device)
     return outline(out)   # recomputed regions (passes/recompute.py) as checkpointed calls
+
+
+class BindError(AssertionError):
+    """bind broke its promise on a graph: a bug in fxtron, not the user's mistake."""
+
+
+_AXIS = re.compile(r"(tp|cp|ep|dp|pp|dp-cp|expert-dp)(/.*)?")   # a mesh axis's name, as the passes write it
+
+
+def check_bound(gm: fx.GraphModule, device: torch.device) -> None:
+    """What bind promises, checked on its output (the passes' verifier cannot see it: it runs
+    before): the graph lints; no communicating op still names a mesh axis where a process
+    group belongs; every device the graph names is this process's."""
+    try:
+        gm.graph.lint()
+    except Exception as e:  # noqa: BLE001 - lint raises plain RuntimeErrors
+        raise BindError(f"bind: the bound graph does not lint: {e}") from e
+    of_eager = {form: registry.spec_of(op) for op, form in registry.eager_forms().items()}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        spec = registry.spec_of(node.target) or of_eager.get(node.target)
+        if spec is not None and spec.axis_arg is not None:
+            for i in (spec.axis_arg, *spec.group_args):
+                if isinstance(node.args[i], str) and _AXIS.fullmatch(node.args[i]):
+                    raise BindError(f"bind: %{node.name} ({spec.name}) still names the axis {node.args[i]!r}, "
+                                    "not a process group")
+        for a in pytree.tree_leaves((node.args, node.kwargs)):
+            if isinstance(a, torch.device) and a != device:
+                raise BindError(f"bind: %{node.name} ({node.target}) names {a}, not this process's {device}")
 
 
 def on_device(node: fx.Node, device: torch.device) -> None:
@@ -56,4 +89,4 @@ def group_name(groups, axis: str) -> str:
     return groups.group(axis).group_name
 
 
-__all__ = ["bind", "group_name", "on_device"]
+__all__ = ["BindError", "bind", "check_bound", "group_name", "on_device"]

@@ -38,7 +38,7 @@ import zlib
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from fxtron.core import layout
+from fxtron.core import layout, opsets
 from fxtron.errors import ParallelizeError
 
 #: elements per generated block of rows (the peak a rank holds beyond its shards)
@@ -57,8 +57,7 @@ _ELEMENTWISE = _OVERWRITE | {
 #: views whose elements are a box of the base's (a write through them is recorded with the box)
 _BOX_VIEWS = {_aten.select.int, _aten.slice.Tensor, _aten.alias.default, _aten.detach.default}
 #: views an initialization may use to read a shape (a fan's receptive field: w[0][0].numel())
-_SHAPE_VIEWS = {_aten.view.default, _aten.t.default, _aten.transpose.int, _aten._unsafe_view.default,
-                _aten.expand.default, _aten.unsqueeze.default, _aten.squeeze.dim, _aten.reshape.default}
+_SHAPE_VIEWS = opsets.RESHAPES | opsets.TRANSPOSES | opsets.EXPANDS | opsets.UNSQUEEZES
 
 
 class NotRecordable(Exception):

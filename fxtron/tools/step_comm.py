@@ -28,9 +28,9 @@ import math
 import sympy
 import torch
 
-from fxtron.compiler.report import CollectiveRecord, _numel
+from fxtron.compiler.report import CollectiveRecord
 from fxtron.config import torch_dtype
-from fxtron.core import meta
+from fxtron.core import layout, meta
 from fxtron.core.placement import REPLICATE, Replicate
 from fxtron.runtime.pp import schedules
 from fxtron.runtime.dp import GradBuffer, default_bucket_size
@@ -85,9 +85,9 @@ def _pipeline(pm, rank: int, rg) -> list[CollectiveRecord]:
                 out.append(_record(op, phase, "pp control", ranks, (dims,), dims * 8, dims * 8 if op == "send" else 0,
                                    what + ", shapes", per="microbatch"))
             for node, shape in zip(nodes, shapes):
-                nbytes = _numel(shape) * node.meta["val"].dtype.itemsize
+                nbytes = layout.numel(shape, symbolic=True) * node.meta["val"].dtype.itemsize
                 whole = isinstance(meta.placement(node, "tp", REPLICATE), Replicate)
-                if split and whole and _divisible(_numel(shape), tp):
+                if split and whole and _divisible(layout.numel(shape, symbolic=True), tp):
                     part = nbytes / tp
                     out.append(_record(op, phase, "pp", ranks, shape, part, part if op == "send" else 0, what,
                                        per="microbatch"))

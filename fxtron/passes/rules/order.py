@@ -37,7 +37,7 @@ from dataclasses import replace
 import torch
 import torch.fx as fx
 
-from fxtron.core import meta
+from fxtron.core import meta, opsets
 from fxtron.core.placement import PARTIAL, REPLICATE, Shard
 from fxtron.errors import ParallelizeError
 from fxtron.passes.rules.registry import CASTS, Ctx, expr, ndim, norm, register_rule, shape
@@ -45,7 +45,7 @@ from fxtron.passes.rules.registry import CASTS, Ctx, expr, ndim, norm, register_
 aten = torch.ops.aten
 _SORTS = {aten.sort.default, aten.sort.stable}
 _ARGSORTS = {aten.argsort.default, aten.argsort.stable}
-_FLATTENS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints}
+_FLATTENS = opsets.FLATTENS
 INVERSE = "inverse "
 #: what an inverse permutation's arange and its size are made of
 _SIZES = {aten.arange.default, aten.empty_like.default, aten.sym_size.int, operator.mul, operator.add,
@@ -323,11 +323,9 @@ def safe_targets() -> frozenset:
     from fxtron.passes.rules import pointwise
     return frozenset( set(pointwise._POINTWISE) | set(pointwise._LIKE) | set(CASTS) | {
         operator.getitem, aten.sym_size.int, aten.floor_divide.default, aten.div.Tensor_mode, aten.remainder.Scalar,
-        aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
-        aten.unflatten.int, aten.transpose.int, aten.t.default, aten.permute.default, aten.unsqueeze.default,
-        aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default, aten.split.Tensor,
-        aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int, aten.slice.Tensor, aten.select.int,
-        aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, aten.amax.default,
+        *opsets.RESHAPES, *opsets.FOLDS, *opsets.UNSQUEEZES, *opsets.SLICES, *opsets.SUMS,
+        aten.transpose.int, aten.t.default, aten.permute.default, aten.expand.default, aten.split.Tensor,
+        aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int, aten.amax.default,
         aten.linear.default, aten.mm.default, aten.matmul.default, aten._softmax.default, aten.softmax.int,
         aten._log_softmax.default, aten.log_softmax.int, aten.layer_norm.default, aten.rms_norm.default,
         aten.topk.default, aten.cat.default, aten.stack.default})

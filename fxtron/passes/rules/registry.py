@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from fxtron.core import meta
+from fxtron.core import meta, opsets
 from fxtron.core.meta import TraceInfo
 from fxtron.core.placement import Shard
 from fxtron.errors import ParallelizeError
@@ -39,7 +39,7 @@ Rule = Callable[["Ctx"], tuple]   # -> (out placement, expects: list[Placement |
 Lowering = Callable[..., "fx.Node | None"]
 
 #: ops that only copy or cast a value (its layout and meaning unchanged), which passes look through
-CASTS = frozenset({_aten.to.dtype, _aten._to_copy.default, _aten.clone.default, _aten.contiguous.default})
+CASTS = opsets.LOOK_THROUGH
 
 _RULES: dict = {}
 _LOWERINGS: dict = {}

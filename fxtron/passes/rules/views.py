@@ -7,7 +7,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from fxtron.core import layout, meta
+from fxtron.core import layout, meta, opsets
 from fxtron.core.placement import PARTIAL, REPLICATE, Shard
 from fxtron.passes.rules import order
 from fxtron.passes.rules.registry import Ctx, expr, is_one, is_zero, ndim, norm, register_rule, shape
@@ -42,8 +42,7 @@ def _groups(ins: tuple, outs: tuple) -> list[tuple[list[int], list[int]]]:
     return groups
 
 
-@register_rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
-               aten.unflatten.int)
+@register_rule(*opsets.RESHAPES, *opsets.FOLDS)
 def _view(c: Ctx):
     x, p = c.inputs[0], c.p[0]
     if not isinstance(p, Shard):
@@ -421,8 +420,8 @@ def _repeat_interleave(c: Ctx):
     return p, [None] * len(c.p)   # each rank repeats its own kv heads: GQA stays head-aligned
 
 
-_REPEAT_STEPS = {aten.unsqueeze.default, aten.slice.Tensor, aten.expand.default, aten.reshape.default, aten.view.default,
-                 aten._unsafe_view.default, aten.repeat_interleave.self_int}
+_REPEAT_STEPS = opsets.RESHAPES | {aten.unsqueeze.default, aten.slice.Tensor, aten.expand.default,
+                                   aten.repeat_interleave.self_int}
 
 
 def head_repeat(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
