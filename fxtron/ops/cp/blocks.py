@@ -1,6 +1,6 @@
 """Ops, context parallel, one attention block: the queries against one block of keys with its
 log-sum-exp, its gradients, and the online-softmax merge of blocks -- what every cp attention
-(all_gather.py, ring.py, masked.py, hierarchical.py) computes its keys in.
+(all_gather.py, ring.py, masked.py, hierarchical.py) is computed in.
 
 `_block` runs on torch's CPU flash kernel where it can (it returns the log-sum-exp), else in
 plain matmuls (also with dropout's keep-mask, and where the values' head size differs from the

@@ -6,7 +6,8 @@ chunk against all queries, a later rank's whole block against the second query c
 under an explicit mask (a document mask), one piece per run of rows that see the same keys
 (`rectangles`, over rows and columns put in document order by `grouped`), none where the
 block is empty -- the work a variable-length kernel does. `ring_blocks` counts what each step
-computes. Pieces smaller than `SMALL_PIECE` score elements are joined.
+computes. Neighbouring pieces that together span at most `SMALL_PIECE` score elements are
+computed as one.
 """
 from __future__ import annotations
 
