@@ -35,7 +35,8 @@ import torch.distributed as dist
 
 import fxtron
 from fxtron.models.llama import Llama, LlamaConfig
-from fxtron.ops import cp as cp_ops
+from fxtron.ops.cp.layout import document_order, positions, score_elements
+from fxtron.ops.cp.pieces import ring_blocks
 from replay import ReplayTimer, eager_step, noop, timed_job, token_batches
 
 CFG = LlamaConfig(vocab_size=256, max_seq_len=4096, n_layer=2, n_head=4, n_kv_head=2, dim=64, ffn_dim=172)
@@ -63,8 +64,8 @@ def _computed(seq: int, world: int, rank: int, balanced: bool) -> int:
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_attention_work(world, bench_report, benchmark):
     benchmark.pedantic(noop, rounds=1, iterations=1)
-    need_bal = [cp_ops.score_elements(SEQ, world, r) for r in range(world)]
-    need_con = [cp_ops.score_elements(SEQ, world, r, balanced=False) for r in range(world)]
+    need_bal = [score_elements(SEQ, world, r) for r in range(world)]
+    need_con = [score_elements(SEQ, world, r, balanced=False) for r in range(world)]
     comp_bal = [_computed(SEQ, world, r, True) for r in range(world)]
     comp_con = [_computed(SEQ, world, r, False) for r in range(world)]
     info = {"needed_balanced": need_bal, "needed_contiguous": need_con, "computed_balanced": comp_bal,
@@ -206,10 +207,10 @@ def _needed(doc: torch.Tensor, pos: torch.Tensor) -> int:
 
 def _ring_computed(mask: torch.Tensor, order: torch.Tensor, world: int, rank: int) -> int:
     """Score elements the ring computes for a rank when the row is laid out in `order` (positions;
-    THD: cp_documents' reordering), each block in its pieces (ops/cp.py: rows and columns
+    THD: cp_documents' reordering), each block in its pieces (ops/cp/pieces.py: rows and columns
     grouped by document, a piece per document, small ones merged), empty ones skipped."""
-    rows = mask[order][:, order][cp_ops.positions(len(order), world, rank)]
-    return sum(n for _, n in cp_ops.ring_blocks(rows[None, None], False, world, rank))
+    rows = mask[order][:, order][positions(len(order), world, rank)]
+    return sum(n for _, n in ring_blocks(rows[None, None], False, world, rank))
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -218,7 +219,7 @@ def test_packed_documents(world, bench_report, benchmark):
     load-balanced split and under THD (cp_documents: each row reordered so a rank holds chunks
     r and 2cp-1-r of every document, Megatron's per-document split without its padding), and
     those the ring computes (its blocks in pieces of one document each, the empty ones skipped:
-    ops/cp.py ring_blocks) -- over 8 random packings of SEQ tokens. The step waits for the
+    ops/cp/pieces.py ring_blocks) -- over 8 random packings of SEQ tokens. The step waits for the
     busiest rank: max / mean is the loss, and the busiest rank's computed elements under each
     split say which one the ring runs faster."""
     benchmark.pedantic(noop, rounds=1, iterations=1)
@@ -230,12 +231,12 @@ def test_packed_documents(world, bench_report, benchmark):
         doc = _doc_ids(lengths)
         p = torch.arange(SEQ)
         mask = (doc[:, None] == doc[None, :]) & (p[:, None] >= p[None, :])
-        zig = [_needed(doc, cp_ops.positions(SEQ, world, r)) for r in range(world)]
-        order = cp_ops.document_order(doc[None], world)[0]
-        thd = [_needed(doc, order[cp_ops.positions(SEQ, world, r)]) for r in range(world)]
+        zig = [_needed(doc, positions(SEQ, world, r)) for r in range(world)]
+        order = document_order(doc[None], world)[0]
+        thd = [_needed(doc, order[positions(SEQ, world, r)]) for r in range(world)]
         ring, dense = [], []
         for r in range(world):
-            blocks = cp_ops.ring_blocks(mask[cp_ops.positions(SEQ, world, r)][None, None], False, world, r)
+            blocks = ring_blocks(mask[positions(SEQ, world, r)][None, None], False, world, r)
             ring.append(sum(n for _, n in blocks))
             dense.append(len(blocks) * (SEQ // world) ** 2)
             skipped += sum(1 for _, n in blocks if n == 0)

@@ -23,7 +23,13 @@ import torch.nn.functional as F
 
 import fxtron
 from fxtron.compiler.report import count
-from fxtron.ops import cp as cp_ops
+from fxtron.ops.cp import pieces as cp_pieces
+from fxtron.ops.cp.all_gather import attention_all_gather
+from fxtron.ops.cp.blocks import _block, _block_backward, _merge
+from fxtron.ops.cp.layout import document_order, document_positions, positions, score_elements, zigzag
+from fxtron.ops.cp.masked import masked_attention
+from fxtron.ops.cp.pieces import grouped, rectangles, ring_blocks
+from fxtron.ops.cp.ring import keep_mask, ring_attention
 from fxtron.runtime.batch import BatchSlicer
 from fxtron.tools.testing import (adamw, assert_trains_like, max_abs_diff, ranks_of, reference_training, run_cases,
                             train_program)
@@ -34,28 +40,28 @@ SEQS = [16, 8]
 
 # ----------------------------------------------------------------------------- the layout
 def test_positions_are_megatrons_load_balanced_chunks():
-    assert cp_ops.positions(8, 2, 0).tolist() == [0, 1, 6, 7]          # MEGATRON.md 5: cp=2, s=8
-    assert cp_ops.positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert positions(8, 2, 0).tolist() == [0, 1, 6, 7]          # MEGATRON.md 5: cp=2, s=8
+    assert positions(8, 2, 1).tolist() == [2, 3, 4, 5]
     for r in range(4):                                                  # cp=4, s=16: chunks r and 7-r
-        assert cp_ops.positions(16, 4, r).tolist() == [2 * r, 2 * r + 1, 2 * (7 - r), 2 * (7 - r) + 1]
-    every = torch.cat([cp_ops.positions(24, 3, r) for r in range(3)])
+        assert positions(16, 4, r).tolist() == [2 * r, 2 * r + 1, 2 * (7 - r), 2 * (7 - r) + 1]
+    every = torch.cat([positions(24, 3, r) for r in range(3)])
     assert sorted(every.tolist()) == list(range(24))
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_zigzag_then_a_plain_split_gives_each_rank_its_positions(world):
     x = torch.randn(3, 8 * world, 5, dtype=torch.float64, requires_grad=True)
-    z = cp_ops.zigzag(x, 1, 1, world, False)
+    z = zigzag(x, 1, 1, world, False)
     for r, piece in enumerate(z.chunk(world, dim=1)):
-        assert torch.equal(piece, x[:, cp_ops.positions(8 * world, world, r)])
-    assert torch.equal(cp_ops.zigzag(z, 1, 1, world, True), x)
+        assert torch.equal(piece, x[:, positions(8 * world, world, r)])
+    assert torch.equal(zigzag(z, 1, 1, world, True), x)
     g = torch.randn_like(z)
     z.backward(g)                                       # the gradient goes back to natural order
-    assert torch.equal(x.grad, cp_ops.zigzag(g, 1, 1, world, True))
+    assert torch.equal(x.grad, zigzag(g, 1, 1, world, True))
     folded = x.detach().flatten(0, 1)                   # batch and sequence folded: 3 blocks
-    zf = cp_ops.zigzag(folded, 0, 3, world, False)
+    zf = zigzag(folded, 0, 3, world, False)
     assert torch.equal(zf.view(3, world, -1, 5)[:, 1].reshape(-1, 5),
-                       x.detach()[:, cp_ops.positions(8 * world, world, 1)].reshape(-1, 5))
+                       x.detach()[:, positions(8 * world, world, 1)].reshape(-1, 5))
 
 
 def _whole_attention(world: int, gqa: bool, seq: int | None = None, **sdpa) -> tuple:
@@ -82,8 +88,8 @@ def test_all_gather_attention_equals_causal_attention_rows(world, gqa):
     q, k, v, weight, full, ref = _whole_attention(world, gqa, is_causal=True)
     s = q.shape[2]
     for r in range(world):                              # each rank: its rows, its gradients' share
-        pos = cp_ops.positions(s, world, r)
-        out = cp_ops.attention_all_gather(q[:, :, pos], k, v, 0.0, None, gqa, r, world)
+        pos = positions(s, world, r)
+        out = attention_all_gather(q[:, :, pos], k, v, 0.0, None, gqa, r, world)
         torch.testing.assert_close(out, full[:, :, pos], rtol=0, atol=1e-12)
         (out * weight[:, :, pos]).sum().backward()
     for t, want in zip((q, k, v), ref):                 # summed over ranks: the reduce-scatter's sum
@@ -100,14 +106,14 @@ def _doc_mask(docs: list[int]) -> torch.Tensor:
                                                        (4, False, True, False), (2, True, False, True),
                                                        (4, False, False, True)])
 def test_masked_attention_skips_empty_blocks_and_equals_attention(world, gqa, additive, per_row, monkeypatch):
-    """all_gather under a document mask (ops/cp.py masked_attention): each rank's rows against
+    """all_gather under a document mask (ops/cp/masked.py masked_attention): each rank's rows against
     the gathered keys, block by block as the ring visits them, in float64 against the whole
     attention; its gradients summed over ranks are the whole's. Blocks whose documents never
     meet are skipped (ring_blocks), by the ring as well -- also under an additive mask of
     finfo.min (transformers' eager masks), where every query sees some key, and where the batch
     rows pack different documents (each row's own pieces). Blocks computed document by document
     (no small pieces merged: the ring's jobs run them merged)."""
-    monkeypatch.setattr(cp_ops, "SMALL_PIECE", 0)
+    monkeypatch.setattr(cp_pieces, "SMALL_PIECE", 0)
     s, d = 8 * world, 8
     mask = _doc_mask([4, 2 * world + 1, s - 2 * world - 5])[None, None]    # the first ends at the first chunk's edge
     if per_row:
@@ -117,15 +123,15 @@ def test_masked_attention_skips_empty_blocks_and_equals_attention(world, gqa, ad
     q, k, v, weight, full, ref = _whole_attention(world, gqa, attn_mask=mask)
     skipped = 0
     for r in range(world):
-        pos = cp_ops.positions(s, world, r)
+        pos = positions(s, world, r)
         rows = mask[..., pos, :]
-        out, _, _ = cp_ops.masked_attention(q[:, :, pos], k, v, rows, d ** -0.5, world, r)
+        out, _, _ = masked_attention(q[:, :, pos], k, v, rows, d ** -0.5, world, r)
         torch.testing.assert_close(out, full[:, :, pos], rtol=0, atol=1e-12)
         (out * weight[:, :, pos]).sum().backward()
-        blocks = cp_ops.ring_blocks(rows, False, world, r)
+        blocks = ring_blocks(rows, False, world, r)
         skipped += sum(1 for _, n in blocks if n == 0)
         for src, n in blocks:       # a block is skipped exactly when no query of it sees a key of it
-            live = rows[..., cp_ops.positions(s, world, src)]
+            live = rows[..., positions(s, world, src)]
             live = live if not additive else live > torch.finfo(torch.float64).min
             assert (n == 0) == (not live.any())
     assert skipped > 0
@@ -158,8 +164,8 @@ def test_a_query_that_sees_no_key_is_uniform_over_its_keys(world, dv):
     for t in (q, k, v):
         t.grad = None
     for r in range(world):
-        at = cp_ops.positions(s, world, r)
-        out, _, _ = cp_ops.masked_attention(q[:, :, at], k, v, mask[..., at, :], d ** -0.5, world, r)
+        at = positions(s, world, r)
+        out, _, _ = masked_attention(q[:, :, at], k, v, mask[..., at, :], d ** -0.5, world, r)
         torch.testing.assert_close(out, full[:, :, at].detach(), rtol=0, atol=1e-12)
         (out * weight[:, :, at]).sum().backward()
     for t, want in zip((q, k, v), ref):
@@ -171,19 +177,19 @@ def test_documents_order_keeps_each_document_in_order():
     its document a token falls in; a rank's share of the reordered row holds about chunks r and
     2cp-1-r of every document, each document's tokens still in order. One document: the plain
     split."""
-    assert cp_ops.document_order(torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]]), 2).tolist() == [[0, 4, 1, 5, 2, 6, 3, 7]]
+    assert document_order(torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]]), 2).tolist() == [[0, 4, 1, 5, 2, 6, 3, 7]]
     one = torch.zeros(1, 16, dtype=torch.long)
-    assert torch.equal(cp_ops.document_positions(one, 2, 1)[0], cp_ops.positions(16, 2, 1))
+    assert torch.equal(document_positions(one, 2, 1)[0], positions(16, 2, 1))
     doc = torch.tensor([[0] * 8 + [1] * 24 + [2] * 16, [5] * 4 + [7] * 44])      # ids need not be 0, 1, ...
     for world in (2, 4):
-        order = cp_ops.document_order(doc, world)
+        order = document_order(doc, world)
         for row in range(2):
             assert sorted(order[row].tolist()) == list(range(48))
             for d in doc[row].unique():
                 mine = order[row][doc[row][order[row]] == d]
                 assert torch.equal(mine, mine.sort().values)            # a document keeps its order
         for r in range(world):
-            at = cp_ops.document_positions(doc, world, r)[0]
+            at = document_positions(doc, world, r)[0]
             for d, n in ((0, 8), (1, 24), (2, 16)):                      # chunks r and 2cp-1-r of each
                 start = doc[0].tolist().index(d)
                 c = n // (2 * world)
@@ -197,15 +203,15 @@ def test_reordered_documents_are_computed_document_by_document(world, monkeypatc
     masked attention on each rank's share of the reordered sequence, under the mask built in
     reordered coordinates (document equality & causal order, which the reordering keeps inside
     a document), equals float64 attention on the original rows, forward and gradients. The
-    block's rows and columns grouped by document (ops/cp.py grouped), each piece lies in one
+    block's rows and columns grouped by document (ops/cp/pieces.py grouped), each piece lies in one
     document, and the busiest rank computes less than under the plain split."""
-    monkeypatch.setattr(cp_ops, "SMALL_PIECE", 0)
+    monkeypatch.setattr(cp_pieces, "SMALL_PIECE", 0)
     docs = [5, 11, 3, 7 * world, 9 * world - 3]
     s, d = sum(docs), 8
     doc = torch.cat([torch.full((n,), i) for i, n in enumerate(docs)])
     mask = _doc_mask(docs)
     q, k, v, weight, full, ref = _whole_attention(world, True, attn_mask=mask[None, None], seq=s)
-    order = cp_ops.document_order(doc[None], world)[0]
+    order = document_order(doc[None], world)[0]
     p = torch.arange(s)
     moved = (doc[order][:, None] == doc[order][None, :]) & (p[:, None] >= p[None, :])    # built on the reordered rows
     assert torch.equal(moved, mask[order][:, order])
@@ -213,19 +219,19 @@ def test_reordered_documents_are_computed_document_by_document(world, monkeypatc
     for how, perm in (("zigzag", p), ("thd", order)):
         work = []
         for r in range(world):
-            pos = cp_ops.positions(s, world, r)
+            pos = positions(s, world, r)
             at = perm[pos]                                        # the rank's tokens' original positions
             rows = mask[perm][:, perm][pos][None, None]
-            out, _, _ = cp_ops.masked_attention(q[:, :, at], k[:, :, perm], v[:, :, perm], rows, d ** -0.5, world, r)
+            out, _, _ = masked_attention(q[:, :, at], k[:, :, perm], v[:, :, perm], rows, d ** -0.5, world, r)
             torch.testing.assert_close(out, full[:, :, at], rtol=0, atol=1e-12)
             if how == "thd":
                 (out * weight[:, :, at]).sum().backward()
-            work.append(sum(n for _, n in cp_ops.ring_blocks(rows, False, world, r)))
+            work.append(sum(n for _, n in ring_blocks(rows, False, world, r)))
             for src in range(world):
-                live = rows[0, 0][:, cp_ops.positions(s, world, src)]
-                theirs = perm[cp_ops.positions(s, world, src)]
-                g_rows, g_cols = cp_ops.grouped(live)
-                for rr, cc in cp_ops.rectangles(live[g_rows][:, g_cols], small=0):
+                live = rows[0, 0][:, positions(s, world, src)]
+                theirs = perm[positions(s, world, src)]
+                g_rows, g_cols = grouped(live)
+                for rr, cc in rectangles(live[g_rows][:, g_cols], small=0):
                     assert len(set(doc[at[g_rows[rr]]].tolist()) | set(doc[theirs[g_cols[cc]]].tolist())) == 1
         busiest[how] = max(work)
     for t, want in zip((q, k, v), ref):
@@ -235,7 +241,7 @@ def test_reordered_documents_are_computed_document_by_document(world, monkeypatc
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_the_ring_computes_document_by_document(world):
-    """A block under a document mask is computed in pieces (ops/cp.py rectangles), as a
+    """A block under a document mask is computed in pieces (ops/cp/pieces.py rectangles), as a
     variable-length kernel computes it: each piece's query rows and key columns lie in one
     document (pieces of a few elements not merged), the pieces cover every pair attended, and no
     row is in two. Merged, a run of one-token documents (padding) is a few pieces, not one
@@ -246,13 +252,13 @@ def test_the_ring_computes_document_by_document(world):
     mask = _doc_mask(docs)
     computed = dense = 0
     for r in range(world):
-        mine = cp_ops.positions(s, world, r)
+        mine = positions(s, world, r)
         for src in range(world):
-            theirs = cp_ops.positions(s, world, src)
+            theirs = positions(s, world, src)
             live = mask[mine][:, theirs]
             covered = torch.zeros_like(live)
             used = torch.zeros(len(mine), dtype=torch.bool)
-            for rows, cols in cp_ops.rectangles(live, small=0):
+            for rows, cols in rectangles(live, small=0):
                 assert len(set(doc[mine[rows]].tolist()) | set(doc[theirs[cols]].tolist())) == 1
                 assert not used[rows].any()
                 used[rows] = True
@@ -262,7 +268,7 @@ def test_the_ring_computes_document_by_document(world):
             dense += live.any(1).sum() * live.any(0).sum()
     assert computed < dense
     padded = _doc_mask([200] + [1] * 312)                 # 312 tokens of padding, each its own document
-    pieces = cp_ops.rectangles(padded)
+    pieces = rectangles(padded)
     assert len(pieces) <= 2 + 312 // 64
     covered = torch.zeros_like(padded)
     for rows, cols in pieces:
@@ -273,7 +279,7 @@ def test_the_ring_computes_document_by_document(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_masked_attention_with_dropout_is_attention_under_its_masks(world):
     """all_gather under a document mask with attention dropout: each rank's blocks dropped by
-    the masks its seed gives (cp_ops.keep_mask, as the ring draws them); put together, float64
+    the masks its seed gives (ops/cp/ring.py keep_mask, as the ring draws them); put together, float64
     attention with the assembled (B, H, S, S) mask on its probabilities, gradients included."""
     p, s, d = 0.25, 8 * world, 8
     mask = _doc_mask([4, 2 * world + 1, s - 2 * world - 5])
@@ -281,15 +287,15 @@ def test_masked_attention_with_dropout_is_attention_under_its_masks(world):
     keep = torch.zeros(2, 4, s, s, dtype=torch.float64)
     outs = []
     for r in range(world):
-        pos = cp_ops.positions(s, world, r)
+        pos = positions(s, world, r)
         torch.manual_seed(r)
-        out, _, seed = cp_ops.masked_attention(q[:, :, pos], k, v, mask[pos][None, None], d ** -0.5, world, r, p)
+        out, _, seed = masked_attention(q[:, :, pos], k, v, mask[pos][None, None], d ** -0.5, world, r, p)
         (out * weight[:, :, pos]).sum().backward()
         outs.append(out.detach())
         for src in range(world):
-            cols = cp_ops.positions(s, world, src)
-            keep[:, :, pos[:, None], cols[None, :]] = cp_ops.keep_mask(int(seed), p, src, (2, 4, s // world, s // world),
-                                                                       q.device, torch.float64)
+            cols = positions(s, world, src)
+            keep[:, :, pos[:, None], cols[None, :]] = keep_mask(int(seed), p, src, (2, 4, s // world, s // world),
+                                                                q.device, torch.float64)
     grads = [t.grad.clone() for t in (q, k, v)]
     for t in (q, k, v):
         t.grad = None
@@ -297,7 +303,7 @@ def test_masked_attention_with_dropout_is_attention_under_its_masks(world):
     ref = (scores.masked_fill(~mask, float("-inf")).softmax(-1) * keep) @ v.repeat_interleave(2, 1)
     (ref * weight).sum().backward()
     for r in range(world):
-        torch.testing.assert_close(outs[r], ref.detach()[:, :, cp_ops.positions(s, world, r)], rtol=0, atol=1e-12)
+        torch.testing.assert_close(outs[r], ref.detach()[:, :, positions(s, world, r)], rtol=0, atol=1e-12)
     for t, got in zip((q, k, v), grads):
         torch.testing.assert_close(got, t.grad, rtol=0, atol=1e-12)
 
@@ -305,8 +311,8 @@ def test_masked_attention_with_dropout_is_attention_under_its_masks(world):
 def test_load_balanced_split_gives_every_rank_the_same_attention_work():
     s = 4096
     for world in (2, 4, 8):
-        balanced = [cp_ops.score_elements(s, world, r) for r in range(world)]
-        contiguous = [cp_ops.score_elements(s, world, r, balanced=False) for r in range(world)]
+        balanced = [score_elements(s, world, r) for r in range(world)]
+        contiguous = [score_elements(s, world, r, balanced=False) for r in range(world)]
         assert len(set(balanced)) == 1 and sum(balanced) == sum(contiguous) == s * (s + 1) // 2
         assert max(contiguous) / min(contiguous) == pytest.approx(2 * world - 1, rel=1e-2)
 
@@ -614,12 +620,12 @@ P_DROP = 0.25
 def _run_ring_dropout(rank, mesh, case):
     world = mesh.cp
     q, k, v, weight, _, _ = _whole_attention(world, True, is_causal=True)
-    pos = cp_ops.positions(q.shape[2], world, rank)
+    pos = positions(q.shape[2], world, rank)
     mine = [t.detach()[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
     torch.manual_seed(100 + rank)                     # outside a program: the seed from torch's own stream
     from fxtron.runtime.groups import groups_for
     group = groups_for(mesh).group("cp").group_name
-    out, _, seed = cp_ops.ring_attention(*mine, None, 8 ** -0.5, True, world, group, P_DROP)
+    out, _, seed = ring_attention(*mine, None, 8 ** -0.5, True, world, group, P_DROP)
     (out * weight[:, :, pos]).sum().backward()
     return {"out": out.detach(), "seed": int(seed), "grads": [t.grad for t in mine]}
 
@@ -628,7 +634,7 @@ def _run_ring_dropout(rank, mesh, case):
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_dropout_is_attention_under_its_masks(trained, world):
     """Attention dropout inside the ring: each block's mask is regenerated from the seed the
-    rank drew and the key block's rank (cp_ops.keep_mask), in forward and backward. Put
+    rank drew and the key block's rank (ops/cp/ring.py keep_mask), in forward and backward. Put
     together from every rank's seed, the masks are one (B, H, S, S) mask; the ranks' outputs
     and gradients (each rank's dK, dV of its own keys, after the ring brought them home) equal
     float64 attention with that mask applied to its probabilities -- dropout of the whole
@@ -639,18 +645,18 @@ def test_ring_dropout_is_attention_under_its_masks(trained, world):
     c = s // (2 * world)
     keep = torch.zeros(b, h, s, s, dtype=torch.float64)
     for r, res in enumerate(got):
-        rows = cp_ops.positions(s, world, r)
+        rows = positions(s, world, r)
         for src in range(world):
-            cols = cp_ops.positions(s, world, src)
-            keep[:, :, rows[:, None], cols[None, :]] = cp_ops.keep_mask(res["seed"], P_DROP, src, (b, h, 2 * c, 2 * c),
-                                                                       q.device, torch.float64)
+            cols = positions(s, world, src)
+            keep[:, :, rows[:, None], cols[None, :]] = keep_mask(res["seed"], P_DROP, src, (b, h, 2 * c, 2 * c),
+                                                                 q.device, torch.float64)
     assert 0.15 < (keep == 0).double().mean() < 0.35 and len({res["seed"] for res in got}) == world
     scores = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * 8 ** -0.5
     scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
     ref = (scores.softmax(-1) * keep) @ v.repeat_interleave(2, 1)
     (ref * weight).sum().backward()
     for r, res in enumerate(got):
-        pos = cp_ops.positions(s, world, r)
+        pos = positions(s, world, r)
         torch.testing.assert_close(res["out"], ref.detach()[:, :, pos], rtol=0, atol=1e-12)
         for t, grad in zip((q, k, v), res["grads"]):
             torch.testing.assert_close(grad, t.grad[:, :, pos], rtol=0, atol=1e-12)
@@ -792,11 +798,11 @@ def test_documents_order_is_proved_not_to_change_the_model():
         info, doc = fxtron.core.meta.info(pm.traced), kwargs["document_ids"]
         moved = False
         for r in range(2):                 # what a step gives cp rank r (and dp rank 1 of 2): rows by documents
-            mine = cp_ops.document_positions(doc, 2, r)
+            mine = document_positions(doc, 2, r)
             _, kw = BatchSlicer(info, dp=2, dp_index=1, microbatches=1, device=None, cp=2, cp_index=r).local(args, kwargs)
             for key in ("document_ids", "position_ids"):
                 assert torch.equal(kw[key], kwargs[key][1:].gather(1, mine[1:]))
-            moved |= not torch.equal(mine, cp_ops.positions(8, 2, r).expand(2, 4))
+            moved |= not torch.equal(mine, positions(8, 2, r).expand(2, 4))
         assert moved
         with pytest.raises(fxtron.ParallelizeError, match="positions in the sequence|a table sliced to the sequence"):
             fxtron.parallelize(make(name), fxtron.Mesh(2, cp=2), example_inputs=args,
@@ -820,7 +826,7 @@ def test_documents_order_is_proved_not_to_change_the_model():
         gm = trace(model, (idx, idx), example_kwargs={"document_ids": doc})
         with pytest.raises(fxtron.ParallelizeError, match=why):
             check_documents(gm, "document_ids")
-        order = cp_ops.document_order(doc, 2)
+        order = document_order(doc, 2)
         with torch.no_grad():                 # and the refusal is needed: reordered rows compute otherwise
             moved = model(idx.gather(1, order), idx.gather(1, order), document_ids=doc.gather(1, order))
             assert (moved - model(idx, idx, document_ids=doc)).abs() > 1e-6, how
@@ -828,10 +834,10 @@ def test_documents_order_is_proved_not_to_change_the_model():
 
 def test_reordering_the_documents_changes_only_what_the_proof_refuses():
     """One process, float64: Llama's loss and gradients on rows reordered by their documents
-    (each input gathered by cp_ops.document_order, as the ranks get them) equal those on the
+    (each input gathered by document_order, as the ranks get them) equal those on the
     rows -- and GPT's, whose positions come from an arange, do not: the refusal above is needed."""
     args, kwargs = packed(2, 16, 3, "llama")
-    order = cp_ops.document_order(kwargs["document_ids"], 4)
+    order = document_order(kwargs["document_ids"], 4)
     assert not torch.equal(order, torch.arange(16).expand(2, 16))
     take = lambda x: x.gather(1, order)                  # noqa: E731
 
@@ -1020,14 +1026,14 @@ def test_ring_blocks_merge_to_attention_over_every_key(fused):
     lse = torch.full((2, 3, 6), float("-inf"), dtype=torch.float64)
     blocks = [slice(0, 4), slice(4, 10)]
     for cols in blocks:
-        o, l = cp_ops._block(q.detach(), k.detach()[..., cols, :], v.detach()[..., cols, :], 0.3, mask[..., cols],
-                             False, fused=fused)
-        cp_ops._merge(out, lse, o.double(), l.double())
+        o, l = _block(q.detach(), k.detach()[..., cols, :], v.detach()[..., cols, :], 0.3, mask[..., cols],
+                      False, fused=fused)
+        _merge(out, lse, o.double(), l.double())
     torch.testing.assert_close(out, full.detach(), rtol=0, atol=1e-12)
     dq = torch.zeros_like(q)
     for cols in blocks:
-        dqb, dk, dv = cp_ops._block_backward(do, q.detach(), k.detach()[..., cols, :], v.detach()[..., cols, :],
-                                             full.detach(), lse, 0.3, mask[..., cols], False, fused=fused)
+        dqb, dk, dv = _block_backward(do, q.detach(), k.detach()[..., cols, :], v.detach()[..., cols, :],
+                                      full.detach(), lse, 0.3, mask[..., cols], False, fused=fused)
         dq += dqb.double()
         torch.testing.assert_close(dk.double(), k.grad[..., cols, :], rtol=0, atol=1e-12)
         torch.testing.assert_close(dv.double(), v.grad[..., cols, :], rtol=0, atol=1e-12)

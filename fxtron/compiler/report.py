@@ -170,11 +170,11 @@ def collectives(gm: fx.GraphModule, mesh: Mesh, rank: int) -> list[CollectiveRec
 
 
 def _hierarchical_records(node: fx.Node, op: str, phase: str, mesh, rank: int) -> list[CollectiveRecord]:
-    """cp_comm_type='a2a+p2p' (ops/cp.py hierarchical_attention): in forward the all-to-alls of
-    q, k, v and of the output inside the group of a2a_size ranks ((a-1)/a of each on the wire),
-    and the keys and values of the head split around the ring of the groups (g-1 steps of the
-    rank's k and v, which hold as many elements as before the all-to-all); in backward the
-    all-to-alls of the output's gradient and of dq, dk, dv, and 2g-1 ring steps."""
+    """cp_comm_type='a2a+p2p' (ops/cp/hierarchical.py hierarchical_attention): in forward the
+    all-to-alls of q, k, v and of the output inside the group of a2a_size ranks ((a-1)/a of each
+    on the wire), and the keys and values of the head split around the ring of the groups (g-1
+    steps of the rank's k and v, which hold as many elements as before the all-to-all); in
+    backward the all-to-alls of the output's gradient and of dq, dk, dv, and 2g-1 ring steps."""
     q, k, v = node.args[:3]
     inner, outer = node.args[9], node.args[10]
     a = int(node.args[6])

@@ -286,7 +286,7 @@ BALANCED_AXES = "fxtron_balanced_axes"
 
 def balanced_axes(gm: fx.GraphModule) -> tuple[str, ...]:
     """The mesh axes whose shards are load-balanced (cp: a rank holds chunks r and 2n-1-r of
-    2n, ops/cp.py) rather than contiguous; their collectives reorder around the transfer."""
+    2n, ops/cp/layout.py) rather than contiguous; their collectives reorder around the transfer."""
     return tuple(gm.meta.get(BALANCED_AXES, ()))
 
 

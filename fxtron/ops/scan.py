@@ -3,7 +3,7 @@ sequence from one token to the next (transformers' packed documents: the positio
 `diff`, then `(diff != 1).cumsum(-1)`, the document index of every token).
 
 A rank holds chunks of the dim: one (block r of n, a plain split) or, load-balanced (cp,
-ops/cp.py), two (chunks r and 2n-1-r of 2n). Each op does the local part on every chunk and
+ops/cp/layout.py), two (chunks r and 2n-1-r of 2n). Each op does the local part on every chunk and
 exchanges only what crosses a chunk's edge: the last element of each chunk along the dim,
 all-gathered (n x chunks values per row, where gathering the ids would move the whole
 sequence).

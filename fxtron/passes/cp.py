@@ -1,8 +1,8 @@
 """Passes, context parallel: what the cp axis adds to the generic SPMD passes.
 
 Its layout: every user input that carries the sequence (token ids, labels, masks, position
-ids) is split on that dim, load-balanced (a rank holds chunks r and 2n-1-r of 2n, ops/cp.py);
-parameters are whole. From there the generic passes do the rest: every token-wise op runs on
+ids) is split on that dim, load-balanced (a rank holds chunks r and 2n-1-r of 2n,
+ops/cp/layout.py); parameters are whole. From there the generic passes do the rest: every token-wise op runs on
 the rank's tokens; whatever the model derives from positions inside the graph (an arange of
 position ids, learned position embeddings, rotary tables sliced from a buffer, a causal mask
 however built, labels shifted by one) is computed whole, in natural order, and reaches the
@@ -12,7 +12,7 @@ the rank's queries; a mean loss over the tokens divides the summed losses by the
 of counted tokens. Each parameter's gradient is then a partial sum over the cp ranks, summed
 after backward (meta.GRAD_REDUCE), as Megatron reduces over its dp-cp group.
 
-Attention with `is_causal` lowers here to the cp attention of ops/cp.py: with the keys
+Attention with `is_causal` lowers here to the cp attention of ops/cp/: with the keys
 gathered ("all_gather") each query chunk attends only the keys before it.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from fxtron.config import CPCommType
 from fxtron.core import meta
 from fxtron.core.placement import REPLICATE, Shard
 from fxtron.errors import ParallelizeError
-from fxtron.ops import cp as cp_ops
+from fxtron.ops.cp.all_gather import attention_all_gather
 from fxtron.passes.propagate import AxisLayout
 from fxtron.passes.rules import CASTS, register_lowering
 from fxtron.passes.rules.views import head_repeat
@@ -166,7 +166,7 @@ def _context_parallel_attention(node: fx.Node, lower) -> fx.Node | None:
         return _masked(node, lower, mask, scale, dropout)
     if not causal:
         return None
-    return lower.call(cp_ops.attention_all_gather,
+    return lower.call(attention_all_gather,
                       (lower.remap(q), lower.remap(k), lower.remap(v), float(dropout), scale, bool(gqa),
                        lower.coord, lower.size),
                       node, pq, f"causal attention of this rank's query chunks against the keys before them "
@@ -176,7 +176,7 @@ def _context_parallel_attention(node: fx.Node, lower) -> fx.Node | None:
 def _masked(node: fx.Node, lower, mask, scale, dropout) -> fx.Node:
     """cp_comm_type="all_gather" under an explicit mask: the rank's queries against the
     gathered keys block by block, the blocks the mask leaves empty (a document mask's) not
-    computed (ops/cp.py masked_attention), attention dropout drawn per block as the ring's."""
+    computed (ops/cp/masked.py masked_attention), attention dropout drawn per block as the ring's."""
     q, k, v = node.args[:3]
     if scale is None:
         scale = float(q.meta["val"].shape[-1]) ** -0.5
@@ -251,7 +251,7 @@ def _check_heads(where: str, lower, q: fx.Node, k: fx.Node, n: int, comm: str, w
 def _hierarchical(node: fx.Node, lower, mask, dropout, causal, scale) -> fx.Node:
     """cp_comm_type="a2a+p2p" (Megatron's hierarchical cp): Ulysses inside groups of
     cp_a2a_size consecutive cp ranks, the ring across the groups -- one op
-    (ops/cp.py hierarchical_attention) over the cp axis and its two split group kinds."""
+    (ops/cp/hierarchical.py hierarchical_attention) over the cp axis and its two split group kinds."""
     q, k, v = node.args[:3]
     where = f"node %{node.name} ({meta.get(node, meta.MODULE) or 'top level'})"
     if mask is not None and lower.carries_grad(mask):
@@ -279,7 +279,7 @@ def _hierarchical(node: fx.Node, lower, mask, dropout, causal, scale) -> fx.Node
 
 
 def _ring(node: fx.Node, lower, mask, dropout, causal, scale) -> fx.Node:
-    """cp_comm_type="p2p": the keys stay split and travel around the ring (ops/cp.py); attention
+    """cp_comm_type="p2p": the keys stay split and travel around the ring (ops/cp/ring.py); attention
     dropout inside it, each block's mask from the rank's own stream."""
     q, k, v = node.args[:3]
     if mask is not None and lower.carries_grad(mask):

@@ -1,6 +1,6 @@
 """Passes, context parallel: packed documents balanced document by document (Megatron's THD).
 
-Under cp a rank holds chunks r and 2n-1-r of its sequence (ops/cp.py), which balances causal
+Under cp a rank holds chunks r and 2n-1-r of its sequence (ops/cp/layout.py), which balances causal
 attention over one document. A packed row of many documents, attention kept inside each, is
 not balanced so: a rank whose chunks hold short documents computes little. Megatron's THD
 format splits every document into 2n chunks and gives rank r chunks r and 2n-1-r of each.

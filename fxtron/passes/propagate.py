@@ -40,7 +40,7 @@ class AxisLayout:
     token-wise op is reduce-scattered onto sequence shards instead of all-reduced (sequence
     parallel); strict: an op with no rule for its inputs' placements raises rather than fall
     back to running replicated; balanced: a shard is a rank's load-balanced chunks (cp: chunks
-    r and 2n-1-r of 2n, ops/cp.py) and the collectives reorder around the transfer; options:
+    r and 2n-1-r of 2n, ops/cp/layout.py) and the collectives reorder around the transfer; options:
     the axis's choices its rules read (ctx.options: cp_comm_type)."""
 
     axis: str

@@ -124,7 +124,7 @@ class _Emitter:
 
     def _redistribute_balanced(self, src: fx.Node, value: fx.Node, placed: meta.PerAxis, axis: str, want,
                                consumer: fx.Node, why: str) -> fx.Node:
-        """On a load-balanced axis (cp, ops/cp.py) a shard is the rank's chunks r and 2n-1-r: a
+        """On a load-balanced axis (cp, ops/cp/layout.py) a shard is the rank's chunks r and 2n-1-r: a
         value is reordered (`zigzag`) before it is split and restored to natural order after it
         is gathered, so the split and gather themselves are the plain ones."""
         have, n = placed.get(axis), self.mesh.size(axis)

@@ -11,7 +11,7 @@ import torch.utils._pytree as pytree
 from fxtron.core.meta import TraceInfo
 from fxtron.errors import ParallelizeError
 from fxtron.ops.statistics import BatchContext
-from fxtron.ops.cp import document_positions, positions
+from fxtron.ops.cp.layout import document_positions, positions
 
 
 def _take_rows(x: torch.Tensor, dims: tuple, pick: torch.Tensor) -> torch.Tensor:
