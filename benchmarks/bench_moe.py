@@ -17,7 +17,7 @@ experts) on global batches of 8 x 64 tokens:
 After warm-up the timed steps alternate (ROUNDS x STEPS_PER_ROUND, order rotating). Reported:
 the median step and its ratio to one process; per step, the bytes rank 0's all-to-alls sent
 (prog.last_dispatch.bytes_sent, from the real counts) against pm.collectives' formula under
-uniform routing, 4 (e-1)/e k T h x 4 B per layer plus the counts (PAPERS.md 6); and the load
+uniform routing, 4 (e-1)/e k T h x 4 B per layer plus the counts; and the load
 imbalance (busiest expert over the mean, worst layer). Times are never asserted; the losses of
 both must agree.
 """
@@ -117,7 +117,7 @@ def test_moe_step(benchmark, results, bench_report, system):
         "rows": [], "notes": [f"MoE hidden {CFG.dim}, {CFG.n_layer} layers, {CFG.n_experts} experts of {CFG.ffn_dim}, "
                               f"top-{CFG.top_k}, shared expert; {results['params'] / 1e6:.1f}M parameters "
                               f"({results['expert_params'] / 1e6:.1f}M in experts); batch {BATCH} x {SEQ}; formula "
-                              f"4 (e-1)/e k T h x 4 B per layer + counts (PAPERS.md 6)"]})
+                              f"4 (e-1)/e k T h x 4 B per layer + counts"]})
     if system == "ep2":
         section["rows"].append([system, f"{median * 1e3:.0f}", f"{ratio:.2f}x", f"{sent / 2**10:.1f} KiB",
                                 f"{results['formula'] / 2**10:.1f} KiB ({sent / results['formula']:.2f}x)",

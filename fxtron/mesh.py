@@ -30,7 +30,7 @@ AXES = ("tp", "cp", "ep", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 
 # Group kind -> RankGenerator token, per layout. The table mirrors the one built by
-# Megatron's initialize_model_parallel (see MEGATRON.md section 1.3).
+# Megatron's initialize_model_parallel (megatron/core/parallel_state.py).
 _DENSE_TOKENS = {
     "tp": "tp",
     "pp": "pp",
@@ -83,7 +83,7 @@ def _split_groups(mesh: "Mesh", kind: str) -> list[list[int]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Megatron's generate_masked_orthogonal_rank_groups (MEGATRON.md 1.1), transcribed.
+# Megatron's generate_masked_orthogonal_rank_groups (megatron/core/parallel_state.py), transcribed.
 
 
 def _prefix_product(sizes: tuple[int, ...]) -> list[int]:

@@ -40,7 +40,7 @@ SEQS = [16, 8]
 
 # ----------------------------------------------------------------------------- the layout
 def test_positions_are_megatrons_load_balanced_chunks():
-    assert positions(8, 2, 0).tolist() == [0, 1, 6, 7]          # MEGATRON.md 5: cp=2, s=8
+    assert positions(8, 2, 0).tolist() == [0, 1, 6, 7]          # Megatron's get_batch_on_this_cp_rank: cp=2, s=8
     assert positions(8, 2, 1).tolist() == [2, 3, 4, 5]
     for r in range(4):                                                  # cp=4, s=16: chunks r and 7-r
         assert positions(16, 4, r).tolist() == [2 * r, 2 * r + 1, 2 * (7 - r), 2 * (7 - r) + 1]

@@ -1,5 +1,5 @@
 """Pipeline schedules as data: the per-rank orders fxtron executes, simulated with unit pass
-times, reproduce the closed forms and worked values of ../shared/PAPERS.md (sections 3, 4, 9),
+times, reproduce the closed forms and worked values of the papers (Narayanan et al. 2021, Qi et al. 2023),
 Megatron's warm-up counts, and the in-flight bounds. No processes."""
 from __future__ import annotations
 

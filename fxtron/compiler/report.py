@@ -4,8 +4,7 @@ bytes per training step as sympy formulas in the batch and sequence symbols B an
 Also ParallelModel's reports on a whole model (`summary`, and the lines of what its compilation does
 less well than Megatron: ops run replicated, all-gathers, attention the cp ring cannot take).
 
-Bytes on the wire per rank follow the ring algorithms (nccl-tests' bus-bandwidth factors,
-../shared/PAPERS.md section 7): all-reduce 2(n-1)/n x S, all-gather and reduce-scatter
+Bytes on the wire per rank follow the ring algorithms (nccl-tests' bus-bandwidth factors): all-reduce 2(n-1)/n x S, all-gather and reduce-scatter
 (n-1)/n x S where S is the full (gathered / unreduced) tensor.
 """
 from __future__ import annotations

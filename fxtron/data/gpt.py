@@ -1,4 +1,4 @@
-"""Megatron's GPT datasets over indexed token files (../shared/MEGATRON-TRAINING.md section 2):
+"""Megatron's GPT datasets over indexed token files (megatron/core/datasets/gpt_dataset.py):
 train / valid / test splits by sequence, samples of seq + 1 tokens cut across document
 boundaries in a seeded shuffle, and blends of several datasets by weight -- the same samples, in
 the same order, as megatron.core.datasets' GPTDataset and BlendedDataset build for the same

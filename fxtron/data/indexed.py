@@ -1,6 +1,6 @@
 """Megatron's indexed token datasets: PREFIX.bin (every document's tokens, concatenated) and
 PREFIX.idx (the index), byte for byte as Megatron's tools/preprocess_data.py writes them and
-megatron.core.datasets.indexed_dataset reads them (../shared/MEGATRON-TRAINING.md section 1),
+megatron.core.datasets.indexed_dataset reads them,
 read with numpy memmaps; megatron is not a dependency.
 
 .idx, little-endian, packed: magic b"MMIDIDX\\x00\\x00", u64 version 1, u8 dtype code, u64

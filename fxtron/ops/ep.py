@@ -1,4 +1,4 @@
-"""Ops: expert parallel -- Megatron's dropless all-to-all token dispatch (MEGATRON.md 6).
+"""Ops: expert parallel -- Megatron's dropless all-to-all token dispatch (megatron/core/transformer/moe/token_dispatcher.py).
 
 E experts over the `world` ranks of an ep group: rank r holds experts [r*L, (r+1)*L), L = E /
 world (Megatron's local_expert_indices, contiguous). A rank's token copies arrive sorted by

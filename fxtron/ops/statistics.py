@@ -60,10 +60,6 @@ class BatchContext:
 _CONTEXT: contextvars.ContextVar[BatchContext | None] = contextvars.ContextVar("fxtron_batch_context", default=None)
 
 
-def active_context() -> BatchContext | None:
-    return _CONTEXT.get()
-
-
 # ---------------------------------------------------------------------------------------------
 @torch.library.custom_op("fxtron::batch_all_reduce", mutates_args=())
 def batch_all_reduce(x: Tensor, group: str) -> Tensor:
@@ -158,4 +154,4 @@ register(OpSpec("batch_all_reduce", axis_arg=1, forward=Comm("all_reduce", "inpu
 register(OpSpec("batch_scale"))
 register(OpSpec("global_statistic"))
 
-__all__ = ["BatchContext", "active_context", "batch_all_reduce", "batch_scale", "global_statistic"]
+__all__ = ["BatchContext", "batch_all_reduce", "batch_scale", "global_statistic"]

@@ -3,7 +3,7 @@ any mesh axis.
 
 Each op is registered with torch.library, so it appears in a per-rank FX graph as
 `torch.ops.fxtron.<name>.default`, has a fake (meta) implementation that computes shapes with
-no process group, and an autograd formula whose backward is the conjugate op (MEGATRON.md 2.1):
+no process group, and an autograd formula whose backward is the conjugate op (Megatron's tensor_parallel/mappings.py):
 
     op (schema)                                                    forward           backward
     copy_to_region(Tensor x, str group)                            identity          all-reduce  (f)

@@ -1,4 +1,5 @@
-"""Ops: Megatron's vocab-parallel embedding and cross entropy (MEGATRON.md 2.5, 2.6), for a
+"""Ops: Megatron's vocab-parallel embedding and cross entropy (megatron/core/tensor_parallel: layers.py
+VocabParallelEmbedding, cross_entropy.py), for a
 table and an LM head split by vocabulary over one mesh axis: the embedding's partial sums and
 the cross entropy's three all-reduces of one float per token, never the logits.
 
@@ -20,18 +21,10 @@ from fxtron.ops.registry import Comm, OpSpec, register
 
 # reduction codes of vocab_parallel_cross_entropy (torch's own enum order)
 REDUCTION_NONE, REDUCTION_MEAN, REDUCTION_SUM = 0, 1, 2
-_REDUCTIONS = {"none": REDUCTION_NONE, "mean": REDUCTION_MEAN, "sum": REDUCTION_SUM}
-
-
-def reduction_code(reduction: str) -> int:
-    """torch's reduction string ("none" | "mean" | "sum") -> the int the CE op takes."""
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be one of {sorted(_REDUCTIONS)}, not {reduction!r}")
-    return _REDUCTIONS[reduction]
 
 
 # ---------------------------------------------------------------------------------------------
-# vocab-parallel embedding (MEGATRON.md 2.5), without its reduction
+# vocab-parallel embedding (Megatron's VocabParallelEmbedding), without its reduction
 
 
 @torch.library.custom_op("fxtron::vocab_parallel_embedding", mutates_args=())
@@ -76,7 +69,7 @@ vocab_parallel_embedding.register_autograd(_vocab_parallel_embedding_bwd, setup_
 
 
 # ---------------------------------------------------------------------------------------------
-# vocab-parallel cross entropy (MEGATRON.md 2.6)
+# vocab-parallel cross entropy (Megatron's vocab_parallel_cross_entropy)
 #
 # custom_op's autograd can keep only inputs and outputs, and the backward must reuse the forward's
 # softmax (a recomputation would need the all-reduces again), so the op with the autograd formula,
@@ -224,5 +217,5 @@ register(OpSpec("vocab_parallel_cross_entropy", axis_arg=6, forward=Comm("all_re
 register(OpSpec("vocab_parallel_cross_entropy_with_softmax", axis_arg=6,
                 forward=Comm("all_reduce", "rows", count=3)))
 
-__all__ = ["REDUCTION_MEAN", "REDUCTION_NONE", "REDUCTION_SUM", "reduction_code", "vocab_parallel_cross_entropy",
+__all__ = ["REDUCTION_MEAN", "REDUCTION_NONE", "REDUCTION_SUM", "vocab_parallel_cross_entropy",
            "vocab_parallel_cross_entropy_with_softmax", "vocab_parallel_embedding"]

@@ -1,5 +1,5 @@
 """Passes, expert parallel: each mixture-of-experts layer's experts split over the ep ranks, the
-tokens moved to them and back (Megatron's dropless all-to-all dispatcher, MEGATRON.md 6).
+tokens moved to them and back (Megatron's dropless all-to-all dispatcher).
 
 A layer is found on the graph with no model knowledge: grouped GEMMs (passes/tp_plan.py's
 `_is_grouped_mm`: aten._grouped_mm, transformers' fallback, fxtron::grouped_mm) whose weight is a

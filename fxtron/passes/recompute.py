@@ -20,12 +20,10 @@ runs. The program's binding turns each region into one checkpointed call (ops/re
 from __future__ import annotations
 
 import operator
-from typing import get_args
 
 import torch
 import torch.fx as fx
 
-from fxtron.config import Granularity, RecomputeMethod
 from fxtron.core import meta, opsets
 from fxtron.errors import ParallelizeError
 from fxtron.ops.rng import rng_call, takes_region
@@ -33,8 +31,6 @@ from fxtron.passes.rules import CASTS
 from fxtron.passes.pp import classify, find_layer_list
 
 aten = torch.ops.aten
-GRANULARITIES = get_args(Granularity)
-METHODS = get_args(RecomputeMethod)
 
 _MATMULS = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default}
 _SOFTMAX = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
@@ -188,4 +184,4 @@ def region_labels(gm: fx.GraphModule) -> list[str]:
     return list(out)
 
 
-__all__ = ["GRANULARITIES", "METHODS", "mark_recompute", "region_labels"]
+__all__ = ["mark_recompute", "region_labels"]

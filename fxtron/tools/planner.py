@@ -1,8 +1,9 @@
 """What-if sizing: which meshes fit a model in a given GPU memory, ranked by a modeled
 step time — "will Llama-70B train on 64 cards of 80 GB, and how" in seconds, without a GPU.
 
-The model (every rate is an assumption, printed with the result; all formulas from
-../shared/PAPERS.md):
+The model (every rate is an assumption, printed with the result; the formulas are
+Korthikanti et al. 2022's activation memory, Narayanan et al. 2021's bubbles and the ring
+collectives' bus-bandwidth factors):
 
   parameters      P from the model itself; per rank P / (tp pp) (embedding and head included);
                   context parallel (cp) splits tokens, not weights
@@ -46,7 +47,7 @@ The model (every rate is an assumption, printed with the result; all formulas fr
                   counts the k active experts only: 6 B s (P - (1-k/E) P_experts - V h)
                   + 12 B L s^2 h + 6 B s h V (the dense formula of Eq. 7 written per parameter);
                   ep comm: 4 all-to-alls (dispatch and combine, forward and backward) of
-                  (e-1)/e k b s h 16-bit values per MoE layer and microbatch (PAPERS.md 6,
+                  (e-1)/e k b s h 16-bit values per MoE layer and microbatch (Megatron's all-to-all dispatcher,
                   dropless under uniform routing), every tp rank sending its copy; intra-node
                   when tp x ep fits a node; activations as a dense layer of the same width
   recomputation   a mesh that does not fit is tried again with recomputation (Korthikanti et

@@ -1,4 +1,4 @@
-"""The trainer's checkpoints in Megatron's layout (../shared/MEGATRON-TRAINING.md section 3):
+"""The trainer's checkpoints in Megatron's layout (megatron/training/checkpointing.py):
 DIR/iter_0000004 (the iteration: completed steps) and DIR/latest_checkpointed_iteration.txt,
 the iteration as text, written by rank 0 after every rank finished. Each iter_ directory is an
 fxtron checkpoint (prog.save: atomic, loads on any mesh) holding with the model and optimizer

@@ -1,5 +1,5 @@
-"""Megatron's learning-rate schedule (OptimizerParamScheduler, ../shared/MEGATRON-TRAINING.md
-section 4), counted in samples: with n the samples of the steps taken so far (skipped steps do
+"""Megatron's learning-rate schedule (OptimizerParamScheduler,
+megatron/core/optimizer_param_scheduler.py), counted in samples: with n the samples of the steps taken so far (skipped steps do
 not count), warmup W and decay D (steps x the global batch),
 
     n <= W (W > 0):       lr = max_lr * n / W                 (linear warm-up from 0)

@@ -5,7 +5,7 @@ unit-time simulator that executes those orders against their data dependencies.
 A schedule is a list of `Action`s per pipeline rank. The executor (runtime/pp/executor.py) runs
 exactly these lists; the simulator runs the same lists with given pass durations, so the
 bubble it reports is the bubble of the order fxtron executes, checked against the closed forms
-of ../shared/PAPERS.md (Narayanan et al. 2021 for GPipe / 1F1B / interleaved, Qi et al. 2023 for
+of the papers (Narayanan et al. 2021 for GPipe / 1F1B / interleaved, Qi et al. 2023 for
 ZB-H1, Qi et al. 2024 §6 for ZB-V).
 
 Virtual stages: with v model chunks per rank, stage `j` of the pp*v-stage chain lives on rank
@@ -17,11 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Literal, get_args
+from typing import Literal
 
-from fxtron.config import PipelineConfig, Schedule
+from fxtron.config import PipelineConfig
 
-SCHEDULES = get_args(Schedule)
 Kind = Literal["F", "B", "W"]
 #: schedules whose B is the input gradient only, the weight gradients deferred into W passes
 SPLIT_BACKWARD = ("zb-h1", "zb-v")
