@@ -17,7 +17,7 @@ The package's layers and where each piece lives: fxtron/README.md.
 """
 import fxtron.codegen  # noqa: F401 - the kernels the ops call (fxtron.ops.kernels)
 from fxtron.api import ParallelModel, parallelize
-from fxtron.config import Config, TrainConfig
+from fxtron.config import Config
 from fxtron.core.placement import PARTIAL, REPLICATE, Partial, Replicate, Shard
 from fxtron.errors import CompileError, LaunchError, ParallelizeError, ParallelizeWarning
 from fxtron.mesh import Mesh
@@ -26,6 +26,7 @@ from fxtron.runtime.batch import Microbatches
 from fxtron.runtime.checkpoint.dcp import load_full_state_dict
 from fxtron.runtime.groups import ProcessGroups, init_distributed
 from fxtron.runtime.launch import launch
+from fxtron.trainer.config import TrainConfig
 
 __all__ = ["Config", "TrainConfig", "Mesh", "ParallelModel", "ParallelizeError", "ParallelizeWarning", "LaunchError", "CompileError", "ProcessGroups",
            "init_distributed", "launch", "parallelize", "Microbatches", "load_full_state_dict",

@@ -7,8 +7,8 @@ import os
 import sys
 
 from fxtron import config
-from fxtron.config import TrainConfig
 from fxtron.errors import LaunchError, ParallelizeError
+from fxtron.trainer.config import TrainConfig
 
 
 #: the sections of the configuration tree `fxtron inspect` takes (all but the trainer's own run)
@@ -149,8 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_cmd_mesh)
 
     p = sub.add_parser("train", help="train a shipped model on local processes and compare with one process",
-                       description="Every option is a field of fxtron.config.TrainConfig: --print-config writes the "
-                                   "resolved configuration as TOML, --config reads one, flags override it.")
+                       description="Every option is a field of fxtron.trainer.config.TrainConfig: --print-config "
+                                   "writes the resolved configuration as TOML, --config reads one, flags override it.")
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML and exit")
     _config_args(p)
     p.set_defaults(fn=_cmd_train)

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from fxtron.cli import main
-from fxtron.config import TrainConfig
+from fxtron.trainer.config import TrainConfig
 from fxtron.trainer.loop import run
 
 

@@ -1,7 +1,8 @@
-"""The typed configuration (fxtron/config.py): every option of parallelize, both command lines and
-the trainer in one tree. Checked here without processes: a misspelt value of any option is a
-ParallelizeError naming the field on a one-process mesh, before anything is traced; the old
-keywords are shorthand for the fields; TOML and the generated flags round-trip."""
+"""The typed configuration (fxtron/config/; the trainer's sections in fxtron/trainer/config.py):
+every option of parallelize, both command lines and the trainer in one tree. Checked here without
+processes: a misspelt value of any option is a ParallelizeError naming the field on a one-process
+mesh, before anything is traced; the old keywords are shorthand for the fields; TOML and the
+generated flags round-trip."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +17,10 @@ import torch
 import fxtron
 from fxtron import config as C
 from fxtron.cli import build_parser, main
-from fxtron.config import Config, TrainConfig
+from fxtron.config import Config
+from fxtron.config.fields import _flag, _optional
+from fxtron.trainer import config as T
+from fxtron.trainer.config import TrainConfig
 
 
 class _Untraceable(torch.nn.Module):
@@ -32,7 +36,7 @@ class _Untraceable(torch.nn.Module):
 
 def _bad_values(tp) -> list:
     """Values the field of type `tp` does not take: a misspelling of each choice, a wrong type."""
-    inner, nullable = C._optional(tp)
+    inner, nullable = _optional(tp)
     if get_origin(inner) is Literal:
         choices = get_args(inner)
         if isinstance(choices[0], str):
@@ -123,7 +127,8 @@ def test_environment_sets_the_debug_defaults(monkeypatch):
     assert C.DebugConfig(shm=True).shm          # a field given wins over the variable
     from fxtron.ops import ledger
     from fxtron.passes import verify
-    from fxtron.runtime import groups, p2p
+    from fxtron.runtime import groups
+    from fxtron.runtime.pp import p2p
     assert ledger.check_default() and not groups.shm_default() and not verify.enabled() and p2p.match_by_tag_default()
 
 
@@ -184,7 +189,7 @@ def test_train_and_inspect_take_the_same_shared_options():
     # every parallelize option with a flag is on both command lines
     for short, (_, f) in Config.fields_by_shorthand().items():
         if f.metadata.get("cli", True):
-            assert C._flag(f) in train and C._flag(f) in inspect, short
+            assert _flag(f) in train and _flag(f) in inspect, short
 
 
 def test_inspect_reads_the_options(capsys):
@@ -209,7 +214,7 @@ def test_a_bad_flag_exits_2_naming_it():
 
 
 def test_every_field_is_documented_and_typed():
-    for cls in [*C.SECTIONS.values(), C.MeshConfig, C.ModelConfig, C.DataConfig, C.OptimizerConfig, C.TrainingConfig]:
+    for cls in [*C.SECTIONS.values(), T.MeshConfig, T.ModelConfig, T.DataConfig, T.OptimizerConfig, T.TrainingConfig]:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help"

@@ -27,8 +27,8 @@ import pytest
 import torch
 
 import fxtron
-from fxtron.config import TrainConfig
 from fxtron.trainer import checkpoint as checkpoints
+from fxtron.trainer.config import TrainConfig
 from fxtron.trainer.loop import param_groups
 from fxtron.trainer.schedule import LRSchedule
 

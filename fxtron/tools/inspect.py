@@ -24,8 +24,6 @@ import torch
 from fxtron.core import meta
 from fxtron.errors import ParallelizeError
 
-DUMP_ENV = "FXTRON_DUMP"
-
 
 def load_model(spec: str, *, batch: int = 2, seq: int = 16, overrides: dict | None = None):
     """(model on the meta device where possible, example args, example kwargs) for `spec`.

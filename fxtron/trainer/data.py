@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fxtron.config import TrainConfig
 from fxtron.errors import ParallelizeError
+from fxtron.trainer.config import TrainConfig
 
 
 def load_text(path: str | None, max_bytes: int) -> torch.Tensor:

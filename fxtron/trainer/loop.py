@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from fxtron.config import TrainConfig
+from fxtron.trainer.config import TrainConfig
 from fxtron.errors import ParallelizeError
 from fxtron.trainer import checkpoint as checkpoints
 from fxtron.trainer.data import TrainData

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fxtron.config import DataConfig
 from fxtron.errors import ParallelizeError
+from fxtron.trainer.config import DataConfig
 
 
 @dataclass

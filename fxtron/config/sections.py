@@ -1,5 +1,6 @@
-"""Core: the typed configuration -- every option of `parallelize`, of both command lines and of
-the trainer, in one tree of frozen dataclasses.
+"""Core, configuration sections: the typed tree `parallelize` takes -- one frozen dataclass per
+section, each checking its fields together (`_rules`) and against the mesh (`check`), and
+`Config`, the tree of them, whose fields are set by shorthand (`Config.replace`).
 
 Sections are grouped as Megatron-core groups its configs (ModelParallelConfig, TransformerConfig's
 recompute and moe fields, DistributedDataParallelConfig, OptimizerConfig) and torchtitan its job
@@ -15,31 +16,19 @@ config (parallelism, activation checkpointing, training):
       recompute       activation recomputation (Megatron's --recompute-*)
       precision       compute dtype, weight-gradient fusion
       debug           strict, the verifier, the collective check, the flight recorder, dumps
-    TrainConfig(Config)           the trainer's tree: the above plus
-      mesh, model, data, optimizer, training
 
-Every field has one *shorthand*, unique over the whole tree: the keyword `parallelize` takes for it
-(today's keyword names: `schedule=`, `cp_comm_type=`, `recompute_layers=` ...) and, with dashes, its
-command-line flag (`--cp-comm-type`). `Config.replace(**shorthand)` sets fields by shorthand;
-`to_toml` / `from_toml` write and read the tree; `add_arguments` / `from_arguments` generate the
-argparse flags of `fxtron train` and `fxtron inspect` from it.
-
-A value is checked when its section is made: a ParallelizeError names the field, the value and the
-choices (with the closest one), on any mesh. `Config.check(mesh)` adds what needs the mesh. The
-FXTRON_* environment variables set the debug section's defaults, each read here and nowhere else.
+The trainer's tree (fxtron/trainer/config.py: TrainConfig) subclasses `Config` with its own
+sections; nothing here knows it.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import difflib
-import math
-import os
-import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal
 
+from fxtron.config import toml
+from fxtron.config.fields import Section, _closest, _shorthand, env_flag, env_str, option, torch_dtype
 from fxtron.errors import ParallelizeError
 
 # ----------------------------------------------------------------------------- choices
@@ -53,171 +42,8 @@ DType = Literal["fp32", "bf16", "fp16"]
 Device = Literal["cpu", "cuda"]
 ZeroStage = Literal[0, 1, 2, 3]
 
-_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-_DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
-
-
-def torch_dtype(name: str | None):
-    """The torch dtype of a configuration's dtype name ("bf16" -> torch.bfloat16); None stays None."""
-    import torch
-    return None if name is None else getattr(torch, _DTYPE_NAMES[name])
-
-
-# ----------------------------------------------------------------------------- the environment
-_FALSE = ("0", "false", "no", "off")
-
-
-def env_flag(name: str, default: bool) -> bool:
-    """An FXTRON_* switch: unset or empty gives `default`; 0/false/no/off is False, anything else True."""
-    value = os.environ.get(name, "").strip().lower()
-    return default if value == "" else value not in _FALSE
-
-
-def env_str(name: str) -> str | None:
-    """An FXTRON_* setting that names something (a directory); None when unset or empty."""
-    return os.environ.get(name) or None
-
-
-def option(default: Any = dataclasses.MISSING, *, help: str, shorthand: str | None = None, flag: str | None = None,
-           env: str | None = None, cli: bool = True, minimum: float | None = None, positive: bool = False,
-           factory: Any = dataclasses.MISSING) -> Any:
-    """A field of a section: `help` for the flag and the docs; `shorthand` the keyword of
-    parallelize and (with dashes) the flag, default the field's own name; `env` the variable that
-    sets the default; `cli=False` for a field only Python or TOML can give (a plan);
-    `minimum` / `positive` bound a number."""
-    meta = dict(help=help, shorthand=shorthand, flag=flag, env=env, cli=cli, minimum=minimum, positive=positive)
-    if factory is not dataclasses.MISSING:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-# ----------------------------------------------------------------------------- checking one value
-def _choices(values) -> str:
-    return ", ".join(repr(v) for v in values)
-
-
-def _closest(value: Any, candidates) -> str:
-    near = difflib.get_close_matches(str(value), [str(c) for c in candidates], n=1, cutoff=0.6)
-    return f" (did you mean {near[0]!r}?)" if near else ""
-
-
-def _where(section: str, f: dataclasses.Field) -> str:
-    flag = _flag(f) if f.metadata.get("cli", True) else None
-    return f"{section}.{f.name} in the configuration" + (f", {flag} on the command line" if flag else "")
-
-
-def _shorthand(f: dataclasses.Field) -> str:
-    return f.metadata.get("shorthand") or f.name
-
-
-def _flag(f: dataclasses.Field) -> str:
-    return f.metadata.get("flag") or "--" + _shorthand(f).replace("_", "-")
-
-
-def _optional(tp) -> tuple[Any, bool]:
-    """(the type inside Optional, whether None is allowed)."""
-    if get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in get_args(tp) if a is not type(None)]
-        if len(args) == 1 and len(get_args(tp)) == 2:
-            return args[0], True
-    return tp, False
-
-
-def _check_value(section: str, f: dataclasses.Field, tp, value: Any) -> Any:
-    """`value` made canonical for field `f` of type `tp`, or a ParallelizeError naming the field,
-    the value and what it takes."""
-    inner, nullable = _optional(tp)
-    name = _shorthand(f)
-
-    def bad(what: str, hint: str = "") -> ParallelizeError:
-        return ParallelizeError(f"{name} must be {what}{' or None' if nullable else ''}, not {value!r}{hint} "
-                                f"({_where(section, f)})")
-
-    if value is None:
-        if nullable:
-            return None
-        raise bad(_describe(inner))
-    if get_origin(inner) is Literal and set(get_args(inner)) == set(_DTYPE_NAMES):
-        value = _dtype_name(value)
-    if get_origin(inner) is Literal:
-        choices = get_args(inner)
-        if isinstance(value, bool) or value not in choices:
-            raise bad(f"one of {_choices(choices)}", _closest(value, choices))
-        return value
-    if inner is bool:
-        if not isinstance(value, bool):
-            raise bad("True or False")
-        return value
-    if inner is int or inner is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (inner is int and not isinstance(value, int)):
-            raise bad(_describe(inner, f))
-        if isinstance(value, float) and not math.isfinite(value):
-            raise bad(_describe(inner, f))
-        lo, positive = f.metadata.get("minimum"), f.metadata.get("positive")
-        if (lo is not None and value < lo) or (positive and not value > 0):
-            raise bad(_describe(inner, f))
-        return float(value) if inner is float else value
-    if inner is str:
-        if not isinstance(value, str) or not value:
-            raise bad("a non-empty string")
-        return value
-    if get_origin(inner) is tuple:
-        if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-            raise bad("a list of strings")
-        return tuple(value)
-    if get_origin(inner) is dict or inner is dict:
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            raise bad("a dict keyed by strings")
-        return dict(value)
-    return value
-
-
-def _dtype_name(value: Any) -> Any:
-    """A torch dtype or one of its names as the configuration's name ("bf16"); anything else as is."""
-    try:
-        import torch
-        if isinstance(value, torch.dtype):
-            return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(value, str(value))
-    except ImportError:       # pragma: no cover
-        pass
-    if isinstance(value, str):
-        return _DTYPE_ALIASES.get(value, value)
-    return value
-
-
-def _describe(tp, f: dataclasses.Field | None = None) -> str:
-    if tp is int or tp is float:
-        kind = "an int" if tp is int else "a number"
-        if f is not None and f.metadata.get("positive"):
-            return f"a positive {'int' if tp is int else 'number'}"
-        if f is not None and f.metadata.get("minimum") is not None:
-            return f"{kind} of at least {f.metadata['minimum']}"
-        return kind
-    if tp is str:
-        return "a string"
-    return getattr(tp, "__name__", str(tp))
-
 
 # ----------------------------------------------------------------------------- sections
-class Section:
-    """A frozen dataclass whose fields check themselves when it is made (`__post_init__`), then
-    `_rules()` checks the fields together, and `check(mesh)` what needs the mesh."""
-
-    _name = "section"
-
-    def __post_init__(self):
-        hints = typing.get_type_hints(type(self))
-        for f in dataclasses.fields(self):
-            object.__setattr__(self, f.name, _check_value(self._name, f, hints[f.name], getattr(self, f.name)))
-        self._rules()
-
-    def _rules(self) -> None:
-        pass
-
-    def check(self, mesh) -> None:
-        pass
-
-
 @dataclass(frozen=True)
 class InputsConfig(Section):
     """The example batch's layout, how it is traced, and where the programs run."""
@@ -507,7 +333,6 @@ SECTIONS: dict[str, type] = {"inputs": InputsConfig, "tensor": TensorConfig, "pi
                              "data_parallel": DataParallelConfig, "context": ContextConfig, "experts": ExpertsConfig,
                              "recompute": RecomputeConfig, "precision": PrecisionConfig, "debug": DebugConfig}
 
-
 # ----------------------------------------------------------------------------- the tree
 @dataclass(frozen=True)
 class Config:
@@ -588,315 +413,21 @@ class Config:
         """Every field by its shorthand."""
         return {k: getattr(getattr(self, s), f.name) for k, (s, f) in self.fields_by_shorthand().items()}
 
-    # ---------------------------------------------------------------- TOML
+    # ---------------------------------------------------------------- TOML (config/toml.py)
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        """{section: {field: value}} with the values TOML can hold: a None whose default is not
-        None is written "none"; other Nones are left out (the default)."""
-        out: dict[str, dict[str, Any]] = {}
-        for sf in dataclasses.fields(self):
-            sec = getattr(self, sf.name)
-            body: dict[str, Any] = {}
-            for f in dataclasses.fields(sec):
-                v = getattr(sec, f.name)
-                if v is None:
-                    if _default(f) is not None:
-                        body[f.name] = "none"
-                    continue
-                if isinstance(v, tuple):
-                    v = list(v)
-                if isinstance(v, dict):
-                    odd = {k: x for k, x in v.items() if not isinstance(x, str)}
-                    if odd:
-                        k = next(iter(odd))
-                        raise ParallelizeError(f"{sf.name}.{f.name} holds {k!r}: {odd[k]!r}, which TOML cannot write; "
-                                               f"give its style as a string ('colwise', 'rowwise', 'vocab', 'replicate')")
-                body[f.name] = v
-            out[sf.name] = body
-        return out
+        """{section: {field: value}} with the values TOML can hold (see `toml.to_dict`)."""
+        return toml.to_dict(self)
 
     def to_toml(self) -> str:
-        import tomli_w
-        return tomli_w.dumps(self.to_dict())
+        """The tree as TOML text."""
+        return toml.to_toml(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, base: "Config | None" = None, source: str = "the configuration"):
-        """The tree from {section: {field: value}} over `base` (default: the defaults): unknown
-        sections and fields are ParallelizeErrors naming them and the closest known ones."""
-        base = base if base is not None else cls()
-        names = [f.name for f in dataclasses.fields(cls)]
-        changes: dict[str, dict[str, Any]] = {}
-        for section, body in data.items():
-            if section not in names:
-                raise ParallelizeError(f"{source} has a section [{section}]{_closest(section, names)}; the sections "
-                                       f"are {', '.join(names)}")
-            if not isinstance(body, dict):
-                raise ParallelizeError(f"{source}: {section} must be a table ([{section}]), not {body!r}")
-            fields_ = {f.name: f for f in dataclasses.fields(getattr(base, section))}
-            hints = typing.get_type_hints(type(getattr(base, section)))
-            for key, value in body.items():
-                if key not in fields_:
-                    raise ParallelizeError(f"{source}: [{section}] has no field {key!r}{_closest(key, fields_)}; its "
-                                           f"fields are {', '.join(fields_)}")
-                changes.setdefault(section, {})[key] = _from_text(hints[key], value)
-        return base.replace_sections(changes)
+        """The tree from {section: {field: value}} over `base` (see `toml.from_dict`)."""
+        return toml.from_dict(cls, data, base=base, source=source)
 
     @classmethod
     def from_toml(cls, path: str, *, base: "Config | None" = None):
-        import tomllib
-        try:
-            with open(path, "rb") as fh:
-                data = tomllib.load(fh)
-        except FileNotFoundError:
-            raise ParallelizeError(f"configuration file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ParallelizeError(f"configuration file {path} is not valid TOML: {e}") from None
-        try:
-            return cls.from_dict(data, base=base, source=path)
-        except ParallelizeError as e:
-            if str(e).startswith(path):
-                raise
-            raise ParallelizeError(f"{path}: {e}") from None
-
-
-def _default(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return None
-
-
-def _from_text(tp, value: Any) -> Any:
-    """A value read from TOML or a flag: "none" is None where the field takes None."""
-    inner, nullable = _optional(tp)
-    if nullable and inner is not str and isinstance(value, str) and value.lower() == "none":
-        return None
-    return value
-
-
-# ----------------------------------------------------------------------------- the trainer's sections
-@dataclass(frozen=True)
-class MeshConfig(Section):
-    """The device mesh (fxtron.Mesh)."""
-
-    _name = "mesh"
-    world_size: int | None = option(None, positive=True, help="number of ranks (default: the command's; in Python "
-                                                              "tp x pp x cp x ep, dp=1)")
-    tp: int = option(1, positive=True, help="tensor parallel size")
-    pp: int = option(1, positive=True, help="pipeline parallel size")
-    cp: int = option(1, positive=True, help="context parallel size")
-    ep: int = option(1, positive=True, help="expert parallel size")
-    order: str = option("tp-cp-ep-dp-pp", help="axis order, fastest first")
-
-    def mesh(self):
-        from fxtron.mesh import Mesh
-        world = self.world_size if self.world_size is not None else self.tp * self.pp * self.cp * self.ep
-        return Mesh(world, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, order=self.order)
-
-
-@dataclass(frozen=True)
-class ModelConfig(Section):
-    """Which model to train (built on the meta device; each rank makes only its shards)."""
-
-    _name = "model"
-    name: str = option("gpt-tiny", shorthand="model",
-                       help="a shipped preset (fxtron.models.list_presets()), hf:<architecture> (hf:llama), "
-                            "package.module:factory, or a transformers directory (config.json; its weights are "
-                            "loaded when it has them)")
-    config: tuple[str, ...] | None = option(None, shorthand="model_config",
-                                            help="KEY=VALUE fields of an hf:<architecture>'s transformers config "
-                                                 "(num_hidden_layers=4 hidden_size=256)")
-
-
-DecayStyle = Literal["constant", "linear", "cosine"]
-
-
-@dataclass(frozen=True)
-class DataConfig(Section):
-    """What the trainer reads, and how much of it per step."""
-
-    _name = "data"
-    path: tuple[str, ...] | None = option(None, shorthand="data",
-                                          help="Megatron indexed dataset PREFIX (PREFIX.bin/.idx), or a blend "
-                                               "'W1 PREFIX1 W2 PREFIX2' (default: byte-level text, --text)")
-    split: str = option("969,30,1", help="train, valid and test weights over the datasets' documents (Megatron's "
-                                         "--split)")
-    text: str | None = option(None, help="without --data: a text file to train on byte by byte (default: Python's "
-                                         "standard library sources)")
-    max_bytes: int = option(4_000_000, positive=True, help="read at most this many bytes of the text")
-    batch: int = option(8, positive=True, help="global batch (samples per step, Megatron's --global-batch-size)")
-    seq: int = option(64, positive=True, help="tokens per sample (Megatron's --seq-length)")
-    eod_id: int | None = option(None, minimum=0, help="the end-of-document token's id in the data (preprocess "
-                                                      "appends it to every document), for the three options below")
-    reset_position_ids: bool = option(False, help="positions restart at 0 after each end-of-document token (Megatron's "
-                                                  "--reset-position-ids)")
-    reset_attention_mask: bool = option(False, help="a token attends only its own document (Megatron's "
-                                                    "--reset-attention-mask)")
-    eod_mask_loss: bool = option(False, help="no loss where the input token is the end of a document (Megatron's "
-                                             "--eod-mask-loss)")
-
-    def __post_init__(self):
-        if isinstance(self.path, str) and self.path:          # one dataset's prefix
-            object.__setattr__(self, "path", (self.path,))
-        super().__post_init__()
-
-    def _rules(self) -> None:
-        wanted = [f"--{n.replace('_', '-')}" for n in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
-                  if getattr(self, n)]
-        if wanted and self.eod_id is None:
-            raise ParallelizeError(f"{', '.join(wanted)} find the documents by their end-of-document token: give its id "
-                                   "(--eod-id, the tokenizer's eos/eod id that preprocessing appended)")
-
-    @property
-    def packed(self) -> bool:
-        """Are the samples' documents kept apart (positions or attention)?"""
-        return self.reset_position_ids or self.reset_attention_mask
-
-
-@dataclass(frozen=True)
-class OptimizerConfig(Section):
-    """AdamW and its learning-rate schedule (Megatron's names and formulas); weight decay leaves
-    biases and 1-d weights (norms) out, as Megatron does."""
-
-    _name = "optimizer"
-    lr: float = option(3e-3, positive=True, help="peak learning rate")
-    min_lr: float = option(0.0, minimum=0, help="learning rate at the end of the decay")
-    lr_warmup_steps: int = option(0, minimum=0, help="steps of linear warm-up from 0 (Megatron's --lr-warmup-iters)")
-    lr_decay_style: DecayStyle = option("constant", help="after warm-up: constant, linear or cosine to min_lr")
-    lr_decay_steps: int | None = option(None, positive=True, help="steps over which the learning rate decays "
-                                                                  "(default: --steps)")
-    weight_decay: float = option(0.1, minimum=0, help="AdamW's decoupled weight decay (not on biases and norms)")
-    adam_beta1: float = option(0.9, minimum=0, help="AdamW's beta1")
-    adam_beta2: float = option(0.95, minimum=0, help="AdamW's beta2")
-    adam_eps: float = option(1e-8, positive=True, help="AdamW's epsilon")
-
-    def _rules(self) -> None:
-        if self.min_lr > self.lr:
-            raise ParallelizeError(f"optimizer.min_lr = {self.min_lr} is above optimizer.lr = {self.lr}; give a "
-                                   "min_lr at most the peak")
-
-
-@dataclass(frozen=True)
-class TrainingConfig(Section):
-    """The run: its length, evaluation, checkpoints and metrics."""
-
-    _name = "training"
-    steps: int = option(50, positive=True, help="the run's total training steps (Megatron's --train-iters): a "
-                                                "resumed run continues up to it")
-    seed: int = option(0, minimum=0, help="seeds the model, the data order and dropout")
-    compare: bool = option(False, help="train again in one process and report the largest loss difference")
-    trace: str | None = option(None, help="write the last step's passes and memory per rank to this directory "
-                                          "(trace.json for Perfetto, schedule.png)")
-    eval_interval: int | None = option(None, positive=True, help="every this many steps, the loss on the valid split")
-    eval_iters: int = option(2, positive=True, help="global batches of the valid split per evaluation")
-    save: str | None = option(None, help="checkpoint directory (Megatron's layout: DIR/iter_0000004, "
-                                         "DIR/latest_checkpointed_iteration.txt); a run there is resumed")
-    save_interval: int | None = option(None, positive=True, help="save every this many steps (and at the end)")
-    keep_last: int | None = option(None, positive=True, help="keep only the newest K checkpoints (default: all)")
-    load: str | None = option(None, help="resume from the latest complete checkpoint of this directory, on any "
-                                         "mesh (default: --save)")
-    export_hf: str | None = option(None, help="at the end, write the model as transformers' save_pretrained does")
-    log_interval: int = option(1, positive=True, help="one log line every this many steps")
-    log_file: str | None = option(None, help="append one JSON object per step to this .jsonl file")
-    tensorboard_dir: str | None = option(None, help="write the metrics as TensorBoard events here")
-    max_skipped: int = option(3, positive=True, help="stop when this many steps in a row had a non-finite loss "
-                                                     "or gradient norm (each is skipped)")
-    peak_flops: float | None = option(None, positive=True, help="peak FLOP/s of one device for MFU (default: the "
-                                                                "device's, when known)")
-
-    def _rules(self) -> None:
-        if self.save_interval is not None and self.save is None:
-            raise ParallelizeError("training.save_interval needs training.save (--save DIR)")
-
-
-@dataclass(frozen=True)
-class TrainConfig(Config):
-    """The trainer's whole tree: parallelize's sections and the run's."""
-
-    mesh: MeshConfig = field(default_factory=MeshConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-
-    def parallel(self) -> Config:
-        """The sections parallelize reads."""
-        return Config(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Config)})
-
-    def check(self, mesh=None) -> None:
-        super().check(mesh if mesh is not None else self.mesh.mesh())
-
-
-# ----------------------------------------------------------------------------- command lines
-_DEST = "cfg."
-
-
-def add_arguments(parser: argparse.ArgumentParser, cls: type = Config, *, skip: tuple[str, ...] = ()) -> None:
-    """Add a flag for every command-line field of `cls`'s sections (but the sections in `skip`),
-    one argument group per section: names, types, choices and help from the fields. A flag not
-    given leaves the field as the file or the defaults have it (see `from_arguments`)."""
-    hints_cls = typing.get_type_hints(cls)
-    for sf in dataclasses.fields(cls):
-        if sf.name in skip:
-            continue
-        sec_cls = hints_cls[sf.name]
-        group = parser.add_argument_group(sf.name, (sec_cls.__doc__ or "").strip().splitlines()[0])
-        hints = typing.get_type_hints(sec_cls)
-        for f in dataclasses.fields(sec_cls):
-            if not f.metadata.get("cli", True):
-                continue
-            inner, nullable = _optional(hints[f.name])
-            default = _default(f)
-            env = f" (env {f.metadata['env']})" if f.metadata.get("env") else ""
-            kw: dict[str, Any] = dict(dest=f"{_DEST}{sf.name}.{f.name}", default=argparse.SUPPRESS,
-                                      help=f"{f.metadata['help']} [default: {_show(default)}]{env}")
-            if inner is bool:
-                kw["action"] = argparse.BooleanOptionalAction
-            elif get_origin(inner) is Literal:
-                choices = list(get_args(inner))
-                kind = type(choices[0])
-                kw.update(type=_parser(kind, nullable), choices=choices + ([None] if nullable else []),
-                          metavar="{" + ",".join(map(str, choices)) + ("," + "none" if nullable else "") + "}")
-            elif get_origin(inner) is tuple:
-                kw.update(nargs="+", metavar="NAME")
-            else:
-                kw.update(type=_parser(inner, nullable), metavar=_shorthand(f).upper())
-            group.add_argument(_flag(f), **kw)
-
-
-def _show(value: Any) -> str:
-    return "none" if value is None else str(value)
-
-
-def _parser(kind: type, nullable: bool):
-    def parse(text: str):
-        if nullable and text.lower() == "none":
-            return None
-        return kind(text)
-    parse.__name__ = kind.__name__
-    return parse
-
-
-def given(namespace: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """{section: {field: value}} of the configuration flags given on the command line."""
-    out: dict[str, dict[str, Any]] = {}
-    for dest, value in vars(namespace).items():
-        if dest.startswith(_DEST):
-            section, name = dest[len(_DEST):].split(".", 1)
-            out.setdefault(section, {})[name] = value
-    return out
-
-
-def from_arguments(namespace: argparse.Namespace, cls: type = Config, *, base: Config | None = None) -> Config:
-    """The configuration of a command line: `base` (the defaults, or the file --config names),
-    then the flags given."""
-    if base is None:
-        path = getattr(namespace, "config", None)
-        base = cls.from_toml(path) if path else cls()
-    return base.replace_sections(given(namespace))
-
-
-__all__ = ["Config", "ContextConfig", "DataConfig", "DataParallelConfig", "DebugConfig", "ExpertsConfig",
-           "InputsConfig", "MeshConfig", "ModelConfig", "OptimizerConfig", "PipelineConfig", "PrecisionConfig",
-           "RecomputeConfig", "SECTIONS", "TensorConfig", "TrainConfig", "TrainingConfig", "add_arguments",
-           "env_flag", "env_str", "from_arguments", "given", "torch_dtype"]
+        """The tree from a TOML file over `base` (see `toml.from_toml`)."""
+        return toml.from_toml(cls, path, base=base)
