@@ -26,6 +26,7 @@ from fxtron.config import Config
 from fxtron.core.meta import TraceInfo
 from fxtron.core.meta import param_name as meta_param_name
 from fxtron.core.params import LocalParam
+from fxtron.core.records import FSDP_PIECES, ZERO_WAITED, FsdpPiece, ZeroWaited
 from fxtron.core.rank import RankSpec
 from fxtron.errors import ParallelizeError
 from fxtron.ops import ledger
@@ -130,7 +131,7 @@ class Program(nn.Module):
                          for a in n.args[2]}
             named = dict(self.named_parameters())
             for n in self._raw:
-                named[n].fxtron_zero, named[n].fxtron_name = self.zero, n
+                ZERO_WAITED.set(named[n], ZeroWaited(self.zero, n))   # what param_wait reads (ops/fsdp.py)
             self.grads.waited_in_graph = set(self._raw)
         # sharded data parallel (zero=3): each layer's pieces gathered at the graph's fsdp_gather nodes
         self.fsdp = None
@@ -143,7 +144,7 @@ class Program(nn.Module):
             self.grads.fsdp = self.fsdp
             for name, p in self.named_parameters():
                 if name in self.local and self.local[name].flat is not None:
-                    p.fxtron_units = self.fsdp       # what the graph's gathers call (ops/fsdp.py)
+                    FSDP_PIECES.set(p, FsdpPiece(self.fsdp))   # what the graph's gathers call (ops/fsdp.py)
 
     # ---------------------------------------------------------------- gradients (runtime/grads.py)
     @property
