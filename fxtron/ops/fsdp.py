@@ -26,9 +26,9 @@ compute dtype.
 
 `shapes` is the local shapes of the parameters, concatenated, and `dims` their ranks, so the
 fake implementation needs no group. The run-time forms call the program's `FsdpUnits`, which
-the pieces carry (`fxtron_units`, set by the program and kept by its compute copies); the gathered tensors carry `fxtron_fsdp = (units, unit,
-index)` so that a fused linear (ops/linear.py) keeps that handle, not the whole weight, for
-its backward.
+the pieces' records name (core/records.py FSDP_PIECES, written by the program and kept for its
+compute copies); each gathered tensor's record (FSDP_GATHERED: units, unit, index) is the handle
+a fused linear (ops/linear.py) keeps, not the whole weight, for its backward.
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from fxtron.core import layout
+from fxtron.core.records import FSDP_GATHERED, FSDP_PIECES, ZERO_WAITED, FsdpGathered
 from fxtron.errors import ParallelizeError
 from fxtron.ops.registry import Comm, OpSpec, register
 
@@ -85,9 +86,11 @@ def _(group, unit, params):
 
 
 def param_wait_eager(group: str, unit: str, params: list[Tensor]) -> list[Tensor]:
-    """The run-time form: the distributed optimizer the parameters carry (`fxtron_zero`,
-    runtime/zero.py) waits for their buckets and gives them in the compute dtype."""
-    zero = getattr(params[0], "fxtron_zero", None) if params else None
+    """The run-time form: the distributed optimizer the parameters' records name
+    (core/records.py ZERO_WAITED; runtime/zero.py) waits for their buckets and gives them in the
+    compute dtype."""
+    waited = ZERO_WAITED.get(params[0]) if params else None
+    zero = waited.zero if waited is not None else None
     return list(params) if zero is None else zero.ready(unit, params)
 
 
@@ -112,20 +115,21 @@ class _Gather(torch.autograd.Function):
 def fsdp_gather_eager(group: str, unit: str, shards: list[Tensor], shapes: list[int], dims: list[int]) -> list[Tensor]:
     # the pieces carry their program's units (a recomputation in backward runs outside the step's
     # context, and on a GPU in autograd's own thread)
-    units = getattr(shards[0], "fxtron_units", None) if shards else None
+    piece = FSDP_PIECES.get(shards[0]) if shards else None
+    units = piece.units if piece is not None else None
     if units is None:
         return fsdp_gather(group, unit, shards, shapes, dims)
     out = _Gather.apply(units, unit, *shards)
     out = list(out) if isinstance(out, tuple) else [out]
     for i, t in enumerate(out):
-        t.fxtron_fsdp = (units, unit, i)
+        FSDP_GATHERED.set(t, FsdpGathered(units, unit, i))
     return out
 
 
 def fsdp_free_eager(group: str, unit: str, gathered: list[Tensor]) -> None:
     h = handle(gathered[0]) if gathered else None
     if h is not None:
-        h[0].free(unit)
+        h.units.free(unit)
 
 
 register(OpSpec("fsdp_gather", axis_arg=0, forward=Comm("all_gather", "params"),
@@ -142,9 +146,10 @@ def read_in_backward(gather) -> bool:
     return any(u.target not in lookup for item in gather.users for u in item.users)
 
 
-def handle(weight: Tensor):
-    """(units, unit, index) of a parameter gathered by fsdp_gather, or None."""
-    return getattr(weight, "fxtron_fsdp", None)
+def handle(weight: Tensor) -> FsdpGathered | None:
+    """The record (units, unit, index: core/records.py FsdpGathered) of a parameter gathered
+    by fsdp_gather, or None."""
+    return FSDP_GATHERED.get(weight)
 
 
 __all__ = ["fsdp_free", "fsdp_gather", "handle", "param_wait", "read_in_backward", "shapes_of"]

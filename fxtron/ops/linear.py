@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from fxtron.core.records import FRESH_GRADS, FSDP_GATHERED, GRAD_REPORTS, SEQUENCE_GATHERED, SequenceGathered
 from fxtron.ops.kernels import kernel
 from fxtron.ops.recompute import recomputing
 from fxtron.ops.registry import OpSpec, register
@@ -81,8 +82,7 @@ def _accumulate(x: Tensor, dy: Tensor, main_grad, weight_in_out: bool, report=No
     wgrad_accumulate = kernel("wgrad").run
     if callable(main_grad):
         main_grad = main_grad()
-    if getattr(main_grad, "fxtron_fresh", False):    # the step's first contribution (runtime/dp.py)
-        main_grad.fxtron_fresh = False
+    if FRESH_GRADS.take(main_grad):    # the step's first contribution (runtime/dp.py, core/records.py)
         x2, dy2 = x.reshape(-1, x.shape[-1]).detach(), dy.reshape(-1, dy.shape[-1]).detach()
         a, b = (x2, dy2) if weight_in_out else (dy2, x2)
         if a.dtype == main_grad.dtype:
@@ -105,8 +105,8 @@ def _accumulate(x: Tensor, dy: Tensor, main_grad, weight_in_out: bool, report=No
 
 class Regather:
     """How a tensor all-gathered from sequence-parallel shards (ops/tp.py gather_from_sequence)
-    is gathered again in backward. The gathered tensor carries `fxtron_gathered = (shard,
-    Regather)`; a linear whose input it is saves the shard for backward instead of the whole
+    is gathered again in backward. The gathered tensor's record (core/records.py
+    SEQUENCE_GATHERED: the shard, this Regather) says so; a linear whose input it is saves the shard for backward instead of the whole
     tensor and gathers it again there (Megatron's sequence-parallel linear). The linears that
     share one gathered input (q, k and v projections) share one gather in backward, made by the
     first and dropped after the last. It holds no tensor until backward: the shard lives only
@@ -137,9 +137,10 @@ class Regather:
         return finish
 
 
-def gathered(x: Tensor) -> tuple[Tensor, Regather] | None:
-    """(the sequence shard `x` was all-gathered from, how to gather it again), if it was."""
-    return getattr(x, "fxtron_gathered", None)
+def gathered(x: Tensor) -> SequenceGathered | None:
+    """The record (core/records.py SequenceGathered: the sequence shard `x` was all-gathered
+    from, how to gather it again), if it was."""
+    return SEQUENCE_GATHERED.get(x)
 
 
 def _linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], weight_in_out: bool) -> Tensor:
@@ -167,18 +168,18 @@ def _(x, weight, bias, weight_in_out):
 
 def _setup(ctx, inputs, output):
     x, weight, bias, ctx.weight_in_out = inputs
-    ctx.fsdp = getattr(weight, "fxtron_fsdp", None)   # a weight gathered under zero=3 (ops/fsdp.py)
+    ctx.fsdp = FSDP_GATHERED.get(weight)   # a weight gathered under zero=3 (ops/fsdp.py, core/records.py)
     if ctx.fsdp is not None:     # keep the handle, not the whole weight: backward gathers it again
         ctx.weight = None
     else:
         ctx.weight = weight      # the Parameter itself: its main_grad attribute is read in backward
     ctx.has_bias = bias is not None
     g = gathered(x)
-    ctx.regather = g[1] if g is not None else None
+    ctx.regather = g.regather if g is not None else None
     if g is None:
         ctx.save_for_backward(x)
         return
-    ctx.save_for_backward(g[0])      # sequence parallel: keep the shard, gather it again in backward
+    ctx.save_for_backward(g.shard)   # sequence parallel: keep the shard, gather it again in backward
     if not recomputing():            # a recomputation's ctx is not run backward: no saver more
         ctx.regather.savers += 1
 
@@ -187,14 +188,15 @@ def _backward(ctx, dy):
     (x,) = ctx.saved_tensors
     gathering = ctx.regather.begin(x) if ctx.regather is not None else None
     if ctx.fsdp is not None:   # zero=3: the weight gathered again, its gradient into the layer's
-        units, unit, index = ctx.fsdp
+        units, unit, index = ctx.fsdp.units, ctx.fsdp.unit, ctx.fsdp.index
         w = units.weight(unit, index)
         # where it accumulates is asked when the GEMM runs (a deferred W pass may run after the
         # layer's gradient of this microbatch was reduced: its share then joins the next reduction)
         main_grad, report = (lambda: units.main_grad(unit, index)), units.reporter(unit)
     else:
         w = ctx.weight
-        main_grad, report = getattr(w, "main_grad", None), getattr(w, "fxtron_report", None)
+        reported = GRAD_REPORTS.get(w)   # (runtime/grads.py, core/records.py)
+        main_grad, report = getattr(w, "main_grad", None), reported.report if reported is not None else None
     dy = dy.to(x.dtype)        # as Megatron: the weight-gradient GEMM takes both in the input's dtype
     dx = dy.matmul(w.t() if ctx.weight_in_out else w)
     if gathering is not None:  # the input gathered again while the input gradient was computed

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fxtron.core.layout import check_divisible, from_list, shard, unshard
+from fxtron.core.records import SEQUENCE_GATHERED, SequenceGathered
 from fxtron.ops import transport as T
 from fxtron.ops.linear import Regather, active_queue
 from fxtron.ops.registry import Comm, OpSpec, register
@@ -277,7 +278,7 @@ class _GatherFromSequence(torch.autograd.Function):
         pg = _group(group)
         if pg is not None:
             d = _norm(dim, x.dim())
-            out.fxtron_gathered = (x.detach(), Regather(lambda shard: T.start_gather(shard, d, pg)))
+            SEQUENCE_GATHERED.set(out, SequenceGathered(x.detach(), Regather(lambda shard: T.start_gather(shard, d, pg))))
         return out
 
     backward = staticmethod(_gather_from_sequence_bwd)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fxtron.core.records import FRESH, FRESH_GRADS
 from fxtron.ops import ledger, shm
 from fxtron.ops import transport as T
 
@@ -116,7 +117,7 @@ class GradBuffer:
     # ------------------------------------------------------------------ one step
     def reset(self, views: dict | None = None) -> None:
         """Forget the last step's gradients and collectives. The buffer is not zero-filled: each
-        parameter's view (`views`, name -> its main_grad) is marked `fxtron_fresh`, so the
+        parameter's view (`views`, name -> its main_grad) is marked fresh (core/records.py FRESH_GRADS), so the
         step's first contribution is written, not added (a fused linear's first weight-gradient
         GEMM writes its output, as autograd's does; ops/linear.py), and a view still fresh when
         its bucket is reduced is zeroed then (a parameter without a gradient this step). Without
@@ -131,7 +132,7 @@ class GradBuffer:
         else:
             self._fresh = {n: views[n] for n in self.offsets if n in views}
             for v in self._fresh.values():
-                v.fxtron_fresh = True
+                FRESH_GRADS.set(v, FRESH)
         self.started_early = 0
         self.bytes_sent = 0
         for b in self.buckets:
@@ -177,9 +178,8 @@ class GradBuffer:
         b.started = True
         for n in b.params:             # no gradient this step: zero, not last step's
             v = self._fresh.pop(n, None)
-            if v is not None and v.fxtron_fresh:
+            if v is not None and FRESH_GRADS.take(v):
                 v.zero_()
-                v.fxtron_fresh = False
         chunk = self.data[b.start:b.end]
         if (self.average or self.dp) != 1:
             chunk.div_(self.average or self.dp)     # scale once: the average over dp

@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from fxtron.core import meta
+from fxtron.core.records import FRESH_GRADS, FSDP_GATHERED, FsdpGathered
 from fxtron.ops import fsdp as ops
 from fxtron.ops import ledger
 from fxtron.ops.linear import active_queue
@@ -304,7 +305,7 @@ class FsdpUnits:
         out = flat.as_strided(x.size, x.stride, x.offset)
         i = u.index_of(x)
         if i is not None:     # a whole parameter (a recomputed region's input): a fused linear's handle again
-            out.fxtron_fsdp = (self, u.label, i)
+            FSDP_GATHERED.set(out, FsdpGathered(self, u.label, i))
         return out
 
     def _compute(self, t: torch.Tensor) -> torch.Tensor:
@@ -394,9 +395,8 @@ class FsdpUnits:
                 if g is None:           # outside train_step (prog(...).backward()): into the piece's .grad
                     p = self.params[n]
                     p.grad = part.to(p.dtype).clone() if p.grad is None else p.grad.add_(part.to(p.dtype))
-                elif getattr(g, "fxtron_fresh", False):      # the step's first (runtime/dp.py)
+                elif FRESH_GRADS.take(g):      # the step's first (runtime/dp.py, core/records.py)
                     g.copy_(part)
-                    g.fxtron_fresh = False
                 else:
                     g.add_(part.to(g.dtype))
 

@@ -23,6 +23,7 @@ from fxtron.config import DataParallelConfig, torch_dtype
 from fxtron.core import layout
 from fxtron.core.layout import unshard
 from fxtron.core.params import LocalParam
+from fxtron.core.records import FRESH_GRADS, GRAD_REPORTS, GradReport
 from fxtron.errors import ParallelizeError
 from fxtron.ops import ledger
 from fxtron.runtime.dp import GradBuffer, default_bucket_size
@@ -186,11 +187,10 @@ class Gradients:
             if not self._in_step or p.grad is None:
                 return
             g, share = p.main_grad, self._share.get(name, 1.0)
-            if g.fxtron_fresh:          # the step's first contribution: written, not added
+            if FRESH_GRADS.take(g):     # the step's first contribution: written, not added (runtime/dp.py)
                 g.copy_(p.grad)
                 if share != 1.0:
                     g.mul_(share)
-                g.fxtron_fresh = False
             else:
                 g.add_(p.grad, alpha=share)
             p.grad = None
@@ -224,7 +224,7 @@ class Gradients:
         self._last_started = set()
         for n, p in self.params.items():
             p.main_grad = self._views[n]
-            p.fxtron_report = self._report(n)
+            GRAD_REPORTS.set(p, GradReport(self._report(n)))   # what a fused linear calls (ops/linear.py)
         if self.fsdp is not None:
             self.fsdp.begin({n: self._views[n] for n in self.params if n in self.local and self.local[n].flat is not None})
         self._in_step = True
@@ -233,7 +233,8 @@ class Gradients:
         finally:
             self._in_step = False
             for p in self.params.values():
-                del p.main_grad, p.fxtron_report
+                del p.main_grad
+                GRAD_REPORTS.pop(p)
 
     def last_backward(self, chunk: int | None) -> None:
         """The next backward is the step's last for `chunk` (None: all parameters): bucket

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from fxtron.core.records import FSDP_PIECES, GRAD_REPORTS
 from fxtron.ops import ledger
 
 
@@ -16,13 +17,15 @@ def compute_copy(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     if dtype is None or not t.is_floating_point():
         return t
     copy = t.to(dtype)
-    units = getattr(t, "fxtron_units", None)     # zero=3's pieces: the program's units (ops/fsdp.py)
-    if units is not None:
-        copy.fxtron_units = units
+    piece = FSDP_PIECES.get(t)     # zero=3's pieces: the program's units (ops/fsdp.py, core/records.py)
+    if piece is not None:
+        FSDP_PIECES.set(copy, piece)
     main_grad = getattr(t, "main_grad", None)
     if main_grad is not None:
         copy.main_grad = main_grad
-        copy.fxtron_report = t.fxtron_report
+        reported = GRAD_REPORTS.get(t)
+        if reported is not None:
+            GRAD_REPORTS.set(copy, reported)
     return copy
 
 

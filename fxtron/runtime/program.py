@@ -4,14 +4,17 @@ The module tree mirrors the original model's (`prog.named_parameters()` yields
 `blocks.0.attn.qkv.weight`, ...), so optimizers, clipping and state dicts see familiar names.
 Forward calls the per-rank GraphModule with (parameters, buffers, flattened inputs) in the
 order the trace fixed. `train_step` does one whole step: the rank's slice of the batch
-(runtime/batch.py), forward and backward (or the pipeline schedule, runtime/pp/executor.py), the
+(runtime/batch.py), forward and backward (or the pipeline schedule, runtime/pp/runner.py), the
 gradient sync (runtime/grads.py), mixed precision (runtime/precision.py) and the optimizer.
+
+What is not the step lives beside it, as functions of the program: the pipeline runner
+(runtime/pp/runner.py), the timelines (runtime/pp/timeline.py), the experts' load
+(runtime/ep.py), the optimizer step with its skipping and loss scaling (runtime/optim.py),
+checkpoints and pretrained weights (runtime/checkpoint/dcp.py, runtime/checkpoint/hf.py).
 """
 from __future__ import annotations
 
 import contextlib
-import functools
-import math
 import time
 
 import torch
@@ -23,20 +26,23 @@ from fxtron.config import Config
 from fxtron.core.meta import TraceInfo
 from fxtron.core.meta import param_name as meta_param_name
 from fxtron.core.params import LocalParam
+from fxtron.core.records import FSDP_PIECES, ZERO_WAITED, FsdpPiece, ZeroWaited
 from fxtron.core.rank import RankSpec
-from fxtron.core.stage import Stage
 from fxtron.errors import ParallelizeError
 from fxtron.ops import ledger
 from fxtron.ops.ep import DispatchLog
 from fxtron.ops.linear import WgradQueue
 from fxtron.ops.rng import RNGStreams
+from fxtron.runtime import ep, optim
 from fxtron.runtime.batch import BatchSlicer, Microbatches
-from fxtron.runtime.pp.executor import Event
-from fxtron.runtime.grads import Gradients, across_stages, get_by_path
+from fxtron.runtime.checkpoint import dcp, hf
+from fxtron.runtime.grads import Gradients, get_by_path
 from fxtron.runtime.groups import ProcessGroups
-from fxtron.runtime.memory import MemoryTracker, tracking
+from fxtron.runtime.memory import tracking
+from fxtron.runtime.pp import runner as pp_runner
+from fxtron.runtime.pp import timeline
+from fxtron.runtime.pp.executor import Event
 from fxtron.runtime.precision import LossScaler, compute_copy
-
 
 def _set_by_path(root: nn.Module, path: str, value: torch.Tensor, *, parameter: bool, persistent: bool = True) -> None:
     *mods, leaf = path.split(".")
@@ -125,7 +131,7 @@ class Program(nn.Module):
                          for a in n.args[2]}
             named = dict(self.named_parameters())
             for n in self._raw:
-                named[n].fxtron_zero, named[n].fxtron_name = self.zero, n
+                ZERO_WAITED.set(named[n], ZeroWaited(self.zero, n))   # what param_wait reads (ops/fsdp.py)
             self.grads.waited_in_graph = set(self._raw)
         # sharded data parallel (zero=3): each layer's pieces gathered at the graph's fsdp_gather nodes
         self.fsdp = None
@@ -138,7 +144,7 @@ class Program(nn.Module):
             self.grads.fsdp = self.fsdp
             for name, p in self.named_parameters():
                 if name in self.local and self.local[name].flat is not None:
-                    p.fxtron_units = self.fsdp       # what the graph's gathers call (ops/fsdp.py)
+                    FSDP_PIECES.set(p, FsdpPiece(self.fsdp))   # what the graph's gathers call (ops/fsdp.py)
 
     # ---------------------------------------------------------------- gradients (runtime/grads.py)
     @property
@@ -227,15 +233,15 @@ class Program(nn.Module):
         microbatches may differ in sequence length), run by the schedule, and the loss is the
         mean of the microbatches' losses, as gradient accumulation computes it -- a token mean
         over the whole batch's counted tokens (passes/statistics.py)."""
-        self._check_optimizer(optimizer)
+        optim.check_optimizer(self, optimizer)
         if self._stages is not None or self.pipeline.microbatches > 1 or isinstance(inputs, Microbatches):
-            return self._pipelined_step(inputs, optimizer, kwargs)
+            return pp_runner.pipelined_step(self, inputs, optimizer, kwargs)
         args, kw = self.local_batch(inputs, kwargs)
         batch = self._batch.context(inputs, kwargs)
         optimizer.zero_grad(set_to_none=True)
-        memory = self._memory_tracker()
+        memory = timeline.memory_tracker(self)
         t0 = time.perf_counter()
-        with self.grads.accumulation(), self._dispatch_log(), batch.active():
+        with self.grads.accumulation(), ep.dispatch_log(self), batch.active():
             with tracking(memory):
                 loss = self(*args, **kw)
             t1 = time.perf_counter()
@@ -254,7 +260,7 @@ class Program(nn.Module):
                 memory.sample("B", 0, 0)
         self._events = [Event("F", 0, 0, 0, 0.0, t1 - t0), Event("B", 0, 0, 0, t1 - t0, t2 - t0)]
         self.grads.finalize()
-        self._optimizer_step(optimizer)
+        optim.optimizer_step(self, optimizer)
         out = total()
         ledger.step_end(self.groups)
         return out
@@ -278,27 +284,8 @@ class Program(nn.Module):
         return self.fsdp.running() if self.fsdp is not None else contextlib.nullcontext()
 
     def runner(self):
-        """The schedule runner of this rank (built once): its chunks, actions and p2p."""
-        if self._runner is None:
-            from fxtron.runtime.pp import schedules
-            from fxtron.runtime.pp.executor import StageRunner
-            from fxtron.runtime.pp.p2p import P2P
-            opts = self.pipeline
-            pp = self.groups.size("pp") if self.groups is not None else 1
-            pp_rank = self.groups.index("pp") if self.groups is not None else 0
-            whole = Stage(index=0, gm=None, params=[], buffers=[], user_inputs=[], has_loss=True)
-            stages = self._stages if self._stages is not None else [whole]
-            acts = schedules.actions(opts.schedule, pp, opts.microbatches, pp_rank, opts.virtual_stages)
-            p2p = (P2P(self.groups, scatter_gather=opts.scatter_gather, match_by_tag=self.config.debug.p2p_tags,
-                       rank_of=functools.partial(schedules.rank_of, opts.schedule, pp))
-                   if pp > 1 else None)
-            orders = [schedules.actions(opts.schedule, pp, opts.microbatches, r, opts.virtual_stages) for r in range(pp)]
-            peers = (orders, functools.partial(schedules.stage_of, opts.schedule, pp))
-            self._runner = StageRunner(stages, self._call_stage, acts, num_stages=pp * opts.chunks, peers=peers,
-                                       microbatches=opts.microbatches, p2p=p2p,
-                                       zero_bubble=opts.split_backward, before_last_backward=self.grads.last_backward,
-                                       quiet=self.grads.quiet)
-        return self._runner
+        """The schedule runner of this rank (built once): its chunks, actions and p2p (runtime/pp/runner.py)."""
+        return pp_runner.runner(self)
 
     def eval_step(self, inputs, *, kwargs: dict | None = None) -> float:
         """The global batch's loss, as train_step computes it, with the weights, the optimizer
@@ -308,121 +295,31 @@ class Program(nn.Module):
         if self._stages is not None or self.pipeline.microbatches > 1 or isinstance(inputs, Microbatches):
             norm = self.grads.last_norm
             try:
-                return self._pipelined_step(inputs, None, kwargs)
+                return pp_runner.pipelined_step(self, inputs, None, kwargs)
             finally:
                 self.grads.last_norm = norm
         args, kw = self.local_batch(inputs, kwargs)
         batch = self._batch.context(inputs, kwargs)
-        with torch.no_grad(), self._dispatch_log(), batch.active():
+        with torch.no_grad(), ep.dispatch_log(self), batch.active():
             loss = self(*args, **kw)
         out = self._global_loss(loss.detach().to(torch.promote_types(loss.dtype, torch.float32)))
         ledger.step_end(self.groups)
         return out
 
-    def _pipelined_step(self, inputs, optimizer, kwargs) -> float:
-        mbs = self.microbatches(inputs, kwargs)
-        batch = self._batch.context(inputs, kwargs)
-        runner = self.runner()
-        if optimizer is not None:
-            optimizer.zero_grad(set_to_none=True)
-        runner.memory = self._memory_tracker()
-        with self.grads.accumulation(), self._dispatch_log(), batch.active():
-            loss = runner.run(mbs, loss_scale=self.scaler.scale if self.scaler is not None else 1.0)
-        self.grads.finalize()
-        if optimizer is not None:
-            self._optimizer_step(optimizer)
-        else:
-            for p in self.parameters():
-                p.grad = None
-        if self.groups is not None and self.groups.size("pp") > 1:
-            # float64 on every pp rank: the last stage's loss keeps a float64 model's precision
-            loss = (loss.double().clone() if loss is not None
-                    else torch.zeros((), dtype=torch.float64, device=self.groups.device))
-            with ledger.collective(self.groups.group("pp"), "all_reduce", loss):   # only the last stage's is non-zero
-                dist.all_reduce(loss, group=self.groups.group("pp"))
-        out = self._global_loss(loss)
-        ledger.step_end(self.groups)
-        return out
-
-    # ---------------------------------------------------------------- mixtures of experts
-    def _dispatch_log(self):
-        self.last_dispatch = DispatchLog()
-        return self.last_dispatch.active()
-
+    # ---------------------------------------------------------------- expert load, timelines
     def expert_load(self) -> dict[str, torch.Tensor]:
-        """The copies each expert received in the last step, per mixture-of-experts layer of
-        this rank's stages: {layer: (E,) int64} over the whole global batch (every data-
-        parallel rank's tokens: one all-reduce over dp; every rank of the group calls it).
-        Empty without expert parallel. `last_dispatch.bytes_sent`: the bytes this rank sent
-        to other ranks in the step's all-to-alls."""
-        log = getattr(self, "last_dispatch", None)
-        if log is None or not log.copies:
-            return {}
-        names = sorted(log.copies)
-        stacked = torch.stack([log.copies[n].to(torch.int64) for n in names])
-        if self.groups is not None and self.groups.size("dp") > 1:
-            stacked = stacked.to(self.groups.device)
-            with ledger.collective(self.groups.group("dp"), "all_reduce", stacked):
-                dist.all_reduce(stacked, group=self.groups.group("dp"))
-        return {n: stacked[i].cpu() for i, n in enumerate(names)}
+        """The copies each expert received in the last step, per mixture-of-experts layer,
+        over the whole global batch (runtime/ep.py expert_load; every rank of dp calls it)."""
+        return ep.expert_load(self)
 
     def timeline(self) -> list:
-        """The last step's events on this rank (runtime.executor.Event: F, B, W and, with a
-        schedule, the waits for messages and the sends, with start and end in seconds from the
-        step's start)."""
-        return list(self._runner.events) if self._runner is not None else list(self._events)
+        """The last step's events on this rank (runtime/pp/timeline.py timeline)."""
+        return timeline.timeline(self)
 
     def memory_timeline(self) -> list:
-        """The last step's memory on this rank, after every pass (runtime.memory.MemorySample:
-        the bytes saved for backward then alive, the gradient bytes, CUDA's allocated bytes),
-        recorded when `prog.track_memory = True` was set before the step."""
-        if self._memory is None or not self.track_memory:
-            raise RuntimeError("no memory timeline recorded: set prog.track_memory = True before the step")
-        return list(self._memory.samples)
-
-    def _memory_tracker(self):
-        """This step's MemoryTracker, started (None unless track_memory)."""
-        if not self.track_memory:
-            return None
-        if self._memory is None:
-            self._memory = MemoryTracker([*self.parameters(), *self.buffers()], self.grads.bytes)
-        self._memory.start()
-        return self._memory
-
-    # ---------------------------------------------------------------- optimizer
-    def _check_optimizer(self, optimizer) -> None:
-        """ParallelizeError for an optimizer that would not train this program: not an
-        optimizer, or holding tensors that are not its parameters (the original model's,
-        whose gradients the step never fills)."""
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ParallelizeError(f"train_step needs a torch.optim.Optimizer over prog.parameters(), got "
-                                   f"{type(optimizer).__name__}")
-        mine = {id(p) for p in self.parameters()}
-        foreign = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"] if id(p) not in mine]
-        if foreign:
-            raise ParallelizeError(
-                f"the optimizer holds {len(foreign)} tensor(s) that are not this program's parameters (the first "
-                f"of shape {foreign[0]}): build it over prog.parameters() -- the rank's shards -- not over the "
-                "original model's")
-
-    def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.skip_nonfinite and self.scaler is None:      # (fp16's scaler skips such steps itself)
-            norm = self.grads.last_norm if self.grads.config.clip_grad is not None else float(self.grads.norm())
-            self.grads.last_norm = norm
-            self.last_step_skipped = not math.isfinite(norm)
-            if self.last_step_skipped:
-                return
-        if self.zero is not None:
-            params = self.zero.optimizer_for(optimizer)
-            grads_ok = self.scaler is None or self.scaler.unscale_and_check(params, self.groups, sharded_over_dp=True,
-                                                                               dp_kind=self.grads.dense_group)
-            if grads_ok:
-                self.zero.step(optimizer)
-            return
-        if self.scaler is None or self.scaler.unscale_and_check(
-                list(self.parameters()), self.groups, sharded_over_dp=self.fsdp is not None,
-                dp_kind=self.grads.dense_group):
-            optimizer.step()
+        """The last step's memory on this rank, after every pass, recorded when
+        `prog.track_memory = True` was set before the step (runtime/pp/timeline.py)."""
+        return timeline.memory_timeline(self)
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, path: str, optimizer: torch.optim.Optimizer | None = None, storage_writer=None,
@@ -434,21 +331,18 @@ class Program(nn.Module):
         process (`fxtron.load_full_state_dict`). `storage_writer(directory)`, optional, gives
         DCP's StorageWriter (default: files). `extra`: a picklable object (the same on every
         rank) saved with them, read back by fxtron.runtime.checkpoint.dcp.read_extra."""
-        from fxtron.runtime.checkpoint import dcp as checkpoint
-        checkpoint.save(self, path, optimizer, storage_writer, extra)
+        dcp.save(self, path, optimizer, storage_writer, extra)
 
     def load(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Read a checkpoint saved by `save` from any mesh into this program (and optimizer)."""
-        from fxtron.runtime.checkpoint import dcp as checkpoint
-        checkpoint.load(self, path, optimizer)
+        dcp.load(self, path, optimizer)
 
     def load_pretrained(self, path: str, prefix: str = "") -> None:
         """Pretrained weights from safetensors (a directory save_pretrained wrote, or one file)
         into this rank's shards, each rank reading only its own slices (runtime/checkpoint/hf.py);
         every rank calls it. `prefix`: what the checkpoint's keys carry in front of the model's
         names. Missing, unexpected and mis-shaped tensors are one ParallelizeError."""
-        from fxtron.runtime.checkpoint import hf as pretrained
-        pretrained.load_pretrained(self, path, prefix)
+        hf.load_pretrained(self, path, prefix)
 
     def save_pretrained(self, path: str, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None) -> None:
         """Write the model as transformers' save_pretrained does -- safetensors files of at most
@@ -456,8 +350,7 @@ class Program(nn.Module):
         generation_config.json for a transformers model -- tensor by tensor, each gathered once
         (runtime/checkpoint/hf.py); every rank calls it. `dtype` (torch.bfloat16): the floating
         tensors written in it. `AutoModelForCausalLM.from_pretrained(path)` loads it."""
-        from fxtron.runtime.checkpoint import hf as pretrained
-        pretrained.save_pretrained(self, path, max_shard_size, dtype)
+        hf.save_pretrained(self, path, max_shard_size, dtype)
 
     # ---------------------------------------------------------------- communication
     def _dp(self) -> tuple[int, int]:
@@ -498,20 +391,8 @@ class Program(nn.Module):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full-shape parameters and persistent buffers under the original names, tied aliases
-        included, so `model.load_state_dict(prog.full_state_dict())` restores the model."""
-        out = {}
-        if self.zero is not None:
-            self.zero.wait_params()
-        for name, p in self.named_parameters():
-            out[name] = self.grads.full(name, self.grads.local_of(name, p.detach())).clone()
-        persistent = set(self.state_dict(keep_vars=True))
-        for name, b in self.named_buffers():
-            if name in persistent:
-                out[name] = b.detach().clone()
-        out = across_stages(self.groups, out)
-        for alias, name in self.info.aliases.items():
-            out[alias] = out[name]
-        return out
-
+        included, so `model.load_state_dict(prog.full_state_dict())` restores the model
+        (runtime/checkpoint/dcp.py full_state_dict; every rank calls it)."""
+        return dcp.full_state_dict(self)
 
 __all__ = ["Microbatches", "Program"]

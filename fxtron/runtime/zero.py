@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fxtron.core.records import ZERO_WAITED
 from fxtron.ops import ledger
 from fxtron.runtime.precision import compute_copy
 
@@ -183,8 +184,8 @@ class ZeroOne:
         """overlap_param_gather (ops/fsdp.py param_wait): a layer's parameters once their
         buckets have arrived, as the graph computes with them (16-bit copies under mixed
         precision, carrying their main_grad)."""
-        names = [getattr(p, "fxtron_name", None) for p in params]
-        self.wait_for([n for n in names if n is not None])
+        waited = [ZERO_WAITED.get(p) for p in params]     # (written by runtime/program.py)
+        self.wait_for([w.name for w in waited if w is not None])
         return [compute_copy(p, self.dtype) for p in params]
 
     def full_grad_data(self) -> dict[str, torch.Tensor]:

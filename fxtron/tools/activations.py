@@ -27,6 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxtron.core import meta
 from fxtron.core.meta import BATCH, SEQ
+from fxtron.core.records import SEQUENCE_GATHERED, SequenceGathered
 from fxtron.errors import ParallelizeError
 from fxtron.ops import ep as ep_ops
 from fxtron.ops.linear import Regather
@@ -52,7 +53,7 @@ def _gather_from_sequence(x, dim, world, group):
     """gather_from_sequence as the runtime's form marks its output (ops/tp.py): the linears it
     feeds save the shard, not the gathered whole."""
     out = torch.ops.fxtron.gather_from_sequence(x, dim, world, group)
-    out.fxtron_gathered = (x.detach(), Regather(lambda shard: None))
+    SEQUENCE_GATHERED.set(out, SequenceGathered(x.detach(), Regather(lambda shard: None)))
     return out
 
 

@@ -21,6 +21,9 @@ any rank -- a full disk, a writer that raises -- raises ParallelizeError on ever
 each failed rank, the path and the error, and leaves `path` as it was; a rank killed mid-save
 leaves only the temporary directory, which the next save clears. `load` refuses a directory
 without the marker, saying the save did not complete.
+
+In memory: `full_state_dict(prog)` (Program.full_state_dict) gathers the whole model's
+parameters and persistent buffers, under the original names, on every rank.
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ from fxtron.core import layout as shard_math
 from fxtron.core.params import AxisShard
 from fxtron.errors import ParallelizeError
 from fxtron.ops import ledger
+from fxtron.runtime.grads import across_stages
 
 
 #: the order of a device mesh's dims when a parameter is split over several axes (an expert
@@ -474,6 +478,26 @@ def _unpack_obj(buf: io.BytesIO):
 def _is_tensor_meta(m) -> bool:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     return isinstance(m, TensorStorageMetadata)
+
+
+def full_state_dict(prog) -> dict[str, torch.Tensor]:
+    """Full-shape parameters and persistent buffers of `prog` under the original names, tied
+    aliases included, so `model.load_state_dict(prog.full_state_dict())` restores the model
+    (Program.full_state_dict; every rank calls it: the tensors gathered over the axes they are
+    split on and across the pipeline stages)."""
+    out = {}
+    if prog.zero is not None:
+        prog.zero.wait_params()
+    for name, p in prog.named_parameters():
+        out[name] = prog.grads.full(name, prog.grads.local_of(name, p.detach())).clone()
+    persistent = set(prog.state_dict(keep_vars=True))
+    for name, b in prog.named_buffers():
+        if name in persistent:
+            out[name] = b.detach().clone()
+    out = across_stages(prog.groups, out)
+    for alias, name in prog.info.aliases.items():
+        out[alias] = out[name]
+    return out
 
 
 def load_full_state_dict(path: str, optimizer: bool = False) -> dict[str, torch.Tensor]:

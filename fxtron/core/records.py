@@ -1,0 +1,141 @@
+"""Core, run-time records: what the runtime and the ops tell each other about particular tensors
+-- a parameter's data-parallel owner, a gathered weight's handle, a gradient view's state --
+as explicit records in tables keyed by the tensor, instead of attributes set on it.
+
+Each table is a `TensorRecords`: a weak-keyed map (torch.utils.weak.WeakTensorKeyDictionary,
+by the tensor object's identity, as an attribute on it would be) from a tensor to its record.
+An entry lives as long as its tensor and no longer, so a record travels with a tensor where
+the tensor goes -- into autograd's saved context, into a recomputation in backward that runs
+outside the step's context (on a GPU in autograd's own thread) -- and needs no clearing when
+the tensor dies. Producer and consumer both import the table from here, so the layering test
+(tests/test_layers.py) sees every such connection as an import.
+
+The tables, who writes each and who reads it:
+
+  FSDP_PIECES       zero=3: a parameter's flat piece (and its compute copy) -> FsdpPiece(units),
+                    the program's FsdpUnits (runtime/fsdp.py). Written by runtime/program.py
+                    (Program.__init__) and runtime/precision.py (compute_copy keeps it on the
+                    copy); read by ops/fsdp.py (the run-time fsdp_gather calls the units).
+  FSDP_GATHERED     zero=3: a whole parameter that fsdp_gather gave -> FsdpGathered(units, unit,
+                    index). Written by ops/fsdp.py (the run-time fsdp_gather) and
+                    runtime/fsdp.py (a packed parameter unpacked in backward); read by
+                    ops/fsdp.py (`handle`: the free) and ops/linear.py (a fused linear keeps the
+                    handle, not the weight, for backward and gathers it again there).
+  ZERO_WAITED       zero=1/2 with overlap_param_gather: a parameter the graph's param_wait
+                    waits for -> ZeroWaited(zero, name), the distributed optimizer
+                    (runtime/zero.py ZeroOne) and the parameter's name. Written by
+                    runtime/program.py; read by ops/fsdp.py (param_wait's run-time form) and
+                    runtime/zero.py (ZeroOne.ready: the buckets of those names).
+  SEQUENCE_GATHERED sequence parallel: a tensor all-gathered from sequence shards ->
+                    SequenceGathered(shard, regather), ops/linear.py's Regather. Written by
+                    ops/tp.py (the run-time gather_from_sequence) and tools/activations.py (its
+                    estimate); read by ops/linear.py (a linear saves the shard, gathers it again
+                    in backward).
+  GRAD_REPORTS      data parallel: a parameter (and its compute copy) during a step ->
+                    GradReport(report), the call that tells its gradient buffer one
+                    contribution is complete. Written by runtime/grads.py (Gradients.accumulation,
+                    removed after it) and runtime/precision.py (compute_copy); read by
+                    ops/linear.py (a fused linear's weight-gradient job reports).
+  FRESH_GRADS       data parallel: a gradient view (a parameter's main_grad) not yet written
+                    this step -> FreshGrad(). Written by runtime/dp.py (GradBuffer.reset marks
+                    every view); taken (read and removed) by the step's first contribution:
+                    ops/linear.py (its GEMM writes, not adds), runtime/grads.py (the
+                    accumulate hook copies), runtime/fsdp.py (a reduced piece copies),
+                    runtime/dp.py (a view still fresh when its bucket is reduced is zeroed).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, TypeVar
+
+import torch
+from torch.utils.weak import WeakTensorKeyDictionary
+
+R = TypeVar("R")
+
+
+class TensorRecords(Generic[R]):
+    """A table of records keyed weakly by tensor identity (see the module docstring)."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._table = WeakTensorKeyDictionary()
+
+    def set(self, t: torch.Tensor, record: R) -> None:
+        self._table[t] = record
+
+    def get(self, t: torch.Tensor) -> R | None:
+        """`t`'s record, None without one."""
+        return self._table.get(t)
+
+    def pop(self, t: torch.Tensor) -> R | None:
+        """Remove `t`'s record and return it (None without one)."""
+        return self._table.pop(t, None)
+
+    def take(self, t: torch.Tensor) -> bool:
+        """Did `t` have a record? Removes it (a flag read once: FRESH_GRADS)."""
+        return self._table.pop(t, None) is not None
+
+    def __repr__(self) -> str:
+        return f"TensorRecords({self.kind!r}, {len(self._table)} entries)"
+
+
+@dataclass(frozen=True)
+class FsdpPiece:
+    """A zero=3 piece's owner: `units`, the program's runtime.fsdp.FsdpUnits."""
+
+    units: Any
+
+
+@dataclass(frozen=True)
+class FsdpGathered:
+    """A whole parameter gathered under zero=3: `units` (runtime.fsdp.FsdpUnits) gathered it
+    as parameter `index` of layer `unit` (the handle a fused linear keeps for backward)."""
+
+    units: Any
+    unit: str
+    index: int
+
+
+@dataclass(frozen=True)
+class ZeroWaited:
+    """A parameter the graph waits for (overlap_param_gather): `zero`, the distributed
+    optimizer (runtime.zero.ZeroOne) whose all-gather brings it, and its `name`."""
+
+    zero: Any
+    name: str
+
+
+@dataclass(frozen=True)
+class SequenceGathered:
+    """A tensor all-gathered from sequence-parallel shards: `shard` (the rank's, detached) and
+    `regather` (ops.linear.Regather: how backward gathers it again)."""
+
+    shard: torch.Tensor
+    regather: Any
+
+
+@dataclass(frozen=True)
+class GradReport:
+    """A parameter's report during a step: `report()` says one contribution to its gradient
+    is complete in the data-parallel buffer (runtime/dp.py GradBuffer.report)."""
+
+    report: Callable[[], None]
+
+
+@dataclass(frozen=True)
+class FreshGrad:
+    """A gradient view not yet written this step: the first contribution writes, not adds."""
+
+
+FSDP_PIECES: TensorRecords[FsdpPiece] = TensorRecords("fsdp piece")
+FSDP_GATHERED: TensorRecords[FsdpGathered] = TensorRecords("fsdp gathered")
+ZERO_WAITED: TensorRecords[ZeroWaited] = TensorRecords("zero waited")
+SEQUENCE_GATHERED: TensorRecords[SequenceGathered] = TensorRecords("sequence gathered")
+GRAD_REPORTS: TensorRecords[GradReport] = TensorRecords("grad report")
+FRESH_GRADS: TensorRecords[FreshGrad] = TensorRecords("fresh grad")
+FRESH = FreshGrad()
+
+__all__ = ["FRESH", "FRESH_GRADS", "FSDP_GATHERED", "FSDP_PIECES", "GRAD_REPORTS", "SEQUENCE_GATHERED",
+           "ZERO_WAITED", "FreshGrad", "FsdpGathered", "FsdpPiece", "GradReport", "SequenceGathered",
+           "TensorRecords", "ZeroWaited"]

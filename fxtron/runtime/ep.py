@@ -1,0 +1,38 @@
+"""Runtime, expert parallel: what a step's all-to-alls did -- the dispatch log a step records
+(ops/ep.py DispatchLog, kept as `prog.last_dispatch`) and the experts' load over the global
+batch (`expert_load`, Program.expert_load; the trainer's metrics read it)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fxtron.ops import ledger
+from fxtron.ops.ep import DispatchLog
+
+
+def dispatch_log(prog):
+    """A fresh DispatchLog as `prog.last_dispatch`; the context returned makes it the one the
+    step's dispatches write to."""
+    prog.last_dispatch = DispatchLog()
+    return prog.last_dispatch.active()
+
+
+def expert_load(prog) -> dict[str, torch.Tensor]:
+    """The copies each expert received in the last step, per mixture-of-experts layer of
+    `prog`'s stages: {layer: (E,) int64} over the whole global batch (every data-
+    parallel rank's tokens: one all-reduce over dp; every rank of the group calls it).
+    Empty without expert parallel. `last_dispatch.bytes_sent`: the bytes this rank sent
+    to other ranks in the step's all-to-alls."""
+    log = getattr(prog, "last_dispatch", None)
+    if log is None or not log.copies:
+        return {}
+    names = sorted(log.copies)
+    stacked = torch.stack([log.copies[n].to(torch.int64) for n in names])
+    if prog.groups is not None and prog.groups.size("dp") > 1:
+        stacked = stacked.to(prog.groups.device)
+        with ledger.collective(prog.groups.group("dp"), "all_reduce", stacked):
+            dist.all_reduce(stacked, group=prog.groups.group("dp"))
+    return {n: stacked[i].cpu() for i, n in enumerate(names)}
+
+
+__all__ = ["dispatch_log", "expert_load"]

@@ -1,0 +1,75 @@
+"""Runtime, pipeline parallel: the runner of a program's schedule -- its chunks, actions and p2p
+built once (`runner`), and one step run by it over microbatches (`pipelined_step`).
+
+A program with pipeline stages, or with microbatches > 1 on one stage, steps here
+(Program.train_step / eval_step): the rank's microbatches (runtime/batch.py) run through the
+schedule's actions (runtime/pp/schedules.py) by the StageRunner (runtime/pp/executor.py), each
+stage's forward being the program's own (`Program._call_stage`); then the gradient sync
+(runtime/grads.py), the optimizer step (runtime/optim.py) and the loss summed over pp and dp.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from fxtron.core.stage import Stage
+from fxtron.ops import ledger
+from fxtron.runtime import ep, optim
+from fxtron.runtime.pp import schedules, timeline
+from fxtron.runtime.pp.executor import StageRunner
+from fxtron.runtime.pp.p2p import P2P
+
+
+def runner(prog) -> StageRunner:
+    """The schedule runner of `prog`'s rank (built once, kept as `prog._runner`): its chunks,
+    actions and p2p."""
+    if prog._runner is None:
+        opts = prog.pipeline
+        pp = prog.groups.size("pp") if prog.groups is not None else 1
+        pp_rank = prog.groups.index("pp") if prog.groups is not None else 0
+        whole = Stage(index=0, gm=None, params=[], buffers=[], user_inputs=[], has_loss=True)
+        stages = prog._stages if prog._stages is not None else [whole]
+        acts = schedules.actions(opts.schedule, pp, opts.microbatches, pp_rank, opts.virtual_stages)
+        p2p = (P2P(prog.groups, scatter_gather=opts.scatter_gather, match_by_tag=prog.config.debug.p2p_tags,
+                   rank_of=functools.partial(schedules.rank_of, opts.schedule, pp))
+               if pp > 1 else None)
+        orders = [schedules.actions(opts.schedule, pp, opts.microbatches, r, opts.virtual_stages) for r in range(pp)]
+        peers = (orders, functools.partial(schedules.stage_of, opts.schedule, pp))
+        prog._runner = StageRunner(stages, prog._call_stage, acts, num_stages=pp * opts.chunks, peers=peers,
+                                   microbatches=opts.microbatches, p2p=p2p,
+                                   zero_bubble=opts.split_backward, before_last_backward=prog.grads.last_backward,
+                                   quiet=prog.grads.quiet)
+    return prog._runner
+
+
+def pipelined_step(prog, inputs, optimizer, kwargs) -> float:
+    """One step of `prog` on the global batch `inputs` run by its schedule; `optimizer` None:
+    an evaluation (the gradients dropped). Returns the global batch's loss."""
+    mbs = prog.microbatches(inputs, kwargs)
+    batch = prog._batch.context(inputs, kwargs)
+    run = runner(prog)
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    run.memory = timeline.memory_tracker(prog)
+    with prog.grads.accumulation(), ep.dispatch_log(prog), batch.active():
+        loss = run.run(mbs, loss_scale=prog.scaler.scale if prog.scaler is not None else 1.0)
+    prog.grads.finalize()
+    if optimizer is not None:
+        optim.optimizer_step(prog, optimizer)
+    else:
+        for p in prog.parameters():
+            p.grad = None
+    if prog.groups is not None and prog.groups.size("pp") > 1:
+        # float64 on every pp rank: the last stage's loss keeps a float64 model's precision
+        loss = (loss.double().clone() if loss is not None
+                else torch.zeros((), dtype=torch.float64, device=prog.groups.device))
+        with ledger.collective(prog.groups.group("pp"), "all_reduce", loss):   # only the last stage's is non-zero
+            dist.all_reduce(loss, group=prog.groups.group("pp"))
+    out = prog._global_loss(loss)
+    ledger.step_end(prog.groups)
+    return out
+
+
+__all__ = ["pipelined_step", "runner"]
