@@ -156,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_cmd_train)
 
     p = sub.add_parser("inspect", help="compile one rank of a mesh without processes and describe it")
-    p.add_argument("model", help="preset (gpt-tiny .. llama-7b), hf:<architecture> (hf:llama), or module:factory")
+    p.add_argument("model", help="preset (gpt-tiny .. llama-7b), hf:<architecture> (hf:llama), module:factory, or a "
+                                 "transformers directory (config.json), as train's --model")
     p.add_argument("--rank", type=int, default=None, help="the rank to compile (default 0)")
     p.add_argument("--model-config", nargs="+", default=[], metavar="KEY=VALUE",
                    help="fields of an hf:<architecture>'s transformers config (num_hidden_layers=4 hidden_size=1024)")

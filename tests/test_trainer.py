@@ -29,7 +29,7 @@ import torch
 import fxtron
 from fxtron.trainer import checkpoint as checkpoints
 from fxtron.trainer.config import TrainConfig
-from fxtron.trainer.loop import param_groups
+from fxtron.trainer.optim import param_groups
 from fxtron.trainer.schedule import LRSchedule
 
 

@@ -23,6 +23,24 @@ def _take_rows(x: torch.Tensor, dims: tuple, pick: torch.Tensor) -> torch.Tensor
     return torch.take_along_dim(x, idx.to(x.device), dim=d)
 
 
+def dp_share(x: torch.Tensor, dim: int, dp: int, index: int) -> torch.Tensor:
+    """Data-parallel rank `index`'s share of the global batch `x` along `dim`: its contiguous
+    1/dp of the samples."""
+    return x.chunk(dp, dim=dim)[index]
+
+
+def microbatch_pieces(x: torch.Tensor, dim: int, m: int) -> tuple[torch.Tensor, ...]:
+    """A rank's batch `x` cut into its `m` microbatches along `dim`."""
+    return x.chunk(m, dim=dim)
+
+
+def split_batch(x: torch.Tensor, dp: int, m: int, dim: int = 0) -> list[list[torch.Tensor]]:
+    """The global batch `x`'s dp x m pieces along `dim`: [r][i] is data-parallel rank r's
+    microbatch i, as BatchSlicer cuts it for that rank (the one-process reference trains the
+    same pieces)."""
+    return [list(microbatch_pieces(dp_share(x, dim, dp, r), dim, m)) for r in range(dp)]
+
+
 class Microbatches(list):
     """A global batch given as its microbatches: a list of (args, kwargs) pairs, one per
     microbatch, each with the whole batch dim for data parallel to split. Microbatches may
@@ -79,7 +97,7 @@ class BatchSlicer:
                     raise ParallelizeError(f"global batch {x.shape[d]} (dim {d} of an input of shape "
                                            f"{tuple(x.shape)}) is not divisible by dp={self.dp}; use a batch "
                                            f"that is a multiple of {self.dp}")
-                x = x.chunk(self.dp, dim=d)[self.dp_index]
+                x = dp_share(x, d, self.dp, self.dp_index)
             out.append(x)
         it = iter(out)
         leaves = [next(it) if s is None else s for s in self.info.statics]
@@ -210,7 +228,7 @@ class BatchSlicer:
                         f"this rank's batch of {x.shape[d]} samples (dim {d} of an input of shape {tuple(x.shape)}, "
                         f"after the data-parallel split) does not divide into microbatches={m}; use a global batch "
                         f"that is a multiple of dp x microbatches = {self.dp * m}")
-                pieces = x.chunk(m, dim=d)
+                pieces = microbatch_pieces(x, d, m)
             else:
                 pieces = [x] * m
             for i in range(m):
@@ -218,4 +236,4 @@ class BatchSlicer:
         return out
 
 
-__all__ = ["BatchSlicer", "Microbatches"]
+__all__ = ["BatchSlicer", "Microbatches", "dp_share", "microbatch_pieces", "split_batch"]

@@ -4,7 +4,8 @@
 (gloo on CPU, NCCL when every rank can have its own GPU) with the mesh's groups, runs
 `fn(rank, *args)` and returns the results in rank order. The first rank to fail ends the job:
 the others are killed and its traceback is raised here as LaunchError. For many machines run
-the same per-rank code under torchrun with `fxtron.init_distributed(mesh)` instead.
+the same per-rank code under torchrun with `fxtron.init_distributed(mesh)` instead
+(`torchrun_world` tells a process started by torchrun).
 """
 from __future__ import annotations
 
@@ -84,6 +85,15 @@ def _failures(procs, results, done: dict, first: str | None, flight_dir: str, gr
             messages.append(f"rank {r} died with exit code {p.exitcode} without a traceback")
     messages = messages or ["a rank failed without a report"]
     return "\n\n".join(messages + [ledger.flight_report(flight_dir, len(procs))])
+
+
+def torchrun_world() -> int | None:
+    """WORLD_SIZE when this process is one rank of a torchrun job (RANK, WORLD_SIZE and
+    LOCAL_RANK in the environment): it then runs its own rank, with init_distributed, rather
+    than launching the mesh's processes."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
 
 
 def launch(fn: Callable[..., Any], mesh: Mesh, args: tuple = (), *, backend: str | None = None,

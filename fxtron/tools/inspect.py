@@ -1,19 +1,18 @@
-"""Inspection as a product: compile one rank of any mesh without processes and say everything
+"""Tools, inspection: compile one rank of any mesh without processes and say everything
 about it — where the rank sits in the mesh, its graph, what it communicates and how much
 memory it needs — as text (`fxtron inspect`) or data (`--json`).
 
-Models come from a name: a shipped preset (`gpt-tiny` ... `llama-7b`), a transformers
-architecture (`hf:llama`, `hf:gpt2`, ...: the library's default config, built on the meta
-device: no weights, no downloads), or `package.module:factory` for your own (the factory
-returns the model, or (model, args) or (model, args, kwargs) with example inputs; a bare model
-gets token ids and targets of the shipped models' form, with its `vocab_size` or
-`config.vocab_size`).
+Models come from every spec `fxtron train --model` takes (one resolver, trainer/models.py): a
+shipped preset (`gpt-tiny` ... `llama-7b`), a transformers architecture (`hf:llama`,
+`hf:gpt2`, ...: the library's default config, built on the meta device: no weights, no
+downloads), a transformers directory (its config.json, on the meta device), or
+`package.module:factory` for your own (the factory, called on the meta device, returns the
+model, or (model, args) or (model, args, kwargs) with example inputs; a bare model gets token
+ids and targets of the shipped models' form, with its `vocab_size` or `config.vocab_size`).
 """
 from __future__ import annotations
 
 import math
-
-import importlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -26,69 +25,24 @@ from fxtron.errors import ParallelizeError
 
 
 def load_model(spec: str, *, batch: int = 2, seq: int = 16, overrides: dict | None = None):
-    """(model on the meta device where possible, example args, example kwargs) for `spec`.
-    `overrides` set fields of an hf:<architecture>'s transformers config (num_hidden_layers=4)."""
+    """(model on the meta device, example args, example kwargs) for `spec`, resolved as
+    `fxtron train --model` resolves it (trainer/models.py: a preset, hf:<architecture>, a
+    transformers directory or package.module:factory). `overrides` set fields of an
+    hf:<architecture>'s transformers config (num_hidden_layers=4)."""
     from fxtron import models
-    if overrides and not spec.startswith("hf:"):
-        raise ParallelizeError(f"a model configuration ({', '.join(overrides)}) is for hf:<architecture> models; "
-                               f"{spec!r} is not one")
+    from fxtron.trainer.models import build_model
+    tm = build_model(spec, overrides=overrides)
     if spec in models.PRESETS:
-        model = models.build(spec, device="meta")
-        return model, models.example_inputs(spec, batch, seq, device="meta"), {}
-    if spec.startswith("hf:"):
-        return _hf_model(spec[3:], batch, seq, overrides or {})
-    if ":" in spec:
-        out = load_factory(spec)()
-        if isinstance(out, tuple):
-            model, args = out[0], tuple(out[1])
-            return model, args, dict(out[2]) if len(out) > 2 else {}
-        vocab = getattr(out, "vocab_size", None) or getattr(getattr(out, "config", None), "vocab_size", None)
-        if vocab is None:
-            raise ParallelizeError(f"{spec} returned a model without vocab_size; return (model, example_args) instead")
-        ids = torch.randint(0, vocab, (batch, seq + 1))
-        return out, (ids[:, :-1].clone(), ids[:, 1:].clone()), {}
-    raise ParallelizeError(f"unknown model {spec!r}: a preset ({', '.join(models.PRESETS)}), hf:<architecture> "
-                           "(hf:llama, hf:gpt2, ...) or package.module:factory")
-
-
-def load_factory(spec: str):
-    """The function `package.module:factory` names, or a ParallelizeError saying why not."""
-    mod, _, fn = spec.partition(":")
-    try:
-        return getattr(importlib.import_module(mod), fn)
-    except (ImportError, AttributeError) as e:
-        raise ParallelizeError(f"cannot load the model factory {spec!r}: {e}") from None
-
-
-def hf_config(arch: str, overrides: dict | None = None):
-    """transformers' default config of architecture `arch` with `overrides` set (each a field
-    the config has, or a ParallelizeError naming the closest)."""
-    try:
-        import transformers
-    except ImportError:
-        raise ParallelizeError("hf: models need the transformers package (pip install transformers)") from None
-    try:
-        cfg = transformers.AutoConfig.for_model(arch)
-    except ValueError as e:
-        raise ParallelizeError(f"transformers knows no architecture {arch!r}: {e}") from None
-    known = set(cfg.to_dict())
-    for key, value in (overrides or {}).items():
-        if key not in known:
-            import difflib
-            near = difflib.get_close_matches(key, sorted(known), n=3)
-            raise ParallelizeError(f"{type(cfg).__name__} has no field {key!r}"
-                                   + (f" (did you mean {', '.join(map(repr, near))}?)" if near else ""))
-        setattr(cfg, key, value)
-    return cfg
-
-
-def _hf_model(arch: str, batch: int, seq: int, overrides: dict):
-    import transformers
-    cfg = hf_config(arch, overrides)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
-    ids = torch.zeros((batch, seq), dtype=torch.long, device="meta")
-    return model, (), {"input_ids": ids, "labels": ids}
+        return tm.model, models.example_inputs(spec, batch, seq, device="meta"), {}
+    if tm.transformers:
+        ids = torch.zeros((batch, seq), dtype=torch.long, device="meta")
+        return tm.model, (), {"input_ids": ids, "labels": ids}
+    if tm.example is not None:
+        return (tm.model, *tm.example)
+    if tm.vocab_size is None:
+        raise ParallelizeError(f"{spec} returned a model without vocab_size; return (model, example_args) instead")
+    ids = torch.randint(0, tm.vocab_size, (batch, seq + 1))
+    return tm.model, (ids[:, :-1].clone(), ids[:, 1:].clone()), {}
 
 
 # ----------------------------------------------------------------------------- dumps

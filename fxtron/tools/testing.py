@@ -1,6 +1,7 @@
-"""Test support: run a function on N gloo ranks with bounded time and every failure surfaced,
+"""Tools, test support: run a function on N gloo ranks with bounded time and every failure surfaced,
 many cases per set of processes (`run_cases`, `cases_fixture`), the single-process reference
-that every equivalence test compares against, and the optimizer the tests train with (`adamw`)."""
+that every equivalence test compares against (`reference_training`, from tools/reference.py),
+and the optimizer the tests train with (`adamw`)."""
 from __future__ import annotations
 
 import functools
@@ -11,6 +12,7 @@ import torch
 from fxtron.errors import LaunchError
 from fxtron.mesh import Mesh
 from fxtron.runtime.launch import launch
+from fxtron.tools.reference import reference_training
 
 
 def run_on_ranks(fn: Callable[..., Any], mesh: Mesh | int, *args, timeout_s: float = 300.0, **launch_options) -> list[Any]:
@@ -88,59 +90,6 @@ def adamw(lr: float = 1e-3, *, betas: tuple[float, float] = (0.9, 0.999), eps: f
     round-off into full-size steps (a model whose gradients reach 1e-6, an embedding row of a
     rare token, needs eps=1e-4); torch's own defaults are eps=1e-8, weight_decay=0.01."""
     return functools.partial(torch.optim.AdamW, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-
-
-def _model_loss(model: torch.nn.Module, args: tuple, kwargs: dict, params=None) -> torch.Tensor:
-    out = model(*args, **kwargs) if params is None else torch.func.functional_call(model, params, args, kwargs)
-    return out if isinstance(out, torch.Tensor) else out.loss   # transformers' outputs carry .loss
-
-
-def _microbatches(item) -> list[tuple[tuple, dict]]:
-    """A step's inputs as (args, kwargs) microbatches: a `fxtron.Microbatches` list, an
-    (args, kwargs) pair, or a tuple of positional inputs."""
-    from fxtron.runtime.batch import Microbatches
-    if isinstance(item, Microbatches):
-        return [(tuple(a), dict(kw or {})) for a, kw in item]
-    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], dict) and isinstance(item[0], (tuple, list)):
-        return [(tuple(item[0]), item[1])]
-    return [(tuple(item), {})]
-
-
-def reference_training(model: torch.nn.Module, batches: Iterable, make_optimizer,
-                       dtype: torch.dtype | None = None, clip_grad: float | None = None,
-                       tokens: Callable[[tuple, dict], int] | None = None) -> dict:
-    """Train `model` in this process on `batches` (global batches); return the losses, the
-    gradients of the first step (before its optimizer step, after clipping), the global norms
-    before clipping (with `clip_grad`) and the final state dict: the single-process reference
-    every equivalence test compares a parallel program with.
-
-    Each item of `batches` is a tuple of positional inputs, an (args, kwargs) pair, or a
-    `fxtron.Microbatches` list, whose loss is the mean of its microbatches' losses (gradient
-    accumulation) -- or, with `tokens(args, kwargs)` (the tokens a microbatch's mean loss
-    counts), their mean weighted by those counts: the token mean over the whole batch, as a
-    program computes a mean cross entropy over microbatches of different lengths. With `dtype` (bf16), the same precision policy as a mixed-precision program:
-    fp32 parameters updated by the optimizer, forward computed with 16-bit copies of
-    parameters and buffers. With `clip_grad`, torch.nn.utils.clip_grad_norm_ before each step."""
-    opt = make_optimizer(model.parameters())
-    losses, first_grads, norms = [], None, []
-    for step, item in enumerate(batches):
-        opt.zero_grad(set_to_none=True)
-        params = None
-        if dtype is not None:
-            tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-            params = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
-        parts = _microbatches(item)
-        w = [tokens(a, kw) if tokens is not None else 1 for a, kw in parts]
-        loss = sum(_model_loss(model, a, kw, params) * n for (a, kw), n in zip(parts, w)) / sum(w)
-        loss.backward()
-        if clip_grad is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)))
-        if step == 0:
-            first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        opt.step()
-        losses.append(float(loss.detach()))
-    return {"losses": losses, "grads": first_grads, "norms": norms,
-            "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:

@@ -1,15 +1,19 @@
-"""The trainer's checkpoints in Megatron's layout (megatron/training/checkpointing.py):
+"""Trainer, checkpoints: the run's saves and its resume (`Checkpointer`) in Megatron's layout
+(megatron/training/checkpointing.py):
 DIR/iter_0000004 (the iteration: completed steps) and DIR/latest_checkpointed_iteration.txt,
 the iteration as text, written by rank 0 after every rank finished. Each iter_ directory is an
 fxtron checkpoint (prog.save: atomic, loads on any mesh) holding with the model and optimizer
 the trainer's state: iteration, consumed train and valid samples, skipped steps, the
 learning-rate schedule. --keep-last K removes older iterations after a save; nothing is
-removed by default."""
+removed by default. With --save (or --load) a run resumes from the latest complete
+checkpoint, on any mesh: model, optimizer, schedule, data position, random streams, step."""
 from __future__ import annotations
 
 import os
 import re
 import shutil
+
+import torch.distributed as dist
 
 from fxtron.errors import ParallelizeError
 from fxtron.runtime.checkpoint.dcp import COMMIT, read_extra
@@ -75,4 +79,63 @@ def prune(root: str, keep_last: int | None) -> list[int]:
     return gone
 
 
-__all__ = ["TRACKER", "complete", "iter_dir", "latest", "prune", "read_state", "write_tracker"]
+# ----------------------------------------------------------------------------- the run's saves and resume
+class Checkpointer:
+    """The run's checkpoints: `resume` loads the latest complete one of --load (else --save)
+    into the program, optimizer, schedule and the trainer's state; `maybe_save` saves every
+    --save-interval steps and at the last."""
+
+    def __init__(self, cfg, prog, opt, sched):
+        self.cfg, self.prog, self.opt, self.sched = cfg, prog, opt, sched
+
+    def resume(self, state: dict) -> int | None:
+        """Load the latest complete checkpoint into the program, optimizer, schedule and
+        `state` (updated in place); the iteration resumed from, or None (a fresh run)."""
+        t, cfg = self.cfg.training, self.cfg
+        source = t.load or t.save
+        if source is None:
+            return None
+        it = latest(source)
+        if it is None:
+            if t.load is not None:
+                raise ParallelizeError(f"--load {t.load}: no complete checkpoint there (no iter_NNNNNNN with its "
+                                       "commit marker); give the directory --save wrote")
+            return None
+        saved = read_state(source, it)
+        if saved.get("global_batch") != cfg.data.batch or saved.get("seq") != cfg.data.seq:
+            raise ParallelizeError(
+                f"{iter_dir(source, it)} was trained with --batch {saved.get('global_batch')} --seq "
+                f"{saved.get('seq')}; resume with the same (the data position counts samples)")
+        self.prog.load(iter_dir(source, it), self.opt)
+        self.sched.load_state_dict(saved["scheduler"])
+        state.update({k: saved[k] for k in state})
+        return it
+
+    def maybe_save(self, state: dict) -> str | None:
+        """Save after step state['iteration'] when --save is given and the step is a multiple
+        of --save-interval or the last; the path written, or None."""
+        t, step = self.cfg.training, state["iteration"]
+        if t.save and ((t.save_interval and step % t.save_interval == 0) or step == t.steps):
+            return self.save(state)
+        return None
+
+    def save(self, state: dict) -> str:
+        """Save iteration state['iteration'] into --save (every rank), then the tracker and the
+        pruning (rank 0)."""
+        cfg, prog = self.cfg, self.prog
+        root, it = cfg.training.save, state["iteration"]
+        path = iter_dir(root, it)
+        extra = {**state, "scheduler": self.sched.state_dict(), "global_batch": cfg.data.batch, "seq": cfg.data.seq,
+                 "model": cfg.model.name, "mesh": str(cfg.mesh.mesh())}
+        os.makedirs(root, exist_ok=True)
+        prog.save(path, self.opt, extra=extra)
+        alone = prog.groups is None or not dist.is_initialized()
+        if alone or dist.get_rank() == 0:
+            write_tracker(root, it)
+            prune(root, cfg.training.keep_last)
+        if not alone:
+            dist.barrier()
+        return path
+
+
+__all__ = ["TRACKER", "Checkpointer", "complete", "iter_dir", "latest", "prune", "read_state", "write_tracker"]

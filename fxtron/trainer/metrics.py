@@ -1,8 +1,9 @@
-"""The trainer's metrics: every --log-interval steps one line (Megatron's training_log fields:
+"""Trainer, metrics: every --log-interval steps one line (Megatron's training_log fields:
 step, consumed samples, time per step, learning rate, global batch, loss, grad norm, skipped
 steps; with tokens/s, MFU and memory); --log-file one JSON object per step; --tensorboard-dir
 TensorBoard scalars; a progress bar on a terminal, plain lines elsewhere. Written by one rank
-(the caller's choice: the last pipeline stage's first rank holds the loss first)."""
+(`writer`: the last pipeline stage's first rank holds the loss first). With --trace, the last
+step of every rank as a Chrome trace and a picture of the schedule (`write_trace`)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -37,6 +39,14 @@ def step_flops(traced) -> float:
     attention at the global batch's size, x 3 for the backward's two GEMMs)."""
     from fxtron.passes.pp import node_flops
     return 3.0 * sum(node_flops(n) for n in traced.graph.nodes)
+
+
+def writes_metrics(groups) -> bool:
+    """The rank that writes metrics: the first rank of the last pipeline stage."""
+    if groups is None:
+        return True
+    return groups.index("pp") == groups.size("pp") - 1 and all(
+        groups.index(a) == 0 for a in ("tp", "cp", "ep", "dp"))
 
 
 class Metrics:
@@ -134,4 +144,29 @@ class Metrics:
                     f"memory: {r['memory_bytes'] / 2**30:.2f} GiB | number of skipped iterations: {r['skipped']:3d}")
 
 
-__all__ = ["Metrics", "PEAK_FLOPS", "device_peak_flops", "memory_bytes", "step_flops"]
+def write_trace(cfg, results: list[dict]) -> dict[str, str]:
+    """The last step of every rank into cfg.training.trace: trace.json (Chrome trace: each rank's passes
+    and memory) and schedule.png (the pipeline ranks of the first data-parallel replica, their
+    memory below). Returns the paths written."""
+    from fxtron.tools import chart
+
+    out = Path(cfg.training.trace)
+    out.mkdir(parents=True, exist_ok=True)
+    mesh = cfg.mesh.mesh()
+    paths = {"trace": chart.write_trace(str(out / "trace.json"), [r["timeline"] for r in results],
+                                        [r["memory"] for r in results])}
+    first = [r for r in range(mesh.world_size)
+             if all(v == 0 for k, v in mesh.coords(r).items() if k not in ("pp", "ep", "edp", "etp"))]
+    first = sorted(first, key=lambda r: mesh.coords(r)["pp"])[:mesh.pp]
+    paths["picture"] = chart.draw_timelines([results[r]["timeline"] for r in first], str(out / "schedule.png"),
+                                            title=f"{cfg.model.name}, " + " ".join(f"{a}={getattr(mesh, a)}" for a in
+                                                                             ("tp", "pp", "dp", "cp", "ep")
+                                                                             if getattr(mesh, a) > 1) + ", last step",
+                                            memory=[results[r]["memory"] for r in first])
+    peak = max(s.activations for r in results for s in r["memory"])
+    print(f"trace of the last step: {paths['trace']} (Perfetto, chrome://tracing), {paths['picture']}; "
+          f"peak activations saved for backward on a rank: {peak / 2**20:.2f} MiB")
+    return paths
+
+
+__all__ = ["Metrics", "PEAK_FLOPS", "device_peak_flops", "memory_bytes", "step_flops", "write_trace", "writes_metrics"]

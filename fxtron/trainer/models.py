@@ -1,11 +1,13 @@
-"""The trainer's model: `--model` as a shipped preset, hf:<architecture>, package.module:factory
-or a transformers directory (config.json, and its weights when it has them), always built on
-the meta device -- each rank makes only its shards -- and how a batch of samples (seq + 1
-tokens each) becomes the model's inputs: (tokens, targets) for fxtron's models and a factory's,
-input_ids with shift_labels for transformers' (so the loss predicts every next token of the
-sample, as Megatron's labels = text[1:])."""
+"""Trainer, models: the one resolver of a model spec -- a shipped preset, hf:<architecture>,
+package.module:factory or a transformers directory (config.json, and its weights when it has
+them) -- which `fxtron train --model` and `fxtron inspect` (tools/inspect.py) both read,
+always built on the meta device (each rank makes only its shards); and how a batch of samples
+(seq + 1 tokens each) becomes the model's inputs: (tokens, targets) for fxtron's models and a
+factory's, input_ids with shift_labels for transformers' (so the loss predicts every next
+token of the sample, as Megatron's labels = text[1:])."""
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ class TrainModel:
     vocab_size: int
     pretrained: str | None = None        # a directory whose weights to load
     data: DataConfig | None = None       # how samples pack documents (--reset-position-ids, ...)
+    example: tuple | None = None         # a factory's example inputs (args, kwargs), when it returned them
 
     def inputs(self, tokens: torch.Tensor) -> tuple[tuple, dict]:
         """(args, kwargs) of a (B, seq + 1) batch of samples. With packed documents
@@ -84,7 +87,7 @@ def _has_weights(path: str) -> bool:
     return any(os.path.exists(os.path.join(path, f)) for f in ("model.safetensors", "model.safetensors.index.json"))
 
 
-def _vocab(model: torch.nn.Module, spec: str) -> int:
+def _vocab(model: torch.nn.Module) -> int | None:
     for holder in (model, getattr(model, "config", None)):
         v = getattr(holder, "vocab_size", None)
         if isinstance(v, int):
@@ -92,7 +95,7 @@ def _vocab(model: torch.nn.Module, spec: str) -> int:
     emb = getattr(model, "get_input_embeddings", None)
     if callable(emb) and emb() is not None:
         return emb().num_embeddings
-    raise ParallelizeError(f"model {spec!r}: cannot tell its vocabulary size (give the model a vocab_size)")
+    return None
 
 
 def key_values(pairs) -> dict:
@@ -113,20 +116,27 @@ def key_values(pairs) -> dict:
 def resolve(spec: str, seed: int = 0, overrides: dict | None = None, data: DataConfig | None = None) -> TrainModel:
     """The model `spec` names, built on the meta device; `overrides` set fields of an
     hf:<architecture>'s config; `data`: how its samples pack documents."""
-    tm = _resolve(spec, seed, overrides)
+    tm = build_model(spec, seed, overrides)
+    if tm.vocab_size is None:
+        raise ParallelizeError(f"model {spec!r}: cannot tell its vocabulary size (give the model a vocab_size)")
     tm.data = data
     tm.check_packing(spec)
     return tm
 
 
-def _resolve(spec: str, seed: int = 0, overrides: dict | None = None) -> TrainModel:
+def build_model(spec: str, seed: int = 0, overrides: dict | None = None) -> TrainModel:
+    """The one resolver of a model spec (the trainer's `resolve`, inspect's `load_model`): a
+    preset, hf:<architecture> (its default config with `overrides` set), a transformers
+    directory (its config; its weights to load when it has them) or package.module:factory (its
+    model, and its example inputs when it returns (model, args[, kwargs])), built on the meta
+    device. The vocabulary size is None where the model does not tell it."""
     from fxtron import models
     if overrides and not spec.startswith("hf:"):
         raise ParallelizeError(f"--model-config ({', '.join(overrides)}) sets fields of an hf:<architecture>'s "
                                f"config; {spec!r} is not one")
     if spec in models.PRESETS:
         model = models.build(spec, device="meta", seed=seed)
-        return TrainModel(model, False, _vocab(model, spec))
+        return TrainModel(model, False, _vocab(model))
     if spec.startswith("hf:") or os.path.isdir(spec):
         try:
             import transformers
@@ -139,7 +149,6 @@ def _resolve(spec: str, seed: int = 0, overrides: dict | None = None) -> TrainMo
             config = transformers.AutoConfig.from_pretrained(spec)
             pretrained = spec if _has_weights(spec) else None
         else:
-            from fxtron.tools.inspect import hf_config
             config = hf_config(spec[3:], overrides)
             pretrained = None
         cls = next((getattr(transformers, a) for a in (config.architectures or []) if hasattr(transformers, a)), None)
@@ -147,15 +156,48 @@ def _resolve(spec: str, seed: int = 0, overrides: dict | None = None) -> TrainMo
             model = cls(config) if cls is not None else transformers.AutoModelForCausalLM.from_config(config)
         return TrainModel(model, True, int(config.vocab_size), pretrained)
     if ":" in spec:
-        from fxtron.tools.inspect import load_factory
         factory = load_factory(spec)
         with torch.device("meta"):
-            model = factory()
-        if isinstance(model, tuple):
-            model = model[0]
-        return TrainModel(model, False, _vocab(model, spec))
+            out = factory()
+        model, example = out, None
+        if isinstance(out, tuple):
+            model = out[0]
+            if len(out) > 1:
+                example = (tuple(out[1]), dict(out[2]) if len(out) > 2 else {})
+        return TrainModel(model, False, _vocab(model), example=example)
     raise ParallelizeError(f"unknown model {spec!r}: a preset ({', '.join(models.PRESETS)}), hf:<architecture> "
                            "(hf:llama), package.module:factory, or a directory with config.json")
 
 
-__all__ = ["TrainModel", "resolve"]
+def load_factory(spec: str):
+    """The function `package.module:factory` names, or a ParallelizeError saying why not."""
+    mod, _, fn = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(mod), fn)
+    except (ImportError, AttributeError) as e:
+        raise ParallelizeError(f"cannot load the model factory {spec!r}: {e}") from None
+
+
+def hf_config(arch: str, overrides: dict | None = None):
+    """transformers' default config of architecture `arch` with `overrides` set (each a field
+    the config has, or a ParallelizeError naming the closest)."""
+    try:
+        import transformers
+    except ImportError:
+        raise ParallelizeError("hf: models need the transformers package (pip install transformers)") from None
+    try:
+        cfg = transformers.AutoConfig.for_model(arch)
+    except ValueError as e:
+        raise ParallelizeError(f"transformers knows no architecture {arch!r}: {e}") from None
+    known = set(cfg.to_dict())
+    for key, value in (overrides or {}).items():
+        if key not in known:
+            import difflib
+            near = difflib.get_close_matches(key, sorted(known), n=3)
+            raise ParallelizeError(f"{type(cfg).__name__} has no field {key!r}"
+                                   + (f" (did you mean {', '.join(map(repr, near))}?)" if near else ""))
+        setattr(cfg, key, value)
+    return cfg
+
+
+__all__ = ["TrainModel", "build_model", "hf_config", "key_values", "load_factory", "resolve"]

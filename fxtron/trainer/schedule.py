@@ -1,6 +1,7 @@
-"""Megatron's learning-rate schedule (OptimizerParamScheduler,
-megatron/core/optimizer_param_scheduler.py), counted in samples: with n the samples of the steps taken so far (skipped steps do
-not count), warmup W and decay D (steps x the global batch),
+"""Trainer, learning-rate schedule: Megatron's (OptimizerParamScheduler,
+megatron/core/optimizer_param_scheduler.py), counted in samples:
+with n the samples of the steps taken so far (skipped steps do not count), warmup W and decay
+D (steps x the global batch),
 
     n <= W (W > 0):       lr = max_lr * n / W                 (linear warm-up from 0)
     constant:             lr = max_lr

@@ -1,0 +1,96 @@
+"""Trainer, comparison (--compare): the run again in this one process with the unmodified
+model (tools/reference.py's one-process training), from the same initial weights, batches,
+schedule, groups and clipping, and the largest loss difference from the parallel run."""
+from __future__ import annotations
+
+import torch
+
+from fxtron.config import TrainConfig
+from fxtron.errors import ParallelizeError
+from fxtron.runtime.batch import Microbatches, split_batch
+from fxtron.tools.reference import reference_training
+from fxtron.trainer.data import TrainData
+from fxtron.trainer.models import TrainModel, key_values, resolve
+from fxtron.trainer.optim import optimizer, schedule
+
+
+def reference_differs(cfg: TrainConfig) -> list[str]:
+    """The options under which the one-process reference (`reference`) is another training."""
+    out = []
+    if cfg.precision.dtype != "fp32":
+        out.append(f"dtype={cfg.precision.dtype} (the reference computes in fp32)")
+    if cfg.data_parallel.grad_reduce_dtype not in (None, "fp32"):
+        out.append(f"grad_reduce_dtype={cfg.data_parallel.grad_reduce_dtype}")
+    if cfg.experts.capacity_factor is not None:
+        out.append(f"moe_capacity_factor={cfg.experts.capacity_factor} (tokens dropped per rank)")
+    return out
+
+
+def check(cfg: TrainConfig) -> None:
+    """A ParallelizeError, before the run starts, where --compare could not hold it to round-off."""
+    unmodeled = reference_differs(cfg)
+    if unmodeled:
+        raise ParallelizeError(
+            f"--compare holds the run to the same training in one fp32 process, which does not model "
+            f"{'; '.join(unmodeled)}: its differences would not be round-off. Drop --compare")
+
+
+def reference(cfg: TrainConfig) -> list[float]:
+    """The same run in this one process with the unmodified model, from the same initial
+    weights (a meta build's, made whole; or its directory's), batches, schedule, groups and
+    clipping: each global batch in the pieces the run's dp ranks and microbatches take, their
+    losses averaged (gradient accumulation); a step whose gradient norm is not finite skipped."""
+    t = cfg.training
+    tm = resolve(cfg.model.name, t.seed, key_values(cfg.model.config), cfg.data)
+    data = TrainData(cfg, tm.vocab_size)
+    model = _whole(tm, t.seed)
+    dp, m = cfg.mesh.mesh().dp, cfg.pipeline.microbatches
+    local = cfg.experts.aux_loss == "local"
+    batches = (Microbatches(tm.inputs(p) for p in _pieces(data.train_batch(step * cfg.data.batch), dp, m, local=local))
+               for step in range(t.steps))
+    return reference_training(model, batches, optimizer(model.named_parameters(), cfg),
+                              clip_grad=cfg.data_parallel.clip_grad, schedule=schedule(cfg),
+                              skip_nonfinite=True)["losses"]
+
+
+def compare(cfg: TrainConfig, losses: dict[int, float]) -> dict:
+    """Run `reference` and print the largest difference from the run's `losses` (by step);
+    returns reference (its losses) and max_loss_diff."""
+    ref = reference(cfg)
+    diffs = {s: abs(losses[s] - ref[s - 1]) for s in losses}
+    worst = max(diffs, key=diffs.get)
+    print(f"one-process run: loss {ref[0]:.4f} -> {ref[-1]:.4f}; loss difference, parallel vs one process: "
+          f"largest {diffs[worst]:.2e} (step {worst}); float32 round-off of the different reduction order")
+    return {"reference": ref, "max_loss_diff": diffs[worst]}
+
+
+def _whole(tm: TrainModel, seed: int) -> torch.nn.Module:
+    """The model on the CPU holding what the run starts from: its directory's weights read by
+    transformers itself, or the meta build's initialization made whole."""
+    import copy
+
+    from fxtron.runtime.materialize import MetaMaterializer
+    if tm.pretrained:
+        return type(tm.model).from_pretrained(tm.pretrained)
+    meta = tm.model
+    m = MetaMaterializer(meta, seed)
+    memo = {}
+    for n, p in meta.named_parameters():
+        memo[id(p)] = torch.nn.Parameter(m.local(n, (), {}, {}), p.requires_grad)
+    for n, b in meta.named_buffers():
+        if id(b) not in memo:
+            memo[id(b)] = m.buffer(n) if b.device.type == "meta" else b.clone()
+    return copy.deepcopy(meta, memo)
+
+
+def _pieces(tokens: torch.Tensor, dp: int, m: int, *, local: bool) -> list[torch.Tensor]:
+    """What one process trains a step as (runtime/batch.py's split): the global batch's m
+    microbatches (microbatch i is every dp rank's i-th), or with moe_aux_loss='local' every dp
+    rank's own microbatches."""
+    ranks = split_batch(tokens, dp, m)
+    if local:
+        return [p for pieces in ranks for p in pieces]
+    return [torch.cat([ranks[r][i] for r in range(dp)]) for i in range(m)]
+
+
+__all__ = ["check", "compare", "reference", "reference_differs"]
