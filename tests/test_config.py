@@ -130,6 +130,8 @@ def test_environment_sets_the_debug_defaults(monkeypatch):
     from fxtron.runtime import groups
     from fxtron.runtime.pp import p2p
     assert ledger.check_default() and not groups.shm_default() and not verify.enabled() and p2p.match_by_tag_default()
+    monkeypatch.delenv("FXTRON_VERIFY")
+    assert C.DebugConfig().verify and verify.enabled()    # the verifier is on unless turned off
 
 
 def test_toml_round_trip_and_errors(tmp_path):

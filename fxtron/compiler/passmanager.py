@@ -7,8 +7,8 @@ assignment -- are made once per model (api.ParallelModel) and passed in; the pas
 them. The result, `RankGraph`, says which slice of each full parameter the rank holds; its
 `spec()` is what the runtime builds the rank's Program from.
 
-With config.debug.verify (FXTRON_VERIFY=1 sets its default; the tests set it) the verifier
-(passes/verify.py) checks the graph after every pass.
+With config.debug.verify (on by default; FXTRON_VERIFY=0 or --no-verify turns it off) the
+verifier (passes/verify.py) checks the graph after every pass.
 """
 from __future__ import annotations
 

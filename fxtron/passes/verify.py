@@ -1,4 +1,5 @@
-"""Passes: the verifier run between passes -- in the tests, and on request with FXTRON_VERIFY=1.
+"""Passes: the verifier run between passes -- on by default (config.debug.verify; FXTRON_VERIFY=0 or
+`--no-verify` skips it, for huge graphs).
 
 It checks what the passes so far promise: the graph lints; once placements were propagated on
 an axis, every tensor node has a placement on it; once redistributions were inserted, every

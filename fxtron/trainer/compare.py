@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from fxtron.config import TrainConfig
+from fxtron.trainer.config import TrainConfig
 from fxtron.errors import ParallelizeError
 from fxtron.runtime.batch import Microbatches, split_batch
 from fxtron.tools.reference import reference_training

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from fxtron.config import TrainConfig
+from fxtron.trainer.config import TrainConfig
 from fxtron.trainer.schedule import LRSchedule
 
 
