@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import fxtron
 from fxtron.errors import ParallelizeError
 from fxtron.ops import registry, transport
+from fxtron.ops import sp as SP
 from fxtron.ops import tp as C
 from fxtron.ops.vocab import vocab_parallel_embedding
 from fxtron.core import layout as shard_math
@@ -194,13 +195,13 @@ def _cases(pg, one_rank_group: str) -> dict:
 
     # sequence-parallel MLP: AG(seq) -> column -> row -> RS(seq)
     xs, A2, B2 = _leaf(shard(d["S"], 0, tp, r)), _leaf(shard(d["A2"], 0, tp, r)), _leaf(shard(d["B2"], 1, tp, r))
-    y = C.reduce_scatter(C.gather_from_sequence(xs, 0, tp, group) @ A2.T @ B2.T, 0, tp, group)
+    y = SP.reduce_scatter(SP.gather_from_sequence(xs, 0, tp, group) @ A2.T @ B2.T, 0, tp, group)
     (y * shard(d["Gsp"], 0, tp, r)).sum().backward()
     out["sp"] = (y.detach(), xs.grad, A2.grad, B2.grad)
 
     # reduce-scatter of a different tensor on every rank, along dim 1
     R = _leaf(d["R"][r])
-    y = C.reduce_scatter(R, 1, tp, group)
+    y = SP.reduce_scatter(R, 1, tp, group)
     (y * d["Gr"][r]).sum().backward()
     out["rs1"] = (y.detach(), R.grad)
 
@@ -242,8 +243,8 @@ def _cases(pg, one_rank_group: str) -> dict:
         "all_reduce": lambda: C.all_reduce(_leaf(x8), group),
         "all_gather": lambda: C.all_gather(_leaf(x8), 0, [1], tp, group),
         "scatter": lambda: C.scatter(_leaf(x8), 0, [1], tp, group),
-        "reduce_scatter": lambda: C.reduce_scatter(_leaf(x8), 0, tp, group),
-        "gather_from_sequence": lambda: C.gather_from_sequence(_leaf(x8), 0, tp, group),
+        "reduce_scatter": lambda: SP.reduce_scatter(_leaf(x8), 0, tp, group),
+        "gather_from_sequence": lambda: SP.gather_from_sequence(_leaf(x8), 0, tp, group),
         "vocab_parallel_embedding": lambda: vocab_parallel_embedding(_leaf(x8), d["ids"], 4 * r),
         "vocab_parallel_cross_entropy": lambda: ops.vocab_parallel_cross_entropy(
             _leaf(shard(d["L"], -1, tp, r)), d["T"], r * V // tp, IGNORE, 0, 0.0, group),
@@ -266,7 +267,7 @@ def _cases(pg, one_rank_group: str) -> dict:
     # a one-rank group (pp here) means no communication: identity / plain copies
     one, x = one_rank_group, _leaf(x8)
     ys = [C.copy_to_region(x, one), C.all_reduce(x, one), C.all_gather(x, 1, [2], 1, one),
-          C.scatter(x, 0, [1], 1, one), C.reduce_scatter(x, 0, 1, one), C.gather_from_sequence(x, 0, 1, one)]
+          C.scatter(x, 0, [1], 1, one), SP.reduce_scatter(x, 0, 1, one), SP.gather_from_sequence(x, 0, 1, one)]
     sum(y.sum() for y in ys).backward()
     out["one"] = (all(torch.equal(y, x8) and y.data_ptr() != x.data_ptr() for y in ys), x.grad)
     return out
@@ -441,8 +442,8 @@ def test_fake_shapes_need_no_process_group():
         assert C.copy_to_region(x, "").shape == (8, 6) and C.all_reduce(x, "").shape == (8, 6)
         assert C.all_gather(x, -1, [3], 4, "").shape == (8, 24)
         assert C.scatter(x, 1, [3], 2, "").shape == (8, 3)
-        assert C.reduce_scatter(x, 0, 4, "").shape == (2, 6)
-        assert C.gather_from_sequence(x, 0, 4, "").shape == (32, 6)
+        assert SP.reduce_scatter(x, 0, 4, "").shape == (2, 6)
+        assert SP.gather_from_sequence(x, 0, 4, "").shape == (32, 6)
         with pytest.raises(ParallelizeError):
             C.scatter(x, 1, [3], 4, "")
         emb = vocab_parallel_embedding(torch.empty(4, 5, dtype=torch.bfloat16), torch.empty(2, 3, 7, dtype=torch.long), 8)
@@ -456,7 +457,7 @@ def test_fake_shapes_need_no_process_group():
 def test_identity_without_group_and_world_checked():
     x = torch.randn(4, 6, requires_grad=True)
     for y in (C.copy_to_region(x, ""), C.all_reduce(x, ""), C.all_gather(x, 1, [3], 1, ""),
-              C.scatter(x, 0, [1], 1, ""), C.reduce_scatter(x, 0, 1, ""), C.gather_from_sequence(x, 1, 1, "")):
+              C.scatter(x, 0, [1], 1, ""), SP.reduce_scatter(x, 0, 1, ""), SP.gather_from_sequence(x, 1, 1, "")):
         assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
     with pytest.raises(ValueError, match="world=2"):
         C.all_gather(x, 0, [1], 2, "")

@@ -28,7 +28,7 @@ The tables, who writes each and who reads it:
                     runtime/zero.py (ZeroOne.ready: the buckets of those names).
   SEQUENCE_GATHERED sequence parallel: a tensor all-gathered from sequence shards ->
                     SequenceGathered(shard, regather), ops/linear.py's Regather. Written by
-                    ops/tp.py (the run-time gather_from_sequence) and tools/activations.py (its
+                    ops/sp.py (the run-time gather_from_sequence) and tools/activations.py (its
                     estimate); read by ops/linear.py (a linear saves the shard, gathers it again
                     in backward).
   GRAD_REPORTS      data parallel: a parameter (and its compute copy) during a step ->

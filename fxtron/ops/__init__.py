@@ -4,6 +4,6 @@ entropy, the fused weight-gradient linear, random streams, recomputed regions), 
 forms and, in `registry`, what it communicates over which axis. Importing this package
 registers every torch.ops.fxtron op. Above fxtron.core; below passes and runtime.
 """
-from fxtron.ops import cp, ep, fsdp, kernels, linear, registry, scan, statistics, tp, vocab  # noqa: F401 - registers torch.ops.fxtron.*
+from fxtron.ops import cp, ep, fsdp, kernels, linear, registry, scan, statistics, tp, sp, vocab  # noqa: F401 - registers torch.ops.fxtron.*
 
-__all__ = ["cp", "ep", "fsdp", "kernels", "linear", "registry", "scan", "statistics", "tp", "vocab"]
+__all__ = ["cp", "ep", "fsdp", "kernels", "linear", "registry", "scan", "sp", "statistics", "tp", "vocab"]

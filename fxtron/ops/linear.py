@@ -104,7 +104,7 @@ def _accumulate(x: Tensor, dy: Tensor, main_grad, weight_in_out: bool, report=No
 
 
 class Regather:
-    """How a tensor all-gathered from sequence-parallel shards (ops/tp.py gather_from_sequence)
+    """How a tensor all-gathered from sequence-parallel shards (ops/sp.py gather_from_sequence)
     is gathered again in backward. The gathered tensor's record (core/records.py
     SEQUENCE_GATHERED: the shard, this Regather) says so; a linear whose input it is saves the shard for backward instead of the whole
     tensor and gathers it again there (Megatron's sequence-parallel linear). The linears that

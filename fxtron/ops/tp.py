@@ -1,9 +1,10 @@
-"""Ops: Megatron's conjugate communication pairs as traceable torch custom ops (fxtron::*), over
+"""Ops, tensor parallel: Megatron's conjugate communication pairs as traceable torch custom ops (fxtron::*), over
 any mesh axis.
 
 Each op is registered with torch.library, so it appears in a per-rank FX graph as
 `torch.ops.fxtron.<name>.default`, has a fake (meta) implementation that computes shapes with
-no process group, and an autograd formula whose backward is the conjugate op (Megatron's tensor_parallel/mappings.py):
+no process group, and an autograd formula whose backward is the conjugate op (Megatron's
+tensor_parallel/mappings.py; sequence parallel's pair is ops/sp.py):
 
     op (schema)                                                    forward           backward
     copy_to_region(Tensor x, str group)                            identity          all-reduce  (f)
@@ -12,8 +13,6 @@ no process group, and an autograd formula whose backward is the conjugate op (Me
                                                                    all-gather        slice
     scatter(Tensor x, int dim, int[] interleave, int world, str group)
                                                                    slice             all-gather
-    reduce_scatter(Tensor x, int dim, int world, str group)        reduce-scatter    all-gather  (SP g)
-    gather_from_sequence(Tensor x, int dim, int world, str group)  all-gather        reduce-scatter (SP f)
 
 `group` names the mesh axis in a compiled graph ("tp"; the registry's `axis_arg` says which
 argument it is) and the process group (`ProcessGroup.group_name`) in a program's graph, bound
@@ -31,9 +30,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fxtron.core.layout import check_divisible, from_list, shard, unshard
-from fxtron.core.records import SEQUENCE_GATHERED, SequenceGathered
 from fxtron.ops import transport as T
-from fxtron.ops.linear import Regather, active_queue
+from fxtron.ops.linear import active_queue
 from fxtron.ops.registry import Comm, OpSpec, register
 
 _group = T.resolve
@@ -202,94 +200,6 @@ scatter.register_autograd(_scatter_bwd, setup_context=_setup_dim)
 
 
 # ---------------------------------------------------------------------------------------------
-# sequence parallel: reduce-scatter (SP g) and all-gather with a reduce-scatter backward (SP f)
-
-
-@torch.library.custom_op("fxtron::reduce_scatter", mutates_args=())
-def reduce_scatter(x: Tensor, dim: int, world: int, group: str) -> Tensor:
-    """Megatron's SP g. In: this rank's partial sum, dim divisible by world. Out: this rank's
-    1/world slice along dim (plain split, no interleave) of the sum over `group`. Backward:
-    all-gather along dim."""
-    pg = _group(group)
-    T.check_world(pg, world, "reduce_scatter", group)
-    dim = _norm(dim, x.dim())
-    check_divisible(x.shape[dim], world, 1, f"fxtron::reduce_scatter input dim {dim} of shape {tuple(x.shape)}")
-    if pg is None:
-        return x.clone(memory_format=torch.contiguous_format)
-    return T.reduce_scatter(x, dim, pg)
-
-
-@reduce_scatter.register_fake
-def _(x, dim, world, group):
-    return x.new_empty(_sliced_shape(x, dim, [1], world, "reduce_scatter"))
-
-
-def _setup_dim_world(ctx, inputs, output):
-    ctx.dim, ctx.world, ctx.group = inputs[1:]
-
-
-def _reduce_scatter_bwd(ctx, grad):
-    return all_gather(grad, ctx.dim, [1], ctx.world, ctx.group), None, None, None
-
-
-reduce_scatter.register_autograd(_reduce_scatter_bwd, setup_context=_setup_dim_world)
-
-
-@torch.library.custom_op("fxtron::gather_from_sequence", mutates_args=())
-def gather_from_sequence(x: Tensor, dim: int, world: int, group: str) -> Tensor:
-    """Megatron's SP f (`gather_from_sequence_parallel_region`). In: this rank's slice along dim
-    (e.g. [s/tp, b, h]). Out: the full tensor (dim world times larger). Backward: reduce-scatter
-    SUM along dim (the consumers' gradients are partial sums)."""
-    pg = _group(group)
-    T.check_world(pg, world, "gather_from_sequence", group)
-    dim = _norm(dim, x.dim())
-    if pg is None:
-        return x.clone(memory_format=torch.contiguous_format)
-    return T.gather(x, dim, pg)
-
-
-@gather_from_sequence.register_fake
-def _(x, dim, world, group):
-    return x.new_empty(_gathered_shape(x, dim, world))
-
-
-def _gather_from_sequence_bwd(ctx, grad):
-    queue, pg = active_queue(), _group(ctx.group)
-    if pg is None or queue is None or not queue.jobs:
-        return reduce_scatter(grad, ctx.dim, ctx.world, ctx.group), None, None, None
-    # the reduce-scatter of the input gradient runs while the queued weight-gradient GEMMs
-    # compute (Megatron's async reduce-scatter under sequence parallel)
-    work = T.start_reduce_scatter(grad, _norm(ctx.dim, grad.dim()), pg)
-    queue.drain()
-    return work.wait(), None, None, None
-
-
-gather_from_sequence.register_autograd(_gather_from_sequence_bwd, setup_context=_setup_dim_world)
-
-
-class _GatherFromSequence(torch.autograd.Function):
-    """gather_from_sequence as a program runs it (see _CopyToRegion); its output carries the
-    shard (ops/linear.py Regather), so the linears it feeds save the shard, not the whole."""
-
-    @staticmethod
-    def forward(ctx, x, dim, world, group):
-        ctx.dim, ctx.world, ctx.group = dim, world, group
-        out = gather_from_sequence(x, dim, world, group)
-        pg = _group(group)
-        if pg is not None:
-            d = _norm(dim, x.dim())
-            SEQUENCE_GATHERED.set(out, SequenceGathered(x.detach(), Regather(lambda shard: T.start_gather(shard, d, pg))))
-        return out
-
-    backward = staticmethod(_gather_from_sequence_bwd)
-
-
-def gather_from_sequence_eager(x: Tensor, dim: int, world: int, group: str) -> Tensor:
-    """The run-time form of gather_from_sequence."""
-    return _GatherFromSequence.apply(x, dim, world, group)
-
-
-# ---------------------------------------------------------------------------------------------
 # what each op communicates (the collective report and the program's binding read this)
 
 register(OpSpec("copy_to_region", axis_arg=1, backward=Comm("all_reduce", "grad_output"),
@@ -297,9 +207,5 @@ register(OpSpec("copy_to_region", axis_arg=1, backward=Comm("all_reduce", "grad_
 register(OpSpec("all_reduce", axis_arg=1, forward=Comm("all_reduce", "input"), eager=all_reduce_eager))
 register(OpSpec("all_gather", axis_arg=4, forward=Comm("all_gather", "output")))
 register(OpSpec("scatter", axis_arg=4, backward=Comm("all_gather", "grad_input")))
-register(OpSpec("reduce_scatter", axis_arg=3, forward=Comm("reduce_scatter", "input"),
-                backward=Comm("all_gather", "grad_input")))
-register(OpSpec("gather_from_sequence", axis_arg=3, forward=Comm("all_gather", "output"),
-                backward=Comm("reduce_scatter", "grad_output"), eager=gather_from_sequence_eager))
 
-__all__ = ["all_gather", "all_reduce", "copy_to_region", "gather_from_sequence", "reduce_scatter", "scatter"]
+__all__ = ["all_gather", "all_reduce", "copy_to_region", "scatter"]

@@ -50,7 +50,7 @@ def _deferred(node: fx.Node | None) -> bool:
 
 
 def _gather_from_sequence(x, dim, world, group):
-    """gather_from_sequence as the runtime's form marks its output (ops/tp.py): the linears it
+    """gather_from_sequence as the runtime's form marks its output (ops/sp.py): the linears it
     feeds save the shard, not the gathered whole."""
     out = torch.ops.fxtron.gather_from_sequence(x, dim, world, group)
     SEQUENCE_GATHERED.set(out, SequenceGathered(x.detach(), Regather(lambda shard: None)))
