@@ -62,7 +62,8 @@ def reference_training(model: torch.nn.Module, batches: Iterable, make_optimizer
         loss.backward()
         norm = None
         if clip_grad is not None or skip_nonfinite:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad if clip_grad is not None else float("inf"))
+            limit = clip_grad if clip_grad is not None else float("inf")    # inf: the norm alone, nothing clipped
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
             if clip_grad is not None:
                 norms.append(float(norm))
         if step == 0:
