@@ -133,7 +133,8 @@ def build_model(spec: str, seed: int = 0, overrides: dict | None = None) -> Trai
     from fxtron import models
     if overrides and not spec.startswith("hf:"):
         raise ParallelizeError(f"--model-config ({', '.join(overrides)}) sets fields of an hf:<architecture>'s "
-                               f"config; {spec!r} is not one")
+                               f"config; {spec!r} is not one: a model configuration is for hf:<architecture> models "
+                               f"(a directory's config.json or a preset fixes its own)")
     if spec in models.PRESETS:
         model = models.build(spec, device="meta", seed=seed)
         return TrainModel(model, False, _vocab(model))
