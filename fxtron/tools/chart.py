@@ -74,7 +74,7 @@ def _draw_memory(ax, memory: list[list]) -> None:
 
 
 def draw_timelines(timelines: list[list], path: str, title: str = "", memory: list[list] | None = None) -> str:
-    """Measured timelines, one list of runtime.executor.Event per pipeline rank; with
+    """Measured timelines, one list of runtime.pp.executor.Event per pipeline rank; with
     `memory` (each rank's prog.memory_timeline() of the same step) its memory drawn below."""
     rows = [[(e.kind, e.microbatch, e.chunk, e.start * 1e3, e.end * 1e3) for e in events] for events in timelines]
     return _draw(rows, path, f"{title}  (measured)", "time (ms)", memory)
