@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from fxtron.core import meta
+from fxtron.core import layout, meta
 from fxtron.core.records import FRESH_GRADS, FSDP_GATHERED, FsdpGathered
 from fxtron.ops import fsdp as ops
 from fxtron.ops import ledger
@@ -55,7 +55,7 @@ class _Unit:
                  group, world: int, index: int):
         self.label, self.kind, self.names, self.shapes = label, kind, names, shapes
         self.chunks, self.group, self.world, self.index = chunks, group, world, index
-        self.numels = [_numel(s) for s in shapes]
+        self.numels = [layout.numel(s) for s in shapes]
         self.piece = sum(chunks)                          # elements of the rank's pieces, together
         self.cols = _offsets(chunks)                      # where each parameter's piece lies in them
         self.offsets = _offsets(self.numels)              # where each parameter lies in the gathered flat
@@ -103,13 +103,6 @@ def _reports(gather: fx.Node) -> tuple[int, bool]:
             else:
                 other = True
     return fused + int(other), other
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 def _contiguous(shape) -> tuple[int, ...]:
@@ -413,7 +406,7 @@ def whole_local(held: torch.Tensor, spec, groups) -> torch.Tensor:
     out = held.new_empty(f.world * f.chunk)
     with ledger.collective(group, "all_gather", held):
         dist.all_gather_into_tensor(out, held.contiguous(), group=group)
-    return out[:_numel(spec.local_shape)].view(spec.local_shape)
+    return out[:layout.numel(spec.local_shape)].view(spec.local_shape)
 
 
 __all__ = ["FsdpUnits", "whole_local"]

@@ -78,10 +78,6 @@ def _whole_elements(spec: LocalParam, coords: dict, sizes: dict, start: int, n: 
     return mask
 
 
-def _count(shape) -> int:
-    return math.prod(int(s) for s in shape)
-
-
 def across_stages(groups, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Merge the dicts of every pipeline rank (each holds its stages' parameters)."""
     if groups is None or groups.size("pp") == 1:
@@ -346,8 +342,8 @@ class Gradients:
             spec = self.local.get(name)
             if spec is not None and spec.flat is not None:    # zero=3: the piece, its padding left out
                 f = spec.flat
-                start = min(f.index * f.chunk, _count(spec.local_shape))
-                g = g[:min(f.chunk, _count(spec.local_shape) - start)]
+                start = min(f.index * f.chunk, layout.numel(spec.local_shape))
+                g = g[:min(f.chunk, layout.numel(spec.local_shape) - start)]
             if any(c != 0 and (spec is None or spec.shard_on(a) is None) for a, c in coords.items()):
                 continue                                   # a replica over a model axis: its rank 0 counts it
             holders = self.shared.get(name)
