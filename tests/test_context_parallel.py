@@ -13,7 +13,10 @@ layer; the ring, cp-1 transfers of 2*b*(s/cp)*h_kv), and the errors a user can c
 Then two gloo jobs train two AdamW steps (global batches of 4, sequence lengths 16 then 8,
 labels with ignore_index over the first quarter of two samples: unevenly over the cp chunks)
 and compare with one process: losses within 2e-6, first-step gradients within 1e-6, weights
-within 1e-5 (Adam's eps 1e-4, as test_zoo.py explains).
+within 1e-5 (Adam's eps 1e-4, as test_zoo.py explains). Two more (one a cp size) train attention
+written out under masks of each shape scaled_dot_product_attention broadcasts ((T, T),
+(1, 1, T, T), (B, 1, T, T); boolean and additive) with p2p, a2a+p2p and all_gather, held to
+the same tolerances; the ring's planner on every shape is checked without processes first.
 """
 from __future__ import annotations
 
@@ -1038,3 +1041,136 @@ def test_ring_blocks_merge_to_attention_over_every_key(fused):
         torch.testing.assert_close(dk.double(), k.grad[..., cols, :], rtol=0, atol=1e-12)
         torch.testing.assert_close(dv.double(), v.grad[..., cols, :], rtol=0, atol=1e-12)
     torch.testing.assert_close(dq, q.grad, rtol=0, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- masks of every broadcast shape
+# scaled_dot_product_attention broadcasts its mask to the scores (B, H, S, S): (S, S), (H, S, S),
+# (1, 1, S, S), (B, 1, S, S), (B, H, S, S), boolean or additive; the ring's planner takes each
+MASK_SHAPES = ["TT", "HTT", "11TT", "B1TT", "BHTT"]
+
+
+def _shaped_mask(shape: str, b: int, h: int, s: int, additive: bool, dtype=torch.float64) -> torch.Tensor:
+    """A mask of `shape` over S = s positions: causal (TT), a causal sliding window per head
+    (HTT), packed documents (11TT), a causal window per batch row (B1TT) or per row and head
+    (BHTT) -- every query sees its own key. Additive: 0 where seen, the dtype's lowest elsewhere
+    (transformers' eager masks)."""
+    i = torch.arange(s)
+    causal = i[:, None] >= i[None, :]
+    if shape == "TT":
+        seen = causal
+    elif shape == "HTT":
+        seen = causal & (i[:, None] - i[None, :] < 2 + torch.arange(h)[:, None, None])
+    elif shape == "11TT":
+        doc = (i >= 3).long() + (i >= s // 2 + 2).long()         # three documents, from positions (traceable)
+        seen = (causal & (doc[:, None] == doc[None, :]))[None, None]
+    elif shape == "B1TT":
+        seen = causal & (i[:, None] - i[None, :] < 3 + 2 * torch.arange(b)[:, None, None, None])
+    else:
+        seen = causal & (i[:, None] - i[None, :] < 2 + torch.arange(b * h).view(b, h, 1, 1))
+    if not additive:
+        return seen
+    return torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, torch.finfo(dtype).min)
+
+
+@pytest.mark.parametrize("additive", [False, True], ids=["bool", "additive"])
+@pytest.mark.parametrize("shape", MASK_SHAPES)
+def test_the_planner_takes_a_mask_of_any_broadcast_shape(shape, additive, monkeypatch):
+    """The ring's blocks (ops/cp/pieces.py, through masked_attention: the ring's steps without
+    processes) under a mask of each shape scaled_dot_product_attention broadcasts: in float64,
+    every rank's output and the ranks' summed gradients equal attention over the whole sequence
+    under that mask; the planner plans the rows of a mask as it plans them made 4-d (a (T, T)
+    mask once crashed it: its leading dims were taken for batch and heads)."""
+    monkeypatch.setattr(cp_pieces, "SMALL_PIECE", 0)
+    for world in (2, 4):
+        mask = _shaped_mask(shape, 2, 4, 8 * world, additive)
+        q, k, v, weight, full, ref = _whole_attention(world, True, attn_mask=mask)
+        s = q.shape[2]
+        for r in range(world):
+            pos = positions(s, world, r)
+            rows = mask[..., pos, :]
+            out, _, _ = masked_attention(q[:, :, pos], k, v, rows, 8 ** -0.5, world, r)
+            torch.testing.assert_close(out, full[:, :, pos], rtol=0, atol=1e-12)
+            (out * weight[:, :, pos]).sum().backward()
+            four = rows.reshape((1,) * (4 - rows.dim()) + tuple(rows.shape))
+            assert ring_blocks(rows, False, world, r) == ring_blocks(four, False, world, r)
+        for t, want in zip((q, k, v), ref):
+            torch.testing.assert_close(t.grad, want, rtol=0, atol=1e-12)
+
+
+class _MaskedAttention(torch.nn.Module):
+    """Attention written out as matmuls (it joins the ring: fuse_written_out_attention) under a
+    mask the model builds of one broadcast `shape` (_shaped_mask's: "TT" is the held-out model's
+    causal (T, T) mask, no batch dim), masked_fill'ed with -inf where False, or `additive`:
+    added to the scores."""
+
+    def __init__(self, shape: str, additive: bool, vocab: int = 64, dim: int = 32, heads: int = 4, layers: int = 2):
+        super().__init__()
+        self.shape, self.additive, self.heads = shape, additive, heads
+        self.wte = torch.nn.Embedding(vocab, dim)
+        self.wpe = torch.nn.Embedding(64, dim)
+        self.attn = torch.nn.ModuleList(torch.nn.Linear(dim, 3 * dim) for _ in range(layers))
+        self.proj = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(layers))
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx, targets):
+        b, t = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        mask = _shaped_mask(self.shape, b, self.heads, t, self.additive, x.dtype).to(idx.device)
+        for qkv, proj in zip(self.attn, self.proj):
+            q, k, v = qkv(x).split(x.shape[-1], dim=2)
+            q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+            att = (q @ k.transpose(-2, -1)) * (1.0 / k.shape[-1] ** 0.5)
+            att = att + mask if self.additive else att.masked_fill(~mask, float("-inf"))
+            x = x + proj((att.softmax(dim=-1) @ v).transpose(1, 2).contiguous().view(b, t, -1))
+        logits = self.head(x)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-100)
+
+
+class MaskCase(Case):
+    """_MaskedAttention with the mask `name` ("TT", "11TT", "B1TT"; "+" additive)."""
+
+
+def _masked_model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return _MaskedAttention(name.rstrip("+"), name.endswith("+"))
+
+
+def _mask_batches():
+    return _batches("nanogpt")        # (idx, targets) of a 64-token vocabulary, some labels ignored
+
+
+# every comm type meets every shape both boolean and additive: p2p and all_gather half of them at
+# each cp size, a2a+p2p (its groups lie strictly between 1 and cp) all of them at cp=4; one job a cp size
+_BOOL_FIRST, _ADDITIVE_FIRST = ("TT", "11TT+", "B1TT"), ("TT+", "11TT", "B1TT+")
+_A2A = dict(cp_a2a_size=2)
+MASK_CASES = {2: [MaskCase(dict(cp=2), n, comm, {})
+                  for comm, names in (("p2p", _BOOL_FIRST), ("all_gather", _ADDITIVE_FIRST)) for n in names],
+              4: [MaskCase(dict(cp=4), n, comm, kw)
+                  for comm, kw, names in (("p2p", {}, _ADDITIVE_FIRST), ("all_gather", {}, _BOOL_FIRST),
+                                          ("a2a+p2p", _A2A, _BOOL_FIRST + _ADDITIVE_FIRST)) for n in names]}
+
+
+def _run_mask_case(rank, mesh, case):
+    args, _ = batch("nanogpt", 2, 8, seed=0)
+    pm = fxtron.parallelize(_masked_model(case.name), mesh, example_inputs=args, cp_comm_type=case.comm, **case.kw)
+    prog = pm.program(rank)
+    return train_program(prog, _mask_batches(), _opt(prog.parameters()))
+
+
+@pytest.fixture(scope="module")
+def masks_trained():
+    # one gloo job a cp size with all its mask cases (not in `trained`'s jobs: -k runs them alone)
+    return run_cases({w: [(fxtron.Mesh(w, **c.axes), [c]) for c in cases] for w, cases in MASK_CASES.items()},
+                     _run_mask_case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,case", [(w, c) for w, cases in MASK_CASES.items() for c in cases],
+                         ids=lambda x: x.key if isinstance(x, Case) else str(x))
+def test_masks_of_every_shape_train_like_one_process(masks_trained, world, case):
+    """Written-out attention under a (T, T), (1, 1, T, T) or (B, 1, T, T) mask, boolean or
+    additive, with p2p, a2a+p2p and all_gather at cp=2 and cp=4: losses, first-step gradients
+    and weights equal one process's."""
+    ref = reference_training(_masked_model(case.name), _mask_batches(), _opt)
+    for rank, got in enumerate(ranks_of(masks_trained, fxtron.Mesh(world, **case.axes), case)):
+        assert_trains_like(got, ref, rank=rank)

@@ -16,6 +16,7 @@ from torch import Tensor
 from fxtron.ops import transport as T
 from fxtron.ops.cp.blocks import _acc, sdpa_like_output
 from fxtron.ops.cp.layout import _order, _reorder, positions
+from fxtron.ops.cp.pieces import batched
 from fxtron.ops.cp.ring import _draw_seed, _drop, _ring_backward, _ring_forward
 from fxtron.ops.cp.ulysses import _a2a
 from fxtron.ops.registry import Comm, OpSpec, register
@@ -38,11 +39,12 @@ def _from_heads(x: Tensor, k: int, pg) -> Tensor:
 
 def _group_mask(mask: Tensor | None, heads: int, k: int, inner: int, m: int, outer: int) -> Tensor | None:
     """The whole mask's rows of the group's queries (super-chunks `outer` and 2m-1-outer), and
-    its heads of this rank's 1/k where it has a head per query head."""
+    its heads of this rank's 1/k where it has a head per query head (a mask of any shape that
+    broadcasts to the scores: 4-d, `batched`)."""
     if mask is None:
         return None
-    rows = mask.index_select(-2, positions(mask.shape[-2], m, outer).to(mask.device))
-    if rows.dim() == 4 and rows.shape[1] == heads and heads > 1:
+    rows = batched(mask).index_select(-2, positions(mask.shape[-2], m, outer).to(mask.device))
+    if rows.shape[1] == heads and heads > 1:
         rows = rows.narrow(1, inner * heads // k, heads // k)
     return rows
 

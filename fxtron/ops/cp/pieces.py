@@ -27,12 +27,13 @@ def _step_plan(rank: int, src: int, world: int, c: int, causal: bool, mask: Tens
     rows of this rank, key columns of the block) -- and the mask between them (Megatron's ring
     under the load-balanced split: its own block under the causal mask; an earlier rank's first
     chunk against all queries; a later rank's whole block against the second query chunk only).
-    Under an explicit mask, one piece per run of rows that see the same keys (`rectangles`): a
-    document mask's block is computed document by document, no pair of documents that never
-    meet, as a variable-length kernel computes it; none where the block is empty."""
+    Under an explicit mask (any shape that broadcasts to the scores, `batched`), one piece per
+    run of rows that see the same keys (`rectangles`): a document mask's block is computed
+    document by document, no pair of documents that never meet, as a variable-length kernel
+    computes it; none where the block is empty. The mask returned is 4-d."""
     whole, both = slice(None), slice(0, 2 * c)
     if mask is not None:                       # an explicit mask: its columns of src's positions
-        m = mask.index_select(-1, positions(seq, world, src).to(device))
+        m = batched(mask).index_select(-1, positions(seq, world, src).to(device))
         return _pieces(m, _floor(mask)), m
     if not causal:
         return [(whole, both, both)], None
@@ -41,6 +42,14 @@ def _step_plan(rank: int, src: int, world: int, c: int, causal: bool, mask: Tens
     if src < rank:
         return [(whole, both, slice(0, c))], None
     return [(whole, slice(c, 2 * c), both)], None
+
+
+def batched(mask: Tensor) -> Tensor:
+    """An attention mask of any shape that broadcasts to the scores (B, H, rows, cols) --
+    (rows, cols), (H or 1, rows, cols), (B or 1, H or 1, rows, cols) -- as a 4-d view, its
+    missing leading dims 1, as scaled_dot_product_attention broadcasts it: the pieces are
+    planned per batch row and any head, which a mask without those dims would not have."""
+    return mask[(None,) * (4 - mask.dim())] if mask.dim() < 4 else mask
 
 
 Index = "slice | Tensor"     # a piece's rows or columns: a run, or positions (int64) in the block
@@ -138,7 +147,9 @@ def ring_blocks(mask: Tensor | None, causal: bool, world: int, rank: int) -> lis
     """The blocks cp rank `rank`'s ring computes, one per step: (the key block's rank, the score
     elements computed per head, summed over the mask's batch rows) -- 0 where the block is
     skipped. `mask`: the rank's query rows against every key (B or 1, H or 1, 2c, S), as the ring
-    takes it; None: the causal plan (or every block whole), counted in chunks (c = 1)."""
+    takes it, or any shape that broadcasts to that (`batched`); None: the causal plan (or every
+    block whole), counted in chunks (c = 1)."""
+    mask = None if mask is None else batched(mask)
     c = (mask.shape[-2] // 2) if mask is not None else 1
     batch = mask.shape[0] if mask is not None else 1
     out = []
@@ -150,4 +161,4 @@ def ring_blocks(mask: Tensor | None, causal: bool, world: int, rank: int) -> lis
     return out
 
 
-__all__ = ["grouped", "rectangles", "ring_blocks"]
+__all__ = ["batched", "grouped", "rectangles", "ring_blocks"]

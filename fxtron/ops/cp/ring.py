@@ -32,7 +32,9 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: 
     batch_isend_irecv while the block in hand is computed, and the blocks' partial results
     merge through their log-sum-exp. q (B, H, 2c, D), k and v (B, Hkv, 2c, D): the rank's
     load-balanced chunks. `mask` (optional): the rows of the rank's queries against every key
-    in natural order (B or 1, H or 1, 2c, S); `causal`: the causal mask by position. Backward
+    in natural order (B or 1, H or 1, 2c, S), or any shape that broadcasts to it as
+    scaled_dot_product_attention's mask does ((2c, S), (H, 2c, S)); `causal`: the causal mask
+    by position. Backward
     sends the key blocks around again, with their dK and dV accumulating on the way home.
     `dropout_p`: attention dropout, each block's mask drawn from a seed the op draws from the
     program's `rng_region` stream (`keep_mask`), regenerated in backward. Returns the output,
