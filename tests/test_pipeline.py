@@ -114,7 +114,10 @@ def _every_schedule(name):
 
 JOBS = {
     2: [(fxtron.Mesh(2, pp=2), [c for n in ("gpt", "llama", "hf-gpt2") for c in _every_schedule(n)]
-         + [Case("gpt", "1f1b", varying=True), Case("hf-llama", "1f1b")]),
+         + [Case("gpt", "1f1b", varying=True), Case("hf-llama", "1f1b"),
+            # layers as two module lists (nanoGPT's attn[i], proj[i]): the cut falls inside a layer, stage 0
+            # sends x on and feeds x to its own linear, so x's data must outlive the send
+            Case("nanogpt", "1f1b", m=2, layers=2)]),
         (fxtron.Mesh(2), [Case("gpt", "1f1b", m=2)])],           # dp=2, gradient accumulation
     4: [(fxtron.Mesh(4, pp=4), [Case("gpt", "1f1b"), Case("gpt", "gpipe", m=8), Case("gpt", "interleaved", v=2, layers=8),
                                 Case("llama", "zb-h1", m=8), Case("hf-gpt2", "1f1b", m=2),

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import sympy
 import torch
+import torch.fx as fx
 
 from fxtron.core import meta
 from fxtron.core.placement import REPLICATE, Replicate
@@ -81,6 +82,7 @@ class StageRunner:
         self.quiet = quiet    # a context in which gradient reports do not count (earlier microbatches' W)
         self.in_slots = [slots(s, s.inputs) for s in stages]
         self.out_slots = [slots(s, s.outputs) for s in stages]
+        self.kept = [_used_by_itself(s) for s in stages]   # outputs whose data must outlive the send
         self.events: list[Event] = []
         # what each neighbour sends this rank, in its order: receives are posted in that order
         # (NCCL pairs a peer's sends with this rank's receives by order alone), even where this
@@ -224,13 +226,26 @@ class StageRunner:
                         self.events.append(Event("send", a.microbatch, a.chunk, st.index, start,
                                                  time.perf_counter() - t0))
                 if a.kind == "F" and st.outputs and sends:   # posted: the send holds the data, autograd the root
-                    self.freed_bytes += sum(_deallocate(o) for o in saved[key][1])
+                    self.freed_bytes += sum(_deallocate(o) for j, o in enumerate(saved[key][1])
+                                            if j not in self.kept[a.chunk])
             if self.memory is not None:   # the output gradients deferred W passes hold count too
                 self.memory.sample(a.kind, a.microbatch, a.chunk, held=sum(q.held_bytes for q in deferred.values()))
         if self.p2p is not None:
             self.p2p.finish()
         assert not saved and not deferred and not self._handed, "schedule left microbatches unfinished"
         return loss_sum
+
+
+def _used_by_itself(stage: Stage) -> set[int]:
+    """The boundary outputs a stage also uses itself (a cut inside a layer sends x on and feeds
+    x to its own linear, whose backward still reads it): releasing one after its send would
+    leave that backward a 1-element tensor. By the stage graph: an output node with a user
+    other than the output."""
+    if stage.gm is None:
+        return set()
+    out = stage.gm.graph.output_node()
+    values = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    return {i for i, n in enumerate(values) if isinstance(n, fx.Node) and any(u is not out for u in n.users)}
 
 
 def _deallocate(out: torch.Tensor) -> int:
