@@ -7,6 +7,7 @@ answers questions about any rank (`graph`, `summary`, `collectives`) and builds 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable
 
 import torch
@@ -238,6 +239,48 @@ def _init_note(model) -> str:
     return text
 
 
+#: a model configuration's head counts: (query fields, key/value fields), the first present of each
+_HEAD_FIELDS = (("num_attention_heads", "n_head", "num_heads", "n_heads"),
+                ("num_key_value_heads", "n_kv_head", "num_kv_heads", "n_kv_heads"))
+
+
+def head_counts(model: torch.nn.Module) -> dict[str, int]:
+    """The head counts a model's configuration states ({'num_attention_heads': 32,
+    'num_key_value_heads': 8}; transformers' and fxtron's own field names), {} if none."""
+    cfg = getattr(model, "config", None)
+    out = {}
+    for names in _HEAD_FIELDS:
+        for name in names:
+            value = getattr(cfg, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                out[name] = value
+                break
+    return out
+
+
+def _check_heads(model: torch.nn.Module, tp: int, unsplit: dict[str, str]) -> None:
+    """A head count tp does not divide is a ParallelizeError naming the configuration's fields
+    and the tp values that work, where it left linears replicated that Megatron would split
+    (attention cannot be cut between heads). A plan that replicates the attention on purpose
+    leaves none of them unsplit, and passes."""
+    heads = head_counts(model)
+    bad = {n: v for n, v in heads.items() if v % tp}
+    cut = sorted(p for p, why in unsplit.items() if "cannot be split" in why)
+    if not bad or not cut:
+        return
+    g = math.gcd(*heads.values())
+    works = [d for d in range(2, g + 1) if g % d == 0]
+    fields = ", ".join(f"{n}={v}" for n, v in heads.items())
+    glob = sorted({".".join("*" if part.isdigit() else part for part in p.split(".")) for p in cut})
+    choose = (f"Choose a tp that divides them ({', '.join(map(str, works))})" if works
+              else "No tp > 1 divides them: use tp=1")
+    keep = ", ".join(f"'{pattern}': 'replicate'" for pattern in glob)
+    raise ParallelizeError(
+        f"tp={tp} does not divide the model's head counts ({fields}): attention splits over tp by whole heads "
+        f"(Megatron's), so {len(cut)} linear(s) could not be split ({', '.join(glob)}). {choose}, or keep the "
+        f"attention whole on purpose: plan={{{keep}}}")
+
+
 class ParallelModel:
     """The compiled model: per-rank graphs and programs for every rank of the mesh."""
 
@@ -284,6 +327,7 @@ class ParallelModel:
             self._warn_once("ep_tp", note, fix="; use tp=1 with ep, or strict=False")
         plan = self.tp_plan
         loud = plan.unsplit() if plan is not None else {}
+        _check_heads(self.model, self.mesh.tp, loud)
         if loud:
             self._warn_once("unsplit", f"at tp={self.mesh.tp}, {len(loud)} linear(s) stay replicated (every tp rank "
                             f"holds and computes them whole): {report.grouped(loud)}",

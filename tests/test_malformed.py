@@ -12,6 +12,7 @@ cases run in one gloo job with a collective timeout, every rank raising the same
 """
 from __future__ import annotations
 
+import ast
 import re
 import warnings
 
@@ -134,6 +135,12 @@ AT_PARALLELIZE = [
     ("model: every linear left replicated, strict", lambda: fxtron.parallelize(_Square(), Mesh(2, tp=2),
                                                                                 example_inputs=_x(), strict=True),
      r"1 linear\(s\) stay replicated .* lin"),
+    ("model: a head count tp does not divide", lambda: _par(_gpt(), Mesh(3, tp=3)),
+     r"tp=3 does not divide the model's head counts \(n_head=4\).* blocks\.\*\.attn\.qkv.* Choose a tp that "
+     r"divides them \(2, 4\), or keep the attention whole on purpose: plan=\{'blocks\.\*\.attn\.proj': 'replicate'"),
+    ("model: a transformers model's head counts tp does not divide",
+     lambda: fxtron.parallelize(make("hf-llama"), Mesh(3, tp=3), example_inputs=(), example_kwargs=batch("hf-llama", 2, 8, 0)[1]),
+     r"\(num_attention_heads=8, num_key_value_heads=4\).* model\.layers\.\*\.self_attn\.q_proj.* \(2, 4\)"),
     ("model: dense, mesh asks for ep", lambda: _par(_gpt(), Mesh(2, ep=2)),
      r"ep=2 but the model has no mixture-of-experts layer .* use ep=1"),
     ("model: experts not divisible by ep", lambda: _par(_moe(), Mesh(3, ep=3)),
@@ -239,6 +246,18 @@ def test_a_malformed_configuration_is_a_parallelize_error(what, fn, pattern):
         with pytest.raises(fxtron.ParallelizeError) as info:
             fn()
     assert re.search(pattern, str(info.value), re.S), str(info.value)
+
+
+def test_a_plan_that_keeps_the_attention_whole_is_taken_at_any_tp():
+    """The head-count refusal's own suggestion is accepted: attention replicated on purpose, the
+    rest split where it divides."""
+    with pytest.raises(fxtron.ParallelizeError) as info:
+        fxtron.parallelize(make("hf-llama"), Mesh(3, tp=3), example_inputs=(), example_kwargs=batch("hf-llama", 2, 8, 0)[1])
+    plan = ast.literal_eval(re.search(r"plan=(\{.*\})", str(info.value)).group(1))
+    pm = fxtron.parallelize(make("hf-llama"), Mesh(3, tp=3), example_inputs=(), example_kwargs=batch("hf-llama", 2, 8, 0)[1],
+                            plan=plan, strict=True)
+    styles = dict((path, style) for path, style, _ in pm.tp_plan.table())
+    assert styles["model.layers.0.self_attn.q_proj"] == "replicate" and styles["model.layers.0.mlp.gate_proj"] == "colwise"
 
 
 def test_compile_errors_come_from_the_per_rank_compilation_not_parallelize():
