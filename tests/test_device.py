@@ -31,11 +31,12 @@ MESHES = {
     "cp2": (fxtron.Mesh(2, cp=2), {}),
     "zero3": (fxtron.Mesh(2), {"zero": 3}),
     "ep2": (fxtron.Mesh(2, ep=2), {}),
+    "ep2-tp2": (fxtron.Mesh(4, ep=2, tp=2), {}),
+    "pp2-tp2": (fxtron.Mesh(4, pp=2, tp=2), {"microbatches": 2, "recompute": "full"}),
 }
-CASES = [(m, k) for m in MODELS for k in MESHES if k != "ep2" or m == "hf-mixtral"] + \
-        [("hf-mixtral", "ep2-tp2"), ("hf-llama", "pp2-tp2")]
-MESHES["ep2-tp2"] = (fxtron.Mesh(4, ep=2, tp=2), {})
-MESHES["pp2-tp2"] = (fxtron.Mesh(4, pp=2, tp=2), {"microbatches": 2, "recompute": "full"})
+#: every model on the four 2-rank meshes (experts on ep too), and two of 4 ranks
+CASES = [(m, k) for m in MODELS for k in ("tp2", "pp2", "cp2", "zero3")] + \
+        [("hf-mixtral", "ep2"), ("hf-mixtral", "ep2-tp2"), ("hf-llama", "pp2-tp2")]
 
 
 def _parallelize(name: str, mesh_key: str, device: str, built_on: str = "meta", **options):
