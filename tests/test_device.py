@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 import fxtron
 from fxtron.errors import ParallelizeError
 from fxtron.passes import devices
+from fxtron.passes.localize import drop_metadata_asserts
 from fxtron.passes.verify import check_devices
 from tp_models import batch, make
 
@@ -155,3 +156,21 @@ def test_verifier_names_a_node_on_another_device():
     devices.on_device(outer, "cuda")
     check_devices(outer, "cuda")
     assert [d for _, d in _named_devices(outer)] == [torch.device("cuda")]
+
+
+def test_metadata_asserts_go_from_nested_graphs_too():
+    """export's _assert_tensor_metadata pins the traced device (device=cpu for a meta model): the
+    trace pass drops it from the graph and from every graph nested in it."""
+    def body():
+        g = fx.Graph()
+        x = g.placeholder("x")
+        g.call_function(torch.ops.aten._assert_tensor_metadata.default, (x,),
+                        {"dtype": torch.float32, "device": torch.device("cpu"), "layout": torch.strided})
+        g.output(x)
+        return fx.GraphModule(torch.nn.Module(), g)
+    outer = body()
+    outer.add_submodule("inner", body())
+    drop_metadata_asserts(outer)
+    assert not [n for m in outer.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes
+                if n.target == torch.ops.aten._assert_tensor_metadata.default]
+    check_devices(outer, "cuda")

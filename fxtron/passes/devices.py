@@ -9,9 +9,11 @@ arange of received rows). `on_device` makes each of them the program's device ty
 binds it to its rank's device: runtime/bind.py); `foreign_devices` lists what still names
 another (the verifier's check, passes/verify.py `check_devices`).
 
-`check_kernels`: an op whose kernel on the program's device takes fewer dtypes than the trace's
-device -- torch._grouped_mm runs on CUDA in bfloat16 only -- is a ParallelizeError at
-parallelize naming the dtype and what to change, not a crash at the first step.
+`check_kernels`: an op whose kernel on the program's device takes fewer dtypes than the trace
+let through -- torch._grouped_mm runs on CUDA in bfloat16 only -- is a ParallelizeError at
+parallelize naming the dtype and what to change, not a crash at the first step. (transformers'
+experts trace to its fallback GEMM in any other dtype, and torch's meta rule for _grouped_mm
+takes bfloat16 only today; the check holds where either changes, or a model calls it directly.)
 """
 from __future__ import annotations
 
