@@ -82,8 +82,10 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
 
     `device` ("cuda" or "cpu"; default: cuda where torch sees a GPU) is the device type the
     programs will run on: the graphs record the kernels chosen for it (a bf16 linear's weight
-    gradient runs the Triton kernel on CUDA). Inspect a GPU job's graphs on a laptop with
-    device="cuda"; a program built on another device records its own kernels.
+    gradient runs the Triton kernel on CUDA) and name no device of another type, whatever
+    device the model was built on (meta, the CPU); a rank's program runs on its own device.
+    Inspect a GPU job's graphs on a laptop with device="cuda"; a program built on another
+    device records its own kernels.
 
     Context parallel (mesh.cp > 1): every input that carries the sequence is split over the cp
     ranks, load-balanced as Megatron does (the sequence seen as 2 x cp chunks, cp rank r holding

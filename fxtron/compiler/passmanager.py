@@ -32,6 +32,7 @@ from fxtron.errors import CompileError, ParallelizeError
 from fxtron.mesh import Mesh, hsdp_kinds
 from fxtron.passes import verify as verifier
 from fxtron.passes.cp import cp_layout, fuse_written_out_attention
+from fxtron.passes.devices import check_kernels, on_device
 from fxtron.passes.ep import dispatch_experts, ep_layout
 from fxtron.passes.limits import SeqLimit, seq_limit
 from fxtron.passes.localize import drop_metadata_asserts, localize
@@ -291,9 +292,24 @@ def _shard_data_parallel(s: RankState) -> None:
         wait_for_params(graphs, s.local, group_of)
 
 
+def _device_type(s: RankState) -> str:
+    return s.config.inputs.resolved_device()
+
+
+def _trace(s: RankState) -> None:
+    s.gm = drop_metadata_asserts(s.gm)
+    check_kernels(s.gm, _device_type(s))
+
+
+def _on_device(s: RankState) -> None:
+    for g in [s.gm] + ([st.gm for st in s.stages] if s.stages is not None else []):
+        on_device(g, _device_type(s))
+
+
 PASSES = pass_list(
-    Pass("trace", "the traced graph (torch.export), export's metadata asserts dropped",
-         _set("gm", lambda s: drop_metadata_asserts(s.gm)), model_wide=True),
+    Pass("trace", "the traced graph (torch.export), export's metadata asserts dropped (they pin the traced "
+         "dtype, device and global sizes); an op with no kernel for its dtype on the program's device (CUDA's "
+         "bf16-only grouped GEMM) an error now", _trace, model_wide=True),
     Pass("global_statistics", "what the model computes over its batch is the global batch's: a token mean over "
          "every piece's counted tokens, a summed loss summed, a load-balancing loss's statistics summed over dp",
          _set("gm", lambda s: global_statistics(s.gm, dp=s.mesh.size("dp"), pieces=_pieces(s),
@@ -353,6 +369,9 @@ PASSES = pass_list(
     Pass("mark_recompute", "activations of the attention cores (selective) or of whole layers (full) recomputed in "
          "backward instead of kept, per stage graph", _mark_recompute, lambda s: s.config.recompute.granularity is not None,
          "recompute is 'selective' or 'full'", after=("split_stages",)),
+    Pass("on_device", "every device the graphs name made the program's device type: the trace ran on the model's "
+         "own tensors (a meta model's as its CPU build) and the passes copy devices from those values; binding "
+         "then picks the rank's device", _on_device, after=("split_stages", "mark_recompute")),
     Pass("shard_params", "each parameter's local shape, shards per axis and gradient group", _shard_params,
          after=("split_stages",)),
     Pass("shard_data_parallel", "each parameter held as the rank's 1/d flat piece; each layer's pieces gathered just "
@@ -430,12 +449,15 @@ config.debug.verify the verifier checks the graph after every pass.
                 for st in state.stages:
                     observer(f"split_stages_stage{st.index}", st.gm, seconds,
                              f"stage {st.index}: receives {', '.join(st.inputs) or '-'}; sends {', '.join(st.outputs) or '-'}")
-            elif p.name == "shard_data_parallel" and state.stages is not None:
+            elif p.name in ("shard_data_parallel", "on_device") and state.stages is not None:
                 for st in state.stages:
-                    observer(f"shard_data_parallel_stage{st.index}", st.gm, seconds, p.reason)
+                    observer(f"{p.name}_stage{st.index}", st.gm, seconds, p.reason)
             elif p.name != "shard_params":
                 observer(p.name, state.gm, seconds, p.reason)
     state.gm.graph.lint()
+    for i, g in enumerate([state.gm] if state.stages is None else [st.gm for st in state.stages]):
+        verifier.check_devices(g, _device_type(state), where=f"rank {rank}" + (
+            f" stage {state.stages[i].index}" if state.stages is not None else ""))
     return RankGraph(gm=state.gm, mesh=mesh, rank=rank, local=state.local, plan=plan,
                      stage_assignment=stage_assignment, stages=state.stages, shared=state.shared,
                      seq_split=view.size("tp") if config.tensor.sequence_parallel else 1, max_seq=seq_limit(traced))

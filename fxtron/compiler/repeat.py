@@ -203,9 +203,10 @@ class _Recorder(TorchDispatchMode):
 
 
 def fake_on_cpu(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
-    """A fake tensor of `mode` like `t`; a meta tensor's on the CPU, as the model will run (a
-    model built on meta is traced as the CPU-built one: code that asks a tensor's device --
-    transformers' MoE picks histc's dtype by it -- takes the path the program will run)."""
+    """A fake tensor of `mode` like `t`; a meta tensor's on the CPU (a model built on meta is
+    traced as the CPU-built one: code that asks a tensor's device -- transformers' MoE picks
+    histc's dtype by it -- takes a path every device runs). The devices this writes into the
+    graph become the program's in passes/devices.py."""
     if t.device.type != "meta":
         return mode.from_tensor(t)
     with mode:

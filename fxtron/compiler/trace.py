@@ -125,7 +125,8 @@ def _export(module, args, shapes) -> ExportedProgram:
     from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
 
     if any(t.device.type == "meta" for t in module.parameters()):
-        # a model built on meta is exported as its CPU build would be: fake CPU tensors
+        # a model built on meta is exported as its CPU build would be: fake CPU tensors (the devices
+        # they write into the graph become the program's in passes/devices.py)
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
         mode = FakeTensorMode(shape_env=ShapeEnv())

@@ -20,12 +20,14 @@ _SIZE_ARG_VIEWS = opsets.RESHAPES | {aten.expand.default, aten.broadcast_to.defa
 
 def drop_metadata_asserts(gm: fx.GraphModule) -> fx.GraphModule:
     """Remove export's `_assert_tensor_metadata` checks: they pin the traced dtype (a mixed-
-    precision program computes in 16 bits) and global sizes (a rank holds shards). Edits gm in
-    place and returns it."""
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target == aten._assert_tensor_metadata.default:
-            gm.graph.erase_node(node)
-    gm.recompile()
+    precision program computes in 16 bits), the traced device (a meta model's fake CPU) and global
+    sizes (a rank holds shards) -- in gm and in every graph nested in it (a higher-order op's
+    body). Edits gm in place and returns it."""
+    for g in [m for m in gm.modules() if isinstance(m, fx.GraphModule)]:
+        for node in list(g.graph.nodes):
+            if node.op == "call_function" and node.target == aten._assert_tensor_metadata.default:
+                g.graph.erase_node(node)
+        g.recompile()
     return gm
 
 

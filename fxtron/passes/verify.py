@@ -12,7 +12,8 @@ runs over a dim its input holds only part of, or over a partial sum, except a su
 partial; every communicating op
 names an axis the graph is distributed over; and, after global_statistics, every batch statistic
 the loss depends on was made the global batch's or left per rank at the user's request (jax shard_map's check of which axes a value varies
-over, tinygrad's spec between rewrites).
+over, tinygrad's spec between rewrites). `check_devices`, run on every compiled graph: a graph built
+for one device type names no other (passes/devices.py).
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ import torch.fx as fx
 from fxtron.config import DebugConfig
 from fxtron.core import meta, opsets
 from fxtron.core.placement import Partial, Shard
+from fxtron.errors import ParallelizeError
+from fxtron.passes.devices import foreign_devices
 from fxtron.ops import registry
 from fxtron.passes.rules import reduced_dims, tensor_inputs
 
@@ -109,6 +112,19 @@ def verify(gm: fx.GraphModule, *, after: str, redistributed: bool = False) -> No
                         f"{axis}:{have}, with no redistribution between them")
 
 
+def check_devices(gm: fx.GraphModule, device_type: str, *, where: str = "") -> None:
+    """ParallelizeError naming the first node of gm (or of a graph nested in it) that names a
+    device of another type than `device_type`, the one the program was built for: it would pin
+    its tensors there whatever device the rank runs on."""
+    wrong = foreign_devices(gm, device_type)
+    if wrong:
+        node, device = wrong[0]
+        raise ParallelizeError(
+            f"{where + ': ' if where else ''}%{node.name} ({node.target}) names the device {device}, but the program "
+            f"is built for {device_type} ({len(wrong)} node{'s' if len(wrong) > 1 else ''} of the graph name another "
+            f"device type); every device a program names must be its own")
+
+
 def _check_reduction(node: fx.Node, axes, after: str) -> None:
     """No reduction over a dim a rank holds only part of, and none of a partial sum, unless it
     is a sum that stays partial: such a statistic would be this rank's alone (a norm's variance
@@ -133,4 +149,4 @@ def _check_reduction(node: fx.Node, axes, after: str) -> None:
                 f"is {axis}:{have} there: each rank would compute its own part's statistic as if it were the whole")
 
 
-__all__ = ["VerifyError", "enabled", "verify"]
+__all__ = ["VerifyError", "check_devices", "enabled", "verify"]
