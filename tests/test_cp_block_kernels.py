@@ -119,3 +119,21 @@ def test_fused_block_equals_float64_matmuls_on_gpu(dtype, mask, causal):
     for got, exp in zip(grads, ref):
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.double(), exp, **tol)
+
+
+# ------------------------------------------------------------------------------ the summary
+@pytest.mark.parametrize("kw, dropout, want", [
+    ({}, 0.0, "cp attention blocks on cpu (float32): fused: torch's CPU flash kernel for blocks.*.attn"),
+    (dict(device="cuda"), 0.0, "cp attention blocks on cuda (float32): fused: memory-efficient attention for "
+                               "blocks.*.attn"),
+    (dict(device="cuda", dtype="bf16"), 0.0, "cp attention blocks on cuda (bfloat16): fused: flash attention for "
+                                             "blocks.*.attn"),
+    (dict(device="cuda", dtype="bf16"), 0.1, "cp attention blocks on cuda (bfloat16): matmuls (each block's scores "
+                                             "materialized in fp32) for blocks.*.attn (ring_attention: dropout, "
+                                             "causal)"),
+])
+def test_summary_says_which_kernels_the_blocks_take(kw, dropout, want):
+    from tp_models import batch, make
+    pm = fxtron.parallelize(make("gpt", dropout=dropout), fxtron.Mesh(2, cp=2), example_inputs=batch("gpt", 2, 8, 0)[0],
+                            cp_comm_type="p2p", **kw)
+    assert want in pm.summary().splitlines()
