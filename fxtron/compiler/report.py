@@ -397,6 +397,8 @@ def cp_block_note(config, graphs) -> str:
             if getattr(n.target, "namespace", None) != "fxtron" or name not in _BLOCK_OPS:
                 continue
             m_at, c_at, p_at = _BLOCK_OPS[name]
+            if not all(isinstance(a, fx.Node) for a in n.args[:3]):
+                continue
             q, v, mask = n.args[0].meta.get("val"), n.args[2].meta.get("val"), n.args[m_at]
             if q is None or v is None:
                 continue
@@ -424,7 +426,8 @@ def cp_block_note(config, graphs) -> str:
     dtypes = sorted({str(config.precision.torch_dtype or n.args[0].meta["val"].dtype).removeprefix("torch.")
                      for g in graphs for n in g.graph.nodes
                      if n.op == "call_function" and getattr(n.target, "namespace", None) == "fxtron"
-                     and getattr(n.target, "__name__", "").split(".")[0] in _BLOCK_OPS and "val" in n.args[0].meta})
+                     and getattr(n.target, "__name__", "").split(".")[0] in _BLOCK_OPS
+                     and isinstance(n.args[0], fx.Node) and "val" in n.args[0].meta})
     return f"cp attention blocks on {device} ({'/'.join(dtypes)}): " + "; ".join(parts)
 
 
