@@ -1,6 +1,6 @@
 """GPU checks in one short run (a CUDA machine; see README "GPU figures").
 
-    python benchmarks/gpu_check.py [--quick] [--out FILE.json]
+    python benchmarks/gpu_check.py [--quick] [--out FILE.json] [--cp-block-only]
 
 1. The Triton weight-gradient kernel (codegen/wgrad.py) compiled for the GPU, not interpreted:
    for bf16 and fp16 inputs at several (tokens, in, out) shapes, including ones that are not
@@ -20,7 +20,15 @@
    a reset after the warm-up), the bytes saved for backward at their peak (the memory
    timeline), the step time, and the first step's gradients, which must equal the run
    without recomputation bit for bit.
+4. One context-parallel attention block (ops/cp/blocks.py `_block` + `_block_backward`, the
+   ring's unit; on CUDA codegen/attention.py's fused kernels): bf16, B=1, 32 heads, head dim
+   128, top-left causal, forward and backward, for L = 2048, 4096, 8192, against torch's flash
+   attention with its log-sum-exp on the same block: the median time and the peak memory
+   (allocated during forward and backward, inputs included) as ratios; `ok` within 1.2x time and
+   1.5x memory, with out and the gradients matching torch's.
 Prints one JSON document (and writes it with --out); exits non-zero if a check fails.
+`--cpu-dry-run` runs checks 2-4's logic on tiny shapes on CPU (4: L=64, 2 heads, torch's CPU
+flash kernel as the reference; times reported, not held to the bounds).
 """
 from __future__ import annotations
 
@@ -37,6 +45,7 @@ sys.path.insert(0, __file__.rsplit("/", 2)[0])   # the repository root, when run
 import fxtron  # noqa: E402
 from fxtron.codegen.wgrad import TRITON_KERNEL, kernel_for, wgrad_accumulate  # noqa: E402
 from fxtron.models.llama import Llama, LlamaConfig  # noqa: E402
+from fxtron.ops.cp.blocks import _block, _block_backward  # noqa: E402
 
 SHAPES = [(8192, 4096, 4096), (4096, 4096, 11008), (4096, 11008, 4096), (1000, 1000, 3000), (77, 4096, 4096)]
 QUICK_SHAPES = [(4096, 4096, 4096), (1000, 1000, 3000)]
@@ -87,6 +96,81 @@ def check_kernel(shapes) -> list[dict]:
                          # fp32 summation of `tokens` products: |error| <= tokens * 2^-24 * sum|terms|
                          # (the standard bound); the 16-bit path rounds the whole gradient once more
                          "ok": kernel == TRITON_KERNEL and err <= tokens * 2.0 ** -24})
+    return rows
+
+
+CP_BLOCK_LENGTHS = (2048, 4096, 8192)
+CP_BLOCK_TIME, CP_BLOCK_MEMORY = 1.2, 1.5
+
+
+def _torch_flash_block(q, k, v, do, scale):
+    """torch's flash attention with its log-sum-exp, forward then backward, on one causal block."""
+    aten = torch.ops.aten
+    if q.is_cuda:
+        r = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
+        out, lse = r[0], r[1]
+        grads = aten._scaled_dot_product_flash_attention_backward(
+            do, q, k, v, out, lse, r[2], r[3], q.shape[-2], k.shape[-2], 0.0, True, r[6], r[7], scale=scale)
+    else:
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+        grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, k, v, out, lse, 0.0, True,
+                                                                          scale=scale)
+    return (out, *grads)
+
+
+def _fxtron_block(q, k, v, do, scale):
+    """fxtron's cp block: `_block` (out, lse in fp32), then `_block_backward` given them."""
+    out, lse = _block(q, k, v, scale, None, True)
+    return (out, *_block_backward(do, q, k, v, out, lse, scale, None, True))
+
+
+def _peak(fn) -> int | None:
+    """Peak bytes allocated while `fn` runs, what was allocated before it included (CUDA only)."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
+
+
+def check_cp_block(lengths=CP_BLOCK_LENGTHS, heads: int = 32, head_dim: int = 128, timed: int = TIMED,
+                   device: str = "cuda") -> list[dict]:
+    """4. fxtron's cp attention block against torch's flash attention on the same block."""
+    from fxtron.codegen.attention import choose_forward
+    rows = []
+    gen = torch.Generator(device=device).manual_seed(0)
+    for n in lengths:
+        q, k, v, do = (torch.randn(1, heads, n, head_dim, device=device, generator=gen).to(torch.bfloat16)
+                       for _ in range(4))
+        scale = head_dim ** -0.5
+        row = {"L": n, "heads": heads, "head_dim": head_dim, "dtype": "bfloat16",
+               "kernel": choose_forward(q, k, v, None, True)}
+        ours, ref = _fxtron_block(q, k, v, do, scale), _torch_flash_block(q, k, v, do, scale)
+        # the same kernel family in bf16: out and grads agree to bf16's rounding of the outputs
+        row["max_diff"] = {name: float((a.float() - b.float()).abs().max()) / max(float(b.float().abs().max()), 1e-6)
+                           for name, a, b in zip(("out", "dq", "dk", "dv"), ours, ref)}
+        del ours, ref
+        fns = {"fxtron": lambda: _fxtron_block(q, k, v, do, scale), "torch_flash": lambda: _torch_flash_block(q, k, v, do, scale)}
+        ms, mem = {}, {}
+        for name, fn in fns.items():
+            for _ in range(2):
+                fn()
+            ms[name] = 1e3 * statistics.median(_sync_time(fn) for _ in range(timed))
+            mem[name] = _peak(fn)
+        row["ms"] = ms
+        row["time_ratio"] = ms["fxtron"] / ms["torch_flash"]
+        row["peak_bytes"] = mem
+        row["memory_ratio"] = None if mem["fxtron"] is None else mem["fxtron"] / mem["torch_flash"]
+        numerics = all(d <= 2.0 ** -6 for d in row["max_diff"].values())
+        if device == "cuda":
+            row["ok"] = (numerics and row["kernel"] == "flash" and row["time_ratio"] <= CP_BLOCK_TIME
+                         and row["memory_ratio"] <= CP_BLOCK_MEMORY)
+        else:       # a dry run: tiny shapes on a shared CPU time Python, not the kernels
+            row["ok"] = numerics and row["kernel"] == "cpu_flash"
+        rows.append(row)
+        del q, k, v, do
     return rows
 
 
@@ -279,15 +363,22 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="only the small training step, under torch.profiler")
     ap.add_argument("--profile-all", action="store_true", help="every check, and the small step's profile")
     ap.add_argument("--recompute-only", action="store_true", help="only the recomputation memory check (3.)")
+    ap.add_argument("--cp-block-only", action="store_true", help="only the cp attention block check (4.)")
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="no GPU here: run the training check's logic on a tiny model with gloo")
     a = ap.parse_args()
     if a.cpu_dry_run:
         tiny = LlamaConfig(vocab_size=256, max_seq_len=32, n_layer=2, n_head=4, n_kv_head=2, dim=64, ffn_dim=96)
         out = {"training": check_training(tiny, 2, 32, 2, profile=a.profile),
-               "recompute": check_recompute(tiny, 2, 32, 2)}
+               "recompute": check_recompute(tiny, 2, 32, 2),
+               "cp_block": check_cp_block((64,), heads=2, head_dim=16, timed=3, device="cpu")}
         print(json.dumps(out, indent=1))
-        return 0 if out["training"]["ok"] and out["recompute"]["ok"] else 1
+        return 0 if (out["training"]["ok"] and out["recompute"]["ok"]
+                     and all(r["ok"] for r in out["cp_block"])) else 1
+    if a.cp_block_only:
+        out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cp_block": check_cp_block()}
+        print(json.dumps(out, indent=1))
+        return 0 if all(r["ok"] for r in out["cp_block"]) else 1
     if a.recompute_only:
         out = {"gpu": torch.cuda.get_device_name(), "recompute": check_recompute(*RECOMPUTE_CASE, TIMED)}
         print(json.dumps(out, indent=1))
@@ -323,8 +414,15 @@ def main() -> int:
             out["recompute"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[-4000:]}
         out["recompute"]["check_s"] = time.perf_counter() - t0
         print(json.dumps({"recompute": out["recompute"]}), flush=True)
+    t0 = time.perf_counter()
+    try:
+        out["cp_block"] = check_cp_block(CP_BLOCK_LENGTHS[:1] if a.quick else CP_BLOCK_LENGTHS)
+    except Exception as e:  # noqa: BLE001 - report it with the other figures
+        out["cp_block"] = [{"ok": False, "error": f"{type(e).__name__}: {e}"[-4000:]}]
+    out["cp_block_s"] = time.perf_counter() - t0
+    print(json.dumps({"cp_block": out["cp_block"]}), flush=True)
     ok = (all(r["ok"] for r in out["wgrad"]) and all(r["ok"] for r in out["training"].values())
-          and out.get("recompute", {"ok": True})["ok"])
+          and out.get("recompute", {"ok": True})["ok"] and all(r["ok"] for r in out["cp_block"]))
     out["ok"] = ok
     text = json.dumps(out, indent=1)
     print(text)

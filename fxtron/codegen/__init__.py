@@ -4,8 +4,9 @@ Between the passes (which decide placements and collectives) and the runtime (wh
 rank's program): the rewrite of linears into the fused weight-gradient-accumulation op
 (`fuse`), and the kernels the ops call, registered in `fxtron.ops.kernels` with the check that
 says which calls each takes (`wgrad`: the Triton GEMM that accumulates into main_grad on CUDA,
-addmm_ elsewhere). Importing this package registers every kernel.
+addmm_ elsewhere; `attention`: the cp attention block on torch's fused flash or memory-efficient
+kernels on CUDA). Importing this package registers every kernel.
 """
-from fxtron.codegen import fuse, wgrad  # noqa: F401 - registers the kernels the ops call
+from fxtron.codegen import attention, fuse, wgrad  # noqa: F401 - registers the kernels the ops call
 
-__all__ = ["fuse", "wgrad"]
+__all__ = ["attention", "fuse", "wgrad"]

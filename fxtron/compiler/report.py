@@ -379,6 +379,63 @@ def unringed_attention(graphs) -> list[str]:
     return sorted(mods)
 
 
+# the cp ops whose attention runs block by block (ops/cp/blocks.py): (mask, causal, dropout) arg positions
+_BLOCK_OPS = {"ring_attention": (3, 5, 8), "masked_attention": (3, None, 7), "hierarchical_attention": (3, 5, 11)}
+
+
+def cp_block_note(config, graphs) -> str:
+    """One line: the kernels the cp attention blocks take (codegen/attention.py `block_kernel`),
+    decided from static facts only: the programs' device, the compute dtype, each op's mask
+    kind, head dims and dropout. Empty when no graph has a ring-style cp attention."""
+    from fxtron.codegen.attention import MATMUL, block_kernel, mask_kind
+    device = config.inputs.resolved_device()
+    takes: dict[str, set[str]] = {}
+    additive = False
+    for g in graphs:
+        for n in g.graph.nodes:
+            name = getattr(n.target, "__name__", "").split(".")[0] if n.op == "call_function" else ""
+            if getattr(n.target, "namespace", None) != "fxtron" or name not in _BLOCK_OPS:
+                continue
+            m_at, c_at, p_at = _BLOCK_OPS[name]
+            if not all(isinstance(a, fx.Node) for a in n.args[:3]):
+                continue
+            q, v, mask = n.args[0].meta.get("val"), n.args[2].meta.get("val"), n.args[m_at]
+            if q is None or v is None:
+                continue
+            mask_val = mask.meta.get("val") if isinstance(mask, fx.Node) else None
+            kind = "none" if mask is None else mask_kind(mask_val) if mask_val is not None else "additive"
+            additive = additive or kind == "additive"
+            causal = bool(n.args[c_at]) if c_at is not None and len(n.args) > c_at else False
+            dropout = float(n.args[p_at] if len(n.args) > p_at else n.kwargs.get("dropout_p", 0.0) or 0.0)
+            dtype = config.precision.torch_dtype or q.dtype
+            where = re.sub(r"\.\d+(\.|$)", r".*\1", meta.get(n, meta.MODULE) or n.name)
+            why = ", ".join(x for x in ("dropout" if dropout else "", f"{kind} mask" if kind != "none" else "",
+                                        "causal" if causal else "",
+                                        "values' head dim differs" if q.shape[-1] != v.shape[-1] else "") if x)
+            # a causal op's diagonal blocks are causal, its other blocks unmasked
+            for c in ((True, False) if causal else (False,)):
+                k = block_kernel(device, dtype, kind, int(q.shape[-1]), int(v.shape[-1]), dropout=bool(dropout),
+                                 causal=c)
+                takes.setdefault(k, set()).add(f"{where} ({name}{': ' + why if why else ''})"
+                                               if k == MATMUL else where)
+    if not takes:
+        return ""
+    parts = [f"{_KERNEL_WORDS[k]} for {', '.join(sorted(w))}" for k, w in sorted(takes.items())]
+    if additive and device == "cuda":
+        parts.append("matmuls in backward where a row sees no key under an additive mask (found at run time)")
+    dtypes = sorted({str(config.precision.torch_dtype or n.args[0].meta["val"].dtype).removeprefix("torch.")
+                     for g in graphs for n in g.graph.nodes
+                     if n.op == "call_function" and getattr(n.target, "namespace", None) == "fxtron"
+                     and getattr(n.target, "__name__", "").split(".")[0] in _BLOCK_OPS
+                     and isinstance(n.args[0], fx.Node) and "val" in n.args[0].meta})
+    return f"cp attention blocks on {device} ({'/'.join(dtypes)}): " + "; ".join(parts)
+
+
+_KERNEL_WORDS = {"flash": "fused: flash attention", "efficient": "fused: memory-efficient attention",
+                 "cpu_flash": "fused: torch's CPU flash kernel",
+                 "matmul": "matmuls (each block's scores materialized in fp32)"}
+
+
 def ep_tp_note(mesh: Mesh, traced: fx.GraphModule, tp_plan) -> str:
     """What ep x tp costs beyond Megatron: the layers whose tp ranks dispatch the copies whole
     (empty without both, or when every layer dispatches shares, Megatron's order)."""
@@ -549,6 +606,9 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
         if routed:
             head += (f"; {len(routed)} sort(s) of the tokens' copies run on each rank's own tokens (a mixture of "
                      f"experts routing them, in a rank-local order): {', '.join(routed)}")
+        blocks = cp_block_note(config, compiled(0).graphs)
+        if blocks:
+            head += "\n" + blocks
     if mesh.ep > 1:
         x = config.experts
         layers = moe_layers(traced)

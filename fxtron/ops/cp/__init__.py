@@ -16,7 +16,8 @@ and attention across the split, one module per job.
   chunks of c tokens, equal on every rank. The keys' gather before it is
   `gather_from_sequence`, whose backward reduce-scatters dK and dV.
 - blocks.py: one attention block (the queries against one block of keys, with its
-  log-sum-exp, on the CPU flash kernel or in plain matmuls), its gradients, and the
+  log-sum-exp, on a fused kernel -- codegen/attention.py's on CUDA, the CPU flash kernel on
+  CPU -- or in plain matmuls), its gradients, and the
   online-softmax merge of blocks that every attention here is computed in.
 - pieces.py: which parts of a key block a rank computes: Megatron's causal plan per ring
   step, or under an explicit mask one piece per run of rows that see the same keys (a document

@@ -2,9 +2,12 @@
 log-sum-exp, its gradients, and the online-softmax merge of blocks -- what every cp attention
 (all_gather.py, ring.py, masked.py, hierarchical.py) is computed in.
 
-`_block` runs on torch's CPU flash kernel where it can (it returns the log-sum-exp), else in
-plain matmuls (also with dropout's keep-mask, and where the values' head size differs from the
-queries'); `_block_backward` is its gradient given the rows' final output and log-sum-exp;
+`_block` runs on a fused kernel that returns the log-sum-exp where one takes the call: on CUDA
+the kernel codegen registers as "cp_block" (codegen/attention.py: torch's flash or
+memory-efficient attention), on CPU torch's CPU flash kernel; else in plain matmuls (dropout's
+keep-mask, float64 on CUDA, head sizes no kernel takes); `_block_backward` is its gradient
+given the rows' final output and log-sum-exp ("cp_block_backward" on CUDA; plain matmuls also
+for rows that see no key under an additive mask, `norm`);
 `_merge` folds a block's (out, lse) into the running ones. Under an additive mask a row that
 sees no key (transformers' eager masks add the dtype's lowest value) has softmax uniform over
 its keys, which a log-sum-exp cannot carry: `_lowest`, `_keys`, `_floor_keys` and `_floor`
@@ -15,6 +18,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from fxtron.ops.kernels import kernel
 
 
 def sdpa_like_output(q: Tensor, v: Tensor) -> Tensor:
@@ -49,7 +54,13 @@ def _block(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None,
     matmuls (fp32), also where the values' head size differs from the queries' (DeepSeek's MLA),
     which the flash kernel does not take. `keep`: attention dropout's mask of the block, scaled
     by 1/(1-p) (`_keep`): the probabilities are dropped, the log-sum-exp is the undropped
-    softmax's (plain matmuls)."""
+    softmax's (plain matmuls). On CUDA the registered "cp_block" kernel, where its choice is
+    not "matmul" (`fused=False`: matmuls)."""
+    if q.device.type == "cuda" and fused is not False:
+        fast = kernel("cp_block")
+        if fast.choose(q, k, v, mask, causal, keep) != "matmul":
+            return fast.run(q, k, v, scale, mask, causal)
+        fused = False
     if keep is None and (_fused(q, v) if fused is None else fused):
         bias = _additive(mask, q.dtype)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -80,7 +91,13 @@ def _block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     block's probabilities are exp(scores - lse): its share of the whole softmax). With dropout's
     scaled mask `keep` (FlashAttention-2's backward): dV = (P*keep)^T dO, and the scores'
     gradient P * ((dO V^T) * keep - rowsum(dO * O)), O the dropped output. `norm` (B, H, Lq): what
-    each row's exp(scores - lse) is divided by (`_floor_keys`: a row that sees no key)."""
+    each row's exp(scores - lse) is divided by (`_floor_keys`: a row that sees no key). On CUDA
+    the registered "cp_block_backward" kernel, where its choice is not "matmul"."""
+    if q.device.type == "cuda" and fused is not False:
+        fast = kernel("cp_block_backward")
+        if fast.choose(q, k, v, mask, causal, keep, norm) != "matmul":
+            return fast.run(dout, q, k, v, out, lse, scale, mask, causal)
+        fused = False
     if keep is None and norm is None and (_fused(q, v) if fused is None else fused):
         lse = torch.where(torch.isinf(lse), 0.0, lse)    # a row that sees no key anywhere: no gradient
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
