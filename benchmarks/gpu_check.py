@@ -318,6 +318,8 @@ def _trainer_inputs(case: dict, root: str, dev: torch.device) -> tuple[str, str]
     path = os.path.join(root, "llama")
     model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
     del model
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()     # the device's memory free for `fxtron train`'s process
     rng = np.random.RandomState(0)
     prefix = os.path.join(root, "tokens")
     w = IndexedDatasetWriter(prefix, token_dtype(case["vocab"]))
