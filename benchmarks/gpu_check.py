@@ -26,6 +26,19 @@
    attention with its log-sum-exp on the same block: the median time and the peak memory
    (allocated during forward and backward, inputs included) as ratios; `ok` within 1.2x time and
    1.5x memory, with out and the gradients matching torch's.
+5. `fxtron train` as a user runs it (`python -m fxtron train`, its own process, --dtype bf16
+   --world-size 1) on a transformers Llama directory (~0.95B: hidden 2048, 16 layers, ffn 5632,
+   16 heads, vocab 32000; save_pretrained with safetensors) and a Megatron dataset of random
+   documents (fxtron's writer), batch 8 x 2048, against the same model in a plain PyTorch loop
+   under the trainer's precision policy, eager and under torch.compile: median step time after
+   warm-up (CUDA-synchronized), tokens/s, MFU (the trainer's step_flops over the bf16 peak),
+   peak memory; `ok` when the run completes and its first losses equal the eager loop's within
+   the mixed-precision tolerance. --trainer-only runs it alone; --no-compile drops the compiled
+   baseline.
+--readme [README.md] rewrites README's GPU figures block (between its gpu-figures markers) from
+the run's JSON with the date and the machine; with --from-json FILE.json, from a saved document
+and without running. --cpu-dry-run runs the checks' logic on tiny shapes on a CPU (5. without its
+compiled baseline unless --dry-run-compile: Inductor's CPU build takes minutes).
 Prints one JSON document (and writes it with --out); exits non-zero if a check fails.
 `--cpu-dry-run` runs checks 2-4's logic on tiny shapes on CPU (4: L=64, 2 heads, torch's CPU
 flash kernel as the reference; times reported, not held to the bounds).
@@ -34,6 +47,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import math
 import statistics
 import sys
 import time
@@ -41,6 +56,8 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])   # the repository root, when run as a script
+if "--cpu-dry-run" in sys.argv:   # the wgrad kernel in Triton's interpreter: decided when fxtron imports it
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import fxtron  # noqa: E402
 from fxtron.codegen.wgrad import TRITON_KERNEL, kernel_for, wgrad_accumulate  # noqa: E402
@@ -49,6 +66,7 @@ from fxtron.ops.cp.blocks import _block, _block_backward  # noqa: E402
 
 SHAPES = [(8192, 4096, 4096), (4096, 4096, 11008), (4096, 11008, 4096), (1000, 1000, 3000), (77, 4096, 4096)]
 QUICK_SHAPES = [(4096, 4096, 4096), (1000, 1000, 3000)]
+DRY_RUN_SHAPES = [(40, 24, 36), (7, 16, 16)]      # interpreted: several tiles, masked edges
 # (config, batch, sequence): a small model, where one step's GPU work is short enough that the
 # CPU's Python overhead can show, and a 7B-layer-shaped one (hidden 4096, 4 layers)
 TRAIN_CASES = {
@@ -61,20 +79,29 @@ STEPS, LR = 3, 1e-3
 TIMED = 10
 
 
-def check_kernel(shapes) -> list[dict]:
-    import triton.testing
+def check_kernel(shapes, device: str = "cuda") -> list[dict]:
+    """1. The weight-gradient kernel against float64 and torch. On the CPU (the dry run, where
+    TRITON_INTERPRET=1 is set before fxtron is imported) the same kernel runs in Triton's
+    interpreter, timed by the wall clock."""
+    if device == "cuda":
+        import triton.testing
+        bench = triton.testing.do_bench
+    else:
+        def bench(fn):
+            return 1e3 * statistics.median(_sync_time(fn) for _ in range(3))
+    backend = "auto" if device == "cuda" else "triton"
 
     rows = []
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     for dtype in (torch.bfloat16, torch.float16):
         for tokens, d_in, d_out in shapes:
-            x = torch.randn(tokens, d_in, device="cuda", generator=gen).to(dtype)
-            dy = torch.randn(tokens, d_out, device="cuda", generator=gen).to(dtype)
-            start = torch.randn(d_out, d_in, device="cuda", generator=gen)
-            kernel = kernel_for(x, dy, start)
+            x = torch.randn(tokens, d_in, device=device, generator=gen).to(dtype)
+            dy = torch.randn(tokens, d_out, device=device, generator=gen).to(dtype)
+            start = torch.randn(d_out, d_in, device=device, generator=gen)
+            kernel = kernel_for(x, dy, start, backend=backend)
             mg = start.clone()
-            wgrad_accumulate(x, dy, mg)
-            torch.cuda.synchronize()
+            wgrad_accumulate(x, dy, mg, backend=backend)
+            _sync()
             ref = start.double() + dy.double().t() @ x.double()
             scale = dy.double().abs().t() @ x.double().abs() + start.double().abs()
             err = float(((mg.double() - ref).abs() / scale).max())
@@ -84,9 +111,9 @@ def check_kernel(shapes) -> list[dict]:
             del ref, scale
             flops = 2 * tokens * d_in * d_out
             t = {
-                "fxtron_wgrad": triton.testing.do_bench(lambda: wgrad_accumulate(x, dy, mg)),
-                "torch_16bit_matmul_add": triton.testing.do_bench(lambda: mg.add_(dy.t() @ x)),
-                "torch_fp32_addmm": triton.testing.do_bench(lambda: mg.addmm_(dy.t().float(), x.float())),
+                "fxtron_wgrad": bench(lambda: wgrad_accumulate(x, dy, mg, backend=backend)),
+                "torch_16bit_matmul_add": bench(lambda: mg.add_(dy.t() @ x)),
+                "torch_fp32_addmm": bench(lambda: mg.addmm_(dy.t().float(), x.float())),
             }
             rows.append({"dtype": str(dtype).removeprefix("torch."), "tokens": tokens, "in": d_in, "out": d_out,
                          "kernel": kernel, "error": err, "error_torch_16bit": err16, "ms": t,
@@ -355,6 +382,278 @@ def check_recompute(cfg: LlamaConfig, batch_size: int, seq: int, timed: int) -> 
     return out
 
 
+# ----------------------------------------------------------------------------- 4. `fxtron train` vs PyTorch
+#: the trainer's case (a ~0.95B transformers Llama) and the dry run's; `steps` per run, the first
+#: `warmup` of them (start-up, compilation) left out of the median
+TRAINER_CASE = dict(hidden=2048, layers=16, ffn=5632, heads=16, vocab=32000, batch=8, seq=2048, steps=8, warmup=3,
+                    documents=500, lr=3e-4, dtype="bf16")
+TRAINER_TINY = dict(hidden=64, layers=2, ffn=96, heads=4, vocab=256, batch=2, seq=32, steps=5, warmup=2,
+                    documents=200, lr=3e-4, dtype="bf16")
+#: dense bf16 peak of an H200 (the MFU denominator where the device's is not known: the dry run)
+H200_PEAK = 989e12
+#: the first steps whose losses must agree (later steps drift apart by bf16 rounding of the updates)
+TRAINER_LOSS_STEPS = 3
+
+
+def _trainer_inputs(case: dict, root: str, dev: torch.device) -> tuple[str, str]:
+    """A transformers Llama directory (random init, save_pretrained with safetensors, bf16 as
+    released checkpoints are) and a Megatron dataset of random-token documents written by
+    fxtron's own writer. Returns (model directory, dataset prefix)."""
+    import os
+
+    import numpy as np
+    import transformers
+
+    from fxtron.data.indexed import IndexedDatasetWriter, token_dtype
+    cfg = transformers.LlamaConfig(vocab_size=case["vocab"], hidden_size=case["hidden"],
+                                   intermediate_size=case["ffn"], num_hidden_layers=case["layers"],
+                                   num_attention_heads=case["heads"], num_key_value_heads=case["heads"],
+                                   max_position_embeddings=max(2048, case["seq"]), tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device(dev):          # initialized where it is fast (0.9B on a CPU takes a while)
+        model = transformers.LlamaForCausalLM(cfg)
+    path = os.path.join(root, "llama")
+    model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    del model
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()     # the device's memory free for `fxtron train`'s process
+    rng = np.random.RandomState(0)
+    prefix = os.path.join(root, "tokens")
+    w = IndexedDatasetWriter(prefix, token_dtype(case["vocab"]))
+    for _ in range(case["documents"]):
+        w.add_document(rng.randint(0, case["vocab"] - 1, size=rng.randint(case["seq"] // 8, 2 * case["seq"])))
+    w.finalize()
+    return path, prefix
+
+
+def _trainer_args(case: dict, model_dir: str, prefix: str, peak: float) -> list[str]:
+    """`fxtron train`'s flags for the case (the plain loop reads the same configuration)."""
+    return ["--model", model_dir, "--data", prefix, "--split", "98,2,0", "--dtype", case["dtype"],
+            "--world-size", "1", "--batch", str(case["batch"]), "--seq", str(case["seq"]),
+            "--steps", str(case["steps"]), "--lr", str(case["lr"]), "--peak-flops", str(peak)]
+
+
+def _trainer_run(case: dict, model_dir: str, prefix: str, root: str, peak: float, timeout_s: int) -> dict:
+    """`python -m fxtron train` as a user runs it, in its own process; its --log-file's records
+    (the trainer's step time: perf_counter around train_step, which ends on the loss's .item()
+    after the optimizer step, so the device's work is in it; MFU from its step_flops; memory:
+    torch.cuda.max_memory_allocated of the rank)."""
+    import os
+    import subprocess
+
+    log = os.path.join(root, "train.jsonl")
+    repo = __file__.rsplit("/", 2)[0]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
+    cmd = [sys.executable, "-m", "fxtron", "train", *_trainer_args(case, model_dir, prefix, peak), "--log-file", log]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=timeout_s)
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise RuntimeError(f"fxtron train exited {p.returncode}: {p.stdout[-3000:]}")
+    records = {}
+    for line in open(log):
+        r = json.loads(line)
+        records[r["step"]] = r
+    steps = [records[k] for k in sorted(records)]
+    return {"losses": [r["loss"] for r in steps], "step_times": [r["step_time"] for r in steps],
+            "mfu": [r["mfu"] for r in steps], "memory_bytes": max(r["memory_bytes"] for r in steps),
+            "wall_s": wall, "command": "python -m fxtron train " + " ".join(cmd[4:])}
+
+
+def _plain_run(case: dict, model_dir: str, prefix: str, dev: torch.device, compiled: bool, peak: float) -> dict:
+    """The same model in a plain PyTorch loop, under the trainer's precision policy (fp32
+    parameters and AdamW, each forward on bf16 copies of the parameters and buffers, as
+    runtime/precision.py's compute copies): the same batches (the trainer's TrainData), AdamW's
+    groups and learning rate (trainer/optim.py); eager, or the loss's forward under torch.compile."""
+    import transformers
+
+    from fxtron import config as fxconfig
+    from fxtron.trainer.config import TrainConfig
+    from fxtron.trainer.data import TrainData
+    from fxtron.trainer.models import TrainModel
+    from fxtron.trainer.optim import optimizer, schedule, set_lr
+
+    ap = argparse.ArgumentParser()
+    fxconfig.add_arguments(ap, TrainConfig)
+    cfg = fxconfig.from_arguments(ap.parse_args(_trainer_args(case, model_dir, prefix, peak)), TrainConfig)
+    dtype = cfg.precision.torch_dtype or torch.float32
+    data = TrainData(cfg, case["vocab"])
+    tm = TrainModel(None, True, case["vocab"], data=cfg.data)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    model = transformers.LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).to(dev)
+    model.train()
+    opt = optimizer(model.named_parameters(), cfg)
+    sched = schedule(cfg)
+
+    def loss_of(tensors, kwargs):
+        cast = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
+        return torch.func.functional_call(model, cast, (), kwargs).loss
+
+    fwd = torch.compile(loss_of) if compiled else loss_of
+    losses, times = [], []
+    for step in range(case["steps"]):
+        _, kw = tm.inputs(data.train_batch(step * case["batch"]))
+        kw = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        set_lr(opt, sched.lr)
+        _sync()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = fwd({**dict(model.named_parameters()), **dict(model.named_buffers())}, kw)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+        _sync()
+        times.append(time.perf_counter() - t0)
+        sched.step()
+    out = {"losses": losses, "step_times": times,
+           "memory_bytes": torch.cuda.max_memory_allocated() if dev.type == "cuda" else None,
+           "params": sum(p.numel() for p in model.parameters())}
+    model = opt = fwd = None     # this run's memory given back before the next
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def check_trainer(case: dict, *, compile_baseline: bool = True, timeout_s: int = 420) -> dict:
+    """`fxtron train` (a subprocess) on a transformers Llama directory and a Megatron dataset,
+    against the same model in a plain PyTorch loop, eager and under torch.compile: the median
+    step time after warm-up, tokens/s, MFU (the trainer's FLOPs per step, from its step_flops,
+    over the device's bf16 peak; 6 x parameters x tokens beside it), peak memory, and whether
+    fxtron's first losses equal the eager loop's within the mixed-precision tolerance (that,
+    and the run completing, is `ok`; speed is reported, not gated)."""
+    import tempfile
+
+    from fxtron.trainer.metrics import device_peak_flops
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    peak = device_peak_flops() or H200_PEAK
+    tokens = case["batch"] * case["seq"]
+    w = case["warmup"]
+    out = {"model": f"transformers Llama hidden={case['hidden']} L={case['layers']} ffn={case['ffn']} "
+                    f"heads={case['heads']} vocab={case['vocab']}, batch {case['batch']}x{case['seq']}, "
+                    f"{case['dtype']}, {case['steps']} steps (median of the last {case['steps'] - w})",
+           "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "peak_flops": peak}
+    with tempfile.TemporaryDirectory(prefix="fxtron-gpu-check-") as root:
+        t0 = time.perf_counter()
+        model_dir, prefix = _trainer_inputs(case, root, dev)
+        out["setup_s"] = time.perf_counter() - t0
+        f = _trainer_run(case, model_dir, prefix, root, peak, timeout_s)
+        out["command"] = f.pop("command").replace(root, "$TMP")
+        runs = {"fxtron": f, "eager": _plain_run(case, model_dir, prefix, dev, False, peak)}
+        if compile_baseline:
+            t0 = time.perf_counter()
+            runs["compiled"] = _plain_run(case, model_dir, prefix, dev, True, peak)
+            runs["compiled"]["wall_s"] = time.perf_counter() - t0
+        else:
+            out["compiled_note"] = "torch.compile baseline skipped (--no-compile, or a dry run without --dry-run-compile)"
+    params = runs["eager"]["params"]
+    step_s = statistics.median(f["step_times"][w:])
+    # the trainer's FLOPs per step (fxtron.trainer.metrics.step_flops), read back from its MFU
+    flops = statistics.median(m * t * peak for m, t in zip(f["mfu"][w:], f["step_times"][w:])) \
+        if all(m is not None for m in f["mfu"][w:]) else None
+    out.update(params=params, tokens_per_step=tokens, flops_per_step_trainer=flops,
+               flops_per_step_6nt=6.0 * params * tokens)
+    for name, r in runs.items():
+        s = statistics.median(r["step_times"][w:])
+        out[name] = {"step_s": s, "tokens_per_s": tokens / s,
+                     "mfu": flops / s / peak if flops else None, "mfu_6nt": 6.0 * params * tokens / s / peak,
+                     "peak_memory_GiB": r["memory_bytes"] / 2**30 if r["memory_bytes"] and dev.type == "cuda" else None,
+                     "first_step_s": r["step_times"][0], "losses": r["losses"]}
+        if "wall_s" in r:
+            out[name]["wall_s"] = r["wall_s"]
+        if name != "fxtron":
+            out[name]["fxtron_step_ratio"] = step_s / s
+    n = min(TRAINER_LOSS_STEPS, case["steps"])
+    e = runs["eager"]["losses"]
+    out["loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(f["losses"][:n], e[:n]))
+    out["loss_tolerance"] = 2.0 ** -6             # the mixed-precision tests' (check_training's)
+    out["ok"] = (len(f["losses"]) == case["steps"] and all(map(math.isfinite, f["losses"]))
+                 and out["loss_rel_diff"] <= out["loss_tolerance"])
+    return out
+
+
+# ----------------------------------------------------------------------------- README "GPU figures"
+README_BEGIN, README_END = "<!-- gpu-figures:begin -->", "<!-- gpu-figures:end -->"
+
+
+def _trainer_table(sec: dict) -> list[str]:
+    def gib(v):
+        return "-" if v is None else f"{v:.1f}"
+
+    def pct(v):
+        return "-" if v is None else f"{100 * v:.1f}%"
+    rows = [f"`fxtron train` against the same model in a plain PyTorch loop ({sec['model']}; fp32 parameters and "
+            f"AdamW, bf16 compute copies; MFU: the trainer's FLOPs per step over {sec['peak_flops'] / 1e12:.0f} "
+            f"TFLOP/s; losses agree within {sec['loss_rel_diff']:.1e} relative over the first steps):", "",
+            "| run | step (ms) | tokens/s | MFU | peak memory (GiB) | fxtron step / this |", "|---|---|---|---|---|---|"]
+    for name, label in (("fxtron", "fxtron train"), ("eager", "PyTorch eager"), ("compiled", "PyTorch torch.compile")):
+        r = sec.get(name)
+        if r is None:
+            continue
+        ratio = "1.00x" if name == "fxtron" else f"{r['fxtron_step_ratio']:.2f}x"
+        rows.append(f"| {label} | {1e3 * r['step_s']:.1f} | {r['tokens_per_s']:,.0f} | {pct(r['mfu'])} | "
+                    f"{gib(r['peak_memory_GiB'])} | {ratio} |")
+    return rows
+
+
+#: the sections that draw a table in README's GPU figures (the rest get a line: ok or not)
+README_TABLES = {"trainer": _trainer_table}
+
+
+def _machine() -> str:
+    """The device (a GPU's name) and the host's CPU count, for the README's figures."""
+    import os
+    import platform
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else f"no GPU ({platform.machine()})"
+    return f"{dev}, {os.cpu_count()} CPUs"
+
+
+def readme_figures(out: dict, when: str | None = None) -> str:
+    """The README's "GPU figures" block of a gpu_check JSON document: the date, the machine,
+    each section's table (README_TABLES) or its verdict."""
+    when = when or time.strftime("%Y-%m-%d", time.gmtime())
+    machine = out.get("machine") or out.get("gpu") or "unknown"
+    lines = [README_BEGIN, f"GPU figures, {when}, {machine} (torch {out.get('torch', '?')}; "
+                           "`python benchmarks/gpu_check.py --readme`):", ""]
+    verdicts = []
+    for key, sec in out.items():
+        if not isinstance(sec, dict) or "ok" not in sec:
+            continue
+        if key in README_TABLES:
+            lines += README_TABLES[key](sec) + [""]
+        verdicts.append(f"{key} {'ok' if sec['ok'] else 'FAILED'}")
+    if verdicts:
+        lines += ["Checks: " + ", ".join(verdicts) + ".", ""]
+    return "\n".join(lines + [README_END])
+
+
+def write_readme(out: dict, path: str, when: str | None = None) -> None:
+    """Rewrite the block between README_BEGIN and README_END in `path` with `out`'s figures;
+    where there are no markers yet, the block goes after the paragraph that names
+    benchmarks/gpu_check.py."""
+    with open(path) as fh:
+        text = fh.read()
+    block = readme_figures(out, when)
+    if README_BEGIN in text and README_END in text:
+        head, rest = text.split(README_BEGIN, 1)
+        text = head + block + rest.split(README_END, 1)[1]
+    else:
+        at = text.find("`benchmarks/gpu_check.py`")
+        if at < 0:
+            raise SystemExit(f"{path}: no {README_BEGIN} markers and no paragraph naming benchmarks/gpu_check.py")
+        end = text.find("\n\n", at)
+        end = len(text) if end < 0 else end
+        text = text[:end] + "\n\n" + block + text[end:]
+    with open(path, "w") as fh:
+        fh.write(text)
+
+
+def _rows(rows: list[dict]) -> dict:
+    """A check that measures several cases: its rows, and `ok` when every row is."""
+    return {"rows": rows, "ok": all(r["ok"] for r in rows)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -366,19 +665,45 @@ def main() -> int:
     ap.add_argument("--cp-block-only", action="store_true", help="only the cp attention block check (4.)")
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="no GPU here: run the training check's logic on a tiny model with gloo")
+    ap.add_argument("--trainer-only", action="store_true", help="only `fxtron train` against PyTorch (4.)")
+    ap.add_argument("--no-compile", action="store_true", help="4. without its torch.compile baseline")
+    ap.add_argument("--dry-run-compile", action="store_true",
+                    help="the dry run's 4. with its torch.compile baseline (Inductor's C++ build: minutes on a CPU)")
+    ap.add_argument("--readme", nargs="?", const=__file__.rsplit("/", 2)[0] + "/README.md", metavar="README.md",
+                    help="rewrite the GPU figures block of README.md (or this file) from the run's JSON")
+    ap.add_argument("--from-json", metavar="FILE.json", help="with --readme: no run, the figures of this JSON")
     a = ap.parse_args()
+    if a.from_json:
+        with open(a.from_json) as fh:
+            write_readme(json.load(fh), a.readme or ap.get_default("readme") or "README.md")
+        return 0
     if a.cpu_dry_run:
         tiny = LlamaConfig(vocab_size=256, max_seq_len=32, n_layer=2, n_head=4, n_kv_head=2, dim=64, ffn_dim=96)
-        out = {"training": check_training(tiny, 2, 32, 2, profile=a.profile),
-               "recompute": check_recompute(tiny, 2, 32, 2),
-               "cp_block": check_cp_block((64,), heads=2, head_dim=16, timed=3, device="cpu")}
+        out = {"machine": _machine(), "torch": torch.__version__}
+        if not a.trainer_only:
+            out.update(wgrad=_rows(check_kernel(DRY_RUN_SHAPES, device="cpu")),
+                       training=check_training(tiny, 2, 32, 2, profile=a.profile),
+                       recompute=check_recompute(tiny, 2, 32, 2),
+                       cp_block=_rows(check_cp_block((64,), heads=2, head_dim=16, timed=3, device="cpu")))
+        if not a.dry_run_compile:
+            print("note: the trainer check's torch.compile baseline is skipped in the dry run (Inductor compiling "
+                  "for the CPU took 200 s at tiny shapes on 2 cores); --dry-run-compile runs it", file=sys.stderr)
+        out["trainer"] = check_trainer(TRAINER_TINY, compile_baseline=a.dry_run_compile and not a.no_compile)
         print(json.dumps(out, indent=1))
-        return 0 if (out["training"]["ok"] and out["recompute"]["ok"]
-                     and all(r["ok"] for r in out["cp_block"])) else 1
+        if a.readme:
+            write_readme(out, a.readme)
+        return 0 if all(v["ok"] for v in out.values() if isinstance(v, dict) and "ok" in v) else 1
     if a.cp_block_only:
-        out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cp_block": check_cp_block()}
+        out = {"machine": _machine(), "torch": torch.__version__, "cp_block": _rows(check_cp_block())}
         print(json.dumps(out, indent=1))
-        return 0 if all(r["ok"] for r in out["cp_block"]) else 1
+        return 0 if out["cp_block"]["ok"] else 1
+    if a.trainer_only:
+        out = {"machine": _machine(), "torch": torch.__version__,
+               "trainer": check_trainer(TRAINER_CASE, compile_baseline=not a.no_compile)}
+        print(json.dumps(out, indent=1))
+        if a.readme:
+            write_readme(out, a.readme)
+        return 0 if out["trainer"]["ok"] else 1
     if a.recompute_only:
         out = {"gpu": torch.cuda.get_device_name(), "recompute": check_recompute(*RECOMPUTE_CASE, TIMED)}
         print(json.dumps(out, indent=1))
@@ -387,7 +712,7 @@ def main() -> int:
         out = {"training": check_training(*TRAIN_CASES["small"], 3, profile=True)}
         print(json.dumps(out, indent=1))
         return 0
-    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    out = {"gpu": torch.cuda.get_device_name(), "machine": _machine(), "torch": torch.__version__}
     try:
         import triton
         out["triton"] = triton.__version__
@@ -416,19 +741,30 @@ def main() -> int:
         print(json.dumps({"recompute": out["recompute"]}), flush=True)
     t0 = time.perf_counter()
     try:
-        out["cp_block"] = check_cp_block(CP_BLOCK_LENGTHS[:1] if a.quick else CP_BLOCK_LENGTHS)
+        out["cp_block"] = _rows(check_cp_block(CP_BLOCK_LENGTHS[:1] if a.quick else CP_BLOCK_LENGTHS))
     except Exception as e:  # noqa: BLE001 - report it with the other figures
-        out["cp_block"] = [{"ok": False, "error": f"{type(e).__name__}: {e}"[-4000:]}]
-    out["cp_block_s"] = time.perf_counter() - t0
+        out["cp_block"] = {"rows": [], "ok": False, "error": f"{type(e).__name__}: {e}"[-4000:]}
+    out["cp_block"]["check_s"] = time.perf_counter() - t0
     print(json.dumps({"cp_block": out["cp_block"]}), flush=True)
+    if not a.skip_training:
+        t0 = time.perf_counter()
+        try:
+            out["trainer"] = check_trainer(TRAINER_CASE, compile_baseline=not a.no_compile)
+        except Exception as e:  # noqa: BLE001 - report it with the other figures
+            out["trainer"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[-4000:]}
+        out["trainer"]["check_s"] = time.perf_counter() - t0
+        print(json.dumps({"trainer": out["trainer"]}), flush=True)
     ok = (all(r["ok"] for r in out["wgrad"]) and all(r["ok"] for r in out["training"].values())
-          and out.get("recompute", {"ok": True})["ok"] and all(r["ok"] for r in out["cp_block"]))
+          and out.get("recompute", {"ok": True})["ok"] and out["cp_block"]["ok"]
+          and out.get("trainer", {"ok": True})["ok"])
     out["ok"] = ok
     text = json.dumps(out, indent=1)
     print(text)
     if a.out:
         with open(a.out, "w") as f:
             f.write(text)
+    if a.readme:
+        write_readme(out, a.readme)
     return 0 if ok else 1
 
 
