@@ -61,7 +61,8 @@ def test_override_lr_schedule_continues_with_this_runs_settings():
     old = LRSchedule(1e-3, 1e-4, 2, 12, "cosine", 8)
     for _ in range(12):
         old.step()
-    with pytest.raises(fxtron.ParallelizeError, match="decay_steps 12 in the checkpoint, 16 now.*--override-lr-schedule"):
+    with pytest.raises(fxtron.ParallelizeError,
+                       match="decay_steps 12 in the checkpoint, 16 now.*--override-lr-schedule"):
         LRSchedule(1e-3, 1e-4, 2, 16, "cosine", 8).load_state_dict(old.state_dict())
     new = LRSchedule(1e-3, 1e-4, 2, 16, "cosine", 8)
     assert new.load_state_dict(old.state_dict(), override=True) == ["decay_steps 12 in the checkpoint, 16 now"]

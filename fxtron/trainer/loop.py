@@ -6,9 +6,11 @@ schedule (optim.py); resumed from the latest complete checkpoint when there is o
 (checkpoint.py). Each iteration is a step -- global batch k (samples [k GBS, (k+1) GBS)); a
 step whose gradient norm is not finite leaves the weights as they were on every rank, is
 counted and logged, and --max-skipped of them in a row stop the run naming the step -- then an
-evaluation, a checkpoint and the step's metrics (metrics.py) as configured. `run` starts the
-mesh's local processes, or under torchrun is one of them (runtime/launch.py's
-`torchrun_world`); with --compare it trains again in one process (compare.py).
+evaluation, a checkpoint and the step's metrics (metrics.py: with the rank's memory by kind and
+the checkpoint events) as configured; --export-hf copies the model directory's tokenizer
+along. `run` starts the mesh's local processes, or under torchrun is one of them
+(runtime/launch.py's `torchrun_world`); with --compare it trains again in one process
+(compare.py).
 """
 from __future__ import annotations
 

@@ -217,4 +217,5 @@ def write_trace(cfg, results: list[dict]) -> dict[str, str]:
     return paths
 
 
-__all__ = ["Metrics", "PEAK_FLOPS", "device_peak_flops", "memory_bytes", "size", "step_flops", "write_trace", "writes_metrics"]
+__all__ = ["Metrics", "PEAK_FLOPS", "device_peak_flops", "memory_bytes", "size", "step_flops", "write_trace",
+           "writes_metrics"]

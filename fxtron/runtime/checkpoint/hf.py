@@ -702,5 +702,5 @@ def export(checkpoint: str, out: str, *, like: str, max_shard_size: int | str = 
     return names
 
 
-__all__ = ["Origin", "StreamingFile", "TOKENIZER_FILES", "checkpoint_files", "copy_tokenizer", "export", "load_pretrained", "origin_of", "parse_size",
-           "save_pretrained", "write_pretrained"]
+__all__ = ["Origin", "StreamingFile", "TOKENIZER_FILES", "checkpoint_files", "copy_tokenizer", "export",
+           "load_pretrained", "origin_of", "parse_size", "save_pretrained", "write_pretrained"]
