@@ -184,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write an fxtron checkpoint (any mesh) as a transformers directory",
                        description="Reads the checkpoint tensor by tensor in this one process and writes what "
                                    "transformers' save_pretrained writes: safetensors shards with an index, "
-                                   "transformers' key layout, config.json and generation_config.json from --like.")
+                                   "transformers' key layout, config.json, generation_config.json and the tokenizer's "
+                                   "files (tokenizer.json, tokenizer_config.json, ...) from --like.")
     p.add_argument("checkpoint", help="a checkpoint directory prog.save wrote")
     p.add_argument("out", help="the directory to write")
     p.add_argument("--like", required=True, metavar="DIR",

@@ -1,6 +1,7 @@
 """Pretrained models in and out (issue 31, points 2-4): `prog.load_pretrained` reads a directory
 transformers' save_pretrained wrote in several files, each rank only its own slices;
-`prog.save_pretrained` and `python -m fxtron export` write directories transformers loads back.
+`prog.save_pretrained` and `python -m fxtron export` write directories transformers loads back,
+the trainer's --export-hf and the export with the model directory's tokenizer files.
 
 Without processes: a one-rank program gets every weight (Mixtral's per-expert keys through
 transformers' own conversion table), a wrapper's prefix is stripped or added, a checkpoint that
@@ -155,6 +156,41 @@ def test_export_writes_a_directory_transformers_loads(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "fxtron", "export", str(tmp_path / "nope"), str(tmp_path / "o2"),
                           "--like", str(tmp_path / "in")], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "nope" in bad.stderr
+
+
+def test_exports_carry_the_model_directorys_tokenizer(tmp_path):
+    """--export-hf and `fxtron export` copy the model directory's tokenizer files and
+    generation_config.json: AutoTokenizer loads the export and encodes like the original."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from fxtron.runtime.checkpoint.hf import export
+    from fxtron.trainer.config import TrainConfig
+    from fxtron.trainer.loop import train_rank
+    d = tmp_path / "llama"
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(config).save_pretrained(str(d))
+    transformers.GenerationConfig(bos_token_id=1, eos_token_id=2, max_new_tokens=7).save_pretrained(str(d))
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.Whitespace()
+    bpe.train_from_iterator(["the quick brown fox", "jumps over the lazy dog", "hello world"] * 10,
+                            trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>", "<s>", "</s>"]))
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>",
+                                               unk_token="<unk>")
+    tok.save_pretrained(str(d))
+    (tmp_path / "t.txt").write_text("the quick brown fox " * 200)
+    cfg = TrainConfig().replace(model=str(d), steps=1, batch=2, seq=16, text=str(tmp_path / "t.txt"),
+                                export_hf=str(tmp_path / "hf"), save=str(tmp_path / "ckpt"))
+    train_rank(0, cfg)
+    export(os.path.join(str(tmp_path / "ckpt"), "iter_0000001"), str(tmp_path / "exported"), like=str(d))
+    text = "the quick hello fox jumps"
+    for out in ("hf", "exported"):
+        back = transformers.AutoTokenizer.from_pretrained(str(tmp_path / out))
+        assert back(text).input_ids == tok(text).input_ids and back.eos_token == "</s>", out
+        assert transformers.GenerationConfig.from_pretrained(str(tmp_path / out)).max_new_tokens == 7, out
+        assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(tmp_path / out)), out
 
 
 CASES = {"llama-tp2-pp2": ("hf-llama", dict(tp=2, pp=2), dict(microbatches=2)),

@@ -54,6 +54,62 @@ def test_learning_rate_is_megatrons():
         LRSchedule(1e-3, 0.0, 10, 10, "cosine", 8)
 
 
+def test_override_lr_schedule_continues_with_this_runs_settings():
+    """Megatron's --override-opt_param-scheduler: a run extended from 12 to 16 steps (decay 12 in
+    the checkpoint, 16 now) is refused naming the flag; with it, this run's settings from the
+    checkpoint's position."""
+    old = LRSchedule(1e-3, 1e-4, 2, 12, "cosine", 8)
+    for _ in range(12):
+        old.step()
+    with pytest.raises(fxtron.ParallelizeError,
+                       match="decay_steps 12 in the checkpoint, 16 now.*--override-lr-schedule"):
+        LRSchedule(1e-3, 1e-4, 2, 16, "cosine", 8).load_state_dict(old.state_dict())
+    new = LRSchedule(1e-3, 1e-4, 2, 16, "cosine", 8)
+    assert new.load_state_dict(old.state_dict(), override=True) == ["decay_steps 12 in the checkpoint, 16 now"]
+    assert new.decay_steps == 16 and new.num_samples == 96 and new.lr == new.lr_at(96) > 1e-4
+    assert TrainConfig().replace(override_lr_schedule=True).optimizer.override_lr_schedule
+
+
+def test_checkpoint_events_are_logged_and_an_extended_run_resumes(tmp_path, capsys):
+    """One process: a 2-step run's save is a line and a JSONL field; extended to 3 steps it is
+    refused naming --override-lr-schedule, then with it resumes saying what it loaded and which
+    settings it kept -- without torch's 'in a single process' warning. Each record holds this
+    rank's bytes by kind."""
+    import warnings
+
+    from fxtron.trainer.loop import train_rank
+    (tmp_path / "t.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    cfg = TrainConfig().replace(model="gpt-tiny", steps=2, batch=2, seq=16, text=str(tmp_path / "t.txt"),
+                                lr_decay_style="linear", save=str(tmp_path / "ckpt"), save_interval=1,
+                                log_file=str(tmp_path / "run.jsonl"))
+    train_rank(0, cfg)
+    first = capsys.readouterr().out
+    assert "saved checkpoint iter_0000001 in " in first and "saved checkpoint iter_0000002 in " in first, first
+    runs = _losses(tmp_path / "run.jsonl")
+    assert runs[2]["checkpoint_saved"].endswith("iter_0000002") and runs[2]["checkpoint_save_seconds"] >= 0
+    r = runs[1]
+    assert r["param_bytes"] > 0 and r["grad_bytes"] > 0 and r["activation_bytes"] > 0
+    assert r["optimizer_bytes"] >= 2 * r["param_bytes"] and r["peak_bytes"] == r["memory_bytes"] > 0
+    assert "memory: params " in first and "optimizer " in first and "process peak" in first
+    with pytest.raises(fxtron.ParallelizeError, match="decay_steps 2 in the checkpoint, 3 now.*--override-lr-schedule"):
+        train_rank(0, cfg.replace(steps=3))
+    capsys.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = train_rank(0, cfg.replace(steps=3, override_lr_schedule=True))
+    assert not [w for w in caught if "single process" in str(w.message)], [str(w.message) for w in caught]
+    assert out["resumed_from"] == 2 and list(out["losses"]) == [3]
+    text = capsys.readouterr().out
+    print(text)
+    assert f"loaded checkpoint {checkpoints.iter_dir(str(tmp_path / 'ckpt'), 2)} from iteration 2 on Mesh(" in text
+    assert ("--override-lr-schedule, this run's settings over the checkpoint's: decay_steps 2 in the checkpoint, "
+            "3 now") in text
+    resumed = _losses(tmp_path / "run.jsonl")[3]
+    assert resumed["resumed_from"] == 2 and resumed["checkpoint_loaded"].endswith("iter_0000002")
+    assert resumed["lr_schedule_overridden"] == ["decay_steps 2 in the checkpoint, 3 now"]
+    assert resumed["lr"] == LRSchedule(3e-3, 0.0, 0, 3, "linear", 2).lr_at(4)     # this run's decay, step 3
+
+
 def test_weight_decay_leaves_biases_and_norms_out():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Embedding(5, 4))
     decay, plain = param_groups(model.named_parameters())
@@ -272,3 +328,26 @@ def test_packed_documents_at_cp_are_balanced_document_by_document(tmp_path):
     assert "balanced document by document (Megatron's THD): each row reordered by document_ids" in out.stdout
     line = next(x for x in out.stdout.splitlines() if "loss difference" in x)
     assert float(line.split("largest ")[1].split()[0]) < 1e-5, line
+
+
+@pytest.mark.slow
+def test_memory_by_kind_at_zero3_is_a_quarter_of_zero0s_at_dp4(tmp_path):
+    """gpt-tiny at dp=4: the JSONL's parameter and optimizer bytes at zero=3 are a quarter of
+    zero=0's (within the flat pieces' padding); the step's peak activations are seen at both."""
+    (tmp_path / "t.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    procs = {z: subprocess.Popen([sys.executable, "-m", "fxtron", "train", "--model", "gpt-tiny", "--world-size", "4",
+                                  "--zero", str(z), "--steps", "1", "--batch", "8", "--seq", "32", "--text",
+                                  str(tmp_path / "t.txt"), "--log-file", str(tmp_path / f"zero{z}.jsonl")],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+             for z in (0, 3)}
+    for z, p in procs.items():
+        out, _ = p.communicate(timeout=900)
+        assert p.returncode == 0, out[-4000:]
+        print(next(x for x in out.splitlines() if "memory: " in x))
+    r0, r3 = (_losses(tmp_path / f"zero{z}.jsonl")[1] for z in (0, 3))
+    for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "peak_bytes"):
+        print(f"{k}: zero=0 {r0[k]}, zero=3 {r3[k]} ({r3[k] / r0[k]:.4f})")
+    assert r0["loss"] == pytest.approx(r3["loss"], abs=1e-5)
+    for k in ("param_bytes", "optimizer_bytes", "grad_bytes"):
+        assert r0[k] / 4 <= r3[k] <= r0[k] / 4 * 1.02, (k, r0[k], r3[k])     # a quarter, padded to 4 pieces
+    assert r0["activation_bytes"] > 0 and r3["activation_bytes"] > 0

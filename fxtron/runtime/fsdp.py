@@ -170,6 +170,7 @@ class FsdpUnits:
         self._held = 0
         self._last: _Unit | None = None           # the unit backward last entered
         self._queued = False                      # the end-of-backward callback is queued
+        self.memory = None                        # the step's runtime.memory.MemoryTracker, when tracked
 
     # ------------------------------------------------------------------ the step
     @contextlib.contextmanager
@@ -284,10 +285,12 @@ class FsdpUnits:
             queue.run()
 
     def _pack(self, t: torch.Tensor):
+        # this hook hides any outer one: what it does not pack, the step's memory tracker sees
+        seen = self.memory._pack if self.memory is not None else (lambda x: x)
         if not t.is_floating_point() or t.device.type == "meta":
-            return t
+            return seen(t)
         u = self._storage.get(t.untyped_storage().data_ptr())
-        return t if u is None else _Packed(u, t)
+        return seen(t) if u is None else _Packed(u, t)
 
     def _unpack(self, x):
         if not isinstance(x, _Packed):

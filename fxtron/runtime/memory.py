@@ -7,7 +7,8 @@ every tensor a pass saves for backward, parameters and buffers excluded (under a
 copies count: a rank holds them), each storage counted once for as long as a tensor saved on it
 is alive. A sample is taken after each pass of the step, so the list is the step's
 memory timeline phase by phase; `fxtron.tools.chart` draws it and writes it, with the passes, as a
-Chrome trace.
+Chrome trace. `rank_bytes` sums what the rank holds by kind (parameters, gradients, the
+optimizer's state, the step's peak activations) for the trainer's log.
 """
 from __future__ import annotations
 
@@ -94,9 +95,34 @@ class MemoryTracker:
                                          torch.cuda.memory_allocated() if cuda else None))
 
 
+def _storage_bytes(tensors) -> int:
+    """Bytes of the storages under `tensors`, each storage once (views of one flat buffer share it)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and not t.is_meta:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(n for ptr, n in seen.items() if ptr)
+
+
+def rank_bytes(prog, optimizer=None) -> dict[str, int | None]:
+    """This rank's memory by kind, measured on the tensors it holds now: `param_bytes` (the
+    parameters' storages: zero=3's flat pieces, zero=0's whole shards), `grad_bytes` (the
+    gradient buffers and any .grad outside them, runtime/grads.py), `optimizer_bytes` (every
+    tensor of `optimizer.state`: Adam's moments and steps), `activation_bytes` (the most bytes
+    saved for backward alive after a pass of the last step, when its memory was tracked
+    (`prog.track_memory`), else None)."""
+    state = optimizer.state.values() if optimizer is not None else ()
+    tracker = prog._memory if prog.track_memory else None
+    return {"param_bytes": _storage_bytes(prog.parameters()),
+            "grad_bytes": int(prog.grads.bytes()),
+            "optimizer_bytes": _storage_bytes(v for s in state for v in s.values()),
+            "activation_bytes": max((s.activations for s in tracker.samples), default=0) if tracker else None}
+
+
 def tracking(tracker: MemoryTracker | None):
     """`tracker.saving()`, or nothing without a tracker."""
     return tracker.saving() if tracker is not None else contextlib.nullcontext()
 
 
-__all__ = ["MemorySample", "MemoryTracker", "tracking"]
+__all__ = ["MemorySample", "MemoryTracker", "rank_bytes", "tracking"]

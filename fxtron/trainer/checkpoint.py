@@ -6,12 +6,15 @@ fxtron checkpoint (prog.save: atomic, loads on any mesh) holding with the model 
 the trainer's state: iteration, consumed train and valid samples, skipped steps, the
 learning-rate schedule. --keep-last K removes older iterations after a save; nothing is
 removed by default. With --save (or --load) a run resumes from the latest complete
-checkpoint, on any mesh: model, optimizer, schedule, data position, random streams, step."""
+checkpoint, on any mesh: model, optimizer, schedule, data position, random streams, step; the
+schedule's settings must be the checkpoint's unless --override-lr-schedule. Each save and the
+resume are events the trainer logs (`saved`, `loaded`: path, iteration, seconds)."""
 from __future__ import annotations
 
 import os
 import re
 import shutil
+import time
 
 import torch.distributed as dist
 
@@ -87,6 +90,8 @@ class Checkpointer:
 
     def __init__(self, cfg, prog, opt, sched):
         self.cfg, self.prog, self.opt, self.sched = cfg, prog, opt, sched
+        self.loaded: dict | None = None       # the resume's event (resume)
+        self.saved: dict | None = None        # the last save's event (save)
 
     def resume(self, state: dict) -> int | None:
         """Load the latest complete checkpoint into the program, optimizer, schedule and
@@ -106,9 +111,14 @@ class Checkpointer:
             raise ParallelizeError(
                 f"{iter_dir(source, it)} was trained with --batch {saved.get('global_batch')} --seq "
                 f"{saved.get('seq')}; resume with the same (the data position counts samples)")
+        start = time.perf_counter()
         self.prog.load(iter_dir(source, it), self.opt)
-        self.sched.load_state_dict(saved["scheduler"])
+        overridden = self.sched.load_state_dict(saved["scheduler"], override=cfg.optimizer.override_lr_schedule)
         state.update({k: saved[k] for k in state})
+        #: what the resume did, for the log and the JSONL (metrics.py Metrics.loaded)
+        self.loaded = {"path": iter_dir(source, it), "iteration": it, "mesh": str(cfg.mesh.mesh()),
+                       "saved_mesh": saved.get("mesh"), "seconds": time.perf_counter() - start,
+                       "overridden": overridden}
         return it
 
     def maybe_save(self, state: dict) -> str | None:
@@ -127,6 +137,7 @@ class Checkpointer:
         path = iter_dir(root, it)
         extra = {**state, "scheduler": self.sched.state_dict(), "global_batch": cfg.data.batch, "seq": cfg.data.seq,
                  "model": cfg.model.name, "mesh": str(cfg.mesh.mesh())}
+        start = time.perf_counter()
         os.makedirs(root, exist_ok=True)
         prog.save(path, self.opt, extra=extra)
         alone = prog.groups is None or not dist.is_initialized()
@@ -135,6 +146,7 @@ class Checkpointer:
             prune(root, cfg.training.keep_last)
         if not alone:
             dist.barrier()
+        self.saved = {"path": path, "iteration": it, "seconds": time.perf_counter() - start}
         return path
 
 

@@ -107,6 +107,10 @@ class OptimizerConfig(Section):
     lr_decay_style: DecayStyle = option("constant", help="after warm-up: constant, linear or cosine to min_lr")
     lr_decay_steps: int | None = option(None, positive=True, help="steps over which the learning rate decays "
                                                                   "(default: --steps)")
+    override_lr_schedule: bool = option(False, help="on resume, train with this run's schedule settings (--lr, "
+                                                    "--min-lr, --lr-warmup-steps, --lr-decay-style, --lr-decay-steps) "
+                                                    "instead of refusing where the checkpoint's differ; its position "
+                                                    "is kept (Megatron's --override-opt_param-scheduler)")
     weight_decay: float = option(0.1, minimum=0, help="AdamW's decoupled weight decay (not on biases and norms)")
     adam_beta1: float = option(0.9, minimum=0, help="AdamW's beta1")
     adam_beta2: float = option(0.95, minimum=0, help="AdamW's beta2")

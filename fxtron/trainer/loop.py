@@ -6,9 +6,11 @@ schedule (optim.py); resumed from the latest complete checkpoint when there is o
 (checkpoint.py). Each iteration is a step -- global batch k (samples [k GBS, (k+1) GBS)); a
 step whose gradient norm is not finite leaves the weights as they were on every rank, is
 counted and logged, and --max-skipped of them in a row stop the run naming the step -- then an
-evaluation, a checkpoint and the step's metrics (metrics.py) as configured. `run` starts the
-mesh's local processes, or under torchrun is one of them (runtime/launch.py's
-`torchrun_world`); with --compare it trains again in one process (compare.py).
+evaluation, a checkpoint and the step's metrics (metrics.py: with the rank's memory by kind and
+the checkpoint events) as configured; --export-hf copies the model directory's tokenizer
+along. `run` starts the mesh's local processes, or under torchrun is one of them
+(runtime/launch.py's `torchrun_world`); with --compare it trains again in one process
+(compare.py).
 """
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ import time
 
 from fxtron.trainer.config import TrainConfig
 from fxtron.errors import ParallelizeError
+from fxtron.runtime.checkpoint.hf import copy_tokenizer
 from fxtron.runtime.launch import torchrun_world
+from fxtron.runtime.memory import rank_bytes
 from fxtron.trainer import compare
 from fxtron.trainer.checkpoint import Checkpointer
 from fxtron.trainer.data import TrainData
@@ -33,7 +37,7 @@ class Trainer:
     def __init__(self, rank: int, cfg: TrainConfig, groups=None):
         import fxtron
         t = cfg.training
-        self.cfg = cfg
+        self.cfg, self.rank = cfg, rank
         mesh = cfg.mesh.mesh()
         self.model = tm = resolve(cfg.model.name, t.seed, key_values(cfg.model.config), cfg.data)
         self.data = TrainData(cfg, tm.vocab_size)
@@ -55,6 +59,8 @@ class Trainer:
         self.resumed_from = self.checkpointer.resume(self.state)
         self.metrics = Metrics(cfg, writer=writes_metrics(prog.groups), world=mesh.world_size,
                                flops=step_flops(pm.traced), resumed_from=self.resumed_from)
+        if self.checkpointer.loaded is not None:
+            self.metrics.loaded(self.checkpointer.loaded)
         self.skipped_in_a_row = 0
         self.imbalance: dict[int, float] = {}   # per step: the worst layer's busiest expert over the mean (1: balanced)
         self.losses: dict[int, float] = {}
@@ -69,10 +75,13 @@ class Trainer:
                 step = self.train_step()
                 if t.eval_interval and step % t.eval_interval == 0:
                     self.evaluate()
-                self.checkpointer.maybe_save(self.state)
+                if self.checkpointer.maybe_save(self.state):
+                    self.metrics.saved(self.checkpointer.saved)
                 self.metrics.flush()                      # the step's JSON line, its evaluation included
             if t.export_hf:
                 self.prog.save_pretrained(t.export_hf)
+                if self.rank == 0:                 # the model directory's tokenizer, as transformers' users load it
+                    copy_tokenizer(self.cfg.model.name, t.export_hf)
         finally:
             self.metrics.close()
         return self.results()
@@ -86,7 +95,8 @@ class Trainer:
         set_lr(self.opt, lr)
         start = time.perf_counter()
         a, k = self.model.inputs(tokens)
-        prog.track_memory = t.trace is not None and step == t.steps
+        # the memory tracker on the steps that log (their activations) and --trace's last step
+        prog.track_memory = step == t.steps or step % t.log_interval == 0
         loss = prog.train_step(a, self.opt, kwargs=k)
         elapsed = time.perf_counter() - start
         load = prog.expert_load()            # with expert parallel: every rank joins its all-reduce
@@ -104,7 +114,8 @@ class Trainer:
         self.losses[step] = loss
         self.metrics.step({"step": step, "loss": loss, "lr": lr, "grad_norm": prog.last_grad_norm,
                            "step_time": elapsed, "consumed_samples": state["consumed_train_samples"],
-                           "skipped": state["skipped_iterations"], "step_skipped": skipped})
+                           "skipped": state["skipped_iterations"], "step_skipped": skipped,
+                           **rank_bytes(prog, self.opt)})
         if self.skipped_in_a_row >= t.max_skipped:
             raise ParallelizeError(
                 f"step {step}: {self.skipped_in_a_row} steps in a row had a non-finite loss or gradient norm (loss "

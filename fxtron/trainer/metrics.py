@@ -1,7 +1,10 @@
 """Trainer, metrics: every --log-interval steps one line (Megatron's training_log fields:
 step, consumed samples, time per step, learning rate, global batch, loss, grad norm, skipped
 steps; with tokens/s, MFU and memory); --log-file one JSON object per step; --tensorboard-dir
-TensorBoard scalars; a progress bar on a terminal, plain lines elsewhere. Written by one rank
+TensorBoard scalars; a progress bar on a terminal, plain lines elsewhere. Memory as users read
+it: this rank's parameters, gradients, optimizer state and peak activations
+(runtime/memory.py rank_bytes) and the device's (or process's) peak. Checkpoint saves and the
+resume are lines and fields of the step's record too. Written by one rank
 (`writer`: the last pipeline stage's first rank holds the loss first). With --trace, the last
 step of every rank as a Chrome trace and a picture of the schedule (`write_trace`)."""
 from __future__ import annotations
@@ -70,6 +73,7 @@ class Metrics:
             self.bar = tqdm(total=t.steps, initial=resumed_from or 0, unit="step", dynamic_ncols=True,
                             desc=cfg.model.name)
         self.pending: dict | None = None
+        self._resume: dict = {}               # the resume's event, for the first record
         self.losses: list[float] = []
         self._tokens, self._seconds = 0, 0.0
 
@@ -80,9 +84,10 @@ class Metrics:
         self._tokens += self.cfg.data.batch * self.cfg.data.seq
         self._seconds += step_time
         record["mfu"] = (self.flops / (step_time * self.world * self.peak)) if self.peak else None
-        record["memory_bytes"] = memory_bytes()
+        record["peak_bytes"] = record["memory_bytes"] = memory_bytes()
         if self.resumed_from is not None and not self.losses:
             record["resumed_from"] = self.resumed_from
+            record.update(self._resume)
         self.losses.append(record["loss"])
         self.flush()
         self.pending = record
@@ -104,6 +109,31 @@ class Metrics:
         if self.writer:
             self._print(f" validation loss at step {self.pending['step'] if self.pending else '?'}: {loss:.6E} | "
                         f"ppl: {math.exp(min(loss, 50)):.3f}")
+
+    def loaded(self, event: dict) -> None:
+        """The resume's event (trainer/checkpoint.py Checkpointer.loaded): a line now, its
+        fields in the first step's record."""
+        self._resume = {"checkpoint_loaded": event["path"], "checkpoint_load_seconds": round(event["seconds"], 3)}
+        override = self.cfg.optimizer.override_lr_schedule
+        if override:
+            self._resume["lr_schedule_overridden"] = list(event["overridden"])
+        if not self.writer:
+            return
+        saved = f"saved on {event['saved_mesh']}, " if event.get("saved_mesh") not in (None, event["mesh"]) else ""
+        self._print(f"loaded checkpoint {event['path']} from iteration {event['iteration']} on {event['mesh']} "
+                    f"({saved}{event['seconds']:.1f} s)")
+        if override:
+            self._print("learning-rate schedule: --override-lr-schedule, this run's settings over the checkpoint's: "
+                        + ("; ".join(event["overridden"]) if event["overridden"] else "the same as the checkpoint's")
+                        + f"; from its position ({self.resumed_from} steps taken)")
+
+    def saved(self, event: dict) -> None:
+        """A save's event (Checkpointer.saved): a line now, its fields in the step's record."""
+        if self.pending is not None:
+            self.pending.update(checkpoint_saved=event["path"], checkpoint_save_seconds=round(event["seconds"], 3))
+        if self.writer:
+            self._print(f"saved checkpoint {os.path.basename(event['path'])} in {os.path.dirname(event['path'])} "
+                        f"({event['seconds']:.1f} s)")
 
     def flush(self) -> None:
         r, self.pending = self.pending, None
@@ -141,7 +171,25 @@ class Metrics:
                     f"{r['consumed_samples']:12d} | elapsed time per iteration (ms): {1e3 * r['step_time']:.1f} | "
                     f"learning rate: {r['lr']:.6E} | global batch size: {self.cfg.data.batch:5d} | lm loss: "
                     f"{r['loss']:.6E} | grad norm: {norm} | tokens/s: {r['tokens_per_s']:,.0f} | MFU: {mfu} | "
-                    f"memory: {r['memory_bytes'] / 2**30:.2f} GiB | number of skipped iterations: {r['skipped']:3d}")
+                    f"memory: {_memory(r)} | number of skipped iterations: {r['skipped']:3d}")
+
+
+def size(n: int) -> str:
+    """Bytes for a reader: 1.25 GiB, 12.3 MiB, 4.0 KiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{n} B"
+
+
+def _memory(r: dict) -> str:
+    """The line's memory: this rank's bytes by kind, then the device's (or process's) peak."""
+    kinds = [(label, r.get(key)) for label, key in (("params", "param_bytes"), ("grads", "grad_bytes"),
+                                                    ("optimizer", "optimizer_bytes"),
+                                                    ("activations", "activation_bytes"))]
+    held = ", ".join(f"{label} {size(v)}" for label, v in kinds if v is not None)
+    peak = f"{'device' if torch.cuda.is_available() else 'process'} peak {size(r['peak_bytes'])}"
+    return f"{held}, {peak}" if held else peak
 
 
 def write_trace(cfg, results: list[dict]) -> dict[str, str]:
@@ -169,4 +217,5 @@ def write_trace(cfg, results: list[dict]) -> dict[str, str]:
     return paths
 
 
-__all__ = ["Metrics", "PEAK_FLOPS", "device_peak_flops", "memory_bytes", "step_flops", "write_trace", "writes_metrics"]
+__all__ = ["Metrics", "PEAK_FLOPS", "device_peak_flops", "memory_bytes", "size", "step_flops", "write_trace",
+           "writes_metrics"]

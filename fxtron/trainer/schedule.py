@@ -58,17 +58,21 @@ class LRSchedule:
     def state_dict(self) -> dict:
         return asdict(self)
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, override: bool = False) -> list[str]:
         """A checkpoint's schedule: its position; its settings must be this run's (Megatron
-        asserts the same), or the resume would silently train another schedule."""
+        asserts the same), or the resume would silently train another schedule -- unless
+        `override` (Megatron's --override-opt_param-scheduler): this run's settings are kept.
+        Returns the settings that differ ("decay_steps 12 in the checkpoint, 16 now")."""
         differ = [f"{k} {state[k]} in the checkpoint, {getattr(self, k)} now" for k in
                   ("max_lr", "min_lr", "warmup_steps", "decay_steps", "style", "global_batch")
                   if k in state and state[k] != getattr(self, k)]
-        if differ:
+        if differ and not override:
             raise ParallelizeError("the checkpoint's learning-rate schedule differs from this run's: "
                                    + "; ".join(differ) + "; resume with the same --lr, --min-lr, --lr-warmup-steps, "
-                                   "--lr-decay-style, --lr-decay-steps and --batch")
+                                   "--lr-decay-style, --lr-decay-steps and --batch, or give --override-lr-schedule "
+                                   "to continue with this run's settings from the checkpoint's position (Megatron's "
+                                   "--override-opt_param-scheduler)")
         self.num_samples = int(state["num_samples"])
-
+        return differ
 
 __all__ = ["LRSchedule"]

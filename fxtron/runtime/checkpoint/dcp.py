@@ -27,11 +27,13 @@ parameters and persistent buffers, under the original names, on every rank.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
 import pickle
 import shutil
+import warnings
 from typing import Callable
 
 import torch
@@ -229,7 +231,30 @@ def _write(prog, path: str, optimizer, storage_writer, extra=None) -> None:
         sd["extra"] = _pack(extra)
     os.makedirs(path, exist_ok=True)
     writer = storage_writer(path) if storage_writer is not None else None
-    dcp.save(sd, checkpoint_id=path, storage_writer=writer, no_dist=_alone(prog))
+    _save(sd, checkpoint_id=path, storage_writer=writer, no_dist=_alone(prog))
+
+
+@contextlib.contextmanager
+def _one_process():
+    """torch's warning that a load or save with no_dist (or without a process group) is "in a
+    single process" filtered, here only: fxtron asks for it on purpose (one process reading a
+    checkpoint's metadata, the trainer's state, or a whole checkpoint)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is .*assuming the intent is to (load|save) in "
+                                                  r"a single process")
+        yield
+
+
+def _load(*args, **kwargs):
+    """dcp.load without torch's single-process warning (_one_process)."""
+    with _one_process():
+        return dcp.load(*args, **kwargs)
+
+
+def _save(*args, **kwargs):
+    """dcp.save without torch's single-process warning (_one_process)."""
+    with _one_process():
+        return dcp.save(*args, **kwargs)
 
 
 def _rank(prog) -> int:
@@ -363,7 +388,7 @@ def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
                     sd.update(entries)
         if "optim/param_groups" in meta:
             sd["optim/param_groups"] = io.BytesIO()
-    dcp.load(sd, checkpoint_id=path, no_dist=_alone(prog))
+    _load(sd, checkpoint_id=path, no_dist=_alone(prog))
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(_held(prog, name, finish[f"model/{name}"](sd)))
@@ -455,7 +480,7 @@ def _read_layout(path: str, meta, *, no_dist: bool) -> dict[str, tuple[int, int]
     """name -> (dim, parts) of every parameter saved in parts."""
     sd = {k: io.BytesIO() for k in meta if k.startswith("layout/")}
     if sd:
-        dcp.load(sd, checkpoint_id=path, no_dist=no_dist)
+        _load(sd, checkpoint_id=path, no_dist=no_dist)
     return {k[len("layout/"):]: _unpack_obj(v) for k, v in sd.items()}
 
 
@@ -509,7 +534,7 @@ def load_full_state_dict(path: str, optimizer: bool = False) -> dict[str, torch.
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
           if _is_tensor_meta(m) and (k.startswith("model/") or k.startswith("buffer/") or optimizer)}
-    dcp.load(sd, checkpoint_id=path, no_dist=True)
+    _load(sd, checkpoint_id=path, no_dist=True)
     layout = {}
     for name, (dim, _) in _read_layout(path, meta, no_dist=True).items():
         layout[f"model/{name}"] = dim
@@ -556,7 +581,7 @@ def full_tensors(path: str) -> tuple[list[tuple[str, tuple[int, ...], torch.dtyp
 
     def read(name: str) -> torch.Tensor:
         sd = {k: torch.empty(meta[k].size, dtype=meta[k].properties.dtype) for _, k in keys[name]}
-        dcp.load(sd, checkpoint_id=path, no_dist=True)
+        _load(sd, checkpoint_id=path, no_dist=True)
         parts = sorted(keys[name], key=lambda pk: pk[0] if pk[0] is not None else -1)
         if len(parts) == 1 and parts[0][0] is None:
             return sd[parts[0][1]]
@@ -571,5 +596,5 @@ def read_extra(path: str):
     if "extra" not in meta:
         return None
     sd = {"extra": io.BytesIO()}
-    dcp.load(sd, checkpoint_id=path, no_dist=True)
+    _load(sd, checkpoint_id=path, no_dist=True)
     return _unpack_obj(sd["extra"])

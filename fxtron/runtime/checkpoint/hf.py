@@ -20,7 +20,8 @@ and mis-shaped tensors are one ParallelizeError naming them all, before anything
 Out: `save_pretrained(prog, path)` (Program.save_pretrained; every rank calls it) writes what
 transformers' save_pretrained writes -- safetensors files sharded by size with an index, the
 model's keys reverted to its checkpoint layout by transformers' own revert_weight_conversion,
-tied weights once, config.json and generation_config.json -- tensor by tensor: each tensor is
+tied weights once, config.json and generation_config.json (the trainer's --export-hf and
+`fxtron export` add the model directory's tokenizer files: `copy_tokenizer`) -- tensor by tensor: each tensor is
 gathered once over the axes it is split on (by the first of its data-parallel replicas in
 the pipeline stage holding it) and streamed into its file by that stage's first rank; no rank holds more than one
 tensor beyond its shards. `write_pretrained` does the same in one process from any source of
@@ -502,6 +503,29 @@ def write_configs(path: str, origin: Origin, config=None) -> None:
         gen.save_pretrained(path)
 
 
+#: what a model directory holds besides its weights and config that a user of the export loads:
+#: the tokenizer's files (fast and slow: transformers' save_pretrained names, vocabularies and
+#: merges, sentencepiece and tiktoken models), chat templates, the generation defaults
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model", "tokenizer.tiktoken", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+
+
+def copy_tokenizer(source: str, out: str) -> list[str]:
+    """Copy the tokenizer files and generation_config.json the model directory `source` has
+    (TOKENIZER_FILES) into the export `out`, so AutoTokenizer.from_pretrained(out) works as on
+    `source`. Returns the names copied (none for a source that is not a directory)."""
+    if not os.path.isdir(source) or os.path.abspath(source) == os.path.abspath(out):
+        return []
+    copied = []
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(source, name)):
+            shutil.copyfile(os.path.join(source, name), os.path.join(out, name))
+            copied.append(name)
+    return copied
+
+
 def _fresh(path: str) -> None:
     """Remove what an earlier save_pretrained wrote at `path` (its safetensors files and
     index), so no stale shard stays listed."""
@@ -646,7 +670,8 @@ def export(checkpoint: str, out: str, *, like: str, max_shard_size: int | str = 
            dtype: torch.dtype | str | None = None) -> list[str]:
     """An fxtron checkpoint of any mesh (prog.save) written as transformers' save_pretrained
     directory in one process, tensor by tensor (`python -m fxtron export`); `like` names the
-    directory whose config.json (and generation_config.json) the model has. Returns the files."""
+    directory whose config.json (and generation_config.json) the model has; its tokenizer files
+    are copied along (copy_tokenizer). Returns the files."""
     from fxtron.runtime.checkpoint.dcp import full_tensors
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -673,8 +698,9 @@ def export(checkpoint: str, out: str, *, like: str, max_shard_size: int | str = 
                              dtype=dtype, config=config)
     if gen is not None:
         shutil.copyfile(gen, os.path.join(out, "generation_config.json"))
+    copy_tokenizer(os.path.dirname(like) if os.path.isfile(like) else like, out)
     return names
 
 
-__all__ = ["Origin", "StreamingFile", "checkpoint_files", "export", "load_pretrained", "origin_of", "parse_size",
-           "save_pretrained", "write_pretrained"]
+__all__ = ["Origin", "StreamingFile", "TOKENIZER_FILES", "checkpoint_files", "copy_tokenizer", "export",
+           "load_pretrained", "origin_of", "parse_size", "save_pretrained", "write_pretrained"]

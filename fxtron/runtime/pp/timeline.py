@@ -27,11 +27,15 @@ def memory_timeline(prog) -> list:
 
 def memory_tracker(prog):
     """This step's MemoryTracker, started (None unless track_memory)."""
+    if prog.fsdp is not None:      # zero=3's own saved-tensor hook passes the rest to the tracker
+        prog.fsdp.memory = None
     if not prog.track_memory:
         return None
     if prog._memory is None:
         prog._memory = MemoryTracker([*prog.parameters(), *prog.buffers()], prog.grads.bytes)
     prog._memory.start()
+    if prog.fsdp is not None:
+        prog.fsdp.memory = prog._memory
     return prog._memory
 
 
