@@ -209,6 +209,7 @@ def test_eval_step_is_model_eval(results, mesh, case):
     for rank, got in enumerate(ranks):
         want = got["reference"]
         losses = got["losses"]
+        print(f"{mesh} {case.key} rank {rank}: eval_step {losses} vs model.eval() {want}: {abs(losses[0] - want):.2e}")
         assert losses[0] == losses[1] == losses[2], f"rank {rank}: evaluations differ: {losses}"
         assert abs(losses[0] - want) < 2e-6, f"rank {rank}: eval_step {losses[0]} vs model.eval() {want}"
         assert got["weights"] == 0.0 and got["opt_state"] == 0.0, f"rank {rank}: evaluation changed the weights"
@@ -246,4 +247,5 @@ def test_weight_decay_by_original_shape_at_zero3(results):
         dl = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"]))
         assert dl < 2e-6, (rank, got["losses"], ref["losses"])
         dw, where = max_abs_diff(got["state"], {k: v for k, v in ref["state"].items() if k in got["state"]})
+        print(f"zero=3 dp=2, decay on >= 2-d by original shape, rank {rank}: losses {dl:.2e}, weights {dw:.2e} ({where})")
         assert dw < 1e-5, f"rank {rank}: {where} differs by {dw:.3g} after 3 steps"

@@ -6,6 +6,8 @@ Forward calls the per-rank GraphModule with (parameters, buffers, flattened inpu
 order the trace fixed. `train_step` does one whole step: the rank's slice of the batch
 (runtime/batch.py), forward and backward (or the pipeline schedule, runtime/pp/runner.py), the
 gradient sync (runtime/grads.py), mixed precision (runtime/precision.py) and the optimizer.
+`eval_step` runs the model's eval-mode graph (traced with the model in eval mode; compiled on
+first use with the same parameters), forward only; `prog.eval()` makes `prog(...)` run it too.
 
 What is not the step lives beside it, as functions of the program: the pipeline runner
 (runtime/pp/runner.py), the timelines (runtime/pp/timeline.py), the experts' load
@@ -292,7 +294,8 @@ class Program(nn.Module):
         microbatches along the batch dim (or `inputs` is a `fxtron.Microbatches` list, whose
         microbatches may differ in sequence length), run by the schedule, and the loss is the
         mean of the microbatches' losses, as gradient accumulation computes it -- a token mean
-        over the whole batch's counted tokens (passes/statistics.py)."""
+        over the whole batch's counted tokens (passes/statistics.py). A training step runs the
+        training graph whether the program is in train or eval mode (`eval_step` evaluates)."""
         optim.check_optimizer(self, optimizer)
         if self._stages is not None or self.pipeline.microbatches > 1 or isinstance(inputs, Microbatches):
             return pp_runner.pipelined_step(self, inputs, optimizer, kwargs)
