@@ -185,9 +185,26 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
     # the model-wide passes, once for every rank: a batch statistic it cannot make global is an error now
     prepared = passmanager.prepare(traced, mesh, config=config)
     pm = ParallelModel(model, mesh, traced, config, prepared=prepared)
+    # evaluation runs the model's eval-mode graph (dropout off, norms on running statistics),
+    # traced the same way when a program first evaluates
+    pm._trace_eval = functools.partial(_trace_in_eval_mode, subject, example_inputs, example_kwargs=example_kwargs,
+                                       loss_fn=loss_fn, batch_dim=config.inputs.batch_dim, seq_dim=seq_dim,
+                                       layers_once=config.inputs.trace_layers_once)
     pm._check_plan()
     pm.stage_assignment            # a bad stage cut is an error now, not at the first program
     return pm
+
+
+def _trace_in_eval_mode(model: torch.nn.Module, example_inputs, **options) -> fx.GraphModule:
+    """`trace` of `model` with every module in eval mode (dropout off, BatchNorm on its
+    running statistics, nothing updated); the modules' modes are restored after."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        return trace(model, example_inputs, **options)
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 def resolve_config(config: Config | None, options: dict) -> Config:
@@ -294,6 +311,8 @@ class ParallelModel:
         self.config = config
         self._prepared = prepared     # traced after the model-wide passes (passmanager.prepare)
         self._compiled: dict[int, passmanager.RankGraph] = {}   # rank -> its compilation, made once
+        self._compiled_eval: dict[int, passmanager.RankGraph] = {}   # rank -> its eval graph's compilation
+        self._trace_eval: Callable[[], fx.GraphModule] | None = None   # parallelize sets it
         self._warned: set[str] = set()     # each kind of warning once per model, not per rank
 
     @functools.cached_property
@@ -397,6 +416,63 @@ class ParallelModel:
         self._check_compiled(rank, rg)
         return rg
 
+    @functools.cached_property
+    def eval_traced(self) -> fx.GraphModule:
+        """The model traced in eval mode (dropout off, BatchNorm on its running statistics,
+        no buffer updated): what `prog.eval_step` and an eval-mode program run. Traced on first
+        use; its parameters must be the training graph's, in the same order."""
+        if self._trace_eval is None:
+            raise ParallelizeError("this ParallelModel was not made by fxtron.parallelize: it has no eval-mode trace")
+        gm = self._trace_eval()
+        train, ev = meta.info(self.traced), meta.info(gm)
+        if list(ev.params) != list(train.params):
+            raise ParallelizeError(
+                f"the model traced in eval mode has other parameters than in training mode (only in training: "
+                f"{sorted(set(train.params) - set(ev.params))[:4]}, only in eval: "
+                f"{sorted(set(ev.params) - set(train.params))[:4]}): evaluation must run on the training weights")
+        if self.config.context.documents is not None:
+            ev.documents = check_documents(gm, self.config.context.documents)
+        return gm
+
+    @functools.cached_property
+    def _eval_prepared(self) -> fx.GraphModule:
+        return passmanager.prepare(self.eval_traced, self.mesh, config=self.config)
+
+    @functools.cached_property
+    def _eval_plan(self) -> TPPlan | None:
+        """The eval graph's tp plan: its layers are found on that graph (node names), and it
+        must split every parameter as the training plan does."""
+        if self.mesh.tp == 1:
+            return None
+        t = self.config.tensor
+        plan = make_tp_plan(self.eval_traced, tp=self.mesh.tp, user_plan=t.plan, mode=t.plan_mode)
+        train = self.tp_plan
+        if dict(plan.params) != dict(train.params) or dict(plan.interleave) != dict(train.interleave):
+            differ = sorted(n for n in set(plan.params) | set(train.params)
+                            if plan.params.get(n) != train.params.get(n))
+            raise ParallelizeError(f"the model in eval mode splits its parameters over tp otherwise than in training "
+                                   f"({', '.join(differ[:4]) or 'interleaving'}): evaluation cannot share the weights")
+        return plan
+
+    def compiled_eval(self, rank: int) -> passmanager.RankGraph:
+        """Rank's compilation of the eval-mode graph (`eval_traced`), made once per rank with the
+        training graph's tp plan and stage assignment: the same parameters, shards and pieces
+        as `compiled(rank)` (checked), so a program runs both on one set of weights."""
+        self._check_rank(rank)
+        if rank in self._compiled_eval:
+            return self._compiled_eval[rank]
+        train = self.compiled(rank)
+        rg = passmanager.compile_rank(self.eval_traced, self.mesh, rank, plan=self._eval_plan,
+                                      stage_assignment=self.stage_assignment, config=self.config,
+                                      prepared=self._eval_prepared)
+        differ = sorted(n for n in set(rg.local) | set(train.local) if rg.local.get(n) != train.local.get(n))
+        if differ or rg.shared != train.shared:
+            raise ParallelizeError(
+                f"rank {rank}: the eval-mode graph holds its parameters otherwise than the training graph "
+                f"({', '.join(differ[:4]) or 'tied weights'}): evaluation cannot share the weights")
+        self._compiled_eval.setdefault(rank, rg)
+        return rg
+
     def _check_compiled(self, rank: int, rg: passmanager.RankGraph) -> None:
         """Warn (strict: raise) of what a rank's compilation does less well than asked."""
         fell = report.fallback_lines(rg.graphs)
@@ -484,6 +560,9 @@ class ParallelModel:
 
         `groups` defaults to the ones fxtron.launch / init_distributed made in this process for
         this mesh; on a 1-rank mesh none are needed.
+
+        `prog.eval_step` (and `prog(...)` after `prog.eval()`) runs the model's eval-mode graph,
+        compiled for the rank on first use (`compiled_eval`) over the same parameters.
         """
         self._check_rank(rank)
         groups = groups or G.groups_for(self.mesh)
@@ -493,4 +572,5 @@ class ParallelModel:
                 "after fxtron.init_distributed(mesh) under torchrun, or pass groups=")
         if groups is not None and groups.rank != rank:
             raise ParallelizeError(f"program({rank}) built in the process of rank {groups.rank}")
-        return build_program(self.model, self.compiled(rank).spec(), groups, self.config, seed=seed)
+        return build_program(self.model, self.compiled(rank).spec(), groups, self.config, seed=seed,
+                             eval_spec=lambda: self.compiled_eval(rank).spec())

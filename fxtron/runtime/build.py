@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from typing import Callable
 
 import torch
 
@@ -17,7 +18,7 @@ from fxtron.runtime.bind import bind
 from fxtron.runtime.groups import ProcessGroups
 from fxtron.runtime.materialize import MetaMaterializer
 from fxtron.runtime.checkpoint.hf import origin_of
-from fxtron.runtime.program import Program
+from fxtron.runtime.program import EvalGraphs, Program
 
 
 def local_params(model: torch.nn.Module, spec: RankSpec, seed: int = 0,
@@ -88,9 +89,10 @@ def cp_group_kinds(config: Config, mesh) -> list[str]:
 
 
 def build_program(model: torch.nn.Module, spec: RankSpec, groups: ProcessGroups | None, config: Config | None = None,
-                  *, seed: int = 0) -> Program:
+                  *, seed: int = 0, eval_spec: Callable[[], RankSpec] | None = None) -> Program:
     """The runnable Program of rank `spec.rank` under `config` (default: the defaults): an
-    nn.Module holding its parameters."""
+    nn.Module holding its parameters. `eval_spec()`, when given, compiles the rank's eval-mode
+    graph (the same parameters): the program binds it on its first evaluation."""
     config = config if config is not None else Config()
     materialized = MetaMaterializer(model, seed)
     params = local_params(model, spec, seed, materialized)
@@ -106,8 +108,17 @@ def build_program(model: torch.nn.Module, spec: RankSpec, groups: ProcessGroups 
     stages = None
     if spec.stages is not None:
         stages = [dataclasses.replace(s, gm=bind(s.gm, groups, device)) for s in spec.stages]
+    evaluation = None
+    if eval_spec is not None:
+        def evaluation() -> EvalGraphs:
+            es = eval_spec()
+            return EvalGraphs(
+                info=es.info, gm=bind(es.gm, groups, device) if es.gm is not None else None,
+                stages=[dataclasses.replace(s, gm=bind(s.gm, groups, device)) for s in es.stages]
+                if es.stages is not None else None,
+                buffers={k: v.to(device) for k, v in used_buffers(model, es).items()})
     program = Program(spec, params, buffers, set(model.state_dict().keys()), groups, config, rng=rng, gm=gm,
-                      stages=stages)
+                      stages=stages, evaluation=evaluation)
     program.origin = origin_of(model)      # transformers' config and key layout, for load/save_pretrained
     return program
 

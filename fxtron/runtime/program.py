@@ -6,6 +6,8 @@ Forward calls the per-rank GraphModule with (parameters, buffers, flattened inpu
 order the trace fixed. `train_step` does one whole step: the rank's slice of the batch
 (runtime/batch.py), forward and backward (or the pipeline schedule, runtime/pp/runner.py), the
 gradient sync (runtime/grads.py), mixed precision (runtime/precision.py) and the optimizer.
+`eval_step` runs the model's eval-mode graph (traced with the model in eval mode; compiled on
+first use with the same parameters), forward only; `prog.eval()` makes `prog(...)` run it too.
 
 What is not the step lives beside it, as functions of the program: the pipeline runner
 (runtime/pp/runner.py), the timelines (runtime/pp/timeline.py), the experts' load
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -57,6 +61,19 @@ def _set_by_path(root: nn.Module, path: str, value: torch.Tensor, *, parameter: 
         node.register_buffer(leaf, value, persistent=persistent)
 
 
+@dataclass
+class EvalGraphs:
+    """A rank's eval-mode graph (the model traced in eval mode: dropout off, BatchNorm on its
+    running statistics) bound to the program's groups: its trace info, the graph or pipeline
+    stages, and the values of the buffers it reads (the program's own are used where it has
+    them)."""
+
+    info: TraceInfo
+    gm: fx.GraphModule | None
+    stages: list | None
+    buffers: dict[str, torch.Tensor]
+
+
 class Program(nn.Module):
     """One rank's share of the model, ready for an optimizer.
 
@@ -75,7 +92,8 @@ class Program(nn.Module):
 
     def __init__(self, spec: RankSpec, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
                  persistent: set[str], groups: ProcessGroups | None, config: Config, *, rng: RNGStreams | None = None,
-                 gm: fx.GraphModule | None = None, stages: list | None = None):
+                 gm: fx.GraphModule | None = None, stages: list | None = None,
+                 evaluation: Callable[[], EvalGraphs] | None = None):
         super().__init__()
         info = spec.info
         for name in info.params:
@@ -100,6 +118,11 @@ class Program(nn.Module):
         self._stages = stages
         self.pipeline = config.pipeline
         self._runner = None
+        # evaluation: the eval-mode graph, compiled and bound on first use (`evaluation()`)
+        self._evaluation = evaluation
+        self._eval: EvalGraphs | None = None
+        self._eval_runner = None
+        self._last_runner = None          # the runner of the last step (training or evaluation)
         self.track_memory = False         # sample the memory after every pass of a step (memory_timeline)
         # a step whose global gradient norm is not finite leaves the weights as they were (the trainer's)
         self.skip_nonfinite = False
@@ -146,6 +169,21 @@ class Program(nn.Module):
                 if name in self.local and self.local[name].flat is not None:
                     FSDP_PIECES.set(p, FsdpPiece(self.fsdp))   # what the graph's gathers call (ops/fsdp.py)
 
+    # ---------------------------------------------------------------- the original model's shapes
+    def original_shape(self, name: str) -> torch.Size:
+        """The shape parameter `name` (a name of `prog.named_parameters()`, or a tied alias) has
+        in the original model -- not the rank's tensor's, which is a shard under tp, ep and
+        pp and a flat 1-d piece under zero=3. Grouping rules written over the model (no
+        weight decay on 1-d parameters) read `len(prog.original_shape(n))` at every zero level."""
+        name = self._aliases.get(name, name)
+        if name not in self.local:
+            raise ParallelizeError(f"{name!r} is not a parameter of this rank's program")
+        return torch.Size(self.local[name].full_shape)
+
+    def original_shapes(self) -> dict[str, torch.Size]:
+        """`original_shape` of every parameter of `prog.named_parameters()`, by name."""
+        return {n: self.original_shape(n) for n, _ in self.named_parameters()}
+
     # ---------------------------------------------------------------- gradients (runtime/grads.py)
     @property
     def zero(self):
@@ -188,23 +226,47 @@ class Program(nn.Module):
         return self._batch.flat(inputs, kwargs)
 
     def forward(self, *inputs, **kwargs) -> torch.Tensor:
-        """The loss of this rank's program on these (already local) inputs."""
+        """The loss of this rank's program on these (already local) inputs: the training
+        graph's, or after `prog.eval()` the eval-mode graph's (dropout off, BatchNorm on its
+        running statistics), as the model's own forward follows model.train() / model.eval()."""
         if self._stages is not None:
             raise ParallelizeError("a pipeline-parallel program runs forward and backward together, stage by "
-                                   "stage over microbatches: call prog.train_step(batch, optimizer)")
+                                   "stage over microbatches: call prog.train_step(batch, optimizer), or "
+                                   "prog.eval_step(batch) for the loss alone")
+        if not self.training and self._evaluation is not None:
+            return self._run_graph(self._flat_inputs(inputs, kwargs), self.eval_graphs())
         return self._run_graph(self._flat_inputs(inputs, kwargs))
 
-    def _run_graph(self, flat: list) -> torch.Tensor:
-        args = [self._param_arg(n) for n in self.info.params]
-        args += [self._compute_copy(get_by_path(self, n)) for n in self.info.buffers]
+    def eval_graphs(self) -> EvalGraphs:
+        """The rank's eval-mode graph (or stages), compiled and bound on first use; the
+        buffers only it reads join the program's."""
+        if self._eval is None:
+            if self._evaluation is None:
+                raise ParallelizeError("this program was built without its eval-mode graph (build_program(..., "
+                                       "eval_spec=)): ParallelModel.program builds it")
+            ev = self._evaluation()
+            if list(ev.info.params) != list(self.info.params):
+                raise ParallelizeError("the eval-mode graph's parameters are not the training graph's")
+            own = dict(self.named_buffers())
+            for name, value in ev.buffers.items():
+                if name not in own:
+                    _set_by_path(self, name, value, parameter=False, persistent=False)
+            self._eval = ev
+        return self._eval
+
+    def _run_graph(self, flat: list, evaluation: EvalGraphs | None = None) -> torch.Tensor:
+        info = evaluation.info if evaluation is not None else self.info
+        gm = evaluation.gm if evaluation is not None else self.graph_module
+        args = [self._param_arg(n) for n in info.params]
+        args += [self._compute_copy(get_by_path(self, n)) for n in info.buffers]
         with self.rng.active() if self.rng is not None else contextlib.nullcontext(), self._gathering():
-            outs = self.graph_module(*args, *flat)
+            outs = gm(*args, *flat)
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)
         loss = None
         for i, out in enumerate(outs):
-            if i in self.info.buffer_mutations:
+            if i in info.buffer_mutations:
                 with torch.no_grad():
-                    get_by_path(self, self.info.buffer_mutations[i]).copy_(out)
+                    get_by_path(self, info.buffer_mutations[i]).copy_(out)
             else:
                 loss = out
         return loss
@@ -232,7 +294,8 @@ class Program(nn.Module):
         microbatches along the batch dim (or `inputs` is a `fxtron.Microbatches` list, whose
         microbatches may differ in sequence length), run by the schedule, and the loss is the
         mean of the microbatches' losses, as gradient accumulation computes it -- a token mean
-        over the whole batch's counted tokens (passes/statistics.py)."""
+        over the whole batch's counted tokens (passes/statistics.py). A training step runs the
+        training graph whether the program is in train or eval mode (`eval_step` evaluates)."""
         optim.check_optimizer(self, optimizer)
         if self._stages is not None or self.pipeline.microbatches > 1 or isinstance(inputs, Microbatches):
             return pp_runner.pipelined_step(self, inputs, optimizer, kwargs)
@@ -242,8 +305,8 @@ class Program(nn.Module):
         memory = timeline.memory_tracker(self)
         t0 = time.perf_counter()
         with self.grads.accumulation(), ep.dispatch_log(self), batch.active():
-            with tracking(memory):
-                loss = self(*args, **kw)
+            with tracking(memory):     # the training graph, whatever prog.train() / prog.eval() says
+                loss = self._run_graph(self._flat_inputs(args, kw))
             t1 = time.perf_counter()
             if memory is not None:
                 memory.sample("F", 0, 0)
@@ -259,6 +322,7 @@ class Program(nn.Module):
             if memory is not None:
                 memory.sample("B", 0, 0)
         self._events = [Event("F", 0, 0, 0, 0.0, t1 - t0), Event("B", 0, 0, 0, t1 - t0, t2 - t0)]
+        self._last_runner = None
         self.grads.finalize()
         optim.optimizer_step(self, optimizer)
         out = total()
@@ -270,9 +334,9 @@ class Program(nn.Module):
         """This rank's microbatches of a global batch: flat tensor inputs of each."""
         return self._batch.microbatches(inputs, kwargs)
 
-    def _call_stage(self, stage, flat: list, received: list) -> tuple:
+    def _call_stage(self, stage, flat: list, received: list, evaluation: EvalGraphs | None = None) -> tuple:
         if stage.gm is None:     # the whole graph as one stage
-            return (self._run_graph(flat),)
+            return (self._run_graph(flat, evaluation),)
         args = [self._param_arg(n) for n in stage.params]
         args += [self._compute_copy(get_by_path(self, n)) for n in stage.buffers]
         args += [flat[i] for i in stage.user_inputs] + list(received)
@@ -288,20 +352,21 @@ class Program(nn.Module):
         return pp_runner.runner(self)
 
     def eval_step(self, inputs, *, kwargs: dict | None = None) -> float:
-        """The global batch's loss, as train_step computes it, with the weights, the optimizer
-        and the last step's gradient norm left as they were (an evaluation). Without a pipeline
-        schedule the forward runs alone under no_grad; a schedule runs its forward and backward
-        (its passes are paired) and the gradients are dropped. Dropout stays as traced."""
+        """The global batch's loss as the model computes it in eval mode (model.eval(): dropout
+        off, BatchNorm on its running statistics), forward only: the eval-mode graph, under
+        no_grad; with a pipeline schedule or microbatches, a forward-only schedule (every
+        microbatch's F in the schedule's order, no backward, no gradient buffer touched).
+        Weights, buffers, the optimizer and the last step's gradient norm stay as they were."""
+        evaluation = self.eval_graphs()
         if self._stages is not None or self.pipeline.microbatches > 1 or isinstance(inputs, Microbatches):
-            norm = self.grads.last_norm
-            try:
-                return pp_runner.pipelined_step(self, inputs, None, kwargs)
-            finally:
-                self.grads.last_norm = norm
+            return pp_runner.evaluate(self, inputs, kwargs, evaluation)
         args, kw = self.local_batch(inputs, kwargs)
         batch = self._batch.context(inputs, kwargs)
+        t0 = time.perf_counter()
         with torch.no_grad(), ep.dispatch_log(self), batch.active():
-            loss = self(*args, **kw)
+            loss = self._run_graph(self._flat_inputs(args, kw), evaluation)
+        self._events = [Event("F", 0, 0, 0, 0.0, time.perf_counter() - t0)]
+        self._last_runner = None
         out = self._global_loss(loss.detach().to(torch.promote_types(loss.dtype, torch.float32)))
         ledger.step_end(self.groups)
         return out

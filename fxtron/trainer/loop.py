@@ -27,7 +27,7 @@ from fxtron.trainer.checkpoint import Checkpointer
 from fxtron.trainer.data import TrainData
 from fxtron.trainer.metrics import Metrics, step_flops, write_trace, writes_metrics
 from fxtron.trainer.models import key_values, resolve
-from fxtron.trainer.optim import optimizer, schedule, set_lr
+from fxtron.trainer.optim import optimizer, original_dims, schedule, set_lr
 
 
 class Trainer:
@@ -51,7 +51,7 @@ class Trainer:
         prog.skip_nonfinite = True
         if tm.pretrained:
             prog.load_pretrained(tm.pretrained)
-        self.opt = optimizer(prog.named_parameters(), cfg, {n: len(lp.full_shape) for n, lp in prog.local.items()})
+        self.opt = optimizer(prog.named_parameters(), cfg, original_dims(prog))
         self.sched = schedule(cfg)
         self.state = {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0,
                       "skipped_iterations": 0}

@@ -13,12 +13,18 @@ from fxtron.trainer.schedule import LRSchedule
 def param_groups(named, dims: dict[str, int] | None = None) -> list[dict]:
     """AdamW's groups: weight decay on the matrices, none on biases and 1-d weights (norms).
     `dims`: each parameter's number of dims in the model, where the tensor is not shaped like
-    it (zero=3's flat pieces)."""
+    it (zero=3's flat pieces): for a program, `original_dims(prog)`."""
     decay, plain = [], []
     for n, p in named:
         ndim = (dims or {}).get(n, p.dim())
         (plain if n.endswith(".bias") or ndim <= 1 else decay).append(p)
     return [{"params": decay}, {"params": plain, "weight_decay": 0.0}]
+
+
+def original_dims(prog) -> dict[str, int]:
+    """Each parameter's number of dims in the original model (Program.original_shape), by the
+    names of `prog.named_parameters()`: what the grouping rules read at every zero level."""
+    return {n: len(prog.original_shape(n)) for n, _ in prog.named_parameters()}
 
 
 def optimizer(named, cfg: TrainConfig, dims: dict[str, int] | None = None) -> torch.optim.AdamW:
@@ -42,4 +48,4 @@ def set_lr(opt, lr: float) -> None:
         g["lr"] = lr
 
 
-__all__ = ["optimizer", "param_groups", "schedule", "set_lr"]
+__all__ = ["optimizer", "original_dims", "param_groups", "schedule", "set_lr"]

@@ -70,7 +70,8 @@ class StageRunner:
     """This rank's model chunks and the schedule it runs them in."""
 
     def __init__(self, stages: list[Stage], call, actions: list[Action], *, num_stages: int, microbatches: int,
-                 p2p: P2P | None, zero_bubble: bool, before_last_backward=None, quiet=None, peers=None):
+                 p2p: P2P | None, zero_bubble: bool, before_last_backward=None, quiet=None, peers=None,
+                 forward_only: bool = False):
         self.stages = stages                    # chunk c -> Stage
         self.call = call                        # (stage, flat user inputs, received) -> outputs
         self.actions = actions
@@ -78,6 +79,7 @@ class StageRunner:
         self.microbatches = microbatches
         self.p2p = p2p
         self.zero_bubble = zero_bubble
+        self.forward_only = forward_only        # an evaluation: F passes alone, nothing kept for a backward
         self.before_last_backward = before_last_backward   # chunk -> None, before its last microbatch's B
         self.quiet = quiet    # a context in which gradient reports do not count (earlier microbatches' W)
         self.in_slots = [slots(s, s.inputs) for s in stages]
@@ -170,7 +172,8 @@ class StageRunner:
             sends = []
             if a.kind == "F":
                 ins = self._recv("act", a.microbatch, a.chunk, t0) if st.inputs else []
-                ins = [x.requires_grad_() if x.is_floating_point() else x for x in ins]
+                if not self.forward_only:
+                    ins = [x.requires_grad_() if x.is_floating_point() else x for x in ins]
                 start = time.perf_counter() - t0
                 with tracking(self.memory):
                     outs = list(self.call(st, microbatches[a.microbatch], ins))
@@ -180,8 +183,9 @@ class StageRunner:
                     scaled = loss * (loss_scale / m)
                     part = loss.detach().to(torch.promote_types(loss.dtype, torch.float32)) / m
                     loss_sum = part if loss_sum is None else loss_sum + part
-                saved[key] = (ins, outs, scaled)
-                live.add(key)
+                if not self.forward_only:
+                    saved[key] = (ins, outs, scaled)
+                    live.add(key)
                 self.peak_in_flight = max(self.peak_in_flight, len(live))
                 if st.outputs:
                     sends.append(("act", a.microbatch, st.index + 1, outs, self.out_slots[a.chunk]))
@@ -225,7 +229,7 @@ class StageRunner:
                     if sends:
                         self.events.append(Event("send", a.microbatch, a.chunk, st.index, start,
                                                  time.perf_counter() - t0))
-                if a.kind == "F" and st.outputs and sends:   # posted: the send holds the data, autograd the root
+                if a.kind == "F" and st.outputs and sends and not self.forward_only:   # posted: the send holds the data, autograd the root
                     self.freed_bytes += sum(_deallocate(o) for j, o in enumerate(saved[key][1])
                                             if j not in self.kept[a.chunk])
             if self.memory is not None:   # the output gradients deferred W passes hold count too

@@ -6,6 +6,7 @@ A program with pipeline stages, or with microbatches > 1 on one stage, steps her
 schedule's actions (runtime/pp/schedules.py) by the StageRunner (runtime/pp/executor.py), each
 stage's forward being the program's own (`Program._call_stage`); then the gradient sync
 (runtime/grads.py), the optimizer step (runtime/optim.py) and the loss summed over pp and dp.
+An evaluation (`evaluate`) runs the eval-mode stages by the same schedule's forwards alone.
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ def pipelined_step(prog, inputs, optimizer, kwargs) -> float:
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
     run.memory = timeline.memory_tracker(prog)
+    prog._last_runner = run
     with prog.grads.accumulation(), ep.dispatch_log(prog), batch.active():
         loss = run.run(mbs, loss_scale=prog.scaler.scale if prog.scaler is not None else 1.0)
     prog.grads.finalize()
@@ -61,6 +63,54 @@ def pipelined_step(prog, inputs, optimizer, kwargs) -> float:
     else:
         for p in prog.parameters():
             p.grad = None
+    return _global_loss(prog, loss)
+
+
+def eval_runner(prog, evaluation) -> StageRunner:
+    """The forward-only runner of `prog`'s rank over its eval-mode stages (built once, kept as
+    `prog._eval_runner`): every rank's schedule with its B and W passes dropped -- each F keeps
+    its place, so the order still runs without deadlock (an F never waits for a B) -- and no
+    backward, no gradient buffer."""
+    if prog._eval_runner is None:
+        opts = prog.pipeline
+        pp = prog.groups.size("pp") if prog.groups is not None else 1
+        pp_rank = prog.groups.index("pp") if prog.groups is not None else 0
+        whole = Stage(index=0, gm=None, params=[], buffers=[], user_inputs=[], has_loss=True)
+        stages = evaluation.stages if evaluation.stages is not None else [whole]
+
+        def forwards(r: int) -> list:
+            return [a for a in schedules.actions(opts.schedule, pp, opts.microbatches, r, opts.virtual_stages)
+                    if a.kind == "F"]
+        p2p = (P2P(prog.groups, scatter_gather=opts.scatter_gather, match_by_tag=prog.config.debug.p2p_tags,
+                   rank_of=functools.partial(schedules.rank_of, opts.schedule, pp))
+               if pp > 1 else None)
+        peers = ([forwards(r) for r in range(pp)], functools.partial(schedules.stage_of, opts.schedule, pp))
+        call = functools.partial(_call_eval_stage, prog, evaluation)
+        prog._eval_runner = StageRunner(stages, call, forwards(pp_rank), num_stages=pp * opts.chunks, peers=peers,
+                                        microbatches=opts.microbatches, p2p=p2p, zero_bubble=False,
+                                        forward_only=True)
+    return prog._eval_runner
+
+
+def _call_eval_stage(prog, evaluation, stage, flat, received):
+    return prog._call_stage(stage, flat, received, evaluation)
+
+
+def evaluate(prog, inputs, kwargs, evaluation) -> float:
+    """The global batch's loss of `prog`'s eval-mode graph (`evaluation`, Program.eval_graphs)
+    run by the forward-only schedule under no_grad: no backward, no gradient touched."""
+    mbs = prog.microbatches(inputs, kwargs)
+    batch = prog._batch.context(inputs, kwargs)
+    run = eval_runner(prog, evaluation)
+    run.memory = timeline.memory_tracker(prog)
+    prog._last_runner = run
+    with torch.no_grad(), ep.dispatch_log(prog), batch.active():
+        loss = run.run(mbs)
+    return _global_loss(prog, loss)
+
+
+def _global_loss(prog, loss) -> float:
+    """The last stage's loss summed over pp (only it holds one), then the global batch's over dp."""
     if prog.groups is not None and prog.groups.size("pp") > 1:
         # float64 on every pp rank: the last stage's loss keeps a float64 model's precision
         loss = (loss.double().clone() if loss is not None
@@ -72,4 +122,4 @@ def pipelined_step(prog, inputs, optimizer, kwargs) -> float:
     return out
 
 
-__all__ = ["pipelined_step", "runner"]
+__all__ = ["eval_runner", "evaluate", "pipelined_step", "runner"]

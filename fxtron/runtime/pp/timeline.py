@@ -12,8 +12,9 @@ from fxtron.runtime.memory import MemoryTracker
 def timeline(prog) -> list:
     """The last step's events on `prog`'s rank (runtime/pp/executor.py Event: F, B, W and, with a
     schedule, the waits for messages and the sends, with start and end in seconds from the
-    step's start)."""
-    return list(prog._runner.events) if prog._runner is not None else list(prog._events)
+    step's start; an evaluation's forward-only schedule has F, its waits and sends alone)."""
+    run = prog._last_runner
+    return list(run.events) if run is not None else list(prog._events)
 
 
 def memory_timeline(prog) -> list:
