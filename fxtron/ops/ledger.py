@@ -39,7 +39,11 @@ import torch
 import torch.distributed as dist
 
 from fxtron.config import DebugConfig
-from fxtron.errors import ParallelizeError
+from fxtron.errors import ParallelizeError, PeerError
+
+#: what gloo and NCCL say when the process at the other end is gone
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+             "remote process exited", "NCCL communicator was aborted")
 
 FLIGHT = 16                 # operations the recorder keeps per rank (and slots in the file)
 _LINE = 240                 # bytes per operation in the flight file
@@ -257,6 +261,13 @@ def failure(e: Entry, exc: BaseException) -> ParallelizeError:
     e.failed = True
     _mark(e, "failed")
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if any(sign in str(exc) for sign in PEER_GONE):
+        # the other side's process is gone: say so, rather than a failed collective of ours
+        who = f"rank {e.peer}" if e.peer is not None else f"a peer in group {e.group}"
+        return PeerError(
+            f"rank {_S.rank}: {who} died (its connection closed) during {e.describe()}, "
+            f"{time.time() - e.issued:.1f} s after it was issued: {first}\n{recent()}\n"
+            "(the dead rank's own output, or the launcher's report, says why it exited)")
     return ParallelizeError(
         f"rank {_S.rank}: {e.describe()} failed after {time.time() - e.issued:.1f} s: {first}\n"
         f"{recent()}\n(a peer that died, timed out or runs a different program; with "
