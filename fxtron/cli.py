@@ -14,6 +14,8 @@ from fxtron.trainer.config import TrainConfig
 
 #: the sections of the configuration tree `fxtron inspect` takes (all but the trainer's own run)
 INSPECT_SKIP = ("model", "data", "optimizer", "training")
+#: how long a torchrun rank other than 0 waits before exiting on a refused run, so that rank 0 says why
+REFUSED_GRACE_S = 5.0
 #: the sections `fxtron mesh` takes
 MESH_ONLY = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name != "mesh")
 
@@ -253,9 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return a.fn(a)
     except (ParallelizeError, LaunchError) as e:
-        # a run refused before any rank started says so once: under torchrun rank 0 alone
-        if not (getattr(e, "refused", False) and _torchrun_rank() not in (None, 0)):
-            print(f"fxtron {a.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
+        # a run refused before any rank started says so once: under torchrun rank 0 alone; the
+        # others wait a moment first, for torchrun ends the job at the first rank to exit
+        if getattr(e, "refused", False) and _torchrun_rank() not in (None, 0):
+            import time
+            time.sleep(REFUSED_GRACE_S)
+            return 2
+        print(f"fxtron {a.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
 
 
