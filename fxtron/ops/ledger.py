@@ -8,7 +8,8 @@ user where the programs parted. The ledger does, in two ways:
 
 - The flight recorder (always on): the last FLIGHT operations of the rank with their state
   (issued, done, failed) and when they were issued. A collective that fails or times out
-  raises a ParallelizeError naming it, with the rank's recent operations; where the launcher
+  raises a ParallelizeError naming it, with the rank's recent operations (a PeerError where
+  the backend says the peer's connection closed: the peer died); where the launcher
   gives a directory (FXTRON_FLIGHT_DIR; fxtron.launch does) every operation is also written to
   a small memory-mapped file per rank, so that a failing job reports what *every* rank was
   waiting in, the ranks that were killed included.
@@ -257,7 +258,7 @@ def done(e: Entry | None) -> None:
 
 def failure(e: Entry, exc: BaseException) -> ParallelizeError:
     """The error for operation e that failed with exc: what it was, after how long, and this
-    rank's last operations."""
+    rank's last operations; a PeerError where the backend says the other side is gone."""
     e.failed = True
     _mark(e, "failed")
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -6,7 +6,9 @@ schedule (optim.py); resumed from the latest complete checkpoint when there is o
 (checkpoint.py). Each iteration is a step -- global batch k (samples [k GBS, (k+1) GBS)); a
 step whose gradient norm is not finite leaves the weights as they were on every rank, is
 counted and logged, and --max-skipped of them in a row stop the run naming the step -- then an
-evaluation, a checkpoint and the step's metrics (metrics.py) as configured. `run` starts the
+evaluation, a checkpoint and the step's metrics (metrics.py) as configured; rank 0 says what
+start-up does (tracing, compiling, the first step, with their times). `run` checks the run
+first (`preflight_run`: the options, preflight.py's model, data and heads), then starts the
 mesh's local processes, or under torchrun is one of them (runtime/launch.py's
 `torchrun_world`); with --compare it trains again in one process (compare.py).
 """
