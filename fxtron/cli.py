@@ -8,11 +8,14 @@ import sys
 
 from fxtron import config
 from fxtron.errors import LaunchError, ParallelizeError
+from fxtron.runtime.launch import torchrun_world
 from fxtron.trainer.config import TrainConfig
 
 
 #: the sections of the configuration tree `fxtron inspect` takes (all but the trainer's own run)
 INSPECT_SKIP = ("model", "data", "optimizer", "training")
+#: how long a torchrun rank other than 0 waits before exiting on a refused run, so that rank 0 says why
+REFUSED_GRACE_S = 5.0
 #: the sections `fxtron mesh` takes
 MESH_ONLY = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name != "mesh")
 
@@ -50,14 +53,21 @@ def _cmd_mesh(a) -> int:
 
 
 def _cmd_train(a) -> int:
-    from fxtron.trainer.loop import run
+    from fxtron.trainer.loop import preflight_run, run
 
-    cfg = _with_world(config.from_arguments(a, TrainConfig), 4)
-    if a.print_config:
-        print(cfg.to_toml(), end="")
-        return 0
-    cfg.check()     # every option against the mesh before starting processes
-    run(cfg)
+    try:
+        cfg = config.from_arguments(a, TrainConfig)       # the TOML file's mistakes too
+        if a.print_config:
+            print(_with_world(cfg, 4).to_toml(), end="")
+            return 0
+        if torchrun_world() is None:
+            cfg = _with_world(cfg, 4)
+        # before starting processes: every option against the mesh, the model, the data, the heads
+        cfg = preflight_run(cfg)
+    except ParallelizeError as e:
+        e.refused = True
+        raise
+    run(cfg, checked=True)
     return 0
 
 
@@ -217,12 +227,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _unknown(parser: argparse.ArgumentParser, cmd: str, extras: list[str]) -> None:
+    """Refuse arguments the command does not take under the command's own usage, suggesting
+    the nearest flag it has (argparse would print the top-level usage, no suggestion)."""
+    import difflib
+    sub = next(a for a in parser._subparsers._group_actions if isinstance(a, argparse._SubParsersAction)).choices[cmd]
+    flags = sorted({o for action in sub._actions for o in action.option_strings if o.startswith("--")})
+    words = []
+    for arg in extras:
+        if arg.startswith("-"):
+            name = arg.split("=", 1)[0]
+            near = difflib.get_close_matches(name, flags, n=1, cutoff=0.6)
+            words.append(f"{name}" + (f" (did you mean {near[0]}?)" if near else ""))
+    if not words:
+        words = [" ".join(extras)]
+    sub.error(f"unrecognized argument{'s' if len(words) > 1 else ''}: {', '.join(words)}")
+
+
+def _torchrun_rank() -> int | None:
+    return int(os.environ["RANK"]) if torchrun_world() is not None else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    a = parser.parse_args(argv)
+    a, extras = parser.parse_known_args(argv)
+    if extras:
+        _unknown(parser, a.cmd, extras)
     try:
         return a.fn(a)
     except (ParallelizeError, LaunchError) as e:
+        # a run refused before any rank started says so once: under torchrun rank 0 alone; the
+        # others wait a moment first, for torchrun ends the job at the first rank to exit
+        if getattr(e, "refused", False) and _torchrun_rank() not in (None, 0):
+            import time
+            time.sleep(REFUSED_GRACE_S)
+            return 2
         print(f"fxtron {a.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
 

@@ -19,6 +19,14 @@ class LaunchError(RuntimeError):
     """A rank of a job started by `fxtron.launch` failed; the message carries its traceback."""
 
 
+class PeerError(LaunchError, ParallelizeError):
+    """A peer rank died (killed, out of memory, a crash without a traceback): the message names
+    the rank and its exit (code or signal) where it is known, and what this rank was doing.
+    Raised by the launcher (runtime/launch.py) when a rank exits without a report, and by a
+    rank's collective or transfer whose backend says the other side closed (ops/ledger.py).
+    Subclasses LaunchError and ParallelizeError, which callers caught before it existed."""
+
+
 class ParallelizeWarning(UserWarning):
     """fxtron did less than the mesh asks and the result is still correct: a layer left
     replicated, an op run replicated for want of a sharding rule. `pm.summary()` lists each;

@@ -59,3 +59,157 @@ def test_train_a_mixture_of_experts_over_ep_shows_the_load(capsys):
     assert local["max_loss_diff"] < 1e-4 and local["losses"] != out["losses"], (local, out)
     assert len(out["imbalance"]) == 3 and all(x >= 1.0 for x in out["imbalance"])
     assert "busiest expert over the mean" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- a new user's mistakes
+@pytest.fixture(scope="module")
+def user_dir(tmp_path_factory):
+    """A transformers Qwen2 directory (its config: 8 heads, 4 key/value heads, 128 tokens) and
+    two Megatron datasets: one of its tokens, one of a larger vocabulary's."""
+    import numpy as np
+    import transformers
+
+    from fxtron.data.indexed import IndexedDatasetWriter
+    d = tmp_path_factory.mktemp("user")
+    cfg = transformers.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)
+    cfg.architectures = ["Qwen2ForCausalLM"]
+    cfg.save_pretrained(str(d / "qwen"))
+    rng = np.random.RandomState(0)
+    for name, top in (("tokens", 128), ("wide", 1000)):
+        w = IndexedDatasetWriter(str(d / name), np.uint16)
+        for _ in range(50):
+            w.add_document(rng.randint(0, top, size=40))
+        w.finalize()
+    return d
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """A refused run starts no process: the launcher fails the test if called."""
+    import fxtron
+    import fxtron.runtime.launch
+
+    def launch(*args, **kwargs):
+        raise AssertionError("a run that preflight refuses must not start processes")
+    monkeypatch.setattr(fxtron.runtime.launch, "launch", launch)
+    monkeypatch.setattr(fxtron, "launch", launch)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+
+REFUSALS = {
+    "missing model dir": (["--model", "{d}/nope", "--data", "{d}/tokens"], "model directory {d}/nope does not exist"),
+    "missing data prefix": (["--model", "{d}/qwen", "--data", "{d}/nonexistent"],
+                            "dataset {d}/nonexistent: {d}/nonexistent.idx does not exist"),
+    "vocabulary too large": (["--model", "{d}/qwen", "--data", "{d}/wide"],
+                             "dataset {d}/wide holds token id 999, but the model {d}/qwen has a vocabulary of 128"),
+    "heads vs tp": (["--model", "{d}/qwen", "--data", "{d}/tokens", "--world-size", "3", "--tp", "3"],
+                    "--tp 3 does not divide the model {d}/qwen's head counts (num_attention_heads=8, "
+                    "num_key_value_heads=4): attention cannot be cut between heads; choose a tp that divides them "
+                    "(2, 4)"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_a_mistake_is_refused_before_any_process_starts(case, user_dir, no_launch, capsys):
+    import time
+    args, message = REFUSALS[case]
+    start = time.monotonic()
+    assert main(["train"] + [a.format(d=user_dir) for a in args]) == 2
+    elapsed = time.monotonic() - start
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"fxtron train: ParallelizeError: {message.format(d=user_dir)}"), \
+        captured.err
+    assert "Traceback" not in captured.err + captured.out
+    assert elapsed < 60, elapsed         # no spawning, no compiling (a few seconds on a loaded machine)
+
+
+def test_under_torchrun_rank_0_alone_says_why(user_dir, no_launch, monkeypatch, capsys):
+    import fxtron.cli
+    monkeypatch.setattr(fxtron.cli, "REFUSED_GRACE_S", 0.0)
+    args = ["train", "--model", str(user_dir / "qwen"), "--data", str(user_dir / "nonexistent")]
+    for rank, said in ((1, False), (0, True)):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert (err.count("nonexistent.idx does not exist") == 1) is said and ("Traceback" not in err), err
+        if not said:
+            assert err == ""
+
+
+def test_a_misspelt_flag_suggests_the_nearest_under_its_command(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--micro-batches", "2"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: fxtron train ")
+    assert err.rstrip().splitlines()[-1] == \
+        "fxtron train: error: unrecognized argument: --micro-batches (did you mean --microbatches?)"
+    with pytest.raises(SystemExit):
+        main(["inspect", "gpt-tiny", "--no-grpah"])
+    err = capsys.readouterr().err
+    assert err.startswith("usage: fxtron inspect ") and "--no-grpah (did you mean --no-graph?)" in err
+
+
+def test_model_config_values_take_the_fields_type(capsys):
+    import fxtron
+    from fxtron.trainer.models import key_values, resolve
+    small = ["num_hidden_layers=1", "hidden_size=64", "intermediate_size=96", "num_attention_heads=4",
+             "num_key_value_heads=2", "vocab_size=128"]
+    tm = resolve("hf:qwen2", overrides=key_values(small + ["tie_word_embeddings=False", "rms_norm_eps=1"]))
+    c = tm.model.config
+    assert c.tie_word_embeddings is False and c.num_hidden_layers == 1
+    assert isinstance(c.rms_norm_eps, float) and c.rms_norm_eps == 1.0
+    assert resolve("hf:qwen2", overrides=key_values(small + ["tie_word_embeddings=true"])).model.config.tie_word_embeddings is True
+    with pytest.raises(fxtron.ParallelizeError, match="tie_word_embeddings=maybe: the field is a bool"):
+        resolve("hf:qwen2", overrides=key_values(["tie_word_embeddings=maybe"]))
+    with pytest.raises(fxtron.ParallelizeError, match="num_hidden_layers=two: the field is an int"):
+        resolve("hf:qwen2", overrides=key_values(["num_hidden_layers=two"]))
+    # inspect: the raw string reached transformers' strict config before
+    assert main(["inspect", "hf:qwen2", "--model-config", *small, "tie_word_embeddings=False", "--world-size", "1",
+                 "--no-graph", "--seq", "16"]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_the_planner_shows_progress_on_a_terminal_only(capsys):
+    from fxtron.tools import planner
+    dims = planner.ModelDims(layers=4, hidden=64, heads=8, vocab=128, params=300_000)
+    hw = planner.Hardware()
+    quiet = planner.candidates(dims, hw, world=8, global_batch=16, seq=64)       # stderr is no terminal here
+    assert capsys.readouterr().err == ""
+    shown = planner.candidates(dims, hw, world=8, global_batch=16, seq=64, progress=True)
+    assert "planning" in capsys.readouterr().err and shown == quiet
+
+
+@pytest.mark.slow     # one process, traced and compiled
+def test_start_up_says_what_it_does(capfd):
+    assert main(["train", "--model", "gpt-tiny", "--world-size", "1", "--steps", "2", "--batch", "4", "--seq", "32",
+                 "--max-bytes", "200000"]) == 0
+    out = capfd.readouterr().out
+    import re
+    lines = [line for line in out.splitlines() if line.startswith("start-up:")]
+    assert len(lines) == 4, out
+    assert lines[0] == "start-up: tracing gpt-tiny (torch.export) ..."
+    assert re.fullmatch(r"start-up: traced in \d+\.\d s; compiling rank 0's program for .* \.\.\.", lines[1]), lines
+    assert re.fullmatch(r"start-up: compiled in \d+\.\d s; running the first step \.\.\.", lines[2]), lines
+    assert re.fullmatch(r"start-up: first step in \d+\.\d s; ready \d+\.\d s after tracing began", lines[3]), lines
+    assert out.index(lines[3]) < out.index("iteration        1/")      # before the first step's log line
+
+
+@pytest.mark.slow     # torchrun and two processes
+def test_torchrun_refusal_is_said_once(tmp_path):
+    import os
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "fxtron", "train", "--data", str(tmp_path / "nonexistent")],
+                          capture_output=True, text=True, timeout=300, env=env)
+    out = proc.stdout + proc.stderr
+    assert out.count("nonexistent.idx does not exist") == 1, out
+    assert "fxtron train: ParallelizeError: dataset" in out
+    # the ranks exit 2; torchrun itself reports a failed child (its own exit code, its own block)
+    assert proc.returncode != 0 and "exitcode  : 2" in out, out
+    assert not [line for line in out.splitlines() if 'File "' in line and "/fxtron/" in line], out  # no rank's traceback

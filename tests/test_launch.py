@@ -68,6 +68,23 @@ def test_rank_that_dies_silently_is_reported():
         run_on_ranks(_exit_job, 2, timeout_s=120)
 
 
+def test_a_dead_peer_is_a_peer_error_naming_its_rank_and_exit():
+    with pytest.raises(fxtron.PeerError) as err:
+        run_on_ranks(_exit_job, 2, timeout_s=120)
+    assert isinstance(err.value, fxtron.LaunchError) and isinstance(err.value, fxtron.ParallelizeError)
+    assert str(err.value).startswith("rank 0 died with exit code 3 without a traceback"), str(err.value)
+
+
+def test_a_collective_whose_peer_closed_is_a_peer_error():
+    from fxtron.ops import ledger
+    e = ledger.Entry(n=1, group="tp", seq=4, op="send", shape=(2, 8), dtype=0, peer=1, issued=time.time())
+    err = ledger.failure(e, RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242"))
+    assert isinstance(err, fxtron.PeerError) and isinstance(err, fxtron.ParallelizeError)
+    assert "rank 1 died (its connection closed) during transfer #4 on group tp" in str(err), str(err)
+    other = ledger.failure(e, RuntimeError("Timed out waiting 1000ms"))
+    assert type(other) is fxtron.ParallelizeError
+
+
 def _sleep_job(rank: int):
     time.sleep(60)
 

@@ -8,7 +8,8 @@ user where the programs parted. The ledger does, in two ways:
 
 - The flight recorder (always on): the last FLIGHT operations of the rank with their state
   (issued, done, failed) and when they were issued. A collective that fails or times out
-  raises a ParallelizeError naming it, with the rank's recent operations; where the launcher
+  raises a ParallelizeError naming it, with the rank's recent operations (a PeerError where
+  the backend says the peer's connection closed: the peer died); where the launcher
   gives a directory (FXTRON_FLIGHT_DIR; fxtron.launch does) every operation is also written to
   a small memory-mapped file per rank, so that a failing job reports what *every* rank was
   waiting in, the ranks that were killed included.
@@ -39,7 +40,11 @@ import torch
 import torch.distributed as dist
 
 from fxtron.config import DebugConfig
-from fxtron.errors import ParallelizeError
+from fxtron.errors import ParallelizeError, PeerError
+
+#: what gloo and NCCL say when the process at the other end is gone
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+             "remote process exited", "NCCL communicator was aborted")
 
 FLIGHT = 16                 # operations the recorder keeps per rank (and slots in the file)
 _LINE = 240                 # bytes per operation in the flight file
@@ -253,10 +258,17 @@ def done(e: Entry | None) -> None:
 
 def failure(e: Entry, exc: BaseException) -> ParallelizeError:
     """The error for operation e that failed with exc: what it was, after how long, and this
-    rank's last operations."""
+    rank's last operations; a PeerError where the backend says the other side is gone."""
     e.failed = True
     _mark(e, "failed")
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if any(sign in str(exc) for sign in PEER_GONE):
+        # the other side's process is gone: say so, rather than a failed collective of ours
+        who = f"rank {e.peer}" if e.peer is not None else f"a peer in group {e.group}"
+        return PeerError(
+            f"rank {_S.rank}: {who} died (its connection closed) during {e.describe()}, "
+            f"{time.time() - e.issued:.1f} s after it was issued: {first}\n{recent()}\n"
+            "(the dead rank's own output, or the launcher's report, says why it exited)")
     return ParallelizeError(
         f"rank {_S.rank}: {e.describe()} failed after {time.time() - e.issued:.1f} s: {first}\n"
         f"{recent()}\n(a peer that died, timed out or runs a different program; with "

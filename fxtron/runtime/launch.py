@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from fxtron.errors import LaunchError
+from fxtron.errors import LaunchError, PeerError
 from fxtron.mesh import Mesh
 from fxtron.ops import ledger
 
@@ -65,11 +65,23 @@ def _worker(fn, mesh: Mesh, rank: int, args: tuple, port: int, backend: str | No
     G.destroy()
 
 
-def _failures(procs, results, done: dict, first: str | None, flight_dir: str, grace_s: float = 1.0) -> str:
+def _exit(code: int | None) -> str:
+    """A process's exit as words: its code, or the signal that ended it."""
+    if code is not None and code < 0:
+        import signal
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"with exit code {code}"
+
+
+def _failures(procs, results, done: dict, first: str | None, flight_dir: str, grace_s: float = 1.0) -> LaunchError:
     """Every failure seen within a short grace period: the first traceback, then any other
     rank's traceback and every rank that died without one (a peer's death often makes the
     others fail too, so the whole picture helps find the cause), then what every rank was
-    doing, from the flight recorder (ops/ledger.py)."""
+    doing, from the flight recorder (ops/ledger.py). A rank that died without a report is
+    the cause the others' failures follow from: a PeerError that names it first."""
     messages = [first] if first else []
     end = time.monotonic() + grace_s
     while time.monotonic() < end:
@@ -80,11 +92,13 @@ def _failures(procs, results, done: dict, first: str | None, flight_dir: str, gr
         if not ok:
             messages.append(payload)
     reported = {m.split(" ", 2)[1] for m in messages if m.startswith("rank ")}
-    for r, p in enumerate(procs):
-        if r not in done and str(r) not in reported and p.exitcode not in (None, 0):
-            messages.append(f"rank {r} died with exit code {p.exitcode} without a traceback")
+    dead = [f"rank {r} died {_exit(p.exitcode)} without a traceback" for r, p in enumerate(procs)
+            if r not in done and str(r) not in reported and p.exitcode not in (None, 0)]
+    if dead:
+        others = (["the other ranks' failures follow from it:"] + messages) if messages else []
+        return PeerError("\n\n".join(dead + others + [ledger.flight_report(flight_dir, len(procs))]))
     messages = messages or ["a rank failed without a report"]
-    return "\n\n".join(messages + [ledger.flight_report(flight_dir, len(procs))])
+    return LaunchError("\n\n".join(messages + [ledger.flight_report(flight_dir, len(procs))]))
 
 
 def torchrun_world() -> int | None:
@@ -109,7 +123,8 @@ def launch(fn: Callable[..., Any], mesh: Mesh, args: tuple = (), *, backend: str
     FXTRON_CHECK_COLLECTIVES=1; see init_distributed). `flight_dir`: where every rank's flight
     recorder writes its last operations (default: a temporary directory, removed after the job;
     a directory given is kept). Raises LaunchError with the failing
-    rank's traceback and, for every rank, the operation it was in (the flight recorder).
+    rank's traceback and, for every rank, the operation it was in (the flight recorder); a
+    PeerError (a LaunchError) naming the rank and its exit where one died without a report.
     """
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= mesh.world_size else "gloo"
@@ -141,10 +156,10 @@ def launch(fn: Callable[..., Any], mesh: Mesh, args: tuple = (), *, backend: str
                                       f"{[r for r in range(mesh.world_size) if r not in done]}\n\n"
                                       + ledger.flight_report(flight_dir, mesh.world_size)) from None
                 if any(r not in done and p.exitcode not in (None, 0) for r, p in enumerate(procs)):
-                    raise LaunchError(_failures(procs, results, done, None, flight_dir)) from None
+                    raise _failures(procs, results, done, None, flight_dir) from None
                 continue
             if not ok:
-                raise LaunchError(_failures(procs, results, done, payload, flight_dir))
+                raise _failures(procs, results, done, payload, flight_dir)
             done[rank] = torch.load(io.BytesIO(payload), weights_only=False)
         for p in procs:
             p.join(timeout=30)

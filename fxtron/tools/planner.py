@@ -319,16 +319,36 @@ def cp_bytes(a: int, cp: int, bsh: float) -> tuple[float, float]:
 
 
 def candidates(dims: ModelDims, hw: Hardware, *, world: int, global_batch: int, seq: int, micro_batch: int = 1,
-               fits_only: bool = True, activations=None) -> list[Candidate]:
+               fits_only: bool = True, activations=None, progress: bool | None = None) -> list[Candidate]:
     """Every (tp, pp, cp, ep, dp, sp, schedule, zero) that divides the model, the batch and
     the sequence (cp: 2 x cp chunks; ep: the experts, and tp x ep x pp the world, its ranks drawn
     from dp x cp), ranked by modeled step time; only those whose memory fits
     `hw.memory` unless fits_only=False. A mesh that fits only with recomputation comes with the
-    cheapest that makes it fit (selective, then full: `Candidate.recompute`)."""
+    cheapest that makes it fit (selective, then full: `Candidate.recompute`). `progress`: a
+    bar over the tp sizes on stderr (each measures its activations, seconds apiece; default:
+    when stderr is a terminal)."""
+    import sys
     out = []
-    for tp in _divisors(world):
-        if tp > hw.gpus_per_node or dims.heads % tp:
-            continue
+    tps = [tp for tp in _divisors(world) if tp <= hw.gpus_per_node and not dims.heads % tp]
+    if progress is None:
+        progress = sys.stderr.isatty()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(tps, desc="planning", unit="tp size", leave=False, file=sys.stderr)
+    try:
+        return _candidates(dims, hw, tps, bar, world=world, global_batch=global_batch, seq=seq,
+                           micro_batch=micro_batch, fits_only=fits_only, activations=activations, out=out)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _candidates(dims, hw, tps, bar, *, world, global_batch, seq, micro_batch, fits_only, activations, out):
+    """`candidates`' search, tp size by tp size (the bar, when given, iterates them)."""
+    for tp in (bar if bar is not None else tps):
+        if bar is not None:
+            bar.set_postfix_str(f"tp={tp}, {len(out)} meshes fit so far")
         for pp in _divisors(world // tp):
             if dims.layers % pp:
                 continue

@@ -8,7 +8,9 @@ step whose gradient norm is not finite leaves the weights as they were on every 
 counted and logged, and --max-skipped of them in a row stop the run naming the step -- then an
 evaluation, a checkpoint and the step's metrics (metrics.py: with the rank's memory by kind and
 the checkpoint events) as configured; --export-hf copies the model directory's tokenizer
-along. `run` starts the mesh's local processes, or under torchrun is one of them
+along; rank 0 says what start-up does (tracing, compiling, the first step, with their times).
+`run` checks the run first (`preflight_run`: the options, preflight.py's model, data and
+heads), then starts the mesh's local processes, or under torchrun is one of them
 (runtime/launch.py's `torchrun_world`); with --compare it trains again in one process
 (compare.py).
 """
@@ -22,7 +24,7 @@ from fxtron.errors import ParallelizeError
 from fxtron.runtime.checkpoint.hf import copy_tokenizer
 from fxtron.runtime.launch import torchrun_world
 from fxtron.runtime.memory import rank_bytes
-from fxtron.trainer import compare
+from fxtron.trainer import compare, preflight
 from fxtron.trainer.checkpoint import Checkpointer
 from fxtron.trainer.data import TrainData
 from fxtron.trainer.metrics import Metrics, step_flops, write_trace, writes_metrics
@@ -46,8 +48,15 @@ class Trainer:
         if mesh.cp > 1 and config.context.documents is None and tm.documents is not None:
             config = config.replace(cp_documents=tm.documents)     # packed documents: THD, each rank a share of each
         self.documents = config.context.documents if mesh.cp > 1 else None
+        # start-up takes seconds to a minute before the first step: say what it is doing (rank 0)
+        self.says = rank == 0
+        self._started = start = time.perf_counter()
+        self.say(f"start-up: tracing {cfg.model.name} (torch.export) ...")
         pm = fxtron.parallelize(tm.model, mesh, example_inputs=args, example_kwargs=kw, config=config)
+        traced = time.perf_counter()
+        self.say(f"start-up: traced in {traced - start:.1f} s; compiling rank {rank}'s program for {mesh} ...")
         self.prog = prog = pm.program(rank, groups, seed=t.seed)
+        self.say(f"start-up: compiled in {time.perf_counter() - traced:.1f} s; running the first step ...")
         prog.skip_nonfinite = True
         if tm.pretrained:
             prog.load_pretrained(tm.pretrained)
@@ -65,6 +74,16 @@ class Trainer:
         self.imbalance: dict[int, float] = {}   # per step: the worst layer's busiest expert over the mean (1: balanced)
         self.losses: dict[int, float] = {}
         self.evals: dict[int, float] = {}
+
+    def say(self, text: str) -> None:
+        """A start-up line in the trainer's log (rank 0's output), beside the progress bar if any."""
+        if not self.says:
+            return
+        metrics = getattr(self, "metrics", None)
+        if metrics is not None:
+            metrics._print(text)
+        else:
+            print(text, flush=True)
 
     def train(self) -> dict:
         """Every step up to --steps, each evaluated, saved and logged as configured; then
@@ -112,6 +131,9 @@ class Trainer:
             self.sched.step()
             self.skipped_in_a_row = 0
         self.losses[step] = loss
+        if not self.losses.keys() - {step}:          # this process's first step
+            self.say(f"start-up: first step in {elapsed:.1f} s; ready {time.perf_counter() - self._started:.1f} s "
+                     "after tracing began")
         self.metrics.step({"step": step, "loss": loss, "lr": lr, "grad_norm": prog.last_grad_norm,
                            "step_time": elapsed, "consumed_samples": state["consumed_train_samples"],
                            "skipped": state["skipped_iterations"], "step_skipped": skipped,
@@ -150,20 +172,38 @@ def train_rank(rank: int, cfg: TrainConfig, groups=None) -> dict:
 
 
 # ----------------------------------------------------------------------------- the command
-def run(cfg: TrainConfig) -> dict:
+def preflight_run(cfg: TrainConfig) -> TrainConfig:
+    """The run's checks before any process starts (torchrun's world, every option against the
+    mesh, --compare's, preflight.py's model, data and heads); the configuration with
+    torchrun's world size. A ParallelizeError raised here is marked `refused` (nothing ran
+    yet: under torchrun rank 0 alone says it, cli.py)."""
+    try:
+        world = torchrun_world()
+        if world is not None:
+            if cfg.mesh.world_size not in (None, world):
+                raise ParallelizeError(f"--world-size {cfg.mesh.world_size} but torchrun started WORLD_SIZE={world} "
+                                       "processes; omit --world-size under torchrun or make them agree")
+            cfg = cfg.replace(world_size=world)
+        cfg.check()
+        if cfg.training.compare:
+            compare.check(cfg)
+        preflight.check(cfg)
+    except ParallelizeError as e:
+        e.refused = True
+        raise
+    return cfg
+
+
+def run(cfg: TrainConfig, *, checked: bool = False) -> dict:
     """Train the run `cfg`: under torchrun as this process's rank, else on the mesh's local
-    processes; with --compare, again in one process, and the largest loss difference."""
+    processes; with --compare, again in one process, and the largest loss difference. Its
+    checks (`preflight_run`) come first, before any process starts (`checked`: the caller
+    ran them, as `fxtron train` does)."""
     import fxtron
     world = torchrun_world()
-    if world is not None:
-        if cfg.mesh.world_size not in (None, world):
-            raise ParallelizeError(f"--world-size {cfg.mesh.world_size} but torchrun started WORLD_SIZE={world} "
-                                   "processes; omit --world-size under torchrun or make them agree")
-        cfg = cfg.replace(world_size=world)
-    cfg.check()
+    if not checked:
+        cfg = preflight_run(cfg)
     mesh = cfg.mesh.mesh()
-    if cfg.training.compare:
-        compare.check(cfg)
     t0 = time.perf_counter()
     if world is not None:
         groups = fxtron.init_distributed(mesh, shm_transport=cfg.debug.shm, check_collectives=cfg.debug.check_collectives)
@@ -200,4 +240,4 @@ def run(cfg: TrainConfig) -> dict:
     return out
 
 
-__all__ = ["Trainer", "run", "train_rank"]
+__all__ = ["Trainer", "preflight_run", "run", "train_rank"]

@@ -156,6 +156,9 @@ def build_model(spec: str, seed: int = 0, overrides: dict | None = None) -> Trai
         with torch.device("meta"):
             model = cls(config) if cls is not None else transformers.AutoModelForCausalLM.from_config(config)
         return TrainModel(model, True, int(config.vocab_size), pretrained)
+    if os.sep in spec or spec.startswith(("~", ".")):
+        raise ParallelizeError(f"model directory {spec} does not exist; give a transformers directory "
+                               "(save_pretrained), a preset, hf:<architecture> or package.module:factory")
     if ":" in spec:
         factory = load_factory(spec)
         with torch.device("meta"):
@@ -197,8 +200,49 @@ def hf_config(arch: str, overrides: dict | None = None):
             near = difflib.get_close_matches(key, sorted(known), n=3)
             raise ParallelizeError(f"{type(cfg).__name__} has no field {key!r}"
                                    + (f" (did you mean {', '.join(map(repr, near))}?)" if near else ""))
-        setattr(cfg, key, value)
+        setattr(cfg, key, typed(value, getattr(cfg, key), f"{type(cfg).__name__}.{key}"))
     return cfg
 
 
-__all__ = ["TrainModel", "build_model", "hf_config", "key_values", "load_factory", "resolve"]
+def typed(value, like, name: str):
+    """A --model-config value read as the type of the field's default `like` (bool, int,
+    float, a list of them): 'False' for a bool, '4' for an int, '1,2' or '[1, 2]' for a list;
+    a ParallelizeError naming the field where it cannot be."""
+    if like is None or not isinstance(value, str) and (not isinstance(like, (list, tuple)) or
+                                                       isinstance(value, (list, tuple))):
+        if isinstance(like, float) and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        return value
+    text = str(value).strip()
+    try:
+        if isinstance(like, bool):
+            word = text.lower()
+            if word in ("true", "1", "yes", "on"):
+                return True
+            if word in ("false", "0", "no", "off"):
+                return False
+            raise ValueError(text)
+        if isinstance(like, int):
+            return int(text)
+        if isinstance(like, float):
+            return float(text)
+        if isinstance(like, (list, tuple)):
+            import json
+            try:
+                items = json.loads(text)
+            except json.JSONDecodeError:
+                items = [x.strip() for x in text.strip("[]()").split(",") if x.strip()]
+            if not isinstance(items, list):
+                items = [items]
+            if like:
+                items = [typed(x, like[0], name) if isinstance(x, str) else x for x in items]
+            return type(like)(items)
+    except ValueError:
+        kind = type(like).__name__
+        a = "an" if kind[0] in "aeiou" else "a"
+        raise ParallelizeError(f"--model-config {name}={text}: the field is {a} {kind} "
+                               f"(its default is {like!r}); give {a} {kind}") from None
+    return value
+
+
+__all__ = ["TrainModel", "build_model", "hf_config", "key_values", "load_factory", "resolve", "typed"]
