@@ -69,7 +69,7 @@ def test_rank_that_dies_silently_is_reported():
 
 
 def _sleep_job(rank: int):
-    time.sleep(60)
+    time.sleep(3600)      # longer than any job timeout (run_on_ranks stretches them under load)
 
 
 def test_job_timeout():

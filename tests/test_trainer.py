@@ -272,3 +272,24 @@ def test_packed_documents_at_cp_are_balanced_document_by_document(tmp_path):
     assert "balanced document by document (Megatron's THD): each row reordered by document_ids" in out.stdout
     line = next(x for x in out.stdout.splitlines() if "loss difference" in x)
     assert float(line.split("largest ")[1].split()[0]) < 1e-5, line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("torchrun", [False, True], ids=["launch", "torchrun"])
+def test_zero3_runs_whose_work_is_done_exit_0(tmp_path, torchrun):
+    """A zero=3 dp=4 run that checkpoints ends with exit code 0, run after run: before, the
+    program's units, buffers and process groups outlived the run (held through its parameters'
+    hooks and records), and 1 run in 5 under torchrun aborted at interpreter exit, after its
+    last checkpoint ('terminate called without an active exception', torchrun: FAILED)."""
+    for i in range(3):
+        args = ["--model", "gpt-tiny", "--zero", "3", "--steps", "4", "--save", str(tmp_path / f"run{i}"),
+                "--save-interval", "2"]
+        if torchrun:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
+                   "-m", "fxtron", "train"] + args
+        else:
+            cmd = [sys.executable, "-m", "fxtron", "train", "--world-size", "4"] + args
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+        assert p.returncode == 0, f"run {i}: exit code {p.returncode}\n{p.stdout[-4000:]}"
+        assert "terminate called" not in p.stdout, f"run {i}:\n{p.stdout[-4000:]}"
+        assert checkpoints.latest(str(tmp_path / f"run{i}")) == 4

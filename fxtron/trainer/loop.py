@@ -15,6 +15,9 @@ from __future__ import annotations
 import os
 import time
 
+import torch.distributed as dist
+
+from fxtron.ops import ledger
 from fxtron.trainer.config import TrainConfig
 from fxtron.errors import ParallelizeError
 from fxtron.runtime.launch import torchrun_world
@@ -73,9 +76,20 @@ class Trainer:
                 self.metrics.flush()                      # the step's JSON line, its evaluation included
             if t.export_hf:
                 self.prog.save_pretrained(t.export_hf)
+            self.finish()
         finally:
             self.metrics.close()
         return self.results()
+
+    def finish(self) -> None:
+        """The run's work is done on this rank: the program's collectives still in flight
+        complete (zero=1/2's all-gathers for a next step, zero=3's gathers), then every rank
+        waits for every other (a barrier), so that no rank destroys its process groups while a
+        peer still sends or receives through them; `run` (or fxtron.launch) destroys them."""
+        self.prog.settle()
+        if self.prog.groups is not None and dist.is_initialized():
+            with ledger.collective(dist.group.WORLD, "barrier"):
+                dist.barrier(group=dist.group.WORLD)
 
     def train_step(self) -> int:
         """Train the next global batch at the schedule's learning rate; the step's number."""
