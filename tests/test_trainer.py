@@ -279,8 +279,9 @@ def test_packed_documents_at_cp_are_balanced_document_by_document(tmp_path):
 def test_zero3_runs_whose_work_is_done_exit_0(tmp_path, torchrun):
     """A zero=3 dp=4 run that checkpoints ends with exit code 0, run after run: before, the
     program's units, buffers and process groups outlived the run (held through its parameters'
-    hooks and records), and 1 run in 5 under torchrun aborted at interpreter exit, after its
-    last checkpoint ('terminate called without an active exception', torchrun: FAILED)."""
+    hooks and records), their gloo threads alive into interpreter exit, and a torchrun job was
+    seen to abort there, 1 run in 5, after its last checkpoint ('terminate called without an
+    active exception', torchrun: FAILED)."""
     for i in range(3):
         args = ["--model", "gpt-tiny", "--zero", "3", "--steps", "4", "--save", str(tmp_path / f"run{i}"),
                 "--save-interval", "2"]
