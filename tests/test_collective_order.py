@@ -17,6 +17,7 @@ under NCCL's pairing rule; tests/test_context_parallel.py runs with the check on
 """
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -180,11 +181,22 @@ def test_a_correct_program_is_checked_and_trains_unchanged(checked):
 
 
 # ------------------------------------------------------------------------------ a hung job
-def _hang(rank, mesh):
+def _all_here(folder, rank, world):
+    """Wait until every rank has reached this point (a file each, polled): not a collective,
+    so that no collective timeout runs while a rank still compiles."""
+    open(os.path.join(folder, str(rank)), "w").close()
+    while not all(os.path.exists(os.path.join(folder, str(r))) for r in range(world)):
+        time.sleep(0.01)
+
+
+def _hang(rank, mesh, folder):
     model = make("gpt", layers=2)
     args = batch("gpt", 4, 8, 0)[0]
     prog = fxtron.parallelize(model, mesh, example_inputs=args, microbatches=2).program(rank)
     opt = torch.optim.SGD(prog.parameters(), lr=0.1)
+    # both programs built first: rank 1's 3 s timeout then starts when rank 0 is about to wait
+    # too (under load, one rank's compilation can lag the other's by more than 3 s)
+    _all_here(folder, rank, mesh.world_size)
     if rank == 0:
         prog.train_step(args, opt)           # sends its activations, then waits for their gradients
     else:
@@ -192,11 +204,13 @@ def _hang(rank, mesh):
     time.sleep(60)
 
 
-def test_a_hung_collective_ends_the_job_with_what_every_rank_waits_in():
-    start = time.monotonic()
+def test_a_hung_collective_ends_the_job_with_what_every_rank_waits_in(tmp_path):
     with pytest.raises(LaunchError) as info:
-        run_on_ranks(_hang, PP, PP, timeout_s=120, collective_timeout_s=3, shm_transport=False)
-    took = time.monotonic() - start
+        run_on_ranks(_hang, PP, PP, str(tmp_path), timeout_s=120, collective_timeout_s=3, shm_transport=False)
+    # from the hang on (both ranks' programs built: _all_here's files), not from the processes'
+    # start, which on a loaded machine alone takes more than a minute
+    start = max(os.path.getmtime(tmp_path / str(r)) for r in range(PP.world_size))
+    took = time.time() - start
     msg = str(info.value)
     assert took < 60, f"the job took {took:.0f} s to end"
     assert "what every rank was doing (flight recorder)" in msg, msg

@@ -352,3 +352,38 @@ def test_zero_without_data_parallel_ranks_says_so():
     with pytest.raises(fxtron.ParallelizeError, match="use a mesh with dp x cp > 1, or zero=0"):
         fxtron.parallelize(make("gpt", layers=2), fxtron.Mesh(2, tp=2), example_inputs=args, zero=3, strict=True)
     fxtron.parallelize(make("gpt", layers=2), fxtron.Mesh(2, tp=2), example_inputs=args, zero=0, strict=True)
+
+
+# ------------------------------------------------------------------------------ the end of a run
+def _dropped(rank, mesh, zero):
+    """A program trained and dropped goes (nothing keeps it: not its parameters' hooks, not
+    the records its pieces carry), and once the groups are destroyed no gloo thread is left."""
+    import gc
+    import weakref
+
+    from fxtron.runtime import groups as G
+    model = make("gpt", layers=2)
+    prog = fxtron.parallelize(model, mesh, example_inputs=batch("gpt", 4, 8, 0)[0], zero=zero).program(rank)
+    opt = adamw()(prog.parameters())
+    prog.train_step(batch("gpt", 4, 8, 0)[0], opt)
+    prog.settle()
+    gone = [weakref.ref(prog), weakref.ref(prog.grads)] + ([weakref.ref(prog.fsdp)] if prog.fsdp is not None else [])
+    del prog, opt
+    gc.collect()
+    alive = [type(r()).__name__ for r in gone if r() is not None]
+    G.destroy()
+    threads = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+    return {"alive": alive, "threads": threads}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the process's threads from /proc")
+@pytest.mark.parametrize("zero", [1, 3])
+def test_a_dropped_program_and_destroyed_groups_leave_no_thread(zero):
+    """A zero=1/3 program held itself through its parameters' hooks and records, and with it its
+    process groups: their gloo threads lived on into interpreter exit, where a run whose work
+    was done could abort ('terminate called without an active exception')."""
+    from fxtron.tools.testing import run_on_ranks
+    mesh = fxtron.Mesh(2)
+    for rank, out in enumerate(run_on_ranks(_dropped, mesh, mesh, zero, timeout_s=300)):
+        assert out["alive"] == [], f"rank {rank}: still alive after the program was dropped: {out['alive']}"
+        assert not [t for t in out["threads"] if "gloo" in t], f"rank {rank}: threads left: {out['threads']}"

@@ -45,6 +45,7 @@ The tables, who writes each and who reads it:
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
 
@@ -80,11 +81,33 @@ class TensorRecords(Generic[R]):
         return f"TensorRecords({self.kind!r}, {len(self._table)} entries)"
 
 
-@dataclass(frozen=True)
-class FsdpPiece:
-    """A zero=3 piece's owner: `units`, the program's runtime.fsdp.FsdpUnits."""
+class _Owner:
+    """A record naming the object that holds its tensor, weakly: the owner holds the tensor
+    (the table's key), so a strong reference from the record would keep key, record and owner
+    alive for as long as the process -- the program's units, its buffers and its process
+    groups, whose gloo threads then outlived the run into interpreter exit (an abort, SIGABRT,
+    after the job's work was done). The owner reads None once it is gone."""
 
-    units: Any
+    __slots__ = ("_owner",)
+
+    def __init__(self, owner: Any):
+        object.__setattr__(self, "_owner", weakref.ref(owner))
+
+    def _get(self) -> Any:
+        return self._owner()
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is read-only")
+
+
+class FsdpPiece(_Owner):
+    """A zero=3 piece's owner: `units`, the program's runtime.fsdp.FsdpUnits (held weakly)."""
+
+    __slots__ = ()
+
+    @property
+    def units(self) -> Any:
+        return self._get()
 
 
 @dataclass(frozen=True)
@@ -97,13 +120,20 @@ class FsdpGathered:
     index: int
 
 
-@dataclass(frozen=True)
-class ZeroWaited:
+class ZeroWaited(_Owner):
     """A parameter the graph waits for (overlap_param_gather): `zero`, the distributed
-    optimizer (runtime.zero.ZeroOne) whose all-gather brings it, and its `name`."""
+    optimizer (runtime.zero.ZeroOne) whose all-gather brings it (held weakly: it holds the
+    parameter), and its `name`."""
 
-    zero: Any
-    name: str
+    __slots__ = ("name",)
+
+    def __init__(self, zero: Any, name: str):
+        super().__init__(zero)
+        object.__setattr__(self, "name", name)
+
+    @property
+    def zero(self) -> Any:
+        return self._get()
 
 
 @dataclass(frozen=True)

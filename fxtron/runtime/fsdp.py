@@ -201,6 +201,16 @@ class FsdpUnits:
             self._drop(u)
         self.grads = {}
 
+    def settle(self) -> None:
+        """Outside a step: wait for every collective still in flight (a prefetched gather that
+        no step will use, a reduction) and drop every gathered unit -- nothing of the units
+        is pending when the run ends and its process groups go."""
+        self._drain(0)
+        for u in self.units.values():
+            if u.pending is not None:
+                self._receive(u)
+            self._drop(u)
+
     # ------------------------------------------------------------------ gathers
     def _start(self, u: _Unit, pieces: list[torch.Tensor] | None = None) -> None:
         if pieces is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -177,10 +178,16 @@ class Gradients:
 
     # ---------------------------------------------------------------- accumulation
     def _hook(self, name: str):
+        # the parameter holds its hook: a hook holding these Gradients strongly made a cycle
+        # through the tensor that gc does not collect, and the program's buffers, units and
+        # process groups lived on until interpreter exit (gloo's threads with them)
+        owner = weakref.ref(self)
+
         def hook(p: torch.Tensor) -> None:
             """Autograd finished this parameter's gradient for one backward: move it into the
             buffer (Megatron's DDP hook) and report it."""
-            if not self._in_step or p.grad is None:
+            self = owner()
+            if self is None or not self._in_step or p.grad is None:
                 return
             g, share = p.main_grad, self._share.get(name, 1.0)
             if FRESH_GRADS.take(g):     # the step's first contribution: written, not added (runtime/dp.py)

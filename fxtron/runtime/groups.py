@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 from dataclasses import dataclass, field
 
@@ -97,6 +98,11 @@ class ProcessGroups:
                 if self.rank in key:
                     mine = (key, pg)
             self._by_kind[kind] = mine
+
+    def forget(self) -> None:
+        """Drop this value's references to its groups (runtime/groups.py destroy: after
+        dist.destroy_process_group, so that the groups themselves go now)."""
+        self.channels, self._by_kind, self._made, self._twins = {}, {}, {}, {}
 
     def _entry(self, kind: str):
         if kind not in self._by_kind:
@@ -245,9 +251,21 @@ def groups_for(mesh: Mesh) -> ProcessGroups | None:
 
 
 def destroy() -> None:
+    """Tear down what init_distributed made in this process: the shared-memory channels, the
+    flight recorder, then every process group -- destroyed for real, their threads joined,
+    while the interpreter is whole. dist.destroy_process_group only unregisters a gloo group;
+    its worker threads live on until the last reference to it goes, which (a ProcessGroups
+    value, a program, a graph module holding it) was at interpreter exit: a worker that then
+    releases a work's tensors needs the GIL of an interpreter being finalized, and the process
+    aborts ('terminate called without an active exception', SIGABRT) after its job is done.
+    So every ProcessGroups made here forgets its groups, and what cycles hold is collected."""
     for groups in _REGISTRY.values():
         shm.close_channels(groups.channels)
-    _REGISTRY.clear()
+        groups.channels = {}
     ledger.close()
     if dist.is_initialized():
         dist.destroy_process_group()
+    for groups in _REGISTRY.values():
+        groups.forget()
+    _REGISTRY.clear()
+    gc.collect()

@@ -371,6 +371,18 @@ class Program(nn.Module):
         ledger.step_end(self.groups)
         return out
 
+    def settle(self) -> None:
+        """Finish every collective this program still has in flight outside a step: the
+        distributed optimizer's all-gathers of the updated parameters (zero=1/2 start them after
+        each step, for a next step that may never come) and zero=3's gathers; every rank of
+        the job calls it at the run's end, before its process groups are destroyed (a gloo work
+        still running then is torn down with the interpreter: an abort after the job's work is
+        done). The program stays usable."""
+        if self.zero is not None:
+            self.zero.wait_params()
+        if self.fsdp is not None:
+            self.fsdp.settle()
+
     # ---------------------------------------------------------------- expert load, timelines
     def expert_load(self) -> dict[str, torch.Tensor]:
         """The copies each expert received in the last step, per mixture-of-experts layer,

@@ -5,6 +5,7 @@ and the optimizer the tests train with (`adamw`)."""
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Callable, Iterable
 
 import torch
@@ -15,13 +16,39 @@ from fxtron.runtime.launch import launch
 from fxtron.tools.reference import reference_training
 
 
+# the most timeout_scale() stretches a bound: a job that hangs still ends within the hour
+MAX_TIMEOUT_SCALE = 10.0
+
+
+def timeout_scale() -> float:
+    """How many times longer than on an idle machine the tests' time bounds are now:
+    FXTRON_TEST_TIMEOUT_SCALE when set, else the machine's load (the 1-minute load average)
+    per core, at least 1 and at most MAX_TIMEOUT_SCALE. Under a load of 16 on 2 cores every
+    rank's compilation takes ~8x longer, and a rank that compiles slower than its peers
+    reaches the first collective minutes after them: a fixed bound then fails a correct job."""
+    value = os.environ.get("FXTRON_TEST_TIMEOUT_SCALE")
+    if value not in (None, ""):
+        return max(1.0, float(value))
+    try:
+        load = os.getloadavg()[0]
+    except OSError:                 # (no load average on this platform)
+        return 1.0
+    return min(MAX_TIMEOUT_SCALE, max(1.0, load / (os.cpu_count() or 1)))
+
+
 def run_on_ranks(fn: Callable[..., Any], mesh: Mesh | int, *args, timeout_s: float = 300.0, **launch_options) -> list[Any]:
     """`fxtron.launch` for tests: gloo, one thread per rank, a job-wide timeout; a failing rank
     fails the test with that rank's traceback (pytest shows LaunchError's message whole).
-    `launch_options` go to launch (check_collectives, shm_transport, collective_timeout_s)."""
+    `launch_options` go to launch (check_collectives, shm_transport, collective_timeout_s).
+
+    `timeout_s`, and the collective timeout when not given (min(60, timeout_s / 2)), are an
+    idle machine's: both are stretched by `timeout_scale()`, so a loaded machine does not fail
+    a correct job. A collective_timeout_s given is kept as it is (a test of the timeout itself)."""
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
-    launch_options.setdefault("collective_timeout_s", min(60.0, timeout_s / 2))
-    return launch(fn, mesh, args=args, backend="gloo", timeout_s=timeout_s, threads_per_rank=1, **launch_options)
+    scale = timeout_scale()
+    launch_options.setdefault("collective_timeout_s", min(60.0, timeout_s / 2) * scale)
+    return launch(fn, mesh, args=args, backend="gloo", timeout_s=timeout_s * scale, threads_per_rank=1,
+                  **launch_options)
 
 
 def case_key(case) -> Any:
@@ -107,7 +134,7 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tupl
 
 
 __all__ = ["adamw", "assert_trains_like", "case_key", "cases_fixture", "ranks_of", "run_cases", "run_on_ranks",
-           "reference_training", "train_program", "max_abs_diff", "LaunchError"]
+           "reference_training", "timeout_scale", "train_program", "max_abs_diff", "LaunchError"]
 
 
 def train_program(prog, batches: Iterable, opt) -> dict:

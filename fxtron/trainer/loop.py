@@ -19,6 +19,9 @@ from __future__ import annotations
 import os
 import time
 
+import torch.distributed as dist
+
+from fxtron.ops import ledger
 from fxtron.trainer.config import TrainConfig
 from fxtron.errors import ParallelizeError
 from fxtron.runtime.checkpoint.hf import copy_tokenizer
@@ -101,9 +104,20 @@ class Trainer:
                 self.prog.save_pretrained(t.export_hf)
                 if self.rank == 0:                 # the model directory's tokenizer, as transformers' users load it
                     copy_tokenizer(self.cfg.model.name, t.export_hf)
+            self.finish()
         finally:
             self.metrics.close()
         return self.results()
+
+    def finish(self) -> None:
+        """The run's work is done on this rank: the program's collectives still in flight
+        complete (zero=1/2's all-gathers for a next step, zero=3's gathers), then every rank
+        waits for every other (a barrier), so that no rank destroys its process groups while a
+        peer still sends or receives through them; `run` (or fxtron.launch) destroys them."""
+        self.prog.settle()
+        if self.prog.groups is not None and dist.is_initialized():
+            with ledger.collective(dist.group.WORLD, "barrier"):
+                dist.barrier(group=dist.group.WORLD)
 
     def train_step(self) -> int:
         """Train the next global batch at the schedule's learning rate; the step's number."""
