@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(PY) -m fxtron train --model gpt-tiny --world-size 4 --tp 2 --steps 40 --compare
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --durations=25
 
 bench: $(STAMP)
 	$(PY) -m pytest -q benchmarks --benchmark-only

@@ -15,6 +15,7 @@ import torch.fx as fx
 
 import sympy
 
+from fxtron.codegen.regions import Compiler
 from fxtron.compiler import passmanager, report
 from fxtron.compiler.show import format_graph
 from fxtron.compiler.trace import check_example_sizes, trace
@@ -573,4 +574,5 @@ class ParallelModel:
         if groups is not None and groups.rank != rank:
             raise ParallelizeError(f"program({rank}) built in the process of rank {groups.rank}")
         return build_program(self.model, self.compiled(rank).spec(), groups, self.config, seed=seed,
-                             eval_spec=lambda: self.compiled_eval(rank).spec())
+                             eval_spec=lambda: self.compiled_eval(rank).spec(),
+                             compiler=Compiler() if self.config.codegen.compile else None)

@@ -633,6 +633,10 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
     note = statistics_note(mesh, config, meta.info(compiled(0).gm).statistics_report)
     if note:
         head += "\n" + note
+    if config.codegen.compile:
+        from fxtron.codegen.regions import plan
+        head += (f"\ncompile=True: on rank 0, {plan(compiled(0).graphs).line()}, on the first step; the fxtron ops "
+                 "(collectives, fused linears, attention blocks, random draws) run as they are between them")
     if init:
         head += "\n" + init
     per = "microbatch" if config.pipeline.microbatches > 1 else "step"

@@ -24,12 +24,14 @@ and the flag and TOML machinery takes the tree to work on as an argument.
 """
 from fxtron.config.fields import Section, env_flag, env_str, option, torch_dtype
 from fxtron.config.flags import add_arguments, from_arguments, given
-from fxtron.config.sections import (SECTIONS, AuxLoss, Config, ContextConfig, CPCommType, DataParallelConfig,
+from fxtron.config.sections import (SECTIONS, AuxLoss, CodegenConfig, Config, ContextConfig, CPCommType,
+                                    DataParallelConfig,
                                     DebugConfig, Device, DType, ExpertsConfig, Granularity, InputsConfig,
                                     PipelineConfig, PlanMode, PrecisionConfig, RecomputeConfig, RecomputeMethod,
                                     Schedule, TensorConfig, ZeroStage)
 
-__all__ = ["Config", "ContextConfig", "DataParallelConfig", "DebugConfig", "ExpertsConfig", "InputsConfig",
+__all__ = ["CodegenConfig", "Config", "ContextConfig", "DataParallelConfig", "DebugConfig", "ExpertsConfig",
+           "InputsConfig",
            "PipelineConfig", "PrecisionConfig", "RecomputeConfig", "SECTIONS", "Section", "TensorConfig",
            "add_arguments", "env_flag", "env_str", "from_arguments", "given", "option", "torch_dtype",
            "AuxLoss", "CPCommType", "DType", "Device", "Granularity", "PlanMode", "RecomputeMethod", "Schedule",

@@ -15,6 +15,7 @@ config (parallelism, activation checkpointing, training):
       experts         the load-balancing loss's statistics, capacity, padding
       recompute       activation recomputation (Megatron's --recompute-*)
       precision       compute dtype, weight-gradient fusion
+      codegen         each rank's program compiled by Inductor
       debug           strict, the verifier, the collective check, the flight recorder, dumps
 
 The trainer's tree (fxtron/trainer/config.py: TrainConfig) subclasses `Config` with its own
@@ -304,6 +305,16 @@ class PrecisionConfig(Section):
 
 
 @dataclass(frozen=True)
+class CodegenConfig(Section):
+    """What each rank's program is turned into: its graph interpreted op by op, or compiled."""
+
+    _name = "codegen"
+    compile: bool = option(False, help="compile each rank's forward and backward with Inductor between fxtron's "
+                                       "collectives and kernels (norms, rotary, activations, residual adds and the "
+                                       "loss fused); the first step pays the compilation")
+
+
+@dataclass(frozen=True)
 class DebugConfig(Section):
     """Checks and records for finding what went wrong; the FXTRON_* variables set the defaults."""
 
@@ -332,7 +343,8 @@ class DebugConfig(Section):
 
 SECTIONS: dict[str, type] = {"inputs": InputsConfig, "tensor": TensorConfig, "pipeline": PipelineConfig,
                              "data_parallel": DataParallelConfig, "context": ContextConfig, "experts": ExpertsConfig,
-                             "recompute": RecomputeConfig, "precision": PrecisionConfig, "debug": DebugConfig}
+                             "recompute": RecomputeConfig, "precision": PrecisionConfig, "codegen": CodegenConfig,
+                             "debug": DebugConfig}
 
 # ----------------------------------------------------------------------------- the tree
 @dataclass(frozen=True)
@@ -347,6 +359,7 @@ class Config:
     experts: ExpertsConfig = field(default_factory=ExpertsConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    codegen: CodegenConfig = field(default_factory=CodegenConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     def __post_init__(self):

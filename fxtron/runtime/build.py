@@ -89,10 +89,12 @@ def cp_group_kinds(config: Config, mesh) -> list[str]:
 
 
 def build_program(model: torch.nn.Module, spec: RankSpec, groups: ProcessGroups | None, config: Config | None = None,
-                  *, seed: int = 0, eval_spec: Callable[[], RankSpec] | None = None) -> Program:
+                  *, seed: int = 0, eval_spec: Callable[[], RankSpec] | None = None, compiler=None) -> Program:
     """The runnable Program of rank `spec.rank` under `config` (default: the defaults): an
     nn.Module holding its parameters. `eval_spec()`, when given, compiles the rank's eval-mode
-    graph (the same parameters): the program binds it on its first evaluation."""
+    graph (the same parameters): the program binds it on its first evaluation. `compiler`, when
+    given (compile=True: codegen/regions.py's Compiler), turns each bound graph into the one
+    that runs; its `stats` become `program.compiled`."""
     config = config if config is not None else Config()
     materialized = MetaMaterializer(model, seed)
     params = local_params(model, spec, seed, materialized)
@@ -104,21 +106,26 @@ def build_program(model: torch.nn.Module, spec: RankSpec, groups: ProcessGroups 
     if groups is not None:       # HSDP's and a2a+p2p's groups, made by every rank alike (the same kinds on each)
         groups.add(hsdp_group_kinds(config, groups.mesh) + cp_group_kinds(config, groups.mesh))
     rng = RNGStreams(seed, coords=dict(spec.mesh.coords), device=device, sizes=dict(spec.mesh.sizes))
-    gm = bind(spec.gm, groups, device) if spec.gm is not None else None
+    def ready(g):      # a graph bound to this process, compiled region by region under compile=True
+        g = bind(g, groups, device)
+        return compiler(g) if compiler is not None else g
+
+    gm = ready(spec.gm) if spec.gm is not None else None
     stages = None
     if spec.stages is not None:
-        stages = [dataclasses.replace(s, gm=bind(s.gm, groups, device)) for s in spec.stages]
+        stages = [dataclasses.replace(s, gm=ready(s.gm)) for s in spec.stages]
     evaluation = None
     if eval_spec is not None:
         def evaluation() -> EvalGraphs:
             es = eval_spec()
             return EvalGraphs(
-                info=es.info, gm=bind(es.gm, groups, device) if es.gm is not None else None,
-                stages=[dataclasses.replace(s, gm=bind(s.gm, groups, device)) for s in es.stages]
+                info=es.info, gm=ready(es.gm) if es.gm is not None else None,
+                stages=[dataclasses.replace(s, gm=ready(s.gm)) for s in es.stages]
                 if es.stages is not None else None,
                 buffers={k: v.to(device) for k, v in used_buffers(model, es).items()})
     program = Program(spec, params, buffers, set(model.state_dict().keys()), groups, config, rng=rng, gm=gm,
                       stages=stages, evaluation=evaluation)
+    program.compiled = compiler.stats if compiler is not None else None   # (codegen/regions.py)
     program.origin = origin_of(model)      # transformers' config and key layout, for load/save_pretrained
     return program
 

@@ -59,7 +59,8 @@ class Trainer:
         traced = time.perf_counter()
         self.say(f"start-up: traced in {traced - start:.1f} s; compiling rank {rank}'s program for {mesh} ...")
         self.prog = prog = pm.program(rank, groups, seed=t.seed)
-        self.say(f"start-up: compiled in {time.perf_counter() - traced:.1f} s; running the first step ...")
+        self.say(f"start-up: compiled in {time.perf_counter() - traced:.1f} s; running the first step"
+                 + (" (Inductor compiles its regions)" if prog.compiled is not None else "") + " ...")
         prog.skip_nonfinite = True
         if tm.pretrained:
             prog.load_pretrained(tm.pretrained)
@@ -148,6 +149,8 @@ class Trainer:
         if not self.losses.keys() - {step}:          # this process's first step
             self.say(f"start-up: first step in {elapsed:.1f} s; ready {time.perf_counter() - self._started:.1f} s "
                      "after tracing began")
+            if prog.compiled is not None:
+                self.say(f"start-up: {prog.compiled.line()}")
         self.metrics.step({"step": step, "loss": loss, "lr": lr, "grad_norm": prog.last_grad_norm,
                            "step_time": elapsed, "consumed_samples": state["consumed_train_samples"],
                            "skipped": state["skipped_iterations"], "step_skipped": skipped,

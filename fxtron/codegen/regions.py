@@ -1,0 +1,197 @@
+"""Codegen, compiled programs: a rank's bound graph cut at fxtron's own ops into regions, each
+region's forward and backward compiled by Inductor (`compile=True`, the codegen section).
+
+What stays as it is (opaque): every fxtron op -- the collectives, the shared-memory channel, the
+fused linear whose weight gradient accumulates into main_grad (codegen/wgrad.py's GEMM), the
+cp attention blocks, the expert dispatch --, the recomputed regions' checkpointed calls,
+higher-order regions (no_grad blocks), and the ops that draw random numbers (dropout, an
+attention with dropout), so that a compiled program draws exactly the uncompiled one's numbers
+from fxtron's RNG streams. Everything between them (norms, rotary, activations, residual adds,
+the loss, a cast) is a region of aten ops that `torch.compile` turns into fused kernels, with
+AOTAutograd's backward. The opaque ops run in graph order between the regions, so every rank
+issues the same collectives in the same order as the uncompiled program.
+
+Regions of the same code (a model's repeated layers) share one compiled module: Dynamo traces
+and Inductor compiles each distinct region once per process, and Inductor's on-disk cache
+serves the other ranks of the host and later runs. A region of views alone is not compiled
+(nothing to fuse). `plan(graphs)` counts the regions without compiling (pm.summary() reports it);
+a `Compiler` compiles a rank's graphs and keeps their `CompileStats`: how many regions were
+compiled and how long their first calls -- the compilations -- took.
+"""
+from __future__ import annotations
+
+import operator
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.split_module import split_module
+
+from fxtron.core import opsets
+
+aten = torch.ops.aten
+
+#: ops that only look at a value (its shape, a view of it): a region of these alone is not compiled
+_VIEWS = opsets.VIEWS | opsets.SLICES | {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
+                                         aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int,
+                                         operator.getitem}
+_ATTENTION = {aten.scaled_dot_product_attention.default}
+
+
+def opaque(node: fx.Node) -> bool:
+    """Whether `node` runs as it is, outside every compiled region (see the module docstring)."""
+    if node.op == "call_module":
+        return True
+    if node.op != "call_function":
+        return False
+    t = node.target
+    if t is operator.getitem:
+        src = node.args[0]
+        return isinstance(src, fx.Node) and opaque(src)
+    if isinstance(t, torch._ops.OpOverload):
+        if t.namespace not in ("aten", "prims"):
+            return True
+        if torch.Tag.nondeterministic_seeded in t.tags or not node.users:
+            return True          # (a value no one reads, such as promote_types' dtype, is not traced)
+        if t in _ATTENTION:      # dropout inside the attention draws from the RNG as well
+            dropout = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+            return dropout != 0.0
+        return False
+    # Python's and torch's symbolic arithmetic on sizes is traced; any other function (an fxtron
+    # op's run-time form, a higher-order op) is not
+    module = getattr(t, "__module__", None) or ""
+    return not (module in ("_operator", "operator", "math") or module.startswith("torch.fx.experimental.sym_node")
+                or t in (torch.sym_int, torch.sym_float, torch.sym_max, torch.sym_min, torch.sym_not))
+
+
+def _partitions(gm: fx.GraphModule) -> tuple[dict[fx.Node, int], dict[int, bool]]:
+    """Each computing node's partition, in graph order: an opaque node alone in its own (with
+    the getitems of its outputs), the nodes between two opaque ones together. Returns
+    (node -> partition, partition -> whether it is a region to compile)."""
+    part, ids, compiled = 0, {}, {}
+    previous_opaque = True
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        if opaque(node):
+            if node.target is operator.getitem:
+                ids[node] = ids[node.args[0]]
+                continue
+            part += 1
+            ids[node], compiled[part] = part, False
+            previous_opaque = True
+            continue
+        if previous_opaque:
+            part += 1
+            compiled[part] = False
+            previous_opaque = False
+        ids[node] = part
+        if node.op == "call_function" and node.target not in _VIEWS:
+            compiled[part] = True
+    return ids, compiled
+
+
+@dataclass
+class CompileStats:
+    """What was compiled in one graph: `regions` compiled (of `distinct` codes), `opaque` ops
+    run between them, `seconds` the first calls of the distinct regions took (their
+    compilations, forward; the backward compiles on the first backward)."""
+
+    regions: int = 0
+    distinct: int = 0
+    opaque: int = 0
+    seconds: float = 0.0
+    _pending: set = field(default_factory=set, repr=False)
+
+    def __add__(self, other: "CompileStats") -> "CompileStats":
+        return CompileStats(self.regions + other.regions, self.distinct + other.distinct,
+                            self.opaque + other.opaque, self.seconds + other.seconds)
+
+    def line(self) -> str:
+        """One line for the summary and the start-up log."""
+        return (f"{self.regions} regions between {self.opaque} fxtron ops compiled by Inductor "
+                f"({self.distinct} distinct" + (f"; their forwards compiled in {self.seconds:.1f} s, the backwards "
+                                                "on the first backward)" if self.seconds else ")"))
+
+
+def plan(graphs: list[fx.GraphModule]) -> CompileStats:
+    """The regions a Compiler would compile in a rank's `graphs`, counted without compiling."""
+    stats, keys = CompileStats(), set()
+    for gm in graphs:
+        ids, compiled = _partitions(gm)
+        split = split_module(gm, gm, lambda n: ids[n], keep_original_order=True)
+        keys |= {_code(getattr(split, f"submod_{p}")) for p, c in compiled.items() if c}
+        stats.regions += sum(compiled.values())
+        stats.opaque += sum(1 for p, c in compiled.items() if not c and _has_opaque(ids, p))
+    stats.distinct = len(keys)
+    return stats
+
+
+def _has_opaque(ids: dict[fx.Node, int], part: int) -> bool:
+    return any(p == part and opaque(n) for n, p in ids.items())
+
+
+def _code(sub: fx.GraphModule):
+    """A region's code with its values numbered in order: equal for two layers' same region.
+    A region holding attributes of its own (constants) is never shared."""
+    number: dict[fx.Node, int] = {}
+    out = []
+    for i, node in enumerate(sub.graph.nodes):
+        number[node] = i
+        if node.op == "get_attr":
+            return ("own", id(sub))
+        args = fx.node.map_arg((node.args, node.kwargs), lambda a: ("%", number[a]))
+        out.append((node.op, "" if node.op == "placeholder" else str(node.target), repr(args)))
+    return tuple(out)
+
+
+class _FirstCall(torch.nn.Module):
+    """A compiled region that times its first call (where torch.compile compiles) into stats."""
+
+    def __init__(self, compiled: torch.nn.Module, stats: CompileStats):
+        super().__init__()
+        self.compiled = compiled
+        self._stats = stats
+
+    def forward(self, *args):
+        if self not in self._stats._pending:
+            return self.compiled(*args)
+        t0 = time.perf_counter()
+        out = self.compiled(*args)
+        self._stats.seconds += time.perf_counter() - t0
+        self._stats._pending.discard(self)
+        return out
+
+
+class Compiler:
+    """Compiles a rank's graphs (the training graph or its stages, the eval-mode graphs) region
+    by region, sharing one compiled module among the regions of the same code in all of them;
+    `stats` counts over every graph compiled."""
+
+    def __init__(self):
+        self.stats = CompileStats()
+        self._shared: dict[object, torch.nn.Module] = {}
+
+    def __call__(self, gm: fx.GraphModule) -> fx.GraphModule:
+        """`gm` (a bound rank graph) with each region between opaque ops compiled by Inductor:
+        the same values and gradients, the same collectives in the same order."""
+        ids, compiled = _partitions(gm)
+        split = split_module(gm, gm, lambda n: ids[n], keep_original_order=True)
+        self.stats.opaque += sum(1 for p, c in compiled.items() if not c and _has_opaque(ids, p))
+        for part, compile_it in compiled.items():
+            if not compile_it:
+                continue
+            name = f"submod_{part}"
+            sub = getattr(split, name)
+            key = _code(sub)
+            if key not in self._shared:
+                self._shared[key] = _FirstCall(torch.compile(sub, fullgraph=True), self.stats)
+                self.stats._pending.add(self._shared[key])
+                self.stats.distinct += 1
+            setattr(split, name, self._shared[key])
+            self.stats.regions += 1
+        return split
+
+
+__all__ = ["CompileStats", "Compiler", "opaque", "plan"]

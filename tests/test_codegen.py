@@ -1,0 +1,122 @@
+"""Compiled per-rank programs (`compile=True`, codegen/regions.py): each rank's graph cut at
+fxtron's ops into regions that Inductor compiles, everything else as it was.
+
+Held per parallelism on tiny models, in one job of 2 gloo processes with the collective-order
+check on (every rank issues the same collectives in the same order): a compiled program trains
+three steps equal to the same program uncompiled (float round-off: Inductor fuses and reorders
+the elementwise math) and to the unmodified model in one process (the equivalence tests'
+tolerances): tp with sequence parallel, pp under 1f1b, dp with zero=1 and zero=3, cp, ep,
+recompute, bf16. Without processes: the regions a graph is cut into, and the summary's line.
+Inductor compiles on the first step (seconds a region on 2 cores): the module is slow-marked.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxtron
+from fxtron.codegen.regions import Compiler, opaque, plan
+from fxtron.ops.rng import rng_call
+from fxtron.tools.testing import adamw, assert_trains_like, cases_fixture, max_abs_diff, ranks_of, \
+    reference_training, train_program
+from tp_models import batches, make
+
+pytestmark = pytest.mark.slow
+
+SEQS = [16, 16, 16]
+
+
+class Case:
+    def __init__(self, name: str, **kw):
+        self.name, self.kw = name, kw
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}:" + ",".join(f"{k}={v}" for k, v in sorted(self.kw.items()))
+
+
+def _items(case: Case):
+    return batches(case.name, 8, SEQS, seed=3)
+
+
+def _run(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
+    items = _items(case)
+    args, kwargs = items[0]
+    out = {}
+    for compiled in (False, True):
+        pm = fxtron.parallelize(make(case.name), mesh, example_inputs=args, example_kwargs=kwargs or None,
+                                compile=compiled, **case.kw)
+        prog = pm.program(rank)
+        out[compiled] = train_program(prog, items, adamw()(prog.parameters()))
+        if compiled:
+            stats = prog.compiled
+            out["stats"] = (stats.regions, stats.distinct, stats.opaque, stats.seconds)
+    return out
+
+
+CASES = {
+    fxtron.Mesh(2, tp=2): [Case("llama", sequence_parallel=True), Case("gpt", recompute="full"),
+                           Case("llama", dtype="bf16")],
+    fxtron.Mesh(2, pp=2): [Case("gpt", schedule="1f1b", microbatches=2)],
+    fxtron.Mesh(2): [Case("llama", zero=1), Case("gpt", zero=3)],
+    fxtron.Mesh(2, cp=2): [Case("llama")],
+    fxtron.Mesh(2, ep=2): [Case("moe")],
+}
+PARAMS = [pytest.param(m, c, id=f"{m}-{c.key}") for m, cs in CASES.items() for c in cs]
+
+results = cases_fixture({2: list(CASES.items())}, _run, check_collectives=True)
+
+
+@pytest.mark.parametrize("mesh, case", PARAMS)
+def test_compiled_program_trains_as_uncompiled_and_one_process(results, mesh, case):
+    bf16 = case.kw.get("dtype") == "bf16"
+    ref = reference_training(make(case.name), _items(case), adamw(), dtype=torch.bfloat16 if bf16 else None)
+    for rank, got in enumerate(ranks_of(results, mesh, case)):
+        plain, compiled = got[False], got[True]
+        regions, distinct, n_opaque, seconds = got["stats"]
+        assert regions > 0 and 0 < distinct <= regions and n_opaque > 0 and seconds > 0, got["stats"]
+        # the compiled program against the same program uncompiled: float round-off
+        dl = max(abs(a - b) for a, b in zip(compiled["losses"], plain["losses"]))
+        dw, where = max_abs_diff(compiled["state"], plain["state"])
+        dg, gwhere = max_abs_diff(compiled["grads"], plain["grads"])
+        tol = (2e-2, 2e-2) if bf16 else (2e-6, 1e-5)
+        assert dl < tol[0], (rank, compiled["losses"], plain["losses"])
+        assert dg < tol[1] and dw < tol[1], (rank, dg, gwhere, dw, where)
+        if not bf16:     # and against the model in one process (bf16's compared above, with the uncompiled program)
+            assert_trains_like(compiled, ref, rank=rank)
+
+
+def test_regions_of_a_graph():
+    """GPT at world 1: the fused linears, the loss's and attention's neighbours are opaque or
+    compiled as the module docstring says; a model's repeated layers share their regions."""
+    model = make("gpt", layers=4)
+    (args, kwargs), = batches("gpt", 2, [8], seed=0)
+    pm = fxtron.parallelize(model, fxtron.Mesh(1), example_inputs=args, compile=True)
+    gm = pm.compiled(0).gm
+    st = plan([gm])
+    linears = [n for n in gm.graph.nodes if n.target == torch.ops.fxtron.linear.default]
+    assert linears and all(opaque(n) for n in linears)
+    assert st.regions > st.distinct > 0, st          # 4 layers, each layer's regions compiled once
+    assert "compile=True" in pm.summary() and st.line() in pm.summary()
+    # a graph with dropout: the random op stays outside the compiled regions
+    drop = make("gpt", dropout=0.1)
+    g = fxtron.parallelize(drop, fxtron.Mesh(1), example_inputs=args).compiled(0).gm
+    random = [n for n in g.graph.nodes if n.target is rng_call]     # the random ops on fxtron's streams
+    assert random and all(opaque(n) for n in random)
+    assert not [n for n in g.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+                and torch.Tag.nondeterministic_seeded in n.target.tags]
+
+
+def test_world_one_compiled_step_equals_uncompiled_with_dropout():
+    """Dropout drawn outside the regions: the compiled program draws the uncompiled one's masks."""
+    (args, kwargs), = batches("gpt", 4, [16], seed=1)
+    losses = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = make("gpt", dropout=0.2)
+        prog = fxtron.parallelize(model, fxtron.Mesh(1), example_inputs=args, compile=compiled).program(0)
+        opt = adamw()(prog.parameters())
+        losses[compiled] = [prog.train_step(args, opt) for _ in range(3)]
+        if compiled:
+            assert isinstance(prog.compiled, type(Compiler().stats)) and prog.compiled.seconds > 0
+    assert max(abs(a - b) for a, b in zip(losses[True], losses[False])) < 2e-6, losses
