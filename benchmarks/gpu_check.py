@@ -35,6 +35,10 @@
    peak memory; `ok` when the run completes and its first losses equal the eager loop's within
    the mixed-precision tolerance. --trainer-only runs it alone; --no-compile drops the compiled
    baseline.
+6. compile=True (codegen/regions.py) at world 1 on the small Llama of 2., against torch.compile of
+   the unmodified model under the same precision policy: the step times and their ratio (the
+   goal: <= 0.95x), fxtron uncompiled beside them, the numbers within the mixed-precision
+   tolerances. --compiled-only runs it alone; --no-compile drops it.
 --readme [README.md] rewrites README's GPU figures block (between its gpu-figures markers) from
 the run's JSON with the date and the machine; with --from-json FILE.json, from a saved document
 and without running. --cpu-dry-run runs the checks' logic on tiny shapes on a CPU (5. without its
@@ -210,6 +214,12 @@ def _batches(n: int, cfg: LlamaConfig, batch: int, seq: int):
     return out
 
 
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A float32 copy on the CPU, never the tensor itself (.float().cpu() of an fp32 CPU tensor
+    is the same tensor, which later steps would change under the comparison)."""
+    return t.detach().float().cpu().clone()
+
+
 def _opt(params):
     return torch.optim.AdamW(params, lr=LR, eps=1e-6, weight_decay=0.1)
 
@@ -250,18 +260,19 @@ def _train_job(rank: int, mesh: fxtron.Mesh, cfg: LlamaConfig, batch_size: int, 
     return res
 
 
-def _fxtron_run(rank, mesh, model, batches, dev, timed, profile) -> dict:
-    """fxtron: fp32 parameters, bf16 compute, wgrad fused into main_grad (Triton)."""
-    pm = fxtron.parallelize(model, mesh, example_inputs=batches[0], dtype=torch.bfloat16)
+def _fxtron_run(rank, mesh, model, batches, dev, timed, profile, compile: bool = False) -> dict:
+    """fxtron: fp32 parameters, bf16 compute, wgrad fused into main_grad (Triton); with
+    `compile`, its regions between fxtron's ops compiled by Inductor (codegen/regions.py)."""
+    pm = fxtron.parallelize(model, mesh, example_inputs=batches[0], dtype=torch.bfloat16, compile=compile)
     prog = pm.program(rank)
     opt = _opt(prog.parameters())
     losses, grads = [], None
     for step, b in enumerate(batches):
         losses.append(prog.train_step(b, opt))
         if step == 0:
-            grads = {k: v.float().cpu() for k, v in prog.full_grads().items()}
+            grads = {k: _copy(v) for k, v in prog.full_grads().items()}
     res = {"losses": losses, "grads": grads,
-           "state": {k: v.float().cpu() for k, v in prog.full_state_dict().items()},
+           "state": {k: _copy(v) for k, v in prog.full_state_dict().items()},
            "param_device": str(next(iter(prog.parameters())).device)}
     b = tuple(t.to(dev) for t in batches[0])
     for _ in range(2):
@@ -272,16 +283,21 @@ def _fxtron_run(rank, mesh, model, batches, dev, timed, profile) -> dict:
     return res
 
 
-def _eager_run(model, batches, dev, timed, profile) -> dict:
-    """The unmodified model, same policy: fp32 parameters, forward with bf16 copies."""
+def _eager_run(model, batches, dev, timed, profile, compiled: bool = False) -> dict:
+    """The unmodified model, same policy: fp32 parameters, forward with bf16 copies; with
+    `compiled`, the forward (casts included) and its backward under torch.compile."""
     ref = model.to(dev)
     opt = _opt(ref.parameters())
+
+    def forward(tensors, batch):
+        cast = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in tensors.items()}
+        return torch.func.functional_call(ref, cast, batch)
+    forward = torch.compile(forward) if compiled else forward
 
     def step(batch):
         opt.zero_grad(set_to_none=True)
         tensors = {**dict(ref.named_parameters()), **dict(ref.named_buffers())}
-        cast = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in tensors.items()}
-        loss = torch.func.functional_call(ref, cast, tuple(t.to(dev) for t in batch))
+        loss = forward(tensors, tuple(t.to(dev) for t in batch))
         loss.backward()
         return loss
 
@@ -289,10 +305,10 @@ def _eager_run(model, batches, dev, timed, profile) -> dict:
     for i, batch in enumerate(batches):
         loss = step(batch)
         if i == 0:
-            grads = {n: p.grad.float().cpu() for n, p in ref.named_parameters()}
+            grads = {n: _copy(p.grad) for n, p in ref.named_parameters()}
         opt.step()
         losses.append(float(loss.detach()))
-    res = {"losses": losses, "grads": grads, "state": {k: v.float().cpu() for k, v in ref.state_dict().items()}}
+    res = {"losses": losses, "grads": grads, "state": {k: _copy(v) for k, v in ref.state_dict().items()}}
 
     b = tuple(t.to(dev) for t in batches[0])
 
@@ -330,6 +346,47 @@ def check_training(cfg: LlamaConfig, batch_size: int, seq: int, timed: int, prof
     return out
 
 
+def _compiled_job(rank: int, mesh: fxtron.Mesh, cfg: LlamaConfig, batch_size: int, seq: int, timed: int) -> dict:
+    torch.manual_seed(0)
+    model = Llama(cfg)
+    batches = _batches(STEPS, cfg, batch_size, seq)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    t0 = time.perf_counter()
+    res = {"fxtron": _fxtron_run(rank, mesh, model, batches, dev, timed, False, compile=True)}
+    res["fxtron"]["wall_s"] = time.perf_counter() - t0
+    res["fxtron_uncompiled"] = _fxtron_run(rank, mesh, model, batches, dev, timed, False)
+    t0 = time.perf_counter()
+    res["torch_compile"] = _eager_run(model, batches, dev, timed, False, compiled=True)
+    res["torch_compile"]["wall_s"] = time.perf_counter() - t0
+    return res
+
+
+def check_compiled(cfg: LlamaConfig, batch_size: int, seq: int, timed: int) -> dict:
+    """compile=True at world 1 against torch.compile of the unmodified model under the same
+    precision policy (and fxtron uncompiled): step times and their ratios, the losses, gradients
+    and weights of the compiled program against torch.compile's within the mixed-precision
+    tolerances; `meets_goal` at <= 0.95x torch.compile's step (reported; `ok` is the numbers)."""
+    mesh = fxtron.Mesh(1)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    r = fxtron.launch(_compiled_job, mesh, args=(mesh, cfg, batch_size, seq, timed), backend=backend,
+                      timeout_s=900)[0]
+    f, u, c = r["fxtron"], r["fxtron_uncompiled"], r["torch_compile"]
+    dloss = max(abs(a - b) / abs(b) for a, b in zip(f["losses"], c["losses"]))
+    gmax = max(g.abs().max().item() for g in c["grads"].values())
+    dgrad = max((f["grads"][k] - c["grads"][k]).abs().max().item() for k in c["grads"])
+    dw = max((f["state"][k] - c["state"][k]).abs().max().item() for k in c["state"] if k in f["state"])
+    out = {"model": f"Llama dim={cfg.dim} L={cfg.n_layer} heads={cfg.n_head}/{cfg.n_kv_head} "
+                    f"ffn={cfg.ffn_dim} vocab={cfg.vocab_size}, batch {batch_size}x{seq}, bf16",
+           "losses_fxtron_compiled": f["losses"], "losses_torch_compile": c["losses"],
+           "loss_rel_diff": dloss, "grad_max_diff_over_max": dgrad / gmax, "weight_max_diff": dw,
+           "step_s_fxtron_compiled": f["step_s"], "step_s_fxtron": u["step_s"], "step_s_torch_compile": c["step_s"],
+           "ratio_vs_torch_compile": f["step_s"] / c["step_s"], "ratio_uncompiled_vs_compiled": u["step_s"] / f["step_s"],
+           "wall_s_fxtron_compiled": f["wall_s"], "wall_s_torch_compile": c["wall_s"]}
+    out["meets_goal"] = out["ratio_vs_torch_compile"] <= 0.95
+    out["ok"] = dloss <= 2.0 ** -6 and dgrad <= 2.0 ** -5 * gmax and dw <= 2 * STEPS * LR
+    return out
+
+
 RECOMPUTE_CASE = (LlamaConfig(vocab_size=32000, max_seq_len=8192, n_layer=2, n_head=32, n_kv_head=8, dim=4096,
                               ffn_dim=11008), 1, 4096)
 
@@ -346,7 +403,7 @@ def _recompute_job(rank: int, mesh: fxtron.Mesh, cfg: LlamaConfig, batch_size: i
         prog = pm.program(rank)
         opt = torch.optim.SGD(prog.parameters(), lr=0.0)     # the same weights every step: comparable runs
         prog.train_step(b, opt)
-        grads = {k: v.float().cpu() for k, v in prog.full_grads().items()}
+        grads = {k: _copy(v) for k, v in prog.full_grads().items()}
         if dev.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -666,6 +723,8 @@ def main() -> int:
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="no GPU here: run the training check's logic on a tiny model with gloo")
     ap.add_argument("--trainer-only", action="store_true", help="only `fxtron train` against PyTorch (4.)")
+    ap.add_argument("--compiled-only", action="store_true",
+                    help="only compile=True against torch.compile (6.; in the dry run: with --dry-run-compile)")
     ap.add_argument("--no-compile", action="store_true", help="4. without its torch.compile baseline")
     ap.add_argument("--dry-run-compile", action="store_true",
                     help="the dry run's 4. with its torch.compile baseline (Inductor's C++ build: minutes on a CPU)")
@@ -680,15 +739,18 @@ def main() -> int:
     if a.cpu_dry_run:
         tiny = LlamaConfig(vocab_size=256, max_seq_len=32, n_layer=2, n_head=4, n_kv_head=2, dim=64, ffn_dim=96)
         out = {"machine": _machine(), "torch": torch.__version__}
-        if not a.trainer_only:
+        if not a.trainer_only and not a.compiled_only:
             out.update(wgrad=_rows(check_kernel(DRY_RUN_SHAPES, device="cpu")),
                        training=check_training(tiny, 2, 32, 2, profile=a.profile),
                        recompute=check_recompute(tiny, 2, 32, 2),
                        cp_block=_rows(check_cp_block((64,), heads=2, head_dim=16, timed=3, device="cpu")))
-        if not a.dry_run_compile:
+        if not a.dry_run_compile and not a.compiled_only:
             print("note: the trainer check's torch.compile baseline is skipped in the dry run (Inductor compiling "
                   "for the CPU took 200 s at tiny shapes on 2 cores); --dry-run-compile runs it", file=sys.stderr)
-        out["trainer"] = check_trainer(TRAINER_TINY, compile_baseline=a.dry_run_compile and not a.no_compile)
+        if not a.compiled_only:
+            out["trainer"] = check_trainer(TRAINER_TINY, compile_baseline=a.dry_run_compile and not a.no_compile)
+        if a.dry_run_compile or a.compiled_only:
+            out["compiled"] = check_compiled(tiny, 2, 32, 2)
         print(json.dumps(out, indent=1))
         if a.readme:
             write_readme(out, a.readme)
@@ -697,6 +759,10 @@ def main() -> int:
         out = {"machine": _machine(), "torch": torch.__version__, "cp_block": _rows(check_cp_block())}
         print(json.dumps(out, indent=1))
         return 0 if out["cp_block"]["ok"] else 1
+    if a.compiled_only:
+        out = {"machine": _machine(), "torch": torch.__version__, "compiled": check_compiled(*TRAIN_CASES["small"], TIMED)}
+        print(json.dumps(out, indent=1))
+        return 0 if out["compiled"]["ok"] else 1
     if a.trainer_only:
         out = {"machine": _machine(), "torch": torch.__version__,
                "trainer": check_trainer(TRAINER_CASE, compile_baseline=not a.no_compile)}
@@ -754,9 +820,17 @@ def main() -> int:
             out["trainer"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[-4000:]}
         out["trainer"]["check_s"] = time.perf_counter() - t0
         print(json.dumps({"trainer": out["trainer"]}), flush=True)
+    if not a.skip_training and not a.no_compile:
+        t0 = time.perf_counter()
+        try:
+            out["compiled"] = check_compiled(*TRAIN_CASES["small"], TIMED)
+        except Exception as e:  # noqa: BLE001 - report it with the other figures
+            out["compiled"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[-4000:]}
+        out["compiled"]["check_s"] = time.perf_counter() - t0
+        print(json.dumps({"compiled": {k: v for k, v in out["compiled"].items() if "losses" not in k}}), flush=True)
     ok = (all(r["ok"] for r in out["wgrad"]) and all(r["ok"] for r in out["training"].values())
           and out.get("recompute", {"ok": True})["ok"] and out["cp_block"]["ok"]
-          and out.get("trainer", {"ok": True})["ok"])
+          and out.get("trainer", {"ok": True})["ok"] and out.get("compiled", {"ok": True})["ok"])
     out["ok"] = ok
     text = json.dumps(out, indent=1)
     print(text)

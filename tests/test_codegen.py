@@ -5,7 +5,7 @@ Held per parallelism on tiny models, in one job of 2 gloo processes with the col
 check on (every rank issues the same collectives in the same order): a compiled program trains
 three steps equal to the same program uncompiled (float round-off: Inductor fuses and reorders
 the elementwise math) and to the unmodified model in one process (the equivalence tests'
-tolerances): tp with sequence parallel, pp under 1f1b, dp with zero=1 and zero=3, cp, ep,
+tolerances): tp with sequence parallel, pp under 1F1B and ZB-V (its weight-gradient passes deferred), dp with zero=1 and zero=3, cp, ep,
 recompute, bf16. Without processes: the regions a graph is cut into, and the summary's line.
 Inductor compiles on the first step (seconds a region on 2 cores): the module is slow-marked.
 """
@@ -39,13 +39,18 @@ def _items(case: Case):
     return batches(case.name, 8, SEQS, seed=3)
 
 
+def _model(case: Case) -> torch.nn.Module:
+    return make(case.name, layers=case.kw.get("layers", 2))
+
+
 def _run(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
     items = _items(case)
     args, kwargs = items[0]
     out = {}
     for compiled in (False, True):
-        pm = fxtron.parallelize(make(case.name), mesh, example_inputs=args, example_kwargs=kwargs or None,
-                                compile=compiled, **case.kw)
+        kw = {k: v for k, v in case.kw.items() if k != "layers"}
+        pm = fxtron.parallelize(_model(case), mesh, example_inputs=args, example_kwargs=kwargs or None,
+                                compile=compiled, **kw)
         prog = pm.program(rank)
         out[compiled] = train_program(prog, items, adamw()(prog.parameters()))
         if compiled:
@@ -57,7 +62,8 @@ def _run(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
 CASES = {
     fxtron.Mesh(2, tp=2): [Case("llama", sequence_parallel=True), Case("gpt", recompute="full"),
                            Case("llama", dtype="bf16")],
-    fxtron.Mesh(2, pp=2): [Case("gpt", schedule="1f1b", microbatches=2)],
+    fxtron.Mesh(2, pp=2): [Case("gpt", schedule="1f1b", microbatches=2),
+                           Case("gpt", schedule="zb-v", microbatches=2, layers=4)],
     fxtron.Mesh(2): [Case("llama", zero=1), Case("gpt", zero=3)],
     fxtron.Mesh(2, cp=2): [Case("llama")],
     fxtron.Mesh(2, ep=2): [Case("moe")],
@@ -70,7 +76,7 @@ results = cases_fixture({2: list(CASES.items())}, _run, check_collectives=True)
 @pytest.mark.parametrize("mesh, case", PARAMS)
 def test_compiled_program_trains_as_uncompiled_and_one_process(results, mesh, case):
     bf16 = case.kw.get("dtype") == "bf16"
-    ref = reference_training(make(case.name), _items(case), adamw(), dtype=torch.bfloat16 if bf16 else None)
+    ref = reference_training(_model(case), _items(case), adamw(), dtype=torch.bfloat16 if bf16 else None)
     for rank, got in enumerate(ranks_of(results, mesh, case)):
         plain, compiled = got[False], got[True]
         regions, distinct, n_opaque, seconds = got["stats"]
