@@ -12,15 +12,21 @@ AOTAutograd's backward. The opaque ops run in graph order between the regions, s
 issues the same collectives in the same order as the uncompiled program.
 
 Regions of the same code (a model's repeated layers) share one compiled module: Dynamo traces
-and Inductor compiles each distinct region once per process, and Inductor's on-disk cache
-serves the other ranks of the host and later runs. A region of views alone is not compiled
+and Inductor compiles each distinct region once per process. The ranks of one host compile a
+region's code in turn (a lock file per code), so that Inductor's on-disk cache, which also
+serves later runs, gives it to all but the first. A region of views alone is not compiled
 (nothing to fuse). `plan(graphs)` counts the regions without compiling (pm.summary() reports it);
 a `Compiler` compiles a rank's graphs and keeps their `CompileStats`: how many regions were
 compiled and how long their first calls -- the compilations -- took.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import operator
+import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -94,25 +100,28 @@ def _partitions(gm: fx.GraphModule) -> tuple[dict[fx.Node, int], dict[int, bool]
 
 @dataclass
 class CompileStats:
-    """What was compiled in one graph: `regions` compiled (of `distinct` codes), `opaque` ops
-    run between them, `seconds` the first calls of the distinct regions took (their
-    compilations, forward; the backward compiles on the first backward)."""
+    """What was compiled in a rank's graphs: `regions` compiled (of `distinct` codes), `opaque`
+    ops run between them, `seconds` the first calls of the distinct regions took (their
+    compilations, forward; the backward compiles on the first backward, unless the cache had
+    it), `cached` the distinct regions found in the on-disk cache."""
 
     regions: int = 0
     distinct: int = 0
     opaque: int = 0
     seconds: float = 0.0
+    cached: int = 0          # distinct regions Inductor's (or AOTAutograd's) cache served
     _pending: set = field(default_factory=set, repr=False)
 
     def __add__(self, other: "CompileStats") -> "CompileStats":
         return CompileStats(self.regions + other.regions, self.distinct + other.distinct,
-                            self.opaque + other.opaque, self.seconds + other.seconds)
+                            self.opaque + other.opaque, self.seconds + other.seconds, self.cached + other.cached)
 
     def line(self) -> str:
         """One line for the summary and the start-up log."""
         return (f"{self.regions} regions between {self.opaque} fxtron ops compiled by Inductor "
-                f"({self.distinct} distinct" + (f"; their forwards compiled in {self.seconds:.1f} s, the backwards "
-                                                "on the first backward)" if self.seconds else ")"))
+                f"({self.distinct} distinct" + (f", {self.cached} from the cache; their forwards compiled in "
+                                                f"{self.seconds:.1f} s, the backwards on the first backward)"
+                                                if self.seconds else ")"))
 
 
 def plan(graphs: list[fx.GraphModule]) -> CompileStats:
@@ -146,20 +155,43 @@ def _code(sub: fx.GraphModule):
     return tuple(out)
 
 
-class _FirstCall(torch.nn.Module):
-    """A compiled region that times its first call (where torch.compile compiles) into stats."""
+def _cache_hits() -> int:
+    """The process's count of compilations served by AOTAutograd's and Inductor's caches."""
+    from torch._dynamo.utils import counters
+    return counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"]
 
-    def __init__(self, compiled: torch.nn.Module, stats: CompileStats):
+
+@contextlib.contextmanager
+def _host_lock(key):
+    """Held by one process of the host at a time for a region's code: the ranks of a host that
+    compile the same region take turns, and all but the first find it in Inductor's cache."""
+    digest = hashlib.sha1(repr(key).encode()).hexdigest()[:20]
+    with open(os.path.join(tempfile.gettempdir(), f"fxtron-compile-{digest}.lock"), "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+class _FirstCall(torch.nn.Module):
+    """A compiled region that compiles on its first call, under the host's lock for its code,
+    and times it into stats."""
+
+    def __init__(self, compiled: torch.nn.Module, stats: CompileStats, key):
         super().__init__()
         self.compiled = compiled
         self._stats = stats
+        self._key = key
 
     def forward(self, *args):
         if self not in self._stats._pending:
             return self.compiled(*args)
-        t0 = time.perf_counter()
-        out = self.compiled(*args)
+        t0, hits = time.perf_counter(), _cache_hits()
+        with _host_lock(self._key):      # (no collective runs inside a region: no rank waits on another)
+            out = self.compiled(*args)
         self._stats.seconds += time.perf_counter() - t0
+        self._stats.cached += _cache_hits() > hits
         self._stats._pending.discard(self)
         return out
 
@@ -186,7 +218,7 @@ class Compiler:
             sub = getattr(split, name)
             key = _code(sub)
             if key not in self._shared:
-                self._shared[key] = _FirstCall(torch.compile(sub, fullgraph=True), self.stats)
+                self._shared[key] = _FirstCall(torch.compile(sub, fullgraph=True), self.stats, key)
                 self.stats._pending.add(self._shared[key])
                 self.stats.distinct += 1
             setattr(split, name, self._shared[key])
