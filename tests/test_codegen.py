@@ -116,9 +116,10 @@ def test_regions_of_a_graph():
 
 
 def test_world_one_compiled_step_equals_uncompiled_with_dropout():
-    """Dropout drawn outside the regions: the compiled program draws the uncompiled one's masks."""
+    """Dropout drawn outside the regions: the compiled program draws the uncompiled one's masks;
+    its eval-mode graph (dropout off) is compiled too and evaluates as the uncompiled one."""
     (args, kwargs), = batches("gpt", 4, [16], seed=1)
-    losses = {}
+    losses, evals = {}, {}
     for compiled in (False, True):
         torch.manual_seed(0)
         model = make("gpt", dropout=0.2)
@@ -127,4 +128,9 @@ def test_world_one_compiled_step_equals_uncompiled_with_dropout():
         losses[compiled] = [prog.train_step(args, opt) for _ in range(3)]
         if compiled:
             assert isinstance(prog.compiled, type(Compiler().stats)) and prog.compiled.seconds > 0
+            regions = prog.compiled.regions
+        evals[compiled] = prog.eval_step(args)
+        if compiled:
+            assert prog.compiled.regions > regions      # the eval graph's regions, compiled on first use
     assert max(abs(a - b) for a, b in zip(losses[True], losses[False])) < 2e-6, losses
+    assert abs(evals[True] - evals[False]) < 2e-6, evals
