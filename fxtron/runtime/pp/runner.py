@@ -23,46 +23,46 @@ from fxtron.runtime.pp.executor import StageRunner
 from fxtron.runtime.pp.p2p import P2P
 
 
+def _build(prog, stages: list | None, call, keep=lambda action: True, **options) -> StageRunner:
+    """A StageRunner of `prog`'s rank over `stages` (None: the whole graph as one stage) running
+    each rank's schedule actions that `keep` keeps, with the p2p between pipeline ranks."""
+    opts = prog.pipeline
+    pp = prog.groups.size("pp") if prog.groups is not None else 1
+    pp_rank = prog.groups.index("pp") if prog.groups is not None else 0
+    whole = Stage(index=0, gm=None, params=[], buffers=[], user_inputs=[], has_loss=True)
+
+    def order(r: int) -> list:
+        return [a for a in schedules.actions(opts.schedule, pp, opts.microbatches, r, opts.virtual_stages) if keep(a)]
+    p2p = (P2P(prog.groups, scatter_gather=opts.scatter_gather, match_by_tag=prog.config.debug.p2p_tags,
+               rank_of=functools.partial(schedules.rank_of, opts.schedule, pp))
+           if pp > 1 else None)
+    peers = ([order(r) for r in range(pp)], functools.partial(schedules.stage_of, opts.schedule, pp))
+    return StageRunner(stages if stages is not None else [whole], call, order(pp_rank), num_stages=pp * opts.chunks,
+                       peers=peers, microbatches=opts.microbatches, p2p=p2p, **options)
+
+
 def runner(prog) -> StageRunner:
     """The schedule runner of `prog`'s rank (built once, kept as `prog._runner`): its chunks,
     actions and p2p."""
     if prog._runner is None:
-        opts = prog.pipeline
-        pp = prog.groups.size("pp") if prog.groups is not None else 1
-        pp_rank = prog.groups.index("pp") if prog.groups is not None else 0
-        whole = Stage(index=0, gm=None, params=[], buffers=[], user_inputs=[], has_loss=True)
-        stages = prog._stages if prog._stages is not None else [whole]
-        acts = schedules.actions(opts.schedule, pp, opts.microbatches, pp_rank, opts.virtual_stages)
-        p2p = (P2P(prog.groups, scatter_gather=opts.scatter_gather, match_by_tag=prog.config.debug.p2p_tags,
-                   rank_of=functools.partial(schedules.rank_of, opts.schedule, pp))
-               if pp > 1 else None)
-        orders = [schedules.actions(opts.schedule, pp, opts.microbatches, r, opts.virtual_stages) for r in range(pp)]
-        peers = (orders, functools.partial(schedules.stage_of, opts.schedule, pp))
-        prog._runner = StageRunner(stages, prog._call_stage, acts, num_stages=pp * opts.chunks, peers=peers,
-                                   microbatches=opts.microbatches, p2p=p2p,
-                                   zero_bubble=opts.split_backward, before_last_backward=prog.grads.last_backward,
-                                   quiet=prog.grads.quiet)
+        prog._runner = _build(prog, prog._stages, prog._call_stage, zero_bubble=prog.pipeline.split_backward,
+                              before_last_backward=prog.grads.last_backward, quiet=prog.grads.quiet)
     return prog._runner
 
 
 def pipelined_step(prog, inputs, optimizer, kwargs) -> float:
-    """One step of `prog` on the global batch `inputs` run by its schedule; `optimizer` None:
-    an evaluation (the gradients dropped). Returns the global batch's loss."""
+    """One training step of `prog` on the global batch `inputs` run by its schedule, then
+    `optimizer`'s step. Returns the global batch's loss."""
     mbs = prog.microbatches(inputs, kwargs)
     batch = prog._batch.context(inputs, kwargs)
     run = runner(prog)
-    if optimizer is not None:
-        optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)
     run.memory = timeline.memory_tracker(prog)
     prog._last_runner = run
     with prog.grads.accumulation(), ep.dispatch_log(prog), batch.active():
         loss = run.run(mbs, loss_scale=prog.scaler.scale if prog.scaler is not None else 1.0)
     prog.grads.finalize()
-    if optimizer is not None:
-        optim.optimizer_step(prog, optimizer)
-    else:
-        for p in prog.parameters():
-            p.grad = None
+    optim.optimizer_step(prog, optimizer)
     return _global_loss(prog, loss)
 
 
@@ -72,23 +72,8 @@ def eval_runner(prog, evaluation) -> StageRunner:
     its place, so the order still runs without deadlock (an F never waits for a B) -- and no
     backward, no gradient buffer."""
     if prog._eval_runner is None:
-        opts = prog.pipeline
-        pp = prog.groups.size("pp") if prog.groups is not None else 1
-        pp_rank = prog.groups.index("pp") if prog.groups is not None else 0
-        whole = Stage(index=0, gm=None, params=[], buffers=[], user_inputs=[], has_loss=True)
-        stages = evaluation.stages if evaluation.stages is not None else [whole]
-
-        def forwards(r: int) -> list:
-            return [a for a in schedules.actions(opts.schedule, pp, opts.microbatches, r, opts.virtual_stages)
-                    if a.kind == "F"]
-        p2p = (P2P(prog.groups, scatter_gather=opts.scatter_gather, match_by_tag=prog.config.debug.p2p_tags,
-                   rank_of=functools.partial(schedules.rank_of, opts.schedule, pp))
-               if pp > 1 else None)
-        peers = ([forwards(r) for r in range(pp)], functools.partial(schedules.stage_of, opts.schedule, pp))
-        call = functools.partial(_call_eval_stage, prog, evaluation)
-        prog._eval_runner = StageRunner(stages, call, forwards(pp_rank), num_stages=pp * opts.chunks, peers=peers,
-                                        microbatches=opts.microbatches, p2p=p2p, zero_bubble=False,
-                                        forward_only=True)
+        prog._eval_runner = _build(prog, evaluation.stages, functools.partial(_call_eval_stage, prog, evaluation),
+                                   keep=lambda a: a.kind == "F", zero_bubble=False, forward_only=True)
     return prog._eval_runner
 
 
