@@ -22,6 +22,7 @@ import torch
 import fxtron
 from fxtron.tools.testing import cases_fixture, max_abs_diff, ranks_of
 from optimizer_models import Float32Muon
+from fxtron.models.moe import MoEConfig, MoETransformer
 from tp_models import batches, make
 
 LRS = (1e-2, 5e-3, 2e-2)          # the lr of each step (a schedule the step must follow)
@@ -29,12 +30,34 @@ STEPS = [16, 12, 16]
 
 
 class Case:
-    def __init__(self, opt: str, **kw):
-        self.opt, self.kw = opt, kw
+    def __init__(self, opt: str, model: str = "gpt", **kw):
+        self.opt, self.model, self.kw = opt, model, kw
 
     @property
     def key(self) -> str:
-        return f"{self.opt}:" + ",".join(f"{k}={v}" for k, v in sorted(self.kw.items()))
+        return f"{self.opt}:{self.model}:" + ",".join(f"{k}={v}" for k, v in sorted(self.kw.items()))
+
+
+#: a mixture of experts whose experts are one (experts, out, in) tensor each, split over ep
+MOE = MoEConfig(vocab_size=128, max_seq_len=64, n_layer=2, n_head=4, n_kv_head=2, dim=32, ffn_dim=48,
+                n_experts=4, top_k=2, shared_ffn_dim=32, aux_loss_coef=0.05)
+
+
+def _model(name: str) -> torch.nn.Module:
+    if name == "moe":
+        torch.manual_seed(0)
+        return MoETransformer(MOE)
+    return make(name)
+
+
+def _batches(name: str) -> list:
+    if name != "moe":
+        return batches(name, 8, STEPS, seed=10)
+    out = []
+    for i, s in enumerate(STEPS):
+        data = torch.randint(MOE.vocab_size, (8, s + 1), generator=torch.Generator().manual_seed(10 + i))
+        out.append(((data[:, :-1].contiguous(), data[:, 1:].contiguous()), {}))
+    return out
 
 
 def _optimizers(opt: str, named, shape_of, build) -> list[torch.optim.Optimizer]:
@@ -57,12 +80,12 @@ def _with_lr(opts, step: int) -> None:
             g["lr"] = LRS[step] * (0.1 if isinstance(o, torch.optim.AdamW) else 1.0)
 
 
-def _reference(opt: str) -> dict:
-    model = make("gpt")
+def _reference(opt: str, name: str) -> dict:
+    model = _model(name)
     shapes = {n: p.shape for n, p in model.named_parameters()}
     opts = _optimizers(opt, model.named_parameters(), shapes.__getitem__, lambda cls, ps, **kw: cls(ps, **kw))
     losses = []
-    for step, (args, kwargs) in enumerate(batches("gpt", 8, STEPS, seed=10)):
+    for step, (args, kwargs) in enumerate(_batches(name)):
         for o in opts:
             o.zero_grad(set_to_none=True)
         loss = model(*args, **kwargs)
@@ -75,8 +98,8 @@ def _reference(opt: str) -> dict:
 
 
 def _run(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
-    model = make("gpt")
-    items = batches("gpt", 8, STEPS, seed=10)
+    model = _model(case.model)
+    items = _batches(case.model)
     pm = fxtron.parallelize(model, mesh, example_inputs=items[0][0], **case.kw)
     prog = pm.program(rank)
     opts = _optimizers(case.opt, prog.named_parameters(), prog.original_shape, prog.build_optimizer)
@@ -101,6 +124,7 @@ SLOW = {
     fxtron.Mesh(2): [Case("adafactor", zero=1), Case("muon32", zero=1), Case("adafactor", zero=3),
                      Case("adafactor")],
     fxtron.Mesh(2, pp=2): [Case("adafactor", microbatches=2, schedule="1f1b")],
+    fxtron.Mesh(2, ep=2): [Case("adafactor", "moe")],
 }
 fast = cases_fixture({2: list(FAST.items())}, _run)
 slow = cases_fixture({2: list(SLOW.items())}, _run)
@@ -118,10 +142,10 @@ TOL = {"muon": 2e-3}
 _refs: dict[str, dict] = {}
 
 
-def _ref(opt: str) -> dict:
-    if opt not in _refs:
-        _refs[opt] = _reference(opt)
-    return _refs[opt]
+def _ref(opt: str, name: str) -> dict:
+    if (opt, name) not in _refs:
+        _refs[opt, name] = _reference(opt, name)
+    return _refs[opt, name]
 
 
 @pytest.mark.parametrize("mesh,case", _params(FAST))
@@ -136,7 +160,7 @@ def test_trains_as_one_process_more(slow, mesh, case):
 
 
 def _check(results, mesh, case):
-    ref = _ref(case.opt)
+    ref = _ref(case.opt, case.model)
     ranks = ranks_of(results, mesh, case)
     for rank, got in enumerate(ranks):
         dl = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"]))
