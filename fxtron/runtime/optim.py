@@ -171,20 +171,18 @@ def whole_matrices(prog, template: torch.optim.Optimizer) -> "WholeMatrices":
 
 
 class _Piece:
-    """One parameter of a whole-matrix optimizer: where its pieces are and who steps it."""
+    """One parameter of a whole-matrix optimizer: the axes over which ranks hold its pieces or
+    copies (`axes`, in the order the new value is broadcast over them), and who steps it."""
 
-    def __init__(self, name: str, param, spec, split: list[str], dp: str | None, coords: tuple[int, ...],
-                 copies: list[str]):
+    def __init__(self, name: str, param, spec, axes: list[str]):
         self.name, self.param, self.spec = name, param, spec
-        self.split = split           # the axes it is sharded on (gathered, then sliced)
-        self.model_axes = copies     # those and tp where it is whole on every tp rank (one steps it)
-        self.dp = dp                 # its data-parallel group kind (pieces under zero, replicas without)
-        self.owner = coords          # the owner's index on each axis of `axes`
+        self.axes = axes
+        self.owner: tuple[int, ...] = ()          # the owner's index on each of `axes`
         self.full: torch.Tensor | None = None     # the owner's whole tensor, which its optimizer steps
 
     @property
-    def axes(self) -> list[str]:
-        return self.model_axes + ([self.dp] if self.dp else [])
+    def numel(self) -> int:
+        return math.prod(self.spec.full_shape if self.spec is not None else self.param.shape)
 
 
 class WholeMatrices:
@@ -208,33 +206,30 @@ class WholeMatrices:
             for p in g["params"]:
                 n = names[id(p)]
                 spec = prog.local.get(n)
-                split = [] if spec is None or groups is None else [s.axis for s in spec.shards if groups.size(s.axis) > 1]
-                dp = None
+                axes = [] if spec is None or groups is None else [s.axis for s in spec.shards if groups.size(s.axis) > 1]
                 if groups is not None:
+                    if groups.size("tp") > 1 and "tp" not in axes:
+                        axes.append("tp")            # whole on every tp rank: one of them steps it
                     if spec is not None and spec.flat is not None:
-                        dp = spec.flat.group or spec.grad_group
-                    else:
+                        dp = spec.flat.group or spec.grad_group      # zero=3: its flat pieces
+                    else:       # zero=1/2: its buffer's shards; without: copies, one of which steps it
                         dp = zero_kind.get(n) or (spec.grad_group if spec is not None else "dp")
-                    dp = dp if groups.size(dp) > 1 else None
-                if groups is not None and groups.size("tp") > 1 and "tp" not in split:
-                    split_or_copies = split + ["tp"]     # whole on every tp rank: one of them steps it
-                else:
-                    split_or_copies = split
-                row.append(_Piece(n, p, spec, split, dp, (), copies=split_or_copies))
+                    if groups.size(dp) > 1:
+                        axes.append(dp)
+                row.append(_Piece(n, p, spec, axes))
                 order.append(row[-1])
             self.pieces.append(row)
         # owners: the largest tensors first, each to the least loaded of the ranks holding it
-        for piece in sorted(order, key=lambda x: -math.prod(x.spec.full_shape if x.spec else x.param.shape)):
+        for piece in sorted(order, key=lambda x: -x.numel):
             sizes = [groups.size(a) for a in piece.axes]
             counts = load.setdefault(tuple(piece.axes), [0] * math.prod(sizes))
             k = min(range(len(counts)), key=lambda i: counts[i])
-            counts[k] += math.prod(piece.spec.full_shape if piece.spec else piece.param.shape)
+            counts[k] += piece.numel
             coords = []
-            for s in reversed(sizes):
-                coords.append(k % s)
-                k //= s
+            for size in reversed(sizes):
+                coords.append(k % size)
+                k //= size
             piece.owner = tuple(reversed(coords))
-        self.owned = 0
         inner_groups = []
         for g, row in zip(template.param_groups, self.pieces):
             mine = []
@@ -243,7 +238,6 @@ class WholeMatrices:
                     shape = piece.spec.full_shape if piece.spec is not None else tuple(piece.param.shape)
                     piece.full = torch.zeros(shape, dtype=piece.param.dtype, device=piece.param.device)
                     mine.append(piece.full)
-                    self.owned += 1
             inner_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": mine})
         self.inner = type(template)(inner_groups)     # every hyperparameter is in the groups
 
