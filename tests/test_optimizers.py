@@ -213,3 +213,5 @@ def test_one_process_and_refusals(tmp_path):
         prog.save(str(tmp_path / "ckpt"), ada)
     with pytest.raises(fxtron.ParallelizeError, match="not the program's|are not"):
         prog.build_optimizer(torch.optim.Muon, [torch.nn.Parameter(torch.zeros(4, 4))])
+    summary = fxtron.parallelize(make("gpt"), fxtron.Mesh(2, tp=2), example_inputs=args).summary()
+    assert "Adafactor, Muon and any other class step whole matrices" in summary

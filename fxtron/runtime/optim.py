@@ -255,6 +255,10 @@ class WholeMatrices:
         """Gather each parameter's whole gradient and value, step the owned ones, send each
         back from its owner; every rank keeps its piece."""
         prog, groups = self.prog, self.prog.groups
+        if [[id(p) for p in g["params"]] for g in self.template.param_groups] != \
+                [[id(x.param) for x in row] for row in self.pieces]:
+            raise ParallelizeError(f"the param groups of {type(self.template).__name__} changed after its first "
+                                   "step; fxtron placed its parameters on owner ranks then: build a new optimizer")
         for mine, theirs in zip(self.inner.param_groups, self.template.param_groups):
             for k, v in theirs.items():
                 if k != "params":
