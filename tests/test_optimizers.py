@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import fxtron
+from fxtron.runtime.memory import rank_bytes
 from fxtron.tools.testing import cases_fixture, max_abs_diff, ranks_of
 from optimizer_models import Float32Muon
 from fxtron.models.moe import MoEConfig, MoETransformer
@@ -209,6 +210,7 @@ def test_one_process_and_refusals(tmp_path):
         pass
     assert "whole matrices" in prog.optimizer_mode(MyAdam(prog.parameters()))[0]
     prog.train_step(args, ada, kwargs=kwargs)
+    assert not ada.state and rank_bytes(prog, ada)["optimizer_bytes"] > 0     # held by fxtron's owner optimizer
     with pytest.raises(fxtron.ParallelizeError, match="Adafactor steps whole matrices"):
         prog.save(str(tmp_path / "ckpt"), ada)
     with pytest.raises(fxtron.ParallelizeError, match="not the program's|are not"):

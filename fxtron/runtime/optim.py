@@ -64,6 +64,23 @@ def zero_grad(optimizer) -> None:
         o.zero_grad(set_to_none=True)
 
 
+def held_state(prog, optimizer) -> list[dict]:
+    """The per-parameter state dicts this rank holds for `optimizer` (one or a list) as fxtron
+    steps it: the distributed optimizer's shards' under zero=1/2, a whole-matrix optimizer's
+    owned tensors', else the optimizer's own."""
+    out = []
+    made = prog.__dict__.get("_whole_matrices", {})
+    for o in optimizers(optimizer):
+        if not elementwise(o):
+            entry = made.get(id(o))
+            out += list(entry.inner.state.values()) if entry is not None and entry.template is o else []
+        elif prog.zero is not None and prog.zero._template is o and prog.zero.optimizer is not None:
+            out += list(prog.zero.optimizer.state.values())
+        else:
+            out += list(o.state.values())
+    return out
+
+
 def check_optimizer(prog, optimizer) -> None:
     """ParallelizeError for an optimizer that would not train `prog`: not an optimizer, one
     fxtron cannot place (REFUSED), holding tensors that are not its parameters (the original
@@ -313,5 +330,5 @@ class WholeMatrices:
                    for t in st.values() if isinstance(t, torch.Tensor))
 
 
-__all__ = ["ELEMENTWISE", "REFUSED", "WholeMatrices", "build_optimizer", "check_optimizer", "elementwise", "mode",
-           "optimizer_step", "optimizers", "whole_matrices", "zero_grad"]
+__all__ = ["ELEMENTWISE", "REFUSED", "WholeMatrices", "build_optimizer", "check_optimizer", "elementwise", "held_state",
+           "mode", "optimizer_step", "optimizers", "whole_matrices", "zero_grad"]
