@@ -639,6 +639,10 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
                  "(collectives, fused linears, attention blocks, random draws) run as they are between them")
     if init:
         head += "\n" + init
+    if mesh.world_size > 1:
+        head += ("\noptimizer: SGD, Adam, AdamW and the other elementwise torch optimizers step each rank's pieces; "
+                 "Adafactor, Muon and any other class step whole matrices, each gathered to an owner rank "
+                 "(prog.optimizer_mode(opt))")
     per = "microbatch" if config.pipeline.microbatches > 1 else "step"
     axes = "+".join(a for a in ("tp", "cp", "ep") if getattr(mesh, a) > 1) or "tp"
     headers = ["rank", "coords", "params", "param bytes", f"{axes} collectives / {per}", f"{axes} wire bytes / {per}",

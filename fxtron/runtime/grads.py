@@ -399,6 +399,15 @@ class Gradients:
             return local
         return gather_full(local, spec, self.groups)
 
+    def piece_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a full tensor shaped like parameter `name` (its shard on the axes
+        it is split over; `full` itself when whole): `full`'s inverse."""
+        spec = self.local.get(name)
+        if spec is None or not spec.shards or self.groups is None:
+            return full
+        axes = [s.axis for s in spec.shards]
+        return spec.local_of(full, {a: self.groups.size(a) for a in axes}, {a: self.groups.index(a) for a in axes})
+
     def local_of(self, name: str, held: torch.Tensor) -> torch.Tensor:
         """The rank's local tensor of parameter `name` from what the rank holds of it (under
         zero=3, its flat piece: gathered over its group; every rank of the group calls it)."""

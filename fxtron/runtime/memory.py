@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fxtron.runtime import optim
+
 
 @dataclass(frozen=True)
 class MemorySample:
@@ -109,10 +111,11 @@ def rank_bytes(prog, optimizer=None) -> dict[str, int | None]:
     """This rank's memory by kind, measured on the tensors it holds now: `param_bytes` (the
     parameters' storages: zero=3's flat pieces, zero=0's whole shards), `grad_bytes` (the
     gradient buffers and any .grad outside them, runtime/grads.py), `optimizer_bytes` (every
-    tensor of `optimizer.state`: Adam's moments and steps), `activation_bytes` (the most bytes
+    tensor of the optimizer state the rank holds (runtime/optim.py held_state): Adam's moments and
+    steps, its shards' under zero=1/2, the owned whole tensors' of Adafactor or Muon), `activation_bytes` (the most bytes
     saved for backward alive after a pass of the last step, when its memory was tracked
     (`prog.track_memory`), else None)."""
-    state = optimizer.state.values() if optimizer is not None else ()
+    state = optim.held_state(prog, optimizer) if optimizer is not None else ()
     tracker = prog._memory if prog.track_memory else None
     return {"param_bytes": _storage_bytes(prog.parameters()),
             "grad_bytes": int(prog.grads.bytes()),

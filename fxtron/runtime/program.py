@@ -286,10 +286,15 @@ class Program(nn.Module):
         the program's device (a batch from a CPU data loader moves to the rank's GPU here)."""
         return self._batch.local(inputs, kwargs)
 
-    def train_step(self, inputs, optimizer: torch.optim.Optimizer, *, kwargs: dict | None = None) -> float:
+    def train_step(self, inputs, optimizer: torch.optim.Optimizer | list, *, kwargs: dict | None = None) -> float:
         """One training step on the global batch `inputs` (the same tensors on every rank):
         forward and backward on this rank's slice, gradient sync, optimizer step. Returns the
         global batch's loss.
+
+        `optimizer`: a torch optimizer over `prog.parameters()`, or a list of them (Muon on the
+        2-d weights, AdamW on the rest). An elementwise one (SGD, Adam, AdamW, ...) steps the
+        rank's pieces; any other (Adafactor, Muon, a class fxtron does not know) steps whole
+        matrices gathered to owner ranks (runtime/optim.py; `optimizer_mode`).
 
         With microbatches > 1 or pipeline parallel, the rank's slice is cut into equal
         microbatches along the batch dim (or `inputs` is a `fxtron.Microbatches` list, whose
@@ -302,7 +307,7 @@ class Program(nn.Module):
             return pp_runner.pipelined_step(self, inputs, optimizer, kwargs)
         args, kw = self.local_batch(inputs, kwargs)
         batch = self._batch.context(inputs, kwargs)
-        optimizer.zero_grad(set_to_none=True)
+        optim.zero_grad(optimizer)
         memory = timeline.memory_tracker(self)
         t0 = time.perf_counter()
         with self.grads.accumulation(), ep.dispatch_log(self), batch.active():
@@ -329,6 +334,17 @@ class Program(nn.Module):
         out = total()
         ledger.step_end(self.groups)
         return out
+
+    def optimizer_mode(self, optimizer) -> list[str]:
+        """How each optimizer steps on this program, a line each: elementwise on the rank's
+        pieces, or whole matrices gathered to owner ranks (runtime/optim.py)."""
+        return [optim.mode(o) for o in optim.optimizers(optimizer)]
+
+    def build_optimizer(self, cls: type, params, **kwargs) -> torch.optim.Optimizer:
+        """`cls(params, **kwargs)` over this program's parameters, the constructor's checks made
+        on their shapes in the model: torch.optim.Muon (2-d parameters only) over the flat
+        pieces of a zero=3 program (runtime/optim.py build_optimizer)."""
+        return optim.build_optimizer(self, cls, params, **kwargs)
 
     # ---------------------------------------------------------------- pipeline / microbatches
     def microbatches(self, inputs, kwargs: dict | None = None) -> list[list[torch.Tensor]]:

@@ -46,6 +46,7 @@ from fxtron.core import layout as shard_math
 from fxtron.core.params import AxisShard
 from fxtron.errors import ParallelizeError
 from fxtron.ops import ledger
+from fxtron.runtime import optim
 from fxtron.runtime.grads import across_stages
 
 
@@ -135,6 +136,18 @@ def _optimizer_state(prog, optimizer) -> dict[str, dict[str, torch.Tensor]]:
     return {names[id(p)]: dict(st) for p, st in optimizer.state.items() if id(p) in names}
 
 
+def _check_optimizer(optimizer) -> None:
+    """ParallelizeError for an optimizer whose state a checkpoint cannot hold: one that steps
+    whole matrices on owner ranks (runtime/optim.py: its state is not the rank's optimizer's)."""
+    if optimizer is None:
+        return
+    if isinstance(optimizer, (list, tuple)) or not optim.elementwise(optimizer):
+        name = ", ".join(type(o).__name__ for o in optim.optimizers(optimizer))
+        raise ParallelizeError(f"checkpoints hold the state of one elementwise optimizer (SGD, Adam, AdamW, ...); "
+                               f"{name} steps whole matrices on owner ranks, whose state fxtron does not save yet: "
+                               "save without the optimizer (prog.save(path)) or train with an elementwise one")
+
+
 COMMIT = ".fxtron-complete"     # written last, by rank 0, once every rank's files are in
 
 
@@ -145,6 +158,7 @@ def save(prog, path: str, optimizer: torch.optim.Optimizer | None = None, storag
     a function of the directory giving DCP's StorageWriter (default FileSystemWriter).
     `extra`: a picklable object saved with them, the same on every rank (a trainer's state:
     step, data position, schedule), read back by `read_extra`."""
+    _check_optimizer(optimizer)
     path = os.path.abspath(path)
     staging = path + ".saving"
     _on_rank0(prog, lambda: shutil.rmtree(staging, ignore_errors=True))     # a killed save's leftovers
@@ -332,16 +346,13 @@ def _request(prog, name: str, like: torch.Tensor, meshes: dict, prefix: str, met
 
 def _slice(prog, name: str, full: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a full tensor shaped like parameter `name`."""
-    spec, groups = prog.local[name], prog.groups
-    if not spec.shards or groups is None:
-        return full
-    axes = [s.axis for s in spec.shards]
-    return spec.local_of(full, {a: groups.size(a) for a in axes}, {a: groups.index(a) for a in axes})
+    return prog.grads.piece_of(name, full)
 
 
 def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Read a checkpoint written by `save` (on any mesh) into `prog` and, given, `optimizer`
     (built over prog's parameters, as for train_step)."""
+    _check_optimizer(optimizer)
     path = os.path.abspath(path)
     _check_complete(path)
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata

@@ -56,7 +56,7 @@ def pipelined_step(prog, inputs, optimizer, kwargs) -> float:
     mbs = prog.microbatches(inputs, kwargs)
     batch = prog._batch.context(inputs, kwargs)
     run = runner(prog)
-    optimizer.zero_grad(set_to_none=True)
+    optim.zero_grad(optimizer)
     run.memory = timeline.memory_tracker(prog)
     prog._last_runner = run
     with prog.grads.accumulation(), ep.dispatch_log(prog), batch.active():

@@ -1,0 +1,43 @@
+"""Optimizers for tests/test_optimizers.py: torch's Muon with its Newton-Schulz iteration in
+float32, a class fxtron does not know (so it steps whole matrices)."""
+from __future__ import annotations
+
+import torch
+from torch.optim._muon import _adjust_lr
+
+
+def _orthogonalize(g: torch.Tensor, coefficients, steps: int, eps: float) -> torch.Tensor:
+    """torch's _zeropower_via_newtonschulz in float32 (torch's casts to bfloat16)."""
+    a, b, c = coefficients
+    x = g.float()
+    if g.size(0) > g.size(1):
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if g.size(0) > g.size(1) else x
+
+
+class Float32Muon(torch.optim.Muon):
+    """torch.optim.Muon's algorithm (momentum, Nesterov, orthogonalized update, decoupled weight
+    decay, its lr adjustment) with the orthogonalization in float32: torch's bfloat16 one turns
+    gradients that differ by float32 rounding (summed in another order) into updates that differ
+    by bfloat16's 2^-8, which hides a layout error of the same size."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - group["momentum"])
+                update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+                update = _orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(update, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], p.shape))
+        return None
