@@ -27,7 +27,7 @@ from fxtron.passes.cp_documents import check_documents
 from fxtron.passes.ep import check_experts
 from fxtron.passes.recompute import region_labels
 from fxtron.passes.pp import StageAssignment, assign_stages
-from fxtron.passes.tp_plan import TPPlan, make_tp_plan
+from fxtron.passes.tp_plan import TPPlan, make_tp_plan, router_weights
 from fxtron.runtime import groups as G
 from fxtron.runtime.pp import schedules
 from fxtron.runtime import materialize
@@ -483,6 +483,18 @@ class ParallelModel:
                             f"{'; '.join(fell)}", fix=". Register a rule with fxtron.register_rule",
                             advice=". Register a rule with fxtron.register_rule, or pass strict=True to make this an "
                                    "error")
+        if self.mesh.tp > 1:
+            _, held = report.held_whole(rg.local, self.tp_plan, self._routers)
+            unruled = [h for h in held if h.why == report.NO_RULE]
+            if unruled:
+                total = sum(math.prod(lp.full_shape) for lp in rg.local.values())
+                names = [n for h in unruled for n in h.names]
+                self._warn_once("held_whole", f"at tp={self.mesh.tp}, {len(names)} parameter(s) "
+                                f"({100 * sum(h.numel for h in unruled) / total:.1f}% of rank {rank}'s model "
+                                f"parameters) have no rule that splits them and are held whole on every tp rank: "
+                                f"{', '.join(report.by_pattern({n: '' for n in names}))}",
+                                fix=". Give their module a style in plan= ('colwise', 'rowwise'), or 'replicate' to "
+                                    "keep it whole on purpose")
         gathered = report.gather_lines(rg.graphs)
         if gathered:
             self._warn_once("gathers", f"{len(gathered)} all-gather(s) on rank {rank} make a split value whole for an "
@@ -504,6 +516,11 @@ class ParallelModel:
                             "takes scaled_dot_product_attention",
                             fix=": call F.scaled_dot_product_attention in the model, or pass "
                                 "cp_comm_type='all_gather'")
+
+    @functools.cached_property
+    def _routers(self) -> set[str]:
+        """The parameters that pick experts (tp_plan.router_weights on the traced graph)."""
+        return router_weights(self.traced)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.mesh.world_size:

@@ -2,6 +2,8 @@
 per layer, placements and local shapes, user plans, and the errors a user can cause."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -473,3 +475,39 @@ def test_gather_keeps_the_split():
     assert str(meta.placement(nodes["aten.gather.default"], "tp")) == "S(2)"
     assert str(meta.placement(nodes["aten.expand_as.default"], "tp")) == "S(2)"
     assert pm.fallbacks(0) == [] and pm.gathers(0) == [] and count(pm.collectives(0), "all_gather") == 0
+
+
+class _LearnedBias(torch.nn.Module):
+    """An MLP with a learned (T, D) table added to the hidden states: a 2-d parameter that is no
+    linear, no embedding and no vector, which no rule splits."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, seq: int = 16):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.table = torch.nn.Parameter(torch.randn(seq, dim) * 0.02)
+        self.up = torch.nn.Linear(dim, 4 * dim)
+        self.down = torch.nn.Linear(4 * dim, dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx) + self.table[: idx.shape[1]]
+        x = x + self.down(torch.relu(self.up(x)))
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def test_every_parameter_is_split_or_said_whole():
+    """The summary accounts for every parameter (issue: every transformers causal LM, item 1): the
+    split share and each group held whole, with its reason, add up to 100%; a parameter no rule
+    splits is a ParallelizeWarning naming it (strict: an error), never held whole silently."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, 9))
+    args = (ids[:, :-1], ids[:, 1:])
+    with pytest.warns(fxtron.ParallelizeWarning, match=r"no rule that splits them.*table"):
+        pm = fxtron.parallelize(_LearnedBias(), fxtron.Mesh(2, tp=2), example_inputs=args)
+        pm.compiled(0)
+    line = next(ln for ln in pm.summary().splitlines() if ln.startswith("parameters at tp=2"))
+    assert "table (no rule splits it" in line, line
+    shares = [float(x) for x in re.findall(r"(\d+\.\d)% ", line)]
+    assert abs(sum(shares) - 100) <= 0.05 * len(shares), line
+    with pytest.raises(fxtron.ParallelizeError, match="table"):
+        fxtron.parallelize(_LearnedBias(), fxtron.Mesh(2, tp=2), example_inputs=args, strict=True).compiled(0)

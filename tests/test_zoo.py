@@ -18,6 +18,7 @@ rare token) moves its weight by a full step whose size its round-off decides.
 """
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -25,6 +26,8 @@ import torch
 
 import fxtron
 from fxtron.compiler.report import count
+from fxtron.compiler import report
+from fxtron.passes.tp_plan import router_weights
 from fxtron.tools.testing import adamw, assert_trains_like, cases_fixture, max_abs_diff, ranks_of, reference_training, train_program
 from tp_models import ZOO, batch, batches, make
 
@@ -96,6 +99,16 @@ def test_split_megatron_way_at_tp2(arch):
     gathers = [(r.node, r.module, r.shape) for r in recs if r.kind == "all_gather"]
     assert len(gathers) == BACKWARD_GATHERS.get(arch, 0) * LAYERS, gathers
     assert pm.gathers(0) == [] and pm.fallbacks(0) == []
+
+    # every parameter accounted for: split, or held whole with its reason, the shares adding up
+    total, held = report.held_whole(local, plan, router_weights(pm.traced))
+    assert total == sum(p.numel() for p in model.parameters())
+    split = sum(math.prod(lp.full_shape) for lp in local.values() if any(s.axis == "tp" for s in lp.shards))
+    assert split + sum(h.numel for h in held) == total
+    assert not [h for h in held if h.loud], held
+    line = next(ln for ln in pm.summary().splitlines() if ln.startswith("parameters at tp=2"))
+    shares = [float(x) for x in re.findall(r"(\d+\.\d)% ", line)]
+    assert abs(sum(shares) - 100) <= 0.05 * len(shares), line
 
 
 def _train(rank: int, mesh: fxtron.Mesh, case: str) -> dict:

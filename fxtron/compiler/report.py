@@ -26,6 +26,7 @@ from fxtron.core.meta import BATCH, SEQ
 from fxtron.mesh import Mesh
 from fxtron.ops import registry
 from fxtron.ops.ep import routing_args
+from fxtron.passes.tp_plan import ROUTER, router_weights
 
 
 @dataclass(frozen=True)
@@ -436,6 +437,69 @@ _KERNEL_WORDS = {"flash": "fused: flash attention", "efficient": "fused: memory-
                  "matmul": "matmuls (each block's scores materialized in fp32)"}
 
 
+VECTORS = "vectors (norm weights, biases): replicated, as in Megatron"
+POSITIONS = "an embedding not looked up with the token ids (positions): replicated, as in Megatron"
+NO_RULE = "no rule splits it: held whole on every rank"
+
+
+@dataclass(frozen=True)
+class Held:
+    """Parameters that model parallelism leaves whole on every rank, for one reason: `loud`
+    where Megatron would split them (fxtron could not), quiet where Megatron keeps them whole."""
+
+    why: str
+    names: tuple[str, ...]
+    numel: int
+    loud: bool
+
+
+def held_whole(local: dict, tp_plan, routers: set[str] = frozenset()) -> tuple[int, list[Held]]:
+    """Every parameter of a rank accounted for at tp > 1: (the model's parameter count, the
+    groups of those held whole with their reason). A parameter is split when a model-parallel
+    axis (tp, ep) shards it; the others are a replicated linear (the plan's reason), a vector,
+    a position table, a router (`routers`: tp_plan.router_weights), or whole for want of a rule -- so the split count and the groups add up to
+    every parameter, and none is held whole without a line saying why."""
+    layers = {layer.weight: layer for layer in tp_plan.layers.values()} if tp_plan is not None else {}
+    groups: dict[tuple[str, bool], list[tuple[str, int]]] = {}
+    total = 0
+    for name, lp in local.items():
+        n = math.prod(lp.full_shape)
+        total += n
+        if any(s.axis in ("tp", "ep") for s in lp.shards):
+            continue
+        path = name.rsplit(".", 1)[0]
+        unsplit = tp_plan.replicated.get(path) if tp_plan is not None else None
+        layer = layers.get(name)
+        if unsplit is not None:
+            key = (unsplit.why, unsplit.loud)
+        elif len(lp.full_shape) <= 1:
+            key = (VECTORS, False)
+        elif name in routers:
+            key = (ROUTER, False)
+        elif layer is not None and layer.kind == "embedding":
+            key = (POSITIONS, False)
+        else:
+            key = (NO_RULE, True)
+        groups.setdefault(key, []).append((name, n))
+    held = [Held(why, tuple(n for n, _ in items), sum(k for _, k in items), loud)
+            for (why, loud), items in groups.items()]
+    return total, sorted(held, key=lambda h: (not h.loud, -h.numel))
+
+
+def held_note(local: dict, tp_plan, tp: int, routers: set[str] = frozenset()) -> str:
+    """The summary's accounting line: the share of the parameters split, then each group held
+    whole with its reason and share."""
+    total, held = held_whole(local, tp_plan, routers)
+    if not total:
+        return ""
+    whole = sum(h.numel for h in held)
+    parts = [f"{100 * h.numel / total:.1f}% " + (f"{', '.join(by_pattern({n: '' for n in h.names}))} ({h.why})"
+                                               if h.loud or len(h.names) <= 2 else f"in {len(h.names)} tensors, {h.why}")
+             for h in held]
+    return (f"parameters at tp={tp}: {100 * (total - whole) / total:.1f}% split; held whole on every rank: "
+            + ("; ".join(parts) if parts else "none"))
+
+
 def ep_tp_note(mesh: Mesh, traced: fx.GraphModule, tp_plan) -> str:
     """What ep x tp costs beyond Megatron: the layers whose tp ranks dispatch the copies whole
     (empty without both, or when every layer dispatches shares, Megatron's order)."""
@@ -511,6 +575,7 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
     the last column everything the rank sends in a step, the sum of pm.collectives(rank)."""
     from fxtron.passes.ep import moe_layers
     rows, seen, fell, gathered = [], set(), set(), set()
+    every_local: dict = {}
     dp = mesh.dp
     for rank in range(mesh.world_size):
         c = mesh.coords(rank)
@@ -518,6 +583,7 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
             continue
         seen.add((c["tp"], c["pp"], c["cp"]))
         rg = compiled(rank)
+        every_local.update(rg.local)    # (each pipeline stage's parameters: the accounting covers the model)
         fell.update(fallback_lines(rg.graphs))
         gathered.update(gather_lines(rg.graphs))
         recs = [r for g in rg.graphs for r in collectives(g, mesh, rank)]
@@ -582,6 +648,7 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
             head += "\nnotes: " + "; ".join(tp_plan.notes)
         if tp_plan.replicated:
             head += "\nreplicated linears: " + grouped({p: u.why for p, u in tp_plan.replicated.items()})
+        head += "\n" + held_note(every_local, tp_plan, mesh.tp, router_weights(traced))
     if fell:
         head += "\nops run replicated for want of a sharding rule: " + "; ".join(sorted(fell))
     unsharded = unsharded_zero(config, mesh)

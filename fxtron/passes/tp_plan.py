@@ -192,7 +192,7 @@ class _Draft:
                 elif mode == "replace":
                     replicated[path] = Unsplit("plan_mode='replace' and the plan does not name it", False)
                 elif _is_router(l):
-                    replicated[path] = Unsplit("a router (its output picks experts): replicated, as in Megatron", False)
+                    replicated[path] = Unsplit(ROUTER, False)
                 elif path in down:
                     replicated[path] = Unsplit(_DOWN_PROJECTION, False)
                 else:
@@ -210,6 +210,7 @@ _SHAPE_OPS = _SAME_LAYOUT | opsets.RESHAPES | opsets.FOLDS | {aten.slice.Tensor,
 
 
 _param_name = meta.param_name
+ROUTER = "a router (its output picks experts): replicated, as in Megatron"
 
 
 def _owner(param: str) -> str:
@@ -420,6 +421,30 @@ def _is_router(layer: _Found, hops: int = 6) -> bool:
                 nxt.append(user)
         frontier = nxt
     return False
+
+
+def router_weights(gm: fx.GraphModule) -> set[str]:
+    """The parameters whose product picks experts (reaches a topk within a few ops), whatever
+    casts stand between the parameter and its matmul: routers, whole as in Megatron, also where
+    the plan does not find them as linears (DeepSeek's gate runs F.linear on float32 copies)."""
+    out = set()
+    for node in gm.graph.nodes:
+        name = _param_name(node)
+        if name is None:
+            continue
+        frontier = [node]
+        while frontier and any(u.target in opsets.LOOK_THROUGH for u in frontier[-1].users):
+            frontier = [u for u in frontier[-1].users if u.target in opsets.LOOK_THROUGH]
+        for cast in frontier:
+            for user in cast.users:
+                if user.op == "call_function" and user.target in _ROUTER_PRODUCTS and \
+                        _is_router(_Found(user, "linear", "", name, None, "out_in", 0, 0)):
+                    out.add(name)
+    return out
+
+
+_ROUTER_PRODUCTS = {aten.linear.default, aten.mm.default, aten.matmul.default, aten.addmm.default, aten.t.default,
+                    aten.permute.default}
 
 
 def _feeds_row(layer: _Found, rows: set[fx.Node], linears: set[fx.Node], order, limit: int = 400) -> bool:
