@@ -467,9 +467,9 @@ def held_whole(local: dict, tp_plan, routers: set[str] = frozenset()) -> tuple[i
         total += n
         if any(s.axis in ("tp", "ep") for s in lp.shards):
             continue
-        path = name.rsplit(".", 1)[0]
-        unsplit = tp_plan.replicated.get(path) if tp_plan is not None else None
         layer = layers.get(name)
+        path = layer.path if layer is not None else name.rsplit(".", 1)[0]
+        unsplit = tp_plan.replicated.get(path) if tp_plan is not None else None
         if unsplit is not None:
             key = (unsplit.why, unsplit.loud)
         elif len(lp.full_shape) <= 1:
