@@ -491,6 +491,9 @@ def statistics_note(mesh: Mesh, config, report) -> str:
     if report.summed:
         parts.append(f"statistics the loss uses nonlinearly summed over dp={mesh.dp}, per microbatch "
                      f"({_few(report.summed)})")
+    if report.synced:
+        parts.append(f"batch norms' mean and variance over every dp rank's samples and their running statistics "
+                     f"from those, the same on every rank (SyncBatchNorm; {_few(report.synced)})")
     text = (f"batch statistics over the global batch ({mesh.dp} dp x {config.pipeline.microbatches} microbatches = "
             f"{pieces} pieces): " + ("; ".join(parts) if parts else "none the loss depends on"))
     if report.local:

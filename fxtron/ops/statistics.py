@@ -11,7 +11,8 @@ Anything else the model computes over its batch is made the global batch's by th
     global_statistic(Tensor x, str key)        the step's value for `key`        none
 
 `batch_all_reduce` makes a statistic the loss uses nonlinearly (a load-balancing loss's
-tokens per expert and mean router probabilities) the sum over the data-parallel ranks. The
+tokens per expert and mean router probabilities, a batch norm's mean and variance) the sum over
+the data-parallel ranks. The
 rank's loss then holds the same term as every other rank's, and its backward sums the ranks'
 gradients of that term: after the gradient sync averages over dp, each parameter has the
 gradient of the term once, through every rank's tokens.
