@@ -96,6 +96,16 @@ class InfoNCE(torch.nn.Module):
         return F.cross_entropy(logits, torch.arange(a.shape[0]))
 
 
+class CLIP(InfoNCE):
+    """The symmetric loss: the transposed similarity against the same targets too (its columns
+    the rank's samples, its rows every sample: not the one-way form fxtron gathers)."""
+
+    def forward(self, a, b):
+        logits = self.sim(F.normalize(self.q(a), dim=-1), F.normalize(self.k(b), dim=-1))
+        labels = torch.arange(a.shape[0])
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
 class BatchSoftmax(torch.nn.Module):
     """Per-sample losses weighted by a softmax over the batch (attention over the samples)."""
 
@@ -108,7 +118,7 @@ class BatchSoftmax(torch.nn.Module):
         return (w * F.cross_entropy(self.head(x), y, reduction="none")).sum()
 
 
-MODELS = {"mlp": BNMLP, "conv": BNConv, "seq": BNSeq, "plain": lambda: BNMLP(bn=False), "nce": InfoNCE,
+MODELS = {"mlp": BNMLP, "conv": BNConv, "seq": BNSeq, "plain": lambda: BNMLP(bn=False), "nce": InfoNCE, "clip": CLIP,
           "softmax": BatchSoftmax}
 
 
@@ -133,7 +143,7 @@ def _data(name: str, steps: int = 3) -> list:
         elif name == "seq":
             ids = torch.randint(0, 64, (8, (9, 5, 9)[s]), generator=g)      # sequences a multiple of 2 x cp
             out.append(((ids[:, :-1].clone(), ids[:, 1:].clone()), {}))
-        elif name == "nce":      # two views of each sample
+        elif name in ("nce", "clip"):      # two views of each sample
             out.append(((torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)), {}))
         else:
             out.append(((torch.randn(8, 8, generator=g) * 2 + 0.5, torch.randint(0, 4, (8,), generator=g)), {}))
@@ -154,7 +164,7 @@ def _parallelize(name: str, mesh: fxtron.Mesh, **kw) -> fxtron.ParallelModel:
 CASES = {"mlp-dp2": ("mlp", 2, {}, {}), "conv-dp2": ("conv", 2, {}, {}), "seq-dp2": ("seq", 2, {}, {}),
          "mlp-dp2-zero1": ("mlp", 2, {}, dict(zero=1)), "seq-dp2-tp2": ("seq", 4, dict(tp=2), {}),
          "seq-dp2-cp2": ("seq", 4, dict(cp=2), {}),
-         "plain-dp2": ("plain", 2, {}, {})}
+         "plain-dp2": ("plain", 2, {}, {}), "nce-dp2": ("nce", 2, {}, {}), "nce-dp2-zero1": ("nce", 2, {}, dict(zero=1))}
 
 
 def _mesh(key):
@@ -186,7 +196,7 @@ trained4 = cases_fixture(lambda: {4: _jobs()[4]}, _run)       # tp and cp: four 
 
 # ------------------------------------------------------------------------------ against one process
 @pytest.mark.parametrize("key", [pytest.param(k, marks=[pytest.mark.slow] if CASES[k][1] == 4 else [])
-                                 for k in CASES if CASES[k][0] != "plain"])
+                                 for k in CASES if CASES[k][0] not in ("plain", "nce")])
 def test_batch_norm_trains_over_the_global_batch(request, key):
     name = CASES[key][0]
     ref = reference_training(_model(name), _data(name), _opt)
@@ -218,16 +228,31 @@ def test_a_model_without_batch_coupling_is_untouched(trained):
     assert len(synced) == 4 and all("batch_all_reduce" in str(c) for c in synced), synced
 
 
+@pytest.mark.parametrize("key", ["nce-dp2", "nce-dp2-zero1"])
+def test_in_batch_negatives_are_gathered_over_dp(trained, key):
+    ref = reference_training(_model("nce"), _data("nce"), _opt)
+    ranks = ranks_of(trained, _mesh(key), key)
+    for rank, got in enumerate(ranks):
+        print(f"{key} rank {rank}: losses {got['losses']} vs {ref['losses']}")
+        assert_trains_like(got, ref, rank=rank)
+    graph = " ".join(ranks[0]["graph"])
+    assert graph.count("batch_gather") == 1 and graph.count("batch_offset") == 1, graph
+    assert "in-batch negatives gathered over dp=2" in ranks[0]["summary"] and "in sim" in ranks[0]["summary"]
+
+
 # ------------------------------------------------------------------------------ without processes
-def test_in_batch_negatives_are_an_error_naming_the_op_and_module():
-    with pytest.raises(fxtron.ParallelizeError) as e:
-        _parallelize("nce", fxtron.Mesh(2)).compiled(0)
+def test_in_batch_negatives_fxtron_cannot_gather_are_an_error_naming_the_op_and_module():
+    with pytest.raises(fxtron.ParallelizeError) as e:      # the symmetric loss
+        _parallelize("clip", fxtron.Mesh(2)).compiled(0)
     text = str(e.value)
     assert "aten.matmul" in text and "in sim" in text and "(B, B)" in text, text
     assert "dp=1 and microbatches=1" in text, text
+    # microbatches: one process holds every microbatch's negatives at once, no rank does
+    with pytest.raises(fxtron.ParallelizeError, match="reads across the batch dim"):
+        _parallelize("nce", fxtron.Mesh(2), microbatches=2).compiled(0)
     with pytest.raises(fxtron.ParallelizeError, match="reads across the batch dim"):
         _parallelize("nce", fxtron.Mesh(1), microbatches=2).compiled(0)
-    _parallelize("nce", fxtron.Mesh(1)).compiled(0)        # one piece: the one-process model
+    _parallelize("clip", fxtron.Mesh(1)).compiled(0)        # one piece: the one-process model
 
 
 def test_a_softmax_over_the_batch_is_an_error():

@@ -491,6 +491,9 @@ def statistics_note(mesh: Mesh, config, report) -> str:
     if report.summed:
         parts.append(f"statistics the loss uses nonlinearly summed over dp={mesh.dp}, per microbatch "
                      f"({_few(report.summed)})")
+    if report.gathered:
+        parts.append(f"in-batch negatives gathered over dp={mesh.dp} with their gradient and the targets moved to the "
+                     f"rank's rows among them (CLIP's gathered negatives; {_few(report.gathered)})")
     if report.synced:
         parts.append(f"batch norms' mean and variance over every dp rank's samples and their running statistics "
                      f"from those, the same on every rank (SyncBatchNorm; {_few(report.synced)})")

@@ -26,6 +26,11 @@ by the pieces -- computed by the runtime from the global batch before the step, 
 rank has it. A token mean A / count then averages, over the pieces, to sum(A) / global count:
 the one-process mean however the ignored tokens spread over ranks and microbatches.
 
+Two more make a loss over in-batch negatives (an InfoNCE loss: q @ k.T against arange(B)) the
+global batch's, as CLIP's gathered negatives do: `batch_gather(x, dim, world, group)` all-gathers
+the negatives over the data-parallel ranks (backward: a reduce-scatter of the gradient), and
+`batch_offset(targets, group)` moves the rank's arange(n) targets to its rows' place among them.
+
 Outside a step (`BatchContext` not active: a plain forward on a rank's own batch) the ops are
 the rank's own: batch_scale is the identity and global_statistic returns its input.
 """
@@ -150,9 +155,67 @@ def _global_statistic_bwd(ctx, grad):
 global_statistic.register_autograd(_global_statistic_bwd)
 
 
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("fxtron::batch_gather", mutates_args=())
+def batch_gather(x: Tensor, dim: int, world: int, group: str) -> Tensor:
+    """Every data-parallel rank's `x` concatenated along `dim` in rank order (the `world` ranks
+    of `group`): the in-batch negatives of every rank. Backward: the gradient summed over the
+    group, this rank's slice (a reduce-scatter): every rank's loss reads this rank's samples."""
+    return T.gather(x, dim, T.resolve(group))
+
+
+@batch_gather.register_fake
+def _(x, dim, world, group):
+    shape = list(x.shape)
+    shape[dim] = shape[dim] * world
+    return x.new_empty(shape)
+
+
+def _batch_gather_bwd(ctx, grad):
+    return T.reduce_scatter(grad, ctx.dim, T.resolve(ctx.group)), None, None, None
+
+
+def _batch_gather_setup(ctx, inputs, output):
+    ctx.dim, ctx.group = inputs[1], inputs[3]
+
+
+batch_gather.register_autograd(_batch_gather_bwd, setup_context=_batch_gather_setup)
+
+
+class _BatchGather(torch.autograd.Function):
+    """batch_gather as a program runs it."""
+
+    @staticmethod
+    def forward(ctx, x, dim, world, group):
+        ctx.dim, ctx.group = dim, group
+        return T.gather(x, dim, T.resolve(group))
+
+    backward = staticmethod(_batch_gather_bwd)
+
+
+def batch_gather_eager(x: Tensor, dim: int, world: int, group: str) -> Tensor:
+    return _BatchGather.apply(x, dim, world, group)
+
+
+@torch.library.custom_op("fxtron::batch_offset", mutates_args=())
+def batch_offset(x: Tensor, group: str) -> Tensor:
+    """Indices of the rank's own rows `x` (0 .. n-1, an arange over its batch) as indices into
+    every rank's rows gathered in rank order: x + the rank's place in `group` x n."""
+    pg = T.resolve(group)
+    return x + pg.rank() * x.shape[0]
+
+
+@batch_offset.register_fake
+def _(x, group):
+    return torch.empty_like(x)
+
+
+register(OpSpec("batch_gather", axis_arg=3, forward=Comm("all_gather", "input"),
+                backward=Comm("reduce_scatter", "grad_output"), eager=batch_gather_eager, sums_grad=True))
+register(OpSpec("batch_offset", axis_arg=1))
 register(OpSpec("batch_all_reduce", axis_arg=1, forward=Comm("all_reduce", "input"),
                 backward=Comm("all_reduce", "grad_output"), eager=batch_all_reduce_eager))
 register(OpSpec("batch_scale"))
 register(OpSpec("global_statistic"))
 
-__all__ = ["BatchContext", "batch_all_reduce", "batch_scale", "global_statistic"]
+__all__ = ["BatchContext", "batch_all_reduce", "batch_gather", "batch_offset", "batch_scale", "global_statistic"]

@@ -110,6 +110,7 @@ class StatisticsReport:
     summed: list[str] = field(default_factory=list)       # statistics summed over dp (used nonlinearly)
     local: list[str] = field(default_factory=list)        # left per rank (moe_aux_loss="local")
     synced: list[str] = field(default_factory=list)       # batch norms normalized over every dp rank's samples
+    gathered: list[str] = field(default_factory=list)     # in-batch negatives gathered over dp
 
 
 def _batchy(val, ti) -> bool:
@@ -283,8 +284,9 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
     (TraceInfo.statistics_report). Edits gm in place and returns it."""
     if dp == 1 and pieces == 1:
         return gm
-    check_batch_coupling(gm, dp=dp, pieces=pieces)
     split_token_means(gm)
+    gathered = gather_negatives(gm, dp=dp, group=group) if pieces == dp else []
+    check_batch_coupling(gm, dp=dp, pieces=pieces)
     g, ti = gm.graph, meta.info(gm)
     out_node = g.output_node()
     loss = _loss_node(gm)
@@ -441,6 +443,7 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
             done.append("summed over dp")
         meta.set(node, meta.STATISTIC, ", ".join(done) or "as is")
     report.synced = sync_batch_norms(gm, dp=dp, group=group)
+    report.gathered = gathered
     g.lint()
     gm.recompile()
     gm.meta[meta.TRACE_INFO] = replace(ti, statistics={**ti.statistics, **statistics},
@@ -489,7 +492,8 @@ def batch_coupling(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
     upstream = _ancestors_of(loss) | {loss}
     found = []
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node not in upstream or registry.op_name(node.target) is not None:
+        if (node.op != "call_function" or node not in upstream or registry.op_name(node.target) is not None
+                or meta.get(node, meta.NEGATIVES) is not None):
             continue
         val = _fake(node)
         out = _b_dims(val, ti)
@@ -510,6 +514,100 @@ def batch_coupling(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
     return found
 
 
+_PRODUCTS = {aten.matmul.default, aten.mm.default}
+#: what may lie between the similarity and its loss: a temperature, a scale, a cast
+_SCALINGS = {aten.div.Tensor, aten.div.Scalar, aten.mul.Tensor, aten.mul.Scalar, aten.to.dtype,
+             aten._to_copy.default, aten.clone.default, aten.contiguous.default}
+_ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
+
+
+def _negatives(node: fx.Node, ti) -> tuple[list[fx.Node], fx.Node] | None:
+    """For a similarity `node` = q @ k.T over in-batch negatives -- q (B, D) the rank's samples on
+    the rows, k.T (D, B) the negatives on the columns -- reaching a cross entropy (or nll loss)
+    over its rows only through scalings, against targets arange(B) (sample i's positive is
+    column i): the chain of scalings and the loss. None for anything else."""
+    if node.target not in _PRODUCTS or len(node.args) != 2:
+        return None
+    q, k = (_fake(a) for a in node.args)
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == 2 and k.dim() == 2):
+        return None
+    if _b_dims(q, ti) != [0] or _b_dims(k, ti) != [1] or ti.expr(q.shape[0]) != BATCH or ti.expr(k.shape[1]) != BATCH:
+        return None
+    chain, cur = [], node
+    while True:
+        users = list(cur.users)
+        if len(users) != 1:
+            return None
+        u = users[0]
+        if u.target in _SCALINGS:
+            others = [a for a in u.args[1:] if isinstance(a, fx.Node)]
+            if u.args[0] is not cur and not (u.target in (aten.mul.Tensor,) and u.args[1] is cur):
+                return None
+            if any(_b_dims(_fake(a), ti) for a in others + [a for a in u.args[:1] if a is not cur]):
+                return None
+            chain.append(u)
+            cur = u
+            continue
+        if u.target in _LOSSES and u.args[0] is cur:
+            x, t, w, *_ = _loss_args(u)
+            if w is not None or not isinstance(t, fx.Node):
+                return None
+            src = t
+            while src.op == "call_function" and src.target in opsets.CASTS and isinstance(src.args[0], fx.Node):
+                src = src.args[0]
+            if src.target not in _ARANGES:
+                return None
+            start = 0 if src.target is aten.arange.default else src.args[0]
+            step = src.args[2] if src.target is aten.arange.start_step else 1
+            tv = _fake(src)
+            if start != 0 or step != 1 or tv is None or tv.dim() != 1 or ti.expr(tv.shape[0]) != BATCH:
+                return None
+            return chain, u
+        return None
+
+
+def gather_negatives(gm: fx.GraphModule, *, dp: int, group: str = "dp") -> list[str]:
+    """Each loss over in-batch negatives (`_negatives`: q @ k.T through scalings into a cross
+    entropy against arange(B), an InfoNCE loss) made the global batch's as CLIP's gathered
+    negatives do: k.T all-gathered over the data-parallel ranks (fxtron::batch_gather; its
+    backward reduce-scatters the gradient, so every rank's loss reaches the rank's samples), so
+    the rank's rows meet every rank's columns, and the targets moved to the rank's rows among them
+    (fxtron::batch_offset). The loss over the rank's rows is then a statistic the rest of
+    global_statistics averages over dp as any other. Only when the step's pieces are the dp ranks
+    (no microbatches: one process holds every negative at once). Returns where each was."""
+    if dp == 1:
+        return []
+    g, ti = gm.graph, meta.info(gm)
+    done = []
+    for node in list(g.nodes):
+        if node.op != "call_function":
+            continue
+        found = _negatives(node, ti)
+        if found is None:
+            continue
+        chain, loss = found
+        q, k = node.args
+        kv = _fake(k)
+        with g.inserting_before(node):
+            every = _insert(g, node, fxops.batch_gather.default, (k, 1, dp, group),
+                            val=kv.new_empty((kv.shape[0], kv.shape[1] * dp)))
+        node.replace_input_with(k, every)
+        for n in [node] + chain:     # the columns are now every rank's: the values' shapes follow
+            n.meta["val"] = n.target(*[_fake(a) if isinstance(a, fx.Node) else a for a in n.args], **n.kwargs)
+        t = loss.args[1]
+        with g.inserting_before(loss):
+            moved = _insert(g, loss, fxops.batch_offset.default, (t, group), val=torch.empty_like(_fake(t)))
+        loss.replace_input_with(t, moved)
+        how = f"the negatives gathered over dp={dp}, the targets the rank's rows among them"
+        meta.set(node, meta.NEGATIVES, how)
+        meta.set(loss, meta.NEGATIVES, how)
+        done.append(_where(node))
+    if done:
+        g.lint()
+        gm.recompile()
+    return done
+
+
 def check_batch_coupling(gm: fx.GraphModule, *, dp: int, pieces: int) -> None:
     """ParallelizeError for math across the batch dim fxtron cannot compute over the global batch
     (batch_coupling's ops), and for batch norm in training when a step cuts the batch into
@@ -524,8 +622,9 @@ def check_batch_coupling(gm: fx.GraphModule, *, dp: int, pieces: int) -> None:
             f"{_where(node)} reads across the batch dim: {why}{more}. The loss depends on it, and each of the "
             f"{pieces} pieces a step cuts the global batch into (dp={dp} x microbatches={micro}) would compute it over "
             f"its own samples only, not over the global batch as one process does; fxtron cannot make this op global "
-            f"(it makes reductions over the batch and batch norm global). Train this model with dp=1 and "
-            f"microbatches=1, or compute the coupling outside the batch dim")
+            f"(it makes reductions over the batch and batch norm global, and gathers the negatives of a one-way "
+            f"contrastive loss, q @ k.T scaled into a cross entropy against arange(B), at microbatches=1). Train "
+            f"this model with dp=1 and microbatches=1, or compute the coupling outside the batch dim")
     norms = [n for n in gm.graph.nodes if n.op == "call_function" and _is_training_batch_norm(n, meta.info(gm))]
     if norms and micro > 1:
         raise ParallelizeError(
@@ -722,5 +821,5 @@ def _statistic(gm: fx.GraphModule, node: fx.Node, kind: str, ti) -> Statistic:
     return Statistic(node.name, _where(node), gm=fx.GraphModule(gm, g))
 
 
-__all__ = ["Statistic", "StatisticsReport", "batch_coupling", "check_batch_coupling", "global_statistics",
+__all__ = ["Statistic", "StatisticsReport", "batch_coupling", "check_batch_coupling", "gather_negatives", "global_statistics",
            "split_token_means", "sync_batch_norms"]
