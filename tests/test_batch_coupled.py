@@ -11,10 +11,15 @@ tokens with a symbolic sequence, at dp=2, at dp=2 with zero=1 and at dp=2 x tp=2
 and running statistics bitwise equal on every rank; at dp=2 x cp=2 too (the sequence split: the
 means over it sum over cp first). The four-process cases are marked slow.
 
+A contrastive loss over in-batch negatives gathers them over dp (CLIP's way): an InfoNCE loss
+(q @ k.T / t against arange(B)) at dp=2 and dp=2 with zero=1, CLIP's symmetric loss at dp=2 and
+dp=4, within the same bounds of one process on the global batch.
+
 What fxtron cannot make global is a ParallelizeError naming the op and its module, found on the
-graph by shapes (not model names): a (B, B) similarity of in-batch negatives (an InfoNCE loss), a
-softmax over the batch dim, a batch norm when microbatches split the batch (no rank ever holds
-the global batch). A model without any of these gets nothing added (the control).
+graph by shapes (not model names): a (B, B) similarity used otherwise (a logsumexp over its
+columns), a softmax over the batch dim, in-batch negatives or a batch norm when microbatches
+split the batch (no rank ever holds the global batch). A model without any of these gets nothing
+added (the control: no collective in its graph).
 """
 from __future__ import annotations
 
@@ -26,7 +31,8 @@ import torch.nn.functional as F
 
 import fxtron
 from fxtron.core import meta
-from fxtron.tools.testing import adamw, assert_trains_like, cases_fixture, ranks_of, reference_training, train_program
+from fxtron.tools.testing import (adamw, assert_trains_like, cases_fixture, max_abs_diff, ranks_of, reference_training,
+                                  train_program)
 
 _opt = adamw()
 BN_KEYS = ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked")
@@ -97,13 +103,21 @@ class InfoNCE(torch.nn.Module):
 
 
 class CLIP(InfoNCE):
-    """The symmetric loss: the transposed similarity against the same targets too (its columns
-    the rank's samples, its rows every sample: not the one-way form fxtron gathers)."""
+    """CLIP's symmetric loss: the transposed similarity against the same targets too."""
 
     def forward(self, a, b):
         logits = self.sim(F.normalize(self.q(a), dim=-1), F.normalize(self.k(b), dim=-1))
         labels = torch.arange(a.shape[0])
         return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+class ColumnLoss(InfoNCE):
+    """The same similarity, its loss written with a logsumexp over the columns and the diagonal:
+    not a cross entropy against arange(B), which fxtron gathers."""
+
+    def forward(self, a, b):
+        logits = self.sim(F.normalize(self.q(a), dim=-1), F.normalize(self.k(b), dim=-1))
+        return torch.logsumexp(logits, dim=0).mean() - logits.diagonal().mean()
 
 
 class BatchSoftmax(torch.nn.Module):
@@ -118,7 +132,7 @@ class BatchSoftmax(torch.nn.Module):
         return (w * F.cross_entropy(self.head(x), y, reduction="none")).sum()
 
 
-MODELS = {"mlp": BNMLP, "conv": BNConv, "seq": BNSeq, "plain": lambda: BNMLP(bn=False), "nce": InfoNCE, "clip": CLIP,
+MODELS = {"mlp": BNMLP, "conv": BNConv, "seq": BNSeq, "plain": lambda: BNMLP(bn=False), "nce": InfoNCE, "clip": CLIP, "columns": ColumnLoss,
           "softmax": BatchSoftmax}
 
 
@@ -143,7 +157,7 @@ def _data(name: str, steps: int = 3) -> list:
         elif name == "seq":
             ids = torch.randint(0, 64, (8, (9, 5, 9)[s]), generator=g)      # sequences a multiple of 2 x cp
             out.append(((ids[:, :-1].clone(), ids[:, 1:].clone()), {}))
-        elif name in ("nce", "clip"):      # two views of each sample
+        elif name in ("nce", "clip", "columns"):      # two views of each sample
             out.append(((torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)), {}))
         else:
             out.append(((torch.randn(8, 8, generator=g) * 2 + 0.5, torch.randint(0, 4, (8,), generator=g)), {}))
@@ -164,7 +178,8 @@ def _parallelize(name: str, mesh: fxtron.Mesh, **kw) -> fxtron.ParallelModel:
 CASES = {"mlp-dp2": ("mlp", 2, {}, {}), "conv-dp2": ("conv", 2, {}, {}), "seq-dp2": ("seq", 2, {}, {}),
          "mlp-dp2-zero1": ("mlp", 2, {}, dict(zero=1)), "seq-dp2-tp2": ("seq", 4, dict(tp=2), {}),
          "seq-dp2-cp2": ("seq", 4, dict(cp=2), {}),
-         "plain-dp2": ("plain", 2, {}, {}), "nce-dp2": ("nce", 2, {}, {}), "nce-dp2-zero1": ("nce", 2, {}, dict(zero=1))}
+         "plain-dp2": ("plain", 2, {}, {}), "nce-dp2": ("nce", 2, {}, {}), "nce-dp2-zero1": ("nce", 2, {}, dict(zero=1)),
+         "clip-dp2": ("clip", 2, {}, {}), "clip-dp4": ("clip", 4, {}, {})}
 
 
 def _mesh(key):
@@ -196,7 +211,7 @@ trained4 = cases_fixture(lambda: {4: _jobs()[4]}, _run)       # tp and cp: four 
 
 # ------------------------------------------------------------------------------ against one process
 @pytest.mark.parametrize("key", [pytest.param(k, marks=[pytest.mark.slow] if CASES[k][1] == 4 else [])
-                                 for k in CASES if CASES[k][0] not in ("plain", "nce")])
+                                 for k in CASES if CASES[k][0] not in ("plain", "nce", "clip")])
 def test_batch_norm_trains_over_the_global_batch(request, key):
     name = CASES[key][0]
     ref = reference_training(_model(name), _data(name), _opt)
@@ -228,22 +243,26 @@ def test_a_model_without_batch_coupling_is_untouched(trained):
     assert len(synced) == 4 and all("batch_all_reduce" in str(c) for c in synced), synced
 
 
-@pytest.mark.parametrize("key", ["nce-dp2", "nce-dp2-zero1"])
-def test_in_batch_negatives_are_gathered_over_dp(trained, key):
-    ref = reference_training(_model("nce"), _data("nce"), _opt)
-    ranks = ranks_of(trained, _mesh(key), key)
+@pytest.mark.parametrize("key", ["nce-dp2", "nce-dp2-zero1", "clip-dp2",
+                                 pytest.param("clip-dp4", marks=pytest.mark.slow)])
+def test_in_batch_negatives_are_gathered_over_dp(request, key):
+    name, world = CASES[key][:2]
+    ref = reference_training(_model(name), _data(name), _opt)
+    ranks = ranks_of(request.getfixturevalue("trained4" if world == 4 else "trained"), _mesh(key), key)
     for rank, got in enumerate(ranks):
-        print(f"{key} rank {rank}: losses {got['losses']} vs {ref['losses']}")
+        dg, where = max_abs_diff(got["grads"], ref["grads"])
+        print(f"{key} rank {rank}: losses {got['losses']} vs {ref['losses']}, gradients {dg:.2e} ({where})")
         assert_trains_like(got, ref, rank=rank)
     graph = " ".join(ranks[0]["graph"])
-    assert graph.count("batch_gather") == 1 and graph.count("batch_offset") == 1, graph
-    assert "in-batch negatives gathered over dp=2" in ranks[0]["summary"] and "in sim" in ranks[0]["summary"]
+    sides = 2 if name == "clip" else 1     # CLIP: k gathered for the rows of q, q for the rows of k
+    assert graph.count("batch_gather") == sides and graph.count("batch_offset") == sides, graph
+    assert f"in-batch negatives gathered over dp={world}" in ranks[0]["summary"] and "in sim" in ranks[0]["summary"]
 
 
 # ------------------------------------------------------------------------------ without processes
 def test_in_batch_negatives_fxtron_cannot_gather_are_an_error_naming_the_op_and_module():
-    with pytest.raises(fxtron.ParallelizeError) as e:      # the symmetric loss
-        _parallelize("clip", fxtron.Mesh(2)).compiled(0)
+    with pytest.raises(fxtron.ParallelizeError) as e:      # not a cross entropy against arange(B)
+        _parallelize("columns", fxtron.Mesh(2)).compiled(0)
     text = str(e.value)
     assert "aten.matmul" in text and "in sim" in text and "(B, B)" in text, text
     assert "dp=1 and microbatches=1" in text, text
@@ -252,7 +271,7 @@ def test_in_batch_negatives_fxtron_cannot_gather_are_an_error_naming_the_op_and_
         _parallelize("nce", fxtron.Mesh(2), microbatches=2).compiled(0)
     with pytest.raises(fxtron.ParallelizeError, match="reads across the batch dim"):
         _parallelize("nce", fxtron.Mesh(1), microbatches=2).compiled(0)
-    _parallelize("clip", fxtron.Mesh(1)).compiled(0)        # one piece: the one-process model
+    _parallelize("columns", fxtron.Mesh(1)).compiled(0)        # one piece: the one-process model
 
 
 def test_a_softmax_over_the_batch_is_an_error():

@@ -636,13 +636,18 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
                      f"rows received are gathered over tp (Megatron's order)")
     if config.recompute.granularity is not None:
         head += "\n" + recompute_note(config, mesh, stage_assignment is not None, compiled)
-    note = statistics_note(mesh, config, meta.info(compiled(0).gm).statistics_report)
+    stats = meta.info(compiled(0).gm).statistics_report
+    note = statistics_note(mesh, config, stats)
     if note:
         head += "\n" + note
     if init:
         head += "\n" + init
     per = "microbatch" if config.pipeline.microbatches > 1 else "step"
-    axes = "+".join(a for a in ("tp", "cp", "ep") if getattr(mesh, a) > 1) or "tp"
+    # the graphs' collectives: over tp, cp, ep, and over dp where the model's batch math is (passes/statistics.py)
+    over = [a for a in ("tp", "cp", "ep") if getattr(mesh, a) > 1]
+    if stats is not None and (stats.summed or stats.synced or stats.gathered):
+        over.append("dp")
+    axes = "+".join(over) or "tp"
     headers = ["rank", "coords", "params", "param bytes", f"{axes} collectives / {per}", f"{axes} wire bytes / {per}",
                ("dp-cp" if mesh.cp > 1 else "dp") + (" + expert-dp" if mesh.ep > 1 else "") + " grad sync sent / step"]
     if stage_assignment is not None:

@@ -33,10 +33,14 @@ batch's:
 The counts a mixture-of-experts layer's grouped GEMMs are offset by stay the rank's (they
 describe the rank's rows). A reduction over the batch the pass cannot reason about (a max over
 the batch, a sort of all tokens feeding the loss) is a ParallelizeError unless the user opted
-into per-rank statistics. So is math that reads across the batch dim without reducing it away
-(`batch_coupling`, by shapes: a (B, B) similarity of in-batch negatives, a softmax over the
-batch dim, a loss whose classes are the samples, a roll along the batch), whatever the options:
-each piece would compute it over its own samples.
+into per-rank statistics.
+
+Math that reads across the batch dim without reducing it away (`batch_coupling`, by shapes: a
+(B, B) similarity, a softmax over the batch dim, a loss whose classes are the samples, a roll
+along the batch) is made global where fxtron can: a contrastive loss over in-batch negatives (q
+@ k.T through scalings, and a transpose, into cross entropies against arange(B): InfoNCE,
+CLIP) gathers the negatives over dp, CLIP's way (`gather_negatives`). Anything else is a
+ParallelizeError whatever the options: each piece would compute it over its own samples.
 """
 from __future__ import annotations
 
@@ -521,11 +525,47 @@ _SCALINGS = {aten.div.Tensor, aten.div.Scalar, aten.mul.Tensor, aten.mul.Scalar,
 _ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
 
 
-def _negatives(node: fx.Node, ti) -> tuple[list[fx.Node], fx.Node] | None:
+def _swaps(node: fx.Node) -> bool:
+    """Whether `node` transposes a 2-d value (.T, t(), transpose(0, 1), permute(1, 0))."""
+    t, a = node.target, node.args
+    if t in (aten.t.default, aten.numpy_T.default):
+        return True
+    if t is aten.transpose.int:
+        return {a[1] % 2, a[2] % 2} == {0, 1}
+    return t is aten.permute.default and [d % 2 for d in a[1]] == [1, 0]
+
+
+def _arange_of_batch(t, ti) -> bool:
+    """Whether targets `t` are arange(B) (through casts): sample i's positive is column i."""
+    if not isinstance(t, fx.Node):
+        return False
+    while t.op == "call_function" and t.target in opsets.CASTS and isinstance(t.args[0], fx.Node):
+        t = t.args[0]
+    if t.op != "call_function" or t.target not in _ARANGES:
+        return False
+    start = 0 if t.target is aten.arange.default else t.args[0]
+    step = t.args[2] if t.target is aten.arange.start_step else 1
+    tv = _fake(t)
+    return start == 0 and step == 1 and tv is not None and tv.dim() == 1 and ti.expr(tv.shape[0]) == BATCH
+
+
+@dataclass
+class _Path:
+    """One way from a similarity to a loss: the scalings before a transpose (or all of them),
+    the transpose (None: the loss's rows are the similarity's), the scalings after it, the loss."""
+
+    before: list
+    swap: fx.Node | None
+    after: list
+    loss: fx.Node
+
+
+def _negatives(node: fx.Node, ti) -> list[_Path] | None:
     """For a similarity `node` = q @ k.T over in-batch negatives -- q (B, D) the rank's samples on
-    the rows, k.T (D, B) the negatives on the columns -- reaching a cross entropy (or nll loss)
-    over its rows only through scalings, against targets arange(B) (sample i's positive is
-    column i): the chain of scalings and the loss. None for anything else."""
+    the rows, k.T (D, B) the negatives on the columns -- every use of which reaches a cross
+    entropy (or nll loss) against arange(B) (sample i's positive is column i) through scalings (a
+    temperature, a scale, casts) and at most one transpose (CLIP's symmetric loss): the paths.
+    None for anything else."""
     if node.target not in _PRODUCTS or len(node.args) != 2:
         return None
     q, k = (_fake(a) for a in node.args)
@@ -533,74 +573,101 @@ def _negatives(node: fx.Node, ti) -> tuple[list[fx.Node], fx.Node] | None:
         return None
     if _b_dims(q, ti) != [0] or _b_dims(k, ti) != [1] or ti.expr(q.shape[0]) != BATCH or ti.expr(k.shape[1]) != BATCH:
         return None
-    chain, cur = [], node
-    while True:
-        users = list(cur.users)
-        if len(users) != 1:
-            return None
-        u = users[0]
-        if u.target in _SCALINGS:
-            others = [a for a in u.args[1:] if isinstance(a, fx.Node)]
-            if u.args[0] is not cur and not (u.target in (aten.mul.Tensor,) and u.args[1] is cur):
-                return None
-            if any(_b_dims(_fake(a), ti) for a in others + [a for a in u.args[:1] if a is not cur]):
-                return None
-            chain.append(u)
-            cur = u
-            continue
-        if u.target in _LOSSES and u.args[0] is cur:
-            x, t, w, *_ = _loss_args(u)
-            if w is not None or not isinstance(t, fx.Node):
-                return None
-            src = t
-            while src.op == "call_function" and src.target in opsets.CASTS and isinstance(src.args[0], fx.Node):
-                src = src.args[0]
-            if src.target not in _ARANGES:
-                return None
-            start = 0 if src.target is aten.arange.default else src.args[0]
-            step = src.args[2] if src.target is aten.arange.start_step else 1
-            tv = _fake(src)
-            if start != 0 or step != 1 or tv is None or tv.dim() != 1 or ti.expr(tv.shape[0]) != BATCH:
-                return None
-            return chain, u
-        return None
+    paths: list[_Path] = []
+
+    def walk(cur: fx.Node, before: list, swap, after: list) -> bool:
+        if not cur.users:
+            return False
+        for u in cur.users:
+            if u.target in _SCALINGS:
+                rest = [a for i, a in enumerate(u.args) if a is not cur]
+                if (u.args[0] is not cur and not (u.target is aten.mul.Tensor and u.args[1] is cur)) or any(
+                        isinstance(a, fx.Node) and _b_dims(_fake(a), ti) for a in rest):
+                    return False
+                if not walk(u, before + [u] if swap is None else before, swap, after + [u] if swap else after):
+                    return False
+            elif swap is None and _swaps(u):
+                if not walk(u, before, u, []):
+                    return False
+            elif u.target in _LOSSES and u.args[0] is cur:
+                x, t, w, *_ = _loss_args(u)
+                if w is not None or not _arange_of_batch(t, ti):
+                    return False
+                paths.append(_Path(before, swap, after, u))
+            else:
+                return False
+        return True
+    return paths if walk(node, [], None, []) and paths else None
+
+
+def _refake(nodes) -> None:
+    """Each node's value computed again from its inputs' (their shapes changed)."""
+    for n in nodes:
+        n.meta["val"] = n.target(*[_fake(a) if isinstance(a, fx.Node) else a for a in n.args], **n.kwargs)
 
 
 def gather_negatives(gm: fx.GraphModule, *, dp: int, group: str = "dp") -> list[str]:
     """Each loss over in-batch negatives (`_negatives`: q @ k.T through scalings into a cross
-    entropy against arange(B), an InfoNCE loss) made the global batch's as CLIP's gathered
-    negatives do: k.T all-gathered over the data-parallel ranks (fxtron::batch_gather; its
-    backward reduce-scatters the gradient, so every rank's loss reaches the rank's samples), so
-    the rank's rows meet every rank's columns, and the targets moved to the rank's rows among them
-    (fxtron::batch_offset). The loss over the rank's rows is then a statistic the rest of
-    global_statistics averages over dp as any other. Only when the step's pieces are the dp ranks
-    (no microbatches: one process holds every negative at once). Returns where each was."""
+    entropy against arange(B), an InfoNCE loss, and CLIP's symmetric one through a transpose)
+    made the global batch's as CLIP's gathered negatives do. The rank's rows meet every rank's
+    columns: k.T is all-gathered over the data-parallel ranks (fxtron::batch_gather; its backward
+    reduce-scatters the gradient, so every rank's loss reaches the rank's samples); the transposed
+    similarity's rows are the rank's k against every rank's q, computed so (k @ gathered q.T, the
+    scalings before the transpose repeated on it). Each loss's targets move to the rank's rows
+    among the columns (fxtron::batch_offset). A loss over the rank's rows is then a statistic the
+    rest of global_statistics averages over dp as any other. Only when the step's pieces are the
+    dp ranks (no microbatches: one process holds every negative at once). Returns where each was."""
     if dp == 1:
         return []
     g, ti = gm.graph, meta.info(gm)
     done = []
+    how = f"the negatives gathered over dp={dp}, the targets the rank's rows among them"
     for node in list(g.nodes):
         if node.op != "call_function":
             continue
-        found = _negatives(node, ti)
-        if found is None:
+        paths = _negatives(node, ti)
+        if paths is None:
             continue
-        chain, loss = found
         q, k = node.args
-        kv = _fake(k)
-        with g.inserting_before(node):
-            every = _insert(g, node, fxops.batch_gather.default, (k, 1, dp, group),
-                            val=kv.new_empty((kv.shape[0], kv.shape[1] * dp)))
-        node.replace_input_with(k, every)
-        for n in [node] + chain:     # the columns are now every rank's: the values' shapes follow
-            n.meta["val"] = n.target(*[_fake(a) if isinstance(a, fx.Node) else a for a in n.args], **n.kwargs)
-        t = loss.args[1]
-        with g.inserting_before(loss):
-            moved = _insert(g, loss, fxops.batch_offset.default, (t, group), val=torch.empty_like(_fake(t)))
-        loss.replace_input_with(t, moved)
-        how = f"the negatives gathered over dp={dp}, the targets the rank's rows among them"
-        meta.set(node, meta.NEGATIVES, how)
-        meta.set(loss, meta.NEGATIVES, how)
+
+        def gathered(x: fx.Node, like: fx.Node) -> fx.Node:
+            xv = _fake(x)
+            return _insert(g, like, fxops.batch_gather.default, (x, 1, dp, group),
+                           val=xv.new_empty((xv.shape[0], xv.shape[1] * dp)))
+        if any(p.swap is None for p in paths):
+            with g.inserting_before(node):
+                every = gathered(k, node)
+            node.replace_input_with(k, every)
+            _refake([node] + list(dict.fromkeys(n for p in paths if p.swap is None for n in p.before)))
+            meta.set(node, meta.NEGATIVES, how)
+        for swap in dict.fromkeys(p.swap for p in paths if p.swap is not None):
+            before = next(p.before for p in paths if p.swap is swap)
+            with g.inserting_before(swap):
+                def call(target, *args, like=swap):
+                    out = _insert(g, like, target, args, val=target(
+                        *[_fake(a) if isinstance(a, fx.Node) else a for a in args]))
+                    return out
+                rows = call(aten.t.default, k)
+                qt = call(aten.t.default, q)
+                every = gathered(qt, swap)
+                prod = call(node.target, rows, every, like=node)
+                meta.set(prod, meta.NEGATIVES, how)
+                prev_old, prev_new = node, prod
+                for s in before:      # the scalings before the transpose, on the rank's rows of k
+                    args = tuple(prev_new if a is prev_old else a for a in s.args)
+                    prev_old, prev_new = s, call(s.target, *args, like=s)
+            swap.replace_all_uses_with(prev_new)
+            g.erase_node(swap)
+        _refake(list(dict.fromkeys(n for p in paths for n in p.after)))
+        for p in paths:
+            t = p.loss.args[1]
+            with g.inserting_before(p.loss):
+                moved = _insert(g, p.loss, fxops.batch_offset.default, (t, group), val=torch.empty_like(_fake(t)))
+            p.loss.replace_input_with(t, moved)
+            meta.set(p.loss, meta.NEGATIVES, how)
+        for n in reversed([node] + list(dict.fromkeys(n for p in paths for n in p.before))):
+            if not n.users and n.op == "call_function":      # only the transposed use: the product unused
+                g.erase_node(n)
         done.append(_where(node))
     if done:
         g.lint()
@@ -622,8 +689,9 @@ def check_batch_coupling(gm: fx.GraphModule, *, dp: int, pieces: int) -> None:
             f"{_where(node)} reads across the batch dim: {why}{more}. The loss depends on it, and each of the "
             f"{pieces} pieces a step cuts the global batch into (dp={dp} x microbatches={micro}) would compute it over "
             f"its own samples only, not over the global batch as one process does; fxtron cannot make this op global "
-            f"(it makes reductions over the batch and batch norm global, and gathers the negatives of a one-way "
-            f"contrastive loss, q @ k.T scaled into a cross entropy against arange(B), at microbatches=1). Train "
+            f"(it makes reductions over the batch and batch norm global, and gathers the negatives of a "
+            f"contrastive loss, q @ k.T scaled -- and transposed -- into cross entropies against arange(B), at "
+            f"microbatches=1). Train "
             f"this model with dp=1 and microbatches=1, or compute the coupling outside the batch dim")
     norms = [n for n in gm.graph.nodes if n.op == "call_function" and _is_training_batch_norm(n, meta.info(gm))]
     if norms and micro > 1:
