@@ -8,12 +8,13 @@ those global values, the same on every rank. Held to one process on the global b
 AdamW steps: an MLP with BatchNorm1d, a conv net with BatchNorm2d, a BatchNorm1d over (B, D, T)
 tokens with a symbolic sequence, at dp=2, at dp=2 with zero=1 and at dp=2 x tp=2; losses within
 2e-6, first-step gradients within 1e-6, weights and running statistics within 1e-5 of one process
-and running statistics bitwise equal on every rank; at dp=2 x cp=2 too (the sequence split: the
+and running statistics bitwise equal on every rank; with the norm's channels split over tp too; at dp=2 x cp=2 too (the sequence split: the
 means over it sum over cp first). The four-process cases are marked slow.
 
 A contrastive loss over in-batch negatives gathers them over dp (CLIP's way): an InfoNCE loss
 (q @ k.T / t against arange(B)) at dp=2 and dp=2 with zero=1, CLIP's symmetric loss at dp=2 and
-dp=4, within the same bounds of one process on the global batch.
+dp=4, and with q and k split over tp=2 (colwise), within the same bounds of one process on the
+global batch.
 
 What fxtron cannot make global is a ParallelizeError naming the op and its module, found on the
 graph by shapes (not model names): a (B, B) similarity used otherwise (a logsumexp over its
@@ -179,7 +180,10 @@ CASES = {"mlp-dp2": ("mlp", 2, {}, {}), "conv-dp2": ("conv", 2, {}, {}), "seq-dp
          "mlp-dp2-zero1": ("mlp", 2, {}, dict(zero=1)), "seq-dp2-tp2": ("seq", 4, dict(tp=2), {}),
          "seq-dp2-cp2": ("seq", 4, dict(cp=2), {}),
          "plain-dp2": ("plain", 2, {}, {}), "nce-dp2": ("nce", 2, {}, {}), "nce-dp2-zero1": ("nce", 2, {}, dict(zero=1)),
-         "clip-dp2": ("clip", 2, {}, {}), "clip-dp4": ("clip", 4, {}, {})}
+         "clip-dp2": ("clip", 2, {}, {}), "clip-dp4": ("clip", 4, {}, {}),
+         # the norm's channels split over tp (l1 colwise): each tp rank's channels' statistics over dp
+         "mlp-dp2-tp2-split": ("mlp", 4, dict(tp=2), dict(plan={"l1": "colwise", "l2": "rowwise"})),
+         "clip-dp2-tp2-split": ("clip", 4, dict(tp=2), dict(plan={"q": "colwise", "k": "colwise"}))}
 
 
 def _mesh(key):
@@ -243,8 +247,8 @@ def test_a_model_without_batch_coupling_is_untouched(trained):
     assert len(synced) == 4 and all("batch_all_reduce" in str(c) for c in synced), synced
 
 
-@pytest.mark.parametrize("key", ["nce-dp2", "nce-dp2-zero1", "clip-dp2",
-                                 pytest.param("clip-dp4", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("key", ["nce-dp2", "nce-dp2-zero1", "clip-dp2", pytest.param("clip-dp4", marks=pytest.mark.slow),
+                                 pytest.param("clip-dp2-tp2-split", marks=pytest.mark.slow)])
 def test_in_batch_negatives_are_gathered_over_dp(request, key):
     name, world = CASES[key][:2]
     ref = reference_training(_model(name), _data(name), _opt)
@@ -256,7 +260,7 @@ def test_in_batch_negatives_are_gathered_over_dp(request, key):
     graph = " ".join(ranks[0]["graph"])
     sides = 2 if name == "clip" else 1     # CLIP: k gathered for the rows of q, q for the rows of k
     assert graph.count("batch_gather") == sides and graph.count("batch_offset") == sides, graph
-    assert f"in-batch negatives gathered over dp={world}" in ranks[0]["summary"] and "in sim" in ranks[0]["summary"]
+    assert f"in-batch negatives gathered over dp={_mesh(key).dp}" in ranks[0]["summary"] and "in sim" in ranks[0]["summary"]
 
 
 # ------------------------------------------------------------------------------ without processes

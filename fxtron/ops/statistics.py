@@ -161,7 +161,13 @@ def batch_gather(x: Tensor, dim: int, world: int, group: str) -> Tensor:
     """Every data-parallel rank's `x` concatenated along `dim` in rank order (the `world` ranks
     of `group`): the in-batch negatives of every rank. Backward: the gradient summed over the
     group, this rank's slice (a reduce-scatter): every rank's loss reads this rank's samples."""
-    return T.gather(x, dim, T.resolve(group))
+    return _gathered(x, dim, world, group)
+
+
+def _gathered(x: Tensor, dim: int, world: int, group: str) -> Tensor:
+    pg = T.resolve(group)
+    T.check_world(pg, world, "batch_gather", group)
+    return x.clone(memory_format=torch.contiguous_format) if pg is None else T.gather(x, dim, pg)
 
 
 @batch_gather.register_fake
@@ -172,7 +178,8 @@ def _(x, dim, world, group):
 
 
 def _batch_gather_bwd(ctx, grad):
-    return T.reduce_scatter(grad, ctx.dim, T.resolve(ctx.group)), None, None, None
+    pg = T.resolve(ctx.group)
+    return (grad.clone() if pg is None else T.reduce_scatter(grad, ctx.dim, pg)), None, None, None
 
 
 def _batch_gather_setup(ctx, inputs, output):
@@ -188,7 +195,7 @@ class _BatchGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, world, group):
         ctx.dim, ctx.group = dim, group
-        return T.gather(x, dim, T.resolve(group))
+        return _gathered(x, dim, world, group)
 
     backward = staticmethod(_batch_gather_bwd)
 
@@ -200,14 +207,18 @@ def batch_gather_eager(x: Tensor, dim: int, world: int, group: str) -> Tensor:
 @torch.library.custom_op("fxtron::batch_offset", mutates_args=())
 def batch_offset(x: Tensor, group: str) -> Tensor:
     """Indices of the rank's own rows `x` (0 .. n-1, an arange over its batch) as indices into
-    every rank's rows gathered in rank order: x + the rank's place in `group` x n."""
+    every rank's rows gathered in rank order: x + the rank's place in `group` x n. Backward: the
+    gradient as it is (a constant added)."""
     pg = T.resolve(group)
-    return x + pg.rank() * x.shape[0]
+    return x + (0 if pg is None else pg.rank()) * x.shape[0]
 
 
 @batch_offset.register_fake
 def _(x, group):
     return torch.empty_like(x)
+
+
+batch_offset.register_autograd(lambda ctx, grad: (grad, None))
 
 
 register(OpSpec("batch_gather", axis_arg=3, forward=Comm("all_gather", "input"),

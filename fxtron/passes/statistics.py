@@ -283,7 +283,10 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
                       group: str = "dp") -> fx.GraphModule:
     """Make every statistic of the batch the loss depends on the global batch's (module
     docstring): `dp` data-parallel ranks, `pieces` = dp x microbatches per step; `local`
-    (moe_aux_loss="local") leaves the statistics the loss uses nonlinearly per rank. Records
+    (moe_aux_loss="local") leaves the statistics the loss uses nonlinearly per rank. Batch norms
+    in training are synced over dp (`sync_batch_norms`), in-batch negatives gathered
+    (`gather_negatives`), and other math across the batch is a ParallelizeError
+    (`check_batch_coupling`). Records
     the input statistics the runtime computes (TraceInfo.statistics) and what it did
     (TraceInfo.statistics_report). Edits gm in place and returns it."""
     if dp == 1 and pieces == 1:
@@ -757,7 +760,7 @@ def sync_batch_norms(gm: fx.GraphModule, *, dp: int, group: str = "dp") -> list[
                     val = target(*[_fake(v) if isinstance(v, fx.Node) else v for v in a], **kw)
                 out = _insert(g, node, target, a, kw, val=val)
                 meta.set(out, meta.PROVENANCE, meta.Provenance(
-                    "global_statistics", f"batch norm over every dp rank's samples (SyncBatchNorm)"))
+                    "global_statistics", "batch norm over every dp rank's samples (SyncBatchNorm)"))
                 return out
 
             def over_dp(local):          # the average over the dp ranks of a per-rank mean
