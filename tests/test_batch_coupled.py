@@ -9,7 +9,7 @@ AdamW steps: an MLP with BatchNorm1d, a conv net with BatchNorm2d, a BatchNorm1d
 tokens with a symbolic sequence, at dp=2, at dp=2 with zero=1 and at dp=2 x tp=2; losses within
 2e-6, first-step gradients within 1e-6, weights and running statistics within 1e-5 of one process
 and running statistics bitwise equal on every rank; with the norm's channels split over tp too; at dp=2 x cp=2 too (the sequence split: the
-means over it sum over cp first). The four-process cases are marked slow.
+means over it sum over cp first). The fast tier trains the MLP and CLIP at dp=2 and the control; the rest is marked slow.
 
 A contrastive loss over in-batch negatives gathers them over dp (CLIP's way): an InfoNCE loss
 (q @ k.T / t against arange(B)) at dp=2 and dp=2 with zero=1, CLIP's symmetric loss at dp=2 and
@@ -202,24 +202,35 @@ def _run(rank, mesh, key):
     return out
 
 
-def _jobs():
+#: the fast tier's cases (one two-process job); the rest are marked slow
+FAST = ("mlp-dp2", "clip-dp2", "plain-dp2")
+
+
+def _jobs(keys):
     jobs: dict[int, list] = {}
-    for key in CASES:
+    for key in keys:
         jobs.setdefault(CASES[key][1], []).append((_mesh(key), [key]))
     return jobs
 
 
-trained = cases_fixture(lambda: {2: _jobs()[2]}, _run)
-trained4 = cases_fixture(lambda: {4: _jobs()[4]}, _run)       # tp and cp: four processes, slow
+def _marks(key):
+    return [] if key in FAST else [pytest.mark.slow]
+
+
+def _results(request, key):
+    return ranks_of(request.getfixturevalue("trained" if key in FAST else "trained_slow"), _mesh(key), key)
+
+
+trained = cases_fixture(lambda: _jobs(FAST), _run)
+trained_slow = cases_fixture(lambda: _jobs([k for k in CASES if k not in FAST]), _run)
 
 
 # ------------------------------------------------------------------------------ against one process
-@pytest.mark.parametrize("key", [pytest.param(k, marks=[pytest.mark.slow] if CASES[k][1] == 4 else [])
-                                 for k in CASES if CASES[k][0] not in ("plain", "nce", "clip")])
+@pytest.mark.parametrize("key", [pytest.param(k, marks=_marks(k)) for k in CASES if CASES[k][0] not in ("plain", "nce", "clip")])
 def test_batch_norm_trains_over_the_global_batch(request, key):
     name = CASES[key][0]
     ref = reference_training(_model(name), _data(name), _opt)
-    ranks = ranks_of(request.getfixturevalue("trained4" if CASES[key][1] == 4 else "trained"), _mesh(key), key)
+    ranks = _results(request, key)
     for rank, got in enumerate(ranks):
         worst = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"]))
         stats = {k: float((got["state"][k].double() - ref["state"][k].double()).abs().max()) for k in BN_KEYS}
@@ -247,12 +258,11 @@ def test_a_model_without_batch_coupling_is_untouched(trained):
     assert len(synced) == 4 and all("batch_all_reduce" in str(c) for c in synced), synced
 
 
-@pytest.mark.parametrize("key", ["nce-dp2", "nce-dp2-zero1", "clip-dp2", pytest.param("clip-dp4", marks=pytest.mark.slow),
-                                 pytest.param("clip-dp2-tp2-split", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("key", [pytest.param(k, marks=_marks(k)) for k in CASES if CASES[k][0] in ("nce", "clip")])
 def test_in_batch_negatives_are_gathered_over_dp(request, key):
     name, world = CASES[key][:2]
     ref = reference_training(_model(name), _data(name), _opt)
-    ranks = ranks_of(request.getfixturevalue("trained4" if world == 4 else "trained"), _mesh(key), key)
+    ranks = _results(request, key)
     for rank, got in enumerate(ranks):
         dg, where = max_abs_diff(got["grads"], ref["grads"])
         print(f"{key} rank {rank}: losses {got['losses']} vs {ref['losses']}, gradients {dg:.2e} ({where})")

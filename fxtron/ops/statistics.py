@@ -3,12 +3,15 @@
 A rank computes its loss on one piece of the global batch: its data-parallel slice, cut into
 microbatches. The runtime averages what the pieces give (the gradients over dp, the losses over
 microbatches), which is the one-process loss only where the loss is a mean over equal pieces.
-Anything else the model computes over its batch is made the global batch's by three ops:
+Anything else the model computes over its batch is made the global batch's by these ops:
 
     op (schema)                                forward                           backward
     batch_all_reduce(Tensor x, str group)      all-reduce SUM over the group     all-reduce SUM
     batch_scale(Tensor x)                      x * pieces                        grad * pieces
     global_statistic(Tensor x, str key)        the step's value for `key`        none
+    batch_gather(Tensor x, int dim, int world, all-gather along dim               reduce-scatter
+                 str group)
+    batch_offset(Tensor x, str group)          x + the rank's place x len(x)     the same
 
 `batch_all_reduce` makes a statistic the loss uses nonlinearly (a load-balancing loss's
 tokens per expert and mean router probabilities, a batch norm's mean and variance) the sum over
