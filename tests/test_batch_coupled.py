@@ -6,10 +6,11 @@ training batch norm out with its statistics averaged over the dp ranks (fxtron::
 whose backward sums the gradient: SyncBatchNorm's math) and the running statistics updated from
 those global values, the same on every rank. Held to one process on the global batch over three
 AdamW steps: an MLP with BatchNorm1d, a conv net with BatchNorm2d, a BatchNorm1d over (B, D, T)
-tokens with a symbolic sequence, at dp=2, at dp=2 with zero=1 and at dp=2 x tp=2; losses within
-2e-6, first-step gradients within 1e-6, weights and running statistics within 1e-5 of one process
-and running statistics bitwise equal on every rank; with the norm's channels split over tp too; at dp=2 x cp=2 too (the sequence split: the
-means over it sum over cp first). The fast tier trains the MLP and CLIP at dp=2 and the control; the rest is marked slow.
+tokens with a symbolic sequence, at dp=2, dp=2 with zero=1, dp=2 x tp=2 (the norm's channels
+split over tp too) and dp=2 x cp=2 (the sequence split: the means over it sum over cp first);
+losses within 2e-6, first-step gradients within 1e-6, weights and running statistics within
+1e-5 of one process, running statistics bitwise equal on every rank. The fast tier trains the
+MLP and CLIP at dp=2 and the control; the rest is marked slow.
 
 A contrastive loss over in-batch negatives gathers them over dp (CLIP's way): an InfoNCE loss
 (q @ k.T / t against arange(B)) at dp=2 and dp=2 with zero=1, CLIP's symmetric loss at dp=2 and
