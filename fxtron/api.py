@@ -114,7 +114,10 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
     loss's tokens per expert and router probabilities) is summed over the data-parallel ranks,
     per microbatch as gradient accumulation computes it. `moe_aux_loss="local"` (Megatron's
     default) opts out of the last: each dp rank's own statistics, a change of the model the
-    summary names. A reduction over the batch fxtron cannot make global is a ParallelizeError.
+    summary names. BatchNorm in training normalizes with every dp rank's samples (SyncBatchNorm;
+    with microbatches > 1 an error); a contrastive loss over in-batch negatives (InfoNCE, CLIP)
+    gathers the negatives over dp. A reduction over the batch fxtron cannot make global, and other
+    math across the batch dim (a softmax over the batch), is a ParallelizeError.
     Routing is dropless (the single-process model's); `moe_capacity_factor=c` opts into
     Switch/GShard capacity instead: each expert takes at most ceil(c x k T / E) of each rank's k T
     copies (the first in token order), the rest dropped -- a change of the model, since which

@@ -107,8 +107,8 @@ def _run_eval(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
     pm = fxtron.parallelize(model, mesh, example_inputs=args, example_kwargs=kwargs or None, **kw)
     prog = pm.program(rank)
     opt = torch.optim.AdamW(prog.parameters(), lr=LR)
-    if case.name != "bn":     # a step: the optimizer has state. (BatchNorm's training at dp=2 normalizes each
-        prog.train_step(args, opt, kwargs=kwargs)   # rank's half batch, its running statistics then differ per rank)
+    if case.name != "bn":     # a step: the optimizer has state. (BatchNorm's training at dp=2: test_batch_coupled.py)
+        prog.train_step(args, opt, kwargs=kwargs)
     norm = prog.last_grad_norm
     before, state = _full(prog), _opt_state(prog, opt)
     grads = [None if p.grad is None else p.grad.detach().clone() for p in prog.parameters()]

@@ -254,6 +254,8 @@ def _cases(pg, one_rank_group: str) -> dict:
         "batch_all_reduce": lambda: ops.batch_all_reduce(_leaf(x8), group),
         "batch_scale": lambda: ops.batch_scale(_leaf(x8)),
         "global_statistic": lambda: ops.global_statistic(_leaf(x8), "count"),
+        "batch_gather": lambda: ops.batch_gather(_leaf(x8), 0, tp, group),
+        "batch_offset": lambda: ops.batch_offset(_leaf(x8), group),
     }
     counter = _Count(transport, ["all_reduce", "all_gather", "gather", "reduce_scatter"])
     out["table"] = {}
@@ -473,10 +475,11 @@ def _samples():
             (ops.gather_from_sequence, (x, 0, 1, "")),
             (ops.vocab_parallel_embedding, (w, torch.tensor([[2, 7, 6], [5, 9, 0]]), 5)),
             (ops.vocab_parallel_cross_entropy_with_softmax, (lg, t, 0, IGNORE, 1, 0.1, "")),
-            (ops.vocab_parallel_cross_entropy, (lg, t, 0, IGNORE, 0, 0.0, ""))]
+            (ops.vocab_parallel_cross_entropy, (lg, t, 0, IGNORE, 0, 0.0, "")),
+            (ops.batch_gather, (x, 0, 1, "")), (ops.batch_offset, (x, ""))]
 
 
-@pytest.mark.parametrize("i", range(9))
+@pytest.mark.parametrize("i", range(11))
 def test_opcheck(i):
     op, args = _samples()[i]
     result = torch.library.opcheck(op, args)   # schema, autograd registration, fake, AOT (dynamic)

@@ -311,7 +311,9 @@ PASSES = pass_list(
          "dtype, device and global sizes); an op with no kernel for its dtype on the program's device (CUDA's "
          "bf16-only grouped GEMM) an error now", _trace, model_wide=True),
     Pass("global_statistics", "what the model computes over its batch is the global batch's: a token mean over "
-         "every piece's counted tokens, a summed loss summed, a load-balancing loss's statistics summed over dp",
+         "every piece's counted tokens, a summed loss summed, a load-balancing loss's statistics summed over dp, "
+         "BatchNorm's statistics over dp, in-batch negatives gathered over dp; math across the batch dim it cannot "
+         "make global an error",
          _set("gm", lambda s: global_statistics(s.gm, dp=s.mesh.size("dp"), pieces=_pieces(s),
                                                 local=s.config.experts.aux_loss == "local")),
          lambda s: _pieces(s) > 1, "dp x microbatches > 1", after=("trace",), model_wide=True),

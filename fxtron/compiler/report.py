@@ -555,6 +555,12 @@ def statistics_note(mesh: Mesh, config, report) -> str:
     if report.summed:
         parts.append(f"statistics the loss uses nonlinearly summed over dp={mesh.dp}, per microbatch "
                      f"({_few(report.summed)})")
+    if report.gathered:
+        parts.append(f"in-batch negatives gathered over dp={mesh.dp} with their gradient and the targets moved to the "
+                     f"rank's rows among them (CLIP's gathered negatives; {_few(report.gathered)})")
+    if report.synced:
+        parts.append(f"batch norms' mean and variance over every dp rank's samples and their running statistics "
+                     f"from those, the same on every rank (SyncBatchNorm; {_few(report.synced)})")
     text = (f"batch statistics over the global batch ({mesh.dp} dp x {config.pipeline.microbatches} microbatches = "
             f"{pieces} pieces): " + ("; ".join(parts) if parts else "none the loss depends on"))
     if report.local:
@@ -697,7 +703,8 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
                      f"rows received are gathered over tp (Megatron's order)")
     if config.recompute.granularity is not None:
         head += "\n" + recompute_note(config, mesh, stage_assignment is not None, compiled)
-    note = statistics_note(mesh, config, meta.info(compiled(0).gm).statistics_report)
+    stats = meta.info(compiled(0).gm).statistics_report
+    note = statistics_note(mesh, config, stats)
     if note:
         head += "\n" + note
     if config.codegen.compile:
@@ -711,7 +718,11 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
                  "Adafactor, Muon and any other class step whole matrices, each gathered to an owner rank "
                  "(prog.optimizer_mode(opt))")
     per = "microbatch" if config.pipeline.microbatches > 1 else "step"
-    axes = "+".join(a for a in ("tp", "cp", "ep") if getattr(mesh, a) > 1) or "tp"
+    # the graphs' collectives: over tp, cp, ep, and over dp where the model's batch math is (passes/statistics.py)
+    over = [a for a in ("tp", "cp", "ep") if getattr(mesh, a) > 1]
+    if stats is not None and (stats.summed or stats.synced or stats.gathered):
+        over.append("dp")
+    axes = "+".join(over) or "tp"
     headers = ["rank", "coords", "params", "param bytes", f"{axes} collectives / {per}", f"{axes} wire bytes / {per}",
                ("dp-cp" if mesh.cp > 1 else "dp") + (" + expert-dp" if mesh.ep > 1 else "") + " grad sync sent / step"]
     if stage_assignment is not None:

@@ -103,6 +103,9 @@ OWN_SIZE = _key("fxtron_own_size", bool,
                 "on a sym_size of a split value: the graph means this rank's own size (a tp rank's share of a "
                 "mixture-of-experts layer's copies, uneven by routing), which localize leaves as it is",
                 "passes.expert_parallel")
+NEGATIVES = _key("fxtron_negatives", str,
+                 "on an op reading across the batch made the global batch's by gathering its other operand over "
+                 "dp (in-batch negatives), or on the loss over those: how", "passes.statistics")
 STATISTIC = _key("fxtron_statistic", str,
                  "on a batch statistic the loss depends on (a reduction over the batch dim): how it was made the "
                  "global batch's -- 'scaled', 'global count', 'summed over dp', 'as is' (a mean, or a token mean's "

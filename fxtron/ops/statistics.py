@@ -3,15 +3,19 @@
 A rank computes its loss on one piece of the global batch: its data-parallel slice, cut into
 microbatches. The runtime averages what the pieces give (the gradients over dp, the losses over
 microbatches), which is the one-process loss only where the loss is a mean over equal pieces.
-Anything else the model computes over its batch is made the global batch's by three ops:
+Anything else the model computes over its batch is made the global batch's by these ops:
 
     op (schema)                                forward                           backward
     batch_all_reduce(Tensor x, str group)      all-reduce SUM over the group     all-reduce SUM
     batch_scale(Tensor x)                      x * pieces                        grad * pieces
     global_statistic(Tensor x, str key)        the step's value for `key`        none
+    batch_gather(Tensor x, int dim, int world, all-gather along dim               reduce-scatter
+                 str group)
+    batch_offset(Tensor x, str group)          x + the rank's place x len(x)     the same
 
 `batch_all_reduce` makes a statistic the loss uses nonlinearly (a load-balancing loss's
-tokens per expert and mean router probabilities) the sum over the data-parallel ranks. The
+tokens per expert and mean router probabilities, a batch norm's mean and variance) the sum over
+the data-parallel ranks. The
 rank's loss then holds the same term as every other rank's, and its backward sums the ranks'
 gradients of that term: after the gradient sync averages over dp, each parameter has the
 gradient of the term once, through every rank's tokens.
@@ -24,6 +28,11 @@ divides by: labels other than ignore_index) with its value over the whole global
 by the pieces -- computed by the runtime from the global batch before the step, since every
 rank has it. A token mean A / count then averages, over the pieces, to sum(A) / global count:
 the one-process mean however the ignored tokens spread over ranks and microbatches.
+
+Two more make a loss over in-batch negatives (an InfoNCE loss: q @ k.T against arange(B)) the
+global batch's, as CLIP's gathered negatives do: `batch_gather(x, dim, world, group)` all-gathers
+the negatives over the data-parallel ranks (backward: a reduce-scatter of the gradient), and
+`batch_offset(targets, group)` moves the rank's arange(n) targets to its rows' place among them.
 
 Outside a step (`BatchContext` not active: a plain forward on a rank's own batch) the ops are
 the rank's own: batch_scale is the identity and global_statistic returns its input.
@@ -149,9 +158,78 @@ def _global_statistic_bwd(ctx, grad):
 global_statistic.register_autograd(_global_statistic_bwd)
 
 
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("fxtron::batch_gather", mutates_args=())
+def batch_gather(x: Tensor, dim: int, world: int, group: str) -> Tensor:
+    """Every data-parallel rank's `x` concatenated along `dim` in rank order (the `world` ranks
+    of `group`): the in-batch negatives of every rank. Backward: the gradient summed over the
+    group, this rank's slice (a reduce-scatter): every rank's loss reads this rank's samples."""
+    return _gathered(x, dim, world, group)
+
+
+def _gathered(x: Tensor, dim: int, world: int, group: str) -> Tensor:
+    pg = T.resolve(group)
+    T.check_world(pg, world, "batch_gather", group)
+    return x.clone(memory_format=torch.contiguous_format) if pg is None else T.gather(x, dim, pg)
+
+
+@batch_gather.register_fake
+def _(x, dim, world, group):
+    shape = list(x.shape)
+    shape[dim] = shape[dim] * world
+    return x.new_empty(shape)
+
+
+def _batch_gather_bwd(ctx, grad):
+    pg = T.resolve(ctx.group)
+    return (grad.clone() if pg is None else T.reduce_scatter(grad, ctx.dim, pg)), None, None, None
+
+
+def _batch_gather_setup(ctx, inputs, output):
+    ctx.dim, ctx.group = inputs[1], inputs[3]
+
+
+batch_gather.register_autograd(_batch_gather_bwd, setup_context=_batch_gather_setup)
+
+
+class _BatchGather(torch.autograd.Function):
+    """batch_gather as a program runs it."""
+
+    @staticmethod
+    def forward(ctx, x, dim, world, group):
+        ctx.dim, ctx.group = dim, group
+        return _gathered(x, dim, world, group)
+
+    backward = staticmethod(_batch_gather_bwd)
+
+
+def batch_gather_eager(x: Tensor, dim: int, world: int, group: str) -> Tensor:
+    return _BatchGather.apply(x, dim, world, group)
+
+
+@torch.library.custom_op("fxtron::batch_offset", mutates_args=())
+def batch_offset(x: Tensor, group: str) -> Tensor:
+    """Indices of the rank's own rows `x` (0 .. n-1, an arange over its batch) as indices into
+    every rank's rows gathered in rank order: x + the rank's place in `group` x n. Backward: the
+    gradient as it is (a constant added)."""
+    pg = T.resolve(group)
+    return x + (0 if pg is None else pg.rank()) * x.shape[0]
+
+
+@batch_offset.register_fake
+def _(x, group):
+    return torch.empty_like(x)
+
+
+batch_offset.register_autograd(lambda ctx, grad: (grad, None))
+
+
+register(OpSpec("batch_gather", axis_arg=3, forward=Comm("all_gather", "input"),
+                backward=Comm("reduce_scatter", "grad_output"), eager=batch_gather_eager, sums_grad=True))
+register(OpSpec("batch_offset", axis_arg=1))
 register(OpSpec("batch_all_reduce", axis_arg=1, forward=Comm("all_reduce", "input"),
                 backward=Comm("all_reduce", "grad_output"), eager=batch_all_reduce_eager))
 register(OpSpec("batch_scale"))
 register(OpSpec("global_statistic"))
 
-__all__ = ["BatchContext", "batch_all_reduce", "batch_scale", "global_statistic"]
+__all__ = ["BatchContext", "batch_all_reduce", "batch_gather", "batch_offset", "batch_scale", "global_statistic"]

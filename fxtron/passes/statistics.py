@@ -24,10 +24,23 @@ batch's:
   accumulating gradients computes it. `moe_aux_loss="local"` (Megatron's default) opts out:
   those statistics stay each rank's own, a change of the model `pm.summary()` names.
 
+* a batch norm in training (aten.batch_norm, training=True) is written out with its mean and
+  variance averaged over the data-parallel ranks (fxtron::batch_all_reduce; the ranks' pieces
+  are equal) and its running statistics updated from those global values, SyncBatchNorm's math
+  (`sync_batch_norms`). Its statistics span the whole global batch, which no rank holds when
+  microbatches split it: a training batch norm with microbatches > 1 is a ParallelizeError.
+
 The counts a mixture-of-experts layer's grouped GEMMs are offset by stay the rank's (they
 describe the rank's rows). A reduction over the batch the pass cannot reason about (a max over
 the batch, a sort of all tokens feeding the loss) is a ParallelizeError unless the user opted
 into per-rank statistics.
+
+Math that reads across the batch dim without reducing it away (`batch_coupling`, by shapes: a
+(B, B) similarity, a softmax over the batch dim, a loss whose classes are the samples, a roll
+along the batch) is made global where fxtron can: a contrastive loss over in-batch negatives (q
+@ k.T through scalings, and a transpose, into cross entropies against arange(B): InfoNCE,
+CLIP) gathers the negatives over dp, CLIP's way (`gather_negatives`). Anything else is a
+ParallelizeError whatever the options: each piece would compute it over its own samples.
 """
 from __future__ import annotations
 
@@ -100,6 +113,8 @@ class StatisticsReport:
     global_counts: list[str] = field(default_factory=list)  # counts a loss divides by, the global batch's
     summed: list[str] = field(default_factory=list)       # statistics summed over dp (used nonlinearly)
     local: list[str] = field(default_factory=list)        # left per rank (moe_aux_loss="local")
+    synced: list[str] = field(default_factory=list)       # batch norms normalized over every dp rank's samples
+    gathered: list[str] = field(default_factory=list)     # in-batch negatives gathered over dp
 
 
 def _batchy(val, ti) -> bool:
@@ -255,6 +270,12 @@ def check_statistics(gm: fx.GraphModule) -> str | None:
     for node in find_statistics(gm):
         if meta.get(node, meta.STATISTIC) is None:
             return f"{_where(node)} reduces over the batch, and the loss depends on it, but nothing made it global"
+    ti = meta.info(gm)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and _is_training_batch_norm(node, ti):
+            return f"{_where(node)} is a batch norm in training left on each rank's own samples"
+    for node, why in batch_coupling(gm):
+        return f"{_where(node)} reads across the batch dim ({why}) and is each rank's own"
     return None
 
 
@@ -262,12 +283,17 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
                       group: str = "dp") -> fx.GraphModule:
     """Make every statistic of the batch the loss depends on the global batch's (module
     docstring): `dp` data-parallel ranks, `pieces` = dp x microbatches per step; `local`
-    (moe_aux_loss="local") leaves the statistics the loss uses nonlinearly per rank. Records
+    (moe_aux_loss="local") leaves the statistics the loss uses nonlinearly per rank. Batch norms
+    in training are synced over dp (`sync_batch_norms`), in-batch negatives gathered
+    (`gather_negatives`), and other math across the batch is a ParallelizeError
+    (`check_batch_coupling`). Records
     the input statistics the runtime computes (TraceInfo.statistics) and what it did
     (TraceInfo.statistics_report). Edits gm in place and returns it."""
     if dp == 1 and pieces == 1:
         return gm
     split_token_means(gm)
+    gathered = gather_negatives(gm, dp=dp, group=group) if pieces == dp else []
+    check_batch_coupling(gm, dp=dp, pieces=pieces)
     g, ti = gm.graph, meta.info(gm)
     out_node = g.output_node()
     loss = _loss_node(gm)
@@ -423,11 +449,361 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
             report.summed.append(where)
             done.append("summed over dp")
         meta.set(node, meta.STATISTIC, ", ".join(done) or "as is")
+    report.synced = sync_batch_norms(gm, dp=dp, group=group)
+    report.gathered = gathered
     g.lint()
     gm.recompile()
     gm.meta[meta.TRACE_INFO] = replace(ti, statistics={**ti.statistics, **statistics},
                                        statistics_report=report)
     return gm
+
+
+#: batch norm in training: its mean and variance reduce over every dim but the channels (dim 1)
+_BATCH_NORM = aten.batch_norm.default
+_OTHER_BATCH_NORMS = {aten.native_batch_norm.default, aten._native_batch_norm_legit.default,
+                      aten._native_batch_norm_legit_functional.default, aten.cudnn_batch_norm.default}
+#: ops that normalize over a dim: over one holding the batch, each sample's value depends on the others'
+_NORMALIZING = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default,
+                aten._safe_softmax.default}
+#: ops that move values along a dim: along the batch's, one sample reads another's
+_SHIFTS = {aten.roll.default, aten.flip.default}
+
+
+def _b_dims(val, ti) -> list[int]:
+    """The dims of tensor `val` whose size holds the batch symbol B."""
+    if not isinstance(val, torch.Tensor):
+        return []
+    return [d for d, n in enumerate(val.shape) if BATCH in ti.expr(n).free_symbols]
+
+
+def _op_dims(node: fx.Node) -> list[int]:
+    """The dims a normalizing op or shift works along (non-negative)."""
+    nd = _fake(node.args[0]).dim()
+    if node.target in _NORMALIZING:
+        return [node.args[1] % nd] if nd else []
+    dims = node.args[2] if node.target is aten.roll.default and len(node.args) > 2 else (
+        node.args[1] if node.target is aten.flip.default else node.kwargs.get("dims", []))
+    dims = [dims] if isinstance(dims, int) else list(dims or [])
+    return [d % nd for d in dims] if dims else list(range(nd))
+
+
+def batch_coupling(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
+    """The ops the loss depends on that read across the batch dim without reducing it away (the
+    reductions are find_statistics'), by their shapes on the graph: a value pairing samples with
+    samples (two dims holding the batch: a similarity q @ k.T of in-batch negatives, pairwise
+    distances) made from values that do not; a softmax / log-softmax over a dim holding the
+    batch; a loss whose classes are the batch's samples; a roll or flip along the batch. Each
+    with why, in words."""
+    ti = meta.info(gm)
+    loss = _loss_node(gm)
+    upstream = _ancestors_of(loss) | {loss}
+    found = []
+    for node in gm.graph.nodes:
+        if (node.op != "call_function" or node not in upstream or registry.op_name(node.target) is not None
+                or meta.get(node, meta.NEGATIVES) is not None):
+            continue
+        val = _fake(node)
+        out = _b_dims(val, ti)
+        ins = [_b_dims(_fake(a), ti) for a in node.all_input_nodes]
+        if len(out) >= 2 and all(len(d) < 2 for d in ins):
+            found.append((node, f"its output {tuple(ti.shape(val))} pairs every sample with every other sample "
+                                f"(dims {out} both hold the batch: a similarity over in-batch negatives)"))
+        elif node.target in _NORMALIZING | _SHIFTS and set(_op_dims(node)) & set(ins[0] if ins else []):
+            what = "normalizes" if node.target in _NORMALIZING else "moves values"
+            found.append((node, f"it {what} along dim {_op_dims(node)} of {tuple(ti.shape(_fake(node.args[0])))}, "
+                                f"which holds the batch: each sample's value depends on the other samples"))
+        elif node.target in _LOSSES and isinstance(_fake(node.args[0]), torch.Tensor):
+            x = _fake(node.args[0])
+            classes = 1 if x.dim() > 1 else 0
+            if classes in _b_dims(x, ti):
+                found.append((node, f"its classes (dim {classes} of {tuple(ti.shape(x))}) are the batch's samples "
+                                    f"(in-batch negatives)"))
+    return found
+
+
+_PRODUCTS = {aten.matmul.default, aten.mm.default}
+#: what may lie between the similarity and its loss: a temperature, a scale, a cast
+_SCALINGS = {aten.div.Tensor, aten.div.Scalar, aten.mul.Tensor, aten.mul.Scalar, aten.to.dtype,
+             aten._to_copy.default, aten.clone.default, aten.contiguous.default}
+_ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
+
+
+def _swaps(node: fx.Node) -> bool:
+    """Whether `node` transposes a 2-d value (.T, t(), transpose(0, 1), permute(1, 0))."""
+    t, a = node.target, node.args
+    if t in (aten.t.default, aten.numpy_T.default):
+        return True
+    if t is aten.transpose.int:
+        return {a[1] % 2, a[2] % 2} == {0, 1}
+    return t is aten.permute.default and [d % 2 for d in a[1]] == [1, 0]
+
+
+def _arange_of_batch(t, ti) -> bool:
+    """Whether targets `t` are arange(B) (through casts): sample i's positive is column i."""
+    if not isinstance(t, fx.Node):
+        return False
+    while t.op == "call_function" and t.target in opsets.CASTS and isinstance(t.args[0], fx.Node):
+        t = t.args[0]
+    if t.op != "call_function" or t.target not in _ARANGES:
+        return False
+    start = 0 if t.target is aten.arange.default else t.args[0]
+    step = t.args[2] if t.target is aten.arange.start_step else 1
+    tv = _fake(t)
+    return start == 0 and step == 1 and tv is not None and tv.dim() == 1 and ti.expr(tv.shape[0]) == BATCH
+
+
+@dataclass
+class _Path:
+    """One way from a similarity to a loss: the scalings before a transpose (or all of them),
+    the transpose (None: the loss's rows are the similarity's), the scalings after it, the loss."""
+
+    before: list
+    swap: fx.Node | None
+    after: list
+    loss: fx.Node
+
+
+def _negatives(node: fx.Node, ti) -> list[_Path] | None:
+    """For a similarity `node` = q @ k.T over in-batch negatives -- q (B, D) the rank's samples on
+    the rows, k.T (D, B) the negatives on the columns -- every use of which reaches a cross
+    entropy (or nll loss) against arange(B) (sample i's positive is column i) through scalings (a
+    temperature, a scale, casts) and at most one transpose (CLIP's symmetric loss): the paths.
+    None for anything else."""
+    if node.target not in _PRODUCTS or len(node.args) != 2:
+        return None
+    q, k = (_fake(a) for a in node.args)
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == 2 and k.dim() == 2):
+        return None
+    if _b_dims(q, ti) != [0] or _b_dims(k, ti) != [1] or ti.expr(q.shape[0]) != BATCH or ti.expr(k.shape[1]) != BATCH:
+        return None
+    paths: list[_Path] = []
+
+    def walk(cur: fx.Node, before: list, swap, after: list) -> bool:
+        if not cur.users:
+            return False
+        for u in cur.users:
+            if u.target in _SCALINGS:
+                rest = [a for i, a in enumerate(u.args) if a is not cur]
+                if (u.args[0] is not cur and not (u.target is aten.mul.Tensor and u.args[1] is cur)) or any(
+                        isinstance(a, fx.Node) and _b_dims(_fake(a), ti) for a in rest):
+                    return False
+                if not walk(u, before + [u] if swap is None else before, swap, after + [u] if swap else after):
+                    return False
+            elif swap is None and _swaps(u):
+                if not walk(u, before, u, []):
+                    return False
+            elif u.target in _LOSSES and u.args[0] is cur:
+                x, t, w, *_ = _loss_args(u)
+                if w is not None or not _arange_of_batch(t, ti):
+                    return False
+                paths.append(_Path(before, swap, after, u))
+            else:
+                return False
+        return True
+    return paths if walk(node, [], None, []) and paths else None
+
+
+def _refake(nodes) -> None:
+    """Each node's value computed again from its inputs' (their shapes changed)."""
+    for n in nodes:
+        n.meta["val"] = n.target(*[_fake(a) if isinstance(a, fx.Node) else a for a in n.args], **n.kwargs)
+
+
+def gather_negatives(gm: fx.GraphModule, *, dp: int, group: str = "dp") -> list[str]:
+    """Each loss over in-batch negatives (`_negatives`: q @ k.T through scalings into a cross
+    entropy against arange(B), an InfoNCE loss, and CLIP's symmetric one through a transpose)
+    made the global batch's as CLIP's gathered negatives do. The rank's rows meet every rank's
+    columns: k.T is all-gathered over the data-parallel ranks (fxtron::batch_gather; its backward
+    reduce-scatters the gradient, so every rank's loss reaches the rank's samples); the transposed
+    similarity's rows are the rank's k against every rank's q, computed so (k @ gathered q.T, the
+    scalings before the transpose repeated on it). Each loss's targets move to the rank's rows
+    among the columns (fxtron::batch_offset). A loss over the rank's rows is then a statistic the
+    rest of global_statistics averages over dp as any other. Only when the step's pieces are the
+    dp ranks (no microbatches: one process holds every negative at once). Returns where each was."""
+    if dp == 1:
+        return []
+    g, ti = gm.graph, meta.info(gm)
+    done = []
+    how = f"the negatives gathered over dp={dp}, the targets the rank's rows among them"
+    for node in list(g.nodes):
+        if node.op != "call_function":
+            continue
+        paths = _negatives(node, ti)
+        if paths is None:
+            continue
+        q, k = node.args
+
+        def gathered(x: fx.Node, like: fx.Node) -> fx.Node:
+            xv = _fake(x)
+            return _insert(g, like, fxops.batch_gather.default, (x, 1, dp, group),
+                           val=xv.new_empty((xv.shape[0], xv.shape[1] * dp)))
+        if any(p.swap is None for p in paths):
+            with g.inserting_before(node):
+                every = gathered(k, node)
+            node.replace_input_with(k, every)
+            _refake([node] + list(dict.fromkeys(n for p in paths if p.swap is None for n in p.before)))
+            meta.set(node, meta.NEGATIVES, how)
+        for swap in dict.fromkeys(p.swap for p in paths if p.swap is not None):
+            before = next(p.before for p in paths if p.swap is swap)
+            with g.inserting_before(swap):
+                def call(target, *args, like=swap):
+                    out = _insert(g, like, target, args, val=target(
+                        *[_fake(a) if isinstance(a, fx.Node) else a for a in args]))
+                    return out
+                rows = call(aten.t.default, k)
+                qt = call(aten.t.default, q)
+                every = gathered(qt, swap)
+                prod = call(node.target, rows, every, like=node)
+                meta.set(prod, meta.NEGATIVES, how)
+                prev_old, prev_new = node, prod
+                for s in before:      # the scalings before the transpose, on the rank's rows of k
+                    args = tuple(prev_new if a is prev_old else a for a in s.args)
+                    prev_old, prev_new = s, call(s.target, *args, like=s)
+            swap.replace_all_uses_with(prev_new)
+            g.erase_node(swap)
+        _refake(list(dict.fromkeys(n for p in paths for n in p.after)))
+        for p in paths:
+            t = p.loss.args[1]
+            with g.inserting_before(p.loss):
+                moved = _insert(g, p.loss, fxops.batch_offset.default, (t, group), val=torch.empty_like(_fake(t)))
+            p.loss.replace_input_with(t, moved)
+            meta.set(p.loss, meta.NEGATIVES, how)
+        for n in reversed([node] + list(dict.fromkeys(n for p in paths for n in p.before))):
+            if not n.users and n.op == "call_function":      # only the transposed use: the product unused
+                g.erase_node(n)
+        done.append(_where(node))
+    if done:
+        g.lint()
+        gm.recompile()
+    return done
+
+
+def check_batch_coupling(gm: fx.GraphModule, *, dp: int, pieces: int) -> None:
+    """ParallelizeError for math across the batch dim fxtron cannot compute over the global batch
+    (batch_coupling's ops), and for batch norm in training when a step cuts the batch into
+    microbatches: in one process the model sees the whole global batch at once, and no rank ever
+    holds it."""
+    micro = pieces // dp
+    found = batch_coupling(gm)
+    if found:
+        node, why = found[0]
+        more = f" (and {len(found) - 1} more: {', '.join(_where(n) for n, _ in found[1:4])})" if len(found) > 1 else ""
+        raise ParallelizeError(
+            f"{_where(node)} reads across the batch dim: {why}{more}. The loss depends on it, and each of the "
+            f"{pieces} pieces a step cuts the global batch into (dp={dp} x microbatches={micro}) would compute it over "
+            f"its own samples only, not over the global batch as one process does; fxtron cannot make this op global "
+            f"(it makes reductions over the batch and batch norm global, and gathers the negatives of a "
+            f"contrastive loss, q @ k.T scaled -- and transposed -- into cross entropies against arange(B), at "
+            f"microbatches=1). Train "
+            f"this model with dp=1 and microbatches=1, or compute the coupling outside the batch dim")
+    norms = [n for n in gm.graph.nodes if n.op == "call_function" and _is_training_batch_norm(n, meta.info(gm))]
+    if norms and micro > 1:
+        raise ParallelizeError(
+            f"{_where(norms[0])} is a batch norm in training: one process normalizes with the mean and variance "
+            f"of the whole global batch, but a step runs microbatches={micro} one after another and no rank ever "
+            f"holds the global batch at once, so each would be normalized with its own statistics. Use "
+            f"microbatches=1 (fxtron computes the statistics over every dp rank's samples, as SyncBatchNorm does)"
+            + (f"; {len(norms) - 1} more batch norm(s) likewise" if len(norms) > 1 else ""))
+
+
+def _is_training_batch_norm(node: fx.Node, ti) -> bool:
+    """Whether `node` is a batch norm in training mode over dims holding the batch."""
+    if node.target is _BATCH_NORM:
+        training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training")
+    elif node.target in _OTHER_BATCH_NORMS:
+        training = node.target is not aten.native_batch_norm.default or (
+            node.args[5] if len(node.args) > 5 else node.kwargs.get("training"))
+    else:
+        return False
+    x = _fake(node.args[0])
+    return bool(training) and any(d != 1 for d in _b_dims(x, ti))
+
+
+def sync_batch_norms(gm: fx.GraphModule, *, dp: int, group: str = "dp") -> list[str]:
+    """Each batch norm in training (aten.batch_norm, training=True) over the batch written out with
+    its statistics over every data-parallel rank's samples, SyncBatchNorm's math: the mean over
+    the rank's samples averaged over dp (fxtron::batch_all_reduce, whose backward sums the
+    gradient), the biased variance of the centered values likewise, then normalize, scale and
+    shift; the running mean and variance (unbiased with the global count, the module's momentum)
+    updated from those global values, the same on every rank. The ranks' pieces are equal (the
+    runtime splits the batch evenly), so the average of their means is the global mean. The
+    channel dim keeps its placement on every other axis (the reductions are plain aten sums).
+    Returns where each was, for the report."""
+    g, ti = gm.graph, meta.info(gm)
+    done = []
+    for node in list(g.nodes):
+        if node.op != "call_function" or not _is_training_batch_norm(node, ti):
+            continue
+        if node.target is not _BATCH_NORM:
+            raise ParallelizeError(f"{_where(node)} is a batch norm in training that fxtron cannot compute over the "
+                                   f"global batch (only aten.batch_norm); train it with dp=1 and microbatches=1")
+        args = list(node.args) + [None] * (9 - len(node.args))
+        x, w, b, rm, rv, _, momentum, eps = args[:8]
+        momentum = node.kwargs.get("momentum", momentum)
+        eps = node.kwargs.get("eps", eps)
+        xv = _fake(x)
+        if 1 in _b_dims(xv, ti) or not isinstance(xv.shape[1], int):
+            raise ParallelizeError(f"{_where(node)} normalizes channels (dim 1 of {tuple(ti.shape(xv))}) that hold "
+                                   f"the batch; fxtron cannot compute its statistics over the global batch")
+        if rm is not None and not isinstance(momentum, (int, float)):
+            raise ParallelizeError(f"{_where(node)}: a batch norm with momentum {momentum!r} (a cumulative average) "
+                                   f"is not computed over the global batch by fxtron; give the module a momentum")
+        nd, c = xv.dim(), int(xv.shape[1])
+        dims = [0] + list(range(2, nd))
+        bshape = [1, c] + [1] * (nd - 2)
+        up = xv.dtype not in (torch.float32, torch.float64)
+        with g.inserting_before(node):
+            def call(target, *a, **kw):
+                if target is aten.scalar_tensor.default:
+                    val = xv.new_empty((), dtype=kw["dtype"])
+                else:
+                    val = target(*[_fake(v) if isinstance(v, fx.Node) else v for v in a], **kw)
+                out = _insert(g, node, target, a, kw, val=val)
+                meta.set(out, meta.PROVENANCE, meta.Provenance(
+                    "global_statistics", "batch norm over every dp rank's samples (SyncBatchNorm)"))
+                return out
+
+            def over_dp(local):          # the average over the dp ranks of a per-rank mean
+                meta.set(local, meta.STATISTIC, "batch norm's, averaged over dp")
+                return call(aten.div.Tensor, call(fxops.batch_all_reduce.default, local, group), dp)
+
+            xf = call(aten.to.dtype, x, torch.float32) if up else x
+            mean = over_dp(call(aten.mean.dim, xf, dims, True))
+            centered = call(aten.sub.Tensor, xf, mean)
+            var = over_dp(call(aten.mean.dim, call(aten.mul.Tensor, centered, centered), dims, True))
+            y = call(aten.mul.Tensor, centered, call(aten.rsqrt.default, call(aten.add.Tensor, var, eps)))
+            if up:
+                y = call(aten.to.dtype, y, xv.dtype)
+            if w is not None:
+                y = call(aten.mul.Tensor, y, call(aten.view.default, w, bshape))
+            if b is not None:
+                y = call(aten.add.Tensor, y, call(aten.view.default, b, bshape))
+            if rm is not None:
+                # the global count of samples each channel's statistics are over: the rank's x dp
+                count = dp
+                for d in dims:
+                    size = xv.shape[d]
+                    if isinstance(size, torch.SymInt):
+                        size = call(aten.sym_size.int, x, d)
+                        if BATCH in ti.expr(_fake(size)).free_symbols:
+                            meta.set(size, meta.STATISTIC, "batch norm's count, times dp")
+                    count = call(operator.mul, count, size) if isinstance(size, fx.Node) or isinstance(
+                        count, fx.Node) else count * size
+                n = call(aten.scalar_tensor.default, count, dtype=torch.float32) if isinstance(count, fx.Node) else count
+                for buf, stat, unbiased in ((rm, mean, False), (rv, var, True)):
+                    value = call(aten.view.default, call(aten.detach.default, stat), [c])
+                    if unbiased:         # torch's running variance is the unbiased one
+                        factor = (call(aten.div.Tensor, n, call(aten.sub.Tensor, n, 1)) if isinstance(n, fx.Node)
+                                  else n / (n - 1))
+                        value = call(aten.mul.Tensor, value, factor)
+                    value = call(aten.to.dtype, value, _fake(buf).dtype)
+                    new = call(aten.add.Tensor, call(aten.mul.Tensor, buf, 1.0 - momentum),
+                               call(aten.mul.Tensor, value, momentum))
+                    call(aten.copy_.default, buf, new)
+        node.replace_all_uses_with(y)
+        g.erase_node(node)
+        done.append(_where(node))
+    return done
 
 
 def _elements(node: fx.Node, ti) -> sympy.Expr:
@@ -516,4 +892,5 @@ def _statistic(gm: fx.GraphModule, node: fx.Node, kind: str, ti) -> Statistic:
     return Statistic(node.name, _where(node), gm=fx.GraphModule(gm, g))
 
 
-__all__ = ["Statistic", "StatisticsReport", "global_statistics", "split_token_means"]
+__all__ = ["Statistic", "StatisticsReport", "batch_coupling", "check_batch_coupling", "gather_negatives", "global_statistics",
+           "split_token_means", "sync_batch_norms"]

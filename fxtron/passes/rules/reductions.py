@@ -50,10 +50,12 @@ def _mean_over_shards(node, lower):
                       f"... divided by {lower.axis}={lower.size}: a partial sum of the whole mean")
 
 
-@register_rule(torch.ops.fxtron.batch_all_reduce.default, torch.ops.fxtron.batch_scale.default)
+@register_rule(torch.ops.fxtron.batch_all_reduce.default, torch.ops.fxtron.batch_scale.default,
+               torch.ops.fxtron.batch_gather.default, torch.ops.fxtron.batch_offset.default)
 def _over_the_batch(c: Ctx):
-    """A statistic summed over the data-parallel ranks, or scaled by the step's pieces
-    (passes/statistics.py): linear, so it lies on any other axis as its input does."""
+    """A statistic summed over the data-parallel ranks, or scaled by the step's pieces, in-batch
+    negatives gathered over dp or targets offset to the rank's rows (passes/statistics.py): over
+    the batch, which no other axis splits, so it lies on any other axis as its input does."""
     return c.p[0], [None]
 
 
