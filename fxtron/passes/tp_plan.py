@@ -162,6 +162,8 @@ class Unsplit:
 
 _DOWN_PROJECTION = ("a low-rank down-projection whose output only feeds column-split linears (MLA's q_a_proj, "
                     "kv_a_proj): replicated, as Megatron's duplicated linear_q_down_proj / linear_kv_down_proj")
+_NO_GRAD = ("computed under torch.no_grad (no gradient reaches it: DeepSeek-V3.2's sparse-attention indexer): "
+            "replicated, as DeepSeek's reference keeps the indexer whole")
 _NO_PATTERN = ("no Megatron pattern found: its output neither reaches a residual add through shape ops "
                "(rowwise) nor feeds a rowwise linear or the loss (colwise); name its style in plan=")
 
@@ -191,6 +193,8 @@ class _Draft:
                     replicated[path] = Unsplit("replicated by the plan", False)
                 elif mode == "replace":
                     replicated[path] = Unsplit("plan_mode='replace' and the plan does not name it", False)
+                elif meta.get(l.node, meta.NO_GRAD):
+                    replicated[path] = Unsplit(_NO_GRAD, False)
                 elif _is_router(l):
                     replicated[path] = Unsplit("a router (its output picks experts): replicated, as in Megatron", False)
                 elif path in down:
@@ -648,6 +652,8 @@ def auto_plan(gm: fx.GraphModule, tp: int) -> dict[str, Style]:
             continue
         if l.kind == "linear" and _is_router(l):
             continue        # its scores pick experts on every rank: whole, as in Megatron
+        if l.kind == "linear" and meta.get(l.node, meta.NO_GRAD):
+            continue        # under torch.no_grad (a sparse-attention indexer): whole
         if l.kind == "linear" and (_reaches_loss(l) or _feeds_row(l, rows, linears, order)):
             styles[path] = Colwise()
         elif l.kind == "embedding" and _looks_up_user_ids(l):
