@@ -10,7 +10,7 @@ from fxtron.core import meta
 from fxtron.compiler.report import count
 from fxtron.passes.tp_plan import Colwise, Replicated
 from fxtron.core import layout as shard_math
-from tp_models import batch, make
+from tp_models import RULE_NAMES, batch, make
 
 
 def _pm(name, tp, **kw):
@@ -473,3 +473,75 @@ def test_gather_keeps_the_split():
     assert str(meta.placement(nodes["aten.gather.default"], "tp")) == "S(2)"
     assert str(meta.placement(nodes["aten.expand_as.default"], "tp")) == "S(2)"
     assert pm.fallbacks(0) == [] and pm.gathers(0) == [] and count(pm.collectives(0), "all_gather") == 0
+
+
+# the op each RULE_NAMES model runs on the split width, and its placement there
+_RULE_OPS = {"square-mlp": ("aten.square.default", "S(2)"), "tensor-split-mlp": ("aten.tensor_split.sections", None),
+             "complex-mlp": ("aten.view_as_complex.default", "S(2)"), "max-lse-mlp": ("aten.logsumexp.default", "S(2)"),
+             "conv-mlp": ("aten.conv1d.default", "S(1)"), "no-grad-mlp": ("aten.topk.default", None)}
+
+
+@pytest.mark.parametrize("name", RULE_NAMES)
+def test_ops_keep_the_split(name):
+    """relu^2, tensor_split, view_as_complex / view_as_real, max / min / logsumexp per head, a
+    causal depthwise conv and a torch.no_grad region, each on the split width of an MLP: no
+    all-gather, no op run replicated, Megatron's forward all-reduces (the embedding's and the
+    MLP's) and nothing else."""
+    pm = _pm(name, 2, strict=True)
+    nodes = {str(n.target): n for n in pm.compiled(0).gm.graph.nodes}
+    target, want = _RULE_OPS[name]
+    assert target in nodes, sorted(nodes)
+    if want is not None:
+        assert str(meta.placement(nodes[target], "tp")) == want
+    assert pm.fallbacks(0) == [] and pm.gathers(0) == [] and count(pm.collectives(0), "all_gather") == 0
+    fwd = [r for r in pm.collectives(0) if r.phase == "forward" and r.op == "all_reduce"]
+    assert len(fwd) == 2, fwd
+
+
+def test_depthwise_conv_weights_split_by_channel():
+    """Mamba's causal conv1d (groups = channels) after a column-split projection: its weight and
+    bias held by channel (each rank its half), the rank's conv run with half the groups."""
+    pm = _pm("conv-mlp", 2)
+    local = pm.compiled(0).local
+    assert local["conv.weight"].local_shape == (32, 1, 4) and local["conv.bias"].local_shape == (32,)
+    conv = next(n for n in pm.compiled(0).gm.graph.nodes if n.target == torch.ops.aten.conv1d.default)
+    assert conv.args[-1] == 32
+
+
+def test_no_grad_region_inlined_and_its_linears_whole():
+    """A torch.no_grad block (export's wrap_with_set_grad_enabled region) is inlined, its
+    outputs detached: its linear stays whole (quietly: no gradient reaches it) and takes no
+    gradient (.grad None, as in the model: the optimizer leaves it, no weight decay)."""
+    pm = _pm("no-grad-mlp", 2, strict=True)
+    assert pm.tp_plan.replicated["indexer"].why.startswith("computed under torch.no_grad")
+    assert not pm.tp_plan.replicated["indexer"].loud
+    local = pm.compiled(0).local
+    assert not local["indexer.weight"].takes_grad and local["up.weight"].takes_grad
+    assert not any(n.target == torch.ops.higher_order.wrap_with_set_grad_enabled for n in pm.compiled(0).gm.graph.nodes)
+
+
+class _GradInsideNoGrad(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            with torch.enable_grad():
+                y = self.w(x)
+            z = y + 1
+        return (y * z).sum()
+
+
+def test_grad_enabled_again_inside_no_grad_keeps_its_gradient():
+    """torch.enable_grad inside a no_grad block: export cuts it into regions one after another
+    (no grad, grad, no grad), so y keeps its gradient and z = y + 1, made under no_grad, is
+    detached: w takes the gradient of y * z through y alone, as in the model."""
+    from fxtron.compiler.trace import trace
+    model = _GradInsideNoGrad()
+    x = torch.randn(2, 3, 4)
+    gm = trace(model, (x,))
+    assert not any(n.target == torch.ops.higher_order.wrap_with_set_grad_enabled for n in gm.graph.nodes)
+    assert sum(n.target == torch.ops.aten.detach.default for n in gm.graph.nodes) == 1
+    w = next(n for n in gm.graph.nodes if meta.param_name(n) == "w.weight")
+    assert w in meta.reaches_loss(gm)
