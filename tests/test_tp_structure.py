@@ -545,3 +545,27 @@ def test_grad_enabled_again_inside_no_grad_keeps_its_gradient():
     assert sum(n.target == torch.ops.aten.detach.default for n in gm.graph.nodes) == 1
     w = next(n for n in gm.graph.nodes if meta.param_name(n) == "w.weight")
     assert w in meta.reaches_loss(gm)
+
+
+def test_mamba_splits_megatron_way():
+    """Mamba's mixer at tp=2: in_proj by columns ([x | z] halves each split: interleave 2,
+    found through its transpose to channels first), the causal depthwise conv on the rank's
+    channels, x_proj by rows (its input comes split from in_proj through the conv: one
+    all-reduce of its small dt/B/C output), out_proj by rows. Forward: the embedding's, x_proj's
+    and out_proj's all-reduces, no all-gather, no op run replicated."""
+    import transformers
+    torch.manual_seed(0)
+    model = transformers.MambaForCausalLM(transformers.MambaConfig(
+        vocab_size=128, hidden_size=32, state_size=4, num_hidden_layers=1, expand=2, conv_kernel=4, use_mambapy=False))
+    ids = torch.randint(0, 128, (2, 6))
+    pm = fxtron.parallelize(model, fxtron.Mesh(2, tp=2), example_kwargs=dict(input_ids=ids, labels=ids))
+    styles = {p: s for p, s, _ in pm.tp_plan.table()}
+    mixer = "backbone.layers.0.mixer."
+    assert [styles[mixer + n] for n in ("in_proj", "x_proj", "out_proj")] == ["colwise", "rowwise", "rowwise"]
+    assert pm.tp_plan.interleave[mixer + "in_proj"] == 2
+    assert pm.compiled(0).local[mixer + "conv1d.bias"].local_shape == (32,)
+    recs = pm.collectives(0)
+    fwd = [r.module for r in recs if r.phase == "forward" and r.op == "all_reduce"]
+    assert fwd == ["backbone.embeddings", mixer + "x_proj", "backbone.layers.0"], fwd
+    assert not [r for r in recs if r.kind == "all_gather" and r.phase == "forward"]
+    assert pm.gathers(0) == [] and pm.fallbacks(0) == []

@@ -1,4 +1,4 @@
-"""The transformers decoder architectures fxtron is held to (tp_models.ZOO: 27 families, and
+"""The transformers decoder architectures fxtron is held to (tp_models.ZOO: 28 families, and
 Falcon in both its layouts, from tiny random configs, two layers, no downloads), split the way
 Megatron would.
 

@@ -204,9 +204,12 @@ def _split(c: Ctx):
     """split, chunk, tensor_split (by a count or at indices), unbind: along another dim than the
     split one each piece keeps the shard; along it, only a fused value's whole blocks ([q|k|v] or
     Mamba's [x|z], which the plan lays out interleaved: each rank's slice of every piece) are
-    cut locally -- a contiguous shard's pieces are not shards of the pieces, so it is gathered."""
+    cut locally -- a contiguous shard's pieces are not shards of the pieces, so it is gathered.
+    A partial sum is reduced first, once for all the pieces."""
     p, node = c.p[0], c.node
     n_out = len(node.meta["val"])
+    if p.is_partial():          # reduced once before it is cut, not once per piece (Mamba's x_proj: dt, B, C)
+        return tuple([REPLICATE] * n_out), [REPLICATE]
     if not isinstance(p, Shard):
         return tuple([p] * n_out), [None]
     nd = ndim(c.inputs[0])
