@@ -5,6 +5,7 @@ then the flattened user inputs; its one output is the scalar loss. Batch and seq
 every user input are symbolic (one symbol `B` for dim 0 and one `S` for dim 1 of all inputs),
 so one compiled program serves any batch size and sequence length. What the graph's inputs
 mean is kept in `gm.meta["fxtron_trace"]` (a core.meta.TraceInfo) and per placeholder in node.meta.
+torch.no_grad blocks, which export wraps as regions of their own, are inlined (`inline_grad_regions`).
 """
 from __future__ import annotations
 

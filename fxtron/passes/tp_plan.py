@@ -615,6 +615,7 @@ def _interleave(layer: _Found, tp: int) -> Interleave:
         if val is None:
             continue
         last = val.dim() - 1 if last is None else last
+        whole = not isinstance(val.shape[last], torch.SymInt) and int(val.shape[last]) == feat   # the features, not a head's
         if user.target in (aten.split.Tensor, aten.chunk.default, aten.split_with_sizes.default):
             dim = user.args[2] if len(user.args) > 2 else 0
             blocks = _model_parallel_blocks(via, feat)
@@ -622,11 +623,11 @@ def _interleave(layer: _Found, tp: int) -> Interleave:
                 return 1
         if user.target == aten.split.Tensor:
             size, dim = user.args[1], (user.args[2] if len(user.args) > 2 else 0)
-            if dim in (-1, last) and isinstance(size, int) and feat % size == 0:
+            if dim in (-1, last) and whole and isinstance(size, int) and feat % size == 0:
                 return feat // size
         if user.target in (aten.chunk.default, aten.tensor_split.sections):
             chunks, dim = user.args[1], (user.args[2] if len(user.args) > 2 else 0)
-            if dim in (-1, last) and isinstance(chunks, int) and feat % chunks == 0:
+            if dim in (-1, last) and whole and isinstance(chunks, int) and feat % chunks == 0:
                 return chunks
         if user.target == aten.split_with_sizes.default:
             sizes, dim = user.args[1], (user.args[2] if len(user.args) > 2 else 0)

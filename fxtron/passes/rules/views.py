@@ -402,13 +402,16 @@ def _complex_view(c: Ctx):
 
 @register_rule(operator.getitem)
 def _getitem(c: Ctx):
-    """One output of a multi-output op (split): its placement is that op's i-th. An output
-    that is no tensor (a SymInt beside tensors) has none."""
-    if not c.p:
+    """One output of a multi-output op (split): its placement is that op's i-th (also where
+    the op's outputs mix tensors and SymInts, a region run as a unit); a SymInt has none."""
+    if not c.p:             # a source whose outputs mix tensors and other values (a SymInt)
         src = c.node.args[0]
+        placed = c.placement_of(src) if isinstance(src, fx.Node) else None
+        if isinstance(placed, tuple) and c.node.args[1] < len(placed):
+            return placed[c.node.args[1]], []
         if isinstance(c.node.meta.get("val"), torch.Tensor):
             raise c.fail(f"picks a tensor from %{getattr(src, 'name', src)} ({getattr(src, 'target', '?')}), whose "
-                         "outputs mix tensors and other values: fxtron has no placement for them")
+                         "outputs mix tensors and other values, with no placement for them")
         return None, []
     return c.p[0][c.node.args[1]], [None]
 
