@@ -224,7 +224,16 @@ def reaches_loss(gm: fx.GraphModule) -> "set[fx.Node]":
     the graph's outputs, not counting the buffers written back): a parameter outside it
     (used only under torch.no_grad, or not at all) gets no gradient in the model, its .grad
     None."""
-    grad = carries_grad(gm)
+    seeds = carries_grad(gm)
+    grad: "set[fx.Node]" = builtins.set()
+    for node in gm.graph.nodes:     # carries_grad's, where a value of unknown kind (no `val`) may carry one
+        if node.op == "placeholder":
+            if node in seeds:
+                grad.add(node)
+        elif node.op == "call_function" and node.target not in _NO_GRAD and any(a in grad for a in node.all_input_nodes):
+            val = node.meta.get("val")
+            if val is None or differentiable(val) or isinstance(val, (list, tuple)):
+                grad.add(node)
     out: "set[fx.Node]" = builtins.set()
     ti = gm.meta.get(TRACE_INFO)
     mutations = ti.buffer_mutations if ti is not None else {}
