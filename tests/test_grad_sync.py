@@ -72,7 +72,11 @@ JOBS = {
                           Case(microbatches=2, bucket_size=SMALL),
                           Case(dtype=torch.bfloat16, zero=1, bucket_size=SMALL),
                           Case(grad_reduce_dtype=torch.bfloat16, bucket_size=SMALL),
-                          Case("llama", zero=1, clip_grad=0.5, bucket_size=SMALL)])],
+                          Case("llama", zero=1, clip_grad=0.5, bucket_size=SMALL),
+                          # a linear under torch.no_grad takes no gradient: .grad None, as in the
+                          # model, so AdamW neither steps nor decays it (its shards under zero=1 too)
+                          Case("no-grad-mlp", layers=2, zero=1, bucket_size=2000),
+                          Case("no-grad-mlp", layers=2, zero=3)])],
     4: [(fxtron.Mesh(4), [Case(zero=1, clip_grad=0.5, bucket_size=SMALL)]),
         (fxtron.Mesh(4, tp=2), [Case(zero=1, clip_grad=0.5, sequence_parallel=True, bucket_size=SMALL),
                                 Case("llama", zero=1, clip_grad=0.5)]),

@@ -13,7 +13,7 @@ import torch
 
 import fxtron
 from fxtron.tools.testing import adamw, assert_trains_like, cases_fixture, reference_training, train_program
-from tp_models import OP_NAMES, NAMES, batch, batches, make
+from tp_models import OP_NAMES, NAMES, RULE_NAMES, batch, batches, make
 
 pytestmark = pytest.mark.slow      # gloo jobs of 2 and 4 processes
 
@@ -75,7 +75,7 @@ SP_NAMES = {str(MESHES[2][0]): NAMES, str(MESHES[4][0]): NAMES}
 def _cases(mesh: fxtron.Mesh) -> list[str]:
     cases = list(NAMES)
     if mesh.tp == 2 and mesh.dp == 1:
-        cases += OP_NAMES
+        cases += OP_NAMES + RULE_NAMES
     cases += [name + "+sp" for name in SP_NAMES.get(str(mesh), [])]
     if mesh.tp == 2 and mesh.dp == 1:
         cases += ["meta", "dropout"]
@@ -87,13 +87,13 @@ results = cases_fixture({world: [(m, _cases(m)) for m in meshes] for world, mesh
 
 @pytest.fixture(scope="module")
 def reference():
-    return {name: reference_training(make(name), _batches(name), _opt) for name in NAMES + OP_NAMES}
+    return {name: reference_training(make(name), _batches(name), _opt) for name in NAMES + OP_NAMES + RULE_NAMES}
 
 
 CASES = [(mesh, name) for meshes in MESHES.values() for mesh in meshes for name in NAMES]
 CASES += [(mesh, name + "+sp") for meshes in MESHES.values() for mesh in meshes
           for name in SP_NAMES.get(str(mesh), [])]
-CASES += [(MESHES[2][0], name) for name in OP_NAMES]
+CASES += [(MESHES[2][0], name) for name in OP_NAMES + RULE_NAMES]
 
 
 @pytest.mark.parametrize("mesh,name", CASES, ids=[f"tp{m.tp}-dp{m.dp}-{n}" for m, n in CASES])

@@ -12,7 +12,7 @@ from fxtron.core import meta
 from fxtron.compiler.report import count
 from fxtron.passes.tp_plan import Colwise, Replicated
 from fxtron.core import layout as shard_math
-from tp_models import batch, make
+from tp_models import RULE_NAMES, batch, make
 
 
 def _pm(name, tp, **kw):
@@ -511,3 +511,99 @@ def test_every_parameter_is_split_or_said_whole():
     assert abs(sum(shares) - 100) <= 0.05 * len(shares), line
     with pytest.raises(fxtron.ParallelizeError, match="table"):
         fxtron.parallelize(_LearnedBias(), fxtron.Mesh(2, tp=2), example_inputs=args, strict=True).compiled(0)
+
+
+# the op each RULE_NAMES model runs on the split width, and its placement there
+_RULE_OPS = {"square-mlp": ("aten.square.default", "S(2)"), "tensor-split-mlp": ("aten.tensor_split.sections", None),
+             "complex-mlp": ("aten.view_as_complex.default", "S(2)"), "max-lse-mlp": ("aten.logsumexp.default", "S(2)"),
+             "conv-mlp": ("aten.conv1d.default", "S(1)"), "no-grad-mlp": ("aten.topk.default", None)}
+
+
+@pytest.mark.parametrize("name", RULE_NAMES)
+def test_ops_keep_the_split(name):
+    """relu^2, tensor_split, view_as_complex / view_as_real, max / min / logsumexp per head, a
+    causal depthwise conv and a torch.no_grad region, each on the split width of an MLP: no
+    all-gather, no op run replicated, Megatron's forward all-reduces (the embedding's and the
+    MLP's) and nothing else."""
+    pm = _pm(name, 2, strict=True)
+    nodes = {str(n.target): n for n in pm.compiled(0).gm.graph.nodes}
+    target, want = _RULE_OPS[name]
+    assert target in nodes, sorted(nodes)
+    if want is not None:
+        assert str(meta.placement(nodes[target], "tp")) == want
+    assert pm.fallbacks(0) == [] and pm.gathers(0) == [] and count(pm.collectives(0), "all_gather") == 0
+    fwd = [r for r in pm.collectives(0) if r.phase == "forward" and r.op == "all_reduce"]
+    assert len(fwd) == 2, fwd
+
+
+def test_depthwise_conv_weights_split_by_channel():
+    """Mamba's causal conv1d (groups = channels) after a column-split projection: its weight and
+    bias held by channel (each rank its half), the rank's conv run with half the groups."""
+    pm = _pm("conv-mlp", 2)
+    local = pm.compiled(0).local
+    assert local["conv.weight"].local_shape == (32, 1, 4) and local["conv.bias"].local_shape == (32,)
+    conv = next(n for n in pm.compiled(0).gm.graph.nodes if n.target == torch.ops.aten.conv1d.default)
+    assert conv.args[-1] == 32
+
+
+def test_no_grad_region_inlined_and_its_linears_whole():
+    """A torch.no_grad block (export's wrap_with_set_grad_enabled region) is inlined, its
+    outputs detached: its linear stays whole (quietly: no gradient reaches it) and takes no
+    gradient (.grad None, as in the model: the optimizer leaves it, no weight decay)."""
+    pm = _pm("no-grad-mlp", 2, strict=True)
+    assert pm.tp_plan.replicated["indexer"].why.startswith("computed under torch.no_grad")
+    assert not pm.tp_plan.replicated["indexer"].loud
+    local = pm.compiled(0).local
+    assert not local["indexer.weight"].takes_grad and local["up.weight"].takes_grad
+    assert not any(n.target == torch.ops.higher_order.wrap_with_set_grad_enabled for n in pm.compiled(0).gm.graph.nodes)
+
+
+class _GradInsideNoGrad(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            with torch.enable_grad():
+                y = self.w(x)
+            z = y + 1
+        return (y * z).sum()
+
+
+def test_grad_enabled_again_inside_no_grad_keeps_its_gradient():
+    """torch.enable_grad inside a no_grad block: export cuts it into regions one after another
+    (no grad, grad, no grad), so y keeps its gradient and z = y + 1, made under no_grad, is
+    detached: w takes the gradient of y * z through y alone, as in the model."""
+    from fxtron.compiler.trace import trace
+    model = _GradInsideNoGrad()
+    x = torch.randn(2, 3, 4)
+    gm = trace(model, (x,))
+    assert not any(n.target == torch.ops.higher_order.wrap_with_set_grad_enabled for n in gm.graph.nodes)
+    assert sum(n.target == torch.ops.aten.detach.default for n in gm.graph.nodes) == 1
+    w = next(n for n in gm.graph.nodes if meta.param_name(n) == "w.weight")
+    assert w in meta.reaches_loss(gm)
+
+
+def test_mamba_splits_megatron_way():
+    """Mamba's mixer at tp=2: in_proj by columns ([x | z] halves each split: interleave 2,
+    found through its transpose to channels first), the causal depthwise conv on the rank's
+    channels, x_proj by rows (its input comes split from in_proj through the conv: one
+    all-reduce of its small dt/B/C output), out_proj by rows. Forward: the embedding's, x_proj's
+    and out_proj's all-reduces, no all-gather, no op run replicated."""
+    import transformers
+    torch.manual_seed(0)
+    model = transformers.MambaForCausalLM(transformers.MambaConfig(
+        vocab_size=128, hidden_size=32, state_size=4, num_hidden_layers=1, expand=2, conv_kernel=4, use_mambapy=False))
+    ids = torch.randint(0, 128, (2, 6))
+    pm = fxtron.parallelize(model, fxtron.Mesh(2, tp=2), example_kwargs=dict(input_ids=ids, labels=ids))
+    styles = {p: s for p, s, _ in pm.tp_plan.table()}
+    mixer = "backbone.layers.0.mixer."
+    assert [styles[mixer + n] for n in ("in_proj", "x_proj", "out_proj")] == ["colwise", "rowwise", "rowwise"]
+    assert pm.tp_plan.interleave[mixer + "in_proj"] == 2
+    assert pm.compiled(0).local[mixer + "conv1d.bias"].local_shape == (32,)
+    recs = pm.collectives(0)
+    fwd = [r.module for r in recs if r.phase == "forward" and r.op == "all_reduce"]
+    assert fwd == ["backbone.embeddings", mixer + "x_proj", "backbone.layers.0"], fwd
+    assert not [r for r in recs if r.kind == "all_gather" and r.phase == "forward"]
+    assert pm.gathers(0) == [] and pm.fallbacks(0) == []

@@ -1,4 +1,4 @@
-"""The transformers decoder architectures fxtron is held to (tp_models.ZOO: 27 families, and
+"""The transformers decoder architectures fxtron is held to (tp_models.ZOO: 28 families, and
 Falcon in both its layouts, from tiny random configs, two layers, no downloads), split the way
 Megatron would.
 
@@ -25,7 +25,6 @@ import pytest
 import torch
 
 import fxtron
-from fxtron.compiler.report import count
 from fxtron.compiler import report
 from fxtron.passes.tp_plan import router_weights
 from fxtron.tools.testing import adamw, assert_trains_like, cases_fixture, max_abs_diff, ranks_of, reference_training, train_program
@@ -53,8 +52,8 @@ STATISTICS_ONCE = {"Cohere": 1}
 # expanded to the query heads, is sliced to the rank's heads; the slice's backward gathers the
 # gradient (2 a layer). Megatron cannot split this layer at all
 BACKWARD_GATHERS = {"GPTBigCode": 2}
-# linears Megatron keeps whole, and why
-WHOLE_BY_DESIGN = ("a router", "a low-rank down-projection")
+# linears Megatron keeps whole, and why (DeepSeek-V3.2's indexer: whole in DeepSeek's reference)
+WHOLE_BY_DESIGN = ("a router", "a low-rank down-projection", "computed under torch.no_grad")
 LAYER_PARAM = re.compile(r"\.(layers|h)\.\d+\.")
 SEQS = [16, 12]
 _opt = adamw(eps=1e-4)
@@ -84,7 +83,8 @@ def test_split_megatron_way_at_tp2(arch):
 
     full = dict(model.named_parameters())
     local = pm.compiled(0).local
-    layer = [n for n in local if LAYER_PARAM.search(n)]
+    # (DeepSeek-V3.2's indexer, whole by design, left out: in a tiny config it is a tenth of a layer)
+    layer = [n for n in local if LAYER_PARAM.search(n) and ".indexer." not in n]
     share = (sum(torch.Size(local[n].local_shape).numel() for n in layer) / sum(full[n].numel() for n in layer))
     assert share < 0.55, f"a rank holds {share:.3f} of the layers' parameters"
 

@@ -14,7 +14,7 @@ ZOO = {"Llama": "hf-llama", "Mistral": "hf-mistral", "Qwen2": "hf-qwen2", "Qwen3
        "BLOOM": "hf-bloom", "Falcon": "hf-falcon", "Falcon-40B": "hf-falcon40b", "OPT": "hf-opt", "StableLM": "hf-stablelm",
        "Starcoder2": "hf-starcoder2", "SmolLM3": "hf-smollm3", "Mixtral": "hf-mixtral", "Qwen3-MoE": "hf-qwen3moe",
        "DeepSeek-V3": "hf-deepseekv3", "Cohere": "hf-cohere", "CodeGen": "hf-codegen",
-       "GPTBigCode": "hf-bigcode"}
+       "GPTBigCode": "hf-bigcode", "DeepSeek-V3.2": "hf-deepseekv32"}
 VOCAB = {"gpt": 256, "llama": 256, "moe": 256, "hf-mixtral-aux": 128, "cumsum-mlp": 64, "factories-mlp": 64, "gather-mlp": 64, "einsum-attn": 64,
          "nanogpt": 64, "hf-gpt2-eager": 128, "hf-qwen2-tied": 128, **{n: 128 for n in ZOO.values()}}
 NAMES = ["gpt", "llama", "hf-gpt2", "hf-llama"]
@@ -30,6 +30,12 @@ MORE_NAMES = ["hf-qwen2", "hf-neox", "hf-phi3", "hf-olmoe", "hf-olmo2", "hf-gemm
 # index_select on split values, gather with an index shaped by expand_as (rules that keep them
 # split); a layer written with einsum
 OP_NAMES = ["cumsum-mlp", "factories-mlp", "gather-mlp", "einsum-attn"]
+# ops the sweep of transformers' architectures met with no rule, each on the split width of an
+# MLP (tests/test_tp_structure.py: no gather; test_tensor_parallel.py: trains like one process):
+# relu^2, tensor_split, a complex rotation, max / min / logsumexp per head, a causal depthwise
+# conv (Mamba's), a torch.no_grad region (a sparse-attention indexer's top-k)
+RULE_NAMES = ["square-mlp", "tensor-split-mlp", "complex-mlp", "max-lse-mlp", "conv-mlp", "no-grad-mlp"]
+VOCAB.update({n: 64 for n in RULE_NAMES})
 
 
 class CumsumMLP(torch.nn.Module):
@@ -44,6 +50,66 @@ class CumsumMLP(torch.nn.Module):
         x = self.emb(idx)
         h = torch.cumsum(torch.nn.functional.gelu(self.up(x)), dim=-1) / 8
         x = x + self.down(h)
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+class _MidMLP(CumsumMLP):
+    """emb -> up (colwise) -> mid -> down (rowwise) -> head: `mid` runs on the split width."""
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        x = x + self.down(self.mid(self.up(x)))
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+class SquareMLP(_MidMLP):
+    def mid(self, h):
+        return torch.square(torch.relu(h))                       # relu^2 (Primer, Nemotron)
+
+
+class TensorSplitMLP(_MidMLP):
+    def mid(self, h):
+        a, b = torch.tensor_split(h.unflatten(-1, (8, 8)), 2, dim=-1)    # per head, along the head dim
+        return (a * torch.nn.functional.silu(b)).repeat_interleave(2, dim=-1).flatten(-2)
+
+
+class ComplexMLP(_MidMLP):
+    def mid(self, h):
+        b, s = h.shape[:2]
+        z = torch.view_as_complex(h.float().reshape(b, s, 8, 4, 2))       # Llama 4's rotary
+        rot = torch.polar(torch.ones(4, device=h.device), torch.arange(4.0, device=h.device))
+        return torch.view_as_real(z * rot).flatten(2)
+
+
+class MaxLseMLP(_MidMLP):
+    def mid(self, h):
+        g = h.unflatten(-1, (8, 8))
+        m = g.max(dim=-1, keepdim=True).values                   # gpt-oss's sinks: a max per head
+        n = g.min(dim=-1).values.unsqueeze(-1)
+        return (g - m - torch.logsumexp(g - m, dim=-1, keepdim=True) + 0.1 * n).flatten(-2)
+
+
+class ConvMLP(_MidMLP):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(64, 64, 4, groups=64, padding=3)     # Mamba's causal depthwise conv
+
+    def mid(self, h):
+        s = h.shape[1]
+        return torch.nn.functional.silu(self.conv(h.transpose(1, 2))[..., :s]).transpose(1, 2)
+
+
+class NoGradMLP(_MidMLP):
+    def __init__(self):
+        super().__init__()
+        self.indexer = torch.nn.Linear(32, 64)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        with torch.no_grad():                                    # DeepSeek-V3.2's indexer: top-k, no gradient
+            top = self.indexer(x).topk(4, dim=-1).indices
+        keep = torch.zeros(x.shape[0], x.shape[1], 64, device=x.device).scatter(-1, top, 1.0)
+        x = x + self.down(torch.nn.functional.gelu(self.up(x)) * (0.5 + keep))
         return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
 
@@ -140,6 +206,10 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
         return GatherMLP()
     if name == "einsum-attn":
         return EinsumAttention()
+    rules = {"square-mlp": SquareMLP, "tensor-split-mlp": TensorSplitMLP, "complex-mlp": ComplexMLP,
+             "max-lse-mlp": MaxLseMLP, "conv-mlp": ConvMLP, "no-grad-mlp": NoGradMLP}
+    if name in rules:
+        return rules[name]()
     if name == "nanogpt":
         return NanoGPT(layers=layers)
     if name == "moe":                     # fxtron's own: argsort by expert, a shared expert, the Switch loss
@@ -218,6 +288,12 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
             **common, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
             kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
             first_k_dense_replace=1, n_group=1, topk_group=1, **ids)),
+        # DeepSeek's sparse attention: an indexer run under torch.no_grad picks each query's top-k keys
+        "hf-deepseekv32": lambda: T.DeepseekV32ForCausalLM(T.DeepseekV32Config(
+            **common, num_key_value_heads=8, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+            n_shared_experts=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+            first_k_dense_replace=1, n_group=1, topk_group=1, index_n_heads=4, index_head_dim=16,
+            index_topk=4, **ids)),
     }
     if name in zoo:
         return zoo[name]()

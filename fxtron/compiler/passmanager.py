@@ -231,6 +231,7 @@ def shard_params(gm: fx.GraphModule, mesh: MeshView, mine: set[str]) -> dict[str
     that reduces it (dp-cp under context parallel, which sums the cp ranks' partial
     gradients; expert-dp for an expert weight split over ep)."""
     local: dict[str, LocalParam] = {}
+    reached = meta.reaches_loss(gm)
     for node in gm.graph.nodes:
         name = meta.param_name(node)
         if name is None or name not in mine:
@@ -259,7 +260,8 @@ def shard_params(gm: fx.GraphModule, mesh: MeshView, mine: set[str]) -> dict[str
             whole = () if "cp" in partial else ("cp",)
             partial = tuple(a for a in partial if a != "cp")
         local[name] = LocalParam(name, full, tuple(shape), val.dtype, shards=tuple(shards),
-                                 partial_grad=partial, grad_group=group, grad_whole_on=whole)
+                                 partial_grad=partial, grad_group=group, grad_whole_on=whole,
+                                 takes_grad=node in reached)
     return local
 
 

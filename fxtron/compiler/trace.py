@@ -5,9 +5,11 @@ then the flattened user inputs; its one output is the scalar loss. Batch and seq
 every user input are symbolic (one symbol `B` for dim 0 and one `S` for dim 1 of all inputs),
 so one compiled program serves any batch size and sequence length. What the graph's inputs
 mean is kept in `gm.meta["fxtron_trace"]` (a core.meta.TraceInfo) and per placeholder in node.meta.
+torch.no_grad blocks, which export wraps as regions of their own, are inlined (`inline_grad_regions`).
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable
 
 import sympy
@@ -230,9 +232,75 @@ def _strip(name: str) -> str:
     return name[len("model."):] if name.startswith("model.") else name
 
 
+_SET_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled
+
+
+def inline_grad_regions(gm: fx.GraphModule, *, grad: bool = True) -> None:
+    """Export's grad-mode regions (`wrap_with_set_grad_enabled`: a `torch.no_grad()` block or a
+    `@torch.no_grad` method, such as DeepSeek-V3.2's sparse-attention indexer) made the graph's
+    own ops, so that every pass and sharding rule sees them. A no-grad region's outputs are
+    detached where they leave it: no gradient flows back through them, as under no_grad (a
+    view made there does not track either); an input handed back unchanged keeps its own.
+    Gradients enabled again inside a no-grad region (whose outputs could then carry one) raise
+    ParallelizeError. Edits gm in place; `grad` is the mode the graph runs in."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not _SET_GRAD:
+            continue
+        enabled, holder, args = node.args[0], node.args[1], node.args[2:]
+        if enabled and not grad:
+            raise ParallelizeError(
+                f"gradients enabled (torch.enable_grad) inside a torch.no_grad region, at {_where(node)}: fxtron "
+                "inlines grad-mode regions and cannot say which of its outputs carry a gradient; compute that part "
+                "outside the no_grad block")
+        sub = getattr(gm, holder.target)
+        inline_grad_regions(sub, grad=bool(enabled))      # nested regions first
+        inputs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        val_map = dict(zip(inputs, args))
+        with gm.graph.inserting_before(node):
+            for n in sub.graph.nodes:
+                if n.op == "get_attr":
+                    raise ParallelizeError(f"a torch.no_grad region at {_where(node)} reads the attribute {n.target} "
+                                           "(export lifts parameters and constants: this graph is not one fxtron knows)")
+            outs = gm.graph.graph_copy(sub.graph, val_map)
+            outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+            if not enabled:
+                kept = set(args)
+                outs = [_detached(gm.graph, o) if isinstance(o, fx.Node) and o not in kept
+                        and isinstance(o.meta.get("val"), torch.Tensor) else o for o in outs]
+                for n in [*val_map.values(), *outs]:
+                    if isinstance(n, fx.Node) and n not in kept and n.graph is gm.graph:
+                        meta.set(n, meta.NO_GRAD, True)
+        for user in list(node.users):
+            if user.op != "call_function" or user.target is not operator.getitem:
+                raise ParallelizeError(f"a torch.no_grad region's result at {_where(node)} is used whole by "
+                                       f"%{user.name}, not one output at a time")
+            user.replace_all_uses_with(outs[user.args[1]])
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+        if not holder.users:
+            gm.graph.erase_node(holder)
+            if not any(n.op == "get_attr" and n.target == holder.target for n in gm.graph.nodes):
+                delattr(gm, holder.target)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _detached(graph: fx.Graph, value: fx.Node) -> fx.Node:
+    out = graph.call_function(torch.ops.aten.detach.default, (value,))
+    out.meta.update({k: v for k, v in value.meta.items() if k in ("nn_module_stack", "stack_trace", "tensor_meta")})
+    out.meta["val"] = value.meta["val"].detach()
+    return out
+
+
+def _where(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    return f"%{node.name} in {_clean_path(list(stack.values())[-1][0]) or '(top level)'}" if stack else f"%{node.name}"
+
+
 def _to_graph_module(ep: ExportedProgram, model: torch.nn.Module, user_dims, in_spec, statics) -> fx.GraphModule:
     sig = ep.graph_signature
     gm = ep.graph_module
+    inline_grad_regions(gm)
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
 

@@ -98,6 +98,9 @@ GATHERED = _key("fxtron_gathered", str,
                 "colwise gather_output, nor sequence parallel's gather into a region): why -- forward "
                 "communication Megatron's layer would not issue, which the summary reports",
                 "passes.redistribute")
+NO_GRAD = _key("fxtron_no_grad", bool,
+                "on a node of a torch.no_grad region that trace inlined (export's wrap_with_set_grad_enabled): no "
+                "gradient flows back through it; the tp plan leaves the linears there whole", "compiler.trace")
 STAGE = _key("fxtron_stage", int, "pipeline stage that runs the node", "passes.stages")
 OWN_SIZE = _key("fxtron_own_size", bool,
                 "on a sym_size of a split value: the graph means this rank's own size (a tp rank's share of a "
@@ -192,7 +195,8 @@ def param_name(node: Any) -> str | None:
 #: ops whose value takes no gradient from their tensor inputs (they lend only shape, dtype, device)
 _NO_GRAD = {_aten.new_empty.default, _aten.new_zeros.default, _aten.new_ones.default, _aten.new_full.default,
             _aten.new_empty_strided.default, _aten.zeros_like.default, _aten.ones_like.default,
-            _aten.empty_like.default, _aten.full_like.default, _aten.rand_like.default, _aten.randn_like.default}
+            _aten.empty_like.default, _aten.full_like.default, _aten.rand_like.default, _aten.randn_like.default,
+            _aten.detach.default}
 
 
 def carries_grad(gm: fx.GraphModule) -> "set[fx.Node]":
@@ -202,12 +206,45 @@ def carries_grad(gm: fx.GraphModule) -> "set[fx.Node]":
     out: "set[fx.Node]" = builtins.set()        # this module's `set` writes meta
     for node in gm.graph.nodes:
         val = node.meta.get("val")
-        floating = isinstance(val, torch.Tensor) and val.is_floating_point() or isinstance(val, (list, tuple))
+        floating = differentiable(val) or isinstance(val, (list, tuple))
         if node.op == "placeholder":
             spec = get(node, INPUT)
             if (spec is not None and spec.kind == "parameter") or (spec is None and floating):
                 out.add(node)
         elif floating and node.target not in _NO_GRAD and any(a in out for a in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
+def differentiable(val) -> bool:
+    """Can autograd carry a gradient through a value: a floating or complex tensor (a rotary
+    embedding's view_as_complex)."""
+    return isinstance(val, torch.Tensor) and (val.is_floating_point() or val.is_complex())
+
+
+def reaches_loss(gm: fx.GraphModule) -> "set[fx.Node]":
+    """The nodes a gradient of the loss reaches (`carries_grad` ones with a path of such to
+    the graph's outputs, not counting the buffers written back): a parameter outside it
+    (used only under torch.no_grad, or not at all) gets no gradient in the model, its .grad
+    None."""
+    seeds = carries_grad(gm)
+    grad: "set[fx.Node]" = builtins.set()
+    for node in gm.graph.nodes:     # carries_grad's, where a value of unknown kind (no `val`) may carry one
+        if node.op == "placeholder":
+            if node in seeds:
+                grad.add(node)
+        elif node.op == "call_function" and node.target not in _NO_GRAD and any(a in grad for a in node.all_input_nodes):
+            val = node.meta.get("val")
+            if val is None or differentiable(val) or isinstance(val, (list, tuple)):
+                grad.add(node)
+    out: "set[fx.Node]" = builtins.set()
+    ti = gm.meta.get(TRACE_INFO)
+    mutations = ti.buffer_mutations if ti is not None else {}
+    for node in reversed(gm.graph.nodes):
+        if node.op == "output":
+            flat = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
+            out |= {a for i, a in enumerate(flat) if isinstance(a, fx.Node) and i not in mutations and a in grad}
+        elif node in grad and any(u in out and u in grad for u in node.users):
             out.add(node)
     return out
 

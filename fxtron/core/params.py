@@ -53,7 +53,10 @@ class LocalParam:
     parallel, whose cp ranks each hold the partial gradient of their tokens (summed over cp,
     averaged over dp, in one collective: Megatron's dp-cp buffer). `grad_whole_on`: axes of
     the grad group over which every rank computes the whole gradient, not a partial sum (a
-    position table looked up whole): its share is divided by their size before the sum."""
+    position table looked up whole): its share is divided by their size before the sum.
+    `takes_grad`: False where no gradient of the loss reaches it (used only under torch.no_grad,
+    or not at all): its .grad stays None, as the model's own does, so the optimizer leaves it
+    alone (no weight decay)."""
 
     name: str
     full_shape: tuple[int, ...]
@@ -64,6 +67,7 @@ class LocalParam:
     grad_group: str = "dp"
     grad_whole_on: tuple[str, ...] = ()
     flat: FlatShard | None = None
+    takes_grad: bool = True
 
     @property
     def held_shape(self) -> tuple[int, ...]:

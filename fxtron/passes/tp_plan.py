@@ -162,6 +162,8 @@ class Unsplit:
 
 _DOWN_PROJECTION = ("a low-rank down-projection whose output only feeds column-split linears (MLA's q_a_proj, "
                     "kv_a_proj): replicated, as Megatron's duplicated linear_q_down_proj / linear_kv_down_proj")
+_NO_GRAD = ("computed under torch.no_grad (no gradient reaches it: DeepSeek-V3.2's sparse-attention indexer): "
+            "replicated, as DeepSeek's reference keeps the indexer whole")
 _NO_PATTERN = ("no Megatron pattern found: its output neither reaches a residual add through shape ops "
                "(rowwise) nor feeds a rowwise linear or the loss (colwise); name its style in plan=")
 
@@ -191,6 +193,8 @@ class _Draft:
                     replicated[path] = Unsplit("replicated by the plan", False)
                 elif mode == "replace":
                     replicated[path] = Unsplit("plan_mode='replace' and the plan does not name it", False)
+                elif meta.get(l.node, meta.NO_GRAD):
+                    replicated[path] = Unsplit(_NO_GRAD, False)
                 elif _is_router(l):
                     replicated[path] = Unsplit(ROUTER, False)
                 elif path in down:
@@ -629,13 +633,14 @@ def _interleave(layer: _Found, tp: int) -> Interleave:
         k = _unbound_blocks(view, feat)
         if k is not None:
             return k
-    for user, via in _through_shape_ops(layer.node):
+    for user, via, last in [*((u, v, None) for u, v in _through_shape_ops(layer.node)), *_channels_first(layer)]:
         if user.op != "call_function":
             continue
         val = via.meta.get("val")
         if val is None:
             continue
-        last = val.dim() - 1
+        last = val.dim() - 1 if last is None else last
+        whole = not isinstance(val.shape[last], torch.SymInt) and int(val.shape[last]) == feat   # the features, not a head's
         if user.target in (aten.split.Tensor, aten.chunk.default, aten.split_with_sizes.default):
             dim = user.args[2] if len(user.args) > 2 else 0
             blocks = _model_parallel_blocks(via, feat)
@@ -643,17 +648,32 @@ def _interleave(layer: _Found, tp: int) -> Interleave:
                 return 1
         if user.target == aten.split.Tensor:
             size, dim = user.args[1], (user.args[2] if len(user.args) > 2 else 0)
-            if dim in (-1, last) and isinstance(size, int) and feat % size == 0:
+            if dim in (-1, last) and whole and isinstance(size, int) and feat % size == 0:
                 return feat // size
-        if user.target == aten.chunk.default:
+        if user.target in (aten.chunk.default, aten.tensor_split.sections):
             chunks, dim = user.args[1], (user.args[2] if len(user.args) > 2 else 0)
-            if dim in (-1, last) and feat % chunks == 0:
+            if dim in (-1, last) and whole and isinstance(chunks, int) and feat % chunks == 0:
                 return chunks
         if user.target == aten.split_with_sizes.default:
             sizes, dim = user.args[1], (user.args[2] if len(user.args) > 2 else 0)
             if dim in (-1, last) and all(isinstance(x, int) and x > 0 for x in sizes) and sum(sizes) == feat:
                 return normalize(tuple(sizes))
     return 1
+
+
+def _channels_first(layer: _Found) -> list[tuple[fx.Node, fx.Node, int]]:
+    """(user, via, the features' dim) where a linear's output is transposed to channels first
+    before it is cut (Mamba's in_proj(x).transpose(1, 2).chunk(2, dim=1))."""
+    out = []
+    for t in layer.node.users:
+        if t.op != "call_function" or t.target != aten.transpose.int:
+            continue
+        nd = t.meta["val"].dim()
+        d0, d1 = t.args[1] % nd, t.args[2] % nd
+        if nd - 1 in (d0, d1):
+            dim = d0 if d1 == nd - 1 else d1
+            out += [(u, t, dim) for u in t.users]
+    return out
 
 
 # ----------------------------------------------------------------------------- planning
@@ -673,11 +693,40 @@ def auto_plan(gm: fx.GraphModule, tp: int) -> dict[str, Style]:
             continue
         if l.kind == "linear" and _is_router(l):
             continue        # its scores pick experts on every rank: whole, as in Megatron
+        if l.kind == "linear" and meta.get(l.node, meta.NO_GRAD):
+            continue        # under torch.no_grad (a sparse-attention indexer): whole
         if l.kind == "linear" and (_reaches_loss(l) or _feeds_row(l, rows, linears, order)):
             styles[path] = Colwise()
         elif l.kind == "embedding" and _looks_up_user_ids(l):
             styles[path] = VocabParallel()
+    cols = {l.node: p for p, l in layers.items() if isinstance(styles.get(p), Colwise)}
+    for path, l in sorted(layers.items(), key=lambda item: order[item[1].node]):
+        if l.node in cols and _takes_split_input(l, cols, linears):
+            styles[path] = Rowwise()       # its input comes split: Megatron's row-parallel, a partial sum
+            del cols[l.node]
     return styles
+
+
+def _takes_split_input(layer: _Found, cols: dict, linears: set[fx.Node], limit: int = 64) -> bool:
+    """Does the linear's input come from a column-split linear of the same module through ops
+    that keep its features apart (Mamba's x_proj, fed by in_proj through the channel-wise
+    conv): then it is the row-parallel one, its input already split, its output a partial sum."""
+    parent = layer.path.rpartition(".")[0]
+    if not parent:
+        return False
+    stack, seen = [layer.node.args[0]], set()
+    while stack and limit:
+        n = stack.pop()
+        limit -= 1
+        if not isinstance(n, fx.Node) or n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        if n in cols:
+            return cols[n].rpartition(".")[0] == parent
+        if n in linears or not (meta.get(n, meta.MODULE) or "").startswith(parent):
+            continue                 # another layer, or outside the module: not this module's input
+        stack.extend(n.all_input_nodes)
+    return False
 
 
 def _looks_up_user_ids(layer: _Found) -> bool:

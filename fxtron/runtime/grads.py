@@ -169,7 +169,11 @@ class Gradients:
         for n in order:
             params[n].register_post_accumulate_grad_hook(self._hook(n))
         #: the distributed optimizer (zero=1): this rank's shards of every buffer
-        self.zero = ZeroOne(self.buffers, params, release=config.zero == 2) if config.zero in (1, 2) else None
+        #: the parameters no gradient of the loss reaches (LocalParam.takes_grad): .grad None after
+        #: finalize, as in the model, so the optimizer skips them
+        self.gradless = frozenset(n for n in params if n in local and not local[n].takes_grad)
+        self.zero = ZeroOne(self.buffers, params, release=config.zero == 2,
+                            gradless=self.gradless) if config.zero in (1, 2) else None
         #: zero=3's units (runtime/fsdp.py FsdpUnits), set by the program
         self.fsdp = None
         #: overlap_param_gather: the parameters whose buckets the graph waits for itself (param_wait)
@@ -272,7 +276,7 @@ class Gradients:
         else:
             for n, p in self.params.items():
                 g = self._views[n]
-                p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
+                p.grad = None if n in self.gradless else g if g.dtype == p.dtype else g.to(p.dtype)
         self.sync_partial()
         self.sync_shared()
         if self.config.clip_grad is not None:
@@ -422,6 +426,8 @@ class Gradients:
         out = {}
         data = self.zero.full_grad_data() if self.zero is not None else None
         for name, p in self.params.items():
+            if name in self.gradless:        # (the model's .grad is None)
+                continue
             if data is not None:
                 g = data[name].view_as(p).to(p.dtype)
             else:

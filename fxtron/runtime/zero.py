@@ -79,11 +79,14 @@ class ZeroOne:
     """The distributed optimizer over a program's gradient buffers (`buffers`, by group kind)
     and its parameters (`params`, by name), which become views of the fp32 parameter buffers."""
 
-    def __init__(self, buffers: dict, params: dict[str, nn.Parameter], *, release: bool = False):
+    def __init__(self, buffers: dict, params: dict[str, nn.Parameter], *, release: bool = False,
+                 gradless: frozenset = frozenset()):
         self.params = params
         #: zero=2: after the reduce-scatter the rank keeps only its shards of the gradients (copies);
         #: the whole buffer's memory is released until the next step's backward
         self.release = release
+        #: the parameters no gradient of the loss reaches: their shards keep .grad None
+        self.gradless = gradless
         self.parts = [_Part(buf, params) for buf in buffers.values() if buf.offsets]
         self._part_of = {n: part for part in self.parts for n in part.buf.offsets}
         # this rank's pieces, every buffer's: (part, parameter name, [lo, hi) in that buffer)
@@ -122,7 +125,10 @@ class ZeroOne:
         return self._inner
 
     def set_grads(self) -> None:
-        for s, (part, _, lo, hi) in zip(self.shards, self.pieces):
+        for s, (part, n, lo, hi) in zip(self.shards, self.pieces):
+            if n in self.gradless:      # no gradient in the model: .grad None, the optimizer skips it
+                s.grad = None
+                continue
             g = part.buf.data[lo:hi]
             s.grad = g.clone() if self.release and g.dtype == s.dtype else g if g.dtype == s.dtype else g.to(s.dtype)
         if self.release:

@@ -146,6 +146,70 @@ def _layer_norm(c: Ctx):
     return REPLICATE, [REPLICATE] + expects[1:]
 
 
+_CONV_GROUPS = {aten.conv1d.default: 6, aten.conv2d.default: 6, aten.conv3d.default: 6, aten.convolution.default: 8}
+
+
+def _conv_args(node: fx.Node):
+    """(input, weight, bias, groups, transposed) of a convolution, whichever overload."""
+    a, at = list(node.args), _CONV_GROUPS[node.target]
+    bias = a[2] if len(a) > 2 else node.kwargs.get("bias")
+    groups = a[at] if len(a) > at else node.kwargs.get("groups", 1)
+    transposed = node.target == aten.convolution.default and bool(a[6] if len(a) > 6 else node.kwargs.get("transposed"))
+    return a[0], a[1], bias, groups, transposed
+
+
+@register_rule(*_CONV_GROUPS)
+def _conv(c: Ctx):
+    """A grouped convolution (Mamba's causal depthwise conv1d, groups = channels) with its
+    input split on the channel dim into whole groups (groups divisible by the axis): each rank
+    convolves its own groups -- weight and bias split alike on their output channels, the
+    output split on its channels -- with groups / size (the lowering below). A shard on the
+    batch dim keeps the weights whole. Anything else (a partial sum, a spatial dim split, a
+    dense convolution over split channels) gathers first."""
+    x, w, bias, groups, transposed = _conv_args(c.node)
+    px = c.p[c.index(x)]
+    pw = c.p[c.index(w)]
+    batched = ndim(x) == ndim(w)              # (N, C, L...) against (C_out, C_in/g, K...)
+    ch = 1 if batched else 0
+    whole = [REPLICATE] * len(c.p)
+    if transposed or not all(p.is_replicate() or isinstance(p, Shard) for p in c.p):
+        return REPLICATE, whole
+    if isinstance(px, Shard) and px.dim == ch and isinstance(groups, int) and groups % c.size == 0 \
+            and not px.whole and (pw.is_replicate() or pw == Shard(0, px.interleave)):
+        blocks = px.interleave if isinstance(px.interleave, int) else None
+        if blocks is None or groups % (blocks * c.size) != 0:
+            return REPLICATE, whole
+        want = Shard(0, px.interleave)
+        expects = [None if a is x else want for a in c.inputs]
+        return Shard(ch, px.interleave), expects
+    if batched and isinstance(px, Shard) and px.dim == 0 and pw.is_replicate() \
+            and (bias is None or c.p[c.index(bias)].is_replicate()):
+        return px, [None] * len(c.p)
+    if all(p.is_replicate() for p in c.p):
+        return REPLICATE, [None] * len(c.p)
+    return REPLICATE, whole
+
+
+@register_lowering(*_CONV_GROUPS)
+def _conv_on_groups(node: fx.Node, lower):
+    """The convolution of this rank's groups: the same call with groups / size."""
+    x, _, _, groups, _ = _conv_args(node)
+    p = meta.placement(node, lower.axis)          # the rule's choice: split on the channels, or not
+    batched = ndim(x) == ndim(node.args[1])
+    if not (isinstance(p, Shard) and p.dim == (1 if batched else 0)):
+        return None
+    at = _CONV_GROUPS[node.target]
+    args = [lower.remap(a) if isinstance(a, fx.Node) else a for a in node.args]
+    kwargs = dict(node.kwargs)
+    if len(args) > at:
+        args[at] = groups // lower.size
+    else:
+        kwargs["groups"] = groups // lower.size
+    return lower.call(node.target, tuple(args), node, meta.placement(node, lower.axis),
+                      f"the convolution of this rank's {groups // lower.size} of {groups} groups (channels split over "
+                      f"{lower.axis})", kwargs=kwargs)
+
+
 @register_rule(aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int)
 def _softmax(c: Ctx):
     px = c.p[0]

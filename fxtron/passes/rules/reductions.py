@@ -7,19 +7,21 @@ import torch.fx as fx
 import fxtron.ops  # noqa: F401 - torch.ops.fxtron.batch_*
 
 from fxtron.core.placement import PARTIAL, REPLICATE, Shard
-from fxtron.passes.rules.registry import Ctx, reduced_dims, register_lowering, register_rule
+from fxtron.passes.rules.registry import Ctx, ndim, norm, reduced_dims, register_lowering, register_rule
 
 aten = torch.ops.aten
 _SUM_OR_MEAN = {aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default}
 _MEANS = {aten.mean.dim, aten.mean.default}
 
 
-@register_rule(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, aten.amax.default)
+@register_rule(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, aten.amax.default,
+               aten.amin.default, aten.logsumexp.default)
 def _reduce(c: Ctx):
     """A sum or mean is linear: of a partial sum it stays partial, and over a sharded dim it
     becomes one (each rank's part; a mean divides by the whole count, see _mean_over_shards),
     so a norm's statistic over a split width costs an all-reduce of one value per row, not an
-    all-gather of the rows. A max over a sharded dim gathers first."""
+    all-gather of the rows. A max, min or logsumexp over other dims keeps the shard (an
+    attention's per-head statistics, gpt-oss's sinks); over a sharded dim it gathers first."""
     node, p = c.node, c.p[0]
     t = node.target
     keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
@@ -34,6 +36,26 @@ def _reduce(c: Ctx):
         return REPLICATE, [REPLICATE]
     d = p.dim if keep else p.dim - sum(1 for x in dims if x < p.dim)
     return Shard(d, p.interleave), [None]
+
+
+@register_rule(aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default)
+def _extreme_along(c: Ctx):
+    """max / min along a dim (values and indices) and argmax / argmin: over a dim the shard is
+    not on, each rank's rows on their own, every output split alike; over the split dim (or
+    all dims), or of a partial sum, the input is gathered first."""
+    node, p = c.node, c.p[0]
+    nd = ndim(c.inputs[0])
+    multi = node.target in (aten.max.dim, aten.min.dim)
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    whole = (REPLICATE, REPLICATE) if multi else REPLICATE
+    if p.is_replicate():
+        return whole, [None]
+    if not isinstance(p, Shard) or dim is None or norm(dim, nd) == p.dim:
+        return whole, [REPLICATE]
+    d = p.dim if keep or norm(dim, nd) > p.dim else p.dim - 1
+    out = Shard(d, p.interleave)
+    return ((out, out) if multi else out), [None]
 
 
 @register_lowering(*_MEANS)

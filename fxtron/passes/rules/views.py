@@ -198,10 +198,18 @@ def _pad(c: Ctx):
     return (REPLICATE, [REPLICATE]) if p.dim in padded else (p, [None])
 
 
-@register_rule(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default)
+@register_rule(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default,
+               aten.tensor_split.sections, aten.tensor_split.indices)
 def _split(c: Ctx):
+    """split, chunk, tensor_split (by a count or at indices), unbind: along another dim than the
+    split one each piece keeps the shard; along it, only a fused value's whole blocks ([q|k|v] or
+    Mamba's [x|z], which the plan lays out interleaved: each rank's slice of every piece) are
+    cut locally -- a contiguous shard's pieces are not shards of the pieces, so it is gathered.
+    A partial sum is reduced first, once for all the pieces."""
     p, node = c.p[0], c.node
     n_out = len(node.meta["val"])
+    if p.is_partial():          # reduced once before it is cut, not once per piece (Mamba's x_proj: dt, B, C)
+        return tuple([REPLICATE] * n_out), [REPLICATE]
     if not isinstance(p, Shard):
         return tuple([p] * n_out), [None]
     nd = ndim(c.inputs[0])
@@ -376,9 +384,35 @@ def _index(c: Ctx):
     return REPLICATE, [REPLICATE] * len(c.p)
 
 
+@register_rule(aten.view_as_complex.default, aten.view_as_real.default)
+def _complex_view(c: Ctx):
+    """view_as_complex: (..., 2) real pairs -> (...) complex; view_as_real the inverse (a rotary
+    embedding's complex rotation, Llama 4's and DeepSeek-V2's). A shard on a dim before the pair
+    stays where it is; the pair itself is never split (gathered); both are linear, so a partial
+    sum stays one."""
+    p = c.p[0]
+    if p.is_partial():
+        return PARTIAL, [None]
+    if not isinstance(p, Shard):
+        return p, [None]
+    if c.node.target == aten.view_as_complex.default and p.dim == ndim(c.inputs[0]) - 1:
+        return REPLICATE, [REPLICATE]
+    return p, [None]
+
+
 @register_rule(operator.getitem)
 def _getitem(c: Ctx):
-    """One output of a multi-output op (split): its placement is that op's i-th."""
+    """One output of a multi-output op (split): its placement is that op's i-th (also where
+    the op's outputs mix tensors and SymInts, a region run as a unit); a SymInt has none."""
+    if not c.p:             # a source whose outputs mix tensors and other values (a SymInt)
+        src = c.node.args[0]
+        placed = c.placement_of(src) if isinstance(src, fx.Node) else None
+        if isinstance(placed, tuple) and c.node.args[1] < len(placed):
+            return placed[c.node.args[1]], []
+        if isinstance(c.node.meta.get("val"), torch.Tensor):
+            raise c.fail(f"picks a tensor from %{getattr(src, 'name', src)} ({getattr(src, 'target', '?')}), whose "
+                         "outputs mix tensors and other values, with no placement for them")
+        return None, []
     return c.p[0][c.node.args[1]], [None]
 
 
