@@ -76,10 +76,16 @@ JOBS = {
                           # a linear under torch.no_grad takes no gradient: .grad None, as in the
                           # model, so AdamW neither steps nor decays it (its shards under zero=1 too)
                           Case("no-grad-mlp", layers=2, zero=1, bucket_size=2000),
-                          Case("no-grad-mlp", layers=2, zero=3)])],
+                          Case("no-grad-mlp", layers=2, zero=3),
+                          # frozen parameters (requires_grad=False) take no gradient and no step,
+                          # and stay out of the clipped norm, at every zero level
+                          Case("gpt-frozen", layers=2, clip_grad=0.5),
+                          Case("gpt-frozen", layers=2, zero=1, clip_grad=0.5, bucket_size=2000),
+                          Case("gpt-frozen", layers=2, zero=3, clip_grad=0.5)])],
     4: [(fxtron.Mesh(4), [Case(zero=1, clip_grad=0.5, bucket_size=SMALL)]),
         (fxtron.Mesh(4, tp=2), [Case(zero=1, clip_grad=0.5, sequence_parallel=True, bucket_size=SMALL),
-                                Case("llama", zero=1, clip_grad=0.5)]),
+                                Case("llama", zero=1, clip_grad=0.5),
+                                Case("gpt-frozen", layers=2, clip_grad=0.5, sequence_parallel=True)]),
         (fxtron.Mesh(4, pp=2), [Case(zero=1, clip_grad=0.5, microbatches=2, bucket_size=SMALL),
                                 Case("llama", microbatches=2, schedule="zb-h1", zero=1, bucket_size=SMALL),
                                 Case(microbatches=2, clip_grad=0.5)])],

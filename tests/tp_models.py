@@ -15,7 +15,7 @@ ZOO = {"Llama": "hf-llama", "Mistral": "hf-mistral", "Qwen2": "hf-qwen2", "Qwen3
        "Starcoder2": "hf-starcoder2", "SmolLM3": "hf-smollm3", "Mixtral": "hf-mixtral", "Qwen3-MoE": "hf-qwen3moe",
        "DeepSeek-V3": "hf-deepseekv3", "Cohere": "hf-cohere", "CodeGen": "hf-codegen",
        "GPTBigCode": "hf-bigcode", "DeepSeek-V3.2": "hf-deepseekv32"}
-VOCAB = {"gpt": 256, "llama": 256, "moe": 256, "hf-mixtral-aux": 128, "cumsum-mlp": 64, "factories-mlp": 64, "gather-mlp": 64, "einsum-attn": 64,
+VOCAB = {"gpt": 256, "gpt-frozen": 256, "llama": 256, "moe": 256, "hf-mixtral-aux": 128, "cumsum-mlp": 64, "factories-mlp": 64, "gather-mlp": 64, "einsum-attn": 64,
          "nanogpt": 64, "hf-gpt2-eager": 128, "hf-qwen2-tied": 128, **{n: 128 for n in ZOO.values()}}
 NAMES = ["gpt", "llama", "hf-gpt2", "hf-llama"]
 # more transformers decoders (traced layer by layer in test_repeat; test_zoo.py holds all of ZOO
@@ -198,6 +198,12 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
         if layers == 2 and dropout == 0:
             return build("gpt-tiny", seed=0)
         return _gpt(dropout, layers)
+    if name == "gpt-frozen":     # fine-tuning: the first layer and the position table frozen (requires_grad=False)
+        model = make("gpt", dropout, layers)
+        for n, p in model.named_parameters():
+            if n.startswith(("blocks.0.", "wpe.")):
+                p.requires_grad_(False)
+        return model
     if name == "cumsum-mlp":
         return CumsumMLP()
     if name == "factories-mlp":

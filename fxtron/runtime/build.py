@@ -96,6 +96,12 @@ def build_program(model: torch.nn.Module, spec: RankSpec, groups: ProcessGroups 
     given (compile=True: codegen/regions.py's Compiler), turns each bound graph into the one
     that runs; its `stats` become `program.compiled`."""
     config = config if config is not None else Config()
+    # a frozen parameter (requires_grad=False) takes no gradient, as in the model: .grad None
+    # after every step, so no optimizer moves it (runtime/grads.py's gradless)
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    if frozen & set(spec.local):
+        spec = dataclasses.replace(spec, local={n: dataclasses.replace(lp, takes_grad=False) if n in frozen else lp
+                                                for n, lp in spec.local.items()})
     materialized = MetaMaterializer(model, seed)
     params = local_params(model, spec, seed, materialized)
     buffers = used_buffers(model, spec, materialized)
@@ -125,6 +131,9 @@ def build_program(model: torch.nn.Module, spec: RankSpec, groups: ProcessGroups 
                 buffers={k: v.to(device) for k, v in used_buffers(model, es).items()})
     program = Program(spec, params, buffers, set(model.state_dict().keys()), groups, config, rng=rng, gm=gm,
                       stages=stages, evaluation=evaluation)
+    for name, p in program.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
     program.compiled = compiler.stats if compiler is not None else None   # (codegen/regions.py)
     program.origin = origin_of(model)      # transformers' config and key layout, for load/save_pretrained
     return program
