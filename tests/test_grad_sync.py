@@ -88,7 +88,9 @@ JOBS = {
                                 Case("gpt-frozen", layers=2, clip_grad=0.5, sequence_parallel=True)]),
         (fxtron.Mesh(4, pp=2), [Case(zero=1, clip_grad=0.5, microbatches=2, bucket_size=SMALL),
                                 Case("llama", microbatches=2, schedule="zb-h1", zero=1, bucket_size=SMALL),
-                                Case(microbatches=2, clip_grad=0.5)])],
+                                Case(microbatches=2, clip_grad=0.5),
+                                # the frozen embedding tied to the head across the two stages
+                                Case("gpt-frozen", layers=2, microbatches=2, clip_grad=0.5)])],
     8: [(fxtron.Mesh(8, tp=2, pp=2), [Case(zero=1, clip_grad=0.5, microbatches=2, bucket_size=SMALL)])],
 }
 CASES = [(str(mesh), case) for plan in JOBS.values() for mesh, cases in plan for case in cases]

@@ -122,7 +122,9 @@ FAST = {fxtron.Mesh(2, tp=2): [Case("adafactor")]}
 SLOW = {
     fxtron.Mesh(2, tp=2): [Case("muon32"), Case("muon"), Case("adamw")],
     fxtron.Mesh(2): [Case("adafactor", zero=1), Case("muon32", zero=1), Case("adafactor", zero=3),
-                     Case("muon32", zero=3), Case("adafactor")],
+                     Case("muon32", zero=3), Case("adafactor"),
+                     # frozen parameters: neither stepped nor decayed by the whole-matrix step under zero=1
+                     Case("adafactor", "gpt-frozen", zero=1)],
     fxtron.Mesh(2, pp=2): [Case("adafactor", microbatches=2, schedule="1f1b")],
     fxtron.Mesh(2, ep=2): [Case("adafactor", "moe")],
 }
@@ -216,3 +218,21 @@ def test_one_process_and_refusals(tmp_path):
         prog.build_optimizer(torch.optim.Muon, [torch.nn.Parameter(torch.zeros(4, 4))])
     summary = fxtron.parallelize(make("gpt"), fxtron.Mesh(2, tp=2), example_inputs=args).summary()
     assert "Adafactor, Muon and any other class step whole matrices" in summary
+
+
+def test_freezing_after_the_build_is_refused():
+    """Which parameters take gradients is compiled into the program: a parameter frozen (or
+    unfrozen) after the build is a ParallelizeError at the next step, not a silent training."""
+    model = make("gpt-frozen")
+    (args, _), = batches("gpt-frozen", 2, [8], seed=0)
+    prog = fxtron.parallelize(model, fxtron.Mesh(1), example_inputs=args).program(0)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen and prog.frozen == frozen
+    assert {n for n, p in prog.named_parameters() if not p.requires_grad} == frozen
+    opt = torch.optim.AdamW(prog.parameters(), lr=1e-3)
+    before = {n: p.detach().clone() for n, p in prog.named_parameters() if n in frozen}
+    prog.train_step(args, opt)
+    assert all(torch.equal(before[n], p) for n, p in prog.named_parameters() if n in frozen)
+    dict(prog.named_parameters())["blocks.1.mlp.fc1.weight"].requires_grad_(False)
+    with pytest.raises(fxtron.ParallelizeError, match="requires_grad of 1 parameter.*blocks.1.mlp.fc1.weight"):
+        prog.train_step(args, opt)

@@ -198,10 +198,10 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
         if layers == 2 and dropout == 0:
             return build("gpt-tiny", seed=0)
         return _gpt(dropout, layers)
-    if name == "gpt-frozen":     # fine-tuning: the first layer and the position table frozen (requires_grad=False)
+    if name == "gpt-frozen":     # fine-tuning: the first layer, the position table and the tied embedding frozen
         model = make("gpt", dropout, layers)
         for n, p in model.named_parameters():
-            if n.startswith(("blocks.0.", "wpe.")):
+            if n.startswith(("blocks.0.", "wpe.", "wte.")):
                 p.requires_grad_(False)
         return model
     if name == "cumsum-mlp":

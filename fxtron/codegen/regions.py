@@ -4,9 +4,9 @@ region's forward and backward compiled by Inductor (`compile=True`, the codegen 
 What stays as it is (opaque): every fxtron op -- the collectives, the shared-memory channel, the
 fused linear whose weight gradient accumulates into main_grad (codegen/wgrad.py's GEMM), the
 cp attention blocks, the expert dispatch --, the recomputed regions' checkpointed calls,
-higher-order regions (no_grad blocks), and the ops that draw random numbers (dropout, an
-attention with dropout), so that a compiled program draws exactly the uncompiled one's numbers
-from fxtron's RNG streams. Everything between them (norms, rotary, activations, residual adds,
+higher-order regions, the ops that draw random numbers (dropout, attention, which may drop
+out), so that a compiled program draws exactly the uncompiled one's numbers from fxtron's RNG
+streams, and the ops whose output's shape depends on the data (nonzero, bincount). Everything between them (norms, rotary, activations, residual adds,
 the loss, a cast) is a region of aten ops that `torch.compile` turns into fused kernels, with
 AOTAutograd's backward. The opaque ops run in graph order between the regions, so every rank
 issues the same collectives in the same order as the uncompiled program.
@@ -42,12 +42,12 @@ aten = torch.ops.aten
 _VIEWS = opsets.VIEWS | opsets.SLICES | {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
                                          aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int,
                                          operator.getitem}
-_ATTENTION = {aten.scaled_dot_product_attention.default}
+_KEPT_TAGS = {torch.Tag.nondeterministic_seeded, torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
 
 
 def opaque(node: fx.Node) -> bool:
     """Whether `node` runs as it is, outside every compiled region (see the module docstring)."""
-    if node.op == "call_module":
+    if node.op in ("call_module", "call_method"):
         return True
     if node.op != "call_function":
         return False
@@ -58,12 +58,9 @@ def opaque(node: fx.Node) -> bool:
     if isinstance(t, torch._ops.OpOverload):
         if t.namespace not in ("aten", "prims"):
             return True
-        if torch.Tag.nondeterministic_seeded in t.tags or not node.users:
-            return True          # (a value no one reads, such as promote_types' dtype, is not traced)
-        if t in _ATTENTION:      # dropout inside the attention draws from the RNG as well
-            dropout = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
-            return dropout != 0.0
-        return False
+        # random draws (attention, which may drop out, among them), outputs whose shape depends on
+        # the data (fullgraph cannot trace them), and values no one reads (promote_types' dtype)
+        return bool(_KEPT_TAGS & set(t.tags)) or not node.users
     # Python's and torch's symbolic arithmetic on sizes is traced; any other function (an fxtron
     # op's run-time form, a higher-order op) is not
     module = getattr(t, "__module__", None) or ""
@@ -141,17 +138,42 @@ def _has_opaque(ids: dict[fx.Node, int], part: int) -> bool:
     return any(p == part and opaque(n) for n, p in ids.items())
 
 
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _canonical(a, number: dict):
+    """An argument as a key: values by their number in the region, plain constants as
+    themselves (type and value), containers by their items; None for anything else."""
+    if isinstance(a, fx.Node):
+        return ("%", number[a])
+    if isinstance(a, _PLAIN):
+        return (type(a).__name__, a)
+    if isinstance(a, (list, tuple)):
+        items = [_canonical(x, number) for x in a]
+        return None if any(x is None for x in items) else (type(a).__name__, tuple(items))
+    if isinstance(a, slice):
+        return _canonical((a.start, a.stop, a.step), number)
+    if isinstance(a, dict):
+        items = [(k, _canonical(v, number)) for k, v in sorted(a.items())]
+        return None if any(v is None for _, v in items) else ("dict", tuple(items))
+    return None
+
+
 def _code(sub: fx.GraphModule):
     """A region's code with its values numbered in order: equal for two layers' same region.
-    A region holding attributes of its own (constants) is never shared."""
+    A region holding attributes of its own (constants), or an argument that is no plain
+    constant, is never shared."""
     number: dict[fx.Node, int] = {}
     out = []
     for i, node in enumerate(sub.graph.nodes):
         number[node] = i
-        if node.op == "get_attr":
+        args = _canonical((node.args, node.kwargs), number)
+        if node.op == "get_attr" or args is None:
             return ("own", id(sub))
-        args = fx.node.map_arg((node.args, node.kwargs), lambda a: ("%", number[a]))
-        out.append((node.op, "" if node.op == "placeholder" else str(node.target), repr(args)))
+        target = "" if node.op == "placeholder" else node.target
+        out.append((node.op, target if isinstance(target, str) else (getattr(target, "__module__", ""),
+                                                                      getattr(target, "__qualname__", str(target)),
+                                                                      str(target)), args))
     return tuple(out)
 
 
@@ -164,7 +186,15 @@ def _cache_hits() -> int:
 @contextlib.contextmanager
 def _host_lock(key):
     """Held by one process of the host at a time for a region's code: the ranks of a host that
-    compile the same region take turns, and all but the first find it in Inductor's cache."""
+    compile the same region take turns, and all but the first find it in Inductor's cache. Not
+    taken where compiling itself communicates between ranks (Dynamo's compiler collectives,
+    Inductor's distributed autotuning): a rank waiting for the lock would hold up its peer."""
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+    if getattr(dynamo_config, "enable_compiler_collectives", False) or \
+            getattr(inductor_config, "distributed_max_autotune_gemm", False):
+        yield
+        return
     digest = hashlib.sha1(repr(key).encode()).hexdigest()[:20]
     with open(os.path.join(tempfile.gettempdir(), f"fxtron-compile-{digest}.lock"), "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)

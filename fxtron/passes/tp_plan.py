@@ -436,10 +436,11 @@ def router_weights(gm: fx.GraphModule) -> set[str]:
         name = _param_name(node)
         if name is None:
             continue
-        frontier = [node]
-        while frontier and any(u.target in opsets.LOOK_THROUGH for u in frontier[-1].users):
-            frontier = [u for u in frontier[-1].users if u.target in opsets.LOOK_THROUGH]
-        for cast in frontier:
+        reached, frontier = [node], [node]
+        while frontier:                  # the parameter and every cast or copy of it
+            frontier = [u for n in frontier for u in n.users if u.target in opsets.LOOK_THROUGH]
+            reached += frontier
+        for cast in reached:
             for user in cast.users:
                 if user.op == "call_function" and user.target in _ROUTER_PRODUCTS and \
                         _is_router(_Found(user, "linear", "", name, None, "out_in", 0, 0)):

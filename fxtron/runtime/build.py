@@ -134,6 +134,7 @@ def build_program(model: torch.nn.Module, spec: RankSpec, groups: ProcessGroups 
     for name, p in program.named_parameters():
         if name in frozen:
             p.requires_grad_(False)
+    program.frozen = frozenset(n for n, _ in program.named_parameters() if n in frozen)
     program.compiled = compiler.stats if compiler is not None else None   # (codegen/regions.py)
     program.origin = origin_of(model)      # transformers' config and key layout, for load/save_pretrained
     return program

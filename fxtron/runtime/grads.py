@@ -320,8 +320,8 @@ class Gradients:
         first_last = (0, len(pp_ranks) - 1)
         for name in sorted(self.shared):
             holders = self.shared[name]
-            if self.groups.index("pp") not in holders:
-                continue
+            if self.groups.index("pp") not in holders or name in self.gradless:
+                continue         # (a frozen or gradless tied weight: .grad None on every holder, as in the model)
             if holders == first_last:   # the compiler refuses any other sharing
                 if self.zero is not None:     # a bucket of its own: every holder has the same shard
                     for g, n in self.zero.shard_grads():

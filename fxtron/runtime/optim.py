@@ -81,11 +81,25 @@ def held_state(prog, optimizer) -> list[dict]:
     return out
 
 
+def check_frozen(prog) -> None:
+    """ParallelizeError where a parameter's requires_grad differs from the model's when the
+    program was built (`prog.frozen`): which parameters take gradients is compiled into the
+    program's gradient buffers, so it is set on the model before parallelize."""
+    changed = [n for n, p in prog.named_parameters() if (not p.requires_grad) != (n in prog.frozen)]
+    if changed:
+        raise ParallelizeError(
+            f"requires_grad of {len(changed)} parameter(s) changed after the program was built ({changed[0]}: now "
+            f"{dict(prog.named_parameters())[changed[0]].requires_grad}): freeze or unfreeze them on the model "
+            "before fxtron.parallelize and build the program again")
+
+
 def check_optimizer(prog, optimizer) -> None:
     """ParallelizeError for an optimizer that would not train `prog`: not an optimizer, one
     fxtron cannot place (REFUSED), holding tensors that are not its parameters (the original
     model's, whose gradients the step never fills), or -- for several -- sharing a parameter.
-    Raised before anything of the step runs."""
+    Raised before anything of the step runs; so is a parameter frozen or unfrozen after the
+    program was built (check_frozen)."""
+    check_frozen(prog)
     opts = optimizers(optimizer)
     if not opts or not all(isinstance(o, torch.optim.Optimizer) for o in opts):
         bad = next((o for o in opts if not isinstance(o, torch.optim.Optimizer)), None)
@@ -287,6 +301,10 @@ class WholeMatrices:
         stepped = []
         for piece in (x for row in self.pieces for x in row):
             p = piece.param
+            if piece.name in prog.grads.gradless:   # frozen, or no gradient reaches it: not stepped, as in one process
+                if piece.full is not None:
+                    piece.full.grad = None
+                continue
             if zgrads is not None:
                 grad = zgrads[piece.name].view_as(p).to(p.dtype)
             elif p.grad is None:             # unused this step on every rank holding it: not stepped, as in one process

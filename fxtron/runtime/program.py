@@ -123,6 +123,7 @@ class Program(nn.Module):
         self._eval: EvalGraphs | None = None
         self._eval_runner = None
         self._last_runner = None          # the runner of the last step (training or evaluation)
+        self.frozen: frozenset = frozenset()   # the parameters the model froze (requires_grad=False), runtime/build.py
         self.compiled = None              # compile=True: what Inductor compiled (codegen/regions.py CompileStats)
         self.track_memory = False         # sample the memory after every pass of a step (memory_timeline)
         # a step whose global gradient norm is not finite leaves the weights as they were (the trainer's)
