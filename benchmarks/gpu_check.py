@@ -323,6 +323,19 @@ def _eager_run(model, batches, dev, timed, profile, compiled: bool = False) -> d
     return res
 
 
+def _agreement(got: dict, ref: dict, cfg: LlamaConfig, batch_size: int, seq: int) -> dict:
+    """`got`'s run against `ref`'s (losses, first-step gradients, weights after STEPS steps) with
+    the mixed-precision tests' tolerances: the figures and whether they hold (`numbers_ok`)."""
+    dloss = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))
+    gmax = max(g.abs().max().item() for g in ref["grads"].values())
+    dgrad = max((got["grads"][k] - ref["grads"][k]).abs().max().item() for k in ref["grads"])
+    dw = max((got["state"][k] - ref["state"][k]).abs().max().item() for k in ref["state"] if k in got["state"])
+    return {"model": f"Llama dim={cfg.dim} L={cfg.n_layer} heads={cfg.n_head}/{cfg.n_kv_head} "
+                     f"ffn={cfg.ffn_dim} vocab={cfg.vocab_size}, batch {batch_size}x{seq}, bf16",
+            "loss_rel_diff": dloss, "grad_max_diff_over_max": dgrad / gmax, "weight_max_diff": dw,
+            "numbers_ok": dloss <= 2.0 ** -6 and dgrad <= 2.0 ** -5 * gmax and dw <= 2 * STEPS * LR}
+
+
 def check_training(cfg: LlamaConfig, batch_size: int, seq: int, timed: int, profile: bool = False) -> dict:
     mesh = fxtron.Mesh(1)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -332,17 +345,11 @@ def check_training(cfg: LlamaConfig, batch_size: int, seq: int, timed: int, prof
         print("== fxtron\n" + r["fxtron"]["profile"] + "\n== eager\n" + r["eager"]["profile"], flush=True)
         r["fxtron"].pop("profile"), r["eager"].pop("profile")
     f, e = r["fxtron"], r["eager"]
-    dloss = max(abs(a - b) / abs(b) for a, b in zip(f["losses"], e["losses"]))
-    gmax = max(g.abs().max().item() for g in e["grads"].values())
-    dgrad = max((f["grads"][k] - e["grads"][k]).abs().max().item() for k in e["grads"])
-    dw = max((f["state"][k] - e["state"][k]).abs().max().item() for k in e["state"] if k in f["state"])
-    out = {"model": f"Llama dim={cfg.dim} L={cfg.n_layer} heads={cfg.n_head}/{cfg.n_kv_head} "
-                    f"ffn={cfg.ffn_dim} vocab={cfg.vocab_size}, batch {batch_size}x{seq}, bf16",
-           "param_device": f["param_device"], "losses_fxtron": f["losses"], "losses_eager": e["losses"],
-           "loss_rel_diff": dloss, "grad_max_diff_over_max": dgrad / gmax, "weight_max_diff": dw,
-           "step_s_fxtron": f["step_s"], "step_s_eager": e["step_s"], "ratio": f["step_s"] / e["step_s"]}
-    out["ok"] = (dloss <= 2.0 ** -6 and dgrad <= 2.0 ** -5 * gmax and dw <= 2 * STEPS * LR
-                 and ("cuda" in f["param_device"] or not torch.cuda.is_available()))
+    out = _agreement(f, e, cfg, batch_size, seq)
+    numbers_ok = out.pop("numbers_ok")
+    out.update({"param_device": f["param_device"], "losses_fxtron": f["losses"], "losses_eager": e["losses"],
+                "step_s_fxtron": f["step_s"], "step_s_eager": e["step_s"], "ratio": f["step_s"] / e["step_s"]})
+    out["ok"] = numbers_ok and ("cuda" in f["param_device"] or not torch.cuda.is_available())
     return out
 
 
@@ -371,19 +378,14 @@ def check_compiled(cfg: LlamaConfig, batch_size: int, seq: int, timed: int) -> d
     r = fxtron.launch(_compiled_job, mesh, args=(mesh, cfg, batch_size, seq, timed), backend=backend,
                       timeout_s=900)[0]
     f, u, c = r["fxtron"], r["fxtron_uncompiled"], r["torch_compile"]
-    dloss = max(abs(a - b) / abs(b) for a, b in zip(f["losses"], c["losses"]))
-    gmax = max(g.abs().max().item() for g in c["grads"].values())
-    dgrad = max((f["grads"][k] - c["grads"][k]).abs().max().item() for k in c["grads"])
-    dw = max((f["state"][k] - c["state"][k]).abs().max().item() for k in c["state"] if k in f["state"])
-    out = {"model": f"Llama dim={cfg.dim} L={cfg.n_layer} heads={cfg.n_head}/{cfg.n_kv_head} "
-                    f"ffn={cfg.ffn_dim} vocab={cfg.vocab_size}, batch {batch_size}x{seq}, bf16",
-           "losses_fxtron_compiled": f["losses"], "losses_torch_compile": c["losses"],
-           "loss_rel_diff": dloss, "grad_max_diff_over_max": dgrad / gmax, "weight_max_diff": dw,
-           "step_s_fxtron_compiled": f["step_s"], "step_s_fxtron": u["step_s"], "step_s_torch_compile": c["step_s"],
-           "ratio_vs_torch_compile": f["step_s"] / c["step_s"], "ratio_uncompiled_vs_compiled": u["step_s"] / f["step_s"],
-           "wall_s_fxtron_compiled": f["wall_s"], "wall_s_torch_compile": c["wall_s"]}
+    out = _agreement(f, c, cfg, batch_size, seq)
+    out["ok"] = out.pop("numbers_ok")
+    out.update({"losses_fxtron_compiled": f["losses"], "losses_torch_compile": c["losses"],
+                "step_s_fxtron_compiled": f["step_s"], "step_s_fxtron": u["step_s"],
+                "step_s_torch_compile": c["step_s"], "ratio_vs_torch_compile": f["step_s"] / c["step_s"],
+                "ratio_uncompiled_vs_compiled": u["step_s"] / f["step_s"],
+                "wall_s_fxtron_compiled": f["wall_s"], "wall_s_torch_compile": c["wall_s"]})
     out["meets_goal"] = out["ratio_vs_torch_compile"] <= 0.95
-    out["ok"] = dloss <= 2.0 ** -6 and dgrad <= 2.0 ** -5 * gmax and dw <= 2 * STEPS * LR
     return out
 
 

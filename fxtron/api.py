@@ -496,8 +496,9 @@ class ParallelModel:
                                 f"({100 * sum(h.numel for h in unruled) / total:.1f}% of rank {rank}'s model "
                                 f"parameters) have no rule that splits them and are held whole on every tp rank: "
                                 f"{', '.join(report.by_pattern({n: '' for n in names}))}",
-                                fix=". Give their module a style in plan= ('colwise', 'rowwise'), or 'replicate' to "
-                                    "keep it whole on purpose")
+                                fix=f". Keep them whole on purpose with plan={{{names[0]!r}: 'replicate'}} (a "
+                                    "pattern or module path may name several), or register a rule that splits "
+                                    "their ops (fxtron.register_rule)")
         gathered = report.gather_lines(rg.graphs)
         if gathered:
             self._warn_once("gathers", f"{len(gathered)} all-gather(s) on rank {rank} make a split value whole for an "

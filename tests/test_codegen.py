@@ -21,20 +21,11 @@ from fxtron.codegen.regions import Compiler, opaque, plan
 from fxtron.ops.rng import rng_call
 from fxtron.tools.testing import adamw, assert_trains_like, cases_fixture, max_abs_diff, ranks_of, \
     reference_training, train_program
-from tp_models import batches, make
+from tp_models import Case, batches, make
 
 pytestmark = pytest.mark.slow
 
 SEQS = [16, 16, 16]
-
-
-class Case:
-    def __init__(self, name: str, **kw):
-        self.name, self.kw = name, kw
-
-    @property
-    def key(self) -> str:
-        return f"{self.name}:" + ",".join(f"{k}={v}" for k, v in sorted(self.kw.items()))
 
 
 def _items(case: Case):

@@ -22,19 +22,10 @@ import torch
 import fxtron
 from fxtron.tools.testing import cases_fixture, max_abs_diff, ranks_of, reference_training
 from fxtron.trainer.optim import original_dims, param_groups
-from tp_models import batch, batches, make
+from tp_models import Case, batch, batches, make
 
 LR = 1e-3
 DECAY = 0.1
-
-
-class Case:
-    def __init__(self, name: str, **kw):
-        self.name, self.kw = name, kw
-
-    @property
-    def key(self) -> str:
-        return f"{self.name}:" + ",".join(f"{k}={v}" for k, v in sorted(self.kw.items()))
 
 
 class BNModel(torch.nn.Module):

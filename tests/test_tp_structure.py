@@ -509,8 +509,14 @@ def test_every_parameter_is_split_or_said_whole():
     assert "table (no rule splits it" in line, line
     shares = [float(x) for x in re.findall(r"(\d+\.\d)% ", line)]
     assert abs(sum(shares) - 100) <= 0.05 * len(shares), line
-    with pytest.raises(fxtron.ParallelizeError, match="table"):
+    with pytest.raises(fxtron.ParallelizeError, match="table") as err:
         fxtron.parallelize(_LearnedBias(), fxtron.Mesh(2, tp=2), example_inputs=args, strict=True).compiled(0)
+    # the fix the message gives is accepted: the table whole on purpose, quiet even under strict
+    assert "plan={'table': 'replicate'}" in str(err.value)
+    kept = fxtron.parallelize(_LearnedBias(), fxtron.Mesh(2, tp=2), example_inputs=args, strict=True,
+                              plan={"table": "replicate"})
+    kept.compiled(0)
+    assert "table (replicated by the plan)" in kept.summary()
 
 
 # the op each RULE_NAMES model runs on the split width, and its placement there

@@ -191,6 +191,17 @@ class NanoGPT(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-100)
 
 
+class Case:
+    """A test case of a job: a model name and parallelize's options, keyed for run_cases."""
+
+    def __init__(self, name: str, **kw):
+        self.name, self.kw = name, kw
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}:" + ",".join(f"{k}={v}" for k, v in sorted(self.kw.items()))
+
+
 def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
     """The model `name` with `layers` transformer layers (pipeline tests use 4 and 8)."""
     torch.manual_seed(0)

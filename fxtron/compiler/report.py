@@ -472,6 +472,8 @@ def held_whole(local: dict, tp_plan, routers: set[str] = frozenset()) -> tuple[i
         unsplit = tp_plan.replicated.get(path) if tp_plan is not None else None
         if unsplit is not None:
             key = (unsplit.why, unsplit.loud)
+        elif tp_plan is not None and name in tp_plan.kept:
+            key = ("replicated by the plan", False)
         elif sum(d > 1 for d in lp.full_shape) <= 1:      # (a (1, 1, D) class token is a vector too)
             key = (VECTORS, False)
         elif name in routers:

@@ -131,6 +131,8 @@ class TPPlan:
     layers: Mapping[str, Layer] = field(default_factory=lambda: _frozen({}))
     notes: tuple[str, ...] = ()
     replicated: Mapping[str, "Unsplit"] = field(default_factory=lambda: _frozen({}))
+    #: parameters of no linear or embedding that the user's plan replicates on purpose ("table": "replicate")
+    kept: frozenset = frozenset()
 
     def unsplit(self) -> dict[str, str]:
         """The linears left replicated that Megatron would split: path -> why (not those the
@@ -179,6 +181,7 @@ class _Draft:
     interleave: dict[str, Interleave] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     why: dict[str, str] = field(default_factory=dict)     # path -> why the plan dropped its style
+    kept: set[str] = field(default_factory=set)           # parameters of no layer the user's plan replicates
 
     def freeze(self, user_styles: Mapping[str, Style], mode: str, gm: fx.GraphModule | None = None) -> TPPlan:
         replicated = {}
@@ -203,7 +206,7 @@ class _Draft:
                     replicated[path] = Unsplit(_NO_PATTERN, True)
         return TPPlan(self.tp, _frozen(self.styles), _frozen(self.params), _frozen(self.interleave),
                       _frozen({p: l.record() for p, l in self.layers.items()}), tuple(self.notes),
-                      _frozen(replicated))
+                      _frozen(replicated), frozenset(self.kept))
 
 
 # ----------------------------------------------------------------------------- graph helpers
@@ -753,7 +756,8 @@ def _parse_style(value, key: str) -> Style:
 
 def make_tp_plan(gm: fx.GraphModule, *, tp: int, user_plan: dict | None = None, mode: str = "override") -> TPPlan:
     """The split plan for tp ranks. `user_plan` maps module path patterns (fnmatch, e.g.
-    "blocks.*.attn.qkv"; a module's path names every linear and embedding under it) to styles; with mode "override" it refines the automatic plan, with
+    "blocks.*.attn.qkv"; a module's path names every linear and embedding under it) to styles
+    ('replicate' may also name parameters of no layer, kept whole on purpose); with mode "override" it refines the automatic plan, with
     "replace" it is the whole plan (everything it does not name is replicated)."""
     if mode not in ("override", "replace"):
         raise ParallelizeError(f"plan_mode must be 'override' or 'replace', not {mode!r}")
@@ -761,9 +765,14 @@ def make_tp_plan(gm: fx.GraphModule, *, tp: int, user_plan: dict | None = None, 
     result = _Draft(tp=tp, layers=layers)
     styles = auto_plan(gm, tp) if (mode == "override" and tp > 1) else {}
     user_styles: dict[str, Style] = {}
+    params = [n for n in (meta.param_name(node) for node in gm.graph.nodes) if n is not None]
     for pattern, value in (user_plan or {}).items():
         style = _parse_style(value, pattern)
         hits = _matches(pattern, layers)
+        kept = [n for n in params if fnmatch.fnmatchcase(n, pattern) or fnmatch.fnmatchcase(n, pattern + ".*")]
+        if not hits and isinstance(style, Replicated) and kept:   # parameters of no layer, whole on purpose
+            result.kept.update(kept)
+            continue
         if not hits:
             raise ParallelizeError(f"plan entry {pattern!r} matches no linear or embedding, nor a module holding "
                                    f"one; the model's are: {', '.join(p for p in layers)}")
