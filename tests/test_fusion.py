@@ -76,3 +76,29 @@ def test_programs_run_the_ops_in_their_run_time_forms():
     ref = 1 + dy.reshape(-1, 6).double().t() @ x0.reshape(-1, 8).double()      # [out, in]
     torch.testing.assert_close(results[0][3].double(), ref, rtol=0, atol=1e-5)
     torch.testing.assert_close(results[1][3].double(), ref.t(), rtol=0, atol=1e-5)
+
+
+def test_backward_runs_only_the_gemms_whose_inputs_take_a_gradient():
+    """A frozen weight's gradient GEMM is not run, nor the input gradient of a linear whose
+    input takes none: the backward's matmul FLOPs are those of the gradients asked for, and
+    the gradients given equal autograd's through F.linear."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from fxtron.ops.linear import linear_eager
+    gen = torch.Generator().manual_seed(0)
+    x0, w0, b0 = torch.randn(4, 8, generator=gen), torch.randn(6, 8, generator=gen), torch.randn(6, generator=gen)
+    gemm = 2 * 4 * 8 * 6                      # one [4, 8] x [8, 6] product
+    for x_grad, w_grad in ((True, True), (True, False), (False, True)):
+        grads = []
+        for fn in (linear_eager, torch.nn.functional.linear):
+            x, w, b = (t.clone().requires_grad_(g) for t, g in ((x0, x_grad), (w0, w_grad), (b0, w_grad)))
+            args = (x, w, b, False) if fn is linear_eager else (x, w, b)
+            y = fn(*args)
+            with FlopCounterMode(display=False) as flops:
+                y.sum().backward()
+            if fn is linear_eager:
+                assert flops.get_total_flops() == gemm * (x_grad + w_grad), (x_grad, w_grad)
+            grads.append([t.grad for t in (x, w, b)])
+        for got, want in zip(*grads):
+            assert (got is None) == (want is None)
+            if got is not None:
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

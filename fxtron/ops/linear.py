@@ -185,7 +185,11 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, dy):
+    """The input gradient, then the weight gradient (into main_grad, queued or now), then the
+    bias's: each only where its input takes a gradient (a frozen weight's GEMM is not run, nor
+    the input gradient of a linear whose input needs none)."""
     (x,) = ctx.saved_tensors
+    needs_x, needs_w, needs_b = ctx.needs_input_grad[:3]
     gathering = ctx.regather.begin(x) if ctx.regather is not None else None
     if ctx.fsdp is not None:   # zero=3: the weight gathered again, its gradient into the layer's
         units, unit, index = ctx.fsdp.units, ctx.fsdp.unit, ctx.fsdp.index
@@ -198,7 +202,7 @@ def _backward(ctx, dy):
         reported = GRAD_REPORTS.get(w)   # (runtime/grads.py, core/records.py)
         main_grad, report = getattr(w, "main_grad", None), reported.report if reported is not None else None
     dy = dy.to(x.dtype)        # as Megatron: the weight-gradient GEMM takes both in the input's dtype
-    dx = dy.matmul(w.t() if ctx.weight_in_out else w)
+    dx = dy.matmul(w.t() if ctx.weight_in_out else w) if needs_x else None
     if gathering is not None:  # the input gathered again while the input gradient was computed
         x = gathering()
     grad_w = None
@@ -210,10 +214,10 @@ def _backward(ctx, dy):
             queue.hold(x, dy)
         else:
             job()
-    else:
+    elif needs_w:
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
         grad_w = x2.t().matmul(dy2) if ctx.weight_in_out else dy2.t().matmul(x2)
-    grad_b = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias else None
+    grad_b = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias and needs_b else None
     return dx, grad_w, grad_b, None
 
 
