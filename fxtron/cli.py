@@ -14,8 +14,11 @@ from fxtron.trainer.config import TrainConfig
 
 #: the sections of the configuration tree `fxtron inspect` takes (all but the trainer's own run)
 INSPECT_SKIP = ("model", "data", "optimizer", "training")
-#: how long a torchrun rank other than 0 waits before exiting on a refused run, so that rank 0 says why
-REFUSED_GRACE_S = 5.0
+#: how long a torchrun rank other than 0 waits before exiting on a refused run, so that rank 0 says
+#: why: it costs nothing when rank 0 does (torchrun ends the job when rank 0 exits, the others
+#: with it) and only bounds a rank 0 that never does; 5 s was shorter than rank 0's lag on a
+#: loaded machine, and the job then ended without the reason
+REFUSED_GRACE_S = 60.0
 #: the sections `fxtron mesh` takes
 MESH_ONLY = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name != "mesh")
 

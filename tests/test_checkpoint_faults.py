@@ -23,7 +23,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 import fxtron
 from fxtron.errors import LaunchError
-from fxtron.tools.testing import max_abs_diff, run_on_ranks
+from fxtron.tools.testing import max_abs_diff, run_on_ranks, scaled
 from tp_models import batch, make
 
 pytestmark = pytest.mark.slow      # gloo jobs, one under unshare on a small tmpfs
@@ -141,7 +141,8 @@ def filled(tmp_path_factory):
     here = os.path.dirname(os.path.abspath(__file__))
     code = (f"import sys; sys.path.insert(0, {here!r}); import test_checkpoint_faults as T; "
             f"T._in_small_filesystem({str(root)!r}, 2500, {str(result)!r})")
-    run = subprocess.run(["unshare", "-m", sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    run = subprocess.run(["unshare", "-m", sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=scaled(600))
     if run.returncode != 0 and ("Operation not permitted" in run.stderr or "permission denied" in run.stderr.lower()):
         pytest.skip(f"no private mount namespace here: {run.stderr.strip().splitlines()[-1]}")
     assert run.returncode == 0, run.stderr[-4000:]

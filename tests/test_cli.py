@@ -12,6 +12,7 @@ import fxtron
 from fxtron.cli import main
 from fxtron.trainer.config import TrainConfig
 from fxtron.trainer.loop import run
+from fxtron.tools.testing import scaled
 
 
 def test_mesh_table_is_megatrons_example(capsys):
@@ -24,7 +25,7 @@ def test_mesh_table_is_megatrons_example(capsys):
 
 def test_mesh_error_says_what_to_change():
     proc = subprocess.run([sys.executable, "-m", "fxtron", "mesh", "--world-size", "10", "--tp", "4"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=scaled(120))
     assert proc.returncode == 2
     assert "ParallelizeError" in proc.stderr and "10" in proc.stderr
 
@@ -208,7 +209,7 @@ def test_torchrun_refusal_is_said_once(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m", "fxtron", "train", "--data", str(tmp_path / "nonexistent")],
-                          capture_output=True, text=True, timeout=300, env=env)
+                          capture_output=True, text=True, timeout=scaled(300), env=env)
     out = proc.stdout + proc.stderr
     assert out.count("nonexistent.idx does not exist") == 1, out
     assert "fxtron train: ParallelizeError: dataset" in out

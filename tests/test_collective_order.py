@@ -29,7 +29,7 @@ import fxtron
 from fxtron.errors import LaunchError, ParallelizeError
 from fxtron.ops import ledger, transport
 from fxtron.runtime.groups import groups_for
-from fxtron.tools.testing import adamw, cases_fixture, ranks_of, run_on_ranks
+from fxtron.tools.testing import adamw, cases_fixture, ranks_of, run_on_ranks, scaled
 from tp_models import batch, make
 
 pytestmark = pytest.mark.slow      # gloo jobs
@@ -212,7 +212,7 @@ def test_a_hung_collective_ends_the_job_with_what_every_rank_waits_in(tmp_path):
     start = max(os.path.getmtime(tmp_path / str(r)) for r in range(PP.world_size))
     took = time.time() - start
     msg = str(info.value)
-    assert took < 60, f"the job took {took:.0f} s to end"
+    assert took < scaled(60), f"the job took {took:.0f} s to end"
     assert "what every rank was doing (flight recorder)" in msg, msg
     # rank 0 waits for the gradient of its first microbatch: its shapes first (on pp's control twin)
     assert re.search(r"rank 0: (waiting|failed) in transfer #1 on group pp control \(ranks 0, 1\): recv \(3,\) "

@@ -21,6 +21,7 @@ from fxtron.config import Config
 from fxtron.config.fields import _flag, _optional
 from fxtron.trainer import config as T
 from fxtron.trainer.config import TrainConfig
+from fxtron.tools.testing import scaled
 
 
 class _Untraceable(torch.nn.Module):
@@ -205,13 +206,13 @@ def test_inspect_reads_the_options(capsys):
 @pytest.mark.slow     # three interpreters
 def test_a_bad_flag_exits_2_naming_it():
     proc = subprocess.run([sys.executable, "-m", "fxtron", "train", "--schedule", "1fb1"], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=scaled(120))
     assert proc.returncode == 2 and "--schedule" in proc.stderr and "1f1b" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "fxtron", "train", "--tp", "2", "--sequence-parallel", "--tp", "1",
-                           "--print-config"], capture_output=True, text=True, timeout=120)
+                           "--print-config"], capture_output=True, text=True, timeout=scaled(120))
     assert proc.returncode == 0          # printing checks the values, not the mesh
     proc = subprocess.run([sys.executable, "-m", "fxtron", "train", "--sequence-parallel", "--steps", "1"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=scaled(120))
     assert proc.returncode == 2 and "sequence_parallel=True needs tensor parallel" in proc.stderr
 
 

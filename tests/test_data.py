@@ -15,6 +15,7 @@ import pytest
 import fxtron
 from fxtron.data import gpt
 from fxtron.data.indexed import IndexedDataset, IndexedDatasetWriter
+from fxtron.tools.testing import scaled
 
 
 @pytest.fixture(scope="session")
@@ -199,7 +200,7 @@ def test_preprocess_writes_what_megatron_reads(megatron, tmp_path):
     (tmp_path / "b.txt").write_text("five dozen liquor jugs")
     out = subprocess.run([sys.executable, "-m", "fxtron", "preprocess", "--input", str(tmp_path / "a.jsonl"),
                           str(tmp_path / "b.txt"), "--tokenizer", tok, "--output-prefix", str(tmp_path / "ds")],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=scaled(120))
     assert out.returncode == 0, out.stderr
     assert "4 documents" in out.stdout
     ref = megatron["indexed"].IndexedDataset(str(tmp_path / "ds"))
@@ -210,7 +211,7 @@ def test_preprocess_writes_what_megatron_reads(megatron, tmp_path):
         assert ref.get(i).tolist() == t.encode(text, add_special_tokens=False).ids + [eod]
     bad = subprocess.run([sys.executable, "-m", "fxtron", "preprocess", "--input", str(tmp_path / "a.jsonl"),
                           "--tokenizer", tok, "--output-prefix", str(tmp_path / "x"), "--json-key", "body"],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=scaled(120))
     assert bad.returncode == 2 and "no 'body' field" in bad.stderr
 
 

@@ -21,7 +21,7 @@ import torch
 
 import fxtron
 from fxtron import Mesh
-from fxtron.tools.testing import cases_fixture, ranks_of
+from fxtron.tools.testing import cases_fixture, ranks_of, scaled
 from tp_models import batch, make
 
 
@@ -384,7 +384,8 @@ def _jobs():
     return {2: [(meshes[k], keys + [AFTER]) for k, keys in plan.items()]}
 
 
-stepped = cases_fixture(_jobs, _dispatch, timeout_s=600, collective_timeout_s=30)
+# a bound on a hang (none should), stretched by the load: a case waits for its peers' compilation
+stepped = cases_fixture(_jobs, _dispatch, timeout_s=600, collective_timeout_s=scaled(60))
 
 
 @pytest.mark.slow

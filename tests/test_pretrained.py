@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import save_file
 
 import fxtron
-from fxtron.tools.testing import adamw, assert_trains_like, cases_fixture, max_abs_diff, ranks_of, reference_training
+from fxtron.tools.testing import (adamw, assert_trains_like, cases_fixture, max_abs_diff, ranks_of, reference_training,
+                                  scaled)
 from tp_models import batch, make
 
 
@@ -149,12 +150,12 @@ def test_export_writes_a_directory_transformers_loads(tmp_path):
     prog.save(str(tmp_path / "ckpt"))
     out = subprocess.run([sys.executable, "-m", "fxtron", "export", str(tmp_path / "ckpt"), str(tmp_path / "out"),
                           "--like", str(tmp_path / "in"), "--max-shard-size", "60KB"],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=scaled(300))
     assert out.returncode == 0, out.stderr
     assert _keys(str(tmp_path / "out")) == _keys(str(tmp_path / "in"))
     assert max_abs_diff(_loaded(str(tmp_path / "out")), full)[0] == 0.0
     bad = subprocess.run([sys.executable, "-m", "fxtron", "export", str(tmp_path / "nope"), str(tmp_path / "o2"),
-                          "--like", str(tmp_path / "in")], capture_output=True, text=True, timeout=300)
+                          "--like", str(tmp_path / "in")], capture_output=True, text=True, timeout=scaled(300))
     assert bad.returncode != 0 and "nope" in bad.stderr
 
 

@@ -31,6 +31,7 @@ from fxtron.trainer import checkpoint as checkpoints
 from fxtron.trainer.config import TrainConfig
 from fxtron.trainer.optim import param_groups
 from fxtron.trainer.schedule import LRSchedule
+from fxtron.tools.testing import scaled
 
 
 def test_learning_rate_is_megatrons():
@@ -238,7 +239,7 @@ def first_run(workdir):
     p = _train(workdir, "--world-size", "4", "--tp", "2", "--pp", "2", "--save", str(workdir / "ckpt"),
                "--log-file", str(workdir / "run.jsonl"), "--export-hf", str(workdir / "hf"), "--compare",
                "--tensorboard-dir", str(workdir / "tb"))
-    out, _ = p.communicate(timeout=900)
+    out, _ = p.communicate(timeout=scaled(900))
     assert p.returncode == 0, out[-4000:]
     return out
 
@@ -276,7 +277,7 @@ def test_step4_checkpoint_resumes_on_another_mesh(workdir, first_run):
     checkpoints.write_tracker(str(resumed), 4)
     p = _train(workdir, "--world-size", "4", "--tp", "2", "--save", str(resumed),
                "--log-file", str(workdir / "resume.jsonl"))
-    out, _ = p.communicate(timeout=900)
+    out, _ = p.communicate(timeout=scaled(900))
     assert p.returncode == 0, out[-4000:]
     assert "resumed from step 4" in out
     a, b = _losses(workdir / "run.jsonl"), _losses(workdir / "resume.jsonl")
@@ -293,14 +294,14 @@ def test_torchrun_restart_after_a_killed_worker_gives_the_same_losses(workdir, f
     shutil.rmtree(root, ignore_errors=True)
     p = _train(workdir, "--tp", "2", "--pp", "2", "--save", str(root), "--log-file", str(workdir / "elastic.jsonl"),
                torchrun=True)
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + scaled(600)
     while not os.path.isdir(checkpoints.iter_dir(str(root), 2)):
         assert p.poll() is None and time.monotonic() < deadline, "the run ended before its step-2 checkpoint"
         time.sleep(0.05)
     workers = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
     assert len(workers) == 4, workers
     os.kill(int(workers[2]), signal.SIGKILL)
-    out, _ = p.communicate(timeout=900)
+    out, _ = p.communicate(timeout=scaled(900))
     assert p.returncode == 0, out[-4000:]
     assert "resumed from step" in out
     a, b = _losses(workdir / "run.jsonl"), _losses(workdir / "elastic.jsonl")
@@ -323,7 +324,7 @@ def test_packed_documents_at_cp_are_balanced_document_by_document(tmp_path):
                           str(tmp_path / "docs"), "--split", "100,0,0", "--eod-id", "0", "--reset-position-ids",
                           "--reset-attention-mask", "--eod-mask-loss", "--world-size", "2", "--cp", "2", "--batch", "4",
                           "--seq", "64", "--steps", "4", "--compare"],
-                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+                         capture_output=True, text=True, timeout=scaled(600), cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "balanced document by document (Megatron's THD): each row reordered by document_ids" in out.stdout
     line = next(x for x in out.stdout.splitlines() if "loss difference" in x)
@@ -341,7 +342,7 @@ def test_memory_by_kind_at_zero3_is_a_quarter_of_zero0s_at_dp4(tmp_path):
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
              for z in (0, 3)}
     for z, p in procs.items():
-        out, _ = p.communicate(timeout=900)
+        out, _ = p.communicate(timeout=scaled(900))
         assert p.returncode == 0, out[-4000:]
         print(next(x for x in out.splitlines() if "memory: " in x))
     r0, r3 = (_losses(tmp_path / f"zero{z}.jsonl")[1] for z in (0, 3))
@@ -353,21 +354,87 @@ def test_memory_by_kind_at_zero3_is_a_quarter_of_zero0s_at_dp4(tmp_path):
     assert r0["activation_bytes"] > 0 and r3["activation_bytes"] > 0
 
 
-@pytest.mark.parametrize("torchrun", [False, True], ids=["launch", "torchrun"])
-def test_zero3_runs_whose_work_is_done_exit_0(tmp_path, torchrun):
+@pytest.mark.slow     # four processes a run, 20-40 s each; the fast tier checks the cause in process (below)
+@pytest.mark.parametrize("torchrun,zero", [(False, 3), (True, 3), (True, 1)],
+                         ids=["launch", "torchrun", "torchrun-zero1-in-flight"])
+def test_zero3_runs_whose_work_is_done_exit_0(tmp_path, torchrun, zero):
     """A zero=3 dp=4 run that checkpoints ends with exit code 0: before, the program's units,
     buffers and process groups outlived the run (held through its parameters' hooks and
     records), their gloo threads alive into interpreter exit, and a torchrun job was seen to
     abort there, 1 run in 5, after its last checkpoint ('terminate called without an active
-    exception', torchrun: FAILED). (One run per launcher, for the suite's time; the threads are
-    checked directly in test_fsdp.py.)"""
-    args = ["--model", "gpt-tiny", "--zero", "3", "--steps", "4", "--save", str(tmp_path / "run"), "--save-interval", "2"]
+    exception', torchrun: FAILED). zero=1 with overlap_param_gather and no checkpoint ends its
+    last step with the updated parameters' all-gathers in flight, which the trainer waits for
+    before the groups go. (One run each, for the suite's time; what is in flight and the
+    threads are checked directly in test_a_finished_run_leaves_nothing_in_flight_nor_a_thread.)"""
+    args = ["--model", "gpt-tiny", "--zero", str(zero), "--steps", "4", "--save", str(tmp_path / "run"),
+            "--save-interval", "2"]
+    if zero == 1:             # no checkpoint: one after the last step would wait for the all-gathers itself
+        args = ["--model", "gpt-tiny", "--zero", "1", "--overlap-param-gather", "--steps", "4"]
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
                "-m", "fxtron", "train"] + args
     else:
         cmd = [sys.executable, "-m", "fxtron", "train", "--world-size", "4"] + args
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=scaled(900))
     assert p.returncode == 0, f"exit code {p.returncode}\n{p.stdout[-4000:]}"
     assert "terminate called" not in p.stdout, p.stdout[-4000:]
-    assert checkpoints.latest(str(tmp_path / "run")) == 4
+    assert checkpoints.latest(str(tmp_path / "run")) == (4 if zero == 3 else None)
+
+
+# the runs of test_a_finished_run_leaves_nothing_in_flight_nor_a_thread at world 2: (name, options,
+# whether it checkpoints). zero=1 with overlap_param_gather saves nothing: a checkpoint after the
+# last step would wait for that step's all-gathers itself
+_SETTLED = [("dp2-zero1-overlap", dict(zero=1, overlap_param_gather=True), False), ("dp2-zero3", dict(zero=3), True),
+            ("tp2-sp", dict(tp=2, sequence_parallel=True), True), ("pp2", dict(pp=2), True)]
+
+
+def _settled(rank, root):
+    """Each run of _SETTLED trained and checkpointed by the trainer on this rank: what is still in
+    flight after `train()` returned (zero=1's all-gathers of the updated parameters, started
+    for a next step that never comes; zero=3's gathers), whether anything holds the program
+    once the Trainer is dropped, and, once fxtron's groups are destroyed, the process's threads."""
+    import gc
+    import weakref
+
+    from fxtron.runtime import groups as G
+    from fxtron.trainer.loop import Trainer
+    out = {}
+    for name, options, saves in _SETTLED:
+        if saves:
+            options = dict(options, save=os.path.join(root, name), save_interval=2)
+        cfg = TrainConfig().replace(model="gpt-tiny", world_size=2, steps=2, batch=4, seq=32, max_bytes=200_000,
+                                    **options)
+        mesh = cfg.mesh.mesh()
+        groups = G.groups_for(mesh) or G.init_distributed(mesh)
+        t = Trainer(rank, cfg, groups)
+        t.train()
+        prog = t.prog
+        in_flight = len(prog.zero._works) if prog.zero is not None else 0
+        if prog.fsdp is not None:
+            in_flight += sum(u.pending is not None for u in prog.fsdp.units.values())
+        held = weakref.ref(prog)
+        del t, prog
+        gc.collect()
+        out[name] = {"in_flight": in_flight, "held": held() is not None,
+                     "saved": checkpoints.latest(os.path.join(root, name)) if saves else None}
+    G.destroy()
+    out["threads"] = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the process's threads from /proc")
+def test_a_finished_run_leaves_nothing_in_flight_nor_a_thread(tmp_path):
+    """What a rank can still run when its interpreter exits is what aborts a job whose work is
+    done: a gloo worker that completes a collective (or drops its last tensors) then needs the
+    GIL of an interpreter being finalized ('terminate called without an active exception',
+    SIGABRT). So after the trainer's run, on every mesh and zero level: no collective in flight
+    (zero=1 with overlap_param_gather ends its last step with the updated parameters' all-gathers
+    started), nothing holding the program (its groups), and once the groups are destroyed, no
+    gloo thread (pt_gloo_runloop, gloo_tcp_loop) left in the process."""
+    from fxtron.tools.testing import run_on_ranks
+    for rank, out in enumerate(run_on_ranks(_settled, 2, str(tmp_path), timeout_s=300)):
+        for name, _, saves in _SETTLED:
+            want = {"in_flight": 0, "held": False, "saved": 2 if saves else None}
+            assert out[name] == want, f"rank {rank}, {name}: {out[name]}"
+        threads = out["threads"]
+        assert not [t for t in threads if "gloo" in t], f"rank {rank}: threads left after destroy: {threads}"

@@ -30,6 +30,7 @@ import torch
 
 from fxtron.codegen import wgrad
 from fxtron.codegen.wgrad import TORCH_KERNEL, TRITON_KERNEL, kernel_for, wgrad_accumulate
+from fxtron.tools.testing import scaled
 
 RTOL = 1e-5
 REPO = Path(__file__).resolve().parents[1]
@@ -206,7 +207,7 @@ def interpreted() -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, __file__, "--interpreted"], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=scaled(300))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

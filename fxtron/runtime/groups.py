@@ -183,9 +183,12 @@ def _elastic_store(rank: int, world: int, timeout_s: float):
 
 
 def init_distributed(mesh: Mesh, *, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                     shm_transport: bool | None = None, check_collectives: bool | None = None) -> ProcessGroups:
+                     shm_transport: bool | None = None, check_collectives: bool | None = None,
+                     store=None) -> ProcessGroups:
     """Initialize torch.distributed for this process (torchrun or fxtron.launch set the
     environment) and create the mesh's groups. Returns this rank's ProcessGroups.
+    `store`: the rendezvous store, when the caller holds one (fxtron.launch: a client of the
+    store its parent opened); else the environment's (MASTER_ADDR, MASTER_PORT).
 
     Every collective issued through these groups times out after `timeout_s`, so a rank whose
     peer died raises instead of hanging. With gloo, a tp group whose ranks all run on this
@@ -217,7 +220,7 @@ def init_distributed(mesh: Mesh, *, backend: str | None = None, timeout_s: float
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s),
-                                store=_elastic_store(rank, world, timeout_s))
+                                store=store if store is not None else _elastic_store(rank, world, timeout_s))
     if check_collectives is None:
         check_collectives = ledger.check_default()
     groups = build_groups(mesh, rank, backend, device, twins_for_all=check_collectives)

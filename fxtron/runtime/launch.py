@@ -9,28 +9,31 @@ the same per-rank code under torchrun with `fxtron.init_distributed(mesh)` inste
 """
 from __future__ import annotations
 
+import datetime
 import io
 import multiprocessing as mp
 import os
 import queue
 import shutil
-import socket
 import tempfile
 import time
 import traceback
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from fxtron.errors import LaunchError, PeerError
 from fxtron.mesh import Mesh
 from fxtron.ops import ledger
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous(timeout_s: float):
+    """The job's rendezvous store, held by the launching process on a port the system picks
+    as it binds: no other job on the machine (a second test suite, say) can take it between
+    the pick and the bind, as it could a port found free, closed and handed to rank 0."""
+    return dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
 
 
 def _dumps(obj: Any) -> bytes:
@@ -50,8 +53,10 @@ def _worker(fn, mesh: Mesh, rank: int, args: tuple, port: int, backend: str | No
     torch.set_num_threads(threads)
     from fxtron.runtime import groups as G
     try:
+        # a client of the store the launching process holds (_rendezvous)
+        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=timeout_s))
         G.init_distributed(mesh, backend=backend, timeout_s=timeout_s, shm_transport=shm_transport,
-                           check_collectives=check_collectives)
+                           check_collectives=check_collectives, store=store)
         out = fn(rank, *args)
         payload = _dumps(out)
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
@@ -132,7 +137,8 @@ def launch(fn: Callable[..., Any], mesh: Mesh, args: tuple = (), *, backend: str
         threads_per_rank = max(1, (os.cpu_count() or 1) // mesh.world_size)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    store = _rendezvous(collective_timeout_s)
+    port = store.port
     own_flight_dir = flight_dir is None
     if own_flight_dir:
         flight_dir = tempfile.mkdtemp(prefix="fxtron-flight-")
@@ -170,6 +176,7 @@ def launch(fn: Callable[..., Any], mesh: Mesh, args: tuple = (), *, backend: str
         for p in procs:
             p.join(timeout=5)
         results.close()
+        del store
         if own_flight_dir:
             shutil.rmtree(flight_dir, ignore_errors=True)
     return [done[r] for r in range(mesh.world_size)]

@@ -36,17 +36,27 @@ def timeout_scale() -> float:
     return min(MAX_TIMEOUT_SCALE, max(1.0, load / (os.cpu_count() or 1)))
 
 
+def scaled(seconds: float) -> float:
+    """An idle machine's time bound stretched by `timeout_scale()`: for the tests' subprocess
+    timeouts and deadlines, as run_on_ranks does for its own."""
+    return seconds * timeout_scale()
+
+
 def run_on_ranks(fn: Callable[..., Any], mesh: Mesh | int, *args, timeout_s: float = 300.0, **launch_options) -> list[Any]:
     """`fxtron.launch` for tests: gloo, one thread per rank, a job-wide timeout; a failing rank
     fails the test with that rank's traceback (pytest shows LaunchError's message whole).
     `launch_options` go to launch (check_collectives, shm_transport, collective_timeout_s).
 
-    `timeout_s`, and the collective timeout when not given (min(60, timeout_s / 2)), are an
-    idle machine's: both are stretched by `timeout_scale()`, so a loaded machine does not fail
-    a correct job. A collective_timeout_s given is kept as it is (a test of the timeout itself)."""
+    `timeout_s`, and the collective timeout when not given (timeout_s / 2), are an idle
+    machine's: both are stretched by `timeout_scale()`, so a loaded machine does not fail a
+    correct job. The collective bound is not shorter than half the job's: the load is read at
+    the start, and a second suite that starts later slows the ranks' compilation, after which
+    a rank waits in its first collective for a peer still compiling (a fixed 60 s bound could
+    fail a whole module's cases so). A collective_timeout_s given is kept as it is (a test of the timeout itself;
+    others scale theirs with `scaled`)."""
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
     scale = timeout_scale()
-    launch_options.setdefault("collective_timeout_s", min(60.0, timeout_s / 2) * scale)
+    launch_options.setdefault("collective_timeout_s", timeout_s / 2 * scale)
     return launch(fn, mesh, args=args, backend="gloo", timeout_s=timeout_s * scale, threads_per_rank=1,
                   **launch_options)
 
@@ -134,7 +144,7 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tupl
 
 
 __all__ = ["adamw", "assert_trains_like", "case_key", "cases_fixture", "ranks_of", "run_cases", "run_on_ranks",
-           "reference_training", "timeout_scale", "train_program", "max_abs_diff", "LaunchError"]
+           "reference_training", "scaled", "timeout_scale", "train_program", "max_abs_diff", "LaunchError"]
 
 
 def train_program(prog, batches: Iterable, opt) -> dict:
