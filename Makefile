@@ -20,8 +20,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m fxtron train --model gpt-tiny --world-size 4 --tp 2 --steps 40 --compare
 
+# The fast tier (single-process tests) on two workers, one module to a worker; then the tests
+# that start processes, one module at a time (each job already takes both cores).
 test: $(STAMP)
-	$(PY) -m pytest -q tests --durations=25
+	$(PY) -m pytest -q tests -m "not slow" -n 2 --dist loadfile --durations=10
+	$(PY) -m pytest -q tests -m slow --durations=25
 
 bench: $(STAMP)
 	$(PY) -m pytest -q benchmarks --benchmark-only
