@@ -17,6 +17,10 @@ How the pattern is found, with no knowledge of the model's code:
   vocab-parallel cross entropy;
 - an embedding looked up with the user's token ids is vocab-parallel; other embeddings
   (positions) are replicated. Everything else is replicated.
+Experts are linears of a 3-D weight (experts, in, out) or (experts, out, in) -- a grouped GEMM,
+a bmm over (experts, tokens, in) (Llama 4), or F.linear on one expert's matrix per group of rows
+(JetMoE's ParallelExperts) -- planned by the same pattern: gate/up colwise, down rowwise, each
+expert split over tp (Megatron's expert tensor parallelism, when ep does not take them).
 """
 from __future__ import annotations
 
