@@ -92,7 +92,7 @@ def _view(c: Ctx):
             if first.is_Integer and int(first) % c.size == 0:
                 return Shard(go[0]), [None]
         outer = sympy.Mul(*[c.sym(ins[j]) for j in gi[:gi.index(p.dim)]])
-        if outer.is_Integer:
+        if outer.is_Integer and not c.balanced and not p.order:
             # (k, F) -> (k*h, d) (JetMoE's attention experts' queries, (b, s, top_k, heads*d)
             # viewed per head): the group flattened is outer x interleave blocks, each split
             # contiguously over tp, then split again into the output's dims
@@ -334,12 +334,13 @@ def _scatter(c: Ctx):
 _ZEROS = {aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default}
 
 
-@register_rule(aten.index_add.default, aten.index_add_.default)
+@register_rule(aten.index_add.default)
 def _index_add(c: Ctx):
     """x.index_add(dim, index, source): source's rows added into x's at `index` along `dim` (a
     mixture of experts' combine, tokens grouped by expert put back in token order). A shard on
     another dim pairs x and source there; a partial sum of source added into zeros stays a
-    partial sum (the add is linear, and the zeros add nothing on any rank); else whole."""
+    partial sum (the add is linear, and the zeros add nothing on any rank); else whole. (The
+    in-place index_add_ has no rule: moving its x would write into a copy.)"""
     x, index, source = c.node.args[0], c.node.args[2], c.node.args[3]
     px, ps = c.p[c.index(x)], c.p[c.index(source)]
     dim = norm(c.node.args[1], ndim(x))
@@ -365,7 +366,7 @@ def _repeat(c: Ctx):
         return REPLICATE, [None]
     if isinstance(p, Shard) and not p.order and isinstance(p.interleave, int):
         r = sizes[p.dim + extra]
-        if isinstance(r, int):
+        if isinstance(r, int) and (r == 1 or not c.balanced):    # (cp's load-balanced halves: no blocks layout)
             return Shard(p.dim + extra, p.interleave * r), [None]
     return REPLICATE, [REPLICATE]
 
