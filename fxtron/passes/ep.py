@@ -25,9 +25,8 @@ every ep rank, summed over expert-dp (core/params.LocalParam.grad_group).
 """
 from __future__ import annotations
 
-import re
-
 import operator
+import re
 
 import torch
 import torch.fx as fx
