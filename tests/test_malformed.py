@@ -74,6 +74,18 @@ def _eager_mixtral():
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager"))
 
 
+def _dbrx():
+    import transformers as T
+    return T.DbrxForCausalLM(T.DbrxConfig(
+        vocab_size=128, d_model=32, n_layers=2, n_heads=4, max_seq_len=64, attn_config=dict(kv_n_heads=2, rope_theta=1e4),
+        ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2)))
+
+
+def _hf(name, mesh):
+    _, kw = batch(name, 2, 8, seed=0)
+    return fxtron.parallelize(make(name), mesh, example_kwargs=kw)
+
+
 class _MaxOverBatch(torch.nn.Module):
     """A loss with a max over the batch: no sum or mean the ranks' pieces could add up."""
 
@@ -167,6 +179,11 @@ AT_PARALLELIZE = [
     ("model: transformers' experts run eagerly", lambda: fxtron.parallelize(_eager_mixtral(), Mesh(2, tp=2),
                                                                              example_inputs=_ex("llama")),
      r"experts_implementation='eager'.*'grouped_mm'"),
+    ("model: DBRX's experts loop over nonzero(), with no other implementation",
+     lambda: fxtron.parallelize(_dbrx(), Mesh(2, tp=2), example_inputs=_ex("llama")),
+     r"DbrxForCausalLM's experts \(DbrxExperts\) loop in Python .*nonzero\(\).*offers no other experts_implementation"),
+    ("model: Llama 4's experts, a bmm over every token, over ep", lambda: _hf("hf-llama4", Mesh(4, tp=2, ep=2)),
+     r"experts \(model.layers.\*.feed_forward.experts.down_proj, .*gate_up_proj\) are not a grouped GEMM.*use ep=1"),
     ("inputs: none", lambda: fxtron.parallelize(_gpt(), Mesh(2, tp=2)), r"parallelize needs example_inputs"),
     ("inputs: a dict where a tuple goes", lambda: fxtron.parallelize(_gpt(), Mesh(2), example_inputs={"x": 1}),
      r"example_inputs must be a tuple"),

@@ -352,7 +352,9 @@ HF = {"hf-mixtral-ep2": ("hf-mixtral", dict(ep=2), {}, 2), "hf-qwen3moe-ep2": ("
       "hf-olmoe-ep2": ("hf-olmoe", dict(ep=2), {}, 2)}
 MORE_HF = {"hf-mixtral-ep4": ("hf-mixtral", dict(ep=4), {}, 4),
            "hf-qwen3moe-ep2-tp2-sp": ("hf-qwen3moe", dict(ep=2, tp=2), dict(sequence_parallel=True), 2),
-           "hf-mixtral-ep2-pp2": ("hf-mixtral", dict(ep=2, pp=2), dict(microbatches=2), 4)}
+           "hf-mixtral-ep2-pp2": ("hf-mixtral", dict(ep=2, pp=2), dict(microbatches=2), 4),
+           # GraniteMoE's 3-D experts (the router a bare weight): the grouped GEMM's path, as Mixtral's
+           "hf-granitemoe-ep2-tp2": ("hf-granitemoe", dict(ep=2, tp=2), {}, 2)}
 if os.environ.get("FXTRON_MORE_TESTS"):          # FXTRON_MORE_TESTS=1 pytest tests/test_moe.py: every pair
     HF.update(MORE_HF)
 

@@ -613,3 +613,36 @@ def test_mamba_splits_megatron_way():
     assert fwd == ["backbone.embeddings", mixer + "x_proj", "backbone.layers.0"], fwd
     assert not [r for r in recs if r.kind == "all_gather" and r.phase == "forward"]
     assert pm.gathers(0) == [] and pm.fallbacks(0) == []
+
+
+def test_experts_as_bmm_and_per_expert_linears_split_megatron_way():
+    """Megatron's expert tensor parallelism on experts other than a grouped GEMM, under strict
+    (nothing whole for want of a rule): Llama 4's bmm over (experts, tokens, hidden) -- gate_up
+    split by columns in its two fused halves, down by rows, the shared expert's partial sum and
+    the experts' summed before one all-reduce --, and JetMoE's per-expert F.linear(x, weight[i])
+    in its MLP and its attention experts (queries split per head, the shared keys repeated per
+    expert on the rank's heads, the combine an index_add of partial sums into zeros)."""
+    pm = _pm("hf-llama4", 2, strict=True)
+    local = pm.compiled(0).local
+    moe = "model.layers.1.feed_forward."
+    assert local[moe + "experts.gate_up_proj"].local_shape == (4, 64, 32)
+    assert local[moe + "experts.down_proj"].local_shape == (4, 16, 64)
+    assert str(pm.tp_plan.params[moe + "experts.gate_up_proj"]) == "S(2,x2)"      # [gate | up], each halved
+    fwd = [r for r in pm.collectives(0) if r.phase == "forward" and r.op == "all_reduce"]
+    assert len(fwd) == 2 * 2 + 1 and count(pm.collectives(0), "all_gather") == 0, fwd
+    assert pm.fallbacks(0) == [] and pm.gathers(0) == []
+
+    pm = _pm("hf-jetmoe", 2, strict=True)
+    local = pm.compiled(0).local
+    for name, shape in {"mlp.input_linear.weight": (4, 32, 64), "mlp.output_linear.weight": (4, 64, 16),
+                        "self_attention.experts.input_linear.weight": (4, 16, 64),
+                        "self_attention.experts.output_linear.weight": (4, 64, 16)}.items():
+        assert local["model.layers.0." + name].local_shape == shape, name
+    gm = pm.compiled(0).gm
+    repeat = [str(meta.placement(n, "tp")) for n in gm.graph.nodes if n.target == torch.ops.aten.repeat.default]
+    assert repeat == ["S(1,x2)"] * 4, repeat                # keys and values: top_k blocks of the rank's heads
+    combine = {str(meta.placement(n, "tp")) for n in gm.graph.nodes if n.target == torch.ops.aten.index_add.default}
+    assert combine == {"S(1)", "P(sum)"}, combine              # queries put back per head; outputs partial sums
+    fwd = [r for r in pm.collectives(0) if r.phase == "forward" and r.op == "all_reduce"]
+    assert len(fwd) == 2 * 2 + 1 and count(pm.collectives(0), "all_gather") == 0, fwd
+    assert pm.fallbacks(0) == [] and pm.gathers(0) == []

@@ -1,6 +1,10 @@
-"""The transformers decoder architectures fxtron is held to (tp_models.ZOO: 28 families, and
+"""The transformers decoder architectures fxtron is held to (tp_models.ZOO: 31 families, and
 Falcon in both its layouts, from tiny random configs, two layers, no downloads), split the way
-Megatron would.
+Megatron would -- experts too, when ep does not take them (Megatron's expert tensor parallelism:
+each expert's gate/up split by columns, its down by rows): 3-D weights under a grouped GEMM
+(Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3, GraniteMoE), a bmm of every expert over every token
+(Llama 4, beside its shared expert), one linear per expert's rows (JetMoE's ParallelExperts, in
+its MLP and its mixture of attention heads).
 
 Compile-only, at tp=2, for every one: each layer linear split (the only linears left whole
 are the routers and MLA's low-rank down-projections, which Megatron keeps whole too), a
@@ -87,6 +91,11 @@ def test_split_megatron_way_at_tp2(arch):
     layer = [n for n in local if LAYER_PARAM.search(n) and ".indexer." not in n]
     share = (sum(torch.Size(local[n].local_shape).numel() for n in layer) / sum(full[n].numel() for n in layer))
     assert share < 0.55, f"a rank holds {share:.3f} of the layers' parameters"
+    # the experts' 3-D weights (grouped GEMM, bmm or one linear per expert): each expert split, 1/tp a rank
+    experts = {l.weight for l in plan.layers.values() if l.layout.startswith("e_")}
+    if experts:
+        held = sum(torch.Size(local[n].local_shape).numel() for n in experts) / sum(full[n].numel() for n in experts)
+        assert held == 0.5, f"a rank holds {held:.3f} of the experts' weights"
 
     recs = pm.collectives(0)
     fwd = [r for r in recs if r.phase == "forward" and r.op == "all_reduce"]

@@ -14,7 +14,8 @@ ZOO = {"Llama": "hf-llama", "Mistral": "hf-mistral", "Qwen2": "hf-qwen2", "Qwen3
        "BLOOM": "hf-bloom", "Falcon": "hf-falcon", "Falcon-40B": "hf-falcon40b", "OPT": "hf-opt", "StableLM": "hf-stablelm",
        "Starcoder2": "hf-starcoder2", "SmolLM3": "hf-smollm3", "Mixtral": "hf-mixtral", "Qwen3-MoE": "hf-qwen3moe",
        "DeepSeek-V3": "hf-deepseekv3", "Cohere": "hf-cohere", "CodeGen": "hf-codegen",
-       "GPTBigCode": "hf-bigcode", "DeepSeek-V3.2": "hf-deepseekv32"}
+       "GPTBigCode": "hf-bigcode", "DeepSeek-V3.2": "hf-deepseekv32", "Llama4": "hf-llama4", "JetMoE": "hf-jetmoe",
+       "GraniteMoE": "hf-granitemoe"}
 VOCAB = {"gpt": 256, "gpt-frozen": 256, "llama": 256, "moe": 256, "hf-mixtral-aux": 128, "cumsum-mlp": 64, "factories-mlp": 64, "gather-mlp": 64, "einsum-attn": 64,
          "nanogpt": 64, "hf-gpt2-eager": 128, "hf-qwen2-tied": 128, **{n: 128 for n in ZOO.values()}}
 NAMES = ["gpt", "llama", "hf-gpt2", "hf-llama"]
@@ -300,6 +301,19 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
                                                                          n_layer=layers, n_head=8, multi_query=True,
                                                                          resid_pdrop=0.0, embd_pdrop=0.0,
                                                                          attn_pdrop=0.0, **ids)),
+        # experts as a bmm over (experts, tokens, hidden) @ (experts, hidden, 2 x ffn) on every token, a
+        # shared expert beside them; a dense layer, then a mixture of experts (interleave_moe_layer_step=2)
+        "hf-llama4": lambda: T.Llama4ForCausalLM(T.Llama4TextConfig(
+            **{**common, "intermediate_size": 32}, **kv, head_dim=8, intermediate_size_mlp=48, num_local_experts=4,
+            num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=64, **ids)),
+        # ParallelExperts: one F.linear per expert's group of rows (split by the experts' counts), in
+        # the MLP and in the attention (a mixture of query/output projections over shared keys)
+        "hf-jetmoe": lambda: T.JetMoeForCausalLM(T.JetMoeConfig(
+            vocab_size=128, hidden_size=64, num_hidden_layers=layers, num_key_value_heads=4, kv_channels=8,
+            intermediate_size=32, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2, **ids)),
+        # 3-D experts (experts, out, in) under transformers' grouped GEMM, the router a bare weight
+        "hf-granitemoe": lambda: T.GraniteMoeForCausalLM(T.GraniteMoeConfig(
+            **{**common, "intermediate_size": 32}, **kv, num_local_experts=4, num_experts_per_tok=2, **ids)),
         # multi-latent attention (low-rank q and kv), a dense first layer, routed and shared experts
         "hf-deepseekv3": lambda: T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
             **common, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,

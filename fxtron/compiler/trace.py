@@ -9,6 +9,7 @@ torch.no_grad blocks, which export wraps as regions of their own, are inlined (`
 """
 from __future__ import annotations
 
+import inspect
 import operator
 from typing import Any, Callable
 
@@ -111,16 +112,39 @@ def check_example_sizes(example_inputs, example_kwargs, batch_dim: int, seq_dim:
 
 
 def _check_experts_implementation(model) -> None:
-    """transformers' MoE experts under experts_implementation="eager" loop in Python over the
-    experts each batch's tokens hit (data-dependent): export cannot trace that. Say which
-    implementation to set instead of export's guard error."""
+    """transformers' MoE experts that loop in Python over the experts each batch's tokens hit
+    (`nonzero()`: data-dependent) cannot be traced by export. Where transformers offers another
+    implementation (experts_implementation="eager" chosen on a model whose experts take the
+    switch) say which to set; where it offers none (DBRX), say so -- before export's guard error.
+    Experts that run on every token (Llama 4's bmm) or over static splits trace as they are."""
     impl = getattr(getattr(model, "config", None), "_experts_implementation", None)
-    if impl == "eager" and any(type(m).__name__.endswith("Experts") for m in model.modules()):
+    if impl != "eager":
+        return
+    looping = sorted({type(m).__name__ for m in model.modules()
+                      if type(m).__name__.endswith("Experts") and _loops_over_hits(type(m))})
+    if not looping:
+        return
+    can_set = getattr(type(model), "_can_set_experts_implementation", None)
+    if can_set is not None and not can_set():
         raise ParallelizeError(
-            f"{type(model).__name__} runs its experts with experts_implementation='eager', a Python loop over the "
-            "experts each batch's tokens pick, which torch.export cannot trace; build it with "
-            "experts_implementation='grouped_mm' (transformers' default) or 'batched_mm' (the config argument, "
-            "or model.set_experts_implementation('grouped_mm'))")
+            f"{type(model).__name__}'s experts ({', '.join(looping)}) loop in Python over the experts each batch's "
+            "tokens pick (nonzero()), which torch.export cannot trace, and transformers offers no other "
+            "experts_implementation for them (their class is not decorated with use_experts_implementation); "
+            "write the experts as 3-D weights (experts, out, in) run by a grouped GEMM, as transformers' Mixtral "
+            "experts are, or use the model's family that has them")
+    raise ParallelizeError(
+        f"{type(model).__name__} runs its experts with experts_implementation='eager', a Python loop over the "
+        "experts each batch's tokens pick, which torch.export cannot trace; build it with "
+        "experts_implementation='grouped_mm' (transformers' default) or 'batched_mm' (the config argument, "
+        "or model.set_experts_implementation('grouped_mm'))")
+
+
+def _loops_over_hits(cls) -> bool:
+    """Does the experts module's forward pick its experts with nonzero() (a data-dependent loop)?"""
+    try:
+        return "nonzero(" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return True      # no source to read: the loop may be there; refuse as before
 
 
 def _export(module, args, shapes) -> ExportedProgram:

@@ -26,6 +26,7 @@ every ep rank, summed over expert-dp (core/params.LocalParam.grad_group).
 from __future__ import annotations
 
 import operator
+import re
 
 import torch
 import torch.fx as fx
@@ -195,12 +196,27 @@ def moe_layers(gm: fx.GraphModule) -> list[MoELayer]:
     return [MoELayer(gemms, offs) for offs, gemms in by_offs.items()]
 
 
+def _undispatched_experts(gm: fx.GraphModule) -> list[str]:
+    """The 3-D expert weights the tp plan finds outside a grouped GEMM (a bmm, per-expert
+    linears), by pattern (layer numbers as *)."""
+    from fxtron.passes.tp_plan import _is_grouped_mm, find_layers
+    return sorted({re.sub(r"\.\d+\.", ".*.", l.weight) for l in find_layers(gm).values()
+                   if l.layout.startswith("e_") and not _is_grouped_mm(l.node.target)})
+
+
 def check_experts(gm: fx.GraphModule, ep: int) -> list[MoELayer]:
     """The graph's MoE layers, each checked to split over `ep` ranks; ParallelizeError names
     what does not (no expert layer at all, experts not divisible by ep, a region that is not
     one)."""
     layers = moe_layers(gm)
     if not layers:
+        other = _undispatched_experts(gm)
+        if other:
+            raise ParallelizeError(
+                f"the mesh has ep={ep} but the model's experts ({', '.join(other)}) are not a grouped GEMM over "
+                "tokens sorted by expert: a bmm of every expert over every token (Llama 4) or one linear per "
+                "expert's group of rows (JetMoE's ParallelExperts), which fxtron does not dispatch over ep; use "
+                "ep=1 (at tp > 1 each expert splits over tp, Megatron's expert tensor parallelism)")
         raise ParallelizeError(
             f"the mesh has ep={ep} but the model has no mixture-of-experts layer fxtron recognises (a grouped "
             f"GEMM -- torch._grouped_mm, transformers' grouped_mm or fxtron.models.moe.grouped_mm -- over a "

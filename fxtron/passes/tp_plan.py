@@ -17,6 +17,10 @@ How the pattern is found, with no knowledge of the model's code:
   vocab-parallel cross entropy;
 - an embedding looked up with the user's token ids is vocab-parallel; other embeddings
   (positions) are replicated. Everything else is replicated.
+Experts are linears of a 3-D weight (experts, in, out) or (experts, out, in) -- a grouped GEMM,
+a bmm over (experts, tokens, in) (Llama 4), or F.linear on one expert's matrix per group of rows
+(JetMoE's ParallelExperts) -- planned by the same pattern: gate/up colwise, down rowwise, each
+expert split over tp (Megatron's expert tensor parallelism, when ep does not take them).
 """
 from __future__ import annotations
 
@@ -233,7 +237,9 @@ def find_layers(gm: fx.GraphModule) -> dict[str, _Found]:
             continue
         t, a = node.target, node.args
         layer = None
-        if t == aten.linear.default and _param_name(a[1]):
+        if t == aten.linear.default and _expert_matrix(a[1]) is not None:
+            layer = _expert_linear(node, a[1])   # F.linear(x, weight[i]): one expert of a 3-D weight (JetMoE)
+        elif t == aten.linear.default and _param_name(a[1]):
             w = _param_name(a[1])
             b = _param_name(a[2]) if len(a) > 2 else None
             shape = a[1].meta["val"].shape
@@ -252,8 +258,9 @@ def find_layers(gm: fx.GraphModule) -> dict[str, _Found]:
             layer = _Found(node, "linear", _owner(w), w, None, "out_in", int(shape[1]), int(shape[0]))
         elif t == aten.einsum.default and len(a[1]) == 2:
             layer = _einsum_linear(node)
-        elif _is_grouped_mm(t) and len(a) > 1 and isinstance(a[1], fx.Node) and a[1].meta["val"].dim() == 3:
-            layer = _experts(node, a[1])
+        elif ((_is_grouped_mm(t) or t == aten.bmm.default) and len(a) > 1 and isinstance(a[1], fx.Node)
+              and a[1].meta["val"].dim() == 3):
+            layer = _experts(node, a[1])       # a grouped GEMM, or a bmm over (experts, tokens, in) (Llama 4)
         elif t == aten.embedding.default and _param_name(a[0]):
             w = _param_name(a[0])
             shape = a[0].meta["val"].shape
@@ -325,6 +332,39 @@ def _experts(node: fx.Node, w: fx.Node) -> _Found | None:
     return None
 
 
+def _expert_matrix(w) -> str | None:
+    """The 3-D parameter (experts, out, in) whose one expert `w` is (weight[i]: a select on dim 0)."""
+    if (isinstance(w, fx.Node) and w.op == "call_function" and w.target == aten.select.int
+            and w.args[1] == 0 and _param_name(w.args[0]) and w.args[0].meta["val"].dim() == 3):
+        return _param_name(w.args[0])
+    return None
+
+
+def _expert_linear(node: fx.Node, w: fx.Node) -> _Found:
+    """F.linear(x, weight[i]) over one expert's token group (ParallelExperts: JetMoE's experts
+    loop over the groups of rows split by the experts' counts, then concatenate them): the
+    3-D weight as an experts' layer, 'e_out_in'; each expert's use is a layer of the same weight
+    (keyed path, path', ...), which the plan splits alike."""
+    name = _expert_matrix(w)
+    shape = w.args[0].meta["val"].shape
+    return _Found(node, "linear", _path_of(name), name, None, "e_out_in", int(shape[2]), int(shape[1]))
+
+
+def _rows_joined(node: fx.Node) -> fx.Node:
+    """An expert's output joined with the other experts' rows by one cat on dim 0 (the
+    features untouched): the cat, whose users the plan reads; else the node itself."""
+    users = list(node.users)
+    if len(users) == 1 and _row_cat(users[0]):
+        return users[0]
+    return node
+
+
+def _row_cat(node: fx.Node) -> bool:
+    """A cat of rows (dim 0) of 2-D values: tokens grouped by expert put back together."""
+    return (node.op == "call_function" and node.target == aten.cat.default
+            and (node.args[1] if len(node.args) > 1 else 0) == 0 and node.meta["val"].dim() == 2)
+
+
 def _through_shape_ops(node: fx.Node, limit: int = 12):
     """Users of `node`, looking through shape-only ops (and getitem), as (user, arg position)."""
     out, frontier, seen = [], [node], set()
@@ -370,7 +410,7 @@ def _tokenwise_users(node: fx.Node, limit: int = 48):
                 continue
             seen.add(user)
             yield user, cur
-            if user.target in _TOKENWISE:
+            if user.target in _TOKENWISE or _row_cat(user):
                 frontier.append(user)
 
 
@@ -637,7 +677,8 @@ def _interleave(layer: _Found, tp: int) -> Interleave:
         k = _unbound_blocks(view, feat)
         if k is not None:
             return k
-    for user, via, last in [*((u, v, None) for u, v in _through_shape_ops(layer.node)), *_channels_first(layer)]:
+    joined = _rows_joined(layer.node)
+    for user, via, last in [*((u, v, None) for u, v in _through_shape_ops(joined)), *_channels_first(layer)]:
         if user.op != "call_function":
             continue
         val = via.meta.get("val")

@@ -62,15 +62,9 @@ def _view(c: Ctx):
         if not isinstance(p.interleave, int):              # unequal fused blocks: no view layout
             return REPLICATE, [REPLICATE]
         if len(gi) == 1:                                   # split: (F,) -> (a0, a1, ...)
-            sizes = [expr(outs[j]) for j in go]
-            prefix = 1
-            for t, a in enumerate(sizes):
-                k = p.interleave
-                if a.is_Integer and k % prefix == 0 and int(a) % ((k // prefix) * c.size) == 0:
-                    return Shard(go[t], k // prefix), [None]
-                if not a.is_Integer:
-                    break
-                prefix *= int(a)
+            found = _split_blocks(c, p.interleave, [expr(outs[j]) for j in go], go)
+            if found is not None:
+                return found, [None]
             raise ParallelizeError(
                 f"node %{c.node.name} in module {meta.get(c.node, meta.MODULE) or '(top level)'} views dim {p.dim} "
                 f"of size {ins[p.dim]} (sharded over tp={c.size}"
@@ -97,8 +91,29 @@ def _view(c: Ctx):
             first = c.sym(outs[go[0]])
             if first.is_Integer and int(first) % c.size == 0:
                 return Shard(go[0]), [None]
+        outer = sympy.Mul(*[c.sym(ins[j]) for j in gi[:gi.index(p.dim)]])
+        if outer.is_Integer and not c.balanced and not p.order:
+            # (k, F) -> (k*h, d) (JetMoE's attention experts' queries, (b, s, top_k, heads*d)
+            # viewed per head): the group flattened is outer x interleave blocks, each split
+            # contiguously over tp, then split again into the output's dims
+            found = _split_blocks(c, int(outer) * p.interleave, [expr(outs[j]) for j in go], go)
+            if found is not None:
+                return found, [None]
         raise c.fail("a view that regroups the sharded dim with others both ways")
     raise c.fail("could not follow the sharded dim through this view")
+
+
+def _split_blocks(c: Ctx, k: int, sizes: list, go: list[int]) -> Shard | None:
+    """A run of k blocks, each split contiguously over the axis, viewed as (a0, a1, ...): the
+    first dim whose blocks left (k over the sizes before it) divide it tp ways, or None."""
+    prefix = 1
+    for t, a in enumerate(sizes):
+        if a.is_Integer and k % prefix == 0 and int(a) % ((k // prefix) * c.size) == 0:
+            return Shard(go[t], k // prefix)
+        if not a.is_Integer:
+            return None
+        prefix *= int(a)
+    return None
 
 
 def _unfold(c: Ctx, p: Shard, sizes: list, go: list[int]):
@@ -314,6 +329,46 @@ def _scatter(c: Ctx):
                                  if ndim(a) > shard.dim}) == 1 and all(ndim(a) == ndim(x) for a in c.inputs):
         return shard, [None if p == shard else shard for p in c.p]
     return None
+
+
+_ZEROS = {aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default}
+
+
+@register_rule(aten.index_add.default)
+def _index_add(c: Ctx):
+    """x.index_add(dim, index, source): source's rows added into x's at `index` along `dim` (a
+    mixture of experts' combine, tokens grouped by expert put back in token order). A shard on
+    another dim pairs x and source there; a partial sum of source added into zeros stays a
+    partial sum (the add is linear, and the zeros add nothing on any rank); else whole. (The
+    in-place index_add_ has no rule: moving its x would write into a copy.)"""
+    x, index, source = c.node.args[0], c.node.args[2], c.node.args[3]
+    px, ps = c.p[c.index(x)], c.p[c.index(source)]
+    dim = norm(c.node.args[1], ndim(x))
+    shard = ps if isinstance(ps, Shard) else px if isinstance(px, Shard) else None
+    want = {x: REPLICATE, index: REPLICATE, source: REPLICATE}
+    if shard is not None and shard.dim != dim and not shard.order and ndim(x) == ndim(source):
+        want = {x: shard, index: REPLICATE, source: shard}
+        return shard, [None if c.p[i] == want[a] else want[a] for i, a in enumerate(c.inputs)]
+    if ps.is_partial() and (px.is_partial() or (px.is_replicate() and getattr(x, "target", None) in _ZEROS)):
+        return PARTIAL, [None if a is not index else REPLICATE for a in c.inputs]
+    return REPLICATE, [want[a] for a in c.inputs]
+
+
+@register_rule(aten.repeat.default)
+def _repeat(c: Ctx):
+    """x.repeat(sizes): x tiled r times along each dim (new leading dims first). A shard on a
+    dim tiled once stays; one tiled r times is r blocks, each the rank's part of x -- interleave
+    r (JetMoE's keys repeated for each attention expert: `k.repeat(1, top_k, 1, 1)`)."""
+    p = c.p[0]
+    sizes = list(c.node.args[1])
+    extra = len(sizes) - ndim(c.inputs[0])
+    if p.is_replicate():
+        return REPLICATE, [None]
+    if isinstance(p, Shard) and not p.order and isinstance(p.interleave, int):
+        r = sizes[p.dim + extra]
+        if isinstance(r, int) and (r == 1 or not c.balanced):    # (cp's load-balanced halves: no blocks layout)
+            return Shard(p.dim + extra, p.interleave * r), [None]
+    return REPLICATE, [REPLICATE]
 
 
 @register_rule(aten.gather.default)
