@@ -33,8 +33,10 @@ OP_NAMES = ["cumsum-mlp", "factories-mlp", "gather-mlp", "einsum-attn"]
 # ops the sweep of transformers' architectures met with no rule, each on the split width of an
 # MLP (tests/test_tp_structure.py: no gather; test_tensor_parallel.py: trains like one process):
 # relu^2, tensor_split, a complex rotation, max / min / logsumexp per head, a causal depthwise
-# conv (Mamba's), a torch.no_grad region (a sparse-attention indexer's top-k)
-RULE_NAMES = ["square-mlp", "tensor-split-mlp", "complex-mlp", "max-lse-mlp", "conv-mlp", "no-grad-mlp"]
+# conv (Mamba's), a torch.no_grad region (a sparse-attention indexer's top-k), xIELU's elementwise
+# min / max against a scalar tensor (Apertus)
+RULE_NAMES = ["square-mlp", "tensor-split-mlp", "complex-mlp", "max-lse-mlp", "conv-mlp", "no-grad-mlp",
+              "min-other-mlp"]
 VOCAB.update({n: 64 for n in RULE_NAMES})
 
 
@@ -87,6 +89,15 @@ class MaxLseMLP(_MidMLP):
         m = g.max(dim=-1, keepdim=True).values                   # gpt-oss's sinks: a max per head
         n = g.min(dim=-1).values.unsqueeze(-1)
         return (g - m - torch.logsumexp(g - m, dim=-1, keepdim=True) + 0.1 * n).flatten(-2)
+
+
+class MinOtherMLP(_MidMLP):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("eps", torch.tensor(-1e-6))
+
+    def mid(self, h):
+        return torch.expm1(torch.min(h, self.eps)) - h + 0.5 * torch.max(h, self.eps)     # xIELU (Apertus)
 
 
 class ConvMLP(_MidMLP):
@@ -224,7 +235,7 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
     if name == "einsum-attn":
         return EinsumAttention()
     rules = {"square-mlp": SquareMLP, "tensor-split-mlp": TensorSplitMLP, "complex-mlp": ComplexMLP,
-             "max-lse-mlp": MaxLseMLP, "conv-mlp": ConvMLP, "no-grad-mlp": NoGradMLP}
+             "max-lse-mlp": MaxLseMLP, "conv-mlp": ConvMLP, "no-grad-mlp": NoGradMLP, "min-other-mlp": MinOtherMLP}
     if name in rules:
         return rules[name]()
     if name == "nanogpt":

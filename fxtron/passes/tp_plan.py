@@ -451,6 +451,13 @@ def router_weights(gm: fx.GraphModule) -> set[str]:
     return out
 
 
+def unused_weights(gm: fx.GraphModule) -> set[str]:
+    """The parameters the traced forward never reads (an encoder-decoder's cross-attention
+    without encoder states, a multimodal wrapper's vision tower without images): nothing
+    computes with them, so no rule has anything to split."""
+    return {name for node in gm.graph.nodes if (name := _param_name(node)) is not None and not node.users}
+
+
 _ROUTER_PRODUCTS = {aten.linear.default, aten.mm.default, aten.matmul.default, aten.addmm.default, aten.t.default,
                     aten.permute.default}
 
