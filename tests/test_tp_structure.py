@@ -549,6 +549,37 @@ def test_parameters_the_forward_never_reads_are_said_unread():
     assert abs(sum(shares) - 100) <= 0.05 * len(shares), line
 
 
+class _BertHead(_LearnedBias):
+    """BERT's LM head: dense -> gelu -> LayerNorm -> the vocabulary's linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.transform = torch.nn.Linear(32, 32)
+        self.norm = torch.nn.LayerNorm(32)
+        self.pooler = torch.nn.Linear(32, 32)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx) + self.table[: idx.shape[1]]
+        x = x + self.down(torch.relu(self.up(x)))
+        x = self.norm(torch.nn.functional.gelu(self.transform(x)))
+        pooled = self.pooler(x[:, 0])      # noqa: F841 -- a pooler a causal LM computes and drops
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def test_lm_head_transform_is_whole_as_in_megatron():
+    """BERT's head transform (a dense before the LM head, through its activation and norm) is
+    whole by design, as Megatron's BERT LM head keeps it; a pooler whose output the forward
+    drops is whole and unused: both quiet, with their reasons, under strict."""
+    ids = torch.randint(0, 64, (2, 9))
+    pm = fxtron.parallelize(_BertHead(), fxtron.Mesh(2, tp=2), example_inputs=(ids[:, :-1], ids[:, 1:]), strict=True,
+                            plan={"table": "replicate"})
+    pm.compiled(0)
+    assert pm.tp_plan.unsplit() == {}
+    assert pm.tp_plan.replicated["transform"].why.startswith("the LM head's transform"), pm.tp_plan.replicated
+    assert pm.tp_plan.replicated["pooler"].why.startswith("its output reaches nothing"), pm.tp_plan.replicated
+    assert pm.tp_plan.style("head").__class__.__name__ == "Colwise"
+
+
 # the op each RULE_NAMES model runs on the split width, and its placement there
 _RULE_OPS = {"square-mlp": ("aten.square.default", "S(2)"), "tensor-split-mlp": ("aten.tensor_split.sections", None),
              "complex-mlp": ("aten.view_as_complex.default", "S(2)"), "max-lse-mlp": ("aten.logsumexp.default", "S(2)"),

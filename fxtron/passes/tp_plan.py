@@ -166,6 +166,9 @@ _DOWN_PROJECTION = ("a low-rank down-projection whose output only feeds column-s
                     "kv_a_proj): replicated, as Megatron's duplicated linear_q_down_proj / linear_kv_down_proj")
 _NO_GRAD = ("computed under torch.no_grad (no gradient reaches it: DeepSeek-V3.2's sparse-attention indexer): "
             "replicated, as DeepSeek's reference keeps the indexer whole")
+_HEAD_TRANSFORM = ("the LM head's transform (dense -> activation -> norm -> the head, BERT's and RoBERTa's): "
+                   "replicated, as in Megatron's BERT LM head")
+_DEAD = "its output reaches nothing the forward returns (a pooler a causal LM drops): replicated, unused"
 _NO_PATTERN = ("no Megatron pattern found: its output neither reaches a residual add through shape ops "
                "(rowwise) nor feeds a rowwise linear or the loss (colwise); name its style in plan=")
 
@@ -187,6 +190,9 @@ class _Draft:
         replicated = {}
         if self.tp > 1:
             down = _down_projections(self, gm) if gm is not None else set()
+            live = _live(gm) if gm is not None else set()
+            heads = {l.node for p, l in self.layers.items()
+                     if isinstance(self.styles.get(p), Colwise) and l.kind == "linear" and _reaches_loss(l)}
             for path, l in self.layers.items():
                 if l.kind != "linear" or not isinstance(self.styles.get(path, Replicated()), Replicated):
                     continue
@@ -202,6 +208,10 @@ class _Draft:
                     replicated[path] = Unsplit(ROUTER, False)
                 elif path in down:
                     replicated[path] = Unsplit(_DOWN_PROJECTION, False)
+                elif _feeds_head(l, heads):
+                    replicated[path] = Unsplit(_HEAD_TRANSFORM, False)
+                elif gm is not None and l.node not in live:
+                    replicated[path] = Unsplit(_DEAD, False)
                 else:
                     replicated[path] = Unsplit(_NO_PATTERN, True)
         return TPPlan(self.tp, _frozen(self.styles), _frozen(self.params), _frozen(self.interleave),
@@ -405,6 +415,48 @@ def _earlier_term(node, shape: tuple, linear: fx.Node, order: dict[fx.Node, int]
         return True
     return (depth > 0 and node.op == "call_function" and node.target in _ADDS
             and any(_earlier_term(t, shape, linear, order, depth - 1) for t in node.args[:2]))
+
+
+_ELEMENTWISE = {aten.gelu.default, aten.relu.default, aten.tanh.default, aten.silu.default, aten.sigmoid.default,
+                aten.erf.default, aten.add.Tensor, aten.add.Scalar, aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor,
+                aten.div.Scalar, aten.pow.Tensor_Scalar, aten.layer_norm.default, aten.rms_norm.default,
+                aten.native_layer_norm.default, operator.getitem}
+
+
+def _live(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes the graph's outputs depend on."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    live, stack = set(), [out]
+    while stack:
+        node = stack.pop()
+        if node not in live:
+            live.add(node)
+            stack.extend(node.all_input_nodes)
+    return live
+
+
+def _feeds_head(layer: _Found, heads: set[fx.Node], hops: int = 24) -> bool:
+    """Is the linear the LM head's transform: its output reaches the input of a column-split
+    linear that reaches the loss (`heads`) through elementwise ops, activations and norms
+    whose other operands are parameters, buffers or constants -- no residual, nothing else
+    joins?"""
+    reached, frontier = {layer.node}, [layer.node]
+    while frontier and hops:
+        hops -= 1
+        nxt = []
+        for node in frontier:
+            for user in node.users:
+                if user in heads and user.args[0] is node:
+                    return True
+                if user.op != "call_function" or user.target not in (_ELEMENTWISE | _SHAPE_OPS) or user in reached:
+                    continue
+                others = [a for a in user.all_input_nodes if a not in reached]
+                if all(a.op == "get_attr" or (meta.get(a, meta.INPUT) is not None
+                                              and meta.get(a, meta.INPUT).kind != "user") for a in others):
+                    reached.add(user)
+                    nxt.append(user)
+        frontier = nxt
+    return False
 
 
 def _reaches_loss(layer: _Found) -> bool:

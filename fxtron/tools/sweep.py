@@ -246,6 +246,7 @@ class Result:
     status: str
     reasons: list[str] = field(default_factory=list)
     split_share: float | None = None       # the share of the parameters split over tp
+    unread_share: float = 0.0              # ... held whole because the traced forward never reads them
     seconds: float = 0.0
 
 
@@ -258,9 +259,10 @@ def _warning_kind(message: str) -> str:
     return "other"
 
 
-def classify(model_type: str, tp: int = 2) -> Result:
+def classify(model_type: str, tp: int = 2, verify: bool = True) -> Result:
     """Build `model_type` tiny, parallelize it compile-only at tp (rank 0's program) and
-    classify it (see the module's docstring)."""
+    classify it (see the module's docstring); `verify=False` skips the verifier between
+    passes (a third of the compile time)."""
     import torch
 
     import fxtron
@@ -276,7 +278,7 @@ def classify(model_type: str, tp: int = 2) -> Result:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            pm = fxtron.parallelize(model, fxtron.Mesh(tp, tp=tp), example_kwargs=kwargs)
+            pm = fxtron.parallelize(model, fxtron.Mesh(tp, tp=tp), example_kwargs=kwargs, verify=verify)
             local = pm.compiled(0).local
             recs = pm.collectives(0)
             fell, gathers, unsplit = pm.fallbacks(0), pm.gathers(0), pm.tp_plan.unsplit()
@@ -308,20 +310,23 @@ def classify(model_type: str, tp: int = 2) -> Result:
     if fwd_gathers and not gathers and not told:
         defects.append(f"{len(fwd_gathers)} forward all-gather(s) no report names")
     if defects:
-        return Result(model_type, "silent", defects, share, seconds)
+        return Result(model_type, "silent", defects, share, seconds=seconds)
+    unread = sum(h.numel for h in held if h.why == report.UNUSED) / total if total else 0.0
     if not any(problems.values()):
-        return Result(model_type, "clean", [], share, seconds)
+        return Result(model_type, "clean", [], share, unread, seconds)
     reasons = [f"{_warning_kind(m)}: {m}" for m in told if _warning_kind(m) in problems and problems[_warning_kind(m)]]
-    return Result(model_type, "replicated", reasons, share, seconds)
+    return Result(model_type, "replicated", reasons, share, unread, seconds)
 
 
 def _classify_quiet(args) -> Result:
+    """classify(*args) with torch on one thread and the library's and fxtron's warnings
+    caught (classify reads fxtron's); the verifier off (compile-only: the zoo runs it)."""
     import torch
     torch.set_num_threads(1)
     import transformers
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore")
-    return classify(*args)
+    return classify(*args, verify=False)
 
 
 def sweep(types: list[str] | None = None, tp: int = 2, workers: int = 2, each=None) -> list[Result]:
@@ -346,6 +351,7 @@ def tally(results: list[Result]) -> dict[str, int]:
 def format_result(r: Result) -> str:
     """An architecture's line, and its reasons indented below."""
     share = f" {100 * r.split_share:.0f}% split" if r.split_share is not None else ""
+    share += f", {100 * r.unread_share:.0f}% unread" if r.unread_share else ""
     return "\n".join([f"{r.model_type:28s} {r.status:10s}{share} ({r.seconds:.1f}s)"]
                      + [f"    {reason[:400]}" for reason in r.reasons])
 
