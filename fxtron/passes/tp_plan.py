@@ -792,15 +792,20 @@ def _takes_split_input(layer: _Found, cols: dict, linears: set[fx.Node], limit: 
     return False
 
 
+# ops that replace some token ids by a constant id (a multimodal wrapper's image tokens by the
+# pad id before the text embedding: Gemma 4's where(mask, 0, ids)): the operand that carries the ids
+_IDS_KEPT = {aten.where.ScalarSelf: 2, aten.where.ScalarOther: 1, aten.masked_fill.Scalar: 0}
+
+
 def _looks_up_user_ids(layer: _Found) -> bool:
     ids, hops = layer.node.args[1], 0
     while isinstance(ids, fx.Node) and hops < 8:
         spec = meta.get(ids, meta.INPUT)
         if spec is not None:
             return spec.kind == "user"
-        if ids.op != "call_function" or ids.target not in _SHAPE_OPS:
+        if ids.op != "call_function" or ids.target not in _SHAPE_OPS | _IDS_KEPT.keys():
             return False
-        ids, hops = ids.args[0], hops + 1
+        ids, hops = ids.args[_IDS_KEPT.get(ids.target, 0)], hops + 1
     return False
 
 
