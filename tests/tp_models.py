@@ -109,6 +109,7 @@ class MaskedIdsTied(CumsumMLP):
         super().__init__()
         self.head = torch.nn.Linear(32, 64, bias=False)
         self.head.weight = self.emb.weight
+        torch.nn.init.normal_(self.emb.weight, std=0.1)     # an LM's scale (N(0, 1) logits: losses of 20)
 
     def forward(self, idx, targets):
         x = self.emb(torch.where(idx == 63, 0, idx))
