@@ -23,7 +23,8 @@ def test_tiny_config_shrinks_widths_layers_and_per_layer_lists():
     config = sweep.tiny_config("llama")
     assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.vocab_size) == \
         (sweep.HIDDEN, sweep.LAYERS, sweep.HEADS, sweep.VOCAB)
-    assert config.num_key_value_heads == sweep.KV_HEADS and config.intermediate_size == sweep.FFN
+    assert config.num_key_value_heads == sweep.HEADS and config.intermediate_size == sweep.FFN   # multi-head kept
+    assert sweep.tiny_config("mistral").num_key_value_heads == sweep.KV_HEADS                     # grouped kept
     # DeepSeek-V3.2: per-layer kinds (dense then sparse MLPs) keep one layer of each kind
     config = sweep.tiny_config("deepseek_v32")
     assert config.num_hidden_layers == 2 and config.mlp_layer_types == ["dense", "sparse"]
