@@ -435,25 +435,30 @@ def _live(gm: fx.GraphModule) -> set[fx.Node]:
     return live
 
 
+_NORMS = {aten.layer_norm.default, aten.rms_norm.default, aten.native_layer_norm.default}
+
+
 def _feeds_head(layer: _Found, heads: set[fx.Node], hops: int = 24) -> bool:
     """Is the linear the LM head's transform: its output reaches the input of a column-split
-    linear that reaches the loss (`heads`) through elementwise ops, activations and norms
+    linear that reaches the loss (`heads`) through a norm, and elementwise ops and activations,
     whose other operands are parameters, buffers or constants -- no residual, nothing else
     joins?"""
-    reached, frontier = {layer.node}, [layer.node]
+    reached, frontier = {layer.node: False}, [layer.node]        # node -> a norm on the way
     while frontier and hops:
         hops -= 1
         nxt = []
         for node in frontier:
             for user in node.users:
                 if user in heads and user.args[0] is node:
-                    return True
+                    if reached[node]:
+                        return True
+                    continue
                 if user.op != "call_function" or user.target not in (_ELEMENTWISE | _SHAPE_OPS) or user in reached:
                     continue
                 others = [a for a in user.all_input_nodes if a not in reached]
                 if all(a.op == "get_attr" or (meta.get(a, meta.INPUT) is not None
                                               and meta.get(a, meta.INPUT).kind != "user") for a in others):
-                    reached.add(user)
+                    reached[user] = user.target in _NORMS or any(reached.get(a, False) for a in user.all_input_nodes)
                     nxt.append(user)
         frontier = nxt
     return False
