@@ -15,8 +15,10 @@ import pytest
 
 from fxtron.tools import sweep
 
-# the clean count at tp=2 with transformers 5.25 (README.md: "Every causal LM of transformers")
-CLEAN_FLOOR = 0
+# the clean count at tp=2 with transformers 5.25 (README.md, "Every causal LM of transformers"); the
+# sweep's 200 take about 4 minutes on 2 idle cores (102 of them took 129 s), 24 on cores shared
+# with a dozen other jobs
+CLEAN_FLOOR = 132
 
 
 def test_tiny_config_shrinks_widths_layers_and_per_layer_lists():
@@ -43,6 +45,7 @@ def test_classify_says_clean_and_refused():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_every_causal_lm():
     results = sweep.sweep(workers=2)
     counts = sweep.tally(results)
