@@ -263,8 +263,6 @@ def classify(model_type: str, tp: int = 2, verify: bool = True) -> Result:
     """Build `model_type` tiny, parallelize it compile-only at tp (rank 0's program) and
     classify it (see the module's docstring); `verify=False` skips the verifier between
     passes (a third of the compile time)."""
-    import torch
-
     import fxtron
     from fxtron.compiler import report
     from fxtron.errors import ParallelizeError, ParallelizeWarning
@@ -358,11 +356,9 @@ def format_result(r: Result) -> str:
 
 def format_tally(results: list[Result]) -> str:
     """The tally's line."""
-    lines = []
     counts = tally(results)
     built = sum(counts.values()) - counts["not built"]
-    lines.append(f"{len(results)} causal LMs, {built} built: " + ", ".join(f"{counts[s]} {s}" for s in STATUSES))
-    return "\n".join(lines)
+    return f"{len(results)} causal LMs, {built} built: " + ", ".join(f"{counts[s]} {s}" for s in STATUSES)
 
 
 def main(argv: list[str] | None = None) -> int:
