@@ -27,7 +27,7 @@ from fxtron.passes.cp_documents import check_documents
 from fxtron.passes.ep import check_experts
 from fxtron.passes.recompute import region_labels
 from fxtron.passes.pp import StageAssignment, assign_stages
-from fxtron.passes.tp_plan import TPPlan, make_tp_plan, router_weights
+from fxtron.passes.tp_plan import TPPlan, make_tp_plan, router_weights, unused_weights
 from fxtron.runtime import groups as G
 from fxtron.runtime.pp import schedules
 from fxtron.runtime import materialize
@@ -487,7 +487,7 @@ class ParallelModel:
                             advice=". Register a rule with fxtron.register_rule, or pass strict=True to make this an "
                                    "error")
         if self.mesh.tp > 1:
-            _, held = report.held_whole(rg.local, self.tp_plan, self._routers)
+            _, held = report.held_whole(rg.local, self.tp_plan, self._routers, self._unused)
             unruled = [h for h in held if h.why == report.NO_RULE]
             if unruled:
                 total = sum(math.prod(lp.full_shape) for lp in rg.local.values())
@@ -525,6 +525,11 @@ class ParallelModel:
     def _routers(self) -> set[str]:
         """The parameters that pick experts (tp_plan.router_weights on the traced graph)."""
         return router_weights(self.traced)
+
+    @functools.cached_property
+    def _unused(self) -> set[str]:
+        """The parameters the traced forward never reads (tp_plan.unused_weights)."""
+        return unused_weights(self.traced)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.mesh.world_size:

@@ -519,16 +519,79 @@ def test_every_parameter_is_split_or_said_whole():
     assert "table (replicated by the plan)" in kept.summary()
 
 
+class _Unread(_LearnedBias):
+    """A cross-attention the example never reaches (an encoder-decoder's decoder run without
+    encoder states; a multimodal wrapper's vision tower without images)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cross = torch.nn.Linear(32, 32, bias=False)
+
+    def forward(self, idx, targets, encoder_states=None):
+        x = self.emb(idx) + self.table[: idx.shape[1]]
+        if encoder_states is not None:
+            x = x + self.cross(encoder_states)
+        x = x + self.down(torch.relu(self.up(x)))
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def test_parameters_the_forward_never_reads_are_said_unread():
+    """A parameter the traced forward never reads is held whole as unread, not as wanting a
+    rule: no warning for it, even under strict (the sweep over transformers' causal LMs: BART's
+    cross-attention, Gemma 3's vision tower)."""
+    ids = torch.randint(0, 64, (2, 9))
+    pm = fxtron.parallelize(_Unread(), fxtron.Mesh(2, tp=2), example_inputs=(ids[:, :-1], ids[:, 1:]), strict=True,
+                            plan={"table": "replicate"})
+    pm.compiled(0)
+    line = next(ln for ln in pm.summary().splitlines() if ln.startswith("parameters at tp=2"))
+    assert "cross.weight (not read by the traced forward" in line, line
+    shares = [float(x) for x in re.findall(r"(\d+\.\d)% ", line)]
+    assert abs(sum(shares) - 100) <= 0.05 * len(shares), line
+
+
+class _BertHead(_LearnedBias):
+    """BERT's LM head: dense -> gelu -> LayerNorm -> the vocabulary's linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.transform = torch.nn.Linear(32, 32)
+        self.norm = torch.nn.LayerNorm(32)
+        self.pooler = torch.nn.Linear(32, 32)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx) + self.table[: idx.shape[1]]
+        x = x + self.down(torch.relu(self.up(x)))
+        x = self.norm(torch.nn.functional.gelu(self.transform(x)))
+        pooled = self.pooler(x[:, 0])      # noqa: F841 -- a pooler a causal LM computes and drops
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def test_lm_head_transform_is_whole_as_in_megatron():
+    """BERT's head transform (a dense before the LM head, through its activation and norm) is
+    whole by design, as Megatron's BERT LM head keeps it; a pooler whose output the forward
+    drops is whole and unused: both quiet, with their reasons, under strict."""
+    ids = torch.randint(0, 64, (2, 9))
+    pm = fxtron.parallelize(_BertHead(), fxtron.Mesh(2, tp=2), example_inputs=(ids[:, :-1], ids[:, 1:]), strict=True,
+                            plan={"table": "replicate"})
+    pm.compiled(0)
+    assert pm.tp_plan.unsplit() == {}
+    assert pm.tp_plan.replicated["transform"].why.startswith("the LM head's transform"), pm.tp_plan.replicated
+    assert pm.tp_plan.replicated["pooler"].why.startswith("its output reaches nothing"), pm.tp_plan.replicated
+    assert pm.tp_plan.style("head").__class__.__name__ == "Colwise"
+
+
 # the op each RULE_NAMES model runs on the split width, and its placement there
 _RULE_OPS = {"square-mlp": ("aten.square.default", "S(2)"), "tensor-split-mlp": ("aten.tensor_split.sections", None),
              "complex-mlp": ("aten.view_as_complex.default", "S(2)"), "max-lse-mlp": ("aten.logsumexp.default", "S(2)"),
-             "conv-mlp": ("aten.conv1d.default", "S(1)"), "no-grad-mlp": ("aten.topk.default", None)}
+             "conv-mlp": ("aten.conv1d.default", "S(1)"), "no-grad-mlp": ("aten.topk.default", None),
+             "min-other-mlp": ("aten.min.other", "S(2)"), "masked-ids-tied": ("aten.where.ScalarSelf", None)}
 
 
 @pytest.mark.parametrize("name", RULE_NAMES)
 def test_ops_keep_the_split(name):
     """relu^2, tensor_split, view_as_complex / view_as_real, max / min / logsumexp per head, a
-    causal depthwise conv and a torch.no_grad region, each on the split width of an MLP: no
+    causal depthwise conv, a torch.no_grad region, an elementwise min / max against a scalar
+    tensor, and a tied embedding looked up with ids some replaced by the pad id, each on the split width of an MLP: no
     all-gather, no op run replicated, Megatron's forward all-reduces (the embedding's and the
     MLP's) and nothing else."""
     pm = _pm(name, 2, strict=True)

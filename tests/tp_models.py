@@ -34,8 +34,11 @@ OP_NAMES = ["cumsum-mlp", "factories-mlp", "gather-mlp", "einsum-attn"]
 # ops the sweep of transformers' architectures met with no rule, each on the split width of an
 # MLP (tests/test_tp_structure.py: no gather; test_tensor_parallel.py: trains like one process):
 # relu^2, tensor_split, a complex rotation, max / min / logsumexp per head, a causal depthwise
-# conv (Mamba's), a torch.no_grad region (a sparse-attention indexer's top-k)
-RULE_NAMES = ["square-mlp", "tensor-split-mlp", "complex-mlp", "max-lse-mlp", "conv-mlp", "no-grad-mlp"]
+# conv (Mamba's), a torch.no_grad region (a sparse-attention indexer's top-k), xIELU's elementwise
+# min / max against a scalar tensor (Apertus), token ids whose image tokens a multimodal wrapper
+# replaces by the pad id before a tied embedding (Gemma 4)
+RULE_NAMES = ["square-mlp", "tensor-split-mlp", "complex-mlp", "max-lse-mlp", "conv-mlp", "no-grad-mlp",
+              "min-other-mlp", "masked-ids-tied"]
 VOCAB.update({n: 64 for n in RULE_NAMES})
 
 
@@ -88,6 +91,31 @@ class MaxLseMLP(_MidMLP):
         m = g.max(dim=-1, keepdim=True).values                   # gpt-oss's sinks: a max per head
         n = g.min(dim=-1).values.unsqueeze(-1)
         return (g - m - torch.logsumexp(g - m, dim=-1, keepdim=True) + 0.1 * n).flatten(-2)
+
+
+class MinOtherMLP(_MidMLP):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("eps", torch.tensor(-1e-6))
+
+    def mid(self, h):
+        return torch.expm1(torch.min(h, self.eps)) - h + 0.5 * torch.max(h, self.eps)     # xIELU (Apertus)
+
+
+class MaskedIdsTied(CumsumMLP):
+    """The embedding tied to the head, looked up with ids whose "image token" (63) is replaced
+    by the pad id 0, as Gemma 4's wrapper does."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(32, 64, bias=False)
+        self.head.weight = self.emb.weight
+        torch.nn.init.normal_(self.emb.weight, std=0.1)     # an LM's scale (N(0, 1) logits: losses of 20)
+
+    def forward(self, idx, targets):
+        x = self.emb(torch.where(idx == 63, 0, idx))
+        x = x + self.down(torch.nn.functional.gelu(self.up(x)))
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
 
 class ConvMLP(_MidMLP):
@@ -225,7 +253,8 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
     if name == "einsum-attn":
         return EinsumAttention()
     rules = {"square-mlp": SquareMLP, "tensor-split-mlp": TensorSplitMLP, "complex-mlp": ComplexMLP,
-             "max-lse-mlp": MaxLseMLP, "conv-mlp": ConvMLP, "no-grad-mlp": NoGradMLP}
+             "max-lse-mlp": MaxLseMLP, "conv-mlp": ConvMLP, "no-grad-mlp": NoGradMLP, "min-other-mlp": MinOtherMLP,
+             "masked-ids-tied": MaskedIdsTied}
     if name in rules:
         return rules[name]()
     if name == "nanogpt":

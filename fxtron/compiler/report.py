@@ -26,7 +26,7 @@ from fxtron.core.meta import BATCH, SEQ
 from fxtron.mesh import Mesh
 from fxtron.ops import registry
 from fxtron.ops.ep import routing_args
-from fxtron.passes.tp_plan import ROUTER, router_weights
+from fxtron.passes.tp_plan import ROUTER, router_weights, unused_weights
 
 
 @dataclass(frozen=True)
@@ -440,6 +440,7 @@ _KERNEL_WORDS = {"flash": "fused: flash attention", "efficient": "fused: memory-
 VECTORS = "vectors (norm weights, biases): replicated, as in Megatron"
 POSITIONS = "an embedding not looked up with the token ids (positions): replicated, as in Megatron"
 NO_RULE = "no rule splits it: held whole on every rank"
+UNUSED = "not read by the traced forward (no input of the example reaches it): held whole, unsplit"
 
 
 @dataclass(frozen=True)
@@ -453,12 +454,15 @@ class Held:
     loud: bool
 
 
-def held_whole(local: dict, tp_plan, routers: set[str] = frozenset()) -> tuple[int, list[Held]]:
+def held_whole(local: dict, tp_plan, routers: set[str] = frozenset(),
+               unused: set[str] = frozenset()) -> tuple[int, list[Held]]:
     """Every parameter of a rank accounted for at tp > 1: (the model's parameter count, the
     groups of those held whole with their reason). A parameter is split when a model-parallel
     axis (tp, ep) shards it; the others are a replicated linear (the plan's reason), a vector,
-    a position table, a router (`routers`: tp_plan.router_weights), or whole for want of a rule -- so the split count and the groups add up to
-    every parameter, and none is held whole without a line saying why."""
+    a position table, a router (`routers`: tp_plan.router_weights), one the traced forward
+    never reads (`unused`: tp_plan.unused_weights), or whole for want of a rule -- so the split
+    count and the groups add up to every parameter, and none is held whole without a line
+    saying why."""
     layers = {layer.weight: layer for layer in tp_plan.layers.values()} if tp_plan is not None else {}
     groups: dict[tuple[str, bool], list[tuple[str, int]]] = {}
     total = 0
@@ -478,6 +482,8 @@ def held_whole(local: dict, tp_plan, routers: set[str] = frozenset()) -> tuple[i
             key = (VECTORS, False)
         elif name in routers:
             key = (ROUTER, False)
+        elif name in unused:
+            key = (UNUSED, False)
         elif layer is not None and layer.kind == "embedding":
             key = (POSITIONS, False)
         else:
@@ -488,10 +494,10 @@ def held_whole(local: dict, tp_plan, routers: set[str] = frozenset()) -> tuple[i
     return total, sorted(held, key=lambda h: (not h.loud, -h.numel))
 
 
-def held_note(local: dict, tp_plan, tp: int, routers: set[str] = frozenset()) -> str:
+def held_note(local: dict, tp_plan, tp: int, routers: set[str] = frozenset(), unused: set[str] = frozenset()) -> str:
     """The summary's accounting line: the share of the parameters split, then each group held
     whole with its reason and share."""
-    total, held = held_whole(local, tp_plan, routers)
+    total, held = held_whole(local, tp_plan, routers, unused)
     if not total:
         return ""
     whole = sum(h.numel for h in held)
@@ -656,7 +662,7 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
             head += "\nnotes: " + "; ".join(tp_plan.notes)
         if tp_plan.replicated:
             head += "\nreplicated linears: " + grouped({p: u.why for p, u in tp_plan.replicated.items()})
-        head += "\n" + held_note(every_local, tp_plan, mesh.tp, router_weights(traced))
+        head += "\n" + held_note(every_local, tp_plan, mesh.tp, router_weights(traced), unused_weights(traced))
     if fell:
         head += "\nops run replicated for want of a sharding rule: " + "; ".join(sorted(fell))
     unsharded = unsharded_zero(config, mesh)

@@ -170,6 +170,9 @@ _DOWN_PROJECTION = ("a low-rank down-projection whose output only feeds column-s
                     "kv_a_proj): replicated, as Megatron's duplicated linear_q_down_proj / linear_kv_down_proj")
 _NO_GRAD = ("computed under torch.no_grad (no gradient reaches it: DeepSeek-V3.2's sparse-attention indexer): "
             "replicated, as DeepSeek's reference keeps the indexer whole")
+_HEAD_TRANSFORM = ("the LM head's transform (dense -> activation -> norm -> the head, BERT's and RoBERTa's): "
+                   "replicated, as in Megatron's BERT LM head")
+_DEAD = "its output reaches nothing the forward returns (a pooler a causal LM drops): replicated, unused"
 _NO_PATTERN = ("no Megatron pattern found: its output neither reaches a residual add through shape ops "
                "(rowwise) nor feeds a rowwise linear or the loss (colwise); name its style in plan=")
 
@@ -191,6 +194,9 @@ class _Draft:
         replicated = {}
         if self.tp > 1:
             down = _down_projections(self, gm) if gm is not None else set()
+            live = _live(gm) if gm is not None else set()
+            heads = {l.node for p, l in self.layers.items()
+                     if isinstance(self.styles.get(p), Colwise) and l.kind == "linear" and _reaches_loss(l)}
             for path, l in self.layers.items():
                 if l.kind != "linear" or not isinstance(self.styles.get(path, Replicated()), Replicated):
                     continue
@@ -206,6 +212,10 @@ class _Draft:
                     replicated[path] = Unsplit(ROUTER, False)
                 elif path in down:
                     replicated[path] = Unsplit(_DOWN_PROJECTION, False)
+                elif _feeds_head(l, heads):
+                    replicated[path] = Unsplit(_HEAD_TRANSFORM, False)
+                elif gm is not None and l.node not in live:
+                    replicated[path] = Unsplit(_DEAD, False)
                 else:
                     replicated[path] = Unsplit(_NO_PATTERN, True)
         return TPPlan(self.tp, _frozen(self.styles), _frozen(self.params), _frozen(self.interleave),
@@ -447,6 +457,53 @@ def _earlier_term(node, shape: tuple, linear: fx.Node, order: dict[fx.Node, int]
             and any(_earlier_term(t, shape, linear, order, depth - 1) for t in node.args[:2]))
 
 
+_ELEMENTWISE = {aten.gelu.default, aten.relu.default, aten.tanh.default, aten.silu.default, aten.sigmoid.default,
+                aten.erf.default, aten.add.Tensor, aten.add.Scalar, aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor,
+                aten.div.Scalar, aten.pow.Tensor_Scalar, aten.layer_norm.default, aten.rms_norm.default,
+                aten.native_layer_norm.default, operator.getitem}
+
+
+def _live(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes the graph's outputs depend on."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    live, stack = set(), [out]
+    while stack:
+        node = stack.pop()
+        if node not in live:
+            live.add(node)
+            stack.extend(node.all_input_nodes)
+    return live
+
+
+_NORMS = {aten.layer_norm.default, aten.rms_norm.default, aten.native_layer_norm.default}
+
+
+def _feeds_head(layer: _Found, heads: set[fx.Node], hops: int = 24) -> bool:
+    """Is the linear the LM head's transform: its output reaches the input of a column-split
+    linear that reaches the loss (`heads`) through a norm, and elementwise ops and activations,
+    whose other operands are parameters, buffers or constants -- no residual, nothing else
+    joins?"""
+    reached, frontier = {layer.node: False}, [layer.node]        # node -> a norm on the way
+    while frontier and hops:
+        hops -= 1
+        nxt = []
+        for node in frontier:
+            for user in node.users:
+                if user in heads and user.args[0] is node:
+                    if reached[node]:
+                        return True
+                    continue
+                if user.op != "call_function" or user.target not in (_ELEMENTWISE | _SHAPE_OPS) or user in reached:
+                    continue
+                others = [a for a in user.all_input_nodes if a not in reached]
+                if all(a.op == "get_attr" or (meta.get(a, meta.INPUT) is not None
+                                              and meta.get(a, meta.INPUT).kind != "user") for a in others):
+                    reached[user] = user.target in _NORMS or any(reached.get(a, False) for a in user.all_input_nodes)
+                    nxt.append(user)
+        frontier = nxt
+    return False
+
+
 def _reaches_loss(layer: _Found) -> bool:
     """Does the output reach cross_entropy through token-wise ops (logit scaling, softcapping)?"""
     return any(u.target == aten.cross_entropy_loss.default and u.args[0] is via
@@ -489,6 +546,13 @@ def router_weights(gm: fx.GraphModule) -> set[str]:
                         _is_router(_Found(user, "linear", "", name, None, "out_in", 0, 0)):
                     out.add(name)
     return out
+
+
+def unused_weights(gm: fx.GraphModule) -> set[str]:
+    """The parameters the traced forward never reads (an encoder-decoder's cross-attention
+    without encoder states, a multimodal wrapper's vision tower without images): nothing
+    computes with them, so no rule has anything to split."""
+    return {name for node in gm.graph.nodes if (name := _param_name(node)) is not None and not node.users}
 
 
 _ROUTER_PRODUCTS = {aten.linear.default, aten.mm.default, aten.matmul.default, aten.addmm.default, aten.t.default,
@@ -774,15 +838,20 @@ def _takes_split_input(layer: _Found, cols: dict, linears: set[fx.Node], limit: 
     return False
 
 
+# ops that replace some token ids by a constant id (a multimodal wrapper's image tokens by the
+# pad id before the text embedding: Gemma 4's where(mask, 0, ids)): the operand that carries the ids
+_IDS_KEPT = {aten.where.ScalarSelf: 2, aten.where.ScalarOther: 1, aten.masked_fill.Scalar: 0}
+
+
 def _looks_up_user_ids(layer: _Found) -> bool:
     ids, hops = layer.node.args[1], 0
     while isinstance(ids, fx.Node) and hops < 8:
         spec = meta.get(ids, meta.INPUT)
         if spec is not None:
             return spec.kind == "user"
-        if ids.op != "call_function" or ids.target not in _SHAPE_OPS:
+        if ids.op != "call_function" or ids.target not in _SHAPE_OPS | _IDS_KEPT.keys():
             return False
-        ids, hops = ids.args[0], hops + 1
+        ids, hops = ids.args[_IDS_KEPT.get(ids.target, 0)], hops + 1
     return False
 
 
