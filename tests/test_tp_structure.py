@@ -709,3 +709,17 @@ def test_experts_as_bmm_and_per_expert_linears_split_megatron_way():
     fwd = [r for r in pm.collectives(0) if r.phase == "forward" and r.op == "all_reduce"]
     assert len(fwd) == 2 * 2 + 1 and count(pm.collectives(0), "all_gather") == 0, fwd
     assert pm.fallbacks(0) == [] and pm.gathers(0) == []
+
+
+def test_a_shared_expert_gate_is_whole_as_in_megatron():
+    """Qwen2-MoE's shared_expert_gate (one output per token, its sigmoid scaling the shared
+    expert's output) has nothing to split: whole by design, as Megatron's shared-expert gate
+    weight, and quiet under strict."""
+    from fxtron.tools import sweep
+    model, kwargs = sweep.build("qwen2_moe")
+    pm = fxtron.parallelize(model, fxtron.Mesh(2, tp=2), example_kwargs=kwargs, strict=True)
+    pm.compiled(0)
+    gates = {p: u for p, u in pm.tp_plan.replicated.items() if p.endswith("shared_expert_gate")}
+    assert len(gates) == model.config.num_hidden_layers, pm.tp_plan.replicated
+    assert all(u.why.startswith("a gate of one output") and not u.loud for u in gates.values()), gates
+    assert pm.tp_plan.unsplit() == {}

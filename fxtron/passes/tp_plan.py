@@ -172,6 +172,8 @@ _NO_GRAD = ("computed under torch.no_grad (no gradient reaches it: DeepSeek-V3.2
             "replicated, as DeepSeek's reference keeps the indexer whole")
 _HEAD_TRANSFORM = ("the LM head's transform (dense -> activation -> norm -> the head, BERT's and RoBERTa's): "
                    "replicated, as in Megatron's BERT LM head")
+_GATE = ("a gate of one output per token (sigmoid(x W^T) scaling another branch: Qwen2-MoE's shared_expert_gate): "
+         "replicated, as Megatron's shared-expert gate weight")
 _DEAD = "its output reaches nothing the forward returns (a pooler a causal LM drops): replicated, unused"
 _NO_PATTERN = ("no Megatron pattern found: its output neither reaches a residual add through shape ops "
                "(rowwise) nor feeds a rowwise linear or the loss (colwise); name its style in plan=")
@@ -212,6 +214,8 @@ class _Draft:
                     replicated[path] = Unsplit(ROUTER, False)
                 elif path in down:
                     replicated[path] = Unsplit(_DOWN_PROJECTION, False)
+                elif _is_scalar_gate(l):
+                    replicated[path] = Unsplit(_GATE, False)
                 elif _feeds_head(l, heads):
                     replicated[path] = Unsplit(_HEAD_TRANSFORM, False)
                 elif gm is not None and l.node not in live:
@@ -523,6 +527,27 @@ def _is_router(layer: _Found, hops: int = 6) -> bool:
                 if user.target == aten.topk.default:
                     return True
                 nxt.append(user)
+        frontier = nxt
+    return False
+
+
+def _is_scalar_gate(layer: _Found, hops: int = 4) -> bool:
+    """A linear of one output feature (nothing to split) whose sigmoid, through casts and
+    shape ops, multiplies another value: a gate, whole on every rank as Megatron's is."""
+    if layer.out_features != 1:
+        return False
+    frontier = [layer.node]
+    for _ in range(hops):
+        nxt = []
+        for node in frontier:
+            for user in node.users:
+                if user.op != "call_function":
+                    continue
+                if user.target == aten.sigmoid.default:
+                    return any(u.op == "call_function" and u.target == aten.mul.Tensor
+                               for u, _ in _through_shape_ops(user))
+                if user.target in _SHAPE_OPS:
+                    nxt.append(user)
         frontier = nxt
     return False
 
