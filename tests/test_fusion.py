@@ -79,8 +79,8 @@ def test_programs_run_the_ops_in_their_run_time_forms():
 
 
 def test_backward_runs_only_the_gemms_whose_inputs_take_a_gradient():
-    """A frozen weight's gradient GEMM is not run, nor the input gradient of a linear whose
-    input takes none: the backward's matmul FLOPs are those of the gradients asked for, and
+    """Outside a step (no main_grad), a frozen weight's gradient GEMM is not run, nor the
+    input gradient of a linear whose input takes none: the backward's matmul FLOPs are those of the gradients asked for, and
     the gradients given equal autograd's through F.linear."""
     from torch.utils.flop_counter import FlopCounterMode
     from fxtron.ops.linear import linear_eager

@@ -186,8 +186,10 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dy):
     """The input gradient, then the weight gradient (into main_grad, queued or now), then the
-    bias's: each only where its input takes a gradient (a frozen weight's GEMM is not run, nor
-    the input gradient of a linear whose input needs none)."""
+    bias's. The input's is computed only where the input takes a gradient, and a weight without
+    a main_grad gets its GEMM only where it takes one. A weight with a main_grad (every weight
+    in a program's step has one, frozen ones too) still accumulates, and the step drops a
+    frozen weight's sum: skipping that GEMM is left to do."""
     (x,) = ctx.saved_tensors
     needs_x, needs_w, needs_b = ctx.needs_input_grad[:3]
     gathering = ctx.regather.begin(x) if ctx.regather is not None else None
