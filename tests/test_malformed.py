@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import re
+import types
 import warnings
 
 import pytest
@@ -72,6 +73,19 @@ def _eager_mixtral():
     return T.MixtralForCausalLM(T.MixtralConfig(
         vocab_size=256, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager"))
+
+
+class _Wrapper(torch.nn.Module):
+    """A multimodal-style wrapper: its config has no experts_implementation of its own, its text
+    sub-config says eager."""
+    def __init__(self, inner):
+        super().__init__()
+        self.model = inner
+        self.config = types.SimpleNamespace(_experts_implementation=None, sub_configs={"text_config": None},
+                                            text_config=inner.config)
+
+    def forward(self, x, y):
+        return self.model(x).logits.float().logsumexp(-1).mean()
 
 
 def _dbrx():
@@ -178,6 +192,9 @@ AT_PARALLELIZE = [
      r"each cp rank sorted its own tokens.*or use cp=1"),
     ("model: transformers' experts run eagerly", lambda: fxtron.parallelize(_eager_mixtral(), Mesh(2, tp=2),
                                                                              example_inputs=_ex("llama")),
+     r"experts_implementation='eager'.*'grouped_mm'"),
+    ("model: a wrapper's text model runs its experts eagerly",
+     lambda: fxtron.parallelize(_Wrapper(_eager_mixtral()), Mesh(2, tp=2), example_inputs=_ex("llama")),
      r"experts_implementation='eager'.*'grouped_mm'"),
     ("model: DBRX's experts loop over nonzero(), with no other implementation",
      lambda: fxtron.parallelize(_dbrx(), Mesh(2, tp=2), example_inputs=_ex("llama")),

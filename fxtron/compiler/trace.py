@@ -117,8 +117,7 @@ def _check_experts_implementation(model) -> None:
     implementation (experts_implementation="eager" chosen on a model whose experts take the
     switch) say which to set; where it offers none (DBRX), say so -- before export's guard error.
     Experts that run on every token (Llama 4's bmm) or over static splits trace as they are."""
-    impl = getattr(getattr(model, "config", None), "_experts_implementation", None)
-    if impl != "eager":
+    if "eager" not in _experts_implementations(getattr(model, "config", None)):
         return
     looping = sorted({type(m).__name__ for m in model.modules()
                       if type(m).__name__.endswith("Experts") and _loops_over_hits(type(m))})
@@ -137,6 +136,17 @@ def _check_experts_implementation(model) -> None:
         "experts each batch's tokens pick, which torch.export cannot trace; build it with "
         "experts_implementation='grouped_mm' (transformers' default) or 'batched_mm' (the config argument, "
         "or model.set_experts_implementation('grouped_mm'))")
+
+
+def _experts_implementations(config) -> set:
+    """The experts_implementation of a config and of its sub-configs (a multimodal wrapper's
+    text model keeps its own, which the wrapper's does not show)."""
+    if config is None:
+        return set()
+    found = {getattr(config, "_experts_implementation", None)}
+    for key in getattr(config, "sub_configs", None) or ():
+        found |= _experts_implementations(getattr(config, key, None))
+    return found
 
 
 def _loops_over_hits(cls) -> bool:
