@@ -3,9 +3,14 @@ at tp (rank 0's program, no processes), each classified by what fxtron does with
 
 `tiny_config(model_type)` shrinks the library's default config of an architecture (widths,
 layers, heads, intermediate sizes, vocabulary, experts, state sizes, windows; nested
-sub-configs of multimodal wrappers too) keeping head counts divisible by 4 so tp=2 and tp=4
-split them; `build(model_type)` makes the model and checks that it runs forward in one
-process. `classify(model_type, tp)` parallelizes it and says which of these it is:
+sub-configs of multimodal wrappers too, a wrapper's type taken by the text or decoder sub-config
+its causal LM reads) keeping head counts divisible by 4 so tp=2 and tp=4 split them, per-layer
+lists and the relations a config's validator checks kept consistent with the shrunk depth
+(generic where the config says it, `_OVERRIDES` where only the architecture knows);
+`build(model_type)` makes the model and checks that it runs forward in one process on
+`example(config)`: token ids and labels (MusicGen's one row per audio codebook, GIT's image
+too). A causal-LM class that is no standalone LM (a speculative-decoding drafter) is "not
+built" with that reason. `classify(model_type, tp)` parallelizes it and says which of these it is:
 
 - ``clean``: every layer linear split (the only whole ones those Megatron keeps whole:
   routers, low-rank down-projections, linears under torch.no_grad), no all-gather in forward,
