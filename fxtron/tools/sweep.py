@@ -163,19 +163,18 @@ _OVERRIDES = {
     "reformer": dict(is_decoder=True, axial_pos_shape=[2, 4], axial_pos_embds_dim=[32, 32], local_attn_chunk_length=4,
                      lsh_attn_chunk_length=4), "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
     "zaya": dict(num_experts_per_tok=1),
-    # the library's attention reads a field its config lacks, and clamps by clip_qkv (None by default)
     **dict.fromkeys(("qwen4_exp", "qwen4_exp_text"), _QSA),
+    # the library's attention reads a field its config lacks, and clamps by clip_qkv (None by default)
     "dbrx": dict(attn_config=dict(rope_theta=10000.0, clip_qkv=8.0)),
-
     # one shared transformer tied over the hybrid layers: the library refuses a single one (nothing to tie)
     "zamba": dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"],
                   attention_hidden_size=2 * HIDDEN, attention_head_dim=2 * HIDDEN // HEADS),
     # the indexer layers are a subset of the indexed-attention ones; its heads at most those of a key head
     "kolibri1_1": dict(index_layers=[1], index_num_heads=2, index_pool_size=16, index_compression=4,
                        index_num_local_tokens=4, index_num_sink_tokens=2),
-    # its to_dict interleaves an "mlp" entry after each layer (doubled counts): the layers given plainly
     "blt": dict(encoder_hash_byte_group_vocab=VOCAB),     # the byte n-gram hash table (500k rows)
-    "git": dict(vision_config=dict(image_size=16, patch_size=8)),
+    "git": dict(vision_config=dict(image_size=16, patch_size=8)),     # an image of 4 patches
+    # its to_dict interleaves an "mlp" entry after each layer (doubled counts): the layers given plainly
     "dory": dict(num_hidden_layers=3, n_input_layers=1, n_recurrent_layers=1, n_output_layers=1,
                  layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
 }
