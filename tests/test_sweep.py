@@ -36,6 +36,28 @@ def test_tiny_config_shrinks_widths_layers_and_per_layer_lists():
     assert config.text_config.hidden_size == sweep.HIDDEN and config.text_config.num_hidden_layers == sweep.LAYERS
 
 
+def test_tiny_config_keeps_the_relations_an_architecture_checks():
+    """Config-driven relations the shrinking must keep (types that did not build before)."""
+    # a wrapper's causal LM is its decoder sub-config (MusicGen), whose example is a row per codebook
+    config = sweep.tiny_config("musicgen")
+    assert type(config) is sweep.model_class("musicgen").config_class and config.hidden_size == sweep.HIDDEN
+    ex = sweep.example(config)
+    assert ex["input_ids"].shape == (sweep.BATCH * config.num_codebooks, sweep.SEQ)
+    assert ex["labels"].shape == (sweep.BATCH, sweep.SEQ, config.num_codebooks)
+    # the ids of one kind's layers follow the shrunk kinds (Zamba2's shared blocks are keyed by them)
+    config = sweep.tiny_config("zamba2")
+    assert config.hybrid_layer_ids == [i for i, k in enumerate(config.layers_block_type) if k == "hybrid"] != []
+    # per-layer-kind rope left empty by the default gets one entry per kind kept
+    config = sweep.tiny_config("cohere_compass_text")
+    assert set(config.rope_parameters) == set(config.layer_types)
+    # a width another sub-config must equal (BLT's hidden_size_global is its global model's width)
+    config = sweep.tiny_config("blt")
+    assert config.encoder_config.hidden_size_global == config.global_config.hidden_size == sweep.HIDDEN
+    # a drafter is named as no standalone LM, not built
+    with pytest.raises(sweep.NotBuilt, match="standalone"):
+        sweep.build("gemma4_assistant")
+
+
 def test_classify_says_clean_and_refused():
     """Llama splits cleanly; a tp that does not divide its heads is refused with the reason."""
     r = sweep.classify("llama", tp=2)

@@ -135,3 +135,33 @@ def test_transformers_models_trace(arch):
     model(input_ids=ids2, labels=ids2).loss.backward()
     for name, p in model.named_parameters(remove_duplicate=True):
         torch.testing.assert_close(prog.get_parameter(name).grad, p.grad, rtol=1e-5, atol=1e-6)
+
+
+class _Concatenate(torch.nn.Module):
+    """torch.concatenate (export keeps the alias's name) of two column-split values."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        self.up = torch.nn.Linear(32, 64)
+        self.down = torch.nn.Linear(64, 32)
+        self.head = torch.nn.Linear(32, 64)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        h = self.up(x)
+        h = torch.concatenate([h.unsqueeze(2), torch.relu(h).unsqueeze(2)], dim=2).sum(2)
+        x = x + self.down(h)
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def test_op_aliases_take_the_ops_name():
+    """torch.concatenate traces as aten.concatenate (Zamba's hybrid layer): renamed aten.cat, so
+    cat's sharding rule keeps the split (no op run replicated, no gather)."""
+    ids = torch.randint(0, 64, (2, 9))
+    gm = trace(_Concatenate(), (ids[:, :-1], ids[:, 1:]))
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.cat.default in targets and torch.ops.aten.concatenate.default not in targets
+    pm = fxtron.parallelize(_Concatenate(), fxtron.Mesh(2, tp=2), example_inputs=(ids[:, :-1], ids[:, 1:]), strict=True)
+    pm.compiled(0)
+    assert pm.fallbacks(0) == [] and pm.gathers(0) == []

@@ -36,9 +36,10 @@ OP_NAMES = ["cumsum-mlp", "factories-mlp", "gather-mlp", "einsum-attn"]
 # relu^2, tensor_split, a complex rotation, max / min / logsumexp per head, a causal depthwise
 # conv (Mamba's), a torch.no_grad region (a sparse-attention indexer's top-k), xIELU's elementwise
 # min / max against a scalar tensor (Apertus), token ids whose image tokens a multimodal wrapper
-# replaces by the pad id before a tied embedding (Gemma 4)
+# replaces by the pad id before a tied embedding (Gemma 4), LM heads stacked on a new dim, each
+# head's logits picked back by select for its own loss (MusicGen's head per audio codebook)
 RULE_NAMES = ["square-mlp", "tensor-split-mlp", "complex-mlp", "max-lse-mlp", "conv-mlp", "no-grad-mlp",
-              "min-other-mlp", "masked-ids-tied"]
+              "min-other-mlp", "masked-ids-tied", "stacked-heads"]
 VOCAB.update({n: 64 for n in RULE_NAMES})
 
 
@@ -116,6 +117,27 @@ class MaskedIdsTied(CumsumMLP):
         x = self.emb(torch.where(idx == 63, 0, idx))
         x = x + self.down(torch.nn.functional.gelu(self.up(x)))
         return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+class StackedHeads(torch.nn.Module):
+    """An MLP block, then three LM heads whose logits are stacked on dim 1 (B, heads, S, V);
+    each head's slice (select) goes to its own cross_entropy (its targets shifted by the head's
+    index), the losses averaged: MusicGen's head per audio codebook."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 3):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.up = torch.nn.Linear(dim, 2 * dim)
+        self.down = torch.nn.Linear(2 * dim, dim)
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(dim, vocab) for _ in range(heads))
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        x = x + self.down(torch.nn.functional.gelu(self.up(x)))
+        logits = torch.stack([head(x) for head in self.heads], dim=1)
+        losses = [torch.nn.functional.cross_entropy(logits[:, k].contiguous().view(-1, logits.shape[-1]),
+                                                    targets.roll(k, dims=1).flatten()) for k in range(len(self.heads))]
+        return sum(losses) / len(losses)
 
 
 class ConvMLP(_MidMLP):
@@ -254,7 +276,7 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
         return EinsumAttention()
     rules = {"square-mlp": SquareMLP, "tensor-split-mlp": TensorSplitMLP, "complex-mlp": ComplexMLP,
              "max-lse-mlp": MaxLseMLP, "conv-mlp": ConvMLP, "no-grad-mlp": NoGradMLP, "min-other-mlp": MinOtherMLP,
-             "masked-ids-tied": MaskedIdsTied}
+             "masked-ids-tied": MaskedIdsTied, "stacked-heads": StackedHeads}
     if name in rules:
         return rules[name]()
     if name == "nanogpt":

@@ -331,6 +331,11 @@ def _where(node: fx.Node) -> str:
     return f"%{node.name} in {_clean_path(list(stack.values())[-1][0]) or '(top level)'}" if stack else f"%{node.name}"
 
 
+# ops export keeps under an alias's name (torch.concatenate, torch.concat), renamed to the op
+_ALIASES = {torch.ops.aten.concatenate.default: torch.ops.aten.cat.default,
+            torch.ops.aten.concat.default: torch.ops.aten.cat.default}
+
+
 def _to_graph_module(ep: ExportedProgram, model: torch.nn.Module, user_dims, in_spec, statics) -> fx.GraphModule:
     sig = ep.graph_signature
     gm = ep.graph_module
@@ -397,6 +402,8 @@ def _to_graph_module(ep: ExportedProgram, model: torch.nn.Module, user_dims, in_
             raise ParallelizeError(f"unsupported exported output {spec.kind} ({spec.target})")
 
     for node in graph.nodes:
+        if node.op == "call_function" and node.target in _ALIASES:
+            node.target = _ALIASES[node.target]          # one op, one name: the rules know the canonical one
         stack = node.meta.get("nn_module_stack") or {}
         path = _clean_path(list(stack.values())[-1][0]) if stack else ""
         meta.set(node, meta.MODULE, path)

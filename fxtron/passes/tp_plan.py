@@ -412,9 +412,9 @@ _TOKENWISE = _SHAPE_OPS | {
 _ADDS = {aten.add.Tensor, aten.add_.Tensor}      # `mlp_output += attention_output` (Falcon) is in place
 
 
-def _tokenwise_users(node: fx.Node, limit: int = 48):
-    """Users reached from `node` through token-wise ops (see _TOKENWISE), as (user, via):
-    the adds on the way are yielded too (they may be the residual)."""
+def _tokenwise_users(node: fx.Node, limit: int = 48, also: tuple = ()):
+    """Users reached from `node` through token-wise ops (see _TOKENWISE) and the ops `also`,
+    as (user, via): the adds on the way are yielded too (they may be the residual)."""
     frontier, seen = [node], {node}
     while frontier and limit:
         limit -= 1
@@ -424,7 +424,7 @@ def _tokenwise_users(node: fx.Node, limit: int = 48):
                 continue
             seen.add(user)
             yield user, cur
-            if user.target in _TOKENWISE or _row_cat(user):
+            if user.target in _TOKENWISE or user.target in also or _row_cat(user):
                 frontier.append(user)
 
 
@@ -509,9 +509,27 @@ def _feeds_head(layer: _Found, heads: set[fx.Node], hops: int = 24) -> bool:
 
 
 def _reaches_loss(layer: _Found) -> bool:
-    """Does the output reach cross_entropy through token-wise ops (logit scaling, softcapping)?"""
-    return any(u.target == aten.cross_entropy_loss.default and u.args[0] is via
-               for u, via in _tokenwise_users(layer.node))
+    """Does the output reach cross_entropy through token-wise ops (logit scaling, softcapping),
+    or through a stack of several heads' logits on a new leading dim (MusicGen's one head per
+    audio codebook, each codebook's slice to its own cross_entropy)?"""
+    return _logits_reach_loss(layer.node, stacked=True)
+
+
+def _logits_reach_loss(node: fx.Node, stacked: bool) -> bool:
+    for u, via in _tokenwise_users(node, also=() if stacked else (aten.select.int,)):
+        if u.target == aten.cross_entropy_loss.default and u.args[0] is via:
+            return True
+        if stacked and u.target == aten.stack.default and _stacks_before_last(u) and \
+                _logits_reach_loss(u, stacked=False):    # a head's logits picked back by select
+            return True
+    return False
+
+
+def _stacks_before_last(stack: fx.Node) -> bool:
+    """A stack whose new dim is not the last: each input's last (vocabulary) dim stays last."""
+    dim = stack.args[1] if len(stack.args) > 1 else stack.kwargs.get("dim", 0)
+    rank = len(stack.args[0][0].meta["val"].shape) + 1 if "val" in stack.args[0][0].meta else None
+    return rank is not None and dim % rank != rank - 1
 
 
 def _is_router(layer: _Found, hops: int = 6) -> bool:

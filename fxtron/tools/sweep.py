@@ -3,9 +3,14 @@ at tp (rank 0's program, no processes), each classified by what fxtron does with
 
 `tiny_config(model_type)` shrinks the library's default config of an architecture (widths,
 layers, heads, intermediate sizes, vocabulary, experts, state sizes, windows; nested
-sub-configs of multimodal wrappers too) keeping head counts divisible by 4 so tp=2 and tp=4
-split them; `build(model_type)` makes the model and checks that it runs forward in one
-process. `classify(model_type, tp)` parallelizes it and says which of these it is:
+sub-configs of multimodal wrappers too, a wrapper's type taken by the text or decoder sub-config
+its causal LM reads) keeping head counts divisible by 4 so tp=2 and tp=4 split them, per-layer
+lists and the relations a config's validator checks kept consistent with the shrunk depth
+(generic where the config says it, `_OVERRIDES` where only the architecture knows);
+`build(model_type)` makes the model and checks that it runs forward in one process on
+`example(config)`: token ids and labels (MusicGen's one row per audio codebook, GIT's image
+too). A causal-LM class that is no standalone LM (a speculative-decoding drafter) is "not
+built" with that reason. `classify(model_type, tp)` parallelizes it and says which of these it is:
 
 - ``clean``: every layer linear split (the only whole ones those Megatron keeps whole:
   routers, low-rank down-projections, linears under torch.no_grad), no all-gather in forward,
@@ -40,7 +45,7 @@ BATCH, SEQ = 2, 8
 _SIZES = {
     **dict.fromkeys(("hidden_size", "n_embd", "d_model", "n_embed", "embed_dim", "model_dim", "dim",
                      "hidden_dim", "word_embed_proj_dim", "d_embed", "emb_dim", "embedding_size",
-                     "text_hidden_size", "audio_hidden_size", "embedding_dim"), HIDDEN),
+                     "text_hidden_size", "audio_hidden_size", "embedding_dim", "hidden_size_global"), HIDDEN),
     **dict.fromkeys(("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads",
                      "encoder_attention_heads", "attention_heads", "num_attn_heads"), HEADS),
     **dict.fromkeys(("head_dim", "kv_channels", "attention_head_size", "d_head", "d_kv", "qk_head_dim",
@@ -68,6 +73,7 @@ _SIZES = {
                      "linear_value_head_dim"), 8),
     **dict.fromkeys(("mamba_head_dim", "mamba_d_head", "mamba_headdim"), 16),
     **dict.fromkeys(("mamba_n_heads", "n_mamba_heads"), 8),
+    **dict.fromkeys(("mamba_d_ssm",), 8 * 16),                      # the heads times their width
     **dict.fromkeys(("linear_num_value_heads", "linear_num_key_heads", "mamba_n_groups",
                      "n_groups", "num_key_value_heads_linear"), 4),
     **dict.fromkeys(("time_step_rank", "mamba_dt_rank", "dt_rank"), 8),
@@ -95,6 +101,10 @@ def _shrunk(default, layers: int) -> dict:
     for key in per_layer:           # a list of per-layer kinds: each distinct kind kept, in order
         distinct = list(dict.fromkeys(default[key]))
         out[key] = (distinct * n_layers)[:n_layers]
+    for key in per_layer:           # the ids of the layers of one kind (Zamba2's hybrid_layer_ids) follow
+        for kind in dict.fromkeys(out[key]):
+            if isinstance(default.get(f"{kind}_layer_ids"), list):
+                out[f"{kind}_layer_ids"] = [i for i, k in enumerate(out[key]) if k == kind]
     mla = isinstance(default.get("qk_rope_head_dim"), int)
     moe = any(isinstance(default.get(k), int) for k in ("moe_intermediate_size", *_EXPERTS))
     for key, value in default.items():
@@ -105,6 +115,9 @@ def _shrunk(default, layers: int) -> dict:
             out[key] = VOCAB - 1                                   # a special token outside the example's ids
         elif key == "head_dim" and mla:
             out[key] = _SIZES["qk_rope_head_dim"]                  # MLA: the rotary part's width
+        elif key == "rope_parameters" and value == {} and per_layer:
+            out[key] = {kind: {"rope_type": "default", "rope_theta": 10000.0}  # per-kind rope left empty
+                        for key_ in per_layer for kind in default[key_]}
         elif key in _EXPERTS and value is None and moe:
             out[key] = _SIZES[key]
         elif key in ("head_dim", *_KV_HEADS) and value is None:
@@ -139,16 +152,31 @@ def _shrunk(default, layers: int) -> dict:
 _PER_LAYER_TABLES = ("per_layer_config",)
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok",
             "n_shared_experts", "n_group", "topk_group")
+# Qwen4-Exp's indexed-attention layers build a token indexer whose sizes default to None
+_QSA = dict(indexer_n_heads=HEADS, indexer_kv_heads=1, indexer_head_dim=HEAD_DIM, indexer_budget=8,
+            indexer_compress_ratio=4)
 # what the generic shrinking cannot know: sizes an architecture's own checks tie together
 _OVERRIDES = {
     "mamba2": dict(num_heads=8, head_dim=16, n_groups=1),
     "zamba2": dict(attention_hidden_size=2 * HIDDEN, attention_head_dim=2 * HIDDEN // HEADS, num_query_groups=HEADS),
     "dots3_note": dict(head_dim=16), "dots3_note_text": dict(head_dim=16),
-    "gemma4_assistant": dict(hidden_size_per_layer_input=0),
     "reformer": dict(is_decoder=True, axial_pos_shape=[2, 4], axial_pos_embds_dim=[32, 32], local_attn_chunk_length=4,
                      lsh_attn_chunk_length=4), "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
     "zaya": dict(num_experts_per_tok=1),
-    "dory": dict(num_hidden_layers=3, n_input_layers=1, n_recurrent_layers=1, n_output_layers=1),
+    **dict.fromkeys(("qwen4_exp", "qwen4_exp_text"), _QSA),
+    # the library's attention reads a field its config lacks, and clamps by clip_qkv (None by default)
+    "dbrx": dict(attn_config=dict(rope_theta=10000.0, clip_qkv=8.0)),
+    # one shared transformer tied over the hybrid layers: the library refuses a single one (nothing to tie)
+    "zamba": dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"],
+                  attention_hidden_size=2 * HIDDEN, attention_head_dim=2 * HIDDEN // HEADS),
+    # the indexer layers are a subset of the indexed-attention ones; its heads at most those of a key head
+    "kolibri1_1": dict(index_layers=[1], index_num_heads=2, index_pool_size=16, index_compression=4,
+                       index_num_local_tokens=4, index_num_sink_tokens=2),
+    "blt": dict(encoder_hash_byte_group_vocab=VOCAB),     # the byte n-gram hash table (500k rows)
+    "git": dict(vision_config=dict(image_size=16, patch_size=8)),     # an image of 4 patches
+    # its to_dict interleaves an "mlp" entry after each layer (doubled counts): the layers given plainly
+    "dory": dict(num_hidden_layers=3, n_input_layers=1, n_recurrent_layers=1, n_output_layers=1,
+                 layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
 }
 _LAYER_KEYS = tuple(k for k, v in _SIZES.items() if v == LAYERS and k not in ("encoder_layers", "num_encoder_layers"))
 
@@ -171,9 +199,12 @@ def tiny_config(model_type: str, layers: int = LAYERS):
     from transformers import AutoConfig
     default = AutoConfig.for_model(model_type)
     wanted = model_class(model_type).config_class
-    if not isinstance(default, wanted) and isinstance(getattr(default, "text_config", None), wanted):
-        default = default.text_config          # a wrapper's type mapped to its text model's causal LM
-    kwargs = {**_shrunk(default.to_dict(), layers), **_OVERRIDES.get(model_type, {})}
+    if not isinstance(default, wanted):     # a wrapper's type mapped to its text model's (decoder's) causal LM
+        inner = [getattr(default, k, None) for k in ("text_config", *getattr(default, "sub_configs", {}))]
+        default = next((c for c in inner if isinstance(c, wanted)), default)
+    kwargs = _shrunk(default.to_dict(), layers)
+    for key, value in _OVERRIDES.get(model_type, {}).items():    # a nested sub-config's overrides merge
+        kwargs[key] = {**kwargs.get(key, {}), **value} if isinstance(value, dict) and key.endswith("_config") else value
     for drop in ("architectures", "transformers_version", "model_type", "_name_or_path"):
         kwargs.pop(drop, None)
     config = type(default)(**{**_plain(default), **kwargs})
@@ -195,6 +226,15 @@ def _plain(config) -> dict:
     return d
 
 
+# captioners whose causal LM reads an image first (GIT: the loss drops the image's token positions)
+_IMAGE_FIRST = ("git",)
+# types whose causal-LM class is no standalone language model (the reason why)
+_NOT_STANDALONE = dict.fromkeys(
+    ("gemma4_assistant", "gemma4_unified_assistant"),
+    "not a standalone LM: a speculative-decoding drafter whose forward reads the target model's "
+    "inputs_embeds and shared_kv_states and returns no loss")
+
+
 class NotBuilt(Exception):
     """The tiny model cannot be made or run forward in one process."""
 
@@ -204,7 +244,15 @@ def example(config, batch: int = BATCH, seq: int = SEQ) -> dict:
     import torch
     vocab = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", VOCAB)
     g = torch.Generator().manual_seed(0)
+    codebooks = getattr(config, "num_codebooks", None) if hasattr(config, "audio_channels") else None
+    if codebooks:     # a decoder over audio codebooks (MusicGen): ids a row per codebook, labels one per step
+        ids = torch.randint(1, min(vocab, VOCAB) - 1, (batch, codebooks, seq), generator=g)
+        return dict(input_ids=ids.reshape(batch * codebooks, seq), labels=ids.transpose(1, 2).contiguous())
     ids = torch.randint(1, min(vocab, VOCAB) - 1, (batch, seq), generator=g)
+    if config.model_type in _IMAGE_FIRST:     # its loss skips the image's tokens: it needs an image
+        v = config.vision_config
+        pixels = torch.randn(batch, v.num_channels, v.image_size, v.image_size, generator=g)
+        return dict(input_ids=ids, pixel_values=pixels, labels=ids.clone())
     return dict(input_ids=ids, labels=ids.clone())
 
 
@@ -212,6 +260,8 @@ def build(model_type: str, layers: int = LAYERS):
     """(tiny model, example kwargs), checked to run forward in one process with a finite loss;
     NotBuilt with the reason otherwise."""
     import torch
+    if model_type in _NOT_STANDALONE:
+        raise NotBuilt(_NOT_STANDALONE[model_type])
     try:
         config = tiny_config(model_type, layers)
     except Exception as e:       # noqa: BLE001 -- any failure of the library's config is the reason
@@ -219,6 +269,8 @@ def build(model_type: str, layers: int = LAYERS):
     try:
         torch.manual_seed(0)
         model = model_class(model_type)(config).train()
+        if getattr(config, "languages", None) and hasattr(model, "set_default_language"):
+            model.set_default_language(config.languages[0])   # X-MOD: a language adapter per input language
     except Exception as e:       # noqa: BLE001
         raise NotBuilt(f"model: {_short(e)}") from None
     kwargs = example(config)
