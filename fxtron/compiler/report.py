@@ -439,6 +439,8 @@ _KERNEL_WORDS = {"flash": "fused: flash attention", "efficient": "fused: memory-
 
 VECTORS = "vectors (norm weights, biases): replicated, as in Megatron"
 POSITIONS = "an embedding not looked up with the token ids (positions): replicated, as in Megatron"
+TABLE = ("a position table (read by position, added to the token embeddings): replicated, as Megatron's "
+         "position embeddings")
 NO_RULE = "no rule splits it: held whole on every rank"
 UNUSED = "not read by the traced forward (no input of the example reaches it): held whole, unsplit"
 
@@ -459,10 +461,10 @@ def held_whole(local: dict, tp_plan, routers: set[str] = frozenset(),
     """Every parameter of a rank accounted for at tp > 1: (the model's parameter count, the
     groups of those held whole with their reason). A parameter is split when a model-parallel
     axis (tp, ep) shards it; the others are a replicated linear (the plan's reason), a vector,
-    a position table, a router (`routers`: tp_plan.router_weights), one the traced forward
-    never reads (`unused`: tp_plan.unused_weights), or whole for want of a rule -- so the split
-    count and the groups add up to every parameter, and none is held whole without a line
-    saying why."""
+    a position table (an embedding's, or tp_plan.position_tables'), a router (`routers`:
+    tp_plan.router_weights), one the traced forward never reads (`unused`:
+    tp_plan.unused_weights), or whole for want of a rule -- so the split count and the groups
+    add up to every parameter, and none is held whole without a line saying why."""
     layers = {layer.weight: layer for layer in tp_plan.layers.values()} if tp_plan is not None else {}
     groups: dict[tuple[str, bool], list[tuple[str, int]]] = {}
     total = 0
@@ -486,6 +488,8 @@ def held_whole(local: dict, tp_plan, routers: set[str] = frozenset(),
             key = (UNUSED, False)
         elif layer is not None and layer.kind == "embedding":
             key = (POSITIONS, False)
+        elif tp_plan is not None and name in tp_plan.positions:
+            key = (TABLE, False)
         else:
             key = (NO_RULE, True)
         groups.setdefault(key, []).append((name, n))
