@@ -161,6 +161,9 @@ for _f in MOE:
 for _f in ("mixtral", "qwen2moe", "gptoss"):
     MOE_CASES[f"{_f}-ep4"] = (_f, 4, dict(ep=4), {})
     MOE_CASES[f"{_f}-ep2-zero"] = (_f, 4, dict(ep=2), dict(zero=1))
+# gpt-oss at tp=2: each expert's interleaved gate/up and its bias split by columns (every other
+# column a gate's: [::2] of each rank's block is its gates), the down bias added once after the sum
+MOE_CASES["gptoss-tp2"] = ("gptoss", 2, dict(tp=2), {})
 MOE_CASES["mixtral-dp2-mb2"] = ("mixtral", 2, {}, dict(microbatches=2))
 MOE_CASES["mixtral-ep2-local"] = ("mixtral", 2, dict(ep=2), dict(moe_aux_loss="local"))
 CASES = {**PADDED, **MEAN, **MOE_CASES}

@@ -340,12 +340,27 @@ def _experts(node: fx.Node, w: fx.Node) -> _Found | None:
     if _param_name(w):
         name, layout = _param_name(w), "e_in_out"
         shape = w.meta["val"].shape
-        return _Found(node, "linear", _path_of(name), name, None, layout, int(shape[1]), int(shape[2]))
+        return _Found(node, "linear", _path_of(name), name, _expert_bias(node, shape[0], shape[2]), layout,
+                      int(shape[1]), int(shape[2]))
     if (w.op == "call_function" and w.target == aten.transpose.int and _param_name(w.args[0])
             and {w.args[1] % 3, w.args[2] % 3} == {1, 2}):
         name = _param_name(w.args[0])
         shape = w.args[0].meta["val"].shape
-        return _Found(node, "linear", _path_of(name), name, None, "e_out_in", int(shape[2]), int(shape[1]))
+        return _Found(node, "linear", _path_of(name), name, _expert_bias(node, shape[0], shape[1]), "e_out_in",
+                      int(shape[2]), int(shape[1]))
+    return None
+
+
+def _expert_bias(gemm: fx.Node, experts: int, out: int) -> str | None:
+    """The experts' bias (experts, out) added to the grouped GEMM's output row by row at each
+    row's expert (gpt-oss: `out + bias[expert_of_row]`), or None."""
+    for user in gemm.users:
+        if user.op == "call_function" and user.target in _ADDS and len(user.args) == 2:
+            other = user.args[1] if user.args[0] is gemm else user.args[0]
+            if (isinstance(other, fx.Node) and other.target == aten.index.Tensor and len(other.args[1]) == 1
+                    and _param_name(other.args[0])
+                    and tuple(other.args[0].meta["val"].shape) == (int(experts), int(out))):
+                return _param_name(other.args[0])
     return None
 
 
@@ -448,7 +463,17 @@ def _is_residual(add: fx.Node, via: fx.Node, linear: fx.Node, order: dict[fx.Nod
     the add's own shape (a mask added to attention scores broadcasts)?"""
     other = add.args[1] if add.args[0] is via else add.args[0]
     b = add.meta.get("val")
-    return isinstance(b, torch.Tensor) and _earlier_term(other, tuple(b.shape), linear, order)
+    return (isinstance(b, torch.Tensor) and _earlier_term(other, tuple(b.shape), linear, order)
+            and _bias_of(other) is None)
+
+
+def _bias_of(node) -> str | None:
+    """The parameter `node` reads, through shape ops and a gather of its rows (gpt-oss' experts'
+    `bias[expert_of_row]`, one row per copy): a bias, never the residual stream."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and (
+            node.target in _SHAPE_OPS | opsets.EXPANDS or node.target == aten.index.Tensor):
+        node = node.args[0]
+    return _param_name(node) if isinstance(node, fx.Node) else None
 
 
 def _earlier_term(node, shape: tuple, linear: fx.Node, order: dict[fx.Node, int], depth: int = 4) -> bool:
@@ -1082,8 +1107,8 @@ def _param_placements(l: _Found, style: Style, tp: int) -> dict[str, Placement]:
         k = _interleave(l, tp)
         whole = whole_parts(l.node, l.out_features, k, tp) if l.layout == "out_in" else ()
         out = {l.weight: Shard(out_dim, k, whole)}
-        if l.bias:
-            out[l.bias] = Shard(0, k, whole)
+        if l.bias:     # (experts, out) for the experts' bias
+            out[l.bias] = Shard(1 if l.layout.startswith("e_") else 0, k, whole)
         return out
     out = {l.weight: Shard(in_dim)}
     if l.bias:

@@ -195,10 +195,23 @@ def _slice_select(c: Ctx):
             part = _blocks_cut(p, size, start, end, step)
             return (Shard(dim, part), [None]) if part is not None else (REPLICATE, [REPLICATE])
         # never int() a symbolic size: that would specialize the shape environment to the example
-        whole = start in (None, 0) and step == 1 and (
-            end is None or (isinstance(end, int) and (end >= 2**62 or (isinstance(size, int) and end >= size))))
+        to_end = end is None or (isinstance(end, int) and (end >= 2**62 or (isinstance(size, int) and end >= size)))
+        whole = start in (None, 0) and step == 1 and to_end
+        if not whole and _strided_shard(c, size, start, step, to_end):
+            return p, [None]
         return (p, [None]) if whole else (REPLICATE, [REPLICATE])
     return p, [None]
+
+
+def _strided_shard(c: Ctx, size, start, step, to_end: bool) -> bool:
+    """Is x[..., start::step] of an even contiguous shard the shard of the strided slice? Every
+    other feature of an interleaved pair (gpt-oss' gate_up[..., ::2] and [..., 1::2]): when each
+    rank's part holds a whole number of steps, the global index and the local one agree modulo
+    the step, so each rank's local slice is its block of the result -- no communication."""
+    if c.balanced or not (isinstance(step, int) and step > 1 and to_end and isinstance(start or 0, int)):
+        return False
+    n = expr(size)
+    return 0 <= (start or 0) < step and n.is_Integer and int(n) % (c.size * step) == 0
 
 
 @register_rule(aten.pad.default, aten.constant_pad_nd.default)
