@@ -631,7 +631,8 @@ def test_lm_head_transform_is_whole_as_in_megatron():
 _RULE_OPS = {"square-mlp": ("aten.square.default", "S(2)"), "tensor-split-mlp": ("aten.tensor_split.sections", None),
              "complex-mlp": ("aten.view_as_complex.default", "S(2)"), "max-lse-mlp": ("aten.logsumexp.default", "S(2)"),
              "conv-mlp": ("aten.conv1d.default", "S(1)"), "no-grad-mlp": ("aten.topk.default", None),
-             "min-other-mlp": ("aten.min.other", "S(2)"), "masked-ids-tied": ("aten.where.ScalarSelf", None)}
+             "min-other-mlp": ("aten.min.other", "S(2)"), "masked-ids-tied": ("aten.where.ScalarSelf", None),
+             "head-gates-mlp": ("aten.baddbmm.default", "S(0)")}
 
 
 @pytest.mark.parametrize("name", RULE_NAMES)
@@ -658,6 +659,9 @@ def test_depthwise_conv_weights_split_by_channel():
     pm = _pm("conv-mlp", 2)
     local = pm.compiled(0).local
     assert local["conv.weight"].local_shape == (32, 1, 4) and local["conv.bias"].local_shape == (32,)
+    # RG-LRU's per-head gates: the weight and the bias (read as bias[:, None, :]) split by head
+    local = _pm("head-gates-mlp", 2).compiled(0).local
+    assert local["gate_weight"].local_shape == (4, 8, 8) and local["gate_bias"].local_shape == (4, 8)
     conv = next(n for n in pm.compiled(0).gm.graph.nodes if n.target == torch.ops.aten.conv1d.default)
     assert conv.args[-1] == 32
 

@@ -36,9 +36,10 @@ OP_NAMES = ["cumsum-mlp", "factories-mlp", "gather-mlp", "einsum-attn"]
 # relu^2, tensor_split, a complex rotation, max / min / logsumexp per head, a causal depthwise
 # conv (Mamba's), a torch.no_grad region (a sparse-attention indexer's top-k), xIELU's elementwise
 # min / max against a scalar tensor (Apertus), token ids whose image tokens a multimodal wrapper
-# replaces by the pad id before a tied embedding (Gemma 4)
+# replaces by the pad id before a tied embedding (Gemma 4), block-diagonal gates per head with
+# their bias (RecurrentGemma's RG-LRU: baddbmm(bias[:, None, :], x, W))
 RULE_NAMES = ["square-mlp", "tensor-split-mlp", "complex-mlp", "max-lse-mlp", "conv-mlp", "no-grad-mlp",
-              "min-other-mlp", "masked-ids-tied"]
+              "min-other-mlp", "masked-ids-tied", "head-gates-mlp"]
 VOCAB.update({n: 64 for n in RULE_NAMES})
 
 
@@ -100,6 +101,23 @@ class MinOtherMLP(_MidMLP):
 
     def mid(self, h):
         return torch.expm1(torch.min(h, self.eps)) - h + 0.5 * torch.max(h, self.eps)     # xIELU (Apertus)
+
+
+class HeadGatesMLP(_MidMLP):
+    """RecurrentGemma's RG-LRU gate: per head a (width, width) matrix and a bias, one baddbmm
+    over the heads (block-diagonal), sigmoid, gating the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_weight = torch.nn.Parameter(torch.randn(8, 8, 8) * 0.3)
+        self.gate_bias = torch.nn.Parameter(torch.randn(8, 8) * 0.3)
+
+    def mid(self, h):
+        b, s, w = h.shape
+        x = h.reshape(b * s, 8, 8).permute(1, 0, 2)
+        gate = torch.sigmoid(torch.baddbmm(self.gate_bias[:, None, :], x, self.gate_weight).transpose(0, 1)
+                             .reshape(b, s, w))
+        return h * gate
 
 
 class MaskedIdsTied(CumsumMLP):
@@ -254,7 +272,7 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
         return EinsumAttention()
     rules = {"square-mlp": SquareMLP, "tensor-split-mlp": TensorSplitMLP, "complex-mlp": ComplexMLP,
              "max-lse-mlp": MaxLseMLP, "conv-mlp": ConvMLP, "no-grad-mlp": NoGradMLP, "min-other-mlp": MinOtherMLP,
-             "masked-ids-tied": MaskedIdsTied}
+             "masked-ids-tied": MaskedIdsTied, "head-gates-mlp": HeadGatesMLP}
     if name in rules:
         return rules[name]()
     if name == "nanogpt":
