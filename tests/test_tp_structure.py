@@ -632,14 +632,17 @@ _RULE_OPS = {"square-mlp": ("aten.square.default", "S(2)"), "tensor-split-mlp": 
              "complex-mlp": ("aten.view_as_complex.default", "S(2)"), "max-lse-mlp": ("aten.logsumexp.default", "S(2)"),
              "conv-mlp": ("aten.conv1d.default", "S(1)"), "no-grad-mlp": ("aten.topk.default", None),
              "min-other-mlp": ("aten.min.other", "S(2)"), "masked-ids-tied": ("aten.where.ScalarSelf", None),
-             "head-gates-mlp": ("aten.baddbmm.default", "S(0)")}
+             "head-gates-mlp": ("aten.baddbmm.default", "S(0)"), "reshape-as-mlp": ("aten.reshape_as.default", "S(2)"),
+             "masked-fill-mlp": ("aten.masked_fill_.Scalar", "S(2)")}
 
 
 @pytest.mark.parametrize("name", RULE_NAMES)
 def test_ops_keep_the_split(name):
     """relu^2, tensor_split, view_as_complex / view_as_real, max / min / logsumexp per head, a
     causal depthwise conv, a torch.no_grad region, an elementwise min / max against a scalar
-    tensor, and a tied embedding looked up with ids some replaced by the pad id, each on the split width of an MLP: no
+    tensor, a tied embedding looked up with ids some replaced by the pad id, block-diagonal gates
+    per head with their bias, rotary pairs reshape_as'd back and an in-place masked_fill_, each on
+    the split width of an MLP: no
     all-gather, no op run replicated, Megatron's forward all-reduces (the embedding's and the
     MLP's) and nothing else."""
     pm = _pm(name, 2, strict=True)

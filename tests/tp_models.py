@@ -37,9 +37,10 @@ OP_NAMES = ["cumsum-mlp", "factories-mlp", "gather-mlp", "einsum-attn"]
 # conv (Mamba's), a torch.no_grad region (a sparse-attention indexer's top-k), xIELU's elementwise
 # min / max against a scalar tensor (Apertus), token ids whose image tokens a multimodal wrapper
 # replaces by the pad id before a tied embedding (Gemma 4), block-diagonal gates per head with
-# their bias (RecurrentGemma's RG-LRU: baddbmm(bias[:, None, :], x, W))
+# their bias (RecurrentGemma's RG-LRU: baddbmm(bias[:, None, :], x, W)), rotary pairs stacked and
+# reshape_as'd back (RoFormer), an in-place masked_fill_ with a broadcast mask (XLM's scores)
 RULE_NAMES = ["square-mlp", "tensor-split-mlp", "complex-mlp", "max-lse-mlp", "conv-mlp", "no-grad-mlp",
-              "min-other-mlp", "masked-ids-tied", "head-gates-mlp"]
+              "min-other-mlp", "masked-ids-tied", "head-gates-mlp", "reshape-as-mlp", "masked-fill-mlp"]
 VOCAB.update({n: 64 for n in RULE_NAMES})
 
 
@@ -118,6 +119,20 @@ class HeadGatesMLP(_MidMLP):
         gate = torch.sigmoid(torch.baddbmm(self.gate_bias[:, None, :], x, self.gate_weight).transpose(0, 1)
                              .reshape(b, s, w))
         return h * gate
+
+
+class ReshapeAsMLP(_MidMLP):
+    def mid(self, h):
+        x = h.unflatten(-1, (8, 8))                                  # RoFormer's rotary, per head
+        pairs = torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).reshape_as(x)
+        angle = torch.arange(8.0, device=h.device) * 0.3
+        return (x * torch.cos(angle) + pairs * torch.sin(angle)).flatten(-2)
+
+
+class MaskedFillMLP(_MidMLP):
+    def mid(self, h):
+        keep = torch.arange(64, device=h.device) % 3 != 0          # XLM's scores.masked_fill_(mask, min)
+        return torch.relu((h * 2.0).masked_fill_((~keep).view(1, 1, 64).expand_as(h), -0.5))
 
 
 class MaskedIdsTied(CumsumMLP):
@@ -272,7 +287,8 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
         return EinsumAttention()
     rules = {"square-mlp": SquareMLP, "tensor-split-mlp": TensorSplitMLP, "complex-mlp": ComplexMLP,
              "max-lse-mlp": MaxLseMLP, "conv-mlp": ConvMLP, "no-grad-mlp": NoGradMLP, "min-other-mlp": MinOtherMLP,
-             "masked-ids-tied": MaskedIdsTied, "head-gates-mlp": HeadGatesMLP}
+             "masked-ids-tied": MaskedIdsTied, "head-gates-mlp": HeadGatesMLP,
+             "reshape-as-mlp": ReshapeAsMLP, "masked-fill-mlp": MaskedFillMLP}
     if name in rules:
         return rules[name]()
     if name == "nanogpt":

@@ -136,6 +136,26 @@ def _unfold(c: Ctx, p: Shard, sizes: list, go: list[int]):
     return REPLICATE, [REPLICATE]
 
 
+@register_rule(*opsets.RESHAPES_AS)
+def _view_as(c: Ctx):
+    """x.reshape_as(other) (RoFormer's rotary: the stacked (..., D/2, 2) pairs back to (..., D)):
+    x's shard as the view carries it; `other` only lends its shape, so it must be laid out as the
+    output (each rank's local shape then the local view's)."""
+    x, other = c.node.args[:2]
+    if other is x:
+        return c.p[0], [None]
+    out, want = _view(c)
+    if want[0] is not None:
+        out = REPLICATE
+    expects = {x: want[0], other: None}
+    po = c.p[c.index(other)]
+    if isinstance(out, Shard):
+        expects[other] = None if po == out else out
+    elif isinstance(po, Shard):
+        expects[other] = REPLICATE
+    return out, [expects[a] for a in c.inputs]
+
+
 @register_rule(aten.transpose.int, aten.t.default, aten.numpy_T.default, aten.permute.default, aten.unsqueeze.default,
                aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default,
                aten.broadcast_to.default)
