@@ -63,6 +63,7 @@ class SummedLoss(torch.nn.Module):
 _COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, max_position_embeddings=64,
                num_key_value_heads=4, output_router_logits=True, router_aux_loss_coef=0.02)
 MOE = ["mixtral", "qwen2moe", "qwen3moe", "olmoe", "gptoss"]
+FAMILIES = MOE + ["phimoe"]      # PhiMoE at tp=2 only
 
 
 def moe_model(family: str) -> torch.nn.Module:
@@ -90,6 +91,12 @@ def moe_model(family: str) -> torch.nn.Module:
             warnings.simplefilter("ignore")
             return T.GptOssForCausalLM(T.GptOssConfig(**_COMMON, intermediate_size=32, head_dim=8, num_local_experts=4,
                                                       num_experts_per_tok=2, layer_types=["full_attention"] * 2))
+    if family == "phimoe":      # the sparsemixer: each of its two experts picked by an argmax, not a topk
+        model = T.PhimoeForCausalLM(T.PhimoeConfig(**_COMMON, intermediate_size=32, num_local_experts=4,
+                                                   num_experts_per_tok=2))
+        for layer in model.model.layers:     # its routers' deterministic path (training samples them:
+            layer.mlp.router.eval()          # random draws one process does not share)
+        return model
     raise KeyError(family)
 
 
@@ -164,6 +171,8 @@ for _f in ("mixtral", "qwen2moe", "gptoss"):
 # gpt-oss at tp=2: each expert's interleaved gate/up and its bias split by columns (every other
 # column a gate's: [::2] of each rank's block is its gates), the down bias added once after the sum
 MOE_CASES["gptoss-tp2"] = ("gptoss", 2, dict(tp=2), {})
+# PhiMoE at tp=2: its router (the sparsemixer's argmax picks, Gumbel-sampled in training) whole
+MOE_CASES["phimoe-tp2"] = ("phimoe", 2, dict(tp=2), {})
 MOE_CASES["mixtral-dp2-mb2"] = ("mixtral", 2, {}, dict(microbatches=2))
 MOE_CASES["mixtral-ep2-local"] = ("mixtral", 2, dict(ep=2), dict(moe_aux_loss="local"))
 CASES = {**PADDED, **MEAN, **MOE_CASES}
@@ -171,7 +180,7 @@ CASES = {**PADDED, **MEAN, **MOE_CASES}
 
 def _model(key):
     name = CASES[key][0]
-    if name in MOE:
+    if name in FAMILIES:
         return moe_model(name)
     if name == "mean":
         return MeanLoss()
@@ -182,7 +191,7 @@ def _model(key):
 
 def _data(key):
     name = CASES[key][0]
-    if name in MOE:
+    if name in FAMILIES:
         return batches("hf-llama", 4, SEQS, 20)
     if name == "mean":
         return unequal_microbatches()

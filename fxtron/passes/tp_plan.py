@@ -543,8 +543,11 @@ def _reaches_loss(layer: _Found) -> bool:
 
 
 def _is_router(layer: _Found, hops: int = 6) -> bool:
-    """Does the output pick experts: reach a topk within a few ops (softmax/sigmoid, casts)?"""
+    """Does the output pick experts: reach a topk within a few ops (softmax/sigmoid, casts) --
+    or, for a linear of fewer outputs than inputs (never an LM head), an argmax whose index is
+    read (PhiMoE's sparsemixer picks each expert by max(dim).indices, masking the first)?"""
     frontier, seen = [layer.node], set()
+    narrow = 1 < layer.out_features < layer.in_features
     for _ in range(hops):
         nxt = []
         for node in frontier:
@@ -552,11 +555,19 @@ def _is_router(layer: _Found, hops: int = 6) -> bool:
                 if user in seen or user.op != "call_function":
                     continue
                 seen.add(user)
-                if user.target == aten.topk.default:
+                if user.target == aten.topk.default or (narrow and _picks_index(user)):
                     return True
                 nxt.append(user)
         frontier = nxt
     return False
+
+
+def _picks_index(node: fx.Node) -> bool:
+    """An argmax, or a max over a dim whose indices are read."""
+    if node.target == aten.argmax.default:
+        return True
+    return node.target == aten.max.dim and any(u.target is operator.getitem and u.args[1] == 1 and u.users
+                                               for u in node.users)
 
 
 def _is_scalar_gate(layer: _Found, hops: int = 4) -> bool:
