@@ -147,6 +147,8 @@ class MaskedIdsTied(CumsumMLP):
 
     def forward(self, idx, targets):
         x = self.emb(torch.where(idx == 63, 0, idx))
+        # the pad row put at the image tokens, a value Gemma 4's wrapper computes for text and drops
+        torch.where((idx == 63)[..., None], self.emb.weight[0].view(1, 1, -1), x)
         x = x + self.down(torch.nn.functional.gelu(self.up(x)))
         return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
