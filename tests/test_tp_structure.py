@@ -633,7 +633,7 @@ _RULE_OPS = {"square-mlp": ("aten.square.default", "S(2)"), "tensor-split-mlp": 
              "conv-mlp": ("aten.conv1d.default", "S(1)"), "no-grad-mlp": ("aten.topk.default", None),
              "min-other-mlp": ("aten.min.other", "S(2)"), "masked-ids-tied": ("aten.where.ScalarSelf", None),
              "head-gates-mlp": ("aten.baddbmm.default", "S(0)"), "reshape-as-mlp": ("aten.reshape_as.default", "S(2)"),
-             "masked-fill-mlp": ("aten.masked_fill_.Scalar", "S(2)")}
+             "masked-fill-mlp": ("aten.masked_fill_.Scalar", "S(2)"), "log-sigmoid-var-mlp": ("aten.var.dim", "S(2)")}
 
 
 @pytest.mark.parametrize("name", RULE_NAMES)

@@ -38,9 +38,11 @@ OP_NAMES = ["cumsum-mlp", "factories-mlp", "gather-mlp", "einsum-attn"]
 # min / max against a scalar tensor (Apertus), token ids whose image tokens a multimodal wrapper
 # replaces by the pad id before a tied embedding (Gemma 4), block-diagonal gates per head with
 # their bias (RecurrentGemma's RG-LRU: baddbmm(bias[:, None, :], x, W)), rotary pairs stacked and
-# reshape_as'd back (RoFormer), an in-place masked_fill_ with a broadcast mask (XLM's scores)
+# reshape_as'd back (RoFormer), an in-place masked_fill_ with a broadcast mask (XLM's scores),
+# xLSTM's log_sigmoid gates, concatenate and per-head variance (its multihead norm)
 RULE_NAMES = ["square-mlp", "tensor-split-mlp", "complex-mlp", "max-lse-mlp", "conv-mlp", "no-grad-mlp",
-              "min-other-mlp", "masked-ids-tied", "head-gates-mlp", "reshape-as-mlp", "masked-fill-mlp"]
+              "min-other-mlp", "masked-ids-tied", "head-gates-mlp", "reshape-as-mlp", "masked-fill-mlp",
+              "log-sigmoid-var-mlp"]
 VOCAB.update({n: 64 for n in RULE_NAMES})
 
 
@@ -133,6 +135,15 @@ class MaskedFillMLP(_MidMLP):
     def mid(self, h):
         keep = torch.arange(64, device=h.device) % 3 != 0          # XLM's scores.masked_fill_(mask, min)
         return torch.relu((h * 2.0).masked_fill_((~keep).view(1, 1, 64).expand_as(h), -0.5))
+
+
+class LogSigmoidVarMLP(_MidMLP):
+    def mid(self, h):
+        g = h.unflatten(-1, (8, 8))                                   # xLSTM's mLSTM, per head
+        gates = torch.nn.functional.logsigmoid(g)
+        g = torch.concatenate([g[..., :4] + gates[..., 4:], g[..., 4:]], dim=-1)
+        v = torch.var(g, dim=-1, unbiased=False, keepdim=True)
+        return ((g - g.mean(dim=-1, keepdim=True)) / torch.sqrt(v + 1e-5)).flatten(-2)
 
 
 class MaskedIdsTied(CumsumMLP):
@@ -290,7 +301,8 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
     rules = {"square-mlp": SquareMLP, "tensor-split-mlp": TensorSplitMLP, "complex-mlp": ComplexMLP,
              "max-lse-mlp": MaxLseMLP, "conv-mlp": ConvMLP, "no-grad-mlp": NoGradMLP, "min-other-mlp": MinOtherMLP,
              "masked-ids-tied": MaskedIdsTied, "head-gates-mlp": HeadGatesMLP,
-             "reshape-as-mlp": ReshapeAsMLP, "masked-fill-mlp": MaskedFillMLP}
+             "reshape-as-mlp": ReshapeAsMLP, "masked-fill-mlp": MaskedFillMLP,
+             "log-sigmoid-var-mlp": LogSigmoidVarMLP}
     if name in rules:
         return rules[name]()
     if name == "nanogpt":

@@ -30,7 +30,7 @@ _POINTWISE = {
     aten.bitwise_xor.Tensor, aten.logical_xor.default, aten.dropout.default, aten.gelu_.default,
     aten.tril.default, aten.triu.default, aten.mul_.Tensor, aten.add_.Tensor, aten.div_.Tensor, aten.sub_.Tensor,
     aten.floor_divide.default, aten.div.Tensor_mode, aten.remainder.Scalar, aten.remainder.Tensor,
-    aten.square.default, aten.log1p.default, aten.expm1.default, aten.sign.default, aten.mish.default,
+    aten.square.default, aten.log_sigmoid.default, aten.log1p.default, aten.expm1.default, aten.sign.default, aten.mish.default,
     aten.min.other, aten.max.other, aten.fmin.default, aten.fmax.default,     # (Apertus' xIELU: min(x, eps))
 } | _LINEAR_UNARY
 _LIKE = {aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default,

@@ -504,7 +504,10 @@ def _getitem(c: Ctx):
     return c.p[0][c.node.args[1]], [None]
 
 
-@register_rule(aten.cat.default, aten.stack.default)
+_CATS = {aten.cat.default, aten.concat.default, aten.concatenate.default}     # (concat: PhiMoE, xLSTM)
+
+
+@register_rule(*_CATS, aten.stack.default)
 def _cat(c: Ctx):
     node = c.node
     nd = ndim(node)
@@ -517,9 +520,9 @@ def _cat(c: Ctx):
     first = next((p for p in ps if isinstance(p, Shard)), None)
     # legacy cat skips 1-d empty tensors (an empty cache, say): they need no placement
     empty = [a.meta["val"].dim() == 1 and is_zero(a.meta["val"].shape[0]) for a in c.inputs]
-    if first is not None and first.dim != dim and node.target == aten.cat.default:
+    if first is not None and first.dim != dim and node.target in _CATS:
         return first, [None if e else first for e in empty]
-    if first is not None and node.target == aten.cat.default and sum(not e for e in empty) == 1:
+    if first is not None and node.target in _CATS and sum(not e for e in empty) == 1:
         return first, [None] * len(ps)     # the one real input (past keys of an empty cache, then these)
     if first is not None and node.target == aten.stack.default:
         # a new dim at `dim`: a shard of the inputs stays, one dim further when at or after it
