@@ -16,7 +16,8 @@ How the pattern is found, with no knowledge of the model's code:
 - a linear whose output reaches cross_entropy is the LM head: colwise, feeding the
   vocab-parallel cross entropy;
 - an embedding looked up with the user's token ids is vocab-parallel; other embeddings
-  (positions) are replicated. Everything else is replicated.
+  (positions) are replicated, as are tables read by position and added to the token embeddings
+  without an embedding op (position_tables). Everything else is replicated.
 Experts are linears of a 3-D weight (experts, in, out) or (experts, out, in) -- a grouped GEMM,
 a bmm over (experts, tokens, in) (Llama 4), or F.linear on one expert's matrix per group of rows
 (JetMoE's ParallelExperts) -- planned by the same pattern: gate/up colwise, down rowwise, each
