@@ -777,3 +777,32 @@ def test_a_shared_expert_gate_is_whole_as_in_megatron():
     assert len(gates) == model.config.num_hidden_layers, pm.tp_plan.replicated
     assert all(u.why.startswith("a gate of one output") and not u.loud for u in gates.values()), gates
     assert pm.tp_plan.unsplit() == {}
+
+
+class _IndexedEmbedding(torch.nn.Module):
+    """Token embeddings written as indexing (weight[ids]) and, in the MLP, a bias gathered per
+    row by other indices (gpt-oss' experts: out + bias[expert_of_row])."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(64, 32) * 0.1)
+        self.up = torch.nn.Linear(32, 64, bias=False)
+        self.row_bias = torch.nn.Parameter(torch.randn(4, 64) * 0.1)
+        self.down = torch.nn.Linear(64, 32)
+        self.head = torch.nn.Linear(32, 64)
+
+    def forward(self, idx, targets):
+        x = self.w[idx]
+        bias = self.row_bias[idx % 4]            # gathered before the linear, as gpt-oss' graph has it
+        x = x + self.down(torch.relu(self.up(x) + bias))
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def test_a_bias_gathered_per_row_is_no_residual():
+    """A value gathered from a parameter's rows and added to a linear's output is its bias (the
+    linear stays column-parallel, gpt-oss' gate_up); rows picked by the user's token ids are the
+    residual stream (an embedding written weight[ids]: the MLP's down projection row-parallel)."""
+    ids = torch.randint(0, 64, (2, 9))
+    pm = fxtron.parallelize(_IndexedEmbedding(), fxtron.Mesh(2, tp=2), example_inputs=(ids[:, :-1], ids[:, 1:]))
+    styles = {p: str(s) for p, s in pm.tp_plan.styles.items()}
+    assert styles == {"up": "colwise", "down": "rowwise", "head": "colwise"}, styles

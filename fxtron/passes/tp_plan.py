@@ -470,11 +470,31 @@ def _is_residual(add: fx.Node, via: fx.Node, linear: fx.Node, order: dict[fx.Nod
 
 def _bias_of(node) -> str | None:
     """The parameter `node` reads, through shape ops and a gather of its rows (gpt-oss' experts'
-    `bias[expert_of_row]`, one row per copy): a bias, never the residual stream."""
+    `bias[expert_of_row]`, one row per copy): a bias, never the residual stream -- unless the
+    rows are the user's token ids (`weight[input_ids]`: an embedding written as indexing)."""
     while isinstance(node, fx.Node) and node.op == "call_function" and (
             node.target in _SHAPE_OPS | opsets.EXPANDS or node.target == aten.index.Tensor):
+        if node.target == aten.index.Tensor and _from_user_input(node.args[1]):
+            return None
         node = node.args[0]
     return _param_name(node) if isinstance(node, fx.Node) else None
+
+
+def _from_user_input(indices) -> bool:
+    """Is one of the index tensors a user's input, through shape ops?"""
+    for ids in indices if isinstance(indices, (list, tuple)) else [indices]:
+        for _ in range(8):
+            if not isinstance(ids, fx.Node):
+                break
+            spec = meta.get(ids, meta.INPUT)
+            if spec is not None:
+                if spec.kind == "user":
+                    return True
+                break
+            if ids.op != "call_function" or ids.target not in _SHAPE_OPS | opsets.EXPANDS:
+                break
+            ids = ids.args[0]
+    return False
 
 
 def _earlier_term(node, shape: tuple, linear: fx.Node, order: dict[fx.Node, int], depth: int = 4) -> bool:
