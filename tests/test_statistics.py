@@ -23,7 +23,7 @@ one process:
   ep=2 x tp=2 with sequence parallel; Mixtral, Qwen2-MoE and GPT-OSS at ep=4 and at ep=2 with
   zero=1 too; Mixtral with 2 microbatches (each microbatch's statistics its own, as gradient
   accumulation computes them) and with moe_aux_loss='local' (each dp rank's own: the reference
-  trains the ranks' pieces).
+  trains the ranks' pieces); GPT-OSS and PhiMoE (its sparsemixer's router) at tp=2.
 
 Losses within 1e-6 relative, first-step gradients within 1e-4 of the largest gradient
 (relative), the weights after both steps within 1e-5 (Adam's eps 1e-4, see test_zoo.py). The
@@ -63,6 +63,7 @@ class SummedLoss(torch.nn.Module):
 _COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, max_position_embeddings=64,
                num_key_value_heads=4, output_router_logits=True, router_aux_loss_coef=0.02)
 MOE = ["mixtral", "qwen2moe", "qwen3moe", "olmoe", "gptoss"]
+FAMILIES = MOE + ["phimoe"]      # PhiMoE at tp=2 only
 
 
 def moe_model(family: str) -> torch.nn.Module:
@@ -90,6 +91,12 @@ def moe_model(family: str) -> torch.nn.Module:
             warnings.simplefilter("ignore")
             return T.GptOssForCausalLM(T.GptOssConfig(**_COMMON, intermediate_size=32, head_dim=8, num_local_experts=4,
                                                       num_experts_per_tok=2, layer_types=["full_attention"] * 2))
+    if family == "phimoe":      # the sparsemixer: each of its two experts picked by an argmax, not a topk
+        model = T.PhimoeForCausalLM(T.PhimoeConfig(**_COMMON, intermediate_size=32, num_local_experts=4,
+                                                   num_experts_per_tok=2))
+        for layer in model.model.layers:     # its routers' deterministic path (training samples them:
+            layer.mlp.router.eval()          # random draws one process does not share)
+        return model
     raise KeyError(family)
 
 
@@ -161,6 +168,11 @@ for _f in MOE:
 for _f in ("mixtral", "qwen2moe", "gptoss"):
     MOE_CASES[f"{_f}-ep4"] = (_f, 4, dict(ep=4), {})
     MOE_CASES[f"{_f}-ep2-zero"] = (_f, 4, dict(ep=2), dict(zero=1))
+# gpt-oss at tp=2: each expert's interleaved gate/up and its bias split by columns (every other
+# column a gate's: [::2] of each rank's block is its gates), the down bias added once after the sum
+MOE_CASES["gptoss-tp2"] = ("gptoss", 2, dict(tp=2), {})
+# PhiMoE at tp=2: its router (the sparsemixer's argmax picks, Gumbel-sampled in training) whole
+MOE_CASES["phimoe-tp2"] = ("phimoe", 2, dict(tp=2), {})
 MOE_CASES["mixtral-dp2-mb2"] = ("mixtral", 2, {}, dict(microbatches=2))
 MOE_CASES["mixtral-ep2-local"] = ("mixtral", 2, dict(ep=2), dict(moe_aux_loss="local"))
 CASES = {**PADDED, **MEAN, **MOE_CASES}
@@ -168,7 +180,7 @@ CASES = {**PADDED, **MEAN, **MOE_CASES}
 
 def _model(key):
     name = CASES[key][0]
-    if name in MOE:
+    if name in FAMILIES:
         return moe_model(name)
     if name == "mean":
         return MeanLoss()
@@ -179,7 +191,7 @@ def _model(key):
 
 def _data(key):
     name = CASES[key][0]
-    if name in MOE:
+    if name in FAMILIES:
         return batches("hf-llama", 4, SEQS, 20)
     if name == "mean":
         return unequal_microbatches()

@@ -9,6 +9,7 @@ import torch
 
 import fxtron
 from fxtron.core import meta
+from fxtron.compiler import report
 from fxtron.compiler.report import count
 from fxtron.passes.tp_plan import Colwise, Replicated
 from fxtron.core import layout as shard_math
@@ -495,6 +496,20 @@ class _LearnedBias(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
 
+class _InnerTable(_LearnedBias):
+    """A learned (T, 4D) table added inside the MLP to the column-split hidden state: a layer's
+    weight that should split with the up projection's columns, which no rule splits."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Parameter(torch.randn(16, 128) * 0.02)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx) + self.table[: idx.shape[1]]
+        x = x + self.down(torch.relu(self.up(x) + self.inner[: idx.shape[1]]))
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
 def test_every_parameter_is_split_or_said_whole():
     """The summary accounts for every parameter (issue: every transformers causal LM, item 1): the
     split share and each group held whole, with its reason, add up to 100%; a parameter no rule
@@ -502,21 +517,53 @@ def test_every_parameter_is_split_or_said_whole():
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (2, 9))
     args = (ids[:, :-1], ids[:, 1:])
-    with pytest.warns(fxtron.ParallelizeWarning, match=r"no rule that splits them.*table"):
-        pm = fxtron.parallelize(_LearnedBias(), fxtron.Mesh(2, tp=2), example_inputs=args)
+    with pytest.warns(fxtron.ParallelizeWarning, match=r"no rule that splits them.*: inner$"):
+        pm = fxtron.parallelize(_InnerTable(), fxtron.Mesh(2, tp=2), example_inputs=args)
         pm.compiled(0)
     line = next(ln for ln in pm.summary().splitlines() if ln.startswith("parameters at tp=2"))
-    assert "table (no rule splits it" in line, line
+    assert "inner (no rule splits it" in line, line
     shares = [float(x) for x in re.findall(r"(\d+\.\d)% ", line)]
     assert abs(sum(shares) - 100) <= 0.05 * len(shares), line
-    with pytest.raises(fxtron.ParallelizeError, match="table") as err:
-        fxtron.parallelize(_LearnedBias(), fxtron.Mesh(2, tp=2), example_inputs=args, strict=True).compiled(0)
+    with pytest.raises(fxtron.ParallelizeError, match="inner") as err:
+        fxtron.parallelize(_InnerTable(), fxtron.Mesh(2, tp=2), example_inputs=args, strict=True).compiled(0)
     # the fix the message gives is accepted: the table whole on purpose, quiet even under strict
-    assert "plan={'table': 'replicate'}" in str(err.value)
-    kept = fxtron.parallelize(_LearnedBias(), fxtron.Mesh(2, tp=2), example_inputs=args, strict=True,
-                              plan={"table": "replicate"})
+    assert "plan={'inner': 'replicate'}" in str(err.value)
+    kept = fxtron.parallelize(_InnerTable(), fxtron.Mesh(2, tp=2), example_inputs=args, strict=True,
+                              plan={"inner": "replicate"})
     kept.compiled(0)
-    assert "table (replicated by the plan)" in kept.summary()
+    assert "inner (replicated by the plan)" in kept.summary()
+
+
+class _PositionTables(_InnerTable):
+    """Learned absolute positions written without an embedding op, beside the layer's `inner`:
+    a table read at arange(T) (Whisper's weight[positions]) and Reformer's axial table, two parts
+    broadcast to (4, 4, D/2) each, flattened and set side by side."""
+
+    def __init__(self):
+        super().__init__()
+        self.axial = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(4, 1, 16) * 0.02),
+                                             torch.nn.Parameter(torch.randn(1, 4, 16) * 0.02)])
+
+    def forward(self, idx, targets):
+        b, t = idx.shape
+        axial = torch.cat([w.expand(4, 4, 16).reshape(16, 16) for w in self.axial], dim=-1)
+        x = self.emb(idx) * 2.0 + self.table[torch.arange(t, device=idx.device).expand(b, t)]
+        x = x + axial[:t]
+        x = x + self.down(torch.relu(self.up(x) + self.inner[:t]))
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def test_position_tables_are_whole_by_design():
+    """A table read by position and added to the token embeddings is whole by design, as
+    Megatron's position embeddings (a plain replicated nn.Embedding): found by how it is used,
+    not by its name; a table a layer adds to its split hidden state is not one, and still warns."""
+    ids = torch.randint(0, 64, (2, 9))
+    pm = fxtron.parallelize(_PositionTables(), fxtron.Mesh(2, tp=2), example_inputs=(ids[:, :-1], ids[:, 1:]))
+    assert pm.tp_plan.positions == {"table", "axial.0", "axial.1"}
+    _, held = report.held_whole(pm.compiled(0).local, pm.tp_plan)
+    why = {n: h.why for h in held for n in h.names}
+    assert why["table"] == why["axial.0"] == why["axial.1"] == report.TABLE
+    assert why["inner"] == report.NO_RULE
 
 
 class _Unread(_LearnedBias):
@@ -585,6 +632,8 @@ _RULE_OPS = {"square-mlp": ("aten.square.default", "S(2)"), "tensor-split-mlp": 
              "complex-mlp": ("aten.view_as_complex.default", "S(2)"), "max-lse-mlp": ("aten.logsumexp.default", "S(2)"),
              "conv-mlp": ("aten.conv1d.default", "S(1)"), "no-grad-mlp": ("aten.topk.default", None),
              "min-other-mlp": ("aten.min.other", "S(2)"), "masked-ids-tied": ("aten.where.ScalarSelf", None),
+             "head-gates-mlp": ("aten.baddbmm.default", "S(0)"), "reshape-as-mlp": ("aten.reshape_as.default", "S(2)"),
+             "masked-fill-mlp": ("aten.masked_fill_.Scalar", "S(2)"), "log-sigmoid-var-mlp": ("aten.var.dim", "S(2)"),
              "stacked-heads": ("aten.stack.default", "S(3)")}
 
 
@@ -592,8 +641,10 @@ _RULE_OPS = {"square-mlp": ("aten.square.default", "S(2)"), "tensor-split-mlp": 
 def test_ops_keep_the_split(name):
     """relu^2, tensor_split, view_as_complex / view_as_real, max / min / logsumexp per head, a
     causal depthwise conv, a torch.no_grad region, an elementwise min / max against a scalar
-    tensor, a tied embedding looked up with ids some replaced by the pad id, and LM heads stacked
-    (each head column split, the stack split by vocabulary), each on the split width of an MLP: no
+    tensor, a tied embedding looked up with ids some replaced by the pad id, block-diagonal gates
+    per head with their bias, rotary pairs reshape_as'd back, an in-place masked_fill_ and LM
+    heads stacked (each head column split, the stack split by vocabulary), each on the split
+    width of an MLP: no
     all-gather, no op run replicated, Megatron's forward all-reduces (the embedding's and the
     MLP's) and nothing else."""
     pm = _pm(name, 2, strict=True)
@@ -613,6 +664,9 @@ def test_depthwise_conv_weights_split_by_channel():
     pm = _pm("conv-mlp", 2)
     local = pm.compiled(0).local
     assert local["conv.weight"].local_shape == (32, 1, 4) and local["conv.bias"].local_shape == (32,)
+    # RG-LRU's per-head gates: the weight and the bias (read as bias[:, None, :]) split by head
+    local = _pm("head-gates-mlp", 2).compiled(0).local
+    assert local["gate_weight"].local_shape == (4, 8, 8) and local["gate_bias"].local_shape == (4, 8)
     conv = next(n for n in pm.compiled(0).gm.graph.nodes if n.target == torch.ops.aten.conv1d.default)
     assert conv.args[-1] == 32
 
@@ -725,3 +779,32 @@ def test_a_shared_expert_gate_is_whole_as_in_megatron():
     assert len(gates) == model.config.num_hidden_layers, pm.tp_plan.replicated
     assert all(u.why.startswith("a gate of one output") and not u.loud for u in gates.values()), gates
     assert pm.tp_plan.unsplit() == {}
+
+
+class _IndexedEmbedding(torch.nn.Module):
+    """Token embeddings written as indexing (weight[ids]) and, in the MLP, a bias gathered per
+    row by other indices (gpt-oss' experts: out + bias[expert_of_row])."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(64, 32) * 0.1)
+        self.up = torch.nn.Linear(32, 64, bias=False)
+        self.row_bias = torch.nn.Parameter(torch.randn(4, 64) * 0.1)
+        self.down = torch.nn.Linear(64, 32)
+        self.head = torch.nn.Linear(32, 64)
+
+    def forward(self, idx, targets):
+        x = self.w[idx]
+        bias = self.row_bias[idx % 4]            # gathered before the linear, as gpt-oss' graph has it
+        x = x + self.down(torch.relu(self.up(x) + bias))
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def test_a_bias_gathered_per_row_is_no_residual():
+    """A value gathered from a parameter's rows and added to a linear's output is its bias (the
+    linear stays column-parallel, gpt-oss' gate_up); rows picked by the user's token ids are the
+    residual stream (an embedding written weight[ids]: the MLP's down projection row-parallel)."""
+    ids = torch.randint(0, 64, (2, 9))
+    pm = fxtron.parallelize(_IndexedEmbedding(), fxtron.Mesh(2, tp=2), example_inputs=(ids[:, :-1], ids[:, 1:]))
+    styles = {p: str(s) for p, s in pm.tp_plan.styles.items()}
+    assert styles == {"up": "colwise", "down": "rowwise", "head": "colwise"}, styles

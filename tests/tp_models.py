@@ -36,10 +36,15 @@ OP_NAMES = ["cumsum-mlp", "factories-mlp", "gather-mlp", "einsum-attn"]
 # relu^2, tensor_split, a complex rotation, max / min / logsumexp per head, a causal depthwise
 # conv (Mamba's), a torch.no_grad region (a sparse-attention indexer's top-k), xIELU's elementwise
 # min / max against a scalar tensor (Apertus), token ids whose image tokens a multimodal wrapper
-# replaces by the pad id before a tied embedding (Gemma 4), LM heads stacked on a new dim, each
-# head's logits picked back by select for its own loss (MusicGen's head per audio codebook)
+# replaces by the pad id before a tied embedding (Gemma 4), block-diagonal gates per head with
+# their bias (RecurrentGemma's RG-LRU: baddbmm(bias[:, None, :], x, W)), rotary pairs stacked and
+# reshape_as'd back (RoFormer), an in-place masked_fill_ with a broadcast mask (XLM's scores),
+# xLSTM's log_sigmoid gates, concatenate and per-head variance (its multihead norm), LM heads
+# stacked on a new dim, each head's logits picked back by select for its own loss (MusicGen's
+# head per audio codebook)
 RULE_NAMES = ["square-mlp", "tensor-split-mlp", "complex-mlp", "max-lse-mlp", "conv-mlp", "no-grad-mlp",
-              "min-other-mlp", "masked-ids-tied", "stacked-heads"]
+              "min-other-mlp", "masked-ids-tied", "head-gates-mlp", "reshape-as-mlp", "masked-fill-mlp",
+              "log-sigmoid-var-mlp", "stacked-heads"]
 VOCAB.update({n: 64 for n in RULE_NAMES})
 
 
@@ -103,6 +108,46 @@ class MinOtherMLP(_MidMLP):
         return torch.expm1(torch.min(h, self.eps)) - h + 0.5 * torch.max(h, self.eps)     # xIELU (Apertus)
 
 
+class HeadGatesMLP(_MidMLP):
+    """RecurrentGemma's RG-LRU gate: per head a (width, width) matrix and a bias, one baddbmm
+    over the heads (block-diagonal), sigmoid, gating the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_weight = torch.nn.Parameter(torch.randn(8, 8, 8) * 0.3)
+        self.gate_bias = torch.nn.Parameter(torch.randn(8, 8) * 0.3)
+
+    def mid(self, h):
+        b, s, w = h.shape
+        x = h.reshape(b * s, 8, 8).permute(1, 0, 2)
+        gate = torch.sigmoid(torch.baddbmm(self.gate_bias[:, None, :], x, self.gate_weight).transpose(0, 1)
+                             .reshape(b, s, w))
+        return h * gate
+
+
+class ReshapeAsMLP(_MidMLP):
+    def mid(self, h):
+        x = h.unflatten(-1, (8, 8))                                  # RoFormer's rotary, per head
+        pairs = torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).reshape_as(x)
+        angle = torch.arange(8.0, device=h.device) * 0.3
+        return (x * torch.cos(angle) + pairs * torch.sin(angle)).flatten(-2)
+
+
+class MaskedFillMLP(_MidMLP):
+    def mid(self, h):
+        keep = torch.arange(64, device=h.device) % 3 != 0          # XLM's scores.masked_fill_(mask, min)
+        return torch.relu((h * 2.0).masked_fill_((~keep).view(1, 1, 64).expand_as(h), -0.5))
+
+
+class LogSigmoidVarMLP(_MidMLP):
+    def mid(self, h):
+        g = h.unflatten(-1, (8, 8))                                   # xLSTM's mLSTM, per head
+        gates = torch.nn.functional.logsigmoid(g)
+        g = torch.concatenate([g[..., :4] + gates[..., 4:], g[..., 4:]], dim=-1)
+        v = torch.var(g, dim=-1, unbiased=False, keepdim=True)
+        return ((g - g.mean(dim=-1, keepdim=True)) / torch.sqrt(v + 1e-5)).flatten(-2)
+
+
 class MaskedIdsTied(CumsumMLP):
     """The embedding tied to the head, looked up with ids whose "image token" (63) is replaced
     by the pad id 0, as Gemma 4's wrapper does."""
@@ -115,6 +160,8 @@ class MaskedIdsTied(CumsumMLP):
 
     def forward(self, idx, targets):
         x = self.emb(torch.where(idx == 63, 0, idx))
+        # the pad row put at the image tokens, a value Gemma 4's wrapper computes for text and drops
+        torch.where((idx == 63)[..., None], self.emb.weight[0].view(1, 1, -1), x)
         x = x + self.down(torch.nn.functional.gelu(self.up(x)))
         return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
@@ -276,7 +323,9 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
         return EinsumAttention()
     rules = {"square-mlp": SquareMLP, "tensor-split-mlp": TensorSplitMLP, "complex-mlp": ComplexMLP,
              "max-lse-mlp": MaxLseMLP, "conv-mlp": ConvMLP, "no-grad-mlp": NoGradMLP, "min-other-mlp": MinOtherMLP,
-             "masked-ids-tied": MaskedIdsTied, "stacked-heads": StackedHeads}
+             "masked-ids-tied": MaskedIdsTied, "head-gates-mlp": HeadGatesMLP,
+             "reshape-as-mlp": ReshapeAsMLP, "masked-fill-mlp": MaskedFillMLP,
+             "log-sigmoid-var-mlp": LogSigmoidVarMLP, "stacked-heads": StackedHeads}
     if name in rules:
         return rules[name]()
     if name == "nanogpt":

@@ -35,7 +35,7 @@ from fxtron.passes.cp import cp_layout, fuse_written_out_attention
 from fxtron.passes.devices import check_kernels, on_device
 from fxtron.passes.ep import dispatch_experts, ep_layout
 from fxtron.passes.limits import SeqLimit, seq_limit
-from fxtron.passes.localize import drop_metadata_asserts, localize
+from fxtron.passes.localize import drop_dead_values, drop_metadata_asserts, localize
 from fxtron.passes.tp_plan import TPPlan
 from fxtron.passes.propagate import propagate
 from fxtron.passes.recompute import mark_recompute
@@ -299,7 +299,7 @@ def _device_type(s: RankState) -> str:
 
 
 def _trace(s: RankState) -> None:
-    s.gm = drop_metadata_asserts(s.gm)
+    s.gm = drop_dead_values(drop_metadata_asserts(s.gm))
     check_kernels(s.gm, _device_type(s))
 
 
@@ -310,7 +310,7 @@ def _on_device(s: RankState) -> None:
 
 PASSES = pass_list(
     Pass("trace", "the traced graph (torch.export), export's metadata asserts dropped (they pin the traced "
-         "dtype, device and global sizes); an op with no kernel for its dtype on the program's device (CUDA's "
+         "dtype, device and global sizes), values the loss does not depend on dropped; an op with no kernel for its dtype on the program's device (CUDA's "
          "bf16-only grouped GEMM) an error now", _trace, model_wide=True),
     Pass("global_statistics", "what the model computes over its batch is the global batch's: a token mean over "
          "every piece's counted tokens, a summed loss summed, a load-balancing loss's statistics summed over dp, "

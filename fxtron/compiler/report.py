@@ -26,7 +26,7 @@ from fxtron.core.meta import BATCH, SEQ
 from fxtron.mesh import Mesh
 from fxtron.ops import registry
 from fxtron.ops.ep import routing_args
-from fxtron.passes.tp_plan import ROUTER, router_weights, unused_weights
+from fxtron.passes.tp_plan import ROUTER, Rowwise, router_weights, unused_weights
 
 
 @dataclass(frozen=True)
@@ -439,6 +439,10 @@ _KERNEL_WORDS = {"flash": "fused: flash attention", "efficient": "fused: memory-
 
 VECTORS = "vectors (norm weights, biases): replicated, as in Megatron"
 POSITIONS = "an embedding not looked up with the token ids (positions): replicated, as in Megatron"
+TABLE = ("a position table (read by position, added to the token embeddings): replicated, as Megatron's "
+         "position embeddings")
+ROW_BIAS = ("a row-parallel layer's bias (the experts' (experts, out), gpt-oss'), added once after the sum: "
+            "replicated, as in Megatron")
 NO_RULE = "no rule splits it: held whole on every rank"
 UNUSED = "not read by the traced forward (no input of the example reaches it): held whole, unsplit"
 
@@ -459,11 +463,13 @@ def held_whole(local: dict, tp_plan, routers: set[str] = frozenset(),
     """Every parameter of a rank accounted for at tp > 1: (the model's parameter count, the
     groups of those held whole with their reason). A parameter is split when a model-parallel
     axis (tp, ep) shards it; the others are a replicated linear (the plan's reason), a vector,
-    a position table, a router (`routers`: tp_plan.router_weights), one the traced forward
-    never reads (`unused`: tp_plan.unused_weights), or whole for want of a rule -- so the split
-    count and the groups add up to every parameter, and none is held whole without a line
-    saying why."""
+    a position table (an embedding's, or tp_plan.position_tables'), a router (`routers`:
+    tp_plan.router_weights), one the traced forward never reads (`unused`:
+    tp_plan.unused_weights), or whole for want of a rule -- so the split count and the groups
+    add up to every parameter, and none is held whole without a line saying why."""
     layers = {layer.weight: layer for layer in tp_plan.layers.values()} if tp_plan is not None else {}
+    row_biases = {layer.bias for layer in tp_plan.layers.values()
+                  if layer.bias and isinstance(tp_plan.style(layer.path), Rowwise)} if tp_plan is not None else set()
     groups: dict[tuple[str, bool], list[tuple[str, int]]] = {}
     total = 0
     for name, lp in local.items():
@@ -486,6 +492,10 @@ def held_whole(local: dict, tp_plan, routers: set[str] = frozenset(),
             key = (UNUSED, False)
         elif layer is not None and layer.kind == "embedding":
             key = (POSITIONS, False)
+        elif name in row_biases:
+            key = (ROW_BIAS, False)
+        elif tp_plan is not None and name in tp_plan.positions:
+            key = (TABLE, False)
         else:
             key = (NO_RULE, True)
         groups.setdefault(key, []).append((name, n))

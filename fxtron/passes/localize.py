@@ -31,6 +31,17 @@ def drop_metadata_asserts(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+def drop_dead_values(gm: fx.GraphModule) -> fx.GraphModule:
+    """Remove the values nothing the forward returns depends on (Gemma 4's wrapper computes
+    where(image_mask, weight[pad_id], embeds) for text alone and drops it): a rank would
+    otherwise make their inputs whole for nothing (the pad row of a vocab-parallel table: the
+    whole table gathered). Ops that mutate or have effects stay (torch.fx's is_impure). Edits gm
+    in place and returns it."""
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
 def localize(gm: fx.GraphModule, *, mesh: MeshView) -> fx.GraphModule:
     """Rewrite sizes written into the graph to this rank's (a view to (B, S, 4, 16) of a value
     sharded on the heads dim over 2 ranks becomes (B, S, 2, 16)), on every axis the graph has
@@ -123,4 +134,4 @@ def _div(size, n: int, node: fx.Node, axis: str):
     return size // n
 
 
-__all__ = ["drop_metadata_asserts", "localize"]
+__all__ = ["drop_dead_values", "drop_metadata_asserts", "localize"]

@@ -21,13 +21,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
+import torch
 import torch.fx as fx
 
-from fxtron.core import meta
+from fxtron.core import meta, opsets
 from fxtron.core.axes import MeshView
 from fxtron.core.placement import REPLICATE, Placement, Replicate, Shard
 from fxtron.passes.rules import order as local_order
 from fxtron.passes.rules import Ctx, no_rule, rule_for, tensor_inputs
+
+aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
@@ -139,16 +142,47 @@ def _shard_params_cut_at_every_use(gm: fx.GraphModule, axis: str) -> None:
             continue
         if not isinstance(meta.placement(node, axis), Replicate):
             continue
+        chain = _unit_dims_added(node, axis)
+        end = chain[-1] if chain else node
         wants = set()
-        for user in node.users:
+        for user in end.users:
             inputs = tensor_inputs(user)
             expects = meta.expects(user, axis) if user.op == "call_function" else ()
-            wants |= {expects[i] if i < len(expects) else None for i, a in enumerate(inputs) if a is node}
+            wants |= {expects[i] if i < len(expects) else None for i, a in enumerate(inputs) if a is end}
         if len(wants) != 1 or not isinstance(next(iter(wants)), Shard):
             continue
         want = next(iter(wants))
-        meta.set_placement(node, axis, want)
-        for user in node.users:
+        dims = [want.dim]                   # the shard's dim at each step, back to the parameter's
+        for u in reversed(chain):
+            if u.target == aten.unsqueeze.default:
+                k = u.args[1] % u.meta["val"].dim()
+                if k == dims[-1]:
+                    break                   # the added unit dim itself: no shard of the parameter
+                dims.append(dims[-1] - (1 if k < dims[-1] else 0))
+            else:
+                dims.append(dims[-1])
+        if len(dims) != len(chain) + 1:
+            continue
+        for n, d in zip([node, *chain], reversed(dims)):
+            meta.set_placement(n, axis, Shard(d, want.interleave, want.whole))
+            if n is not node:
+                meta.set_expects(n, axis, (None,))
+        for user in end.users:
             inputs = tensor_inputs(user)
-            meta.set_expects(user, axis, tuple(None if a is node else e
+            meta.set_expects(user, axis, tuple(None if a is end else e
                                                for a, e in zip(inputs, meta.expects(user, axis))))
+
+
+def _unit_dims_added(param: fx.Node, axis: str) -> list[fx.Node]:
+    """The chain of single uses that only add unit dims to a whole parameter or cast it (RG-LRU's
+    per-head gate bias, bias[:, None, :] before the baddbmm that splits the heads): a shard the
+    chain's end is cut to is a shard of the parameter, held so."""
+    chain, cur = [], param
+    while len(cur.users) == 1:
+        (u,) = cur.users
+        if not (u.op == "call_function" and (u.target == aten.unsqueeze.default or u.target in opsets.LOOK_THROUGH)
+                and u.args[0] is cur and isinstance(meta.placement(u, axis), Replicate)):
+            break
+        chain.append(u)
+        cur = u
+    return chain

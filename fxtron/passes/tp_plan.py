@@ -16,7 +16,8 @@ How the pattern is found, with no knowledge of the model's code:
 - a linear whose output reaches cross_entropy is the LM head: colwise, feeding the
   vocab-parallel cross entropy;
 - an embedding looked up with the user's token ids is vocab-parallel; other embeddings
-  (positions) are replicated. Everything else is replicated.
+  (positions) are replicated, as are tables read by position and added to the token embeddings
+  without an embedding op (position_tables). Everything else is replicated.
 Experts are linears of a 3-D weight (experts, in, out) or (experts, out, in) -- a grouped GEMM,
 a bmm over (experts, tokens, in) (Llama 4), or F.linear on one expert's matrix per group of rows
 (JetMoE's ParallelExperts) -- planned by the same pattern: gate/up colwise, down rowwise, each
@@ -137,6 +138,8 @@ class TPPlan:
     replicated: Mapping[str, "Unsplit"] = field(default_factory=lambda: _frozen({}))
     #: parameters of no linear or embedding that the user's plan replicates on purpose ("table": "replicate")
     kept: frozenset = frozenset()
+    #: position tables read without an embedding op (position_tables): whole by design
+    positions: frozenset = frozenset()
 
     def unsplit(self) -> dict[str, str]:
         """The linears left replicated that Megatron would split: path -> why (not those the
@@ -224,7 +227,8 @@ class _Draft:
                     replicated[path] = Unsplit(_NO_PATTERN, True)
         return TPPlan(self.tp, _frozen(self.styles), _frozen(self.params), _frozen(self.interleave),
                       _frozen({p: l.record() for p, l in self.layers.items()}), tuple(self.notes),
-                      _frozen(replicated), frozenset(self.kept))
+                      _frozen(replicated), frozenset(self.kept),
+                      frozenset(position_tables(gm)) if gm is not None and self.tp > 1 else frozenset())
 
 
 # ----------------------------------------------------------------------------- graph helpers
@@ -337,12 +341,27 @@ def _experts(node: fx.Node, w: fx.Node) -> _Found | None:
     if _param_name(w):
         name, layout = _param_name(w), "e_in_out"
         shape = w.meta["val"].shape
-        return _Found(node, "linear", _path_of(name), name, None, layout, int(shape[1]), int(shape[2]))
+        return _Found(node, "linear", _path_of(name), name, _expert_bias(node, shape[0], shape[2]), layout,
+                      int(shape[1]), int(shape[2]))
     if (w.op == "call_function" and w.target == aten.transpose.int and _param_name(w.args[0])
             and {w.args[1] % 3, w.args[2] % 3} == {1, 2}):
         name = _param_name(w.args[0])
         shape = w.args[0].meta["val"].shape
-        return _Found(node, "linear", _path_of(name), name, None, "e_out_in", int(shape[2]), int(shape[1]))
+        return _Found(node, "linear", _path_of(name), name, _expert_bias(node, shape[0], shape[1]), "e_out_in",
+                      int(shape[2]), int(shape[1]))
+    return None
+
+
+def _expert_bias(gemm: fx.Node, experts: int, out: int) -> str | None:
+    """The experts' bias (experts, out) added to the grouped GEMM's output row by row at each
+    row's expert (gpt-oss: `out + bias[expert_of_row]`), or None."""
+    for user in gemm.users:
+        if user.op == "call_function" and user.target in _ADDS and len(user.args) == 2:
+            other = user.args[1] if user.args[0] is gemm else user.args[0]
+            if (isinstance(other, fx.Node) and other.target == aten.index.Tensor and len(other.args[1]) == 1
+                    and _param_name(other.args[0])
+                    and tuple(other.args[0].meta["val"].shape) == (int(experts), int(out))):
+                return _param_name(other.args[0])
     return None
 
 
@@ -445,7 +464,37 @@ def _is_residual(add: fx.Node, via: fx.Node, linear: fx.Node, order: dict[fx.Nod
     the add's own shape (a mask added to attention scores broadcasts)?"""
     other = add.args[1] if add.args[0] is via else add.args[0]
     b = add.meta.get("val")
-    return isinstance(b, torch.Tensor) and _earlier_term(other, tuple(b.shape), linear, order)
+    return (isinstance(b, torch.Tensor) and _earlier_term(other, tuple(b.shape), linear, order)
+            and _bias_of(other) is None)
+
+
+def _bias_of(node) -> str | None:
+    """The parameter `node` reads, through shape ops and a gather of its rows (gpt-oss' experts'
+    `bias[expert_of_row]`, one row per copy): a bias, never the residual stream -- unless the
+    rows are the user's token ids (`weight[input_ids]`: an embedding written as indexing)."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and (
+            node.target in _SHAPE_OPS | opsets.EXPANDS or node.target == aten.index.Tensor):
+        if node.target == aten.index.Tensor and _from_user_input(node.args[1]):
+            return None
+        node = node.args[0]
+    return _param_name(node) if isinstance(node, fx.Node) else None
+
+
+def _from_user_input(indices) -> bool:
+    """Is one of the index tensors a user's input, through shape ops?"""
+    for ids in indices if isinstance(indices, (list, tuple)) else [indices]:
+        for _ in range(8):
+            if not isinstance(ids, fx.Node):
+                break
+            spec = meta.get(ids, meta.INPUT)
+            if spec is not None:
+                if spec.kind == "user":
+                    return True
+                break
+            if ids.op != "call_function" or ids.target not in _SHAPE_OPS | opsets.EXPANDS:
+                break
+            ids = ids.args[0]
+    return False
 
 
 def _earlier_term(node, shape: tuple, linear: fx.Node, order: dict[fx.Node, int], depth: int = 4) -> bool:
@@ -533,8 +582,11 @@ def _stacks_before_last(stack: fx.Node) -> bool:
 
 
 def _is_router(layer: _Found, hops: int = 6) -> bool:
-    """Does the output pick experts: reach a topk within a few ops (softmax/sigmoid, casts)?"""
+    """Does the output pick experts: reach a topk within a few ops (softmax/sigmoid, casts) --
+    or, for a linear of fewer outputs than inputs (never an LM head), an argmax whose index is
+    read (PhiMoE's sparsemixer picks each expert by max(dim).indices, masking the first)?"""
     frontier, seen = [layer.node], set()
+    narrow = 1 < layer.out_features < layer.in_features
     for _ in range(hops):
         nxt = []
         for node in frontier:
@@ -542,11 +594,19 @@ def _is_router(layer: _Found, hops: int = 6) -> bool:
                 if user in seen or user.op != "call_function":
                     continue
                 seen.add(user)
-                if user.target == aten.topk.default:
+                if user.target == aten.topk.default or (narrow and _picks_index(user)):
                     return True
                 nxt.append(user)
         frontier = nxt
     return False
+
+
+def _picks_index(node: fx.Node) -> bool:
+    """An argmax, or a max over a dim whose indices are read."""
+    if node.target == aten.argmax.default:
+        return True
+    return node.target == aten.max.dim and any(u.target is operator.getitem and u.args[1] == 1 and u.users
+                                               for u in node.users)
 
 
 def _is_scalar_gate(layer: _Found, hops: int = 4) -> bool:
@@ -887,15 +947,119 @@ _IDS_KEPT = {aten.where.ScalarSelf: 2, aten.where.ScalarOther: 1, aten.masked_fi
 
 
 def _looks_up_user_ids(layer: _Found) -> bool:
-    ids, hops = layer.node.args[1], 0
+    return _user_ids(layer.node) is not None
+
+
+def _user_ids(embedding: fx.Node) -> fx.Node | None:
+    """The user's input an embedding looks up (its token ids), through shape ops and the ops
+    that replace some ids by a constant one; None when it reads other indices (positions)."""
+    ids, hops = embedding.args[1], 0
     while isinstance(ids, fx.Node) and hops < 8:
         spec = meta.get(ids, meta.INPUT)
         if spec is not None:
-            return spec.kind == "user"
+            return ids if spec.kind == "user" else None
         if ids.op != "call_function" or ids.target not in _SHAPE_OPS | _IDS_KEPT.keys():
-            return False
+            return None
         ids, hops = ids.args[_IDS_KEPT.get(ids.target, 0)], hops + 1
+    return None
+
+
+# what a position table passes through on its way to the token embeddings: reshapes, broadcasts,
+# copies and casts, slices, cats (an axial table's parts side by side: Reformer) and reads at
+# positions (Whisper's weight[positions])
+_TABLE_OPS = _SHAPE_OPS | opsets.VIEWS | opsets.SLICES | {aten.cat.default}
+_TABLE_READS = {aten.index.Tensor, aten.index_select.default}
+# what may stand between a token embedding's lookup and the add of the positions: shape ops,
+# dropout, scaling by a constant (Whisper's embed_scale), an earlier add of other positions
+_SCALES = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
+
+
+def position_tables(gm: fx.GraphModule) -> set[str]:
+    """The parameters read by position and added to the token embeddings, multiplied by nothing:
+    every use reaches, through reshapes, broadcasts, slices, cats and reads at indices that are
+    not the user's token ids, an add whose other operand is a token embedding's lookup (the
+    residual stream's start). Learned absolute positions written without an embedding op
+    (Whisper's sliced table, Reformer's axial parts): whole on every rank, as Megatron's
+    position embeddings (a plain replicated nn.Embedding beside the vocab-parallel one). A
+    layer's weight is never one: a linear, matmul or product consumes it."""
+    tokens = {n: ids for n in gm.graph.nodes if n.op == "call_function" and n.target == aten.embedding.default
+              and _param_name(n.args[0]) and (ids := _user_ids(n)) is not None}
+    if not tokens:
+        return set()
+    token_ids = set(tokens.values())
+    out = set()
+    for node in gm.graph.nodes:
+        name = _param_name(node)
+        val = node.meta.get("val")
+        if name is None or not isinstance(val, torch.Tensor) or sum(d > 1 for d in val.shape) < 2:
+            continue
+        if node.users and _added_to_tokens(node, set(tokens), token_ids):
+            out.add(name)
+    return out
+
+
+def _added_to_tokens(table: fx.Node, tokens: set[fx.Node], token_ids: set[fx.Node], limit: int = 64) -> bool:
+    """Does every use of `table` reach, through table ops only, an add to the token embeddings?"""
+    frontier, seen, reached = [table], {table}, False
+    while frontier:
+        cur = frontier.pop()
+        for user in cur.users:
+            if user in seen or user.target == aten._assert_tensor_metadata.default:
+                continue
+            seen.add(user)
+            limit -= 1
+            if limit < 0 or user.op != "call_function":
+                return False
+            if user.target in _ADDS:
+                other = user.args[1] if user.args[0] is cur else user.args[0]
+                if not _from_tokens(other, tokens):
+                    return False
+                reached = True
+            elif user.target in _TABLE_READS:
+                index = user.args[1] if user.target == aten.index.Tensor else user.args[2]
+                if user.args[0] is not cur or _reads(index, token_ids):
+                    return False
+                frontier.append(user)
+            elif user.target in _TABLE_OPS or user.target is operator.getitem:
+                frontier.append(user)
+            else:
+                return False            # multiplied, matmul'd, normed: a layer's weight, not positions
+    return reached
+
+
+def _from_tokens(node, tokens: set[fx.Node], depth: int = 8) -> bool:
+    """Is `node` a token embedding's lookup, through shape ops, dropout, scaling by a
+    constant, or a sum with such a term (positions added before)?"""
+    if not isinstance(node, fx.Node) or depth < 0 or node.op != "call_function":
+        return False
+    if node in tokens:
+        return True
+    if node.target in _SHAPE_OPS:
+        return _from_tokens(node.args[0], tokens, depth - 1)
+    if node.target in _SCALES:
+        scale = node.args[1].meta.get("val") if isinstance(node.args[1], fx.Node) else node.args[1]
+        constant = not isinstance(scale, torch.Tensor) or scale.numel() == 1
+        return constant and _from_tokens(node.args[0], tokens, depth - 1)
+    if node.target in _ADDS:
+        return any(_from_tokens(a, tokens, depth - 1) for a in node.args[:2])
     return False
+
+
+def _reads(index, inputs: set[fx.Node], limit: int = 64) -> bool:
+    """Do the values of `index` (a node or a list of them) depend on one of `inputs` (sizes
+    read from them do not count)?"""
+    stack = [i for i in (index if isinstance(index, (list, tuple)) else [index]) if isinstance(i, fx.Node)]
+    seen = set()
+    while stack and limit:
+        limit -= 1
+        n = stack.pop()
+        if n in seen or not isinstance(n.meta.get("val"), torch.Tensor):
+            continue                        # a size (SymInt) carries no values
+        seen.add(n)
+        if n in inputs:
+            return True
+        stack.extend(n.all_input_nodes)
+    return bool(stack)                      # too far to tell: treated as read
 
 
 def _parse_style(value, key: str) -> Style:
@@ -993,8 +1157,8 @@ def _param_placements(l: _Found, style: Style, tp: int) -> dict[str, Placement]:
         k = _interleave(l, tp)
         whole = whole_parts(l.node, l.out_features, k, tp) if l.layout == "out_in" else ()
         out = {l.weight: Shard(out_dim, k, whole)}
-        if l.bias:
-            out[l.bias] = Shard(0, k, whole)
+        if l.bias:     # (experts, out) for the experts' bias
+            out[l.bias] = Shard(1 if l.layout.startswith("e_") else 0, k, whole)
         return out
     out = {l.weight: Shard(in_dim)}
     if l.bias:

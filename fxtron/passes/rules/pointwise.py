@@ -21,7 +21,8 @@ _POINTWISE = {
     aten.rsqrt.default, aten.sqrt.default, aten.exp.default, aten.log.default, aten.sin.default,
     aten.cos.default, aten.abs.default, aten.erf.default, aten.reciprocal.default, aten.softplus.default,
     aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, aten.where.self,
-    aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.maximum.default, aten.minimum.default,
+    aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.masked_fill_.Scalar, aten.masked_fill_.Tensor,  # (XLM)
+    aten.maximum.default, aten.minimum.default,
     aten.lt.Scalar, aten.le.Scalar, aten.gt.Scalar, aten.ge.Scalar, aten.eq.Scalar, aten.ne.Scalar,
     aten.lt.Tensor, aten.le.Tensor, aten.gt.Tensor, aten.ge.Tensor, aten.eq.Tensor, aten.ne.Tensor,
     aten.logical_and.default, aten.logical_or.default, aten.logical_not.default, aten.bitwise_and.Tensor,
@@ -29,7 +30,7 @@ _POINTWISE = {
     aten.bitwise_xor.Tensor, aten.logical_xor.default, aten.dropout.default, aten.gelu_.default,
     aten.tril.default, aten.triu.default, aten.mul_.Tensor, aten.add_.Tensor, aten.div_.Tensor, aten.sub_.Tensor,
     aten.floor_divide.default, aten.div.Tensor_mode, aten.remainder.Scalar, aten.remainder.Tensor,
-    aten.square.default, aten.log1p.default, aten.expm1.default, aten.sign.default, aten.mish.default,
+    aten.square.default, aten.log_sigmoid.default, aten.log1p.default, aten.expm1.default, aten.sign.default, aten.mish.default,
     aten.min.other, aten.max.other, aten.fmin.default, aten.fmax.default,     # (Apertus' xIELU: min(x, eps))
 } | _LINEAR_UNARY
 _LIKE = {aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default,

@@ -38,6 +38,23 @@ def _reduce(c: Ctx):
     return Shard(d, p.interleave), [None]
 
 
+@register_rule(aten.var.dim, aten.var.correction, aten.std.dim, aten.std.correction)
+def _spread(c: Ctx):
+    """A variance or standard deviation over dims the shard is not on (xLSTM's per-head group
+    norm over each head's features): each rank's rows on their own, split alike; over the split
+    dim, or of a partial sum, the input is gathered first."""
+    node, p = c.node, c.p[0]
+    if p.is_replicate():
+        return REPLICATE, [None]
+    dims = reduced_dims(node)
+    if not isinstance(p, Shard) or p.dim in dims:
+        return REPLICATE, [REPLICATE]
+    keep = node.kwargs.get("keepdim", node.args[3] if node.target in (aten.var.dim, aten.std.dim)
+                           and len(node.args) > 3 else False)
+    d = p.dim if keep else p.dim - sum(1 for x in dims if x < p.dim)
+    return Shard(d, p.interleave), [None]
+
+
 @register_rule(aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default)
 def _extreme_along(c: Ctx):
     """max / min along a dim (values and indices) and argmax / argmin: over a dim the shard is

@@ -136,6 +136,26 @@ def _unfold(c: Ctx, p: Shard, sizes: list, go: list[int]):
     return REPLICATE, [REPLICATE]
 
 
+@register_rule(*opsets.RESHAPES_AS)
+def _view_as(c: Ctx):
+    """x.reshape_as(other) (RoFormer's rotary: the stacked (..., D/2, 2) pairs back to (..., D)):
+    x's shard as the view carries it; `other` only lends its shape, so it must be laid out as the
+    output (each rank's local shape then the local view's)."""
+    x, other = c.node.args[:2]
+    if other is x:
+        return c.p[0], [None]
+    out, want = _view(c)
+    if want[0] is not None:
+        out = REPLICATE
+    expects = {x: want[0], other: None}
+    po = c.p[c.index(other)]
+    if isinstance(out, Shard):
+        expects[other] = None if po == out else out
+    elif isinstance(po, Shard):
+        expects[other] = REPLICATE
+    return out, [expects[a] for a in c.inputs]
+
+
 @register_rule(aten.transpose.int, aten.t.default, aten.numpy_T.default, aten.permute.default, aten.unsqueeze.default,
                aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default,
                aten.broadcast_to.default)
@@ -195,10 +215,23 @@ def _slice_select(c: Ctx):
             part = _blocks_cut(p, size, start, end, step)
             return (Shard(dim, part), [None]) if part is not None else (REPLICATE, [REPLICATE])
         # never int() a symbolic size: that would specialize the shape environment to the example
-        whole = start in (None, 0) and step == 1 and (
-            end is None or (isinstance(end, int) and (end >= 2**62 or (isinstance(size, int) and end >= size))))
+        to_end = end is None or (isinstance(end, int) and (end >= 2**62 or (isinstance(size, int) and end >= size)))
+        whole = start in (None, 0) and step == 1 and to_end
+        if not whole and _strided_shard(c, size, start, step, to_end):
+            return p, [None]
         return (p, [None]) if whole else (REPLICATE, [REPLICATE])
     return p, [None]
+
+
+def _strided_shard(c: Ctx, size, start, step, to_end: bool) -> bool:
+    """Is x[..., start::step] of an even contiguous shard the shard of the strided slice? Every
+    other feature of an interleaved pair (gpt-oss' gate_up[..., ::2] and [..., 1::2]): when each
+    rank's part holds a whole number of steps, the global index and the local one agree modulo
+    the step, so each rank's local slice is its block of the result -- no communication."""
+    if c.balanced or not (isinstance(step, int) and step > 1 and to_end and isinstance(start or 0, int)):
+        return False
+    n = expr(size)
+    return 0 <= (start or 0) < step and n.is_Integer and int(n) % (c.size * step) == 0
 
 
 @register_rule(aten.pad.default, aten.constant_pad_nd.default)
@@ -471,7 +504,10 @@ def _getitem(c: Ctx):
     return c.p[0][c.node.args[1]], [None]
 
 
-@register_rule(aten.cat.default, aten.stack.default)
+_CATS = {aten.cat.default}     # (torch.concat / concatenate: renamed to cat as the program is traced)
+
+
+@register_rule(*_CATS, aten.stack.default)
 def _cat(c: Ctx):
     node = c.node
     nd = ndim(node)
@@ -484,9 +520,9 @@ def _cat(c: Ctx):
     first = next((p for p in ps if isinstance(p, Shard)), None)
     # legacy cat skips 1-d empty tensors (an empty cache, say): they need no placement
     empty = [a.meta["val"].dim() == 1 and is_zero(a.meta["val"].shape[0]) for a in c.inputs]
-    if first is not None and first.dim != dim and node.target == aten.cat.default:
+    if first is not None and first.dim != dim and node.target in _CATS:
         return first, [None if e else first for e in empty]
-    if first is not None and node.target == aten.cat.default and sum(not e for e in empty) == 1:
+    if first is not None and node.target in _CATS and sum(not e for e in empty) == 1:
         return first, [None] * len(ps)     # the one real input (past keys of an empty cache, then these)
     if first is not None and node.target == aten.stack.default:
         # a new dim at `dim`: a shard of the inputs stays, one dim further when at or after it
