@@ -4,7 +4,9 @@ Megatron would -- experts too, when ep does not take them (Megatron's expert ten
 each expert's gate/up split by columns, its down by rows): 3-D weights under a grouped GEMM
 (Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3, GraniteMoE), a bmm of every expert over every token
 (Llama 4, beside its shared expert), one linear per expert's rows (JetMoE's ParallelExperts, in
-its MLP and its mixture of attention heads).
+its MLP and its mixture of attention heads). State-space layers too: Mamba-1 (transformers' slow
+path: in_proj by columns, the depthwise conv, A_log, D and dt_proj -- written weight @ x -- by
+channel, x_proj and out_proj by rows).
 
 Compile-only, at tp=2, for every one: each layer linear split (the only linears left whole
 are the routers and MLA's low-rank down-projections, which Megatron keeps whole too), a
@@ -63,8 +65,13 @@ SEQS = [16, 12]
 _opt = adamw(eps=1e-4)
 
 
+# transformers' Mamba-1 slow path unrolls its scan over the tokens in Python: the traced model
+# takes the example's sequence length only (8), the batch size still free
+FIXED_SEQ = {"hf-mamba": 8}
+
+
 def _batches(name):
-    return batches(name, 4, SEQS, seed=10)
+    return batches(name, 4, [FIXED_SEQ[name]] * len(SEQS) if name in FIXED_SEQ else SEQS, seed=10)
 
 
 def _pm(name, tp, **kw):

@@ -87,7 +87,8 @@ _BY_NAME = {"colwise": Colwise(), "rowwise": Rowwise(), "vocab": VocabParallel()
 @dataclass(frozen=True)
 class Layer:
     """A linear or embedding found in the graph: its node's name, module path, weight and bias
-    parameter names, and the weight layout ('out_in' as nn.Linear, 'in_out' as Conv1D/mm; for
+    parameter names, and the weight layout ('out_in' as nn.Linear, 'in_out' as Conv1D/mm, 'left'
+    for weight @ x: nn.Linear's weight, the features on the output's dim -2; for
     the 3-D weights of a mixture of experts, one matrix per expert, 'e_out_in' / 'e_in_out')."""
 
     node: str
@@ -95,7 +96,7 @@ class Layer:
     path: str
     weight: str
     bias: str | None
-    layout: str                    # "out_in" | "in_out" | "e_out_in" | "e_in_out"
+    layout: str                    # "out_in" | "in_out" | "left" | "e_out_in" | "e_in_out"
     in_features: int
     out_features: int
 
@@ -266,6 +267,11 @@ def find_layers(gm: fx.GraphModule) -> dict[str, _Found]:
             w = _param_name(a[1])
             shape = a[1].meta["val"].shape
             layer = _Found(node, "linear", _owner(w), w, None, "in_out", int(shape[0]), int(shape[1]))
+        elif (t in (aten.mm.default, aten.matmul.default) and _param_name(a[0]) and a[0].meta["val"].dim() == 2
+              and not _param_name(a[1])):
+            w = _param_name(a[0])                            # weight @ x (Mamba's dt_proj.weight @ dt^T)
+            shape = a[0].meta["val"].shape
+            layer = _Found(node, "linear", _owner(w), w, None, "left", int(shape[1]), int(shape[0]))
         elif t in (aten.mm.default, aten.matmul.default) and meta.transposed_param(a[1]):
             w = _param_name(a[1].args[0])                    # x @ weight.T (Falcon): nn.Linear's layout
             shape = a[1].args[0].meta["val"].shape
@@ -292,7 +298,7 @@ def find_layers(gm: fx.GraphModule) -> dict[str, _Found]:
 
 
 #: (out features dim, in features dim) of a weight, by layout
-WEIGHT_DIMS = {"out_in": (0, 1), "in_out": (1, 0), "e_out_in": (1, 2), "e_in_out": (2, 1)}
+WEIGHT_DIMS = {"out_in": (0, 1), "left": (0, 1), "in_out": (1, 0), "e_out_in": (1, 2), "e_in_out": (2, 1)}
 
 
 def _is_grouped_mm(target) -> bool:
@@ -758,6 +764,8 @@ def whole_parts(linear: fx.Node, out_features: int, k: Interleave, tp: int) -> t
 def _interleave(layer: _Found, tp: int) -> Interleave:
     """k for a fused projection split later into k equal parts (or viewed as (k, heads, d)), or
     the proportions of unequal parts cut from it by slicing or split_with_sizes."""
+    if layer.layout == "left":
+        return 1          # weight @ x: its features on dim -2, not cut into fused parts
     feat = layer.out_features
     sliced = _sliced_blocks(layer)
     if sliced is not None:
