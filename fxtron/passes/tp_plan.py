@@ -781,24 +781,24 @@ def _interleave(layer: _Found, tp: int) -> Interleave:
         val = via.meta.get("val")
         if val is None:
             continue
-        last = val.dim() - 1 if last is None else last
+        last = val.dim() - 1 if last is None else last     # (a negative dim counts from the end: -2 of channels first)
         whole = not isinstance(val.shape[last], torch.SymInt) and int(val.shape[last]) == feat   # the features, not a head's
         if user.target in (aten.split.Tensor, aten.chunk.default, aten.split_with_sizes.default):
             dim = user.args[2] if len(user.args) > 2 else 0
             blocks = _model_parallel_blocks(via, feat)
-            if dim in (-1, last) and blocks is not None and blocks % tp == 0:
+            if dim % val.dim() == last and blocks is not None and blocks % tp == 0:
                 return 1
         if user.target == aten.split.Tensor:
             size, dim = user.args[1], (user.args[2] if len(user.args) > 2 else 0)
-            if dim in (-1, last) and whole and isinstance(size, int) and feat % size == 0:
+            if dim % val.dim() == last and whole and isinstance(size, int) and feat % size == 0:
                 return feat // size
         if user.target in (aten.chunk.default, aten.tensor_split.sections):
             chunks, dim = user.args[1], (user.args[2] if len(user.args) > 2 else 0)
-            if dim in (-1, last) and whole and isinstance(chunks, int) and feat % chunks == 0:
+            if dim % val.dim() == last and whole and isinstance(chunks, int) and feat % chunks == 0:
                 return chunks
         if user.target == aten.split_with_sizes.default:
             sizes, dim = user.args[1], (user.args[2] if len(user.args) > 2 else 0)
-            if dim in (-1, last) and all(isinstance(x, int) and x > 0 for x in sizes) and sum(sizes) == feat:
+            if dim % val.dim() == last and all(isinstance(x, int) and x > 0 for x in sizes) and sum(sizes) == feat:
                 return normalize(tuple(sizes))
     return 1
 
