@@ -48,6 +48,11 @@ def _view(c: Ctx):
     if not isinstance(p, Shard):
         return p, [None]
     ins, outs = shape(x), shape(c.node)
+    tail = len(ins) - p.dim
+    if len(outs) >= tail and all(sympy.simplify(expr(a) - expr(b)) == 0 for a, b in zip(ins[p.dim:], outs[-tail:])):
+        # the sharded dim and every dim after it kept: only the dims before it regrouped (Mamba-2's
+        # (B, S padded, heads, d) -> (B, chunks, chunk, heads, d), whose sizes sympy cannot pair)
+        return Shard(len(outs) - tail, p.interleave), [None]
     for gi, go in _groups(ins, outs):
         if p.dim not in gi:
             continue
