@@ -149,11 +149,31 @@ def _shard_params_cut_at_every_use(gm: fx.GraphModule, axis: str, ctx) -> None:
         direct = {e for u in node.users if u.op == "call_function"
                   for a, e in zip(tensor_inputs(u), meta.expects(u, axis)) if a is node and isinstance(e, Shard)}
         nd = node.meta["val"].dim()
-        for want in [*direct, *(Shard(d) for d in range(nd))]:
+        for want in [*direct, *(Shard(d, k, w) for d in range(nd) for k, w in _layouts_wanted(node, axis))]:
             cut = _cut_through(node, want, axis, ctx)
             if cut is not None:
                 _hold_sharded(node, want, cut, axis)
                 break
+
+
+def _layouts_wanted(param: fx.Node, axis: str, hops: int = 8) -> list[tuple]:
+    """The (interleave, whole) of every shard the ops a few steps after `param` want of what
+    they read (a fused projection's blocks the conv over its channels wants its weight in),
+    the plain contiguous split first."""
+    out, frontier, seen = [(1, ())], [param], {param}
+    for _ in range(hops):
+        nxt = []
+        for n in frontier:
+            for user in n.users:
+                if user.op != "call_function" or user in seen:
+                    continue
+                seen.add(user)
+                for a, e in zip(tensor_inputs(user), meta.expects(user, axis)):
+                    if a is n and isinstance(e, Shard) and (e.interleave, e.whole) not in out:
+                        out.append((e.interleave, e.whole))
+                nxt.append(user)
+        frontier = nxt
+    return out
 
 
 def _cut_through(param: fx.Node, want: Shard, axis: str, ctx):

@@ -799,8 +799,51 @@ def _interleave(layer: _Found, tp: int) -> Interleave:
         if user.target == aten.split_with_sizes.default:
             sizes, dim = user.args[1], (user.args[2] if len(user.args) > 2 else 0)
             if dim % val.dim() == last and all(isinstance(x, int) and x > 0 for x in sizes) and sum(sizes) == feat:
-                return normalize(tuple(sizes))
+                return normalize(tuple(x for i, size in enumerate(sizes) for x in _cut_again(user, i, size, last)))
     return 1
+
+
+# ops a fused part passes on its way to a second cut with its channels kept in place (Mamba-2's
+# xBC: transposed, cast, the depthwise conv, sliced to the sequence, silu, transposed back)
+_CHANNELS_KEPT = _SAME_LAYOUT | {aten.silu.default, aten.slice.Tensor}
+_CONVS = (aten.conv1d.default, aten.convolution.default)
+
+
+def _cut_again(split: fx.Node, i: int, size: int, dim: int, limit: int = 16) -> list[int]:
+    """The sizes part i of a fused output is cut into again after ops that keep its channels
+    in place (Mamba-2's in_proj -> [z | xBC | dt], then conv(xBC) -> [x | B | C]): Megatron
+    lays the projection out by those finer parts, so each rank's slice of every one. [size]
+    when there is no second cut."""
+    cur = next((u for u in split.users if u.target is operator.getitem and u.args[1] == i), None)
+    while cur is not None and limit:
+        limit -= 1
+        nxt = None
+        for user in cur.users:
+            if user.op != "call_function":
+                continue
+            t, a = user.target, user.args
+            nd = cur.meta["val"].dim() if isinstance(cur.meta.get("val"), torch.Tensor) else 0
+            if t == aten.split_with_sizes.default and (a[2] if len(a) > 2 else 0) % max(nd, 1) == dim \
+                    and all(isinstance(x, int) and x > 0 for x in a[1]) and sum(a[1]) == size:
+                return list(a[1])
+            if t == aten.transpose.int and dim in (a[1] % nd, a[2] % nd):
+                nxt, new_dim = user, a[2] % nd if dim == a[1] % nd else a[1] % nd
+            elif t in _CHANNELS_KEPT and not (t == aten.slice.Tensor and (a[1] if len(a) > 1 else 0) % nd == dim):
+                nxt, new_dim = user, dim
+            elif t in _CONVS and a[0] is cur and dim == 1 and _depthwise(user, size):
+                nxt, new_dim = user, dim
+            else:
+                continue
+            break
+        cur = nxt
+        dim = new_dim if nxt is not None else dim
+    return [size]
+
+
+def _depthwise(conv: fx.Node, channels: int) -> bool:
+    at = 8 if conv.target == aten.convolution.default else 6
+    groups = conv.args[at] if len(conv.args) > at else conv.kwargs.get("groups", 1)
+    return groups == channels
 
 
 def _channels_first(layer: _Found) -> list[tuple[fx.Node, fx.Node, int]]:

@@ -245,9 +245,16 @@ def _split(c: Ctx):
     if p.interleave == n_out and len({str(s) for s in sizes}) == 1:
         return tuple([Shard(dim)] * n_out), [None]   # a fused [q|k|v]: each part whole heads
     full = expr(shape(c.inputs[0])[dim])
-    if not isinstance(p.interleave, int) and full.is_Integer and all(expr(x).is_Integer for x in sizes) \
-            and [int(expr(x)) for x in sizes] == layout.block_sizes(int(full), p.interleave):
-        return tuple([Shard(dim)] * n_out), [None]   # unequal fused parts, each this rank's slice
+    if not isinstance(p.interleave, int) and full.is_Integer and all(expr(x).is_Integer for x in sizes):
+        # unequal fused parts, each piece whole consecutive ones: this rank's slice of each (Mamba-2's
+        # [z | x | B | C | dt] cut as [z | xBC | dt], xBC cut again after its conv)
+        pieces, start = [], 0
+        for x in sizes:
+            end = start + int(expr(x))
+            pieces.append(_blocks_cut(p, full, start, end, 1))
+            start = end
+        if all(k is not None for k in pieces):
+            return tuple(Shard(dim, k) for k in pieces), [None]
     return tuple([REPLICATE] * n_out), [REPLICATE]
 
 
