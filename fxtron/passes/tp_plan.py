@@ -809,34 +809,31 @@ _CHANNELS_KEPT = _SAME_LAYOUT | {aten.silu.default, aten.slice.Tensor}
 _CONVS = (aten.conv1d.default, aten.convolution.default)
 
 
-def _cut_again(split: fx.Node, i: int, size: int, dim: int, limit: int = 16) -> list[int]:
+def _cut_again(split: fx.Node, i: int, size: int, dim: int, limit: int = 32) -> list[int]:
     """The sizes part i of a fused output is cut into again after ops that keep its channels
     in place (Mamba-2's in_proj -> [z | xBC | dt], then conv(xBC) -> [x | B | C]): Megatron
     lays the projection out by those finer parts, so each rank's slice of every one. [size]
     when there is no second cut."""
-    cur = next((u for u in split.users if u.target is operator.getitem and u.args[1] == i), None)
-    while cur is not None and limit:
+    start = next((u for u in split.users if u.target is operator.getitem and u.args[1] == i), None)
+    stack, seen = ([(start, dim)] if start is not None else []), set()
+    while stack and limit:
+        cur, dim = stack.pop()
         limit -= 1
-        nxt = None
+        nd = cur.meta["val"].dim() if isinstance(cur.meta.get("val"), torch.Tensor) else 0
         for user in cur.users:
-            if user.op != "call_function":
+            if user.op != "call_function" or user in seen or not nd:
                 continue
+            seen.add(user)
             t, a = user.target, user.args
-            nd = cur.meta["val"].dim() if isinstance(cur.meta.get("val"), torch.Tensor) else 0
-            if t == aten.split_with_sizes.default and (a[2] if len(a) > 2 else 0) % max(nd, 1) == dim \
+            if t == aten.split_with_sizes.default and (a[2] if len(a) > 2 else 0) % nd == dim \
                     and all(isinstance(x, int) and x > 0 for x in a[1]) and sum(a[1]) == size:
                 return list(a[1])
             if t == aten.transpose.int and dim in (a[1] % nd, a[2] % nd):
-                nxt, new_dim = user, a[2] % nd if dim == a[1] % nd else a[1] % nd
+                stack.append((user, a[2] % nd if dim == a[1] % nd else a[1] % nd))
             elif t in _CHANNELS_KEPT and not (t == aten.slice.Tensor and (a[1] if len(a) > 1 else 0) % nd == dim):
-                nxt, new_dim = user, dim
+                stack.append((user, dim))
             elif t in _CONVS and a[0] is cur and dim == 1 and _depthwise(user, size):
-                nxt, new_dim = user, dim
-            else:
-                continue
-            break
-        cur = nxt
-        dim = new_dim if nxt is not None else dim
+                stack.append((user, dim))
     return [size]
 
 
