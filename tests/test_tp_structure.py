@@ -615,6 +615,37 @@ def test_depthwise_conv_weights_split_by_channel():
     assert conv.args[-1] == 32
 
 
+class _WeightLeft(torch.nn.Module):
+    """Mamba-1's slow path in small: up by columns, then `down.weight @ h^T` (a weight on the
+    left, by rows) and a per-channel parameter read through a cast, -exp and an unsqueeze."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(16, 32)
+        self.down = torch.nn.Module()
+        self.down.weight = torch.nn.Parameter(torch.randn(16, 32) * 0.1)
+        self.a_log = torch.nn.Parameter(torch.zeros(32))
+
+    def forward(self, x):
+        h = self.up(x) * -torch.exp(self.a_log.float())[None, None, :]
+        return (self.down.weight @ h.transpose(1, 2)).transpose(1, 2).square().mean()
+
+
+def test_weight_left_of_matmul_and_parameters_through_casts_split():
+    """A weight written on the left of a matmul (transformers' Mamba dt_proj.weight @ dt) is a
+    linear, here the row-parallel one: its input comes split, its output a partial sum, one
+    all-reduce and no gather; a parameter read through a cast, -exp and an unsqueeze by a value
+    split on its dim is held split there (A_log), not whole and sliced each step."""
+    pm = fxtron.parallelize(_WeightLeft(), fxtron.Mesh(2, tp=2), example_inputs=(torch.randn(2, 8, 16),),
+                            plan={"up": "colwise", "down": "rowwise"}, strict=True)
+    local = pm.compiled(0).local
+    assert local["down.weight"].local_shape == (16, 16) and local["a_log"].local_shape == (16,)
+    recs = pm.collectives(0)
+    assert [r.op for r in recs if r.phase == "forward"] == ["all_reduce"], recs
+    assert pm.gathers(0) == [] and pm.fallbacks(0) == [] and count(recs, "all_gather") == 0
+    assert not [n for n in pm.compiled(0).gm.graph.nodes if n.target == torch.ops.fxtron.scatter.default]
+
+
 def test_no_grad_region_inlined_and_its_linears_whole():
     """A torch.no_grad block (export's wrap_with_set_grad_enabled region) is inlined, its
     outputs detached: its linear stays whole (quietly: no gradient reaches it) and takes no

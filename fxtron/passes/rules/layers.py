@@ -97,6 +97,8 @@ def _matmul(c: Ctx):
     nx, ny, no = ndim(x), ndim(y), ndim(c.node)
     if ny == 2 and (meta.is_param(y) or meta.transposed_param(y)):   # activation @ weight (or weight.T)
         return _linear_like(c, x, y, "in_out", None)
+    if nx == 2 and meta.is_param(x) and isinstance(px, Shard) and px.dim == 1 and ny >= 2:
+        return PARTIAL, [None, Shard(ny - 2)]          # weight @ x split by rows: x's features split, a partial sum
     if px.is_replicate() and py.is_replicate():
         return REPLICATE, [None, None]
     # batched matmul of activations: same batch dim sharded on both (attention scores)
