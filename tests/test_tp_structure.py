@@ -497,8 +497,9 @@ class _LearnedBias(torch.nn.Module):
 
 
 class _InnerTable(_LearnedBias):
-    """A learned (T, 4D) table added inside the MLP to the column-split hidden state: a layer's
-    weight that should split with the up projection's columns, which no rule splits."""
+    """A learned (T, 4D) table, summed along its features (a cumsum: no rule splits that dim),
+    added inside the MLP to the column-split hidden state: a layer's weight that should split
+    with the up projection's columns, which no rule splits."""
 
     def __init__(self):
         super().__init__()
@@ -506,7 +507,7 @@ class _InnerTable(_LearnedBias):
 
     def forward(self, idx, targets):
         x = self.emb(idx) + self.table[: idx.shape[1]]
-        x = x + self.down(torch.relu(self.up(x) + self.inner[: idx.shape[1]]))
+        x = x + self.down(torch.relu(self.up(x) + self.inner.cumsum(-1)[: idx.shape[1]]))
         return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
 
@@ -549,7 +550,7 @@ class _PositionTables(_InnerTable):
         axial = torch.cat([w.expand(4, 4, 16).reshape(16, 16) for w in self.axial], dim=-1)
         x = self.emb(idx) * 2.0 + self.table[torch.arange(t, device=idx.device).expand(b, t)]
         x = x + axial[:t]
-        x = x + self.down(torch.relu(self.up(x) + self.inner[:t]))
+        x = x + self.down(torch.relu(self.up(x) + self.inner.cumsum(-1)[:t]))
         return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
 
@@ -669,6 +670,37 @@ def test_depthwise_conv_weights_split_by_channel():
     assert local["gate_weight"].local_shape == (4, 8, 8) and local["gate_bias"].local_shape == (4, 8)
     conv = next(n for n in pm.compiled(0).gm.graph.nodes if n.target == torch.ops.aten.conv1d.default)
     assert conv.args[-1] == 32
+
+
+class _WeightLeft(torch.nn.Module):
+    """Mamba-1's slow path in small: up by columns, then `down.weight @ h^T` (a weight on the
+    left, by rows) and a per-channel parameter read through a cast, -exp and an unsqueeze."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(16, 32)
+        self.down = torch.nn.Module()
+        self.down.weight = torch.nn.Parameter(torch.randn(16, 32) * 0.1)
+        self.a_log = torch.nn.Parameter(torch.zeros(32))
+
+    def forward(self, x):
+        h = self.up(x) * -torch.exp(self.a_log.float())[None, None, :]
+        return (self.down.weight @ h.transpose(1, 2)).transpose(1, 2).square().mean()
+
+
+def test_weight_left_of_matmul_and_parameters_through_casts_split():
+    """A weight written on the left of a matmul (transformers' Mamba dt_proj.weight @ dt) is a
+    linear, here the row-parallel one: its input comes split, its output a partial sum, one
+    all-reduce and no gather; a parameter read through a cast, -exp and an unsqueeze by a value
+    split on its dim is held split there (A_log), not whole and sliced each step."""
+    pm = fxtron.parallelize(_WeightLeft(), fxtron.Mesh(2, tp=2), example_inputs=(torch.randn(2, 8, 16),),
+                            plan={"up": "colwise", "down": "rowwise"}, strict=True)
+    local = pm.compiled(0).local
+    assert local["down.weight"].local_shape == (16, 16) and local["a_log"].local_shape == (16,)
+    recs = pm.collectives(0)
+    assert [r.op for r in recs if r.phase == "forward"] == ["all_reduce"], recs
+    assert pm.gathers(0) == [] and pm.fallbacks(0) == [] and count(recs, "all_gather") == 0
+    assert not [n for n in pm.compiled(0).gm.graph.nodes if n.target == torch.ops.fxtron.scatter.default]
 
 
 def test_no_grad_region_inlined_and_its_linears_whole():

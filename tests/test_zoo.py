@@ -4,7 +4,10 @@ Megatron would -- experts too, when ep does not take them (Megatron's expert ten
 each expert's gate/up split by columns, its down by rows): 3-D weights under a grouped GEMM
 (Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3, GraniteMoE), a bmm of every expert over every token
 (Llama 4, beside its shared expert), one linear per expert's rows (JetMoE's ParallelExperts, in
-its MLP and its mixture of attention heads).
+its MLP and its mixture of attention heads). State-space layers too: Mamba-1 (transformers' slow
+path: in_proj by columns, the depthwise conv, A_log, D and dt_proj -- written weight @ x -- by
+channel, x_proj and out_proj by rows) and Mamba-2 (in_proj's [z | x | B | C | dt] each split by
+heads or groups, the conv, A_log, D and dt_bias by head, the gated norm per group, out_proj by rows).
 
 Compile-only, at tp=2, for every one: each layer linear split (the only linears left whole
 are the routers and MLA's low-rank down-projections, which Megatron keeps whole too), a
@@ -45,7 +48,11 @@ TP4 = ["Mistral", "Gemma3", "OLMoE", "Phi-3", "GPT-2", "Starcoder2", "Mixtral", 
 # forward all-reduces of the hidden state per layer where they differ from Megatron's 2:
 # Falcon's parallel residual adds the attention and MLP partial sums before one all-reduce
 # (CodeGen's and GPT-J's parallel blocks add the MLP's bias after its all-reduce, Megatron's way: 2)
-FWD_PER_LAYER = {"Falcon": 1, "Falcon-40B": 1}
+# (a Mamba-2 mixer is one projection in, one out: 1)
+FWD_PER_LAYER = {"Falcon": 1, "Falcon-40B": 1, "Mamba2": 1}
+# linears split per layer where a layer has fewer than attention's q/kv/o and the MLP's up/down
+# (Mamba-2's mixer alone: in_proj by columns, out_proj by rows)
+SPLIT_PER_LAYER = {"Mamba2": 2}
 # q/k norms over the whole split width (OLMo2, OLMoE): each statistic is one all-reduce of a
 # float per token (the sum of squares), forward; its gradient's, backward
 STATISTICS = {"OLMo2": 2, "OLMoE": 2}
@@ -63,8 +70,17 @@ SEQS = [16, 12]
 _opt = adamw(eps=1e-4)
 
 
+# transformers' Mamba-1 slow path unrolls its scan over the tokens in Python: the traced model
+# takes the example's sequence length only (8), the batch size still free
+FIXED_SEQ = {"hf-mamba": 8}
+# Mamba-2's chunked scan traces with its number of chunks fixed (torch.export specializes the
+# chunk count + 1 of the inter-chunk decay) and its padding branch taken (seq_len % chunk_size):
+# traced at 12 tokens, it trains on 16 and 12 (padded to 16), two chunks of 8 each
+EXAMPLE_SEQ = {"hf-mamba2": 12}
+
+
 def _batches(name):
-    return batches(name, 4, SEQS, seed=10)
+    return batches(name, 4, [FIXED_SEQ[name]] * len(SEQS) if name in FIXED_SEQ else SEQS, seed=10)
 
 
 def _pm(name, tp, **kw):
@@ -83,7 +99,7 @@ def test_split_megatron_way_at_tp2(arch):
     whole = {p: u.why for p, u in plan.replicated.items()}
     assert all(why.startswith(WHOLE_BY_DESIGN) for why in whole.values()), whole
     split = [p for p, style, _ in plan.table() if style != "replicate" and plan.layers[p].kind == "linear"]
-    assert len(split) >= 4 * LAYERS + 1, plan.table()          # at least q/kv/o and up/down per layer, and the head
+    assert len(split) >= SPLIT_PER_LAYER.get(arch, 4) * LAYERS + 1, plan.table()          # at least q/kv/o and up/down per layer, and the head
 
     full = dict(model.named_parameters())
     local = pm.compiled(0).local
@@ -123,7 +139,7 @@ def test_split_megatron_way_at_tp2(arch):
 def _train(rank: int, mesh: fxtron.Mesh, case: str) -> dict:
     arch, sp = case.removesuffix("+sp"), case.endswith("+sp")
     name = ZOO[arch]
-    args, kwargs = batch(name, 2, 8, seed=0)
+    args, kwargs = batch(name, 2, EXAMPLE_SEQ.get(name, 8), seed=0)
     pm = fxtron.parallelize(make(name), mesh, example_inputs=args, example_kwargs=kwargs, sequence_parallel=sp)
     prog = pm.program(rank)
     return train_program(prog, _batches(name), _opt(prog.parameters()))

@@ -15,7 +15,8 @@ ZOO = {"Llama": "hf-llama", "Mistral": "hf-mistral", "Qwen2": "hf-qwen2", "Qwen3
        "Starcoder2": "hf-starcoder2", "SmolLM3": "hf-smollm3", "Mixtral": "hf-mixtral", "Qwen3-MoE": "hf-qwen3moe",
        "DeepSeek-V3": "hf-deepseekv3", "Cohere": "hf-cohere", "CodeGen": "hf-codegen",
        "GPTBigCode": "hf-bigcode", "DeepSeek-V3.2": "hf-deepseekv32", "Llama4": "hf-llama4", "JetMoE": "hf-jetmoe",
-       "GraniteMoE": "hf-granitemoe"}
+       "GraniteMoE": "hf-granitemoe", "Mamba": "hf-mamba",
+       "Mamba2": "hf-mamba2"}
 VOCAB = {"gpt": 256, "gpt-frozen": 256, "llama": 256, "moe": 256, "hf-mixtral-aux": 128, "cumsum-mlp": 64, "factories-mlp": 64, "gather-mlp": 64, "einsum-attn": 64,
          "nanogpt": 64, "hf-gpt2-eager": 128, "hf-qwen2-tied": 128, **{n: 128 for n in ZOO.values()}}
 NAMES = ["gpt", "llama", "hf-gpt2", "hf-llama"]
@@ -425,6 +426,18 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
             n_shared_experts=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
             first_k_dense_replace=1, n_group=1, topk_group=1, index_n_heads=4, index_head_dim=16,
             index_topk=4, **ids)),
+        # Mamba-1 (transformers' slow path): in_proj fused [x | z] cut by chunk, a causal depthwise conv,
+        # x_proj -> [dt | B | C], dt_proj written dt_proj.weight @ dt, -exp(A_log), the scan over channels
+        "hf-mamba": lambda: T.MambaForCausalLM(T.MambaConfig(
+            vocab_size=128, hidden_size=64, state_size=8, num_hidden_layers=layers, expand=2, conv_kernel=4,
+            time_step_rank=8, use_mambapy=False, **ids)),
+        # Mamba-2 (transformers' torch path): in_proj fused [z | xBC | dt], xBC through the depthwise conv
+        # cut again into [x | B | C] (2 groups: each rank its own, as Megatron requires), the chunked
+        # scan over the sequence padded to the chunk size, the gated norm per group, out_proj by rows (no
+        # inference cache: its conv state, a copy into a whole buffer, is not training)
+        "hf-mamba2": lambda: T.Mamba2ForCausalLM(T.Mamba2Config(
+            vocab_size=128, hidden_size=64, num_heads=8, head_dim=16, expand=2, n_groups=2, state_size=8,
+            num_hidden_layers=layers, chunk_size=8, conv_kernel=4, use_cache=False, **ids)),
     }
     if name in zoo:
         return zoo[name]()

@@ -120,10 +120,16 @@ def _localize(g: fx.Graph, node: fx.Node, axis: str, n: int) -> None:
             # whole blocks of a fused projection: each block holds 1/n of its rows here
             bounds = [b if b is None or b >= 2**62 else _div(b, n, node, axis) for b in node.args[2:4]]
             node.args = (node.args[0], node.args[1], *bounds, *node.args[4:])
-    elif t == aten.repeat_interleave.self_int and isinstance(pl, Shard) and node.kwargs.get("output_size"):
+    elif t == aten.repeat_interleave.self_int and isinstance(pl, Shard) and node.kwargs.get("output_size") \
+            and _repeated_dim(node) == pl.dim:       # (split on another dim: the repeated one is whole)
         kw = dict(node.kwargs)
         kw["output_size"] = _div(kw["output_size"], n, node, axis)
         node.kwargs = kw
+
+
+def _repeated_dim(node: fx.Node) -> int | None:
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    return None if dim is None else dim % node.meta["val"].dim()
 
 
 def _div(size, n: int, node: fx.Node, axis: str):

@@ -24,8 +24,9 @@ from typing import Mapping
 import torch
 import torch.fx as fx
 
-from fxtron.core import meta, opsets
+from fxtron.core import meta
 from fxtron.core.axes import MeshView
+from fxtron.errors import ParallelizeError
 from fxtron.core.placement import REPLICATE, Placement, Replicate, Shard
 from fxtron.passes.rules import order as local_order
 from fxtron.passes.rules import Ctx, no_rule, rule_for, tensor_inputs
@@ -123,7 +124,9 @@ def propagate(gm: fx.GraphModule, layout: AxisLayout, *, mesh: MeshView) -> fx.G
         if out is not None:
             meta.set_placement(node, axis, out)
         meta.set_expects(node, axis, tuple(expects))
-    _shard_params_cut_at_every_use(gm, axis)
+    _shard_params_cut_at_every_use(gm, axis, lambda node, placed: Ctx(
+        node, placed, axis=axis, size=size, trace=ti, partials_to_sequence=layout.partials_to_sequence,
+        balanced=layout.balanced, options=layout.options, grad=grad))
     meta.add_graph_axis(gm, axis)
     if layout.balanced:
         meta.add_balanced_axis(gm, axis)
@@ -132,57 +135,98 @@ def propagate(gm: fx.GraphModule, layout: AxisLayout, *, mesh: MeshView) -> fx.G
     return gm
 
 
-def _shard_params_cut_at_every_use(gm: fx.GraphModule, axis: str) -> None:
+def _shard_params_cut_at_every_use(gm: fx.GraphModule, axis: str, ctx) -> None:
     """A parameter the layout leaves whole but whose every use wants the same shard of it (a
     norm's weight over the features of a column-split projection, OLMo2's q_norm) is held
     sharded: each rank stores and updates its slice, with no scatter in forward and no
-    all-gather of its gradient in backward."""
+    all-gather of its gradient in backward. The same through ops that read the parameter alone
+    and keep a shard of it (casts, exp, neg, squeeze / unsqueeze, transposes: Mamba's
+    -exp(A_log.float()), conv1d.weight.squeeze(1) ... unsqueeze(1), dt_proj.bias[:, None]):
+    those ops then run on the rank's slice, as their rules say they may."""
     for node in gm.graph.nodes:
         if node.op != "placeholder" or not meta.is_param(node) or not node.users:
             continue
         if not isinstance(meta.placement(node, axis), Replicate):
             continue
-        chain = _unit_dims_added(node, axis)
-        end = chain[-1] if chain else node
-        wants = set()
-        for user in end.users:
-            inputs = tensor_inputs(user)
-            expects = meta.expects(user, axis) if user.op == "call_function" else ()
-            wants |= {expects[i] if i < len(expects) else None for i, a in enumerate(inputs) if a is end}
-        if len(wants) != 1 or not isinstance(next(iter(wants)), Shard):
-            continue
-        want = next(iter(wants))
-        dims = [want.dim]                   # the shard's dim at each step, back to the parameter's
-        for u in reversed(chain):
-            if u.target == aten.unsqueeze.default:
-                k = u.args[1] % u.meta["val"].dim()
-                if k == dims[-1]:
-                    break                   # the added unit dim itself: no shard of the parameter
-                dims.append(dims[-1] - (1 if k < dims[-1] else 0))
-            else:
-                dims.append(dims[-1])
-        if len(dims) != len(chain) + 1:
-            continue
-        for n, d in zip([node, *chain], reversed(dims)):
-            meta.set_placement(n, axis, Shard(d, want.interleave, want.whole))
-            if n is not node:
-                meta.set_expects(n, axis, (None,))
-        for user in end.users:
-            inputs = tensor_inputs(user)
-            meta.set_expects(user, axis, tuple(None if a is end else e
-                                               for a, e in zip(inputs, meta.expects(user, axis))))
+        direct = {e for u in node.users if u.op == "call_function"
+                  for a, e in zip(tensor_inputs(u), meta.expects(u, axis)) if a is node and isinstance(e, Shard)}
+        nd = node.meta["val"].dim()
+        for want in [*direct, *(Shard(d, k, w) for d in range(nd) for k, w in _layouts_wanted(node, axis))]:
+            cut = _cut_through(node, want, axis, ctx)
+            if cut is not None:
+                _hold_sharded(node, want, cut, axis)
+                break
 
 
-def _unit_dims_added(param: fx.Node, axis: str) -> list[fx.Node]:
-    """The chain of single uses that only add unit dims to a whole parameter or cast it (RG-LRU's
-    per-head gate bias, bias[:, None, :] before the baddbmm that splits the heads): a shard the
-    chain's end is cut to is a shard of the parameter, held so."""
-    chain, cur = [], param
-    while len(cur.users) == 1:
-        (u,) = cur.users
-        if not (u.op == "call_function" and (u.target == aten.unsqueeze.default or u.target in opsets.LOOK_THROUGH)
-                and u.args[0] is cur and isinstance(meta.placement(u, axis), Replicate)):
-            break
-        chain.append(u)
-        cur = u
-    return chain
+def _layouts_wanted(param: fx.Node, axis: str, hops: int = 8) -> list[tuple]:
+    """The (interleave, whole) of every shard the ops a few steps after `param` want of what
+    they read (a fused projection's blocks the conv over its channels wants its weight in),
+    the plain contiguous split first."""
+    out, frontier, seen = [(1, ())], [param], {param}
+    for _ in range(hops):
+        nxt = []
+        for n in frontier:
+            for user in n.users:
+                if user.op != "call_function" or user in seen:
+                    continue
+                seen.add(user)
+                for a, e in zip(tensor_inputs(user), meta.expects(user, axis)):
+                    if a is n and isinstance(e, Shard) and (e.interleave, e.whole) not in out:
+                        out.append((e.interleave, e.whole))
+                nxt.append(user)
+        frontier = nxt
+    return out
+
+
+def _cut_through(param: fx.Node, want: Shard, axis: str, ctx):
+    """Placed `want`, does every use of `param` -- directly or through ops reading it alone --
+    end at an op that expects exactly that shard of what it reads? Then ({op reading the
+    parameter alone: (its placement, its expects)}, [(terminal op, the value it reads)]), else
+    None."""
+    hyp: dict[fx.Node, Placement] = {param: want}
+    chain: dict[fx.Node, tuple] = {}
+    ends: list[tuple[fx.Node, fx.Node]] = []
+    stack = [param]
+    while stack:
+        n = stack.pop()
+        for user in n.users:
+            if user in chain:
+                continue
+            if user.op != "call_function":
+                return None
+            inputs = tensor_inputs(user)
+            expects = meta.expects(user, axis)
+            mine = [i for i, a in enumerate(inputs) if a is n]
+            if all(i < len(expects) and expects[i] == hyp[n] for i in mine):
+                ends.append((user, n))
+                continue
+            if not all(a in hyp for a in inputs) or not isinstance(user.meta.get("val"), torch.Tensor):
+                return None
+            rule = rule_for(user.target)
+            c = ctx(user, {**{a: hyp[a] for a in inputs}})
+            try:
+                ruled = rule(c) if rule is not None else None
+            except ParallelizeError:
+                return None
+            if ruled is None or any(e is not None and e != hyp[a] for a, e in zip(inputs, ruled[1])):
+                return None             # it would move the shard: not a use that keeps it
+            if not isinstance(ruled[0], Shard):
+                if ruled[0] != meta.placement(user, axis):   # reads only its dtype (new_zeros): unchanged
+                    return None
+                ends.append((user, n))
+                continue
+            hyp[user] = ruled[0]
+            chain[user] = ruled
+            stack.append(user)
+    return (chain, ends) if ends else None
+
+
+def _hold_sharded(param: fx.Node, want: Shard, cut, axis: str) -> None:
+    chain, ends = cut
+    meta.set_placement(param, axis, want)
+    for n, (out, expects) in chain.items():
+        meta.set_placement(n, axis, out)
+        meta.set_expects(n, axis, tuple(expects))
+    for user, n in ends:
+        inputs = tensor_inputs(user)
+        meta.set_expects(user, axis, tuple(None if a is n else e for a, e in zip(inputs, meta.expects(user, axis))))

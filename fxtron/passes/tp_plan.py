@@ -88,7 +88,8 @@ _BY_NAME = {"colwise": Colwise(), "rowwise": Rowwise(), "vocab": VocabParallel()
 @dataclass(frozen=True)
 class Layer:
     """A linear or embedding found in the graph: its node's name, module path, weight and bias
-    parameter names, and the weight layout ('out_in' as nn.Linear, 'in_out' as Conv1D/mm; for
+    parameter names, and the weight layout ('out_in' as nn.Linear, 'in_out' as Conv1D/mm, 'left'
+    for weight @ x: nn.Linear's weight, the features on the output's dim -2; for
     the 3-D weights of a mixture of experts, one matrix per expert, 'e_out_in' / 'e_in_out')."""
 
     node: str
@@ -96,7 +97,7 @@ class Layer:
     path: str
     weight: str
     bias: str | None
-    layout: str                    # "out_in" | "in_out" | "e_out_in" | "e_in_out"
+    layout: str                    # "out_in" | "in_out" | "left" | "e_out_in" | "e_in_out"
     in_features: int
     out_features: int
 
@@ -270,6 +271,11 @@ def find_layers(gm: fx.GraphModule) -> dict[str, _Found]:
             w = _param_name(a[1])
             shape = a[1].meta["val"].shape
             layer = _Found(node, "linear", _owner(w), w, None, "in_out", int(shape[0]), int(shape[1]))
+        elif (t in (aten.mm.default, aten.matmul.default) and _param_name(a[0]) and a[0].meta["val"].dim() == 2
+              and not _param_name(a[1])):
+            w = _param_name(a[0])                            # weight @ x (Mamba's dt_proj.weight @ dt^T)
+            shape = a[0].meta["val"].shape
+            layer = _Found(node, "linear", _owner(w), w, None, "left", int(shape[1]), int(shape[0]))
         elif t in (aten.mm.default, aten.matmul.default) and meta.transposed_param(a[1]):
             w = _param_name(a[1].args[0])                    # x @ weight.T (Falcon): nn.Linear's layout
             shape = a[1].args[0].meta["val"].shape
@@ -296,7 +302,7 @@ def find_layers(gm: fx.GraphModule) -> dict[str, _Found]:
 
 
 #: (out features dim, in features dim) of a weight, by layout
-WEIGHT_DIMS = {"out_in": (0, 1), "in_out": (1, 0), "e_out_in": (1, 2), "e_in_out": (2, 1)}
+WEIGHT_DIMS = {"out_in": (0, 1), "left": (0, 1), "in_out": (1, 0), "e_out_in": (1, 2), "e_in_out": (2, 1)}
 
 
 def _is_grouped_mm(target) -> bool:
@@ -836,6 +842,8 @@ def whole_parts(linear: fx.Node, out_features: int, k: Interleave, tp: int) -> t
 def _interleave(layer: _Found, tp: int) -> Interleave:
     """k for a fused projection split later into k equal parts (or viewed as (k, heads, d)), or
     the proportions of unequal parts cut from it by slicing or split_with_sizes."""
+    if layer.layout == "left":
+        return 1          # weight @ x: its features on dim -2, not cut into fused parts
     feat = layer.out_features
     sliced = _sliced_blocks(layer)
     if sliced is not None:
@@ -851,26 +859,66 @@ def _interleave(layer: _Found, tp: int) -> Interleave:
         val = via.meta.get("val")
         if val is None:
             continue
-        last = val.dim() - 1 if last is None else last
+        last = val.dim() - 1 if last is None else last     # (a negative dim counts from the end: -2 of channels first)
         whole = not isinstance(val.shape[last], torch.SymInt) and int(val.shape[last]) == feat   # the features, not a head's
         if user.target in (aten.split.Tensor, aten.chunk.default, aten.split_with_sizes.default):
             dim = user.args[2] if len(user.args) > 2 else 0
             blocks = _model_parallel_blocks(via, feat)
-            if dim in (-1, last) and blocks is not None and blocks % tp == 0:
+            if dim % val.dim() == last and blocks is not None and blocks % tp == 0:
                 return 1
         if user.target == aten.split.Tensor:
             size, dim = user.args[1], (user.args[2] if len(user.args) > 2 else 0)
-            if dim in (-1, last) and whole and isinstance(size, int) and feat % size == 0:
+            if dim % val.dim() == last and whole and isinstance(size, int) and feat % size == 0:
                 return feat // size
         if user.target in (aten.chunk.default, aten.tensor_split.sections):
             chunks, dim = user.args[1], (user.args[2] if len(user.args) > 2 else 0)
-            if dim in (-1, last) and whole and isinstance(chunks, int) and feat % chunks == 0:
+            if dim % val.dim() == last and whole and isinstance(chunks, int) and feat % chunks == 0:
                 return chunks
         if user.target == aten.split_with_sizes.default:
             sizes, dim = user.args[1], (user.args[2] if len(user.args) > 2 else 0)
-            if dim in (-1, last) and all(isinstance(x, int) and x > 0 for x in sizes) and sum(sizes) == feat:
-                return normalize(tuple(sizes))
+            if dim % val.dim() == last and all(isinstance(x, int) and x > 0 for x in sizes) and sum(sizes) == feat:
+                return normalize(tuple(x for i, size in enumerate(sizes) for x in _cut_again(user, i, size, last)))
     return 1
+
+
+# ops a fused part passes on its way to a second cut with its channels kept in place (Mamba-2's
+# xBC: transposed, cast, the depthwise conv, sliced to the sequence, silu, transposed back)
+_CHANNELS_KEPT = _SAME_LAYOUT | {aten.silu.default, aten.slice.Tensor}
+_CONVS = (aten.conv1d.default, aten.convolution.default)
+
+
+def _cut_again(split: fx.Node, i: int, size: int, dim: int, limit: int = 32) -> list[int]:
+    """The sizes part i of a fused output is cut into again after ops that keep its channels
+    in place (Mamba-2's in_proj -> [z | xBC | dt], then conv(xBC) -> [x | B | C]): Megatron
+    lays the projection out by those finer parts, so each rank's slice of every one. [size]
+    when there is no second cut."""
+    start = next((u for u in split.users if u.target is operator.getitem and u.args[1] == i), None)
+    stack, seen = ([(start, dim)] if start is not None else []), set()
+    while stack and limit:
+        cur, dim = stack.pop()
+        limit -= 1
+        nd = cur.meta["val"].dim() if isinstance(cur.meta.get("val"), torch.Tensor) else 0
+        for user in cur.users:
+            if user.op != "call_function" or user in seen or not nd:
+                continue
+            seen.add(user)
+            t, a = user.target, user.args
+            if t == aten.split_with_sizes.default and (a[2] if len(a) > 2 else 0) % nd == dim \
+                    and all(isinstance(x, int) and x > 0 for x in a[1]) and sum(a[1]) == size:
+                return list(a[1])
+            if t == aten.transpose.int and dim in (a[1] % nd, a[2] % nd):
+                stack.append((user, a[2] % nd if dim == a[1] % nd else a[1] % nd))
+            elif t in _CHANNELS_KEPT and not (t == aten.slice.Tensor and (a[1] if len(a) > 1 else 0) % nd == dim):
+                stack.append((user, dim))
+            elif t in _CONVS and a[0] is cur and dim == 1 and _depthwise(user, size):
+                stack.append((user, dim))
+    return [size]
+
+
+def _depthwise(conv: fx.Node, channels: int) -> bool:
+    at = 8 if conv.target == aten.convolution.default else 6
+    groups = conv.args[at] if len(conv.args) > at else conv.kwargs.get("groups", 1)
+    return groups == channels
 
 
 def _channels_first(layer: _Found) -> list[tuple[fx.Node, fx.Node, int]]:

@@ -13,7 +13,7 @@ from fxtron.core import meta
 from fxtron.core.placement import PARTIAL, REPLICATE, Shard
 from fxtron.errors import ParallelizeError
 from fxtron.passes.rules import order
-from fxtron.passes.rules.registry import Ctx, is_one, ndim, norm, register_lowering, register_rule, shape
+from fxtron.passes.rules.registry import Ctx, expr, is_one, ndim, norm, register_lowering, register_rule, shape
 
 aten = torch.ops.aten
 
@@ -97,6 +97,8 @@ def _matmul(c: Ctx):
     nx, ny, no = ndim(x), ndim(y), ndim(c.node)
     if ny == 2 and (meta.is_param(y) or meta.transposed_param(y)):   # activation @ weight (or weight.T)
         return _linear_like(c, x, y, "in_out", None)
+    if nx == 2 and meta.is_param(x) and isinstance(px, Shard) and px.dim == 1 and ny >= 2:
+        return PARTIAL, [None, Shard(ny - 2)]          # weight @ x split by rows: x's features split, a partial sum
     if px.is_replicate() and py.is_replicate():
         return REPLICATE, [None, None]
     # batched matmul of activations: same batch dim sharded on both (attention scores)
@@ -177,7 +179,8 @@ def _conv(c: Ctx):
     if isinstance(px, Shard) and px.dim == ch and isinstance(groups, int) and groups % c.size == 0 \
             and not px.whole and (pw.is_replicate() or pw == Shard(0, px.interleave)):
         blocks = px.interleave if isinstance(px.interleave, int) else None
-        if blocks is None or groups % (blocks * c.size) != 0:
+        depthwise = groups == expr(shape(x)[ch])      # one channel a group: any whole blocks of channels
+        if not depthwise and (blocks is None or groups % (blocks * c.size) != 0):
             return REPLICATE, whole
         want = Shard(0, px.interleave)
         expects = [None if a is x else want for a in c.inputs]

@@ -48,6 +48,11 @@ def _view(c: Ctx):
     if not isinstance(p, Shard):
         return p, [None]
     ins, outs = shape(x), shape(c.node)
+    tail = len(ins) - p.dim
+    if len(outs) >= tail and all(sympy.simplify(expr(a) - expr(b)) == 0 for a, b in zip(ins[p.dim:], outs[-tail:])):
+        # the sharded dim and every dim after it kept: only the dims before it regrouped (Mamba-2's
+        # (B, S padded, heads, d) -> (B, chunks, chunk, heads, d), whose sizes sympy cannot pair)
+        return Shard(len(outs) - tail, p.interleave), [None]
     for gi, go in _groups(ins, outs):
         if p.dim not in gi:
             continue
@@ -273,9 +278,16 @@ def _split(c: Ctx):
     if p.interleave == n_out and len({str(s) for s in sizes}) == 1:
         return tuple([Shard(dim)] * n_out), [None]   # a fused [q|k|v]: each part whole heads
     full = expr(shape(c.inputs[0])[dim])
-    if not isinstance(p.interleave, int) and full.is_Integer and all(expr(x).is_Integer for x in sizes) \
-            and [int(expr(x)) for x in sizes] == layout.block_sizes(int(full), p.interleave):
-        return tuple([Shard(dim)] * n_out), [None]   # unequal fused parts, each this rank's slice
+    if not isinstance(p.interleave, int) and full.is_Integer and all(expr(x).is_Integer for x in sizes):
+        # unequal fused parts, each piece whole consecutive ones: this rank's slice of each (Mamba-2's
+        # [z | x | B | C | dt] cut as [z | xBC | dt], xBC cut again after its conv)
+        pieces, start = [], 0
+        for x in sizes:
+            end = start + int(expr(x))
+            pieces.append(_blocks_cut(p, full, start, end, 1))
+            start = end
+        if all(k is not None for k in pieces):
+            return tuple(Shard(dim, k) for k in pieces), [None]
     return tuple([REPLICATE] * n_out), [REPLICATE]
 
 
