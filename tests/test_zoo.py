@@ -1,4 +1,4 @@
-"""The transformers decoder architectures fxtron is held to (tp_models.ZOO: 31 families, and
+"""The transformers decoder architectures fxtron is held to (tp_models.ZOO: 33 families, and
 Falcon in both its layouts, from tiny random configs, two layers, no downloads), split the way
 Megatron would -- experts too, when ep does not take them (Megatron's expert tensor parallelism:
 each expert's gate/up split by columns, its down by rows): 3-D weights under a grouped GEMM
@@ -45,17 +45,23 @@ TP4 = ["Mistral", "Gemma3", "OLMoE", "Phi-3", "GPT-2", "Starcoder2", "Mixtral", 
 # forward all-reduces of the hidden state per layer where they differ from Megatron's 2:
 # Falcon's parallel residual adds the attention and MLP partial sums before one all-reduce
 # (CodeGen's and GPT-J's parallel blocks add the MLP's bias after its all-reduce, Megatron's way: 2)
-FWD_PER_LAYER = {"Falcon": 1, "Falcon-40B": 1}
+# Doge's dt_proj reads the rank's value heads (its input split, row-parallel) and gives one
+# number per head and token: a third, small all-reduce (B, S, heads), then sliced to the rank's heads
+FWD_PER_LAYER = {"Falcon": 1, "Falcon-40B": 1, "Doge": 3}
 # q/k norms over the whole split width (OLMo2, OLMoE): each statistic is one all-reduce of a
 # float per token (the sum of squares), forward; its gradient's, backward
 STATISTICS = {"OLMo2": 2, "OLMoE": 2}
 # statistics all-reduced once per step, not per layer: Cohere's layer norm, written out, takes
-# the mean of the vocab-parallel embedding's partial sum before that sum is all-reduced
-STATISTICS_ONCE = {"Cohere": 1}
+# the mean of the vocab-parallel embedding's partial sum before that sum is all-reduced; MiniMax's
+# lightning attention (the second of its two layers) norms its heads' output over the whole split width
+STATISTICS_ONCE = {"Cohere": 1, "MiniMax": 1}
 # all-gathers in backward only: GPTBigCode's one key and value head, whole on every rank and
 # expanded to the query heads, is sliced to the rank's heads; the slice's backward gathers the
 # gradient (2 a layer). Megatron cannot split this layer at all
-BACKWARD_GATHERS = {"GPTBigCode": 2}
+# Doge's dynamic mask is made whole (from dt_proj's all-reduced output, a number per head and
+# token) and expanded to (B, heads, S, S) before it is sliced to the rank's heads: the slice's
+# backward gathers that gradient (1 a layer; slicing before the expand would gather B*S*heads)
+BACKWARD_GATHERS = {"GPTBigCode": 2, "Doge": 1}
 # linears Megatron keeps whole, and why (DeepSeek-V3.2's indexer: whole in DeepSeek's reference)
 WHOLE_BY_DESIGN = ("a router", "a low-rank down-projection", "computed under torch.no_grad")
 LAYER_PARAM = re.compile(r"\.(layers|h)\.\d+\.")

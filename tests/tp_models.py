@@ -15,7 +15,7 @@ ZOO = {"Llama": "hf-llama", "Mistral": "hf-mistral", "Qwen2": "hf-qwen2", "Qwen3
        "Starcoder2": "hf-starcoder2", "SmolLM3": "hf-smollm3", "Mixtral": "hf-mixtral", "Qwen3-MoE": "hf-qwen3moe",
        "DeepSeek-V3": "hf-deepseekv3", "Cohere": "hf-cohere", "CodeGen": "hf-codegen",
        "GPTBigCode": "hf-bigcode", "DeepSeek-V3.2": "hf-deepseekv32", "Llama4": "hf-llama4", "JetMoE": "hf-jetmoe",
-       "GraniteMoE": "hf-granitemoe"}
+       "GraniteMoE": "hf-granitemoe", "MiniMax": "hf-minimax", "Doge": "hf-doge"}
 VOCAB = {"gpt": 256, "gpt-frozen": 256, "llama": 256, "moe": 256, "hf-mixtral-aux": 128, "cumsum-mlp": 64, "factories-mlp": 64, "gather-mlp": 64, "einsum-attn": 64,
          "nanogpt": 64, "hf-gpt2-eager": 128, "hf-qwen2-tied": 128, **{n: 128 for n in ZOO.values()}}
 NAMES = ["gpt", "llama", "hf-gpt2", "hf-llama"]
@@ -354,6 +354,16 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
             n_shared_experts=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
             first_k_dense_replace=1, n_group=1, topk_group=1, index_n_heads=4, index_head_dim=16,
             index_topk=4, **ids)),
+        # softmax attention, then lightning (linear) attention with its output gate, each residual
+        # joined as `residual * alpha + sublayer * beta` (the residual scaled after the sublayer)
+        "hf-minimax": lambda: T.MiniMaxForCausalLM(T.MiniMaxConfig(
+            **{**common, "intermediate_size": 32}, **kv, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+            layer_types=["full_attention", "linear_attention"], full_attn_alpha_factor=0.5,
+            full_attn_beta_factor=2.0, linear_attn_alpha_factor=0.75, linear_attn_beta_factor=1.5,
+            mlp_alpha_factor=0.5, mlp_beta_factor=1.25, **ids)),
+        # dynamic mask attention (dt_proj of the values biases each head's scores), residuals scaled
+        # by learned per-feature weights (`post_attention_residual * residual + attention`)
+        "hf-doge": lambda: T.DogeForCausalLM(T.DogeConfig(**common, **kv, **ids)),
     }
     if name in zoo:
         return zoo[name]()

@@ -6,7 +6,8 @@ every parameter; the tensor-parallel passes (passes/tp.py) apply it.
 
 How the pattern is found, with no knowledge of the model's code:
 - a linear whose output reaches a residual add (an add whose other operand was computed before
-  the linear) through shape ops only is an output projection: rowwise (attn.proj, mlp.fc2,
+  the linear, or is such a value scaled by a number or a weight: MiniMax's and Doge's scaled
+  residuals) through shape ops only is an output projection: rowwise (attn.proj, mlp.fc2,
   o_proj, down_proj);
 - a linear whose output reaches a rowwise linear without crossing another residual is a first
   projection: colwise (q/k/v or fused qkv, fc1, gate and up); a fused output later split into k
@@ -448,8 +449,13 @@ def _is_residual(add: fx.Node, via: fx.Node, linear: fx.Node, order: dict[fx.Nod
     return isinstance(b, torch.Tensor) and _earlier_term(other, tuple(b.shape), linear, order)
 
 
+_SCALINGS = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
+
+
 def _earlier_term(node, shape: tuple, linear: fx.Node, order: dict[fx.Node, int], depth: int = 4) -> bool:
-    """`node`, of `shape`, was computed before `linear`, or is a sum with such a term."""
+    """`node`, of `shape`, was computed before `linear`, or is a sum with such a term, or such a
+    value scaled by a number or a weight, or cast (MiniMax's `residual * alpha + attention * beta`:
+    the residual's scaling is computed after the sublayer)."""
     if not isinstance(node, fx.Node):
         return False
     a = node.meta.get("val")
@@ -457,8 +463,26 @@ def _earlier_term(node, shape: tuple, linear: fx.Node, order: dict[fx.Node, int]
         return False
     if order[node] < order[linear]:
         return True
-    return (depth > 0 and node.op == "call_function" and node.target in _ADDS
-            and any(_earlier_term(t, shape, linear, order, depth - 1) for t in node.args[:2]))
+    if depth <= 0 or node.op != "call_function":
+        return False
+    if node.target in _ADDS:
+        return any(_earlier_term(t, shape, linear, order, depth - 1) for t in node.args[:2])
+    if node.target in _SAME_LAYOUT:
+        return _earlier_term(node.args[0], shape, linear, order, depth - 1)
+    if node.target in _SCALINGS and _is_scale(node.args[1]):
+        return _earlier_term(node.args[0], shape, linear, order, depth - 1)
+    if node.target in (aten.mul.Tensor, aten.mul.Scalar) and _is_scale(node.args[0]):
+        return _earlier_term(node.args[1], shape, linear, order, depth - 1)
+    return False
+
+
+def _is_scale(x) -> bool:
+    """A number, or a parameter or buffer (a learned per-feature scale: Doge's
+    `post_attention_residual * residual + attention`)."""
+    if isinstance(x, (int, float)):
+        return True
+    spec = meta.get(x, meta.INPUT) if isinstance(x, fx.Node) else None
+    return isinstance(x, fx.Node) and (x.op == "get_attr" or (spec is not None and spec.kind != "user"))
 
 
 _ELEMENTWISE = {aten.gelu.default, aten.relu.default, aten.tanh.default, aten.silu.default, aten.sigmoid.default,
