@@ -15,7 +15,8 @@ ZOO = {"Llama": "hf-llama", "Mistral": "hf-mistral", "Qwen2": "hf-qwen2", "Qwen3
        "Starcoder2": "hf-starcoder2", "SmolLM3": "hf-smollm3", "Mixtral": "hf-mixtral", "Qwen3-MoE": "hf-qwen3moe",
        "DeepSeek-V3": "hf-deepseekv3", "Cohere": "hf-cohere", "CodeGen": "hf-codegen",
        "GPTBigCode": "hf-bigcode", "DeepSeek-V3.2": "hf-deepseekv32", "Llama4": "hf-llama4", "JetMoE": "hf-jetmoe",
-       "GraniteMoE": "hf-granitemoe", "MiniMax": "hf-minimax", "Doge": "hf-doge"}
+       "GraniteMoE": "hf-granitemoe", "MiniMax": "hf-minimax", "Doge": "hf-doge",
+       "CPM-Ant": "hf-cpmant", "LongCat-Flash": "hf-longcat"}
 VOCAB = {"gpt": 256, "gpt-frozen": 256, "llama": 256, "moe": 256, "hf-mixtral-aux": 128, "cumsum-mlp": 64, "factories-mlp": 64, "gather-mlp": 64, "einsum-attn": 64,
          "nanogpt": 64, "hf-gpt2-eager": 128, "hf-qwen2-tied": 128, **{n: 128 for n in ZOO.values()}}
 NAMES = ["gpt", "llama", "hf-gpt2", "hf-llama"]
@@ -364,6 +365,18 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
         # dynamic mask attention (dt_proj of the values biases each head's scores), residuals scaled
         # by learned per-feature weights (`post_attention_residual * residual + attention`)
         "hf-doge": lambda: T.DogeForCausalLM(T.DogeConfig(**common, **kv, **ids)),
+        # a relative position bias of the scores' own shape added before the softmax (no residual)
+        "hf-cpmant": lambda: T.CpmAntForCausalLM(T.CpmAntConfig(
+            vocab_size=128, hidden_size=64, num_attention_heads=8, dim_head=8, dim_ff=96, num_hidden_layers=layers,
+            dropout_p=0.0, position_bias_num_buckets=32, position_bias_max_distance=64, prompt_types=4,
+            prompt_length=4, segment_types=4, init_std=0.02, use_cache=False)),
+        # two attentions and two dense MLPs a layer beside a mixture of experts with zero (identity)
+        # experts, multi-latent attention, outputs scaled before the residual
+        "hf-longcat": lambda: T.LongcatFlashForCausalLM(T.LongcatFlashConfig(
+            vocab_size=128, hidden_size=64, num_layers=layers, num_attention_heads=8, num_key_value_heads=8,
+            max_position_embeddings=64, ffn_hidden_size=96, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
+            qk_rope_head_dim=4, head_dim=4, v_head_dim=8, qk_head_dim=12, moe_topk=2, n_routed_experts=4,
+            zero_expert_num=2, expert_ffn_hidden_size=32, routed_scaling_factor=2.0, **ids)),
     }
     if name in zoo:
         return zoo[name]()

@@ -623,10 +623,20 @@ def _feeds_row(layer: _Found, rows: set[fx.Node], linears: set[fx.Node], order, 
                 return True
             if user in linears:
                 continue
-            if user.target in _ADDS and _is_residual(user, cur, layer.node, order):
+            if user.target in _ADDS and _is_residual(user, cur, layer.node, order) and not _on_heads(user, layer):
                 continue  # a residual: the layer's region ends here
             frontier.append(user)
     return False
+
+
+def _on_heads(add: fx.Node, layer: _Found) -> bool:
+    """Is `add` on attention's scores, not the hidden state: more dims than the linear's output
+    (its features viewed as heads, (B, heads, S, S)), for a linear of one weight (an expert's
+    output has fewer dims than the hidden state it joins). CPM-Ant adds a position bias of the
+    scores' own shape, computed before its projections: no residual."""
+    val, out = add.meta.get("val"), layer.node.meta.get("val")
+    return (not layer.layout.startswith("e_") and isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor)
+            and val.dim() > out.dim())
 
 
 def _sliced_blocks(layer: _Found) -> Interleave | None:
@@ -893,14 +903,22 @@ _IDS_KEPT = {aten.where.ScalarSelf: 2, aten.where.ScalarOther: 1, aten.masked_fi
 
 
 def _looks_up_user_ids(layer: _Found) -> bool:
-    ids, hops = layer.node.args[1], 0
-    while isinstance(ids, fx.Node) and hops < 8:
+    return _user_ids(layer.node.args[1], 8)
+
+
+def _user_ids(ids, hops: int) -> bool:
+    """Are `ids` the user's token ids, through shape ops, casts, a replacement of some ids
+    (_IDS_KEPT), or a concatenation with other ids (CPM-Ant's prompt ids put before the
+    text's: the table holds both, split by rows as one vocabulary)?"""
+    while isinstance(ids, fx.Node) and hops > 0:
         spec = meta.get(ids, meta.INPUT)
         if spec is not None:
             return spec.kind == "user"
+        if ids.op == "call_function" and ids.target == aten.cat.default:
+            return any(_user_ids(part, hops - 1) for part in ids.args[0])
         if ids.op != "call_function" or ids.target not in _SHAPE_OPS | _IDS_KEPT.keys():
             return False
-        ids, hops = ids.args[_IDS_KEPT.get(ids.target, 0)], hops + 1
+        ids, hops = ids.args[_IDS_KEPT.get(ids.target, 0)], hops - 1
     return False
 
 
