@@ -1,4 +1,4 @@
-"""The transformers decoder architectures fxtron is held to (tp_models.ZOO: 35 families, and
+"""The transformers decoder architectures fxtron is held to (tp_models.ZOO: 36 families, and
 Falcon in both its layouts, from tiny random configs, two layers, no downloads), split the way
 Megatron would -- experts too, when ep does not take them (Megatron's expert tensor parallelism:
 each expert's gate/up split by columns, its down by rows): 3-D weights under a grouped GEMM
@@ -41,7 +41,8 @@ LAYERS = 2
 # a third with sequence parallel at tp=2, another at tp=4 (both: norms before and after the
 # sublayers, parallel residuals, fused qkv, rotary variants, experts, latent attention)
 SP = ["Llama", "Qwen3", "Gemma2", "OLMo2", "Phi", "GPT-J", "GPT-NeoX", "Falcon", "Cohere", "GPTBigCode"]
-TP4 = ["Mistral", "Gemma3", "OLMoE", "Phi-3", "GPT-2", "Starcoder2", "Mixtral", "DeepSeek-V3", "CodeGen", "GPTBigCode"]
+TP4 = ["Mistral", "Gemma3", "OLMoE", "Phi-3", "GPT-2", "Starcoder2", "Mixtral", "DeepSeek-V3", "CodeGen", "GPTBigCode",
+       "Ergo"]
 # forward all-reduces of the hidden state per layer where they differ from Megatron's 2:
 # Falcon's parallel residual adds the attention and MLP partial sums before one all-reduce
 # (CodeGen's and GPT-J's parallel blocks add the MLP's bias after its all-reduce, Megatron's way: 2)

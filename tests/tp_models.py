@@ -16,7 +16,7 @@ ZOO = {"Llama": "hf-llama", "Mistral": "hf-mistral", "Qwen2": "hf-qwen2", "Qwen3
        "DeepSeek-V3": "hf-deepseekv3", "Cohere": "hf-cohere", "CodeGen": "hf-codegen",
        "GPTBigCode": "hf-bigcode", "DeepSeek-V3.2": "hf-deepseekv32", "Llama4": "hf-llama4", "JetMoE": "hf-jetmoe",
        "GraniteMoE": "hf-granitemoe", "MiniMax": "hf-minimax", "Doge": "hf-doge",
-       "CPM-Ant": "hf-cpmant", "LongCat-Flash": "hf-longcat"}
+       "CPM-Ant": "hf-cpmant", "LongCat-Flash": "hf-longcat", "Ergo": "hf-ergo"}
 VOCAB = {"gpt": 256, "gpt-frozen": 256, "llama": 256, "moe": 256, "hf-mixtral-aux": 128, "cumsum-mlp": 64, "factories-mlp": 64, "gather-mlp": 64, "einsum-attn": 64,
          "nanogpt": 64, "hf-gpt2-eager": 128, "hf-qwen2-tied": 128, **{n: 128 for n in ZOO.values()}}
 NAMES = ["gpt", "llama", "hf-gpt2", "hf-llama"]
@@ -377,6 +377,13 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
             max_position_embeddings=64, ffn_hidden_size=96, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
             qk_rope_head_dim=4, head_dim=4, v_head_dim=8, qk_head_dim=12, moe_topk=2, n_routed_experts=4,
             zero_expert_num=2, expert_ffn_hidden_size=32, routed_scaling_factor=2.0, **ids)),
+        # qkv fused and viewed per head, cut into 8 query, 4 key and 4 value heads (2:1:1), the
+        # residual mixed in by a gate computed from a weight, the logits of float32 copies
+        "hf-ergo": lambda: T.ErgoForCausalLM(T.ErgoConfig(
+            vocab_size=128, hidden_size=64, num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
+            first_dense_intermediate_size=96, num_dense_blocks=layers, max_position_embeddings=64,
+            sliding_window=64, layer_types=["sliding_attention", "full_attention"][:layers] * (layers // 2 or 1),
+            mlp_layer_types=["dense"] * layers, **ids)),
     }
     if name in zoo:
         return zoo[name]()

@@ -12,8 +12,8 @@ How the pattern is found, with no knowledge of the model's code:
 - a linear whose output reaches a rowwise linear without crossing another residual is a first
   projection: colwise (q/k/v or fused qkv, fc1, gate and up); a fused output later split into k
   equal parts (or viewed as (k, heads, ...)) is sharded with interleave k, one cut into unequal
-  parts by slices or split_with_sizes (Phi-3's qkv under grouped-query attention) with their
-  proportions;
+  parts by slices or split_with_sizes (Phi-3's qkv under grouped-query attention; Ergo's viewed
+  per head and cut into query, key and value heads) with their proportions;
 - a linear whose output reaches cross_entropy is the LM head: colwise, feeding the
   vocab-parallel cross entropy;
 - an embedding looked up with the user's token ids is vocab-parallel; other embeddings
@@ -254,9 +254,9 @@ def find_layers(gm: fx.GraphModule) -> dict[str, _Found]:
         layer = None
         if t == aten.linear.default and _expert_matrix(a[1]) is not None:
             layer = _expert_linear(node, a[1])   # F.linear(x, weight[i]): one expert of a 3-D weight (JetMoE)
-        elif t == aten.linear.default and _param_name(a[1]):
-            w = _param_name(a[1])
-            b = _param_name(a[2]) if len(a) > 2 else None
+        elif t == aten.linear.default and _cast_param(a[1]):
+            w = _cast_param(a[1])
+            b = _cast_param(a[2]) if len(a) > 2 else None
             shape = a[1].meta["val"].shape
             layer = _Found(node, "linear", _owner(w), w, b, "out_in", int(shape[1]), int(shape[0]))
         elif t == aten.addmm.default and _param_name(a[2]):
@@ -290,6 +290,18 @@ def find_layers(gm: fx.GraphModule) -> dict[str, _Found]:
                               layer.in_features, layer.out_features)
             layers[key] = layer
     return layers
+
+
+def _cast_param(w, hops: int = 3) -> str | None:
+    """The parameter `w` is, or a cast or copy of (Ergo's LM head: F.linear(x.float(),
+    weight.float()), the logits in float32)."""
+    while isinstance(w, fx.Node) and hops >= 0:
+        if _param_name(w):
+            return _param_name(w)
+        if w.op != "call_function" or w.target not in _SAME_LAYOUT:
+            return None
+        w, hops = w.args[0], hops - 1
+    return None
 
 
 #: (out features dim, in features dim) of a weight, by layout
@@ -476,13 +488,25 @@ def _earlier_term(node, shape: tuple, linear: fx.Node, order: dict[fx.Node, int]
     return False
 
 
-def _is_scale(x) -> bool:
-    """A number, or a parameter or buffer (a learned per-feature scale: Doge's
-    `post_attention_residual * residual + attention`)."""
+def _is_scale(x, limit: int = 16) -> bool:
+    """A number, or a value of parameters, buffers and constants only (a learned per-feature
+    scale: Doge's `post_attention_residual * residual + attention`; Ergo's residual gate, a
+    function of its weight), within `limit` ops."""
     if isinstance(x, (int, float)):
         return True
-    spec = meta.get(x, meta.INPUT) if isinstance(x, fx.Node) else None
-    return isinstance(x, fx.Node) and (x.op == "get_attr" or (spec is not None and spec.kind != "user"))
+    stack, seen = [x], set()
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        spec = meta.get(n, meta.INPUT)
+        if n.op == "get_attr" or (spec is not None and spec.kind != "user"):
+            continue
+        if n.op != "call_function" or len(seen) > limit:
+            return False
+        stack.extend(n.all_input_nodes)
+    return True
 
 
 _ELEMENTWISE = {aten.gelu.default, aten.relu.default, aten.tanh.default, aten.silu.default, aten.sigmoid.default,
@@ -685,7 +709,7 @@ def _first_views(node: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
     return out
 
 
-def _unbound_blocks(view: fx.Node, feat: int) -> int | None:
+def _unbound_blocks(view: fx.Node, feat: int, tp: int = 1) -> Interleave | None:
     """A fused output viewed (..., k, heads, d) -- the trailing sizes multiply to the feature
     dim -- and then unbound, selected or split along the first of them (qkv viewed as
     (B, S, 3, heads, d) and unbound on the 3): its k blocks. None if no such cut follows the
@@ -714,9 +738,15 @@ def _unbound_blocks(view: fx.Node, feat: int) -> int | None:
             return int(out[d]) // user.args[1]
         if user.target == aten.split_with_sizes.default:
             sizes = list(user.args[1])
-            # equal parts are k blocks; unequal ones (Falcon-7B's 8 query heads, one key, one
-            # value: (B, S, 10, d).split([8, 1, 1], -2)) are no blocks of whole heads
-            return len(sizes) if len(set(sizes)) == 1 and len(sizes) > 1 else None
+            # equal parts are k blocks; unequal ones whose heads each divide over tp (Ergo's 4
+            # query, 2 key and 2 value heads: (B, S, 8, d).split([4, 2, 2], -2)) are blocks in
+            # those proportions; others (Falcon-7B's 8 query heads, one key, one value) are no
+            # blocks of whole heads
+            if len(sizes) > 1 and len(set(sizes)) == 1:
+                return len(sizes)
+            if len(sizes) > 1 and all(isinstance(x, int) and x > 0 and x % tp == 0 for x in sizes) and tp > 1:
+                return normalize(tuple(sizes))
+            return None
         if user.target in (aten.unbind.int, aten.select.int):
             return int(out[d])
     return None
@@ -797,7 +827,7 @@ def _interleave(layer: _Found, tp: int) -> Interleave:
     if sliced is not None:
         return sliced
     for view, _ in _first_views(layer.node):
-        k = _unbound_blocks(view, feat)
+        k = _unbound_blocks(view, feat, tp)
         if k is not None:
             return k
     joined = _rows_joined(layer.node)
