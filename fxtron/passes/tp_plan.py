@@ -175,6 +175,12 @@ _HEAD_TRANSFORM = ("the LM head's transform (dense -> activation -> norm -> the 
                    "replicated, as in Megatron's BERT LM head")
 _GATE = ("a gate of one output per token (sigmoid(x W^T) scaling another branch: Qwen2-MoE's shared_expert_gate): "
          "replicated, as Megatron's shared-expert gate weight")
+_ROW_GATE = ("a gate of the hidden width multiplying a row-parallel output (RWKV's receptance: "
+             "sigmoid(r(x)) * value(k(x))): the product needs that output whole, so a column split would trade "
+             "the all-reduce for a reduce-scatter and a forward all-gather; replicated (Megatron has no split for it)")
+_NORM_GATE = ("a gate MLP of a norm (AXK2's gated RMSNorm: y * sigmoid(fc2(act(fc1(y))))), a low-rank "
+              "bottleneck on the norm's output: replicated, as the norm it belongs to (splitting it adds an "
+              "all-reduce per norm)")
 _DEAD = "its output reaches nothing the forward returns (a pooler a causal LM drops): replicated, unused"
 _NO_PATTERN = ("no Megatron pattern found: its output neither reaches a residual add through shape ops "
                "(rowwise) nor feeds a rowwise linear or the loss (colwise); name its style in plan=")
@@ -198,6 +204,8 @@ class _Draft:
         if self.tp > 1:
             down = _down_projections(self, gm) if gm is not None else set()
             live = _live(gm) if gm is not None else set()
+            rows = {self.layers[p].node for p, s in self.styles.items() if isinstance(s, Rowwise)}
+            gates = _norm_gates(self.layers)
             heads = {l.node for p, l in self.layers.items()
                      if isinstance(self.styles.get(p), Colwise) and l.kind == "linear" and _reaches_loss(l)}
             for path, l in self.layers.items():
@@ -211,12 +219,16 @@ class _Draft:
                     replicated[path] = Unsplit("plan_mode='replace' and the plan does not name it", False)
                 elif meta.get(l.node, meta.NO_GRAD):
                     replicated[path] = Unsplit(_NO_GRAD, False)
+                elif l.node in gates:
+                    replicated[path] = Unsplit(_NORM_GATE, True)
                 elif _is_router(l):
                     replicated[path] = Unsplit(ROUTER, False)
                 elif path in down:
                     replicated[path] = Unsplit(_DOWN_PROJECTION, False)
                 elif _is_scalar_gate(l):
                     replicated[path] = Unsplit(_GATE, False)
+                elif _gates_row_output(l, rows):
+                    replicated[path] = Unsplit(_ROW_GATE, True)
                 elif _feeds_head(l, heads):
                     replicated[path] = Unsplit(_HEAD_TRANSFORM, False)
                 elif gm is not None and l.node not in live:
@@ -579,6 +591,64 @@ def _is_router(layer: _Found, hops: int = 6) -> bool:
     return False
 
 
+def _norm_gates(layers: Mapping[str, _Found]) -> set[fx.Node]:
+    """The linears of gate MLPs on a value: fc1 -> activation -> fc2 whose sigmoid (through
+    casts) multiplies fc1's own input (AXK2's gated RMSNorm, y * sigmoid(mlp(y)))."""
+    linears = {l.node for l in layers.values() if l.kind == "linear" and l.layout == "out_in"}
+
+    def strip(n, ops):
+        while isinstance(n, fx.Node) and n.op == "call_function" and n.target in ops:
+            n = n.args[0]
+        return n
+
+    out = set()
+    for fc2 in linears:
+        fc1 = strip(fc2.args[0], _SAME_LAYOUT | _GATE_ACTIVATIONS)
+        if fc1 not in linears or fc1 is fc2:
+            continue
+        y = strip(fc1.args[0], _SAME_LAYOUT)
+        frontier = [fc2]
+        for _ in range(4):
+            nxt = []
+            for node in frontier:
+                for user in node.users:
+                    if user.op != "call_function":
+                        continue
+                    if user.target in _SAME_LAYOUT or (user.target == aten.sigmoid.default and node is not user):
+                        nxt.append(user)
+                    elif user.target == aten.mul.Tensor and any(
+                            a is not node and strip(a, _SAME_LAYOUT) is y for a in user.args[:2]) and \
+                            any(n.target == aten.sigmoid.default for n in frontier if n.op == "call_function"):
+                        out.update((fc1, fc2))
+            frontier = nxt
+    return out
+
+
+_GATE_ACTIVATIONS = {aten.sigmoid.default, aten.silu.default, aten.tanh.default, aten.gelu.default, aten.relu.default}
+
+
+def _gates_row_output(layer: _Found, rows: set[fx.Node], hops: int = 4) -> bool:
+    """Does the linear's output, through an activation and casts, multiply a row-parallel
+    linear's output (through shape ops) of its own width: a gate on the all-reduced sum?"""
+    frontier = [layer.node]
+    for _ in range(hops):
+        nxt = []
+        for node in frontier:
+            for user in node.users:
+                if user.op != "call_function":
+                    continue
+                if user.target == aten.mul.Tensor:
+                    other = user.args[1] if user.args[0] is node else user.args[0]
+                    while isinstance(other, fx.Node) and other.op == "call_function" and other.target in _SHAPE_OPS:
+                        other = other.args[0]
+                    if other in rows and other.meta["val"].shape[-1] == layer.out_features:
+                        return True
+                elif user.target in _SAME_LAYOUT | _GATE_ACTIVATIONS:
+                    nxt.append(user)
+        frontier = nxt
+    return False
+
+
 def _is_scalar_gate(layer: _Found, hops: int = 4) -> bool:
     """A linear of one output feature (nothing to split) whose sigmoid, through casts and
     shape ops, multiplies another value: a gate, whole on every rank as Megatron's is."""
@@ -882,12 +952,15 @@ def auto_plan(gm: fx.GraphModule, tp: int) -> dict[str, Style]:
     linears = {l.node for l in layers.values() if l.kind == "linear"}
     styles: dict[str, Style] = {}
     rows = set()
+    gates = _norm_gates(layers)
     for path, l in layers.items():
+        if l.node in gates:
+            continue        # a norm's gate MLP: whole, as its norm
         if l.kind == "linear" and _reaches_residual(l, order):
             styles[path] = Rowwise()
             rows.add(l.node)
     for path, l in layers.items():
-        if path in styles:
+        if path in styles or l.node in gates:
             continue
         if l.kind == "linear" and _is_router(l):
             continue        # its scores pick experts on every rank: whole, as in Megatron
