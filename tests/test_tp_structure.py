@@ -628,6 +628,40 @@ def test_lm_head_transform_is_whole_as_in_megatron():
     assert pm.tp_plan.style("head").__class__.__name__ == "Colwise"
 
 
+class _Gates(torch.nn.Module):
+    """A gated norm (AXK2's: y * sigmoid(fc2(silu(fc1(y))))) before an MLP whose output a gate
+    of the hidden width scales (RWKV's feed-forward: sigmoid(receptance(x)) * value(relu(key(x))^2))."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.fc1, self.fc2 = torch.nn.Linear(dim, 8), torch.nn.Linear(8, dim)
+        self.key, self.value = torch.nn.Linear(dim, 2 * dim), torch.nn.Linear(2 * dim, dim)
+        self.receptance = torch.nn.Linear(dim, dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        y = torch.nn.functional.rms_norm(x, (32,))
+        y = y * torch.sigmoid(self.fc2(torch.nn.functional.silu(self.fc1(y))))
+        x = x + torch.sigmoid(self.receptance(y)) * self.value(torch.square(torch.relu(self.key(y))))
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def test_gates_without_an_exact_split_stay_whole_with_their_reasons():
+    """A norm's gate MLP and a gate of the hidden width on a row-parallel output have no
+    Megatron split: whole, each with its own reason (loud: the sweep reports them), the MLP
+    around them split."""
+    ids = torch.randint(0, 64, (2, 9))
+    pm = fxtron.parallelize(_Gates(), fxtron.Mesh(2, tp=2), example_inputs=(ids[:, :-1], ids[:, 1:]))
+    why = pm.tp_plan.unsplit()
+    assert set(why) == {"fc1", "fc2", "receptance"}, why
+    assert why["fc1"].startswith("a gate MLP of a norm") and why["fc2"] == why["fc1"], why
+    assert why["receptance"].startswith("a gate of the hidden width multiplying a row-parallel output"), why
+    assert str(pm.tp_plan.style("key")) == "colwise" and str(pm.tp_plan.style("value")) == "rowwise"
+    assert pm.gathers(0) == [] and pm.fallbacks(0) == []
+
+
 # the op each RULE_NAMES model runs on the split width, and its placement there
 _RULE_OPS = {"square-mlp": ("aten.square.default", "S(2)"), "tensor-split-mlp": ("aten.tensor_split.sections", None),
              "complex-mlp": ("aten.view_as_complex.default", "S(2)"), "max-lse-mlp": ("aten.logsumexp.default", "S(2)"),

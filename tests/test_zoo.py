@@ -1,4 +1,4 @@
-"""The transformers decoder architectures fxtron is held to (tp_models.ZOO: 31 families, and
+"""The transformers decoder architectures fxtron is held to (tp_models.ZOO: 36 families, and
 Falcon in both its layouts, from tiny random configs, two layers, no downloads), split the way
 Megatron would -- experts too, when ep does not take them (Megatron's expert tensor parallelism:
 each expert's gate/up split by columns, its down by rows): 3-D weights under a grouped GEMM
@@ -44,12 +44,16 @@ LAYERS = 2
 # a third with sequence parallel at tp=2, another at tp=4 (both: norms before and after the
 # sublayers, parallel residuals, fused qkv, rotary variants, experts, latent attention)
 SP = ["Llama", "Qwen3", "Gemma2", "OLMo2", "Phi", "GPT-J", "GPT-NeoX", "Falcon", "Cohere", "GPTBigCode"]
-TP4 = ["Mistral", "Gemma3", "OLMoE", "Phi-3", "GPT-2", "Starcoder2", "Mixtral", "DeepSeek-V3", "CodeGen", "GPTBigCode"]
+TP4 = ["Mistral", "Gemma3", "OLMoE", "Phi-3", "GPT-2", "Starcoder2", "Mixtral", "DeepSeek-V3", "CodeGen", "GPTBigCode",
+       "Ergo"]
 # forward all-reduces of the hidden state per layer where they differ from Megatron's 2:
 # Falcon's parallel residual adds the attention and MLP partial sums before one all-reduce
 # (CodeGen's and GPT-J's parallel blocks add the MLP's bias after its all-reduce, Megatron's way: 2)
 # (a Mamba-2 mixer is one projection in, one out: 1)
-FWD_PER_LAYER = {"Falcon": 1, "Falcon-40B": 1, "Mamba2": 1}
+# Doge's dt_proj reads the rank's value heads (its input split, row-parallel) and gives one
+# number per head and token: a third, small all-reduce (B, S, heads), then sliced to the rank's heads
+# LongCat-Flash's layer is two attentions, two dense MLPs and a mixture of experts: 5
+FWD_PER_LAYER = {"Falcon": 1, "Falcon-40B": 1, "Mamba2": 1, "Doge": 3, "LongCat-Flash": 5}
 # linears split per layer where a layer has fewer than attention's q/kv/o and the MLP's up/down
 # (Mamba-2's mixer alone: in_proj by columns, out_proj by rows)
 SPLIT_PER_LAYER = {"Mamba2": 2}
@@ -57,12 +61,19 @@ SPLIT_PER_LAYER = {"Mamba2": 2}
 # float per token (the sum of squares), forward; its gradient's, backward
 STATISTICS = {"OLMo2": 2, "OLMoE": 2}
 # statistics all-reduced once per step, not per layer: Cohere's layer norm, written out, takes
-# the mean of the vocab-parallel embedding's partial sum before that sum is all-reduced
-STATISTICS_ONCE = {"Cohere": 1}
+# the mean of the vocab-parallel embedding's partial sum before that sum is all-reduced; MiniMax's
+# lightning attention (the second of its two layers) norms its heads' output over the whole split width
+STATISTICS_ONCE = {"Cohere": 1, "MiniMax": 1}
 # all-gathers in backward only: GPTBigCode's one key and value head, whole on every rank and
 # expanded to the query heads, is sliced to the rank's heads; the slice's backward gathers the
 # gradient (2 a layer). Megatron cannot split this layer at all
-BACKWARD_GATHERS = {"GPTBigCode": 2}
+# Doge's dynamic mask is made whole (from dt_proj's all-reduced output, a number per head and
+# token) and expanded to (B, heads, S, S) before it is sliced to the rank's heads: the slice's
+# backward gathers that gradient (1 a layer; slicing before the expand would gather B*S*heads)
+BACKWARD_GATHERS = {"GPTBigCode": 2, "Doge": 1}
+# ... once a step: CPM-Ant's relative position bias (B, heads, S, S), made once from a table of
+# heads columns and sliced to the rank's heads in every layer
+BACKWARD_GATHERS_ONCE = {"CPM-Ant": 1}
 # linears Megatron keeps whole, and why (DeepSeek-V3.2's indexer: whole in DeepSeek's reference)
 WHOLE_BY_DESIGN = ("a router", "a low-rank down-projection", "computed under torch.no_grad")
 LAYER_PARAM = re.compile(r"\.(layers|h)\.\d+\.")
@@ -70,9 +81,10 @@ SEQS = [16, 12]
 _opt = adamw(eps=1e-4)
 
 
-# transformers' Mamba-1 slow path unrolls its scan over the tokens in Python: the traced model
-# takes the example's sequence length only (8), the batch size still free
-FIXED_SEQ = {"hf-mamba": 8}
+# sequence lengths fixed by the trace: transformers' Mamba-1 slow path unrolls its scan over the
+# tokens in Python (traced at 8 tokens, the batch size still free); CPM-Ant concatenates its
+# prompt ids before the text's
+FIXED_SEQS = {"hf-mamba": [8, 8], "hf-cpmant": [8, 8]}
 # Mamba-2's chunked scan traces with its number of chunks fixed (torch.export specializes the
 # chunk count + 1 of the inter-chunk decay) and its padding branch taken (seq_len % chunk_size):
 # traced at 12 tokens, it trains on 16 and 12 (padded to 16), two chunks of 8 each
@@ -80,7 +92,7 @@ EXAMPLE_SEQ = {"hf-mamba2": 12}
 
 
 def _batches(name):
-    return batches(name, 4, [FIXED_SEQ[name]] * len(SEQS) if name in FIXED_SEQ else SEQS, seed=10)
+    return batches(name, 4, FIXED_SEQS.get(name, SEQS), seed=10)
 
 
 def _pm(name, tp, **kw):
@@ -122,7 +134,7 @@ def test_split_megatron_way_at_tp2(arch):
         [(r.module, r.shape) for r in stats]
     assert not [r for r in recs if r.kind == "all_gather" and r.phase == "forward"], recs
     gathers = [(r.node, r.module, r.shape) for r in recs if r.kind == "all_gather"]
-    assert len(gathers) == BACKWARD_GATHERS.get(arch, 0) * LAYERS, gathers
+    assert len(gathers) == BACKWARD_GATHERS.get(arch, 0) * LAYERS + BACKWARD_GATHERS_ONCE.get(arch, 0), gathers
     assert pm.gathers(0) == [] and pm.fallbacks(0) == []
 
     # every parameter accounted for: split, or held whole with its reason, the shares adding up

@@ -15,8 +15,8 @@ ZOO = {"Llama": "hf-llama", "Mistral": "hf-mistral", "Qwen2": "hf-qwen2", "Qwen3
        "Starcoder2": "hf-starcoder2", "SmolLM3": "hf-smollm3", "Mixtral": "hf-mixtral", "Qwen3-MoE": "hf-qwen3moe",
        "DeepSeek-V3": "hf-deepseekv3", "Cohere": "hf-cohere", "CodeGen": "hf-codegen",
        "GPTBigCode": "hf-bigcode", "DeepSeek-V3.2": "hf-deepseekv32", "Llama4": "hf-llama4", "JetMoE": "hf-jetmoe",
-       "GraniteMoE": "hf-granitemoe", "Mamba": "hf-mamba",
-       "Mamba2": "hf-mamba2"}
+       "GraniteMoE": "hf-granitemoe", "Mamba": "hf-mamba", "Mamba2": "hf-mamba2", "MiniMax": "hf-minimax",
+       "Doge": "hf-doge", "CPM-Ant": "hf-cpmant", "LongCat-Flash": "hf-longcat", "Ergo": "hf-ergo"}
 VOCAB = {"gpt": 256, "gpt-frozen": 256, "llama": 256, "moe": 256, "hf-mixtral-aux": 128, "cumsum-mlp": 64, "factories-mlp": 64, "gather-mlp": 64, "einsum-attn": 64,
          "nanogpt": 64, "hf-gpt2-eager": 128, "hf-qwen2-tied": 128, **{n: 128 for n in ZOO.values()}}
 NAMES = ["gpt", "llama", "hf-gpt2", "hf-llama"]
@@ -438,6 +438,35 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
         "hf-mamba2": lambda: T.Mamba2ForCausalLM(T.Mamba2Config(
             vocab_size=128, hidden_size=64, num_heads=8, head_dim=16, expand=2, n_groups=2, state_size=8,
             num_hidden_layers=layers, chunk_size=8, conv_kernel=4, use_cache=False, **ids)),
+        # softmax attention, then lightning (linear) attention with its output gate, each residual
+        # joined as `residual * alpha + sublayer * beta` (the residual scaled after the sublayer)
+        "hf-minimax": lambda: T.MiniMaxForCausalLM(T.MiniMaxConfig(
+            **{**common, "intermediate_size": 32}, **kv, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+            layer_types=["full_attention", "linear_attention"], full_attn_alpha_factor=0.5,
+            full_attn_beta_factor=2.0, linear_attn_alpha_factor=0.75, linear_attn_beta_factor=1.5,
+            mlp_alpha_factor=0.5, mlp_beta_factor=1.25, **ids)),
+        # dynamic mask attention (dt_proj of the values biases each head's scores), residuals scaled
+        # by learned per-feature weights (`post_attention_residual * residual + attention`)
+        "hf-doge": lambda: T.DogeForCausalLM(T.DogeConfig(**common, **kv, **ids)),
+        # a relative position bias of the scores' own shape added before the softmax (no residual)
+        "hf-cpmant": lambda: T.CpmAntForCausalLM(T.CpmAntConfig(
+            vocab_size=128, hidden_size=64, num_attention_heads=8, dim_head=8, dim_ff=96, num_hidden_layers=layers,
+            dropout_p=0.0, position_bias_num_buckets=32, position_bias_max_distance=64, prompt_types=4,
+            prompt_length=4, segment_types=4, init_std=0.02, use_cache=False)),
+        # two attentions and two dense MLPs a layer beside a mixture of experts with zero (identity)
+        # experts, multi-latent attention, outputs scaled before the residual
+        "hf-longcat": lambda: T.LongcatFlashForCausalLM(T.LongcatFlashConfig(
+            vocab_size=128, hidden_size=64, num_layers=layers, num_attention_heads=8, num_key_value_heads=8,
+            max_position_embeddings=64, ffn_hidden_size=96, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
+            qk_rope_head_dim=4, head_dim=4, v_head_dim=8, qk_head_dim=12, moe_topk=2, n_routed_experts=4,
+            zero_expert_num=2, expert_ffn_hidden_size=32, routed_scaling_factor=2.0, **ids)),
+        # qkv fused and viewed per head, cut into 8 query, 4 key and 4 value heads (2:1:1), the
+        # residual mixed in by a gate computed from a weight, the logits of float32 copies
+        "hf-ergo": lambda: T.ErgoForCausalLM(T.ErgoConfig(
+            vocab_size=128, hidden_size=64, num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
+            first_dense_intermediate_size=96, num_dense_blocks=layers, max_position_embeddings=64,
+            sliding_window=64, layer_types=["sliding_attention", "full_attention"][:layers] * (layers // 2 or 1),
+            mlp_layer_types=["dense"] * layers, **ids)),
     }
     if name in zoo:
         return zoo[name]()

@@ -6,13 +6,14 @@ every parameter; the tensor-parallel passes (passes/tp.py) apply it.
 
 How the pattern is found, with no knowledge of the model's code:
 - a linear whose output reaches a residual add (an add whose other operand was computed before
-  the linear) through shape ops only is an output projection: rowwise (attn.proj, mlp.fc2,
+  the linear, or is such a value scaled by a number or a weight: MiniMax's and Doge's scaled
+  residuals) through shape ops only is an output projection: rowwise (attn.proj, mlp.fc2,
   o_proj, down_proj);
 - a linear whose output reaches a rowwise linear without crossing another residual is a first
   projection: colwise (q/k/v or fused qkv, fc1, gate and up); a fused output later split into k
   equal parts (or viewed as (k, heads, ...)) is sharded with interleave k, one cut into unequal
-  parts by slices or split_with_sizes (Phi-3's qkv under grouped-query attention) with their
-  proportions;
+  parts by slices or split_with_sizes (Phi-3's qkv under grouped-query attention; Ergo's viewed
+  per head and cut into query, key and value heads) with their proportions;
 - a linear whose output reaches cross_entropy is the LM head: colwise, feeding the
   vocab-parallel cross entropy;
 - an embedding looked up with the user's token ids is vocab-parallel; other embeddings
@@ -178,6 +179,12 @@ _HEAD_TRANSFORM = ("the LM head's transform (dense -> activation -> norm -> the 
                    "replicated, as in Megatron's BERT LM head")
 _GATE = ("a gate of one output per token (sigmoid(x W^T) scaling another branch: Qwen2-MoE's shared_expert_gate): "
          "replicated, as Megatron's shared-expert gate weight")
+_ROW_GATE = ("a gate of the hidden width multiplying a row-parallel output (RWKV's receptance: "
+             "sigmoid(r(x)) * value(k(x))): the product needs that output whole, so a column split would trade "
+             "the all-reduce for a reduce-scatter and a forward all-gather; replicated (Megatron has no split for it)")
+_NORM_GATE = ("a gate MLP of a norm (AXK2's gated RMSNorm: y * sigmoid(fc2(act(fc1(y))))), a low-rank "
+              "bottleneck on the norm's output: replicated, as the norm it belongs to (splitting it adds an "
+              "all-reduce per norm)")
 _DEAD = "its output reaches nothing the forward returns (a pooler a causal LM drops): replicated, unused"
 _NO_PATTERN = ("no Megatron pattern found: its output neither reaches a residual add through shape ops "
                "(rowwise) nor feeds a rowwise linear or the loss (colwise); name its style in plan=")
@@ -201,6 +208,8 @@ class _Draft:
         if self.tp > 1:
             down = _down_projections(self, gm) if gm is not None else set()
             live = _live(gm) if gm is not None else set()
+            rows = {self.layers[p].node for p, s in self.styles.items() if isinstance(s, Rowwise)}
+            gates = _norm_gates(self.layers)
             heads = {l.node for p, l in self.layers.items()
                      if isinstance(self.styles.get(p), Colwise) and l.kind == "linear" and _reaches_loss(l)}
             for path, l in self.layers.items():
@@ -214,12 +223,16 @@ class _Draft:
                     replicated[path] = Unsplit("plan_mode='replace' and the plan does not name it", False)
                 elif meta.get(l.node, meta.NO_GRAD):
                     replicated[path] = Unsplit(_NO_GRAD, False)
+                elif l.node in gates:
+                    replicated[path] = Unsplit(_NORM_GATE, True)
                 elif _is_router(l):
                     replicated[path] = Unsplit(ROUTER, False)
                 elif path in down:
                     replicated[path] = Unsplit(_DOWN_PROJECTION, False)
                 elif _is_scalar_gate(l):
                     replicated[path] = Unsplit(_GATE, False)
+                elif _gates_row_output(l, rows):
+                    replicated[path] = Unsplit(_ROW_GATE, True)
                 elif _feeds_head(l, heads):
                     replicated[path] = Unsplit(_HEAD_TRANSFORM, False)
                 elif gm is not None and l.node not in live:
@@ -258,9 +271,9 @@ def find_layers(gm: fx.GraphModule) -> dict[str, _Found]:
         layer = None
         if t == aten.linear.default and _expert_matrix(a[1]) is not None:
             layer = _expert_linear(node, a[1])   # F.linear(x, weight[i]): one expert of a 3-D weight (JetMoE)
-        elif t == aten.linear.default and _param_name(a[1]):
-            w = _param_name(a[1])
-            b = _param_name(a[2]) if len(a) > 2 else None
+        elif t == aten.linear.default and _cast_param(a[1]):
+            w = _cast_param(a[1])
+            b = _cast_param(a[2]) if len(a) > 2 else None
             shape = a[1].meta["val"].shape
             layer = _Found(node, "linear", _owner(w), w, b, "out_in", int(shape[1]), int(shape[0]))
         elif t == aten.addmm.default and _param_name(a[2]):
@@ -299,6 +312,18 @@ def find_layers(gm: fx.GraphModule) -> dict[str, _Found]:
                               layer.in_features, layer.out_features)
             layers[key] = layer
     return layers
+
+
+def _cast_param(w, hops: int = 3) -> str | None:
+    """The parameter `w` is, or a cast or copy of (Ergo's LM head: F.linear(x.float(),
+    weight.float()), the logits in float32)."""
+    while isinstance(w, fx.Node) and hops >= 0:
+        if _param_name(w):
+            return _param_name(w)
+        if w.op != "call_function" or w.target not in _SAME_LAYOUT:
+            return None
+        w, hops = w.args[0], hops - 1
+    return None
 
 
 #: (out features dim, in features dim) of a weight, by layout
@@ -503,8 +528,13 @@ def _from_user_input(indices) -> bool:
     return False
 
 
+_SCALINGS = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
+
+
 def _earlier_term(node, shape: tuple, linear: fx.Node, order: dict[fx.Node, int], depth: int = 4) -> bool:
-    """`node`, of `shape`, was computed before `linear`, or is a sum with such a term."""
+    """`node`, of `shape`, was computed before `linear`, or is a sum with such a term, or such a
+    value scaled by a number or a weight, or cast (MiniMax's `residual * alpha + attention * beta`:
+    the residual's scaling is computed after the sublayer)."""
     if not isinstance(node, fx.Node):
         return False
     a = node.meta.get("val")
@@ -512,8 +542,38 @@ def _earlier_term(node, shape: tuple, linear: fx.Node, order: dict[fx.Node, int]
         return False
     if order[node] < order[linear]:
         return True
-    return (depth > 0 and node.op == "call_function" and node.target in _ADDS
-            and any(_earlier_term(t, shape, linear, order, depth - 1) for t in node.args[:2]))
+    if depth <= 0 or node.op != "call_function":
+        return False
+    if node.target in _ADDS:
+        return any(_earlier_term(t, shape, linear, order, depth - 1) for t in node.args[:2])
+    if node.target in _SAME_LAYOUT:
+        return _earlier_term(node.args[0], shape, linear, order, depth - 1)
+    if node.target in _SCALINGS and _is_scale(node.args[1]):
+        return _earlier_term(node.args[0], shape, linear, order, depth - 1)
+    if node.target in (aten.mul.Tensor, aten.mul.Scalar) and _is_scale(node.args[0]):
+        return _earlier_term(node.args[1], shape, linear, order, depth - 1)
+    return False
+
+
+def _is_scale(x, limit: int = 16) -> bool:
+    """A number, or a value of parameters, buffers and constants only (a learned per-feature
+    scale: Doge's `post_attention_residual * residual + attention`; Ergo's residual gate, a
+    function of its weight), within `limit` ops."""
+    if isinstance(x, (int, float)):
+        return True
+    stack, seen = [x], set()
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        spec = meta.get(n, meta.INPUT)
+        if n.op == "get_attr" or (spec is not None and spec.kind != "user"):
+            continue
+        if n.op != "call_function" or len(seen) > limit:
+            return False
+        stack.extend(n.all_input_nodes)
+    return True
 
 
 _ELEMENTWISE = {aten.gelu.default, aten.relu.default, aten.tanh.default, aten.silu.default, aten.sigmoid.default,
@@ -615,6 +675,64 @@ def _picks_index(node: fx.Node) -> bool:
                                                for u in node.users)
 
 
+def _norm_gates(layers: Mapping[str, _Found]) -> set[fx.Node]:
+    """The linears of gate MLPs on a value: fc1 -> activation -> fc2 whose sigmoid (through
+    casts) multiplies fc1's own input (AXK2's gated RMSNorm, y * sigmoid(mlp(y)))."""
+    linears = {l.node for l in layers.values() if l.kind == "linear" and l.layout == "out_in"}
+
+    def strip(n, ops):
+        while isinstance(n, fx.Node) and n.op == "call_function" and n.target in ops:
+            n = n.args[0]
+        return n
+
+    out = set()
+    for fc2 in linears:
+        fc1 = strip(fc2.args[0], _SAME_LAYOUT | _GATE_ACTIVATIONS)
+        if fc1 not in linears or fc1 is fc2:
+            continue
+        y = strip(fc1.args[0], _SAME_LAYOUT)
+        frontier = [fc2]
+        for _ in range(4):
+            nxt = []
+            for node in frontier:
+                for user in node.users:
+                    if user.op != "call_function":
+                        continue
+                    if user.target in _SAME_LAYOUT or (user.target == aten.sigmoid.default and node is not user):
+                        nxt.append(user)
+                    elif user.target == aten.mul.Tensor and any(
+                            a is not node and strip(a, _SAME_LAYOUT) is y for a in user.args[:2]) and \
+                            any(n.target == aten.sigmoid.default for n in frontier if n.op == "call_function"):
+                        out.update((fc1, fc2))
+            frontier = nxt
+    return out
+
+
+_GATE_ACTIVATIONS = {aten.sigmoid.default, aten.silu.default, aten.tanh.default, aten.gelu.default, aten.relu.default}
+
+
+def _gates_row_output(layer: _Found, rows: set[fx.Node], hops: int = 4) -> bool:
+    """Does the linear's output, through an activation and casts, multiply a row-parallel
+    linear's output (through shape ops) of its own width: a gate on the all-reduced sum?"""
+    frontier = [layer.node]
+    for _ in range(hops):
+        nxt = []
+        for node in frontier:
+            for user in node.users:
+                if user.op != "call_function":
+                    continue
+                if user.target == aten.mul.Tensor:
+                    other = user.args[1] if user.args[0] is node else user.args[0]
+                    while isinstance(other, fx.Node) and other.op == "call_function" and other.target in _SHAPE_OPS:
+                        other = other.args[0]
+                    if other in rows and other.meta["val"].shape[-1] == layer.out_features:
+                        return True
+                elif user.target in _SAME_LAYOUT | _GATE_ACTIVATIONS:
+                    nxt.append(user)
+        frontier = nxt
+    return False
+
+
 def _is_scalar_gate(layer: _Found, hops: int = 4) -> bool:
     """A linear of one output feature (nothing to split) whose sigmoid, through casts and
     shape ops, multiplies another value: a gate, whole on every rank as Megatron's is."""
@@ -683,10 +801,20 @@ def _feeds_row(layer: _Found, rows: set[fx.Node], linears: set[fx.Node], order, 
                 return True
             if user in linears:
                 continue
-            if user.target in _ADDS and _is_residual(user, cur, layer.node, order):
+            if user.target in _ADDS and _is_residual(user, cur, layer.node, order) and not _on_heads(user, layer):
                 continue  # a residual: the layer's region ends here
             frontier.append(user)
     return False
+
+
+def _on_heads(add: fx.Node, layer: _Found) -> bool:
+    """Is `add` on attention's scores, not the hidden state: more dims than the linear's output
+    (its features viewed as heads, (B, heads, S, S)), for a linear of one weight (an expert's
+    output has fewer dims than the hidden state it joins). CPM-Ant adds a position bias of the
+    scores' own shape, computed before its projections: no residual."""
+    val, out = add.meta.get("val"), layer.node.meta.get("val")
+    return (not layer.layout.startswith("e_") and isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor)
+            and val.dim() > out.dim())
 
 
 def _sliced_blocks(layer: _Found) -> Interleave | None:
@@ -735,7 +863,7 @@ def _first_views(node: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
     return out
 
 
-def _unbound_blocks(view: fx.Node, feat: int) -> int | None:
+def _unbound_blocks(view: fx.Node, feat: int, tp: int = 1) -> Interleave | None:
     """A fused output viewed (..., k, heads, d) -- the trailing sizes multiply to the feature
     dim -- and then unbound, selected or split along the first of them (qkv viewed as
     (B, S, 3, heads, d) and unbound on the 3): its k blocks. None if no such cut follows the
@@ -764,9 +892,15 @@ def _unbound_blocks(view: fx.Node, feat: int) -> int | None:
             return int(out[d]) // user.args[1]
         if user.target == aten.split_with_sizes.default:
             sizes = list(user.args[1])
-            # equal parts are k blocks; unequal ones (Falcon-7B's 8 query heads, one key, one
-            # value: (B, S, 10, d).split([8, 1, 1], -2)) are no blocks of whole heads
-            return len(sizes) if len(set(sizes)) == 1 and len(sizes) > 1 else None
+            # equal parts are k blocks; unequal ones whose heads each divide over tp (Ergo's 4
+            # query, 2 key and 2 value heads: (B, S, 8, d).split([4, 2, 2], -2)) are blocks in
+            # those proportions; others (Falcon-7B's 8 query heads, one key, one value) are no
+            # blocks of whole heads
+            if len(sizes) > 1 and len(set(sizes)) == 1:
+                return len(sizes)
+            if len(sizes) > 1 and all(isinstance(x, int) and x > 0 and x % tp == 0 for x in sizes) and tp > 1:
+                return normalize(tuple(sizes))
+            return None
         if user.target in (aten.unbind.int, aten.select.int):
             return int(out[d])
     return None
@@ -849,7 +983,7 @@ def _interleave(layer: _Found, tp: int) -> Interleave:
     if sliced is not None:
         return sliced
     for view, _ in _first_views(layer.node):
-        k = _unbound_blocks(view, feat)
+        k = _unbound_blocks(view, feat, tp)
         if k is not None:
             return k
     joined = _rows_joined(layer.node)
@@ -944,12 +1078,15 @@ def auto_plan(gm: fx.GraphModule, tp: int) -> dict[str, Style]:
     linears = {l.node for l in layers.values() if l.kind == "linear"}
     styles: dict[str, Style] = {}
     rows = set()
+    gates = _norm_gates(layers)
     for path, l in layers.items():
+        if l.node in gates:
+            continue        # a norm's gate MLP: whole, as its norm
         if l.kind == "linear" and _reaches_residual(l, order):
             styles[path] = Rowwise()
             rows.add(l.node)
     for path, l in layers.items():
-        if path in styles:
+        if path in styles or l.node in gates:
             continue
         if l.kind == "linear" and _is_router(l):
             continue        # its scores pick experts on every rank: whole, as in Megatron
@@ -999,16 +1136,24 @@ def _looks_up_user_ids(layer: _Found) -> bool:
 
 
 def _user_ids(embedding: fx.Node) -> fx.Node | None:
-    """The user's input an embedding looks up (its token ids), through shape ops and the ops
-    that replace some ids by a constant one; None when it reads other indices (positions)."""
-    ids, hops = embedding.args[1], 0
-    while isinstance(ids, fx.Node) and hops < 8:
+    """The user's input an embedding looks up (its token ids); None when it reads other
+    indices (positions)."""
+    return _ids_input(embedding.args[1], 8)
+
+
+def _ids_input(ids, hops: int) -> fx.Node | None:
+    """The user's input `ids` are, through shape ops, casts, a replacement of some ids
+    (_IDS_KEPT), or a concatenation with other ids (CPM-Ant's prompt ids put before the text's:
+    the table holds both, split by rows as one vocabulary); else None."""
+    while isinstance(ids, fx.Node) and hops > 0:
         spec = meta.get(ids, meta.INPUT)
         if spec is not None:
             return ids if spec.kind == "user" else None
+        if ids.op == "call_function" and ids.target == aten.cat.default:
+            return next((found for part in ids.args[0] if (found := _ids_input(part, hops - 1)) is not None), None)
         if ids.op != "call_function" or ids.target not in _SHAPE_OPS | _IDS_KEPT.keys():
             return None
-        ids, hops = ids.args[_IDS_KEPT.get(ids.target, 0)], hops + 1
+        ids, hops = ids.args[_IDS_KEPT.get(ids.target, 0)], hops - 1
     return None
 
 
@@ -1018,8 +1163,7 @@ def _user_ids(embedding: fx.Node) -> fx.Node | None:
 _TABLE_OPS = _SHAPE_OPS | opsets.VIEWS | opsets.SLICES | {aten.cat.default}
 _TABLE_READS = {aten.index.Tensor, aten.index_select.default}
 # what may stand between a token embedding's lookup and the add of the positions: shape ops,
-# dropout, scaling by a constant (Whisper's embed_scale), an earlier add of other positions
-_SCALES = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
+# dropout, scaling by a constant (Whisper's embed_scale: _SCALINGS), an earlier add of other positions
 
 
 def position_tables(gm: fx.GraphModule) -> set[str]:
@@ -1084,7 +1228,7 @@ def _from_tokens(node, tokens: set[fx.Node], depth: int = 8) -> bool:
         return True
     if node.target in _SHAPE_OPS:
         return _from_tokens(node.args[0], tokens, depth - 1)
-    if node.target in _SCALES:
+    if node.target in _SCALINGS:
         scale = node.args[1].meta.get("val") if isinstance(node.args[1], fx.Node) else node.args[1]
         constant = not isinstance(scale, torch.Tensor) or scale.numel() == 1
         return constant and _from_tokens(node.args[0], tokens, depth - 1)

@@ -42,6 +42,24 @@ def _groups(ins: tuple, outs: tuple) -> list[tuple[list[int], list[int]]]:
     return groups
 
 
+def _heads_of_blocks(c: Ctx, p: Shard, size, outs: list, go: list[int]):
+    """Unequal fused blocks (a qkv of 4 query, 2 key and 2 value heads, in proportions 2:1:1)
+    viewed as (heads, d, ...): a shard of the heads in the same proportions when every block is
+    whole heads and each block's heads divide over the ranks (each rank's slice of a block is
+    whole heads); else there is no view layout and the value is made whole."""
+    full, dims = expr(size), [expr(o) for o in outs]
+    inner = sympy.Mul(*dims[1:])
+    if p.whole or len(dims) < 2 or not full.is_Integer or not inner.is_Integer:
+        return REPLICATE, [REPLICATE]
+    try:
+        blocks = layout.block_sizes(int(full), p.interleave)
+    except ValueError:
+        return REPLICATE, [REPLICATE]
+    if all(b % int(inner) == 0 and (b // int(inner)) % c.size == 0 for b in blocks):
+        return Shard(go[0], p.interleave), [None]
+    return REPLICATE, [REPLICATE]
+
+
 @register_rule(*opsets.RESHAPES, *opsets.FOLDS)
 def _view(c: Ctx):
     x, p = c.inputs[0], c.p[0]
@@ -64,8 +82,8 @@ def _view(c: Ctx):
             # (B*S, k) -> B*S*k: each block of the fold grows by the whole dims after it (a
             # mixture of experts' k copies of each token flattened), split as before
             return Shard(go[0], p.interleave), [None]
-        if not isinstance(p.interleave, int):              # unequal fused blocks: no view layout
-            return REPLICATE, [REPLICATE]
+        if not isinstance(p.interleave, int):              # unequal fused blocks
+            return _heads_of_blocks(c, p, ins[p.dim], [outs[j] for j in go], go)
         if len(gi) == 1:                                   # split: (F,) -> (a0, a1, ...)
             found = _split_blocks(c, p.interleave, [expr(outs[j]) for j in go], go)
             if found is not None:
