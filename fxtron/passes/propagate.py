@@ -120,6 +120,7 @@ def propagate(gm: fx.GraphModule, layout: AxisLayout, *, mesh: MeshView) -> fx.G
         if out is not None:
             meta.set_placement(node, axis, out)
         meta.set_expects(node, axis, tuple(expects))
+    _shard_params_through_views(gm, axis, placements, ctx)
     _shard_params_cut_at_every_use(gm, axis)
     meta.add_graph_axis(gm, axis)
     if layout.balanced:
@@ -127,6 +128,59 @@ def propagate(gm: fx.GraphModule, layout: AxisLayout, *, mesh: MeshView) -> fx.G
     if layout.options:
         meta.set_axis_options(gm, axis, layout.options)
     return gm
+
+
+def _wants(node: fx.Node, axis: str) -> set:
+    """The placements `node`'s users expect of it on `axis` (None: as it comes)."""
+    wants = set()
+    for user in node.users:
+        inputs = tensor_inputs(user)
+        expects = meta.expects(user, axis) if user.op == "call_function" else ()
+        wants |= {expects[i] if i < len(expects) else None for i, a in enumerate(inputs) if a is node}
+    return wants
+
+
+def _shard_params_through_views(gm: fx.GraphModule, axis: str, placements: dict, ctx) -> None:
+    """A whole parameter passed through a chain of ops of one tensor input and one user each
+    (squeezed, unsqueezed, cast, negated, exponentiated) before the one use that wants it split
+    -- Qwen3-Next's depthwise conv weight, squeezed and unsqueezed again, under a conv on split
+    channels; its A_log, `-A_log.float().exp()`, times a value split by heads -- is held split
+    on the dim whose shard the chain's own rules carry, each op on its shard alone, to that
+    want: each rank stores its slice, no scatter in forward, no all-gather of its gradient."""
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or not meta.is_param(node) or not isinstance(placements.get(node), Replicate):
+            continue
+        chain, cur = [], node
+        while len(cur.users) == 1:
+            (user,) = cur.users
+            if user.op != "call_function" or rule_for(user.target) is None or tensor_inputs(user) != [cur]:
+                break
+            chain.append(user)
+            cur = user
+        wants = _wants(cur, axis) if chain else set()
+        if len(wants) != 1 or not isinstance(next(iter(wants)), Shard):
+            continue
+        want, saved = next(iter(wants)), {n: placements[n] for n in (node, *chain)}
+        for d in range(node.meta["val"].dim()):      # (the chain's ops keep the want's blocks)
+            placements[node], ruled = Shard(d, want.interleave), []
+            for n in chain:
+                rule = rule_for(n.target)
+                r = rule(ctx(n)) if rule is not None else None
+                if r is None or not isinstance(r[0], Shard) or any(
+                        e is not None and e != placements[a] for a, e in zip(tensor_inputs(n), r[1])):
+                    break       # (the op on its shard alone: it expects its input as it comes)
+                placements[n] = r[0]
+                ruled.append(r)
+            if len(ruled) == len(chain) and placements[cur] == want:
+                for n, (out, expects) in zip((node, *chain), [(placements[node], None), *ruled]):
+                    meta.set_placement(n, axis, out)
+                    if expects is not None:
+                        meta.set_expects(n, axis, tuple(expects))
+                for user in cur.users:
+                    meta.set_expects(user, axis, tuple(None if a is cur else e
+                                                       for a, e in zip(tensor_inputs(user), meta.expects(user, axis))))
+                break
+            placements.update(saved)
 
 
 def _shard_params_cut_at_every_use(gm: fx.GraphModule, axis: str) -> None:
@@ -139,11 +193,7 @@ def _shard_params_cut_at_every_use(gm: fx.GraphModule, axis: str) -> None:
             continue
         if not isinstance(meta.placement(node, axis), Replicate):
             continue
-        wants = set()
-        for user in node.users:
-            inputs = tensor_inputs(user)
-            expects = meta.expects(user, axis) if user.op == "call_function" else ()
-            wants |= {expects[i] if i < len(expects) else None for i, a in enumerate(inputs) if a is node}
+        wants = _wants(node, axis)
         if len(wants) != 1 or not isinstance(next(iter(wants)), Shard):
             continue
         want = next(iter(wants))

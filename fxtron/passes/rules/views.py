@@ -59,6 +59,11 @@ def _view(c: Ctx):
             # (B*S, k) -> B*S*k: each block of the fold grows by the whole dims after it (a
             # mixture of experts' k copies of each token flattened), split as before
             return Shard(go[0], p.interleave), [None]
+        if layout.is_symbolic(p.interleave) and gi[0] == p.dim and not c.balanced and not p.order:
+            # (B*S*heads, d) -> (B, S, heads*d): the B*S blocks are the leading output dims, each
+            # block's heads split contiguously (Qwen3.5's gated norm per head, then its output
+            # flattened back to the features for out_proj)
+            return _unfold(c, p, [c.sym(outs[j]) for j in go], go)
         if not isinstance(p.interleave, int):              # unequal fused blocks: no view layout
             return REPLICATE, [REPLICATE]
         if len(gi) == 1:                                   # split: (F,) -> (a0, a1, ...)
@@ -488,11 +493,46 @@ def _cat(c: Ctx):
         return first, [None if e else first for e in empty]
     if first is not None and node.target == aten.cat.default and sum(not e for e in empty) == 1:
         return first, [None] * len(ps)     # the one real input (past keys of an empty cache, then these)
+    if first is not None and node.target == aten.cat.default and first.dim == dim:
+        fused = _cat_blocks(c, dim, empty)
+        if fused is not None:
+            return fused
     if first is not None and node.target == aten.stack.default:
         # a new dim at `dim`: a shard of the inputs stays, one dim further when at or after it
         # (GPT-J's rotary pairs: stack((-x2, x1), -1) of per-head values)
         return Shard(first.dim + (first.dim >= dim), first.interleave), [first] * len(ps)
     return REPLICATE, [None if e else REPLICATE for e in empty]
+
+
+def _cat_blocks(c: Ctx, dim: int, empty: list[bool]):
+    """cat along the split dim of values each split there (Qwen3-Next's query, key and value
+    heads cut from their projection, joined again for the causal conv: cat((q, k, v), -1)):
+    each rank's cat is its slice of every input, one after the other -- the fused layout with
+    the inputs' blocks as its blocks, no gather. A whole input joins as its own slice (a
+    scatter: local). None where a size is symbolic, a block does not divide over the axis, or
+    an input is a partial sum, a rank-local order, a load-balanced shard."""
+    if c.balanced:
+        return None
+    blocks, expects = [], []
+    for a, p, e in zip(c.inputs, c.p, empty):
+        if e:
+            expects.append(None)
+            continue
+        size = expr(shape(a)[dim])
+        if not size.is_Integer:
+            return None
+        if isinstance(p, Shard) and p.dim == dim and not p.whole and not p.order \
+                and not layout.is_symbolic(p.interleave):
+            parts, want = layout.block_sizes(int(size), p.interleave), None
+        elif p.is_replicate():
+            parts, want = [int(size)], Shard(dim)
+        else:
+            return None
+        if any(b % c.size for b in parts):
+            return None
+        blocks += parts
+        expects.append(want)
+    return Shard(dim, layout.normalize(tuple(blocks)) if len(blocks) > 1 else 1), expects
 
 
 @register_rule(aten.repeat_interleave.self_int)
