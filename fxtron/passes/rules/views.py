@@ -64,6 +64,10 @@ def _view(c: Ctx):
             # block's heads split contiguously (Qwen3.5's gated norm per head, then its output
             # flattened back to the features for out_proj)
             return _unfold(c, p, [c.sym(outs[j]) for j in go], go)
+        if p.interleave == 1 and not c.balanced and not p.order:
+            found = _fold_into_rows(c, p, ins, outs, gi, go)
+            if found is not None:
+                return found, [None]
         if not isinstance(p.interleave, int):              # unequal fused blocks: no view layout
             return REPLICATE, [REPLICATE]
         if len(gi) == 1:                                   # split: (F,) -> (a0, a1, ...)
@@ -106,6 +110,23 @@ def _view(c: Ctx):
                 return found, [None]
         raise c.fail("a view that regroups the sharded dim with others both ways")
     raise c.fail("could not follow the sharded dim through this view")
+
+
+def _fold_into_rows(c: Ctx, p: Shard, ins: tuple, outs: tuple, gi: list[int], go: list[int]) -> Shard | None:
+    """(B, S, heads*d) -> (B*S*heads, d), the features split: each of the B*S rows of the
+    group's first output dim holds `heads` rows of d, this rank's heads/tp of them -- a shard
+    of that dim in B*S blocks (OLMo-hybrid's gate viewed per head for its gated norm). None
+    unless the dims before the split one are symbolic (the tokens) and whole heads divide."""
+    at = gi.index(p.dim)
+    outer = sympy.Mul(*[c.sym(ins[j]) for j in gi[:at]])
+    inner = sympy.Mul(*[c.sym(ins[j]) for j in gi[at:]])
+    rest = sympy.Mul(*[c.sym(outs[j]) for j in go[1:]])
+    if outer.is_Integer or not inner.is_Integer or not rest.is_Integer:
+        return None
+    rows = sympy.simplify(c.sym(outs[go[0]]) / outer)
+    if rows.is_Integer and int(rows) % c.size == 0 and int(rows) * int(rest) == int(inner):
+        return Shard(go[0], outer)
+    return None
 
 
 def _split_blocks(c: Ctx, k: int, sizes: list, go: list[int]) -> Shard | None:
