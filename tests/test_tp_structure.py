@@ -776,6 +776,59 @@ def test_grad_enabled_again_inside_no_grad_keeps_its_gradient():
     assert w in meta.reaches_loss(gm)
 
 
+class _WrittenInPlace(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(4, 8, bias=False)
+        self.down = torch.nn.Linear(8, 4, bias=False)
+
+    def forward(self, x):
+        h = self.up(x)
+        out = torch.zeros_like(h)
+        for i in range(h.shape[1]):          # the chunked delta rule's output, written chunk by chunk
+            out[:, i] = h[:, i] * 2
+        return self.down(out).pow(2).mean()
+
+
+def test_values_written_in_place_keep_their_gradient():
+    """A value written into a slice of a fresh zeros_like (`out[:, i] = y`: export's copy_ into
+    a select of it) carries y's gradient on to whatever reads `out` later, as autograd's
+    CopySlices does: the linear that made y reaches the loss and takes its gradient (before,
+    fxtron held it gradless: its .grad None, silently never trained)."""
+    from fxtron.compiler.trace import trace
+    x = torch.randn(2, 3, 4)
+    gm = trace(_WrittenInPlace(), (x,))
+    up = next(n for n in gm.graph.nodes if meta.param_name(n) == "up.weight")
+    zeros = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.zeros_like.default)
+    assert up in meta.reaches_loss(gm) and zeros in meta.carries_grad(gm)
+    pm = fxtron.parallelize(_WrittenInPlace(), fxtron.Mesh(2, tp=2), example_inputs=(x,))
+    assert pm.compiled(0).local["up.weight"].takes_grad
+
+
+@pytest.mark.parametrize("arch", ["Qwen3-Next", "Qwen3.5"])
+def test_gated_deltanet_splits_megatron_way(arch):
+    """Qwen3-Next's and Qwen3.5's Gated DeltaNet at tp=2, Megatron's way: the fused projection
+    by heads (Qwen3-Next's in_proj_qkvz viewed per key-head group; Qwen3.5's in_proj_qkv in
+    its q:k:v proportions, found through the conv to its split), the causal depthwise conv's
+    weight held by the same channels (each rank its heads' q, k and v: a cat of the split q, k,
+    v is their fused layout), A_log / dt_bias per head, the gated norm local, out_proj by
+    rows. No all-gather, no op run replicated, nothing held whole for want of a rule."""
+    from fxtron.compiler import report
+    from tp_models import ZOO
+    pm = _pm(ZOO[arch], 2)
+    attn = "model.layers.0.linear_attn."
+    local = pm.compiled(0).local
+    assert local[attn + "conv1d.weight"].local_shape == (64, 1, 4)       # of (32 q | 32 k | 64 v) channels
+    assert local[attn + "conv1d.weight"].shards[0].interleave == (1, 1, 2)
+    assert local[attn + "out_proj.weight"].local_shape == (64, 32)
+    if arch == "Qwen3.5":
+        assert pm.tp_plan.interleave[attn + "in_proj_qkv"] == (1, 1, 2)
+    assert pm.gathers(0) == [] and pm.fallbacks(0) == []
+    assert count(pm.collectives(0), "all_gather") == 0
+    _, held = report.held_whole(local, pm.tp_plan)
+    assert not [h for h in held if h.why == report.NO_RULE], held
+
+
 def test_mamba_splits_megatron_way():
     """Mamba's mixer at tp=2: in_proj by columns ([x | z] halves each split: interleave 2,
     found through its transpose to channels first), the causal depthwise conv on the rank's

@@ -1,4 +1,4 @@
-"""The transformers decoder architectures fxtron is held to (tp_models.ZOO: 36 families, and
+"""The transformers decoder architectures fxtron is held to (tp_models.ZOO: 40 families, and
 Falcon in both its layouts, from tiny random configs, two layers, no downloads), split the way
 Megatron would -- experts too, when ep does not take them (Megatron's expert tensor parallelism:
 each expert's gate/up split by columns, its down by rows): 3-D weights under a grouped GEMM
@@ -74,8 +74,10 @@ BACKWARD_GATHERS = {"GPTBigCode": 2, "Doge": 1}
 # ... once a step: CPM-Ant's relative position bias (B, heads, S, S), made once from a table of
 # heads columns and sliced to the rank's heads in every layer
 BACKWARD_GATHERS_ONCE = {"CPM-Ant": 1}
-# linears Megatron keeps whole, and why (DeepSeek-V3.2's indexer: whole in DeepSeek's reference)
-WHOLE_BY_DESIGN = ("a router", "a low-rank down-projection", "computed under torch.no_grad")
+# linears Megatron keeps whole, and why (DeepSeek-V3.2's indexer: whole in DeepSeek's reference;
+# Qwen3-Next's shared-expert gate, one output per token)
+WHOLE_BY_DESIGN = ("a router", "a low-rank down-projection", "computed under torch.no_grad",
+                   "a gate of one output per token")
 LAYER_PARAM = re.compile(r"\.(layers|h)\.\d+\.")
 SEQS = [16, 12]
 _opt = adamw(eps=1e-4)

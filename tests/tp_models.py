@@ -16,7 +16,8 @@ ZOO = {"Llama": "hf-llama", "Mistral": "hf-mistral", "Qwen2": "hf-qwen2", "Qwen3
        "DeepSeek-V3": "hf-deepseekv3", "Cohere": "hf-cohere", "CodeGen": "hf-codegen",
        "GPTBigCode": "hf-bigcode", "DeepSeek-V3.2": "hf-deepseekv32", "Llama4": "hf-llama4", "JetMoE": "hf-jetmoe",
        "GraniteMoE": "hf-granitemoe", "Mamba": "hf-mamba", "Mamba2": "hf-mamba2", "MiniMax": "hf-minimax",
-       "Doge": "hf-doge", "CPM-Ant": "hf-cpmant", "LongCat-Flash": "hf-longcat", "Ergo": "hf-ergo"}
+       "Doge": "hf-doge", "CPM-Ant": "hf-cpmant", "LongCat-Flash": "hf-longcat", "Ergo": "hf-ergo",
+       "Qwen3-Next": "hf-qwen3next", "Qwen3.5": "hf-qwen3_5"}
 VOCAB = {"gpt": 256, "gpt-frozen": 256, "llama": 256, "moe": 256, "hf-mixtral-aux": 128, "cumsum-mlp": 64, "factories-mlp": 64, "gather-mlp": 64, "einsum-attn": 64,
          "nanogpt": 64, "hf-gpt2-eager": 128, "hf-qwen2-tied": 128, **{n: 128 for n in ZOO.values()}}
 NAMES = ["gpt", "llama", "hf-gpt2", "hf-llama"]
@@ -415,6 +416,20 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
         # 3-D experts (experts, out, in) under transformers' grouped GEMM, the router a bare weight
         "hf-granitemoe": lambda: T.GraniteMoeForCausalLM(T.GraniteMoeConfig(
             **{**common, "intermediate_size": 32}, **kv, num_local_experts=4, num_experts_per_tok=2, **ids)),
+        # Gated DeltaNet linear attention (a fused in_proj_qkvz viewed per key-head group, q, k, v
+        # joined again for a causal depthwise conv, A_log / dt_bias per value head, a gated norm per
+        # head) then full attention with an output gate; routed experts and a gated shared expert
+        # (use_cache=False: training fills no conv or recurrent state)
+        "hf-qwen3next": lambda: T.Qwen3NextForCausalLM(T.Qwen3NextConfig(
+            **common, **kv, head_dim=8, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
+            linear_value_head_dim=8, linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"],
+            moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+            decoder_sparse_step=1, mlp_only_layers=[], use_cache=False, **ids)),
+        # Qwen3.5's Gated DeltaNet: one in_proj_qkv through the causal conv, then split into q, k, v
+        "hf-qwen3_5": lambda: T.Qwen3_5ForCausalLM(T.Qwen3_5TextConfig(
+            **common, **kv, head_dim=8, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
+            linear_value_head_dim=8, linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"],
+            use_cache=False, **ids)),
         # multi-latent attention (low-rank q and kv), a dense first layer, routed and shared experts
         "hf-deepseekv3": lambda: T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
             **common, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,

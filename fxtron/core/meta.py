@@ -199,10 +199,48 @@ _NO_GRAD = {_aten.new_empty.default, _aten.new_zeros.default, _aten.new_ones.def
             _aten.detach.default}
 
 
+#: ops whose output shares its input's memory: a write into it writes into the input
+_ALIASING = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.select.int,
+             _aten.slice.Tensor, _aten.narrow.default, _aten.unsqueeze.default, _aten.squeeze.dim,
+             _aten.squeeze.dims, _aten.squeeze.default, _aten.transpose.int, _aten.permute.default, _aten.t.default,
+             _aten.expand.default, _aten.alias.default, _aten.diagonal.default, _aten.unflatten.int,
+             _aten.flatten.using_ints, _aten.as_strided.default, _aten.unfold.default}
+
+
+def _writes_first(node: fx.Node) -> bool:
+    """Does the op write into its first argument (copy_, add_, index_put_, masked_fill_...)?"""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return alias is not None and alias.is_write and isinstance(node.args[0] if node.args else None, fx.Node)
+
+
+def written(node: fx.Node) -> "list[fx.Node]":
+    """For an op that writes into its first argument, every value that shares that memory: the
+    views from the written one back to their base (a slice of zeros_like that `x[:, i] = y`
+    fills: the chunked delta rule's output, Qwen3-Next's), and the base's other views. A
+    gradient written there flows on from whatever reads them afterwards."""
+    dst = node.args[0]
+    chain = [dst]
+    while dst.op == "call_function" and dst.target in _ALIASING and isinstance(dst.args[0], fx.Node):
+        dst = dst.args[0]
+        chain.append(dst)
+    seen, stack = builtins.set(chain), [dst]
+    while stack:
+        for user in stack.pop().users:
+            if user not in seen and user.op == "call_function" and user.target in _ALIASING and user.args[0] in seen:
+                seen.add(user)
+                stack.append(user)
+    return list(seen)
+
+
 def carries_grad(gm: fx.GraphModule) -> "set[fx.Node]":
     """The nodes a gradient flows back through: floating values computed from a parameter or
     from a pipeline stage's received activation (a placeholder that stands for no parameter,
-    buffer or user input), except through factories like new_zeros / zeros_like."""
+    buffer or user input), except through factories like new_zeros / zeros_like -- unless a
+    value that carries one is written into them in place (`out[:, i] = y`: autograd's
+    CopySlices), which makes the written memory carry it from then on."""
     out: "set[fx.Node]" = builtins.set()        # this module's `set` writes meta
     for node in gm.graph.nodes:
         val = node.meta.get("val")
@@ -213,6 +251,8 @@ def carries_grad(gm: fx.GraphModule) -> "set[fx.Node]":
                 out.add(node)
         elif floating and node.target not in _NO_GRAD and any(a in out for a in node.all_input_nodes):
             out.add(node)
+            if _writes_first(node):
+                out.update(written(node))
     return out
 
 
@@ -237,15 +277,21 @@ def reaches_loss(gm: fx.GraphModule) -> "set[fx.Node]":
             val = node.meta.get("val")
             if val is None or differentiable(val) or isinstance(val, (list, tuple)):
                 grad.add(node)
+                if _writes_first(node):
+                    grad.update(written(node))
     out: "set[fx.Node]" = builtins.set()
     ti = gm.meta.get(TRACE_INFO)
     mutations = ti.buffer_mutations if ti is not None else {}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in reversed(gm.graph.nodes):
         if node.op == "output":
             flat = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
             out |= {a for i, a in enumerate(flat) if isinstance(a, fx.Node) and i not in mutations and a in grad}
         elif node in grad and any(u in out and u in grad for u in node.users):
             out.add(node)
+        elif node in grad and _writes_first(node) and any(
+                u in out for a in written(node) for u in a.users if order[u] > order[node]):
+            out.add(node)            # an in-place write that something reaching the loss reads later
     return out
 
 

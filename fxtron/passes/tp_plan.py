@@ -1015,10 +1015,15 @@ def _interleave(layer: _Found, tp: int) -> Interleave:
     return 1
 
 
+#: ops that act on each channel alone (activations, casts, copies), which keep the features apart
+_CHANNELWISE = _SAME_LAYOUT | {aten.silu.default, aten.gelu.default, aten.relu.default, aten.sigmoid.default,
+                               aten.tanh.default, aten.softplus.default, aten.elu.default}
+_CONVS = {aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default}
+
+
 # ops a fused part passes on its way to a second cut with its channels kept in place (Mamba-2's
 # xBC: transposed, cast, the depthwise conv, sliced to the sequence, silu, transposed back)
-_CHANNELS_KEPT = _SAME_LAYOUT | {aten.silu.default, aten.slice.Tensor}
-_CONVS = (aten.conv1d.default, aten.convolution.default)
+_CHANNELS_KEPT = _CHANNELWISE | {aten.slice.Tensor}
 
 
 def _cut_again(split: fx.Node, i: int, size: int, dim: int, limit: int = 32) -> list[int]:
@@ -1044,30 +1049,56 @@ def _cut_again(split: fx.Node, i: int, size: int, dim: int, limit: int = 32) -> 
                 stack.append((user, a[2] % nd if dim == a[1] % nd else a[1] % nd))
             elif t in _CHANNELS_KEPT and not (t == aten.slice.Tensor and (a[1] if len(a) > 1 else 0) % nd == dim):
                 stack.append((user, dim))
-            elif t in _CONVS and a[0] is cur and dim == 1 and _depthwise(user, size):
+            elif t in _CONVS and a[0] is cur and dim == 1 and _depthwise(user):
                 stack.append((user, dim))
     return [size]
 
 
-def _depthwise(conv: fx.Node, channels: int) -> bool:
-    at = 8 if conv.target == aten.convolution.default else 6
-    groups = conv.args[at] if len(conv.args) > at else conv.kwargs.get("groups", 1)
-    return groups == channels
-
-
-def _channels_first(layer: _Found) -> list[tuple[fx.Node, fx.Node, int]]:
+def _channels_first(layer: _Found, limit: int = 16) -> list[tuple[fx.Node, fx.Node, int]]:
     """(user, via, the features' dim) where a linear's output is transposed to channels first
-    before it is cut (Mamba's in_proj(x).transpose(1, 2).chunk(2, dim=1))."""
-    out = []
+    before it is cut (Mamba's in_proj(x).transpose(1, 2).chunk(2, dim=1)), also after ops that
+    keep each channel to itself -- a depthwise convolution, an activation, a slice of the
+    sequence, a transpose back (Qwen3.5's in_proj_qkv(x).transpose(1, 2), its causal conv and
+    silu, transposed back and split into q, k, v)."""
+    out, frontier, seen = [], [], set()
     for t in layer.node.users:
-        if t.op != "call_function" or t.target != aten.transpose.int:
-            continue
-        nd = t.meta["val"].dim()
-        d0, d1 = t.args[1] % nd, t.args[2] % nd
-        if nd - 1 in (d0, d1):
-            dim = d0 if d1 == nd - 1 else d1
-            out += [(u, t, dim) for u in t.users]
+        if t.op == "call_function" and t.target == aten.transpose.int:
+            nd = t.meta["val"].dim()
+            d0, d1 = t.args[1] % nd, t.args[2] % nd
+            if nd - 1 in (d0, d1):
+                frontier.append((t, d0 if d1 == nd - 1 else d1))
+    while frontier and limit:
+        limit -= 1
+        cur, dim = frontier.pop()
+        for u in cur.users:
+            if u in seen or u.op != "call_function":
+                continue
+            seen.add(u)
+            val = u.meta.get("val")
+            nd = val.dim() if isinstance(val, torch.Tensor) else 0
+            if u.target in _CHANNELWISE and u.args[0] is cur:
+                frontier.append((u, dim))
+            elif u.target == aten.transpose.int and nd:
+                d0, d1 = u.args[1] % nd, u.args[2] % nd
+                frontier.append((u, d1 if dim == d0 else d0 if dim == d1 else dim))
+            elif u.target == aten.slice.Tensor and nd and (u.args[1] if len(u.args) > 1 else 0) % nd != dim:
+                frontier.append((u, dim))
+            elif u.target in _CONVS and u.args[0] is cur and dim == 1 and _depthwise(u):
+                frontier.append((u, dim))
+            else:
+                out.append((u, cur, dim))
     return out
+
+
+def _depthwise(conv: fx.Node) -> bool:
+    """A convolution of groups = input channels = output channels: each channel on its own."""
+    a = conv.args
+    at = 8 if conv.target == aten.convolution.default else 6
+    groups = a[at] if len(a) > at else conv.kwargs.get("groups", 1)
+    x, w = a[0].meta["val"], a[1].meta["val"]
+    ch = x.shape[1]
+    return (isinstance(groups, int) and not isinstance(ch, torch.SymInt) and int(ch) == groups
+            and int(w.shape[0]) == groups)
 
 
 # ----------------------------------------------------------------------------- planning

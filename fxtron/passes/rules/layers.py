@@ -10,6 +10,7 @@ import torch.fx as fx
 
 import fxtron.ops  # noqa: F401 - torch.ops.fxtron.vocab_parallel_*
 from fxtron.core import meta
+from fxtron.core.layout import block_sizes, is_symbolic
 from fxtron.core.placement import PARTIAL, REPLICATE, Shard
 from fxtron.errors import ParallelizeError
 from fxtron.passes.rules import order
@@ -178,9 +179,7 @@ def _conv(c: Ctx):
         return REPLICATE, whole
     if isinstance(px, Shard) and px.dim == ch and isinstance(groups, int) and groups % c.size == 0 \
             and not px.whole and (pw.is_replicate() or pw == Shard(0, px.interleave)):
-        blocks = px.interleave if isinstance(px.interleave, int) else None
-        depthwise = groups == expr(shape(x)[ch])      # one channel a group: any whole blocks of channels
-        if not depthwise and (blocks is None or groups % (blocks * c.size) != 0):
+        if not _whole_groups(shape(x)[ch], groups, px.interleave, c.size):
             return REPLICATE, whole
         want = Shard(0, px.interleave)
         expects = [None if a is x else want for a in c.inputs]
@@ -191,6 +190,21 @@ def _conv(c: Ctx):
     if all(p.is_replicate() for p in c.p):
         return REPLICATE, [None] * len(c.p)
     return REPLICATE, whole
+
+
+def _whole_groups(channels, groups: int, interleave, size: int) -> bool:
+    """Does a channel dim split over `size` ranks in fused blocks (k equal ones, or the
+    proportions of Qwen3-Next's [q | k | v] before its depthwise conv) give every rank whole
+    groups, none cut across two blocks or two ranks?"""
+    channels = expr(channels)
+    if is_symbolic(interleave) or not channels.is_Integer or int(channels) % groups:
+        return False
+    per = int(channels) // groups                      # channels in one group
+    try:
+        blocks = block_sizes(int(channels), interleave)
+    except ValueError:
+        return False
+    return all(b % (per * size) == 0 for b in blocks)
 
 
 @register_lowering(*_CONV_GROUPS)

@@ -82,6 +82,15 @@ def _view(c: Ctx):
             # (B*S, k) -> B*S*k: each block of the fold grows by the whole dims after it (a
             # mixture of experts' k copies of each token flattened), split as before
             return Shard(go[0], p.interleave), [None]
+        if layout.is_symbolic(p.interleave) and gi[0] == p.dim and not c.balanced and not p.order:
+            # (B*S*heads, d) -> (B, S, heads*d): the B*S blocks are the leading output dims, each
+            # block's heads split contiguously (Qwen3.5's gated norm per head, then its output
+            # flattened back to the features for out_proj)
+            return _unfold(c, p, [c.sym(outs[j]) for j in go], go)
+        if p.interleave == 1 and not c.balanced and not p.order:
+            found = _fold_into_rows(c, p, ins, outs, gi, go)
+            if found is not None:
+                return found, [None]
         if not isinstance(p.interleave, int):              # unequal fused blocks
             return _heads_of_blocks(c, p, ins[p.dim], [outs[j] for j in go], go)
         if len(gi) == 1:                                   # split: (F,) -> (a0, a1, ...)
@@ -124,6 +133,23 @@ def _view(c: Ctx):
                 return found, [None]
         raise c.fail("a view that regroups the sharded dim with others both ways")
     raise c.fail("could not follow the sharded dim through this view")
+
+
+def _fold_into_rows(c: Ctx, p: Shard, ins: tuple, outs: tuple, gi: list[int], go: list[int]) -> Shard | None:
+    """(B, S, heads*d) -> (B*S*heads, d), the features split: each of the B*S rows of the
+    group's first output dim holds `heads` rows of d, this rank's heads/tp of them -- a shard
+    of that dim in B*S blocks (OLMo-hybrid's gate viewed per head for its gated norm). None
+    unless the dims before the split one are symbolic (the tokens) and whole heads divide."""
+    at = gi.index(p.dim)
+    outer = sympy.Mul(*[c.sym(ins[j]) for j in gi[:at]])
+    inner = sympy.Mul(*[c.sym(ins[j]) for j in gi[at:]])
+    rest = sympy.Mul(*[c.sym(outs[j]) for j in go[1:]])
+    if outer.is_Integer or not inner.is_Integer or not rest.is_Integer:
+        return None
+    rows = sympy.simplify(c.sym(outs[go[0]]) / outer)
+    if rows.is_Integer and int(rows) % c.size == 0 and int(rows) * int(rest) == int(inner):
+        return Shard(go[0], outer)
+    return None
 
 
 def _split_blocks(c: Ctx, k: int, sizes: list, go: list[int]) -> Shard | None:
@@ -554,11 +580,46 @@ def _cat(c: Ctx):
         return first, [None if e else first for e in empty]
     if first is not None and node.target in _CATS and sum(not e for e in empty) == 1:
         return first, [None] * len(ps)     # the one real input (past keys of an empty cache, then these)
+    if first is not None and node.target == aten.cat.default and first.dim == dim:
+        fused = _cat_blocks(c, dim, empty)
+        if fused is not None:
+            return fused
     if first is not None and node.target == aten.stack.default:
         # a new dim at `dim`: a shard of the inputs stays, one dim further when at or after it
         # (GPT-J's rotary pairs: stack((-x2, x1), -1) of per-head values)
         return Shard(first.dim + (first.dim >= dim), first.interleave), [first] * len(ps)
     return REPLICATE, [None if e else REPLICATE for e in empty]
+
+
+def _cat_blocks(c: Ctx, dim: int, empty: list[bool]):
+    """cat along the split dim of values each split there (Qwen3-Next's query, key and value
+    heads cut from their projection, joined again for the causal conv: cat((q, k, v), -1)):
+    each rank's cat is its slice of every input, one after the other -- the fused layout with
+    the inputs' blocks as its blocks, no gather. A whole input joins as its own slice (a
+    scatter: local). None where a size is symbolic, a block does not divide over the axis, or
+    an input is a partial sum, a rank-local order, a load-balanced shard."""
+    if c.balanced:
+        return None
+    blocks, expects = [], []
+    for a, p, e in zip(c.inputs, c.p, empty):
+        if e:
+            expects.append(None)
+            continue
+        size = expr(shape(a)[dim])
+        if not size.is_Integer:
+            return None
+        if isinstance(p, Shard) and p.dim == dim and not p.whole and not p.order \
+                and not layout.is_symbolic(p.interleave):
+            parts, want = layout.block_sizes(int(size), p.interleave), None
+        elif p.is_replicate():
+            parts, want = [int(size)], Shard(dim)
+        else:
+            return None
+        if any(b % c.size for b in parts):
+            return None
+        blocks += parts
+        expects.append(want)
+    return Shard(dim, layout.normalize(tuple(blocks)) if len(blocks) > 1 else 1), expects
 
 
 @register_rule(aten.repeat_interleave.self_int)
