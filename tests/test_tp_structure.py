@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+import torch.fx as fx
 
 import fxtron
 from fxtron.core import meta
@@ -927,3 +928,24 @@ def test_a_bias_gathered_per_row_is_no_residual():
     pm = fxtron.parallelize(_IndexedEmbedding(), fxtron.Mesh(2, tp=2), example_inputs=(ids[:, :-1], ids[:, 1:]))
     styles = {p: str(s) for p, s in pm.tp_plan.styles.items()}
     assert styles == {"up": "colwise", "down": "rowwise", "head": "colwise"}, styles
+
+
+def test_unequal_fused_blocks_follow_a_view_only_of_the_features():
+    """A qkv of 4 query, 2 key and 2 value heads (proportions 2:1:1), split by heads: viewed per
+    head, (B, S, 8d) -> (B, S, 8, d), each rank keeps its share of each part; folded with the
+    tokens, (B, S, 8d) -> (B*S*8, d), no block layout describes the rows a rank holds (each
+    token's own q, k and v heads), so the view takes the value whole -- before, it claimed three
+    blocks spanning every token's rows: a wrong layout, found by a review."""
+    from fxtron.core.placement import Replicate, Shard
+    from fxtron.passes.rules import Ctx, rule_for
+
+    def view(shape_in, shape_out):
+        g = fx.Graph()
+        x = g.placeholder("x")
+        x.meta["val"] = torch.empty(shape_in, device="meta")
+        v = g.call_function(torch.ops.aten.view.default, (x, list(shape_out)))
+        v.meta["val"] = torch.empty(shape_out, device="meta")
+        return rule_for(torch.ops.aten.view.default)(Ctx(v, {x: Shard(2, (2, 1, 1))}, axis="tp", size=2, trace=None))
+
+    assert view((2, 3, 32), (2, 3, 8, 4))[0] == Shard(2, (2, 1, 1))
+    assert isinstance(view((2, 3, 32), (48, 4))[0], Replicate)

@@ -91,7 +91,9 @@ def _view(c: Ctx):
             found = _fold_into_rows(c, p, ins, outs, gi, go)
             if found is not None:
                 return found, [None]
-        if not isinstance(p.interleave, int):              # unequal fused blocks
+        if not isinstance(p.interleave, int):              # unequal fused blocks: only the features
+            if gi != [p.dim]:                              # (folded with tokens, the blocks would span them)
+                return REPLICATE, [REPLICATE]
             return _heads_of_blocks(c, p, ins[p.dim], [outs[j] for j in go], go)
         if len(gi) == 1:                                   # split: (F,) -> (a0, a1, ...)
             found = _split_blocks(c, p.interleave, [expr(outs[j]) for j in go], go)
