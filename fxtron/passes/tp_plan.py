@@ -711,25 +711,32 @@ def _norm_gates(layers: Mapping[str, _Found]) -> set[fx.Node]:
 _GATE_ACTIVATIONS = {aten.sigmoid.default, aten.silu.default, aten.tanh.default, aten.gelu.default, aten.relu.default}
 
 
-def _gates_row_output(layer: _Found, rows: set[fx.Node], hops: int = 4) -> bool:
-    """Does the linear's output, through an activation and casts, multiply a row-parallel
-    linear's output (through shape ops) of its own width: a gate on the all-reduced sum?"""
-    frontier = [layer.node]
+def _users_through(start: fx.Node, through, hops: int = 4):
+    """(value, user) for the call users of `start` and of what it reaches through ops in
+    `through`, up to `hops` steps, breadth first."""
+    frontier = [start]
     for _ in range(hops):
         nxt = []
         for node in frontier:
             for user in node.users:
                 if user.op != "call_function":
                     continue
-                if user.target == aten.mul.Tensor:
-                    other = user.args[1] if user.args[0] is node else user.args[0]
-                    while isinstance(other, fx.Node) and other.op == "call_function" and other.target in _SHAPE_OPS:
-                        other = other.args[0]
-                    if other in rows and other.meta["val"].shape[-1] == layer.out_features:
-                        return True
-                elif user.target in _SAME_LAYOUT | _GATE_ACTIVATIONS:
+                yield node, user
+                if user.target in through:
                     nxt.append(user)
         frontier = nxt
+
+
+def _gates_row_output(layer: _Found, rows: set[fx.Node], hops: int = 4) -> bool:
+    """Does the linear's output, through an activation and casts, multiply a row-parallel
+    linear's output (through shape ops) of its own width: a gate on the all-reduced sum?"""
+    for node, user in _users_through(layer.node, _SAME_LAYOUT | _GATE_ACTIVATIONS, hops):
+        if user.target == aten.mul.Tensor:
+            other = user.args[1] if user.args[0] is node else user.args[0]
+            while isinstance(other, fx.Node) and other.op == "call_function" and other.target in _SHAPE_OPS:
+                other = other.args[0]
+            if other in rows and other.meta["val"].shape[-1] == layer.out_features:
+                return True
     return False
 
 
@@ -738,19 +745,10 @@ def _is_scalar_gate(layer: _Found, hops: int = 4) -> bool:
     shape ops, multiplies another value: a gate, whole on every rank as Megatron's is."""
     if layer.out_features != 1:
         return False
-    frontier = [layer.node]
-    for _ in range(hops):
-        nxt = []
-        for node in frontier:
-            for user in node.users:
-                if user.op != "call_function":
-                    continue
-                if user.target == aten.sigmoid.default:
-                    return any(u.op == "call_function" and u.target == aten.mul.Tensor
-                               for u, _ in _through_shape_ops(user))
-                if user.target in _SHAPE_OPS:
-                    nxt.append(user)
-        frontier = nxt
+    for _, user in _users_through(layer.node, _SHAPE_OPS, hops):
+        if user.target == aten.sigmoid.default:
+            return any(u.op == "call_function" and u.target == aten.mul.Tensor
+                       for u, _ in _through_shape_ops(user))
     return False
 
 
