@@ -41,8 +41,8 @@ def eager_step(model, optimizer):
     return step
 
 
-def timed_job(job, mesh, systems: list[str], timeout_s: float = 900) -> dict:
-    """Run `job(rank, mesh)` on the mesh's gloo processes (one torch thread each) and return
+def timed_job(job, mesh, systems: list[str], timeout_s: float = 900, args: tuple = ()) -> dict:
+    """Run `job(rank, mesh, *args)` on the mesh's gloo processes (one torch thread each) and return
     rank 0's result with the job's wall time ("job_s") and each system's median step time
     ("median", from its "times")."""
     import statistics
@@ -50,7 +50,7 @@ def timed_job(job, mesh, systems: list[str], timeout_s: float = 900) -> dict:
 
     import fxtron
     t0 = time.perf_counter()
-    res = fxtron.launch(job, mesh, args=(mesh,), backend="gloo", timeout_s=timeout_s, collective_timeout_s=300,
+    res = fxtron.launch(job, mesh, args=(mesh, *args), backend="gloo", timeout_s=timeout_s, collective_timeout_s=300,
                         threads_per_rank=1)
     out = res[0]
     out["job_s"] = time.perf_counter() - t0
