@@ -2,9 +2,9 @@
 -- a parameter's data-parallel owner, a gathered weight's handle, a gradient view's state --
 as explicit records in tables keyed by the tensor, instead of attributes set on it.
 
-Each table is a `TensorRecords`: a weak-keyed map (torch.utils.weak.WeakTensorKeyDictionary,
-by the tensor object's identity, as an attribute on it would be) from a tensor to its record.
-An entry lives as long as its tensor and no longer, so a record travels with a tensor where
+Each table is a `TensorRecords`: a weak-keyed map (by the tensor object's identity, as an
+attribute on it would be) from a tensor to its record. An entry lives as long as its tensor and
+no longer, so a record travels with a tensor where
 the tensor goes -- into autograd's saved context, into a recomputation in backward that runs
 outside the step's context (on a GPU in autograd's own thread) -- and needs no clearing when
 the tensor dies. Producer and consumer both import the table from here, so the layering test
@@ -50,32 +50,52 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
 
 import torch
-from torch.utils.weak import WeakTensorKeyDictionary
 
 R = TypeVar("R")
 
 
 class TensorRecords(Generic[R]):
-    """A table of records keyed weakly by tensor identity (see the module docstring)."""
+    """A table of records keyed weakly by tensor identity (see the module docstring).
+
+    A dict from id(tensor) to (a weak reference to the tensor, the record); the reference's
+    callback drops the entry when the tensor dies (CPython runs it as the tensor is freed,
+    before its id can be reused). torch's WeakTensorKeyDictionary does the same through
+    Python-level __hash__/__eq__ on a key object made per lookup: a fused linear reads three
+    tables in forward and two in backward, every step, and that made the lookups a visible
+    share of a small step's host time (a GPU waiting on its host pays it)."""
 
     def __init__(self, kind: str):
         self.kind = kind
-        self._table = WeakTensorKeyDictionary()
+        self._table: dict[int, tuple[weakref.ref, R]] = {}
 
     def set(self, t: torch.Tensor, record: R) -> None:
-        self._table[t] = record
+        key, table = id(t), self._table
+
+        def gone(ref, key=key, table=table):
+            entry = table.get(key)
+            if entry is not None and entry[0] is ref:
+                del table[key]
+        self._table[key] = (weakref.ref(t, gone), record)
 
     def get(self, t: torch.Tensor) -> R | None:
         """`t`'s record, None without one."""
-        return self._table.get(t)
+        entry = self._table.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
 
     def pop(self, t: torch.Tensor) -> R | None:
         """Remove `t`'s record and return it (None without one)."""
-        return self._table.pop(t, None)
+        entry = self._table.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return None
+        del self._table[id(t)]
+        return entry[1]
 
     def take(self, t: torch.Tensor) -> bool:
         """Did `t` have a record? Removes it (a flag read once: FRESH_GRADS)."""
-        return self._table.pop(t, None) is not None
+        return self.pop(t) is not None
+
+    def __len__(self) -> int:
+        return len(self._table)
 
     def __repr__(self) -> str:
         return f"TensorRecords({self.kind!r}, {len(self._table)} entries)"

@@ -179,6 +179,7 @@ class Gradients:
         #: overlap_param_gather: the parameters whose buckets the graph waits for itself (param_wait)
         self.waited_in_graph: set[str] = set()
         self.reduce_dtype = reduce_dtype
+        self._reports: dict[str, GradReport] | None = None
 
     # ---------------------------------------------------------------- accumulation
     def _hook(self, name: str):
@@ -229,9 +230,11 @@ class Gradients:
         for buf in self.buffers.values():
             buf.reset(self._views)
         self._last_started = set()
+        if self._reports is None:     # one record a parameter, made once
+            self._reports = {n: GradReport(self._report(n)) for n in self.params}
         for n, p in self.params.items():
             p.main_grad = self._views[n]
-            GRAD_REPORTS.set(p, GradReport(self._report(n)))   # what a fused linear calls (ops/linear.py)
+            GRAD_REPORTS.set(p, self._reports[n])   # what a fused linear calls (ops/linear.py)
         if self.fsdp is not None:
             self.fsdp.begin({n: self._views[n] for n in self.params if n in self.local and self.local[n].flat is not None})
         self._in_step = True

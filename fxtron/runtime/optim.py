@@ -85,7 +85,7 @@ def check_frozen(prog) -> None:
     """ParallelizeError where a parameter's requires_grad differs from the model's when the
     program was built (`prog.frozen`): which parameters take gradients is compiled into the
     program's gradient buffers, so it is set on the model before parallelize."""
-    changed = [n for n, p in prog.named_parameters() if (not p.requires_grad) != (n in prog.frozen)]
+    changed = [n for n, p in prog.param_items() if (not p.requires_grad) != (n in prog.frozen)]
     if changed:
         raise ParallelizeError(
             f"requires_grad of {len(changed)} parameter(s) changed after the program was built ({changed[0]}: now "
@@ -105,7 +105,7 @@ def check_optimizer(prog, optimizer) -> None:
         bad = next((o for o in opts if not isinstance(o, torch.optim.Optimizer)), None)
         raise ParallelizeError(f"train_step needs a torch.optim.Optimizer over prog.parameters() (or a list of "
                                f"them), got {type(bad).__name__ if opts else 'an empty list'}")
-    mine = {id(p) for p in prog.parameters()}
+    mine = {id(p) for _, p in prog.param_items()}
     seen: dict[int, str] = {}
     for o in opts:
         for cls, why in REFUSED.items():

@@ -141,7 +141,11 @@ class Program(nn.Module):
         # group the parameters name (dp; dp-cp and expert-dp with cp and ep), the distributed
         # optimizer under zero=1
         self.data_parallel = config.data_parallel
-        self.grads = Gradients(dict(self.named_parameters()), self.local, groups, config.data_parallel,
+        # the parameters by name, once: every step reads them (the graph's arguments, the
+        # optimizer's checks), and walking the module tree for them cost a small model's step
+        # more host time than its optimizer (a GPU waiting on its host pays it)
+        self._params: dict[str, nn.Parameter] = dict(self.named_parameters())
+        self.grads = Gradients(dict(self._params), self.local, groups, config.data_parallel,
                                shared=spec.shared, grad_reports=spec.grad_reports, param_order=list(spec.param_order),
                                chunk_params=[set(st.params) for st in stages] if stages is not None else None)
         self.last_dispatch: DispatchLog | None = None   # what expert parallel's all-to-alls did, last step
@@ -276,11 +280,18 @@ class Program(nn.Module):
     def _param_arg(self, name: str) -> torch.Tensor:
         """What the graph receives for parameter `name`: its compute copy, or the parameter
         itself where a param_wait node makes the copy once its bucket has arrived."""
-        p = get_by_path(self, name)
+        p = self._params.get(name)
+        if p is None:             # (a tied alias)
+            p = get_by_path(self, name)
         return p if name in self._raw else self._compute_copy(p)
 
     def _compute_copy(self, t: torch.Tensor) -> torch.Tensor:
         return compute_copy(t, self.dtype)
+
+    def param_items(self) -> list[tuple[str, nn.Parameter]]:
+        """`prog.named_parameters()` as the program was built, without walking its module tree
+        (the step's checks read it every step)."""
+        return list(self._params.items())
 
     def local_batch(self, inputs: tuple, kwargs: dict | None = None) -> tuple[tuple, dict]:
         """This rank's data-parallel slice of a global batch (dim 'batch' of every input), on
