@@ -260,13 +260,16 @@ class Gradients:
             buf.start_reporting(names)
 
     # ---------------------------------------------------------------- finalize
-    def finalize(self) -> None:
+    def finalize(self, *, read_norm: bool = True) -> torch.Tensor | None:
         """Megatron's finalize_model_grads, in order: finish the data-parallel sync of the
         buckets (all-reduce, or reduce-scatter under zero=1); sum over their axes the gradients
         that are partial there although the weight is whole (norm weights under sequence
         parallel: Megatron's _allreduce_layernorm_grads); sum tied weights over the pipeline
         ranks that hold them (the embedding group); then clip the global norm. Afterwards every
-        parameter's .grad is its gradient (the rank's shard under zero=1, its piece under zero=3)."""
+        parameter's .grad is its gradient (the rank's shard under zero=1, its piece under zero=3).
+        Returns the norm before clipping (a device tensor; None without clip_grad), read on the
+        host into `last_norm` unless `read_norm` is False (a captured step, runtime/graphs.py,
+        reads it after the replay)."""
         if self.fsdp is not None:
             self.fsdp.finish()
         for buf in self.buffers.values():
@@ -279,8 +282,12 @@ class Gradients:
                 p.grad = None if n in self.gradless else g if g.dtype == p.dtype else g.to(p.dtype)
         self.sync_partial()
         self.sync_shared()
-        if self.config.clip_grad is not None:
-            self.last_norm = float(self.clip_(self.config.clip_grad))
+        if self.config.clip_grad is None:
+            return None
+        norm = self.clip_(self.config.clip_grad)
+        if read_norm:
+            self.last_norm = float(norm)
+        return norm
 
     def sync_partial(self) -> None:
         """Sum over each axis the gradients of the weights whole there but used on shards of
