@@ -125,12 +125,12 @@ def _groups(backend: str, channels=None) -> ProcessGroups:
 def test_gloo_and_shm_refused_from_the_groups():
     cuda = torch.device("cuda", 0)
     with pytest.raises(ParallelizeError, match="the process groups are on gloo") as e:
-        check_program([], _groups("gloo"), cuda)
+        check_program((), _groups("gloo"), cuda)
     assert "backend='nccl'" in str(e.value)
     with pytest.raises(ParallelizeError, match="shared-memory channel") as e:
-        check_program([], _groups("gloo", {"tp": object()}), cuda)
+        check_program((), _groups("gloo", {"tp": object()}), cuda)
     assert "FXTRON_SHM=0" in str(e.value) and "shm_transport=False" in str(e.value)
-    check_program([], _groups("nccl"), cuda)      # NCCL on CUDA: nothing to refuse
+    check_program((), _groups("nccl"), cuda)      # NCCL on CUDA: nothing to refuse
 
 
 def test_summary_says_when_the_step_is_captured():

@@ -36,6 +36,7 @@ import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
 from fxtron.core import opsets
+from fxtron.ops.rng import is_random, rng_call
 
 aten = torch.ops.aten
 
@@ -82,7 +83,6 @@ def host_bound(graphs: list[fx.GraphModule]) -> list[str]:
     (nonzero, bincount, .item(): the host reads them), the expert dispatch (its counts), random
     draws (fxtron's streams advance on the host, which a replay would not: every replay would
     draw the captured numbers)."""
-    from fxtron.ops.rng import is_random, rng_call
     found: dict[str, str] = {}
     for gm in graphs:
         for node in gm.graph.nodes:

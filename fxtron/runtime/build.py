@@ -106,7 +106,7 @@ def build_program(model: torch.nn.Module, spec: RankSpec, groups: ProcessGroups 
                                                 for n, lp in spec.local.items()})
     device = groups.device if groups is not None else torch.device("cpu")
     if config.codegen.cuda_graphs:       # what a captured step cannot replay, before any tensor is made
-        check_program(list(spec.graphs), groups, device)
+        check_program(spec.host_bound, groups, device)
     materialized = MetaMaterializer(model, seed)
     params = local_params(model, spec, seed, materialized)
     buffers = used_buffers(model, spec, materialized)

@@ -27,7 +27,8 @@ Refused, as a ParallelizeError naming the reason and what to change, as early as
 at parallelize (config/sections.py `Config._cuda_graph_rules`): a CPU device, fp16's loss
 scaling (its overflow check is read on the host), pipeline schedules and microbatches, zero,
 recomputation, expert parallel, the collective check; at program build (`check_program`):
-random draws and data-dependent shapes in the graph (codegen/regions.py `host_bound`), a
+random draws and data-dependent shapes in the graph (codegen/regions.py `host_bound`, carried
+by the RankSpec), a
 program that is not on CUDA, process groups not on NCCL (gloo, and its shared-memory channel,
 ops/shm.py); at a step (`CapturedStep`): optimizers other than Adam / AdamW, another
 optimizer than the captured one, a batch of another shape than the captured one (one graph per
@@ -43,7 +44,6 @@ import time
 
 import torch
 
-from fxtron.codegen.regions import host_bound
 from fxtron.errors import ParallelizeError
 from fxtron.ops import ledger
 from fxtron.ops.linear import WgradQueue
@@ -58,12 +58,13 @@ CAPTURABLE = (torch.optim.Adam, torch.optim.AdamW)
 _OFF = "; or turn cuda_graphs off"
 
 
-def check_program(graphs: list, groups, device: torch.device) -> None:
+def check_program(bound, groups, device: torch.device) -> None:
     """ParallelizeError, at program build, for what a captured step cannot replay on this rank:
-    the graph's random draws and data-dependent shapes (codegen/regions.py host_bound), a
-    program that is not on CUDA, process groups whose collectives a CUDA graph cannot capture
-    (gloo; the shared-memory channel), the collective check (gloo, from the host)."""
-    why = host_bound(graphs)
+    `bound`, the graph's random draws and data-dependent shapes (RankSpec.host_bound, found by
+    codegen/regions.py host_bound), a program that is not on CUDA, process groups whose
+    collectives a CUDA graph cannot capture (gloo; the shared-memory channel), the collective
+    check (gloo, from the host)."""
+    why = list(bound)
     if device.type != "cuda":
         why.append(f"the program runs on {device.type} (CUDA graphs capture CUDA kernels alone): build it in a "
                    "process of fxtron.launch(..., backend='nccl') or init_distributed on a GPU machine")
