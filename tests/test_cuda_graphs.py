@@ -4,8 +4,8 @@ replayed. This machine has no GPU, so the capture itself is tested in tests/test
 processes:
 
 - every refusal is a ParallelizeError naming its cause and what to change: at parallelize (a
-  CPU device, fp16's loss scaling, microbatches and pp, zero, recomputation, ep, the collective
-  check), at program build (data-dependent shapes, random draws, a program not on CUDA, gloo
+  CPU device, fp16's loss scaling, microbatches and pp, zero, recomputation, cp, ep, the
+  collective check), at program build (data-dependent shapes, random draws, a program not on CUDA, gloo
   groups and the shared-memory channel), at a step (an optimizer other than Adam / AdamW, a
   Microbatches list, a batch of another shape, a hyperparameter changed after capture, a
   non-finite norm under skip_nonfinite);
@@ -63,7 +63,8 @@ def test_config_refusals(options, cause):
     assert cause in str(e.value) and "turn cuda_graphs off" in str(e.value)
 
 
-@pytest.mark.parametrize("mesh,cause", [(fxtron.Mesh(2, pp=2), "pp > 1"), (fxtron.Mesh(2, ep=2), "ep=1")])
+@pytest.mark.parametrize("mesh,cause", [(fxtron.Mesh(2, pp=2), "pp > 1"), (fxtron.Mesh(2, ep=2), "ep=1"),
+                                        (fxtron.Mesh(2, cp=2), "cp=1")])
 def test_mesh_refusals(mesh, cause):
     with pytest.raises(ParallelizeError, match="cuda_graphs=True cannot capture") as e:
         Config().replace(**CUDA).check(mesh)

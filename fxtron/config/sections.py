@@ -316,7 +316,7 @@ class CodegenConfig(Section):
     cuda_graphs: bool = option(False, help="capture the whole training step (forward, backward, gradient sync, "
                                            "optimizer) in one CUDA graph after the warm-up steps and replay it: one "
                                            "launch a step. NCCL only, one input shape, no pipeline, microbatches, "
-                                           "zero, fp16, recomputation, random draws or data-dependent shapes "
+                                           "zero, fp16, recomputation, cp, ep, random draws or data-dependent shapes "
                                            "(refused, naming the reason); torch.optim.Adam / AdamW made capturable")
     cuda_graph_warmup: int = option(2, minimum=1, help="with cuda_graphs: the steps run eagerly on a side stream "
                                                        "before the next one is captured (NCCL's communicators, the "
@@ -410,6 +410,9 @@ class Config:
         if self.recompute.granularity is not None:
             refusals.append(f"recompute={self.recompute.granularity!r} replays regions whose random streams are "
                             "restored from the host: use recompute=None" + off)
+        if mesh is not None and mesh.cp > 1:
+            refusals.append(f"context parallel (cp={mesh.cp}) reads its attention's masks and document pieces on the "
+                            "host (ops/cp/pieces.py, ops/cp/blocks.py): use cp=1" + off)
         if mesh is not None and mesh.ep > 1:
             refusals.append(f"expert parallel (ep={mesh.ep}) sizes each all-to-all from the tokens' counts per expert, "
                             "read on the host every step (data-dependent shapes): use ep=1" + off)

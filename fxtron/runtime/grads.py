@@ -370,7 +370,12 @@ class Gradients:
             total = experts if spec is not None and spec.grad_group == "expert-dp" else dense
             squares = g.float().pow(2)
             whole = _whole_elements(spec, coords, sizes, start, g.numel(), g.device) if spec is not None else None
-            total += squares.sum() if whole is None else squares.reshape(-1)[~whole].sum()
+            if whole is None:
+                total += squares.sum()
+            elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                total += squares.reshape(-1).masked_fill(whole, 0).sum()   # (a mask's selection reads its count on the host)
+            else:
+                total += squares.reshape(-1)[~whole].sum()
         if self.groups is not None:
             for kind, total in ((self.dense_group, dense), ("expert-dp", experts)):
                 if kind in self.sharded_kinds:     # each rank holds 1/d of the gradients

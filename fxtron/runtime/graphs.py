@@ -26,7 +26,8 @@ corrections on the device, in float32) from the first step, warm-up included.
 Refused, as a ParallelizeError naming the reason and what to change, as early as it is known:
 at parallelize (config/sections.py `Config._cuda_graph_rules`): a CPU device, fp16's loss
 scaling (its overflow check is read on the host), pipeline schedules and microbatches, zero,
-recomputation, expert parallel, the collective check; at program build (`check_program`):
+recomputation, context parallel (masked attention reads its pieces on the host), expert
+parallel, the collective check; at program build (`check_program`):
 random draws and data-dependent shapes in the graph (codegen/regions.py `host_bound`, carried
 by the RankSpec), a
 program that is not on CUDA, process groups not on NCCL (gloo, and its shared-memory channel,
