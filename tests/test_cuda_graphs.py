@@ -93,6 +93,32 @@ class Nonzero(nn.Module):
         return y.index_select(0, idx).sum() + y.mean()
 
 
+class Indexing(nn.Module):
+    """Rows picked by integer indices (a gather of fixed shape: capturable) and by a boolean mask
+    (the host counts the rows: refused)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        rows = torch.arange(y.shape[0] - 1, -1, -1, device=x.device)
+        return y[rows].mean() + y[x[:, 0] > 0].sum()
+
+
+class Gather(nn.Module):
+    """Rows picked by integer indices alone: a gather of fixed shape, which a graph replays."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y[torch.arange(y.shape[0] - 1, -1, -1, device=x.device)].pow(2).mean()
+
+
 class Dropout(nn.Module):
     def __init__(self):
         super().__init__()
@@ -104,6 +130,7 @@ class Dropout(nn.Module):
 
 
 @pytest.mark.parametrize("model,cause", [(Nonzero, "aten.nonzero.default has a data-dependent output"),
+                                         (Indexing, "aten.index.Tensor indexes by a boolean mask"),
                                          (Dropout, "draws random numbers")])
 def test_graph_refusals_at_program_build(model, cause):
     torch.manual_seed(0)
@@ -115,6 +142,15 @@ def test_graph_refusals_at_program_build(model, cause):
         pm.program(0)
     assert cause in str(e.value)
     assert "the program runs on cpu" in str(e.value)      # (a 1-rank program without groups: the CPU)
+
+
+def test_integer_indexing_is_not_refused():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = fxtron.parallelize(Gather(), fxtron.Mesh(1), example_inputs=(torch.randn(4, 8),), seq_dim=None, **CUDA)
+    assert any(n.target == torch.ops.aten.index.Tensor for g in pm.compiled(0).graphs for n in g.graph.nodes)
+    assert pm.compiled(0).spec().host_bound == ()
+    assert "refused" not in pm.summary()
 
 
 def _groups(backend: str, channels=None) -> ProcessGroups:

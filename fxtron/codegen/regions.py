@@ -75,6 +75,16 @@ def opaque(node: fx.Node) -> bool:
 _DATA_DEPENDENT_TAGS = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
 #: fxtron's ops that size their transfers from counts read on the host (the expert dispatch)
 _COUNTED = ("ep_dispatch", "ep_combine")
+#: indexing ops whose shape (or work) depends on the data only under a boolean mask (the
+#: indices a mask picks are counted on the host); integer indices are a gather of fixed shape
+_INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
+
+
+def _masked_index(node: fx.Node) -> bool:
+    """Whether an indexing node indexes by a boolean (or byte) mask."""
+    indices = node.args[1] if len(node.args) > 1 else ()
+    return any(isinstance(i, fx.Node) and getattr(i.meta.get("val"), "dtype", None) in (torch.bool, torch.uint8)
+               for i in indices or ())
 
 
 def host_bound(graphs: list[fx.GraphModule]) -> list[str]:
@@ -94,7 +104,11 @@ def host_bound(graphs: list[fx.GraphModule]) -> list[str]:
                 found.setdefault(f"random:{op}", f"{op} draws random numbers (dropout; fxtron's random streams "
                                                  "advance on the host): set the model's dropout to 0")
             elif isinstance(t, torch._ops.OpOverload):
-                if _DATA_DEPENDENT_TAGS & set(t.tags):
+                if t in _INDEXING:
+                    if _masked_index(node):
+                        found.setdefault(str(t), f"{t} indexes by a boolean mask (at {node.name}; the host counts "
+                                                 "what it picks): use torch.where or a multiplication by the mask")
+                elif _DATA_DEPENDENT_TAGS & set(t.tags):
                     found.setdefault(str(t), f"{t} has a data-dependent output (the host reads its "
                                              f"{'shape' if torch.Tag.dynamic_output_shape in t.tags else 'value'}, "
                                              f"at {node.name}): compute it with static shapes (masks instead of "
