@@ -110,7 +110,7 @@ class CapturedStep:
         self.shapes: list | None = None
         self.optimizers: list | None = None
         self.lrs: list[tuple[dict, torch.Tensor]] = []   # (param group, its device lr)
-        self.fixed: str | None = None                    # the other hyperparameters, as captured
+        self.fixed: list[dict] | None = None             # the other hyperparameters, as at the first step
         self.loss: torch.Tensor | None = None            # the graph's outputs, read after a replay
         self.norm: torch.Tensor | None = None
 
@@ -160,10 +160,18 @@ class CapturedStep:
                 raise ParallelizeError("cuda_graphs=True: this step's optimizer is not the one the step was captured "
                                        "with (its state and hyperparameters are in the graph): pass the same one, or "
                                        "build the program again")
-            if self._hyperparameters() != self.fixed:
-                raise ParallelizeError("cuda_graphs=True: an optimizer hyperparameter other than lr (or its param "
-                                       "groups) changed after the step was captured; the graph holds them as they "
-                                       "were: " + self.fixed + _OFF)
+            now = self._hyperparameters()
+            if now != self.fixed:
+                if len(now) != len(self.fixed):
+                    changed = "the param groups"
+                else:
+                    changed = ", ".join(f"the parameters of group {i}" if k == "params" else
+                                        f"{k} of group {i} ({was.get(k)!r} -> {g.get(k)!r})"
+                                        for i, (g, was) in enumerate(zip(now, self.fixed))
+                                        for k in sorted(set(g) | set(was), key=str) if g.get(k) != was.get(k))
+                raise ParallelizeError(f"cuda_graphs=True: {changed} changed since this program's first step; the "
+                                       "captured step holds every optimizer setting but lr as it was then: set them "
+                                       "before the first step" + _OFF)
             return
         for o in opts:
             if type(o) not in CAPTURABLE:
@@ -185,9 +193,11 @@ class CapturedStep:
         self.optimizers = list(opts)
         self.fixed = self._hyperparameters()
 
-    def _hyperparameters(self) -> str:
-        return repr([[([id(p) for p in g["params"]], {k: v for k, v in g.items() if k not in ("params", "lr")})
-                      for g in o.param_groups] for o in self.optimizers])
+    def _hyperparameters(self) -> list[dict]:
+        """Every param group's settings but lr (their parameters by identity), as comparable reprs."""
+        return [{"params": [id(p) for p in g["params"]],
+                 **{k: repr(v) for k, v in g.items() if k not in ("params", "lr")}}
+                for o in self.optimizers for g in o.param_groups]
 
     def _sync_lr(self) -> None:
         """A learning rate set between steps (a float) into the device tensor the graph reads."""
