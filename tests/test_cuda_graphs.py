@@ -10,9 +10,10 @@ processes:
   Microbatches list, a batch of another shape, a hyperparameter changed after capture, a
   non-finite norm under skip_nonfinite);
 - the option's flag, TOML key and shorthand, and the summary's line;
-- the captured step's body (its warm-up steps: static buffers, the loss and norm kept on the
-  device, the lr a tensor the schedule's floats are copied into) trains a 1-rank CPU program
-  exactly as the uncaptured step does, and as the unmodified model in one process.
+- the captured step's body (its warm-up steps: static buffers, the batch's token counts in
+  static tensors, the loss and norm kept on the device, the lr a tensor the schedule's floats
+  are copied into) trains a 1-rank CPU program exactly as the uncaptured step does, and as the
+  unmodified model in one process.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from fxtron.config.flags import add_arguments, from_arguments
 from fxtron.errors import ParallelizeError
 from fxtron.runtime.graphs import CapturedStep, check_program
 from fxtron.runtime.groups import ProcessGroups
-from fxtron.tools.testing import adamw, assert_trains_like, max_abs_diff, reference_training
+from fxtron.tools.testing import adamw, assert_trains_like, max_abs_diff, reference_training, run_on_ranks
 from tp_models import batches, make
 
 CUDA = dict(cuda_graphs=True, device="cuda")
@@ -206,6 +207,8 @@ def test_warm_up_body_trains_as_the_uncaptured_step():
     as the uncaptured step, and as the model in one process, with clipping and an lr that
     changes every step."""
     items = batches("gpt", 4, [16, 16, 16], 5)
+    for i, ((_, targets), _) in enumerate(items):
+        targets[i, : 4 * i + 1] = -100       # ignored labels: the token mean's count differs every step
     lrs = [1e-3, 5e-4, 2e-3]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -264,3 +267,47 @@ def test_a_non_finite_norm_is_an_error_not_a_skip():
     with pytest.raises(ParallelizeError, match="step 4 of this program: the global gradient norm is nan"):
         captured._read(torch.tensor(1.0), torch.tensor(math.nan))
     assert captured._read(torch.tensor(2.5), torch.tensor(1.0)) == 2.5
+
+
+def _dp_job(rank: int, mesh: fxtron.Mesh, items: list, lrs: list) -> dict:
+    """On each dp rank: the uncaptured program and a CapturedStep's warm-up steps (the step's
+    work, run eagerly) on the same batches."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = fxtron.parallelize(make("gpt"), mesh, example_inputs=items[0][0], clip_grad=0.5)
+    plain, prog = pm.program(rank), pm.program(rank)
+    want = _run(plain, plain.train_step, items, adamw()(plain.parameters()), lrs)
+    captured = CapturedStep(prog, warmup=len(items))
+    got = _run(prog, captured.step, items, adamw()(prog.parameters()), lrs)
+    return {"got": got, "want": want, "statistics": sorted(captured.batch.values), "norms": (prog.last_grad_norm,
+                                                                                              plain.last_grad_norm)}
+
+
+@pytest.mark.slow      # (a 2-rank gloo job: ~25 s on 2 shared cores)
+def test_warm_up_body_under_data_parallel():
+    """dp=2 (gloo): the loss summed over dp on the device and the global token count of a mean
+    loss (ignored labels spread unevenly over the ranks and the steps) through the static
+    tensors -- the same losses, norms and weights as the uncaptured step on every rank, and as
+    the model in one process."""
+    items = batches("gpt", 4, [16, 16, 16], 9)
+    for i, ((_, targets), _) in enumerate(items):
+        targets[i, : 5 * i + 2] = -100       # one rank's half of the batch loses more tokens, differently each step
+    lrs = [1e-3, 5e-4, 2e-3]
+    mesh = fxtron.Mesh(2)
+    results = run_on_ranks(_dp_job, mesh, mesh, items, lrs)
+
+    class Schedule:
+        at = 0
+        lr = property(lambda self: lrs[self.at])
+
+        def step(self):
+            self.at += 1
+    ref = reference_training(make("gpt"), items, adamw(), clip_grad=0.5, schedule=Schedule())
+    for rank, r in enumerate(results):
+        assert r["statistics"], "the step has no batch statistics: the static tensors are not exercised"
+        assert max(abs(a - b) for a, b in zip(r["got"]["losses"], r["want"]["losses"])) < 1e-6
+        assert abs(r["norms"][0] - r["norms"][1]) < 1e-6
+        for key in ("grads", "state"):
+            d, where = max_abs_diff(r["got"][key], r["want"][key])
+            assert d < 1e-6, (rank, key, where, d)
+        assert_trains_like(r["got"], ref, rank=rank)
