@@ -216,7 +216,7 @@ class CapturedStep:
             return
         if shapes != self.shapes:
             raise ParallelizeError(
-                f"cuda_graphs=True: this step's inputs are ({_describe(shapes)}), the captured step's "
+                f"cuda_graphs=True: this step's inputs are ({_describe(shapes)}), this program's first step's "
                 f"({_describe(self.shapes)}): a CUDA graph replays the shapes it was captured with (one graph per "
                 "shape would hold its own memory pool and static buffers); pad every batch to one shape (e.g. "
                 "labels at ignore_index)" + _OFF)
