@@ -9,8 +9,8 @@ How (torch.cuda.graphs' recipe, as Megatron-core's full-iteration graph does it)
   its step count a device tensor: `capturable=True`), the gradient buffers, the allocator's
   blocks;
 - the next step is captured into the graph's private memory pool (capture_error_mode
-  "thread_local": other threads, NCCL's watchdog among them, may query CUDA meanwhile), then
-  replayed; the capture itself computes nothing;
+  "thread_local": other threads, NCCL's watchdog among them, may query CUDA meanwhile), every
+  rank between two barriers, then replayed; the capture itself computes nothing;
 - every step copies its batch (the rank's slice, on the device) into static input buffers and
   the batch's statistics (ops/statistics.py: the global token counts a mean loss divides by)
   into static tensors the graph reads, then replays;
@@ -44,6 +44,7 @@ import math
 import time
 
 import torch
+import torch.distributed as dist
 
 from fxtron.errors import ParallelizeError
 from fxtron.ops import ledger
@@ -249,6 +250,7 @@ class CapturedStep:
         if self.device.type != "cuda":
             raise ParallelizeError(f"cuda_graphs=True: the program's parameters are on {self.device}, and a CUDA "
                                    "graph captures CUDA kernels alone" + _OFF)
+        self._barrier()        # every rank captures together (as Megatron-core's full-iteration graph does)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         t0 = time.perf_counter()
@@ -259,8 +261,15 @@ class CapturedStep:
             raise ParallelizeError(
                 f"cuda_graphs=True: capturing step {self.steps + 1} failed ({e}); something in the step reads the "
                 "device on the host or synchronizes (see the first line of torch's message)" + _OFF) from e
+        torch.cuda.synchronize()
+        self._barrier()
         self.capture_s = time.perf_counter() - t0
         self.graph, self.captured_at = graph, self.steps + 1
+
+    def _barrier(self) -> None:
+        if self.prog.groups is not None and dist.is_initialized():
+            with ledger.collective(dist.group.WORLD, "barrier"):
+                dist.barrier()
 
     def _read(self, loss: torch.Tensor, norm: torch.Tensor | None) -> float:
         """The step's loss and norm on the host, after the replay."""
