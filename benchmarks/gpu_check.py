@@ -39,6 +39,13 @@
    the unmodified model under the same precision policy: the step times and their ratio (the
    goal: <= 0.95x), fxtron uncompiled beside them, the numbers within the mixed-precision
    tolerances. --compiled-only runs it alone; --no-compile drops it.
+7. cuda_graphs=True (runtime/graphs.py) at world 1 (one NCCL rank) on the small Llama of 2., bf16:
+   the program whose step is captured in a CUDA graph (one warm-up step, step 2 captured, then
+   replayed) against the same program uncaptured: losses, first-step gradients and weights after
+   3 steps within the mixed-precision tolerances (the figures reported: they differ by
+   capturable Adam's float32 bias corrections alone), and the median step time of each (the
+   timed steps are replays). --cuda-graphs-only runs it alone. Without CUDA (the dry run) the
+   key says "refused: <reason>" -- parallelize's refusal of a CPU device -- and is ok.
 --readme [README.md] rewrites README's GPU figures block (between its gpu-figures markers) from
 the run's JSON with the date and the machine; with --from-json FILE.json, from a saved document
 and without running. --cpu-dry-run runs the checks' logic on tiny shapes on a CPU (5. without its
@@ -260,10 +267,11 @@ def _train_job(rank: int, mesh: fxtron.Mesh, cfg: LlamaConfig, batch_size: int, 
     return res
 
 
-def _fxtron_run(rank, mesh, model, batches, dev, timed, profile, compile: bool = False) -> dict:
+def _fxtron_run(rank, mesh, model, batches, dev, timed, profile, compile: bool = False, **options) -> dict:
     """fxtron: fp32 parameters, bf16 compute, wgrad fused into main_grad (Triton); with
-    `compile`, its regions between fxtron's ops compiled by Inductor (codegen/regions.py)."""
-    pm = fxtron.parallelize(model, mesh, example_inputs=batches[0], dtype=torch.bfloat16, compile=compile)
+    `compile`, its regions between fxtron's ops compiled by Inductor (codegen/regions.py);
+    `options`, parallelize's other options (cuda_graphs=True)."""
+    pm = fxtron.parallelize(model, mesh, example_inputs=batches[0], dtype=torch.bfloat16, compile=compile, **options)
     prog = pm.program(rank)
     opt = _opt(prog.parameters())
     losses, grads = [], None
@@ -386,6 +394,38 @@ def check_compiled(cfg: LlamaConfig, batch_size: int, seq: int, timed: int) -> d
                 "ratio_uncompiled_vs_compiled": u["step_s"] / f["step_s"],
                 "wall_s_fxtron_compiled": f["wall_s"], "wall_s_torch_compile": c["wall_s"]})
     out["meets_goal"] = out["ratio_vs_torch_compile"] <= 0.95
+    return out
+
+
+def _cuda_graphs_job(rank: int, mesh: fxtron.Mesh, cfg: LlamaConfig, batch_size: int, seq: int, timed: int) -> dict:
+    torch.manual_seed(0)
+    model = Llama(cfg)
+    batches = _batches(STEPS, cfg, batch_size, seq)
+    dev = torch.device("cuda")
+    return {"captured": _fxtron_run(rank, mesh, model, batches, dev, timed, False, cuda_graphs=True,
+                                    cuda_graph_warmup=1),
+            "uncaptured": _fxtron_run(rank, mesh, model, batches, dev, timed, False)}
+
+
+def check_cuda_graphs(cfg: LlamaConfig, batch_size: int, seq: int, timed: int) -> dict:
+    """7. cuda_graphs=True against the same program uncaptured (module docstring); without
+    CUDA, parallelize's refusal."""
+    if not torch.cuda.is_available():
+        try:
+            fxtron.parallelize(Llama(cfg), fxtron.Mesh(1), example_inputs=_batches(1, cfg, batch_size, seq)[0],
+                               dtype=torch.bfloat16, cuda_graphs=True)
+        except fxtron.ParallelizeError as e:
+            return {"ok": True, "status": f"refused: {e}"}
+        return {"ok": False, "status": "cuda_graphs=True was not refused on a machine without CUDA"}
+    mesh = fxtron.Mesh(1)
+    r = fxtron.launch(_cuda_graphs_job, mesh, args=(mesh, cfg, batch_size, seq, timed), backend="nccl",
+                      timeout_s=600, shm_transport=False)[0]
+    c, u = r["captured"], r["uncaptured"]
+    out = _agreement(c, u, cfg, batch_size, seq)
+    out["ok"] = out.pop("numbers_ok")
+    out.update({"status": "captured", "losses_captured": c["losses"], "losses_uncaptured": u["losses"],
+                "step_s_captured": c["step_s"], "step_s_uncaptured": u["step_s"],
+                "ratio_captured_vs_uncaptured": c["step_s"] / u["step_s"]})
     return out
 
 
@@ -727,6 +767,8 @@ def main() -> int:
     ap.add_argument("--trainer-only", action="store_true", help="only `fxtron train` against PyTorch (4.)")
     ap.add_argument("--compiled-only", action="store_true",
                     help="only compile=True against torch.compile (6.; in the dry run: with --dry-run-compile)")
+    ap.add_argument("--cuda-graphs-only", action="store_true",
+                    help="only cuda_graphs=True against the uncaptured step (7.)")
     ap.add_argument("--no-compile", action="store_true", help="4. without its torch.compile baseline")
     ap.add_argument("--dry-run-compile", action="store_true",
                     help="the dry run's 4. with its torch.compile baseline (Inductor's C++ build: minutes on a CPU)")
@@ -741,6 +783,10 @@ def main() -> int:
     if a.cpu_dry_run:
         tiny = LlamaConfig(vocab_size=256, max_seq_len=32, n_layer=2, n_head=4, n_kv_head=2, dim=64, ffn_dim=96)
         out = {"machine": _machine(), "torch": torch.__version__}
+        out["cuda_graphs"] = check_cuda_graphs(tiny, 2, 32, 2)
+        if a.cuda_graphs_only:
+            print(json.dumps(out, indent=1))
+            return 0 if out["cuda_graphs"]["ok"] else 1
         if not a.trainer_only and not a.compiled_only:
             out.update(wgrad=_rows(check_kernel(DRY_RUN_SHAPES, device="cpu")),
                        training=check_training(tiny, 2, 32, 2, profile=a.profile),
@@ -761,6 +807,11 @@ def main() -> int:
         out = {"machine": _machine(), "torch": torch.__version__, "cp_block": _rows(check_cp_block())}
         print(json.dumps(out, indent=1))
         return 0 if out["cp_block"]["ok"] else 1
+    if a.cuda_graphs_only:
+        out = {"machine": _machine(), "torch": torch.__version__,
+               "cuda_graphs": check_cuda_graphs(*TRAIN_CASES["small"], TIMED)}
+        print(json.dumps(out, indent=1))
+        return 0 if out["cuda_graphs"]["ok"] else 1
     if a.compiled_only:
         out = {"machine": _machine(), "torch": torch.__version__, "compiled": check_compiled(*TRAIN_CASES["small"], TIMED)}
         print(json.dumps(out, indent=1))
@@ -830,9 +881,19 @@ def main() -> int:
             out["compiled"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[-4000:]}
         out["compiled"]["check_s"] = time.perf_counter() - t0
         print(json.dumps({"compiled": {k: v for k, v in out["compiled"].items() if "losses" not in k}}), flush=True)
+    if not a.skip_training:
+        t0 = time.perf_counter()
+        try:
+            out["cuda_graphs"] = check_cuda_graphs(*TRAIN_CASES["small"], TIMED)
+        except Exception as e:  # noqa: BLE001 - report it with the other figures
+            out["cuda_graphs"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[-4000:]}
+        out["cuda_graphs"]["check_s"] = time.perf_counter() - t0
+        print(json.dumps({"cuda_graphs": {k: v for k, v in out["cuda_graphs"].items() if "losses" not in k}}),
+              flush=True)
     ok = (all(r["ok"] for r in out["wgrad"]) and all(r["ok"] for r in out["training"].values())
           and out.get("recompute", {"ok": True})["ok"] and out["cp_block"]["ok"]
-          and out.get("trainer", {"ok": True})["ok"] and out.get("compiled", {"ok": True})["ok"])
+          and out.get("trainer", {"ok": True})["ok"] and out.get("compiled", {"ok": True})["ok"]
+          and out.get("cuda_graphs", {"ok": True})["ok"])
     out["ok"] = ok
     text = json.dumps(out, indent=1)
     print(text)

@@ -8,7 +8,8 @@ device="cuda" on this CPU-only machine, names no torch.device but cuda's (and de
 graphs only the CPU), under tp=2, pp=2, cp=2, ep=2 and zero=3; the verifier's check names a
 node that names another; a mixture of experts' GEMMs take the path the program's dtype has on
 CUDA (the bf16 grouped GEMM under dtype="bf16", transformers' fallback in fp32), and a
-torch._grouped_mm CUDA cannot run is a ParallelizeError at parallelize."""
+torch._grouped_mm CUDA cannot run is a ParallelizeError at parallelize. Where CUDA is present
+(skipped here): a step captured in a CUDA graph (cuda_graphs=True) trains as the uncaptured one."""
 from __future__ import annotations
 
 import warnings
@@ -174,3 +175,45 @@ def test_metadata_asserts_go_from_nested_graphs_too():
     assert not [n for m in outer.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes
                 if n.target == torch.ops.aten._assert_tensor_metadata.default]
     check_devices(outer, "cuda")
+
+
+def _captured_job(rank: int, mesh, steps: int) -> dict:
+    """Train gpt-tiny on one NCCL rank captured (cuda_graphs, one warm-up step) and uncaptured,
+    on the same batches; what each trained, and where the capture happened."""
+    from fxtron.tools.testing import adamw, train_program
+    from tp_models import batches as make_batches
+    items = make_batches("gpt", 4, [16] * steps, seed=7)
+    out = {}
+    for captured in (True, False):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pm = fxtron.parallelize(make("gpt"), mesh, example_inputs=items[0][0], device="cuda", clip_grad=1.0,
+                                    cuda_graphs=captured, cuda_graph_warmup=1)
+        prog = pm.program(rank)
+        res = train_program(prog, items, adamw()(prog.parameters()))
+        res["captured_at"] = prog.captured.captured_at if captured else None
+        res["norm"] = prog.last_grad_norm
+        out[captured] = {k: ({n: t.cpu() for n, t in v.items()} if isinstance(v, dict) else v) for k, v in res.items()}
+    return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph needs a GPU")
+def test_captured_step_trains_as_the_uncaptured_one():
+    """cuda_graphs=True on one NCCL rank, fp32: step 1 eager (warm-up), step 2 captured and
+    replayed, steps 3-5 replays -- the same losses, gradient norms and weights as the uncaptured
+    program (capturable Adam's float32 bias corrections the only difference) and as the model
+    in one process."""
+    from fxtron.tools.testing import adamw, assert_trains_like, max_abs_diff, reference_training
+    from tp_models import batches as make_batches
+    mesh = fxtron.Mesh(1)
+    r = fxtron.launch(_captured_job, mesh, args=(mesh, 5), backend="nccl", timeout_s=600, shm_transport=False)[0]
+    got, plain = r[True], r[False]
+    assert got["captured_at"] == 2
+    assert max(abs(a - b) for a, b in zip(got["losses"], plain["losses"])) < 1e-5
+    assert abs(got["norm"] - plain["norm"]) < 1e-5
+    dw, where = max_abs_diff(got["state"], plain["state"])
+    assert dw < 1e-6, (where, dw)
+    on_gpu = [(tuple(t.cuda() for t in a), kw) for a, kw in make_batches("gpt", 4, [16] * 5, seed=7)]
+    ref = reference_training(make("gpt").cuda(), on_gpu, adamw(), clip_grad=1.0)     # (the same GPU's kernels)
+    ref = {k: ({n: t.cpu() for n, t in v.items()} if isinstance(v, dict) else v) for k, v in ref.items()}
+    assert_trains_like(got, ref)

@@ -17,7 +17,8 @@ region's code in turn (a lock file per code), so that Inductor's on-disk cache, 
 serves later runs, gives it to all but the first. A region of views alone is not compiled
 (nothing to fuse). `plan(graphs)` counts the regions without compiling (pm.summary() reports it);
 a `Compiler` compiles a rank's graphs and keeps their `CompileStats`: how many regions were
-compiled and how long their first calls -- the compilations -- took.
+compiled and how long their first calls -- the compilations -- took. `host_bound` names what
+in a graph a captured CUDA graph (cuda_graphs=True) cannot replay.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
 from fxtron.core import opsets
+from fxtron.ops.rng import is_random, rng_call
 
 aten = torch.ops.aten
 
@@ -66,6 +68,55 @@ def opaque(node: fx.Node) -> bool:
     module = getattr(t, "__module__", None) or ""
     return not (module in ("_operator", "operator", "math") or module.startswith("torch.fx.experimental.sym_node")
                 or t in (torch.sym_int, torch.sym_float, torch.sym_max, torch.sym_min, torch.sym_not))
+
+
+#: tags of ops whose output's shape or value the host must read from the data (a captured CUDA
+#: graph fixes both at capture)
+_DATA_DEPENDENT_TAGS = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
+#: fxtron's ops that size their transfers from counts read on the host (the expert dispatch)
+_COUNTED = ("ep_dispatch", "ep_combine")
+#: indexing ops whose shape (or work) depends on the data only under a boolean mask (the
+#: indices a mask picks are counted on the host); integer indices are a gather of fixed shape
+_INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
+
+
+def _masked_index(node: fx.Node) -> bool:
+    """Whether an indexing node indexes by a boolean (or byte) mask."""
+    indices = node.args[1] if len(node.args) > 1 else ()
+    return any(isinstance(i, fx.Node) and getattr(i.meta.get("val"), "dtype", None) in (torch.bool, torch.uint8)
+               for i in indices or ())
+
+
+def host_bound(graphs: list[fx.GraphModule]) -> list[str]:
+    """What in a rank's `graphs` a captured CUDA graph (cuda_graphs=True, runtime/graphs.py)
+    cannot replay, a line per kind of op: outputs whose shape or value depends on the data
+    (nonzero, bincount, .item(): the host reads them), the expert dispatch (its counts), random
+    draws (fxtron's streams advance on the host, which a replay would not: every replay would
+    draw the captured numbers)."""
+    found: dict[str, str] = {}
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            t = node.target
+            if t is rng_call or is_random(node):
+                op = node.args[1] if t is rng_call and len(node.args) > 1 else t
+                found.setdefault(f"random:{op}", f"{op} draws random numbers (dropout; fxtron's random streams "
+                                                 "advance on the host): set the model's dropout to 0")
+            elif isinstance(t, torch._ops.OpOverload):
+                if t in _INDEXING:
+                    if _masked_index(node):
+                        found.setdefault(str(t), f"{t} indexes by a boolean mask (at {node.name}; the host counts "
+                                                 "what it picks): use torch.where or a multiplication by the mask")
+                elif _DATA_DEPENDENT_TAGS & set(t.tags):
+                    found.setdefault(str(t), f"{t} has a data-dependent output (the host reads its "
+                                             f"{'shape' if torch.Tag.dynamic_output_shape in t.tags else 'value'}, "
+                                             f"at {node.name}): compute it with static shapes (masks instead of "
+                                             "indices)")
+                elif t.namespace == "fxtron" and t._opname in _COUNTED:
+                    found.setdefault(str(t), f"{t} sizes its all-to-all from the tokens' counts per expert, read "
+                                             "on the host")
+    return list(found.values())
 
 
 def _partitions(gm: fx.GraphModule) -> tuple[dict[fx.Node, int], dict[int, bool]]:
@@ -256,4 +307,4 @@ class Compiler:
         return split
 
 
-__all__ = ["CompileStats", "Compiler", "opaque", "plan"]
+__all__ = ["CompileStats", "Compiler", "host_bound", "opaque", "plan"]

@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from fxtron.passes.fsdp import STANDS_FOR_PARAMS, is_free, param_of, shard_data_parallel, wait_for_params
 from fxtron.codegen.fuse import fuse_linears, fused_weights
+from fxtron.codegen.regions import host_bound
 from fxtron.config import Config
 from fxtron.core import layout, meta
 from fxtron.core.axes import MeshView
@@ -116,7 +117,8 @@ class RankGraph:
                         grad_reports=self.grad_reports(),
                         fused=tuple(sorted({w for g in self.graphs for w in fused_weights(g)})),
                         seq_split=self.seq_split, max_seq=self.max_seq.tokens if self.max_seq else None,
-                        max_seq_why=self.max_seq.why if self.max_seq else "")
+                        max_seq_why=self.max_seq.why if self.max_seq else "",
+                        host_bound=tuple(host_bound(self.graphs)))
 
 
 # ----------------------------------------------------------------------------- the pass list

@@ -588,6 +588,20 @@ def statistics_note(mesh: Mesh, config, report) -> str:
     return text
 
 
+def cuda_graphs_note(config, graphs) -> str:
+    """One line: how cuda_graphs=True runs rank 0's step (runtime/graphs.py), or what in its
+    graphs the program build will refuse (codegen/regions.py host_bound)."""
+    from fxtron.codegen.regions import host_bound
+    bound = host_bound(graphs)
+    if bound:
+        return "cuda_graphs=True: refused at program build: " + "; ".join(bound)
+    w = config.codegen.cuda_graph_warmup
+    return (f"cuda_graphs=True: the whole step (forward, backward, gradient sync, optimizer) runs eagerly for {w} "
+            f"warm-up step(s) on a side stream, is captured in one CUDA graph on step {w + 1} and replayed from then "
+            "on; each batch is copied into static buffers (one shape), the loss and the gradient norm are read after "
+            "the replay, Adam / AdamW are made capturable (the lr a device tensor); NCCL groups only")
+
+
 def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage_assignment, compiled,
             schedule: str = "", bubble: str = "", batch: int | None = None, seq: int | None = None,
             init: str = "", step_records=None) -> str:
@@ -729,6 +743,8 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
         from fxtron.codegen.regions import plan
         head += (f"\ncompile=True: on rank 0, {plan(compiled(0).graphs).line()}, on the first step; the fxtron ops "
                  "(collectives, fused linears, attention blocks, random draws) run as they are between them")
+    if config.codegen.cuda_graphs:
+        head += "\n" + cuda_graphs_note(config, compiled(0).graphs)
     if init:
         head += "\n" + init
     if mesh.world_size > 1:

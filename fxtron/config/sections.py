@@ -15,7 +15,7 @@ config (parallelism, activation checkpointing, training):
       experts         the load-balancing loss's statistics, capacity, padding
       recompute       activation recomputation (Megatron's --recompute-*)
       precision       compute dtype, weight-gradient fusion
-      codegen         each rank's program compiled by Inductor
+      codegen         each rank's program compiled by Inductor, its step captured in a CUDA graph
       debug           strict, the verifier, the collective check, the flight recorder, dumps
 
 The trainer's tree (fxtron/trainer/config.py: TrainConfig) subclasses `Config` with its own
@@ -306,12 +306,21 @@ class PrecisionConfig(Section):
 
 @dataclass(frozen=True)
 class CodegenConfig(Section):
-    """What each rank's program is turned into: its graph interpreted op by op, or compiled."""
+    """What each rank's program is turned into: its graph interpreted op by op, or compiled; its
+    training step replayed from a CUDA graph."""
 
     _name = "codegen"
     compile: bool = option(False, help="compile each rank's forward and backward with Inductor between fxtron's "
                                        "collectives and kernels (norms, rotary, activations, residual adds and the "
                                        "loss fused); the first step pays the compilation")
+    cuda_graphs: bool = option(False, help="capture the whole training step (forward, backward, gradient sync, "
+                                           "optimizer) in one CUDA graph after the warm-up steps and replay it: one "
+                                           "launch a step. NCCL only, one input shape, no pipeline, microbatches, "
+                                           "zero, fp16, recomputation, cp, ep, random draws or data-dependent shapes "
+                                           "(refused, naming the reason); torch.optim.Adam / AdamW made capturable")
+    cuda_graph_warmup: int = option(2, minimum=1, help="with cuda_graphs: the steps run eagerly on a side stream "
+                                                       "before the next one is captured (NCCL's communicators, the "
+                                                       "optimizer's state and the buffers made there)")
 
 
 @dataclass(frozen=True)
@@ -376,6 +385,42 @@ class Config:
                                    "into the pipeline bubbles, which needs gradient_accumulation_fusion=True")
         if self.tensor.sequence_parallel and self.inputs.seq_dim is None:
             raise ParallelizeError("sequence_parallel=True needs the inputs' sequence dim (seq_dim)")
+        if self.codegen.cuda_graphs:
+            self._cuda_graph_rules()
+
+    def _cuda_graph_rules(self, mesh=None) -> None:
+        """ParallelizeError for what a captured step (cuda_graphs=True, runtime/graphs.py) cannot
+        hold: a host synchronization or a varying schedule inside the step, or another device
+        than CUDA. The graph's own ops and the process groups are checked at program build."""
+        off = "; or turn cuda_graphs off"
+        refusals = []
+        if self.inputs.device == "cpu":
+            refusals.append("the programs run on the CPU (device='cpu'): CUDA graphs capture CUDA kernels alone; "
+                            "run on GPUs (device='cuda')" + off)
+        if self.precision.dtype == "fp16":
+            refusals.append("fp16's dynamic loss scaling reads the gradients' overflow check on the host every step "
+                            "(it decides the skip and the scale there): use dtype='bf16' (no loss scaling)" + off)
+        if self.pipeline.microbatches > 1 or (mesh is not None and mesh.pp > 1):
+            refusals.append("a pipeline schedule or gradient accumulation (pp > 1 or microbatches > 1) runs its "
+                            "passes and transfers from the host, microbatch by microbatch, in an order the graph "
+                            "would fix: use pp=1 and microbatches=1 (a larger batch in one step)" + off)
+        if self.data_parallel.zero:
+            refusals.append(f"zero={self.data_parallel.zero} overlaps the parameters' all-gathers (or zero=3's "
+                            "gathers and frees) across steps and waits for them from the host: use zero=0" + off)
+        if self.recompute.granularity is not None:
+            refusals.append(f"recompute={self.recompute.granularity!r} replays regions whose random streams are "
+                            "restored from the host: use recompute=None" + off)
+        if mesh is not None and mesh.cp > 1:
+            refusals.append(f"context parallel (cp={mesh.cp}) reads its attention's masks and document pieces on the "
+                            "host (ops/cp/pieces.py, ops/cp/blocks.py): use cp=1" + off)
+        if mesh is not None and mesh.ep > 1:
+            refusals.append(f"expert parallel (ep={mesh.ep}) sizes each all-to-all from the tokens' counts per expert, "
+                            "read on the host every step (data-dependent shapes): use ep=1" + off)
+        if self.debug.check_collectives:
+            refusals.append("check_collectives agrees every collective with its peers over gloo from the host: "
+                            "turn it off (FXTRON_CHECK_COLLECTIVES=0)" + off)
+        if refusals:
+            raise ParallelizeError("cuda_graphs=True cannot capture this step: " + "; ".join(refusals))
 
     # ---------------------------------------------------------------- the mesh
     def check(self, mesh) -> None:
@@ -384,6 +429,8 @@ class Config:
             getattr(self, f.name).check(mesh)
         if mesh.cp > 1 and self.inputs.seq_dim is None:
             raise ParallelizeError("context parallel (mesh.cp > 1) splits the inputs' sequence dim; give seq_dim")
+        if self.codegen.cuda_graphs:
+            self._cuda_graph_rules(mesh)
 
     # ---------------------------------------------------------------- fields by shorthand
     @classmethod

@@ -26,7 +26,8 @@ class RankSpec:
     rank's tokens of a sequence are cut into inside the graph (tp under sequence parallel), so
     the step can refuse a length that does not divide before it runs. max_seq: the longest
     sequence the model takes (a position table's rows; None: no limit found), max_seq_why:
-    what sets it."""
+    what sets it. host_bound: what in the graphs a captured CUDA graph cannot replay, a line
+    each (codegen/regions.py host_bound; cuda_graphs=True refuses them at program build)."""
 
     rank: int
     mesh: MeshView
@@ -41,6 +42,7 @@ class RankSpec:
     seq_split: int = 1
     max_seq: int | None = None
     max_seq_why: str = ""
+    host_bound: tuple[str, ...] = ()
 
     @property
     def graphs(self) -> list[fx.GraphModule]:

@@ -15,6 +15,7 @@ from fxtron.errors import ParallelizeError, ParallelizeWarning
 from fxtron.mesh import hsdp_kinds
 from fxtron.ops.rng import RNGStreams
 from fxtron.runtime.bind import bind
+from fxtron.runtime.graphs import check_program
 from fxtron.runtime.groups import ProcessGroups
 from fxtron.runtime.materialize import MetaMaterializer
 from fxtron.runtime.checkpoint.hf import origin_of
@@ -94,7 +95,8 @@ def build_program(model: torch.nn.Module, spec: RankSpec, groups: ProcessGroups 
     nn.Module holding its parameters. `eval_spec()`, when given, compiles the rank's eval-mode
     graph (the same parameters): the program binds it on its first evaluation. `compiler`, when
     given (compile=True: codegen/regions.py's Compiler), turns each bound graph into the one
-    that runs; its `stats` become `program.compiled`."""
+    that runs; its `stats` become `program.compiled`. Under cuda_graphs=True what a captured
+    step cannot replay is refused here (runtime/graphs.py check_program)."""
     config = config if config is not None else Config()
     # a frozen parameter (requires_grad=False) takes no gradient, as in the model: .grad None
     # after every step, so no optimizer moves it (runtime/grads.py's gradless)
@@ -102,10 +104,12 @@ def build_program(model: torch.nn.Module, spec: RankSpec, groups: ProcessGroups 
     if frozen & set(spec.local):
         spec = dataclasses.replace(spec, local={n: dataclasses.replace(lp, takes_grad=False) if n in frozen else lp
                                                 for n, lp in spec.local.items()})
+    device = groups.device if groups is not None else torch.device("cpu")
+    if config.codegen.cuda_graphs:       # what a captured step cannot replay, before any tensor is made
+        check_program(spec.host_bound, groups, device)
     materialized = MetaMaterializer(model, seed)
     params = local_params(model, spec, seed, materialized)
     buffers = used_buffers(model, spec, materialized)
-    device = groups.device if groups is not None else torch.device("cpu")
     if device.type != "cpu":
         params = {k: v.to(device) for k, v in params.items()}
         buffers = {k: v.to(device) for k, v in buffers.items()}

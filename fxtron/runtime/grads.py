@@ -263,13 +263,16 @@ class Gradients:
             buf.start_reporting(names)
 
     # ---------------------------------------------------------------- finalize
-    def finalize(self) -> None:
+    def finalize(self, *, read_norm: bool = True) -> torch.Tensor | None:
         """Megatron's finalize_model_grads, in order: finish the data-parallel sync of the
         buckets (all-reduce, or reduce-scatter under zero=1); sum over their axes the gradients
         that are partial there although the weight is whole (norm weights under sequence
         parallel: Megatron's _allreduce_layernorm_grads); sum tied weights over the pipeline
         ranks that hold them (the embedding group); then clip the global norm. Afterwards every
-        parameter's .grad is its gradient (the rank's shard under zero=1, its piece under zero=3)."""
+        parameter's .grad is its gradient (the rank's shard under zero=1, its piece under zero=3).
+        Returns the norm before clipping (a device tensor; None without clip_grad), read on the
+        host into `last_norm` unless `read_norm` is False (a captured step, runtime/graphs.py,
+        reads it after the replay)."""
         if self.fsdp is not None:
             self.fsdp.finish()
         for buf in self.buffers.values():
@@ -282,8 +285,12 @@ class Gradients:
                 p.grad = None if n in self.gradless else g if g.dtype == p.dtype else g.to(p.dtype)
         self.sync_partial()
         self.sync_shared()
-        if self.config.clip_grad is not None:
-            self.last_norm = float(self.clip_(self.config.clip_grad))
+        if self.config.clip_grad is None:
+            return None
+        norm = self.clip_(self.config.clip_grad)
+        if read_norm:
+            self.last_norm = float(norm)
+        return norm
 
     def sync_partial(self) -> None:
         """Sum over each axis the gradients of the weights whole there but used on shards of
@@ -366,7 +373,12 @@ class Gradients:
             total = experts if spec is not None and spec.grad_group == "expert-dp" else dense
             squares = g.float().pow(2)
             whole = _whole_elements(spec, coords, sizes, start, g.numel(), g.device) if spec is not None else None
-            total += squares.sum() if whole is None else squares.reshape(-1)[~whole].sum()
+            if whole is None:
+                total += squares.sum()
+            elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                total += squares.reshape(-1).masked_fill(whole, 0).sum()   # (a mask's selection reads its count on the host)
+            else:
+                total += squares.reshape(-1)[~whole].sum()
         if self.groups is not None:
             for kind, total in ((self.dense_group, dense), ("expert-dp", experts)):
                 if kind in self.sharded_kinds:     # each rank holds 1/d of the gradients

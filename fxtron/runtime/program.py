@@ -5,7 +5,8 @@ The module tree mirrors the original model's (`prog.named_parameters()` yields
 Forward calls the per-rank GraphModule with (parameters, buffers, flattened inputs) in the
 order the trace fixed. `train_step` does one whole step: the rank's slice of the batch
 (runtime/batch.py), forward and backward (or the pipeline schedule, runtime/pp/runner.py), the
-gradient sync (runtime/grads.py), mixed precision (runtime/precision.py) and the optimizer.
+gradient sync (runtime/grads.py), mixed precision (runtime/precision.py) and the optimizer;
+under cuda_graphs=True it is captured once in a CUDA graph and replayed (runtime/graphs.py).
 `eval_step` runs the model's eval-mode graph (traced with the model in eval mode; compiled on
 first use with the same parameters), forward only; `prog.eval()` makes `prog(...)` run it too.
 
@@ -37,7 +38,7 @@ from fxtron.ops import ledger
 from fxtron.ops.ep import DispatchLog
 from fxtron.ops.linear import WgradQueue
 from fxtron.ops.rng import RNGStreams
-from fxtron.runtime import ep, optim
+from fxtron.runtime import ep, graphs, optim
 from fxtron.runtime.batch import BatchSlicer, Microbatches
 from fxtron.runtime.checkpoint import dcp, hf
 from fxtron.runtime.grads import Gradients, get_by_path
@@ -125,6 +126,7 @@ class Program(nn.Module):
         self._last_runner = None          # the runner of the last step (training or evaluation)
         self.frozen: frozenset = frozenset()   # the parameters the model froze (requires_grad=False), runtime/build.py
         self.compiled = None              # compile=True: what Inductor compiled (codegen/regions.py CompileStats)
+        self.captured = None              # cuda_graphs=True: the captured step, made at the first (runtime/graphs.py)
         self.track_memory = False         # sample the memory after every pass of a step (memory_timeline)
         # a step whose global gradient norm is not finite leaves the weights as they were (the trainer's)
         self.skip_nonfinite = False
@@ -313,8 +315,13 @@ class Program(nn.Module):
         microbatches may differ in sequence length), run by the schedule, and the loss is the
         mean of the microbatches' losses, as gradient accumulation computes it -- a token mean
         over the whole batch's counted tokens (passes/statistics.py). A training step runs the
-        training graph whether the program is in train or eval mode (`eval_step` evaluates)."""
+        training graph whether the program is in train or eval mode (`eval_step` evaluates).
+
+        Under cuda_graphs=True the step after the warm-up is captured in a CUDA graph and
+        replayed from then on (runtime/graphs.py: one input shape, Adam / AdamW)."""
         optim.check_optimizer(self, optimizer)
+        if self.config.codegen.cuda_graphs:     # the whole step captured once, then replayed (runtime/graphs.py)
+            return graphs.captured_step(self, inputs, optimizer, kwargs)
         if self._stages is not None or self.pipeline.microbatches > 1 or isinstance(inputs, Microbatches):
             return pp_runner.pipelined_step(self, inputs, optimizer, kwargs)
         args, kw = self.local_batch(inputs, kwargs)
@@ -464,19 +471,20 @@ class Program(nn.Module):
             return 1, 0
         return self.groups.size("dp"), self.groups.index("dp")
 
-    def _start_global_loss(self, loss: torch.Tensor):
+    def _start_global_loss(self, loss: torch.Tensor, *, on_device: bool = False):
         """Start summing the ranks' losses over dp (it runs during backward); the function
-        returned waits and gives the global batch's loss."""
+        returned waits and gives the global batch's loss (`on_device`: as a device tensor,
+        nothing read on the host -- a captured step's, runtime/graphs.py)."""
         dp, _ = self._dp()
         if dp == 1:
-            return lambda: float(loss)
+            return (lambda: loss) if on_device else (lambda: float(loss))
         loss = loss.clone()
         e = ledger.issue(self.groups.group("dp"), "all_reduce", loss)
         work = ledger.started(e, dist.all_reduce(loss, group=self.groups.group("dp"), async_op=True))
 
-        def finish() -> float:
+        def finish():
             work.wait()
-            return float(loss) / dp
+            return loss / dp if on_device else float(loss) / dp
         return finish
 
     def _global_loss(self, loss: torch.Tensor) -> float:

@@ -61,7 +61,11 @@ class Trainer:
         self.prog = prog = pm.program(rank, groups, seed=t.seed)
         self.say(f"start-up: compiled in {time.perf_counter() - traced:.1f} s; running the first step"
                  + (" (Inductor compiles its regions)" if prog.compiled is not None else "") + " ...")
-        prog.skip_nonfinite = True
+        prog.skip_nonfinite = True     # (under cuda_graphs such a step cannot be skipped: an error, runtime/graphs.py)
+        if config.codegen.cuda_graphs:
+            w = config.codegen.cuda_graph_warmup
+            self.say(f"start-up: cuda_graphs: steps 1-{w} run eagerly on a side stream (warm-up), step {w + 1} is "
+                     "captured in one CUDA graph and replayed from then on")
         if tm.pretrained:
             prog.load_pretrained(tm.pretrained)
         self.opt = optimizer(prog.named_parameters(), cfg, original_dims(prog))
@@ -151,6 +155,8 @@ class Trainer:
                      "after tracing began")
             if prog.compiled is not None:
                 self.say(f"start-up: {prog.compiled.line()}")
+        if prog.captured is not None and prog.captured.captured_at == prog.captured.steps:    # the capture's step
+            self.say(f"start-up: {prog.captured.line()}")
         self.metrics.step({"step": step, "loss": loss, "lr": lr, "grad_norm": prog.last_grad_norm,
                            "step_time": elapsed, "consumed_samples": state["consumed_train_samples"],
                            "skipped": state["skipped_iterations"], "step_skipped": skipped,
