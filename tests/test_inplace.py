@@ -1,8 +1,11 @@
-"""In-place writes, in one process (no gloo job): a gradient written into memory in place reaches
-that memory's later readers through every view, piece and in-place result that shares it, and no
+"""In-place writes, without processes: a gradient written into memory in place reaches that
+memory's later readers through every view, piece and in-place result that shares it, and no
 further -- a parameter read only for its shape (`zeros_like(p)`) takes none. Each model trains at
 world 1 against the unmodified model in one process: losses, first-step gradients (None where the
-model's is None: AdamW's decay then leaves the parameter as the model does) and weights."""
+model's is None: AdamW's decay then leaves the parameter as the model does) and weights. At tp=2,
+compile-only: an in-place op's destination is never handed a redistributed copy while the
+memory is read afterwards (a whole buffer stays whole; what no placement makes exact is an
+error)."""
 from __future__ import annotations
 
 import copy
@@ -14,6 +17,7 @@ import fxtron
 from fxtron.core import meta
 from fxtron.compiler.trace import trace
 from fxtron.tools.testing import adamw, assert_trains_like, reference_training, train_program
+from tp_models import batch, make
 
 
 class _Written(torch.nn.Module):
@@ -112,3 +116,45 @@ def test_the_aliasing_tables_name_only_views():
         first, ret = op._schema.arguments[0].alias_info, op._schema.returns[0]
         assert first is not None and not first.is_write, op
         assert ret.alias_info is not None or str(ret.type) == "List[Tensor]", op
+
+
+def test_a_whole_buffer_written_in_place_by_split_values_stays_whole_at_tp2():
+    """add_ / masked_fill_ into slices of a whole buffer, of values split by the colwise up:
+    the buffer stays whole, the values are gathered into it (before, the pointwise rule wanted
+    the slice split: a scatter made a copy, the write landed there and the buffer's later
+    readers saw zeros -- the first loss off by 0.03; tests/test_tensor_parallel.py trains it,
+    in-place-mlp). Compile-only: nothing of fxtron's sits between a written slice and its write."""
+    args, kwargs = batch("in-place-mlp", 2, 8, seed=0)
+    pm = fxtron.parallelize(make("in-place-mlp"), fxtron.Mesh(2, tp=2), example_inputs=args, example_kwargs=kwargs)
+    gm = pm.compiled(0).gm
+    writes = [n for n in gm.graph.nodes if meta.writes_first(n)]
+    assert {n.target for n in writes} == {torch.ops.aten.add_.Tensor, torch.ops.aten.masked_fill_.Scalar}
+    for n in writes:
+        assert n.args[0].target == torch.ops.aten.slice.Tensor, n.format_node()
+        assert n.args[0].args[0].target == torch.ops.aten.new_zeros.default
+
+
+class _PartialWrittenThroughView(torch.nn.Module):
+    """A row-split linear's output (a partial sum on each tp rank) written in place, and read
+    afterwards through a view made before the write."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(8, 16, bias=False)
+        self.down = torch.nn.Linear(16, 8, bias=False)
+
+    def forward(self, x):
+        h = self.down(torch.relu(self.up(x)))
+        v = h.unflatten(-1, (2, 4))
+        h.add_(x)
+        return v.pow(2).mean()
+
+
+def test_a_write_into_a_partial_sum_read_through_another_name_is_an_error():
+    """What no placement makes exact is an error naming the op and the reader: the partial sum
+    reduced first would be a copy, and the view read after the write would see the old values."""
+    pm = fxtron.parallelize(_PartialWrittenThroughView(), fxtron.Mesh(2, tp=2), example_inputs=(torch.randn(2, 3, 8),),
+                            plan={"up": "colwise", "down": "rowwise"})
+    with pytest.raises(fxtron.ParallelizeError, match=r"%add_ \(aten.add_.Tensor.*writes in place into %linear_1, "
+                                                      r"which is tp:P\(sum\).*%pow_1 reads the written memory"):
+        pm.compiled(0)

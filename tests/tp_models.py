@@ -43,10 +43,11 @@ OP_NAMES = ["cumsum-mlp", "factories-mlp", "gather-mlp", "einsum-attn"]
 # reshape_as'd back (RoFormer), an in-place masked_fill_ with a broadcast mask (XLM's scores),
 # xLSTM's log_sigmoid gates, concatenate and per-head variance (its multihead norm), LM heads
 # stacked on a new dim, each head's logits picked back by select for its own loss (MusicGen's
-# head per audio codebook)
+# head per audio codebook), a whole buffer written in place (add_, masked_fill_) through slices by
+# the split width and read afterwards
 RULE_NAMES = ["square-mlp", "tensor-split-mlp", "complex-mlp", "max-lse-mlp", "conv-mlp", "no-grad-mlp",
               "min-other-mlp", "masked-ids-tied", "head-gates-mlp", "reshape-as-mlp", "masked-fill-mlp",
-              "log-sigmoid-var-mlp", "stacked-heads"]
+              "log-sigmoid-var-mlp", "stacked-heads", "in-place-mlp"]
 VOCAB.update({n: 64 for n in RULE_NAMES})
 
 
@@ -139,6 +140,14 @@ class MaskedFillMLP(_MidMLP):
     def mid(self, h):
         keep = torch.arange(64, device=h.device) % 3 != 0          # XLM's scores.masked_fill_(mask, min)
         return torch.relu((h * 2.0).masked_fill_((~keep).view(1, 1, 64).expand_as(h), -0.5))
+
+
+class InPlaceMLP(_MidMLP):
+    def mid(self, h):
+        buf = h.new_zeros(h.shape[0], h.shape[1], 96)               # whole: not the split width
+        buf[..., 16:80].add_(torch.relu(h))                          # written in place through slices
+        buf[..., 16:80].masked_fill_(h < -1.0, 0.5)
+        return buf[..., 16:80] * 2.0 + buf[..., :16].sum(-1, keepdim=True)     # the buffer read afterwards
 
 
 class LogSigmoidVarMLP(_MidMLP):
@@ -327,7 +336,7 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
              "max-lse-mlp": MaxLseMLP, "conv-mlp": ConvMLP, "no-grad-mlp": NoGradMLP, "min-other-mlp": MinOtherMLP,
              "masked-ids-tied": MaskedIdsTied, "head-gates-mlp": HeadGatesMLP,
              "reshape-as-mlp": ReshapeAsMLP, "masked-fill-mlp": MaskedFillMLP,
-             "log-sigmoid-var-mlp": LogSigmoidVarMLP, "stacked-heads": StackedHeads}
+             "log-sigmoid-var-mlp": LogSigmoidVarMLP, "stacked-heads": StackedHeads, "in-place-mlp": InPlaceMLP}
     if name in rules:
         return rules[name]()
     if name == "nanogpt":

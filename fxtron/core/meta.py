@@ -221,7 +221,7 @@ _ALIASING_PIECES = {_aten.split.Tensor, _aten.split.sizes, _aten.split_with_size
                     _aten.vsplit.int, _aten.vsplit.array, _aten.dsplit.int, _aten.dsplit.array}
 
 
-def _writes_first(node: fx.Node) -> bool:
+def writes_first(node: fx.Node) -> bool:
     """Does the op write into its first argument (copy_, add_, index_put_, masked_fill_...)?"""
     schema = getattr(node.target, "_schema", None)
     if node.op != "call_function" or schema is None or not schema.arguments:
@@ -237,7 +237,7 @@ def _alias_of(node: fx.Node) -> "fx.Node | None":
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
         return None
     src = node.args[0]
-    if node.target in _ALIASING or node.target in _ALIASING_PIECES or _writes_first(node):
+    if node.target in _ALIASING or node.target in _ALIASING_PIECES or writes_first(node):
         return src
     if node.target is operator.getitem and src.op == "call_function" and src.target in _ALIASING_PIECES:
         return src
@@ -264,6 +264,15 @@ def written(node: fx.Node) -> "list[fx.Node]":
     return list(seen)
 
 
+def read_after(node: fx.Node) -> "list[fx.Node]":
+    """For an op that writes into its first argument, the nodes after it that read that memory
+    under another name than the op's own result (the base a slice of it was written through, a
+    view made before): a pass that hands the op a copy of its destination (a redistribution)
+    leaves them the old values."""
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return [u for a in written(node) for u in a.users if u is not node and order[u] > order[node]]
+
+
 def carries_grad(gm: fx.GraphModule) -> "set[fx.Node]":
     """The nodes a gradient flows back through: floating values computed from a parameter or
     from a pipeline stage's received activation (a placeholder that stands for no parameter,
@@ -280,7 +289,7 @@ def carries_grad(gm: fx.GraphModule) -> "set[fx.Node]":
                 out.add(node)
         elif floating and node.target not in _NO_GRAD and any(a in out for a in node.all_input_nodes):
             out.add(node)
-            if _writes_first(node):
+            if writes_first(node):
                 out.update(written(node))
     return out
 
@@ -306,7 +315,7 @@ def reaches_loss(gm: fx.GraphModule) -> "set[fx.Node]":
             val = node.meta.get("val")
             if val is None or differentiable(val) or isinstance(val, (list, tuple)):
                 grad.add(node)
-                if _writes_first(node):
+                if writes_first(node):
                     grad.update(written(node))
     out: "set[fx.Node]" = builtins.set()
     ti = gm.meta.get(TRACE_INFO)
@@ -318,7 +327,7 @@ def reaches_loss(gm: fx.GraphModule) -> "set[fx.Node]":
             out |= {a for i, a in enumerate(flat) if isinstance(a, fx.Node) and i not in mutations and a in grad}
         elif node in grad and any(u in out and u in grad and u.target not in _NO_GRAD for u in node.users):
             out.add(node)            # not through zeros_like(p): its memory, written later, takes the gradient, not p
-        elif node in grad and _writes_first(node) and any(
+        elif node in grad and writes_first(node) and any(
                 u in out for a in written(node) for u in a.users if order[u] > order[node]):
             out.add(node)            # an in-place write that something reaching the loss reads later
     return out
