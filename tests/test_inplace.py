@@ -44,6 +44,11 @@ class _Written(torch.nn.Module):
             read = buf.unflatten(-1, (2, 4))
             buf.mul_(2.0)[..., 4:].copy_(y)
             read = read.flatten(-2)
+        elif how == "view_of_slice":                        # a view of the written slice, made before the write
+            part = buf[..., :4]
+            early = part.unflatten(-1, (2, 2))
+            part.copy_(y)
+            read = torch.nn.functional.pad(early.flatten(-2), (0, 4))
         elif how == "view_dtype":                           # a view autograd does not differentiate: no gradient
             buf.view(torch.float32)[..., :4].copy_(y)
         elif how == "narrow":
@@ -79,11 +84,12 @@ def _trains_like_one_process(model, x, steps: int = 2):
     return ref
 
 
-@pytest.mark.parametrize("how", ["tensor_split", "movedim", "view_as_real", "in_place_result", "narrow"])
+@pytest.mark.parametrize("how", ["tensor_split", "movedim", "view_as_real", "in_place_result", "view_of_slice",
+                                 "narrow"])
 def test_a_write_through_any_view_carries_its_gradient_to_the_base(how):
-    """Before, tensor_split's pieces, movedim, view_as_real/complex and a view of an in-place
-    op's result were not known to share the base's memory: up's .grad None, never trained (the
-    second loss already off by ~5e-3)."""
+    """Before, tensor_split's pieces, movedim, view_as_real/complex, a view of an in-place op's
+    result and a view of the written slice made before the write were not known to share the
+    written memory: up's .grad None, never trained (the second loss already off by ~5e-3)."""
     ref = _trains_like_one_process(_Written(how), torch.randn(2, 3, 4))
     assert "up.weight" in ref["grads"]
 
@@ -158,3 +164,74 @@ def test_a_write_into_a_partial_sum_read_through_another_name_is_an_error():
     with pytest.raises(fxtron.ParallelizeError, match=r"%add_ \(aten.add_.Tensor.*writes in place into %linear_1, "
                                                       r"which is tp:P\(sum\).*%pow_1 reads the written memory"):
         pm.compiled(0)
+
+
+class _BufferLoss(torch.nn.Module):
+    """The loss accumulated into a buffer in place and returned: the buffer itself is the output."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(4, 4, bias=False)
+        self.register_buffer("acc", torch.zeros(()))
+
+    def forward(self, x):
+        self.acc.detach_().zero_()
+        self.acc.add_(self.up(x).pow(2).mean())
+        return self.acc
+
+
+def test_a_buffer_written_in_place_and_returned_carries_the_loss():
+    """The loss is a buffer written in place and returned (export keeps the write in the graph;
+    the output is the write itself): up takes its gradient, the program trains as the model."""
+    ref = _trains_like_one_process(_BufferLoss(), torch.randn(2, 3, 4))
+    assert "up.weight" in ref["grads"]
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("state", torch.zeros(3, 4))
+
+    def forward(self, h):
+        if self.how == "returned":             # the layer's output is the buffer, written in place
+            self.state.detach_().copy_(self.lin(h).mean(0))
+            return self.state.expand(h.shape)
+        if self.how == "copied":               # ... a copy of it: each microbatch its own
+            self.state.detach_().copy_(self.lin(h).mean(0))
+            return self.state.clone().expand(h.shape)
+        h = self.lin(h)
+        if self.how == "shared":
+            self.state.detach_().copy_(h.mean(0))
+        return h
+
+
+class _Stages(torch.nn.Module):
+    """Two layers, one a pipeline stage each at pp=2; `how`: what the first does with its buffer."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Block(how), _Block("plain")])
+
+    def forward(self, x):
+        early = self.blocks[0].state.view(12)  # "shared": the buffer viewed, written on stage 0, read on stage 1
+        h = self.blocks[0](x)
+        if self.blocks[0].how == "shared":
+            h = h + early.view(3, 4)
+        return self.blocks[1](h).pow(2).mean()
+
+
+@pytest.mark.parametrize("how,match", [
+    ("returned", r"buffer blocks\.0\.state is written in place in forward \(%copy_.*\) and its memory \(%expand\) is a "
+                 r"pipeline stage's output.*buf\.clone\(\)"),
+    ("shared", r"buffer blocks\.0\.state is written in place in forward on pipeline stage 0 .* read afterwards on stage 1")])
+def test_pipeline_stages_refuse_a_buffer_written_in_place_that_leaves_its_stage(how, match):
+    """pp=2, compile-only. Before: the returned buffer failed in backward with torch's "backward
+    through the graph a second time" (both microbatches' outputs one tensor), and the buffer read
+    on stage 1 read that rank's own copy, never written (pp's check of buffer writes read export's
+    mutation outputs, which export no longer makes). A copy returned compiles."""
+    x = torch.randn(8, 3, 4)
+    with pytest.raises(fxtron.ParallelizeError, match=match):
+        fxtron.parallelize(_Stages(how), fxtron.Mesh(2, pp=2), example_inputs=(x,), microbatches=2).compiled(0)
+    fxtron.parallelize(_Stages("copied"), fxtron.Mesh(2, pp=2), example_inputs=(x,), microbatches=2).compiled(0)

@@ -244,21 +244,21 @@ def _alias_of(node: fx.Node) -> "fx.Node | None":
     return None
 
 
-def written(node: fx.Node) -> "list[fx.Node]":
+def written(node: fx.Node, own: bool = False) -> "list[fx.Node]":
     """For an op that writes into its first argument, every value that shares that memory: the
     views from the written one back to their base (a slice of zeros_like that `x[:, i] = y`
     fills: the chunked delta rule's output, Qwen3-Next's), and the base's other views (and
     pieces, and in-place ops' results). A gradient written there flows on from whatever reads
-    them afterwards."""
+    them afterwards. With `own`, the op's result and its views too."""
     dst = node.args[0]
     chain = [dst]
     while (base := _alias_of(dst)) is not None:
         dst = base
         chain.append(dst)
-    seen, stack = builtins.set(chain), [dst]
+    seen, stack = builtins.set(chain), list(chain)      # every view on the way has other views too
     while stack:
         for user in stack.pop().users:
-            if user not in seen and user is not node and _alias_of(user) in seen:
+            if user not in seen and (own or user is not node) and _alias_of(user) in seen:
                 seen.add(user)
                 stack.append(user)
     return list(seen)
