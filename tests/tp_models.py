@@ -18,7 +18,7 @@ ZOO = {"Llama": "hf-llama", "Mistral": "hf-mistral", "Qwen2": "hf-qwen2", "Qwen3
        "GraniteMoE": "hf-granitemoe", "Mamba": "hf-mamba", "Mamba2": "hf-mamba2", "MiniMax": "hf-minimax",
        "Doge": "hf-doge", "CPM-Ant": "hf-cpmant", "LongCat-Flash": "hf-longcat", "Ergo": "hf-ergo",
        "Qwen3-Next": "hf-qwen3next", "Qwen3.5": "hf-qwen3_5"}
-VOCAB = {"gpt": 256, "gpt-frozen": 256, "llama": 256, "moe": 256, "hf-mixtral-aux": 128, "cumsum-mlp": 64, "factories-mlp": 64, "gather-mlp": 64, "einsum-attn": 64,
+VOCAB = {"gpt": 256, "gpt-frozen": 256, "llama": 256, "moe": 256, "hf-mixtral-aux": 128, "cumsum-mlp": 64, "factories-mlp": 64, "gather-mlp": 64, "einsum-attn": 64, "in-place-mlp": 64,
          "nanogpt": 64, "hf-gpt2-eager": 128, "hf-qwen2-tied": 128, **{n: 128 for n in ZOO.values()}}
 NAMES = ["gpt", "llama", "hf-gpt2", "hf-llama"]
 # more transformers decoders (traced layer by layer in test_repeat; test_zoo.py holds all of ZOO
@@ -31,8 +31,9 @@ MORE_NAMES = ["hf-qwen2", "hf-neox", "hf-phi3", "hf-olmoe", "hf-olmo2", "hf-gemm
 # small models around single ops: cumsum over a split hidden dim (no sharding rule: it runs
 # replicated on gathered inputs, and must still train exactly like one process); new_zeros and
 # index_select on split values, gather with an index shaped by expand_as (rules that keep them
-# split); a layer written with einsum
-OP_NAMES = ["cumsum-mlp", "factories-mlp", "gather-mlp", "einsum-attn"]
+# split); a layer written with einsum; a whole buffer written in place (add_, masked_fill_) through
+# slices by split values and read afterwards (the buffer stays whole, the values gathered into it)
+OP_NAMES = ["cumsum-mlp", "factories-mlp", "gather-mlp", "einsum-attn", "in-place-mlp"]
 # ops the sweep of transformers' architectures met with no rule, each on the split width of an
 # MLP (tests/test_tp_structure.py: no gather; test_tensor_parallel.py: trains like one process):
 # relu^2, tensor_split, a complex rotation, max / min / logsumexp per head, a causal depthwise
@@ -43,11 +44,10 @@ OP_NAMES = ["cumsum-mlp", "factories-mlp", "gather-mlp", "einsum-attn"]
 # reshape_as'd back (RoFormer), an in-place masked_fill_ with a broadcast mask (XLM's scores),
 # xLSTM's log_sigmoid gates, concatenate and per-head variance (its multihead norm), LM heads
 # stacked on a new dim, each head's logits picked back by select for its own loss (MusicGen's
-# head per audio codebook), a whole buffer written in place (add_, masked_fill_) through slices by
-# the split width and read afterwards
+# head per audio codebook)
 RULE_NAMES = ["square-mlp", "tensor-split-mlp", "complex-mlp", "max-lse-mlp", "conv-mlp", "no-grad-mlp",
               "min-other-mlp", "masked-ids-tied", "head-gates-mlp", "reshape-as-mlp", "masked-fill-mlp",
-              "log-sigmoid-var-mlp", "stacked-heads", "in-place-mlp"]
+              "log-sigmoid-var-mlp", "stacked-heads"]
 VOCAB.update({n: 64 for n in RULE_NAMES})
 
 
