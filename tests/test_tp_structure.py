@@ -233,6 +233,39 @@ def test_plan_errors():
         shard_math.check_divisible(10, 4, 1, "parameter w (10, 3) dim 0")
 
 
+class _DeadLayer(torch.nn.Module):
+    """An MLP the loss reads and a linear computed and thrown away (the compiler drops it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(8, 16)
+        self.down = torch.nn.Linear(16, 8)
+        self.dead = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        self.dead(x)
+        return self.down(torch.relu(self.up(x))).pow(2).mean()
+
+
+@pytest.mark.parametrize("mode", ["override", "replace"])
+def test_plan_naming_a_dead_layer_says_it_computes_nothing(mode):
+    """A plan entry whose every layer computes nothing the outputs depend on is an error naming
+    it (before, rowwise one failed in split_row_bias with KeyError: 'linear', and colwise
+    split parameters no rank's graph reads). A pattern that also matches live layers splits
+    those; 'replicate' of it asks for nothing fxtron cannot do."""
+    def pm(plan):
+        return fxtron.parallelize(_DeadLayer(), fxtron.Mesh(2, tp=2), example_inputs=(torch.randn(2, 3, 8),),
+                                  plan=plan, plan_mode=mode)
+    for style in ("rowwise", "colwise"):
+        with pytest.raises(fxtron.ParallelizeError, match=r"plan entry 'dead' names dead, which computes nothing "
+                                                          r"that reaches the model's outputs.*remove the entry"):
+            pm({"up": "colwise", "down": "rowwise", "dead": style}).graph(0)
+    both = pm({"up": "colwise", "d*": "rowwise"})
+    assert both.tp_plan.styles == {"up": Colwise(), "down": fxtron.passes.tp_plan.Rowwise()}
+    assert both.compiled(0).local["down.weight"].local_shape == (8, 8)
+    pm({"up": "colwise", "down": "rowwise", "dead": "replicate"}).graph(0)
+
+
 def test_llama_7b_on_64_ranks_compiles_without_processes():
     from fxtron.models import build, example_inputs
     model = build("llama-7b", device="meta")

@@ -18,7 +18,7 @@ ZOO = {"Llama": "hf-llama", "Mistral": "hf-mistral", "Qwen2": "hf-qwen2", "Qwen3
        "GraniteMoE": "hf-granitemoe", "Mamba": "hf-mamba", "Mamba2": "hf-mamba2", "MiniMax": "hf-minimax",
        "Doge": "hf-doge", "CPM-Ant": "hf-cpmant", "LongCat-Flash": "hf-longcat", "Ergo": "hf-ergo",
        "Qwen3-Next": "hf-qwen3next", "Qwen3.5": "hf-qwen3_5"}
-VOCAB = {"gpt": 256, "gpt-frozen": 256, "llama": 256, "moe": 256, "hf-mixtral-aux": 128, "cumsum-mlp": 64, "factories-mlp": 64, "gather-mlp": 64, "einsum-attn": 64,
+VOCAB = {"gpt": 256, "gpt-frozen": 256, "llama": 256, "moe": 256, "hf-mixtral-aux": 128, "cumsum-mlp": 64, "factories-mlp": 64, "gather-mlp": 64, "einsum-attn": 64, "in-place-mlp": 64,
          "nanogpt": 64, "hf-gpt2-eager": 128, "hf-qwen2-tied": 128, **{n: 128 for n in ZOO.values()}}
 NAMES = ["gpt", "llama", "hf-gpt2", "hf-llama"]
 # more transformers decoders (traced layer by layer in test_repeat; test_zoo.py holds all of ZOO
@@ -31,8 +31,9 @@ MORE_NAMES = ["hf-qwen2", "hf-neox", "hf-phi3", "hf-olmoe", "hf-olmo2", "hf-gemm
 # small models around single ops: cumsum over a split hidden dim (no sharding rule: it runs
 # replicated on gathered inputs, and must still train exactly like one process); new_zeros and
 # index_select on split values, gather with an index shaped by expand_as (rules that keep them
-# split); a layer written with einsum
-OP_NAMES = ["cumsum-mlp", "factories-mlp", "gather-mlp", "einsum-attn"]
+# split); a layer written with einsum; a whole buffer written in place (add_, masked_fill_) through
+# slices by split values and read afterwards (the buffer stays whole, the values gathered into it)
+OP_NAMES = ["cumsum-mlp", "factories-mlp", "gather-mlp", "einsum-attn", "in-place-mlp"]
 # ops the sweep of transformers' architectures met with no rule, each on the split width of an
 # MLP (tests/test_tp_structure.py: no gather; test_tensor_parallel.py: trains like one process):
 # relu^2, tensor_split, a complex rotation, max / min / logsumexp per head, a causal depthwise
@@ -139,6 +140,14 @@ class MaskedFillMLP(_MidMLP):
     def mid(self, h):
         keep = torch.arange(64, device=h.device) % 3 != 0          # XLM's scores.masked_fill_(mask, min)
         return torch.relu((h * 2.0).masked_fill_((~keep).view(1, 1, 64).expand_as(h), -0.5))
+
+
+class InPlaceMLP(_MidMLP):
+    def mid(self, h):
+        buf = h.new_zeros(h.shape[0], h.shape[1], 96)               # whole: not the split width
+        buf[..., 16:80].add_(torch.relu(h))                          # written in place through slices
+        buf[..., 16:80].masked_fill_(h < -1.0, 0.5)
+        return buf[..., 16:80] * 2.0 + buf[..., :16].sum(-1, keepdim=True)     # the buffer read afterwards
 
 
 class LogSigmoidVarMLP(_MidMLP):
@@ -327,7 +336,7 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
              "max-lse-mlp": MaxLseMLP, "conv-mlp": ConvMLP, "no-grad-mlp": NoGradMLP, "min-other-mlp": MinOtherMLP,
              "masked-ids-tied": MaskedIdsTied, "head-gates-mlp": HeadGatesMLP,
              "reshape-as-mlp": ReshapeAsMLP, "masked-fill-mlp": MaskedFillMLP,
-             "log-sigmoid-var-mlp": LogSigmoidVarMLP, "stacked-heads": StackedHeads}
+             "log-sigmoid-var-mlp": LogSigmoidVarMLP, "stacked-heads": StackedHeads, "in-place-mlp": InPlaceMLP}
     if name in rules:
         return rules[name]()
     if name == "nanogpt":

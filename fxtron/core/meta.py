@@ -14,6 +14,7 @@ shapes, a program's inputs): both import this module, neither imports the other.
 from __future__ import annotations
 
 import builtins
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -199,15 +200,28 @@ _NO_GRAD = {_aten.new_empty.default, _aten.new_zeros.default, _aten.new_ones.def
             _aten.detach.default}
 
 
-#: ops whose output shares its input's memory: a write into it writes into the input
-_ALIASING = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.select.int,
-             _aten.slice.Tensor, _aten.narrow.default, _aten.unsqueeze.default, _aten.squeeze.dim,
+#: ops whose output shares its input's memory: a write into it writes into the input (and autograd
+#: carries that write's gradient to the input's readers). Not view.dtype: a view autograd does
+#: not differentiate (a write through it gives the base no gradient), nor detach
+_ALIASING = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten._reshape_alias.default,
+             _aten.select.int, _aten.slice.Tensor, _aten.narrow.default, _aten.unsqueeze.default, _aten.squeeze.dim,
              _aten.squeeze.dims, _aten.squeeze.default, _aten.transpose.int, _aten.permute.default, _aten.t.default,
-             _aten.expand.default, _aten.alias.default, _aten.diagonal.default, _aten.unflatten.int,
-             _aten.flatten.using_ints, _aten.as_strided.default, _aten.unfold.default}
+             _aten.movedim.int, _aten.movedim.intlist, _aten.swapaxes.default, _aten.swapdims.default,
+             _aten.expand.default, _aten.expand_as.default, _aten.view_as.default, _aten.alias.default,
+             _aten.diagonal.default, _aten.unflatten.int, _aten.flatten.using_ints, _aten.as_strided.default,
+             _aten.unfold.default, _aten.view_as_real.default, _aten.view_as_complex.default, _aten.real.default,
+             _aten.imag.default}
+
+#: ops whose outputs (a list, each read through a getitem) are views of their input's memory.
+#: torch forbids writing in place into split's, chunk's and unbind's pieces while grad is on;
+#: tensor_split's (and hsplit's...) are single views that it allows
+_ALIASING_PIECES = {_aten.split.Tensor, _aten.split.sizes, _aten.split_with_sizes.default, _aten.unbind.int,
+                    _aten.chunk.default, _aten.tensor_split.sections, _aten.tensor_split.indices,
+                    _aten.tensor_split.tensor_indices_or_sections, _aten.hsplit.int, _aten.hsplit.array,
+                    _aten.vsplit.int, _aten.vsplit.array, _aten.dsplit.int, _aten.dsplit.array}
 
 
-def _writes_first(node: fx.Node) -> bool:
+def writes_first(node: fx.Node) -> bool:
     """Does the op write into its first argument (copy_, add_, index_put_, masked_fill_...)?"""
     schema = getattr(node.target, "_schema", None)
     if node.op != "call_function" or schema is None or not schema.arguments:
@@ -216,23 +230,47 @@ def _writes_first(node: fx.Node) -> bool:
     return alias is not None and alias.is_write and isinstance(node.args[0] if node.args else None, fx.Node)
 
 
-def written(node: fx.Node) -> "list[fx.Node]":
+def _alias_of(node: fx.Node) -> "fx.Node | None":
+    """The value whose memory `node` shares: a view's input, a piece's (getitem of a split)
+    list, a list of pieces' input, an in-place op's destination (`add_` returns it); None
+    for a value of its own."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    src = node.args[0]
+    if node.target in _ALIASING or node.target in _ALIASING_PIECES or writes_first(node):
+        return src
+    if node.target is operator.getitem and src.op == "call_function" and src.target in _ALIASING_PIECES:
+        return src
+    return None
+
+
+def written(node: fx.Node, own: bool = False) -> "list[fx.Node]":
     """For an op that writes into its first argument, every value that shares that memory: the
     views from the written one back to their base (a slice of zeros_like that `x[:, i] = y`
-    fills: the chunked delta rule's output, Qwen3-Next's), and the base's other views. A
-    gradient written there flows on from whatever reads them afterwards."""
+    fills: the chunked delta rule's output, Qwen3-Next's), and the base's other views (and
+    pieces, and in-place ops' results). A gradient written there flows on from whatever reads
+    them afterwards. With `own`, the op's result and its views too."""
     dst = node.args[0]
     chain = [dst]
-    while dst.op == "call_function" and dst.target in _ALIASING and isinstance(dst.args[0], fx.Node):
-        dst = dst.args[0]
+    while (base := _alias_of(dst)) is not None:
+        dst = base
         chain.append(dst)
-    seen, stack = builtins.set(chain), [dst]
+    seen, stack = builtins.set(chain), list(chain)      # every view on the way has other views too
     while stack:
         for user in stack.pop().users:
-            if user not in seen and user.op == "call_function" and user.target in _ALIASING and user.args[0] in seen:
+            if user not in seen and (own or user is not node) and _alias_of(user) in seen:
                 seen.add(user)
                 stack.append(user)
     return list(seen)
+
+
+def read_after(node: fx.Node) -> "list[fx.Node]":
+    """For an op that writes into its first argument, the nodes after it that read that memory
+    under another name than the op's own result (the base a slice of it was written through, a
+    view made before): a pass that hands the op a copy of its destination (a redistribution)
+    leaves them the old values."""
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return [u for a in written(node) for u in a.users if u is not node and order[u] > order[node]]
 
 
 def carries_grad(gm: fx.GraphModule) -> "set[fx.Node]":
@@ -251,7 +289,7 @@ def carries_grad(gm: fx.GraphModule) -> "set[fx.Node]":
                 out.add(node)
         elif floating and node.target not in _NO_GRAD and any(a in out for a in node.all_input_nodes):
             out.add(node)
-            if _writes_first(node):
+            if writes_first(node):
                 out.update(written(node))
     return out
 
@@ -277,7 +315,7 @@ def reaches_loss(gm: fx.GraphModule) -> "set[fx.Node]":
             val = node.meta.get("val")
             if val is None or differentiable(val) or isinstance(val, (list, tuple)):
                 grad.add(node)
-                if _writes_first(node):
+                if writes_first(node):
                     grad.update(written(node))
     out: "set[fx.Node]" = builtins.set()
     ti = gm.meta.get(TRACE_INFO)
@@ -287,9 +325,9 @@ def reaches_loss(gm: fx.GraphModule) -> "set[fx.Node]":
         if node.op == "output":
             flat = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
             out |= {a for i, a in enumerate(flat) if isinstance(a, fx.Node) and i not in mutations and a in grad}
-        elif node in grad and any(u in out and u in grad for u in node.users):
-            out.add(node)
-        elif node in grad and _writes_first(node) and any(
+        elif node in grad and any(u in out and u in grad and u.target not in _NO_GRAD for u in node.users):
+            out.add(node)            # not through zeros_like(p): its memory, written later, takes the gradient, not p
+        elif node in grad and writes_first(node) and any(
                 u in out for a in written(node) for u in a.users if order[u] > order[node]):
             out.add(node)            # an in-place write that something reaching the loss reads later
     return out

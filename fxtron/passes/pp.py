@@ -302,6 +302,7 @@ def split_stages(gm: fx.GraphModule, assignment: StageAssignment, stages: list[i
         if far > s:
             for t in range(s + 1, far + 1):
                 crossing.setdefault(t, []).append(n)
+    _check_buffers_written(gm, stage_of, crossing)
     for stage, nodes in crossing.items():
         nodes.sort(key=order.get)
         if len(nodes) > MAX_BOUNDARY_TENSORS:
@@ -314,6 +315,48 @@ def split_stages(gm: fx.GraphModule, assignment: StageAssignment, stages: list[i
                                        "computed from activations and needed on a later pipeline stage; only tensors "
                                        "cross stages: use mesh.pp=1 or compute it from the inputs")
     return [_stage_graph(gm, ti, s, stage_of, crossing, loss if s == last else None, order) for s in stages]
+
+
+def _check_buffers_written(gm: fx.GraphModule, stage_of: dict, crossing: dict) -> None:
+    """A buffer written in place in forward (export keeps the write in the graph) is one memory
+    every microbatch writes, held by each stage's rank on its own: an error where that memory
+    leaves its stage (a boundary value: microbatch 1's forward overwrites what microbatch 0 sent,
+    and its backward runs through microbatch 1's graph) or is read on another stage (that
+    stage's copy never sees the write)."""
+    sent = {n for nodes in crossing.values() for n in nodes}
+    for w in gm.graph.nodes:
+        here = stage_of.get(w)      # a write of an activation: each microbatch's own values
+        if here is None or not meta.writes_first(w):
+            continue
+        memory = meta.written(w, own=True)
+        buffers = [meta.get(a, meta.INPUT).target for a in memory
+                   if a.op == "placeholder" and meta.get(a, meta.INPUT) is not None
+                   and meta.get(a, meta.INPUT).kind == "buffer"]
+        if not buffers:
+            continue
+        out = sorted((n for n in memory if n in sent), key=lambda n: n.name)
+        if out:
+            raise ParallelizeError(
+                f"buffer {buffers[0]} is written in place in forward (%{w.name}, {w.target}, in "
+                f"{meta.get(w, meta.MODULE) or 'the top level'}) and its memory (%{out[0].name}) is a pipeline stage's "
+                f"output: every microbatch writes the same buffer, so a later microbatch would overwrite what an "
+                f"earlier one sent; return a copy (buf.clone()) from the layer, or use mesh.pp=1")
+        stages, stack, seen = set(), list(meta.read_after(w)), set()
+        while stack:                       # a reader computed from no activation runs on its users' stages
+            r = stack.pop()
+            if r in seen:
+                continue
+            seen.add(r)
+            if r in stage_of:
+                stages.add(stage_of[r])
+            else:
+                stack.extend(r.users)
+        if stages - {here}:
+            raise ParallelizeError(
+                f"buffer {buffers[0]} is written in place in forward on pipeline stage {here} (%{w.name}, {w.target}) "
+                f"and read afterwards on stage {min(stages - {here})}, whose rank holds its own copy of the buffer "
+                f"(it would read the old values): keep the buffer's writes and reads in one stage (split_points), "
+                f"or use mesh.pp=1")
 
 
 def _stage_graph(gm, ti, s, stage_of, crossing, loss, order) -> Stage:

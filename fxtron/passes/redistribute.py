@@ -471,6 +471,22 @@ def _axis_order(axes: tuple[str, ...], now: meta.PerAxis, wants: dict) -> list[s
     return sorted(rest, key=lambda a: -key(a)) + sorted(splits, key=key)
 
 
+def _check_write_into_copy(node: fx.Node, have: meta.PerAxis, want: meta.PerAxis) -> None:
+    """An op writing in place into a value its rule wants placed otherwise writes into the
+    redistributed copy: harmless when only the op's own result is read afterwards (export
+    reads `x` after `x.add_(y)` there), wrong when the memory is read later under another name
+    (the base of a slice written in place, a view made before)."""
+    readers = meta.read_after(node)
+    if readers:
+        dst = node.args[0]
+        where = meta.get(node, meta.MODULE) or "the model's top level"
+        raise ParallelizeError(
+            f"%{node.name} ({node.target}, in {where}) writes in place into %{dst.name}, which is {have} where the op "
+            f"computes on {want}: the write would land on a redistributed copy, and %{readers[0].name} reads the "
+            f"written memory afterwards (it would see the old values); write it out of place (y = x.{node.target._opname.rstrip('_')}(...)"
+            f" and read y), or give the written value the placement of the others")
+
+
 def insert_redistributions(gm: fx.GraphModule, *, mesh: MeshView) -> fx.GraphModule:
     """A new GraphModule in which every input of every op has, on every axis the graph has
     placements on, the placement its rule expects. Reads the placements and expectations
@@ -512,6 +528,8 @@ def insert_redistributions(gm: fx.GraphModule, *, mesh: MeshView) -> fx.GraphMod
                     if enters_region and a not in deferred[axis] and not registry.sums_grad(a, axis):
                         value = em.copy_to_region(a, value, now.with_axis(axis, want), axis, node)
                 now = meta.get(value, meta.PLACEMENT, now) if value is not env[a] else now
+            if i == 0 and value is not env[a] and meta.writes_first(node):
+                _check_write_into_copy(node, placed[a], now)
             mapping[a] = value
         if node.op == "output":
             new.output(pytree.tree_map(lambda x: mapping.get(x, env.get(x)) if isinstance(x, fx.Node) else x,

@@ -583,9 +583,10 @@ _ELEMENTWISE = {aten.gelu.default, aten.relu.default, aten.tanh.default, aten.si
 
 
 def _live(gm: fx.GraphModule) -> set[fx.Node]:
-    """The nodes the graph's outputs depend on."""
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    live, stack = set(), [out]
+    """The nodes the graph's outputs and its in-place writes depend on: what the compiler
+    keeps when it drops dead values (localize.drop_dead_values: fx's dead-code elimination
+    keeps impure ops), so a layer outside it is not in any rank's graph."""
+    live, stack = set(), [n for n in gm.graph.nodes if n.op == "output" or n.is_impure()]
     while stack:
         node = stack.pop()
         if node not in live:
@@ -1304,6 +1305,7 @@ def make_tp_plan(gm: fx.GraphModule, *, tp: int, user_plan: dict | None = None, 
     styles = auto_plan(gm, tp) if (mode == "override" and tp > 1) else {}
     user_styles: dict[str, Style] = {}
     params = [n for n in (meta.param_name(node) for node in gm.graph.nodes) if n is not None]
+    live = None
     for pattern, value in (user_plan or {}).items():
         style = _parse_style(value, pattern)
         hits = _matches(pattern, layers)
@@ -1314,6 +1316,14 @@ def make_tp_plan(gm: fx.GraphModule, *, tp: int, user_plan: dict | None = None, 
         if not hits:
             raise ParallelizeError(f"plan entry {pattern!r} matches no linear or embedding, nor a module holding "
                                    f"one; the model's are: {', '.join(p for p in layers)}")
+        live = live if live is not None else _live(gm)
+        dead = [p for p in hits if layers[p].node not in live]
+        if len(dead) == len(hits) and not isinstance(style, Replicated):   # no rank's graph has it to split
+            raise ParallelizeError(
+                f"plan entry {pattern!r} names {', '.join(dead)}, which computes nothing that reaches the model's "
+                f"outputs: fxtron drops it as dead code (its parameters take no gradient, as in the model) and has "
+                f"nothing of it to split; remove the entry, or return what it computes")
+        hits = [p for p in hits if p not in dead]
         for p in hits:
             styles[p] = user_styles[p] = style
     user_keys = set(user_styles)

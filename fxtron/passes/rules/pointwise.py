@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from fxtron.core import meta
 from fxtron.core.placement import PARTIAL, REPLICATE, Shard
 from fxtron.passes.rules.registry import Ctx, expr, is_one, ndim, norm, register_rule, shape
 
@@ -46,6 +47,10 @@ def _pointwise(c: Ctx):
         for i, p in enumerate(c.p):
             if p.is_shard() and p.dim >= out_nd - 2:
                 return REPLICATE, [REPLICATE]
+    if meta.writes_first(node) and c.p[c.index(node.args[0])].is_replicate():
+        # add_ / mul_ / masked_fill_ into a whole value: it stays whole and the others come whole
+        # (sharding it would hand the op a slice's copy; the memory's other readers keep the old value)
+        return REPLICATE, [None if a is node.args[0] else REPLICATE for a in c.inputs]
     shard = None
     for a, p in zip(c.inputs, c.p):
         if isinstance(p, Shard):

@@ -1,0 +1,237 @@
+"""In-place writes, without processes: a gradient written into memory in place reaches that
+memory's later readers through every view, piece and in-place result that shares it, and no
+further -- a parameter read only for its shape (`zeros_like(p)`) takes none. Each model trains at
+world 1 against the unmodified model in one process: losses, first-step gradients (None where the
+model's is None: AdamW's decay then leaves the parameter as the model does) and weights. At tp=2,
+compile-only: an in-place op's destination is never handed a redistributed copy while the
+memory is read afterwards (a whole buffer stays whole; what no placement makes exact is an
+error)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fxtron
+from fxtron.core import meta
+from fxtron.compiler.trace import trace
+from fxtron.tools.testing import adamw, assert_trains_like, reference_training, train_program
+from tp_models import batch, make
+
+
+class _Written(torch.nn.Module):
+    """up(x) written in place into a part of a fresh buffer (by `how`); down reads the buffer
+    afterwards, so up's gradient reaches the loss only through that write."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.up = torch.nn.Linear(4, 4, bias=False)
+        self.down = torch.nn.Linear(8, 4, bias=False)
+
+    def forward(self, x):
+        y = self.up(x)                                      # (B, S, 4)
+        buf = x.new_zeros(x.shape[0], x.shape[1], 8)
+        how, read = self.how, buf
+        if how == "tensor_split":                           # a piece: getitem of tensor_split's list
+            buf.tensor_split(2, dim=-1)[1].copy_(y)
+        elif how == "movedim":
+            buf.movedim(-1, 0)[:4].copy_(y.movedim(-1, 0))
+        elif how == "view_as_real":                         # a complex view's real parts
+            torch.view_as_real(torch.view_as_complex(buf.unflatten(-1, (4, 2))))[..., 0].copy_(y)
+        elif how == "in_place_result":                      # a view of mul_'s result; read through an earlier view
+            read = buf.unflatten(-1, (2, 4))
+            buf.mul_(2.0)[..., 4:].copy_(y)
+            read = read.flatten(-2)
+        elif how == "view_of_slice":                        # a view of the written slice, made before the write
+            part = buf[..., :4]
+            early = part.unflatten(-1, (2, 2))
+            part.copy_(y)
+            read = torch.nn.functional.pad(early.flatten(-2), (0, 4))
+        elif how == "view_dtype":                           # a view autograd does not differentiate: no gradient
+            buf.view(torch.float32)[..., :4].copy_(y)
+        elif how == "narrow":
+            buf.narrow(-1, 2, 4).copy_(y)
+        return self.down(read).pow(2).mean()
+
+
+class _ShapeOnly(torch.nn.Module):
+    """A parameter whose one use is lending its shape to a fresh buffer (`how`) then written
+    into: the model leaves its .grad None, and AdamW's weight decay leaves it where it was."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.up = torch.nn.Linear(4, 4, bias=False)
+        self.shape_only = torch.nn.Parameter(torch.randn(2, 3, 4))
+
+    def forward(self, x):
+        p, how = self.shape_only, self.how
+        out = (torch.zeros_like(p) if how == "zeros_like" else p.new_zeros(p.shape) if how == "new_zeros"
+               else torch.zeros_like(p.view(6, 4)).view(2, 3, 4))
+        h = self.up(x)
+        for i in range(3):
+            out[:, i] = h[:, i] * 2
+        return out.pow(2).mean()
+
+
+def _trains_like_one_process(model, x, steps: int = 2):
+    ref = reference_training(copy.deepcopy(model), [(x,)] * steps, adamw(lr=1e-2))
+    prog = fxtron.parallelize(copy.deepcopy(model), fxtron.Mesh(1), example_inputs=(x,)).program(0)
+    got = train_program(prog, [((x,), {})] * steps, adamw(lr=1e-2)(prog.parameters()))
+    assert_trains_like(got, ref)        # the gradients' keys too: None where the model's is None
+    return ref
+
+
+@pytest.mark.parametrize("how", ["tensor_split", "movedim", "view_as_real", "in_place_result", "view_of_slice",
+                                 "narrow"])
+def test_a_write_through_any_view_carries_its_gradient_to_the_base(how):
+    """Before, tensor_split's pieces, movedim, view_as_real/complex, a view of an in-place op's
+    result and a view of the written slice made before the write were not known to share the
+    written memory: up's .grad None, never trained (the second loss already off by ~5e-3)."""
+    ref = _trains_like_one_process(_Written(how), torch.randn(2, 3, 4))
+    assert "up.weight" in ref["grads"]
+
+
+def test_a_write_through_view_dtype_takes_no_gradient_as_in_the_model():
+    """view(dtype) is a view autograd does not differentiate: the model's up takes no gradient
+    through it, and neither does the program's."""
+    ref = _trains_like_one_process(_Written("view_dtype"), torch.randn(2, 3, 4))
+    assert "up.weight" not in ref["grads"]
+
+
+@pytest.mark.parametrize("how", ["zeros_like", "new_zeros", "zeros_like_of_view"])
+def test_a_parameter_lending_only_its_shape_takes_no_gradient(how):
+    """Before, the walk from the written buffer went on through zeros_like to the parameter:
+    a zero .grad where the model's is None, and weight decay moved it (by ~5e-3 in two steps)."""
+    model = _ShapeOnly(how)
+    x = torch.randn(2, 3, 4)
+    gm = trace(model, (x,))
+    p = next(n for n in gm.graph.nodes if meta.param_name(n) == "shape_only")
+    assert p not in meta.reaches_loss(gm)
+    ref = _trains_like_one_process(model, x)
+    assert "shape_only" not in ref["grads"]
+
+
+def test_the_aliasing_tables_name_only_views():
+    """Every op the walk treats as sharing its input's memory says so in its schema
+    (`Tensor(a) self -> Tensor(a)`, a list for the pieces), and writes nothing -- but
+    _unsafe_view, reshape's decomposition over memory it owns, whose schema claims no alias."""
+    for op in (meta._ALIASING | meta._ALIASING_PIECES) - {torch.ops.aten._unsafe_view.default}:
+        first, ret = op._schema.arguments[0].alias_info, op._schema.returns[0]
+        assert first is not None and not first.is_write, op
+        assert ret.alias_info is not None or str(ret.type) == "List[Tensor]", op
+
+
+def test_a_whole_buffer_written_in_place_by_split_values_stays_whole_at_tp2():
+    """add_ / masked_fill_ into slices of a whole buffer, of values split by the colwise up:
+    the buffer stays whole, the values are gathered into it (before, the pointwise rule wanted
+    the slice split: a scatter made a copy, the write landed there and the buffer's later
+    readers saw zeros -- the first loss off by 0.03; tests/test_tensor_parallel.py trains it,
+    in-place-mlp). Compile-only: nothing of fxtron's sits between a written slice and its write."""
+    args, kwargs = batch("in-place-mlp", 2, 8, seed=0)
+    pm = fxtron.parallelize(make("in-place-mlp"), fxtron.Mesh(2, tp=2), example_inputs=args, example_kwargs=kwargs)
+    gm = pm.compiled(0).gm
+    writes = [n for n in gm.graph.nodes if meta.writes_first(n)]
+    assert {n.target for n in writes} == {torch.ops.aten.add_.Tensor, torch.ops.aten.masked_fill_.Scalar}
+    for n in writes:
+        assert n.args[0].target == torch.ops.aten.slice.Tensor, n.format_node()
+        assert n.args[0].args[0].target == torch.ops.aten.new_zeros.default
+
+
+class _PartialWrittenThroughView(torch.nn.Module):
+    """A row-split linear's output (a partial sum on each tp rank) written in place, and read
+    afterwards through a view made before the write."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(8, 16, bias=False)
+        self.down = torch.nn.Linear(16, 8, bias=False)
+
+    def forward(self, x):
+        h = self.down(torch.relu(self.up(x)))
+        v = h.unflatten(-1, (2, 4))
+        h.add_(x)
+        return v.pow(2).mean()
+
+
+def test_a_write_into_a_partial_sum_read_through_another_name_is_an_error():
+    """What no placement makes exact is an error naming the op and the reader: the partial sum
+    reduced first would be a copy, and the view read after the write would see the old values."""
+    pm = fxtron.parallelize(_PartialWrittenThroughView(), fxtron.Mesh(2, tp=2), example_inputs=(torch.randn(2, 3, 8),),
+                            plan={"up": "colwise", "down": "rowwise"})
+    with pytest.raises(fxtron.ParallelizeError, match=r"%add_ \(aten.add_.Tensor.*writes in place into %linear_1, "
+                                                      r"which is tp:P\(sum\).*%pow_1 reads the written memory"):
+        pm.compiled(0)
+
+
+class _BufferLoss(torch.nn.Module):
+    """The loss accumulated into a buffer in place and returned: the buffer itself is the output."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(4, 4, bias=False)
+        self.register_buffer("acc", torch.zeros(()))
+
+    def forward(self, x):
+        self.acc.detach_().zero_()
+        self.acc.add_(self.up(x).pow(2).mean())
+        return self.acc
+
+
+def test_a_buffer_written_in_place_and_returned_carries_the_loss():
+    """The loss is a buffer written in place and returned (export keeps the write in the graph;
+    the output is the write itself): up takes its gradient, the program trains as the model."""
+    ref = _trains_like_one_process(_BufferLoss(), torch.randn(2, 3, 4))
+    assert "up.weight" in ref["grads"]
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("state", torch.zeros(3, 4))
+
+    def forward(self, h):
+        if self.how == "returned":             # the layer's output is the buffer, written in place
+            self.state.detach_().copy_(self.lin(h).mean(0))
+            return self.state.expand(h.shape)
+        if self.how == "copied":               # ... a copy of it: each microbatch its own
+            self.state.detach_().copy_(self.lin(h).mean(0))
+            return self.state.clone().expand(h.shape)
+        h = self.lin(h)
+        if self.how == "shared":
+            self.state.detach_().copy_(h.mean(0))
+        return h
+
+
+class _Stages(torch.nn.Module):
+    """Two layers, one a pipeline stage each at pp=2; `how`: what the first does with its buffer."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Block(how), _Block("plain")])
+
+    def forward(self, x):
+        early = self.blocks[0].state.view(12)  # "shared": the buffer viewed, written on stage 0, read on stage 1
+        h = self.blocks[0](x)
+        if self.blocks[0].how == "shared":
+            h = h + early.view(3, 4)
+        return self.blocks[1](h).pow(2).mean()
+
+
+@pytest.mark.parametrize("how,match", [
+    ("returned", r"buffer blocks\.0\.state is written in place in forward \(%copy_.*\) and its memory \(%expand\) is a "
+                 r"pipeline stage's output.*buf\.clone\(\)"),
+    ("shared", r"buffer blocks\.0\.state is written in place in forward on pipeline stage 0 .* read afterwards on stage 1")])
+def test_pipeline_stages_refuse_a_buffer_written_in_place_that_leaves_its_stage(how, match):
+    """pp=2, compile-only. Before: the returned buffer failed in backward with torch's "backward
+    through the graph a second time" (both microbatches' outputs one tensor), and the buffer read
+    on stage 1 read that rank's own copy, never written (pp's check of buffer writes read export's
+    mutation outputs, which export no longer makes). A copy returned compiles."""
+    x = torch.randn(8, 3, 4)
+    with pytest.raises(fxtron.ParallelizeError, match=match):
+        fxtron.parallelize(_Stages(how), fxtron.Mesh(2, pp=2), example_inputs=(x,), microbatches=2).compiled(0)
+    fxtron.parallelize(_Stages("copied"), fxtron.Mesh(2, pp=2), example_inputs=(x,), microbatches=2).compiled(0)
