@@ -102,8 +102,36 @@ def _pm(name, tp, **kw):
     return fxtron.parallelize(make(name), fxtron.Mesh(tp, tp=tp), example_inputs=args, example_kwargs=kwargs, **kw)
 
 
+def _checked(arch: str) -> str | None:
+    """`_split_check(arch)` in a pool worker: None, or the failure's traceback."""
+    import traceback
+    import warnings
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    try:
+        _split_check(arch)
+    except BaseException:   # noqa: BLE001 -- reported by the test of that architecture
+        return traceback.format_exc()
+    return None
+
+
+@pytest.fixture(scope="module")
+def split_checks() -> dict[str, str | None]:
+    """Every architecture's compile-only check, in a pool of two processes: each check is
+    single-threaded Python (tracing, the passes), so one at a time would leave a core idle."""
+    import multiprocessing as mp
+    with mp.get_context("forkserver").Pool(2, maxtasksperchild=12) as pool:
+        return dict(zip(ARCHS, pool.map(_checked, ARCHS, chunksize=1)))
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-def test_split_megatron_way_at_tp2(arch):
+def test_split_megatron_way_at_tp2(split_checks, arch):
+    """Each architecture split Megatron's way at tp=2 (the module's docstring; `_split_check`)."""
+    if split_checks[arch] is not None:
+        pytest.fail(f"{arch}:\n{split_checks[arch]}", pytrace=False)
+
+
+def _split_check(arch: str) -> None:
     name = ZOO[arch]
     model = make(name)
     args, kwargs = batch(name, 2, 8, seed=0)
