@@ -389,9 +389,11 @@ def sweep(types: list[str] | None = None, tp: int = 2, workers: int = 2, each=No
     if workers <= 1:
         return [r for r in map(_classify_quiet, jobs) if each is None or each(r) or True]
     # fresh workers now and then: a model's modules and compiled graphs are not all freed; each
-    # is forked from a server that imported torch once (seconds a worker saved)
+    # is forked from a server that imported torch, fxtron and transformers once (seconds a
+    # worker saved), the one fxtron.launch's ranks fork from (one server a process, whoever starts it)
+    from fxtron.runtime.launch import _PRELOAD
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch"])       # (as fxtron.launch: one server, whoever starts it)
+    ctx.set_forkserver_preload(_PRELOAD)
     with ctx.Pool(workers, maxtasksperchild=20) as pool:
         return [r for r in pool.imap(_classify_quiet, jobs, chunksize=1) if each is None or each(r) or True]
 
