@@ -6,8 +6,8 @@
 forkserver that has imported torch, fxtron and (where installed) transformers once
 (multiprocessing's "forkserver", CUDA-safe like "spawn": importing torch initializes no device),
 so a rank starts in a fraction of a second instead of the ~3 s those imports cost afresh; each
-rank gets the launching process's environment as it is at the launch (a forkserver's children
-would otherwise inherit the server's, fixed when it started; what a module reads from the
+rank gets the launching process's environment and standard output and error as they are at
+the launch (a forkserver's children would otherwise inherit the server's, fixed when it started; what a module reads from the
 environment as it is imported -- TRITON_INTERPRET for codegen/wgrad.py -- is as it was when the
 first launch started the server). The first rank to fail ends the job:
 the others are killed and its traceback is raised here as LaunchError. For many machines run
@@ -55,9 +55,32 @@ def _dumps(obj: Any) -> bytes:
 _PRELOAD = ["torch", "fxtron", "transformers"]
 
 
+class _Stdio:
+    """The launcher's standard output and error (fds 1 and 2 as they are at the launch), handed
+    to a rank as it starts: a forkserver's child inherits the server's, which were the
+    launcher's when the server started (a redirect or a test's capture since then would lose
+    the rank's output). Pickled as the process starts, the fds travel with it (multiprocessing's
+    DupFd); `attach()` puts them in place in the rank."""
+
+    def __init__(self, fds: list | None = None):
+        self.fds = fds
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+        return (_Stdio, ([DupFd(1), DupFd(2)],))
+
+    def attach(self) -> None:
+        for target, fd in zip((1, 2), self.fds or ()):
+            got = fd.detach()
+            if got != target:
+                os.dup2(got, target)
+                os.close(got)
+
+
 def _worker(fn, mesh: Mesh, rank: int, args: tuple, port: int, backend: str | None,
             timeout_s: float, threads: int, shm_transport: bool | None, check_collectives: bool | None,
-            flight_dir: str, results, env: dict[str, str]) -> None:
+            flight_dir: str, results, env: dict[str, str], stdio: _Stdio) -> None:
+    stdio.attach()
     os.environ.clear()
     os.environ.update(env)          # the launcher's environment at the launch, not the forkserver's
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -161,7 +184,7 @@ def launch(fn: Callable[..., Any], mesh: Mesh, args: tuple = (), *, backend: str
     procs = [ctx.Process(target=_worker, name=f"fxtron-rank{r}",
                          args=(fn, mesh, r, tuple(args), port, backend, collective_timeout_s,
                                threads_per_rank, shm_transport, check_collectives, flight_dir, results,
-                               dict(os.environ)), daemon=True)
+                               dict(os.environ), _Stdio()), daemon=True)
              for r in range(mesh.world_size)]
     for p in procs:
         p.start()
