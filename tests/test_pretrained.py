@@ -205,9 +205,14 @@ CASES = {"llama-tp2-pp2": ("hf-llama", dict(tp=2, pp=2), dict(microbatches=2)),
          "mixtral-ep2-tp2": ("hf-mixtral", dict(tp=2, ep=2), dict(sequence_parallel=True))}
 
 
-def _dir(pid: int, *parts: str) -> str:
+# the pytest process's id, named in the environment the ranks are launched with (each imports this
+# module again: setdefault keeps the launcher's), so the ranks and the test meet in one directory
+_OWNER = os.environ.setdefault("FXTRON_TEST_PRETRAINED_OWNER", str(os.getpid()))
+
+
+def _dir(*parts: str) -> str:
     import tempfile
-    return os.path.join(tempfile.gettempdir(), f"fxtron-pretrained-{pid}", *parts)
+    return os.path.join(tempfile.gettempdir(), f"fxtron-pretrained-{_OWNER}", *parts)
 
 
 def _steps(name: str) -> list:
@@ -218,15 +223,15 @@ def _run(rank: int, mesh: fxtron.Mesh, key: str) -> dict:
     import torch.distributed as dist
     from fxtron.tools.testing import train_program
     name, _, options = CASES[key]
-    path = _dir(os.getppid(), name)            # the ranks' parent is the pytest process
+    path = _dir(name)
     if rank == 0 and not os.path.exists(os.path.join(path, "model.safetensors.index.json")):
         _saved(name, path)
     dist.barrier()
     prog = _program(name, mesh, rank, **options)
     prog.load_pretrained(path)
     got = train_program(prog, _steps(name), adamw(1e-3)(prog.parameters()))
-    prog.save_pretrained(_dir(os.getppid(), "out", key), max_shard_size="60KB")
-    prog.save(_dir(os.getppid(), "ckpt", key))
+    prog.save_pretrained(_dir("out", key), max_shard_size="60KB")
+    prog.save(_dir("ckpt", key))
     return got
 
 
@@ -241,12 +246,12 @@ def test_every_rank_reads_its_slices_and_writes_back(trained, key, tmp_path):
     got = ranks_of(trained, fxtron.Mesh(4, **axes), key)
     for rank, g in enumerate(got):
         assert_trains_like(g, ref, rank=rank)
-    out = _dir(os.getpid(), "out", key)
+    out = _dir("out", key)
     assert _keys(out) == _keys(str(tmp_path / name))
     assert max_abs_diff(_loaded(out), got[0]["state"])[0] == 0.0
     # the mesh's fxtron checkpoint exported in one process: the same directory
     from fxtron.runtime.checkpoint.hf import export
-    export(_dir(os.getpid(), "ckpt", key), str(tmp_path / "exported"), like=str(tmp_path / name),
+    export(_dir("ckpt", key), str(tmp_path / "exported"), like=str(tmp_path / name),
            max_shard_size="60KB")
     assert _keys(str(tmp_path / "exported")) == _keys(out)
     assert max_abs_diff(_loaded(str(tmp_path / "exported")), got[0]["state"])[0] == 0.0
@@ -274,7 +279,7 @@ def _memory(rank: int, mesh: fxtron.Mesh, key: str) -> dict:
 
     import torch.distributed as dist
     import transformers
-    path = _dir(os.getppid(), "big")
+    path = _dir("big")
     if rank == 0 and not os.path.exists(os.path.join(path, "model.safetensors.index.json")):
         torch.manual_seed(0)
         big = transformers.LlamaForCausalLM(transformers.LlamaConfig(**BIG))
