@@ -753,6 +753,19 @@ def _rows(rows: list[dict]) -> dict:
     return {"rows": rows, "ok": all(r["ok"] for r in rows)}
 
 
+def _timed_check(out: dict, key: str, check, strip_losses: bool = False) -> None:
+    """out[key] = check(), or its error; with the seconds it took; printed as it comes (without
+    the loss lists where `strip_losses`)."""
+    t0 = time.perf_counter()
+    try:
+        out[key] = check()
+    except Exception as e:  # noqa: BLE001 - report it with the other figures
+        out[key] = {"ok": False, "error": f"{type(e).__name__}: {e}"[-4000:]}
+    out[key]["check_s"] = time.perf_counter() - t0
+    shown = {k: v for k, v in out[key].items() if "losses" not in k} if strip_losses else out[key]
+    print(json.dumps({key: shown}), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -866,30 +879,11 @@ def main() -> int:
     out["cp_block"]["check_s"] = time.perf_counter() - t0
     print(json.dumps({"cp_block": out["cp_block"]}), flush=True)
     if not a.skip_training:
-        t0 = time.perf_counter()
-        try:
-            out["trainer"] = check_trainer(TRAINER_CASE, compile_baseline=not a.no_compile)
-        except Exception as e:  # noqa: BLE001 - report it with the other figures
-            out["trainer"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[-4000:]}
-        out["trainer"]["check_s"] = time.perf_counter() - t0
-        print(json.dumps({"trainer": out["trainer"]}), flush=True)
+        _timed_check(out, "trainer", lambda: check_trainer(TRAINER_CASE, compile_baseline=not a.no_compile), strip_losses=False)
     if not a.skip_training and not a.no_compile:
-        t0 = time.perf_counter()
-        try:
-            out["compiled"] = check_compiled(*TRAIN_CASES["small"], TIMED)
-        except Exception as e:  # noqa: BLE001 - report it with the other figures
-            out["compiled"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[-4000:]}
-        out["compiled"]["check_s"] = time.perf_counter() - t0
-        print(json.dumps({"compiled": {k: v for k, v in out["compiled"].items() if "losses" not in k}}), flush=True)
+        _timed_check(out, "compiled", lambda: check_compiled(*TRAIN_CASES["small"], TIMED), strip_losses=True)
     if not a.skip_training:
-        t0 = time.perf_counter()
-        try:
-            out["cuda_graphs"] = check_cuda_graphs(*TRAIN_CASES["small"], TIMED)
-        except Exception as e:  # noqa: BLE001 - report it with the other figures
-            out["cuda_graphs"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[-4000:]}
-        out["cuda_graphs"]["check_s"] = time.perf_counter() - t0
-        print(json.dumps({"cuda_graphs": {k: v for k, v in out["cuda_graphs"].items() if "losses" not in k}}),
-              flush=True)
+        _timed_check(out, "cuda_graphs", lambda: check_cuda_graphs(*TRAIN_CASES["small"], TIMED), strip_losses=True)
     ok = (all(r["ok"] for r in out["wgrad"]) and all(r["ok"] for r in out["training"].values())
           and out.get("recompute", {"ok": True})["ok"] and out["cp_block"]["ok"]
           and out.get("trainer", {"ok": True})["ok"] and out.get("compiled", {"ok": True})["ok"]
