@@ -9,8 +9,11 @@ AdamW steps: an MLP with BatchNorm1d, a conv net with BatchNorm2d, a BatchNorm1d
 tokens with a symbolic sequence, at dp=2, dp=2 with zero=1, dp=2 x tp=2 (the norm's channels
 split over tp too) and dp=2 x cp=2 (the sequence split: the means over it sum over cp first);
 losses within 2e-6, first-step gradients within 1e-6, weights and running statistics within
-1e-5 of one process, running statistics bitwise equal on every rank. The fast tier trains the
-MLP and CLIP at dp=2 and the control; the rest is marked slow.
+1e-5 of one process, running statistics bitwise equal on every rank. A stack of four
+linear-norm blocks cut into pipeline stages (pp=2, and dp=2 x pp=2) updates each norm's running
+statistics and batch count on the stage holding it, once a step (the count's add_ is fed by no
+activation: it was left out of every stage, and the counts stayed where they were). The fast
+tier trains the MLP and CLIP at dp=2, the control and the stack at pp=2; the rest is marked slow.
 
 A contrastive loss over in-batch negatives gathers them over dp (CLIP's way): an InfoNCE loss
 (q @ k.T / t against arange(B)) at dp=2 and dp=2 with zero=1, CLIP's symmetric loss at dp=2 and
@@ -86,6 +89,30 @@ class BNSeq(torch.nn.Module):
         return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
 
 
+class BNBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(8, 8, bias=False)
+        self.bn = torch.nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.l(x)))
+
+
+class BNStack(torch.nn.Module):
+    """Four blocks of linear, BatchNorm1d, ReLU (pipeline stages cut between them) and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(BNBlock() for _ in range(4))
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = layer(x)
+        return F.cross_entropy(self.head(x), y)
+
+
 class Similarity(torch.nn.Module):
     def forward(self, q, k):
         return q @ k.T / 0.1
@@ -134,18 +161,19 @@ class BatchSoftmax(torch.nn.Module):
         return (w * F.cross_entropy(self.head(x), y, reduction="none")).sum()
 
 
-MODELS = {"mlp": BNMLP, "conv": BNConv, "seq": BNSeq, "plain": lambda: BNMLP(bn=False), "nce": InfoNCE, "clip": CLIP, "columns": ColumnLoss,
+MODELS = {"mlp": BNMLP, "stack": BNStack, "conv": BNConv, "seq": BNSeq, "plain": lambda: BNMLP(bn=False), "nce": InfoNCE, "clip": CLIP, "columns": ColumnLoss,
           "softmax": BatchSoftmax}
 
 
 def _model(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
     m = MODELS[name]()
-    if hasattr(m, "bn") and isinstance(m.bn, torch.nn.modules.batchnorm._BatchNorm):
-        with torch.no_grad():      # running statistics other than the defaults, as after training
-            m.bn.running_mean.uniform_(-0.5, 0.5)
-            m.bn.running_var.uniform_(0.5, 2.0)
-            m.bn.num_batches_tracked.fill_(7)
+    for bn in m.modules():
+        if isinstance(bn, torch.nn.modules.batchnorm._BatchNorm):
+            with torch.no_grad():      # running statistics other than the defaults, as after training
+                bn.running_mean.uniform_(-0.5, 0.5)
+                bn.running_var.uniform_(0.5, 2.0)
+                bn.num_batches_tracked.fill_(7)
     return m
 
 
@@ -184,7 +212,9 @@ CASES = {"mlp-dp2": ("mlp", 2, {}, {}), "conv-dp2": ("conv", 2, {}, {}), "seq-dp
          "clip-dp2": ("clip", 2, {}, {}), "clip-dp4": ("clip", 4, {}, {}),
          # the norm's channels split over tp (l1 colwise): each tp rank's channels' statistics over dp
          "mlp-dp2-tp2-split": ("mlp", 4, dict(tp=2), dict(plan={"l1": "colwise", "l2": "rowwise"})),
-         "clip-dp2-tp2-split": ("clip", 4, dict(tp=2), dict(plan={"q": "colwise", "k": "colwise"}))}
+         "clip-dp2-tp2-split": ("clip", 4, dict(tp=2), dict(plan={"q": "colwise", "k": "colwise"})),
+         # pipeline stages, each holding two blocks' norms: their buffers' writes run on their stage
+         "stack-pp2": ("stack", 2, dict(pp=2), {}), "stack-dp2-pp2": ("stack", 4, dict(pp=2), {})}
 
 
 def _mesh(key):
@@ -204,7 +234,7 @@ def _run(rank, mesh, key):
 
 
 #: the fast tier's cases (one two-process job); the rest are marked slow
-FAST = ("mlp-dp2", "clip-dp2", "plain-dp2")
+FAST = ("mlp-dp2", "clip-dp2", "plain-dp2", "stack-pp2")
 
 
 def _jobs(keys):
@@ -227,7 +257,8 @@ trained_slow = cases_fixture(lambda: _jobs([k for k in CASES if k not in FAST]),
 
 
 # ------------------------------------------------------------------------------ against one process
-@pytest.mark.parametrize("key", [pytest.param(k, marks=_marks(k)) for k in CASES if CASES[k][0] not in ("plain", "nce", "clip")])
+@pytest.mark.parametrize("key", [pytest.param(k, marks=_marks(k)) for k in CASES
+                                 if CASES[k][0] not in ("plain", "nce", "clip", "stack")])
 def test_batch_norm_trains_over_the_global_batch(request, key):
     name = CASES[key][0]
     ref = reference_training(_model(name), _data(name), _opt)
@@ -244,6 +275,21 @@ def test_batch_norm_trains_over_the_global_batch(request, key):
     assert "batch_norm" not in " ".join(ranks[0]["graph"])
     assert "batch norms' mean and variance over every dp rank's samples" in ranks[0]["summary"]
     assert "in bn" in ranks[0]["summary"], ranks[0]["summary"]
+
+
+@pytest.mark.parametrize("key", [pytest.param(k, marks=_marks(k)) for k in CASES if CASES[k][0] == "stack"])
+def test_batch_norms_on_pipeline_stages_update_their_buffers_once_a_step(request, key):
+    """Each stage's norms update their running statistics and count their batches (a write of a
+    buffer that no activation feeds: num_batches_tracked.add_(1)) on the stage holding them."""
+    ref = reference_training(_model("stack"), _data("stack"), _opt)
+    for rank, got in enumerate(_results(request, key)):
+        for i in range(4):
+            k = f"layers.{i}.bn"
+            stats = {n: float((got["state"][f"{k}.{n}"].double() - ref["state"][f"{k}.{n}"].double()).abs().max())
+                     for n in ("running_mean", "running_var")}
+            print(f"{key} rank {rank} {k}: running statistics {stats}")
+            assert int(got["state"][f"{k}.num_batches_tracked"]) == 7 + 3, (rank, k)
+        assert_trains_like(got, ref, rank=rank)
 
 
 def test_a_model_without_batch_coupling_is_untouched(trained):

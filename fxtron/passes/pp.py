@@ -140,7 +140,8 @@ def _is_size_op(node: fx.Node) -> bool:
 def assign_units(gm: fx.GraphModule, prefix: str, units: list[str]) -> dict[fx.Node, int]:
     """The layer unit of every activation node: from its module path inside the layer list;
     before the first layer -> the first unit, after the last -> the last; elsewhere (nodes a
-    pass inserted without a module) -> the earliest unit that uses it."""
+    pass inserted without a module) -> the earliest unit that uses it. And the unit of every
+    in-place write into a buffer that no activation feeds (see below)."""
     index = {u: i for i, u in enumerate(units)}
     kind = classify(gm)
     order = [n for n in gm.graph.nodes if kind.get(n) == "act"]
@@ -159,6 +160,18 @@ def assign_units(gm: fx.GraphModule, prefix: str, units: list[str]) -> dict[fx.N
         else:
             used = [unit[u] for u in n.users if u in unit]
             unit[n] = min(used) if used else len(units) - 1
+    # a write into a buffer computed from no activation (BatchNorm's num_batches_tracked.add_(1))
+    # is no value a stage recomputes but a side effect: it runs once, on the stage of its module
+    # (the stage holding the buffer's other writes and reads); outside the layers, with the
+    # layer before it (the first layer, before every layer)
+    latest = 0          # the unit of the last layer's activation so far
+    for n in list(gm.graph.nodes):
+        if direct.get(n) is not None:
+            latest = direct[n]
+        elif kind.get(n) == "free" and _buffers_written(n):
+            u = _unit_of_path(meta.get(n, meta.MODULE) or "", prefix, index)
+            unit[n] = latest if u is None else u
+            order.append(n)
     for n in order:   # data must flow forward through the layers
         for a in n.all_input_nodes:
             if a in unit and unit[a] > unit[n]:
@@ -167,6 +180,15 @@ def assign_units(gm: fx.GraphModule, prefix: str, units: list[str]) -> dict[fx.N
                     f"computed in a later layer {units[unit[a]]}; fxtron cuts pipeline stages between layers that "
                     "run in order, and this model's layers do not: use mesh.pp=1")
     return unit
+
+
+def _buffers_written(node: fx.Node) -> list[str]:
+    """The buffers whose memory (the buffer or a view of it) `node` writes in place, by name;
+    none for an op that changes no values (detach_)."""
+    if not meta.writes_first(node) or node.target is aten.detach_.default:
+        return []
+    return [meta.get(a, meta.INPUT).target for a in meta.written(node, own=True)
+            if a.op == "placeholder" and getattr(meta.get(a, meta.INPUT), "kind", None) == "buffer"]
 
 
 def _hint(size) -> int:
@@ -325,15 +347,11 @@ def _check_buffers_written(gm: fx.GraphModule, stage_of: dict, crossing: dict) -
     stage's copy never sees the write)."""
     sent = {n for nodes in crossing.values() for n in nodes}
     for w in gm.graph.nodes:
-        here = stage_of.get(w)      # a write of an activation: each microbatch's own values
-        if here is None or not meta.writes_first(w):
-            continue
-        memory = meta.written(w, own=True)
-        buffers = [meta.get(a, meta.INPUT).target for a in memory
-                   if a.op == "placeholder" and meta.get(a, meta.INPUT) is not None
-                   and meta.get(a, meta.INPUT).kind == "buffer"]
+        here = stage_of.get(w)
+        buffers = _buffers_written(w) if here is not None else []
         if not buffers:
             continue
+        memory = meta.written(w, own=True)
         out = sorted((n for n in memory if n in sent), key=lambda n: n.name)
         if out:
             raise ParallelizeError(
