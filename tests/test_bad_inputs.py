@@ -3,7 +3,10 @@ item 5). A float64 model: at tp > 1 a ParallelizeError at parallelize (tensor pa
 compute in 32 bits or less); with data, pipeline and context parallel it trains in float64 --
 losses and gradients equal to the model in one process to float64 round-off, the fused linears
 left to autograd and the gradient buffer float64. A sequence longer than the model's position
-table (or a table sliced to it) is refused at the step with the limit and what sets it."""
+table (or a table sliced to it) is refused at the step with the limit and what sets it. Ids
+outside the vocabulary that the model computes (idx + 1), which the step's check of its inputs
+cannot see, are refused by the vocab-parallel embedding and cross entropy themselves (at tp=2
+they were masked on both ranks and trained on silently; one process raises an IndexError)."""
 from __future__ import annotations
 
 import pytest
@@ -63,3 +66,73 @@ def test_a_sequence_longer_than_the_model_takes_is_refused_at_the_step():
     from fxtron.passes.limits import seq_limit
     args, kwargs = batch("hf-llama", 2, 8, 0)
     assert seq_limit(trace(make("hf-llama"), args, example_kwargs=kwargs)) is None
+
+
+# ------------------------------------------------------------------------------ ids outside the vocabulary
+def test_vocab_parallel_ops_refuse_ids_outside_the_vocabulary():
+    """One process's embedding and cross entropy raise an IndexError on an id outside [0, V);
+    a vocabulary split over ranks masks it on every rank (a zero row, a target of logit 0) and
+    trained on silently. The ops now refuse it, naming the id, where it is and the bound."""
+    from fxtron.ops import vocab
+    w, lg = torch.randn(8, 4), torch.randn(2, 3, 8)
+    ids = torch.tensor([[1, 2, 3], [4, 8, 0]])
+    with pytest.raises(fxtron.ParallelizeError, match=r"token id 8 at index \(1, 1\) is outside the vocabulary \[0, 8\)"):
+        torch.ops.fxtron.vocab_parallel_embedding(w, ids, 0, -1, 8)
+    ids[1, 1] = -1
+    with pytest.raises(fxtron.ParallelizeError, match=r"token id -1 .* \[0, 8\)"):
+        torch.ops.fxtron.vocab_parallel_embedding(w, ids, 0, -1, 8)
+    ids[1, 1] = 7
+    assert torch.equal(torch.ops.fxtron.vocab_parallel_embedding(w, ids, 0, -1, 8), torch.nn.functional.embedding(ids, w))
+    target = torch.tensor([[1, 2, -100], [4, 5, 0]])       # ignore_index passes
+    got = vocab.vocab_parallel_cross_entropy(lg, target, 0, -100, 1, 0.0, "")
+    assert torch.allclose(got, torch.nn.functional.cross_entropy(lg.flatten(0, 1), target.flatten()))
+    target[0, 0] = 9
+    with pytest.raises(fxtron.ParallelizeError, match=r"target 9 at index \(0, 0\) .* \[0, 8\) .*not ignore_index=-100"):
+        vocab.vocab_parallel_cross_entropy(lg, target, 0, -100, 1, 0.0, "")
+
+
+class ShiftedIds(torch.nn.Module):
+    """Looks up idx + 1 and predicts targets + 1: ids the model computes, which the step's check
+    of its inputs (runtime/batch.py: ids that reach a table or a loss unchanged) does not see."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 16)
+        self.head = torch.nn.Linear(16, 64)
+
+    def forward(self, idx, targets):
+        logits = self.head(self.emb(idx + 1))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), (targets + 1).flatten())
+
+
+def _out_of_vocab(rank, mesh, case):
+    """tp=2, the vocabulary of 64 split in two: ids 0..62 run; an input id 63 (looked up as 64),
+    then a target 63 (its 12th when flattened), each a step."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 63, (2, 9))
+    pm = fxtron.parallelize(ShiftedIds(), mesh, example_inputs=(ids[:, :-1], ids[:, 1:]),
+                            plan={"emb": "vocab", "head": "colwise"})
+    prog = pm.program(rank)
+    opt = _opt(prog.parameters())
+    out = {"ok": prog.train_step((ids[:, :-1], ids[:, 1:]), opt)}
+    for what, i in (("input", 0), ("target", 1)):
+        args = [ids[:, :-1].clone(), ids[:, 1:].clone()]
+        args[i][1, 3] = 63
+        try:
+            prog.train_step(tuple(args), opt)
+            out[what] = None
+        except fxtron.ParallelizeError as e:
+            out[what] = str(e)
+    out["graph"] = " ".join(str(n.target) for n in pm.compiled(rank).gm.graph.nodes)
+    return out
+
+
+vocab_job = cases_fixture({2: [(fxtron.Mesh(2, tp=2), ["out-of-vocab"])]}, _out_of_vocab)
+
+
+def test_computed_ids_outside_the_vocabulary_are_an_error_at_tp2(vocab_job):
+    for got in ranks_of(vocab_job, fxtron.Mesh(2, tp=2), "out-of-vocab"):
+        assert "vocab_parallel_embedding" in got["graph"] and "vocab_parallel_cross_entropy" in got["graph"]
+        assert got["ok"] > 0
+        assert got["input"] and "token id 64 at index (1, 3) is outside the vocabulary [0, 64)" in got["input"], got
+        assert got["target"] and "target 64 at index (11,) is outside the vocabulary [0, 64)" in got["target"], got

@@ -3,7 +3,7 @@ VocabParallelEmbedding, cross_entropy.py), for a
 table and an LM head split by vocabulary over one mesh axis: the embedding's partial sums and
 the cross entropy's three all-reduces of one float per token, never the logits.
 
-    vocab_parallel_embedding(Tensor weight, Tensor ids, int vocab_start, int padding_idx)
+    vocab_parallel_embedding(Tensor weight, Tensor ids, int vocab_start, int padding_idx, int vocab_size)
                                                                    masked lookup     index_add into weight
     vocab_parallel_cross_entropy(Tensor logits, Tensor target, int vocab_start, int ignore_index,
                                  int reduction, float label_smoothing, str group)
@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fxtron.errors import ParallelizeError
 from fxtron.ops import transport as T
 from fxtron.ops.registry import Comm, OpSpec, register
 
@@ -27,14 +28,39 @@ REDUCTION_NONE, REDUCTION_MEAN, REDUCTION_SUM = 0, 1, 2
 # vocab-parallel embedding (Megatron's VocabParallelEmbedding), without its reduction
 
 
+def check_ids(ids: Tensor, vocab: int, what: str, ignore_index: int | None = None) -> None:
+    """Every id in [0, vocab) (or equal to ignore_index): one process's lookup raises an
+    IndexError for any other, and a vocabulary split over ranks would mask it on every rank (a
+    zero row, a target with logit 0: a silent difference). On the CPU a ParallelizeError naming
+    the first such id; on an accelerator an asynchronous device assert (no host sync, as one
+    process's kernel asserts there)."""
+    if vocab <= 0 or ids.device.type == "meta":
+        return
+    bad = (ids < 0) | (ids >= vocab)
+    if ignore_index is not None:
+        bad &= ids != ignore_index
+    if ids.device.type != "cpu":
+        torch._assert_async(~bad.any(), f"fxtron: a {what} outside the vocabulary [0, {vocab})")
+        return
+    if bool(bad.any()):
+        at = tuple(int(i) for i in bad.nonzero()[0])
+        raise ParallelizeError(
+            f"{what} {int(ids[at])} at index {at} is outside the vocabulary [0, {vocab}) of the vocab-parallel "
+            f"layer{'' if ignore_index is None else f' (and is not ignore_index={ignore_index})'}; one process "
+            "raises an IndexError there: the data holds ids the model's vocab_size does not (another "
+            "tokenizer, a corrupt file): check the data or enlarge the vocabulary")
+
+
 @torch.library.custom_op("fxtron::vocab_parallel_embedding", mutates_args=())
-def vocab_parallel_embedding(weight: Tensor, ids: Tensor, vocab_start: int, padding_idx: int = -1) -> Tensor:
+def vocab_parallel_embedding(weight: Tensor, ids: Tensor, vocab_start: int, padding_idx: int = -1,
+                             vocab_size: int = -1) -> Tensor:
     """In: weight [V/tp, h], this rank's rows [vocab_start, vocab_start + V/tp) of the table;
     ids (any shape, global token ids); padding_idx: a global id whose row gets no gradient (as
-    F.embedding's), -1 for none. Out: [*ids.shape, h], the looked-up rows for ids in this
-    rank's range and zeros elsewhere: a PARTIAL sum, which an all_reduce (or reduce_scatter)
-    after it completes. Backward: the weight's gradient only (rows of in-range ids summed into
-    their rows); ids get none."""
+    F.embedding's), -1 for none; vocab_size: V, the ids' bound (check_ids), -1 for unchecked.
+    Out: [*ids.shape, h], the looked-up rows for ids in this rank's range and zeros elsewhere:
+    a PARTIAL sum, which an all_reduce (or reduce_scatter) after it completes. Backward: the
+    weight's gradient only (rows of in-range ids summed into their rows); ids get none."""
+    check_ids(ids, vocab_size, "token id")
     per = weight.shape[0]
     outside = (ids < vocab_start) | (ids >= vocab_start + per)
     local = (ids - vocab_start).masked_fill(outside, 0)
@@ -43,12 +69,12 @@ def vocab_parallel_embedding(weight: Tensor, ids: Tensor, vocab_start: int, padd
 
 
 @vocab_parallel_embedding.register_fake
-def _(weight, ids, vocab_start, padding_idx=-1):
+def _(weight, ids, vocab_start, padding_idx=-1, vocab_size=-1):
     return weight.new_empty((*ids.shape, weight.shape[1]))
 
 
 def _setup_embedding(ctx, inputs, output):
-    weight, ids, ctx.vocab_start, ctx.padding_idx = inputs
+    weight, ids, ctx.vocab_start, ctx.padding_idx, _ = inputs
     ctx.weight_rows = weight.shape[0]
     ctx.save_for_backward(ids)
 
@@ -62,7 +88,7 @@ def _vocab_parallel_embedding_bwd(ctx, grad):
     local = (ids - start).masked_fill(outside, 0).reshape(-1)
     rows = grad.masked_fill(outside.unsqueeze(-1), 0).reshape(-1, grad.shape[-1])
     grad_weight = grad.new_zeros((per, grad.shape[-1])).index_add_(0, local, rows)
-    return grad_weight, None, None, None
+    return grad_weight, None, None, None, None
 
 
 vocab_parallel_embedding.register_autograd(_vocab_parallel_embedding_bwd, setup_context=_setup_embedding)
@@ -92,6 +118,7 @@ def _ce_forward(logits, target, vocab_start, ignore_index, reduction, label_smoo
     logits = logits.float()
     per = logits.shape[-1]
     target = target.long()
+    check_ids(target, per * world, "target", ignore_index)
 
     m = logits.amax(dim=-1)                                                  # [N]
     if pg is not None:
@@ -206,7 +233,7 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, vocab_start: in
     a * mean over all V classes of -log p; the sum of the logits it needs rides in the third
     all-reduce. (Megatron's formula instead averages over this rank's V/tp classes only, which
     makes the loss depend on the rank; fxtron replaces torch's cross entropy, so it matches torch.)
-    Targets outside [0, V) other than ignore_index are not checked: they count as logit 0.
+    A target outside [0, V) other than ignore_index is an error (check_ids), as in one process.
     """
     return torch.ops.fxtron.vocab_parallel_cross_entropy(
         logits, target, vocab_start, ignore_index, reduction, label_smoothing, group)
@@ -217,5 +244,5 @@ register(OpSpec("vocab_parallel_cross_entropy", axis_arg=6, forward=Comm("all_re
 register(OpSpec("vocab_parallel_cross_entropy_with_softmax", axis_arg=6,
                 forward=Comm("all_reduce", "rows", count=3)))
 
-__all__ = ["REDUCTION_MEAN", "REDUCTION_NONE", "REDUCTION_SUM", "vocab_parallel_cross_entropy",
+__all__ = ["REDUCTION_MEAN", "REDUCTION_NONE", "REDUCTION_SUM", "check_ids", "vocab_parallel_cross_entropy",
            "vocab_parallel_cross_entropy_with_softmax", "vocab_parallel_embedding"]

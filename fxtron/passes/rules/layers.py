@@ -306,7 +306,8 @@ def _vocab_parallel_embedding(node: fx.Node, lower) -> fx.Node | None:
     per = int(w.meta["val"].shape[0]) // lower.size
     start = lower.coord * per
     return lower.call(torch.ops.fxtron.vocab_parallel_embedding.default,
-                      (lower.remap(w), lower.remap(ids), start, -1 if padding_idx is None else padding_idx),
+                      (lower.remap(w), lower.remap(ids), start, -1 if padding_idx is None else padding_idx,
+                       int(w.meta["val"].shape[0])),
                       node, PARTIAL, f"vocab-parallel embedding, rows [{start}, {start + per})")
 
 
