@@ -6,6 +6,7 @@ answers questions about any rank (`graph`, `summary`, `collectives`) and builds 
 """
 from __future__ import annotations
 
+import fnmatch
 import functools
 import math
 from typing import Any, Callable
@@ -304,6 +305,12 @@ def _check_heads(model: torch.nn.Module, tp: int, unsplit: dict[str, str]) -> No
         f"attention whole on purpose: plan={{{keep}}}")
 
 
+
+def _used_params(gm: fx.GraphModule) -> set[str]:
+    """The parameters `gm` reads (a placeholder with users), by name."""
+    return {name for node in gm.graph.nodes
+            if node.op == "placeholder" and node.users and (name := meta.param_name(node)) is not None}
+
 class ParallelModel:
     """The compiled model: per-rank graphs and programs for every rank of the mesh."""
 
@@ -445,15 +452,21 @@ class ParallelModel:
     @functools.cached_property
     def _eval_plan(self) -> TPPlan | None:
         """The eval graph's tp plan: its layers are found on that graph (node names), and it
-        must split every parameter as the training plan does."""
+        must split every parameter it uses as the training plan does. Layers used in training
+        only (an auxiliary head, a training-only loss) are not in it: plan entries naming only
+        them (checked on the training graph) are left out."""
         if self.mesh.tp == 1:
             return None
         t = self.config.tensor
-        plan = make_tp_plan(self.eval_traced, tp=self.mesh.tp, user_plan=t.plan, mode=t.plan_mode)
+        used = _used_params(self.eval_traced)
+        user_plan = None if t.plan is None else {
+            k: v for k, v in t.plan.items()
+            if any(fnmatch.fnmatchcase(n, k) or fnmatch.fnmatchcase(n, k + ".*") for n in used)}
+        plan = make_tp_plan(self.eval_traced, tp=self.mesh.tp, user_plan=user_plan, mode=t.plan_mode)
         train = self.tp_plan
-        if dict(plan.params) != dict(train.params) or dict(plan.interleave) != dict(train.interleave):
-            differ = sorted(n for n in set(plan.params) | set(train.params)
-                            if plan.params.get(n) != train.params.get(n))
+        differ = sorted(n for n in used if plan.params.get(n) != train.params.get(n)
+                        or plan.interleave.get(n) != train.interleave.get(n))
+        if differ:
             raise ParallelizeError(f"the model in eval mode splits its parameters over tp otherwise than in training "
                                    f"({', '.join(differ[:4]) or 'interleaving'}): evaluation cannot share the weights")
         return plan
@@ -469,8 +482,13 @@ class ParallelModel:
         rg = passmanager.compile_rank(self.eval_traced, self.mesh, rank, plan=self._eval_plan,
                                       stage_assignment=self.stage_assignment, config=self.config,
                                       prepared=self._eval_prepared)
-        differ = sorted(n for n in set(rg.local) | set(train.local) if rg.local.get(n) != train.local.get(n))
-        if differ or rg.shared != train.shared:
+        # the parameters the eval graph uses, laid out alike (its placeholders of parameters used in
+        # training only -- an auxiliary head -- read nothing)
+        def layout(lp):
+            return None if lp is None else (lp.local_shape, lp.dtype, lp.shards, lp.flat)
+        used = _used_params(self.eval_traced)
+        differ = sorted(n for n in rg.local if n in used and layout(rg.local[n]) != layout(train.local.get(n)))
+        if differ or any(train.shared.get(n) != ranks for n, ranks in rg.shared.items() if n in used):
             raise ParallelizeError(
                 f"rank {rank}: the eval-mode graph holds its parameters otherwise than the training graph "
                 f"({', '.join(differ[:4]) or 'tied weights'}): evaluation cannot share the weights")

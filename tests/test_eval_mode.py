@@ -6,7 +6,8 @@ eval mode: dropout off, BatchNorm on its running statistics and nothing updated,
 under a pipeline schedule the schedule's forwards alone, no backward, no gradient touched. Held
 to one process's `model.eval()` loss on the same batch: GPT-2 with dropout 0.3 at dp=2, tp=2 and
 pp=2 (1f1b, interleaved, zb-v), repeated evaluations identical, weights, optimizer state and
-gradient norm unchanged; a BatchNorm model at dp=2 on its running statistics, left as they were.
+gradient norm unchanged; a model with an auxiliary head used in training only, its layers named
+in the tp plan, at tp=2 (the eval graph's plan covers the layers it holds); a BatchNorm model at dp=2 on its running statistics, left as they were.
 
 `prog.original_shape(name)`: the parameter's shape in the model, whatever the rank holds (a flat
 1-d piece under zero=3), so "no weight decay on 1-d parameters" written over it trains at zero=3
@@ -45,6 +46,29 @@ class BNModel(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+class AuxModel(torch.nn.Module):
+    """Embedding, an MLP block, a head; in training also an auxiliary head's loss (a layer the
+    eval-mode graph does not hold)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 16):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.up, self.down = torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(4 * dim, dim)
+        self.aux_up, self.aux_down = torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(4 * dim, 1)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, idx, targets):
+        h = self.emb(idx)
+        h = h + self.down(torch.relu(self.up(h)))
+        loss = torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+        if self.training:
+            loss = loss + 0.1 * self.aux_down(torch.relu(self.aux_up(h))).pow(2).mean()
+        return loss
+
+
+AUX_PLAN = {"up": "colwise", "down": "rowwise", "aux_up": "colwise", "aux_down": "rowwise"}
+
+
 def _bn_model() -> BNModel:
     torch.manual_seed(0)
     m = BNModel()
@@ -58,11 +82,14 @@ def _bn_model() -> BNModel:
 def _model(case: Case) -> torch.nn.Module:
     if case.name == "bn":
         return _bn_model()
+    if case.name == "aux":
+        torch.manual_seed(0)
+        return AuxModel()
     return make(case.name, dropout=0.3, layers=case.kw.get("layers", 2))
 
 
 def _batch(case: Case, seed: int):
-    if case.name == "bn":
+    if case.name in ("bn", "aux"):
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, 64, (8, 9), generator=g)
         return (ids[:, :-1].clone(), ids[:, 1:].clone()), {}
@@ -150,7 +177,7 @@ def _run_groups(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
 
 EVAL_CASES = {
     fxtron.Mesh(2): [Case("hf-gpt2"), Case("bn")],
-    fxtron.Mesh(2, tp=2): [Case("hf-gpt2")],
+    fxtron.Mesh(2, tp=2): [Case("hf-gpt2"), Case("aux", plan=AUX_PLAN)],
     fxtron.Mesh(2, pp=2): [Case("hf-gpt2", schedule="1f1b", microbatches=2),
                            Case("hf-gpt2", schedule="interleaved", virtual_stages=2, microbatches=2, layers=4),
                            Case("hf-gpt2", schedule="zb-v", microbatches=2, layers=4)],
@@ -174,6 +201,22 @@ def test_original_shape_without_processes():
     assert prog.original_shapes() == {n: p.shape for n, p in model.named_parameters()}
     with pytest.raises(fxtron.ParallelizeError, match="not a parameter"):
         prog.original_shape("nope.weight")
+
+
+def test_layers_used_in_training_only_leave_the_eval_graph_its_plan():
+    """A plan naming a training-only layer (an auxiliary head) was checked against the eval-mode
+    graph too, where the layer is not: evaluation raised "matches no linear"; without a plan,
+    its unused parameters' placeholders failed the check that both graphs hold the weights
+    alike. The eval graph's plan and that check cover the parameters it reads."""
+    args = _batch(Case("aux"), 0)[0]
+    for plan in (AUX_PLAN, None):
+        pm = fxtron.parallelize(_model(Case("aux")), fxtron.Mesh(2, tp=2), example_inputs=args, plan=plan)
+        for rank in range(2):
+            ev = " ".join(str(n.target) for n in pm.compiled_eval(rank).gm.graph.nodes if n.users)
+            assert "aux" not in " ".join(n.name for n in pm.compiled_eval(rank).gm.graph.nodes if n.users), ev
+        if plan is not None:
+            assert pm.compiled(0).local["aux_up.weight"].local_shape == (32, 16)
+            assert pm.compiled_eval(0).local["up.weight"].local_shape == (32, 16)
 
 
 def test_eval_step_in_one_process_is_model_eval():
