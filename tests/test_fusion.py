@@ -79,7 +79,7 @@ def test_programs_run_the_ops_in_their_run_time_forms():
 
 
 def test_backward_runs_only_the_gemms_whose_inputs_take_a_gradient():
-    """Outside a step (no main_grad), a frozen weight's gradient GEMM is not run, nor the
+    """A frozen weight's gradient GEMM is not run, outside a step and in one, nor the
     input gradient of a linear whose input takes none: the backward's matmul FLOPs are those of the gradients asked for, and
     the gradients given equal autograd's through F.linear."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -102,3 +102,14 @@ def test_backward_runs_only_the_gemms_whose_inputs_take_a_gradient():
             assert (got is None) == (want is None)
             if got is not None:
                 torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    # in a step (a main_grad on every weight): a frozen weight's GEMM is not run either, its
+    # main_grad left as it was; a trainable one's accumulates
+    for w_grad in (False, True):
+        x, w = x0.clone().requires_grad_(True), torch.nn.Parameter(w0.clone(), requires_grad=w_grad)
+        w.main_grad = torch.zeros(6, 8)
+        y = linear_eager(x, w, None, False)
+        with FlopCounterMode(display=False) as flops:
+            y.sum().backward()
+        if not w_grad:           # (the accumulating GEMM, addmm_ into main_grad, is not counted)
+            assert flops.get_total_flops() == gemm
+        assert bool(w.main_grad.abs().sum() > 0) == w_grad and w.grad is None

@@ -186,10 +186,10 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dy):
     """The input gradient, then the weight gradient (into main_grad, queued or now), then the
-    bias's. The input's is computed only where the input takes a gradient, and a weight without
-    a main_grad gets its GEMM only where it takes one. A weight with a main_grad (every weight
-    in a program's step has one, frozen ones too) still accumulates, and the step drops a
-    frozen weight's sum: skipping that GEMM is left to do."""
+    bias's. The input's is computed only where the input takes a gradient, the weight's only
+    where the weight takes one: a frozen weight (requires_grad=False; every weight in a
+    program's step has a main_grad, frozen ones too) runs no GEMM, as in autograd. Under zero=3
+    the gathered weight answers for its parameter."""
     (x,) = ctx.saved_tensors
     needs_x, needs_w, needs_b = ctx.needs_input_grad[:3]
     gathering = ctx.regather.begin(x) if ctx.regather is not None else None
@@ -208,7 +208,7 @@ def _backward(ctx, dy):
     if gathering is not None:  # the input gathered again while the input gradient was computed
         x = gathering()
     grad_w = None
-    if main_grad is not None:
+    if main_grad is not None and needs_w:
         job = lambda: _accumulate(x, dy, main_grad, ctx.weight_in_out, report)  # noqa: E731
         queue = active_queue()
         if queue is not None:
