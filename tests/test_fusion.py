@@ -103,11 +103,12 @@ def test_backward_runs_only_the_gemms_whose_inputs_take_a_gradient():
             if got is not None:
                 torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     # in a step (a main_grad on every weight): a frozen weight's GEMM is not run either, its
-    # main_grad left as it was; a trainable one's accumulates
+    # main_grad left as it was and its input not saved for it; a trainable one's accumulates
     for w_grad in (False, True):
         x, w = x0.clone().requires_grad_(True), torch.nn.Parameter(w0.clone(), requires_grad=w_grad)
         w.main_grad = torch.zeros(6, 8)
         y = linear_eager(x, w, None, False)
+        assert len(y.grad_fn.saved_tensors) == w_grad        # a frozen weight's input is not kept
         with FlopCounterMode(display=False) as flops:
             y.sum().backward()
         if not w_grad:           # (the accumulating GEMM, addmm_ into main_grad, is not counted)

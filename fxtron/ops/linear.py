@@ -174,6 +174,10 @@ def _setup(ctx, inputs, output):
     else:
         ctx.weight = weight      # the Parameter itself: its main_grad attribute is read in backward
     ctx.has_bias = bias is not None
+    ctx.x_dtype = x.dtype
+    ctx.regather = None
+    if not ctx.needs_input_grad[1]:  # a frozen weight: no weight gradient, so no input kept (nor,
+        return                       # under sequence parallel, gathered again in backward)
     g = gathered(x)
     ctx.regather = g.regather if g is not None else None
     if g is None:
@@ -188,9 +192,11 @@ def _backward(ctx, dy):
     """The input gradient, then the weight gradient (into main_grad, queued or now), then the
     bias's. The input's is computed only where the input takes a gradient, the weight's only
     where the weight takes one: a frozen weight (requires_grad=False; every weight in a
-    program's step has a main_grad, frozen ones too) runs no GEMM, as in autograd. Under zero=3
-    the gathered weight answers for its parameter."""
-    (x,) = ctx.saved_tensors
+    program's step has a main_grad, frozen ones too) runs no GEMM, as in autograd, and keeps
+    no input for it (under sequence parallel, gathers none again). Under zero=3 the gathered
+    weight answers for its parameter."""
+    saved = ctx.saved_tensors
+    x = saved[0] if saved else None    # (none kept for a frozen weight)
     needs_x, needs_w, needs_b = ctx.needs_input_grad[:3]
     gathering = ctx.regather.begin(x) if ctx.regather is not None else None
     if ctx.fsdp is not None:   # zero=3: the weight gathered again, its gradient into the layer's
@@ -203,7 +209,7 @@ def _backward(ctx, dy):
         w = ctx.weight
         reported = GRAD_REPORTS.get(w)   # (runtime/grads.py, core/records.py)
         main_grad, report = getattr(w, "main_grad", None), reported.report if reported is not None else None
-    dy = dy.to(x.dtype)        # as Megatron: the weight-gradient GEMM takes both in the input's dtype
+    dy = dy.to(ctx.x_dtype)    # as Megatron: the weight-gradient GEMM takes both in the input's dtype
     dx = dy.matmul(w.t() if ctx.weight_in_out else w) if needs_x else None
     if gathering is not None:  # the input gathered again while the input gradient was computed
         x = gathering()
