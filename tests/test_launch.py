@@ -39,6 +39,27 @@ def test_groups_match_mesh_and_communicate():
             assert total == sum(ranks), (kind, rank)
 
 
+def _again_job(rank: int, mesh: fxtron.Mesh):
+    """Tear the job's groups down and make them again, twice (a launched function that runs the
+    trainer twice does so): each rendezvous on the launcher's store, under its own keys."""
+    from fxtron.runtime import groups as G
+    sums = []
+    for _ in range(2):
+        G.destroy()
+        g = G.init_distributed(mesh)
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t, group=g.group("tp"))
+        sums.append(float(t))
+    return sums
+
+
+def test_a_launched_rank_may_init_again_after_destroy():
+    """Before: rank 0's second rendezvous tried to host a store on the port the launcher holds
+    (EADDRINUSE) and the job failed."""
+    mesh = fxtron.Mesh(2, tp=2)
+    assert run_on_ranks(_again_job, mesh, mesh) == [[3.0, 3.0], [3.0, 3.0]]
+
+
 def _fail_job(rank: int):
     if rank == 1:
         raise RuntimeError("boom on purpose")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import gc
+import itertools
 import os
 from dataclasses import dataclass, field
 
@@ -165,21 +166,33 @@ def shm_default() -> bool:
     return DebugConfig().shm
 
 
-def _elastic_store(rank: int, world: int, timeout_s: float):
-    """Under torchrun (TORCHELASTIC_RESTART_COUNT set), the rendezvous store with a prefix per
-    restart: torchrun's agent keeps its store across a restart, and a restarted group reading
-    the killed group's keys (gloo's addresses) fails in connectFullMesh ("Connection refused").
-    None elsewhere (init_process_group's env:// rendezvous)."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+#: set in a rank fxtron.launch started: the rendezvous store (MASTER_ADDR:MASTER_PORT) is the
+#: launching process's, which every rank joins as a client
+LAUNCHED_STORE = "FXTRON_LAUNCHED_STORE"
+_inits = itertools.count()     # this process's rendezvous so far: each one's keys under their own prefix
+
+
+def _held_store(rank: int, world: int, timeout_s: float):
+    """The rendezvous store where a process outside this job holds it, with a prefix per
+    rendezvous of this process (a second init_distributed after destroy() would read the first
+    one's keys -- gloo's addresses, its barrier's counts -- and fail): in a rank fxtron.launch
+    started, the launcher's; under torchrun (TORCHELASTIC_RESTART_COUNT set), its agent's, or
+    rank 0's multi-tenant one, with a prefix per restart as well (the agent keeps its store across
+    a restart, and a restarted group reading the killed group's keys fails in connectFullMesh,
+    "Connection refused"). None elsewhere (init_process_group's env:// rendezvous, rank 0 hosting
+    it while the group lives)."""
     host, port = os.environ.get("MASTER_ADDR"), _env_int("MASTER_PORT")
-    if attempt is None or host is None or port is None:
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    launched = os.environ.get(LAUNCHED_STORE) == "1"
+    if host is None or port is None or (attempt is None and not launched):
         return None
     timeout = datetime.timedelta(seconds=timeout_s)
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
-        base = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    if launched or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+        base = dist.TCPStore(host, port, None if launched else world, is_master=False, timeout=timeout)
     else:
         base = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout, multi_tenant=True)
-    return dist.PrefixStore(f"fxtron/attempt_{attempt}", base)
+    prefix = "fxtron" if launched else f"fxtron/attempt_{attempt}"
+    return dist.PrefixStore(f"{prefix}/init_{next(_inits)}", base)
 
 
 def init_distributed(mesh: Mesh, *, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -187,8 +200,9 @@ def init_distributed(mesh: Mesh, *, backend: str | None = None, timeout_s: float
                      store=None) -> ProcessGroups:
     """Initialize torch.distributed for this process (torchrun or fxtron.launch set the
     environment) and create the mesh's groups. Returns this rank's ProcessGroups.
-    `store`: the rendezvous store, when the caller holds one (fxtron.launch: a client of the
-    store its parent opened); else the environment's (MASTER_ADDR, MASTER_PORT).
+    `store`: the rendezvous store, when the caller holds one; else the environment's
+    (MASTER_ADDR, MASTER_PORT: in a rank fxtron.launch started, a client of the store the
+    launcher holds). A process may init_distributed again after destroy().
 
     Every collective issued through these groups times out after `timeout_s`, so a rank whose
     peer died raises instead of hanging. With gloo, a tp group whose ranks all run on this
@@ -220,7 +234,7 @@ def init_distributed(mesh: Mesh, *, backend: str | None = None, timeout_s: float
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s),
-                                store=store if store is not None else _elastic_store(rank, world, timeout_s))
+                                store=store if store is not None else _held_store(rank, world, timeout_s))
     if check_collectives is None:
         check_collectives = ledger.check_default()
     groups = build_groups(mesh, rank, backend, device, twins_for_all=check_collectives)

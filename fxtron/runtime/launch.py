@@ -80,19 +80,19 @@ class _Stdio:
 def _worker(fn, mesh: Mesh, rank: int, args: tuple, port: int, backend: str | None,
             timeout_s: float, threads: int, shm_transport: bool | None, check_collectives: bool | None,
             flight_dir: str, results, env: dict[str, str], stdio: _Stdio) -> None:
+    from fxtron.runtime import groups as G
     stdio.attach()
     os.environ.clear()
     os.environ.update(env)          # the launcher's environment at the launch, not the forkserver's
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(mesh.world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(mesh.world_size), FXTRON_FLIGHT_DIR=flight_dir)
+                      LOCAL_WORLD_SIZE=str(mesh.world_size), FXTRON_FLIGHT_DIR=flight_dir,
+                      **{G.LAUNCHED_STORE: "1"})
     torch.set_num_threads(threads)
-    from fxtron.runtime import groups as G
     try:
-        # a client of the store the launching process holds (_rendezvous)
-        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=timeout_s))
+        # (the rendezvous: a client of the store the launching process holds, _rendezvous)
         G.init_distributed(mesh, backend=backend, timeout_s=timeout_s, shm_transport=shm_transport,
-                           check_collectives=check_collectives, store=store)
+                           check_collectives=check_collectives)
         out = fn(rank, *args)
         payload = _dumps(out)
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
