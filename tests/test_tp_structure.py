@@ -380,6 +380,42 @@ def test_layers_left_replicated_are_never_silent():
     assert split.tp_plan.replicated == {}
 
 
+class _PiecesOfOneMatrix(torch.nn.Module):
+    """P[0] used as an up projection, P[1] as the down projection after it: one parameter the
+    automatic plan would split by columns for one layer and by rows for the other."""
+
+    def __init__(self):
+        super().__init__()
+        self.P = torch.nn.Parameter(torch.randn(2, 16, 16) * 0.1)
+        self.emb = torch.nn.Embedding(32, 16)
+
+    def forward(self, idx, t):
+        h = self.emb(idx)
+        h = h + torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(h, self.P[0])), self.P[1])
+        return torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, self.emb.weight).flatten(0, 1),
+                                                 t.flatten())
+
+
+def test_pieces_of_one_parameter_split_two_ways_are_replicated_or_named():
+    """The automatic plan replicates layers that would split one parameter two ways (a warning
+    says why; it raised "used by two layers that split it differently", with a hint about tied
+    embeddings); a user's plan that does so is an error naming both layers and their styles."""
+    idx = torch.randint(0, 32, (2, 8))
+
+    def pm(**kw):
+        return fxtron.parallelize(_PiecesOfOneMatrix(), fxtron.Mesh(2, tp=2), example_inputs=(idx, idx), **kw)
+
+    with pytest.warns(fxtron.ParallelizeWarning, match=r"P is used by P, P', which the automatic plan would split "
+                                                      r"differently"):
+        auto = pm()
+    assert "P" not in auto.tp_plan.params and auto.tp_plan.params["emb.weight"].dim == 0
+    auto.compiled(1)
+    with pytest.raises(fxtron.ParallelizeError, match=r"parameter P is used by two layers that split it differently: "
+                                                      r"P' \(Rowwise.*\) and P \(Colwise.*\).*'replicate' both"):
+        pm(plan={"P": "colwise"})
+    pm(plan={"P": "replicate", "P'": "replicate"}, strict=True).compiled(0)
+
+
 def test_routers_stay_replicated_quietly():
     """An MoE router (its output picks experts by topk) stays whole, as in Megatron: reported
     in the summary, not warned about."""

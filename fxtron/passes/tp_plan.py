@@ -1329,6 +1329,8 @@ def make_tp_plan(gm: fx.GraphModule, *, tp: int, user_plan: dict | None = None, 
     user_keys = set(user_styles)
     if tp == 1:
         styles = {}
+    _replicate_auto_conflicts(styles, layers, user_keys, tp, result)
+    setter: dict[str, str] = {}      # parameter -> the layer whose style placed it first
     for path, style in styles.items():
         l = layers[path]
         bad = _indivisible(l, style, tp, result, path)
@@ -1343,12 +1345,43 @@ def make_tp_plan(gm: fx.GraphModule, *, tp: int, user_plan: dict | None = None, 
         for name, pl in placements.items():
             prev = result.params.get(name)
             if prev is not None and prev != pl:
+                other = setter[name]
+                kinds = {layers[other].kind, l.kind}
+                hint = ("a tied embedding and LM head: 'vocab' and 'colwise'" if kinds == {"embedding", "linear"}
+                        else "pieces of one parameter used as different layers (weight[i] of an experts' matrix): "
+                             "give them one style, or 'replicate' both")
                 raise ParallelizeError(
-                    f"parameter {name} is used by two layers that split it differently ({prev} and {pl}); "
-                    "give both the same style in the plan (a tied embedding and LM head: 'vocab' and 'colwise')")
+                    f"parameter {name} is used by two layers that split it differently: {other} "
+                    f"({styles.get(other)!r}: {prev}) and {path} ({style!r}: {pl}); fxtron splits a parameter one "
+                    f"way: give both the same style in the plan ({hint})")
             result.params[name] = pl
+            setter.setdefault(name, path)
     _resolve_tied(result, layers, user_keys)
     return result.freeze(user_styles, mode, gm)
+
+
+def _replicate_auto_conflicts(styles: dict, layers: dict, user_keys: set, tp: int, result: "_Draft") -> None:
+    """Layers the automatic plan split that share a parameter it would split two ways (pieces of
+    one matrix used as a column- and a row-parallel layer: weight[0] as q, weight[1] as o) are
+    replicated, with a note; where the user's plan chose one of the styles, the conflict is
+    theirs to resolve (the error below names both layers)."""
+    users: dict[str, dict[str, Placement]] = {}
+    for path, style in styles.items():
+        try:
+            placements = _param_placements(layers[path], style, tp)
+        except ParallelizeError:
+            continue                     # (raised where the plan is applied)
+        for name, pl in placements.items():
+            users.setdefault(name, {})[path] = pl
+    for name, by_path in users.items():
+        if len(set(by_path.values())) < 2 or user_keys & set(by_path):
+            continue
+        why = (f"{name} is used by {', '.join(sorted(by_path))}, which the automatic plan would split "
+               "differently")
+        for path in by_path:
+            styles.pop(path, None)
+            result.why[path] = why
+        result.notes.append(why + " -> replicated")
 
 
 def _down_projections(draft: "_Draft", gm: fx.GraphModule) -> set[str]:
