@@ -28,7 +28,7 @@ from fxtron.passes.cp_documents import check_documents
 from fxtron.passes.ep import check_experts
 from fxtron.passes.recompute import region_labels
 from fxtron.passes.pp import StageAssignment, assign_stages
-from fxtron.passes.tp_plan import TPPlan, make_tp_plan, router_weights, unused_weights
+from fxtron.passes.tp_plan import TPPlan, find_layers, make_tp_plan, plan_matches, router_weights, unused_weights
 from fxtron.runtime import groups as G
 from fxtron.runtime.pp import schedules
 from fxtron.runtime import materialize
@@ -459,9 +459,11 @@ class ParallelModel:
             return None
         t = self.config.tensor
         used = _used_params(self.eval_traced)
-        user_plan = None if t.plan is None else {
+        layers = find_layers(self.eval_traced)      # entries name layers (a tied head's weight has
+        user_plan = None if t.plan is None else {   # its embedding's name), or parameters kept whole
             k: v for k, v in t.plan.items()
-            if any(fnmatch.fnmatchcase(n, k) or fnmatch.fnmatchcase(n, k + ".*") for n in used)}
+            if plan_matches(k, layers) or any(fnmatch.fnmatchcase(n, k) or fnmatch.fnmatchcase(n, k + ".*")
+                                              for n in used)}
         plan = make_tp_plan(self.eval_traced, tp=self.mesh.tp, user_plan=user_plan, mode=t.plan_mode)
         train = self.tp_plan
         differ = sorted(n for n in used if plan.params.get(n) != train.params.get(n)

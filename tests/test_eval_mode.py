@@ -217,6 +217,13 @@ def test_layers_used_in_training_only_leave_the_eval_graph_its_plan():
         if plan is not None:
             assert pm.compiled(0).local["aux_up.weight"].local_shape == (32, 16)
             assert pm.compiled_eval(0).local["up.weight"].local_shape == (32, 16)
+    # the eval plan keeps entries by the layers they name: a tied LM head's weight bears the
+    # embedding's name (lm_head's is wte.weight), and its entry stays
+    gpt_args = batch("gpt", 2, 8, 0)[0]
+    for plan, mode, split in (({"wte": "replicate", "lm_head": "replicate"}, "override", False),
+                              ({"wte": "vocab", "lm_head": "colwise"}, "replace", True)):
+        pm = fxtron.parallelize(make("gpt"), fxtron.Mesh(2, tp=2), example_inputs=gpt_args, plan=plan, plan_mode=mode)
+        assert (pm.compiled_eval(1).local["wte.weight"].local_shape[0] == 128) == split, (plan, mode)
 
 
 def test_eval_step_in_one_process_is_model_eval():

@@ -83,6 +83,7 @@ def test_backward_runs_only_the_gemms_whose_inputs_take_a_gradient():
     input gradient of a linear whose input takes none: the backward's matmul FLOPs are those of the gradients asked for, and
     the gradients given equal autograd's through F.linear."""
     from torch.utils.flop_counter import FlopCounterMode
+    from fxtron.core.records import GRAD_REPORTS, GradReport
     from fxtron.ops.linear import linear_eager
     gen = torch.Generator().manual_seed(0)
     x0, w0, b0 = torch.randn(4, 8, generator=gen), torch.randn(6, 8, generator=gen), torch.randn(6, generator=gen)
@@ -107,6 +108,8 @@ def test_backward_runs_only_the_gemms_whose_inputs_take_a_gradient():
     for w_grad in (False, True):
         x, w = x0.clone().requires_grad_(True), torch.nn.Parameter(w0.clone(), requires_grad=w_grad)
         w.main_grad = torch.zeros(6, 8)
+        reported = []
+        GRAD_REPORTS.set(w, GradReport(lambda: reported.append(1)))
         y = linear_eager(x, w, None, False)
         assert len(y.grad_fn.saved_tensors) == w_grad        # a frozen weight's input is not kept
         with FlopCounterMode(display=False) as flops:
@@ -114,3 +117,5 @@ def test_backward_runs_only_the_gemms_whose_inputs_take_a_gradient():
         if not w_grad:           # (the accumulating GEMM, addmm_ into main_grad, is not counted)
             assert flops.get_total_flops() == gemm
         assert bool(w.main_grad.abs().sum() > 0) == w_grad and w.grad is None
+        assert reported == [1]         # done, frozen too: a data-parallel bucket does not wait for it
+        GRAD_REPORTS.pop(w)

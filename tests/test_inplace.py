@@ -235,3 +235,40 @@ def test_pipeline_stages_refuse_a_buffer_written_in_place_that_leaves_its_stage(
     with pytest.raises(fxtron.ParallelizeError, match=match):
         fxtron.parallelize(_Stages(how), fxtron.Mesh(2, pp=2), example_inputs=(x,), microbatches=2).compiled(0)
     fxtron.parallelize(_Stages("copied"), fxtron.Mesh(2, pp=2), example_inputs=(x,), microbatches=2).compiled(0)
+
+
+class _Counted(torch.nn.Module):
+    """Four layers and a step counter buffer t (no activation feeds its add_): `how` "early" reads
+    t in the first layer, before the count at the end; "first" counts before the layers and every
+    layer reads the count."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+        self.register_buffer("t", torch.zeros(()))
+
+    def forward(self, x):
+        if self.how == "first":
+            self.t.add_(1)
+        g = torch.sigmoid(self.t / 100)
+        for i, layer in enumerate(self.layers):
+            x = layer(x) * (1 + g) if i == 0 or self.how == "first" else layer(x)
+        if self.how == "early":
+            self.t.add_(1)
+        return x.pow(2).mean()
+
+
+def test_pipeline_stages_and_a_counter_no_activation_feeds():
+    """A count at the end read in the first layer: stage 0 would read its own copy, which only
+    the last stage counts (a stale value each step, silently): an error. A count before the
+    layers that every layer reads is made by every stage that reads it, on its own copy (as
+    before: giving such a write one stage failed to build the others' graphs)."""
+    x = torch.randn(8, 4)
+    with pytest.raises(fxtron.ParallelizeError, match=r"buffer t is written in place in forward on pipeline stage 1 "
+                                                      r"\(%add_.*\) and read before it \(the value the previous step "
+                                                      r"wrote\) on stage 0"):
+        fxtron.parallelize(_Counted("early"), fxtron.Mesh(2, pp=2), example_inputs=(x,), seq_dim=None).compiled(0)
+    pm = fxtron.parallelize(_Counted("first"), fxtron.Mesh(2, pp=2), example_inputs=(x,), seq_dim=None)
+    for rank in range(2):
+        assert any(str(n.target) == "aten.add_.Tensor" for st in pm.compiled(rank).stages for n in st.gm.graph.nodes)

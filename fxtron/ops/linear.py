@@ -222,6 +222,9 @@ def _backward(ctx, dy):
             queue.hold(x, dy)
         else:
             job()
+    elif main_grad is not None:      # frozen: nothing to add; its bucket need not wait for it
+        if report is not None:
+            report()
     elif needs_w:
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
         grad_w = x2.t().matmul(dy2) if ctx.weight_in_out else dy2.t().matmul(x2)

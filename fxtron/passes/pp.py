@@ -160,15 +160,17 @@ def assign_units(gm: fx.GraphModule, prefix: str, units: list[str]) -> dict[fx.N
         else:
             used = [unit[u] for u in n.users if u in unit]
             unit[n] = min(used) if used else len(units) - 1
-    # a write into a buffer computed from no activation (BatchNorm's num_batches_tracked.add_(1))
-    # is no value a stage recomputes but a side effect: it runs once, on the stage of its module
-    # (the stage holding the buffer's other writes and reads); outside the layers, with the
-    # layer before it (the first layer, before every layer)
+    # a write into a buffer computed from no activation and read by nothing after it
+    # (BatchNorm's num_batches_tracked.add_(1)) is no value a stage recomputes but a side effect:
+    # it runs once, on the stage of its module (the stage holding the buffer's other writes and
+    # reads); outside the layers, with the layer before it (the first layer, before every layer).
+    # One whose result is read runs where it is read, recomputed by each stage that reads it on
+    # its own copy of the buffer.
     latest = 0          # the unit of the last layer's activation so far
     for n in list(gm.graph.nodes):
         if direct.get(n) is not None:
             latest = direct[n]
-        elif kind.get(n) == "free" and _buffers_written(n):
+        elif kind.get(n) == "free" and _buffers_written(n) and not n.users and not meta.read_after(n):
             u = _unit_of_path(meta.get(n, meta.MODULE) or "", prefix, index)
             unit[n] = latest if u is None else u
             order.append(n)
@@ -359,22 +361,32 @@ def _check_buffers_written(gm: fx.GraphModule, stage_of: dict, crossing: dict) -
                 f"{meta.get(w, meta.MODULE) or 'the top level'}) and its memory (%{out[0].name}) is a pipeline stage's "
                 f"output: every microbatch writes the same buffer, so a later microbatch would overwrite what an "
                 f"earlier one sent; return a copy (buf.clone()) from the layer, or use mesh.pp=1")
-        stages, stack, seen = set(), list(meta.read_after(w)), set()
-        while stack:                       # a reader computed from no activation runs on its users' stages
-            r = stack.pop()
-            if r in seen:
-                continue
-            seen.add(r)
-            if r in stage_of:
-                stages.add(stage_of[r])
-            else:
-                stack.extend(r.users)
-        if stages - {here}:
-            raise ParallelizeError(
-                f"buffer {buffers[0]} is written in place in forward on pipeline stage {here} (%{w.name}, {w.target}) "
-                f"and read afterwards on stage {min(stages - {here})}, whose rank holds its own copy of the buffer "
-                f"(it would read the old values): keep the buffer's writes and reads in one stage (split_points), "
-                f"or use mesh.pp=1")
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        before = [u for a in meta.written(w) for u in a.users if u is not w and order[u] < order[w]]
+        for readers, when in ((meta.read_after(w), "afterwards"), (before, "before it (the value the previous step wrote)")):
+            stages = _stages_reading(readers, stage_of) - {here}
+            if stages:
+                raise ParallelizeError(
+                    f"buffer {buffers[0]} is written in place in forward on pipeline stage {here} (%{w.name}, "
+                    f"{w.target}) and read {when} on stage {min(stages)}, whose rank holds its own copy of the "
+                    f"buffer (it would read the old values): keep the buffer's writes and reads in one stage "
+                    f"(split_points), or use mesh.pp=1")
+
+
+def _stages_reading(readers, stage_of: dict) -> set[int]:
+    """The stages that run `readers`: a reader computed from no activation runs on the stages of
+    its users."""
+    stages, stack, seen = set(), list(readers), set()
+    while stack:
+        r = stack.pop()
+        if r in seen:
+            continue
+        seen.add(r)
+        if r in stage_of:
+            stages.add(stage_of[r])
+        else:
+            stack.extend(r.users)
+    return stages
 
 
 def _stage_graph(gm, ti, s, stage_of, crossing, loss, order) -> Stage:

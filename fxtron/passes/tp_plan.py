@@ -1308,7 +1308,7 @@ def make_tp_plan(gm: fx.GraphModule, *, tp: int, user_plan: dict | None = None, 
     live = None
     for pattern, value in (user_plan or {}).items():
         style = _parse_style(value, pattern)
-        hits = _matches(pattern, layers)
+        hits = plan_matches(pattern, layers)
         kept = [n for n in params if fnmatch.fnmatchcase(n, pattern) or fnmatch.fnmatchcase(n, pattern + ".*")]
         if not hits and isinstance(style, Replicated) and kept:   # parameters of no layer, whole on purpose
             result.kept.update(kept)
@@ -1398,7 +1398,7 @@ def _down_projections(draft: "_Draft", gm: fx.GraphModule) -> set[str]:
             and _feeds_row(l, cols, linears, order) and not _feeds_row(l, rows, linears, order)}
 
 
-def _matches(pattern: str, layers: Mapping[str, _Found]) -> list[str]:
+def plan_matches(pattern: str, layers: Mapping[str, _Found]) -> list[str]:
     """The layers a plan key names: its path matches the pattern (fnmatch), or the pattern
     names a module holding it ("model.layers.0.self_attn" names its q/k/v/o projections)."""
     return [p for p in layers if fnmatch.fnmatchcase(p, pattern) or fnmatch.fnmatchcase(p, pattern + ".*")]
