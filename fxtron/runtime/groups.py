@@ -166,8 +166,9 @@ def shm_default() -> bool:
     return DebugConfig().shm
 
 
-#: set in a rank fxtron.launch started: the rendezvous store (MASTER_ADDR:MASTER_PORT) is the
-#: launching process's, which every rank joins as a client
+#: set in a rank fxtron.launch started, to the launcher's port: the rendezvous store
+#: (MASTER_ADDR:MASTER_PORT) is the launching process's, which every rank joins as a client (a
+#: job started from the rank -- torchrun, with a port of its own -- inherits it, but not its port)
 LAUNCHED_STORE = "FXTRON_LAUNCHED_STORE"
 _inits = itertools.count()     # this process's rendezvous so far: each one's keys under their own prefix
 
@@ -183,7 +184,7 @@ def _held_store(rank: int, world: int, timeout_s: float):
     it while the group lives)."""
     host, port = os.environ.get("MASTER_ADDR"), _env_int("MASTER_PORT")
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    launched = os.environ.get(LAUNCHED_STORE) == "1"
+    launched = port is not None and os.environ.get(LAUNCHED_STORE) == str(port)
     if host is None or port is None or (attempt is None and not launched):
         return None
     timeout = datetime.timedelta(seconds=timeout_s)

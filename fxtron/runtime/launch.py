@@ -87,7 +87,7 @@ def _worker(fn, mesh: Mesh, rank: int, args: tuple, port: int, backend: str | No
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(mesh.world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(mesh.world_size), FXTRON_FLIGHT_DIR=flight_dir,
-                      **{G.LAUNCHED_STORE: "1"})
+                      **{G.LAUNCHED_STORE: str(port)})
     torch.set_num_threads(threads)
     try:
         # (the rendezvous: a client of the store the launching process holds, _rendezvous)
