@@ -6,7 +6,6 @@ answers questions about any rank (`graph`, `summary`, `collectives`) and builds 
 """
 from __future__ import annotations
 
-import fnmatch
 import functools
 import math
 from typing import Any, Callable
@@ -305,11 +304,11 @@ def _check_heads(model: torch.nn.Module, tp: int, unsplit: dict[str, str]) -> No
         f"attention whole on purpose: plan={{{keep}}}")
 
 
-
 def _used_params(gm: fx.GraphModule) -> set[str]:
     """The parameters `gm` reads (a placeholder with users), by name."""
     return {name for node in gm.graph.nodes
             if node.op == "placeholder" and node.users and (name := meta.param_name(node)) is not None}
+
 
 class ParallelModel:
     """The compiled model: per-rank graphs and programs for every rank of the mesh."""
@@ -450,6 +449,12 @@ class ParallelModel:
         return passmanager.prepare(self.eval_traced, self.mesh, config=self.config)
 
     @functools.cached_property
+    def _eval_used(self) -> set[str]:
+        """The parameters the eval graph reads (one trained only -- an auxiliary head -- it holds
+        as a placeholder no op reads)."""
+        return _used_params(self.eval_traced)
+
+    @functools.cached_property
     def _eval_plan(self) -> TPPlan | None:
         """The eval graph's tp plan: its layers are found on that graph (node names), and it
         must split every parameter it uses as the training plan does. Layers used in training
@@ -458,12 +463,10 @@ class ParallelModel:
         if self.mesh.tp == 1:
             return None
         t = self.config.tensor
-        used = _used_params(self.eval_traced)
+        used = self._eval_used
         layers = find_layers(self.eval_traced)      # entries name layers (a tied head's weight has
         user_plan = None if t.plan is None else {   # its embedding's name), or parameters kept whole
-            k: v for k, v in t.plan.items()
-            if plan_matches(k, layers) or any(fnmatch.fnmatchcase(n, k) or fnmatch.fnmatchcase(n, k + ".*")
-                                              for n in used)}
+            k: v for k, v in t.plan.items() if plan_matches(k, layers) or plan_matches(k, used)}
         plan = make_tp_plan(self.eval_traced, tp=self.mesh.tp, user_plan=user_plan, mode=t.plan_mode)
         train = self.tp_plan
         differ = sorted(n for n in used if plan.params.get(n) != train.params.get(n)
@@ -484,11 +487,10 @@ class ParallelModel:
         rg = passmanager.compile_rank(self.eval_traced, self.mesh, rank, plan=self._eval_plan,
                                       stage_assignment=self.stage_assignment, config=self.config,
                                       prepared=self._eval_prepared)
-        # the parameters the eval graph uses, laid out alike (its placeholders of parameters used in
-        # training only -- an auxiliary head -- read nothing)
+        # the parameters the eval graph reads, laid out alike (gradient fields aside)
         def layout(lp):
             return None if lp is None else (lp.local_shape, lp.dtype, lp.shards, lp.flat)
-        used = _used_params(self.eval_traced)
+        used = self._eval_used
         differ = sorted(n for n in rg.local if n in used and layout(rg.local[n]) != layout(train.local.get(n)))
         if differ or any(train.shared.get(n) != ranks for n, ranks in rg.shared.items() if n in used):
             raise ParallelizeError(

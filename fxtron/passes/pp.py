@@ -348,6 +348,7 @@ def _check_buffers_written(gm: fx.GraphModule, stage_of: dict, crossing: dict) -
     and its backward runs through microbatch 1's graph) or is read on another stage (that
     stage's copy never sees the write)."""
     sent = {n for nodes in crossing.values() for n in nodes}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for w in gm.graph.nodes:
         here = stage_of.get(w)
         buffers = _buffers_written(w) if here is not None else []
@@ -361,9 +362,9 @@ def _check_buffers_written(gm: fx.GraphModule, stage_of: dict, crossing: dict) -
                 f"{meta.get(w, meta.MODULE) or 'the top level'}) and its memory (%{out[0].name}) is a pipeline stage's "
                 f"output: every microbatch writes the same buffer, so a later microbatch would overwrite what an "
                 f"earlier one sent; return a copy (buf.clone()) from the layer, or use mesh.pp=1")
-        order = {n: i for i, n in enumerate(gm.graph.nodes)}
         before = [u for a in meta.written(w) for u in a.users if u is not w and order[u] < order[w]]
-        for readers, when in ((meta.read_after(w), "afterwards"), (before, "before it (the value the previous step wrote)")):
+        for readers, when in ((meta.read_after(w), "afterwards"),
+                              (before, "before it (the value the previous step wrote)")):
             stages = _stages_reading(readers, stage_of) - {here}
             if stages:
                 raise ParallelizeError(

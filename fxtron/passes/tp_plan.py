@@ -31,7 +31,7 @@ import math
 import operator
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import torch
 import torch.fx as fx
@@ -1309,7 +1309,7 @@ def make_tp_plan(gm: fx.GraphModule, *, tp: int, user_plan: dict | None = None, 
     for pattern, value in (user_plan or {}).items():
         style = _parse_style(value, pattern)
         hits = plan_matches(pattern, layers)
-        kept = [n for n in params if fnmatch.fnmatchcase(n, pattern) or fnmatch.fnmatchcase(n, pattern + ".*")]
+        kept = plan_matches(pattern, params)
         if not hits and isinstance(style, Replicated) and kept:   # parameters of no layer, whole on purpose
             result.kept.update(kept)
             continue
@@ -1398,10 +1398,11 @@ def _down_projections(draft: "_Draft", gm: fx.GraphModule) -> set[str]:
             and _feeds_row(l, cols, linears, order) and not _feeds_row(l, rows, linears, order)}
 
 
-def plan_matches(pattern: str, layers: Mapping[str, _Found]) -> list[str]:
-    """The layers a plan key names: its path matches the pattern (fnmatch), or the pattern
-    names a module holding it ("model.layers.0.self_attn" names its q/k/v/o projections)."""
-    return [p for p in layers if fnmatch.fnmatchcase(p, pattern) or fnmatch.fnmatchcase(p, pattern + ".*")]
+def plan_matches(pattern: str, names: Iterable[str]) -> list[str]:
+    """The layers (or parameters) a plan key names: its path matches the pattern (fnmatch), or
+    the pattern names a module holding it ("model.layers.0.self_attn" names its q/k/v/o
+    projections)."""
+    return [p for p in names if fnmatch.fnmatchcase(p, pattern) or fnmatch.fnmatchcase(p, pattern + ".*")]
 
 
 def _param_placements(l: _Found, style: Style, tp: int) -> dict[str, Placement]:
