@@ -4,9 +4,12 @@ region's forward and backward compiled by Inductor (`compile=True`, the codegen 
 What stays as it is (opaque): every fxtron op -- the collectives, the shared-memory channel, the
 fused linear whose weight gradient accumulates into main_grad (codegen/wgrad.py's GEMM), the
 cp attention blocks, the expert dispatch --, the recomputed regions' checkpointed calls,
-higher-order regions, the ops that draw random numbers (dropout, attention, which may drop
-out), so that a compiled program draws exactly the uncompiled one's numbers from fxtron's RNG
-streams, and the ops whose output's shape depends on the data (nonzero, bincount). Everything between them (norms, rotary, activations, residual adds,
+higher-order regions, the ops that draw random numbers (dropout, attention where it drops out:
+ops/rng.py is_random), so that a compiled program draws exactly the uncompiled one's numbers
+from fxtron's RNG streams, and the ops whose output's shape depends on the data (nonzero,
+bincount). Where the compute is fp32 and the fusion defers nothing a compiled step needs
+(compiler/passmanager.py linears_in_regions says where), the linears are not fused at all and
+belong to the regions: a world-1 step is then one compiled region, forward and backward. Everything between them (norms, rotary, activations, residual adds,
 the loss, a cast) is a region of aten ops that `torch.compile` turns into fused kernels, with
 AOTAutograd's backward. The opaque ops run in graph order between the regions, so every rank
 issues the same collectives in the same order as the uncompiled program.
@@ -36,7 +39,7 @@ import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
 from fxtron.core import opsets
-from fxtron.ops.rng import is_random, rng_call
+from fxtron.ops.rng import RANDOM_OPS, is_random, rng_call
 
 aten = torch.ops.aten
 
@@ -44,7 +47,6 @@ aten = torch.ops.aten
 _VIEWS = opsets.VIEWS | opsets.SLICES | {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
                                          aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int,
                                          operator.getitem}
-_KEPT_TAGS = {torch.Tag.nondeterministic_seeded, torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
 
 
 def opaque(node: fx.Node) -> bool:
@@ -60,9 +62,12 @@ def opaque(node: fx.Node) -> bool:
     if isinstance(t, torch._ops.OpOverload):
         if t.namespace not in ("aten", "prims"):
             return True
-        # random draws (attention, which may drop out, among them), outputs whose shape depends on
-        # the data (fullgraph cannot trace them), and values no one reads (promote_types' dtype)
-        return bool(_KEPT_TAGS & set(t.tags)) or not node.users
+        # random draws (attention only where it drops out: is_random), outputs whose shape depends
+        # on the data (fullgraph cannot trace them), and values no one reads (promote_types' dtype)
+        tags = set(t.tags)
+        if tags & _DATA_DEPENDENT_TAGS or not node.users:
+            return True
+        return torch.Tag.nondeterministic_seeded in tags and (t not in RANDOM_OPS or is_random(node))
     # Python's and torch's symbolic arithmetic on sizes is traced; any other function (an fxtron
     # op's run-time form, a higher-order op) is not
     module = getattr(t, "__module__", None) or ""

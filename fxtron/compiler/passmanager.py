@@ -296,6 +296,29 @@ def _shard_data_parallel(s: RankState) -> None:
         wait_for_params(graphs, s.local, group_of)
 
 
+def linears_in_regions(config: Config, tp: int) -> bool:
+    """Whether compile=True keeps the linears as aten ops inside its compiled regions instead of
+    fusing their weight gradients into main_grad (fxtron::linear, which a region cannot hold:
+    its backward writes main_grad and may be deferred). An opaque linear splits the step into a
+    compiled region per linear, each called through Dynamo's guard and AOTAutograd's wrappers
+    (~0.1 ms of host time per region and pass); without it a world-1 step is one region. Taken
+    where the fusion changes no number and defers nothing a compiled step needs:
+    - fp32 compute: autograd's weight gradient is the same fp32 GEMM, added into main_grad by
+      the gradient hook (16-bit compute keeps the fusion: its weight gradient accumulates in
+      fp32 inside the GEMM, where autograd's would be rounded to 16 bits first);
+    - no zero=3 (its linears gather their weights again in backward) and no zero-bubble
+      schedule (its W passes are the deferred GEMMs);
+    - no sequence parallelism (the fused linear keeps the sequence shard and gathers it again
+      in backward: a region would keep the gathered input);
+    - no tp on a GPU, where the fused linear's GEMM runs while NCCL all-reduces the input
+      gradient on its own stream. On the CPU the collective and the GEMM share the rank's cores:
+      there (benchmarks/bench_tp.py's model at tp=2) the step is ~5% faster in the regions."""
+    if not (config.codegen.compile and config.precision.torch_dtype is None and config.data_parallel.zero != 3
+            and not config.pipeline.split_backward):
+        return False
+    return tp == 1 or (not config.tensor.sequence_parallel and config.inputs.resolved_device() == "cpu")
+
+
 def _device_type(s: RankState) -> str:
     return s.config.inputs.resolved_device()
 
@@ -365,8 +388,9 @@ PASSES = pass_list(
          "checkpoints save", _set("gm", lambda s: assign_rng_regions(s.gm)), after=("insert_redistributions",)),
     Pass("fuse_linears", "weight gradients straight into fp32 main_grad, deferrable behind the input "
          "gradient's communication", _set("gm", lambda s: fuse_linears(s.gm, device=torch.device(s.config.inputs.resolved_device()))),
-         lambda s: s.config.precision.gradient_accumulation_fusion, "gradient_accumulation_fusion",
-         after=("insert_redistributions",)),
+         lambda s: s.config.precision.gradient_accumulation_fusion and not linears_in_regions(s.config, s.mesh.size("tp")),
+         "gradient_accumulation_fusion, unless compile=True leaves the linears to its compiled regions "
+         "(fp32 compute, no tp, no zero=3, no zero-bubble schedule)", after=("insert_redistributions",)),
     Pass("annotate_local_shapes", "local symbolic shapes for inspection and the stage boundaries",
          _set("gm", lambda s: annotate_local_shapes(s.gm, mesh=s.mesh)), after=("localize", "fuse_linears")),
     Pass("split_stages", "this rank's pipeline stages, each its own graph with the activations crossing it "
