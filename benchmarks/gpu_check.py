@@ -38,7 +38,10 @@
 6. compile=True (codegen/regions.py) at world 1 on the small Llama of 2., against torch.compile of
    the unmodified model under the same precision policy: the step times and their ratio (the
    goal: <= 0.95x), fxtron uncompiled beside them, the numbers within the mixed-precision
-   tolerances. --compiled-only runs it alone; --no-compile drops it.
+   tolerances; and compile=True with gradient_accumulation_fusion=False (`..._unfused`): the
+   linears inside the compiled regions, one region a step, their weight gradients in bf16 as
+   torch.compile's are -- what the fused linears' split of the step costs on the GPU.
+   --compiled-only runs it alone; --no-compile drops it.
 7. cuda_graphs=True (runtime/graphs.py) at world 1 (one NCCL rank) on the small Llama of 2., bf16:
    the program whose step is captured in a CUDA graph (one warm-up step, step 2 captured, then
    replayed) against the same program uncaptured: losses, first-step gradients and weights after
@@ -370,6 +373,10 @@ def _compiled_job(rank: int, mesh: fxtron.Mesh, cfg: LlamaConfig, batch_size: in
     res = {"fxtron": _fxtron_run(rank, mesh, model, batches, dev, timed, False, compile=True)}
     res["fxtron"]["wall_s"] = time.perf_counter() - t0
     res["fxtron_uncompiled"] = _fxtron_run(rank, mesh, model, batches, dev, timed, False)
+    # the linears unfused: inside the compiled regions (one region at world 1), their weight
+    # gradients in bf16 as torch.compile's are (compiler/passmanager.py linears_in_regions)
+    res["fxtron_unfused"] = _fxtron_run(rank, mesh, model, batches, dev, timed, False, compile=True,
+                                        gradient_accumulation_fusion=False)
     t0 = time.perf_counter()
     res["torch_compile"] = _eager_run(model, batches, dev, timed, False, compiled=True)
     res["torch_compile"]["wall_s"] = time.perf_counter() - t0
@@ -385,9 +392,13 @@ def check_compiled(cfg: LlamaConfig, batch_size: int, seq: int, timed: int) -> d
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     r = fxtron.launch(_compiled_job, mesh, args=(mesh, cfg, batch_size, seq, timed), backend=backend,
                       timeout_s=900)[0]
-    f, u, c = r["fxtron"], r["fxtron_uncompiled"], r["torch_compile"]
+    f, u, c, n = r["fxtron"], r["fxtron_uncompiled"], r["torch_compile"], r["fxtron_unfused"]
     out = _agreement(f, c, cfg, batch_size, seq)
     out["ok"] = out.pop("numbers_ok")
+    unfused = _agreement(n, c, cfg, batch_size, seq)
+    out.update({"step_s_fxtron_compiled_unfused": n["step_s"],
+                "ratio_unfused_vs_torch_compile": n["step_s"] / c["step_s"],
+                "unfused_numbers_ok": unfused["numbers_ok"]})
     out.update({"losses_fxtron_compiled": f["losses"], "losses_torch_compile": c["losses"],
                 "step_s_fxtron_compiled": f["step_s"], "step_s_fxtron": u["step_s"],
                 "step_s_torch_compile": c["step_s"], "ratio_vs_torch_compile": f["step_s"] / c["step_s"],
