@@ -13,7 +13,9 @@
      fxtron_tp2_gloo the same as fxtron_tp2 with every collective on gloo (shm.disabled())
      fxtron_tp2_unfused  gradient_accumulation_fusion=False
      fxtron_tp2_compiled compile=True: each rank's regions between fxtron's ops compiled by
-                     Inductor (fxtron/codegen/regions.py); its compilation is in setup, not timed
+                     Inductor (fxtron/codegen/regions.py; on the CPU in fp32 its linears and
+                     attention are the regions' own, not fused: compiler/passmanager.py
+                     linears_in_regions); its compilation is in setup, not timed
      dtensor_tp2     torch.distributed.tensor.parallel.parallelize_module over
                      init_device_mesh("cpu", (2,)): ColwiseParallel wq/wk/wv/w1/w3,
                      RowwiseParallel wo/w2; embeddings, norms and the output head replicated
@@ -87,7 +89,8 @@ TARGETS = {"fxtron_tp2": "<= 0.5x dtensor_tp2, <= 0.75x single_process",
 # channel (ops/shm.py): the transport's share of the step. fxtron_tp2_unfused: no
 # gradient-accumulation fusion, so no weight-gradient GEMM is deferred behind the input
 # gradient's all-reduce (the overlap's effect on the step)
-# fxtron_tp2_compiled: compile=True (codegen/regions.py: Inductor between fxtron's ops);
+# fxtron_tp2_compiled: compile=True (codegen/regions.py: Inductor between fxtron's ops, the fp32
+# linears inside the regions);
 # single_process_compiled: torch.compile of the unmodified model in rank 0's process (the
 # compiled baseline; rank 1 waits as for single_process); megatron_tp2: Megatron-core's tp=2
 # GPTModel (mcore_gpt.py), when megatron-core can be installed and imported

@@ -55,7 +55,7 @@ def _run(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
 
 
 CASES = {
-    fxtron.Mesh(2, tp=2): [Case("llama", sequence_parallel=True), Case("llama", recompute="full"),
+    fxtron.Mesh(2, tp=2): [Case("llama"), Case("llama", sequence_parallel=True), Case("llama", recompute="full"),
                            Case("llama", dtype="bf16")],
     fxtron.Mesh(2, pp=2): [Case("llama", schedule="1f1b", microbatches=2),
                            Case("llama", schedule="zb-v", microbatches=2, layers=4)],
@@ -77,11 +77,12 @@ def test_compiled_program_trains_as_uncompiled_and_one_process(results, mesh, ca
         regions, distinct, n_opaque, seconds = got["stats"]
         assert regions > 0 and 0 < distinct <= regions and seconds > 0, got["stats"]
         # the linears stay fused (opaque, between the regions) under bf16 (fp32 accumulation in the
-        # GEMM), sequence parallel (the shard regathered in backward), zero=3 (the weight regathered)
-        # and a zero-bubble schedule (deferred W passes); elsewhere in fp32 on the CPU they are the
-        # regions' own (tp too: passmanager.linears_in_regions)
+        # GEMM), sequence parallel (the shard regathered in backward), zero=3 (the weight regathered),
+        # a zero-bubble schedule (deferred W passes) and a dp (dp-cp) reduction overlapping backward
+        # (each linear reports its gradient as its GEMM runs); elsewhere in fp32 on the CPU they are
+        # the regions' own (tp too: passmanager.linears_in_regions)
         keeps_fused = (bf16 or case.kw.get("sequence_parallel", False) or case.kw.get("zero") == 3
-                       or case.kw.get("schedule") == "zb-v")
+                       or case.kw.get("schedule") == "zb-v" or mesh.dp * mesh.cp > 1)
         assert (got["fused"] > 0) == keeps_fused, (got["fused"], got["stats"])
         if not keeps_fused and mesh.pp > 1:    # a stage is one region (the last: two, around its
             assert regions <= 1 + rank, got["stats"]   # loss's token count over the microbatches)
@@ -118,6 +119,17 @@ def test_regions_of_a_graph():
     assert linears and all(opaque(n) for n in linears)
     assert st.regions > st.distinct > 0, st          # 4 layers, each layer's regions compiled once
     assert "left to the compiled regions" not in pm.summary()
+    # a 16-bit model under the default fp32 setting: its linears' weight gradients still
+    # accumulate in fp32 inside the GEMM (autograd's would be rounded to bf16 first)
+    gm = fxtron.parallelize(make("gpt", layers=2).bfloat16(), fxtron.Mesh(1), example_inputs=args,
+                            compile=True).compiled(0).gm
+    assert [n for n in gm.graph.nodes if n.target == torch.ops.fxtron.linear.default]
+    # a dp reduction overlapping backward: each fused linear reports its gradient as its GEMM runs
+    gm = fxtron.parallelize(make("gpt", layers=2), fxtron.Mesh(2), example_inputs=args, compile=True).compiled(0).gm
+    assert [n for n in gm.graph.nodes if n.target == torch.ops.fxtron.linear.default]
+    gm = fxtron.parallelize(make("gpt", layers=2), fxtron.Mesh(2), example_inputs=args, compile=True,
+                            overlap_grad_reduce=False).compiled(0).gm
+    assert not [n for n in gm.graph.nodes if n.target == torch.ops.fxtron.linear.default]
     # a graph with dropout: the random op stays outside the compiled regions
     drop = make("gpt", dropout=0.1)
     g = fxtron.parallelize(drop, fxtron.Mesh(1), example_inputs=args).compiled(0).gm

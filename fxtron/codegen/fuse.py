@@ -13,9 +13,11 @@ from fxtron.ops.linear import kernel_name
 aten = torch.ops.aten
 
 
-def fuse_linears(gm: fx.GraphModule, *, device: torch.device) -> fx.GraphModule:
+def fuse_linears(gm: fx.GraphModule, *, device: torch.device, only_16bit: bool = False) -> fx.GraphModule:
     """Rewrite linears with parameter weights to fxtron::linear and record in node.meta which
-    weight-gradient kernel each uses on `device`. Edits gm in place and returns it."""
+    weight-gradient kernel each uses on `device`; `only_16bit`: those with 16-bit inputs only,
+    the fp32 ones left to autograd (compile=True's regions hold them: compiler/passmanager.py
+    linears_in_regions). Edits gm in place and returns it."""
     g = gm.graph
     for node in list(g.nodes):
         if node.op != "call_function":
@@ -33,6 +35,8 @@ def fuse_linears(gm: fx.GraphModule, *, device: torch.device) -> fx.GraphModule:
             continue     # a weight whose gradient is whole on every cp rank: its share is scaled (runtime/grads.py)
         if args[0].meta["val"].dtype not in _FUSED_DTYPES:
             continue     # float64: autograd's own linear (the kernels accumulate 16/32-bit into fp32)
+        if only_16bit and args[0].meta["val"].dtype == args[1].meta["val"].dtype == torch.float32:
+            continue
         x = args[0]
         with g.inserting_before(node):
             new = g.call_function(torch.ops.fxtron.linear.default, args)

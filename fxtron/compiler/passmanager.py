@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from fxtron.passes.fsdp import STANDS_FOR_PARAMS, is_free, param_of, shard_data_parallel, wait_for_params
 from fxtron.codegen.fuse import fuse_linears, fused_weights
+from fxtron.config.fields import torch_dtype
 from fxtron.codegen.regions import host_bound
 from fxtron.config import Config
 from fxtron.core import layout, meta
@@ -296,27 +297,37 @@ def _shard_data_parallel(s: RankState) -> None:
         wait_for_params(graphs, s.local, group_of)
 
 
-def linears_in_regions(config: Config, tp: int) -> bool:
-    """Whether compile=True keeps the linears as aten ops inside its compiled regions instead of
-    fusing their weight gradients into main_grad (fxtron::linear, which a region cannot hold:
-    its backward writes main_grad and may be deferred). An opaque linear splits the step into a
-    compiled region per linear, each called through Dynamo's guard and AOTAutograd's wrappers
-    (~0.1 ms of host time per region and pass); without it a world-1 step is one region. Taken
-    where the fusion changes no number and defers nothing a compiled step needs:
-    - fp32 compute: autograd's weight gradient is the same fp32 GEMM, added into main_grad by
-      the gradient hook (16-bit compute keeps the fusion: its weight gradient accumulates in
-      fp32 inside the GEMM, where autograd's would be rounded to 16 bits first);
+def linears_in_regions(config: Config, mesh) -> bool:
+    """Whether compile=True leaves a rank's fp32 linears as aten ops inside its compiled regions
+    instead of fusing their weight gradients into main_grad (fxtron::linear, which a region
+    cannot hold: its backward writes main_grad and may be deferred); `mesh`, the rank's
+    MeshView. An opaque linear splits the step into a compiled region per linear, each called
+    through Dynamo's guard and AOTAutograd's wrappers (~0.1 ms of host time per region and
+    pass); without them a world-1 step is one region. Taken where the fusion changes no number
+    and defers nothing a compiled step needs:
+    - fp32 compute and an fp32 gradient buffer: autograd's weight gradient is the same fp32
+      GEMM, added into main_grad by the gradient hook (fuse_linears keeps any linear whose
+      inputs are 16-bit fused all the same: its weight gradient accumulates in fp32 inside the
+      GEMM, where autograd's would be rounded to 16 bits first);
+    - no data-parallel reduction overlapping backward (dp x cp > 1 with overlap_grad_reduce): a
+      fused linear reports its gradient done as its GEMM runs, and its bucket starts; a
+      compiled backward returns a region's weight gradients together, at its end;
     - no zero=3 (its linears gather their weights again in backward) and no zero-bubble
       schedule (its W passes are the deferred GEMMs);
     - no sequence parallelism (the fused linear keeps the sequence shard and gathers it again
       in backward: a region would keep the gathered input);
     - no tp on a GPU, where the fused linear's GEMM runs while NCCL all-reduces the input
       gradient on its own stream. On the CPU the collective and the GEMM share the rank's cores:
-      there (benchmarks/bench_tp.py's model at tp=2) the step is ~5% faster in the regions."""
-    if not (config.codegen.compile and config.precision.torch_dtype is None and config.data_parallel.zero != 3
-            and not config.pipeline.split_backward):
+      there (benchmarks/bench_tp.py's model at tp=2) the step is ~5% faster in the regions.
+    A compiled backward holds a region's weight gradients until it returns (as torch.compile's
+    does a model's): up to one fp32 copy of the weights beside main_grad at the end of backward."""
+    dp = config.data_parallel
+    if not (config.codegen.compile and config.precision.torch_dtype is None and dp.zero != 3
+            and torch_dtype(dp.grad_reduce_dtype) in (None, torch.float32) and not config.pipeline.split_backward):
         return False
-    return tp == 1 or (not config.tensor.sequence_parallel and config.inputs.resolved_device() == "cpu")
+    if dp.overlap_grad_reduce and mesh.size("dp") * mesh.size("cp") > 1:
+        return False
+    return mesh.size("tp") == 1 or (not config.tensor.sequence_parallel and config.inputs.resolved_device() == "cpu")
 
 
 def _device_type(s: RankState) -> str:
@@ -387,10 +398,12 @@ PASSES = pass_list(
     Pass("assign_rng_regions", "random ops draw from the program's streams (replicated or per rank), which "
          "checkpoints save", _set("gm", lambda s: assign_rng_regions(s.gm)), after=("insert_redistributions",)),
     Pass("fuse_linears", "weight gradients straight into fp32 main_grad, deferrable behind the input "
-         "gradient's communication", _set("gm", lambda s: fuse_linears(s.gm, device=torch.device(s.config.inputs.resolved_device()))),
-         lambda s: s.config.precision.gradient_accumulation_fusion and not linears_in_regions(s.config, s.mesh.size("tp")),
-         "gradient_accumulation_fusion, unless compile=True leaves the linears to its compiled regions "
-         "(fp32 compute, no tp, no zero=3, no zero-bubble schedule)", after=("insert_redistributions",)),
+         "gradient's communication (under compile=True the fp32 linears stay in the compiled regions where "
+         "nothing defers their GEMMs: linears_in_regions)",
+         _set("gm", lambda s: fuse_linears(s.gm, device=torch.device(s.config.inputs.resolved_device()),
+                                           only_16bit=linears_in_regions(s.config, s.mesh))),
+         lambda s: s.config.precision.gradient_accumulation_fusion, "gradient_accumulation_fusion",
+         after=("insert_redistributions",)),
     Pass("annotate_local_shapes", "local symbolic shapes for inspection and the stage boundaries",
          _set("gm", lambda s: annotate_local_shapes(s.gm, mesh=s.mesh)), after=("localize", "fuse_linears")),
     Pass("split_stages", "this rank's pipeline stages, each its own graph with the activations crossing it "

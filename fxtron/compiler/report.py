@@ -744,8 +744,8 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
         from fxtron.compiler.passmanager import linears_in_regions
         head += (f"\ncompile=True: on rank 0, {plan(compiled(0).graphs).line()}, on the first step; the fxtron ops "
                  "(collectives, fused linears, attention blocks, random draws) run as they are between them")
-        if config.precision.gradient_accumulation_fusion and linears_in_regions(config, mesh.tp):
-            head += ("; the linears are left to the compiled regions, not fused (fp32 compute: autograd's weight "
+        if config.precision.gradient_accumulation_fusion and linears_in_regions(config, mesh.view(0)):
+            head += ("; the fp32 linears are left to the compiled regions, not fused (autograd's weight "
                      "gradient, added into main_grad, is the same number, and one region runs where one per linear "
                      "would; compiler/passmanager.py linears_in_regions)")
     if config.codegen.cuda_graphs:
