@@ -38,9 +38,11 @@
 6. compile=True (codegen/regions.py) at world 1 on the small Llama of 2., against torch.compile of
    the unmodified model under the same precision policy: the step times and their ratio (the
    goal: <= 0.95x), fxtron uncompiled beside them, the numbers within the mixed-precision
-   tolerances; and compile=True with gradient_accumulation_fusion=False (`..._unfused`): the
-   linears inside the compiled regions, one region a step, their weight gradients in bf16 as
-   torch.compile's are -- what the fused linears' split of the step costs on the GPU.
+   tolerances. At world 1 the compiled program's linears are fxtron::master_linear inside its
+   one compiled region (the fp32 weight cast there, its weight gradient accumulated in fp32:
+   compiler/passmanager.py linears_in_regions); beside it compile=True with
+   gradient_accumulation_fusion=False (`..._unfused`), the linears aten ops whose weight
+   gradients are bf16 as torch.compile's are: what the fp32 weight gradient costs.
    --compiled-only runs it alone; --no-compile drops it.
 7. cuda_graphs=True (runtime/graphs.py) at world 1 (one NCCL rank) on the small Llama of 2., bf16:
    the program whose step is captured in a CUDA graph (one warm-up step, step 2 captured, then
@@ -373,8 +375,8 @@ def _compiled_job(rank: int, mesh: fxtron.Mesh, cfg: LlamaConfig, batch_size: in
     res = {"fxtron": _fxtron_run(rank, mesh, model, batches, dev, timed, False, compile=True)}
     res["fxtron"]["wall_s"] = time.perf_counter() - t0
     res["fxtron_uncompiled"] = _fxtron_run(rank, mesh, model, batches, dev, timed, False)
-    # the linears unfused: inside the compiled regions (one region at world 1), their weight
-    # gradients in bf16 as torch.compile's are (compiler/passmanager.py linears_in_regions)
+    # the linears unfused: aten ops of the compiled region, their weight gradients in bf16 as
+    # torch.compile's are (the compiled program's own: fxtron::master_linear, fp32 weight gradients)
     res["fxtron_unfused"] = _fxtron_run(rank, mesh, model, batches, dev, timed, False, compile=True,
                                         gradient_accumulation_fusion=False)
     t0 = time.perf_counter()

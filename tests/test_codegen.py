@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import fxtron
+from fxtron.core import meta
 from fxtron.codegen.regions import Compiler, opaque, plan
 from fxtron.ops.rng import rng_call
 from fxtron.tools.testing import adamw, assert_trains_like, cases_fixture, max_abs_diff, ranks_of, \
@@ -49,8 +50,9 @@ def _run(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
         if compiled:
             stats = prog.compiled
             out["stats"] = (stats.regions, stats.distinct, stats.opaque, stats.seconds)
-            out["fused"] = sum(n.target == torch.ops.fxtron.linear.default
-                               for g in pm.compiled(rank).graphs for n in g.graph.nodes)
+            out["fused"], out["master"] = (sum(n.target == op for g in pm.compiled(rank).graphs for n in g.graph.nodes)
+                                           for op in (torch.ops.fxtron.linear.default,
+                                                      torch.ops.fxtron.master_linear.default))
     return out
 
 
@@ -58,6 +60,7 @@ CASES = {
     fxtron.Mesh(2, tp=2): [Case("llama"), Case("llama", sequence_parallel=True), Case("llama", recompute="full"),
                            Case("llama", dtype="bf16")],
     fxtron.Mesh(2, pp=2): [Case("llama", schedule="1f1b", microbatches=2),
+                           Case("gpt", schedule="1f1b", microbatches=2, dtype="bf16"),   # tied, over the stages
                            Case("llama", schedule="zb-v", microbatches=2, layers=4)],
     fxtron.Mesh(2): [Case("llama", zero=1), Case("llama", zero=3)],
     fxtron.Mesh(2, cp=2): [Case("llama")],
@@ -76,14 +79,15 @@ def test_compiled_program_trains_as_uncompiled_and_one_process(results, mesh, ca
         plain, compiled = got[False], got[True]
         regions, distinct, n_opaque, seconds = got["stats"]
         assert regions > 0 and 0 < distinct <= regions and seconds > 0, got["stats"]
-        # the linears stay fused (opaque, between the regions) under bf16 (fp32 accumulation in the
-        # GEMM), sequence parallel (the shard regathered in backward), zero=3 (the weight regathered),
-        # a zero-bubble schedule (deferred W passes) and a dp (dp-cp) reduction overlapping backward
-        # (each linear reports its gradient as its GEMM runs); elsewhere in fp32 on the CPU they are
-        # the regions' own (tp too: passmanager.linears_in_regions)
-        keeps_fused = (bf16 or case.kw.get("sequence_parallel", False) or case.kw.get("zero") == 3
+        # the linears stay fused (opaque, between the regions) under sequence parallel (the shard
+        # regathered in backward), zero=3 (the weight regathered), a zero-bubble schedule (deferred W
+        # passes) and a dp (dp-cp) reduction overlapping backward (each linear reports its gradient
+        # as its GEMM runs); elsewhere on the CPU they are the regions' own (tp too), aten ops in
+        # fp32, fxtron::master_linear under bf16 (passmanager.linears_in_regions)
+        keeps_fused = (case.kw.get("sequence_parallel", False) or case.kw.get("zero") == 3
                        or case.kw.get("schedule") == "zb-v" or mesh.dp * mesh.cp > 1)
         assert (got["fused"] > 0) == keeps_fused, (got["fused"], got["stats"])
+        assert (got["master"] > 0) == (bf16 and not keeps_fused), (got["master"], got["stats"])
         if not keeps_fused and mesh.pp > 1:    # a stage is one region (the last: two, around its
             assert regions <= 1 + rank, got["stats"]   # loss's token count over the microbatches)
         # the compiled program against the same program uncompiled: float round-off
@@ -99,9 +103,10 @@ def test_compiled_program_trains_as_uncompiled_and_one_process(results, mesh, ca
 
 def test_regions_of_a_graph():
     """GPT at world 1: in fp32 the linears and attention (no dropout) are the compiled region's
-    own ops, the whole step one region; with bf16 compute the fused linears (fp32 weight
-    gradients into main_grad) are opaque, the rest compiled as the module docstring says, and a
-    model's repeated layers share their regions."""
+    own ops, the whole step one region, and so are the master-weight linears of bf16 compute; a
+    16-bit model's linears and those of a step whose dp reduction overlaps backward stay fused
+    (fp32 weight gradients into main_grad), opaque, the rest compiled as the module docstring
+    says, a model's repeated layers sharing their regions."""
     (args, kwargs), = batches("gpt", 2, [8], seed=0)
     pm = fxtron.parallelize(make("gpt", layers=4), fxtron.Mesh(1), example_inputs=args, compile=True)
     gm = pm.compiled(0).gm
@@ -112,21 +117,32 @@ def test_regions_of_a_graph():
     assert (st.regions, st.distinct, st.opaque) == (1, 1, 0), st
     assert "compile=True" in pm.summary() and st.line() in pm.summary()
     assert "left to the compiled regions" in pm.summary()
+    # bf16 compute: every linear is fxtron::master_linear, the region's own op (the fp32 weight in,
+    # its fp32 weight gradient out); the tied embedding reads a cast of the same weight
     pm = fxtron.parallelize(make("gpt", layers=4), fxtron.Mesh(1), example_inputs=args, compile=True, dtype="bf16")
+    gm = pm.compiled(0).gm
+    master = [n for n in gm.graph.nodes if n.target == torch.ops.fxtron.master_linear.default]
+    assert len(master) == 4 * 4 + 1 and not any(opaque(n) for n in master)
+    assert not [n for n in gm.graph.nodes if n.target == torch.ops.fxtron.linear.default]
+    (lm_head,) = [n for n in master if meta.param_name(n.args[1]) == "wte.weight"]
+    assert [u.target for u in lm_head.args[1].users if u is not lm_head] == [torch.ops.aten._to_copy.default]
+    assert (plan([gm]).regions, plan([gm]).opaque) == (1, 0)
+    assert "fxtron::master_linear" in pm.summary()
+    # a 16-bit model under the default fp32 setting: its linears' weight gradients still
+    # accumulate in fp32 inside the GEMM (autograd's would be rounded to bf16 first)
+    for dtype in ("fp32", "bf16"):     # (and under bf16 compute: no fp32 master weight to take)
+        gm = fxtron.parallelize(make("gpt", layers=2).bfloat16(), fxtron.Mesh(1), example_inputs=args,
+                                compile=True, dtype=dtype).compiled(0).gm
+        assert [n for n in gm.graph.nodes if n.target == torch.ops.fxtron.linear.default]
+        assert not [n for n in gm.graph.nodes if n.target == torch.ops.fxtron.master_linear.default]
+    # a dp reduction overlapping backward: each fused linear reports its gradient as its GEMM runs
+    pm = fxtron.parallelize(make("gpt", layers=4), fxtron.Mesh(2), example_inputs=args, compile=True)
     gm = pm.compiled(0).gm
     st = plan([gm])
     linears = [n for n in gm.graph.nodes if n.target == torch.ops.fxtron.linear.default]
     assert linears and all(opaque(n) for n in linears)
     assert st.regions > st.distinct > 0, st          # 4 layers, each layer's regions compiled once
     assert "left to the compiled regions" not in pm.summary()
-    # a 16-bit model under the default fp32 setting: its linears' weight gradients still
-    # accumulate in fp32 inside the GEMM (autograd's would be rounded to bf16 first)
-    gm = fxtron.parallelize(make("gpt", layers=2).bfloat16(), fxtron.Mesh(1), example_inputs=args,
-                            compile=True).compiled(0).gm
-    assert [n for n in gm.graph.nodes if n.target == torch.ops.fxtron.linear.default]
-    # a dp reduction overlapping backward: each fused linear reports its gradient as its GEMM runs
-    gm = fxtron.parallelize(make("gpt", layers=2), fxtron.Mesh(2), example_inputs=args, compile=True).compiled(0).gm
-    assert [n for n in gm.graph.nodes if n.target == torch.ops.fxtron.linear.default]
     gm = fxtron.parallelize(make("gpt", layers=2), fxtron.Mesh(2), example_inputs=args, compile=True,
                             overlap_grad_reduce=False).compiled(0).gm
     assert not [n for n in gm.graph.nodes if n.target == torch.ops.fxtron.linear.default]

@@ -119,3 +119,34 @@ def test_backward_runs_only_the_gemms_whose_inputs_take_a_gradient():
         assert bool(w.main_grad.abs().sum() > 0) == w_grad and w.grad is None
         assert reported == [1]         # done, frozen too: a data-parallel bucket does not wait for it
         GRAD_REPORTS.pop(w)
+
+
+def test_master_linear_returns_the_fp32_accumulated_weight_gradient():
+    """fxtron::master_linear (a compiled region's linear under 16-bit compute): its output and
+    input gradient are the 16-bit linear's, and the gradient it returns for the fp32 master
+    weight is the GEMM accumulated in fp32 -- within fp32's round-off of float64's, where the
+    16-bit compute copy's own gradient is rounded to bf16 -- eager and traced by torch.compile."""
+    from fxtron.ops.linear import _linear, master_linear_eager
+    g = torch.Generator().manual_seed(0)
+    for weight_in_out in (False, True):
+        x = torch.randn(4, 24, 32, generator=g).to(torch.bfloat16)
+        w = torch.randn(*((32, 48) if weight_in_out else (48, 32)), generator=g)
+        b = torch.randn(48, generator=g).to(torch.bfloat16)
+        dy = torch.randn(4, 24, 48, generator=g).to(torch.bfloat16)
+        ref = (x.double().reshape(-1, 32).t() @ dy.double().reshape(-1, 48) if weight_in_out
+               else dy.double().reshape(-1, 48).t() @ x.double().reshape(-1, 32))
+        # the 16-bit path autograd takes through a compute copy (the fused linear's forward GEMM)
+        xs, ws, bs = x.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+        y16 = _linear(xs, ws.to(torch.bfloat16), bs, weight_in_out)
+        y16.backward(dy)
+        for fn in (master_linear_eager, torch.compile(master_linear_eager, fullgraph=True)):
+            xm, wm, bm = x.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+            y = fn(xm, wm, bm, weight_in_out)
+            y.backward(dy)
+            assert y.dtype == torch.bfloat16 and torch.equal(y, y16.detach())
+            assert torch.equal(xm.grad, xs.grad) and torch.equal(bm.grad, bs.grad)
+            assert wm.grad.dtype == torch.float32
+            err = (wm.grad.double() - ref).abs().max().item()
+            assert err < 1e-5 * ref.abs().max().item(), err
+            # autograd's gradient of the compute copy: rounded to bf16, ~100x further off
+            assert (ws.grad.double() - ref).abs().max().item() > 50 * max(err, 1e-9)

@@ -7,9 +7,11 @@ cp attention blocks, the expert dispatch --, the recomputed regions' checkpointe
 higher-order regions, the ops that draw random numbers (dropout, attention where it drops out:
 ops/rng.py is_random), so that a compiled program draws exactly the uncompiled one's numbers
 from fxtron's RNG streams, and the ops whose output's shape depends on the data (nonzero,
-bincount). Where the compute is fp32 and the fusion defers nothing a compiled step needs
-(compiler/passmanager.py linears_in_regions says where), the linears are not fused at all and
-belong to the regions: a world-1 step is then one compiled region, forward and backward. Everything between them (norms, rotary, activations, residual adds,
+bincount). Where the fusion defers nothing a compiled step needs (compiler/passmanager.py
+linears_in_regions says where), the linears belong to the regions: aten ops in fp32,
+fxtron::master_linear under 16-bit compute (the fp32 weight cast inside the region, its weight
+gradient accumulated in fp32, traced as the region's own math: ops/linear.py). A world-1 step
+is then one compiled region, forward and backward. Everything between them (norms, rotary, activations, residual adds,
 the loss, a cast) is a region of aten ops that `torch.compile` turns into fused kernels, with
 AOTAutograd's backward. The opaque ops run in graph order between the regions, so every rank
 issues the same collectives in the same order as the uncompiled program.
@@ -39,10 +41,13 @@ import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
 from fxtron.core import opsets
+from fxtron.ops.linear import master_linear_eager
 from fxtron.ops.rng import RANDOM_OPS, is_random, rng_call
 
 aten = torch.ops.aten
 
+#: fxtron's ops that are a compiled region's own (as the pass-level graph names them, and bound)
+_REGION_OPS = {torch.ops.fxtron.master_linear.default, master_linear_eager}
 #: ops that only look at a value (its shape, a view of it): a region of these alone is not compiled
 _VIEWS = opsets.VIEWS | opsets.SLICES | {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
                                          aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int,
@@ -59,6 +64,8 @@ def opaque(node: fx.Node) -> bool:
     if t is operator.getitem:
         src = node.args[0]
         return isinstance(src, fx.Node) and opaque(src)
+    if t in _REGION_OPS:     # fxtron's ops a region holds (traced: their math joins the region's)
+        return False
     if isinstance(t, torch._ops.OpOverload):
         if t.namespace not in ("aten", "prims"):
             return True

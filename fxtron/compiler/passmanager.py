@@ -298,22 +298,25 @@ def _shard_data_parallel(s: RankState) -> None:
 
 
 def linears_in_regions(config: Config, mesh) -> bool:
-    """Whether compile=True leaves a rank's fp32 linears as aten ops inside its compiled regions
-    instead of fusing their weight gradients into main_grad (fxtron::linear, which a region
-    cannot hold: its backward writes main_grad and may be deferred); `mesh`, the rank's
-    MeshView. An opaque linear splits the step into a compiled region per linear, each called
-    through Dynamo's guard and AOTAutograd's wrappers (~0.1 ms of host time per region and
-    pass); without them a world-1 step is one region. Taken where the fusion changes no number
-    and defers nothing a compiled step needs:
-    - fp32 compute and an fp32 gradient buffer: autograd's weight gradient is the same fp32
-      GEMM, added into main_grad by the gradient hook (fuse_linears keeps any linear whose
-      inputs are 16-bit fused all the same: its weight gradient accumulates in fp32 inside the
-      GEMM, where autograd's would be rounded to 16 bits first);
+    """Whether compile=True keeps a rank's linears inside its compiled regions instead of fusing
+    their weight gradients into main_grad with fxtron::linear, which a region cannot hold (its
+    backward writes main_grad and may be deferred); `mesh`, the rank's MeshView. An opaque
+    linear splits the step into a compiled region per linear, each called through Dynamo's
+    guard and AOTAutograd's wrappers (~0.1 ms of host time per region and pass); without them a
+    world-1 step is one region. In the regions an fp32 linear is an aten op (autograd's weight
+    gradient is the same fp32 GEMM, added into main_grad by the gradient hook), and under 16-bit
+    compute a linear is fxtron::master_linear: it takes the fp32 master weight, casts it inside
+    the region and returns the weight gradient accumulated in fp32 (the fused linear's number;
+    autograd's gradient of a 16-bit compute copy would be rounded to 16 bits first). A linear
+    with 16-bit weights, or whose weight another op reads too (a tied embedding), stays fused
+    (codegen/fuse.py). Taken where the fusion defers nothing a compiled step needs:
+    - an fp32 gradient buffer (a 16-bit one takes the fused path's 16-bit GEMM);
     - no data-parallel reduction overlapping backward (dp x cp > 1 with overlap_grad_reduce): a
       fused linear reports its gradient done as its GEMM runs, and its bucket starts; a
       compiled backward returns a region's weight gradients together, at its end;
-    - no zero=3 (its linears gather their weights again in backward) and no zero-bubble
-      schedule (its W passes are the deferred GEMMs);
+    - no zero=3 (its linears gather their weights again in backward), and under 16-bit compute
+      no zero at all (overlap_param_gather makes the compute copies inside the graph);
+    - no zero-bubble schedule (its W passes are the deferred GEMMs);
     - no sequence parallelism (the fused linear keeps the sequence shard and gathers it again
       in backward: a region would keep the gathered input);
     - no tp on a GPU, where the fused linear's GEMM runs while NCCL all-reduces the input
@@ -322,8 +325,10 @@ def linears_in_regions(config: Config, mesh) -> bool:
     A compiled backward holds a region's weight gradients until it returns (as torch.compile's
     does a model's): up to one fp32 copy of the weights beside main_grad at the end of backward."""
     dp = config.data_parallel
-    if not (config.codegen.compile and config.precision.torch_dtype is None and dp.zero != 3
-            and torch_dtype(dp.grad_reduce_dtype) in (None, torch.float32) and not config.pipeline.split_backward):
+    if not (config.codegen.compile and dp.zero != 3 and not config.pipeline.split_backward
+            and torch_dtype(dp.grad_reduce_dtype) in (None, torch.float32)):
+        return False
+    if config.precision.torch_dtype is not None and dp.zero != 0:
         return False
     if dp.overlap_grad_reduce and mesh.size("dp") * mesh.size("cp") > 1:
         return False
@@ -398,10 +403,11 @@ PASSES = pass_list(
     Pass("assign_rng_regions", "random ops draw from the program's streams (replicated or per rank), which "
          "checkpoints save", _set("gm", lambda s: assign_rng_regions(s.gm)), after=("insert_redistributions",)),
     Pass("fuse_linears", "weight gradients straight into fp32 main_grad, deferrable behind the input "
-         "gradient's communication (under compile=True the fp32 linears stay in the compiled regions where "
+         "gradient's communication (under compile=True the linears stay in the compiled regions where "
          "nothing defers their GEMMs: linears_in_regions)",
          _set("gm", lambda s: fuse_linears(s.gm, device=torch.device(s.config.inputs.resolved_device()),
-                                           only_16bit=linears_in_regions(s.config, s.mesh))),
+                                           in_regions=linears_in_regions(s.config, s.mesh),
+                                           master=s.config.precision.torch_dtype)),
          lambda s: s.config.precision.gradient_accumulation_fusion, "gradient_accumulation_fusion",
          after=("insert_redistributions",)),
     Pass("annotate_local_shapes", "local symbolic shapes for inspection and the stage boundaries",

@@ -745,9 +745,12 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
         head += (f"\ncompile=True: on rank 0, {plan(compiled(0).graphs).line()}, on the first step; the fxtron ops "
                  "(collectives, fused linears, attention blocks, random draws) run as they are between them")
         if config.precision.gradient_accumulation_fusion and linears_in_regions(config, mesh.view(0)):
-            head += ("; the fp32 linears are left to the compiled regions, not fused (autograd's weight "
-                     "gradient, added into main_grad, is the same number, and one region runs where one per linear "
-                     "would; compiler/passmanager.py linears_in_regions)")
+            head += ("; the linears are left to the compiled regions, not fused: one region runs where one per "
+                     "linear would (compiler/passmanager.py linears_in_regions; " +
+                     ("fp32: autograd's weight gradient, added into main_grad, is the same number)"
+                      if config.precision.torch_dtype is None else
+                      "16-bit compute: fxtron::master_linear casts the fp32 weight inside the region and returns its "
+                      "weight gradient accumulated in fp32, the fused linear's number)"))
     if config.codegen.cuda_graphs:
         head += "\n" + cuda_graphs_note(config, compiled(0).graphs)
     if init:

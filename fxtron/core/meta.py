@@ -354,6 +354,7 @@ class TraceInfo:
     signature, token_ranges: what the step checks every batch against (runtime/batch.py).
     statistics, statistics_report: the batch statistics made global (passes/statistics.py).
     documents: the input of document ids whose order the cp split follows (passes/cp_documents.py).
+    narrow_params: the parameters the model holds in 16 bits under a 16-bit compute dtype.
     """
 
     params: list[str]
@@ -377,6 +378,9 @@ class TraceInfo:
     # cp_documents: the user input of each token's document id, by which the runtime reorders
     # every row before the cp split (passes/cp_documents.py); None: the plain load-balanced split
     documents: int | None = None
+    # the parameters a 16-bit program holds in 16 bits (the model's own weights, whose graph values
+    # carry the compute dtype as every other weight's do): no fp32 master (codegen/fuse.py)
+    narrow_params: frozenset = frozenset()
 
     @property
     def n_user_inputs(self) -> int:

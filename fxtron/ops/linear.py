@@ -257,6 +257,75 @@ def linear_eager(x: Tensor, weight: Tensor, bias: Optional[Tensor], weight_in_ou
 register(OpSpec("linear", eager=linear_eager))
 
 
+# ------------------------------------------------------------------ the master-weight linear
+def wide_mm(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """a @ b accumulated and returned in `out_dtype` (fp32 for 16-bit a and b): on CUDA one GEMM
+    with an fp32 output (cuBLAS accumulates in fp32 either way; nothing is rounded to 16 bits),
+    elsewhere the GEMM of the upcast operands (what the fused linear's addmm_ does on the CPU)."""
+    if a.dtype == out_dtype:
+        return a.mm(b)
+    if a.is_cuda and "dtype" in torch.ops.aten.mm.overloads():
+        return torch.ops.aten.mm.dtype(a, b, out_dtype)
+    return a.to(out_dtype).mm(b.to(out_dtype))
+
+
+@torch.library.custom_op("fxtron::master_linear", mutates_args=())
+def master_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], weight_in_out: bool) -> Tensor:
+    """fxtron::linear as a compiled region holds it under 16-bit compute: `weight` is the fp32
+    master weight, cast to x's dtype here (the compute copy), and the weight gradient returned
+    for it is the fp32-accumulated GEMM -- the number the fused linear adds into main_grad, not
+    autograd's 16-bit gradient of a compute copy. The program's gradient hook adds it into
+    main_grad (runtime/grads.py). Placed by codegen/fuse.py where compile=True keeps the linears
+    in its regions (compiler/passmanager.py linears_in_regions)."""
+    return _linear(x, weight.to(x.dtype), bias, weight_in_out)
+
+
+@master_linear.register_fake
+def _(x, weight, bias, weight_in_out):
+    out = weight.shape[1] if weight_in_out else weight.shape[0]
+    return x.new_empty((*x.shape[:-1], out))
+
+
+class _MasterLinear(torch.autograd.Function):
+    """fxtron::master_linear's values and gradients, as the compiled region traces them (Dynamo
+    inlines an autograd.Function: the cast and the GEMMs join the region's forward and backward,
+    no custom-op call between)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, weight_in_out):
+        ctx.weight_in_out, ctx.has_bias = weight_in_out, bias is not None
+        ctx.save_for_backward(x, weight)
+        return _linear(x, weight.to(x.dtype), bias, weight_in_out)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy = dy.to(x.dtype)
+        w = weight.to(x.dtype)        # the compute copy again: nothing 16-bit kept from forward
+        dx = dy.matmul(w.t() if ctx.weight_in_out else w)
+        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        grad_w = wide_mm(x2.t(), dy2, weight.dtype) if ctx.weight_in_out else wide_mm(dy2.t(), x2, weight.dtype)
+        grad_b = dy2.sum(0) if ctx.has_bias else None
+        return dx, grad_w, grad_b, None
+
+
+def _master_setup(ctx, inputs, output):
+    x, weight, bias, ctx.weight_in_out = inputs
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(x, weight)
+
+
+master_linear.register_autograd(_MasterLinear.backward, setup_context=_master_setup)
+
+
+def master_linear_eager(x: Tensor, weight: Tensor, bias: Optional[Tensor], weight_in_out: bool) -> Tensor:
+    """The run-time form of fxtron::master_linear (a compiled region's own op: codegen/regions.py)."""
+    return _MasterLinear.apply(x, weight, bias, weight_in_out)
+
+
+register(OpSpec("master_linear", eager=master_linear_eager))
+
+
 def kernel_name(device: torch.device, dtype: torch.dtype) -> str:
     """The weight-gradient kernel a fused linear with `dtype` activations uses on `device`:
     wgrad_accumulate's own choice (Triton for 16-bit inputs on CUDA, addmm_ otherwise)."""
@@ -267,4 +336,5 @@ def kernel_name(device: torch.device, dtype: torch.dtype) -> str:
     return "wgrad:" + kernel_for(probe, probe, torch.zeros((1, 1), dtype=torch.float32))
 
 
-__all__ = ["Regather", "WgradQueue", "active_queue", "gathered", "kernel_name", "linear", "linear_eager"]
+__all__ = ["Regather", "WgradQueue", "active_queue", "gathered", "kernel_name", "linear", "linear_eager", "master_linear",
+           "master_linear_eager", "wide_mm"]

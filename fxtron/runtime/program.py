@@ -164,6 +164,10 @@ class Program(nn.Module):
             for n in self._raw:
                 ZERO_WAITED.set(named[n], ZeroWaited(self.zero, n))   # what param_wait reads (ops/fsdp.py)
             self.grads.waited_in_graph = set(self._raw)
+        # compile=True under 16-bit compute: the linears its regions hold take the fp32 master weight
+        # and cast it themselves (ops/linear.py master_linear): those weights are passed as they are
+        master = torch.ops.fxtron.master_linear.default
+        self._raw |= {meta_param_name(n.args[1]) for g in spec.graphs for n in g.graph.nodes if n.target == master}
         # sharded data parallel (zero=3): each layer's pieces gathered at the graph's fsdp_gather nodes
         self.fsdp = None
         if any(lp.flat is not None for lp in self.local.values()):
