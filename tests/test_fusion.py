@@ -150,3 +150,18 @@ def test_master_linear_returns_the_fp32_accumulated_weight_gradient():
             assert err < 1e-5 * ref.abs().max().item(), err
             # autograd's gradient of the compute copy: rounded to bf16, ~100x further off
             assert (ws.grad.double() - ref).abs().max().item() > 50 * max(err, 1e-9)
+
+
+def test_master_linear_takes_only_the_gradients_asked_for():
+    """A frozen master weight: no weight-gradient GEMM where master_linear runs eagerly (a
+    recomputed region), none under torch.compile either; the input's gradient as before."""
+    from fxtron.ops.linear import master_linear_eager
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 16, generator=g).to(torch.bfloat16)
+    w = torch.randn(8, 16, generator=g)
+    dy = torch.randn(6, 8, generator=g).to(torch.bfloat16)
+    for fn in (master_linear_eager, torch.compile(master_linear_eager, fullgraph=True)):
+        xm = x.clone().requires_grad_()
+        wm = w.clone()                       # frozen
+        fn(xm, wm, None, False).backward(dy)
+        assert wm.grad is None and torch.equal(xm.grad, dy @ w.to(torch.bfloat16))

@@ -412,11 +412,11 @@ def test_collective_table_matches_what_ops_issue(job):
              "reduce_scatter": "reduce_scatter"}
     specs = registry.specs()
     for o in res:
-        # the linear communicates nothing (test_wgrad); the cp ops (the ring, Ulysses' all-to-all,
+        # the linears communicate nothing (test_wgrad, test_fusion); the cp ops (the ring, Ulysses' all-to-all,
         # a2a+p2p, the scans of a split sequence): tests/test_context_parallel.py;
         # the ep ops: tests/test_moe.py; zero=3's and overlap_param_gather's: tests/test_fsdp.py
         assert set(o["table"]) == {n for n in specs if not n.startswith("ep_")} - {
-            "linear", "zigzag", "ring_attention", "cp_all_to_all", "hierarchical_attention", "masked_attention", "shard_prev",
+            "linear", "master_linear", "zigzag", "ring_attention", "cp_all_to_all", "hierarchical_attention", "masked_attention", "shard_prev",
             "shard_cumsum", "fsdp_gather", "fsdp_free", "param_wait"}
         for name, (fwd, bwd) in o["table"].items():
             spec = specs[name]

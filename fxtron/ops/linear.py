@@ -258,13 +258,18 @@ register(OpSpec("linear", eager=linear_eager))
 
 
 # ------------------------------------------------------------------ the master-weight linear
+#: torch has the GEMM with an output dtype of its own (read once: Dynamo, tracing wide_mm inside a
+#: compiled region, cannot trace the lookup)
+_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
+
+
 def wide_mm(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
     """a @ b accumulated and returned in `out_dtype` (fp32 for 16-bit a and b): on CUDA one GEMM
     with an fp32 output (cuBLAS accumulates in fp32 either way; nothing is rounded to 16 bits),
     elsewhere the GEMM of the upcast operands (what the fused linear's addmm_ does on the CPU)."""
     if a.dtype == out_dtype:
         return a.mm(b)
-    if a.is_cuda and "dtype" in torch.ops.aten.mm.overloads():
+    if a.is_cuda and _MM_OUT_DTYPE:
         return torch.ops.aten.mm.dtype(a, b, out_dtype)
     return a.to(out_dtype).mm(b.to(out_dtype))
 
@@ -293,25 +298,33 @@ class _MasterLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, weight_in_out):
-        ctx.weight_in_out, ctx.has_bias = weight_in_out, bias is not None
+        ctx.weight_in_out = weight_in_out
+        # which gradients are taken (a frozen weight's GEMM is not run where this runs eagerly,
+        # in a recomputed region; a compiled backward drops what no one takes either way)
+        ctx.takes = (x.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
         ctx.save_for_backward(x, weight)
         return _linear(x, weight.to(x.dtype), bias, weight_in_out)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
+        takes_x, takes_w, takes_b = ctx.takes
         dy = dy.to(x.dtype)
-        w = weight.to(x.dtype)        # the compute copy again: nothing 16-bit kept from forward
-        dx = dy.matmul(w.t() if ctx.weight_in_out else w)
+        dx = grad_w = grad_b = None
+        if takes_x:
+            w = weight.to(x.dtype)    # the compute copy again: nothing 16-bit kept from forward
+            dx = dy.matmul(w.t() if ctx.weight_in_out else w)
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-        grad_w = wide_mm(x2.t(), dy2, weight.dtype) if ctx.weight_in_out else wide_mm(dy2.t(), x2, weight.dtype)
-        grad_b = dy2.sum(0) if ctx.has_bias else None
+        if takes_w:
+            grad_w = wide_mm(x2.t(), dy2, weight.dtype) if ctx.weight_in_out else wide_mm(dy2.t(), x2, weight.dtype)
+        if takes_b:
+            grad_b = dy2.sum(0)
         return dx, grad_w, grad_b, None
 
 
 def _master_setup(ctx, inputs, output):
     x, weight, bias, ctx.weight_in_out = inputs
-    ctx.has_bias = bias is not None
+    ctx.takes = tuple(ctx.needs_input_grad[:3])
     ctx.save_for_backward(x, weight)
 
 

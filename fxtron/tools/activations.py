@@ -194,7 +194,9 @@ def _run_forward(gm: fx.GraphModule, dtype: torch.dtype | None, sub: dict, prefi
                                 and val.is_floating_point())
                 excluded.add(t.untyped_storage()._cdata)
                 held.append(t)                              # alive, as the program's are
-                args.append(compute_copy(t, dtype))
+                # (a weight fxtron::master_linear takes is passed as it is: ops/linear.py)
+                raw = any(u.target == torch.ops.fxtron.master_linear.default and u.args[1] is node for u in node.users)
+                args.append(t if raw else compute_copy(t, dtype))
                 if args[-1] is not t:
                     copies.add(args[-1].untyped_storage()._cdata)
             elif spec is not None:                          # a user input: zeros (token 0, no ignored label)
