@@ -139,8 +139,11 @@ def _params(cases: dict) -> list:
 #: torch's Muon orthogonalizes in bfloat16: gradients equal to float32 rounding (summed in
 #: another order over ranks) give updates that differ in bfloat16's last bit (2^-8 of an update
 #: of lr * sqrt(3) on the fused qkv weight), 9e-4 after 3 steps, measured; Float32Muon, the same
-#: algorithm in float32, is held to 1e-5
+#: algorithm in float32, is held to 1e-5. The losses after the first step follow those weights:
+#: 2.2e-5 apart at the third step on a second machine (6.5e-4 in the weights), so torch's Muon's
+#: are held to 1e-4 from the second step on; every first loss (no update yet) to 2e-5
 TOL = {"muon": 2e-3}
+LOSS_TOL = {"muon": 1e-4}
 _refs: dict[str, dict] = {}
 
 
@@ -168,7 +171,8 @@ def _check(results, mesh, case):
         dl = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"]))
         dw, where = max_abs_diff(got["state"], {k: v for k, v in ref["state"].items() if k in got["state"]})
         print(f"{mesh} {case.key} rank {rank}: losses {dl:.2e}, weights {dw:.2e} ({where})")
-        assert dl < 2e-5, (rank, got["losses"], ref["losses"])
+        assert abs(got["losses"][0] - ref["losses"][0]) < 2e-5, (rank, got["losses"], ref["losses"])
+        assert dl < LOSS_TOL.get(case.opt, 2e-5), (rank, got["losses"], ref["losses"])
         assert dw < TOL.get(case.opt, 1e-5), f"rank {rank}: {where} differs by {dw:.3g} after 3 steps"
         whole = case.opt != "adamw"
         assert any("whole matrices" in m for m in got["modes"]) == whole, got["modes"]
