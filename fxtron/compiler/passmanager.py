@@ -21,9 +21,9 @@ import torch.fx as fx
 
 from fxtron.passes.fsdp import STANDS_FOR_PARAMS, is_free, param_of, shard_data_parallel, wait_for_params
 from fxtron.codegen.fuse import fuse_linears, fused_weights
-from fxtron.config.fields import torch_dtype
 from fxtron.codegen.regions import host_bound
 from fxtron.config import Config
+from fxtron.config.fields import torch_dtype
 from fxtron.core import layout, meta
 from fxtron.core.axes import MeshView
 from fxtron.core.params import AxisShard, LocalParam
@@ -307,9 +307,10 @@ def linears_in_regions(config: Config, mesh) -> bool:
     gradient is the same fp32 GEMM, added into main_grad by the gradient hook), and under 16-bit
     compute a linear is fxtron::master_linear: it takes the fp32 master weight, casts it inside
     the region and returns the weight gradient accumulated in fp32 (the fused linear's number;
-    autograd's gradient of a 16-bit compute copy would be rounded to 16 bits first). A linear
-    with 16-bit weights, or whose weight another op reads too (a tied embedding), stays fused
-    (codegen/fuse.py). Taken where the fusion defers nothing a compiled step needs:
+    autograd's gradient of a 16-bit compute copy would be rounded to 16 bits first; a tied
+    embedding reads a cast of the same weight). A linear whose weight the model itself holds in
+    16 bits stays fused (codegen/fuse.py). Taken where the fusion defers nothing a compiled step
+    needs:
     - an fp32 gradient buffer (a 16-bit one takes the fused path's 16-bit GEMM);
     - no data-parallel reduction overlapping backward (dp x cp > 1 with overlap_grad_reduce): a
       fused linear reports its gradient done as its GEMM runs, and its bucket starts; a

@@ -745,12 +745,18 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
         head += (f"\ncompile=True: on rank 0, {plan(compiled(0).graphs).line()}, on the first step; the fxtron ops "
                  "(collectives, fused linears, attention blocks, random draws) run as they are between them")
         if config.precision.gradient_accumulation_fusion and linears_in_regions(config, mesh.view(0)):
-            head += ("; the linears are left to the compiled regions, not fused: one region runs where one per "
-                     "linear would (compiler/passmanager.py linears_in_regions; " +
-                     ("fp32: autograd's weight gradient, added into main_grad, is the same number)"
-                      if config.precision.torch_dtype is None else
-                      "16-bit compute: fxtron::master_linear casts the fp32 weight inside the region and returns its "
-                      "weight gradient accumulated in fp32, the fused linear's number)"))
+            # what rank 0's graphs hold, not what the configuration would give (the model's own
+            # 16-bit weights stay fused)
+            ops = [n.target for g in compiled(0).graphs for n in g.graph.nodes]
+            master, fused = ops.count(torch.ops.fxtron.master_linear.default), ops.count(torch.ops.fxtron.linear.default)
+            how = (f"{master} fxtron::master_linear cast the fp32 weight inside the region and return its weight "
+                   "gradient accumulated in fp32, the fused linear's number" if master else
+                   "fp32: autograd's weight gradient, added into main_grad, is the same number"
+                   if config.precision.torch_dtype is None else None)
+            if how is not None:
+                head += ("; the linears are left to the compiled regions, not fused: one region runs where one per "
+                         f"linear would (compiler/passmanager.py linears_in_regions; {how}"
+                         + (f"; {fused} stay fused, their weights 16-bit in the model" if fused else "") + ")")
     if config.codegen.cuda_graphs:
         head += "\n" + cuda_graphs_note(config, compiled(0).graphs)
     if init:

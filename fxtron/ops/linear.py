@@ -161,7 +161,7 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], weight_in_out: boo
 
 
 @linear.register_fake
-def _(x, weight, bias, weight_in_out):
+def _linear_fake(x, weight, bias, weight_in_out):
     out = weight.shape[1] if weight_in_out else weight.shape[0]
     return x.new_empty((*x.shape[:-1], out))
 
@@ -285,10 +285,7 @@ def master_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], weight_in_o
     return _linear(x, weight.to(x.dtype), bias, weight_in_out)
 
 
-@master_linear.register_fake
-def _(x, weight, bias, weight_in_out):
-    out = weight.shape[1] if weight_in_out else weight.shape[0]
-    return x.new_empty((*x.shape[:-1], out))
+master_linear.register_fake(_linear_fake)     # (the output in x's dtype, as the linear's)
 
 
 class _MasterLinear(torch.autograd.Function):
