@@ -92,11 +92,13 @@ class RankGraph:
                         order.setdefault(name)
         return list(order)
 
-    def grad_reports(self) -> dict[str, int]:
+    def grad_reports(self) -> tuple[dict[str, int], set[str]]:
         """How many times per step each parameter's gradient reports complete during the last
         microbatch's backward: once per fused linear using it (its weight-gradient job), plus
-        once if autograd computes any other part (the post-accumulate-grad hook), per chunk."""
+        once if autograd computes any other part (the post-accumulate-grad hook), per chunk; and
+        the parameters autograd computes a part of."""
         out: dict[str, int] = {}
+        autograd: set[str] = set()
         linear = torch.ops.fxtron.linear.default
         for g in self.graphs:
             for node in g.graph.nodes:
@@ -107,15 +109,18 @@ class RankGraph:
                 fused = sum(1 for u in users if u.target == linear and u.args[1] is node)
                 other = any(not (u.target == linear and u.args[1] is node) for u in users)
                 out[name] = out.get(name, 0) + fused + int(other)
-        return out
+                if other:
+                    autograd.add(name)
+        return out, autograd
 
     def spec(self) -> RankSpec:
         """What the runtime builds this rank's Program from."""
+        reports, autograd = self.grad_reports()
         return RankSpec(rank=self.rank, mesh=self.mesh.view(self.rank), info=meta.info(self.gm),
                         gm=self.gm if self.stages is None else None,
                         stages=tuple(self.stages) if self.stages is not None else None,
                         local=dict(self.local), shared=dict(self.shared), param_order=tuple(self.param_order()),
-                        grad_reports=self.grad_reports(),
+                        grad_reports=reports, autograd=tuple(sorted(autograd)),
                         fused=tuple(sorted({w for g in self.graphs for w in fused_weights(g)})),
                         seq_split=self.seq_split, max_seq=self.max_seq.tokens if self.max_seq else None,
                         max_seq_why=self.max_seq.why if self.max_seq else "",

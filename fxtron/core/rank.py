@@ -22,7 +22,8 @@ class RankSpec:
     ranks hold (a tied embedding and LM head) -> those pp ranks. param_order: the rank's
     parameters in order of first use in forward. grad_reports: how many times per step each
     parameter's gradient reports complete in the last backward. fused: parameters whose
-    gradient fused linears accumulate into main_grad. seq_split: how many equal parts each
+    gradient fused linears accumulate into main_grad; autograd: parameters autograd computes
+    (a part of) the gradient of, an AccumulateGrad's (any use but a fused linear's weight). seq_split: how many equal parts each
     rank's tokens of a sequence are cut into inside the graph (tp under sequence parallel), so
     the step can refuse a length that does not divide before it runs. max_seq: the longest
     sequence the model takes (a position table's rows; None: no limit found), max_seq_why:
@@ -39,6 +40,7 @@ class RankSpec:
     param_order: tuple[str, ...]
     grad_reports: Mapping[str, int]
     fused: tuple[str, ...]
+    autograd: tuple[str, ...] = ()
     seq_split: int = 1
     max_seq: int | None = None
     max_seq_why: str = ""

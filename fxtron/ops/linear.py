@@ -82,9 +82,9 @@ def _accumulate(x: Tensor, dy: Tensor, main_grad, weight_in_out: bool, report=No
     wgrad_accumulate = kernel("wgrad").run
     if callable(main_grad):
         main_grad = main_grad()
+    x2, dy2 = x.reshape(-1, x.shape[-1]).detach(), dy.reshape(-1, dy.shape[-1]).detach()
+    a, b = (x2, dy2) if weight_in_out else (dy2, x2)
     if FRESH_GRADS.take(main_grad):    # the step's first contribution (runtime/dp.py, core/records.py)
-        x2, dy2 = x.reshape(-1, x.shape[-1]).detach(), dy.reshape(-1, dy.shape[-1]).detach()
-        a, b = (x2, dy2) if weight_in_out else (dy2, x2)
         if a.dtype == main_grad.dtype:
             torch.mm(a.t(), b, out=main_grad)        # written, as autograd's weight gradient is: no read of it
             if report is not None:
@@ -92,9 +92,9 @@ def _accumulate(x: Tensor, dy: Tensor, main_grad, weight_in_out: bool, report=No
             return
         main_grad.zero_()
     if main_grad.dtype != torch.float32:   # a 16-bit gradient buffer (grad_reduce_dtype)
-        x2, dy2 = x.reshape(-1, x.shape[-1]).detach(), dy.reshape(-1, dy.shape[-1]).detach()
-        a, b = (x2, dy2) if weight_in_out else (dy2, x2)
         main_grad.addmm_(a.t().to(main_grad.dtype), b.to(main_grad.dtype))
+    elif a.dtype == torch.float32:  # fp32 inputs: torch's GEMM accumulates in place (the kernel's choice for them)
+        main_grad.addmm_(a.t(), b)
     elif weight_in_out:   # main_grad [in, out] += x^T dy
         wgrad_accumulate(dy, x, main_grad)
     else:                 # main_grad [out, in] += dy^T x

@@ -106,7 +106,7 @@ class Gradients:
     def __init__(self, params: dict[str, nn.Parameter], local: dict[str, LocalParam], groups,
                  config: DataParallelConfig, *, shared: dict[str, tuple[int, ...]] | None = None,
                  grad_reports: dict[str, int] | None = None, param_order: list[str] | None = None,
-                 chunk_params: list[set[str]] | None = None):
+                 chunk_params: list[set[str]] | None = None, autograd=(), direct: bool = True):
         self.params = params
         self.local = local
         self.groups = groups
@@ -166,12 +166,28 @@ class Gradients:
         self._views = {n: self._buffer_of[n].view(n, params[n]) for n in order}
         self._in_step = False
         self.last_norm: float | None = None   # the global norm before clipping, last step
-        for n in order:
-            params[n].register_post_accumulate_grad_hook(self._hook(n))
         #: the distributed optimizer (zero=1): this rank's shards of every buffer
         #: the parameters no gradient of the loss reaches (LocalParam.takes_grad): .grad None after
         #: finalize, as in the model, so the optimizer skips them
         self.gradless = frozenset(n for n in params if n in local and not local[n].takes_grad)
+        #: direct accumulation: each step zeroes the buffers and sets the .grad of every trained
+        #: parameter that autograd computes a gradient of (`autograd`: any use but a fused
+        #: linear's weight) to its main_grad, so that AccumulateGrad adds the gradient there in
+        #: place (one add, in C++), as a fused linear's GEMM adds its own; the hook only reports
+        #: it. Where a gradient enters scaled (`share`), in another dtype than its parameter's (a
+        #: 16-bit buffer, a 16-bit model), sharded by the distributed optimizer or zero=3, or
+        #: under a captured step (runtime/graphs.py), the hook moves it instead.
+        self.direct = (direct and config.zero == 0 and not self.share and not self.sharded_kinds
+                       and all(self._views[n].dtype == params[n].dtype for n in order))
+        autograd = set(autograd)
+        self._direct = [(params[n], self._views[n]) for n in order
+                        if self.direct and n in autograd and params[n].requires_grad and n not in self.gradless]
+        # the hooks report a gradient complete (a bucket's collective may start while backward
+        # goes on: overlap_grad_reduce over more than one rank); direct accumulation needs them for nothing else
+        reports = config.overlap_grad_reduce and any(b.dp > 1 for b in self.buffers.values())
+        if not self.direct or reports:
+            for n in order:
+                params[n].register_post_accumulate_grad_hook(self._hook(n))
         self.zero = ZeroOne(self.buffers, params, release=config.zero == 2,
                             gradless=self.gradless) if config.zero in (1, 2) else None
         #: zero=3's units (runtime/fsdp.py FsdpUnits), set by the program
@@ -193,6 +209,13 @@ class Gradients:
             buffer (Megatron's DDP hook) and report it."""
             self = owner()
             if self is None or not self._in_step or p.grad is None:
+                return
+            if self.direct:           # added into main_grad already (its .grad), or a gradient
+                g = p.main_grad       # of a parameter not preset (a fused linear's weight alone): added now
+                if p.grad.data_ptr() != g.data_ptr():
+                    g.add_(p.grad)
+                    p.grad = None
+                self._buffer_of[name].report(name)
                 return
             g, share = p.main_grad, self._share.get(name, 1.0)
             if FRESH_GRADS.take(g):     # the step's first contribution: written, not added (runtime/dp.py)
@@ -228,7 +251,9 @@ class Gradients:
             else:
                 self.zero.wait_params()
         for buf in self.buffers.values():
-            buf.reset(self._views)
+            buf.reset(None if self.direct else self._views)
+        for p, view in self._direct:
+            p.grad = view
         self._last_started = set()
         if self._reports is None:     # one record a parameter, made once
             self._reports = {n: GradReport(self._report(n)) for n in self.params}

@@ -149,7 +149,8 @@ class Program(nn.Module):
         self._params: dict[str, nn.Parameter] = dict(self.named_parameters())
         self.grads = Gradients(dict(self._params), self.local, groups, config.data_parallel,
                                shared=spec.shared, grad_reports=spec.grad_reports, param_order=list(spec.param_order),
-                               chunk_params=[set(st.params) for st in stages] if stages is not None else None)
+                               chunk_params=[set(st.params) for st in stages] if stages is not None else None,
+                               autograd=spec.autograd, direct=not config.codegen.cuda_graphs)
         self.last_dispatch: DispatchLog | None = None   # what expert parallel's all-to-alls did, last step
         self._tp_comm = groups is not None and groups.size("tp") > 1
         # overlap_param_gather (zero=1/2): the graph's param_wait nodes wait for each layer's buckets
