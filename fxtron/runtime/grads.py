@@ -175,9 +175,10 @@ class Gradients:
         #: linear's weight) to its main_grad, so that AccumulateGrad adds the gradient there in
         #: place (one add, in C++), as a fused linear's GEMM adds its own; the hook only reports
         #: it. Where a gradient enters scaled (`share`), in another dtype than its parameter's (a
-        #: 16-bit buffer, a 16-bit model), sharded by the distributed optimizer or zero=3, or
-        #: under a captured step (runtime/graphs.py), the hook moves it instead.
-        self.direct = (direct and config.zero == 0 and not self.share and not self.sharded_kinds
+        #: 16-bit buffer, a 16-bit model), into zero=3's pieces, or under a captured step
+        #: (runtime/graphs.py), the hook moves it instead. (Under the distributed optimizer .grad
+        #: is None again after the step, as the hook left it: the shards hold the gradients.)
+        self.direct = (direct and config.zero != 3 and not self.share
                        and all(self._views[n].dtype == params[n].dtype for n in order))
         autograd = set(autograd)
         self._direct = [(params[n], self._views[n]) for n in order
@@ -304,6 +305,8 @@ class Gradients:
             buf.finish()
         if self.zero is not None:
             self.zero.set_grads()
+            for p, _ in self._direct:
+                p.grad = None
         else:
             for n, p in self.params.items():
                 g = self._views[n]
