@@ -165,3 +165,32 @@ def test_master_linear_takes_only_the_gradients_asked_for():
         wm = w.clone()                       # frozen
         fn(xm, wm, None, False).backward(dy)
         assert wm.grad is None and torch.equal(xm.grad, dy @ w.to(torch.bfloat16))
+
+
+def test_autograd_gradients_accumulate_in_place_into_main_grad():
+    """Direct accumulation (runtime/grads.py): each step sets the .grad of every parameter
+    autograd computes a gradient of (norms, embeddings, biases) to its main_grad, so that
+    AccumulateGrad adds there in place -- no hook copies a transient gradient. The gradients
+    equal the unmodified model's; a 16-bit gradient buffer (another dtype than the parameter's)
+    takes the hook's path instead."""
+    model = build("llama-tiny", seed=0)
+    x = example_inputs("llama-tiny", batch=4, seq=16, seed=1)
+    pm = fxtron.parallelize(model, fxtron.Mesh(1), example_inputs=x)
+    prog = pm.program(0)
+    assert prog.grads.direct
+    norm = prog.get_parameter("layers.0.attn_norm.weight")
+    seen = []
+    norm.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.data_ptr() == p.main_grad.data_ptr()))
+    opt = torch.optim.AdamW(prog.parameters(), lr=1e-3)
+    prog.train_step(x, opt)
+    first = norm.grad
+    loss = model(*x)
+    (loss[1] if isinstance(loss, tuple) else loss).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(prog.get_parameter(name).grad, p.grad, rtol=0, atol=1e-6, msg=name)
+    prog.train_step(x, opt)
+    assert seen == [True, True]            # added in place, every backward
+    assert norm.grad is first              # the buffer's view, every step: no per-step tensor
+    half = fxtron.parallelize(build("llama-tiny", seed=0), fxtron.Mesh(1), example_inputs=x,
+                              grad_reduce_dtype=torch.bfloat16).program(0)
+    assert not half.grads.direct

@@ -309,7 +309,7 @@ def linears_in_regions(config: Config, mesh) -> bool:
     linear splits the step into a compiled region per linear, each called through Dynamo's
     guard and AOTAutograd's wrappers (~0.1 ms of host time per region and pass); without them a
     world-1 step is one region. In the regions an fp32 linear is an aten op (autograd's weight
-    gradient is the same fp32 GEMM, added into main_grad by the gradient hook), and under 16-bit
+    gradient is the same fp32 GEMM, added into main_grad by autograd: runtime/grads.py), and under 16-bit
     compute a linear is fxtron::master_linear: it takes the fp32 master weight, casts it inside
     the region and returns the weight gradient accumulated in fp32 (the fused linear's number;
     autograd's gradient of a 16-bit compute copy would be rounded to 16 bits first; a tied

@@ -279,8 +279,8 @@ def master_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], weight_in_o
     """fxtron::linear as a compiled region holds it under 16-bit compute: `weight` is the fp32
     master weight, cast to x's dtype here (the compute copy), and the weight gradient returned
     for it is the fp32-accumulated GEMM -- the number the fused linear adds into main_grad, not
-    autograd's 16-bit gradient of a compute copy. The program's gradient hook adds it into
-    main_grad (runtime/grads.py). Placed by codegen/fuse.py where compile=True keeps the linears
+    autograd's 16-bit gradient of a compute copy. Autograd adds it into main_grad (the
+    parameter's .grad: runtime/grads.py's direct accumulation). Placed by codegen/fuse.py where compile=True keeps the linears
     in its regions (compiler/passmanager.py linears_in_regions)."""
     return _linear(x, weight.to(x.dtype), bias, weight_in_out)
 

@@ -121,7 +121,8 @@ class GradBuffer:
         step's first contribution is written, not added (a fused linear's first weight-gradient
         GEMM writes its output, as autograd's does; ops/linear.py), and a view still fresh when
         its bucket is reduced is zeroed then (a parameter without a gradient this step). Without
-        `views`, or after `release`, the buffer is zeroed."""
+        `views` (direct accumulation, runtime/grads.py: autograd adds into the views itself), or
+        after `release`, the buffer is zeroed."""
         storage = self.data.untyped_storage()
         if storage.nbytes() == 0 and self.data.numel():
             storage.resize_(self.data.numel() * self.data.element_size())

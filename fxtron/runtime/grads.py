@@ -207,7 +207,8 @@ class Gradients:
 
         def hook(p: torch.Tensor) -> None:
             """Autograd finished this parameter's gradient for one backward: move it into the
-            buffer (Megatron's DDP hook) and report it."""
+            buffer (Megatron's DDP hook; under direct accumulation it is there already) and
+            report it."""
             self = owner()
             if self is None or not self._in_step or p.grad is None:
                 return
@@ -245,7 +246,8 @@ class Gradients:
     def accumulation(self):
         """During one step every parameter's gradient accumulates into its `main_grad`, a view
         of the bucketed buffer: fused linears write there directly (and report when their
-        deferred GEMM has run), autograd's gradients are moved there by a hook."""
+        deferred GEMM has run), autograd adds its gradients there itself (direct accumulation:
+        the buffer zeroed, .grad set to main_grad) or a hook moves them there."""
         if self.zero is not None:      # (overlap_param_gather: the graph waits for what it has not yet)
             if self.waited_in_graph:
                 self.zero.wait_for([n for n in self.params if n not in self.waited_in_graph])
