@@ -631,4 +631,5 @@ class ParallelModel:
             raise ParallelizeError(f"program({rank}) built in the process of rank {groups.rank}")
         return build_program(self.model, self.compiled(rank).spec(), groups, self.config, seed=seed,
                              eval_spec=lambda: self.compiled_eval(rank).spec(),
-                             compiler=Compiler() if self.config.codegen.compile else None)
+                             compiler=Compiler(comm=passmanager.linears_in_regions(self.config, self.mesh.view(rank)))
+                             if self.config.codegen.compile else None)

@@ -90,6 +90,8 @@ def test_compiled_program_trains_as_uncompiled_and_one_process(results, mesh, ca
         assert (got["master"] > 0) == (bf16 and not keeps_fused), (got["master"], got["stats"])
         if not keeps_fused and mesh.pp > 1:    # a stage is one region (the last: two, around its
             assert regions <= 1 + rank, got["stats"]   # loss's token count over the microbatches)
+        if not keeps_fused and mesh.tp > 1 and "recompute" not in case.kw:   # f and g inside the regions:
+            assert regions <= 3 and n_opaque <= 3, got["stats"]          # cut at the vocab-parallel ops alone
         # the compiled program against the same program uncompiled: float round-off
         dl = max(abs(a - b) for a, b in zip(compiled["losses"], plain["losses"]))
         dw, where = max_abs_diff(compiled["state"], plain["state"])
@@ -146,6 +148,20 @@ def test_regions_of_a_graph():
     gm = fxtron.parallelize(make("gpt", layers=2), fxtron.Mesh(2), example_inputs=args, compile=True,
                             overlap_grad_reduce=False).compiled(0).gm
     assert not [n for n in gm.graph.nodes if n.target == torch.ops.fxtron.linear.default]
+    # tp=2 on the CPU: the regions hold the linears, and so tensor parallel's f and g between them
+    # (Compiler(comm=True)): the layers are one region, cut only at the vocab-parallel embedding
+    # and loss; where the linears stay fused (sequence parallel) the collectives cut the regions
+    pm = fxtron.parallelize(make("gpt", layers=4), fxtron.Mesh(2, tp=2), example_inputs=args, compile=True)
+    gm = pm.compiled(0).gm
+    comm = [n for n in gm.graph.nodes if n.target in (torch.ops.fxtron.copy_to_region.default,
+                                                       torch.ops.fxtron.all_reduce.default)]
+    assert len(comm) >= 4 * 4 and not any(opaque(n, comm=True) for n in comm) and all(opaque(n) for n in comm)
+    st, cut = plan([gm], comm=True), plan([gm])
+    assert st.regions <= 3 and st.opaque <= 3 and cut.regions > 4 * 4, (st, cut)
+    assert st.line() in pm.summary() and "tensor parallel's all-reduces inside them" in pm.summary()
+    pm = fxtron.parallelize(make("gpt", layers=2), fxtron.Mesh(2, tp=2), example_inputs=args, compile=True,
+                            sequence_parallel=True)
+    assert "all-reduces inside them" not in pm.summary()
     # a graph with dropout: the random op stays outside the compiled regions
     drop = make("gpt", dropout=0.1)
     g = fxtron.parallelize(drop, fxtron.Mesh(1), example_inputs=args).compiled(0).gm

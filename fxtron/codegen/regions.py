@@ -43,19 +43,28 @@ from torch.fx.passes.split_module import split_module
 from fxtron.core import opsets
 from fxtron.ops.linear import master_linear_eager
 from fxtron.ops.rng import RANDOM_OPS, is_random, rng_call
+from fxtron.ops.tp import all_reduce_eager, copy_to_region_eager, copy_to_region_traced
 
 aten = torch.ops.aten
 
 #: fxtron's ops that are a compiled region's own (as the pass-level graph names them, and bound)
 _REGION_OPS = {torch.ops.fxtron.master_linear.default, master_linear_eager}
+#: tensor parallel's f and g (any form) -> the form a region traces: a region's own where it holds
+#: the linears they stand between (`comm`: compiler/passmanager.py linears_in_regions), so that
+#: the collectives are calls inside the compiled graphs instead of cuts between regions
+_COMM_OPS = {torch.ops.fxtron.copy_to_region.default: copy_to_region_traced,
+             copy_to_region_eager: copy_to_region_traced,
+             torch.ops.fxtron.all_reduce.default: torch.ops.fxtron.all_reduce.default,
+             all_reduce_eager: torch.ops.fxtron.all_reduce.default}
 #: ops that only look at a value (its shape, a view of it): a region of these alone is not compiled
 _VIEWS = opsets.VIEWS | opsets.SLICES | {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
                                          aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int,
                                          operator.getitem}
 
 
-def opaque(node: fx.Node) -> bool:
-    """Whether `node` runs as it is, outside every compiled region (see the module docstring)."""
+def opaque(node: fx.Node, comm: bool = False) -> bool:
+    """Whether `node` runs as it is, outside every compiled region (see the module docstring);
+    `comm`: tensor parallel's f and g are the regions' own."""
     if node.op in ("call_module", "call_method"):
         return True
     if node.op != "call_function":
@@ -63,8 +72,8 @@ def opaque(node: fx.Node) -> bool:
     t = node.target
     if t is operator.getitem:
         src = node.args[0]
-        return isinstance(src, fx.Node) and opaque(src)
-    if t in _REGION_OPS:     # fxtron's ops a region holds (traced: their math joins the region's)
+        return isinstance(src, fx.Node) and opaque(src, comm)
+    if t in _REGION_OPS or (comm and t in _COMM_OPS):    # fxtron's ops a region holds (traced)
         return False
     if isinstance(t, torch._ops.OpOverload):
         if t.namespace not in ("aten", "prims"):
@@ -131,7 +140,7 @@ def host_bound(graphs: list[fx.GraphModule]) -> list[str]:
     return list(found.values())
 
 
-def _partitions(gm: fx.GraphModule) -> tuple[dict[fx.Node, int], dict[int, bool]]:
+def _partitions(gm: fx.GraphModule, comm: bool = False) -> tuple[dict[fx.Node, int], dict[int, bool]]:
     """Each computing node's partition, in graph order: an opaque node alone in its own (with
     the getitems of its outputs), the nodes between two opaque ones together. Returns
     (node -> partition, partition -> whether it is a region to compile)."""
@@ -140,7 +149,7 @@ def _partitions(gm: fx.GraphModule) -> tuple[dict[fx.Node, int], dict[int, bool]
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
             continue
-        if opaque(node):
+        if opaque(node, comm):
             if node.target is operator.getitem:
                 ids[node] = ids[node.args[0]]
                 continue
@@ -184,21 +193,33 @@ class CompileStats:
                                                 if self.seconds else ")"))
 
 
-def plan(graphs: list[fx.GraphModule]) -> CompileStats:
-    """The regions a Compiler would compile in a rank's `graphs`, counted without compiling."""
+def plan(graphs: list[fx.GraphModule], comm: bool = False) -> CompileStats:
+    """The regions a Compiler(comm) would compile in a rank's `graphs`, counted without compiling."""
     stats, keys = CompileStats(), set()
     for gm in graphs:
-        ids, compiled = _partitions(gm)
+        ids, compiled = _partitions(gm, comm)
         split = split_module(gm, gm, lambda n: ids[n], keep_original_order=True)
         keys |= {_code(getattr(split, f"submod_{p}")) for p, c in compiled.items() if c}
         stats.regions += sum(compiled.values())
-        stats.opaque += sum(1 for p, c in compiled.items() if not c and _has_opaque(ids, p))
+        stats.opaque += sum(1 for p, c in compiled.items() if not c and _has_opaque(ids, p, comm))
     stats.distinct = len(keys)
     return stats
 
 
-def _has_opaque(ids: dict[fx.Node, int], part: int) -> bool:
-    return any(p == part and opaque(n) for n, p in ids.items())
+def _has_opaque(ids: dict[fx.Node, int], part: int, comm: bool = False) -> bool:
+    return any(p == part and opaque(n, comm) for n, p in ids.items())
+
+
+def _trace_comm(sub: fx.GraphModule) -> bool:
+    """Put a region's f and g in the forms Dynamo traces (_COMM_OPS); whether it has any."""
+    found = False
+    for node in sub.graph.nodes:
+        if node.op == "call_function" and node.target in _COMM_OPS:
+            node.target = _COMM_OPS[node.target]
+            found = True
+    if found:
+        sub.recompile()
+    return found
 
 
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
@@ -271,17 +292,20 @@ class _FirstCall(torch.nn.Module):
     """A compiled region that compiles on its first call, under the host's lock for its code,
     and times it into stats."""
 
-    def __init__(self, compiled: torch.nn.Module, stats: CompileStats, key):
+    def __init__(self, compiled: torch.nn.Module, stats: CompileStats, key, communicates: bool = False):
         super().__init__()
         self.compiled = compiled
         self._stats = stats
         self._key = key
+        self._communicates = communicates
 
     def forward(self, *args):
         if self not in self._stats._pending:
             return self.compiled(*args)
         t0, hits = time.perf_counter(), _cache_hits()
-        with _host_lock(self._key):      # (no collective runs inside a region: no rank waits on another)
+        # the first call runs the region too: one whose collectives wait for the peers compiles
+        # without the lock (a peer waiting for it would never join them); the others take turns
+        with _host_lock(self._key) if not self._communicates else contextlib.nullcontext():
             out = self.compiled(*args)
         self._stats.seconds += time.perf_counter() - t0
         self._stats.cached += _cache_hits() > hits
@@ -292,18 +316,21 @@ class _FirstCall(torch.nn.Module):
 class Compiler:
     """Compiles a rank's graphs (the training graph or its stages, the eval-mode graphs) region
     by region, sharing one compiled module among the regions of the same code in all of them;
-    `stats` counts over every graph compiled."""
+    `stats` counts over every graph compiled. `comm`: the regions hold tensor parallel's f and g
+    (where they hold the linears: compiler/passmanager.py linears_in_regions), each collective a
+    call inside the compiled graph, issued in graph order as uncompiled."""
 
-    def __init__(self):
+    def __init__(self, comm: bool = False):
         self.stats = CompileStats()
+        self.comm = comm
         self._shared: dict[object, torch.nn.Module] = {}
 
     def __call__(self, gm: fx.GraphModule) -> fx.GraphModule:
         """`gm` (a bound rank graph) with each region between opaque ops compiled by Inductor:
         the same values and gradients, the same collectives in the same order."""
-        ids, compiled = _partitions(gm)
+        ids, compiled = _partitions(gm, self.comm)
         split = split_module(gm, gm, lambda n: ids[n], keep_original_order=True)
-        self.stats.opaque += sum(1 for p, c in compiled.items() if not c and _has_opaque(ids, p))
+        self.stats.opaque += sum(1 for p, c in compiled.items() if not c and _has_opaque(ids, p, self.comm))
         for part, compile_it in compiled.items():
             if not compile_it:
                 continue
@@ -311,7 +338,8 @@ class Compiler:
             sub = getattr(split, name)
             key = _code(sub)
             if key not in self._shared:
-                self._shared[key] = _FirstCall(torch.compile(sub, fullgraph=True), self.stats, key)
+                communicates = self.comm and _trace_comm(sub)
+                self._shared[key] = _FirstCall(torch.compile(sub, fullgraph=True), self.stats, key, communicates)
                 self.stats._pending.add(self._shared[key])
                 self.stats.distinct += 1
             setattr(split, name, self._shared[key])

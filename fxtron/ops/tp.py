@@ -116,6 +116,27 @@ class _AllReduce(torch.autograd.Function):
     backward = staticmethod(_all_reduce_bwd)
 
 
+class _CopyToRegionTraced(torch.autograd.Function):
+    """copy_to_region as a compiled region holds it (codegen/regions.py, where the region holds
+    the linears around it): a view forward, a backward that calls fxtron::all_reduce, both traced
+    by Dynamo into the region's forward and backward graphs (the collective an opaque call
+    inside them, between fused kernels)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.ops.fxtron.all_reduce.default(grad, ctx.group), None
+
+
+def copy_to_region_traced(x: Tensor, group: str) -> Tensor:
+    """The form of copy_to_region a compiled region traces."""
+    return _CopyToRegionTraced.apply(x, group)
+
+
 def copy_to_region_eager(x: Tensor, group: str) -> Tensor:
     """The run-time form of copy_to_region (a program's graph calls it; runtime/bind.py)."""
     return _CopyToRegion.apply(x, group)
@@ -208,4 +229,4 @@ register(OpSpec("all_reduce", axis_arg=1, forward=Comm("all_reduce", "input"), e
 register(OpSpec("all_gather", axis_arg=4, forward=Comm("all_gather", "output")))
 register(OpSpec("scatter", axis_arg=4, backward=Comm("all_gather", "grad_input")))
 
-__all__ = ["all_gather", "all_reduce", "copy_to_region", "scatter"]
+__all__ = ["all_gather", "all_reduce", "copy_to_region", "copy_to_region_traced", "scatter"]
