@@ -13,9 +13,10 @@
      fxtron_tp2_gloo the same as fxtron_tp2 with every collective on gloo (shm.disabled())
      fxtron_tp2_unfused  gradient_accumulation_fusion=False
      fxtron_tp2_compiled compile=True: each rank's regions between fxtron's ops compiled by
-                     Inductor (fxtron/codegen/regions.py; on the CPU in fp32 its linears and
-                     attention are the regions' own, not fused: compiler/passmanager.py
-                     linears_in_regions); its compilation is in setup, not timed
+                     Inductor (fxtron/codegen/regions.py; on the CPU in fp32 its linears,
+                     attention and the tp all-reduces between them are the regions' own, not
+                     fused or cut: compiler/passmanager.py linears_in_regions; one region between
+                     the vocab-parallel embedding and loss); its compilation is in setup, not timed
      dtensor_tp2     torch.distributed.tensor.parallel.parallelize_module over
                      init_device_mesh("cpu", (2,)): ColwiseParallel wq/wk/wv/w1/w3,
                      RowwiseParallel wo/w2; embeddings, norms and the output head replicated

@@ -10,11 +10,16 @@ from fxtron's RNG streams, and the ops whose output's shape depends on the data 
 bincount). Where the fusion defers nothing a compiled step needs (compiler/passmanager.py
 linears_in_regions says where), the linears belong to the regions: aten ops in fp32,
 fxtron::master_linear under 16-bit compute (the fp32 weight cast inside the region, its weight
-gradient accumulated in fp32, traced as the region's own math: ops/linear.py). A world-1 step
-is then one compiled region, forward and backward. Everything between them (norms, rotary, activations, residual adds,
-the loss, a cast) is a region of aten ops that `torch.compile` turns into fused kernels, with
-AOTAutograd's backward. The opaque ops run in graph order between the regions, so every rank
-issues the same collectives in the same order as the uncompiled program.
+gradient accumulated in fp32, traced as the region's own math: ops/linear.py), and so do tensor
+parallel's f and g between them (`Compiler(comm=True)`): fxtron::all_reduce (a custom op with a
+fake kernel) a call inside the compiled forward or backward, copy_to_region a traced view whose
+backward calls it. A world-1 step is then one compiled region, forward and backward, and a tp
+step one region between the vocab-parallel embedding and loss. Everything between the opaque
+ops (norms, rotary, activations, residual adds, the loss, a cast) is a region of aten ops that
+`torch.compile` turns into fused kernels, with AOTAutograd's backward. The opaque ops run in
+graph order between the regions, and a region's collectives in its graph's order (each depends
+on the last through the residual stream; the ranks of a group compile the same graph), so
+every rank issues the same collectives in the same order as the uncompiled program.
 
 Regions of the same code (a model's repeated layers) share one compiled module: Dynamo traces
 and Inductor compiles each distinct region once per process. The ranks of one host compile a
