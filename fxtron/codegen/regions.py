@@ -46,7 +46,8 @@ import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
 from fxtron.core import opsets
-from fxtron.ops.linear import master_linear_eager
+from fxtron.ops import transport
+from fxtron.ops.linear import linear_eager, master_linear_eager
 from fxtron.ops.rng import RANDOM_OPS, is_random, rng_call
 from fxtron.ops.tp import all_reduce_eager, copy_to_region_eager, copy_to_region_traced
 
@@ -202,11 +203,12 @@ def plan(graphs: list[fx.GraphModule], comm: bool = False) -> CompileStats:
     """The regions a Compiler(comm) would compile in a rank's `graphs`, counted without compiling."""
     stats, keys = CompileStats(), set()
     for gm in graphs:
-        ids, compiled = _partitions(gm, comm)
+        holds = _holds_comm(gm, comm)
+        ids, compiled = _partitions(gm, holds)
         split = split_module(gm, gm, lambda n: ids[n], keep_original_order=True)
         keys |= {_code(getattr(split, f"submod_{p}")) for p, c in compiled.items() if c}
         stats.regions += sum(compiled.values())
-        stats.opaque += sum(1 for p, c in compiled.items() if not c and _has_opaque(ids, p, comm))
+        stats.opaque += sum(1 for p, c in compiled.items() if not c and _has_opaque(ids, p, holds))
     stats.distinct = len(keys)
     return stats
 
@@ -215,16 +217,27 @@ def _has_opaque(ids: dict[fx.Node, int], part: int, comm: bool = False) -> bool:
     return any(p == part and opaque(n, comm) for n, p in ids.items())
 
 
+def _holds_comm(gm: fx.GraphModule, comm: bool) -> bool:
+    """Whether `gm`'s regions hold tensor parallel's f and g under `comm`: not beside a fused
+    linear (a model's own 16-bit weights), whose queued weight-gradient GEMMs run while f's
+    backward all-reduce is in flight (ops/tp.py) -- inside a region they would wait for the end
+    of backward, holding their inputs."""
+    return comm and not any(n.target in (linear_eager, torch.ops.fxtron.linear.default) for n in gm.graph.nodes)
+
+
 def _trace_comm(sub: fx.GraphModule) -> bool:
-    """Put a region's f and g in the forms Dynamo traces (_COMM_OPS); whether it has any."""
-    found = False
+    """Put a region's f and g in the forms Dynamo traces (_COMM_OPS); whether any of them
+    communicates (a group of more than one rank)."""
+    found = talks = False
     for node in sub.graph.nodes:
         if node.op == "call_function" and node.target in _COMM_OPS:
             node.target = _COMM_OPS[node.target]
             found = True
+            group = node.args[1] if len(node.args) > 1 else node.kwargs.get("group", "")
+            talks = talks or (isinstance(group, str) and transport.group_size(group) > 1)
     if found:
         sub.recompile()
-    return found
+    return talks
 
 
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
@@ -333,9 +346,10 @@ class Compiler:
     def __call__(self, gm: fx.GraphModule) -> fx.GraphModule:
         """`gm` (a bound rank graph) with each region between opaque ops compiled by Inductor:
         the same values and gradients, the same collectives in the same order."""
-        ids, compiled = _partitions(gm, self.comm)
+        holds = _holds_comm(gm, self.comm)
+        ids, compiled = _partitions(gm, holds)
         split = split_module(gm, gm, lambda n: ids[n], keep_original_order=True)
-        self.stats.opaque += sum(1 for p, c in compiled.items() if not c and _has_opaque(ids, p, self.comm))
+        self.stats.opaque += sum(1 for p, c in compiled.items() if not c and _has_opaque(ids, p, holds))
         for part, compile_it in compiled.items():
             if not compile_it:
                 continue
@@ -343,7 +357,7 @@ class Compiler:
             sub = getattr(split, name)
             key = _code(sub)
             if key not in self._shared:
-                communicates = self.comm and _trace_comm(sub)
+                communicates = holds and _trace_comm(sub)
                 self._shared[key] = _FirstCall(torch.compile(sub, fullgraph=True), self.stats, key, communicates)
                 self.stats._pending.add(self._shared[key])
                 self.stats.distinct += 1
