@@ -246,6 +246,7 @@ class Program(nn.Module):
             raise ParallelizeError("a pipeline-parallel program runs forward and backward together, stage by "
                                    "stage over microbatches: call prog.train_step(batch, optimizer), or "
                                    "prog.eval_step(batch) for the loss alone")
+        self._settle_params()
         if not self.training and self._evaluation is not None:
             return self._run_graph(self._flat_inputs(inputs, kwargs), self.eval_graphs())
         return self._run_graph(self._flat_inputs(inputs, kwargs))
@@ -399,6 +400,7 @@ class Program(nn.Module):
         microbatch's F in the schedule's order, no backward, no gradient buffer touched).
         Weights, buffers, the optimizer and the last step's gradient norm stay as they were."""
         evaluation = self.eval_graphs()
+        self._settle_params()
         if self._stages is not None or self.pipeline.microbatches > 1 or isinstance(inputs, Microbatches):
             return pp_runner.evaluate(self, inputs, kwargs, evaluation)
         args, kw = self.local_batch(inputs, kwargs)
@@ -411,6 +413,14 @@ class Program(nn.Module):
         out = self._global_loss(loss.detach().to(torch.promote_types(loss.dtype, torch.float32)))
         ledger.step_end(self.groups)
         return out
+
+    def _settle_params(self) -> None:
+        """Outside a training step (the program's own forward, eval_step): the distributed
+        optimizer's all-gathers of the last step's parameters land first, so nothing reads a
+        half-updated weight (a training step waits for them itself, per layer under
+        overlap_param_gather)."""
+        if self.zero is not None:
+            self.zero.wait_params()
 
     def settle(self) -> None:
         """Finish every collective this program still has in flight outside a step: the
