@@ -203,7 +203,7 @@ def plan(graphs: list[fx.GraphModule], comm: bool = False) -> CompileStats:
     """The regions a Compiler(comm) would compile in a rank's `graphs`, counted without compiling."""
     stats, keys = CompileStats(), set()
     for gm in graphs:
-        holds = _holds_comm(gm, comm)
+        holds = holds_comm(gm, comm)
         ids, compiled = _partitions(gm, holds)
         split = split_module(gm, gm, lambda n: ids[n], keep_original_order=True)
         keys |= {_code(getattr(split, f"submod_{p}")) for p, c in compiled.items() if c}
@@ -217,7 +217,7 @@ def _has_opaque(ids: dict[fx.Node, int], part: int, comm: bool = False) -> bool:
     return any(p == part and opaque(n, comm) for n, p in ids.items())
 
 
-def _holds_comm(gm: fx.GraphModule, comm: bool) -> bool:
+def holds_comm(gm: fx.GraphModule, comm: bool) -> bool:
     """Whether `gm`'s regions hold tensor parallel's f and g under `comm`: not beside a fused
     linear (a model's own 16-bit weights), whose queued weight-gradient GEMMs run while f's
     backward all-reduce is in flight (ops/tp.py) -- inside a region they would wait for the end
@@ -346,7 +346,7 @@ class Compiler:
     def __call__(self, gm: fx.GraphModule) -> fx.GraphModule:
         """`gm` (a bound rank graph) with each region between opaque ops compiled by Inductor:
         the same values and gradients, the same collectives in the same order."""
-        holds = _holds_comm(gm, self.comm)
+        holds = holds_comm(gm, self.comm)
         ids, compiled = _partitions(gm, holds)
         split = split_module(gm, gm, lambda n: ids[n], keep_original_order=True)
         self.stats.opaque += sum(1 for p, c in compiled.items() if not c and _has_opaque(ids, p, holds))
@@ -366,4 +366,4 @@ class Compiler:
         return split
 
 
-__all__ = ["CompileStats", "Compiler", "host_bound", "opaque", "plan"]
+__all__ = ["CompileStats", "Compiler", "holds_comm", "host_bound", "opaque", "plan"]

@@ -740,15 +740,14 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
     if note:
         head += "\n" + note
     if config.codegen.compile:
-        from fxtron.codegen.regions import plan
+        from fxtron.codegen.regions import holds_comm, plan
         from fxtron.compiler.passmanager import linears_in_regions
         comm = linears_in_regions(config, mesh.view(0))
-        held = comm and mesh.tp > 1 and not any(n.target == torch.ops.fxtron.linear.default
-                                                for g in compiled(0).graphs for n in g.graph.nodes)
+        held = mesh.tp > 1 and all(holds_comm(g, comm) for g in compiled(0).graphs)
         head += (f"\ncompile=True: on rank 0, {plan(compiled(0).graphs, comm).line()}, on the first step; the fxtron ops "
                  "(collectives, fused linears, attention blocks, random draws) run as they are between them"
                  + (" (tensor parallel's all-reduces inside them, calls in the compiled graphs)" if held else ""))
-        if config.precision.gradient_accumulation_fusion and linears_in_regions(config, mesh.view(0)):
+        if config.precision.gradient_accumulation_fusion and comm:
             # what rank 0's graphs hold, not what the configuration would give (the model's own
             # 16-bit weights stay fused)
             ops = [n.target for g in compiled(0).graphs for n in g.graph.nodes]

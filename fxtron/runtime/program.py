@@ -429,8 +429,7 @@ class Program(nn.Module):
         the job calls it at the run's end, before its process groups are destroyed (a gloo work
         still running then is torn down with the interpreter: an abort after the job's work is
         done). The program stays usable."""
-        if self.zero is not None:
-            self.zero.wait_params()
+        self._settle_params()
         if self.fsdp is not None:
             self.fsdp.settle()
 
