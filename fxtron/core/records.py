@@ -31,11 +31,11 @@ The tables, who writes each and who reads it:
                     ops/sp.py (the run-time gather_from_sequence) and tools/activations.py (its
                     estimate); read by ops/linear.py (a linear saves the shard, gathers it again
                     in backward).
-  GRAD_REPORTS      data parallel: a parameter (and its compute copy) during a step ->
-                    GradReport(report), the call that tells its gradient buffer one
-                    contribution is complete. Written by runtime/grads.py (Gradients.accumulation,
-                    removed after it) and runtime/precision.py (compute_copy); read by
-                    ops/linear.py (a fused linear's weight-gradient job reports).
+  GRAD_REPORTS      data parallel: a parameter (and its compute copy) -> GradReport(report),
+                    the call that tells its gradient buffer one contribution is complete.
+                    Written by runtime/grads.py (Gradients.accumulation's first step, kept) and
+                    runtime/precision.py (compute_copy); read by ops/linear.py (a fused linear's
+                    weight-gradient job reports, only while the weight has a main_grad: in a step).
   FRESH_GRADS       data parallel: a gradient view (a parameter's main_grad) not yet written
                     this step -> FreshGrad(). Written by runtime/dp.py (GradBuffer.reset marks
                     every view); taken (read and removed) by the step's first contribution:

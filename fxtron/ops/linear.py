@@ -64,11 +64,13 @@ class WgradQueue:
             self.run()
 
     def run(self) -> None:
-        """Run every queued weight-gradient GEMM now."""
+        """Run every queued weight-gradient GEMM now (outside autograd's graph, as backward runs
+        them: a queue drained after backward or by the W pass records nothing)."""
         jobs, self.jobs = self.jobs, []
         self._held = {}
-        for job in jobs:
-            job()
+        with torch.no_grad():
+            for job in jobs:
+                job()
 
 
 def active_queue() -> WgradQueue | None:
@@ -78,11 +80,11 @@ def active_queue() -> WgradQueue | None:
 def _accumulate(x: Tensor, dy: Tensor, main_grad, weight_in_out: bool, report=None) -> None:
     """main_grad += the weight gradient; then tell the data-parallel buffer (when the program
     gave the weight a `report`) that this contribution is complete. `main_grad` may be a
-    function giving it (zero=3's, asked when the GEMM runs)."""
-    wgrad_accumulate = kernel("wgrad").run
+    function giving it (zero=3's, asked when the GEMM runs). Runs where autograd records
+    nothing: in backward, or in a queue's run()."""
     if callable(main_grad):
         main_grad = main_grad()
-    x2, dy2 = x.reshape(-1, x.shape[-1]).detach(), dy.reshape(-1, dy.shape[-1]).detach()
+    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
     a, b = (x2, dy2) if weight_in_out else (dy2, x2)
     if FRESH_GRADS.take(main_grad):    # the step's first contribution (runtime/dp.py, core/records.py)
         if a.dtype == main_grad.dtype:
@@ -96,9 +98,9 @@ def _accumulate(x: Tensor, dy: Tensor, main_grad, weight_in_out: bool, report=No
     elif a.dtype == torch.float32:  # fp32 inputs: torch's GEMM accumulates in place (the kernel's choice for them)
         main_grad.addmm_(a.t(), b)
     elif weight_in_out:   # main_grad [in, out] += x^T dy
-        wgrad_accumulate(dy, x, main_grad)
+        kernel("wgrad").run(dy, x, main_grad)
     else:                 # main_grad [out, in] += dy^T x
-        wgrad_accumulate(x, dy, main_grad)
+        kernel("wgrad").run(x, dy, main_grad)
     if report is not None:
         report()
 
@@ -209,7 +211,8 @@ def _backward(ctx, dy):
         w = ctx.weight
         reported = GRAD_REPORTS.get(w)   # (runtime/grads.py, core/records.py)
         main_grad, report = getattr(w, "main_grad", None), reported.report if reported is not None else None
-    dy = dy.to(ctx.x_dtype)    # as Megatron: the weight-gradient GEMM takes both in the input's dtype
+    if dy.dtype != ctx.x_dtype:    # as Megatron: the weight-gradient GEMM takes both in the input's dtype
+        dy = dy.to(ctx.x_dtype)
     dx = dy.matmul(w.t() if ctx.weight_in_out else w) if needs_x else None
     if gathering is not None:  # the input gathered again while the input gradient was computed
         x = gathering()

@@ -62,6 +62,7 @@ class BatchSlicer:
         self.info, self.dp, self.dp_index, self.m, self.device = info, dp, dp_index, microbatches, device
         self.cp, self.cp_index, self.seq_split = cp, cp_index, seq_split
         self.max_seq, self.max_seq_why = max_seq
+        self._checked = None     # the inputs' (shape, dtype)s that passed check_inputs last
 
     def flat(self, inputs: tuple, kwargs: dict | None) -> list:
         """The tensor leaves of (inputs, kwargs), checked against the traced structure."""
@@ -109,33 +110,20 @@ class BatchSlicer:
         take: another number of dims or dtype than traced, a static dim of another size, batch
         (or sequence) dims that disagree between inputs, or token ids outside the table or
         classes they index (passes/limits.py; split over tp, a vocab-parallel lookup would read
-        zeros for them without a word)."""
-        bound: dict = {}
-        for i, (x, want) in enumerate(zip(flat, self.info.signature)):
-            if want is None:
-                continue
-            dtype, shape = want
-            what = f"input {i} of shape {tuple(x.shape)}"
-            traced = "(" + ", ".join(str(d) for d in shape) + ")"
-            if x.dim() != len(shape):
-                raise ParallelizeError(f"{what} has {x.dim()} dims, but the model was traced with {len(shape)}: "
-                                       f"{traced} {dtype}; pass inputs shaped like example_inputs")
-            if x.dtype != dtype:
-                raise ParallelizeError(f"{what} is {x.dtype}, but the model was traced with {dtype} there; "
-                                       f"pass {dtype} (x.to({dtype}))")
-            for d, (n, e) in enumerate(zip(x.shape, shape)):
-                if e.is_Integer and n != int(e):
-                    raise ParallelizeError(f"dim {d} of {what} is {n}, but {int(e)} in the traced model {traced}: only "
-                                           "the batch and sequence dims may change between steps")
-                if e.is_Symbol:
-                    if bound.setdefault(e, (n, i, d))[0] != n:
-                        m, j, dj = bound[e]
-                        raise ParallelizeError(
-                            f"dim {d} of {what} is {n}, but dim {dj} of input {j} is {m}: the traced model has {e} "
-                            f"in both places (the {'batch' if str(e) == 'B' else 'sequence' if str(e) == 'S' else 'same size'}); "
-                            "give every input the same one")
+        zeros for them without a word). The shapes and dtypes that passed last are remembered
+        (a training loop's batches repeat them); the ids are checked every batch, by one
+        reduction each where all are in range."""
+        seen = tuple((x.shape, x.dtype) if want is not None else None for x, want in zip(flat, self.info.signature))
+        if seen != self._checked:
+            self._check_shapes(flat)
+            self._checked = seen
         for r in self.info.token_ranges:
             x = flat[r.index]
+            if x.numel() == 0:
+                continue
+            lo, hi = (int(v) for v in torch.aminmax(x))
+            if lo >= 0 and hi < r.classes:
+                continue
             bad = (x < 0) | (x >= r.classes)
             if r.ignore is not None:
                 bad &= x != r.ignore
@@ -144,6 +132,34 @@ class BatchSlicer:
                 ok = f"[0, {r.classes})" + (f" or {r.ignore} (ignored)" if r.ignore is not None else "")
                 raise ParallelizeError(f"input {r.index} of shape {tuple(x.shape)} holds the id {int(x[where])} at "
                                        f"{where}: {r.why}, so its ids must be in {ok}")
+
+    def _check_shapes(self, flat: list) -> None:
+        bound: dict = {}
+        for i, (x, want) in enumerate(zip(flat, self.info.signature)):
+            if want is None:
+                continue
+            dtype, shape = want
+            what = f"input {i} of shape {tuple(x.shape)}"
+
+            def traced() -> str:
+                return "(" + ", ".join(str(d) for d in shape) + ")"
+            if x.dim() != len(shape):
+                raise ParallelizeError(f"{what} has {x.dim()} dims, but the model was traced with {len(shape)}: "
+                                       f"{traced()} {dtype}; pass inputs shaped like example_inputs")
+            if x.dtype != dtype:
+                raise ParallelizeError(f"{what} is {x.dtype}, but the model was traced with {dtype} there; "
+                                       f"pass {dtype} (x.to({dtype}))")
+            for d, (n, e) in enumerate(zip(x.shape, shape)):
+                if e.is_Integer and n != int(e):
+                    raise ParallelizeError(f"dim {d} of {what} is {n}, but {int(e)} in the traced model {traced()}: "
+                                           "only the batch and sequence dims may change between steps")
+                if e.is_Symbol:
+                    if bound.setdefault(e, (n, i, d))[0] != n:
+                        m, j, dj = bound[e]
+                        raise ParallelizeError(
+                            f"dim {d} of {what} is {n}, but dim {dj} of input {j} is {m}: the traced model has {e} "
+                            f"in both places (the {'batch' if str(e) == 'B' else 'sequence' if str(e) == 'S' else 'same size'}); "
+                            "give every input the same one")
 
     def check_sequence(self, flat: list) -> None:
         """Raise ParallelizeError, before anything runs, for a sequence the ranks cannot split:

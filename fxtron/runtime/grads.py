@@ -231,8 +231,10 @@ class Gradients:
         return hook
 
     def _report(self, name: str):
-        buf = self._buffer_of[name]
-        return lambda: buf.report(name)
+        # the buffer held weakly: the record stays on the parameter between steps (accumulation),
+        # and must not keep the program's buffers and process groups alive after it
+        buf = weakref.ref(self._buffer_of[name])
+        return lambda: buf().report(name)
 
     @contextlib.contextmanager
     def quiet(self):
@@ -258,11 +260,12 @@ class Gradients:
         for p, view in self._direct:
             p.grad = view
         self._last_started = set()
-        if self._reports is None:     # one record a parameter, made once
-            self._reports = {n: GradReport(self._report(n)) for n in self.params}
+        if self._reports is None:     # one record a parameter, made once and kept: a fused linear
+            self._reports = {n: GradReport(self._report(n)) for n in self.params}   # (ops/linear.py)
+            for n, p in self.params.items():                                          # reports only where
+                GRAD_REPORTS.set(p, self._reports[n])                                 # main_grad is set
         for n, p in self.params.items():
             p.main_grad = self._views[n]
-            GRAD_REPORTS.set(p, self._reports[n])   # what a fused linear calls (ops/linear.py)
         if self.fsdp is not None:
             self.fsdp.begin({n: self._views[n] for n in self.params if n in self.local and self.local[n].flat is not None})
         self._in_step = True
@@ -272,7 +275,6 @@ class Gradients:
             self._in_step = False
             for p in self.params.values():
                 del p.main_grad
-                GRAD_REPORTS.pop(p)
 
     def last_backward(self, chunk: int | None) -> None:
         """The next backward is the step's last for `chunk` (None: all parameters): bucket
