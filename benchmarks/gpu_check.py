@@ -1,6 +1,13 @@
 """GPU checks in one short run (a CUDA machine; see README "GPU figures").
 
-    python benchmarks/gpu_check.py [--quick] [--out FILE.json] [--cp-block-only]
+    python benchmarks/gpu_check.py [--quick] [--out FILE.json] [--checks a,b,...] [--budget-s S]
+
+The full run takes its checks in the order of CHECKS (issue 48's goals first: 6., 2. on the small
+Llama, 7.; then 1., 4., 3., 2. on the large one, 5.) and starts none after --budget-s seconds
+(default 420: a 15-minute GPU loan leaves room for the machine's start and a rerun); those left
+are listed under "skipped" (exit status 2 when all that ran are ok). Each check's JSON is
+printed as it ends and the document so far written to --out, so a run stopped from outside
+keeps what it measured.
 
 1. The Triton weight-gradient kernel (codegen/wgrad.py) compiled for the GPU, not interpreted:
    for bf16 and fp16 inputs at several (tokens, in, out) shapes, including ones that are not
@@ -19,7 +26,8 @@
    recompute="full": the allocator's peak over one step (torch.cuda.max_memory_allocated, from
    a reset after the warm-up), the bytes saved for backward at their peak (the memory
    timeline), the step time, and the first step's gradients, which must equal the run
-   without recomputation bit for bit.
+   without recomputation bit for bit (the job runs torch's deterministic algorithms: flash
+   attention's backward is not deterministic otherwise, nor then are two runs without it).
 4. One context-parallel attention block (ops/cp/blocks.py `_block` + `_block_backward`, the
    ring's unit; on CUDA codegen/attention.py's fused kernels): bf16, B=1, 32 heads, head dim
    128, top-left causal, forward and backward, for L = 2048, 4096, 8192, against torch's flash
@@ -62,6 +70,7 @@ flash kernel as the reference; times reported, not held to the bounds).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import math
@@ -448,6 +457,12 @@ RECOMPUTE_CASE = (LlamaConfig(vocab_size=32000, max_seq_len=8192, n_layer=2, n_h
 
 def _recompute_job(rank: int, mesh: fxtron.Mesh, cfg: LlamaConfig, batch_size: int, seq: int, timed: int) -> dict:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda":
+        # bit-equal gradients need deterministic kernels: flash attention's backward adds dQ up with
+        # atomics otherwise (two runs without recomputation could differ), and cuBLAS needs a fixed
+        # workspace (set before this process's first GEMM)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     batches = _batches(1, cfg, batch_size, seq)
     example = tuple(t[:, :seq // 2].contiguous() for t in batches[0])
     b = tuple(t.to(dev) for t in batches[0])
@@ -470,6 +485,7 @@ def _recompute_job(rank: int, mesh: fxtron.Mesh, cfg: LlamaConfig, batch_size: i
         step = statistics.median(_sync_time(lambda: prog.train_step(b, opt)) for _ in range(timed))
         out[str(recompute)] = {"peak_allocated": peak, "saved_peak": saved, "step_s": step, "grads": grads}
         prog = opt = pm = None     # this configuration's memory given back before the next
+        gc.collect()               # (a reference cycle would keep it until the collector runs)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return out
@@ -709,8 +725,41 @@ def _trainer_table(sec: dict) -> list[str]:
     return rows
 
 
+def _step_table(title: str, rows: list[tuple[str, str, str]]) -> list[str]:
+    return [title, "", "| run | step (ms) | ratio |", "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows]
+
+
+def _compiled_table(sec: dict) -> list[str]:
+    def ms(key):
+        v = sec.get(key)
+        return "-" if v is None else f"{1e3 * v:.1f}"
+
+    def x(key):
+        v = sec.get(key)
+        return "-" if v is None else f"{v:.2f}x"
+    return _step_table(
+        f"compile=True at world 1 against torch.compile of the unmodified model ({sec.get('model', 'the small Llama')}; "
+        f"issue 48's goal <= 0.95x: {'met' if sec.get('meets_goal') else 'missed'}):",
+        [("fxtron compile=True", ms("step_s_fxtron_compiled"), x("ratio_vs_torch_compile") + " of torch.compile"),
+         ("fxtron compile=True, unfused", ms("step_s_fxtron_compiled_unfused"),
+          x("ratio_unfused_vs_torch_compile") + " of torch.compile"),
+         ("torch.compile", ms("step_s_torch_compile"), "1.00x"),
+         ("fxtron uncompiled", ms("step_s_fxtron"), x("ratio_uncompiled_vs_compiled") + " of fxtron compiled")])
+
+
+def _training_table(sec: dict) -> list[str]:
+    def ms(key):
+        v = sec.get(key)
+        return "-" if v is None else f"{1e3 * v:.1f}"
+    ratio = sec.get("ratio")
+    return _step_table(f"fxtron's uncompiled step at world 1 against the eager model ({sec.get('model', '')}; "
+                       "issue 48's item 4: <= 1.0x):",
+                       [("fxtron", ms("step_s_fxtron"), "-" if ratio is None else f"{ratio:.2f}x of eager"),
+                        ("eager", ms("step_s_eager"), "1.00x")])
+
+
 #: the sections that draw a table in README's GPU figures (the rest get a line: ok or not)
-README_TABLES = {"trainer": _trainer_table}
+README_TABLES = {"trainer": _trainer_table, "compiled": _compiled_table, "training_small": _training_table}
 
 
 def _machine() -> str:
@@ -737,6 +786,8 @@ def readme_figures(out: dict, when: str | None = None) -> str:
         verdicts.append(f"{key} {'ok' if sec['ok'] else 'FAILED'}")
     if verdicts:
         lines += ["Checks: " + ", ".join(verdicts) + ".", ""]
+    if out.get("skipped"):
+        lines += ["Not run (the run's time budget): " + ", ".join(out["skipped"]) + ".", ""]
     return "\n".join(lines + [README_END])
 
 
@@ -782,6 +833,11 @@ def _timed_check(out: dict, key: str, check, strip_losses: bool = False) -> None
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--checks", default=",".join(CHECKS),
+                    help=f"the full run's checks, in order (default: {','.join(CHECKS)})")
+    ap.add_argument("--budget-s", type=float, default=420.0,
+                    help="start no check after this many seconds (the rest are listed as skipped; default 420: "
+                         "a 15-minute GPU loan leaves time for start-up and a rerun)")
     ap.add_argument("--out")
     ap.add_argument("--skip-training", action="store_true")
     ap.add_argument("--profile", action="store_true", help="only the small training step, under torch.profiler")
@@ -863,53 +919,68 @@ def main() -> int:
         out["triton"] = triton.__version__
     except ImportError:
         out["triton"] = None
+    return _full_run(out, a)
+
+
+#: the full run's checks, in the order they run: the open issue's goals first (compile=True against
+#: torch.compile, the uncompiled step against eager, the captured step), so that a run cut short by
+#: its budget still answers them
+CHECKS = ("compiled", "training_small", "cuda_graphs", "wgrad", "cp_block", "recompute", "training_large", "trainer")
+
+
+def _full_run(out: dict, a) -> int:
+    """Run `a.checks` in order while the run is within `a.budget_s` seconds (a check starts only
+    before then; what was not started is listed under "skipped"), each caught and timed, the JSON
+    so far written to `a.out` after each (a run killed from outside keeps what it measured).
+    Exit 0 when every check ran and is ok, 1 when one failed, 2 when all that ran are ok but some
+    were skipped."""
+    want = [c.strip() for c in a.checks.split(",") if c.strip()]
+    unknown = [c for c in want if c not in CHECKS]
+    if unknown:
+        raise SystemExit(f"--checks: unknown {unknown}; choose from {', '.join(CHECKS)}")
+    if a.skip_training:
+        want = [c for c in want if c in ("wgrad", "cp_block")]
+    if a.no_compile:
+        want = [c for c in want if c != "compiled"]
+    small, large = TRAIN_CASES["small"], TRAIN_CASES["large"]
+    run = {
+        "compiled": (lambda: check_compiled(*small, TIMED), True),
+        "training_small": (lambda: check_training(*small, TIMED, profile=a.profile_all), True),
+        "cuda_graphs": (lambda: check_cuda_graphs(*small, TIMED), True),
+        "wgrad": (lambda: _rows(check_kernel(QUICK_SHAPES if a.quick else SHAPES)), False),
+        "cp_block": (lambda: _rows(check_cp_block(CP_BLOCK_LENGTHS[:1] if a.quick else CP_BLOCK_LENGTHS)), False),
+        "recompute": (lambda: check_recompute(*RECOMPUTE_CASE, TIMED), False),
+        "training_large": (lambda: check_training(*large, TIMED), True),
+        "trainer": (lambda: check_trainer(TRAINER_CASE, compile_baseline=not a.no_compile), False),
+    }
     t0 = time.perf_counter()
-    out["wgrad"] = check_kernel(QUICK_SHAPES if a.quick else SHAPES)
-    out["wgrad_s"] = time.perf_counter() - t0
-    print(json.dumps(out, indent=1), flush=True)
-    out["training"] = {}
-    for name, (cfg, batch, seq) in ({} if a.skip_training else TRAIN_CASES).items():
-        t0 = time.perf_counter()
-        try:
-            out["training"][name] = check_training(cfg, batch, seq, TIMED, profile=a.profile_all and name == "small")
-        except Exception as e:  # noqa: BLE001 - report it with the kernel figures
-            out["training"][name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[-4000:]}
-        out["training"][name]["check_s"] = time.perf_counter() - t0
-        print(json.dumps({name: {k: v for k, v in out["training"][name].items() if "losses" not in k}}), flush=True)
-    if not a.skip_training:
-        t0 = time.perf_counter()
-        try:
-            out["recompute"] = check_recompute(*RECOMPUTE_CASE, TIMED)
-        except Exception as e:  # noqa: BLE001 - report it with the other figures
-            out["recompute"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[-4000:]}
-        out["recompute"]["check_s"] = time.perf_counter() - t0
-        print(json.dumps({"recompute": out["recompute"]}), flush=True)
-    t0 = time.perf_counter()
-    try:
-        out["cp_block"] = _rows(check_cp_block(CP_BLOCK_LENGTHS[:1] if a.quick else CP_BLOCK_LENGTHS))
-    except Exception as e:  # noqa: BLE001 - report it with the other figures
-        out["cp_block"] = {"rows": [], "ok": False, "error": f"{type(e).__name__}: {e}"[-4000:]}
-    out["cp_block"]["check_s"] = time.perf_counter() - t0
-    print(json.dumps({"cp_block": out["cp_block"]}), flush=True)
-    if not a.skip_training:
-        _timed_check(out, "trainer", lambda: check_trainer(TRAINER_CASE, compile_baseline=not a.no_compile), strip_losses=False)
-    if not a.skip_training and not a.no_compile:
-        _timed_check(out, "compiled", lambda: check_compiled(*TRAIN_CASES["small"], TIMED), strip_losses=True)
-    if not a.skip_training:
-        _timed_check(out, "cuda_graphs", lambda: check_cuda_graphs(*TRAIN_CASES["small"], TIMED), strip_losses=True)
-    ok = (all(r["ok"] for r in out["wgrad"]) and all(r["ok"] for r in out["training"].values())
-          and out.get("recompute", {"ok": True})["ok"] and out["cp_block"]["ok"]
-          and out.get("trainer", {"ok": True})["ok"] and out.get("compiled", {"ok": True})["ok"]
-          and out.get("cuda_graphs", {"ok": True})["ok"])
-    out["ok"] = ok
+    out["skipped"] = []
+    for name in want:
+        spent = time.perf_counter() - t0
+        if spent > a.budget_s:
+            out["skipped"].append(name)
+            continue
+        check, strip = run[name]
+        _timed_check(out, name, check, strip_losses=strip)
+        _write(out, a.out)
+    if out["skipped"]:
+        print(f"budget of {a.budget_s:g} s spent after {time.perf_counter() - t0:.0f} s: skipped "
+              f"{', '.join(out['skipped'])} (--checks {','.join(out['skipped'])} runs them)", file=sys.stderr)
+    ran = [out[c] for c in want if c in out]
+    out["ok"] = all(r["ok"] for r in ran)
+    out["run_s"] = time.perf_counter() - t0
     text = json.dumps(out, indent=1)
     print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
+    _write(out, a.out)
     if a.readme:
         write_readme(out, a.readme)
-    return 0 if ok else 1
+    return 1 if not out["ok"] else 2 if out["skipped"] else 0
+
+
+def _write(out: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            f.write(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
