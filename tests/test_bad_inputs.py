@@ -68,6 +68,39 @@ def test_a_sequence_longer_than_the_model_takes_is_refused_at_the_step():
     assert seq_limit(trace(make("hf-llama"), args, example_kwargs=kwargs)) is None
 
 
+def test_the_step_checks_every_batch_after_a_good_one():
+    """The step remembers the input shapes that passed (the checks' text is built only on a
+    failure) and reads each id input's range with one reduction: after good steps, a batch of
+    another dtype, of disagreeing dims, or with an id out of range is still refused, ignored
+    targets (-100) still pass, and a new batch shape that is good runs."""
+    prog = fxtron.parallelize(make("gpt"), fxtron.Mesh(1), example_inputs=batch("gpt", 2, 8, 0)[0]).program(0)
+    opt = _opt(prog.parameters())
+    x, y = batch("gpt", 2, 8, 0)[0]
+    for _ in range(2):
+        assert prog.train_step((x, y), opt) > 0
+    with pytest.raises(fxtron.ParallelizeError, match=r"is torch\.int32, but the model was traced with torch\.int64"):
+        prog.train_step((x.int(), y), opt)
+    with pytest.raises(fxtron.ParallelizeError, match=r"dim 1 of input 1 of shape \(2, 7\) is 7, but dim 1 of input 0 is 8"):
+        prog.train_step((x, y[:, :-1]), opt)
+    bad = x.clone()
+    bad[1, 3] = 256
+    with pytest.raises(fxtron.ParallelizeError, match=r"input 0 of shape \(2, 8\) holds the id 256 at \(1, 3\)"):
+        prog.train_step((bad, y), opt)
+    bad = y.clone()
+    bad[0, 0] = -7
+    with pytest.raises(fxtron.ParallelizeError, match=r"input 1 .* holds the id -7 at \(0, 0\)"):
+        prog.train_step((x, bad), opt)
+    ignored = y.clone()
+    ignored[:, -2:] = -100
+    assert prog.train_step((x, ignored), opt) > 0
+    x4, y4 = batch("gpt", 4, 16, 1)[0]
+    assert prog.train_step((x4, y4), opt) > 0
+    bad = x4.clone()
+    bad[3, 15] = -1
+    with pytest.raises(fxtron.ParallelizeError, match=r"holds the id -1 at \(3, 15\)"):
+        prog.train_step((bad, y4), opt)
+
+
 # ------------------------------------------------------------------------------ ids outside the vocabulary
 def test_vocab_parallel_ops_refuse_ids_outside_the_vocabulary():
     """One process's embedding and cross entropy raise an IndexError on an id outside [0, V);

@@ -223,6 +223,9 @@ def _backward(ctx, dy):
         if queue is not None:
             queue.jobs.append(job)
             queue.hold(x, dy)
+        elif torch.is_grad_enabled():   # a backward that records (create_graph): the GEMM is no part of it
+            with torch.no_grad():
+                job()
         else:
             job()
     elif main_grad is not None:      # frozen: nothing to add; its bucket need not wait for it

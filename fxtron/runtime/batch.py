@@ -121,7 +121,7 @@ class BatchSlicer:
             x = flat[r.index]
             if x.numel() == 0:
                 continue
-            lo, hi = (int(v) for v in torch.aminmax(x))
+            lo, hi = torch.stack(torch.aminmax(x)).tolist()   # (one host read; a NaN takes the full check)
             if lo >= 0 and hi < r.classes:
                 continue
             bad = (x < 0) | (x >= r.classes)
