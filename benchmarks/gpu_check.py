@@ -725,37 +725,36 @@ def _trainer_table(sec: dict) -> list[str]:
     return rows
 
 
+def _ms(sec: dict, key: str) -> str:
+    v = sec.get(key)
+    return "-" if v is None else f"{1e3 * v:.1f}"
+
+
+def _x(sec: dict, key: str) -> str:
+    v = sec.get(key)
+    return "-" if v is None else f"{v:.2f}x"
+
+
 def _step_table(title: str, rows: list[tuple[str, str, str]]) -> list[str]:
     return [title, "", "| run | step (ms) | ratio |", "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows]
 
 
 def _compiled_table(sec: dict) -> list[str]:
-    def ms(key):
-        v = sec.get(key)
-        return "-" if v is None else f"{1e3 * v:.1f}"
-
-    def x(key):
-        v = sec.get(key)
-        return "-" if v is None else f"{v:.2f}x"
     return _step_table(
         f"compile=True at world 1 against torch.compile of the unmodified model ({sec.get('model', 'the small Llama')}; "
         f"issue 48's goal <= 0.95x: {'met' if sec.get('meets_goal') else 'missed'}):",
-        [("fxtron compile=True", ms("step_s_fxtron_compiled"), x("ratio_vs_torch_compile") + " of torch.compile"),
-         ("fxtron compile=True, unfused", ms("step_s_fxtron_compiled_unfused"),
-          x("ratio_unfused_vs_torch_compile") + " of torch.compile"),
-         ("torch.compile", ms("step_s_torch_compile"), "1.00x"),
-         ("fxtron uncompiled", ms("step_s_fxtron"), x("ratio_uncompiled_vs_compiled") + " of fxtron compiled")])
+        [("fxtron compile=True", _ms(sec, "step_s_fxtron_compiled"), _x(sec, "ratio_vs_torch_compile") + " of torch.compile"),
+         ("fxtron compile=True, unfused", _ms(sec, "step_s_fxtron_compiled_unfused"),
+          _x(sec, "ratio_unfused_vs_torch_compile") + " of torch.compile"),
+         ("torch.compile", _ms(sec, "step_s_torch_compile"), "1.00x"),
+         ("fxtron uncompiled", _ms(sec, "step_s_fxtron"), _x(sec, "ratio_uncompiled_vs_compiled") + " of fxtron compiled")])
 
 
 def _training_table(sec: dict) -> list[str]:
-    def ms(key):
-        v = sec.get(key)
-        return "-" if v is None else f"{1e3 * v:.1f}"
-    ratio = sec.get("ratio")
     return _step_table(f"fxtron's uncompiled step at world 1 against the eager model ({sec.get('model', '')}; "
                        "issue 48's item 4: <= 1.0x):",
-                       [("fxtron", ms("step_s_fxtron"), "-" if ratio is None else f"{ratio:.2f}x of eager"),
-                        ("eager", ms("step_s_eager"), "1.00x")])
+                       [("fxtron", _ms(sec, "step_s_fxtron"), _x(sec, "ratio") + " of eager"),
+                        ("eager", _ms(sec, "step_s_eager"), "1.00x")])
 
 
 #: the sections that draw a table in README's GPU figures (the rest get a line: ok or not)

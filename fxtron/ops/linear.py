@@ -64,13 +64,11 @@ class WgradQueue:
             self.run()
 
     def run(self) -> None:
-        """Run every queued weight-gradient GEMM now (outside autograd's graph, as backward runs
-        them: a queue drained after backward or by the W pass records nothing)."""
+        """Run every queued weight-gradient GEMM now."""
         jobs, self.jobs = self.jobs, []
         self._held = {}
-        with torch.no_grad():
-            for job in jobs:
-                job()
+        for job in jobs:
+            job()
 
 
 def active_queue() -> WgradQueue | None:
@@ -80,8 +78,12 @@ def active_queue() -> WgradQueue | None:
 def _accumulate(x: Tensor, dy: Tensor, main_grad, weight_in_out: bool, report=None) -> None:
     """main_grad += the weight gradient; then tell the data-parallel buffer (when the program
     gave the weight a `report`) that this contribution is complete. `main_grad` may be a
-    function giving it (zero=3's, asked when the GEMM runs). Runs where autograd records
-    nothing: in backward, or in a queue's run()."""
+    function giving it (zero=3's, asked when the GEMM runs). Nothing of it is recorded by
+    autograd, wherever it runs: in backward, in a queue drained after it or by the W pass, in a
+    backward that records (create_graph)."""
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            return _accumulate(x, dy, main_grad, weight_in_out, report)
     if callable(main_grad):
         main_grad = main_grad()
     x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
@@ -223,9 +225,6 @@ def _backward(ctx, dy):
         if queue is not None:
             queue.jobs.append(job)
             queue.hold(x, dy)
-        elif torch.is_grad_enabled():   # a backward that records (create_graph): the GEMM is no part of it
-            with torch.no_grad():
-                job()
         else:
             job()
     elif main_grad is not None:      # frozen: nothing to add; its bucket need not wait for it

@@ -260,10 +260,12 @@ class Gradients:
         for p, view in self._direct:
             p.grad = view
         self._last_started = set()
-        if self._reports is None:     # one record a parameter, made once and kept: a fused linear
-            self._reports = {n: GradReport(self._report(n)) for n in self.params}   # (ops/linear.py)
-            for n, p in self.params.items():                                          # reports only where
-                GRAD_REPORTS.set(p, self._reports[n])                                 # main_grad is set
+        if self._reports is None:
+            # one record a parameter, made once and kept: a fused linear (ops/linear.py) reports
+            # only while its weight has a main_grad, i.e. inside a step
+            self._reports = {n: GradReport(self._report(n)) for n in self.params}
+            for n, p in self.params.items():
+                GRAD_REPORTS.set(p, self._reports[n])
         for n, p in self.params.items():
             p.main_grad = self._views[n]
         if self.fsdp is not None:
