@@ -13,13 +13,13 @@ and plain data parallel on other meshes.
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 import torch
 
 import fxtron
-from fxtron.tools.testing import adamw, cases_fixture, max_abs_diff, ranks_of, reference_training
+from fxtron.tools.testing import adamw, cases_fixture, max_abs_diff, ranks_of, reference_training, shared_dir, \
+    shared_dir_path
 from tp_models import batch, batches, make
 
 pytestmark = pytest.mark.slow      # gloo jobs of 2 and 4 processes
@@ -29,7 +29,7 @@ LR = 1e-3
 LOSS_TOL, GRAD_TOL, WEIGHT_TOL = 2e-6, 1e-6, 1e-5
 SMALL = 20_000
 _opt = adamw(LR)
-_CKPT = os.path.join(tempfile.mkdtemp(prefix="fxtron-fsdp-"), "ckpt")    # (carried to the ranks by the cases)
+_CKPT = os.path.join(shared_dir_path("fsdp"), "ckpt")    # (carried to the ranks by the cases)
 
 
 def _batches(name):
@@ -153,6 +153,13 @@ CASES = [(str(mesh), case) for plan in JOBS.values() for mesh, cases in plan for
 
 
 results = cases_fixture(JOBS, _run, timeout_s=1500)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _checkpoints():
+    """The module's checkpoints, removed after it."""
+    with shared_dir("fsdp") as path:
+        yield path
 
 
 @pytest.fixture(scope="module")

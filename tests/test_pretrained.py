@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 import fxtron
 from fxtron.tools.testing import (adamw, assert_trains_like, cases_fixture, max_abs_diff, ranks_of, reference_training,
-                                  scaled)
+                                  scaled, shared_dir, shared_dir_path)
 from tp_models import batch, make
 
 
@@ -205,14 +205,15 @@ CASES = {"llama-tp2-pp2": ("hf-llama", dict(tp=2, pp=2), dict(microbatches=2)),
          "mixtral-ep2-tp2": ("hf-mixtral", dict(tp=2, ep=2), dict(sequence_parallel=True))}
 
 
-# the pytest process's id, named in the environment the ranks are launched with (each imports this
-# module again: setdefault keeps the launcher's), so the ranks and the test meet in one directory
-_OWNER = os.environ.setdefault("FXTRON_TEST_PRETRAINED_OWNER", str(os.getpid()))
-
-
 def _dir(*parts: str) -> str:
-    import tempfile
-    return os.path.join(tempfile.gettempdir(), f"fxtron-pretrained-{_OWNER}", *parts)
+    """Where the ranks and the test meet (testing.shared_dir), removed after the module."""
+    return os.path.join(shared_dir_path("pretrained"), *parts)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared():
+    with shared_dir("pretrained"):
+        yield
 
 
 def _steps(name: str) -> list:

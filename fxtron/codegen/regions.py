@@ -285,6 +285,19 @@ def _cache_hits() -> int:
     return counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"]
 
 
+def _lock_dir() -> str:
+    """Where the host's compile locks live: beside Inductor's own cache (per user, where the
+    compiled code goes), one directory instead of a file per region in the temporary directory."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        root = cache_dir()
+    except Exception:                 # (a torch without it: the system's temporary directory)
+        root = tempfile.gettempdir()
+    path = os.path.join(root, "fxtron-compile-locks")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
 @contextlib.contextmanager
 def _host_lock(key):
     """Held by one process of the host at a time for a region's code: the ranks of a host that
@@ -298,7 +311,7 @@ def _host_lock(key):
         yield
         return
     digest = hashlib.sha1(repr(key).encode()).hexdigest()[:20]
-    with open(os.path.join(tempfile.gettempdir(), f"fxtron-compile-{digest}.lock"), "a") as fh:
+    with open(os.path.join(_lock_dir(), f"{digest}.lock"), "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield

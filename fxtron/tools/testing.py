@@ -1,11 +1,15 @@
 """Tools, test support: run a function on N gloo ranks with bounded time and every failure surfaced,
 many cases per set of processes (`run_cases`, `cases_fixture`), the single-process reference
 that every equivalence test compares against (`reference_training`, from tools/reference.py),
-and the optimizer the tests train with (`adamw`)."""
+the optimizer the tests train with (`adamw`) and the directory a test shares with its ranks
+(`shared_dir`)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import shutil
+import tempfile
 from typing import Any, Callable, Iterable
 
 import torch
@@ -40,6 +44,25 @@ def scaled(seconds: float) -> float:
     """An idle machine's time bound stretched by `timeout_scale()`: for the tests' subprocess
     timeouts and deadlines, as run_on_ranks does for its own."""
     return seconds * timeout_scale()
+
+
+@contextlib.contextmanager
+def shared_dir(name: str):
+    """A directory the test process and the ranks it launches share (they import the test module
+    again: the test process's id reaches them in the environment), removed when the block ends.
+    `with shared_dir("fsdp") as path:` in the test process; `shared_dir_path("fsdp")` in a rank."""
+    path = shared_dir_path(name)
+    os.makedirs(path, exist_ok=True)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def shared_dir_path(name: str) -> str:
+    """shared_dir's path, created by nothing (importable in the ranks without side effects)."""
+    owner = os.environ.setdefault("FXTRON_TEST_DIR_OWNER", str(os.getpid()))
+    return os.path.join(tempfile.gettempdir(), f"fxtron-{name}-{owner}")
 
 
 def run_on_ranks(fn: Callable[..., Any], mesh: Mesh | int, *args, timeout_s: float = 300.0, **launch_options) -> list[Any]:
