@@ -6,7 +6,7 @@ check on (every rank issues the same collectives in the same order): a compiled 
 three steps equal to the same program uncompiled (float round-off: Inductor fuses and reorders
 the elementwise math) and to the unmodified model in one process (the equivalence tests'
 tolerances): tp with sequence parallel, pp under 1F1B and ZB-V (its weight-gradient passes deferred), dp with zero=1 and zero=3, cp, ep,
-recompute, bf16. Without processes: the regions a graph is cut into, and the summary's line.
+recompute, bf16 and fp16. Without processes: the regions a graph is cut into, and the summary's line.
 Inductor compiles on the first step (seconds a region on 2 cores): the module is slow-marked, and
 its cases share one model (the shipped Llama; the shipped MoE for ep) so that their regions
 repeat and the cache serves them.
@@ -60,7 +60,8 @@ CASES = {
     fxtron.Mesh(2, tp=2): [Case("llama"), Case("llama", sequence_parallel=True), Case("llama", recompute="full"),
                            Case("llama", dtype="bf16")],
     fxtron.Mesh(2, pp=2): [Case("llama", schedule="1f1b", microbatches=2),
-                           Case("gpt", schedule="1f1b", microbatches=2, dtype="bf16"),   # tied, over the stages
+                           Case("gpt", schedule="1f1b", microbatches=2, dtype="fp16"),   # tied, over the stages;
+                           # fp16's loss scale and its overflow check over both stages
                            Case("llama", schedule="zb-v", microbatches=2, layers=4)],
     fxtron.Mesh(2): [Case("llama", zero=1), Case("llama", zero=3)],
     fxtron.Mesh(2, cp=2): [Case("llama")],
@@ -73,8 +74,8 @@ results = cases_fixture({2: list(CASES.items())}, _run, check_collectives=True)
 
 @pytest.mark.parametrize("mesh, case", PARAMS)
 def test_compiled_program_trains_as_uncompiled_and_one_process(results, mesh, case):
-    bf16 = case.kw.get("dtype") == "bf16"
-    ref = reference_training(_model(case), _items(case), adamw(), dtype=torch.bfloat16 if bf16 else None)
+    half = case.kw.get("dtype") in ("bf16", "fp16")
+    ref = None if half else reference_training(_model(case), _items(case), adamw())
     for rank, got in enumerate(ranks_of(results, mesh, case)):
         plain, compiled = got[False], got[True]
         regions, distinct, n_opaque, seconds = got["stats"]
@@ -83,11 +84,11 @@ def test_compiled_program_trains_as_uncompiled_and_one_process(results, mesh, ca
         # regathered in backward), zero=3 (the weight regathered), a zero-bubble schedule (deferred W
         # passes) and a dp (dp-cp) reduction overlapping backward (each linear reports its gradient
         # as its GEMM runs); elsewhere on the CPU they are the regions' own (tp too), aten ops in
-        # fp32, fxtron::master_linear under bf16 (passmanager.linears_in_regions)
+        # fp32, fxtron::master_linear under 16-bit compute (passmanager.linears_in_regions)
         keeps_fused = (case.kw.get("sequence_parallel", False) or case.kw.get("zero") == 3
                        or case.kw.get("schedule") == "zb-v" or mesh.dp * mesh.cp > 1)
         assert (got["fused"] > 0) == keeps_fused, (got["fused"], got["stats"])
-        assert (got["master"] > 0) == (bf16 and not keeps_fused), (got["master"], got["stats"])
+        assert (got["master"] > 0) == (half and not keeps_fused), (got["master"], got["stats"])
         if not keeps_fused and mesh.pp > 1:    # a stage is one region (the last: two, around its
             assert regions <= 1 + rank, got["stats"]   # loss's token count over the microbatches)
         if not keeps_fused and mesh.tp > 1 and "recompute" not in case.kw:   # f and g inside the regions:
@@ -96,10 +97,10 @@ def test_compiled_program_trains_as_uncompiled_and_one_process(results, mesh, ca
         dl = max(abs(a - b) for a, b in zip(compiled["losses"], plain["losses"]))
         dw, where = max_abs_diff(compiled["state"], plain["state"])
         dg, gwhere = max_abs_diff(compiled["grads"], plain["grads"])
-        tol = (2e-2, 2e-2) if bf16 else (2e-6, 1e-5)
+        tol = (2e-2, 2e-2) if half else (2e-6, 1e-5)
         assert dl < tol[0], (rank, compiled["losses"], plain["losses"])
         assert dg < tol[1] and dw < tol[1], (rank, dg, gwhere, dw, where)
-        if not bf16:     # and against the model in one process (bf16's compared above, with the uncompiled program)
+        if not half:     # and against the model in one process (16-bit's compared above, with the uncompiled program)
             assert_trains_like(compiled, ref, rank=rank)
 
 
