@@ -58,7 +58,9 @@ def _run(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
 
 CASES = {
     fxtron.Mesh(2, tp=2): [Case("llama"), Case("llama", sequence_parallel=True), Case("llama", recompute="full"),
-                           Case("llama", dtype="bf16")],
+                           Case("llama", dtype="bf16"),
+                           # a region returning a value and tp's f of it (its backward all-reduce kept)
+                           Case("two-branch-mlp")],
     fxtron.Mesh(2, pp=2): [Case("llama", schedule="1f1b", microbatches=2),
                            Case("gpt", schedule="1f1b", microbatches=2, dtype="fp16"),   # tied, over the stages;
                            # fp16's loss scale and its overflow check over both stages

@@ -25,18 +25,22 @@ def _groups_job(rank: int, mesh: fxtron.Mesh):
     for kind in ("tp", "dp", "pp", "cp", "dp-cp", "tp-pp", "embedding"):
         t = torch.tensor([float(rank)])
         dist.all_reduce(t, group=g.group(kind))          # sum of the ranks in my group
-        out[kind] = (g.ranks(kind), float(t))
+        # the collective timeout of every group, not only the default one's (torch's own for a
+        # new group is 30 minutes): read through gloo's backend options
+        timeout = g.group(kind)._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        out[kind] = (g.ranks(kind), float(t), timeout)
     return rank, out
 
 
 def test_groups_match_mesh_and_communicate():
     mesh = fxtron.Mesh(8, tp=2, pp=2)
-    results = run_on_ranks(_groups_job, mesh, mesh)
+    results = run_on_ranks(_groups_job, mesh, mesh, collective_timeout_s=77.0)
     assert [r for r, _ in results] == list(range(8))
     for rank, out in results:
-        for kind, (ranks, total) in out.items():
+        for kind, (ranks, total, timeout) in out.items():
             assert list(ranks) == mesh.group_of(kind, rank), (kind, rank)
             assert total == sum(ranks), (kind, rank)
+            assert timeout == 77.0, (kind, rank, timeout)
 
 
 def _again_job(rank: int, mesh: fxtron.Mesh):
@@ -94,6 +98,24 @@ def test_a_dead_peer_is_a_peer_error_naming_its_rank_and_exit():
         run_on_ranks(_exit_job, 2, timeout_s=120)
     assert isinstance(err.value, fxtron.LaunchError) and isinstance(err.value, fxtron.ParallelizeError)
     assert str(err.value).startswith("rank 0 died with exit code 3 without a traceback"), str(err.value)
+
+
+def _killed_while_reporting_job(rank: int):
+    if rank == 1:      # killed while its 64 MB result is saved and reported (the OOM killer's moment:
+        import signal  # saving doubles the rank's memory)
+        import threading
+        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        return torch.zeros(16 << 20)
+    return rank
+
+
+def test_a_rank_killed_while_reporting_its_result_ends_the_job():
+    """A rank's result reaches the launcher as a file and a notice of a few bytes: a rank killed
+    at any moment of its report leaves no half-read message to block the launcher forever."""
+    t0 = time.monotonic()
+    with pytest.raises(fxtron.PeerError, match="rank 1 died killed by SIGKILL"):
+        fxtron.launch(_killed_while_reporting_job, fxtron.Mesh(2), timeout_s=scaled(120))
+    assert time.monotonic() - t0 < scaled(60)
 
 
 def test_a_collective_whose_peer_closed_is_a_peer_error():

@@ -26,6 +26,9 @@ LR, STEPS = 1e-3, 3
 CASES = [("gpt", torch.bfloat16, False), ("llama", torch.bfloat16, False), ("llama", torch.bfloat16, True),
          ("hf-gpt2", torch.bfloat16, False), ("hf-llama", torch.bfloat16, True), ("gpt", torch.float16, False)]
 GRAD_TOL = {torch.bfloat16: 2.0**-5, torch.float16: 2.0**-8}
+# clipping under fp16's loss scale: the norm and the coefficient are the model's, not the scaled
+# gradients' (0.05: below the global norm, ~3, so every step clips)
+CLIP = 0.05
 # tp=4 (a second job of 4 processes): a shipped and a transformers model, with and without sp
 CASES_TP4 = [("gpt", torch.bfloat16, True), ("hf-llama", torch.bfloat16, False)]
 _opt = adamw(LR)
@@ -48,6 +51,11 @@ def _job(rank: int, mesh: fxtron.Mesh, cases: list) -> dict:
         prog = pm.program(rank)
         opt = _opt(prog.parameters())
         res = {**train_program(prog, _batches(name), opt), "dtypes": {p.dtype for p in prog.parameters()}}
+        if dtype == torch.float16:
+            clipped = fxtron.parallelize(make(name), mesh, example_inputs=a, example_kwargs=kw, dtype=dtype,
+                                         sequence_parallel=sp, clip_grad=CLIP).program(rank)
+            copt = _opt(clipped.parameters())
+            res["clipped"] = {**train_program(clipped, _batches(name), copt), "skipped": clipped.scaler.skipped}
         if prog.scaler is not None:
             res["scale"], res["skipped"] = prog.scaler.scale, prog.scaler.skipped
             prog.scaler.scale = 1e38                       # force an overflow: the step is skipped
@@ -103,6 +111,20 @@ def test_fp16_dynamic_loss_scaling(results):
         assert got["scale"] == 2.0**16 and got["skipped"] == 0
         skipped, scale, unchanged = got["overflow"]
         assert skipped == 1 and scale == 0.5e38 and unchanged
+
+
+def test_fp16_clips_the_model_s_gradients_not_the_scaled_ones(results):
+    """clip_grad under fp16: the global norm reported and clipped to is the model's (the scaled
+    gradients' over the loss scale), as the one-process model's clip_grad_norm_ sees it."""
+    ref = reference_training(make("gpt"), _batches("gpt"), _opt, dtype=torch.float16, clip_grad=CLIP)
+    for rank, res in enumerate(results):
+        got = res[_key("gpt", torch.float16, False)]["clipped"]
+        assert got["skipped"] == 0
+        for a, b in zip(got["norms"], ref["norms"]):
+            assert abs(a - b) <= 2.0**-6 * b, (rank, got["norms"], ref["norms"])
+        state = {k: v for k, v in ref["state"].items() if k in got["state"]}
+        dw, where = max_abs_diff(got["state"], state)
+        assert dw <= 2 * STEPS * LR, f"rank {rank}: weight {where} off by {dw:.3g}"
 
 
 def test_dtype_is_checked():

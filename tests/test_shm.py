@@ -11,7 +11,7 @@ through gloo bit for bit (two ranks: a + b == b + a), while the channel carried 
 collective of the programs (gloo carried none of theirs); collectives left open while others
 start complete correctly; and dp=2 training, its buckets (zero=0's all-reduces, zero=1's
 reduce-scatters) published during backward through the dp group's channel, equals gloo's bit
-for bit.
+for bit; and a step that failed after publishing buckets leaves nothing in the next ones.
 """
 from __future__ import annotations
 
@@ -82,15 +82,33 @@ def _errors(rank: int, pg) -> dict:
     except RuntimeError as e:
         out["diverged"] = str(e)
     comm.all_reduce(torch.ones(3))                 # the channel stays usable, in step
-    # a missing peer: rank 0 waits alone on a channel with a short timeout
+    # a missing peer: rank 0 waits alone on a channel with a short timeout, completing a split
+    # all-reduce as its next collective starts; the split one's wait() then raises too (it never
+    # got its sum)
     short = shm.ShmComm.create(pg, timeout_s=0.5)
     if rank == 0:
+        work = short.start_all_reduce(torch.ones(3))
         try:
             short.all_reduce(torch.ones(4))
         except TimeoutError as e:
             out["timeout"] = str(e)
+        try:
+            work.wait()
+        except TimeoutError as e:
+            out["wait_after_timeout"] = str(e)
     short.close()
     dist.barrier(group=pg)
+    # a reduce-scatter of a dim the group does not divide: refused before anything is published
+    try:
+        comm.reduce_scatter(torch.ones(3, 2), 0)
+    except ValueError as e:
+        out["indivisible"] = str(e)
+    # a split all-reduce discarded (its step failed): the tensor is left as it is, the channel in step
+    t = torch.full((4,), float(rank + 1))
+    comm.start_all_reduce(t).discard()
+    after = torch.full((2,), float(rank + 1))
+    comm.all_reduce(after)
+    out["discarded"] = (t.tolist(), after.tolist())
     # no segment can be made (the slots would need 2**50 bytes): every rank stays on gloo
     out["too_big"] = shm.ShmComm.create(pg, timeout_s=5.0, capacity=1 << 50)
     return out
@@ -124,6 +142,33 @@ def _train_dp(rank: int, mesh: fxtron.Mesh, zero: int) -> dict:
     return _train_both(rank, mesh, "gpt", "dp", zero=zero, bucket_size=5000)
 
 
+def _train_after_a_failed_step(rank: int, zero: int) -> dict:
+    """dp=2 through the dp group's channel: a step whose backward fails on every rank after its
+    first buckets were published (the error caught, the step dropped), then two good steps;
+    against the same two steps without the failed one. The buckets the failed step started must
+    not land in the next step's gradients."""
+    mesh = fxtron.Mesh(2)
+    args, _ = batch("gpt", 2, 8, seed=0)
+    pm = fxtron.parallelize(make("gpt"), mesh, example_inputs=args, zero=zero, bucket_size=5000)
+    steps = [batch("gpt", 4, 16, seed=20 + i)[0] for i in range(2)]
+    res = {}
+    for failed_first in (True, False):
+        prog = pm.program(rank)
+        opt = torch.optim.AdamW(prog.parameters(), lr=1e-3)
+        if failed_first:      # the embedding's gradient is backward's last: the layers' buckets started
+            emb = dict(prog.named_parameters())["wte.weight"]
+            hook = emb.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("injected")))
+            try:
+                prog.train_step(batch("gpt", 4, 16, seed=19)[0], opt)
+            except RuntimeError as e:
+                res["error"] = str(e)
+            hook.remove()
+            res["started_before_failing"] = prog.grads.buffer.started_early
+        losses = [prog.train_step(b, opt) for b in steps]
+        res[failed_first] = {"losses": losses, "state": {k: v.clone() for k, v in prog.state_dict().items()}}
+    return res
+
+
 def _job(rank: int, mesh: fxtron.Mesh) -> dict:
     pg = groups_for(mesh).group("tp")
     comm = shm.channel(pg.group_name)
@@ -133,6 +178,7 @@ def _job(rank: int, mesh: fxtron.Mesh) -> dict:
         out[(name, sp)] = _train(rank, mesh, name, sp)
     for zero in (0, 1):
         out[("dp", zero)] = _train_dp(rank, fxtron.Mesh(2), zero)
+        out[("failed", zero)] = _train_after_a_failed_step(rank, zero)
     return out
 
 
@@ -197,6 +243,22 @@ def test_diverged_program_and_missing_peer_raise(ranks):
         assert r["err"]["too_big"] is None
     msg = ranks[0]["err"]["timeout"]
     assert "ranks [1] of the group did not arrive within 0.5 s" in msg, msg
+    assert ranks[0]["err"]["wait_after_timeout"] == msg
+    for rank, r in enumerate(ranks):
+        assert "dim 0 of shape (3, 2) cannot be split over the 2 ranks" in r["err"]["indivisible"]
+        assert r["err"]["discarded"] == ([rank + 1.0] * 4, [3.0, 3.0])
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_a_failed_step_leaves_no_gradient_behind(ranks, zero):
+    """A step whose backward raised after publishing buckets (the caller caught it and went on):
+    the next steps train exactly as without it."""
+    for r in ranks:
+        res = r[("failed", zero)]
+        assert res["error"] == "injected" and res["started_before_failing"] > 0
+        assert res[True]["losses"] == res[False]["losses"]
+        for k, v in res[True]["state"].items():
+            assert torch.equal(v, res[False]["state"][k]), k
 
 
 @pytest.mark.parametrize("case", [("llama", False), ("gpt", True)], ids=["llama", "gpt+sp"])

@@ -18,7 +18,7 @@ ZOO = {"Llama": "hf-llama", "Mistral": "hf-mistral", "Qwen2": "hf-qwen2", "Qwen3
        "GraniteMoE": "hf-granitemoe", "Mamba": "hf-mamba", "Mamba2": "hf-mamba2", "MiniMax": "hf-minimax",
        "Doge": "hf-doge", "CPM-Ant": "hf-cpmant", "LongCat-Flash": "hf-longcat", "Ergo": "hf-ergo",
        "Qwen3-Next": "hf-qwen3next", "Qwen3.5": "hf-qwen3_5"}
-VOCAB = {"gpt": 256, "gpt-frozen": 256, "llama": 256, "moe": 256, "hf-mixtral-aux": 128, "cumsum-mlp": 64, "factories-mlp": 64, "gather-mlp": 64, "einsum-attn": 64, "in-place-mlp": 64,
+VOCAB = {"gpt": 256, "gpt-frozen": 256, "llama": 256, "moe": 256, "hf-mixtral-aux": 128, "two-branch-mlp": 64, "cumsum-mlp": 64, "factories-mlp": 64, "gather-mlp": 64, "einsum-attn": 64, "in-place-mlp": 64,
          "nanogpt": 64, "hf-gpt2-eager": 128, "hf-qwen2-tied": 128, **{n: 128 for n in ZOO.values()}}
 NAMES = ["gpt", "llama", "hf-gpt2", "hf-llama"]
 # more transformers decoders (traced layer by layer in test_repeat; test_zoo.py holds all of ZOO
@@ -63,6 +63,29 @@ class CumsumMLP(torch.nn.Module):
         x = self.emb(idx)
         h = torch.cumsum(torch.nn.functional.gelu(self.up(x)), dim=-1) / 8
         x = x + self.down(h)
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+class TwoBranchMLP(torch.nn.Module):
+    """One replicated value feeding two column/row-split branches on either side of a
+    vocab-parallel lookup (an op a compiled region cannot hold), and the residual add after
+    both: the region before the lookup returns the value and tp's f of it (a parallel attention
+    and MLP on one norm, Falcon's and Phi's block, has this shape)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.a_up, self.a_down = torch.nn.Linear(dim, 2 * dim), torch.nn.Linear(2 * dim, dim)
+        self.b_up, self.b_down = torch.nn.Linear(dim, 2 * dim), torch.nn.Linear(2 * dim, dim)
+        self.emb2 = torch.nn.Embedding(vocab, dim)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, idx, targets):
+        x = torch.tanh(self.emb(idx))
+        a = self.a_down(torch.relu(self.a_up(x)))
+        e2 = self.emb2(idx)
+        b = self.b_down(torch.relu(self.b_up(x)))
+        x = x + a + b + e2
         return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
 
@@ -324,6 +347,8 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
             if n.startswith(("blocks.0.", "wpe.", "wte.")):
                 p.requires_grad_(False)
         return model
+    if name == "two-branch-mlp":
+        return TwoBranchMLP()
     if name == "cumsum-mlp":
         return CumsumMLP()
     if name == "factories-mlp":

@@ -320,8 +320,13 @@ class Tracked:
             done(e)
         return out
 
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
+    def discard(self) -> None:
+        """Complete it without writing its result where it was started (a shared-memory work's
+        discard; a backend's work is waited for: it wrote there already or does so now)."""
+        with waiting(self.entries[0] if self.entries else None):
+            getattr(self.work, "discard", self.work.wait)()
+        for e in self.entries[1:]:
+            done(e)
 
 
 def started(e: Entry | None, work):
@@ -459,8 +464,9 @@ def read_flight(directory: str, rank: int) -> list[tuple[int, str, float, str]]:
 
 
 def flight_report(directory: str, world: int, now: float | None = None) -> str:
-    """What every rank was doing when the job ended: the oldest operation it was still waiting
-    in (or its last one), from the flight files."""
+    """What every rank was doing when the job ended, from the flight files: the last operation
+    it was waiting in or failed in, else the first it had issued and not waited for, else its
+    last one."""
     now = time.time() if now is None else now
     lines = []
     for r in range(world):

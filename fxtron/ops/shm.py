@@ -36,6 +36,9 @@ wait for; a wait longer than the collective timeout raises, naming the ranks not
 weight-gradient GEMMs of Megatron's overlapped backward run while the slower rank catches up,
 and data parallel's gradient buckets are published as backward completes them. A channel holds
 one such open collective at a time: the next collective on it completes the open one first.
+A work whose step failed before waiting for it is `discard()`ed (completed into scratch: the
+peers published it too) rather than left for the next collective to complete into a tensor
+reused since; a completion that failed fails every later `wait()` too.
 """
 from __future__ import annotations
 
@@ -103,7 +106,7 @@ class _Open:
     its result every time."""
 
     def __init__(self, comm: "ShmComm", seq: int):
-        self.comm, self.seq, self._done, self._result = comm, seq, seq < 0, None
+        self.comm, self.seq, self._done, self._result, self._error = comm, seq, seq < 0, None, None
         if not self._done:
             comm._open = self
 
@@ -112,8 +115,20 @@ class _Open:
             self._done = True
             if self.comm._open is self:
                 self.comm._open = None
-            self._result = self._complete()
+            try:
+                self._result = self._complete()
+            except BaseException as e:      # every later wait() raises it too: the result never came
+                self._error = e
+                raise
+        if self._error is not None:
+            raise self._error
         return self._result
+
+    def discard(self) -> None:
+        """Complete it into a scratch tensor: the collective's protocol is kept (the peers
+        published it too) while the tensor it was started on is left alone -- for a step that
+        failed after starting it, whose buffer the next step reuses."""
+        raise NotImplementedError
 
     def _complete(self):
         raise NotImplementedError
@@ -131,6 +146,11 @@ class ShmWork(_Open):
         self.comm._finish(self.out, self.seq, OP_SUM)
         return True
 
+    def discard(self) -> None:
+        if not self._done:
+            self.out = torch.empty_like(self.out)
+            self.wait()
+
 
 class ShmScatterWork(_Open):
     """The second half of `start_reduce_scatter`; `wait()` returns this rank's slice of the sum."""
@@ -143,6 +163,9 @@ class ShmScatterWork(_Open):
 
     def _complete(self) -> Tensor:
         return self.comm._finish_reduce_scatter(self.t, self.dim, self.seq)
+
+    def discard(self) -> None:
+        self.wait()                       # (its result is a new tensor: nothing of the caller's written)
 
 
 class ShmComm:
@@ -191,19 +214,22 @@ class ShmComm:
             except OSError:
                 _unlink(path)
                 path = None
-        box = [path]
-        dist.broadcast_object_list(box, group_src=0, group=pg)
-        path = box[0]
-        comm = None
-        if path is not None:
-            try:
-                comm = cls(path, index, size, pg.group_name, timeout_s, capacity)
-            except OSError:
-                comm = None
-        ok = [None] * size
-        dist.all_gather_object(ok, comm is not None, group=pg)   # also: every rank has mapped it
-        if index == 0 and path is not None:
-            _unlink(path)
+        mine = path
+        try:
+            box = [path]
+            dist.broadcast_object_list(box, group_src=0, group=pg)
+            path = box[0]
+            comm = None
+            if path is not None:
+                try:
+                    comm = cls(path, index, size, pg.group_name, timeout_s, capacity)
+                except OSError:
+                    comm = None
+            ok = [None] * size
+            dist.all_gather_object(ok, comm is not None, group=pg)   # also: every rank has mapped it
+        finally:        # (a peer that died or timed out here leaves no segment in /dev/shm)
+            if mine is not None:
+                _unlink(mine)
         if not all(ok):
             if comm is not None:
                 comm.close()
@@ -254,6 +280,7 @@ class ShmComm:
         """Publish `t` now; the work's wait() returns this rank's 1/size slice along `dim` of the
         sum (plain split), read straight from every rank's slot. The
         channel's next collective completes it first."""
+        self._check_split(t, dim)
         t = t.contiguous()
         if t.numel() * t.element_size() > self.capacity:
             return ShmScatterWork(self, self.reduce_scatter(t, dim), dim, -1)
@@ -293,6 +320,7 @@ class ShmComm:
         split): a new tensor."""
         if t.numel() * t.element_size() <= self.capacity:
             return self.start_reduce_scatter(t, dim).wait()
+        self._check_split(t, dim)
         src = t.movedim(dim, 0).contiguous()                         # (size * n, ...)
         n = src.shape[0] // self.size
         out = src.new_empty((n, *src.shape[1:]))
@@ -309,6 +337,11 @@ class ShmComm:
             _reduce(dst[lo:lo + k], slots, OP_SUM)
             self._done(piece)
         return out.movedim(0, dim).contiguous()
+
+    def _check_split(self, t: Tensor, dim: int) -> None:
+        if t.shape[dim] % self.size:      # (the gloo path refuses it too; a slice would drop the rest)
+            raise ValueError(f"shared-memory reduce_scatter: dim {dim} of shape {tuple(t.shape)} cannot be "
+                             f"split over the {self.size} ranks of group {self.group_name!r}")
 
     # ---------------------------------------------------------------- mechanism
     def _publish(self, piece: Tensor, op: int) -> int:
@@ -402,10 +435,14 @@ def open_channels(pgs: dict[str, object], timeout_s: float) -> dict[str, ShmComm
     given: every rank must pass its groups in the same global order) and register it under
     the group's name. Returns the channels made."""
     made = {}
-    for pg in pgs.values():
-        comm = ShmComm.create(pg, timeout_s)
-        if comm is not None:
-            _CHANNELS[pg.group_name] = made[pg.group_name] = comm
+    try:
+        for pg in pgs.values():
+            comm = ShmComm.create(pg, timeout_s)
+            if comm is not None:
+                _CHANNELS[pg.group_name] = made[pg.group_name] = comm
+    except BaseException:       # (those made so far would be registered and never closed)
+        close_channels(made)
+        raise
     return made
 
 

@@ -118,14 +118,18 @@ class _AllReduce(torch.autograd.Function):
 
 class _CopyToRegionTraced(torch.autograd.Function):
     """copy_to_region as a compiled region holds it (codegen/regions.py, where the region holds
-    the linears around it): a view forward, a backward that calls fxtron::all_reduce, both traced
-    by Dynamo into the region's forward and backward graphs (the collective an opaque call
-    inside them, between fused kernels)."""
+    the linears around it): an identity forward, a backward that calls fxtron::all_reduce, both
+    traced by Dynamo into the region's forward and backward graphs (the collective an opaque
+    call inside them, between fused kernels). The forward is a copy, not a view: a region that
+    returns both a value and this function's view of it would have the view rebuilt outside the
+    compiled graph as a plain view (AOTAutograd's output-alias handling), and this backward's
+    all-reduce skipped -- the gradient reaching x through the view left a partial sum. Inductor
+    drops the copy wherever the output is not a region's."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return x.view_as(x)
+        return x.clone()
 
     @staticmethod
     def backward(ctx, grad):

@@ -123,6 +123,14 @@ class GradBuffer:
         its bucket is reduced is zeroed then (a parameter without a gradient this step). Without
         `views` (direct accumulation, runtime/grads.py: autograd adds into the views itself), or
         after `release`, the buffer is zeroed."""
+        for b in self.buckets:
+            if b.work is not None:
+                # started by a step that failed before waiting for it (an error the caller caught):
+                # completed first, so the peers' collectives stay in step, and without writing into
+                # the buffer after it is reset (a shared-memory channel would otherwise complete it
+                # at its next collective, into this step's gradients)
+                b.work.discard() if hasattr(b.work, "discard") else b.work.wait()
+                b.work = None
         storage = self.data.untyped_storage()
         if storage.nbytes() == 0 and self.data.numel():
             storage.resize_(self.data.numel() * self.data.element_size())
@@ -227,6 +235,9 @@ class _Into:
 
     def wait(self) -> None:
         self.out.copy_(self.work.wait().view_as(self.out))
+
+    def discard(self) -> None:
+        getattr(self.work, "discard", self.work.wait)()
 
 
 def _round_up(n: int, k: int) -> int:

@@ -295,7 +295,7 @@ class Gradients:
             buf.start_reporting(names)
 
     # ---------------------------------------------------------------- finalize
-    def finalize(self, *, read_norm: bool = True) -> torch.Tensor | None:
+    def finalize(self, *, read_norm: bool = True, loss_scale: float | None = None) -> torch.Tensor | None:
         """Megatron's finalize_model_grads, in order: finish the data-parallel sync of the
         buckets (all-reduce, or reduce-scatter under zero=1); sum over their axes the gradients
         that are partial there although the weight is whole (norm weights under sequence
@@ -304,7 +304,8 @@ class Gradients:
         parameter's .grad is its gradient (the rank's shard under zero=1, its piece under zero=3).
         Returns the norm before clipping (a device tensor; None without clip_grad), read on the
         host into `last_norm` unless `read_norm` is False (a captured step, runtime/graphs.py,
-        reads it after the replay)."""
+        reads it after the replay). `loss_scale`: the gradients are fp16's scaled ones (the
+        optimizer step unscales them): the norm and the clipping are the model's (clip_)."""
         if self.fsdp is not None:
             self.fsdp.finish()
         for buf in self.buffers.values():
@@ -321,7 +322,7 @@ class Gradients:
         self.sync_shared()
         if self.config.clip_grad is None:
             return None
-        norm = self.clip_(self.config.clip_grad)
+        norm = self.clip_(self.config.clip_grad, loss_scale)
         if read_norm:
             self.last_norm = float(norm)
         return norm
@@ -435,10 +436,15 @@ class Gradients:
             if p.grad is not None:
                 yield p.grad, n
 
-    def clip_(self, max_norm: float) -> torch.Tensor:
+    def clip_(self, max_norm: float, loss_scale: float | None = None) -> torch.Tensor:
         """Scale every gradient by max_norm / (norm + 1e-6) when that is below 1, as
-        torch.nn.utils.clip_grad_norm_ does on the single-process model; returns the norm."""
+        torch.nn.utils.clip_grad_norm_ does on the single-process model; returns the norm.
+        Gradients still multiplied by fp16's `loss_scale` S: the norm is the model's (the scaled
+        gradients' over S) and so is the coefficient, which commutes with the unscaling after
+        it (Megatron unscales, then clips: the same numbers)."""
         norm = self.norm()
+        if loss_scale is not None:
+            norm = norm / loss_scale
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for g, _ in self._for_norm():
             g.mul_(coef.to(g.dtype))

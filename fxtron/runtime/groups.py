@@ -40,6 +40,9 @@ class ProcessGroups:
     rank: int
     backend: str
     device: torch.device
+    # every group's collective timeout (init_distributed's timeout_s; new_group's own default
+    # would be torch's 30 minutes, whatever the default group's)
+    timeout: datetime.timedelta | None = None
     # shared-memory channels by group name (ops/shm.py), made by init_distributed
     channels: dict = field(default_factory=dict, repr=False)
     _by_kind: dict[str, tuple[tuple[int, ...], object]] = field(default_factory=dict, repr=False)
@@ -95,7 +98,8 @@ class ProcessGroups:
                 key = tuple(ranks)
                 pg = self._made.get(key)
                 if pg is None:
-                    pg = self._made[key] = dist.group.WORLD if key == world else dist.new_group(list(key))
+                    pg = self._made[key] = dist.group.WORLD if key == world else \
+                        dist.new_group(list(key), timeout=self.timeout)
                 if self.rank in key:
                     mine = (key, pg)
             self._by_kind[kind] = mine
@@ -116,23 +120,23 @@ TWIN_KINDS = ("pp",)
 
 
 def build_groups(mesh: Mesh, rank: int, backend: str, device: torch.device, *,
-                 twins_for_all: bool = False) -> ProcessGroups:
+                 twins_for_all: bool = False, timeout: datetime.timedelta | None = None) -> ProcessGroups:
     """Create every group of the mesh (and the gloo twins of those of TWIN_KINDS, or of every
-    group with `twins_for_all`); all ranks must call this in the same order (they do: the
-    iteration below depends only on the mesh)."""
+    group with `twins_for_all`), each with `timeout` on its collectives; all ranks must call this
+    in the same order (they do: the iteration below depends only on the mesh)."""
     made: dict[tuple[int, ...], object] = {}
     twins: dict[tuple[int, ...], object] = {}
     world = tuple(range(mesh.world_size))
-    pgs = ProcessGroups(mesh=mesh, rank=rank, backend=backend, device=device)
+    pgs = ProcessGroups(mesh=mesh, rank=rank, backend=backend, device=device, timeout=timeout)
     for kind in GROUP_KINDS:
         mine = None
         for ranks in mesh.groups(kind):
             key = tuple(ranks)
             if key not in made:
                 # every rank takes part in creating every group (torch.distributed's rule)
-                made[key] = dist.group.WORLD if key == world else dist.new_group(list(key))
+                made[key] = dist.group.WORLD if key == world else dist.new_group(list(key), timeout=timeout)
             if (twins_for_all or kind in TWIN_KINDS) and len(key) > 1 and key not in twins:
-                twins[key] = dist.new_group(list(key), backend="gloo")
+                twins[key] = dist.new_group(list(key), backend="gloo", timeout=timeout)
             if rank in key:
                 mine = key
         if mine is not None:
@@ -238,7 +242,8 @@ def init_distributed(mesh: Mesh, *, backend: str | None = None, timeout_s: float
                                 store=store if store is not None else _held_store(rank, world, timeout_s))
     if check_collectives is None:
         check_collectives = ledger.check_default()
-    groups = build_groups(mesh, rank, backend, device, twins_for_all=check_collectives)
+    groups = build_groups(mesh, rank, backend, device, twins_for_all=check_collectives,
+                          timeout=datetime.timedelta(seconds=timeout_s))
     _install_ledger(groups, check_collectives)
     if shm_transport is None:
         shm_transport = shm_default()

@@ -9,7 +9,9 @@ so a rank starts in a fraction of a second instead of the ~3 s those imports cos
 rank gets the launching process's environment and standard output and error as they are at
 the launch (a forkserver's children would otherwise inherit the server's, fixed when it started; what a module reads from the
 environment as it is imported -- TRITON_INTERPRET for codegen/wgrad.py -- is as it was when the
-first launch started the server). The first rank to fail ends the job:
+first launch started the server). A rank's result (or traceback) reaches the launcher as a file
+in the job's flight directory and a notice of a few bytes on a queue, so a rank killed while
+reporting cannot leave the launcher blocked on half a message. The first rank to fail ends the job:
 the others are killed and its traceback is raised here as LaunchError. For many machines run
 the same per-rank code under torchrun with `fxtron.init_distributed(mesh)` instead
 (`torchrun_world` tells a process started by torchrun).
@@ -43,9 +45,34 @@ def _rendezvous(timeout_s: float):
                          wait_for_workers=False)
 
 
+def _report_path(flight_dir: str, rank: int, ok: bool) -> str:
+    return os.path.join(flight_dir, f"rank{rank}.{'result' if ok else 'error'}")
+
+
+def _report(results, flight_dir: str, rank: int, ok: bool, payload: bytes) -> None:
+    """A rank's result (torch.save's bytes: tensors travel as bytes, not as shared-memory
+    handles that die with the process) or traceback, written whole to a file and renamed into
+    place; then a notice of a few bytes on the queue. A pipe write that small is atomic, so a
+    rank killed while reporting (the OOM killer, as a large result doubles its memory) leaves
+    no half message for the launcher's read to block on forever."""
+    path = _report_path(flight_dir, rank, ok)
+    with open(path + ".part", "wb") as fh:
+        fh.write(payload)
+    os.replace(path + ".part", path)
+    results.put((rank, ok))
+    results.close()
+    results.join_thread()           # the queue's feeder thread must flush before the rank exits
+
+
+def _read_report(flight_dir: str, rank: int, ok: bool) -> bytes:
+    path = _report_path(flight_dir, rank, ok)
+    with open(path, "rb") as fh:
+        payload = fh.read()
+    os.remove(path)                 # (a flight_dir given is kept: only the recorder's files stay)
+    return payload
+
+
 def _dumps(obj: Any) -> bytes:
-    # torch.save rather than the queue's pickler: tensors then travel as bytes, not as shared
-    # memory handles that die with the child process.
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
@@ -96,13 +123,9 @@ def _worker(fn, mesh: Mesh, rank: int, args: tuple, port: int, backend: str | No
         out = fn(rank, *args)
         payload = _dumps(out)
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
-        results.put((rank, False, f"rank {rank} failed:\n{traceback.format_exc()}"))
-        results.close()
-        results.join_thread()  # the queue's feeder thread must flush before we exit
+        _report(results, flight_dir, rank, False, f"rank {rank} failed:\n{traceback.format_exc()}".encode())
         os._exit(1)  # skip destructors that could block on dead peers
-    results.put((rank, True, payload))
-    results.close()
-    results.join_thread()
+    _report(results, flight_dir, rank, True, payload)
     G.destroy()
 
 
@@ -127,11 +150,11 @@ def _failures(procs, results, done: dict, first: str | None, flight_dir: str, gr
     end = time.monotonic() + grace_s
     while time.monotonic() < end:
         try:
-            rank, ok, payload = results.get(timeout=0.1)
+            rank, ok = results.get(timeout=0.1)
         except queue.Empty:
             continue
         if not ok:
-            messages.append(payload)
+            messages.append(_read_report(flight_dir, rank, False).decode())
     reported = {m.split(" ", 2)[1] for m in messages if m.startswith("rank ")}
     dead = [f"rank {r} died {_exit(p.exitcode)} without a traceback" for r, p in enumerate(procs)
             if r not in done and str(r) not in reported and p.exitcode not in (None, 0)]
@@ -193,7 +216,7 @@ def launch(fn: Callable[..., Any], mesh: Mesh, args: tuple = (), *, backend: str
     try:
         while len(done) < mesh.world_size:
             try:
-                rank, ok, payload = results.get(timeout=0.2)
+                rank, ok = results.get(timeout=0.2)
             except queue.Empty:
                 if time.monotonic() > deadline:
                     raise LaunchError(f"job timed out after {timeout_s:.0f} s; ranks still running: "
@@ -202,8 +225,9 @@ def launch(fn: Callable[..., Any], mesh: Mesh, args: tuple = (), *, backend: str
                 if any(r not in done and p.exitcode not in (None, 0) for r, p in enumerate(procs)):
                     raise _failures(procs, results, done, None, flight_dir) from None
                 continue
+            payload = _read_report(flight_dir, rank, ok)
             if not ok:
-                raise _failures(procs, results, done, payload, flight_dir)
+                raise _failures(procs, results, done, payload.decode(), flight_dir)
             done[rank] = torch.load(io.BytesIO(payload), weights_only=False)
         for p in procs:
             p.join(timeout=30)

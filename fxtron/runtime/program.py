@@ -354,7 +354,7 @@ class Program(nn.Module):
                 memory.sample("B", 0, 0)
         self._events = [Event("F", 0, 0, 0, 0.0, t1 - t0), Event("B", 0, 0, 0, t1 - t0, t2 - t0)]
         self._last_runner = None
-        self.grads.finalize()
+        self.grads.finalize(loss_scale=self.scaler.scale if self.scaler is not None else None)
         optim.optimizer_step(self, optimizer)
         out = total()
         ledger.step_end(self.groups)

@@ -174,18 +174,19 @@ def train_program(prog, batches: Iterable, opt) -> dict:
     """Train a rank's program on `batches` ((args, kwargs) global batches, or
     `fxtron.Microbatches` lists) with `opt`: its losses, the full gradients of the first step
     (before its optimizer step) and the full state at the end -- what `assert_trains_like`
-    compares with `reference_training`."""
+    compares with `reference_training` -- and the global norms before clipping (with clip_grad)."""
     from fxtron.runtime.batch import Microbatches
-    losses, grads = [], None
+    losses, grads, norms = [], None, []
     for step, item in enumerate(batches):
         if isinstance(item, Microbatches):
             losses.append(prog.train_step(item, opt))
         else:
             args, kwargs = item
             losses.append(prog.train_step(args, opt, kwargs=kwargs))
+        norms.append(prog.last_grad_norm)
         if step == 0:
             grads = prog.full_grads()
-    return {"losses": losses, "grads": grads, "state": prog.full_state_dict()}
+    return {"losses": losses, "grads": grads, "state": prog.full_state_dict(), "norms": norms}
 
 
 def assert_trains_like(got: dict, ref: dict, *, rank: int = 0, loss_tol: float = 2e-6, grad_tol: float = 1e-6,

@@ -61,7 +61,7 @@ def pipelined_step(prog, inputs, optimizer, kwargs) -> float:
     prog._last_runner = run
     with prog.grads.accumulation(), ep.dispatch_log(prog), batch.active():
         loss = run.run(mbs, loss_scale=prog.scaler.scale if prog.scaler is not None else 1.0)
-    prog.grads.finalize()
+    prog.grads.finalize(loss_scale=prog.scaler.scale if prog.scaler is not None else None)
     optim.optimizer_step(prog, optimizer)
     return _global_loss(prog, loss)
 
