@@ -12,11 +12,14 @@ Adam turns rounding-level gradient noise into full-size updates.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import fxtron
-from fxtron.tools.testing import adamw, max_abs_diff, reference_training, run_on_ranks, train_program
+from fxtron.tools.testing import adamw, max_abs_diff, reference_training, run_on_ranks, shared_dir, \
+    shared_dir_path, train_program
 from tp_models import batch, batches, make
 
 pytestmark = pytest.mark.slow      # gloo jobs of 2 and 4 processes
@@ -63,7 +66,16 @@ def _job(rank: int, mesh: fxtron.Mesh, cases: list) -> dict:
             a, kw = _batches(name)[0]
             prog.train_step(a, opt, kwargs=kw)
             res["overflow"] = (prog.scaler.skipped, prog.scaler.scale,
-                               all(torch.equal(before[n], p) for n, p in prog.named_parameters()))
+                               all(torch.equal(before[n], p) for n, p in prog.named_parameters()),
+                               prog.last_step_skipped)
+            # the scaler's state travels with a checkpoint: a resumed run goes on at its scale
+            prog.scaler.scale, prog.scaler.clean_steps = 1024.0, 7
+            path = os.path.join(shared_dir_path("mixed-precision"), _key(name, dtype, sp))
+            prog.save(path)
+            resumed = pm.program(rank)
+            resumed.load(path)
+            res["resumed_scaler"] = resumed.scaler.state_dict()
+            res["saved_scaler"] = prog.scaler.state_dict()
         out[_key(name, dtype, sp)] = res
     return out
 
@@ -71,6 +83,12 @@ def _job(rank: int, mesh: fxtron.Mesh, cases: list) -> dict:
 def _reference(name: str, dtype: torch.dtype) -> dict:
     """The same policy in one process: fp32 parameters, forward with 16-bit copies."""
     return reference_training(make(name), _batches(name), _opt, dtype=dtype)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _checkpoints():
+    with shared_dir("mixed-precision"):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +127,9 @@ def test_fp16_dynamic_loss_scaling(results):
     for res in results:
         got = res[_key("gpt", torch.float16, False)]
         assert got["scale"] == 2.0**16 and got["skipped"] == 0
-        skipped, scale, unchanged = got["overflow"]
-        assert skipped == 1 and scale == 0.5e38 and unchanged
+        skipped, scale, unchanged, said = got["overflow"]
+        assert skipped == 1 and scale == 0.5e38 and unchanged and said    # the trainer reads `said`
+        assert got["resumed_scaler"] == got["saved_scaler"] and got["saved_scaler"]["scale"] == 1024.0
 
 
 def test_fp16_clips_the_model_s_gradients_not_the_scaled_ones(results):
@@ -125,6 +144,74 @@ def test_fp16_clips_the_model_s_gradients_not_the_scaled_ones(results):
         state = {k: v for k, v in ref["state"].items() if k in got["state"]}
         dw, where = max_abs_diff(got["state"], state)
         assert dw <= 2 * STEPS * LR, f"rank {rank}: weight {where} off by {dw:.3g}"
+
+
+class _Head(torch.nn.Module):
+    """An embedding and a head whose loss is the model's own fp16 number: a cross entropy, or a
+    plain mean over every element (an MSE-like loss)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind, self.emb, self.head = kind, torch.nn.Embedding(32, 8), torch.nn.Linear(8, 32)
+
+    def forward(self, ids, labels):
+        logits = self.head(self.emb(ids))
+        if self.kind == "ce":
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return (logits * logits).mean()
+
+
+def _head_data(b: int, s: int):
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 32, (b, s), generator=g), torch.randint(0, 32, (b, s), generator=g)
+
+
+# a rank's share of the losses' elements past fp16's 65504: 8 x 4096 tokens, 2 x 1024 x 32 logits
+HEAD_CASES = {"ce": (16, 4096), "mean": (4, 1024)}
+
+
+def _head_job(rank: int, mesh: fxtron.Mesh) -> dict:
+    out = {}
+    for kind, (b, s) in HEAD_CASES.items():
+        torch.manual_seed(0)
+        prog = fxtron.parallelize(_Head(kind), mesh, example_inputs=_head_data(2, 8), dtype=torch.float16).program(rank)
+        loss = prog.train_step(_head_data(b, s), torch.optim.SGD(prog.parameters(), lr=0.0))
+        out[kind] = (loss, {n: g.float().norm().item() for n, g in prog.full_grads().items()},
+                     prog.scaler.skipped, prog.scaler.scale)
+    return out
+
+
+def _head_reference(kind: str) -> tuple[float, dict]:
+    """The one-process fp16 model, its mean accumulated in fp32 as CUDA's kernels do (the CPU's
+    fp16 cross entropy accumulates in fp16 and overflows itself)."""
+    torch.manual_seed(0)
+    model = _Head(kind)
+    ps = {n: p.detach().half().requires_grad_() for n, p in model.named_parameters()}
+    ids, labels = _head_data(*HEAD_CASES[kind])
+    logits = (ps["emb.weight"][ids] @ ps["head.weight"].t() + ps["head.bias"]).float()
+    loss = (torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()) if kind == "ce"
+            else (logits * logits).mean())
+    loss.backward()
+    return loss.item(), {n: p.grad.float().norm().item() for n, p in ps.items()}
+
+
+@pytest.fixture(scope="module")
+def heads():
+    return run_on_ranks(_head_job, fxtron.Mesh(2), fxtron.Mesh(2))
+
+
+@pytest.mark.parametrize("kind", list(HEAD_CASES))
+def test_fp16_losses_over_more_elements_than_fp16_counts(heads, kind):
+    """An fp16 mean over more than 65504 elements a rank (dp=2): the global count and the sum
+    behind the mean are fp32, as the mean's own kernel accumulates; an fp16 count was inf (the
+    mean 0, every gradient 0), an fp16 sum of the token losses inf. The loss is fp16 here, so the
+    first step's scale is capped where fp16 holds it (2^15), not skipped."""
+    ref_loss, ref_norms = _head_reference(kind)
+    for rank, (loss, norms, skipped, scale) in enumerate(r[kind] for r in heads):
+        assert abs(loss - ref_loss) <= 2.0**-8 * abs(ref_loss), (rank, loss, ref_loss)
+        for n, v in ref_norms.items():
+            assert abs(norms[n] - v) <= 2e-2 * v, (rank, n, norms[n], v)
+        assert skipped == 0 and scale == 2.0**15, (skipped, scale)
 
 
 def test_dtype_is_checked():

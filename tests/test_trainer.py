@@ -73,8 +73,8 @@ def test_override_lr_schedule_continues_with_this_runs_settings():
 
 def test_checkpoint_events_are_logged_and_an_extended_run_resumes(tmp_path, capsys):
     """One process: a 2-step run's save is a line and a JSONL field; extended to 3 steps it is
-    refused naming --override-lr-schedule, then with it resumes saying what it loaded and which
-    settings it kept -- without torch's 'in a single process' warning. Each record holds this
+    refused naming --override-lr-schedule, then with it (and other AdamW settings) resumes saying
+    what it loaded and which settings it kept -- without torch's 'in a single process' warning. Each record holds this
     rank's bytes by kind."""
     import warnings
 
@@ -97,7 +97,7 @@ def test_checkpoint_events_are_logged_and_an_extended_run_resumes(tmp_path, caps
     capsys.readouterr()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = train_rank(0, cfg.replace(steps=3, override_lr_schedule=True))
+        out = train_rank(0, cfg.replace(steps=3, override_lr_schedule=True, weight_decay=0.0, adam_beta2=0.999))
     assert not [w for w in caught if "single process" in str(w.message)], [str(w.message) for w in caught]
     assert out["resumed_from"] == 2 and list(out["losses"]) == [3]
     text = capsys.readouterr().out
@@ -108,6 +108,12 @@ def test_checkpoint_events_are_logged_and_an_extended_run_resumes(tmp_path, caps
     resumed = _losses(tmp_path / "run.jsonl")[3]
     assert resumed["resumed_from"] == 2 and resumed["checkpoint_loaded"].endswith("iter_0000002")
     assert resumed["lr_schedule_overridden"] == ["decay_steps 2 in the checkpoint, 3 now"]
+    # AdamW's settings are this run's, not the checkpoint's (torch's load_state_dict would take its),
+    # and each change is said: the decayed group's weight decay, both groups' betas
+    assert resumed["optimizer_settings_changed"] == [
+        "betas (0.9, 0.95) -> (0.9, 0.999) (group 0)", "weight_decay 0.1 -> 0.0 (group 0)",
+        "betas (0.9, 0.95) -> (0.9, 0.999) (group 1)"], resumed["optimizer_settings_changed"]
+    assert "optimizer settings: this run's over the checkpoint's: betas (0.9, 0.95) -> (0.9, 0.999)" in text
     assert resumed["lr"] == LRSchedule(3e-3, 0.0, 0, 3, "linear", 2).lr_at(4)     # this run's decay, step 3
 
 

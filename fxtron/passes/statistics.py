@@ -176,11 +176,17 @@ def split_token_means(gm: fx.GraphModule) -> list[fx.Node]:
             continue         # (class probabilities as targets: the mean is over the samples, a plain mean)
         out = _fake(node)
         with g.inserting_before(node):
-            args = (x, t, w, 2, ignore) + ((smoothing if smoothing is not None else 0.0,)
-                                           if node.target is aten.cross_entropy_loss.default else ())
-            total = _insert(g, node, node.target, args, val=out)
-            mask = _insert(g, node, aten.ne.Scalar, (t, ignore), val=tv.ne(0))
             dtype = out.dtype if out.dtype in (torch.float32, torch.float64) else torch.float32
+            # a 16-bit loss: the tokens' losses summed in fp32, as the mean's own kernel accumulates
+            # them (a 16-bit sum overflows past 65504 where the mean does not)
+            narrow = dtype != out.dtype
+            args = (x, t, w, 0 if narrow else 2, ignore) + ((smoothing if smoothing is not None else 0.0,)
+                                                           if node.target is aten.cross_entropy_loss.default else ())
+            total = _insert(g, node, node.target, args, val=tv.new_empty(tv.shape, dtype=out.dtype) if narrow else out)
+            if narrow:
+                total = _insert(g, node, aten.sum.dim_IntList, (total, []), {"dtype": dtype},
+                                val=out.new_empty((), dtype=dtype))
+            mask = _insert(g, node, aten.ne.Scalar, (t, ignore), val=tv.ne(0))
             counted = mask
             if w is not None:   # with class weights the mean divides by the counted targets' weights
                 safe = _insert(g, node, aten.where.ScalarOther, (mask, t, 0), val=tv.clone())
@@ -188,8 +194,6 @@ def split_token_means(gm: fx.GraphModule) -> list[fx.Node]:
                 counted = _insert(g, node, aten.mul.Tensor, (picked, mask), val=tv.new_empty(tv.shape, dtype=out.dtype))
             count = _insert(g, node, aten.sum.dim_IntList, (counted, []), {"dtype": dtype},
                             val=out.new_empty((), dtype=dtype))
-            if dtype != out.dtype:
-                total = _insert(g, node, aten.to.dtype, (total, dtype), val=out.new_empty((), dtype=dtype))
             mean = _insert(g, node, aten.div.Tensor, (total, count), val=out.new_empty((), dtype=dtype))
             if dtype != out.dtype:
                 mean = _insert(g, node, aten.to.dtype, (mean, out.dtype), val=out)
@@ -820,10 +824,14 @@ def _mean_as_sum(g: fx.Graph, node: fx.Node, key: str, ti) -> fx.Node:
     x = node.args[0]
     dims = reduced_dims(node)
     keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-    kwargs = {k: v for k, v in node.kwargs.items() if k == "dtype"}
     out = _fake(node)
+    # in fp32 for a 16-bit mean (its kernel accumulates so): a 16-bit sum, or a count past 65504,
+    # would overflow where the mean does not (a count of inf made the mean 0, silently)
+    acc = out.dtype if out.dtype in (torch.float32, torch.float64) or not out.dtype.is_floating_point \
+        else torch.float32
     with g.inserting_before(node.next):
-        total = _insert(g, node, aten.sum.dim_IntList, (x, dims, keep), kwargs, val=out)
+        total = _insert(g, node, aten.sum.dim_IntList, (x, dims, keep), {"dtype": acc},
+                        val=out.new_empty(out.shape, dtype=acc))
         xv = _fake(x)
         count, count_val = 1, 1               # the rank's own count: static sizes, then each symbolic one
         for d in dims:
@@ -841,11 +849,14 @@ def _mean_as_sum(g: fx.Graph, node: fx.Node, key: str, ti) -> fx.Node:
                     count = count_val
         if isinstance(count, fx.Node):
             meta.set(count, meta.STATISTIC, "the rank's own count, outside a step")
-        local = _insert(g, node, aten.scalar_tensor.default, (count,), {"dtype": out.dtype},
-                        val=out.new_empty(()))
-        glob = _insert(g, node, fxops.global_statistic.default, (local, key), val=out.new_empty(()))
+        local = _insert(g, node, aten.scalar_tensor.default, (count,), {"dtype": acc},
+                        val=out.new_empty((), dtype=acc))
+        glob = _insert(g, node, fxops.global_statistic.default, (local, key), val=out.new_empty((), dtype=acc))
         meta.set(total, meta.STATISTIC, "as is")
-        return _insert(g, node, aten.div.Tensor, (total, glob), val=out)
+        mean = _insert(g, node, aten.div.Tensor, (total, glob), val=out.new_empty(out.shape, dtype=acc))
+        if acc != out.dtype:
+            mean = _insert(g, node, aten.to.dtype, (mean, out.dtype), val=out)
+        return mean
 
 
 def _takes_value(user: fx.Node, sym: fx.Node) -> bool:

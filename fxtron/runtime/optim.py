@@ -173,8 +173,7 @@ def optimizer_step(prog, optimizer) -> None:
     shards = [o for o in opts if elementwise(o)]
     if prog.zero is not None:
         params = prog.zero.optimizer_for(shards[0]) if shards else prog.zero.shards
-        if prog.scaler is None or prog.scaler.unscale_and_check(params, prog.groups, sharded_over_dp=True,
-                                                                dp_kind=prog.grads.dense_group):
+        if prog.scaler is None or _unscaled(prog, params, sharded_over_dp=True):
             for o in whole:
                 whole_matrices(prog, o).step()
             if shards:
@@ -182,13 +181,20 @@ def optimizer_step(prog, optimizer) -> None:
             else:                        # every rank wrote its whole local values: nothing to gather
                 prog.zero.last_waited, prog.zero.waited = prog.zero.waited, []
         return
-    if prog.scaler is None or prog.scaler.unscale_and_check(
-            list(prog.parameters()), prog.groups, sharded_over_dp=prog.fsdp is not None,
-            dp_kind=prog.grads.dense_group):
+    if prog.scaler is None or _unscaled(prog, list(prog.parameters()), sharded_over_dp=prog.fsdp is not None):
         for o in whole:
             whole_matrices(prog, o).step()
         for o in shards:
             o.step()
+
+
+def _unscaled(prog, params: list, *, sharded_over_dp: bool) -> bool:
+    """fp16's gradients unscaled and checked; False (the step skipped, and said so in
+    `prog.last_step_skipped`, as a non-finite norm's is) where they overflowed anywhere."""
+    ok = prog.scaler.unscale_and_check(params, prog.groups, sharded_over_dp=sharded_over_dp,
+                                       dp_kind=prog.grads.dense_group)
+    prog.last_step_skipped = not ok
+    return ok
 
 
 # ---------------------------------------------------------------------- whole matrices

@@ -29,17 +29,40 @@ def compute_copy(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return copy
 
 
+#: the largest power of two an fp16 value holds (65504 is its largest finite value)
+FP16_MAX_SCALE = 2.0**15
+
+
 class LossScaler:
-    """Dynamic loss scaling for fp16 (Megatron's DynamicGradScaler defaults): scale the loss
-    by `scale` before backward; a step whose gradients overflow anywhere in the job is skipped
-    and halves the scale; `growth_interval` clean steps in a row double it."""
+    """Dynamic loss scaling for fp16 (torch's GradScaler's start, 2^16, and Megatron's
+    DynamicGradScaler's backoff and growth, without its hysteresis): scale the loss by `scale`
+    before backward; a step whose gradients overflow anywhere in the job is skipped and halves
+    the scale; `growth_interval` clean steps in a row double it. `for_loss` caps the scale
+    where the loss itself is fp16: backward's first gradient, the scale, must be finite there."""
 
     def __init__(self, scale: float = 2.0**16, growth_interval: int = 1000, backoff: float = 0.5,
                  growth: float = 2.0, min_scale: float = 1.0):
         self.scale, self.growth_interval = scale, growth_interval
         self.backoff, self.growth, self.min_scale = backoff, growth, min_scale
+        self.max_scale = float("inf")
         self.clean_steps = 0
         self.skipped = 0
+
+    def for_loss(self, loss: torch.Tensor, divisor: float = 1.0) -> float:
+        """The scale to multiply `loss` by (each of `divisor` microbatches' losses by scale /
+        divisor): at most FP16_MAX_SCALE * divisor for an fp16 loss, from then on."""
+        if loss.dtype == torch.float16:
+            self.max_scale = min(self.max_scale, FP16_MAX_SCALE * divisor)
+            self.scale = min(self.scale, self.max_scale)
+        return self.scale
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped": self.skipped,
+                "max_scale": self.max_scale}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
+        self.skipped, self.max_scale = int(state["skipped"]), float(state["max_scale"])
 
     def unscale_and_check(self, params: list[torch.Tensor], groups, *, sharded_over_dp: bool = False,
                           dp_kind: str = "dp") -> bool:
@@ -49,7 +72,7 @@ class LossScaler:
         distributed optimizer, over `dp_kind`: dp-cp under context parallel); without it every dp
         rank has the same summed gradients."""
         grads = [p.grad for p in params if p.grad is not None]
-        found = torch.zeros(1, device=grads[0].device if grads else "cpu")
+        found = torch.zeros(1, device=grads[0].device if grads else groups.device if groups is not None else "cpu")
         for g in grads:
             g.div_(self.scale)
             found = torch.maximum(found, (~torch.isfinite(g)).any().float().reshape(1))
@@ -66,7 +89,7 @@ class LossScaler:
             return False
         self.clean_steps += 1
         if self.clean_steps % self.growth_interval == 0:
-            self.scale *= self.growth
+            self.scale = min(self.scale * self.growth, self.max_scale)
         return True
 
 

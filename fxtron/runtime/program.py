@@ -342,7 +342,7 @@ class Program(nn.Module):
             if memory is not None:
                 memory.sample("F", 0, 0)
             total = self._start_global_loss(loss.detach().to(torch.promote_types(loss.dtype, torch.float32)))
-            scaled = loss * self.scaler.scale if self.scaler is not None else loss
+            scaled = loss * self.scaler.for_loss(loss) if self.scaler is not None else loss
             self.grads.last_backward(None)
             # weight-gradient GEMMs overlap the input gradients' tp communication; without any, each
             # runs as its linear's backward does (while its inputs are hot in cache)

@@ -25,6 +25,10 @@ TRACKER = "latest_checkpointed_iteration.txt"
 _ITER = re.compile(r"^iter_(\d{7})$")
 
 
+#: an optimizer group's settings the learning-rate schedule sets every step (not the configuration's)
+_SCHEDULED = ("params", "lr", "initial_lr")
+
+
 def iter_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
@@ -112,13 +116,23 @@ class Checkpointer:
                 f"{iter_dir(source, it)} was trained with --batch {saved.get('global_batch')} --seq "
                 f"{saved.get('seq')}; resume with the same (the data position counts samples)")
         start = time.perf_counter()
+        configured = [{k: v for k, v in g.items() if k not in _SCHEDULED} for g in self.opt.param_groups]
         self.prog.load(iter_dir(source, it), self.opt)
+        # loading an optimizer's state replaces its groups' settings with the checkpoint's (torch's
+        # load_state_dict); this run's configuration is the user's word for them (the schedule's own
+        # are the schedule's, below): kept, and each difference said
+        changed = []
+        for i, (group, mine) in enumerate(zip(self.opt.param_groups, configured)):
+            for k, v in mine.items():
+                if group.get(k) != v:
+                    changed.append(f"{k} {group.get(k)} -> {v}" + (f" (group {i})" if len(configured) > 1 else ""))
+                    group[k] = v
         overridden = self.sched.load_state_dict(saved["scheduler"], override=cfg.optimizer.override_lr_schedule)
         state.update({k: saved[k] for k in state})
         #: what the resume did, for the log and the JSONL (metrics.py Metrics.loaded)
         self.loaded = {"path": iter_dir(source, it), "iteration": it, "mesh": str(cfg.mesh.mesh()),
                        "saved_mesh": saved.get("mesh"), "seconds": time.perf_counter() - start,
-                       "overridden": overridden}
+                       "overridden": overridden, "optimizer_changed": changed}
         return it
 
     def maybe_save(self, state: dict) -> str | None:

@@ -145,7 +145,11 @@ class Trainer:
         skipped = prog.last_step_skipped
         if skipped:
             state["skipped_iterations"] += 1
-            self.skipped_in_a_row += 1
+            # fp16's overflow skips are its scaler searching down for a scale that fits; they
+            # count towards --max-skipped once it cannot back off further
+            scaler = prog.scaler
+            if scaler is None or scaler.scale <= scaler.min_scale:
+                self.skipped_in_a_row += 1
         else:
             self.sched.step()
             self.skipped_in_a_row = 0

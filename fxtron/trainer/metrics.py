@@ -114,6 +114,8 @@ class Metrics:
         """The resume's event (trainer/checkpoint.py Checkpointer.loaded): a line now, its
         fields in the first step's record."""
         self._resume = {"checkpoint_loaded": event["path"], "checkpoint_load_seconds": round(event["seconds"], 3)}
+        if event.get("optimizer_changed"):
+            self._resume["optimizer_settings_changed"] = list(event["optimizer_changed"])
         override = self.cfg.optimizer.override_lr_schedule
         if override:
             self._resume["lr_schedule_overridden"] = list(event["overridden"])
@@ -122,6 +124,8 @@ class Metrics:
         saved = f"saved on {event['saved_mesh']}, " if event.get("saved_mesh") not in (None, event["mesh"]) else ""
         self._print(f"loaded checkpoint {event['path']} from iteration {event['iteration']} on {event['mesh']} "
                     f"({saved}{event['seconds']:.1f} s)")
+        if event.get("optimizer_changed"):
+            self._print("optimizer settings: this run's over the checkpoint's: " + "; ".join(event["optimizer_changed"]))
         if override:
             self._print("learning-rate schedule: --override-lr-schedule, this run's settings over the checkpoint's: "
                         + ("; ".join(event["overridden"]) if event["overridden"] else "the same as the checkpoint's")

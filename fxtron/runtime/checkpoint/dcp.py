@@ -235,6 +235,10 @@ def _write(prog, path: str, optimizer, storage_writer, extra=None) -> None:
     # the rank's random streams (dropout): a run resumed on the same mesh draws what it would have
     if prog.rng is not None:
         sd[f"rng/{_rank(prog)}"] = _pack(_rng_record(prog))
+    # fp16's loss scale, its growth count and skips (the same on every rank): a resumed run goes on
+    # at the scale the run had reached (Megatron saves its grad scaler too)
+    if prog.scaler is not None:
+        sd["scaler"] = _pack(prog.scaler.state_dict())
     # how interleaved parts join back (load_full_state_dict): name -> (dim, parts)
     # how interleaved parts join back: one object per parameter (every holder writes the same)
     for n, lp in prog.local.items():
@@ -375,6 +379,8 @@ def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
     rng_key = f"rng/{_rank(prog)}"
     if prog.rng is not None and rng_key in meta:
         sd[rng_key] = io.BytesIO()
+    if prog.scaler is not None and "scaler" in meta:
+        sd["scaler"] = io.BytesIO()
     keys: dict[str, list[str]] = {}
     if optimizer is not None:
         for key in meta:
@@ -406,6 +412,8 @@ def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
         for name, b in prog.named_buffers():
             if f"buffer/{name}" in sd:
                 b.copy_(sd[f"buffer/{name}"])
+    if "scaler" in sd:
+        prog.scaler.load_state_dict(_unpack_obj(sd["scaler"]))
     if rng_key in sd:            # the same mesh and seed: continue the streams where they were
         saved = _unpack_obj(sd[rng_key])
         mine = _rng_record(prog)
