@@ -176,6 +176,39 @@ def test_build_datasets_blend_sizes(tmp_path):
     assert (train.dataset_index == 0).sum() == 28
 
 
+def test_a_blend_without_weights_is_megatrons(megatron, tmp_path):
+    """`--data A B`: one epoch of each dataset's split, blended by their sample counts (not
+    their documents'), at most all of them -- megatron-core's builder's own datasets, sample for
+    sample; more samples than that is refused naming the way out."""
+    import warnings
+    rng = np.random.RandomState(0)
+    for name, n, lo, hi in (("a", 30, 80, 120), ("b", 60, 10, 30)):   # a: fewer, longer documents
+        w = IndexedDatasetWriter(str(tmp_path / name), np.uint16)
+        for _ in range(n):
+            w.add_document(rng.randint(1, 1000, size=rng.randint(lo, hi)))
+        w.finalize()
+    prefixes, sizes = [str(tmp_path / "a"), str(tmp_path / "b")], (40, 8, None)
+    train, valid, test = gpt.build_datasets(prefixes, "90,10,0", 16, 7, sizes)
+
+    class Tokenizer:
+        eod, pad, vocab_size, unique_identifiers = 0, -1, 1000, {"class": "Tokenizer"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+        cfg = megatron["gpt"].GPTDatasetConfig(random_seed=7, sequence_length=16, blend=(prefixes, None),
+                                               split="90,10,0", tokenizer=Tokenizer(), reset_position_ids=False,
+                                               reset_attention_mask=False, eod_mask_loss=False)
+        ref = BlendedMegatronDatasetBuilder(megatron["gpt"].GPTDataset, list(sizes), lambda: True, cfg).build()
+    assert test is None
+    for ours, theirs in ((train, ref[0]), (valid, ref[1])):
+        assert len(ours) == len(theirs) and ours.dataset_index.tolist() == theirs.dataset_index.tolist()
+        for k in range(len(ours)):
+            assert np.array_equal(ours[k][:-1], np.asarray(theirs[k]["tokens"])), k
+    assert (train.dataset_index == 0).sum() == 28        # by samples: a has ~4x b's tokens
+    with pytest.raises(fxtron.ParallelizeError, match=r"one epoch of each dataset .* are needed: give weights"):
+        gpt.build_datasets(prefixes, "90,10,0", 16, 7, (10_000, None, None))
+
+
 def _tokenizer(path) -> str:
     """A small byte-level BPE tokenizer.json trained here, with <|endoftext|>."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -199,7 +199,7 @@ def build_datasets(data: list[str] | tuple[str, ...], split: str, seq: int, seed
         return [GPTDataset(indexed[0], r, size, seq, seed, name) if r is not None else None
                 for r, size, name in zip(ranges, sizes, SPLITS)]
     if weights is None:
-        weights = [float(len(d)) for d in indexed]
+        return [_unweighted_blend(indexed, fractions, s, size, seq, seed, split) for s, size in enumerate(sizes)]
     total = sum(weights)
     weights = [w / total for w in weights]
     out = []
@@ -215,6 +215,28 @@ def build_datasets(data: list[str] | tuple[str, ...], split: str, seq: int, seed
             parts.append(GPTDataset(d, r, int(math.ceil(math.ceil(size * w) * 1.005)), seq, seed, name))
         out.append(BlendedDataset(parts, weights, sum(int(math.ceil(size * w)) for w in weights)))
     return out
+
+
+def _unweighted_blend(indexed: list, fractions, s: int, size: int | None, seq: int, seed: int, split: str):
+    """Megatron's blend of prefixes without weights, split `s`: one epoch of each dataset's
+    part, blended by their sample counts, `size` samples of it (at most all of them)."""
+    name = SPLITS[s]
+    if fractions[s] == 0 or size is None:
+        return None
+    parts = []
+    for d in indexed:
+        r = split_indices(len(d), fractions)[s]
+        if r is None:
+            raise ParallelizeError(f"dataset {d.prefix} has no {name} sequences at split {split}")
+        parts.append(GPTDataset(d, r, None, seq, seed, name))
+    lengths = [len(p) for p in parts]
+    total = sum(lengths)
+    if size > total:
+        raise ParallelizeError(
+            f"a blend without weights is one epoch of each dataset ({' + '.join(map(str, lengths))} = {total} {name} "
+            f"samples of {seq + 1} tokens, as Megatron builds it); {size} are needed: give weights ('W1 PREFIX1 "
+            f"W2 PREFIX2 ...': more epochs as needed), fewer --steps or a smaller --batch")
+    return BlendedDataset(parts, [n / total for n in lengths], size)
 
 
 def position_and_document_ids(tokens: torch.Tensor, eod: int) -> tuple[torch.Tensor, torch.Tensor]:
