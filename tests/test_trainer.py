@@ -114,6 +114,10 @@ def test_checkpoint_events_are_logged_and_an_extended_run_resumes(tmp_path, caps
         "betas (0.9, 0.95) -> (0.9, 0.999) (group 0)", "weight_decay 0.1 -> 0.0 (group 0)",
         "betas (0.9, 0.95) -> (0.9, 0.999) (group 1)"], resumed["optimizer_settings_changed"]
     assert "optimizer settings: this run's over the checkpoint's: betas (0.9, 0.95) -> (0.9, 0.999)" in text
+    # resumed at --steps: nothing trained, and said
+    out = train_rank(0, cfg.replace(steps=3, override_lr_schedule=True, weight_decay=0.0, adam_beta2=0.999))
+    assert not out["losses"]
+    assert "nothing to train: the checkpoint loaded is at iteration 3, --steps is 3" in capsys.readouterr().out
     assert resumed["lr"] == LRSchedule(3e-3, 0.0, 0, 3, "linear", 2).lr_at(4)     # this run's decay, step 3
 
 

@@ -111,6 +111,7 @@ class Program(nn.Module):
         self.rank = spec.rank
         self.groups = groups
         self.rng = rng
+        self.rng_restored: bool | None = None    # the last load: its random streams continued (checkpoint/dcp.py)
         # mixed precision: parameters stay fp32 (the optimizer's main parameters); each forward
         # computes with 16-bit copies (Megatron's Float16Module + mixed-precision optimizer)
         self.dtype = config.precision.torch_dtype

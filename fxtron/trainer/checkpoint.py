@@ -132,7 +132,8 @@ class Checkpointer:
         #: what the resume did, for the log and the JSONL (metrics.py Metrics.loaded)
         self.loaded = {"path": iter_dir(source, it), "iteration": it, "mesh": str(cfg.mesh.mesh()),
                        "saved_mesh": saved.get("mesh"), "seconds": time.perf_counter() - start,
-                       "overridden": overridden, "optimizer_changed": changed}
+                       "overridden": overridden, "optimizer_changed": changed,
+                       "rng_restored": getattr(self.prog, "rng_restored", None)}
         return it
 
     def maybe_save(self, state: dict) -> str | None:

@@ -98,6 +98,9 @@ class Trainer:
         --export-hf. Returns what `run` reports."""
         t = self.cfg.training
         try:
+            if self.state["iteration"] >= t.steps:
+                self.say(f"nothing to train: the checkpoint loaded is at iteration {self.state['iteration']}, "
+                         f"--steps is {t.steps} (raise --steps to go on)")
             while self.state["iteration"] < t.steps:
                 step = self.train_step()
                 if t.eval_interval and step % t.eval_interval == 0:

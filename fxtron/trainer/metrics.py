@@ -126,6 +126,9 @@ class Metrics:
                     f"({saved}{event['seconds']:.1f} s)")
         if event.get("optimizer_changed"):
             self._print("optimizer settings: this run's over the checkpoint's: " + "; ".join(event["optimizer_changed"]))
+        if event.get("rng_restored") is False:
+            self._print("random streams (dropout): saved on another mesh or seed, restarted from this run's seed "
+                        "(a resume on the same mesh continues them)")
         if override:
             self._print("learning-rate schedule: --override-lr-schedule, this run's settings over the checkpoint's: "
                         + ("; ".join(event["overridden"]) if event["overridden"] else "the same as the checkpoint's")

@@ -414,10 +414,12 @@ def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
                 b.copy_(sd[f"buffer/{name}"])
     if "scaler" in sd:
         prog.scaler.load_state_dict(_unpack_obj(sd["scaler"]))
+    prog.rng_restored = None     # (no random streams in the checkpoint or the program)
     if rng_key in sd:            # the same mesh and seed: continue the streams where they were
         saved = _unpack_obj(sd[rng_key])
         mine = _rng_record(prog)
-        if (saved["mesh"], saved["seed"]) == (mine["mesh"], mine["seed"]):
+        prog.rng_restored = (saved["mesh"], saved["seed"]) == (mine["mesh"], mine["seed"])
+        if prog.rng_restored:
             prog.rng.states = dict(saved["states"])
     if optimizer is None:
         return
