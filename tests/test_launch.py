@@ -100,13 +100,17 @@ def test_a_dead_peer_is_a_peer_error_naming_its_rank_and_exit():
     assert str(err.value).startswith("rank 0 died with exit code 3 without a traceback"), str(err.value)
 
 
+class _KilledWhileSaved:
+    """A result whose saving kills its rank (the OOM killer's moment: saving a large result
+    doubles the rank's memory)."""
+
+    def __reduce__(self):
+        import signal
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _killed_while_reporting_job(rank: int):
-    if rank == 1:      # killed while its 64 MB result is saved and reported (the OOM killer's moment:
-        import signal  # saving doubles the rank's memory)
-        import threading
-        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGKILL)).start()
-        return torch.zeros(16 << 20)
-    return rank
+    return {"big": torch.zeros(1 << 20), "then": _KilledWhileSaved()} if rank == 1 else rank
 
 
 def test_a_rank_killed_while_reporting_its_result_ends_the_job():

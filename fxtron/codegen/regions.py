@@ -12,7 +12,7 @@ linears_in_regions says where), the linears belong to the regions: aten ops in f
 fxtron::master_linear under 16-bit compute (the fp32 weight cast inside the region, its weight
 gradient accumulated in fp32, traced as the region's own math: ops/linear.py), and so do tensor
 parallel's f and g between them (`Compiler(comm=True)`): fxtron::all_reduce (a custom op with a
-fake kernel) a call inside the compiled forward or backward, copy_to_region a traced view whose
+fake kernel) a call inside the compiled forward or backward, copy_to_region a traced copy whose
 backward calls it. A world-1 step is then one compiled region, forward and backward, and a tp
 step one region between the vocab-parallel embedding and loss. Everything between the opaque
 ops (norms, rotary, activations, residual adds, the loss, a cast) is a region of aten ops that

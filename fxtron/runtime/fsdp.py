@@ -182,6 +182,11 @@ class FsdpUnits:
 
     def begin(self, grads: dict[str, torch.Tensor]) -> None:
         """A step starts: reduced gradients go into `grads` (name -> the piece's gradient)."""
+        # reductions a failed step started (an error the caller caught): finished and dropped,
+        # so the peers stay in step and none lands in this step's gradients
+        for _, work, _ in self._reducing:
+            work.wait()
+        self._reducing = []
         self.grads = grads
         self._last = None
         self.bytes_sent = self.gathers = self.peak_held = self._held = 0

@@ -10,7 +10,7 @@ rank gets the launching process's environment and standard output and error as t
 the launch (a forkserver's children would otherwise inherit the server's, fixed when it started; what a module reads from the
 environment as it is imported -- TRITON_INTERPRET for codegen/wgrad.py -- is as it was when the
 first launch started the server). A rank's result (or traceback) reaches the launcher as a file
-in the job's flight directory and a notice of a few bytes on a queue, so a rank killed while
+in a directory of the launch's own and a notice of a few bytes on a queue, so a rank killed while
 reporting cannot leave the launcher blocked on half a message. The first rank to fail ends the job:
 the others are killed and its traceback is raised here as LaunchError. For many machines run
 the same per-rank code under torchrun with `fxtron.init_distributed(mesh)` instead
@@ -45,17 +45,17 @@ def _rendezvous(timeout_s: float):
                          wait_for_workers=False)
 
 
-def _report_path(flight_dir: str, rank: int, ok: bool) -> str:
-    return os.path.join(flight_dir, f"rank{rank}.{'result' if ok else 'error'}")
+def _report_path(reports: str, rank: int, ok: bool) -> str:
+    return os.path.join(reports, f"rank{rank}.{'result' if ok else 'error'}")
 
 
-def _report(results, flight_dir: str, rank: int, ok: bool, payload: bytes) -> None:
+def _report(results, reports: str, rank: int, ok: bool, payload: bytes) -> None:
     """A rank's result (torch.save's bytes: tensors travel as bytes, not as shared-memory
     handles that die with the process) or traceback, written whole to a file and renamed into
     place; then a notice of a few bytes on the queue. A pipe write that small is atomic, so a
     rank killed while reporting (the OOM killer, as a large result doubles its memory) leaves
     no half message for the launcher's read to block on forever."""
-    path = _report_path(flight_dir, rank, ok)
+    path = _report_path(reports, rank, ok)
     with open(path + ".part", "wb") as fh:
         fh.write(payload)
     os.replace(path + ".part", path)
@@ -64,11 +64,11 @@ def _report(results, flight_dir: str, rank: int, ok: bool, payload: bytes) -> No
     results.join_thread()           # the queue's feeder thread must flush before the rank exits
 
 
-def _read_report(flight_dir: str, rank: int, ok: bool) -> bytes:
-    path = _report_path(flight_dir, rank, ok)
+def _read_report(reports: str, rank: int, ok: bool) -> bytes:
+    path = _report_path(reports, rank, ok)
     with open(path, "rb") as fh:
         payload = fh.read()
-    os.remove(path)                 # (a flight_dir given is kept: only the recorder's files stay)
+    os.remove(path)
     return payload
 
 
@@ -106,7 +106,7 @@ class _Stdio:
 
 def _worker(fn, mesh: Mesh, rank: int, args: tuple, port: int, backend: str | None,
             timeout_s: float, threads: int, shm_transport: bool | None, check_collectives: bool | None,
-            flight_dir: str, results, env: dict[str, str], stdio: _Stdio) -> None:
+            flight_dir: str, results, reports: str, env: dict[str, str], stdio: _Stdio) -> None:
     from fxtron.runtime import groups as G
     stdio.attach()
     os.environ.clear()
@@ -123,9 +123,9 @@ def _worker(fn, mesh: Mesh, rank: int, args: tuple, port: int, backend: str | No
         out = fn(rank, *args)
         payload = _dumps(out)
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
-        _report(results, flight_dir, rank, False, f"rank {rank} failed:\n{traceback.format_exc()}".encode())
+        _report(results, reports, rank, False, f"rank {rank} failed:\n{traceback.format_exc()}".encode())
         os._exit(1)  # skip destructors that could block on dead peers
-    _report(results, flight_dir, rank, True, payload)
+    _report(results, reports, rank, True, payload)
     G.destroy()
 
 
@@ -140,7 +140,8 @@ def _exit(code: int | None) -> str:
     return f"with exit code {code}"
 
 
-def _failures(procs, results, done: dict, first: str | None, flight_dir: str, grace_s: float = 1.0) -> LaunchError:
+def _failures(procs, results, done: dict, first: str | None, flight_dir: str, reports: str,
+              grace_s: float = 1.0) -> LaunchError:
     """Every failure seen within a short grace period: the first traceback, then any other
     rank's traceback and every rank that died without one (a peer's death often makes the
     others fail too, so the whole picture helps find the cause), then what every rank was
@@ -154,7 +155,7 @@ def _failures(procs, results, done: dict, first: str | None, flight_dir: str, gr
         except queue.Empty:
             continue
         if not ok:
-            messages.append(_read_report(flight_dir, rank, False).decode())
+            messages.append(_read_report(reports, rank, False).decode())
     reported = {m.split(" ", 2)[1] for m in messages if m.startswith("rank ")}
     dead = [f"rank {r} died {_exit(p.exitcode)} without a traceback" for r, p in enumerate(procs)
             if r not in done and str(r) not in reported and p.exitcode not in (None, 0)]
@@ -204,9 +205,10 @@ def launch(fn: Callable[..., Any], mesh: Mesh, args: tuple = (), *, backend: str
         flight_dir = tempfile.mkdtemp(prefix="fxtron-flight-")
     else:
         os.makedirs(flight_dir, exist_ok=True)
+    reports = tempfile.mkdtemp(prefix="fxtron-reports-")      # this launch's alone (a flight_dir may be shared)
     procs = [ctx.Process(target=_worker, name=f"fxtron-rank{r}",
                          args=(fn, mesh, r, tuple(args), port, backend, collective_timeout_s,
-                               threads_per_rank, shm_transport, check_collectives, flight_dir, results,
+                               threads_per_rank, shm_transport, check_collectives, flight_dir, results, reports,
                                dict(os.environ), _Stdio()), daemon=True)
              for r in range(mesh.world_size)]
     for p in procs:
@@ -223,11 +225,11 @@ def launch(fn: Callable[..., Any], mesh: Mesh, args: tuple = (), *, backend: str
                                       f"{[r for r in range(mesh.world_size) if r not in done]}\n\n"
                                       + ledger.flight_report(flight_dir, mesh.world_size)) from None
                 if any(r not in done and p.exitcode not in (None, 0) for r, p in enumerate(procs)):
-                    raise _failures(procs, results, done, None, flight_dir) from None
+                    raise _failures(procs, results, done, None, flight_dir, reports) from None
                 continue
-            payload = _read_report(flight_dir, rank, ok)
+            payload = _read_report(reports, rank, ok)
             if not ok:
-                raise _failures(procs, results, done, payload.decode(), flight_dir)
+                raise _failures(procs, results, done, payload.decode(), flight_dir, reports)
             done[rank] = torch.load(io.BytesIO(payload), weights_only=False)
         for p in procs:
             p.join(timeout=30)
@@ -239,6 +241,7 @@ def launch(fn: Callable[..., Any], mesh: Mesh, args: tuple = (), *, backend: str
             p.join(timeout=5)
         results.close()
         del store
+        shutil.rmtree(reports, ignore_errors=True)
         if own_flight_dir:
             shutil.rmtree(flight_dir, ignore_errors=True)
     return [done[r] for r in range(mesh.world_size)]

@@ -38,7 +38,10 @@ class LossScaler:
     DynamicGradScaler's backoff and growth, without its hysteresis): scale the loss by `scale`
     before backward; a step whose gradients overflow anywhere in the job is skipped and halves
     the scale; `growth_interval` clean steps in a row double it. `for_loss` caps the scale
-    where the loss itself is fp16: backward's first gradient, the scale, must be finite there."""
+    where the loss itself is fp16: backward's first gradient, the scale, must be finite there
+    (a step without microbatches; a pipeline's stages scale each microbatch's loss by scale / m
+    uncapped: with m >= 2 that fits fp16, with one microbatch and an fp16 loss the first step
+    overflows and the scale backs off)."""
 
     def __init__(self, scale: float = 2.0**16, growth_interval: int = 1000, backoff: float = 0.5,
                  growth: float = 2.0, min_scale: float = 1.0):
@@ -49,8 +52,8 @@ class LossScaler:
         self.skipped = 0
 
     def for_loss(self, loss: torch.Tensor, divisor: float = 1.0) -> float:
-        """The scale to multiply `loss` by (each of `divisor` microbatches' losses by scale /
-        divisor): at most FP16_MAX_SCALE * divisor for an fp16 loss, from then on."""
+        """The scale to multiply `loss` by: at most FP16_MAX_SCALE * divisor for an fp16 loss
+        (`divisor` microbatches' losses each scaled by scale / divisor), from then on."""
         if loss.dtype == torch.float16:
             self.max_scale = min(self.max_scale, FP16_MAX_SCALE * divisor)
             self.scale = min(self.scale, self.max_scale)

@@ -288,7 +288,7 @@ def _cross_entropy(c: Ctx):
         # tokens split (context parallel): each rank its tokens' losses; a mean divides the
         # summed losses by the summed count of counted tokens (_cross_entropy_over_tokens)
         target = Shard(pl.dim if pl.dim == 0 else pl.dim - 1, pl.interleave)
-        out = {0: pl, 1: REPLICATE, 2: PARTIAL}[_ce_reduction(c.node)]
+        out = {0: target, 1: REPLICATE, 2: PARTIAL}[_ce_reduction(c.node)]    # (none: the target's dims)
         return out, [None, target] + [REPLICATE] * (len(c.p) - 2)
     return REPLICATE, [REPLICATE] * len(c.p)
 
@@ -372,13 +372,24 @@ def _cross_entropy_over_tokens(node: fx.Node, lower) -> fx.Node | None:
     x, t = lower.remap(logits), lower.remap(target)
     vocab = next((a for a in lower.axes() if isinstance(lower.on(a).placement(logits), Shard)
                   and lower.on(a).placement(logits).dim == 1), None)
-    if vocab is not None:         # the vocabulary split too (tp): its sum over this rank's tokens
+    tpl = Shard(pl.dim if pl.dim == 0 else pl.dim - 1, pl.interleave)
+    val = node.meta.get("val")
+    narrow = val is not None and val.dtype in (torch.float16, torch.bfloat16)
+    if vocab is not None:         # the vocabulary split too (tp): its sum over this rank's tokens (fp32)
         total = _vocab_parallel_ce(node, lower.on(vocab), 2, REPLICATE)
         total.meta[meta.PLACEMENT] = meta.get(total, meta.PLACEMENT).with_axis(lower.axis, PARTIAL)
+    elif narrow:                  # a 16-bit loss: its tokens' losses summed in fp32 (a 16-bit sum overflows
+        each = lower.call(aten.cross_entropy_loss.default, (x, t, None, 0, ignore_index, smoothing), target, tpl,
+                          "each of this rank's tokens' loss")       # past 65504 where the mean does not)
+        tv = target.meta.get("val")
+        if tv is not None:            # (the target's shape, the loss's dtype: a float, not the ids' integers)
+            each.meta["val"] = tv.new_empty(tv.shape, dtype=val.dtype)
+        total = lower.call(aten.sum.dim_IntList, (each, []), node, PARTIAL,
+                           f"the summed loss of this rank's tokens ({lower.axis} splits them), in fp32",
+                           kwargs={"dtype": torch.float32})
     else:
         total = lower.call(aten.cross_entropy_loss.default, (x, t, None, 2, ignore_index, smoothing), node, PARTIAL,
                            f"the summed loss of this rank's tokens ({lower.axis} splits them)")
-    tpl = Shard(pl.dim if pl.dim == 0 else pl.dim - 1, pl.interleave)
     counted = lower.call(aten.ne.Scalar, (t, ignore_index), target, tpl, "the tokens counted in the mean")
     count = lower.call(aten.sum.dim_IntList, (counted, []), node, PARTIAL, "this rank's counted tokens",
                        kwargs={"dtype": torch.float32})
@@ -386,8 +397,10 @@ def _cross_entropy_over_tokens(node: fx.Node, lower) -> fx.Node | None:
                        f"the loss summed over {lower.axis}")
     count = lower.call(torch.ops.fxtron.all_reduce.default, (count, lower.axis), node, REPLICATE,
                        f"the tokens counted over {lower.axis}")
-    return lower.call(aten.div.Tensor, (total, count), node, REPLICATE,
-                      "mean over every rank's counted tokens")
+    mean = lower.call(aten.div.Tensor, (total, count), node, REPLICATE, "mean over every rank's counted tokens")
+    if narrow and vocab is None:
+        mean = lower.call(aten.to.dtype, (mean, val.dtype), node, REPLICATE, "the loss in the model's dtype")
+    return mean
 
 
 @register_rule(aten.baddbmm.default)
