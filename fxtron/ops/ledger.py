@@ -324,9 +324,16 @@ class Tracked:
         """Complete it without writing its result where it was started (a shared-memory work's
         discard; a backend's work is waited for: it wrote there already or does so now)."""
         with waiting(self.entries[0] if self.entries else None):
-            getattr(self.work, "discard", self.work.wait)()
+            discard(self.work)
         for e in self.entries[1:]:
             done(e)
+
+
+def discard(work) -> None:
+    """Complete a started collective's `work` without using its result: a shared-memory work
+    (or a wrapper of one) into scratch, any other by waiting (it wrote where it was started
+    already, or does so now)."""
+    getattr(work, "discard", work.wait)()
 
 
 def started(e: Entry | None, work):

@@ -129,7 +129,7 @@ class GradBuffer:
                 # completed first, so the peers' collectives stay in step, and without writing into
                 # the buffer after it is reset (a shared-memory channel would otherwise complete it
                 # at its next collective, into this step's gradients)
-                b.work.discard() if hasattr(b.work, "discard") else b.work.wait()
+                ledger.discard(b.work)
                 b.work = None
         storage = self.data.untyped_storage()
         if storage.nbytes() == 0 and self.data.numel():
@@ -237,7 +237,7 @@ class _Into:
         self.out.copy_(self.work.wait().view_as(self.out))
 
     def discard(self) -> None:
-        getattr(self.work, "discard", self.work.wait)()
+        ledger.discard(self.work)
 
 
 def _round_up(n: int, k: int) -> int:

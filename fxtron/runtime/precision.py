@@ -51,11 +51,10 @@ class LossScaler:
         self.clean_steps = 0
         self.skipped = 0
 
-    def for_loss(self, loss: torch.Tensor, divisor: float = 1.0) -> float:
-        """The scale to multiply `loss` by: at most FP16_MAX_SCALE * divisor for an fp16 loss
-        (`divisor` microbatches' losses each scaled by scale / divisor), from then on."""
+    def for_loss(self, loss: torch.Tensor) -> float:
+        """The scale to multiply `loss` by: at most FP16_MAX_SCALE for an fp16 loss, from then on."""
         if loss.dtype == torch.float16:
-            self.max_scale = min(self.max_scale, FP16_MAX_SCALE * divisor)
+            self.max_scale = min(self.max_scale, FP16_MAX_SCALE)
             self.scale = min(self.scale, self.max_scale)
         return self.scale
 
