@@ -1,5 +1,6 @@
-"""Gradient accumulation fusion in compiled programs: linears become fxtron::linear, their
-weight gradients land in fp32 main_grad buffers, and training is unchanged."""
+"""Gradient accumulation fusion in compiled programs: linears become fxtron::linear where it
+changes something (16-bit compute, tp, zero=3, ...), their weight gradients land in fp32
+main_grad buffers, and training is unchanged; an fp32 linear nothing defers is autograd's."""
 from __future__ import annotations
 
 import torch
@@ -7,6 +8,7 @@ import torch
 import fxtron
 from fxtron.core import meta
 from fxtron.models import build, example_inputs
+from fxtron.ops.linear import kernel_name
 
 
 def _prog(fusion: bool):
@@ -16,33 +18,58 @@ def _prog(fusion: bool):
     return pm, pm.program(0)
 
 
-def test_linears_are_fused_and_show_their_kernel():
+def test_linears_are_fused_where_it_changes_something_and_show_their_kernel():
+    """A linear is fused where the fused linear computes another number or does what autograd
+    cannot (compiler/passmanager.py linears_to_autograd): under tp (its GEMM deferred behind the
+    input gradient's all-reduce) and under 16-bit compute (its weight gradient accumulated in
+    fp32). An fp32 linear nothing defers at world 1 stays an aten op: autograd's weight gradient
+    is the same fp32 number, added into main_grad in place, without a Python autograd Function
+    per linear."""
+    from fxtron.compiler.passmanager import linears_to_autograd
+
+    def fused(pm):
+        return [n for n in pm.compiled(0).gm.graph.nodes if n.target == torch.ops.fxtron.linear.default]
     pm, _ = _prog(True)
-    fused = [n for n in pm.compiled(0).gm.graph.nodes if n.target == torch.ops.fxtron.linear.default]
-    assert len(fused) == 2 * 7 + 1          # 7 linears per layer and the LM head
-    assert all(meta.get(n, meta.KERNEL) == "wgrad:addmm_fp32" for n in fused)
-    assert "wgrad:addmm_fp32" in pm.graph(0)
+    linears = [n for n in pm.compiled(0).gm.graph.nodes if n.target == torch.ops.aten.linear.default]
+    assert not fused(pm) and len(linears) == 2 * 7 + 1       # 7 linears per layer and the LM head
+    assert linears_to_autograd(pm.config, pm.mesh.view(0))
+    assert "left to autograd" in pm.summary()
+    x = example_inputs("llama-tiny")
+    tp = fxtron.parallelize(build("llama-tiny", seed=0), fxtron.Mesh(2, tp=2), example_inputs=x)
+    assert len(fused(tp)) == 2 * 7 + 1 and all(meta.get(n, meta.KERNEL) == "wgrad:addmm_fp32" for n in fused(tp))
+    assert "wgrad:addmm_fp32" in tp.graph(0) and "left to autograd" not in tp.summary()
+    half = fxtron.parallelize(build("llama-tiny", seed=0), fxtron.Mesh(1), example_inputs=x, dtype="bf16")
+    kernels = {meta.get(n, meta.KERNEL) for n in fused(half)}
+    assert len(fused(half)) == 2 * 7 + 1 and kernels == {kernel_name(torch.device("cpu"), torch.bfloat16)}
+    for kw in (dict(zero=3), dict(grad_reduce_dtype=torch.bfloat16)):
+        assert fused(fxtron.parallelize(build("llama-tiny", seed=0), fxtron.Mesh(2), example_inputs=x, **kw)), kw
     pm, _ = _prog(False)
-    assert not any(n.target == torch.ops.fxtron.linear.default for n in pm.compiled(0).gm.graph.nodes)
+    assert not fused(pm) and "left to autograd" not in pm.summary()
 
 
-def test_weight_gradients_accumulate_into_main_grad_and_match_unfused():
+def test_weight_gradients_accumulate_into_main_grad_and_match_the_model():
+    """At world 1 in fp32 the linears' weight gradients land in the persistent fp32 buffer, as
+    the fused linear's do, and equal the unmodified model's; the same with the fusion off."""
     batches = [example_inputs("llama-tiny", batch=4, seq=s, seed=i) for i, s in enumerate([16, 12])]
-    runs = {}
+    model = build("llama-tiny", seed=0)
     for fusion in (True, False):
         _, prog = _prog(fusion)
         opt = torch.optim.AdamW(prog.parameters(), lr=1e-3)
         buffers = []
-        for b in batches:
+        for i, b in enumerate(batches):
+            if i == 0:
+                loss = model(*b)
+                (loss[1] if isinstance(loss, tuple) else loss).backward()
             prog.train_step(b, opt)
             buffers.append(prog.get_parameter("layers.0.mlp.w1.weight").grad)
-        runs[fusion] = (buffers, {n: p.detach().clone() for n, p in prog.named_parameters()})
-    fused_grads, fused_state = runs[True]
-    # one persistent fp32 buffer, reused every step: no per-step weight-gradient tensor
-    assert fused_grads[0] is fused_grads[1] and fused_grads[0].dtype == torch.float32
-    assert not hasattr(_prog(True)[1].get_parameter("layers.0.mlp.w1.weight"), "main_grad")
-    for name, value in runs[False][1].items():
-        torch.testing.assert_close(fused_state[name], value, rtol=0, atol=2e-6, msg=name)
+            if i == 0:
+                for name, p in model.named_parameters():
+                    torch.testing.assert_close(prog.get_parameter(name).grad, p.grad, rtol=0, atol=1e-6, msg=name)
+                model.zero_grad(set_to_none=True)
+        # one persistent fp32 buffer, reused every step: no per-step weight-gradient tensor
+        assert buffers[0] is buffers[1] and buffers[0].dtype == torch.float32
+        assert buffers[0].data_ptr() == prog.grads._views["layers.0.mlp.w1.weight"].data_ptr()
+        assert not hasattr(prog.get_parameter("layers.0.mlp.w1.weight"), "main_grad")
 
 
 def test_programs_run_the_ops_in_their_run_time_forms():
@@ -50,9 +77,10 @@ def test_programs_run_the_ops_in_their_run_time_forms():
     form (an autograd Function, no custom-op dispatch), whose values, input gradients and
     main_grad accumulation equal the op's."""
     from fxtron.ops.linear import linear_eager
-    pm, prog = _prog(True)
+    pm = fxtron.parallelize(build("llama-tiny", seed=0), fxtron.Mesh(1), example_inputs=example_inputs("llama-tiny"),
+                            dtype="bf16")        # (16-bit compute: the linears fused at world 1)
     assert any(n.target == torch.ops.fxtron.linear.default for n in pm.compiled(0).gm.graph.nodes)
-    targets = {n.target for n in prog.graph_module.graph.nodes if n.op == "call_function"}
+    targets = {n.target for n in pm.program(0).graph_module.graph.nodes if n.op == "call_function"}
     assert linear_eager in targets and torch.ops.fxtron.linear.default not in targets
 
     gen = torch.Generator().manual_seed(0)

@@ -29,7 +29,7 @@ def _linear_args(node: fx.Node) -> tuple | None:
 
 
 def fuse_linears(gm: fx.GraphModule, *, device: torch.device, in_regions: bool = False,
-                 master: torch.dtype | None = None) -> fx.GraphModule:
+                 master: torch.dtype | None = None, fp32_to_autograd: bool = False) -> fx.GraphModule:
     """Rewrite linears with parameter weights to fxtron::linear and record in node.meta which
     weight-gradient kernel each uses on `device`. `in_regions` (compile=True's regions hold the
     linears: compiler/passmanager.py linears_in_regions): the fp32 ones stay aten ops, their
@@ -38,7 +38,9 @@ def fuse_linears(gm: fx.GraphModule, *, device: torch.device, in_regions: bool =
     returns its fp32-accumulated gradient (ops/linear.py), and the weight's other readers (a tied
     embedding) read a cast to `master` made in the graph. Any other linear is fused as without
     them; so is one whose weight the model holds in 16 bits (no fp32 master to take: its weight
-    gradient accumulates in fp32 only inside the fused GEMM). Edits gm in place and returns it."""
+    gradient accumulates in fp32 only inside the fused GEMM). `fp32_to_autograd` (an uncompiled
+    program where nothing defers a weight gradient: compiler/passmanager.py linears_to_autograd):
+    the linears whose input and weight are fp32 stay aten ops. Edits gm in place and returns it."""
     g = gm.graph
     for node in list(g.nodes):
         args = _linear_args(node)      # (read as the loop reaches it: an earlier rewrite is its input)
@@ -51,8 +53,8 @@ def fuse_linears(gm: fx.GraphModule, *, device: torch.device, in_regions: bool =
         if x.dtype not in _FUSED_DTYPES:
             continue     # float64: autograd's own linear (the kernels accumulate 16/32-bit into fp32)
         op = torch.ops.fxtron.linear.default
-        if in_regions and not master and x.dtype == w.dtype == torch.float32:
-            continue     # an aten op of the compiled region
+        if (in_regions or fp32_to_autograd) and not master and x.dtype == w.dtype == torch.float32:
+            continue     # an aten op (of the compiled region), its weight gradient autograd's
         # (under compute copies the graph's values carry the compute dtype; the weight is the fp32
         # parameter the program passes as it is)
         if (in_regions and master is not None and meta.is_param(args[1])

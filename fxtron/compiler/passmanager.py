@@ -341,6 +341,34 @@ def linears_in_regions(config: Config, mesh) -> bool:
     return mesh.size("tp") == 1 or (not config.tensor.sequence_parallel and config.inputs.resolved_device() == "cpu")
 
 
+def linears_to_autograd(config: Config, mesh) -> bool:
+    """Whether an uncompiled program leaves its fp32 linears to autograd (aten ops, their weight
+    gradients added into main_grad in place by AccumulateGrad: runtime/grads.py's direct
+    accumulation) instead of fusing them into fxtron::linear; `mesh`, the rank's MeshView. The
+    fused linear is a Python autograd Function: ~9 us more host time per linear and step than
+    aten's C++ linear (ops/linear.py), which a GPU waiting on its host pays. It is kept where it
+    computes another number or does what autograd cannot:
+    - 16-bit compute (its GEMM accumulates the weight gradient in fp32; autograd's would be rounded
+      to 16 bits first), a 16-bit gradient buffer, or a model whose weights are 16-bit (asked per
+      linear by codegen/fuse.py);
+    - tensor parallelism (its weight-gradient GEMM waits in a queue for the input gradient's
+      all-reduce and runs while the bytes move; under sequence parallelism it keeps the shard of
+      its input and gathers it again in backward) and context parallelism (a weight whose
+      gradient is whole on every cp rank enters the sum scaled);
+    - zero=3 (gathers its weight again in backward), the zero-bubble schedules (the W pass is the
+      deferred GEMM), cuda_graphs (the captured step's gradients);
+    - compile=True, where linears_in_regions decides.
+    Data parallelism, zero 1-2, the other pipeline schedules, recompute and ep are autograd's
+    business alike: a gradient's post-accumulate hook reports it to its bucket as the fused
+    linear's GEMM does. The number is the same: both write the fp32 product of dy^T and x into
+    the zeroed main_grad (and add the next microbatches' into it)."""
+    dp = config.data_parallel
+    return (config.precision.gradient_accumulation_fusion and not config.codegen.compile
+            and not config.codegen.cuda_graphs and config.precision.torch_dtype is None
+            and torch_dtype(dp.grad_reduce_dtype) in (None, torch.float32) and dp.zero != 3
+            and not config.pipeline.split_backward and mesh.size("tp") == 1 and mesh.size("cp") == 1)
+
+
 def _device_type(s: RankState) -> str:
     return s.config.inputs.resolved_device()
 
@@ -409,11 +437,13 @@ PASSES = pass_list(
     Pass("assign_rng_regions", "random ops draw from the program's streams (replicated or per rank), which "
          "checkpoints save", _set("gm", lambda s: assign_rng_regions(s.gm)), after=("insert_redistributions",)),
     Pass("fuse_linears", "weight gradients straight into fp32 main_grad, deferrable behind the input "
-         "gradient's communication (under compile=True the linears stay in the compiled regions where "
-         "nothing defers their GEMMs: linears_in_regions)",
+         "gradient's communication (fp32 linears nothing defers stay autograd's: linears_to_autograd; under "
+         "compile=True the linears stay in the compiled regions where nothing defers their GEMMs: "
+         "linears_in_regions)",
          _set("gm", lambda s: fuse_linears(s.gm, device=torch.device(s.config.inputs.resolved_device()),
                                            in_regions=linears_in_regions(s.config, s.mesh),
-                                           master=s.config.precision.torch_dtype)),
+                                           master=s.config.precision.torch_dtype,
+                                           fp32_to_autograd=linears_to_autograd(s.config, s.mesh))),
          lambda s: s.config.precision.gradient_accumulation_fusion, "gradient_accumulation_fusion",
          after=("insert_redistributions",)),
     Pass("annotate_local_shapes", "local symbolic shapes for inspection and the stage boundaries",

@@ -760,6 +760,15 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
                 head += ("; the linears are left to the compiled regions, not fused: one region runs where one per "
                          f"linear would (compiler/passmanager.py linears_in_regions; {how}"
                          + (f"; {fused} stay fused, their weights 16-bit in the model" if fused else "") + ")")
+    else:
+        from fxtron.compiler.passmanager import linears_to_autograd
+        if linears_to_autograd(config, mesh.view(0)):
+            fused = [n for g in compiled(0).graphs for n in g.graph.nodes if n.target == torch.ops.fxtron.linear.default]
+            head += ("\nlinears: fp32 and nothing defers their weight gradients (no tp, cp, zero=3 or zero-bubble "
+                     "schedule), so they are left to autograd, not fused: its weight gradient, added into main_grad "
+                     "in place, is the fused linear's number, without a Python autograd Function per linear "
+                     "(compiler/passmanager.py linears_to_autograd)"
+                     + (f"; {len(fused)} stay fused, their weights 16-bit in the model" if fused else ""))
     if config.codegen.cuda_graphs:
         head += "\n" + cuda_graphs_note(config, compiled(0).graphs)
     if init:
