@@ -181,6 +181,15 @@ def _head_job(rank: int, mesh: fxtron.Mesh) -> dict:
     return out
 
 
+def _pp_job(rank: int, mesh: fxtron.Mesh) -> tuple:
+    """A pipeline of one microbatch whose loss is fp16 (GPT's cross entropy of fp16 logits): the
+    first stage never sees the loss, and caps the scale as the last does (the trace's dtype)."""
+    (args, _), = batches("gpt", 4, [8], seed=0)
+    pp = fxtron.parallelize(make("gpt"), mesh, example_inputs=args, dtype=torch.float16).program(rank)
+    loss = pp.train_step(args, torch.optim.SGD(pp.parameters(), lr=0.0))
+    return loss, make("gpt").half()(*args).item(), pp.scaler.skipped, pp.scaler.scale, pp.last_step_skipped
+
+
 def _head_reference(kind: str) -> tuple[float, dict]:
     """The one-process fp16 model, its mean accumulated in fp32 as CUDA's kernels do (the CPU's
     fp16 cross entropy accumulates in fp16 and overflows itself)."""
@@ -212,6 +221,15 @@ def test_fp16_losses_over_more_elements_than_fp16_counts(heads, kind):
         for n, v in ref_norms.items():
             assert abs(norms[n] - v) <= 2e-2 * v, (rank, n, norms[n], v)
         assert skipped == 0 and scale == 2.0**15, (skipped, scale)
+
+
+def test_fp16_pipeline_of_one_microbatch_caps_the_scale_on_every_stage():
+    """pp=2, one microbatch, an fp16 loss: backward's first gradient is the scale itself, so
+    2^16 (inf in fp16) skipped the first step; every stage caps it at 2^15 and the step runs."""
+    for rank, r in enumerate(run_on_ranks(_pp_job, fxtron.Mesh(2, pp=2), fxtron.Mesh(2, pp=2))):
+        loss, ref, skipped, scale, last_skipped = r
+        assert skipped == 0 and not last_skipped and scale == 2.0**15, (rank, skipped, scale)
+        assert abs(loss - ref) <= 2.0**-8 * abs(ref), (rank, loss, ref)
 
 
 def test_dtype_is_checked():

@@ -418,10 +418,13 @@ def _to_graph_module(ep: ExportedProgram, model: torch.nn.Module, user_dims, in_
             signature[spec.index] = (val.dtype, tuple(
                 sympy.sympify(d.node.expr).xreplace(symbols) if isinstance(d, torch.SymInt) else sympy.Integer(int(d))
                 for d in val.shape))
+    returned = next(n for n in graph.nodes if n.op == "output").args[0]
+    losses = [v.meta.get("val") for i, v in enumerate(returned) if i not in buffer_mutations and isinstance(v, fx.Node)]
     out.meta[TRACE_INFO] = TraceInfo(params=params, buffers=buffers, user_dims=list(user_dims),
                                      symbols=symbols, in_spec=in_spec, statics=statics, aliases=aliases,
                                      buffer_mutations=buffer_mutations, constants=constants,
-                                     signature=signature, token_ranges=limits.token_ranges(out))
+                                     signature=signature, token_ranges=limits.token_ranges(out),
+                                     loss_dtype=next((v.dtype for v in losses if isinstance(v, torch.Tensor)), None))
     return out
 
 

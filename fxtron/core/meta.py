@@ -355,6 +355,8 @@ class TraceInfo:
     statistics, statistics_report: the batch statistics made global (passes/statistics.py).
     documents: the input of document ids whose order the cp split follows (passes/cp_documents.py).
     narrow_params: the parameters the model holds in 16 bits under a 16-bit compute dtype.
+    loss_dtype: the dtype of the loss the graph returns, as traced (a 16-bit program is traced in
+    16 bits): an fp16 loss caps fp16's loss scale (runtime/precision.py LossScaler).
     """
 
     params: list[str]
@@ -381,6 +383,7 @@ class TraceInfo:
     # the parameters a 16-bit program holds in 16 bits (the model's own weights, whose graph values
     # carry the compute dtype as every other weight's do): no fp32 master (codegen/fuse.py)
     narrow_params: frozenset = frozenset()
+    loss_dtype: torch.dtype | None = None
 
     @property
     def n_user_inputs(self) -> int:

@@ -37,34 +37,34 @@ class LossScaler:
     """Dynamic loss scaling for fp16 (torch's GradScaler's start, 2^16, and Megatron's
     DynamicGradScaler's backoff and growth, without its hysteresis): scale the loss by `scale`
     before backward; a step whose gradients overflow anywhere in the job is skipped and halves
-    the scale; `growth_interval` clean steps in a row double it. `for_loss` caps the scale
-    where the loss itself is fp16: backward's first gradient, the scale, must be finite there
-    (a step without microbatches; a pipeline's stages scale each microbatch's loss by scale / m
-    uncapped: with m >= 2 that fits fp16, with one microbatch and an fp16 loss the first step
-    overflows and the scale backs off)."""
+    the scale; `growth_interval` clean steps in a row double it, up to `max_scale`. Where the
+    loss itself is fp16 (a model that does not upcast its logits), backward's first gradient is
+    the scale (a pipeline's stages: scale / microbatches), which must be finite in fp16: the
+    program caps the scale at FP16_MAX_SCALE on every rank alike (its trace says the loss's
+    dtype, which a pipeline's first stages never see); torch's GradScaler's 2^16 would skip the
+    first step and every regrowth to it."""
 
     def __init__(self, scale: float = 2.0**16, growth_interval: int = 1000, backoff: float = 0.5,
-                 growth: float = 2.0, min_scale: float = 1.0):
-        self.scale, self.growth_interval = scale, growth_interval
+                 growth: float = 2.0, min_scale: float = 1.0, max_scale: float = float("inf")):
+        self.max_scale = max_scale
+        self.scale, self.growth_interval = min(scale, max_scale), growth_interval
         self.backoff, self.growth, self.min_scale = backoff, growth, min_scale
-        self.max_scale = float("inf")
         self.clean_steps = 0
         self.skipped = 0
 
-    def for_loss(self, loss: torch.Tensor) -> float:
-        """The scale to multiply `loss` by: at most FP16_MAX_SCALE for an fp16 loss, from then on."""
-        if loss.dtype == torch.float16:
-            self.max_scale = min(self.max_scale, FP16_MAX_SCALE)
-            self.scale = min(self.scale, self.max_scale)
-        return self.scale
+    @classmethod
+    def for_loss(cls, loss_dtype: torch.dtype | None) -> "LossScaler":
+        """The scaler of a program whose loss has `loss_dtype` (its trace's)."""
+        return cls(max_scale=FP16_MAX_SCALE if loss_dtype == torch.float16 else float("inf"))
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped": self.skipped,
                 "max_scale": self.max_scale}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
-        self.skipped, self.max_scale = int(state["skipped"]), float(state["max_scale"])
+        """The saved scale and counts; the cap stays this program's (its loss's dtype)."""
+        self.scale, self.clean_steps = min(float(state["scale"]), self.max_scale), int(state["clean_steps"])
+        self.skipped = int(state["skipped"])
 
     def unscale_and_check(self, params: list[torch.Tensor], groups, *, sharded_over_dp: bool = False,
                           dp_kind: str = "dp") -> bool:

@@ -115,7 +115,7 @@ class Program(nn.Module):
         # mixed precision: parameters stay fp32 (the optimizer's main parameters); each forward
         # computes with 16-bit copies (Megatron's Float16Module + mixed-precision optimizer)
         self.dtype = config.precision.torch_dtype
-        self.scaler = LossScaler() if self.dtype == torch.float16 else None
+        self.scaler = LossScaler.for_loss(info.loss_dtype) if self.dtype == torch.float16 else None
         # pipeline: this rank's stages (None: the whole graph is one stage) and the schedule
         self._stages = stages
         self.pipeline = config.pipeline
@@ -343,7 +343,7 @@ class Program(nn.Module):
             if memory is not None:
                 memory.sample("F", 0, 0)
             total = self._start_global_loss(loss.detach().to(torch.promote_types(loss.dtype, torch.float32)))
-            scaled = loss * self.scaler.for_loss(loss) if self.scaler is not None else loss
+            scaled = loss * self.scaler.scale if self.scaler is not None else loss
             self.grads.last_backward(None)
             # weight-gradient GEMMs overlap the input gradients' tp communication; without any, each
             # runs as its linear's backward does (while its inputs are hot in cache)
