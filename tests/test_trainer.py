@@ -71,6 +71,25 @@ def test_override_lr_schedule_continues_with_this_runs_settings():
     assert TrainConfig().replace(override_lr_schedule=True).optimizer.override_lr_schedule
 
 
+@pytest.mark.slow
+def test_a_run_from_load_continues_from_its_own_saves(tmp_path, capsys):
+    """--load A --save B: the first start loads A's latest; run again (a torchrun restart, the
+    same command), it continues from B's newer checkpoint, not from A again, and says so."""
+    from fxtron.trainer.loop import train_rank
+    (tmp_path / "t.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    base = TrainConfig().replace(model="gpt-tiny", batch=2, seq=16, text=str(tmp_path / "t.txt"))
+    train_rank(0, base.replace(steps=1, save=str(tmp_path / "a")))
+    cfg = base.replace(steps=2, load=str(tmp_path / "a"), save=str(tmp_path / "b"), override_lr_schedule=True)
+    capsys.readouterr()
+    assert train_rank(0, cfg)["resumed_from"] == 1
+    assert "this run continued" not in capsys.readouterr().out
+    out = train_rank(0, cfg.replace(steps=3))
+    assert out["resumed_from"] == 2 and list(out["losses"]) == [3]
+    text = capsys.readouterr().out
+    assert f"loaded checkpoint {checkpoints.iter_dir(str(tmp_path / 'b'), 2)} from iteration 2" in text, text
+    assert "--save's own, newer than --load's latest: this run continued" in text
+
+
 def test_checkpoint_events_are_logged_and_an_extended_run_resumes(tmp_path, capsys):
     """One process: a 2-step run's save is a line and a JSONL field; extended to 3 steps it is
     refused naming --override-lr-schedule, then with it (and other AdamW settings) resumes saying

@@ -88,8 +88,8 @@ def prune(root: str, keep_last: int | None) -> list[int]:
 
 # ----------------------------------------------------------------------------- the run's saves and resume
 class Checkpointer:
-    """The run's checkpoints: `resume` loads the latest complete one of --load (else --save)
-    into the program, optimizer, schedule and the trainer's state; `maybe_save` saves every
+    """The run's checkpoints: `resume` loads the latest complete one of --load (else --save;
+    --save's where it is newer: `source`) into the program, optimizer, schedule and the trainer's state; `maybe_save` saves every
     --save-interval steps and at the last."""
 
     def __init__(self, cfg, prog, opt, sched):
@@ -97,11 +97,21 @@ class Checkpointer:
         self.loaded: dict | None = None       # the resume's event (resume)
         self.saved: dict | None = None        # the last save's event (save)
 
+    def source(self) -> str | None:
+        """The directory resumed from: --load, unless --save (another directory) holds a newer
+        complete checkpoint -- this run's own progress, as after a torchrun restart of a run
+        that began from --load (torchtitan's initial_load_path: the run's folder first)."""
+        t = self.cfg.training
+        if t.load is None or t.save is None or os.path.abspath(t.load) == os.path.abspath(t.save):
+            return t.load or t.save
+        mine, theirs = latest(t.save), latest(t.load)
+        return t.save if mine is not None and (theirs is None or mine > theirs) else t.load
+
     def resume(self, state: dict) -> int | None:
         """Load the latest complete checkpoint into the program, optimizer, schedule and
         `state` (updated in place); the iteration resumed from, or None (a fresh run)."""
         t, cfg = self.cfg.training, self.cfg
-        source = t.load or t.save
+        source = self.source()
         if source is None:
             return None
         it = latest(source)
@@ -131,6 +141,7 @@ class Checkpointer:
         state.update({k: saved[k] for k in state})
         #: what the resume did, for the log and the JSONL (metrics.py Metrics.loaded)
         self.loaded = {"path": iter_dir(source, it), "iteration": it, "mesh": str(cfg.mesh.mesh()),
+                       "continued": t.load is not None and source != t.load,
                        "saved_mesh": saved.get("mesh"), "seconds": time.perf_counter() - start,
                        "overridden": overridden, "optimizer_changed": changed,
                        "rng_restored": getattr(self.prog, "rng_restored", None)}

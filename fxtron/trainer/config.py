@@ -140,7 +140,8 @@ class TrainingConfig(Section):
     save_interval: int | None = option(None, positive=True, help="save every this many steps (and at the end)")
     keep_last: int | None = option(None, positive=True, help="keep only the newest K checkpoints (default: all)")
     load: str | None = option(None, help="resume from the latest complete checkpoint of this directory, on any "
-                                         "mesh (default: --save)")
+                                         "mesh (default: --save; a newer one of --save's wins: a restarted run "
+                                         "continues)")
     export_hf: str | None = option(None, help="at the end, write the model as transformers' save_pretrained does")
     log_interval: int = option(1, positive=True, help="one log line every this many steps")
     log_file: str | None = option(None, help="append one JSON object per step to this .jsonl file")

@@ -123,7 +123,8 @@ class Metrics:
             return
         saved = f"saved on {event['saved_mesh']}, " if event.get("saved_mesh") not in (None, event["mesh"]) else ""
         self._print(f"loaded checkpoint {event['path']} from iteration {event['iteration']} on {event['mesh']} "
-                    f"({saved}{event['seconds']:.1f} s)")
+                    f"({saved}{event['seconds']:.1f} s)"
+                    + ("; --save's own, newer than --load's latest: this run continued" if event.get("continued") else ""))
         if event.get("optimizer_changed"):
             self._print("optimizer settings: this run's over the checkpoint's: " + "; ".join(event["optimizer_changed"]))
         if event.get("rng_restored") is False:
