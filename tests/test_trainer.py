@@ -72,6 +72,19 @@ def test_override_lr_schedule_continues_with_this_runs_settings():
 
 
 @pytest.mark.slow
+def test_the_last_step_is_evaluated(tmp_path):
+    """--eval-interval 2 over 3 steps: evaluated at 2 and after the last, 3 (Megatron's evaluation at
+    the end of training); each evaluation in its step's record."""
+    from fxtron.trainer.loop import train_rank
+    (tmp_path / "t.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    cfg = TrainConfig().replace(model="gpt-tiny", batch=2, seq=16, text=str(tmp_path / "t.txt"), steps=3,
+                                eval_interval=2, eval_iters=1, log_file=str(tmp_path / "run.jsonl"))
+    out = train_rank(0, cfg)
+    assert sorted(out["evals"]) == [2, 3]
+    assert [k for k, r in _losses(tmp_path / "run.jsonl").items() if "eval_loss" in r] == [2, 3]
+
+
+@pytest.mark.slow
 def test_a_run_from_load_continues_from_its_own_saves(tmp_path, capsys):
     """--load A --save B: the first start loads A's latest; run again (a torchrun restart, the
     same command), it continues from B's newer checkpoint, not from A again, and says so."""

@@ -133,7 +133,7 @@ class TrainingConfig(Section):
     compare: bool = option(False, help="train again in one process and report the largest loss difference")
     trace: str | None = option(None, help="write the last step's passes and memory per rank to this directory "
                                           "(trace.json for Perfetto, schedule.png)")
-    eval_interval: int | None = option(None, positive=True, help="every this many steps, the loss on the valid split")
+    eval_interval: int | None = option(None, positive=True, help="every this many steps and after the last, the loss on the valid split")
     eval_iters: int = option(2, positive=True, help="global batches of the valid split per evaluation")
     save: str | None = option(None, help="checkpoint directory (Megatron's layout: DIR/iter_0000004, "
                                          "DIR/latest_checkpointed_iteration.txt); a run there is resumed")

@@ -103,7 +103,9 @@ class Trainer:
                          f"--steps is {t.steps} (raise --steps to go on)")
             while self.state["iteration"] < t.steps:
                 step = self.train_step()
-                if t.eval_interval and step % t.eval_interval == 0:
+                # every --eval-interval steps, and after the last (Megatron's evaluation at the end of
+                # training, which its valid split's size counts: eval_iters x (steps // interval + 1))
+                if t.eval_interval and (step % t.eval_interval == 0 or step == t.steps):
                     self.evaluate()
                 if self.checkpointer.maybe_save(self.state):
                     self.metrics.saved(self.checkpointer.saved)
