@@ -180,6 +180,25 @@ def test_latest_checkpoint_is_the_newest_complete(tmp_path):
     assert checkpoints.prune(root, 1) == [2] and checkpoints.complete(root) == [4]
 
 
+def test_keep_last_after_a_rollback_keeps_the_run_s_own_saves(tmp_path):
+    """A run rolled back (its tracker set to 4 of 2, 4, 6, 8) saves 5 with --keep-last 2: 4 and 5
+    are kept, 2 removed; 6 and 8 (the abandoned run's) are left, and the tracker's 5 is what a
+    restart resumes -- pruning by number alone removed 5 itself and sent it back to 8."""
+    root = str(tmp_path)
+
+    def save(it):
+        os.makedirs(checkpoints.iter_dir(root, it))
+        open(os.path.join(checkpoints.iter_dir(root, it), ".fxtron-complete"), "w").close()
+    for it in (2, 4, 6, 8):
+        save(it)
+    checkpoints.write_tracker(root, 4)
+    assert checkpoints.latest(root) == 4
+    save(5)
+    checkpoints.write_tracker(root, 5)
+    assert checkpoints.prune(root, 2, saved=5) == [2]
+    assert checkpoints.complete(root) == [4, 5, 6, 8] and checkpoints.latest(root) == 5
+
+
 def test_options_are_checked():
     with pytest.raises(fxtron.ParallelizeError, match="save_interval needs training.save"):
         TrainConfig().replace(save_interval=2)

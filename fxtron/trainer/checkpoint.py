@@ -75,11 +75,15 @@ def write_tracker(root: str, iteration: int) -> None:
     os.replace(tmp, os.path.join(root, TRACKER))
 
 
-def prune(root: str, keep_last: int | None) -> list[int]:
-    """Remove all but the newest `keep_last` complete iterations; returns the removed."""
+def prune(root: str, keep_last: int | None, saved: int | None = None) -> list[int]:
+    """Remove all but the newest `keep_last` complete iterations up to `saved` (the one just
+    saved: the run's own trajectory); returns the removed. Iterations after it are another
+    trajectory's -- a run rolled back (its tracker set to an earlier one) -- and are left: by
+    number they are the newest, and pruning them in would remove the save just made and send
+    the next restart to the abandoned run (the run replaces each as it reaches it)."""
     if keep_last is None:
         return []
-    done = complete(root)
+    done = [it for it in complete(root) if saved is None or it <= saved]
     gone = done[:-keep_last] if len(done) > keep_last else []
     for it in gone:
         shutil.rmtree(iter_dir(root, it), ignore_errors=True)
@@ -169,7 +173,7 @@ class Checkpointer:
         alone = prog.groups is None or not dist.is_initialized()
         if alone or dist.get_rank() == 0:
             write_tracker(root, it)
-            prune(root, cfg.training.keep_last)
+            prune(root, cfg.training.keep_last, saved=it)
         if not alone:
             dist.barrier()
         self.saved = {"path": path, "iteration": it, "seconds": time.perf_counter() - start}
