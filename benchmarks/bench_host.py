@@ -12,8 +12,9 @@ so that load from other work falls on all alike:
 
     eager           the unmodified model: zero_grad, forward, backward, AdamW (foreach) step, loss.item()
     fxtron          fxtron.parallelize(model, Mesh(1)).program(0).train_step with the same AdamW:
-                    the traced graph interpreted op by op, its linears fxtron::linear (the weight
-                    gradient written into the fp32 main_grad), the gradient buffer, the step's checks
+                    the traced graph run op by op, its fp32 linears autograd's (nothing defers their
+                    weight gradients at world 1: compiler/passmanager.py linears_to_autograd), every
+                    gradient added into the fp32 buffer in place, the step's checks
     torch_compile   the unmodified model under torch.compile, stepped as eager
     fxtron_compiled the same program with compile=True (codegen/regions.py; at world 1 in fp32 its
                     linears are the region's own: the step is one compiled region)

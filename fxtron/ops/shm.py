@@ -214,12 +214,11 @@ class ShmComm:
             except OSError:
                 _unlink(path)
                 path = None
-        mine = path
+        mine, comm = path, None
         try:
             box = [path]
             dist.broadcast_object_list(box, group_src=0, group=pg)
             path = box[0]
-            comm = None
             if path is not None:
                 try:
                     comm = cls(path, index, size, pg.group_name, timeout_s, capacity)
@@ -227,6 +226,10 @@ class ShmComm:
                     comm = None
             ok = [None] * size
             dist.all_gather_object(ok, comm is not None, group=pg)   # also: every rank has mapped it
+        except BaseException:      # a peer failed: this rank's mapping goes now, not at exit
+            if comm is not None:
+                comm.close()
+            raise
         finally:        # (a peer that died or timed out here leaves no segment in /dev/shm)
             if mine is not None:
                 _unlink(mine)
