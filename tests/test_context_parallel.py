@@ -590,6 +590,8 @@ def _run_case(rank, mesh, case):
     prog = pm.program(rank)
     opt = _opt(prog.parameters())
     out = train_program(prog, _batches(case.name), opt)
+    if case.axes.get("ep", 1) > 1:     # the last step's copies per expert, over the global batch
+        out["load"] = {k: v.tolist() for k, v in prog.expert_load().items()}
     if isinstance(case, Saved):       # the checkpoint of a cp=2 run (zero=1: optimizer state over dp-cp)
         prog.save(case.path, opt)
     return out
@@ -944,8 +946,15 @@ def trained(saved):
                          ids=lambda x: x.key if isinstance(x, Case) else str(x))
 def test_trains_like_one_process(trained, world, case):
     ref = reference_training(make(case.name), _batches(case.name), _opt)
-    for rank, got in enumerate(ranks_of(trained, fxtron.Mesh(world, **case.axes), case)):
+    got_all = ranks_of(trained, fxtron.Mesh(world, **case.axes), case)
+    for rank, got in enumerate(got_all):
         assert_trains_like(got, ref, rank=rank)
+    if case.name == "moe" and "load" in got_all[0]:
+        # the expert load counts every cp rank's tokens (each routes its own): the same on every
+        # rank, each layer's copies the last batch's tokens x top_k (2)
+        (args, _) = _batches(case.name)[-1]
+        assert all(got["load"] == got_all[0]["load"] for got in got_all), [got["load"] for got in got_all]
+        assert {sum(c) for c in got_all[0]["load"].values()} == {2 * args[0].numel()}, got_all[0]["load"]
 
 
 @pytest.mark.slow

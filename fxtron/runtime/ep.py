@@ -20,7 +20,8 @@ def dispatch_log(prog):
 def expert_load(prog) -> dict[str, torch.Tensor]:
     """The copies each expert received in the last step, per mixture-of-experts layer of
     `prog`'s stages: {layer: (E,) int64} over the whole global batch (every data-
-    parallel rank's tokens: one all-reduce over dp; every rank of the group calls it).
+    parallel rank's tokens, and under context parallel every cp rank's, which routes its own: one
+    all-reduce over dp, or dp-cp; every rank of the group calls it).
     Empty without expert parallel. `last_dispatch.bytes_sent`: the bytes this rank sent
     to other ranks in the step's all-to-alls."""
     log = getattr(prog, "last_dispatch", None)
@@ -28,10 +29,11 @@ def expert_load(prog) -> dict[str, torch.Tensor]:
         return {}
     names = sorted(log.copies)
     stacked = torch.stack([log.copies[n].to(torch.int64) for n in names])
-    if prog.groups is not None and prog.groups.size("dp") > 1:
+    kind = "dp-cp" if prog.groups is not None and prog.groups.size("cp") > 1 else "dp"
+    if prog.groups is not None and prog.groups.size(kind) > 1:
         stacked = stacked.to(prog.groups.device)
-        with ledger.collective(prog.groups.group("dp"), "all_reduce", stacked):
-            dist.all_reduce(stacked, group=prog.groups.group("dp"))
+        with ledger.collective(prog.groups.group(kind), "all_reduce", stacked):
+            dist.all_reduce(stacked, group=prog.groups.group(kind))
     return {n: stacked[i].cpu() for i, n in enumerate(names)}
 
 

@@ -437,7 +437,7 @@ class Program(nn.Module):
     # ---------------------------------------------------------------- expert load, timelines
     def expert_load(self) -> dict[str, torch.Tensor]:
         """The copies each expert received in the last step, per mixture-of-experts layer,
-        over the whole global batch (runtime/ep.py expert_load; every rank of dp calls it)."""
+        over the whole global batch (runtime/ep.py expert_load; every rank of dp, or dp-cp, calls it)."""
         return ep.expert_load(self)
 
     def timeline(self) -> list:
