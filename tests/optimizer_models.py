@@ -41,3 +41,22 @@ class Float32Muon(torch.optim.Muon):
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.add_(update, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], p.shape))
         return None
+
+
+class NormalizedSGD(torch.optim.Optimizer):
+    """A user's optimizer fxtron does not know (it steps whole matrices), whose constructor
+    requires its lr: p -= lr * (g + momentum * buffer) / ||g + momentum * buffer||, the norm over
+    the whole parameter."""
+
+    def __init__(self, params, lr, momentum=0.5, eps=1e-8):
+        super().__init__(params, dict(lr=lr, momentum=momentum, eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("buf", torch.zeros_like(p))
+                buf.mul_(group["momentum"]).add_(p.grad)
+                p.add_(buf / (buf.norm() + group["eps"]), alpha=-group["lr"])

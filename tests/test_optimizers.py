@@ -24,7 +24,7 @@ import torch
 import fxtron
 from fxtron.runtime.memory import rank_bytes
 from fxtron.tools.testing import cases_fixture, max_abs_diff, ranks_of
-from optimizer_models import Float32Muon
+from optimizer_models import Float32Muon, NormalizedSGD
 from fxtron.models.moe import MoEConfig, MoETransformer
 from tp_models import batches, make
 
@@ -71,10 +71,27 @@ def _optimizers(opt: str, named, shape_of, build) -> list[torch.optim.Optimizer]
     small = [p for n, p in named if len(shape_of(n)) < 2]
     if opt == "adafactor":
         return [build(torch.optim.Adafactor, [{"params": big, "weight_decay": 0.1}, {"params": small}], lr=LRS[0])]
+    if opt == "adafactor-named":     # (name, parameter) pairs, as torch's optimizers take them
+        return [build(torch.optim.Adafactor, [{"params": [(n, p) for n, p in named if len(shape_of(n)) >= 2],
+                                               "weight_decay": 0.1},
+                                              {"params": [(n, p) for n, p in named if len(shape_of(n)) < 2]}], lr=LRS[0])]
+    if opt == "adagrad":             # initial_accumulator_value: read only by the constructor (which makes
+        # its state: built directly, as build_optimizer refuses a class that does)
+        return [torch.optim.Adagrad([p for _, p in named], lr=LRS[0], initial_accumulator_value=0.1)]
+    if opt == "adamw-added":         # the 1-d parameters join with add_param_group before step 2 (_grow)
+        return [build(torch.optim.AdamW, big, lr=LRS[0] / 10, eps=1e-6, weight_decay=0.1)]
+    if opt == "normalized":          # a user's class, its lr required by its constructor
+        return [build(NormalizedSGD, [p for _, p in named], lr=LRS[0])]
     if opt == "adamw":
         return [build(torch.optim.AdamW, [p for _, p in named], lr=LRS[0] / 10, eps=1e-6, weight_decay=0.1)]
     muon = Float32Muon if opt == "muon32" else torch.optim.Muon
     return [build(muon, big, lr=LRS[0]), build(torch.optim.AdamW, small, lr=LRS[0] / 10, eps=1e-6, weight_decay=0.1)]
+
+
+def _grow(opt: str, opts, named, shape_of, step: int) -> None:
+    """adamw-added: before step 2, the 1-d parameters join the optimizer (unfreezing in stages)."""
+    if opt == "adamw-added" and step == 1:
+        opts[0].add_param_group({"params": [p for n, p in named if len(shape_of(n)) < 2], "weight_decay": 0.0})
 
 
 def _with_lr(opts, step: int) -> None:
@@ -89,10 +106,10 @@ def _reference(opt: str, name: str) -> dict:
     opts = _optimizers(opt, model.named_parameters(), shapes.__getitem__, lambda cls, ps, **kw: cls(ps, **kw))
     losses = []
     for step, (args, kwargs) in enumerate(_batches(name)):
-        for o in opts:
-            o.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)      # (a step's gradients are its own, in the optimizer or not yet)
         loss = model(*args, **kwargs)
         loss.backward()
+        _grow(opt, opts, list(model.named_parameters()), shapes.__getitem__, step)
         _with_lr(opts, step)
         for o in opts:
             o.step()
@@ -108,6 +125,7 @@ def _run(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
     opts = _optimizers(case.opt, prog.named_parameters(), prog.original_shape, prog.build_optimizer)
     losses = []
     for step, (args, kwargs) in enumerate(items):
+        _grow(case.opt, opts, list(prog.named_parameters()), prog.original_shape, step)
         _with_lr(opts, step)
         losses.append(prog.train_step(args, opts if len(opts) > 1 else opts[0], kwargs=kwargs))
     whole = getattr(prog, "_whole_matrices", {})
@@ -124,7 +142,12 @@ SLOW = {
     fxtron.Mesh(2): [Case("adafactor", zero=1), Case("muon32", zero=1), Case("adafactor", zero=3),
                      Case("muon32", zero=3), Case("adafactor"),
                      # frozen parameters: neither stepped nor decayed by the whole-matrix step under zero=1
-                     Case("adafactor", "gpt-frozen", zero=1)],
+                     Case("adafactor", "gpt-frozen", zero=1),
+                     # the distributed optimizer's shards: a setting only the constructor reads, and a
+                     # param group added after the first step; a user's class whose lr is required; named
+                     # parameters through prog.build_optimizer
+                     Case("adagrad", zero=1), Case("adamw-added", zero=1), Case("adamw-added", zero=3),
+                     Case("normalized"), Case("adafactor-named", zero=1)],
     fxtron.Mesh(2, pp=2): [Case("adafactor", microbatches=2, schedule="1f1b")],
     fxtron.Mesh(2, ep=2): [Case("adafactor", "moe")],
 }
@@ -143,6 +166,7 @@ def _params(cases: dict) -> list:
 #: 2.2e-5 apart at the third step on a second machine (6.5e-4 in the weights), so torch's Muon's
 #: are held to 1e-4 from the second step on; every first loss (no update yet) to 2e-5
 TOL = {"muon": 2e-3}
+ELEMENTWISE = ("adamw", "adagrad", "adamw-added")
 LOSS_TOL = {"muon": 1e-4}
 _refs: dict[str, dict] = {}
 
@@ -174,17 +198,17 @@ def _check(results, mesh, case):
         assert abs(got["losses"][0] - ref["losses"][0]) < 2e-5, (rank, got["losses"], ref["losses"])
         assert dl < LOSS_TOL.get(case.opt, 2e-5), (rank, got["losses"], ref["losses"])
         assert dw < TOL.get(case.opt, 1e-5), f"rank {rank}: {where} differs by {dw:.3g} after 3 steps"
-        whole = case.opt != "adamw"
+        whole = case.opt not in ELEMENTWISE
         assert any("whole matrices" in m for m in got["modes"]) == whole, got["modes"]
         assert got["template_state"] == 0 or not whole, "the user's optimizer stepped shards"
-    if case.opt != "adamw":
+    if case.opt not in ELEMENTWISE:
         # every parameter of a whole-matrix optimizer owned by exactly one rank of those holding
         # it, and every rank owns some (on pp=2 the ranks hold different stages)
         owned = [got["owned"] for got in ranks]
         assert all(owned), f"a rank owns nothing: {[len(o) for o in owned]}"
         if mesh.pp == 1:
             assert not (owned[0] & owned[1]), owned[0] & owned[1]
-            stepped = ranks[0]["params"] if case.opt == "adafactor" else \
+            stepped = ranks[0]["params"] if case.opt in ("adafactor", "adafactor-named", "normalized") else \
                 {n for n in ranks[0]["params"] if len(ref["state"][n].shape) == 2}
             assert owned[0] | owned[1] == stepped
         else:

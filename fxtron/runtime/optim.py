@@ -18,6 +18,7 @@ lives on the owner alone. `LBFGS` (a closure, all parameters one vector) is refu
 """
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -131,6 +132,23 @@ def check_optimizer(prog, optimizer) -> None:
             "groups")
 
 
+def rebuild(template: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
+    """An optimizer of `template`'s class over `groups` (each with every hyperparameter), built
+    with the template's constructor settings: its `defaults`, which torch's optimizers fill from
+    every constructor argument (a user's class from those it passes to Optimizer.__init__),
+    those its constructor takes. Some settings act only in the constructor (Adagrad's
+    initial_accumulator_value fills its state there), and a class may require them (an `lr`
+    without a default)."""
+    cls = type(template)
+    try:
+        takes = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):         # (a constructor without a signature Python can read)
+        takes = {}
+    anything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in takes.values())
+    kwargs = {k: v for k, v in template.defaults.items() if k != "params" and (anything or k in takes)}
+    return cls(groups, **kwargs)
+
+
 def build_optimizer(prog, cls: type, params, **kwargs) -> torch.optim.Optimizer:
     """`cls(params, **kwargs)` over `prog`'s parameters, its constructor's checks made on the
     shapes the parameters have in the model (`prog.original_shape`), not on the rank's pieces:
@@ -141,13 +159,17 @@ def build_optimizer(prog, cls: type, params, **kwargs) -> torch.optim.Optimizer:
     names = {id(p): n for n, p in prog.named_parameters()}
     held = []
     for g in groups:
-        g["params"] = list(g["params"])
-        missing = [tuple(p.shape) for p in g["params"] if id(p) not in names]
+        # (as torch's optimizers take them: a lone tensor, or (name, tensor) pairs)
+        entries = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+        tensors = [e[1] if isinstance(e, tuple) else e for e in entries]
+        missing = [tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
+                   for p in tensors if id(p) not in names]
         if missing:
             raise ParallelizeError(f"build_optimizer takes the program's parameters; {len(missing)} are not (the "
-                                   f"first of shape {missing[0]})")
-        held.append(g["params"])
-        g["params"] = [torch.empty(prog.original_shape(names[id(p)]), device="meta") for p in g["params"]]
+                                   f"first: {missing[0]})")
+        held.append(tensors)
+        stand_ins = [torch.empty(prog.original_shape(names[id(p)]), device="meta") for p in tensors]
+        g["params"] = [(e[0], t) if isinstance(e, tuple) else t for e, t in zip(entries, stand_ins)]
     opt = cls(groups, **kwargs)
     if opt.state:
         raise ParallelizeError(f"{cls.__name__} makes state when it is built; build it over prog.parameters() "
@@ -276,7 +298,7 @@ class WholeMatrices:
                     piece.full = torch.zeros(shape, dtype=piece.param.dtype, device=piece.param.device)
                     mine.append(piece.full)
             inner_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": mine})
-        self.inner = type(template)(inner_groups)     # every hyperparameter is in the groups
+        self.inner = rebuild(template, inner_groups)
 
     def _mine(self, piece: _Piece) -> bool:
         groups = self.prog.groups

@@ -28,7 +28,9 @@ import torch.distributed as dist
 from torch import nn
 
 from fxtron.core.records import ZERO_WAITED
+from fxtron.errors import ParallelizeError
 from fxtron.ops import ledger
+from fxtron.runtime.optim import rebuild
 from fxtron.runtime.precision import compute_copy
 
 
@@ -95,6 +97,7 @@ class ZeroOne:
         self.shards = [nn.Parameter(part.param_data[lo:hi]) for part, _, lo, hi in self.pieces]
         self._inner: torch.optim.Optimizer | None = None
         self._template = None
+        self._layout: list[list[int]] = []      # the template's groups (parameter ids) the shards' mirror
         self._works: list = []
         self.dtype = None            # the compute dtype (mixed precision), set by the program
         self.waited: list[int] = []  # bucket indices waited for by forwards since the step (overlap_param_gather)
@@ -103,15 +106,26 @@ class ZeroOne:
     # ------------------------------------------------------------------ the optimizer
     def optimizer_for(self, template: torch.optim.Optimizer) -> list[nn.Parameter]:
         """The shard parameters, with an optimizer over them mirroring `template`."""
+        names = {id(p): n for n, p in self.params.items()}
+
+        def shard_group(g: dict) -> dict:
+            mine = {names[id(p)] for p in g["params"] if id(p) in names}
+            hyper = {k: v for k, v in g.items() if k != "params"}
+            return {**hyper, "params": [s for s, (_, n, _, _) in zip(self.shards, self.pieces) if n in mine]}
+        layout = [[id(p) for p in g["params"]] for g in template.param_groups]
         if self._inner is None or self._template is not template:
-            names = {id(p): n for n, p in self.params.items()}
-            groups = []
-            for g in template.param_groups:
-                mine = {names[id(p)] for p in g["params"] if id(p) in names}
-                hyper = {k: v for k, v in g.items() if k != "params"}
-                groups.append({**hyper, "params": [s for s, (_, n, _, _) in zip(self.shards, self.pieces) if n in mine]})
-            self._inner = type(template)(groups)   # every hyperparameter is in the groups
-            self._template = template
+            self._inner = rebuild(template, [shard_group(g) for g in template.param_groups])
+            self._template, self._layout = template, layout
+        elif layout != self._layout:
+            # groups added since (add_param_group: unfreezing in stages) join the shards' optimizer;
+            # any other change of the groups would leave its state on the wrong shards
+            if layout[:len(self._layout)] != self._layout:
+                raise ParallelizeError(f"the param groups of {type(template).__name__} changed after its first step "
+                                       "(other than add_param_group); the distributed optimizer holds its state by "
+                                       "shard: build a new optimizer")
+            for g in template.param_groups[len(self._layout):]:
+                self._inner.add_param_group(shard_group(g))
+            self._layout = layout
         return self.shards
 
     @property
