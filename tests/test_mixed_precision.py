@@ -126,7 +126,9 @@ def test_16bit_training_matches_the_same_policy_in_one_process(request, tp, name
 def test_fp16_dynamic_loss_scaling(results):
     for res in results:
         got = res[_key("gpt", torch.float16, False)]
-        assert got["scale"] == 2.0**16 and got["skipped"] == 0
+        # GPT's loss is fp16 as traced (the cross entropy of fp16 logits): the scale is capped where
+        # fp16 holds backward's first gradient, 2^15, from the start (runtime/precision.py)
+        assert got["scale"] == 2.0**15 and got["skipped"] == 0
         skipped, scale, unchanged, said = got["overflow"]
         assert skipped == 1 and scale == 0.5e38 and unchanged and said    # the trainer reads `said`
         assert got["resumed_scaler"] == got["saved_scaler"] and got["saved_scaler"]["scale"] == 1024.0
