@@ -5,7 +5,8 @@ Held per parallelism on tiny models, in one job of 2 gloo processes with the col
 check on (every rank issues the same collectives in the same order): a compiled program trains
 three steps equal to the same program uncompiled (float round-off: Inductor fuses and reorders
 the elementwise math) and to the unmodified model in one process (the equivalence tests'
-tolerances): tp with sequence parallel, pp under 1F1B and ZB-V (its weight-gradient passes deferred), dp with zero=1 and zero=3, cp, ep,
+tolerances): tp with sequence parallel, pp under every schedule (GPipe, 1F1B, interleaved, ZB-H1 and ZB-V: their
+weight-gradient passes deferred), dp with zero 1, 2 and 3, cp, ep,
 recompute, bf16 and fp16. Without processes: the regions a graph is cut into, and the summary's line.
 Inductor compiles on the first step (seconds a region on 2 cores): the module is slow-marked, and
 its cases share one model (the shipped Llama; the shipped MoE for ep) so that their regions
@@ -64,8 +65,12 @@ CASES = {
     fxtron.Mesh(2, pp=2): [Case("llama", schedule="1f1b", microbatches=2),
                            Case("gpt", schedule="1f1b", microbatches=2, dtype="fp16"),   # tied, over the stages;
                            # fp16's loss scale and its overflow check over both stages
-                           Case("llama", schedule="zb-v", microbatches=2, layers=4)],
-    fxtron.Mesh(2): [Case("llama", zero=1), Case("llama", zero=3)],
+                           Case("llama", schedule="zb-v", microbatches=2, layers=4),
+                           # the other schedules: GPipe's order, two chunks a rank, ZB-H1's deferred W passes
+                           Case("llama", schedule="gpipe", microbatches=2),
+                           Case("llama", schedule="interleaved", microbatches=2, virtual_stages=2, layers=4),
+                           Case("llama", schedule="zb-h1", microbatches=2)],
+    fxtron.Mesh(2): [Case("llama", zero=1), Case("llama", zero=2), Case("llama", zero=3)],
     fxtron.Mesh(2, cp=2): [Case("llama")],
     fxtron.Mesh(2, ep=2): [Case("moe")],
 }
@@ -88,11 +93,12 @@ def test_compiled_program_trains_as_uncompiled_and_one_process(results, mesh, ca
         # as its GEMM runs); elsewhere on the CPU they are the regions' own (tp too), aten ops in
         # fp32, fxtron::master_linear under 16-bit compute (passmanager.linears_in_regions)
         keeps_fused = (case.kw.get("sequence_parallel", False) or case.kw.get("zero") == 3
-                       or case.kw.get("schedule") == "zb-v" or mesh.dp * mesh.cp > 1)
+                       or case.kw.get("schedule") in ("zb-h1", "zb-v") or mesh.dp * mesh.cp > 1)
         assert (got["fused"] > 0) == keeps_fused, (got["fused"], got["stats"])
         assert (got["master"] > 0) == (half and not keeps_fused), (got["master"], got["stats"])
-        if not keeps_fused and mesh.pp > 1:    # a stage is one region (the last: two, around its
-            assert regions <= 1 + rank, got["stats"]   # loss's token count over the microbatches)
+        if not keeps_fused and mesh.pp > 1:    # a stage (model chunk) is one region (the last: two, around
+            # its loss's token count over the microbatches)
+            assert regions <= case.kw.get("virtual_stages", 1) + rank, got["stats"]
         if not keeps_fused and mesh.tp > 1 and "recompute" not in case.kw:   # f and g inside the regions:
             assert regions <= 3 and n_opaque <= 3, got["stats"]          # cut at the vocab-parallel ops alone
         # the compiled program against the same program uncompiled: float round-off
