@@ -40,19 +40,23 @@ def _documents(n: int = 40, seed: int = 0) -> list[np.ndarray]:
 
 
 def test_indexed_files_are_megatrons_byte_for_byte(megatron, tmp_path):
+    """Both ways, with an empty document among them (a text with no tokens: a document of no
+    sequence, as Megatron's builder writes it)."""
     import torch
     docs = _documents()
+    docs = docs[:3] + [np.zeros(0, dtype=docs[0].dtype)] + docs[3:]
     w = IndexedDatasetWriter(str(tmp_path / "ours"), np.uint16)
     for d in docs:
         w.add_document(d)
     w.finalize()
     theirs = megatron["indexed"].IndexedDatasetBuilder(str(tmp_path / "theirs.bin"), dtype=np.uint16)
     for d in docs:
-        theirs.add_document(torch.from_numpy(d), [len(d)])
+        theirs.add_document(torch.from_numpy(d), [len(d)] if len(d) else [])
     theirs.finalize(str(tmp_path / "theirs.idx"))
     for ext in (".bin", ".idx"):
         assert (tmp_path / f"ours{ext}").read_bytes() == (tmp_path / f"theirs{ext}").read_bytes(), ext
     mine, ref = IndexedDataset(str(tmp_path / "theirs")), megatron["indexed"].IndexedDataset(str(tmp_path / "ours"))
+    docs = [d for d in docs if len(d)]
     assert len(mine) == len(ref) == len(docs)
     for i, d in enumerate(docs):
         assert np.array_equal(mine.get(i), d) and np.array_equal(ref.get(i), d)
@@ -68,6 +72,46 @@ def test_a_missing_or_foreign_dataset_is_named(tmp_path):
     (tmp_path / "junk.bin").write_bytes(b"")
     with pytest.raises(fxtron.ParallelizeError, match="not a Megatron indexed dataset"):
         IndexedDataset(str(tmp_path / "junk"))
+    w = IndexedDatasetWriter(str(tmp_path / "cut"), np.uint16)
+    for d in _documents():
+        w.add_document(d)
+    w.finalize()
+    idx = (tmp_path / "cut.idx").read_bytes()
+    (tmp_path / "cut.idx").write_bytes(idx[:60])          # a copy cut short
+    with pytest.raises(fxtron.ParallelizeError, match=r"cut.idx has 60 bytes, its header describes"):
+        IndexedDataset(str(tmp_path / "cut"))
+
+
+@pytest.mark.parametrize("split", ["98.2.0", "98,-2,0", "98,2,.", "1e-3,1,0", "a,b", ""])
+def test_a_malformed_split_is_refused(split):
+    with pytest.raises(fxtron.ParallelizeError, match="give up to three non-negative weights"):
+        gpt.parse_split(split)
+
+
+@pytest.mark.parametrize("weights", [["0", "1"], ["nan", "1"], ["inf", "1"], ["-1", "2"]])
+def test_a_blend_weight_that_is_not_positive_and_finite_is_refused(weights):
+    """Megatron's blend asserts every weight > 0: a dataset of weight 0 would still be drawn on a tie."""
+    with pytest.raises(fxtron.ParallelizeError, match="give positive, finite weights"):
+        gpt.parse_blend([weights[0], "A", weights[1], "B"])
+
+
+def test_a_split_shorter_than_a_sample(tmp_path):
+    """One epoch of a split shorter than a sample (a test split nothing reads): no samples, no
+    refusal; samples asked of it: as many epochs as they need (Megatron's _get_num_epochs)."""
+    w = IndexedDatasetWriter(str(tmp_path / "ds"), np.uint16)
+    docs = [np.arange(10, 20)] + _documents(40, 3)      # a first document of 10 tokens
+    for d in docs:
+        w.add_document(d)
+    w.finalize()
+    ds = IndexedDataset(str(tmp_path / "ds"))
+    short = np.array([0], dtype=np.int32)
+    assert len(gpt.GPTDataset(ds, short, None, 16, 7, "test")) == 0
+    asked = gpt.GPTDataset(ds, short, 5, 16, 7, "test")
+    assert len(asked) >= 5 and asked.epochs > 1
+    stream = np.tile(docs[0], asked.epochs)       # the one document, epoch after epoch
+    for k in range(len(asked)):                   # sample j: tokens [16 j, 16 j + 17) of the stream
+        j = int(asked.shuffle_index[k])
+        assert np.array_equal(asked[k], stream[16 * j:16 * j + 17]), k
 
 
 def _sample_index_cpp(lengths, doc_index, seq, n, extra=1):
@@ -228,19 +272,21 @@ def test_preprocess_writes_what_megatron_reads(megatron, tmp_path):
 
     from tokenizers import Tokenizer
     tok = _tokenizer(tmp_path / "tokenizer.json")
-    texts = ["the quick brown fox", "pack my box", "jumps over the lazy dog"]
+    texts = ["the quick brown fox", "pack my box", "", "jumps over the lazy dog"]
     (tmp_path / "a.jsonl").write_text("\n".join(js.dumps({"text": t, "id": i}) for i, t in enumerate(texts)) + "\n")
     (tmp_path / "b.txt").write_text("five dozen liquor jugs")
     out = subprocess.run([sys.executable, "-m", "fxtron", "preprocess", "--input", str(tmp_path / "a.jsonl"),
                           str(tmp_path / "b.txt"), "--tokenizer", tok, "--output-prefix", str(tmp_path / "ds")],
                          capture_output=True, text=True, timeout=scaled(120))
     assert out.returncode == 0, out.stderr
-    assert "4 documents" in out.stdout
+    assert "5 documents" in out.stdout
     ref = megatron["indexed"].IndexedDataset(str(tmp_path / "ds"))
     t = Tokenizer.from_file(tok)
     eod = t.token_to_id("<|endoftext|>")
+    # the empty text: a document of no sequence, no end-of-document token (Megatron's preprocess_data.py)
     assert ref.index.dtype == np.uint16 and len(ref) == 4
-    for i, text in enumerate(texts + ["five dozen liquor jugs"]):
+    assert ref.document_indices.tolist() == [0, 1, 2, 2, 3, 4]
+    for i, text in enumerate([x for x in texts if x] + ["five dozen liquor jugs"]):
         assert ref.get(i).tolist() == t.encode(text, add_special_tokens=False).ids + [eod]
     bad = subprocess.run([sys.executable, "-m", "fxtron", "preprocess", "--input", str(tmp_path / "a.jsonl"),
                           "--tokenizer", tok, "--output-prefix", str(tmp_path / "x"), "--json-key", "body"],
@@ -279,3 +325,26 @@ def test_packed_documents_are_megatrons(megatron):
     assert torch.equal(y == -100, tokens == eod)                       # no loss where the input is an EOD
     _, hf = TrainModel(None, True, 100, data=cfg.data).inputs(sample)
     assert torch.equal(hf["position_ids"], position) and hf["use_cache"] is False and "document_ids" not in hf
+
+
+def test_text_too_short_for_a_sample_is_refused_up_front(tmp_path):
+    """`--text FILE`: the valid part (the last 2%) must hold a sample where the run evaluates,
+    the train part always -- refused before the first step, not a torch error at the first evaluation."""
+    from fxtron.trainer.data import TrainData
+    (tmp_path / "small.txt").write_bytes(bytes(range(32, 127)) * 32)         # 3040 bytes: 60 in the valid part
+    base = fxtron.TrainConfig().replace(text=str(tmp_path / "small.txt"), seq=64, batch=8, steps=4)
+    data = TrainData(base, 256)                                               # no evaluation: trains
+    assert tuple(data.train_batch(0).shape) == (8, 65)
+    with pytest.raises(fxtron.ParallelizeError, match=r"the valid part \(the last 2%\) has 61, fewer than one sample"):
+        TrainData(base.replace(eval_interval=2), 256)
+    with pytest.raises(fxtron.ParallelizeError, match=r"the train part .* fewer than one sample"):
+        TrainData(base.replace(seq=4096), 256)
+
+
+def test_preprocess_refuses_a_text_that_is_not_text(tmp_path):
+    import json as js
+
+    from fxtron.data.preprocess import preprocess
+    (tmp_path / "a.jsonl").write_text(js.dumps({"text": "fine"}) + "\n" + js.dumps({"text": None}) + "\n")
+    with pytest.raises(fxtron.ParallelizeError, match=r"a.jsonl:2: field 'text' is NoneType, not text"):
+        preprocess([str(tmp_path / "a.jsonl")], _tokenizer(tmp_path / "tokenizer.json"), str(tmp_path / "out"))

@@ -23,8 +23,16 @@ SPLITS = ("train", "valid", "test")
 
 
 def parse_split(split: str) -> list[float]:
-    """'98,2,0' -> [0.98, 0.02, 0.0] (numbers by regex, padded with zeros to three, normalised)."""
-    values = [float(x) for x in re.findall(r"[.0-9]+", split)]
+    """'98,2,0' -> [0.98, 0.02, 0.0] (numbers by regex, as Megatron reads them, padded with zeros
+    to three, normalised). A number that is no number ('98.2.0'), a sign, or anything but
+    commas, slashes and spaces between the numbers is refused."""
+    numbers = re.findall(r"[.0-9]+", split)
+    try:
+        values = [float(x) for x in numbers]
+    except ValueError:
+        values = []
+    if not re.fullmatch(r"[ ,/]*", re.sub(r"[.0-9]+", "", split)):
+        values = []
     if not values or len(values) > 3 or sum(values) <= 0:
         raise ParallelizeError(f"split {split!r}: give up to three non-negative weights for train, valid and test, "
                                "like '98,2,0'")
@@ -95,9 +103,11 @@ class GPTDataset:
         extra = 1
         lengths = np.asarray(indexed.sequence_lengths)
         tokens_per_epoch = int(lengths[indices].sum(dtype=np.int64))
-        if tokens_per_epoch <= seq:
-            raise ParallelizeError(f"dataset {indexed.prefix} ({name} split): {tokens_per_epoch} tokens, fewer than one "
-                                   f"sample of {seq + 1}; give more data, a larger split or a shorter --seq")
+        # samples asked of a split whose epoch is shorter than a sample: more epochs (Megatron's
+        # _get_num_epochs); one epoch (num_samples None, a split nothing reads) of it: no samples
+        if tokens_per_epoch == 0 and num_samples:
+            raise ParallelizeError(f"dataset {indexed.prefix} ({name} split): no tokens, {num_samples} samples asked; "
+                                   "give more data or a larger split")
         epochs = 1
         if num_samples is not None:
             while epochs * tokens_per_epoch < num_samples * seq + extra:
@@ -179,8 +189,9 @@ def parse_blend(items: list[str] | tuple[str, ...]) -> tuple[list[str], list[flo
             return False
     if len(items) % 2 == 0 and all(number(items[i]) for i in range(0, len(items), 2)):
         weights = [float(items[i]) for i in range(0, len(items), 2)]
-        if any(w < 0 for w in weights) or sum(weights) <= 0:
-            raise ParallelizeError(f"blend weights {weights}: give non-negative weights that do not all vanish")
+        if not all(math.isfinite(w) and w > 0 for w in weights):
+            raise ParallelizeError(f"blend weights {weights}: give positive, finite weights (Megatron's blend "
+                                   "asserts each > 0); leave out a dataset that should give no samples")
         return [items[i] for i in range(1, len(items), 2)], weights
     if any(number(x) for x in items):
         raise ParallelizeError(f"--data {' '.join(items)}: give prefixes alone, or pairs 'WEIGHT PREFIX'")

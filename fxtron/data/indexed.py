@@ -55,6 +55,10 @@ class IndexedDataset:
         self.sequence_count, self.document_count = struct.unpack("<QQ", header[18:34])
         self._idx = np.memmap(idx, mode="r", dtype=np.uint8)
         s, d = self.sequence_count, self.document_count
+        need = 34 + 12 * s + 8 * d
+        if len(self._idx) < need:
+            raise ParallelizeError(f"{idx} has {len(self._idx)} bytes, its header describes {s} sequences and {d} "
+                                   f"documents ({need} bytes): a truncated or foreign index")
         self.sequence_lengths = np.frombuffer(self._idx, dtype=np.int32, count=s, offset=34)
         self.sequence_pointers = np.frombuffer(self._idx, dtype=np.int64, count=s, offset=34 + 4 * s)
         self.document_indices = np.frombuffer(self._idx, dtype=np.int64, count=d, offset=34 + 12 * s)
@@ -84,7 +88,8 @@ class IndexedDataset:
 
 class IndexedDatasetWriter:
     """Writes PREFIX.bin / PREFIX.idx as preprocess_data.py does: `add_document(tokens)` (one
-    sequence a document), then `finalize()`. Written to temporary names and renamed, so a
+    sequence a document; an empty one a document of no sequence, as Megatron's builder writes
+    an empty text), then `finalize()`. Written to temporary names and renamed, so a
     failed run leaves no half dataset under the prefix."""
 
     def __init__(self, prefix: str, dtype=np.int32):
@@ -98,8 +103,9 @@ class IndexedDatasetWriter:
 
     def add_document(self, tokens) -> None:
         arr = np.asarray(tokens, dtype=self.dtype)
-        self._bin.write(arr.tobytes(order="C"))
-        self.lengths.append(len(arr))
+        if len(arr):
+            self._bin.write(arr.tobytes(order="C"))
+            self.lengths.append(len(arr))
         self.documents.append(len(self.lengths))
 
     def finalize(self) -> None:

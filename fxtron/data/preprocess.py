@@ -61,9 +61,13 @@ def documents(inputs: list[str], json_key: str):
                         record = json.loads(line)
                     except json.JSONDecodeError as e:
                         raise ParallelizeError(f"{path}:{n}: not a JSON line ({e})") from e
-                    if json_key not in record:
-                        raise ParallelizeError(f"{path}:{n}: no {json_key!r} field (it has {sorted(record)[:5]}); "
+                    if not isinstance(record, dict) or json_key not in record:
+                        raise ParallelizeError(f"{path}:{n}: no {json_key!r} field (it has "
+                                               f"{sorted(record)[:5] if isinstance(record, dict) else type(record).__name__}); "
                                                "give --json-key")
+                    if not isinstance(record[json_key], str):
+                        raise ParallelizeError(f"{path}:{n}: field {json_key!r} is {type(record[json_key]).__name__}, "
+                                               "not text")
                     yield record[json_key]
         elif path.endswith(".txt"):
             with open(path, encoding="utf-8") as f:
@@ -83,7 +87,9 @@ def preprocess(inputs: list[str], tokenizer: str, output_prefix: str, *, json_ke
 
     def flush():
         for enc in tok.encode_batch(pending, add_special_tokens=False):
-            ids = list(enc.ids) + ([eod] if eod is not None else [])
+            # an empty text: a document of no sequence, no end-of-document token (Megatron's
+            # preprocess_data.py appends it only to a document with tokens)
+            ids = list(enc.ids) + ([eod] if eod is not None and enc.ids else [])
             writer.add_document(ids)
             counts["documents"] += 1
             counts["tokens"] += len(ids)

@@ -73,6 +73,12 @@ class TrainData:
                                        "give --data (a Megatron dataset of its tokenizer)")
             text = load_text(d.text, d.max_bytes)
             cut = len(text) * 98 // 100
+            for part, n in (("train", cut), ("valid", len(text) - cut)):
+                if n < d.seq + 2 and (part == "train" or t.eval_interval):
+                    raise ParallelizeError(f"--text {d.text or '(the standard library)'}: {len(text)} bytes, of which the "
+                                           f"{part} part ({'the first 98%' if part == 'train' else 'the last 2%'}) has "
+                                           f"{n}, fewer than one sample of --seq {d.seq} + 1 bytes at two offsets; "
+                                           "give a longer file or a shorter --seq")
             self.train = TextSamples(text[:cut], d.seq, t.seed)
             self.valid = TextSamples(text[cut:], d.seq, t.seed + 1)
             self.source = d.text or "Python's standard library sources (bytes)"
