@@ -370,6 +370,35 @@ def test_torchrun_restart_after_a_killed_worker_gives_the_same_losses(workdir, f
     assert max(abs(a[s]["loss"] - b[s]["loss"]) for s in b) == 0.0
 
 
+def test_a_resume_whose_steps_reshuffle_the_data_says_so(tmp_path, capsys):
+    """One process, Megatron data: a run extended past what its checkpoint's shuffle was built for
+    (another epoch) continues -- Megatron's index changes alike -- with a warning and a record
+    field saying that the samples after the checkpoint come in another order; extended within the
+    same epochs it says nothing."""
+    import warnings
+
+    from fxtron.data.indexed import IndexedDatasetWriter
+    from fxtron.trainer.loop import train_rank
+    rng = np.random.RandomState(0)
+    w = IndexedDatasetWriter(str(tmp_path / "docs"), np.uint16)
+    for _ in range(40):                        # ~1000 tokens: 60 samples of 17 an epoch
+        w.add_document(rng.randint(1, 255, size=rng.randint(10, 40)))
+    w.finalize()
+    cfg = TrainConfig().replace(model="gpt-tiny", steps=2, batch=2, seq=16, data=[str(tmp_path / "docs")],
+                                split="100,0,0", save=str(tmp_path / "ckpt"), log_file=str(tmp_path / "run.jsonl"),
+                                override_lr_schedule=True)
+    train_rank(0, cfg)
+    for steps, changed in ((4, False), (60, True)):     # 8 samples: one epoch as saved; 120: three
+        capsys.readouterr()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train_rank(0, cfg.replace(steps=steps, save=str(tmp_path / f"ckpt{steps}"), load=str(tmp_path / "ckpt")))
+        said = [str(x.message) for x in caught if "another order" in str(x.message)]
+        record = _losses(tmp_path / "run.jsonl")[3]
+        assert bool(said) == changed and record.get("sample_order_changed", False) == changed, (steps, said, record)
+    assert "asks 120 train samples" in said[0] and "the samples after its 4 come in another order" in said[0], said
+
+
 @pytest.mark.slow
 def test_packed_documents_at_cp_are_balanced_document_by_document(tmp_path):
     """The trainer's packed samples (Megatron's --reset-position-ids --reset-attention-mask) of a

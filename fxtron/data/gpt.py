@@ -125,6 +125,9 @@ class GPTDataset:
         self.sample_index = sample_index(lengths, self.document_index, seq, n, extra)
         self.shuffle_index = shuffle_index(sans_final if separate else n, n, rng)
         self.epochs = epochs
+        #: what the order of the samples depends on beyond the files, split and seed: the epochs
+        #: the samples asked need, and whether the last is shuffled apart (a checkpoint keeps it)
+        self.order = [epochs, bool(separate)]
 
     def __len__(self) -> int:
         return self.sample_index.shape[0] - 1
@@ -163,6 +166,7 @@ class BlendedDataset:
     def __init__(self, datasets: list[GPTDataset], weights: list[float], size: int):
         self.datasets = datasets
         self.dataset_index, self.dataset_sample_index = blending_indices(weights, size)
+        self.order = [d.order for d in datasets]     # (the blend's own order is a prefix: the same for any size)
         for d, ds in enumerate(datasets):
             need = int((self.dataset_index == d).sum())
             if need > len(ds):

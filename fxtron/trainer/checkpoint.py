@@ -96,8 +96,9 @@ class Checkpointer:
     --save's where it is newer: `source`) into the program, optimizer, schedule and the trainer's state; `maybe_save` saves every
     --save-interval steps and at the last."""
 
-    def __init__(self, cfg, prog, opt, sched):
+    def __init__(self, cfg, prog, opt, sched, sample_order=None):
         self.cfg, self.prog, self.opt, self.sched = cfg, prog, opt, sched
+        self.sample_order = sample_order      # the train data's (trainer/data.py TrainData.sample_order)
         self.loaded: dict | None = None       # the resume's event (resume)
         self.saved: dict | None = None        # the last save's event (save)
 
@@ -148,8 +149,23 @@ class Checkpointer:
                        "continued": t.load is not None and source != t.load,
                        "saved_mesh": saved.get("mesh"), "seconds": time.perf_counter() - start,
                        "overridden": overridden, "optimizer_changed": changed,
-                       "rng_restored": getattr(self.prog, "rng_restored", None)}
+                       "rng_restored": getattr(self.prog, "rng_restored", None),
+                       "sample_order_changed": self._order_changed(saved, state)}
         return it
+
+    def _order_changed(self, saved: dict, state: dict) -> str | None:
+        """Why the train samples after the checkpoint come in another order than the saved run's
+        would have, or None: its shuffle was built for another number of samples (--steps x
+        --batch) that needs other epochs -- Megatron's index depends on train_iters x the global
+        batch alike. Some samples are then seen again, others skipped."""
+        before, now = saved.get("sample_order"), self.sample_order
+        if before is None or now is None or before == now or not state.get("consumed_train_samples"):
+            return None
+        t = self.cfg.training
+        return (f"--steps {t.steps} x --batch {self.cfg.data.batch} asks {t.steps * self.cfg.data.batch} train samples, "
+                f"whose shuffle (epochs, last epoch apart: {now}) is not the saved run's ({before}): the samples after "
+                f"its {state['consumed_train_samples']} come in another order than that run's would have, some seen "
+                "again, others skipped, as Megatron's index does; keep the saved run's --steps to keep its order")
 
     def maybe_save(self, state: dict) -> str | None:
         """Save after step state['iteration'] when --save is given and the step is a multiple
@@ -166,6 +182,7 @@ class Checkpointer:
         root, it = cfg.training.save, state["iteration"]
         path = iter_dir(root, it)
         extra = {**state, "scheduler": self.sched.state_dict(), "global_batch": cfg.data.batch, "seq": cfg.data.seq,
+                 "sample_order": self.sample_order,
                  "model": cfg.model.name, "mesh": str(cfg.mesh.mesh())}
         start = time.perf_counter()
         os.makedirs(root, exist_ok=True)

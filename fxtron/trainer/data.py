@@ -67,6 +67,9 @@ class TrainData:
             if t.eval_interval and self.valid is None:
                 raise ParallelizeError(f"--eval-interval needs a valid split; --split {d.split} gives none")
             self.source = " + ".join(d.path)
+            #: what the train samples' order depends on beyond the data, split and seed (the
+            #: epochs --steps x --batch needs): kept with a checkpoint, compared on resume
+            self.sample_order = self.train.order
         else:
             if vocab_size < 256:
                 raise ParallelizeError(f"byte-level text needs a vocabulary of 256 tokens, the model has {vocab_size}; "
@@ -82,6 +85,7 @@ class TrainData:
             self.train = TextSamples(text[:cut], d.seq, t.seed)
             self.valid = TextSamples(text[cut:], d.seq, t.seed + 1)
             self.source = d.text or "Python's standard library sources (bytes)"
+            self.sample_order = None          # (drawn at seeded offsets: the same for any --steps)
 
     def _batch(self, ds, first: int, what: str) -> torch.Tensor:
         if first + self.batch > len(ds):

@@ -72,7 +72,7 @@ class Trainer:
         self.sched = schedule(cfg)
         self.state = {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0,
                       "skipped_iterations": 0}
-        self.checkpointer = Checkpointer(cfg, prog, self.opt, self.sched)
+        self.checkpointer = Checkpointer(cfg, prog, self.opt, self.sched, self.data.sample_order)
         self.resumed_from = self.checkpointer.resume(self.state)
         self.metrics = Metrics(cfg, writer=writes_metrics(prog.groups), world=mesh.world_size,
                                flops=step_flops(pm.traced), resumed_from=self.resumed_from)

@@ -14,6 +14,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -119,8 +120,12 @@ class Metrics:
         override = self.cfg.optimizer.override_lr_schedule
         if override:
             self._resume["lr_schedule_overridden"] = list(event["overridden"])
+        if event.get("sample_order_changed"):
+            self._resume["sample_order_changed"] = True
         if not self.writer:
             return
+        if event.get("sample_order_changed"):
+            warnings.warn("train data: " + event["sample_order_changed"], stacklevel=2)
         saved = f"saved on {event['saved_mesh']}, " if event.get("saved_mesh") not in (None, event["mesh"]) else ""
         self._print(f"loaded checkpoint {event['path']} from iteration {event['iteration']} on {event['mesh']} "
                     f"({saved}{event['seconds']:.1f} s)"
