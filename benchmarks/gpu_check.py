@@ -4,10 +4,16 @@
 
 The full run takes its checks in the order of CHECKS (issue 48's goals first: 6., 2. on the small
 Llama, 7.; then 1., 4., 3., 2. on the large one, 5.) and starts none after --budget-s seconds
-(default 420: a 15-minute GPU loan leaves room for the machine's start and a rerun); those left
+(default 330: with the deadline's 90 s, 7 minutes; a 15-minute GPU loan leaves room for the machine's start and a rerun); those left
 are listed under "skipped" (exit status 2 when all that ran are ok). Each check's JSON is
 printed as it ends and the document so far written to --out, so a run stopped from outside
-keeps what it measured.
+keeps what it measured; no job a check launches runs past --deadline-s (default: the budget +
+90 s), so one slow check fails alone instead of taking the rest of the loan. On the lent device
+machine only what is written under $OUT comes back (and 12,000 characters of output): --out
+defaults to $OUT/gpu.json there, and README's block is rewritten here afterwards from it:
+
+    python benchmarks/gpu_check.py                                     # on the device: $OUT/gpu.json
+    python benchmarks/gpu_check.py --readme --from-json <fetched>/gpu.json   # here
 
 1. The Triton weight-gradient kernel (codegen/wgrad.py) compiled for the GPU, not interpreted:
    for bf16 and fp16 inputs at several (tokens, in, out) shapes, including ones that are not
@@ -362,7 +368,7 @@ def check_training(cfg: LlamaConfig, batch_size: int, seq: int, timed: int, prof
     mesh = fxtron.Mesh(1)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     r = fxtron.launch(_train_job, mesh, args=(mesh, cfg, batch_size, seq, timed, profile), backend=backend,
-                      timeout_s=400)[0]
+                      timeout_s=_time_left(400))[0]
     if profile:
         print("== fxtron\n" + r["fxtron"]["profile"] + "\n== eager\n" + r["eager"]["profile"], flush=True)
         r["fxtron"].pop("profile"), r["eager"].pop("profile")
@@ -402,7 +408,7 @@ def check_compiled(cfg: LlamaConfig, batch_size: int, seq: int, timed: int) -> d
     mesh = fxtron.Mesh(1)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     r = fxtron.launch(_compiled_job, mesh, args=(mesh, cfg, batch_size, seq, timed), backend=backend,
-                      timeout_s=900)[0]
+                      timeout_s=_time_left(900))[0]
     f, u, c, n = r["fxtron"], r["fxtron_uncompiled"], r["torch_compile"], r["fxtron_unfused"]
     out = _agreement(f, c, cfg, batch_size, seq)
     out["ok"] = out.pop("numbers_ok")
@@ -441,7 +447,7 @@ def check_cuda_graphs(cfg: LlamaConfig, batch_size: int, seq: int, timed: int) -
         return {"ok": False, "status": "cuda_graphs=True was not refused on a machine without CUDA"}
     mesh = fxtron.Mesh(1)
     r = fxtron.launch(_cuda_graphs_job, mesh, args=(mesh, cfg, batch_size, seq, timed), backend="nccl",
-                      timeout_s=600, shm_transport=False)[0]
+                      timeout_s=_time_left(600), shm_transport=False)[0]
     c, u = r["captured"], r["uncaptured"]
     out = _agreement(c, u, cfg, batch_size, seq)
     out["ok"] = out.pop("numbers_ok")
@@ -495,7 +501,7 @@ def check_recompute(cfg: LlamaConfig, batch_size: int, seq: int, timed: int) -> 
     mesh = fxtron.Mesh(1)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     r = fxtron.launch(_recompute_job, mesh, args=(mesh, cfg, batch_size, seq, timed), backend=backend,
-                      timeout_s=400)[0]
+                      timeout_s=_time_left(400))[0]
     base = r["None"]
     out = {"model": f"Llama dim={cfg.dim} L={cfg.n_layer} heads={cfg.n_head}/{cfg.n_kv_head} ffn={cfg.ffn_dim}, "
                     f"batch {batch_size}x{seq}, bf16"}
@@ -574,7 +580,8 @@ def _trainer_run(case: dict, model_dir: str, prefix: str, root: str, peak: float
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
     cmd = [sys.executable, "-m", "fxtron", "train", *_trainer_args(case, model_dir, prefix, peak), "--log-file", log]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=timeout_s)
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                       timeout=_time_left(timeout_s))
     wall = time.perf_counter() - t0
     if p.returncode != 0:
         raise RuntimeError(f"fxtron train exited {p.returncode}: {p.stdout[-3000:]}")
@@ -704,6 +711,17 @@ def check_trainer(case: dict, *, compile_baseline: bool = True, timeout_s: int =
 # ----------------------------------------------------------------------------- README "GPU figures"
 README_BEGIN, README_END = "<!-- gpu-figures:begin -->", "<!-- gpu-figures:end -->"
 
+#: the full run's end (time.perf_counter), past which no job it launches runs: set by _full_run
+_DEADLINE: list[float | None] = [None]
+
+
+def _time_left(limit: float) -> float:
+    """A launched job's timeout: `limit`, or less where the run's deadline comes sooner (at least
+    30 s, so that a job started just before it still reports its error)."""
+    if _DEADLINE[0] is None:
+        return limit
+    return max(30.0, min(limit, _DEADLINE[0] - time.perf_counter()))
+
 
 def _trainer_table(sec: dict) -> list[str]:
     def gib(v):
@@ -780,7 +798,7 @@ def readme_figures(out: dict, when: str | None = None) -> str:
     for key, sec in out.items():
         if not isinstance(sec, dict) or "ok" not in sec:
             continue
-        if key in README_TABLES:
+        if key in README_TABLES and "error" not in sec:      # (a failed check has no figures: its verdict)
             lines += README_TABLES[key](sec) + [""]
         verdicts.append(f"{key} {'ok' if sec['ok'] else 'FAILED'}")
     if verdicts:
@@ -834,10 +852,15 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--checks", default=",".join(CHECKS),
                     help=f"the full run's checks, in order (default: {','.join(CHECKS)})")
-    ap.add_argument("--budget-s", type=float, default=420.0,
-                    help="start no check after this many seconds (the rest are listed as skipped; default 420: "
+    ap.add_argument("--budget-s", type=float, default=330.0,
+                    help="start no check after this many seconds (the rest are listed as skipped; default 330: "
                          "a 15-minute GPU loan leaves time for start-up and a rerun)")
-    ap.add_argument("--out")
+    ap.add_argument("--out", default=os.path.join(os.environ["OUT"], "gpu.json") if os.environ.get("OUT") else None,
+                    help="write the JSON here after every check (default: $OUT/gpu.json where the device machine "
+                         "sets $OUT: only what is written there comes back)")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="no launched job runs past this many seconds (default: --budget-s + 90): a check still "
+                         "running then fails with its timeout, and the JSON keeps every other")
     ap.add_argument("--skip-training", action="store_true")
     ap.add_argument("--profile", action="store_true", help="only the small training step, under torch.profiler")
     ap.add_argument("--profile-all", action="store_true", help="every check, and the small step's profile")
@@ -881,6 +904,7 @@ def main() -> int:
         if a.dry_run_compile or a.compiled_only:
             out["compiled"] = check_compiled(tiny, 2, 32, 2)
         print(json.dumps(out, indent=1))
+        _write(out, a.out)
         if a.readme:
             write_readme(out, a.readme)
         return 0 if all(v["ok"] for v in out.values() if isinstance(v, dict) and "ok" in v) else 1
@@ -953,7 +977,9 @@ def _full_run(out: dict, a) -> int:
         "trainer": (lambda: check_trainer(TRAINER_CASE, compile_baseline=not a.no_compile), False),
     }
     t0 = time.perf_counter()
+    _DEADLINE[0] = t0 + (a.deadline_s if a.deadline_s is not None else a.budget_s + 90.0)
     out["skipped"] = []
+    _write(out, a.out)           # (a run killed during its first check still leaves the machine's line)
     for name in want:
         spent = time.perf_counter() - t0
         if spent > a.budget_s:
@@ -962,6 +988,8 @@ def _full_run(out: dict, a) -> int:
         check, strip = run[name]
         _timed_check(out, name, check, strip_losses=strip)
         _write(out, a.out)
+        if a.readme:
+            write_readme(out, a.readme)
     if out["skipped"]:
         print(f"budget of {a.budget_s:g} s spent after {time.perf_counter() - t0:.0f} s: skipped "
               f"{', '.join(out['skipped'])} (--checks {','.join(out['skipped'])} runs them)", file=sys.stderr)
