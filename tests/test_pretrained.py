@@ -125,6 +125,62 @@ def test_one_rank_round_trip_is_transformers_own(name, tmp_path):
     back = _loaded(str(tmp_path / "bf16"))
     assert max_abs_diff({k: v.float() for k, v in back.items()},
                         {k: v.bfloat16().float() for k, v in saved.state_dict().items()})[0] == 0.0
+    # config.json records the dtype written, as transformers' save_pretrained does: from_pretrained loads in it
+    for out, dtype in (("out", torch.float32), ("bf16", torch.bfloat16)):
+        with open(tmp_path / out / "config.json") as f:
+            assert json.load(f)["dtype"] == str(dtype).split(".")[1], out
+    assert {v.dtype for v in back.values() if v.is_floating_point()} == {torch.bfloat16}
+
+
+def test_a_saved_config_records_the_dtype_of_the_weights_written(tmp_path):
+    """A hub config says bfloat16 while the model is built (and trained) in fp32: the saved
+    config says float32, so transformers reloads the fp32 weights unrounded."""
+    saved = _saved("hf-llama", str(tmp_path / "in"))
+    import warnings
+    meta = _meta("hf-llama")
+    meta.config.dtype = "bfloat16"
+    args, kw = batch("hf-llama", 4, 8, seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = fxtron.parallelize(meta, fxtron.Mesh(1), example_inputs=args, example_kwargs=kw).program(0)
+    prog.load_pretrained(str(tmp_path / "in"))
+    prog.save_pretrained(str(tmp_path / "out"))
+    back = _loaded(str(tmp_path / "out"))
+    assert {v.dtype for v in back.values() if v.is_floating_point()} == {torch.float32}
+    assert max_abs_diff(back, saved.state_dict())[0] == 0.0
+
+
+def test_tied_keys_of_different_values_and_a_misshaped_buffer_are_refused(tmp_path):
+    """A file holding a tied model's embedding and LM head with different values cannot load into
+    its one parameter (transformers unties them): refused naming both; with equal values it
+    loads. A persistent buffer of another shape is refused (torch's load_state_dict does), not
+    broadcast into the model's."""
+    saved = _saved("hf-qwen2-tied", str(tmp_path / "in"))
+    sd = {k: v.contiguous() for k, v in saved.state_dict().items()}
+    prog = _program("hf-qwen2-tied")
+    emb = sd["model.embed_tokens.weight"]
+    save_file({**sd, "lm_head.weight": emb.clone()}, str(tmp_path / "same.safetensors"))
+    prog.load_pretrained(str(tmp_path / "same.safetensors"))
+    assert max_abs_diff(prog.full_state_dict(), saved.state_dict())[0] == 0.0
+    save_file({**sd, "lm_head.weight": emb + 1e-3}, str(tmp_path / "two.safetensors"))
+    with pytest.raises(fxtron.ParallelizeError, match=r"hold model.embed_tokens.weight and lm_head.weight with "
+                                                      r"different values.*tie_word_embeddings=False"):
+        prog.load_pretrained(str(tmp_path / "two.safetensors"))
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+            self.register_buffer("scale", torch.ones(8))
+
+        def forward(self, x):
+            return ((self.lin(x) * self.scale) ** 2).mean()
+    m = Scaled()
+    small = fxtron.parallelize(m, fxtron.Mesh(1), example_inputs=(torch.randn(4, 8),)).program(0)
+    state = {k: v.detach().clone().contiguous() for k, v in m.state_dict().items()}
+    save_file({**state, "scale": torch.tensor([3.0])}, str(tmp_path / "scale.safetensors"))
+    with pytest.raises(fxtron.ParallelizeError, match=r"mis-shaped 1: scale \(1,\) \(the model's scale is \(8,\)\)"):
+        small.load_pretrained(str(tmp_path / "scale.safetensors"))
 
 
 def test_a_converted_key_layout_that_does_not_fit_is_named(tmp_path):
@@ -334,3 +390,38 @@ def test_loading_holds_a_shard_and_a_slice_not_the_model(memory):
               f"loading, peak {got['peak'] / 2**20:.0f} MiB (+{grew / 2**20:.1f} MiB)")
         assert got["whole"] > 3 * got["shard"]
         assert grew < 2 * got["largest"] + 32 * 2**20, (rank, grew)
+
+
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])
+def test_a_16bit_models_optimizer_state_resumes_in_its_dtype(opt, tmp_path):
+    """A model built in bf16 (its parameters, and so AdamW's moments and SGD's momentum, bf16):
+    prog.save / prog.load keep the state's dtype, and the resumed run continues the uninterrupted
+    one bit for bit (the state read as fp32 made AdamW's step fail and SGD's drift)."""
+    import warnings
+
+    def program():
+        torch.manual_seed(0)
+        args, kw = batch("hf-llama", 4, 8, seed=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return fxtron.parallelize(make("hf-llama").to(torch.bfloat16), fxtron.Mesh(1), example_inputs=args,
+                                      example_kwargs=kw).program(0)
+
+    def optimizer(prog):
+        return (torch.optim.AdamW(prog.parameters(), lr=1e-2) if opt == "adamw"
+                else torch.optim.SGD(prog.parameters(), lr=0.5, momentum=0.9))
+    steps = [batch("hf-llama", 4, 8, seed=s) for s in range(4)]
+    a = program()
+    oa = optimizer(a)
+    for args, kw in steps[:2]:
+        a.train_step(args, oa, kwargs=kw)
+    a.save(str(tmp_path / "ck"), oa)
+    b = program()
+    ob = optimizer(b)
+    b.load(str(tmp_path / "ck"), ob)
+    dtypes = {v.dtype for st in ob.state.values() for k, v in st.items() if k != "step"}
+    assert dtypes == {torch.bfloat16}, dtypes
+    la = [a.train_step(args, oa, kwargs=kw) for args, kw in steps[2:]]
+    lb = [b.train_step(args, ob, kwargs=kw) for args, kw in steps[2:]]
+    assert la == lb
+    assert max_abs_diff(a.full_state_dict(), b.full_state_dict())[0] == 0.0

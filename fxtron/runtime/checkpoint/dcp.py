@@ -400,7 +400,9 @@ def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
                 elif m is not None and m.size == torch.Size([]):
                     sd[key] = torch.zeros((), dtype=m.properties.dtype)
                 else:
-                    entries, finish[key] = _request(prog, name, _local_like(prog, name, p, torch.float32), mesh, key,
+                    # in the dtype it was saved in (a 16-bit model's AdamW moments stay 16-bit)
+                    saved = m.properties.dtype if m is not None else torch.float32
+                    entries, finish[key] = _request(prog, name, _local_like(prog, name, p, saved), mesh, key,
                                                     meta, layout)
                     sd.update(entries)
         if "optim/param_groups" in meta:

@@ -29,6 +29,7 @@ whole tensors (`python -m fxtron export`).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import json
@@ -69,6 +70,12 @@ class Origin:
     @property
     def base_prefix(self) -> str:
         return getattr(self.skeleton, "base_model_prefix", "") or ""
+
+    def ignored_unexpected(self) -> list[str]:
+        """The patterns (regular expressions) of checkpoint keys the model's class declares it does
+        not load (transformers' `_keys_to_ignore_on_load_unexpected`: GPT-2's stored attention
+        masks, older rotary buffers), skipped as transformers skips them."""
+        return list(getattr(self.skeleton, "_keys_to_ignore_on_load_unexpected", None) or [])
 
     def conversions(self) -> list:
         """transformers' conversions from checkpoint keys to the module's (with legacy renames)."""
@@ -305,6 +312,14 @@ def _sources(files: dict[str, str], handles: dict, conversions: list) -> tuple[d
     return out, refused
 
 
+def _equal(a, b) -> bool:
+    """Whether two stored tensors hold the same values (read whole)."""
+    if tuple(a.shape) != tuple(b.shape):
+        return False
+    every = [torch.arange(n) for n in a.shape]
+    return torch.equal(a.read(every), b.read(every))
+
+
 def load_pretrained(prog, path: str, prefix: str = "") -> None:
     """See the module docstring."""
     files = checkpoint_files(path)
@@ -334,22 +349,33 @@ def load_pretrained(prog, path: str, prefix: str = "") -> None:
             return next((c for c in candidates if c in known), None)
         by_name: dict[str, tuple[str, object]] = {}
         unexpected = []
+        ignored = [re.compile(p) for p in origin.ignored_unexpected()]
         for key, src in sources.items():
             name = module_name(key)
             if name is None:
-                unexpected.append(key)
+                if not any(rx.search(key) for rx in ignored):
+                    unexpected.append(key)
             else:
                 by_name[name] = (key, src)
         plan, missing, misshaped = [], [], []
+        buffers = dict(prog.named_buffers())
         for name, spec in prog.local.items():
-            found = next((by_name[n] for n in names_of.get(name, [name]) if n in by_name), None)
-            if found is None:
+            present = [by_name[n] for n in names_of.get(name, [name]) if n in by_name]
+            if not present:
                 missing.append(name)
                 continue
-            plan.append((name, found[1], spec.full_shape, spec.shards))
+            # a tied weight stored under several keys: one value, or the model cannot hold them
+            # (transformers then unties them; fxtron's program shares the one parameter)
+            for key, other in present[1:]:
+                if not _equal(present[0][1], other):
+                    raise ParallelizeError(
+                        f"the pretrained weights at {path} hold {present[0][0]} and {key} with different values, "
+                        f"which this model ties (one parameter, {name}); build the model with its weights untied "
+                        "(tie_word_embeddings=False in its config) to load both")
+            plan.append((name, present[0][1], spec.full_shape, spec.shards))
         for name in sorted(persistent):
-            if name in by_name:
-                plan.append((name, by_name[name][1], None, ()))
+            if name in by_name:       # (buffers are whole on every rank: the model's shape is the file's)
+                plan.append((name, by_name[name][1], tuple(buffers[name].shape) if name in buffers else None, ()))
             elif name in set(info.buffers):
                 missing.append(name)
         for name, src, full, _ in plan:
@@ -377,7 +403,6 @@ def load_pretrained(prog, path: str, prefix: str = "") -> None:
                 + "; load the checkpoint of this architecture and configuration, or give prefix= for a wrapper's "
                   "module names")
         params = dict(prog.named_parameters())
-        buffers = dict(prog.named_buffers())
         with torch.no_grad():
             for name, src, full, shards in plan:
                 target = params.get(name, buffers.get(name))
@@ -494,9 +519,14 @@ def write_index(path: str, files: list[list[_Entry]], names: list[str]) -> None:
         json.dump(index, f, indent=2, sort_keys=True)
 
 
-def write_configs(path: str, origin: Origin, config=None) -> None:
+def write_configs(path: str, origin: Origin, config=None, dtype: torch.dtype | None = None) -> None:
+    """config.json (with `dtype`, that of the weights written, as transformers' save_pretrained
+    records its model's: from_pretrained loads in it) and generation_config.json."""
     config = config if config is not None else origin.config
     if config is not None:
+        if dtype is not None:
+            config = copy.deepcopy(config)
+            config.dtype = str(dtype).split(".")[1]
         config.save_pretrained(path)
     gen = origin.generation_config
     if gen is not None:
@@ -560,8 +590,13 @@ def write_pretrained(path: str, tensors: Iterable[tuple[str, torch.Tensor]], lay
         os.replace(w.path, os.path.join(path, n))
     if len(files) > 1:
         write_index(path, files, names)
-    write_configs(path, origin, config)
+    write_configs(path, origin, config, _first_float(cast(d) for _, _, d in layout_of))
     return names
+
+
+def _first_float(dtypes) -> torch.dtype | None:
+    """The dtype transformers records for a model (its first floating-point parameter's)."""
+    return next((d for d in dtypes if d.is_floating_point), None)
 
 
 def save_pretrained(prog, path: str, max_shard_size: int | str = DEFAULT_SHARD, dtype: torch.dtype | None = None) -> None:
@@ -638,7 +673,7 @@ def save_pretrained(prog, path: str, max_shard_size: int | str = DEFAULT_SHARD, 
     if rank0:
         if len(files) > 1:
             write_index(path, files, names)
-        write_configs(path, origin)
+        write_configs(path, origin, dtype=_first_float(cast(d) for _, _, _, d in held))
     if groups is not None:
         dist.barrier()
 
