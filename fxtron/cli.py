@@ -91,7 +91,7 @@ def _cmd_inspect(a) -> int:
         from fxtron.compiler.trace import trace
         traced = trace(model, args, example_kwargs=kwargs)
         dims = planner.dims_of(traced)
-        hw = planner.Hardware(memory=planner.parse_bytes(a.gpu_memory), flops_per_s=a.flops, efficiency=a.efficiency,
+        hw = planner.Hardware(memory=a.gpu_memory, flops_per_s=a.flops, efficiency=a.efficiency,
                              intra_node_bw=a.intra_node_bw, inter_node_bw=a.inter_node_bw,
                              gpus_per_node=a.gpus_per_node)
         world = cfg.mesh.mesh().world_size
@@ -107,7 +107,7 @@ def _cmd_inspect(a) -> int:
         print(f"{a.model}: {dims.params:,} parameters, {dims.layers} layers, hidden {dims.hidden}, {dims.heads} heads, "
               f"vocab {dims.vocab}; {world} GPUs, global batch {a.global_batch} x {a.seq} tokens")
         if not ps:
-            print(f"no mesh fits in {a.gpu_memory} per GPU; the smallest needs "
+            print(f"no mesh fits in {a.gpu_memory / 2**30:.1f} GiB per GPU; the smallest needs "
                   f"{min(p.memory_bytes for p in planner.candidates(dims, hw, world=world, global_batch=a.global_batch, seq=a.seq, fits_only=False, activations=measured)) / 2**30:.1f} GiB")
             return 1
         print(f"{len(ps)} meshes fit, fastest first (modeled):")
@@ -174,21 +174,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=None, help="the rank to compile (default 0)")
     p.add_argument("--model-config", nargs="+", default=[], metavar="KEY=VALUE",
                    help="fields of an hf:<architecture>'s transformers config (num_hidden_layers=4 hidden_size=1024)")
-    p.add_argument("--batch", type=int, default=1, help="sequences per rank and microbatch, to evaluate the formulas")
-    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence, to evaluate the formulas")
+    p.add_argument("--batch", type=_positive(int), default=1, help="sequences per rank and microbatch, to evaluate the formulas")
+    p.add_argument("--seq", type=_positive(int), default=2048, help="tokens per sequence, to evaluate the formulas")
     p.add_argument("--json", action="store_true", help="the same as data")
     p.add_argument("--no-graph", action="store_true", help="leave the per-rank graph out of the text")
     p.add_argument("--svg", default=None, help="draw the rank's graph to this .svg (or .png) file")
     p.add_argument("--what-if", "--plan", dest="what_if", action="store_true",
                    help="the meshes of --world-size that fit, fastest first (modeled)")
-    p.add_argument("--gpu-memory", default="80GiB")
-    p.add_argument("--global-batch", type=int, default=512, help="sequences per step (--what-if)")
-    p.add_argument("--flops", type=float, default=312e12, help="peak FLOP/s per GPU (--what-if)")
-    p.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak reached (--what-if)")
-    p.add_argument("--intra-node-bw", type=float, default=300e9, help="bytes/s per GPU inside a node (--what-if)")
-    p.add_argument("--inter-node-bw", type=float, default=25e9, help="bytes/s per GPU between nodes (--what-if)")
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--top", type=int, default=10, help="meshes to list (--what-if)")
+    p.add_argument("--gpu-memory", default="80GiB", type=_bytes, help="memory per GPU (--what-if): 80GiB, 141 GB, ...")
+    p.add_argument("--global-batch", type=_positive(int), default=512, help="sequences per step (--what-if)")
+    p.add_argument("--flops", type=_positive(float), default=312e12, help="peak FLOP/s per GPU (--what-if)")
+    p.add_argument("--efficiency", type=_positive(float), default=0.5, help="fraction of peak reached (--what-if)")
+    p.add_argument("--intra-node-bw", type=_positive(float), default=300e9, help="bytes/s per GPU inside a node (--what-if)")
+    p.add_argument("--inter-node-bw", type=_positive(float), default=25e9, help="bytes/s per GPU between nodes (--what-if)")
+    p.add_argument("--gpus-per-node", type=_positive(int), default=8)
+    p.add_argument("--top", type=_positive(int), default=10, help="meshes to list (--what-if)")
     p.add_argument("--formulas", action="store_true",
                    help="--what-if: activations by Korthikanti's formulas, not measured on fake tensors")
     _config_args(p, skip=INSPECT_SKIP)
@@ -230,16 +230,59 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _positive(kind):
+    """An argparse type: a number of `kind` above zero (argparse's one-line error otherwise)."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"{text} must be above 0")
+        return v
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _bytes(text: str) -> float:
+    """An argparse type: a memory size ('80GiB', '141 GB', '512MiB', bytes)."""
+    from fxtron.tools.planner import parse_bytes
+    try:
+        v = parse_bytes(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is no size: give a number with TiB, GiB, MiB, TB, GB, MB or B "
+                                         "(80GiB)") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be above 0")
+    return v
+
+
+#: Megatron's flags whose fxtron counterpart differs in meaning (the rest are named in the flags' help)
+MEGATRON_NAMES = {"--micro-batch-size": "--microbatches, a count per data-parallel rank: the global --batch over "
+                                        "dp x --micro-batch-size",
+                  "--tensor-model-parallel-size": "--tp", "--pipeline-model-parallel-size": "--pp",
+                  "--context-parallel-size": "--cp", "--expert-model-parallel-size": "--ep",
+                  "--use-distributed-optimizer": "--zero 1"}
+
+
 def _unknown(parser: argparse.ArgumentParser, cmd: str, extras: list[str]) -> None:
     """Refuse arguments the command does not take under the command's own usage, suggesting
     the nearest flag it has (argparse would print the top-level usage, no suggestion)."""
     import difflib
+    import re
     sub = next(a for a in parser._subparsers._group_actions if isinstance(a, argparse._SubParsersAction)).choices[cmd]
     flags = sorted({o for action in sub._actions for o in action.option_strings if o.startswith("--")})
+    # Megatron's names for the flags whose help names them ("Megatron's --train-iters"): a Megatron
+    # user's flag is answered with fxtron's, not with the nearest spelling (--eval-iters)
+    megatron = {**MEGATRON_NAMES, **{m: f"{action.option_strings[-1]}" for action in sub._actions if action.option_strings
+                                     for m in re.findall(r"Megatron's (--[\w-]+)", action.help or "")}}
     words = []
     for arg in extras:
         if arg.startswith("-"):
             name = arg.split("=", 1)[0]
+            if name in megatron:
+                words.append(f"{name} (Megatron's name; fxtron's: {megatron[name]})")
+                continue
             near = difflib.get_close_matches(name, flags, n=1, cutoff=0.6)
             words.append(f"{name}" + (f" (did you mean {near[0]}?)" if near else ""))
     if not words:

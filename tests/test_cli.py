@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import fxtron
 from fxtron.cli import main
@@ -111,10 +112,49 @@ REFUSALS = {
                     "--tp 3 does not divide the model {d}/qwen's head counts (num_attention_heads=8, "
                     "num_key_value_heads=4): attention cannot be cut between heads; choose a tp that divides them "
                     "(2, 4)"),
+    # what a worker would refuse at its first step, known from the configuration
+    "batch vs dp": (["--model", "gpt-tiny", "--batch", "3", "--world-size", "2"],
+                    "--batch 3 (the global batch) does not divide over dp=2 x microbatches=1; use a batch that is a "
+                    "multiple of 2"),
+    "batch vs microbatches": (["--model", "gpt-tiny", "--microbatches", "3", "--world-size", "1"],
+                              "--batch 8 (the global batch) does not divide over dp=1 x microbatches=3"),
+    "seq vs cp": (["--model", "gpt-tiny", "--cp", "2", "--seq", "62", "--world-size", "2"],
+                  "--seq 62: context parallel cuts it into 2 x cp = 4 equal chunks, so it must be a multiple of 4; "
+                  "the nearest are 60, 64"),
+    "seq vs sp": (["--model", "gpt-tiny", "--tp", "2", "--sequence-parallel", "--seq", "63", "--world-size", "2"],
+                  "--seq 63: sequence parallel cuts its tokens into tp = 2 parts, so it must be a multiple of 2"),
+    "warm-up vs decay": (["--model", "gpt-tiny", "--lr-warmup-steps", "5", "--lr-decay-style", "cosine", "--steps",
+                          "2"], "lr_warmup_steps = 5 is not below the decay's 2 steps"),
+    "load without checkpoint": (["--model", "gpt-tiny", "--load", "{d}/noload"],
+                                "--load {d}/noload: no complete checkpoint there"),
+    "text too short": (["--model", "gpt-tiny", "--max-bytes", "100"], "training text has only 100 bytes"),
+    "split without train": (["--model", "{d}/qwen", "--data", "{d}/tokens", "--split", "0,1,0"],
+                            "--split 0,1,0 leaves no train split"),
+    "eod id past the vocabulary": (["--model", "{d}/qwen", "--data", "{d}/tokens", "--eod-id", "500",
+                                    "--reset-position-ids", "--reset-attention-mask"], "--eod-id 500: the model's vocabulary has ids 0..127"),
+    "beta of 1.5": (["--model", "gpt-tiny", "--adam-beta1", "1.5"],
+                    "optimizer.adam_beta1 = 1.5: AdamW's betas are in [0, 1)"),
+    # flags that would do nothing
+    "keep-last without save": (["--model", "gpt-tiny", "--keep-last", "2"],
+                               "training.keep_last prunes the checkpoints of training.save: it needs --save DIR"),
+    "eval-iters without evaluation": (["--model", "gpt-tiny", "--eval-iters", "5"],
+                                      "training.eval_iters = 5 sets how many batches an evaluation takes, but this "
+                                      "run does not evaluate"),
+    "split of the text": (["--model", "gpt-tiny", "--split", "1,0,0"],
+                          "data.split = '1,0,0' splits Megatron datasets (--data)"),
+    "text and data": (["--model", "{d}/qwen", "--data", "{d}/tokens", "--text", "{d}/nothere.txt"],
+                      "data.path ({d}/tokens) and data.text ({d}/nothere.txt) are two sources of training data"),
+    "device without CUDA": (["--model", "gpt-tiny", "--device", "cuda"],
+                            "--device cuda: this machine has no CUDA device torch can use"),
+    "CUDA graphs on the CPU": (["--model", "gpt-tiny", "--cuda-graphs"], "--cuda-graphs: the programs run on the CPU"),
 }
+#: refusals of a machine without a GPU
+WITHOUT_GPU = {"device without CUDA", "CUDA graphs on the CPU"}
 
 
-@pytest.mark.parametrize("case", list(REFUSALS))
+@pytest.mark.parametrize("case", [pytest.param(k, marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU "
+                                                                            "is here")) if k in WITHOUT_GPU else k
+                                  for k in REFUSALS])
 def test_a_mistake_is_refused_before_any_process_starts(case, user_dir, no_launch, capsys):
     import time
     args, message = REFUSALS[case]
@@ -156,6 +196,25 @@ def test_a_misspelt_flag_suggests_the_nearest_under_its_command(capsys):
         main(["inspect", "gpt-tiny", "--no-grpah"])
     err = capsys.readouterr().err
     assert err.startswith("usage: fxtron inspect ") and "--no-grpah (did you mean --no-graph?)" in err
+    # a Megatron user's flag: fxtron's name for it, not the nearest spelling (--train-iters is not --eval-iters)
+    for megatron, ours in (("--train-iters", "--steps"), ("--global-batch-size", "--batch"), ("--seq-length", "--seq"),
+                           ("--micro-batch-size", "--microbatches, a count per data-parallel rank")):
+        with pytest.raises(SystemExit):
+            main(["train", megatron, "2"])
+        assert f"{megatron} (Megatron's name; fxtron's: {ours}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpu-memory", "80XB"], "argument --gpu-memory: '80XB' is no size"),
+    (["--global-batch", "0"], "argument --global-batch: 0 must be above 0"),
+    (["--seq", "0"], "argument --seq: 0 must be above 0")])
+def test_inspect_refuses_a_value_out_of_range_in_one_line(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["inspect", "gpt-tiny", "--what-if", "--world-size", "2"] + args)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.rstrip().splitlines()[-1].startswith(f"fxtron inspect: error: {message}"), err
+    assert "Traceback" not in err
 
 
 def test_model_config_values_take_the_fields_type(capsys):

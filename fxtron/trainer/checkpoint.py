@@ -91,6 +91,23 @@ def prune(root: str, keep_last: int | None, saved: int | None = None) -> list[in
 
 
 # ----------------------------------------------------------------------------- the run's saves and resume
+def source_of(t) -> str | None:
+    """The directory a run of training section `t` resumes from: --load, unless --save (another
+    directory) holds a newer complete checkpoint -- this run's own progress, as after a torchrun
+    restart of a run that began from --load (torchtitan's initial_load_path: the run's folder
+    first)."""
+    if t.load is None or t.save is None or os.path.abspath(t.load) == os.path.abspath(t.save):
+        return t.load or t.save
+    mine, theirs = latest(t.save), latest(t.load)
+    return t.save if mine is not None and (theirs is None or mine > theirs) else t.load
+
+
+def no_checkpoint(load: str) -> ParallelizeError:
+    """--load names a directory without a complete checkpoint."""
+    return ParallelizeError(f"--load {load}: no complete checkpoint there (no iter_NNNNNNN with its commit marker); "
+                            "give the directory --save wrote")
+
+
 class Checkpointer:
     """The run's checkpoints: `resume` loads the latest complete one of --load (else --save;
     --save's where it is newer: `source`) into the program, optimizer, schedule and the trainer's state; `maybe_save` saves every
@@ -103,14 +120,8 @@ class Checkpointer:
         self.saved: dict | None = None        # the last save's event (save)
 
     def source(self) -> str | None:
-        """The directory resumed from: --load, unless --save (another directory) holds a newer
-        complete checkpoint -- this run's own progress, as after a torchrun restart of a run
-        that began from --load (torchtitan's initial_load_path: the run's folder first)."""
-        t = self.cfg.training
-        if t.load is None or t.save is None or os.path.abspath(t.load) == os.path.abspath(t.save):
-            return t.load or t.save
-        mine, theirs = latest(t.save), latest(t.load)
-        return t.save if mine is not None and (theirs is None or mine > theirs) else t.load
+        """The directory resumed from (`source_of`)."""
+        return source_of(self.cfg.training)
 
     def resume(self, state: dict) -> int | None:
         """Load the latest complete checkpoint into the program, optimizer, schedule and
@@ -122,8 +133,7 @@ class Checkpointer:
         it = latest(source)
         if it is None:
             if t.load is not None:
-                raise ParallelizeError(f"--load {t.load}: no complete checkpoint there (no iter_NNNNNNN with its "
-                                       "commit marker); give the directory --save wrote")
+                raise no_checkpoint(t.load)
             return None
         saved = read_state(source, it)
         if saved.get("global_batch") != cfg.data.batch or saved.get("seq") != cfg.data.seq:
@@ -197,4 +207,5 @@ class Checkpointer:
         return path
 
 
-__all__ = ["TRACKER", "Checkpointer", "complete", "iter_dir", "latest", "prune", "read_state", "write_tracker"]
+__all__ = ["TRACKER", "Checkpointer", "complete", "iter_dir", "latest", "no_checkpoint", "prune", "read_state",
+           "source_of", "write_tracker"]

@@ -83,6 +83,12 @@ class DataConfig(Section):
         super().__post_init__()
 
     def _rules(self) -> None:
+        if self.path and self.text is not None:
+            raise ParallelizeError(f"data.path ({' '.join(self.path)}) and data.text ({self.text}) are two sources of "
+                                   "training data: give --data (Megatron datasets) or --text (bytes of a file), not both")
+        if not self.path and self.split != _default(type(self), "split"):
+            raise ParallelizeError(f"data.split = {self.split!r} splits Megatron datasets (--data); the byte-level text "
+                                   "(--text) is split 98/2 between train and valid: drop --split or give --data")
         wanted = [f"--{n.replace('_', '-')}" for n in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
                   if getattr(self, n)]
         if wanted and self.eod_id is None:
@@ -93,6 +99,11 @@ class DataConfig(Section):
     def packed(self) -> bool:
         """Are the samples' documents kept apart (positions or attention)?"""
         return self.reset_position_ids or self.reset_attention_mask
+
+
+def _default(section: type, name: str):
+    """A field's default (a rule tells a value given from the default it leaves alone)."""
+    return next(f.default for f in dataclasses.fields(section) if f.name == name)
 
 
 @dataclass(frozen=True)
@@ -117,6 +128,10 @@ class OptimizerConfig(Section):
     adam_eps: float = option(1e-8, positive=True, help="AdamW's epsilon")
 
     def _rules(self) -> None:
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ParallelizeError(f"optimizer.{name} = {getattr(self, name)}: AdamW's betas are in [0, 1) "
+                                       "(Megatron's defaults: 0.9 and 0.999; fxtron's beta2: 0.95)")
         if self.min_lr > self.lr:
             raise ParallelizeError(f"optimizer.min_lr = {self.min_lr} is above optimizer.lr = {self.lr}; give a "
                                    "min_lr at most the peak")
@@ -155,6 +170,12 @@ class TrainingConfig(Section):
     def _rules(self) -> None:
         if self.save_interval is not None and self.save is None:
             raise ParallelizeError("training.save_interval needs training.save (--save DIR)")
+        if self.keep_last is not None and self.save is None:
+            raise ParallelizeError("training.keep_last prunes the checkpoints of training.save: it needs --save DIR")
+        if self.eval_interval is None and self.eval_iters != _default(type(self), "eval_iters"):
+            raise ParallelizeError(f"training.eval_iters = {self.eval_iters} sets how many batches an evaluation takes, "
+                                   "but this run does not evaluate: give --eval-interval N (fxtron evaluates only "
+                                   "where asked; Megatron's default is every 1000 steps)")
 
 
 @dataclass(frozen=True)

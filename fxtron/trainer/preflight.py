@@ -1,7 +1,8 @@
 """Trainer, preflight: what one process can check of a run before any rank starts -- the model
 spec (a directory that exists, its config.json), the datasets' prefixes (PREFIX.bin and .idx,
-their headers), the data's token ids against the model's vocabulary, the mesh's tp against the
-model's head counts -- so that a mistake is one message in a second, not one traceback per rank
+their headers) and split, the data's token ids against the model's vocabulary, the mesh's tp
+against the model's head counts, the global batch against dp x microbatches, the sequence
+against cp and sequence parallel, the learning-rate schedule, --load, the device -- so that a mistake is one message in a second, not one traceback per rank
 after spawning and compiling. `fxtron train` and `run` (trainer/loop.py) call `check` before the
 launcher starts processes; under torchrun every rank checks and rank 0 alone says why
 (cli.py)."""
@@ -24,7 +25,57 @@ def check(cfg: TrainConfig):
     check_data(cfg, tm.vocab_size, cfg.model.name)
     if cfg.tensor.plan is None:        # a plan of the user's may keep the attention whole on purpose
         check_heads(tm.model, cfg.mesh.tp, cfg.model.name)
+    check_run(cfg, tm.vocab_size)
     return tm
+
+
+def check_run(cfg: TrainConfig, vocab_size: int) -> None:
+    """What the workers would refuse at their first step, known from the configuration alone:
+    the same refusals, said once before any rank starts."""
+    import math
+    import os
+
+    import torch
+
+    from fxtron.trainer.checkpoint import latest, no_checkpoint, source_of
+    from fxtron.trainer.optim import schedule
+    mesh, d, t = cfg.mesh.mesh(), cfg.data, cfg.training
+    m = cfg.pipeline.microbatches
+    if d.batch % (mesh.dp * m):
+        raise ParallelizeError(f"--batch {d.batch} (the global batch) does not divide over dp={mesh.dp} x "
+                               f"microbatches={m}; use a batch that is a multiple of {mesh.dp * m}")
+    cp, split = mesh.cp, mesh.tp if cfg.tensor.sequence_parallel else 1
+    unit = math.lcm(2 * cp if cp > 1 else 1, cp * split)
+    if d.seq % unit:
+        why = ([f"context parallel cuts it into 2 x cp = {2 * cp} equal chunks"] if cp > 1 else []) + \
+              ([f"sequence parallel cuts {'each cp rank' + chr(39) + 's' if cp > 1 else 'its'} tokens into tp = {split} "
+                "parts"] if split > 1 else [])
+        raise ParallelizeError(f"--seq {d.seq}: {' and '.join(why)}, so it must be a multiple of {unit}; the "
+                               f"nearest are {', '.join(str(n) for n in (d.seq // unit * unit, (d.seq // unit + 1) * unit) if n)}")
+    if d.eod_id is not None and d.eod_id >= vocab_size:
+        raise ParallelizeError(f"--eod-id {d.eod_id}: the model's vocabulary has ids 0..{vocab_size - 1}, so the data "
+                               "cannot hold it; give the end-of-document id the preprocessing appended")
+    schedule(cfg)                       # (its warm-up against its decay)
+    if t.load is not None and source_of(t) == t.load and (not os.path.isdir(t.load) or latest(t.load) is None):
+        raise no_checkpoint(t.load)
+    device = cfg.inputs.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ParallelizeError("--device cuda: this machine has no CUDA device torch can use "
+                               f"(torch {torch.__version__}, built {'with' if torch.version.cuda else 'without'} "
+                               "CUDA); leave --device out to run on the CPU")
+    if cfg.codegen.cuda_graphs and cfg.inputs.resolved_device() == "cpu":
+        raise ParallelizeError("--cuda-graphs: the programs run on the CPU (no CUDA device here): CUDA graphs "
+                               "capture CUDA kernels alone; run on GPUs, or turn cuda_graphs off")
+    if d.path:
+        from fxtron.data.gpt import parse_split
+        fractions = parse_split(d.split)
+        if fractions[0] == 0:
+            raise ParallelizeError(f"--split {d.split} leaves no train split")
+        if t.eval_interval and fractions[1] == 0:
+            raise ParallelizeError(f"--eval-interval needs a valid split; --split {d.split} gives none")
+    else:
+        from fxtron.trainer.data import TrainData
+        TrainData(cfg, vocab_size)      # (the text read and cut: long enough for a sample of each part it uses)
 
 
 def check_data(cfg: TrainConfig, vocab_size: int, spec: str) -> None:
@@ -76,4 +127,4 @@ def check_heads(model, tp: int, spec: str) -> None:
                                                     if works else "no tp > 1 divides them: use tp=1"))
 
 
-__all__ = ["check", "check_data", "check_heads"]
+__all__ = ["check", "check_data", "check_heads", "check_run"]
