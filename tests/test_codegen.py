@@ -204,3 +204,44 @@ def test_world_one_compiled_step_equals_uncompiled_with_dropout():
             assert prog.compiled.regions > regions      # the eval graph's regions, compiled on first use
     assert max(abs(a - b) for a, b in zip(losses[True], losses[False])) < 2e-6, losses
     assert abs(evals[True] - evals[False]) < 2e-6, evals
+
+
+def test_shapes_past_dynamos_recompile_limit_run_uncompiled_with_a_warning():
+    """Training and evaluating on batches of five shapes (each shape, grad mode and size-1 dim a
+    compiled entry of its own) takes a region past Dynamo's recompile limit: a fullgraph region
+    then raised; its calls past the limit now run the region's graph uncompiled -- the
+    uncompiled program's numbers -- said in a warning and in the stats' line."""
+    import warnings
+    shapes = [(4, 16), (4, 8), (2, 8), (1, 8), (2, 1)]
+    got = {}
+    for compiled in (False, True):
+        prog = fxtron.parallelize(make("gpt"), fxtron.Mesh(1), example_inputs=batches("gpt", 4, [16], seed=0)[0][0],
+                                  compile=compiled).program(0)
+        opt = adamw()(prog.parameters())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got[compiled] = [(prog.train_step(a, opt), prog.eval_step(a))
+                             for i, (b, s) in enumerate(shapes) for a in [batches("gpt", b, [s], seed=i)[0][0]]]
+        if compiled:
+            assert prog.compiled.uncompiled_calls > 0, prog.compiled.line()
+            assert "region calls past Dynamo's recompile limit ran uncompiled" in prog.compiled.line()
+            assert any("recompile_limit" in str(w.message) for w in caught)
+    assert max(abs(x - y) for a, b in zip(got[True], got[False]) for x, y in zip(a, b)) < 2e-6, got
+
+
+def test_recomputed_regions_are_said_to_run_uncompiled():
+    """Under recompute the layers are checkpointed calls, which torch's checkpoint recomputes with
+    Dynamo disabled: pm.summary() counts the regions the program compiles (between those calls)
+    and says the recomputed ones run uncompiled, as the program's own stats do after a step."""
+    import warnings
+    (args, _), = batches("gpt", 4, [16], seed=1)
+    pm = fxtron.parallelize(make("gpt"), fxtron.Mesh(1), example_inputs=args, compile=True, recompute="full")
+    line = next(x for x in pm.summary().splitlines() if x.startswith("compile=True"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prog = pm.program(0)
+        prog.train_step(args, adamw()(prog.parameters()))
+    assert any("recomputed regions (recompute=...) run uncompiled" in str(w.message) for w in caught)
+    stats = prog.compiled
+    assert stats.recomputed == 2 and f"{stats.regions} regions between {stats.opaque} fxtron ops" in line, (line, stats)
+    assert "2 recomputed regions run uncompiled inside their checkpointed calls" in line

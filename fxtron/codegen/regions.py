@@ -39,6 +39,7 @@ import operator
 import os
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -96,6 +97,11 @@ def opaque(node: fx.Node, comm: bool = False) -> bool:
     return not (module in ("_operator", "operator", "math") or module.startswith("torch.fx.experimental.sym_node")
                 or t in (torch.sym_int, torch.sym_float, torch.sym_max, torch.sym_min, torch.sym_not))
 
+
+def _past_recompile_limit(e: BaseException) -> bool:
+    """Whether `e` is Dynamo's refusal of a fullgraph region's shape past its recompile limit."""
+    return type(e).__name__ in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit") and \
+        type(e).__module__.startswith("torch._dynamo")
 
 #: tags of ops whose output's shape or value the host must read from the data (a captured CUDA
 #: graph fixes both at capture)
@@ -185,23 +191,50 @@ class CompileStats:
     opaque: int = 0
     seconds: float = 0.0
     cached: int = 0          # distinct regions Inductor's (or AOTAutograd's) cache served
+    recomputed: int = 0      # recomputed regions run uncompiled (their checkpointed calls)
+    uncompiled_calls: int = 0  # region calls past Dynamo's recompile limit, run uncompiled
     _pending: set = field(default_factory=set, repr=False)
 
     def __add__(self, other: "CompileStats") -> "CompileStats":
         return CompileStats(self.regions + other.regions, self.distinct + other.distinct,
-                            self.opaque + other.opaque, self.seconds + other.seconds, self.cached + other.cached)
+                            self.opaque + other.opaque, self.seconds + other.seconds, self.cached + other.cached,
+                            self.recomputed + other.recomputed)
 
     def line(self) -> str:
         """One line for the summary and the start-up log."""
         return (f"{self.regions} regions between {self.opaque} fxtron ops compiled by Inductor "
                 f"({self.distinct} distinct" + (f", {self.cached} from the cache; their forwards compiled in "
                                                 f"{self.seconds:.1f} s, the backwards on the first backward)"
-                                                if self.seconds else ")"))
+                                                if self.seconds else ")")
+                + (f"; {self.recomputed} recomputed regions run uncompiled inside their checkpointed calls (torch's "
+                   "checkpoint recomputes with Dynamo disabled)" if self.recomputed else "")
+                + (f"; {self.uncompiled_calls} region calls past Dynamo's recompile limit ran uncompiled"
+                   if self.uncompiled_calls else ""))
+
+
+def _outlined(gm: fx.GraphModule) -> fx.GraphModule:
+    """`gm` as a program binds it: its recomputed regions outlined into checkpointed calls
+    (ops/recompute.py outline), on a copy (the nodes' metadata shared)."""
+    from fxtron.ops.recompute import outline, regions
+    if not regions(gm):
+        return gm
+    g = fx.Graph()
+    g.output(g.graph_copy(gm.graph, {}))
+    return outline(fx.GraphModule(gm, g))
+
+
+def recomputed_calls(gm: fx.GraphModule) -> int:
+    """How many recomputed regions (ops/recompute.py Recomputed: checkpointed calls) `gm` runs."""
+    from fxtron.ops.recompute import Recomputed
+    return sum(1 for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), Recomputed))
 
 
 def plan(graphs: list[fx.GraphModule], comm: bool = False) -> CompileStats:
-    """The regions a Compiler(comm) would compile in a rank's `graphs`, counted without compiling."""
+    """The regions a Compiler(comm) would compile in a rank's `graphs` (as the program binds
+    them: a recomputed region one opaque checkpointed call), counted without compiling."""
     stats, keys = CompileStats(), set()
+    graphs = [_outlined(gm) for gm in graphs]
+    stats.recomputed = sum(recomputed_calls(gm) for gm in graphs)
     for gm in graphs:
         holds = holds_comm(gm, comm)
         ids, compiled = _partitions(gm, holds)
@@ -331,17 +364,37 @@ class _FirstCall(torch.nn.Module):
         self._communicates = communicates
 
     def forward(self, *args):
-        if self not in self._stats._pending:
-            return self.compiled(*args)
-        t0, hits = time.perf_counter(), _cache_hits()
-        # the first call runs the region too: one whose collectives wait for the peers compiles
-        # without the lock (a peer waiting for it would never join them); the others take turns
-        with _host_lock(self._key) if not self._communicates else contextlib.nullcontext():
-            out = self.compiled(*args)
-        self._stats.seconds += time.perf_counter() - t0
-        self._stats.cached += _cache_hits() > hits
-        self._stats._pending.discard(self)
-        return out
+        try:
+            if self not in self._stats._pending:
+                return self.compiled(*args)
+            t0, hits = time.perf_counter(), _cache_hits()
+            # the first call runs the region too: one whose collectives wait for the peers compiles
+            # without the lock (a peer waiting for it would never join them); the others take turns
+            with _host_lock(self._key) if not self._communicates else contextlib.nullcontext():
+                out = self.compiled(*args)
+            self._stats.seconds += time.perf_counter() - t0
+            self._stats.cached += _cache_hits() > hits
+            self._stats._pending.discard(self)
+            return out
+        except Exception as e:                  # noqa: BLE001 - Dynamo's refusal alone is handled
+            if not _past_recompile_limit(e):
+                raise
+            # (raised before the region ran: nothing of it computed, no collective issued)
+            self._stats._pending.discard(self)
+            return self._uncompiled(args)
+
+    def _uncompiled(self, args):
+        """The region as its graph runs it, for inputs of a shape past Dynamo's recompile limit
+        (each shape, grad mode and size-1 dim a compiled entry of its own): the same ops, collectives
+        included, in the same order -- said once, and counted in the stats."""
+        if not self._stats.uncompiled_calls:
+            import torch._dynamo.config as dynamo_config
+            limit = getattr(dynamo_config, "recompile_limit", getattr(dynamo_config, "cache_size_limit", "?"))
+            warnings.warn(f"compile=True: a region met more input shapes (or grad modes) than Dynamo's recompile_limit "
+                          f"({limit}) keeps compiled; those calls run its graph uncompiled (the same numbers). Pad the "
+                          "batches to a few lengths, or raise torch._dynamo.config.recompile_limit", stacklevel=3)
+        self._stats.uncompiled_calls += 1
+        return self.compiled._orig_mod(*args)
 
 
 class Compiler:
@@ -360,6 +413,12 @@ class Compiler:
         """`gm` (a bound rank graph) with each region between opaque ops compiled by Inductor:
         the same values and gradients, the same collectives in the same order."""
         holds = holds_comm(gm, self.comm)
+        recomputed = recomputed_calls(gm)
+        if recomputed:
+            self.stats.recomputed += recomputed
+            warnings.warn(f"compile=True: {recomputed} recomputed regions (recompute=...) run uncompiled inside their "
+                          "checkpointed calls: torch's checkpoint recomputes with Dynamo disabled, so only the graph "
+                          "between them is compiled (pm.summary() says so)", stacklevel=2)
         ids, compiled = _partitions(gm, holds)
         split = split_module(gm, gm, lambda n: ids[n], keep_original_order=True)
         self.stats.opaque += sum(1 for p, c in compiled.items() if not c and _has_opaque(ids, p, holds))
