@@ -47,6 +47,12 @@ class Microbatches(list):
     differ in sequence length; the loss is the mean of their losses."""
 
 
+def sequence_unit(cp: int, seq_split: int) -> int:
+    """What a sequence's length must be a multiple of: 2 x cp chunks under context parallel (two
+    a rank, load-balanced), each cp rank's tokens in `seq_split` (tp under sequence parallel) parts."""
+    return math.lcm(2 * cp if cp > 1 else 1, cp * seq_split)
+
+
 class BatchSlicer:
     """Slices global batches for one rank: `dp` data-parallel ranks of which this is `dp_index`,
     `cp` context-parallel ranks of which this is `cp_index` (each input's sequence dim split
@@ -166,7 +172,7 @@ class BatchSlicer:
         under cp its length must be a multiple of 2 x cp (two chunks a rank), and under
         sequence parallel each rank's tokens must divide into tp parts."""
         cp_unit = 2 * self.cp if self.cp > 1 else 1
-        unit = math.lcm(cp_unit, self.cp * self.seq_split)
+        unit = sequence_unit(self.cp, self.seq_split)
         for x, dims in zip(flat, self.info.user_dims):
             if "seq" not in dims:
                 continue
@@ -252,4 +258,4 @@ class BatchSlicer:
         return out
 
 
-__all__ = ["BatchSlicer", "Microbatches", "dp_share", "microbatch_pieces", "split_batch"]
+__all__ = ["BatchSlicer", "Microbatches", "dp_share", "microbatch_pieces", "sequence_unit", "split_batch"]

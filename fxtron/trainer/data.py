@@ -52,6 +52,17 @@ class TextSamples:
         return self.data[start:start + self.seq + 1].numpy().astype(np.int64)
 
 
+def check_split(cfg: TrainConfig) -> None:
+    """--split leaves the run a train split, and a valid one where it evaluates."""
+    from fxtron.data.gpt import parse_split
+    d, t = cfg.data, cfg.training
+    fractions = parse_split(d.split)
+    if fractions[0] == 0:
+        raise ParallelizeError(f"--split {d.split} leaves no train split")
+    if t.eval_interval and fractions[1] == 0:
+        raise ParallelizeError(f"--eval-interval needs a valid split; --split {d.split} gives none")
+
+
 class TrainData:
     """Train and valid samples of the run `cfg`, for a model of `vocab_size` tokens."""
 
@@ -60,12 +71,9 @@ class TrainData:
         self.batch, self.vocab_size = d.batch, vocab_size
         if d.path:
             from fxtron.data.gpt import build_datasets
+            check_split(cfg)
             valid = (t.steps // t.eval_interval + 1) * t.eval_iters * d.batch if t.eval_interval else None
             self.train, self.valid, _ = build_datasets(d.path, d.split, d.seq, t.seed, (t.steps * d.batch, valid, None))
-            if self.train is None:
-                raise ParallelizeError(f"--split {d.split} leaves no train split")
-            if t.eval_interval and self.valid is None:
-                raise ParallelizeError(f"--eval-interval needs a valid split; --split {d.split} gives none")
             self.source = " + ".join(d.path)
             #: what the train samples' order depends on beyond the data, split and seed (the
             #: epochs --steps x --batch needs): kept with a checkpoint, compared on resume
@@ -105,4 +113,4 @@ class TrainData:
         return self._batch(self.valid, first, "valid")
 
 
-__all__ = ["TextSamples", "TrainData", "load_text"]
+__all__ = ["TextSamples", "TrainData", "check_split", "load_text"]

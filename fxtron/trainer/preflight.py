@@ -2,7 +2,8 @@
 spec (a directory that exists, its config.json), the datasets' prefixes (PREFIX.bin and .idx,
 their headers) and split, the data's token ids against the model's vocabulary, the mesh's tp
 against the model's head counts, the global batch against dp x microbatches, the sequence
-against cp and sequence parallel, the learning-rate schedule, --load, the device -- so that a mistake is one message in a second, not one traceback per rank
+against cp and sequence parallel, the learning-rate schedule, --load, the device -- so that a
+mistake is one message in a second, not one traceback per rank
 after spawning and compiling. `fxtron train` and `run` (trainer/loop.py) call `check` before the
 launcher starts processes; under torchrun every rank checks and rank 0 alone says why
 (cli.py)."""
@@ -32,11 +33,11 @@ def check(cfg: TrainConfig):
 def check_run(cfg: TrainConfig, vocab_size: int) -> None:
     """What the workers would refuse at their first step, known from the configuration alone:
     the same refusals, said once before any rank starts."""
-    import math
     import os
 
     import torch
 
+    from fxtron.runtime.batch import sequence_unit
     from fxtron.trainer.checkpoint import latest, no_checkpoint, source_of
     from fxtron.trainer.optim import schedule
     mesh, d, t = cfg.mesh.mesh(), cfg.data, cfg.training
@@ -45,7 +46,7 @@ def check_run(cfg: TrainConfig, vocab_size: int) -> None:
         raise ParallelizeError(f"--batch {d.batch} (the global batch) does not divide over dp={mesh.dp} x "
                                f"microbatches={m}; use a batch that is a multiple of {mesh.dp * m}")
     cp, split = mesh.cp, mesh.tp if cfg.tensor.sequence_parallel else 1
-    unit = math.lcm(2 * cp if cp > 1 else 1, cp * split)
+    unit = sequence_unit(cp, split)
     if d.seq % unit:
         why = ([f"context parallel cuts it into 2 x cp = {2 * cp} equal chunks"] if cp > 1 else []) + \
               ([f"sequence parallel cuts {'each cp rank' + chr(39) + 's' if cp > 1 else 'its'} tokens into tp = {split} "
@@ -66,15 +67,10 @@ def check_run(cfg: TrainConfig, vocab_size: int) -> None:
     if cfg.codegen.cuda_graphs and cfg.inputs.resolved_device() == "cpu":
         raise ParallelizeError("--cuda-graphs: the programs run on the CPU (no CUDA device here): CUDA graphs "
                                "capture CUDA kernels alone; run on GPUs, or turn cuda_graphs off")
+    from fxtron.trainer.data import TrainData, check_split
     if d.path:
-        from fxtron.data.gpt import parse_split
-        fractions = parse_split(d.split)
-        if fractions[0] == 0:
-            raise ParallelizeError(f"--split {d.split} leaves no train split")
-        if t.eval_interval and fractions[1] == 0:
-            raise ParallelizeError(f"--eval-interval needs a valid split; --split {d.split} gives none")
+        check_split(cfg)
     else:
-        from fxtron.trainer.data import TrainData
         TrainData(cfg, vocab_size)      # (the text read and cut: long enough for a sample of each part it uses)
 
 
