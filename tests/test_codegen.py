@@ -51,6 +51,7 @@ def _run(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
         if compiled:
             stats = prog.compiled
             out["stats"] = (stats.regions, stats.distinct, stats.opaque, stats.seconds)
+            out["recomputed"] = (stats.recomputed, stats.inside)
             out["fused"], out["master"] = (sum(n.target == op for g in pm.compiled(rank).graphs for n in g.graph.nodes)
                                            for op in (torch.ops.fxtron.linear.default,
                                                       torch.ops.fxtron.master_linear.default))
@@ -70,7 +71,8 @@ CASES = {
                            Case("llama", schedule="gpipe", microbatches=2),
                            Case("llama", schedule="interleaved", microbatches=2, virtual_stages=2, layers=4),
                            Case("llama", schedule="zb-h1", microbatches=2)],
-    fxtron.Mesh(2): [Case("llama", zero=1), Case("llama", zero=2), Case("llama", zero=3)],
+    # zero=3 recomputing its layers: the gathered weights' saved-tensor hooks around the checkpoints
+    fxtron.Mesh(2): [Case("llama", zero=1), Case("llama", zero=2), Case("llama", zero=3, recompute="full")],
     fxtron.Mesh(2, cp=2): [Case("llama")],
     fxtron.Mesh(2, ep=2): [Case("moe")],
 }
@@ -99,8 +101,11 @@ def test_compiled_program_trains_as_uncompiled_and_one_process(results, mesh, ca
         if not keeps_fused and mesh.pp > 1:    # a stage (model chunk) is one region (the last: two, around
             # its loss's token count over the microbatches)
             assert regions <= case.kw.get("virtual_stages", 1) + rank, got["stats"]
-        if not keeps_fused and mesh.tp > 1 and "recompute" not in case.kw:   # f and g inside the regions:
-            assert regions <= 3 and n_opaque <= 3, got["stats"]          # cut at the vocab-parallel ops alone
+        recomputed, inside = got["recomputed"]
+        # each recomputed layer a checkpointed call with its own graph compiled inside
+        assert (recomputed, inside > 0) == ((2, True) if "recompute" in case.kw else (0, False)), got["recomputed"]
+        if not keeps_fused and mesh.tp > 1:   # f and g inside the regions: cut at the vocab-parallel ops alone
+            assert regions - inside <= 3 and n_opaque <= 3, got["stats"]   # (and at each checkpointed call)
         # the compiled program against the same program uncompiled: float round-off
         dl = max(abs(a - b) for a, b in zip(compiled["losses"], plain["losses"]))
         dw, where = max_abs_diff(compiled["state"], plain["state"])
@@ -229,19 +234,39 @@ def test_shapes_past_dynamos_recompile_limit_run_uncompiled_with_a_warning():
     assert max(abs(x - y) for a, b in zip(got[True], got[False]) for x, y in zip(a, b)) < 2e-6, got
 
 
-def test_recomputed_regions_are_said_to_run_uncompiled():
-    """Under recompute the layers are checkpointed calls, which torch's checkpoint recomputes with
-    Dynamo disabled: pm.summary() counts the regions the program compiles (between those calls)
-    and says the recomputed ones run uncompiled, as the program's own stats do after a step."""
+def test_recomputed_regions_are_compiled_inside_their_checkpointed_calls():
+    """Under recompute each layer is a checkpointed call whose graph is cut and compiled as any
+    other (its compiled code runs in the forward and again in the recomputation): the summary
+    counts those regions, the step runs them compiled twice a layer, dropout included (the
+    recomputation draws the first run's numbers), and trains as the uncompiled program does,
+    the memory timeline's hooks on."""
     import warnings
-    (args, _), = batches("gpt", 4, [16], seed=1)
-    pm = fxtron.parallelize(make("gpt"), fxtron.Mesh(1), example_inputs=args, compile=True, recompute="full")
-    line = next(x for x in pm.summary().splitlines() if x.startswith("compile=True"))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    from torch.profiler import profile
+    items = batches("gpt", 4, [16, 16], seed=1)
+    args, _ = items[0]
+    got = {}
+    for compiled in (False, True):
+        pm = fxtron.parallelize(make("gpt", dropout=0.1), fxtron.Mesh(1), example_inputs=args, compile=compiled,
+                                recompute="full")
         prog = pm.program(0)
+        prog.track_memory = True     # saved-tensor hooks on (the memory timeline): the recomputation gets
+        # the checkpoint's inputs back as other tensors, and must run the forward's compiled graphs
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got[compiled] = train_program(prog, items, adamw()(prog.parameters()))
+    assert not any("uncompiled" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    line = next(x for x in pm.summary().splitlines() if x.startswith("compile=True"))
+    stats, planned = prog.compiled, plan(pm.compiled(0).graphs)
+    assert stats.recomputed == planned.recomputed == 2, (stats, planned)
+    assert (stats.regions, stats.distinct, stats.opaque, stats.inside) == \
+        (planned.regions, planned.distinct, planned.opaque, planned.inside), (stats, planned)
+    assert 0 < stats.inside < stats.regions, stats
+    assert planned.line() in line and f"{stats.inside} of them inside 2 recomputed regions' checkpointed calls" in line, line
+    # a layer's regions (between its dropouts) run compiled in the forward and in the recomputation
+    with profile() as p:
         prog.train_step(args, adamw()(prog.parameters()))
-    assert any("recomputed regions (recompute=...) run uncompiled" in str(w.message) for w in caught)
-    stats = prog.compiled
-    assert stats.recomputed == 2 and f"{stats.regions} regions between {stats.opaque} fxtron ops" in line, (line, stats)
-    assert "2 recomputed regions run uncompiled inside their checkpointed calls" in line
+    runs = sum(e.name.startswith("Torch-Compiled Region") for e in p.events())
+    assert runs == stats.regions + stats.inside, (runs, stats)
+    dl = max(abs(a - b) for a, b in zip(got[True]["losses"], got[False]["losses"]))
+    dg, where = max_abs_diff(got[True]["grads"], got[False]["grads"])
+    assert dl < 2e-6 and dg < 1e-5, (dl, dg, where)

@@ -3,8 +3,7 @@ region's forward and backward compiled by Inductor (`compile=True`, the codegen 
 
 What stays as it is (opaque): every fxtron op -- the collectives, the shared-memory channel, the
 fused linear whose weight gradient accumulates into main_grad (codegen/wgrad.py's GEMM), the
-cp attention blocks, the expert dispatch --, the recomputed regions' checkpointed calls,
-higher-order regions, the ops that draw random numbers (dropout, attention where it drops out:
+cp attention blocks, the expert dispatch --, higher-order regions, the ops that draw random numbers (dropout, attention where it drops out:
 ops/rng.py is_random), so that a compiled program draws exactly the uncompiled one's numbers
 from fxtron's RNG streams, and the ops whose output's shape depends on the data (nonzero,
 bincount). Where the fusion defers nothing a compiled step needs (compiler/passmanager.py
@@ -16,7 +15,10 @@ fake kernel) a call inside the compiled forward or backward, copy_to_region a tr
 backward calls it. A world-1 step is then one compiled region, forward and backward, and a tp
 step one region between the vocab-parallel embedding and loss. Everything between the opaque
 ops (norms, rotary, activations, residual adds, the loss, a cast) is a region of aten ops that
-`torch.compile` turns into fused kernels, with AOTAutograd's backward. The opaque ops run in
+`torch.compile` turns into fused kernels, with AOTAutograd's backward. A recomputed region
+(recompute=..., ops/recompute.py) stays one checkpointed call, and the graph inside it is cut and
+compiled the same way: its compiled code runs in the forward and again in the recomputation
+(the checkpoint keeps only the region's inputs either way). The opaque ops run in
 graph order between the regions, and a region's collectives in its graph's order (each depends
 on the last through the residual stream; the ranks of a group compile the same graph), so
 every rank issues the same collectives in the same order as the uncompiled program.
@@ -191,14 +193,16 @@ class CompileStats:
     opaque: int = 0
     seconds: float = 0.0
     cached: int = 0          # distinct regions Inductor's (or AOTAutograd's) cache served
-    recomputed: int = 0      # recomputed regions run uncompiled (their checkpointed calls)
+    recomputed: int = 0      # recomputed regions (checkpointed calls) whose insides were compiled
+    inside: int = 0          # of `regions`, those inside them (run again in backward's recomputation)
     uncompiled_calls: int = 0  # region calls past Dynamo's recompile limit, run uncompiled
     _pending: set = field(default_factory=set, repr=False)
 
     def __add__(self, other: "CompileStats") -> "CompileStats":
         return CompileStats(self.regions + other.regions, self.distinct + other.distinct,
                             self.opaque + other.opaque, self.seconds + other.seconds, self.cached + other.cached,
-                            self.recomputed + other.recomputed)
+                            self.recomputed + other.recomputed, self.inside + other.inside,
+                            self.uncompiled_calls + other.uncompiled_calls)
 
     def line(self) -> str:
         """One line for the summary and the start-up log."""
@@ -206,8 +210,8 @@ class CompileStats:
                 f"({self.distinct} distinct" + (f", {self.cached} from the cache; their forwards compiled in "
                                                 f"{self.seconds:.1f} s, the backwards on the first backward)"
                                                 if self.seconds else ")")
-                + (f"; {self.recomputed} recomputed regions run uncompiled inside their checkpointed calls (torch's "
-                   "checkpoint recomputes with Dynamo disabled)" if self.recomputed else "")
+                + (f"; {self.inside} of them inside {self.recomputed} recomputed regions' checkpointed calls, run "
+                   "again in backward" if self.recomputed else "")
                 + (f"; {self.uncompiled_calls} region calls past Dynamo's recompile limit ran uncompiled"
                    if self.uncompiled_calls else ""))
 
@@ -223,39 +227,60 @@ def _outlined(gm: fx.GraphModule) -> fx.GraphModule:
     return outline(fx.GraphModule(gm, g))
 
 
-def recomputed_calls(gm: fx.GraphModule) -> int:
-    """How many recomputed regions (ops/recompute.py Recomputed: checkpointed calls) `gm` runs."""
+def recomputed(gm: fx.GraphModule) -> list:
+    """The recomputed regions (ops/recompute.py Recomputed: checkpointed calls) `gm` runs."""
     from fxtron.ops.recompute import Recomputed
-    return sum(1 for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), Recomputed))
+    return [m for n in gm.graph.nodes if n.op == "call_module" and isinstance(m := gm.get_submodule(n.target), Recomputed)]
+
+
+def _nodes(gm: fx.GraphModule):
+    """gm's nodes and those of the recomputed regions it calls."""
+    yield from gm.graph.nodes
+    for mod in recomputed(gm):
+        yield from _nodes(mod.region)
 
 
 def plan(graphs: list[fx.GraphModule], comm: bool = False) -> CompileStats:
     """The regions a Compiler(comm) would compile in a rank's `graphs` (as the program binds
-    them: a recomputed region one opaque checkpointed call), counted without compiling."""
+    them: a recomputed region a checkpointed call, its graph cut and counted as any other),
+    counted without compiling."""
     stats, keys = CompileStats(), set()
-    graphs = [_outlined(gm) for gm in graphs]
-    stats.recomputed = sum(recomputed_calls(gm) for gm in graphs)
-    for gm in graphs:
-        holds = holds_comm(gm, comm)
+
+    def count(gm: fx.GraphModule, holds: bool, inside: bool = False):
+        for mod in recomputed(gm):
+            stats.recomputed += 1
+            count(mod.region, holds, True)
         ids, compiled = _partitions(gm, holds)
         split = split_module(gm, gm, lambda n: ids[n], keep_original_order=True)
-        keys |= {_code(getattr(split, f"submod_{p}")) for p, c in compiled.items() if c}
+        keys.update(_code(getattr(split, f"submod_{p}")) for p, c in compiled.items() if c)
         stats.regions += sum(compiled.values())
+        stats.inside += sum(compiled.values()) if inside else 0
         stats.opaque += sum(1 for p, c in compiled.items() if not c and _has_opaque(ids, p, holds))
+
+    for gm in map(_outlined, graphs):
+        count(gm, holds_comm(gm, comm))
     stats.distinct = len(keys)
     return stats
 
 
 def _has_opaque(ids: dict[fx.Node, int], part: int, comm: bool = False) -> bool:
-    return any(p == part and opaque(n, comm) for n, p in ids.items())
+    """Whether partition `part` holds an fxtron op (a recomputed region's checkpointed call is
+    not one: the regions inside it are counted)."""
+    return any(p == part and n.target is not operator.getitem and opaque(n, comm) and not _is_recomputed(n)
+               for n, p in ids.items())
+
+
+def _is_recomputed(node: fx.Node) -> bool:
+    from fxtron.ops.recompute import Recomputed
+    return node.op == "call_module" and isinstance(node.graph.owning_module.get_submodule(node.target), Recomputed)
 
 
 def holds_comm(gm: fx.GraphModule, comm: bool) -> bool:
-    """Whether `gm`'s regions hold tensor parallel's f and g under `comm`: not beside a fused
-    linear (a model's own 16-bit weights), whose queued weight-gradient GEMMs run while f's
-    backward all-reduce is in flight (ops/tp.py) -- inside a region they would wait for the end
-    of backward, holding their inputs."""
-    return comm and not any(n.target in (linear_eager, torch.ops.fxtron.linear.default) for n in gm.graph.nodes)
+    """Whether `gm`'s regions (the recomputed ones' too) hold tensor parallel's f and g under
+    `comm`: not beside a fused linear (a model's own 16-bit weights), whose queued weight-gradient
+    GEMMs run while f's backward all-reduce is in flight (ops/tp.py) -- inside a region they would
+    wait for the end of backward, holding their inputs."""
+    return comm and not any(n.target in (linear_eager, torch.ops.fxtron.linear.default) for n in _nodes(gm))
 
 
 def _trace_comm(sub: fx.GraphModule) -> bool:
@@ -412,13 +437,13 @@ class Compiler:
     def __call__(self, gm: fx.GraphModule) -> fx.GraphModule:
         """`gm` (a bound rank graph) with each region between opaque ops compiled by Inductor:
         the same values and gradients, the same collectives in the same order."""
-        holds = holds_comm(gm, self.comm)
-        recomputed = recomputed_calls(gm)
-        if recomputed:
-            self.stats.recomputed += recomputed
-            warnings.warn(f"compile=True: {recomputed} recomputed regions (recompute=...) run uncompiled inside their "
-                          "checkpointed calls: torch's checkpoint recomputes with Dynamo disabled, so only the graph "
-                          "between them is compiled (pm.summary() says so)", stacklevel=2)
+        return self._compile(gm, holds_comm(gm, self.comm))
+
+    def _compile(self, gm: fx.GraphModule, holds: bool, inside: bool = False) -> fx.GraphModule:
+        for mod in recomputed(gm):           # the graph inside each checkpointed call, compiled alike
+            if not mod.compiled:
+                mod.region, mod.compiled = self._compile(mod.region, holds, True), True
+                self.stats.recomputed += 1
         ids, compiled = _partitions(gm, holds)
         split = split_module(gm, gm, lambda n: ids[n], keep_original_order=True)
         self.stats.opaque += sum(1 for p, c in compiled.items() if not c and _has_opaque(ids, p, holds))
@@ -435,6 +460,7 @@ class Compiler:
                 self.stats.distinct += 1
             setattr(split, name, self._shared[key])
             self.stats.regions += 1
+            self.stats.inside += inside
         return split
 
 

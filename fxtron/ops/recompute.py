@@ -38,15 +38,26 @@ def recomputing() -> bool:
     return _RECOMPUTING.get()
 
 
-def checkpointed(region: fx.GraphModule, *args):
+def checkpointed(region: fx.GraphModule, *args, compiled: bool = False):
     """Run `region(*args)` keeping only its inputs (saved as saved tensors are: hooks see them);
-    its insides are recomputed in backward with the random streams it began with."""
+    its insides are recomputed in backward with the random streams it began with. The
+    recomputation stops once it has what backward reads (torch's checkpoint raises through the
+    region's frames to stop it), unless the region holds `compiled` code: the raise would cross
+    it, and a compiled graph runs whole anyway. The parameters are not the checkpoint's inputs:
+    both runs read the Parameters themselves (the checkpoint hands its inputs back as plain
+    tensors where saved-tensor hooks are on, and compiled code, guarding on the type, would run
+    another graph in the recomputation, saving other tensors)."""
     streams = rng.active_streams()
     start = streams.snapshot() if streams is not None else None
     first = True
+    params = {i: a for i, a in enumerate(args) if isinstance(a, torch.nn.Parameter)}
+    saved = [a for i, a in enumerate(args) if i not in params]
 
     def run(*xs):
         nonlocal first
+        if params:
+            rest = iter(xs)
+            xs = tuple(params[i] if i in params else next(rest) for i in range(len(args)))
         if first:
             first = False
             return region(*xs)
@@ -57,21 +68,22 @@ def checkpointed(region: fx.GraphModule, *args):
         finally:
             _RECOMPUTING.reset(token)
 
-    return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
+    return checkpoint(run, *saved, use_reentrant=False, preserve_rng_state=True, early_stop=not compiled)
 
 
 class Recomputed(torch.nn.Module):
     """One recomputed region of a program's graph: `region` (a GraphModule of the region's
     nodes, called with the region's inputs, returning its outputs as a tuple) run under
-    `checkpointed`."""
+    `checkpointed`; `compiled`: its region holds compiled code (codegen/regions.py Compiler)."""
 
     def __init__(self, region: fx.GraphModule, label: str):
         super().__init__()
         self.region = region
         self.label = label
+        self.compiled = False
 
     def forward(self, *args):
-        return checkpointed(self.region, *args)
+        return checkpointed(self.region, *args, compiled=self.compiled)
 
     def extra_repr(self) -> str:
         return self.label
