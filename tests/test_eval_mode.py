@@ -66,6 +66,27 @@ class AuxModel(torch.nn.Module):
         return loss
 
 
+class TrainingLoss(torch.nn.Module):
+    """Embedding, a head; in training an auxiliary mean cross entropy over every position
+    (ignored labels as class 0) and the main loss class-weighted, in evaluation the plain
+    mean cross entropy of the counted labels: the two graphs' batch statistics differ (the
+    eval graph's token count is not the training graph's, nor under the same name)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 16):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.head = torch.nn.Linear(dim, vocab)
+        self.register_buffer("weight", torch.linspace(0.5, 2.0, vocab))
+
+    def forward(self, idx, targets):
+        logits = self.head(torch.tanh(self.emb(idx))).flatten(0, 1)
+        targets = targets.flatten()
+        if not self.training:
+            return torch.nn.functional.cross_entropy(logits, targets)
+        aux = torch.nn.functional.cross_entropy(logits, targets.clamp(min=0))
+        return 0.1 * aux + torch.nn.functional.cross_entropy(logits, targets, weight=self.weight)
+
+
 AUX_PLAN = {"up": "colwise", "down": "rowwise", "aux_up": "colwise", "aux_down": "rowwise"}
 
 
@@ -85,14 +106,21 @@ def _model(case: Case) -> torch.nn.Module:
     if case.name == "aux":
         torch.manual_seed(0)
         return AuxModel()
+    if case.name == "training-loss":
+        torch.manual_seed(0)
+        return TrainingLoss()
     return make(case.name, dropout=0.3, layers=case.kw.get("layers", 2))
 
 
 def _batch(case: Case, seed: int):
-    if case.name in ("bn", "aux"):
+    if case.name in ("bn", "aux", "training-loss"):
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, 64, (8, 9), generator=g)
-        return (ids[:, :-1].clone(), ids[:, 1:].clone()), {}
+        labels = ids[:, 1:].clone()
+        if case.name == "training-loss":     # ignored labels, more in the first dp rank's rows
+            labels[:4, :5] = -100
+            labels[4:, :1] = -100
+        return (ids[:, :-1].clone(), labels), {}
     return batch(case.name, 8, 8, seed)
 
 
@@ -147,7 +175,8 @@ def _run_eval(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
     if case.name == "bn":
         out["bn"] = {k: v for k, v in after.items() if k.startswith("norm.running") or k.endswith("tracked")}
         out["bn_before"] = {k: v for k, v in before.items() if k in out["bn"]}
-    if mesh.pp == 1:          # an nn.Module's eval(): the program's forward runs the eval graph too
+    if mesh.pp == 1 and case.name != "training-loss":   # an nn.Module's eval(): the program's forward runs the
+        # eval graph too (on the rank's own batch, outside a step: its token mean is the rank's, so not with padding)
         prog.eval()
         local_args, local_kwargs = prog.local_batch(eargs, ekwargs)
         with torch.no_grad():
@@ -176,7 +205,7 @@ def _run_groups(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
 
 
 EVAL_CASES = {
-    fxtron.Mesh(2): [Case("hf-gpt2"), Case("bn")],
+    fxtron.Mesh(2): [Case("hf-gpt2"), Case("bn"), Case("training-loss")],
     fxtron.Mesh(2, tp=2): [Case("hf-gpt2"), Case("aux", plan=AUX_PLAN)],
     fxtron.Mesh(2, pp=2): [Case("hf-gpt2", schedule="1f1b", microbatches=2),
                            Case("hf-gpt2", schedule="interleaved", virtual_stages=2, microbatches=2, layers=4),

@@ -113,6 +113,20 @@ class WeightedLoss(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), weight=self.weight)
 
 
+class CountedLoss(torch.nn.Module):
+    """The shipped GPT with its token mean written out, as training loops do: the summed cross
+    entropy over the count of counted labels, an integer."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = make("gpt")
+
+    def forward(self, idx, targets):
+        logits = self.gpt(idx)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+        return loss / (targets != -100).sum()
+
+
 class MeanLoss(torch.nn.Module):
     """The shipped GPT with its loss the plain mean of the per-token losses."""
 
@@ -156,6 +170,8 @@ PADDED = {"pad-dp2": ("gpt", 2, {}, {}), "pad-dp2-mb2": ("gpt", 2, {}, dict(micr
           # class weights: the mean divides by the counted targets' weights, summed over dp
           "pad-weighted-dp2": ("weighted", 2, {}, {}),
           "sum-dp2": ("summed", 2, {}, {}), "sum-pp2": ("summed", 2, dict(pp=2), dict(microbatches=2)),
+          # an integer count of the labels: the global count over the pieces is a fraction
+          "count-dp2": ("counted", 2, {}, {}), "count-dp2-mb2": ("counted", 2, {}, dict(microbatches=2)),
           # context parallel: each rank's tokens a load-balanced half of every sequence
           "pad-llama-cp2-dp2": ("llama", 4, dict(cp=2), {}), "sum-cp2": ("summed-llama", 2, dict(cp=2), {})}
 #: a plain mean over tokens, microbatches of 12 and 6 tokens: the mean over every token of the batch
@@ -186,6 +202,8 @@ def _model(key):
         return MeanLoss()
     if name == "weighted":
         return WeightedLoss()
+    if name == "counted":
+        return CountedLoss()
     return SummedLoss(name.removeprefix("summed-") if "-" in name else "gpt") if name.startswith("summed") else make(name)
 
 
@@ -196,7 +214,10 @@ def _data(key):
     if name == "mean":
         return unequal_microbatches()
     seqs = [12, 8] if CASES[key][2].get("cp") else SEQS       # a multiple of 2 x cp
-    return padded({"summed": "gpt", "summed-llama": "llama", "weighted": "gpt"}.get(name, name), seqs=seqs)
+    if name == "counted":      # odd counts of labels (35, 27): fractions over 2 and 4 pieces
+        return padded("gpt", seed=5, seqs=seqs)
+    return padded({"summed": "gpt", "summed-llama": "llama", "weighted": "gpt", "counted": "gpt"}.get(name, name),
+                  seqs=seqs)
 
 
 def _mesh(key):
@@ -277,6 +298,14 @@ def test_a_summed_loss_is_scaled_and_a_mean_counts_the_global_tokens():
     ctx = BatchSlicer(meta.info(mean.compiled(1).gm), dp=2, dp_index=1, microbatches=2, device=None).context(args)
     (value,) = ctx.values.values()
     assert ctx.pieces == 4 and float(value) * 4 == float((args[1] != -100).sum())
+    # an integer count (`(targets != -100).sum()`) enters the division in its floating dtype: the global
+    # count over the pieces is a fraction, which an int64 statistic truncated (15 / 2 -> 7)
+    counted = fxtron.parallelize(CountedLoss(), fxtron.Mesh(2), example_inputs=args, microbatches=2)
+    gm = counted.compiled(0).gm
+    (stat,) = [n for n in gm.graph.nodes if n.target == torch.ops.fxtron.global_statistic.default]
+    assert stat.meta["val"].dtype == torch.float32 and stat.args[0].target == torch.ops.aten._to_copy.default
+    assert [u.target for u in stat.users] == [torch.ops.aten.div.Tensor]
+    assert float((args[1] != -100).sum()) % 4, "a count the pieces do not divide"
 
 
 # ------------------------------------------------------------------------------ against one process

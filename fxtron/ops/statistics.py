@@ -141,8 +141,11 @@ def global_statistic(x: Tensor, key: str) -> Tensor:
     """The global batch's value of the input statistic `key` divided by the pieces, as the
     runtime computed it before the step (x, the rank's own value, outside a step)."""
     ctx = _CONTEXT.get()
-    if ctx is None or key not in ctx.values:
+    if ctx is None:
         return x.clone()
+    if key not in ctx.values:     # (the step's context made from another graph's statistics)
+        raise RuntimeError(f"fxtron: the step's batch context has no global value of statistic {key!r} "
+                           f"(it has {sorted(ctx.values)}): it was made for another graph")
     return ctx.values[key].to(device=x.device, dtype=x.dtype).reshape(x.shape).clone()
 
 

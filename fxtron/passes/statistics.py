@@ -428,11 +428,22 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
         if den:
             key = node.name
             statistics[key] = _statistic(gm, node, kind, ti)
-            with g.inserting_before(node.next):
-                s = _insert(g, node, fxops.global_statistic.default, (_as_tensor(g, node, ti), key),
-                            val=_tensor_val(node))
+            # the global count divided by the pieces is a fraction: an integer count (`(y != -100).sum()`)
+            # enters in the floating dtype its use computes in (the one process's division's), not truncated
+            by_dtype: dict[torch.dtype, list[fx.Node]] = {}
             for u in den:
-                u.replace_input_with(node, s)
+                by_dtype.setdefault(_denominator_dtype(node, u), []).append(u)
+            with g.inserting_before(node.next):
+                x = _as_tensor(g, node, ti)
+                for dtype, users in by_dtype.items():
+                    val = _tensor_val(node)
+                    arg = x
+                    if dtype != val.dtype:
+                        val = val.to(dtype)
+                        arg = _insert(g, node, aten._to_copy.default, (x,), {"dtype": dtype}, val=val)
+                    s = _insert(g, node, fxops.global_statistic.default, (arg, key), val=torch.empty_like(val))
+                    for u in users:
+                        u.replace_input_with(node, s)
             report.global_counts.append(where)
             done.append("global count")
         if rest and dp > 1:
@@ -872,6 +883,16 @@ def _as_tensor(g: fx.Graph, node: fx.Node, ti) -> fx.Node:
         return node
     return _insert(g, node, aten.scalar_tensor.default, (node,), {"dtype": torch.float32},
                    val=torch.empty((), dtype=torch.float32, device="meta"))
+
+
+def _denominator_dtype(node: fx.Node, use: fx.Node) -> torch.dtype:
+    """The dtype statistic `node` enters its denominator `use` in: its own, but for an integer
+    count read by a use that computes in floating point, that use's dtype."""
+    own = _tensor_val(node).dtype
+    out = _fake(use)
+    if own.is_floating_point or own == torch.bool or not isinstance(out, torch.Tensor) or not out.dtype.is_floating_point:
+        return own
+    return out.dtype
 
 
 def _tensor_val(node: fx.Node):

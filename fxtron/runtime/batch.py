@@ -216,16 +216,19 @@ class BatchSlicer:
             return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) and x.device != device else x
         return pytree.tree_map(move, (args, kw))
 
-    def context(self, inputs, kwargs: dict | None = None) -> BatchContext:
+    def context(self, inputs, kwargs: dict | None = None, statistics: dict | None = None) -> BatchContext:
         """The step's view of the global batch (ops/statistics.py): its pieces (dp x microbatches)
         and every input statistic of the trace (passes/statistics.py) summed over the global
-        batch -- every rank has all of it -- and divided by the pieces, on the rank's device."""
+        batch -- every rank has all of it -- and divided by the pieces, on the rank's device.
+        `statistics`: those of the graph the step runs where it is not the training graph (the
+        eval-mode graph's: its statistics are its own, keyed by its own nodes' names)."""
         pieces = self.dp * self.m
         values = {}
-        if self.info.statistics:
+        statistics = self.info.statistics if statistics is None else statistics
+        if statistics:
             items = list(inputs) if isinstance(inputs, Microbatches) else [(inputs, kwargs)]
             flats = [self.flat(a, kw) for a, kw in items]
-            for key, stat in self.info.statistics.items():
+            for key, stat in statistics.items():
                 total = sum(stat.value(flat, self.info.user_dims) for flat in flats)
                 values[key] = total / pieces
                 if self.device is not None and self.device.type != "cpu":

@@ -405,7 +405,7 @@ class Program(nn.Module):
         if self._stages is not None or self.pipeline.microbatches > 1 or isinstance(inputs, Microbatches):
             return pp_runner.evaluate(self, inputs, kwargs, evaluation)
         args, kw = self.local_batch(inputs, kwargs)
-        batch = self._batch.context(inputs, kwargs)
+        batch = self._batch.context(inputs, kwargs, evaluation.info.statistics)
         t0 = time.perf_counter()
         with torch.no_grad(), ep.dispatch_log(self), batch.active():
             loss = self._run_graph(self._flat_inputs(args, kw), evaluation)

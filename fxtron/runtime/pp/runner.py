@@ -85,7 +85,7 @@ def evaluate(prog, inputs, kwargs, evaluation) -> float:
     """The global batch's loss of `prog`'s eval-mode graph (`evaluation`, Program.eval_graphs)
     run by the forward-only schedule under no_grad: no backward, no gradient touched."""
     mbs = prog.microbatches(inputs, kwargs)
-    batch = prog._batch.context(inputs, kwargs)
+    batch = prog._batch.context(inputs, kwargs, evaluation.info.statistics)
     run = eval_runner(prog, evaluation)
     run.memory = timeline.memory_tracker(prog)
     prog._last_runner = run
