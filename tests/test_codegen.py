@@ -268,6 +268,15 @@ def test_recomputed_regions_are_compiled_inside_their_checkpointed_calls():
         prog.train_step(args, adamw()(prog.parameters()))
     runs = sum(e.name.startswith("Torch-Compiled Region") for e in p.events())
     assert runs == stats.regions + stats.inside, (runs, stats)
+    # an evaluation's graph has no backward: nothing in it is recomputed, nor counted so
+    prog.eval_step(args)
+    assert (prog.compiled.recomputed, prog.compiled.inside) == (2, planned.inside), prog.compiled
+    # selective recomputation of GPT's attention cores: each checkpointed call holds the attention op
+    # alone, nothing compiled inside, nothing counted
+    selective = fxtron.parallelize(make("gpt", dropout=0.1), fxtron.Mesh(1), example_inputs=args, compile=True,
+                                   recompute="selective")
+    st = plan(selective.compiled(0).graphs)
+    assert (st.recomputed, st.inside) == (0, 0) and "recomputed" not in st.line(), st
     dl = max(abs(a - b) for a, b in zip(got[True]["losses"], got[False]["losses"]))
     dg, where = max_abs_diff(got[True]["grads"], got[False]["grads"])
     assert dl < 2e-6 and dg < 1e-5, (dl, dg, where)

@@ -211,7 +211,7 @@ class CompileStats:
                                                 f"{self.seconds:.1f} s, the backwards on the first backward)"
                                                 if self.seconds else ")")
                 + (f"; {self.inside} of them inside {self.recomputed} recomputed regions' checkpointed calls, run "
-                   "again in backward" if self.recomputed else "")
+                   "again in backward" if self.inside else "")
                 + (f"; {self.uncompiled_calls} region calls past Dynamo's recompile limit ran uncompiled"
                    if self.uncompiled_calls else ""))
 
@@ -246,16 +246,16 @@ def plan(graphs: list[fx.GraphModule], comm: bool = False) -> CompileStats:
     counted without compiling."""
     stats, keys = CompileStats(), set()
 
-    def count(gm: fx.GraphModule, holds: bool, inside: bool = False):
+    def count(gm: fx.GraphModule, holds: bool, inside: bool = False) -> int:
         for mod in recomputed(gm):
-            stats.recomputed += 1
-            count(mod.region, holds, True)
+            stats.recomputed += count(mod.region, holds, True) > 0
         ids, compiled = _partitions(gm, holds)
         split = split_module(gm, gm, lambda n: ids[n], keep_original_order=True)
         keys.update(_code(getattr(split, f"submod_{p}")) for p, c in compiled.items() if c)
         stats.regions += sum(compiled.values())
         stats.inside += sum(compiled.values()) if inside else 0
         stats.opaque += sum(1 for p, c in compiled.items() if not c and _has_opaque(ids, p, holds))
+        return sum(compiled.values())
 
     for gm in map(_outlined, graphs):
         count(gm, holds_comm(gm, comm))
@@ -441,7 +441,7 @@ class Compiler:
 
     def _compile(self, gm: fx.GraphModule, holds: bool, inside: bool = False) -> fx.GraphModule:
         for mod in recomputed(gm):           # the graph inside each checkpointed call, compiled alike
-            if not mod.compiled:
+            if not mod.compiled and any(_partitions(mod.region, holds)[1].values()):
                 mod.region, mod.compiled = self._compile(mod.region, holds, True), True
                 self.stats.recomputed += 1
         ids, compiled = _partitions(gm, holds)

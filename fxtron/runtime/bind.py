@@ -16,14 +16,15 @@ from fxtron.ops.linear import kernel_name
 from fxtron.ops.recompute import outline
 
 
-def bind(gm: fx.GraphModule, groups, device: torch.device) -> fx.GraphModule:
+def bind(gm: fx.GraphModule, groups, device: torch.device, recompute: bool = True) -> fx.GraphModule:
     """A copy of gm for this process. `groups` (runtime.groups.ProcessGroups, or None without
     communication) gives each axis's group: an op's axis argument ("tp", "cp", ...) becomes
     that group's name, or "" where the axis has one rank. Tensors the graph creates (arange,
     zeros, .to(device)) land on `device` whatever device the model was traced on (meta, say),
     and the ops called once per layer run in their run-time forms (the same autograd formulas
     without the custom-op dispatch overhead). Each recomputed region becomes one checkpointed
-    call (ops/recompute.py)."""
+    call (ops/recompute.py) -- unless `recompute` is False: an eval-mode graph has no backward
+    to recompute for, and runs its regions as they are."""
     eager = registry.eager_forms()
     out = meta.copy_graph(gm)
     for node in out.graph.nodes:
@@ -42,7 +43,7 @@ def bind(gm: fx.GraphModule, groups, device: torch.device) -> fx.GraphModule:
         on_device(node, device)
     out.recompile()
     check_bound(out, device)
-    return outline(out)   # recomputed regions (passes/recompute.py) as checkpointed calls
+    return outline(out) if recompute else out   # recomputed regions (passes/recompute.py) as checkpointed calls
 
 
 class BindError(AssertionError):

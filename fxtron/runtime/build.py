@@ -116,8 +116,10 @@ def build_program(model: torch.nn.Module, spec: RankSpec, groups: ProcessGroups 
     if groups is not None:       # HSDP's and a2a+p2p's groups, made by every rank alike (the same kinds on each)
         groups.add(hsdp_group_kinds(config, groups.mesh) + cp_group_kinds(config, groups.mesh))
     rng = RNGStreams(seed, coords=dict(spec.mesh.coords), device=device, sizes=dict(spec.mesh.sizes))
-    def ready(g):      # a graph bound to this process, compiled region by region under compile=True
-        g = bind(g, groups, device)
+    def ready(g, training: bool = True):
+        """g bound to this process (an eval-mode graph without recomputed regions: no backward),
+        compiled region by region under compile=True."""
+        g = bind(g, groups, device, recompute=training)
         return compiler(g) if compiler is not None else g
 
     gm = ready(spec.gm) if spec.gm is not None else None
@@ -129,8 +131,8 @@ def build_program(model: torch.nn.Module, spec: RankSpec, groups: ProcessGroups 
         def evaluation() -> EvalGraphs:
             es = eval_spec()
             return EvalGraphs(
-                info=es.info, gm=ready(es.gm) if es.gm is not None else None,
-                stages=[dataclasses.replace(s, gm=ready(s.gm)) for s in es.stages]
+                info=es.info, gm=ready(es.gm, False) if es.gm is not None else None,
+                stages=[dataclasses.replace(s, gm=ready(s.gm, False)) for s in es.stages]
                 if es.stages is not None else None,
                 buffers={k: v.to(device) for k, v in used_buffers(model, es).items()})
     program = Program(spec, params, buffers, set(model.state_dict().keys()), groups, config, rng=rng, gm=gm,
