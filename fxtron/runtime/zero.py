@@ -77,6 +77,36 @@ class _Part:
                     flat[b.start:b.end], src, group=group, async_op=True)), src))
 
 
+def _elementwise(v, shard: torch.Tensor) -> bool:
+    """Whether optimizer state `v` of `shard` is elementwise (shaped like it: gathered as the
+    parameters are), not a scalar (a step count)."""
+    return isinstance(v, torch.Tensor) and v.shape == shard.shape and v.dim() > 0
+
+
+def _portable(v):
+    """A scalar of optimizer state as another rank can take it: a tensor as its value and dtype."""
+    if isinstance(v, torch.Tensor):
+        return ("tensor", v.tolist(), v.dtype, v.device.type)
+    return ("value", v)
+
+
+def _restored(v, device: torch.device):
+    if v[0] == "tensor":
+        _, value, dtype, kind = v
+        return torch.tensor(value, dtype=dtype, device=device if kind != "cpu" else "cpu")
+    return v[1]
+
+
+def _all_ranks(part, mine: dict) -> list[dict]:
+    """`mine` from every rank of `part`'s data-parallel group (this rank's alone without one)."""
+    if part.dp == 1:
+        return [mine]
+    every: list = [None] * part.dp
+    with ledger.collective(part.buf.group, "all_gather_object"):
+        dist.all_gather_object(every, mine, group=part.buf.group)
+    return every
+
+
 class ZeroOne:
     """The distributed optimizer over a program's gradient buffers (`buffers`, by group kind)
     and its parameters (`params`, by name), which become views of the fp32 parameter buffers."""
@@ -224,30 +254,44 @@ class ZeroOne:
 
     def gathered_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """The optimizer state per parameter, shaped like the parameter, gathered over data
-        parallel from every rank's shards (for checkpoints)."""
+        parallel from every rank's shards (for checkpoints): for the parameters that have
+        state (one the optimizer never stepped -- frozen, or in no group -- has none, as in one
+        process), each its own scalars (`step`: a group added later has stepped fewer times),
+        read from the rank holding its first piece. The ranks first agree on what there is to
+        gather (a rank whose shards hold no state gathers with the others all the same)."""
         if self._inner is None:
             return {}
         out = {}
         params = self.params
         for part in self.parts:
-            flat: dict[str, torch.Tensor] = {}
-            scalars: dict[str, object] = {}
+            mine = {}        # parameter -> (where its piece starts, {tensor key: dtype}, {scalar key: value})
+            for s, (owner, n, lo, _) in zip(self.shards, self.pieces):
+                st = self._inner.state.get(s, {}) if owner is part else {}
+                if st:
+                    mine[n] = (lo, {k: v.dtype for k, v in st.items() if _elementwise(v, s)},
+                               {k: _portable(v) for k, v in st.items() if not _elementwise(v, s)})
+            kinds: dict[str, dict] = {}
+            scalars: dict[str, tuple[int, dict]] = {}
+            for theirs in _all_ranks(part, mine):
+                for n, (lo, tensors, values) in theirs.items():
+                    kinds.setdefault(n, {}).update(tensors)
+                    if n not in scalars or lo < scalars[n][0]:
+                        scalars[n] = (lo, values)
+            flat = {(key, dtype): torch.zeros_like(part.param_data, dtype=dtype)
+                    for key, dtype in sorted({kv for t in kinds.values() for kv in t.items()}, key=str)}
             for s, (owner, _, lo, _) in zip(self.shards, self.pieces):
-                if owner is not part:
-                    continue
-                for k, v in self._inner.state.get(s, {}).items():
-                    if isinstance(v, torch.Tensor) and v.shape == s.shape and v.dim() > 0:
-                        if k not in flat:
-                            flat[k] = torch.zeros_like(part.param_data, dtype=v.dtype)
-                        flat[k][lo:lo + v.numel()].copy_(v)
-                    else:
-                        scalars[k] = v
-            for t in flat.values():
+                if owner is part:
+                    for k, v in self._inner.state.get(s, {}).items():
+                        if _elementwise(v, s):
+                            flat[k, v.dtype][lo:lo + v.numel()].copy_(v)
+            for t in flat.values():           # (every rank: the same keys, in the same order)
                 part.gather(t)
             for n in part.buf.offsets:
+                if n not in kinds:
+                    continue
                 off, k = part.buf.offsets[n]
-                out[n] = {key: t[off:off + k].view_as(params[n]).clone() for key, t in flat.items()}
-                out[n].update({key: v.clone() if isinstance(v, torch.Tensor) else v for key, v in scalars.items()})
+                out[n] = {key: flat[key, dtype][off:off + k].view_as(params[n]).clone() for key, dtype in kinds[n].items()}
+                out[n].update({key: _restored(v, part.param_data.device) for key, v in scalars[n][1].items()})
         return out
 
     def load_state(self, template: torch.optim.Optimizer, state: dict[str, dict]) -> None:
