@@ -16,6 +16,7 @@ dp=2 as in one process.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -198,10 +199,18 @@ def _run_groups(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
     opt = torch.optim.AdamW([{"params": decay}, {"params": plain, "weight_decay": 0.0}], lr=LR, eps=1e-6,
                             weight_decay=DECAY)
     losses = [prog.train_step(a, opt, kwargs=k) for a, k in items]
-    return {"losses": losses, "state": _full(prog), "flat": all(p.dim() == 1 for p in prog.parameters()),
-            "shapes": {n: tuple(s) for n, s in prog.original_shapes().items()},
-            "trainer_groups": [len(g["params"]) for g in param_groups(prog.named_parameters(), original_dims(prog))],
-            "groups": [len(decay), len(plain)]}
+    out = {"losses": losses, "state": _full(prog), "flat": all(p.dim() == 1 for p in prog.parameters()),
+           "shapes": {n: tuple(s) for n, s in prog.original_shapes().items()},
+           "trainer_groups": [len(g["params"]) for g in param_groups(prog.named_parameters(), original_dims(prog))],
+           "groups": [len(decay), len(plain)]}
+    # the same grouping by the pieces' own p.dim(): the decay group empty, said
+    by_dim = torch.optim.AdamW([{"params": [p for p in prog.parameters() if p.dim() >= 2]},
+                                {"params": [p for p in prog.parameters() if p.dim() < 2], "weight_decay": 0.0}], lr=LR)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prog.train_step(args, by_dim, kwargs=kwargs)
+    out["by_dim"] = [str(w.message) for w in caught if issubclass(w.category, fxtron.ParallelizeWarning)]
+    return out
 
 
 EVAL_CASES = {
@@ -314,6 +323,7 @@ def test_weight_decay_by_original_shape_at_zero3(results):
         assert got["flat"], "zero=3 holds flat 1-d pieces"
         assert got["shapes"] == {n: tuple(p.shape) for n, p in model.named_parameters()}
         assert got["groups"] == [len(decay), len(plain)] == got["trainer_groups"]
+        assert any("param group 0 of AdamW is empty" in m and "original_shape" in m for m in got["by_dim"]), got["by_dim"]
         dl = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"]))
         assert dl < 2e-6, (rank, got["losses"], ref["losses"])
         dw, where = max_abs_diff(got["state"], {k: v for k, v in ref["state"].items() if k in got["state"]})

@@ -399,6 +399,31 @@ def test_a_resume_whose_steps_reshuffle_the_data_says_so(tmp_path, capsys):
     assert "asks 120 train samples" in said[0] and "the samples after its 4 come in another order" in said[0], said
 
 
+def test_an_extended_run_evaluates_as_the_run_that_never_stopped(tmp_path):
+    """One process, Megatron data with a valid split: the evaluation after a run's last step comes
+    after its checkpoint (Megatron's order), so a run extended from it evaluates the same valid
+    batches as the run that never stopped (it read the next ones); a checkpoint whose evaluations
+    read more of the valid split (another --eval-interval) gets a split long enough to go on."""
+    from fxtron.data.indexed import IndexedDatasetWriter
+    from fxtron.trainer.loop import train_rank
+    rng = np.random.RandomState(0)
+    w = IndexedDatasetWriter(str(tmp_path / "docs"), np.uint16)
+    for _ in range(40):                        # ~1000 tokens: 60 samples of 17, 12 of them the valid split's
+        w.add_document(rng.randint(1, 255, size=rng.randint(10, 40)))
+    w.finalize()
+    cfg = TrainConfig().replace(model="gpt-tiny", steps=8, batch=2, seq=16, data=[str(tmp_path / "docs")],
+                                split="80,20,0", eval_interval=3, eval_iters=1, lr_decay_steps=8)
+    whole = train_rank(0, cfg)["evals"]
+    train_rank(0, cfg.replace(steps=4, save=str(tmp_path / "a")))
+    extended = train_rank(0, cfg.replace(load=str(tmp_path / "a"), save=str(tmp_path / "b")))["evals"]
+    assert set(whole) == {3, 6, 8} and set(extended) == {6, 8}, (whole, extended)
+    assert all(extended[s] == whole[s] for s in extended), (whole, extended)
+    # 4 evaluations of 4 samples: 16 read of the 12 the uninterrupted run's split holds
+    train_rank(0, cfg.replace(steps=4, eval_interval=1, eval_iters=2, save=str(tmp_path / "c")))
+    got = train_rank(0, cfg.replace(eval_iters=2, load=str(tmp_path / "c"), save=str(tmp_path / "d")))["evals"]
+    assert set(got) == {6, 8}, got
+
+
 @pytest.mark.slow
 def test_packed_documents_at_cp_are_balanced_document_by_document(tmp_path):
     """The trainer's packed samples (Megatron's --reset-position-ids --reset-attention-mask) of a

@@ -24,7 +24,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from fxtron.errors import ParallelizeError
+from fxtron.errors import ParallelizeError, warn_or_raise
 from fxtron.ops import ledger
 
 #: the torch optimizers whose update of each element reads only that element (its gradient, its
@@ -125,6 +125,15 @@ def check_optimizer(prog, optimizer) -> None:
                     raise ParallelizeError(f"a parameter is in two optimizers ({type(seen[id(p)]).__name__} and "
                                            f"{type(o).__name__}): each parameter belongs to one")
                 seen[id(p)] = o
+    if prog.data_parallel.zero == 3 and any(len(prog.original_shape(n)) > 1 for n, _ in prog.param_items()):
+        empty = [(type(o).__name__, i) for o in opts for i, g in enumerate(o.param_groups) if not g["params"]]
+        if empty:
+            warn_or_raise(
+                f"zero=3: param group {empty[0][1]} of {empty[0][0]} is empty, and every parameter is a flat 1-d "
+                "piece of its unit: a grouping by p.dim() or p.ndim (no weight decay on 1-d parameters) finds no "
+                "matrix and puts every parameter in the 1-d group", strict=prog.config.debug.strict,
+                fix="; group by len(prog.original_shape(name)), the shape in the model",
+                advice=" (group by len(prog.original_shape(name)), the shape in the model)", stacklevel=3)
     if prog.zero is not None and sum(elementwise(o) for o in opts) > 1:
         raise ParallelizeError(
             f"under zero={prog.data_parallel.zero} fxtron shards one elementwise optimizer over data parallel, got "

@@ -63,6 +63,16 @@ def check_split(cfg: TrainConfig) -> None:
         raise ParallelizeError(f"--eval-interval needs a valid split; --split {d.split} gives none")
 
 
+def valid_samples(cfg: TrainConfig, iteration: int, consumed: int) -> int | None:
+    """The valid samples a run evaluating from `iteration` on, `consumed` of them read before,
+    needs (Megatron's eval_iters x (train_iters // eval_interval + 1) x global batch, from the
+    start); None without evaluations."""
+    t = cfg.training
+    if not t.eval_interval:
+        return None
+    return consumed + ((t.steps - iteration) // t.eval_interval + 1) * t.eval_iters * cfg.data.batch
+
+
 class TrainData:
     """Train and valid samples of the run `cfg`, for a model of `vocab_size` tokens."""
 
@@ -72,8 +82,8 @@ class TrainData:
         if d.path:
             from fxtron.data.gpt import build_datasets
             check_split(cfg)
-            valid = (t.steps // t.eval_interval + 1) * t.eval_iters * d.batch if t.eval_interval else None
-            self.train, self.valid, _ = build_datasets(d.path, d.split, d.seq, t.seed, (t.steps * d.batch, valid, None))
+            self._sizes = (t.steps * d.batch, valid_samples(cfg, 0, 0))
+            self.train, self.valid, _ = build_datasets(d.path, d.split, d.seq, t.seed, (*self._sizes, None))
             self.source = " + ".join(d.path)
             #: what the train samples' order depends on beyond the data, split and seed (the
             #: epochs --steps x --batch needs): kept with a checkpoint, compared on resume
@@ -94,6 +104,16 @@ class TrainData:
             self.valid = TextSamples(text[cut:], d.seq, t.seed + 1)
             self.source = d.text or "Python's standard library sources (bytes)"
             self.sample_order = None          # (drawn at seeded offsets: the same for any --steps)
+
+    def cover_valid(self, cfg: TrainConfig, iteration: int, consumed: int) -> None:
+        """A run resumed at `iteration` whose checkpoint consumed `consumed` valid samples
+        (another --eval-interval or --eval-iters before): a valid split of a Megatron dataset
+        long enough for this run's evaluations from there."""
+        need = valid_samples(cfg, iteration, consumed)
+        if cfg.data.path and need is not None and need > len(self.valid):
+            from fxtron.data.gpt import build_datasets
+            d, t = cfg.data, cfg.training
+            _, self.valid, _ = build_datasets(d.path, d.split, d.seq, t.seed, (self._sizes[0], need, None))
 
     def _batch(self, ds, first: int, what: str) -> torch.Tensor:
         if first + self.batch > len(ds):

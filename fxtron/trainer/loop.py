@@ -74,6 +74,7 @@ class Trainer:
                       "skipped_iterations": 0}
         self.checkpointer = Checkpointer(cfg, prog, self.opt, self.sched, self.data.sample_order)
         self.resumed_from = self.checkpointer.resume(self.state)
+        self.data.cover_valid(cfg, self.state["iteration"], self.state["consumed_valid_samples"])
         self.metrics = Metrics(cfg, writer=writes_metrics(prog.groups), world=mesh.world_size,
                                flops=step_flops(pm.traced), resumed_from=self.resumed_from)
         if self.checkpointer.loaded is not None:
@@ -104,11 +105,15 @@ class Trainer:
             while self.state["iteration"] < t.steps:
                 step = self.train_step()
                 # every --eval-interval steps, and after the last (Megatron's evaluation at the end of
-                # training, which its valid split's size counts: eval_iters x (steps // interval + 1))
-                if t.eval_interval and (step % t.eval_interval == 0 or step == t.steps):
+                # training, which its valid split's size counts: eval_iters x (steps // interval + 1)),
+                # that one after the checkpoint, as Megatron's: a run extended later (a higher --steps)
+                # evaluates as the run that never stopped does, not on the valid samples after it
+                if t.eval_interval and step % t.eval_interval == 0:
                     self.evaluate()
                 if self.checkpointer.maybe_save(self.state):
                     self.metrics.saved(self.checkpointer.saved)
+                if t.eval_interval and step == t.steps and step % t.eval_interval:
+                    self.evaluate()
                 self.metrics.flush()                      # the step's JSON line, its evaluation included
             if t.export_hf:
                 self.prog.save_pretrained(t.export_hf)
