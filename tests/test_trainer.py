@@ -399,6 +399,26 @@ def test_a_resume_whose_steps_reshuffle_the_data_says_so(tmp_path, capsys):
     assert "asks 120 train samples" in said[0] and "the samples after its 4 come in another order" in said[0], said
 
 
+def test_compare_refuses_another_training_and_says_when_it_differs(capsys):
+    """--compare holds a run to the same training in one process: refused, before anything runs,
+    where the reference would train otherwise (a resumed run: it starts from the initial weights;
+    dropout: it draws other masks), and a difference above round-off is said to be one."""
+    from fxtron.trainer import compare
+    base = TrainConfig().replace(model="gpt-tiny", steps=3, batch=2, seq=16, max_bytes=100_000, compare=True)
+    with pytest.raises(fxtron.ParallelizeError, match="--load ckpt .the reference trains from the initial weights"):
+        compare.check(base.replace(load="ckpt"))
+    tiny_gpt2 = ("n_layer=1", "n_embd=32", "n_head=2", "vocab_size=256", "n_positions=64")
+    with pytest.raises(fxtron.ParallelizeError, match=r"dropout \(transformer.drop \(p=0.1\)"):
+        compare.check(base.replace(model="hf:gpt2", model_config=tiny_gpt2))
+    compare.check(base.replace(model="hf:gpt2", model_config=tiny_gpt2 + ("resid_pdrop=0.0", "embd_pdrop=0.0",
+                                                                           "attn_pdrop=0.0", "summary_first_dropout=0.0")))
+    ref = compare.reference(base)
+    same = compare.compare(base, {s: ref[s - 1] + 1e-6 for s in (1, 2, 3)})
+    assert same["agrees"] and "float32 round-off" in capsys.readouterr().out
+    off = compare.compare(base, {s: ref[s - 1] + 0.05 * (s == 2) for s in (1, 2, 3)})
+    assert not off["agrees"] and "DIFFERS" in capsys.readouterr().out and off["max_loss_diff"] > 0.04
+
+
 def test_an_extended_run_evaluates_as_the_run_that_never_stopped(tmp_path):
     """One process, Megatron data with a valid split: the evaluation after a run's last step comes
     after its checkpoint (Megatron's order), so a run extended from it evaluates the same valid
