@@ -68,8 +68,9 @@ def test_train_a_mixture_of_experts_over_ep_shows_the_load(capsys):
 # ----------------------------------------------------------------------------- a new user's mistakes
 @pytest.fixture(scope="module")
 def user_dir(tmp_path_factory):
-    """A transformers Qwen2 directory (its config: 8 heads, 4 key/value heads, 128 tokens) and
-    two Megatron datasets: one of its tokens, one of a larger vocabulary's."""
+    """A transformers Qwen2 directory (its config: 8 heads, 4 key/value heads, 128 tokens), two
+    Megatron datasets: one of its tokens, one of a larger vocabulary's, and a checkpoint of a
+    2-step gpt-tiny run (--batch 4 --seq 32)."""
     import numpy as np
     import transformers
 
@@ -85,6 +86,9 @@ def user_dir(tmp_path_factory):
         for _ in range(50):
             w.add_document(rng.randint(0, top, size=40))
         w.finalize()
+    from fxtron.trainer.loop import train_rank
+    train_rank(0, TrainConfig().replace(model="gpt-tiny", steps=2, batch=4, seq=32, max_bytes=100_000,
+                                        save=str(d / "ckpt")))
     return d
 
 
@@ -116,6 +120,8 @@ REFUSALS = {
     "batch vs dp": (["--model", "gpt-tiny", "--batch", "3", "--world-size", "2"],
                     "--batch 3 (the global batch) does not divide over dp=2 x microbatches=1; use a batch that is a "
                     "multiple of 2"),
+    "a batch of one": (["--model", "gpt-tiny", "--batch", "1", "--world-size", "1"],
+                       "--batch 1: the trainer traces the model on its first batch, keeping that dim symbolic"),
     "batch vs microbatches": (["--model", "gpt-tiny", "--microbatches", "3", "--world-size", "1"],
                               "--batch 8 (the global batch) does not divide over dp=1 x microbatches=3"),
     "seq vs cp": (["--model", "gpt-tiny", "--cp", "2", "--seq", "62", "--world-size", "2"],
@@ -125,6 +131,12 @@ REFUSALS = {
                   "--seq 63: sequence parallel cuts its tokens into tp = 2 parts, so it must be a multiple of 2"),
     "warm-up vs decay": (["--model", "gpt-tiny", "--lr-warmup-steps", "5", "--lr-decay-style", "cosine", "--steps",
                           "2"], "lr_warmup_steps = 5 is not below the decay's 2 steps"),
+    # what resuming a checkpoint would refuse, known from its state
+    "resume with another batch": (["--model", "gpt-tiny", "--load", "{d}/ckpt", "--steps", "4", "--seq", "32"],
+                                  "{d}/ckpt/iter_0000002 was trained with --batch 4 --seq 32; resume with the same"),
+    "resume with another schedule": (["--model", "gpt-tiny", "--load", "{d}/ckpt", "--steps", "4", "--batch", "4",
+                                      "--seq", "32", "--lr", "1e-3"],
+                                     "the checkpoint's learning-rate schedule differs from this run's: max_lr"),
     "load without checkpoint": (["--model", "gpt-tiny", "--load", "{d}/noload"],
                                 "--load {d}/noload: no complete checkpoint there"),
     "text too short": (["--model", "gpt-tiny", "--max-bytes", "100"], "training text has only 100 bytes"),

@@ -91,6 +91,14 @@ def prune(root: str, keep_last: int | None, saved: int | None = None) -> list[in
 
 
 # ----------------------------------------------------------------------------- the run's saves and resume
+def check_resumable(cfg, path: str, saved: dict) -> None:
+    """ParallelizeError where the run `cfg` cannot resume the checkpoint at `path` (its state
+    `saved`): another --batch or --seq (the data position counts samples)."""
+    if saved.get("global_batch") != cfg.data.batch or saved.get("seq") != cfg.data.seq:
+        raise ParallelizeError(f"{path} was trained with --batch {saved.get('global_batch')} --seq {saved.get('seq')}; "
+                               "resume with the same (the data position counts samples)")
+
+
 def source_of(t) -> str | None:
     """The directory a run of training section `t` resumes from: --load, unless --save (another
     directory) holds a newer complete checkpoint -- this run's own progress, as after a torchrun
@@ -136,10 +144,7 @@ class Checkpointer:
                 raise no_checkpoint(t.load)
             return None
         saved = read_state(source, it)
-        if saved.get("global_batch") != cfg.data.batch or saved.get("seq") != cfg.data.seq:
-            raise ParallelizeError(
-                f"{iter_dir(source, it)} was trained with --batch {saved.get('global_batch')} --seq "
-                f"{saved.get('seq')}; resume with the same (the data position counts samples)")
+        check_resumable(cfg, iter_dir(source, it), saved)
         start = time.perf_counter()
         configured = [{k: v for k, v in g.items() if k not in _SCHEDULED} for g in self.opt.param_groups]
         self.prog.load(iter_dir(source, it), self.opt)

@@ -38,10 +38,14 @@ def check_run(cfg: TrainConfig, vocab_size: int) -> None:
     import torch
 
     from fxtron.runtime.batch import sequence_unit
-    from fxtron.trainer.checkpoint import latest, no_checkpoint, source_of
+    from fxtron.trainer.checkpoint import check_resumable, iter_dir, latest, no_checkpoint, read_state, source_of
     from fxtron.trainer.optim import schedule
     mesh, d, t = cfg.mesh.mesh(), cfg.data, cfg.training
     m = cfg.pipeline.microbatches
+    for flag, n in (("--batch", d.batch), ("--seq", d.seq)):
+        if n < 2:       # (compiler/trace.py check_example_sizes, on the batch the workers trace with)
+            raise ParallelizeError(f"{flag} {n}: the trainer traces the model on its first batch, keeping that dim "
+                                   "symbolic, which torch.export cannot do for a size of 1; use 2 or more")
     if d.batch % (mesh.dp * m):
         raise ParallelizeError(f"--batch {d.batch} (the global batch) does not divide over dp={mesh.dp} x "
                                f"microbatches={m}; use a batch that is a multiple of {mesh.dp * m}")
@@ -59,6 +63,13 @@ def check_run(cfg: TrainConfig, vocab_size: int) -> None:
     schedule(cfg)                       # (its warm-up against its decay)
     if t.load is not None and source_of(t) == t.load and (not os.path.isdir(t.load) or latest(t.load) is None):
         raise no_checkpoint(t.load)
+    source = source_of(t)
+    it = latest(source) if source is not None and os.path.isdir(source) else None
+    if it is not None:           # what resuming it would refuse (trainer/checkpoint.py Checkpointer.resume)
+        saved = read_state(source, it)
+        check_resumable(cfg, iter_dir(source, it), saved)
+        if "scheduler" in saved:
+            schedule(cfg).load_state_dict(saved["scheduler"], override=cfg.optimizer.override_lr_schedule)
     device = cfg.inputs.device
     if device == "cuda" and not torch.cuda.is_available():
         raise ParallelizeError("--device cuda: this machine has no CUDA device torch can use "
