@@ -399,6 +399,27 @@ def test_a_resume_whose_steps_reshuffle_the_data_says_so(tmp_path, capsys):
     assert "asks 120 train samples" in said[0] and "the samples after its 4 come in another order" in said[0], said
 
 
+def test_the_log_line_averages_its_interval_as_megatron(tmp_path, capsys):
+    """--log-interval 2: each printed line's lm loss and time per iteration are the means over
+    the two steps it closes (Megatron's training_log), the JSON records each step's own."""
+    import re
+
+    from fxtron.trainer.loop import train_rank
+    cfg = TrainConfig().replace(model="gpt-tiny", steps=4, batch=2, seq=16, max_bytes=100_000, log_interval=2,
+                                log_file=str(tmp_path / "run.jsonl"))
+    capsys.readouterr()
+    train_rank(0, cfg)
+    lines = [x for x in capsys.readouterr().out.splitlines() if "| lm loss:" in x]
+    records = _losses(tmp_path / "run.jsonl")
+    assert len(lines) == 2, lines
+    for line, last in zip(lines, (2, 4)):
+        loss = float(re.search(r"lm loss: (\S+)", line).group(1))
+        ms = float(re.search(r"elapsed time per iteration \(ms\): (\S+)", line).group(1))
+        steps = [records[last - 1], records[last]]
+        assert abs(loss - sum(r["loss"] for r in steps) / 2) < 1e-6 * abs(loss), (line, steps)
+        assert abs(ms - 1e3 * sum(r["step_time"] for r in steps) / 2) < 0.06, (line, steps)
+
+
 def test_compare_refuses_another_training_and_says_when_it_differs(capsys):
     """--compare holds a run to the same training in one process: refused, before anything runs,
     where the reference would train otherwise (a resumed run: it starts from the initial weights;

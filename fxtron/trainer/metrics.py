@@ -77,6 +77,8 @@ class Metrics:
         self._resume: dict = {}               # the resume's event, for the first record
         self.losses: list[float] = []
         self._tokens, self._seconds = 0, 0.0
+        self._interval: list[dict] = []       # the records since the last printed line
+        self._skipped_before = 0              # the skipped count at the interval's start
 
     def step(self, record: dict) -> None:
         """A finished step's figures (before any evaluation of the same step)."""
@@ -97,8 +99,10 @@ class Metrics:
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
+        self._interval.append(record)
         if record["step"] % self.cfg.training.log_interval == 0 or record["step"] == self.cfg.training.steps:
-            self._line(record)
+            self._line(record, self._interval, record["skipped"] - self._skipped_before)
+            self._interval, self._skipped_before = [], record["skipped"]
 
     def tokens_per_s(self) -> float:
         """Tokens per second over the run's steps (the first, which compiles, included)."""
@@ -176,15 +180,21 @@ class Metrics:
         else:
             print(text, flush=True)
 
-    def _line(self, r: dict) -> None:
+    def _line(self, r: dict, interval: list[dict], skipped: int) -> None:
+        """Megatron's log line after step r: the loss, time per iteration, throughput and skipped
+        iterations over the --log-interval steps it closes (the loss averaged over those not
+        skipped), the rest (learning rate, grad norm, memory) at step r."""
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         norm = "-" if r["grad_norm"] is None else f"{r['grad_norm']:.3f}"
-        mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        seconds = sum(x["step_time"] for x in interval) / len(interval)
+        losses = [x["loss"] for x in interval if math.isfinite(x["loss"])]
+        loss = sum(losses) / len(losses) if losses else float("nan")
+        mfu = "-" if r["mfu"] is None else f"{100 * r['mfu'] * r['step_time'] / seconds:.1f}%"
         self._print(f"[{stamp}] iteration {r['step']:8d}/{self.cfg.training.steps:8d} | consumed samples: "
-                    f"{r['consumed_samples']:12d} | elapsed time per iteration (ms): {1e3 * r['step_time']:.1f} | "
+                    f"{r['consumed_samples']:12d} | elapsed time per iteration (ms): {1e3 * seconds:.1f} | "
                     f"learning rate: {r['lr']:.6E} | global batch size: {self.cfg.data.batch:5d} | lm loss: "
-                    f"{r['loss']:.6E} | grad norm: {norm} | tokens/s: {r['tokens_per_s']:,.0f} | MFU: {mfu} | "
-                    f"memory: {_memory(r)} | number of skipped iterations: {r['skipped']:3d}")
+                    f"{loss:.6E} | grad norm: {norm} | tokens/s: {self.cfg.data.batch * self.cfg.data.seq / seconds:,.0f}"
+                    f" | MFU: {mfu} | memory: {_memory(r)} | number of skipped iterations: {skipped:3d}")
 
 
 def size(n: int) -> str:
