@@ -227,10 +227,18 @@ def _outlined(gm: fx.GraphModule) -> fx.GraphModule:
     return outline(fx.GraphModule(gm, g))
 
 
-def recomputed(gm: fx.GraphModule) -> list:
-    """The recomputed regions (ops/recompute.py Recomputed: checkpointed calls) `gm` runs."""
+def _recomputed_of(node: fx.Node):
+    """The recomputed region (ops/recompute.py Recomputed: a checkpointed call) `node` calls, or None."""
     from fxtron.ops.recompute import Recomputed
-    return [m for n in gm.graph.nodes if n.op == "call_module" and isinstance(m := gm.get_submodule(n.target), Recomputed)]
+    if node.op != "call_module":
+        return None
+    mod = node.graph.owning_module.get_submodule(node.target)
+    return mod if isinstance(mod, Recomputed) else None
+
+
+def recomputed(gm: fx.GraphModule) -> list:
+    """The recomputed regions `gm` runs."""
+    return [m for n in gm.graph.nodes if (m := _recomputed_of(n)) is not None]
 
 
 def _nodes(gm: fx.GraphModule):
@@ -266,13 +274,8 @@ def plan(graphs: list[fx.GraphModule], comm: bool = False) -> CompileStats:
 def _has_opaque(ids: dict[fx.Node, int], part: int, comm: bool = False) -> bool:
     """Whether partition `part` holds an fxtron op (a recomputed region's checkpointed call is
     not one: the regions inside it are counted)."""
-    return any(p == part and n.target is not operator.getitem and opaque(n, comm) and not _is_recomputed(n)
+    return any(p == part and n.target is not operator.getitem and opaque(n, comm) and _recomputed_of(n) is None
                for n, p in ids.items())
-
-
-def _is_recomputed(node: fx.Node) -> bool:
-    from fxtron.ops.recompute import Recomputed
-    return node.op == "call_module" and isinstance(node.graph.owning_module.get_submodule(node.target), Recomputed)
 
 
 def holds_comm(gm: fx.GraphModule, comm: bool) -> bool:

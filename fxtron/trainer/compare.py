@@ -49,10 +49,13 @@ def reference_differs(cfg: TrainConfig, model: torch.nn.Module | None = None) ->
     return out
 
 
-def check(cfg: TrainConfig) -> None:
-    """A ParallelizeError, before the run starts, where --compare could not hold it to round-off."""
-    t = cfg.training
-    unmodeled = reference_differs(cfg, resolve(cfg.model.name, t.seed, key_values(cfg.model.config), cfg.data).model)
+def check(cfg: TrainConfig, model: torch.nn.Module | None = None) -> None:
+    """A ParallelizeError, before the run starts, where --compare could not hold it to round-off
+    (`model`: the run's, resolved already; else resolved here)."""
+    if model is None:
+        t = cfg.training
+        model = resolve(cfg.model.name, t.seed, key_values(cfg.model.config), cfg.data).model
+    unmodeled = reference_differs(cfg, model)
     if unmodeled:
         raise ParallelizeError(
             f"--compare holds the run to the same training in one fp32 process, which does not model "

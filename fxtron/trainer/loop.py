@@ -222,9 +222,9 @@ def preflight_run(cfg: TrainConfig) -> TrainConfig:
                                        "processes; omit --world-size under torchrun or make them agree")
             cfg = cfg.replace(world_size=world)
         cfg.check()
+        tm = preflight.check(cfg)
         if cfg.training.compare:
-            compare.check(cfg)
-        preflight.check(cfg)
+            compare.check(cfg, tm.model)
     except ParallelizeError as e:
         e.refused = True
         raise
