@@ -150,7 +150,8 @@ def test_checkpoint_events_are_logged_and_an_extended_run_resumes(tmp_path, caps
     out = train_rank(0, cfg.replace(steps=3, override_lr_schedule=True, weight_decay=0.0, adam_beta2=0.999))
     assert not out["losses"]
     assert "nothing to train: the checkpoint loaded is at iteration 3, --steps is 3" in capsys.readouterr().out
-    assert resumed["lr"] == LRSchedule(3e-3, 0.0, 0, 3, "linear", 2).lr_at(4)     # this run's decay, step 3
+    # this run's decay; logged after step 3 (as Megatron's), the schedule's at 3 x 2 samples
+    assert resumed["lr"] == LRSchedule(3e-3, 0.0, 0, 3, "linear", 2).lr_at(6)
 
 
 def test_weight_decay_leaves_biases_and_norms_out():
@@ -313,7 +314,8 @@ def test_a_model_directory_and_a_megatron_dataset_train_like_one_process(workdir
     runs = _losses(workdir / "run.jsonl")
     assert sorted(runs) == list(range(1, 11))
     assert [k for k, r in runs.items() if "eval_loss" in r] == [2, 4, 6, 8, 10]
-    assert runs[1]["lr"] == 0.0 and abs(runs[3]["lr"] - 1e-3) < 1e-12        # warm-up from 0, then cosine
+    # warm-up from 0 over 2 steps, then cosine; logged as Megatron's, the schedule's after the step
+    assert abs(runs[1]["lr"] - 5e-4) < 1e-12 and abs(runs[2]["lr"] - 1e-3) < 1e-12 and runs[3]["lr"] < 1e-3
     assert all(r["grad_norm"] > 0 and r["tokens_per_s"] > 0 for r in runs.values())
     assert checkpoints.complete(str(workdir / "ckpt")) == [2, 4, 6, 8, 10]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

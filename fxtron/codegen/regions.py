@@ -421,7 +421,8 @@ class _FirstCall(torch.nn.Module):
             warnings.warn(f"compile=True: a region met more input shapes (or grad modes) than Dynamo's recompile_limit "
                           f"({limit}) keeps compiled; those calls run its graph uncompiled (the same numbers). Pad the "
                           "batches to a few lengths, or raise torch._dynamo.config.recompile_limit", stacklevel=3)
-        self._stats.uncompiled_calls += 1
+        # counted once per forward call: a recomputed region's second run, in backward, is not a call
+        self._stats.uncompiled_calls += torch._C._current_graph_task_id() == -1
         return self.compiled._orig_mod(*args)
 
 

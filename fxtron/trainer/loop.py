@@ -171,7 +171,9 @@ class Trainer:
                 self.say(f"start-up: {prog.compiled.line()}")
         if prog.captured is not None and prog.captured.captured_at == prog.captured.steps:    # the capture's step
             self.say(f"start-up: {prog.captured.line()}")
-        self.metrics.step({"step": step, "loss": loss, "lr": lr, "grad_norm": prog.last_grad_norm,
+        # the logged learning rate is the schedule's after the step, the next step's, as Megatron's
+        # training_log reads it from the optimizer once its scheduler stepped (`lr` trained this one)
+        self.metrics.step({"step": step, "loss": loss, "lr": self.sched.lr, "grad_norm": prog.last_grad_norm,
                            "step_time": elapsed, "consumed_samples": state["consumed_train_samples"],
                            "skipped": state["skipped_iterations"], "step_skipped": skipped,
                            **rank_bytes(prog, self.opt)})

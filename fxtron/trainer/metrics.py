@@ -1,6 +1,6 @@
 """Trainer, metrics: every --log-interval steps one line (Megatron's training_log fields:
-step, consumed samples, time per step, learning rate, global batch, loss, grad norm, skipped
-steps; with tokens/s, MFU and memory); --log-file one JSON object per step; --tensorboard-dir
+step, consumed samples, time per step, learning rate (the schedule's after the step, the next
+step's, as Megatron logs it), global batch, loss, grad norm, skipped steps; with tokens/s, MFU and memory); --log-file one JSON object per step; --tensorboard-dir
 TensorBoard scalars; a progress bar on a terminal, plain lines elsewhere. Memory as users read
 it: this rank's parameters, gradients, optimizer state and peak activations
 (runtime/memory.py rank_bytes) and the device's (or process's) peak. Checkpoint saves and the
