@@ -196,7 +196,8 @@ def test_a_directory_whose_save_did_not_complete_is_refused(faults, tmp_path):
     partial = tmp_path / "partial"
     os.rename(os.path.join(faults["root"], "good"), partial)               # a copy without its marker
     os.remove(partial / ".fxtron-complete")
-    with pytest.raises(fxtron.ParallelizeError, match="save did not complete"):
+    with pytest.raises(fxtron.ParallelizeError, match="save did not complete.*before its saves were atomic.*"
+                                                      r"create the empty file .*partial/\.fxtron-complete"):
         fxtron.load_full_state_dict(str(partial))
     prog = fxtron.parallelize(make("gpt"), fxtron.Mesh(1), example_inputs=batch("gpt", 2, 8, seed=0)[0]).program(0)
     with pytest.raises(fxtron.ParallelizeError, match="save did not complete"):
@@ -215,3 +216,33 @@ def test_a_checkpoint_of_another_model_lists_the_differences(tmp_path):
                                 example_inputs=batch("gpt", 2, 8, seed=0)[0]).program(0)
     with pytest.raises(fxtron.ParallelizeError, match=r"missing from the checkpoint: blocks\.2\."):
         deeper.load(str(tmp_path / "gpt"))
+
+
+def test_each_param_group_resumes_with_the_settings_its_parameters_were_saved_with(tmp_path):
+    """Groups are matched by their parameters, not by position (a pipeline stage's ranks hold
+    another list of groups than the others': tests/test_checkpoint.py GROUPED): groups built in
+    another order take their own settings, a group none of whose parameters was saved keeps its
+    own, and one that joins parameters saved with other settings is refused."""
+    def program():
+        return fxtron.parallelize(make("gpt"), fxtron.Mesh(1), example_inputs=batch("gpt", 2, 8, seed=0)[0]).program(0)
+
+    prog = program()
+    named = list(prog.named_parameters())
+    head, tail = [p for _, p in named[:3]], [p for _, p in named[3:]]
+    opt = torch.optim.AdamW([{"params": head, "lr": 1e-4, "weight_decay": 0.0}, {"params": tail, "lr": 1e-2}])
+    prog.train_step(batch("gpt", 2, 8, seed=0)[0], opt)
+    prog.save(str(tmp_path / "ck"), opt)
+
+    prog = program()
+    named = list(prog.named_parameters())
+    head, tail = [p for _, p in named[:3]], [p for _, p in named[3:]]
+    swapped = torch.optim.AdamW([{"params": tail[:-1]}, {"params": head}, {"params": tail[-1:], "lr": 0.5}], lr=7.0)
+    prog.load(str(tmp_path / "ck"), swapped)
+    assert [(g["lr"], g["weight_decay"]) for g in swapped.param_groups] == [(1e-2, 1e-2), (1e-4, 0.0), (1e-2, 1e-2)]
+    fresh = torch.optim.AdamW([{"params": tail}], lr=3.0)
+    fresh.add_param_group({"params": []})
+    prog.load(str(tmp_path / "ck"), fresh)
+    assert [g["lr"] for g in fresh.param_groups] == [1e-2, 3.0]
+    merged = torch.optim.AdamW([{"params": head + tail}])
+    with pytest.raises(fxtron.ParallelizeError, match=r"param group 0 of AdamW holds .* another lr \(0\.0001 and 0\.01\)"):
+        prog.load(str(tmp_path / "ck"), merged)

@@ -11,7 +11,12 @@ program's own mesh and lets DCP read the overlapping pieces: a checkpoint saved 
 tp=2 x pp=2 loads at tp=4, at pp=1, or in one process (`load_full_state_dict`).
 
 Keys: "model/<param>", "model/<param>/part<j>", "optim/<param>/<state key>" (AdamW's exp_avg,
-exp_avg_sq, step), "optim/param_groups" (hyperparameters), buffers "buffer/<name>".
+exp_avg_sq, step), "optim_group/<param>" (the hyperparameters of the group that holds the
+parameter), buffers "buffer/<name>". The hyperparameters are kept per parameter because the
+ranks' groups differ (a pipeline stage may hold none of a group's parameters, and torch's
+groups are a list by position): a group loaded takes the values its parameters were saved with,
+whatever the saving and loading meshes. (A checkpoint written before kept one rank's list under
+"optim/param_groups", applied by position.)
 
 Saves are atomic: every rank writes into a temporary directory beside the target
 ("<path>.saving"); only when every rank has written its part does rank 0 write the commit
@@ -149,6 +154,7 @@ def _check_optimizer(optimizer) -> None:
 
 
 COMMIT = ".fxtron-complete"     # written last, by rank 0, once every rank's files are in
+GROUP = "optim_group"           # "optim_group/<param>": the hyperparameters of the parameter's group
 
 
 def save(prog, path: str, optimizer: torch.optim.Optimizer | None = None, storage_writer=None,
@@ -231,7 +237,12 @@ def _write(prog, path: str, optimizer, storage_writer, extra=None) -> None:
                     sd[f"optim/{name}/{key}"] = value
                 else:
                     sd[f"optim/{name}/{key}"] = _pack(value)
-        sd["optim/param_groups"] = _pack([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
+        names = {id(p): n for n, p in prog.named_parameters()}
+        for g in optimizer.param_groups:
+            hyper = {k: v for k, v in g.items() if k != "params"}
+            for p in g["params"]:
+                if id(p) in names:
+                    sd[f"{GROUP}/{names[id(p)]}"] = _pack(hyper)
     # the rank's random streams (dropout): a run resumed on the same mesh draws what it would have
     if prog.rng is not None:
         sd[f"rng/{_rank(prog)}"] = _pack(_rng_record(prog))
@@ -318,9 +329,14 @@ def _check_complete(path: str) -> None:
         hint = (f"; a save was interrupted while putting a new checkpoint in place: the previous one is at {aside}"
                 if os.path.isdir(aside) else "")
         raise ParallelizeError(f"no checkpoint at {path}{hint}")
+    older = ""
+    if os.path.isfile(os.path.join(path, ".metadata")) and not path.endswith(".saving"):
+        # (DCP's own index is there: a save interrupted after DCP's writes, or an older fxtron's)
+        older = (f". Checkpoints written by fxtron before its saves were atomic have no marker either: if this is "
+                 f"one, whose save you know finished, create the empty file {os.path.join(path, COMMIT)} to load it")
     raise ParallelizeError(
         f"{path} is not a complete checkpoint: its save did not complete (no commit marker {COMMIT}; a save "
-        f"writes it last, once every rank has written its part). Load an earlier checkpoint")
+        f"writes it last, once every rank has written its part). Load an earlier checkpoint{older}")
 
 
 def _request(prog, name: str, like: torch.Tensor, meshes: dict, prefix: str, meta, layout: dict):
@@ -405,7 +421,10 @@ def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
                     entries, finish[key] = _request(prog, name, _local_like(prog, name, p, saved), mesh, key,
                                                     meta, layout)
                     sd.update(entries)
-        if "optim/param_groups" in meta:
+        for name in params:
+            if f"{GROUP}/{name}" in meta:
+                sd[f"{GROUP}/{name}"] = io.BytesIO()
+        if "optim/param_groups" in meta:         # (written before the per-parameter records)
             sd["optim/param_groups"] = io.BytesIO()
     _load(sd, checkpoint_id=path, no_dist=_alone(prog))
     with torch.no_grad():
@@ -437,15 +456,45 @@ def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
             else:
                 st[k] = sd[key]
         state[name] = st
-    groups = _unpack_obj(sd["optim/param_groups"]) if "optim/param_groups" in sd else None
-    if groups is not None:
-        for mine, theirs in zip(optimizer.param_groups, groups):
-            mine.update(theirs)
+    _load_groups(optimizer, params, sd, path)
     if prog.zero is not None:
         prog.zero.load_state(optimizer, state)
     else:
         for name, st in state.items():
             optimizer.state[params[name]] = st
+
+
+def _load_groups(optimizer, params: dict[str, torch.Tensor], sd: dict, path: str) -> None:
+    """Each of `optimizer`'s groups takes the hyperparameters its parameters were saved with
+    (torch's load_state_dict takes the saved groups' too); a group none of whose parameters the
+    checkpoint has keeps its own. Parameters of one group saved in groups with other values
+    are a ParallelizeError: no one value is the saved run's."""
+    names = {id(p): n for n, p in params.items()}
+    legacy = _unpack_obj(sd["optim/param_groups"]) if "optim/param_groups" in sd else None
+    for i, group in enumerate(optimizer.param_groups):
+        saved = {names[id(p)]: _unpack_obj(sd[f"{GROUP}/{names[id(p)]}"]) for p in group["params"]
+                 if id(p) in names and f"{GROUP}/{names[id(p)]}" in sd}
+        if not saved:
+            if legacy is not None and i < len(legacy):      # (a checkpoint of one list, by position)
+                group.update(legacy[i])
+            continue
+        (first, hyper), *rest = saved.items()
+        for other, theirs in rest:
+            differ = sorted(k for k in hyper.keys() | theirs.keys() if not _same(hyper.get(k), theirs.get(k)))
+            if differ:
+                k = differ[0]
+                raise ParallelizeError(
+                    f"param group {i} of {type(optimizer).__name__} holds {first} and {other}, which {path} saved in "
+                    f"groups with another {k} ({hyper.get(k)} and {theirs.get(k)}): build the optimizer's param groups "
+                    "as the saved run did, or load the checkpoint without the optimizer (prog.load(path)) and set them")
+        group.update(hyper)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and \
+            bool(torch.equal(a.cpu(), b.cpu()))
+    return a == b
 
 
 def _local_like(prog, name: str, p: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
