@@ -542,6 +542,13 @@ class ParallelModel:
                             f"use, or an attention op); its activations are kept",
                             fix=": use recompute='full' (a model with a layer list) or None, or write the attention as "
                                 "those ops")
+        m = self.config.pipeline.microbatches
+        stats = meta.info(rg.gm).statistics_report
+        if m > 1 and stats is not None and stats.per_microbatch:
+            self._warn_once("per_microbatch", report.per_microbatch_note(self.mesh, m, stats.per_microbatch),
+                            fix=": train with microbatches=1 (a larger batch per step), or write the loss so that it "
+                                "uses them linearly",
+                            advice=" (a change of the model that pm.summary() says too; strict=True makes it an error)")
         comm = self.config.context.comm_type
         unringed = report.unringed_attention(rg.graphs) if comm != "all_gather" else []
         if unringed:

@@ -237,3 +237,40 @@ def test_fp16_pipeline_of_one_microbatch_caps_the_scale_on_every_stage():
 def test_dtype_is_checked():
     with pytest.raises(fxtron.ParallelizeError, match="dtype"):
         fxtron.parallelize(make("gpt"), fxtron.Mesh(1), example_inputs=batch("gpt", 2, 8, 0)[0], dtype=torch.int8)
+
+
+class _Fp16CrossEntropyPlusFp32(torch.nn.Module):
+    """A loss that is fp32 although fp16 receives its gradient whole: an fp16 cross entropy
+    (16-bit logits) plus an fp32 term, as a mixture of experts adds its fp32 load-balancing loss."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head, self.aux = torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64), torch.nn.Linear(32, 1)
+
+    def forward(self, idx, targets):
+        h = torch.tanh(self.emb(idx))
+        lm = torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+        return lm + self.aux(h).float().pow(2).mean() * 0.01
+
+
+def test_fp16_cross_entropy_beside_an_fp32_loss_caps_the_scale_compiled_or_not():
+    """The sum is fp32, but backward hands the fp16 cross entropy the scale itself: 2^16 was inf
+    there and skipped every step at it uncompiled, while compiled regions, keeping the cast in
+    fp32, took them -- the two trained apart by a step. The scale is capped at 2^15 and the compiled
+    regions round 16-bit casts as the uncompiled program: the same steps taken, the losses the
+    one-process fp16 model's to fp16's round-off."""
+    g = torch.Generator().manual_seed(0)
+    data = [(ids[:, :-1].clone(), ids[:, 1:].clone()) for ids in (torch.randint(0, 64, (4, 17), generator=g)
+                                                                 for _ in range(4))]
+    ref = reference_training(_Fp16CrossEntropyPlusFp32(), data, _opt, dtype=torch.float16)
+    runs = {}
+    for compiled in (False, True):
+        prog = fxtron.parallelize(_Fp16CrossEntropyPlusFp32(), fxtron.Mesh(1), example_inputs=data[0],
+                                  dtype="fp16", compile=compiled).program(0)
+        opt = _opt(prog.parameters())
+        losses, skipped = zip(*[(prog.train_step(b, opt), prog.last_step_skipped) for b in data])
+        assert prog.scaler.max_scale == 2.0**15 and not any(skipped), (compiled, skipped)
+        assert all(abs(a - b) <= 2.0**-8 * abs(b) for a, b in zip(losses, ref["losses"])), (compiled, losses, ref)
+        runs[compiled] = prog.full_state_dict()
+    assert max_abs_diff(runs[True], runs[False])[0] <= 2 * len(data) * LR * 0.05

@@ -197,10 +197,15 @@ def _inputs(key):
     return [_halves(s) for s in STEPS] if key == "pp2" else [(s, {}) for s in _steps(key)]
 
 
+#: the warning that the load-balancing loss's statistics are each microbatch's (passes/statistics.py)
+PER_MICROBATCH = r"with microbatches=\d+, .* computed per microbatch"
+
+
 def _run(rank, mesh, key):
     axes, kw = CASES[key]
     with warnings.catch_warnings():
         warnings.simplefilter("error", fxtron.ParallelizeWarning)      # nothing left replicated or gathered unasked
+        warnings.filterwarnings("ignore", PER_MICROBATCH, fxtron.ParallelizeWarning)  # (said: the aux loss's, pp2)
         if key in ("tp2-sp", "ep2-tp2-sp"):
             warnings.simplefilter("ignore", fxtron.ParallelizeWarning)  # the (B, S/tp) -> tokens fold gathers (README)
         pm = fxtron.parallelize(_model(key), mesh, example_inputs=_batch(2, 8, 0), **kw)
@@ -380,6 +385,7 @@ def _hf_run(rank, mesh, key):
     a, ex = batch(name, 2, 8, 0)
     with warnings.catch_warnings():
         warnings.simplefilter("error", fxtron.ParallelizeWarning)
+        warnings.filterwarnings("ignore", PER_MICROBATCH, fxtron.ParallelizeWarning)
         if kw.get("sequence_parallel"):
             warnings.simplefilter("ignore", fxtron.ParallelizeWarning)  # the (B, S/tp) -> tokens fold gathers (README)
         torch.manual_seed(0)

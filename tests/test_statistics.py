@@ -308,6 +308,29 @@ def test_a_summed_loss_is_scaled_and_a_mean_counts_the_global_tokens():
     assert float((args[1] != -100).sum()) % 4, "a count the pieces do not divide"
 
 
+def test_statistics_each_microbatch_computes_are_said_and_refused_under_strict():
+    """Under microbatches a statistic the loss uses nonlinearly is each microbatch's -- a class-
+    weighted mean's weights at dp=1 as at dp=2, a load-balancing loss's tokens per expert --, not the
+    global batch's: a ParallelizeWarning and pm.summary() say so, strict=True refuses it. One
+    microbatch, or dp alone, computes it over the global batch: nothing said."""
+    args, _ = padded("gpt")[0]
+    for mesh in (fxtron.Mesh(1), fxtron.Mesh(2)):
+        pm = fxtron.parallelize(WeightedLoss(), mesh, example_inputs=args, microbatches=2)
+        with pytest.warns(fxtron.ParallelizeWarning, match=r"with microbatches=2, 2 statistic\(s\) .* computed per "
+                                                           r"microbatch.*%cross_entropy_loss.*%sum"):
+            pm.compiled(0)
+        assert "each microbatch's, not the global batch's -- a change of the model" in pm.summary()
+        strict = fxtron.parallelize(WeightedLoss(), mesh, example_inputs=args, microbatches=2, strict=True)
+        with pytest.raises(fxtron.ParallelizeError, match="computed per microbatch.*microbatches=1"):
+            strict.compiled(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxtron.ParallelizeWarning)
+        fxtron.parallelize(WeightedLoss(), fxtron.Mesh(2), example_inputs=args, strict=True).compiled(0)
+    _, kwargs = batches("hf-llama", 2, [8], 0)[0]
+    with pytest.warns(fxtron.ParallelizeWarning, match=r"computed per microbatch \(summed over dp=2\).*histc"):
+        fxtron.parallelize(moe_model("mixtral"), fxtron.Mesh(2), example_kwargs=kwargs, microbatches=2).compiled(0)
+
+
 # ------------------------------------------------------------------------------ against one process
 @pytest.mark.slow
 @pytest.mark.parametrize("key", list(PADDED))
@@ -356,7 +379,11 @@ def test_moe_families_with_their_aux_loss_train_like_one_process(trained, key):
         dw, where = max_abs_diff(got["state"], {k: v for k, v in ref["state"].items() if k in got["state"]})
         assert dw < 1e-5, f"rank {rank}: weight {where} off by {dw:.3g}"
     summary = ranks_of(trained, _mesh(key), key)[0]["summary"]
-    assert ("a change of the model" in summary) == (options.get("moe_aux_loss") == "local"), summary
+    # a change of the model, said: each rank's statistics (local), each microbatch's (microbatches)
+    assert ("moe_aux_loss='local', Megatron's default) -- a change of the model" in summary) == \
+        (options.get("moe_aux_loss") == "local"), summary
+    assert ("each microbatch's, not the global batch's -- a change of the model" in summary) == \
+        (options.get("moe_aux_loss") != "local" and options.get("microbatches", 1) > 1), summary
 
 
 def _microbatches_of(item, dp: int, m: int):

@@ -459,13 +459,24 @@ class Compiler:
             key = _code(sub)
             if key not in self._shared:
                 communicates = holds and _trace_comm(sub)
-                self._shared[key] = _FirstCall(torch.compile(sub, fullgraph=True), self.stats, key, communicates)
+                # 16-bit values rounded where the graph casts them, as the uncompiled program's are:
+                # a fused kernel keeps them in fp32 otherwise, and fp16's overflow checks (the step
+                # a loss scale skips) would read other numbers than the uncompiled program's
+                options = {"emulate_precision_casts": True} if _narrow(sub) else None
+                self._shared[key] = _FirstCall(torch.compile(sub, fullgraph=True, options=options), self.stats, key,
+                                               communicates)
                 self.stats._pending.add(self._shared[key])
                 self.stats.distinct += 1
             setattr(split, name, self._shared[key])
             self.stats.regions += 1
             self.stats.inside += inside
         return split
+
+
+def _narrow(gm: fx.GraphModule) -> bool:
+    """Whether a region computes with 16-bit floating values."""
+    return any(isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16)
+               for n in gm.graph.nodes for v in [n.meta.get("val")])
 
 
 __all__ = ["CompileStats", "Compiler", "holds_comm", "host_bound", "opaque", "plan"]

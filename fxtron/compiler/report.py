@@ -558,6 +558,16 @@ def _few(items: list[str], n: int = 3) -> str:
     return "; ".join(items[:n]) + (f"; and {len(items) - n} more" if len(items) > n else "")
 
 
+def per_microbatch_note(mesh: Mesh, microbatches: int, summed: list[str]) -> str:
+    """The warning that the statistics the loss uses nonlinearly are each microbatch's."""
+    return (f"with microbatches={microbatches}, {len(summed)} statistic(s) of the batch the loss uses nonlinearly "
+            f"are computed per microbatch" + (f" (summed over dp={mesh.dp})" if mesh.dp > 1 else "")
+            + ", not over the global batch as one process "
+            f"computes them, and the loss is the mean of the microbatches' losses: {_few(summed)} (a load-balancing "
+            f"loss's tokens per expert, as Megatron and gradient accumulation compute it; a mean weighted by class "
+            f"weights divides by each microbatch's weights)")
+
+
 def statistics_note(mesh: Mesh, config, report) -> str:
     """What passes/statistics.py made of the model's batch-wide statistics (its report), in
     words: which are the global batch's and how, and which stay each rank's (a change of the
@@ -573,6 +583,9 @@ def statistics_note(mesh: Mesh, config, report) -> str:
     if report.summed:
         parts.append(f"statistics the loss uses nonlinearly summed over dp={mesh.dp}, per microbatch "
                      f"({_few(report.summed)})")
+    if report.per_microbatch:
+        parts.append(f"statistics the loss uses nonlinearly each microbatch's, not the global batch's -- a change of "
+                     f"the model ({_few(report.per_microbatch)})")
     if report.gathered:
         parts.append(f"in-batch negatives gathered over dp={mesh.dp} with their gradient and the targets moved to the "
                      f"rank's rows among them (CLIP's gathered negatives; {_few(report.gathered)})")

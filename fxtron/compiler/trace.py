@@ -23,9 +23,11 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from fxtron.compiler import repeat
 from fxtron.passes import limits
-from fxtron.core import meta
+from fxtron.core import meta, opsets
 from fxtron.core.meta import BATCH, SEQ, TRACE_INFO, TraceInfo, info
 from fxtron.errors import ParallelizeError
+
+aten = torch.ops.aten
 
 def default_loss(output: Any) -> torch.Tensor:
     """The loss inside a model's output: a scalar tensor, `.loss`, or `["loss"]`."""
@@ -419,13 +421,44 @@ def _to_graph_module(ep: ExportedProgram, model: torch.nn.Module, user_dims, in_
                 sympy.sympify(d.node.expr).xreplace(symbols) if isinstance(d, torch.SymInt) else sympy.Integer(int(d))
                 for d in val.shape))
     returned = next(n for n in graph.nodes if n.op == "output").args[0]
-    losses = [v.meta.get("val") for i, v in enumerate(returned) if i not in buffer_mutations and isinstance(v, fx.Node)]
     out.meta[TRACE_INFO] = TraceInfo(params=params, buffers=buffers, user_dims=list(user_dims),
                                      symbols=symbols, in_spec=in_spec, statics=statics, aliases=aliases,
                                      buffer_mutations=buffer_mutations, constants=constants,
                                      signature=signature, token_ranges=limits.token_ranges(out),
-                                     loss_dtype=next((v.dtype for v in losses if isinstance(v, torch.Tensor)), None))
+                                     loss_dtype=_loss_gradient_dtype(returned, buffer_mutations))
     return out
+
+
+#: ops whose inputs receive their output's gradient whole, or a multiple of it: a sum, a
+#: difference, a cast, a view, a copy, a product or a quotient
+_PASS_GRADIENT = (opsets.CASTS | opsets.VIEWS | (opsets.COPIES - {aten.detach.default})
+                  | {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.neg.default,
+                     aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, operator.add,
+                     operator.sub, operator.mul, operator.truediv, operator.neg, operator.getitem})
+
+
+def _loss_gradient_dtype(returned, buffer_mutations) -> torch.dtype | None:
+    """The loss's dtype (the graph's first tensor output), or float16 where an fp16 value
+    receives the loss's gradient as backward starts -- the loss itself, or what it is a sum,
+    cast, view or multiple of (an fp16 cross entropy added to an fp32 auxiliary loss: the sum is
+    fp32, and the cross entropy's gradient the loss scale in fp16): fp16's loss scale is then
+    capped to a value fp16 holds (runtime/precision.py LossScaler)."""
+    first = next((v for i, v in enumerate(returned) if i not in buffer_mutations and isinstance(v, fx.Node)
+                  and isinstance(v.meta.get("val"), torch.Tensor)), None)
+    if first is None:
+        return None
+    seen, todo = {first}, [first]
+    while todo:
+        node = todo.pop()
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dtype == torch.float16:
+            return torch.float16
+        if node.op == "call_function" and node.target in _PASS_GRADIENT:
+            for arg in node.all_input_nodes:
+                if arg not in seen:
+                    seen.add(arg)
+                    todo.append(arg)
+    return first.meta["val"].dtype
 
 
 def _clean_path(path: str) -> str:

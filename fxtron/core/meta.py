@@ -356,7 +356,9 @@ class TraceInfo:
     documents: the input of document ids whose order the cp split follows (passes/cp_documents.py).
     narrow_params: the parameters the model holds in 16 bits under a 16-bit compute dtype.
     loss_dtype: the dtype of the loss the graph returns, as traced (a 16-bit program is traced in
-    16 bits): an fp16 loss caps fp16's loss scale (runtime/precision.py LossScaler).
+    16 bits), or float16 where an fp16 value it sums, casts or scales receives its gradient (an
+    fp16 cross entropy plus an fp32 auxiliary loss): fp16 caps fp16's loss scale
+    (runtime/precision.py LossScaler).
     """
 
     params: list[str]

@@ -115,6 +115,7 @@ class StatisticsReport:
     local: list[str] = field(default_factory=list)        # left per rank (moe_aux_loss="local")
     synced: list[str] = field(default_factory=list)       # batch norms normalized over every dp rank's samples
     gathered: list[str] = field(default_factory=list)     # in-batch negatives gathered over dp
+    per_microbatch: list[str] = field(default_factory=list)  # used nonlinearly under microbatches: each one's
 
 
 def _batchy(val, ti) -> bool:
@@ -446,6 +447,8 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
                         u.replace_input_with(node, s)
             report.global_counts.append(where)
             done.append("global count")
+        if rest and pieces > dp and not local:
+            report.per_microbatch.append(where)
         if rest and dp > 1:
             if local:
                 report.local.append(where)

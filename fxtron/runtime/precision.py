@@ -38,8 +38,9 @@ class LossScaler:
     DynamicGradScaler's backoff and growth, without its hysteresis): scale the loss by `scale`
     before backward; a step whose gradients overflow anywhere in the job is skipped and halves
     the scale; `growth_interval` clean steps in a row double it, up to `max_scale`. Where the
-    loss itself is fp16 (a model that does not upcast its logits), backward's first gradient is
-    the scale (a pipeline's stages: scale / microbatches), which must be finite in fp16: the
+    loss itself is fp16 (a model that does not upcast its logits), or an fp16 value receives its
+    gradient whole (an fp16 cross entropy added to an fp32 auxiliary loss, compiler/trace.py
+    _loss_gradient_dtype), backward's first gradient there is the scale (a pipeline's stages: scale / microbatches), which must be finite in fp16: the
     program caps the scale at FP16_MAX_SCALE on every rank alike (its trace says the loss's
     dtype, which a pipeline's first stages never see); torch's GradScaler's 2^16 would skip the
     first step and every regrowth to it."""
