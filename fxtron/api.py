@@ -15,6 +15,7 @@ import torch.fx as fx
 
 import sympy
 
+from fxtron.codegen.calls import direct_calls
 from fxtron.codegen.regions import Compiler
 from fxtron.compiler import passmanager, report
 from fxtron.compiler.show import format_graph
@@ -639,4 +640,4 @@ class ParallelModel:
         return build_program(self.model, self.compiled(rank).spec(), groups, self.config, seed=seed,
                              eval_spec=lambda: self.compiled_eval(rank).spec(),
                              compiler=Compiler(comm=passmanager.linears_in_regions(self.config, self.mesh.view(rank)))
-                             if self.config.codegen.compile else None)
+                             if self.config.codegen.compile else None, emit=direct_calls)

@@ -222,3 +222,38 @@ def test_autograd_gradients_accumulate_in_place_into_main_grad():
     half = fxtron.parallelize(build("llama-tiny", seed=0), fxtron.Mesh(1), example_inputs=x,
                               grad_reduce_dtype=torch.bfloat16).program(0)
     assert not half.grads.direct
+
+
+
+def test_a_program_calls_its_aten_ops_directly_with_the_same_numbers():
+    """codegen/calls.py: the bound graphs' forwards call each aten overload's entry point
+    (`OpOverload._op`), not `torch.ops.aten.X.Y`'s Python frame -- the training graph's, the
+    eval graph's and each uncompiled recomputed region's --; the code users read stays fx's, and a
+    traceback reads the generated lines; the losses, gradients and eval loss are bitwise those of
+    fx's own forward."""
+    import copy
+    import linecache
+    from tp_models import batch, make
+    model, (args, _) = make("gpt"), batch("gpt", 2, 8, seed=0)
+
+    def graphs(prog):
+        return [prog.graph_module] + [m.region for m in prog.graph_module.modules() if hasattr(m, "region")]
+
+    got = {}
+    for direct in (True, False):
+        prog = fxtron.parallelize(copy.deepcopy(model), fxtron.Mesh(1), example_inputs=args,
+                                  recompute="full").program(0)
+        assert len(graphs(prog)) > 1, "recompute='full' outlines the layers into regions"
+        for gm in graphs(prog):
+            code = type(gm).forward.__code__
+            if direct:
+                assert code.co_filename.startswith("<fxtron-direct-calls") and "torch.ops.aten." in gm.code
+                assert "_aten_" in "".join(linecache.getlines(code.co_filename))
+            else:
+                gm.recompile()                   # fx's own forward back
+        loss = prog.train_step(args, torch.optim.SGD(prog.parameters(), lr=0.0))
+        ev = prog.eval_step(args)
+        assert type(prog.eval_graphs().gm).forward.__code__.co_filename.startswith("<fxtron-direct-calls")
+        got[direct] = (loss, ev, {n: g.clone() for n, g in prog.full_grads().items()})
+    assert got[True][:2] == got[False][:2], got
+    assert all(torch.equal(got[True][2][n], g) for n, g in got[False][2].items())
