@@ -26,8 +26,9 @@ from fxtron.runtime.batch import Microbatches
 from fxtron.runtime.checkpoint.dcp import load_full_state_dict
 from fxtron.runtime.groups import ProcessGroups, init_distributed
 from fxtron.runtime.launch import launch
+from fxtron.runtime.optim import optimizer_reads
 from fxtron.trainer.config import TrainConfig
 
 __all__ = ["Config", "TrainConfig", "Mesh", "ParallelModel", "ParallelizeError", "ParallelizeWarning", "LaunchError", "PeerError", "CompileError", "ProcessGroups",
            "init_distributed", "launch", "parallelize", "Microbatches", "load_full_state_dict",
-           "register_rule", "Replicate", "Shard", "Partial", "REPLICATE", "PARTIAL"]
+           "register_rule", "optimizer_reads", "Replicate", "Shard", "Partial", "REPLICATE", "PARTIAL"]

@@ -24,6 +24,7 @@ class Float32Muon(torch.optim.Muon):
     decay, its lr adjustment) with the orthogonalization in float32: torch's bfloat16 one turns
     gradients that differ by float32 rounding (summed in another order) into updates that differ
     by bfloat16's 2^-8, which hides a layout error of the same size."""
+    fxtron_reads = "parameter"
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -60,3 +61,46 @@ class NormalizedSGD(torch.optim.Optimizer):
                 buf = self.state[p].setdefault("buf", torch.zeros_like(p))
                 buf.mul_(group["momentum"]).add_(p.grad)
                 p.add_(buf / (buf.norm() + group["eps"]), alpha=-group["lr"])
+
+
+class GlobalNormSGD(torch.optim.Optimizer):
+    """An update that reads every parameter: p -= lr * g / ||all gradients||, the norm over the
+    whole model (as an optimizer that normalizes, or Prodigy's sums, reads them). Stepped per
+    parameter on owner ranks, each owner's norm would be over its own parameters alone."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.sqrt(sum((x.double() ** 2).sum() for x in grads)).float() if grads else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / norm, alpha=-group["lr"])
+        return None
+
+
+class DeclaredGlobalNormSGD(GlobalNormSGD):
+    """GlobalNormSGD, saying what it reads (runtime/optim.py optimizer_reads)."""
+    fxtron_reads = "all"
+
+
+class ScaledNormSGD(torch.optim.Optimizer):
+    """p -= lr * scale * g / ||g|| (the norm over the parameter): a setting its constructor keeps
+    outside `defaults` (`self.scale`), which fxtron's own optimizer of the class must take from the
+    user's, not from the constructor's default."""
+    fxtron_reads = "parameter"
+
+    def __init__(self, params, lr, scale=1.0):
+        self.scale = scale
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / (p.grad.norm() + 1e-8), alpha=-group["lr"] * self.scale)
+        return None

@@ -18,13 +18,15 @@ checkpoint of a whole-matrix optimizer's state are refused by name, before any w
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 import fxtron
 from fxtron.runtime.memory import rank_bytes
 from fxtron.tools.testing import cases_fixture, max_abs_diff, ranks_of
-from optimizer_models import Float32Muon, NormalizedSGD
+from optimizer_models import DeclaredGlobalNormSGD, Float32Muon, GlobalNormSGD, NormalizedSGD, ScaledNormSGD
 from fxtron.models.moe import MoEConfig, MoETransformer
 from tp_models import batches, make
 
@@ -80,6 +82,16 @@ def _optimizers(opt: str, named, shape_of, build) -> list[torch.optim.Optimizer]
         return [torch.optim.Adagrad([p for _, p in named], lr=LRS[0], initial_accumulator_value=0.1)]
     if opt == "adamw-added":         # the 1-d parameters join with add_param_group before step 2 (_grow)
         return [build(torch.optim.AdamW, big, lr=LRS[0] / 10, eps=1e-6, weight_decay=0.1)]
+    if opt == "adafactor-added":     # the same for a whole-matrix optimizer
+        return [build(torch.optim.Adafactor, big, lr=LRS[0], weight_decay=0.1)]
+    if opt in ("global", "global-all"):     # an update reading every parameter: undeclared / declared "all"
+        return [build(GlobalNormSGD if opt == "global" else DeclaredGlobalNormSGD, [p for _, p in named], lr=LRS[0])]
+    if opt == "scaled":              # a setting its constructor keeps outside `defaults`
+        return [build(ScaledNormSGD, [p for _, p in named], lr=LRS[0], scale=3.0)]
+    if opt == "adamw-resumed":       # (_resume: the user's own state_dict / load_state_dict after step 2)
+        return [build(torch.optim.AdamW, [p for _, p in named], lr=LRS[0] / 10, eps=1e-6, weight_decay=0.1)]
+    if opt == "adafactor-resumed":
+        return [build(torch.optim.Adafactor, [p for _, p in named], lr=LRS[0])]
     if opt == "normalized":          # a user's class, its lr required by its constructor
         return [build(NormalizedSGD, [p for _, p in named], lr=LRS[0])]
     if opt == "adamw":
@@ -90,8 +102,33 @@ def _optimizers(opt: str, named, shape_of, build) -> list[torch.optim.Optimizer]
 
 def _grow(opt: str, opts, named, shape_of, step: int) -> None:
     """adamw-added: before step 2, the 1-d parameters join the optimizer (unfreezing in stages)."""
-    if opt == "adamw-added" and step == 1:
+    if opt in ("adamw-added", "adafactor-added") and step == 1:
         opts[0].add_param_group({"params": [p for n, p in named if len(shape_of(n)) < 2], "weight_decay": 0.0})
+
+
+def _state_by_name(sd: dict, opt: torch.optim.Optimizer, names: dict) -> dict:
+    """An optimizer state_dict's state by parameter name (`names`: id(parameter) -> name)."""
+    order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
+    index = [i for g in sd["param_groups"] for i in g["params"]]
+    name_of = dict(zip(index, order))
+    return {name_of[i]: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+            for i, st in sd["state"].items()}
+
+
+def _resume(opt: str, opts: list, named, shape_of, build, step: int):
+    """*-resumed: after step 2 the optimizer's own state_dict() is loaded into a new optimizer of
+    the same settings, which takes the last step (a user's loop saving and loading the
+    optimizer); returns the state_dict's state by parameter name, or None."""
+    if not opt.endswith("-resumed") or step != 1:
+        return None
+    named = list(named)
+    names = {id(p): n for n, p in named}
+    sd = opts[0].state_dict()
+    saved = _state_by_name(sd, opts[0], names)
+    opts[:] = _optimizers(opt, named, shape_of, build)
+    opts[0].load_state_dict(sd)
+    assert opts[0].state_dict()["state"].keys() == sd["state"].keys()      # loaded, not yet taken in: as loaded
+    return saved
 
 
 def _with_lr(opts, step: int) -> None:
@@ -104,7 +141,8 @@ def _reference(opt: str, name: str) -> dict:
     model = _model(name)
     shapes = {n: p.shape for n, p in model.named_parameters()}
     opts = _optimizers(opt, model.named_parameters(), shapes.__getitem__, lambda cls, ps, **kw: cls(ps, **kw))
-    losses = []
+    losses, saved = [], None
+    names = {id(p): n for n, p in model.named_parameters()}
     for step, (args, kwargs) in enumerate(_batches(name)):
         model.zero_grad(set_to_none=True)      # (a step's gradients are its own, in the optimizer or not yet)
         loss = model(*args, **kwargs)
@@ -114,7 +152,10 @@ def _reference(opt: str, name: str) -> dict:
         for o in opts:
             o.step()
         losses.append(float(loss.detach()))
-    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+        if step == 1:
+            saved = _state_by_name(opts[0].state_dict(), opts[0], names)
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "saved": saved}
 
 
 def _run(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
@@ -123,22 +164,39 @@ def _run(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
     pm = fxtron.parallelize(model, mesh, example_inputs=items[0][0], **case.kw)
     prog = pm.program(rank)
     opts = _optimizers(case.opt, prog.named_parameters(), prog.original_shape, prog.build_optimizer)
-    losses = []
-    for step, (args, kwargs) in enumerate(items):
-        _grow(case.opt, opts, list(prog.named_parameters()), prog.original_shape, step)
-        _with_lr(opts, step)
-        losses.append(prog.train_step(args, opts if len(opts) > 1 else opts[0], kwargs=kwargs))
+    losses, saved, old, dropped = [], None, None, None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", fxtron.ParallelizeWarning)
+        for step, (args, kwargs) in enumerate(items):
+            _grow(case.opt, opts, list(prog.named_parameters()), prog.original_shape, step)
+            _with_lr(opts, step)
+            try:
+                losses.append(prog.train_step(args, opts if len(opts) > 1 else opts[0], kwargs=kwargs))
+            except fxtron.ParallelizeError as e:
+                return {"refused": str(e)}
+            first = opts[0]
+            saved = _resume(case.opt, opts, prog.named_parameters(), prog.original_shape, prog.build_optimizer,
+                            step) or saved
+            old = first if opts[0] is not first else old
+    if old is not None and prog.zero is not None:    # one optimizer's state per program: the replaced one's is gone
+        try:
+            old.state_dict()
+        except fxtron.ParallelizeError as e:
+            dropped = str(e)
     whole = getattr(prog, "_whole_matrices", {})
     return {"losses": losses, "state": {k: v.detach().clone() for k, v in prog.full_state_dict().items()},
+            "saved": saved, "dropped": dropped, "warned": [str(w.message) for w in caught if issubclass(w.category, fxtron.ParallelizeWarning)],
             "modes": prog.optimizer_mode(opts),
             "owned": {n.name for w in whole.values() for row in w.pieces for n in row if n.full is not None},
             "params": {n for n, _ in prog.named_parameters()},
             "template_state": sum(len(o.state) for o in opts if type(o) is not torch.optim.AdamW)}
 
 
-FAST = {fxtron.Mesh(2, tp=2): [Case("adafactor")]}
+FAST = {fxtron.Mesh(2, tp=2): [Case("adafactor")],
+        # an update that reads every parameter, declared: every parameter stepped on one rank; the
+        # user's own state_dict / load_state_dict of the distributed optimizer
+        fxtron.Mesh(2): [Case("global-all"), Case("adamw-resumed", zero=1)]}
 SLOW = {
-    fxtron.Mesh(2, tp=2): [Case("muon32"), Case("muon"), Case("adamw")],
     fxtron.Mesh(2): [Case("adafactor", zero=1), Case("muon32", zero=1), Case("adafactor", zero=3),
                      Case("muon32", zero=3), Case("adafactor"),
                      # frozen parameters: neither stepped nor decayed by the whole-matrix step under zero=1
@@ -147,8 +205,16 @@ SLOW = {
                      # param group added after the first step; a user's class whose lr is required; named
                      # parameters through prog.build_optimizer
                      Case("adagrad", zero=1), Case("adamw-added", zero=1), Case("adamw-added", zero=3),
-                     Case("normalized"), Case("adafactor-named", zero=1)],
-    fxtron.Mesh(2, pp=2): [Case("adafactor", microbatches=2, schedule="1f1b")],
+                     Case("normalized"), Case("adafactor-named", zero=1),
+                     # not declared: stepped per parameter, and said (the update differs: below); declared,
+                     # under zero=1 and zero=3; a constructor's own attribute; add_param_group; the user's
+                     # state_dict of whole-matrix optimizers (each rank the tensors it steps)
+                     Case("global"), Case("global-all", zero=1), Case("global-all", zero=3), Case("scaled"),
+                     Case("adafactor-added", zero=1), Case("adafactor-resumed"), Case("adafactor-resumed", zero=1),
+                     Case("adamw-resumed", zero=2)],
+    fxtron.Mesh(2, tp=2): [Case("muon32"), Case("muon"), Case("adamw"), Case("global-all"), Case("adafactor-added"),
+                           Case("adafactor-resumed")],
+    fxtron.Mesh(2, pp=2): [Case("adafactor", microbatches=2, schedule="1f1b"), Case("global-all")],
     fxtron.Mesh(2, ep=2): [Case("adafactor", "moe")],
 }
 fast = cases_fixture({2: list(FAST.items())}, _run)
@@ -166,7 +232,9 @@ def _params(cases: dict) -> list:
 #: 2.2e-5 apart at the third step on a second machine (6.5e-4 in the weights), so torch's Muon's
 #: are held to 1e-4 from the second step on; every first loss (no update yet) to 2e-5
 TOL = {"muon": 2e-3}
-ELEMENTWISE = ("adamw", "adagrad", "adamw-added")
+ELEMENTWISE = ("adamw", "adagrad", "adamw-added", "adamw-resumed")
+#: every parameter on one rank
+ONE_OWNER = ("global-all",)
 LOSS_TOL = {"muon": 1e-4}
 _refs: dict[str, dict] = {}
 
@@ -191,6 +259,17 @@ def test_trains_as_one_process_more(slow, mesh, case):
 def _check(results, mesh, case):
     ref = _ref(case.opt, case.model)
     ranks = ranks_of(results, mesh, case)
+    if case.opt == "global-all" and mesh.pp > 1:       # no rank holds every parameter
+        for got in ranks:
+            assert "under pp=2 each stage's ranks hold only their stage's parameters" in got["refused"], got
+        return
+    if case.opt == "global":      # not declared: per parameter, said; and indeed not one process's update
+        for rank, got in enumerate(ranks):
+            assert any("GlobalNormSGD is an optimizer fxtron does not know" in w for w in got["warned"]), got["warned"]
+            dw, where = max_abs_diff(got["state"], {k: v for k, v in ref["state"].items() if k in got["state"]})
+            print(f"{mesh} {case.key} rank {rank}: undeclared, weights {dw:.2e} from one process ({where})")
+            assert dw > 1e-3
+        return
     for rank, got in enumerate(ranks):
         dl = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"]))
         dw, where = max_abs_diff(got["state"], {k: v for k, v in ref["state"].items() if k in got["state"]})
@@ -199,20 +278,52 @@ def _check(results, mesh, case):
         assert dl < LOSS_TOL.get(case.opt, 2e-5), (rank, got["losses"], ref["losses"])
         assert dw < TOL.get(case.opt, 1e-5), f"rank {rank}: {where} differs by {dw:.3g} after 3 steps"
         whole = case.opt not in ELEMENTWISE
-        assert any("whole matrices" in m for m in got["modes"]) == whole, got["modes"]
+        assert any("whole matrices" in m or "whole model" in m for m in got["modes"]) == whole, got["modes"]
         assert got["template_state"] == 0 or not whole, "the user's optimizer stepped shards"
-    if case.opt not in ELEMENTWISE:
+        assert not got["warned"] or case.opt == "normalized", got["warned"]
+        if got["saved"] is not None:
+            _check_saved(got["saved"], ref["saved"], whole, rank)
+        if case.opt == "adamw-resumed":
+            assert "dropped when another optimizer stepped" in got["dropped"], got["dropped"]
+    if case.opt in ONE_OWNER:
+        owned = [got["owned"] for got in ranks]
+        assert owned[0] == ranks[0]["params"] and not owned[1], [len(o) for o in owned]
+    elif case.opt not in ELEMENTWISE:
         # every parameter of a whole-matrix optimizer owned by exactly one rank of those holding
         # it, and every rank owns some (on pp=2 the ranks hold different stages)
         owned = [got["owned"] for got in ranks]
         assert all(owned), f"a rank owns nothing: {[len(o) for o in owned]}"
         if mesh.pp == 1:
             assert not (owned[0] & owned[1]), owned[0] & owned[1]
-            stepped = ranks[0]["params"] if case.opt in ("adafactor", "adafactor-named", "normalized") else \
+            stepped = ranks[0]["params"] if case.opt in ("adafactor", "adafactor-named", "normalized", "scaled",
+                                                         "adafactor-added", "adafactor-resumed") else \
                 {n for n in ranks[0]["params"] if len(ref["state"][n].shape) == 2}
             assert owned[0] | owned[1] == stepped
         else:
             assert owned[0] == ranks[0]["params"] and owned[1] == ranks[1]["params"]
+
+
+def _check_saved(saved: dict, ref: dict, whole: bool, rank: int) -> None:
+    """The user's optimizer's state_dict after step 2 against the one-process optimizer's: under
+    zero=1/2 every parameter's state, shaped like the rank's parameter (here, with dp alone, the
+    whole one); for whole matrices the parameters this rank steps, whole (both ranks together:
+    every parameter)."""
+    assert saved and (whole or set(saved) == set(ref)), (sorted(saved), sorted(ref))
+    worst, where = 0.0, ""
+    for n, st in saved.items():
+        assert set(st) == set(ref[n]), (n, sorted(st), sorted(ref[n]))
+        for k, v in st.items():
+            r = ref[n][k]
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                assert v.shape == r.shape, (n, k, v.shape, r.shape)
+                scale = r.abs().max().item() or 1.0
+                d = (v.double() - r.double()).abs().max().item() / scale
+                if d > worst:
+                    worst, where = d, f"{n} {k}"
+            else:
+                assert float(v) == float(r), (n, k, v, r)
+    print(f"rank {rank}: state_dict of {len(saved)} parameters, largest difference {worst:.2e} of the largest value ({where})")
+    assert worst < 1e-5, worst
 
 
 def test_one_process_and_refusals(tmp_path):
@@ -238,6 +349,12 @@ def test_one_process_and_refusals(tmp_path):
     class MyAdam(torch.optim.Adam):      # a subclass may change the update: whole matrices
         pass
     assert "whole matrices" in prog.optimizer_mode(MyAdam(prog.parameters()))[0]
+    assert "not declared" in prog.optimizer_mode(MyAdam(prog.parameters()))[0]
+    declared = fxtron.optimizer_reads(MyAdam(prog.parameters()), "element")     # elementwise after all: its pieces
+    assert "elementwise" in prog.optimizer_mode(declared)[0]
+    assert "whole model" in prog.optimizer_mode(fxtron.optimizer_reads(MyAdam(prog.parameters()), "all"))[0]
+    with pytest.raises(fxtron.ParallelizeError, match="reads is one of 'element'"):
+        fxtron.optimizer_reads(MyAdam(prog.parameters()), "whole")
     prog.train_step(args, ada, kwargs=kwargs)
     assert not ada.state and rank_bytes(prog, ada)["optimizer_bytes"] > 0     # held by fxtron's owner optimizer
     with pytest.raises(fxtron.ParallelizeError, match="Adafactor steps whole matrices"):

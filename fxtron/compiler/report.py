@@ -789,7 +789,8 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
     if mesh.world_size > 1:
         head += ("\noptimizer: SGD, Adam, AdamW and the other elementwise torch optimizers step each rank's pieces; "
                  "Adafactor, Muon and any other class step whole matrices, each gathered to an owner rank "
-                 "(prog.optimizer_mode(opt))")
+                 "(prog.optimizer_mode(opt)); a class fxtron does not know is stepped per parameter and warned of "
+                 "unless fxtron.optimizer_reads(opt, 'element' | 'parameter' | 'all') says what its update reads")
     per = "microbatch" if config.pipeline.microbatches > 1 else "step"
     # the graphs' collectives: over tp, cp, ep, and over dp where the model's batch math is (passes/statistics.py)
     over = [a for a in ("tp", "cp", "ep") if getattr(mesh, a) > 1]

@@ -15,6 +15,22 @@ spread over them by size -- steps the whole tensor with a private optimizer of t
 class and hyperparameters (copied from the user's groups before every step: a schedule's lr
 is followed), and the new value is broadcast back, each rank keeping its piece. Its state
 lives on the owner alone. `LBFGS` (a closure, all parameters one vector) is refused.
+
+What an update reads decides where it can run, and fxtron cannot see it in a class it does not
+know: `optimizer_reads(opt, reads)` (or a class attribute `fxtron_reads`) says it. "element"
+steps the rank's pieces (a user's Lion); "parameter" (Adafactor, Muon: known) steps each
+parameter whole on its owner; "all" -- an update that reads several parameters at once (a norm
+over every gradient, Prodigy's and D-Adaptation's sums) -- steps every parameter on one rank of
+the stage, and is refused under pp (each stage's ranks hold only their stage's parameters). A
+class not declared is stepped per parameter with a ParallelizeWarning (strict: an error) where
+more than one rank steps: per parameter would silently change an update that reads several.
+
+The user's optimizer stays the one to save and load: under zero=1/2 and for whole-matrix
+optimizers its state lives in fxtron's optimizer over the shards or the owned tensors, and
+`opt.state_dict()` reports that state (zero=1/2: each parameter's, shaped like the rank's
+parameter, gathered over data parallel -- a collective every rank of the group calls;
+whole matrices: the whole tensors' state of the parameters this rank steps), and
+`opt.load_state_dict(sd)` gives it back at the next step (`speak_for`, `loaded_state`).
 """
 from __future__ import annotations
 
@@ -24,7 +40,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from fxtron.errors import ParallelizeError, warn_or_raise
+from fxtron.errors import CompileError, ParallelizeError, warn_or_raise
 from fxtron.ops import ledger
 
 #: the torch optimizers whose update of each element reads only that element (its gradient, its
@@ -34,6 +50,17 @@ from fxtron.ops import ledger
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
                torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop,
                torch.optim.Rprop, torch.optim.ASGD)
+
+#: torch's optimizers that read the whole of a parameter, and only that parameter, to update it
+PER_PARAMETER = (torch.optim.Adafactor, torch.optim.Muon)
+
+#: what an optimizer's update of a parameter reads (optimizer_reads)
+READS = {"element": "each element's update reads only that element's gradient, value and state (SGD, AdamW, Lion): "
+                    "stepped on the rank's pieces",
+         "parameter": "each parameter's update reads the whole parameter and no other (Adafactor, Muon, Shampoo): "
+                      "stepped whole on an owner rank, owners spread",
+         "all": "an update reads several parameters (a norm over every gradient; Prodigy's and D-Adaptation's sums): "
+                "every parameter stepped on one rank"}
 
 #: optimizers fxtron cannot place, and why
 REFUSED = {torch.optim.LBFGS: "its step re-evaluates the model through a closure and treats every parameter "
@@ -46,17 +73,51 @@ def optimizers(optimizer) -> list[torch.optim.Optimizer]:
     return list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
 
 
+def optimizer_reads(optimizer: torch.optim.Optimizer, reads: str) -> torch.optim.Optimizer:
+    """Declare what `optimizer`'s update of a parameter reads -- "element", "parameter" or "all"
+    (READS) -- for a class fxtron does not know; returns the optimizer. A class may say it
+    itself: `fxtron_reads = "all"`."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ParallelizeError(f"optimizer_reads takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if reads not in READS:
+        raise ParallelizeError(f"optimizer_reads(..., {reads!r}): reads is one of " + "; ".join(
+            f"{k!r}: {v}" for k, v in READS.items()))
+    optimizer.fxtron_reads = reads
+    return optimizer
+
+
+def reads(optimizer: torch.optim.Optimizer) -> str | None:
+    """What `optimizer`'s update reads (READS): declared, known, or None (a class fxtron does
+    not know, not declared)."""
+    declared = getattr(optimizer, "fxtron_reads", None)
+    if declared is not None:
+        if declared not in READS:
+            raise ParallelizeError(f"{type(optimizer).__name__}.fxtron_reads = {declared!r}: it is one of "
+                                   f"{', '.join(map(repr, READS))}")
+        return declared
+    if type(optimizer) in ELEMENTWISE:
+        return "element"
+    if type(optimizer) in PER_PARAMETER:
+        return "parameter"
+    return None
+
+
 def elementwise(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer` steps the rank's pieces as they are (module docstring)."""
-    return type(optimizer) in ELEMENTWISE
+    return reads(optimizer) == "element"
 
 
 def mode(optimizer: torch.optim.Optimizer) -> str:
     """A line: how fxtron steps `optimizer`."""
     name = type(optimizer).__name__
-    if elementwise(optimizer):
+    how = reads(optimizer)
+    if how == "element":
         return f"{name}: elementwise, each rank steps its own pieces"
-    return f"{name}: whole matrices, each parameter gathered to an owner rank that steps it and sends it back"
+    if how == "all":
+        return f"{name}: whole model, every parameter gathered to one rank that steps them all and sends them back"
+    line = f"{name}: whole matrices, each parameter gathered to an owner rank that steps it and sends it back"
+    return line if how else line + (" (not declared: right if each parameter's update reads that parameter alone; "
+                                    "fxtron.optimizer_reads)")
 
 
 def zero_grad(optimizer) -> None:
@@ -141,13 +202,19 @@ def check_optimizer(prog, optimizer) -> None:
             "groups")
 
 
+#: what torch.optim.Optimizer itself keeps on an instance (its groups, state and hooks)
+_BOOKKEEPING = frozenset(vars(torch.optim.Optimizer([torch.nn.Parameter(torch.zeros(1))], {})))
+
+
 def rebuild(template: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
     """An optimizer of `template`'s class over `groups` (each with every hyperparameter), built
     with the template's constructor settings: its `defaults`, which torch's optimizers fill from
     every constructor argument (a user's class from those it passes to Optimizer.__init__),
     those its constructor takes. Some settings act only in the constructor (Adagrad's
     initial_accumulator_value fills its state there), and a class may require them (an `lr`
-    without a default)."""
+    without a default). Then every attribute of the template's own that is not torch's
+    bookkeeping (groups, state, hooks) is the template's: a setting a user's constructor keeps
+    outside `defaults` (`self.scale = scale`) is the one the user gave, not the default."""
     cls = type(template)
     try:
         takes = inspect.signature(cls.__init__).parameters
@@ -155,7 +222,53 @@ def rebuild(template: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.
         takes = {}
     anything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in takes.values())
     kwargs = {k: v for k, v in template.defaults.items() if k != "params" and (anything or k in takes)}
-    return cls(groups, **kwargs)
+    made = cls(groups, **kwargs)
+    for k, v in vars(template).items():
+        if k not in _BOOKKEEPING and not k.startswith("_fxtron"):
+            setattr(made, k, v)
+    return made
+
+
+# ---------------------------------------------------------------------- the user's optimizer's state
+def speak_for(template: torch.optim.Optimizer, holder) -> None:
+    """`template.state_dict()` reports the state `holder` keeps for it -- the distributed
+    optimizer (runtime/zero.py) or a WholeMatrices -- (`holder.template_state()`: its
+    parameters' state, by parameter), and `template.load_state_dict` marks what it loads for
+    `holder` to take at the next step (loaded_state). torch's own hooks on the instance."""
+    vars(template)["_fxtron_holder"] = holder
+    if not vars(template).get("_fxtron_hooked"):
+        template.register_state_dict_post_hook(_report_state)
+        template.register_load_state_dict_post_hook(_mark_loaded)
+        vars(template)["_fxtron_hooked"] = True
+
+
+def _report_state(optimizer: torch.optim.Optimizer, sd: dict) -> dict:
+    holder = vars(optimizer).get("_fxtron_holder")
+    if optimizer.state or vars(optimizer).get("_fxtron_loaded"):
+        return sd                          # loaded and not yet taken: what was loaded
+    if holder.template is not optimizer:
+        raise ParallelizeError(f"this {type(optimizer).__name__}'s state was dropped when another optimizer stepped "
+                               "the same program (fxtron keeps one optimizer's state per program under zero=1/2): "
+                               "save the state before switching optimizers")
+    index = {id(p): i for g, packed in zip(optimizer.param_groups, sd["param_groups"])
+             for p, i in zip(g["params"], packed["params"])}
+    sd["state"] = {index[id(p)]: st for p, st in holder.template_state().items()}
+    return sd
+
+
+def _mark_loaded(optimizer: torch.optim.Optimizer) -> None:
+    vars(optimizer)["_fxtron_loaded"] = True
+
+
+def loaded_state(template: torch.optim.Optimizer) -> dict | None:
+    """The state a `load_state_dict` (or a user) put into `template` since fxtron last stepped
+    it, by parameter -- taken out of the template, whose own state stays empty -- or None."""
+    if not template.state and not vars(template).pop("_fxtron_loaded", False):
+        return None
+    vars(template).pop("_fxtron_loaded", None)
+    state = dict(template.state)
+    template.state.clear()
+    return state
 
 
 def build_optimizer(prog, cls: type, params, **kwargs) -> torch.optim.Optimizer:
@@ -261,15 +374,38 @@ class WholeMatrices:
 
     def __init__(self, prog, template: torch.optim.Optimizer):
         self.prog, self.template = prog, template
+        self.reads = reads(template) or "parameter"
         groups = prog.groups
-        names = {id(p): n for n, p in prog.named_parameters()}
-        zero_kind = {}
+        name = type(template).__name__
+        if groups is not None and self.reads == "all" and groups.mesh.pp > 1:
+            raise ParallelizeError(
+                f"{name} reads every parameter to update each (declared 'all'), and under pp={groups.mesh.pp} each "
+                "stage's ranks hold only their stage's parameters: no rank can step them all; train with pp=1, or "
+                "with an optimizer whose update reads one parameter at a time")
+        if groups is not None and reads(template) is None and groups.mesh.world_size > 1:
+            warn_or_raise(
+                f"{name} is an optimizer fxtron does not know: it steps each parameter whole on an owner rank, as "
+                "in one process only if each parameter's update reads that parameter alone; an update that reads "
+                "several (a norm over every gradient, Prodigy's sums) would silently differ",
+                strict=prog.config.debug.strict,
+                fix="; declare what it reads: fxtron.optimizer_reads(opt, 'parameter' | 'all' | 'element')",
+                advice=" (fxtron.optimizer_reads(opt, 'parameter' | 'all' | 'element') says it)", stacklevel=4)
+        self._zero_kind = {}
         if prog.zero is not None:
-            zero_kind = {n: kind for kind, buf in prog.grads.buffers.items() for n in buf.offsets}
+            self._zero_kind = {n: kind for kind, buf in prog.grads.buffers.items() for n in buf.offsets}
+        self._load: dict[tuple, list[int]] = {}      # bytes owned so far by each rank of each set of axes
         self.pieces: list[list[_Piece]] = []
-        load: dict[tuple, list[int]] = {}
-        order = []
-        for g in template.param_groups:
+        self.inner: torch.optim.Optimizer | None = None
+        self._add(template.param_groups)
+        speak_for(template, self)
+
+    def _add(self, param_groups: list[dict]) -> None:
+        """Place the parameters of `param_groups` (the template's, at the first step or added
+        since) on owner ranks, and add their groups to the inner optimizer."""
+        prog, groups = self.prog, self.prog.groups
+        names = {id(p): n for n, p in prog.named_parameters()}
+        rows = []
+        for g in param_groups:
             row = []
             for p in g["params"]:
                 n = names[id(p)]
@@ -281,25 +417,26 @@ class WholeMatrices:
                     if spec is not None and spec.flat is not None:
                         dp = spec.flat.group or spec.grad_group      # zero=3: its flat pieces
                     else:       # zero=1/2: its buffer's shards; without: copies, one of which steps it
-                        dp = zero_kind.get(n) or (spec.grad_group if spec is not None else "dp")
+                        dp = self._zero_kind.get(n) or (spec.grad_group if spec is not None else "dp")
                     if groups.size(dp) > 1:
                         axes.append(dp)
                 row.append(_Piece(n, p, spec, axes))
-                order.append(row[-1])
-            self.pieces.append(row)
-        # owners: the largest tensors first, each to the least loaded of the ranks holding it
-        for piece in sorted(order, key=lambda x: -x.numel):
-            sizes = [groups.size(a) for a in piece.axes]
-            counts = load.setdefault(tuple(piece.axes), [0] * math.prod(sizes))
-            k = min(range(len(counts)), key=lambda i: counts[i])
-            counts[k] += piece.numel
-            coords = []
-            for size in reversed(sizes):
-                coords.append(k % size)
-                k //= size
-            piece.owner = tuple(reversed(coords))
+            rows.append(row)
+        if self.reads == "all":
+            self._one_owner([x for row in rows for x in row])
+        else:       # the largest tensors first, each to the least loaded of the ranks holding it
+            for piece in sorted((x for row in rows for x in row), key=lambda x: -x.numel):
+                sizes = [groups.size(a) for a in piece.axes]
+                counts = self._load.setdefault(tuple(piece.axes), [0] * math.prod(sizes))
+                k = min(range(len(counts)), key=lambda i: counts[i])
+                counts[k] += piece.numel
+                coords = []
+                for size in reversed(sizes):
+                    coords.append(k % size)
+                    k //= size
+                piece.owner = tuple(reversed(coords))
         inner_groups = []
-        for g, row in zip(template.param_groups, self.pieces):
+        for g, row in zip(param_groups, rows):
             mine = []
             for piece in row:
                 if self._mine(piece):
@@ -307,7 +444,56 @@ class WholeMatrices:
                     piece.full = torch.zeros(shape, dtype=piece.param.dtype, device=piece.param.device)
                     mine.append(piece.full)
             inner_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": mine})
-        self.inner = rebuild(template, inner_groups)
+        if self.inner is None:
+            self.inner = rebuild(self.template, inner_groups)
+        else:
+            for g in inner_groups:
+                self.inner.add_param_group(g)
+        self.pieces += rows
+
+    def _one_owner(self, pieces: list[_Piece]) -> None:
+        """reads="all": every parameter owned by the stage's first rank (index 0 of each of
+        its groups), which must then hold each parameter or receive it whole."""
+        groups = self.prog.groups
+        if groups is None:
+            return
+        ranks = groups.mesh.world_size // groups.mesh.pp
+        for piece in pieces:
+            held = math.prod(groups.size(a) for a in piece.axes)
+            if held != ranks:
+                raise ParallelizeError(
+                    f"{type(self.template).__name__} steps every parameter on one rank (declared 'all'), but "
+                    f"{piece.name} is held by {held} of the stage's {ranks} ranks in a way fxtron cannot gather to "
+                    "one: declare 'parameter' if each update reads one parameter, or train on a smaller mesh")
+            piece.owner = (0,) * len(piece.axes)
+        mine = {self._mine(x) for x in pieces + [x for row in self.pieces for x in row]}
+        if len(mine) > 1:
+            raise CompileError(f"rank {groups.rank}: the one owner of {type(self.template).__name__}'s parameters "
+                               "is not the same rank for all of them (a group layout fxtron does not expect)")
+
+    def template_state(self) -> dict:
+        """The state of the parameters this rank steps, whole, by the template's parameter."""
+        return {x.param: dict(self.inner.state[x.full]) for row in self.pieces for x in row
+                if x.full is not None and x.full in self.inner.state}
+
+    def _take_loaded(self) -> None:
+        """A state the user loaded into the template (its load_state_dict) replaces the owned
+        tensors' state: each parameter's must have been saved by the rank that steps it now."""
+        loaded = loaded_state(self.template)
+        if loaded is None:
+            return
+        by_param = {id(x.param): x for row in self.pieces for x in row}
+        self.inner.state.clear()
+        for p, st in loaded.items():
+            piece = by_param.get(id(p))
+            if piece is None:
+                continue
+            if piece.full is None:
+                raise ParallelizeError(
+                    f"the state loaded into {type(self.template).__name__} holds {piece.name}'s, which rank "
+                    f"{self.prog.groups.rank} does not step (each rank's state_dict holds the whole state of the "
+                    "parameters it steps): load each rank's own state_dict, saved on the same mesh")
+            self.inner.state[piece.full] = dict(st)
 
     def _mine(self, piece: _Piece) -> bool:
         groups = self.prog.groups
@@ -323,10 +509,14 @@ class WholeMatrices:
         """Gather each parameter's whole gradient and value, step the owned ones, send each
         back from its owner; every rank keeps its piece."""
         prog, groups = self.prog, self.prog.groups
-        if [[id(p) for p in g["params"]] for g in self.template.param_groups] != \
-                [[id(x.param) for x in row] for row in self.pieces]:
+        now = [[id(p) for p in g["params"]] for g in self.template.param_groups]
+        if now[:len(self.pieces)] != [[id(x.param) for x in row] for row in self.pieces]:
             raise ParallelizeError(f"the param groups of {type(self.template).__name__} changed after its first "
-                                   "step; fxtron placed its parameters on owner ranks then: build a new optimizer")
+                                   "step (other than add_param_group); fxtron placed its parameters on owner ranks "
+                                   "then: build a new optimizer")
+        if len(now) > len(self.pieces):        # add_param_group: unfreezing in stages
+            self._add(self.template.param_groups[len(self.pieces):])
+        self._take_loaded()
         for mine, theirs in zip(self.inner.param_groups, self.template.param_groups):
             for k, v in theirs.items():
                 if k != "params":
@@ -385,5 +575,6 @@ class WholeMatrices:
                    for t in st.values() if isinstance(t, torch.Tensor))
 
 
-__all__ = ["ELEMENTWISE", "REFUSED", "WholeMatrices", "build_optimizer", "check_optimizer", "elementwise", "held_state",
-           "mode", "optimizer_step", "optimizers", "whole_matrices", "zero_grad"]
+__all__ = ["ELEMENTWISE", "PER_PARAMETER", "READS", "REFUSED", "WholeMatrices", "build_optimizer", "check_optimizer",
+           "elementwise", "held_state", "loaded_state", "mode", "optimizer_reads", "optimizer_step", "optimizers", "reads",
+           "speak_for", "whole_matrices", "zero_grad"]

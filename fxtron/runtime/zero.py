@@ -19,7 +19,10 @@ sharded over its own group the same way, and one optimizer steps the shards of b
 
 The user's optimizer is a template: its class, defaults and param groups (hyperparameters,
 which parameters are in which group) are mirrored onto the shards, and its groups' current
-hyperparameters (an lr schedule's lr, say) are copied over before every step.
+hyperparameters (an lr schedule's lr, say) are copied over before every step. Its
+`state_dict()` reports the shards' state gathered into each parameter's (`template_state`, a
+collective over data parallel), and a state loaded into it replaces the shards' at the next
+step (runtime/optim.py speak_for).
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from torch import nn
 from fxtron.core.records import ZERO_WAITED
 from fxtron.errors import ParallelizeError
 from fxtron.ops import ledger
-from fxtron.runtime.optim import rebuild
+from fxtron.runtime.optim import loaded_state, rebuild, speak_for
 from fxtron.runtime.precision import compute_copy
 
 
@@ -146,6 +149,7 @@ class ZeroOne:
         if self._inner is None or self._template is not template:
             self._inner = rebuild(template, [shard_group(g) for g in template.param_groups])
             self._template, self._layout = template, layout
+            speak_for(template, self)
         elif layout != self._layout:
             # groups added since (add_param_group: unfreezing in stages) join the shards' optimizer;
             # any other change of the groups would leave its state on the wrong shards
@@ -156,7 +160,20 @@ class ZeroOne:
             for g in template.param_groups[len(self._layout):]:
                 self._inner.add_param_group(shard_group(g))
             self._layout = layout
+        loaded = loaded_state(template)      # (the user's load_state_dict: replaces the shards' state)
+        if loaded is not None:
+            self._inner.state.clear()
+            self._set_state({names[id(p)]: st for p, st in loaded.items() if id(p) in names})
         return self.shards
+
+    @property
+    def template(self) -> torch.optim.Optimizer | None:
+        """The user's optimizer the shards' optimizer mirrors."""
+        return self._template
+
+    def template_state(self) -> dict:
+        """Each parameter's state shaped like it, by the template's parameter (gathered_state)."""
+        return {self.params[n]: st for n, st in self.gathered_state().items()}
 
     @property
     def bytes_gathered(self) -> int:
@@ -297,21 +314,31 @@ class ZeroOne:
     def load_state(self, template: torch.optim.Optimizer, state: dict[str, dict]) -> None:
         """Set the shards' optimizer state from per-parameter state (a loaded checkpoint)."""
         self.optimizer_for(template)
-        for s, (part, n, lo, hi) in zip(self.shards, self.pieces):
-            if n not in state:
-                continue
-            off, _ = part.buf.offsets[n]
-            st = {}
-            for k, v in state[n].items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    st[k] = v.reshape(-1)[lo - off:hi - off].clone()
-                else:
-                    st[k] = v.clone() if isinstance(v, torch.Tensor) else v
-            self._inner.state[s] = st
+        self._set_state(state)
         for mine, theirs in zip(self._inner.param_groups, template.param_groups):
             for k, v in theirs.items():
                 if k != "params":
                     mine[k] = v
+
+    def _set_state(self, state: dict[str, dict]) -> None:
+        """Each shard's piece of its parameter's state (`state`: by name, shaped like the
+        parameter; a tensor of another size is a ParallelizeError, not a misplaced slice)."""
+        for s, (part, n, lo, hi) in zip(self.shards, self.pieces):
+            if n not in state:
+                continue
+            off, k = part.buf.offsets[n]
+            st = {}
+            for key, v in state[n].items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    if v.numel() != k:
+                        raise ParallelizeError(
+                            f"optimizer state {key!r} of {n} has shape {tuple(v.shape)}, and the parameter here "
+                            f"{tuple(self.params[n].shape)}: a state saved on another layout (tp, ep) loads through "
+                            "prog.save / prog.load, which reshard it")
+                    st[key] = v.reshape(-1)[lo - off:hi - off].clone()
+                else:
+                    st[key] = v.clone() if isinstance(v, torch.Tensor) else v
+            self._inner.state[s] = st
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds."""
