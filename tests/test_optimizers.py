@@ -13,8 +13,18 @@ control. Muon's
 orthogonalization is float32 here (tests/optimizer_models.py: torch's runs in bfloat16, whose
 rounding turns float32 noise into 1e-3 differences that would hide a wrong layout); torch's own
 Muon is held to that bfloat16 bound. Owners are spread: every rank steps some parameters, each
-parameter exactly one rank of those holding it. LBFGS, two optimizers sharing a parameter and a
-checkpoint of a whole-matrix optimizer's state are refused by name, before any weight changes.
+parameter exactly one rank of those holding it. LBFGS and two optimizers sharing a parameter are
+refused by name, before any weight changes.
+
+What an update reads (runtime/optim.py optimizer_reads): an update that reads every gradient's
+norm, undeclared, is stepped per parameter and warned of (and differs from one process: the
+warning is earned); declared "all", every parameter is stepped on one rank and equals one
+process at dp=2, zero=1, zero=3 and tp=2, and is refused under pp. A setting a user's
+constructor keeps as an attribute reaches fxtron's private optimizer; add_param_group after the
+first step joins a whole-matrix optimizer. The user's own state_dict() after 2 steps -- under
+zero=1/2 gathered from the shards, for whole matrices each rank's owned tensors -- equals the
+one-process optimizer's state and, loaded into a new optimizer, resumes the run exactly.
+Checkpoints hold whole-matrix optimizers' state and resume it on another mesh.
 """
 from __future__ import annotations
 
@@ -24,8 +34,9 @@ import pytest
 import torch
 
 import fxtron
+from fxtron.runtime.groups import init_distributed
 from fxtron.runtime.memory import rank_bytes
-from fxtron.tools.testing import cases_fixture, max_abs_diff, ranks_of
+from fxtron.tools.testing import cases_fixture, max_abs_diff, ranks_of, run_on_ranks
 from optimizer_models import DeclaredGlobalNormSGD, Float32Muon, GlobalNormSGD, NormalizedSGD, ScaledNormSGD
 from fxtron.models.moe import MoEConfig, MoETransformer
 from tp_models import batches, make
@@ -326,6 +337,65 @@ def _check_saved(saved: dict, ref: dict, whole: bool, rank: int) -> None:
     assert worst < 1e-5, worst
 
 
+#: checkpoints of whole-matrix optimizers, saved after 2 steps on one mesh and loaded on another
+#: for the third: Muon (float32) on the matrices and AdamW on the rest, as a list, tp=2 -> zero=1
+#: (the owners differ: each parameter's state read whole by whichever rank steps it now); Adafactor
+#: zero=3 (flat pieces) -> tp=2
+CKPT = [("muon32", fxtron.Mesh(2, tp=2), {}, fxtron.Mesh(2), dict(zero=1)),
+        ("adafactor", fxtron.Mesh(2), dict(zero=3), fxtron.Mesh(2, tp=2), {})]
+
+
+def _ckpt_job(rank: int, root: str) -> list:
+    out = []
+    items = _batches("gpt")
+    for i, (opt, save_mesh, save_kw, load_mesh, load_kw) in enumerate(CKPT):
+        path = f"{root}/{i}"
+        init_distributed(save_mesh)
+        prog = fxtron.parallelize(_model("gpt"), save_mesh, example_inputs=items[0][0], **save_kw).program(rank)
+        opts = _optimizers(opt, prog.named_parameters(), prog.original_shape, prog.build_optimizer)
+        for step, (args, kwargs) in enumerate(items[:2]):
+            _with_lr(opts, step)
+            prog.train_step(args, opts if len(opts) > 1 else opts[0], kwargs=kwargs)
+        prog.save(path, opts)
+        init_distributed(load_mesh)
+        prog = fxtron.parallelize(_model("gpt"), load_mesh, example_inputs=items[0][0], **load_kw).program(rank)
+        opts = _optimizers(opt, prog.named_parameters(), prog.original_shape, prog.build_optimizer)
+        prog.load(path, opts if len(opts) > 1 else opts[0])
+        _with_lr(opts, 2)
+        loss = prog.train_step(items[2][0], opts if len(opts) > 1 else opts[0], kwargs=items[2][1])
+        out.append({"loss": loss, "state": {k: v.detach().clone() for k, v in prog.full_state_dict().items()}})
+    return out
+
+
+@pytest.mark.slow
+def test_whole_matrix_optimizers_resume_from_checkpoints_on_another_mesh(tmp_path):
+    """The state of a whole-matrix optimizer is saved whole by the rank that steps each parameter
+    and read whole by the one that steps it on the loading mesh: the resumed third step equals
+    the uninterrupted one-process run; read in one process, the checkpoint's state is the
+    one-process optimizer's after 2 steps."""
+    got = run_on_ranks(_ckpt_job, fxtron.Mesh(2), str(tmp_path), timeout_s=600)
+    for i, (opt, save_mesh, save_kw, load_mesh, load_kw) in enumerate(CKPT):
+        ref = _ref(opt, "gpt")
+        for rank in range(2):
+            r = got[rank][i]
+            dw, where = max_abs_diff(r["state"], {k: v for k, v in ref["state"].items() if k in r["state"]})
+            print(f"{opt} {save_mesh} {save_kw} -> {load_mesh} {load_kw} rank {rank}: loss "
+                  f"{abs(r['loss'] - ref['losses'][2]):.2e}, weights {dw:.2e} ({where})")
+            assert abs(r["loss"] - ref["losses"][2]) < 2e-5
+            assert dw < 1e-5, (where, dw)
+        full = fxtron.load_full_state_dict(str(tmp_path / str(i)), optimizer=True)
+        saved = {n: {k[len(f"optim/{n}/"):]: v for k, v in full.items() if k.startswith(f"optim/{n}/")}
+                 for n in ref["saved"]}
+        worst = 0.0
+        for n, st in ref["saved"].items():        # (the first optimizer's: Muon's, Adafactor's)
+            assert set(saved[n]) == set(st), (n, sorted(saved[n]), sorted(st))
+            for k, v in st.items():
+                scale = v.abs().max().item() or 1.0
+                worst = max(worst, (saved[n][k].double() - v.double()).abs().max().item() / scale)
+        print(f"{opt}: the checkpoint's state of {len(saved)} parameters within {worst:.2e} of one process's")
+        assert worst < 1e-5
+
+
 def test_one_process_and_refusals(tmp_path):
     model = make("gpt")
     args, kwargs = batches("gpt", 8, [16], seed=10)[0]
@@ -357,8 +427,9 @@ def test_one_process_and_refusals(tmp_path):
         fxtron.optimizer_reads(MyAdam(prog.parameters()), "whole")
     prog.train_step(args, ada, kwargs=kwargs)
     assert not ada.state and rank_bytes(prog, ada)["optimizer_bytes"] > 0     # held by fxtron's owner optimizer
-    with pytest.raises(fxtron.ParallelizeError, match="Adafactor steps whole matrices"):
-        prog.save(str(tmp_path / "ckpt"), ada)
+    prog.save(str(tmp_path / "ckpt"), ada)
+    with pytest.raises(fxtron.ParallelizeError, match="holds a whole-matrix optimizer's state of .*AdamW is not"):
+        prog.load(str(tmp_path / "ckpt"), torch.optim.AdamW(prog.parameters()))
     with pytest.raises(fxtron.ParallelizeError, match="not the program's|are not"):
         prog.build_optimizer(torch.optim.Muon, [torch.nn.Parameter(torch.zeros(4, 4))])
     summary = fxtron.parallelize(make("gpt"), fxtron.Mesh(2, tp=2), example_inputs=args).summary()

@@ -473,8 +473,26 @@ class WholeMatrices:
 
     def template_state(self) -> dict:
         """The state of the parameters this rank steps, whole, by the template's parameter."""
-        return {x.param: dict(self.inner.state[x.full]) for row in self.pieces for x in row
-                if x.full is not None and x.full in self.inner.state}
+        return {x.param: dict(self.inner.state[x.full]) for x in self.owned() if x.full in self.inner.state}
+
+    def owned(self) -> list[_Piece]:
+        """The parameters this rank steps."""
+        return [x for row in self.pieces for x in row if x.full is not None]
+
+    def owned_state(self) -> dict[str, dict]:
+        """The state of the parameters this rank steps, whole, by name (for checkpoints); a state
+        loaded into the template and not yet taken in is taken first."""
+        self._take_loaded()
+        return {x.name: dict(self.inner.state[x.full]) for x in self.owned() if x.full in self.inner.state}
+
+    def load_owned(self, state: dict[str, dict]) -> None:
+        """The owned parameters' state from a checkpoint (whole tensors by name), replacing theirs."""
+        loaded_state(self.template)          # (anything loaded into the template before is superseded)
+        self.inner.state.clear()
+        for x in self.owned():
+            if x.name in state:
+                self.inner.state[x.full] = {k: v.to(x.full.device) if isinstance(v, torch.Tensor) else v
+                                            for k, v in state[x.name].items()}
 
     def _take_loaded(self) -> None:
         """A state the user loaded into the template (its load_state_dict) replaces the owned

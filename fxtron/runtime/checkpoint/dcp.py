@@ -11,8 +11,11 @@ program's own mesh and lets DCP read the overlapping pieces: a checkpoint saved 
 tp=2 x pp=2 loads at tp=4, at pp=1, or in one process (`load_full_state_dict`).
 
 Keys: "model/<param>", "model/<param>/part<j>", "optim/<param>/<state key>" (AdamW's exp_avg,
-exp_avg_sq, step), "optim_group/<param>" (the hyperparameters of the group that holds the
-parameter), buffers "buffer/<name>". The hyperparameters are kept per parameter because the
+exp_avg_sq, step), "optim_whole/<param>/<state key>" (a whole-matrix optimizer's state -- an
+Adafactor's factored moments, a Muon's momentum -- of the whole parameter, written by the rank
+that steps it and read by whichever rank steps it on the loading mesh), "optim_group/<param>"
+(the hyperparameters of the group that holds the parameter), buffers "buffer/<name>". The
+optimizer may be a list (Muon on the matrices and AdamW on the rest). The hyperparameters are kept per parameter because the
 ranks' groups differ (a pipeline stage may hold none of a group's parameters, and torch's
 groups are a list by position): a group loaded takes the values its parameters were saved with,
 whatever the saving and loading meshes. (A checkpoint written before kept one rank's list under
@@ -134,23 +137,26 @@ def _unpack(prog, name: str, entries: dict, prefix: str) -> torch.Tensor:
 
 
 def _optimizer_state(prog, optimizer) -> dict[str, dict[str, torch.Tensor]]:
-    """Per parameter name, its optimizer state shaped like the rank's local parameter."""
-    if prog.zero is not None:
+    """Per parameter name, an elementwise optimizer's state shaped like the rank's local
+    parameter (under zero=1/2 the distributed optimizer's, gathered over data parallel)."""
+    if prog.zero is not None and prog.zero.template is optimizer:
         return prog.zero.gathered_state()
     names = {id(p): n for n, p in prog.named_parameters()}
     return {names[id(p)]: dict(st) for p, st in optimizer.state.items() if id(p) in names}
 
 
 def _check_optimizer(optimizer) -> None:
-    """ParallelizeError for an optimizer whose state a checkpoint cannot hold: one that steps
-    whole matrices on owner ranks (runtime/optim.py: its state is not the rank's optimizer's)."""
+    """ParallelizeError for what is not an optimizer or a list of them."""
     if optimizer is None:
         return
-    if isinstance(optimizer, (list, tuple)) or not optim.elementwise(optimizer):
-        name = ", ".join(type(o).__name__ for o in optim.optimizers(optimizer))
-        raise ParallelizeError(f"checkpoints hold the state of one elementwise optimizer (SGD, Adam, AdamW, ...); "
-                               f"{name} steps whole matrices on owner ranks, whose state fxtron does not save yet: "
-                               "save without the optimizer (prog.save(path)) or train with an elementwise one")
+    opts = optim.optimizers(optimizer)
+    bad = [type(o).__name__ for o in opts if not isinstance(o, torch.optim.Optimizer)]
+    if bad or not opts:
+        raise ParallelizeError(f"a checkpoint's optimizer is a torch.optim.Optimizer or a list of them, got "
+                               f"{bad[0] if bad else 'an empty list'}")
+
+
+WHOLE = "optim_whole"           # "optim_whole/<param>/<key>": a whole-matrix optimizer's state of the whole parameter
 
 
 COMMIT = ".fxtron-complete"     # written last, by rank 0, once every rank's files are in
@@ -227,18 +233,23 @@ def _write(prog, path: str, optimizer, storage_writer, extra=None) -> None:
     for name, b in prog.named_buffers():
         if name in persistent:
             sd[f"buffer/{name}"] = b.detach()
-    if optimizer is not None:
-        for name, st in _optimizer_state(prog, optimizer).items():
-            p = dict(prog.named_parameters())[name]
-            for key, value in st.items():
-                if isinstance(value, torch.Tensor) and value.shape == p.shape and value.dim() > 0:
-                    sd.update(_entries(prog, name, prog.grads.local_of(name, value), mesh, f"optim/{name}/{key}"))
-                elif isinstance(value, torch.Tensor):
-                    sd[f"optim/{name}/{key}"] = value
-                else:
-                    sd[f"optim/{name}/{key}"] = _pack(value)
-        names = {id(p): n for n, p in prog.named_parameters()}
-        for g in optimizer.param_groups:
+    names = {id(p): n for n, p in prog.named_parameters()}
+    for o in optim.optimizers(optimizer) if optimizer is not None else ():
+        if not optim.elementwise(o):
+            for name, st in optim.whole_matrices(prog, o).owned_state().items():
+                for key, value in st.items():
+                    sd[f"{WHOLE}/{name}/{key}"] = value if isinstance(value, torch.Tensor) else _pack(value)
+        else:
+            for name, st in _optimizer_state(prog, o).items():
+                p = dict(prog.named_parameters())[name]
+                for key, value in st.items():
+                    if isinstance(value, torch.Tensor) and value.shape == p.shape and value.dim() > 0:
+                        sd.update(_entries(prog, name, prog.grads.local_of(name, value), mesh, f"optim/{name}/{key}"))
+                    elif isinstance(value, torch.Tensor):
+                        sd[f"optim/{name}/{key}"] = value
+                    else:
+                        sd[f"optim/{name}/{key}"] = _pack(value)
+        for g in o.param_groups:
             hyper = {k: v for k, v in g.items() if k != "params"}
             for p in g["params"]:
                 if id(p) in names:
@@ -398,14 +409,33 @@ def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
     if prog.scaler is not None and "scaler" in meta:
         sd["scaler"] = io.BytesIO()
     keys: dict[str, list[str]] = {}
+    opts = optim.optimizers(optimizer) if optimizer is not None else []
+    names = {id(p): n for n, p in params.items()}
+    kind = {names[id(p)]: o for o in opts for g in o.param_groups for p in g["params"] if id(p) in names}
+    owned: dict[str, tuple] = {}       # whole-matrix optimizers' parameters this rank steps: name -> (optimizer, piece)
+    for o in opts:
+        if not optim.elementwise(o):
+            owned.update((x.name, (o, x)) for x in optim.whole_matrices(prog, o).owned())
+    whole_keys: dict[str, list[str]] = {}
     if optimizer is not None:
         for key in meta:
             if key.startswith("optim/") and key != "optim/param_groups":
                 name, _, rest = key[len("optim/"):].rpartition("/")
                 if rest.startswith("part") and rest[4:].isdigit():
                     name, _, rest = name.rpartition("/")
-                if name in params and rest not in keys.setdefault(name, []):
+                if name in kind and not optim.elementwise(kind[name]):
+                    raise ParallelizeError(_other_kind(path, name, kind[name], "an elementwise optimizer's"))
+                if name in kind and rest not in keys.setdefault(name, []):
                     keys[name].append(rest)
+            elif key.startswith(f"{WHOLE}/"):
+                name, _, rest = key[len(WHOLE) + 1:].rpartition("/")
+                if name in kind and optim.elementwise(kind[name]):
+                    raise ParallelizeError(_other_kind(path, name, kind[name], "a whole-matrix optimizer's"))
+                if name in owned:
+                    whole_keys.setdefault(name, []).append(rest)
+                    m = meta[key]
+                    sd[key] = io.BytesIO() if not _is_tensor_meta(m) else torch.empty(
+                        m.size, dtype=m.properties.dtype, device=owned[name][1].param.device)
         for name, stkeys in keys.items():
             p = params[name]
             for k in stkeys:
@@ -456,12 +486,26 @@ def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
             else:
                 st[k] = sd[key]
         state[name] = st
-    _load_groups(optimizer, params, sd, path)
-    if prog.zero is not None:
-        prog.zero.load_state(optimizer, state)
-    else:
-        for name, st in state.items():
-            optimizer.state[params[name]] = st
+    for o in opts:
+        _load_groups(o, params, sd, path)
+        if not optim.elementwise(o):
+            optim.whole_matrices(prog, o).load_owned(
+                {name: {k: _unpack_obj(sd[f"{WHOLE}/{name}/{k}"]) if isinstance(sd[f"{WHOLE}/{name}/{k}"], io.BytesIO)
+                        else sd[f"{WHOLE}/{name}/{k}"] for k in ks}
+                 for name, ks in whole_keys.items() if owned[name][0] is o})
+            continue
+        mine = {name: st for name, st in state.items() if kind.get(name) is o}
+        if prog.zero is not None:
+            prog.zero.load_state(o, mine)
+        else:
+            for name, st in mine.items():
+                o.state[params[name]] = st
+
+
+def _other_kind(path: str, name: str, o, saved: str) -> str:
+    return (f"{path} holds {saved} state of {name}, and {type(o).__name__} is not that kind of optimizer (its state "
+            "has other keys and shapes): load with the optimizer the run saved with, or load without the "
+            "optimizer (prog.load(path)) and start its state afresh")
 
 
 def _load_groups(optimizer, params: dict[str, torch.Tensor], sd: dict, path: str) -> None:
@@ -623,8 +667,10 @@ def load_full_state_dict(path: str, optimizer: bool = False) -> dict[str, torch.
             out[k] = v
     for base, ps in parts.items():
         out[base] = torch.cat([ps[j] for j in sorted(ps)], dim=layout.get(base, 0))
+    # (a whole-matrix optimizer's state is the whole parameter's already: as one process keys it)
     return {k.split("/", 1)[1]: v for k, v in out.items() if k.startswith(("model/", "buffer/"))} | (
-        {k: v for k, v in out.items() if k.startswith("optim/")} if optimizer else {})
+        {k: v for k, v in out.items() if k.startswith("optim/")} |
+        {"optim/" + k[len(WHOLE) + 1:]: v for k, v in out.items() if k.startswith(f"{WHOLE}/")} if optimizer else {})
 
 
 def full_tensors(path: str) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], Callable]:
