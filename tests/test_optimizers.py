@@ -37,6 +37,7 @@ import fxtron
 from fxtron.runtime.groups import init_distributed
 from fxtron.runtime.memory import rank_bytes
 from fxtron.tools.testing import cases_fixture, max_abs_diff, ranks_of, run_on_ranks
+from fxtron import optimizer_reads
 from optimizer_models import DeclaredGlobalNormSGD, Float32Muon, GlobalNormSGD, NormalizedSGD, ScaledNormSGD
 from fxtron.models.moe import MoEConfig, MoETransformer
 from tp_models import batches, make
@@ -99,6 +100,13 @@ def _optimizers(opt: str, named, shape_of, build) -> list[torch.optim.Optimizer]
         return [build(GlobalNormSGD if opt == "global" else DeclaredGlobalNormSGD, [p for _, p in named], lr=LRS[0])]
     if opt == "scaled":              # a setting its constructor keeps outside `defaults`
         return [build(ScaledNormSGD, [p for _, p in named], lr=LRS[0], scale=3.0)]
+    if opt in ("adamw-sched", "adamw-peek"):    # an lr scheduler attached at once (_schedulers); opt.state read
+        return [build(torch.optim.AdamW, [p for _, p in named], lr=LRS[0] / 10, eps=1e-6, weight_decay=0.1)]
+    if opt in ("adafactor-sched", "adafactor-peek"):
+        return [build(torch.optim.Adafactor, [p for _, p in named], lr=LRS[0])]
+    if opt == "adagrad-whole":       # state made by the constructor, stepped whole (declared per parameter)
+        return [optimizer_reads(torch.optim.Adagrad([p for _, p in named], lr=LRS[0], initial_accumulator_value=0.1),
+                                "parameter")]
     if opt == "adamw-resumed":       # (_resume: the user's own state_dict / load_state_dict after step 2)
         return [build(torch.optim.AdamW, [p for _, p in named], lr=LRS[0] / 10, eps=1e-6, weight_decay=0.1)]
     if opt == "adafactor-resumed":
@@ -142,7 +150,23 @@ def _resume(opt: str, opts: list, named, shape_of, build, step: int):
     return saved
 
 
-def _with_lr(opts, step: int) -> None:
+def _schedulers(opt: str, opts: list) -> list:
+    """*-sched: a torch lr scheduler over the first optimizer, attached before its first step (it
+    wraps the optimizer's own step), driving the lr instead of _with_lr."""
+    return [torch.optim.lr_scheduler.StepLR(opts[0], step_size=1, gamma=0.5)] if opt.endswith("-sched") else []
+
+
+def _peek(opt: str, opts: list, params, step: int) -> None:
+    """*-peek: after step 2 the user reads opts[0].state[p] of every parameter (a defaultdict:
+    a read makes an empty entry), which must change nothing."""
+    if opt.endswith("-peek") and step == 1:
+        for p in params:
+            opts[0].state[p]
+
+
+def _with_lr(opts, step: int, scheds=()) -> None:
+    if scheds:          # (the scheduler sets it)
+        return
     for o in opts:      # AdamW's a tenth: Adam turns float32 noise in near-zero gradients into steps of lr
         for g in o.param_groups:
             g["lr"] = LRS[step] * (0.1 if isinstance(o, torch.optim.AdamW) else 1.0)
@@ -154,14 +178,17 @@ def _reference(opt: str, name: str) -> dict:
     opts = _optimizers(opt, model.named_parameters(), shapes.__getitem__, lambda cls, ps, **kw: cls(ps, **kw))
     losses, saved = [], None
     names = {id(p): n for n, p in model.named_parameters()}
+    scheds = _schedulers(opt, opts)
     for step, (args, kwargs) in enumerate(_batches(name)):
         model.zero_grad(set_to_none=True)      # (a step's gradients are its own, in the optimizer or not yet)
         loss = model(*args, **kwargs)
         loss.backward()
         _grow(opt, opts, list(model.named_parameters()), shapes.__getitem__, step)
-        _with_lr(opts, step)
+        _with_lr(opts, step, scheds)
         for o in opts:
             o.step()
+        for sc in scheds:
+            sc.step()
         losses.append(float(loss.detach()))
         if step == 1:
             saved = _state_by_name(opts[0].state_dict(), opts[0], names)
@@ -177,14 +204,18 @@ def _run(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
     opts = _optimizers(case.opt, prog.named_parameters(), prog.original_shape, prog.build_optimizer)
     losses, saved, old, dropped = [], None, None, None
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", fxtron.ParallelizeWarning)
+        warnings.simplefilter("always")
+        scheds = _schedulers(case.opt, opts)
         for step, (args, kwargs) in enumerate(items):
             _grow(case.opt, opts, list(prog.named_parameters()), prog.original_shape, step)
-            _with_lr(opts, step)
+            _with_lr(opts, step, scheds)
             try:
                 losses.append(prog.train_step(args, opts if len(opts) > 1 else opts[0], kwargs=kwargs))
             except fxtron.ParallelizeError as e:
                 return {"refused": str(e)}
+            for sc in scheds:
+                sc.step()
+            _peek(case.opt, opts, prog.parameters(), step)
             first = opts[0]
             saved = _resume(case.opt, opts, prog.named_parameters(), prog.original_shape, prog.build_optimizer,
                             step) or saved
@@ -196,17 +227,19 @@ def _run(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
             dropped = str(e)
     whole = getattr(prog, "_whole_matrices", {})
     return {"losses": losses, "state": {k: v.detach().clone() for k, v in prog.full_state_dict().items()},
-            "saved": saved, "dropped": dropped, "warned": [str(w.message) for w in caught if issubclass(w.category, fxtron.ParallelizeWarning)],
+            "saved": saved, "dropped": dropped,
+            "warned": [str(w.message) for w in caught if issubclass(w.category, fxtron.ParallelizeWarning)],
+            "scheduler_warned": [str(w.message) for w in caught if "lr_scheduler" in str(w.message)],
             "modes": prog.optimizer_mode(opts),
             "owned": {n.name for w in whole.values() for row in w.pieces for n in row if n.full is not None},
             "params": {n for n, _ in prog.named_parameters()},
-            "template_state": sum(len(o.state) for o in opts if type(o) is not torch.optim.AdamW)}
+            "template_state": sum(1 for o in opts if type(o) is not torch.optim.AdamW for st in o.state.values() if st)}
 
 
 FAST = {fxtron.Mesh(2, tp=2): [Case("adafactor")],
         # an update that reads every parameter, declared: every parameter stepped on one rank; the
         # user's own state_dict / load_state_dict of the distributed optimizer
-        fxtron.Mesh(2): [Case("global-all"), Case("adamw-resumed", zero=1)]}
+        fxtron.Mesh(2): [Case("global-all"), Case("adamw-resumed", zero=1), Case("adamw-sched", zero=1)]}
 SLOW = {
     fxtron.Mesh(2): [Case("adafactor", zero=1), Case("muon32", zero=1), Case("adafactor", zero=3),
                      Case("muon32", zero=3), Case("adafactor"),
@@ -222,9 +255,13 @@ SLOW = {
                      # state_dict of whole-matrix optimizers (each rank the tensors it steps)
                      Case("global"), Case("global-all", zero=1), Case("global-all", zero=3), Case("scaled"),
                      Case("adafactor-added", zero=1), Case("adafactor-resumed"), Case("adafactor-resumed", zero=1),
-                     Case("adamw-resumed", zero=2)],
+                     Case("adamw-resumed", zero=2),
+                     # an lr scheduler attached before the first step; the user reading opt.state[p]; state made
+                     # by the constructor of an optimizer stepped whole
+                     Case("adafactor-sched"), Case("adafactor-sched", zero=1), Case("adamw-peek", zero=1),
+                     Case("adagrad-whole")],
     fxtron.Mesh(2, tp=2): [Case("muon32"), Case("muon"), Case("adamw"), Case("global-all"), Case("adafactor-added"),
-                           Case("adafactor-resumed")],
+                           Case("adafactor-resumed"), Case("adafactor-sched"), Case("adafactor-peek")],
     fxtron.Mesh(2, pp=2): [Case("adafactor", microbatches=2, schedule="1f1b"), Case("global-all")],
     fxtron.Mesh(2, ep=2): [Case("adafactor", "moe")],
 }
@@ -243,7 +280,7 @@ def _params(cases: dict) -> list:
 #: 2.2e-5 apart at the third step on a second machine (6.5e-4 in the weights), so torch's Muon's
 #: are held to 1e-4 from the second step on; every first loss (no update yet) to 2e-5
 TOL = {"muon": 2e-3}
-ELEMENTWISE = ("adamw", "adagrad", "adamw-added", "adamw-resumed")
+ELEMENTWISE = ("adamw", "adagrad", "adamw-added", "adamw-resumed", "adamw-sched", "adamw-peek")
 #: every parameter on one rank
 ONE_OWNER = ("global-all",)
 LOSS_TOL = {"muon": 1e-4}
@@ -292,6 +329,7 @@ def _check(results, mesh, case):
         assert any("whole matrices" in m or "whole model" in m for m in got["modes"]) == whole, got["modes"]
         assert got["template_state"] == 0 or not whole, "the user's optimizer stepped shards"
         assert not got["warned"] or case.opt == "normalized", got["warned"]
+        assert not got["scheduler_warned"], got["scheduler_warned"]      # (fxtron stepped the optimizer for it)
         if got["saved"] is not None:
             _check_saved(got["saved"], ref["saved"], whole, rank)
         if case.opt == "adamw-resumed":
@@ -307,7 +345,8 @@ def _check(results, mesh, case):
         if mesh.pp == 1:
             assert not (owned[0] & owned[1]), owned[0] & owned[1]
             stepped = ranks[0]["params"] if case.opt in ("adafactor", "adafactor-named", "normalized", "scaled",
-                                                         "adafactor-added", "adafactor-resumed") else \
+                                                         "adafactor-added", "adafactor-resumed", "adafactor-sched",
+                                                         "adafactor-peek", "adagrad-whole") else \
                 {n for n in ranks[0]["params"] if len(ref["state"][n].shape) == 2}
             assert owned[0] | owned[1] == stepped
         else:

@@ -442,6 +442,49 @@ def test_compare_refuses_another_training_and_says_when_it_differs(capsys):
     assert not off["agrees"] and "DIFFERS" in capsys.readouterr().out and off["max_loss_diff"] > 0.04
 
 
+def _eod_documents(path, n: int = 40, seed: int = 0) -> str:
+    """A Megatron dataset of `n` documents of 3-30 tokens, each ended by the EOD id 0: packed
+    samples whose counted labels (--eod-mask-loss) differ from sample to sample."""
+    from fxtron.data.indexed import IndexedDatasetWriter
+    rng = np.random.RandomState(seed)
+    w = IndexedDatasetWriter(str(path), np.uint16)
+    for _ in range(n):
+        w.add_document(np.concatenate([rng.randint(1, 255, size=rng.randint(3, 30)), [0]]))
+    w.finalize()
+    return str(path)
+
+
+def test_losses_over_several_batches_are_token_means_of_them_all(tmp_path):
+    """With --eod-mask-loss the samples count different numbers of labels. --compare's one-process
+    run in the run's microbatches is the token mean over the global batch (its microbatches'
+    means weighted by their counted labels) -- it was their plain mean, 2e-3 off the parallel run,
+    which is right, and called it DIFFERS --; and the evaluation over --eval-iters batches is the
+    token mean over all of them (Megatron's evaluate), not the mean of the batches' means."""
+    from fxtron.trainer import compare
+    from fxtron.trainer.data import TrainData
+    from fxtron.trainer.loop import train_rank
+    from fxtron.trainer.models import resolve
+    cfg = TrainConfig().replace(model="gpt-tiny", steps=3, batch=4, seq=32, data=[_eod_documents(tmp_path / "docs")],
+                                split="70,30,0", eod_id=0, eod_mask_loss=True, lr=1e-2, seed=3)
+    whole = compare.reference(cfg)                         # one forward on each global batch
+    pieces = compare.reference(cfg.replace(microbatches=2))
+    print(f"--compare's reference, 2 microbatches against one: {max(abs(a - b) for a, b in zip(whole, pieces)):.2e}")
+    assert max(abs(a - b) for a, b in zip(whole, pieces)) < 1e-6, (whole, pieces)
+
+    run = cfg.replace(steps=1, eval_interval=1, eval_iters=2, save=str(tmp_path / "ckpt"))
+    got = train_rank(0, run)["evals"][1]
+    tm = resolve("gpt-tiny", run.training.seed, (), run.data)
+    model = compare._whole(tm, run.training.seed)
+    model.load_state_dict(fxtron.load_full_state_dict(str(tmp_path / "ckpt" / "iter_0000001")), strict=False)
+    data = TrainData(run, tm.vocab_size)
+    args, _ = tm.inputs(torch.cat([data.valid_batch(0), data.valid_batch(run.data.batch)]))
+    counts = [tm.counted(*tm.inputs(data.valid_batch(k * run.data.batch))) for k in range(2)]
+    with torch.no_grad():
+        want = float(model.eval()(*args))
+    print(f"evaluation over 2 batches (counted labels {counts}): {abs(got - want):.2e} from one process's token mean")
+    assert counts[0] != counts[1] and abs(got - want) < 1e-6, (got, want)
+
+
 def test_an_extended_run_evaluates_as_the_run_that_never_stopped(tmp_path):
     """One process, Megatron data with a valid split: the evaluation after a run's last step comes
     after its checkpoint (Megatron's order), so a run extended from it evaluates the same valid

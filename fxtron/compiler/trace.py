@@ -29,6 +29,7 @@ from fxtron.errors import ParallelizeError
 
 aten = torch.ops.aten
 
+
 def default_loss(output: Any) -> torch.Tensor:
     """The loss inside a model's output: a scalar tensor, `.loss`, or `["loss"]`."""
     if isinstance(output, torch.Tensor):
@@ -431,10 +432,8 @@ def _to_graph_module(ep: ExportedProgram, model: torch.nn.Module, user_dims, in_
 
 #: ops whose inputs receive their output's gradient whole, or a multiple of it: a sum, a
 #: difference, a cast, a view, a copy, a product or a quotient
-_PASS_GRADIENT = (opsets.CASTS | opsets.VIEWS | (opsets.COPIES - {aten.detach.default})
-                  | {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.neg.default,
-                     aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, operator.add,
-                     operator.sub, operator.mul, operator.truediv, operator.neg, operator.getitem})
+_PASS_GRADIENT = (opsets.CASTS | opsets.VIEWS | (opsets.COPIES - {aten.detach.default}) | opsets.ADDS | opsets.NEGS
+                  | opsets.MULS | opsets.DIVS | {operator.getitem})
 
 
 def _loss_gradient_dtype(returned, buffer_mutations) -> torch.dtype | None:

@@ -6,6 +6,8 @@ and every reader sees it.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 aten = torch.ops.aten
@@ -46,5 +48,15 @@ REDUCTIONS = SUMS | {
     aten._log_softmax.default, aten.log_softmax.int, aten.cumsum.default, aten.norm.ScalarOpt_dim,
     aten.linalg_vector_norm.default}
 
-__all__ = ["CASTS", "COPIES", "EXPANDS", "FLATTENS", "FOLDS", "LOOK_THROUGH", "REDUCTIONS", "RESHAPES", "RESHAPES_AS",
+#: a sum or a difference of two values (fx's operator.add/sub over symbolic sizes included)
+ADDS = frozenset({aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.sub_.Tensor, aten.add.Scalar,
+                  aten.sub.Scalar, operator.add, operator.sub})
+#: a negation
+NEGS = frozenset({aten.neg.default, operator.neg})
+#: a product of two values
+MULS = frozenset({aten.mul.Tensor, aten.mul_.Tensor, aten.mul.Scalar, operator.mul})
+#: a quotient of two values
+DIVS = frozenset({aten.div.Tensor, aten.div_.Tensor, aten.div.Scalar, operator.truediv})
+
+__all__ = ["ADDS", "CASTS", "COPIES", "DIVS", "MULS", "NEGS", "EXPANDS", "FLATTENS", "FOLDS", "LOOK_THROUGH", "REDUCTIONS", "RESHAPES", "RESHAPES_AS",
            "SLICES", "SUMS", "TRANSPOSES", "UNSQUEEZES", "VIEWS"]

@@ -68,11 +68,6 @@ _MEANS = {aten.mean.default, aten.mean.dim}
 _LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default}
 #: ops that only copy, cast or reshape a value
 _SAME = opsets.CASTS | opsets.COPIES | opsets.RESHAPES | opsets.FOLDS | opsets.UNSQUEEZES | {aten.expand.default}
-_ADDS = {aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.sub_.Tensor, aten.add.Scalar, aten.sub.Scalar,
-         operator.add, operator.sub}
-_NEG = {aten.neg.default, operator.neg}
-_MULS = {aten.mul.Tensor, aten.mul_.Tensor, aten.mul.Scalar, operator.mul}
-_DIVS = {aten.div.Tensor, aten.div_.Tensor, aten.div.Scalar, operator.truediv}
 #: linear reductions over dims that are not the batch's (a sum of per-layer losses)
 _LINEAR_REDUCTIONS = {aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim}
 _JOINS = {aten.stack.default, aten.cat.default}
@@ -342,7 +337,7 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
             return
         seen.add((node, tag))
         t, args = node.target, [a for a in node.args]
-        if t in _SAME or t in _NEG or (t in _ADDS):
+        if t in _SAME or t in opsets.NEGS or (t in opsets.ADDS):
             for a in args:
                 if isinstance(a, fx.Node):
                     walk(a, node, tag)
@@ -351,13 +346,13 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
                 walk(a, node, tag)
         elif t in _LINEAR_REDUCTIONS and not _batchy(_fake(args[0]), ti):
             walk(args[0], node, tag)
-        elif t in _MULS and len(args) == 2:
+        elif t in opsets.MULS and len(args) == 2:
             a, b = args
             if constant(b):
                 walk(a, node, tag)
             elif constant(a):
                 walk(b, node, tag)
-        elif t in _DIVS and len(args) == 2:
+        elif t in opsets.DIVS and len(args) == 2:
             a, b = args
             if constant(b):
                 walk(a, node, tag)
@@ -876,7 +871,7 @@ def _mean_as_sum(g: fx.Graph, node: fx.Node, key: str, ti) -> fx.Node:
 def _takes_value(user: fx.Node, sym: fx.Node) -> bool:
     """Whether `user` reads the size `sym` as a number in tensor arithmetic (not as a shape)."""
     return (user.op == "call_function" and isinstance(_fake(user), torch.Tensor)
-            and user.target in (_ADDS | _MULS | _DIVS | {aten.full.default, aten.scalar_tensor.default,
+            and user.target in (opsets.ADDS | opsets.MULS | opsets.DIVS | {aten.full.default, aten.scalar_tensor.default,
                                                          aten.rsub.Scalar, aten.sub.Scalar}))
 
 

@@ -214,7 +214,9 @@ def rebuild(template: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.
     initial_accumulator_value fills its state there), and a class may require them (an `lr`
     without a default). Then every attribute of the template's own that is not torch's
     bookkeeping (groups, state, hooks) is the template's: a setting a user's constructor keeps
-    outside `defaults` (`self.scale = scale`) is the one the user gave, not the default."""
+    outside `defaults` (`self.scale = scale`) is the one the user gave, not the default. An
+    attribute that shadows a method of the class is not: torch's lr schedulers wrap the
+    template's own `step` in one, which would step the template."""
     cls = type(template)
     try:
         takes = inspect.signature(cls.__init__).parameters
@@ -224,8 +226,11 @@ def rebuild(template: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.
     kwargs = {k: v for k, v in template.defaults.items() if k != "params" and (anything or k in takes)}
     made = cls(groups, **kwargs)
     for k, v in vars(template).items():
-        if k not in _BOOKKEEPING and not k.startswith("_fxtron"):
-            setattr(made, k, v)
+        # (not what shadows a method -- an lr scheduler's wrapper of the template's own step --, nor
+        # the scheduler's mark that the template stepped, nor fxtron's own records)
+        if k in _BOOKKEEPING or k.startswith("_fxtron") or k == "_opt_called" or callable(getattr(cls, k, None)):
+            continue
+        setattr(made, k, v)
     return made
 
 
@@ -244,7 +249,7 @@ def speak_for(template: torch.optim.Optimizer, holder) -> None:
 
 def _report_state(optimizer: torch.optim.Optimizer, sd: dict) -> dict:
     holder = vars(optimizer).get("_fxtron_holder")
-    if optimizer.state or vars(optimizer).get("_fxtron_loaded"):
+    if vars(optimizer).get("_fxtron_loaded"):
         return sd                          # loaded and not yet taken: what was loaded
     if holder.template is not optimizer:
         raise ParallelizeError(f"this {type(optimizer).__name__}'s state was dropped when another optimizer stepped "
@@ -260,15 +265,24 @@ def _mark_loaded(optimizer: torch.optim.Optimizer) -> None:
     vars(optimizer)["_fxtron_loaded"] = True
 
 
-def loaded_state(template: torch.optim.Optimizer) -> dict | None:
-    """The state a `load_state_dict` (or a user) put into `template` since fxtron last stepped
-    it, by parameter -- taken out of the template, whose own state stays empty -- or None."""
-    if not template.state and not vars(template).pop("_fxtron_loaded", False):
+def loaded_state(template: torch.optim.Optimizer, *, first: bool = False) -> dict | None:
+    """The state a `load_state_dict` put into `template` since fxtron last took it (the hook's
+    mark), by parameter -- taken out of the template, whose own state stays empty -- or None.
+    `first`, when fxtron builds its optimizer for the template (no hook yet): any state the
+    template holds -- loaded before the first step, or made by its constructor (Adagrad's). An
+    entry that is empty is not state (reading `opt.state[p]` makes one)."""
+    flagged = vars(template).pop("_fxtron_loaded", False)
+    state = {p: st for p, st in template.state.items() if st}
+    if not flagged and not (first and state):
         return None
-    vars(template).pop("_fxtron_loaded", None)
-    state = dict(template.state)
     template.state.clear()
     return state
+
+
+def mark_stepped(template: torch.optim.Optimizer) -> None:
+    """Mark `template` as stepped (fxtron stepped it by its own optimizer): the mark torch's lr
+    schedulers read to warn of a scheduler stepped before its optimizer."""
+    vars(template)["_opt_called"] = True
 
 
 def build_optimizer(prog, cls: type, params, **kwargs) -> torch.optim.Optimizer:
@@ -320,14 +334,17 @@ def optimizer_step(prog, optimizer) -> None:
         if prog.scaler is None or _unscaled(prog, params, sharded_over_dp=True):
             for o in whole:
                 whole_matrices(prog, o).step()
+                mark_stepped(o)
             if shards:
                 prog.zero.step(shards[0])
+                mark_stepped(shards[0])
             else:                        # every rank wrote its whole local values: nothing to gather
                 prog.zero.last_waited, prog.zero.waited = prog.zero.waited, []
         return
     if prog.scaler is None or _unscaled(prog, list(prog.parameters()), sharded_over_dp=prog.fsdp is not None):
         for o in whole:
             whole_matrices(prog, o).step()
+            mark_stepped(o)
         for o in shards:
             o.step()
 
@@ -397,6 +414,7 @@ class WholeMatrices:
         self.pieces: list[list[_Piece]] = []
         self.inner: torch.optim.Optimizer | None = None
         self._add(template.param_groups)
+        self._take_loaded(first=True)
         speak_for(template, self)
 
     def _add(self, param_groups: list[dict]) -> None:
@@ -487,24 +505,27 @@ class WholeMatrices:
 
     def load_owned(self, state: dict[str, dict]) -> None:
         """The owned parameters' state from a checkpoint (whole tensors by name), replacing theirs."""
-        loaded_state(self.template)          # (anything loaded into the template before is superseded)
+        loaded_state(self.template, first=True)     # (anything loaded into the template before is superseded)
         self.inner.state.clear()
         for x in self.owned():
             if x.name in state:
                 self.inner.state[x.full] = {k: v.to(x.full.device) if isinstance(v, torch.Tensor) else v
                                             for k, v in state[x.name].items()}
 
-    def _take_loaded(self) -> None:
-        """A state the user loaded into the template (its load_state_dict) replaces the owned
-        tensors' state: each parameter's must have been saved by the rank that steps it now."""
-        loaded = loaded_state(self.template)
+    def _take_loaded(self, first: bool = False) -> None:
+        """A state the user loaded into the template (its load_state_dict; `first`: whatever it
+        holds when fxtron takes it, loaded or made by its constructor) replaces the owned tensors'
+        state. A state of every parameter (one process's, or a constructor's) gives each owner its
+        parameters'; a state of some (a rank's own state_dict) must be the owned ones'."""
+        loaded = loaded_state(self.template, first=first)
         if loaded is None:
             return
         by_param = {id(x.param): x for row in self.pieces for x in row}
+        every = {id(p) for p in loaded} >= set(by_param)
         self.inner.state.clear()
         for p, st in loaded.items():
             piece = by_param.get(id(p))
-            if piece is None:
+            if piece is None or (piece.full is None and every):
                 continue
             if piece.full is None:
                 raise ParallelizeError(
@@ -564,7 +585,7 @@ class WholeMatrices:
                 piece.full.copy_(value)
                 piece.full.grad = grad.clone()     # (a whole gradient may be the parameter's own .grad)
             stepped.append(piece)
-        self.inner.step()
+        type(self.inner).step(self.inner)      # (the class's step: nothing an instance wraps it in)
         for piece in stepped:
             full = piece.full.detach() if piece.full is not None else torch.empty(
                 piece.spec.full_shape if piece.spec is not None else piece.param.shape,
@@ -594,5 +615,5 @@ class WholeMatrices:
 
 
 __all__ = ["ELEMENTWISE", "PER_PARAMETER", "READS", "REFUSED", "WholeMatrices", "build_optimizer", "check_optimizer",
-           "elementwise", "held_state", "loaded_state", "mode", "optimizer_reads", "optimizer_step", "optimizers", "reads",
+           "elementwise", "held_state", "loaded_state", "mark_stepped", "mode", "optimizer_reads", "optimizer_step", "optimizers", "reads",
            "speak_for", "whole_matrices", "zero_grad"]

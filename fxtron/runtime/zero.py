@@ -146,7 +146,8 @@ class ZeroOne:
             hyper = {k: v for k, v in g.items() if k != "params"}
             return {**hyper, "params": [s for s, (_, n, _, _) in zip(self.shards, self.pieces) if n in mine]}
         layout = [[id(p) for p in g["params"]] for g in template.param_groups]
-        if self._inner is None or self._template is not template:
+        first = self._inner is None or self._template is not template
+        if first:
             self._inner = rebuild(template, [shard_group(g) for g in template.param_groups])
             self._template, self._layout = template, layout
             speak_for(template, self)
@@ -160,7 +161,7 @@ class ZeroOne:
             for g in template.param_groups[len(self._layout):]:
                 self._inner.add_param_group(shard_group(g))
             self._layout = layout
-        loaded = loaded_state(template)      # (the user's load_state_dict: replaces the shards' state)
+        loaded = loaded_state(template, first=first)     # (the user's load_state_dict: replaces the shards' state)
         if loaded is not None:
             self._inner.state.clear()
             self._set_state({names[id(p)]: st for p, st in loaded.items() if id(p) in names})
@@ -213,7 +214,7 @@ class ZeroOne:
             for k, v in theirs.items():
                 if k != "params":
                     mine[k] = v
-        self._inner.step()
+        type(self._inner).step(self._inner)     # (the class's step: nothing an instance wraps it in)
         self.wait_params()         # (none left in flight before new ones start)
         self.last_waited, self.waited = self.waited, []
         for part in self.parts:    # every rank's updated shard to every rank, bucket by bucket

@@ -66,7 +66,9 @@ def reference(cfg: TrainConfig) -> list[float]:
     """The same run in this one process with the unmodified model, from the same initial
     weights (a meta build's, made whole; or its directory's), batches, schedule, groups and
     clipping: each global batch in the pieces the run's dp ranks and microbatches take, their
-    losses averaged (gradient accumulation); a step whose gradient norm is not finite skipped."""
+    losses averaged weighted by the labels each counts (gradient accumulation of a token mean:
+    the token mean over the global batch, as the program computes it, however unevenly
+    --eod-mask-loss leaves labels); a step whose gradient norm is not finite skipped."""
     t = cfg.training
     tm = resolve(cfg.model.name, t.seed, key_values(cfg.model.config), cfg.data)
     data = TrainData(cfg, tm.vocab_size)
@@ -76,7 +78,7 @@ def reference(cfg: TrainConfig) -> list[float]:
     batches = (Microbatches(tm.inputs(p) for p in _pieces(data.train_batch(step * cfg.data.batch), dp, m, local=local))
                for step in range(t.steps))
     return reference_training(model, batches, optimizer(model.named_parameters(), cfg),
-                              clip_grad=cfg.data_parallel.clip_grad, schedule=schedule(cfg),
+                              clip_grad=cfg.data_parallel.clip_grad, tokens=tm.counted, schedule=schedule(cfg),
                               skip_nonfinite=True)["losses"]
 
 

@@ -185,14 +185,19 @@ class Trainer:
         return step
 
     def evaluate(self) -> float:
-        """The mean loss of the next --eval-iters validation batches, logged with the step."""
+        """The loss of the next --eval-iters validation batches, logged with the step: the token
+        mean over all of them, as Megatron's evaluate sums the losses and the counted tokens of
+        every iteration and divides once (each batch's mean weighted by the labels it counts)."""
         t, state = self.cfg.training, self.state
-        total = 0.0
+        total = tokens = 0.0
         for _ in range(t.eval_iters):
             va, vk = self.model.inputs(self.data.valid_batch(state["consumed_valid_samples"]))
-            total += self.prog.eval_step(va, kwargs=vk)
+            n = self.model.counted(va, vk)
+            loss = self.prog.eval_step(va, kwargs=vk)
+            if n:                     # (a batch whose every label is ignored adds nothing)
+                total, tokens = total + loss * n, tokens + n
             state["consumed_valid_samples"] += self.cfg.data.batch
-        self.evals[state["iteration"]] = loss = total / t.eval_iters
+        self.evals[state["iteration"]] = loss = total / tokens if tokens else float("nan")
         self.metrics.eval(loss)
         return loss
 

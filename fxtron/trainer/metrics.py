@@ -187,7 +187,7 @@ class Metrics:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         norm = "-" if r["grad_norm"] is None else f"{r['grad_norm']:.3f}"
         seconds = sum(x["step_time"] for x in interval) / len(interval)
-        losses = [x["loss"] for x in interval if math.isfinite(x["loss"])]
+        losses = [x["loss"] for x in interval if not x.get("step_skipped") and math.isfinite(x["loss"])]
         loss = sum(losses) / len(losses) if losses else float("nan")
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu'] * r['step_time'] / seconds:.1f}%"
         self._print(f"[{stamp}] iteration {r['step']:8d}/{self.cfg.training.steps:8d} | consumed samples: "

@@ -51,6 +51,14 @@ class TrainModel:
             return (), {"input_ids": x, "labels": x, "shift_labels": y, **extra}
         return (x, y), extra
 
+    @staticmethod
+    def counted(args: tuple, kwargs: dict) -> int:
+        """The labels a token-mean loss counts in a batch `inputs` made (those not ignored, -100):
+        the weight of its mean loss in a mean over several batches, as the loss over all of them
+        would be computed (Megatron sums the losses and the tokens, and divides once)."""
+        labels = kwargs.get("shift_labels", args[1] if len(args) > 1 else None)
+        return int((labels != -100).sum())
+
     @property
     def documents(self) -> str | None:
         """The input of each token's document when the samples pack documents apart, positions
