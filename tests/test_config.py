@@ -284,3 +284,15 @@ def test_the_trainer_refuses_a_comparison_it_cannot_make():
     for kw, what in [(dict(dtype="bf16"), "dtype=bf16"), (dict(grad_reduce_dtype="bf16"), "grad_reduce_dtype")]:
         with pytest.raises(fxtron.ParallelizeError, match=f"does not model {what}.*Drop --compare"):
             run(TrainConfig().replace(world_size=1, compare=True, **kw))
+
+
+def test_a_16_bit_gradient_reduction_is_said_in_the_summary():
+    """grad_reduce_dtype=bf16 (Megatron's --grad-reduce-in-bf16) changes the model's math by
+    design: the summary says so; fp32 main_grad's summary says nothing."""
+    from fxtron.models import build, example_inputs
+    inputs = example_inputs("gpt-tiny", 2, 16)
+    said = fxtron.parallelize(build("gpt-tiny"), fxtron.Mesh(2), example_inputs=inputs, dtype="bf16",
+                              grad_reduce_dtype=torch.bfloat16).summary()
+    assert "gradients: accumulated and reduced in bf16" in said and "a change of the model's math" in said
+    plain = fxtron.parallelize(build("gpt-tiny"), fxtron.Mesh(2), example_inputs=inputs, dtype="bf16").summary()
+    assert "gradients: accumulated and reduced" not in plain

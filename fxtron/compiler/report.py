@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 from tabulate import tabulate
 
+from fxtron.config import torch_dtype
 from fxtron.ops.fsdp import read_in_backward
 from fxtron.core import layout, meta
 from fxtron.core.meta import BATCH, SEQ
@@ -784,6 +785,12 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
                      + (f"; {len(fused)} stay fused, their weights 16-bit in the model" if fused else ""))
     if config.codegen.cuda_graphs:
         head += "\n" + cuda_graphs_note(config, compiled(0).graphs)
+    reduced = torch_dtype(config.data_parallel.grad_reduce_dtype)
+    if reduced in (torch.bfloat16, torch.float16):
+        head += (f"\ngradients: accumulated and reduced in {config.data_parallel.grad_reduce_dtype} (grad_reduce_dtype, "
+                 "Megatron's --grad-reduce-in-bf16): a change of the model's math, each microbatch's gradient and each "
+                 "data-parallel sum rounded to 16 bits; the one-process number is fp32 main_grad's (grad_reduce_dtype="
+                 "None)")
     if init:
         head += "\n" + init
     if mesh.world_size > 1:
