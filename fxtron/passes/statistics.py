@@ -68,6 +68,10 @@ _MEANS = {aten.mean.default, aten.mean.dim}
 _LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default}
 #: ops that only copy, cast or reshape a value
 _SAME = opsets.CASTS | opsets.COPIES | opsets.RESHAPES | opsets.FOLDS | opsets.UNSQUEEZES | {aten.expand.default}
+#: elementwise functions of their first input and constants: a denominator's guard (clamp(min=1),
+#: + eps, a scale) applied to a statistic
+_OF_ONE = {aten.clamp.default, aten.clamp_min.default, aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor,
+           aten.sub.Scalar, aten.mul.Tensor, aten.mul.Scalar}
 #: linear reductions over dims that are not the batch's (a sum of per-layer losses)
 _LINEAR_REDUCTIONS = {aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim}
 _JOINS = {aten.stack.default, aten.cat.default}
@@ -319,7 +323,8 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
 
     # the loss's linear terms: walk back from the loss through sums, casts and scalings
     linear: dict[tuple[fx.Node, fx.Node], str] = {}     # (statistic, user) -> "plain" | "mean"
-    denominators: set[tuple[fx.Node, fx.Node]] = set()  # (statistic, division) the token mean divides by
+    # (statistic, its use on the way) -> the division a token mean divides by it in
+    denominators: dict[tuple[fx.Node, fx.Node], fx.Node] = {}
     seen: set[tuple[fx.Node, str]] = set()
 
     def constant(a) -> bool:
@@ -357,12 +362,15 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
             if constant(b):
                 walk(a, node, tag)
             elif tag == "plain" and _denominator(b) is not None:
-                denominators.add((_denominator(b), _first_use(b, node)))
+                denominators[(_denominator(b), _first_use(b, node))] = node
                 walk(a, node, "mean")
 
     def _denominator(b) -> fx.Node | None:
-        """The input statistic a division divides by (through casts), if it is one."""
-        while isinstance(b, fx.Node) and b not in stats and b.op == "call_function" and b.target in _SAME:
+        """The input statistic a division divides by, if it is one: through casts, and through
+        functions of it alone (`count.clamp(min=1)`, `count + eps`): over the global batch the
+        division is by that function of the global statistic, one process's number."""
+        while isinstance(b, fx.Node) and b not in stats and b.op == "call_function" and (
+                b.target in _SAME or (b.target in _OF_ONE and b.all_input_nodes == [b.args[0]])):
             b = b.args[0]
         if not isinstance(b, fx.Node) or b not in stats:
             return None
@@ -426,9 +434,13 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
             statistics[key] = _statistic(gm, node, kind, ti)
             # the global count divided by the pieces is a fraction: an integer count (`(y != -100).sum()`)
             # enters in the floating dtype its use computes in (the one process's division's), not truncated
+            # (through a guard on the count, `count.clamp(min=1)`, in the division's dtype: the guard
+            # would truncate the fraction to an integer)
             by_dtype: dict[torch.dtype, list[fx.Node]] = {}
             for u in den:
-                by_dtype.setdefault(_denominator_dtype(node, u), []).append(u)
+                dtype = _denominator_dtype(node, denominators[(node, u)])
+                by_dtype.setdefault(dtype, []).append(u)
+                _retype_guard(denominators[(node, u)].args[1], node, dtype)
             with g.inserting_before(node.next):
                 x = _as_tensor(g, node, ti)
                 for dtype, users in by_dtype.items():
@@ -881,6 +893,16 @@ def _as_tensor(g: fx.Graph, node: fx.Node, ti) -> fx.Node:
         return node
     return _insert(g, node, aten.scalar_tensor.default, (node,), {"dtype": torch.float32},
                    val=torch.empty((), dtype=torch.float32, device="meta"))
+
+
+def _retype_guard(b: fx.Node, statistic: fx.Node, dtype: torch.dtype) -> None:
+    """The nodes between a statistic and the division by it (a clamp, an addition) compute in
+    `dtype` once the statistic enters in it: their recorded values say so."""
+    while isinstance(b, fx.Node) and b is not statistic:
+        val = b.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dtype != dtype and not val.dtype.is_floating_point:
+            b.meta["val"] = val.to(dtype)
+        b = b.args[0] if b.args else None
 
 
 def _denominator_dtype(node: fx.Node, use: fx.Node) -> torch.dtype:
