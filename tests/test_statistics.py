@@ -323,6 +323,29 @@ def test_a_summed_loss_is_scaled_and_a_mean_counts_the_global_tokens():
     assert float((args[1] != -100).sum()) % 4, "a count the pieces do not divide"
 
 
+@pytest.mark.parametrize("counted", ["many", "two", "none"])
+def test_a_guarded_count_is_the_global_counts_guard(counted):
+    """`loss_sum / count.clamp(min=1)` under 4 microbatches: the guard is applied to the global
+    batch's count, as one process applies it -- also where it bites (2 counted labels over 4
+    pieces: guarding each piece's share of the count, 0.5, gave half the loss) and with none."""
+    (idx, tgt), _ = padded("gpt", seed=5)[0]
+    if counted != "many":
+        tgt = torch.full_like(tgt, -100)
+        if counted == "two":
+            tgt[0, 3], tgt[3, 1] = 5, 7
+    torch.manual_seed(0)
+    ref = reference_training(ClampedLoss(), [((idx, tgt), {})], _opt)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxtron.ParallelizeWarning)     # (nothing per microbatch to say)
+        prog = fxtron.parallelize(ClampedLoss(), fxtron.Mesh(1), example_inputs=(idx, tgt), microbatches=4).program(0)
+    loss = prog.train_step((idx, tgt), _opt(prog.parameters()))
+    dw, where = max_abs_diff({k: v for k, v in prog.state_dict().items() if k in ref["state"]},
+                             {k: v for k, v in ref["state"].items() if k in prog.state_dict()})
+    print(f"{counted}: loss {abs(loss - ref['losses'][0]):.2e}, weights {dw:.2e} ({where})")
+    assert abs(loss - ref["losses"][0]) < 1e-6 and dw < 1e-6, (loss, ref["losses"], dw, where)
+
+
 def test_statistics_each_microbatch_computes_are_said_and_refused_under_strict():
     """Under microbatches a statistic the loss uses nonlinearly is each microbatch's -- a class-
     weighted mean's weights at dp=1 as at dp=2, a load-balancing loss's tokens per expert --, not the

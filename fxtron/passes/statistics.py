@@ -434,8 +434,6 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
             statistics[key] = _statistic(gm, node, kind, ti)
             # the global count divided by the pieces is a fraction: an integer count (`(y != -100).sum()`)
             # enters in the floating dtype its use computes in (the one process's division's), not truncated
-            # (through a guard on the count, `count.clamp(min=1)`, in the division's dtype: the guard
-            # would truncate the fraction to an integer)
             by_dtype: dict[torch.dtype, list[fx.Node]] = {}
             for u in den:
                 dtype = _denominator_dtype(node, denominators[(node, u)])
@@ -450,8 +448,19 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
                         val = val.to(dtype)
                         arg = _insert(g, node, aten._to_copy.default, (x,), {"dtype": dtype}, val=val)
                     s = _insert(g, node, fxops.global_statistic.default, (arg, key), val=torch.empty_like(val))
+                    whole = None
                     for u in users:
-                        u.replace_input_with(node, s)
+                        division = denominators[(node, u)]
+                        if u is division:        # A / (count / pieces): averages to sum(A) / count
+                            u.replace_input_with(node, s)
+                            continue
+                        # a guard on the count (`count.clamp(min=1)`, `+ eps`) is not linear in it: it
+                        # guards the whole global count, and the quotient is scaled by the pieces,
+                        # so that it too averages to sum(A) / guard(count)
+                        if whole is None:
+                            whole = _insert(g, node, fxops.batch_scale.default, (s,), val=torch.empty_like(val))
+                        u.replace_input_with(node, whole)
+                        _scale_after(g, division)
             report.global_counts.append(where)
             done.append("global count")
         if rest and pieces > dp and not local:
@@ -893,6 +902,17 @@ def _as_tensor(g: fx.Graph, node: fx.Node, ti) -> fx.Node:
         return node
     return _insert(g, node, aten.scalar_tensor.default, (node,), {"dtype": torch.float32},
                    val=torch.empty((), dtype=torch.float32, device="meta"))
+
+
+def _scale_after(g: fx.Graph, division: fx.Node) -> None:
+    """`division`'s users read its value times the step's pieces (batch_scale), once."""
+    users = [u for u in division.users if u.target is not fxops.batch_scale.default]
+    if len(users) < len(division.users):
+        return
+    with g.inserting_after(division):
+        scaled = _insert(g, division, fxops.batch_scale.default, (division,), val=torch.empty_like(_fake(division)))
+    for u in users:
+        u.replace_input_with(division, scaled)
 
 
 def _retype_guard(b: fx.Node, statistic: fx.Node, dtype: torch.dtype) -> None:
