@@ -451,7 +451,7 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
                     whole = None
                     for u in users:
                         division = denominators[(node, u)]
-                        if u is division:        # A / (count / pieces): averages to sum(A) / count
+                        if not _guarded(division.args[1], node):   # A / (count / pieces): averages to sum(A) / count
                             u.replace_input_with(node, s)
                             continue
                         # a guard on the count (`count.clamp(min=1)`, `+ eps`) is not linear in it: it
@@ -902,6 +902,15 @@ def _as_tensor(g: fx.Graph, node: fx.Node, ti) -> fx.Node:
         return node
     return _insert(g, node, aten.scalar_tensor.default, (node,), {"dtype": torch.float32},
                    val=torch.empty((), dtype=torch.float32, device="meta"))
+
+
+def _guarded(b: fx.Node, statistic: fx.Node) -> bool:
+    """Whether the divisor `b` is more than a cast or view of `statistic`: a guard on it."""
+    while isinstance(b, fx.Node) and b is not statistic:
+        if b.target in _OF_ONE:
+            return True
+        b = b.args[0] if b.args else None
+    return False
 
 
 def _scale_after(g: fx.Graph, division: fx.Node) -> None:
