@@ -323,14 +323,16 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
 
     # the loss's linear terms: walk back from the loss through sums, casts and scalings
     linear: dict[tuple[fx.Node, fx.Node], str] = {}     # (statistic, user) -> "plain" | "mean"
-    # (statistic, its use on the way) -> the division a token mean divides by it in
-    denominators: dict[tuple[fx.Node, fx.Node], fx.Node] = {}
+    # (statistic, its use on the way) -> the divisions a token mean divides by it in
+    denominators: dict[tuple[fx.Node, fx.Node], list[fx.Node]] = {}
     seen: set[tuple[fx.Node, str]] = set()
+    through: set[fx.Node] = set()           # nodes the loss reaches linearly (the walk went through them)
+    constant_added: set[fx.Node] = set()    # divisions whose numerator adds a constant
 
     def constant(a) -> bool:
         return not isinstance(a, fx.Node) or (a not in derived and not _batchy(_fake(a), ti))
 
-    def walk(node: fx.Node, user: fx.Node | None, tag: str) -> None:
+    def walk(node: fx.Node, user: fx.Node | None, tag: str, div: fx.Node | None = None) -> None:
         if (node, tag) in seen or not isinstance(node, fx.Node):
             return
         if node in stats:
@@ -342,28 +344,33 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
             return
         seen.add((node, tag))
         t, args = node.target, [a for a in node.args]
+        linear_here = True
         if t in _SAME or t in opsets.NEGS or (t in opsets.ADDS):
+            if tag == "mean" and t in opsets.ADDS and any(constant(a) for a in args):
+                constant_added.add(div)
             for a in args:
                 if isinstance(a, fx.Node):
-                    walk(a, node, tag)
+                    walk(a, node, tag, div)
         elif t in _JOINS:
             for a in args[0]:
-                walk(a, node, tag)
+                walk(a, node, tag, div)
         elif t in _LINEAR_REDUCTIONS and not _batchy(_fake(args[0]), ti):
-            walk(args[0], node, tag)
-        elif t in opsets.MULS and len(args) == 2:
+            walk(args[0], node, tag, div)
+        elif t in opsets.MULS and len(args) == 2 and (constant(args[0]) or constant(args[1])):
+            a, b = args
+            walk(a if constant(b) else b, node, tag, div)
+        elif t in opsets.DIVS and len(args) == 2 and (constant(args[1]) or (
+                tag == "plain" and _denominator(args[1]) is not None)):
             a, b = args
             if constant(b):
-                walk(a, node, tag)
-            elif constant(a):
-                walk(b, node, tag)
-        elif t in opsets.DIVS and len(args) == 2:
-            a, b = args
-            if constant(b):
-                walk(a, node, tag)
-            elif tag == "plain" and _denominator(b) is not None:
-                denominators[(_denominator(b), _first_use(b, node))] = node
-                walk(a, node, "mean")
+                walk(a, node, tag, div)
+            else:
+                denominators.setdefault((_denominator(b), _first_use(b, node)), []).append(node)
+                walk(a, node, "mean", node)
+        else:
+            linear_here = False
+        if linear_here and tag == "plain":
+            through.add(node)
 
     def _denominator(b) -> fx.Node | None:
         """The input statistic a division divides by, if it is one: through casts, and through
@@ -386,6 +393,15 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
         return prev
 
     walk(loss, out_node, "plain")
+    # a guarded count (the whole global count's guard, the quotient scaled by the pieces) only
+    # where the quotient reaches the loss linearly and its numerator adds no constant (either
+    # would be scaled by the pieces): else the count's use stays nonlinear, each piece's (said)
+    for key in list(denominators):
+        divs = denominators[key]
+        if any(_guarded(d.args[1], key[0]) for d in divs) and any(
+                d in constant_added or any(u is not out_node and u in upstream and u not in through for u in d.users)
+                for d in divs):
+            del denominators[key]
 
     report = StatisticsReport()
     statistics: dict[str, Statistic] = {}
@@ -436,9 +452,10 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
             # enters in the floating dtype its use computes in (the one process's division's), not truncated
             by_dtype: dict[torch.dtype, list[fx.Node]] = {}
             for u in den:
-                dtype = _denominator_dtype(node, denominators[(node, u)])
+                dtype = _denominator_dtype(node, denominators[(node, u)][0])
                 by_dtype.setdefault(dtype, []).append(u)
-                _retype_guard(denominators[(node, u)].args[1], node, dtype)
+                for division in denominators[(node, u)]:
+                    _retype_guard(division.args[1], node, dtype)
             with g.inserting_before(node.next):
                 x = _as_tensor(g, node, ti)
                 for dtype, users in by_dtype.items():
@@ -450,17 +467,18 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
                     s = _insert(g, node, fxops.global_statistic.default, (arg, key), val=torch.empty_like(val))
                     whole = None
                     for u in users:
-                        division = denominators[(node, u)]
-                        if not _guarded(division.args[1], node):   # A / (count / pieces): averages to sum(A) / count
-                            u.replace_input_with(node, s)
+                        divisions = denominators[(node, u)]
+                        if not any(_guarded(d.args[1], node) for d in divisions):
+                            u.replace_input_with(node, s)     # A / (count / pieces): averages to sum(A) / count
                             continue
                         # a guard on the count (`count.clamp(min=1)`, `+ eps`) is not linear in it: it
-                        # guards the whole global count, and the quotient is scaled by the pieces,
-                        # so that it too averages to sum(A) / guard(count)
+                        # guards the whole global count, and each quotient by it is scaled by the
+                        # pieces, so that it too averages to sum(A) / guard(count)
                         if whole is None:
                             whole = _insert(g, node, fxops.batch_scale.default, (s,), val=torch.empty_like(val))
                         u.replace_input_with(node, whole)
-                        _scale_after(g, division)
+                        for division in divisions:
+                            _scale_after(g, division)
             report.global_counts.append(where)
             done.append("global count")
         if rest and pieces > dp and not local:
