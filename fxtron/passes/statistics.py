@@ -328,6 +328,7 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
     seen: set[tuple[fx.Node, str]] = set()
     through: set[fx.Node] = set()           # nodes the loss reaches linearly (the walk went through them)
     constant_added: set[fx.Node] = set()    # divisions whose numerator adds a constant
+    numerators: dict[fx.Node, set[tuple[fx.Node, fx.Node]]] = {}     # division -> its numerator's (statistic, user)
 
     def constant(a) -> bool:
         return not isinstance(a, fx.Node) or (a not in derived and not _batchy(_fake(a), ti))
@@ -336,6 +337,8 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
         if (node, tag) in seen or not isinstance(node, fx.Node):
             return
         if node in stats:
+            if tag == "mean":
+                numerators.setdefault(div, set()).add((node, user))
             linear.setdefault((node, user), tag)
             if linear[(node, user)] != tag:
                 linear[(node, user)] = "nonlinear"
@@ -393,15 +396,20 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
         return prev
 
     walk(loss, out_node, "plain")
-    # a guarded count (the whole global count's guard, the quotient scaled by the pieces) only
-    # where the quotient reaches the loss linearly and its numerator adds no constant (either
-    # would be scaled by the pieces): else the count's use stays nonlinear, each piece's (said)
+    # a token mean by the global count (each piece's quotient averaged over the pieces) only where
+    # the quotient reaches the loss linearly and its numerator adds no constant: the average of
+    # f(piece's quotient) is not f(sum / count) for a nonlinear f (`l + 0.1 l^2`), and a constant
+    # over the count would be counted once a piece. Else the count and the numerator are
+    # statistics the loss uses nonlinearly: summed over dp (one process's number), each
+    # microbatch's under microbatches (said)
     for key in list(denominators):
         divs = denominators[key]
-        if any(_guarded(d.args[1], key[0]) for d in divs) and any(
-                d in constant_added or any(u is not out_node and u in upstream and u not in through for u in d.users)
-                for d in divs):
+        if any(d in constant_added or any(u is not out_node and u in upstream and u not in through for u in d.users)
+               for d in divs):
             del denominators[key]
+            for d in divs:
+                for edge in numerators.get(d, ()):
+                    linear[edge] = "nonlinear"
 
     report = StatisticsReport()
     statistics: dict[str, Statistic] = {}
