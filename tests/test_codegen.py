@@ -89,13 +89,13 @@ def test_compiled_program_trains_as_uncompiled_and_one_process(results, mesh, ca
         plain, compiled = got[False], got[True]
         regions, distinct, n_opaque, seconds = got["stats"]
         assert regions > 0 and 0 < distinct <= regions and seconds > 0, got["stats"]
-        # the linears stay fused (opaque, between the regions) under sequence parallel (the shard
-        # regathered in backward), zero=3 (the weight regathered), a zero-bubble schedule (deferred W
-        # passes) and a dp (dp-cp) reduction overlapping backward (each linear reports its gradient
-        # as its GEMM runs); elsewhere on the CPU they are the regions' own (tp too), aten ops in
-        # fp32, fxtron::master_linear under 16-bit compute (passmanager.linears_in_regions)
-        keeps_fused = (case.kw.get("sequence_parallel", False) or case.kw.get("zero") == 3
-                       or case.kw.get("schedule") in ("zb-h1", "zb-v") or mesh.dp * mesh.cp > 1)
+        # the linears stay fused (opaque, between the regions) under zero=3 (the weight regathered),
+        # a zero-bubble schedule (deferred W passes) and a dp (dp-cp) reduction overlapping backward
+        # (each linear reports its gradient as its GEMM runs); elsewhere on the CPU they are the
+        # regions' own (tp, with sequence parallel too), aten ops in fp32, fxtron::master_linear
+        # under 16-bit compute (passmanager.linears_in_regions)
+        keeps_fused = (case.kw.get("zero") == 3 or case.kw.get("schedule") in ("zb-h1", "zb-v")
+                       or mesh.dp * mesh.cp > 1)
         assert (got["fused"] > 0) == keeps_fused, (got["fused"], got["stats"])
         assert (got["master"] > 0) == (half and not keeps_fused), (got["master"], got["stats"])
         if not keeps_fused and mesh.pp > 1:    # a stage (model chunk) is one region (the last: two, around
@@ -164,7 +164,7 @@ def test_regions_of_a_graph():
     assert not [n for n in gm.graph.nodes if n.target == torch.ops.fxtron.linear.default]
     # tp=2 on the CPU: the regions hold the linears, and so tensor parallel's f and g between them
     # (Compiler(comm=True)): the layers are one region, cut only at the vocab-parallel embedding
-    # and loss; where the linears stay fused (sequence parallel) the collectives cut the regions
+    # and loss; under sequence parallel its gathers and reduce-scatters are the regions' too
     pm = fxtron.parallelize(make("gpt", layers=4), fxtron.Mesh(2, tp=2), example_inputs=args, compile=True)
     gm = pm.compiled(0).gm
     comm = [n for n in gm.graph.nodes if n.target in (torch.ops.fxtron.copy_to_region.default,
@@ -173,9 +173,14 @@ def test_regions_of_a_graph():
     st, cut = plan([gm], comm=True), plan([gm])
     assert st.regions <= 3 and st.opaque <= 3 and cut.regions > 4 * 4, (st, cut)
     assert st.line() in pm.summary() and "tensor parallel's all-reduces inside them" in pm.summary()
-    pm = fxtron.parallelize(make("gpt", layers=2), fxtron.Mesh(2, tp=2), example_inputs=args, compile=True,
+    pm = fxtron.parallelize(make("gpt", layers=4), fxtron.Mesh(2, tp=2), example_inputs=args, compile=True,
                             sequence_parallel=True)
-    assert "all-reduces inside them" not in pm.summary()
+    gm = pm.compiled(0).gm
+    comm = [n for n in gm.graph.nodes if n.target in (torch.ops.fxtron.gather_from_sequence.default,
+                                                       torch.ops.fxtron.reduce_scatter.default)]
+    assert len(comm) >= 4 * 4 and not any(opaque(n, comm=True) for n in comm) and all(opaque(n) for n in comm)
+    assert plan([gm], comm=True).regions <= 3, plan([gm], comm=True)
+    assert "gathers and reduce-scatters over the sequence inside them" in pm.summary()
     # beside a fused linear (a 16-bit model's) f stays opaque: its backward all-reduce runs while
     # the queued weight-gradient GEMMs compute
     pm = fxtron.parallelize(make("gpt", layers=2).bfloat16(), fxtron.Mesh(2, tp=2), example_inputs=args, compile=True)

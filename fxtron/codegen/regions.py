@@ -52,6 +52,7 @@ from fxtron.core import opsets
 from fxtron.ops import transport
 from fxtron.ops.linear import linear_eager, master_linear_eager
 from fxtron.ops.rng import RANDOM_OPS, is_random, rng_call
+from fxtron.ops.sp import gather_from_sequence_eager, gather_from_sequence_traced
 from fxtron.ops.tp import all_reduce_eager, copy_to_region_eager, copy_to_region_traced
 
 aten = torch.ops.aten
@@ -64,7 +65,11 @@ _REGION_OPS = {torch.ops.fxtron.master_linear.default, master_linear_eager}
 _COMM_OPS = {torch.ops.fxtron.copy_to_region.default: copy_to_region_traced,
              copy_to_region_eager: copy_to_region_traced,
              torch.ops.fxtron.all_reduce.default: torch.ops.fxtron.all_reduce.default,
-             all_reduce_eager: torch.ops.fxtron.all_reduce.default}
+             all_reduce_eager: torch.ops.fxtron.all_reduce.default,
+             # sequence parallel's f and g
+             torch.ops.fxtron.gather_from_sequence.default: gather_from_sequence_traced,
+             gather_from_sequence_eager: gather_from_sequence_traced,
+             torch.ops.fxtron.reduce_scatter.default: torch.ops.fxtron.reduce_scatter.default}
 #: ops that only look at a value (its shape, a view of it): a region of these alone is not compiled
 _VIEWS = opsets.VIEWS | opsets.SLICES | {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
                                          aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int,
@@ -294,7 +299,7 @@ def _trace_comm(sub: fx.GraphModule) -> bool:
         if node.op == "call_function" and node.target in _COMM_OPS:
             node.target = _COMM_OPS[node.target]
             found = True
-            group = node.args[1] if len(node.args) > 1 else node.kwargs.get("group", "")
+            group = node.args[-1] if len(node.args) > 1 else node.kwargs.get("group", "")     # the last
             talks = talks or (isinstance(group, str) and transport.group_size(group) > 1)
     if found:
         sub.recompile()

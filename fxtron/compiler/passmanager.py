@@ -323,11 +323,13 @@ def linears_in_regions(config: Config, mesh) -> bool:
     - no zero=3 (its linears gather their weights again in backward), and under 16-bit compute
       no zero at all (overlap_param_gather makes the compute copies inside the graph);
     - no zero-bubble schedule (its W passes are the deferred GEMMs);
-    - no sequence parallelism (the fused linear keeps the sequence shard and gathers it again
-      in backward: a region would keep the gathered input);
     - no tp on a GPU, where the fused linear's GEMM runs while NCCL all-reduces the input
-      gradient on its own stream. On the CPU the collective and the GEMM share the rank's cores:
-      there (benchmarks/bench_tp.py's model at tp=2) the step is ~5% faster in the regions.
+      gradient on its own stream, and where sequence parallelism's fused linear keeps the
+      sequence shard and gathers it again in backward (a region keeps the gathered input for
+      its linears' backward: the activation memory sequence parallelism saves there). On the
+      CPU the collective and the GEMM share the rank's cores: there (benchmarks/bench_tp.py's
+      model at tp=2) the step is ~5% faster in the regions, and sequence parallel's gathers and
+      reduce-scatters are the regions' own calls too.
     A compiled backward holds a region's weight gradients until it returns (as torch.compile's
     does a model's): up to one fp32 copy of the weights beside main_grad at the end of backward."""
     dp = config.data_parallel
@@ -338,7 +340,7 @@ def linears_in_regions(config: Config, mesh) -> bool:
         return False
     if dp.overlap_grad_reduce and mesh.size("dp") * mesh.size("cp") > 1:
         return False
-    return mesh.size("tp") == 1 or (not config.tensor.sequence_parallel and config.inputs.resolved_device() == "cpu")
+    return mesh.size("tp") == 1 or config.inputs.resolved_device() == "cpu"
 
 
 def linears_to_autograd(config: Config, mesh) -> bool:

@@ -760,7 +760,9 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
         held = mesh.tp > 1 and all(holds_comm(g, comm) for g in compiled(0).graphs)
         head += (f"\ncompile=True: on rank 0, {plan(compiled(0).graphs, comm).line()}, on the first step; the fxtron ops "
                  "(collectives, fused linears, attention blocks, random draws) run as they are between them"
-                 + (" (tensor parallel's all-reduces inside them, calls in the compiled graphs)" if held else ""))
+                 + ((" (tensor parallel's " + ("gathers and reduce-scatters over the sequence"
+                                                if config.tensor.sequence_parallel else "all-reduces")
+                     + " inside them, calls in the compiled graphs)") if held else ""))
         if config.precision.gradient_accumulation_fusion and comm:
             # what rank 0's graphs hold, not what the configuration would give (the model's own
             # 16-bit weights stay fused)

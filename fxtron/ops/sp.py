@@ -111,9 +111,31 @@ def gather_from_sequence_eager(x: Tensor, dim: int, world: int, group: str) -> T
 
 
 
+class _GatherFromSequenceTraced(torch.autograd.Function):
+    """gather_from_sequence as a compiled region holds it (codegen/regions.py, where the region
+    holds the linears around it; see ops/tp.py _CopyToRegionTraced): the all-gather a call
+    inside the compiled forward, its reduce-scatter one inside the compiled backward. The region
+    keeps the gathered input for its linears' backward, where a fused linear keeps the shard
+    and gathers it again."""
+
+    @staticmethod
+    def forward(ctx, x, dim, world, group):
+        ctx.dim, ctx.world, ctx.group = dim, world, group
+        return torch.ops.fxtron.gather_from_sequence.default(x, dim, world, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.ops.fxtron.reduce_scatter.default(grad, ctx.dim, ctx.world, ctx.group), None, None, None
+
+
+def gather_from_sequence_traced(x: Tensor, dim: int, world: int, group: str) -> Tensor:
+    """The form of gather_from_sequence a compiled region traces."""
+    return _GatherFromSequenceTraced.apply(x, dim, world, group)
+
+
 register(OpSpec("reduce_scatter", axis_arg=3, forward=Comm("reduce_scatter", "input"),
                 backward=Comm("all_gather", "grad_input")))
 register(OpSpec("gather_from_sequence", axis_arg=3, forward=Comm("all_gather", "output"),
                 backward=Comm("reduce_scatter", "grad_output"), eager=gather_from_sequence_eager))
 
-__all__ = ["gather_from_sequence", "reduce_scatter"]
+__all__ = ["gather_from_sequence", "gather_from_sequence_traced", "reduce_scatter"]
