@@ -181,6 +181,38 @@ class PlusOneLoss(CountedLoss):
         return (ce + 1.0) / (targets != -100).sum()
 
 
+#: losses over a summed cross entropy `ce`, a summed z-loss `z` and the count of labels `n` that
+#: use a statistic nonlinearly somewhere on the way to the loss (after a scale, a cast, through a
+#: shared numerator or count): no average of the pieces' values gives them
+def _squared(m):
+    return m + 0.1 * m ** 2
+
+
+NONLINEAR = {
+    "scaled-squared": lambda ce, z, n: _squared(2.0 * (ce / n)),
+    "cast-squared": lambda ce, z, n: _squared((ce / n).double()).float(),
+    "shared-numerator": lambda ce, z, n: (lambda s: s / n + 0.1 * (s / n) ** 2)(ce + z),
+    "shared-cast-count": lambda ce, z, n: (lambda nf: ce / nf + 0.1 * (z / nf) ** 2)(n.float()),
+    "summed-squared": lambda ce, z, n: _squared(0.01 * ce),
+}
+
+
+class NonlinearLoss(torch.nn.Module):
+    """The shipped GPT under one of NONLINEAR's losses."""
+
+    def __init__(self, key: str):
+        super().__init__()
+        self.gpt, self.key = make("gpt"), key
+
+    def forward(self, idx, targets):
+        logits = self.gpt(idx).flatten(0, 1)
+        tf = targets.flatten()
+        ce = torch.nn.functional.cross_entropy(logits, tf, reduction="sum")
+        mask = tf != -100
+        z = 1e-2 * (logits.logsumexp(-1) ** 2 * mask).sum()
+        return NONLINEAR[self.key](ce, z, mask.sum())
+
+
 class MeanLoss(torch.nn.Module):
     """The shipped GPT with its loss the plain mean of the per-token losses."""
 
@@ -405,6 +437,22 @@ def test_a_token_mean_used_nonlinearly_stays_each_microbatchs_and_is_said(model)
     (idx, tgt), _ = padded("gpt", seed=5)[0]
     with pytest.warns(fxtron.ParallelizeWarning, match="computed per microbatch"):
         fxtron.parallelize(model(), fxtron.Mesh(1), example_inputs=(idx, tgt), microbatches=4).program(0)
+
+
+@pytest.mark.parametrize("key", list(NONLINEAR))
+def test_a_statistic_used_nonlinearly_further_on_is_summed_over_dp(key):
+    """A use is linear only if every path from it to the loss is: a quotient scaled or cast before
+    its square, a numerator or a count's cast shared with a squared term, a summed loss squared
+    too. Each was taken for linear (scaled by the pieces, or divided by the count over them) and
+    came out silently wrong at dp=2: 1.31, 0.33, 2.56, 2.9e-2 and 2.4e-2 off the loss. Now every
+    statistic the loss reads is summed over dp -- one process's number at dp alone (the summed
+    path is held against one process by the squared-dp2 case) -- and said under microbatches."""
+    (idx, tgt), _ = padded("gpt", seed=5)[0]
+    pm = fxtron.parallelize(NonlinearLoss(key), fxtron.Mesh(2), example_inputs=(idx, tgt))
+    report = meta.info(pm.compiled(0).gm).statistics_report
+    assert report.summed and not report.global_counts and not report.scaled, report
+    with pytest.warns(fxtron.ParallelizeWarning, match="computed per microbatch"):
+        fxtron.parallelize(NonlinearLoss(key), fxtron.Mesh(1), example_inputs=(idx, tgt), microbatches=4).program(0)
 
 
 def test_statistics_each_microbatch_computes_are_said_and_refused_under_strict():

@@ -327,6 +327,7 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
     denominators: dict[tuple[fx.Node, fx.Node], list[fx.Node]] = {}
     seen: set[tuple[fx.Node, str]] = set()
     through: set[fx.Node] = set()           # nodes the loss reaches linearly (the walk went through them)
+    walked: set[fx.Node] = set()            # the same, numerators' nodes included
     constant_added: set[fx.Node] = set()    # divisions whose numerator adds a constant
     numerators: dict[fx.Node, set[tuple[fx.Node, fx.Node]]] = {}     # division -> its numerator's (statistic, user)
 
@@ -372,8 +373,10 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
                 walk(a, node, "mean", node)
         else:
             linear_here = False
-        if linear_here and tag == "plain":
-            through.add(node)
+        if linear_here:
+            walked.add(node)
+            if tag == "plain":
+                through.add(node)
 
     def _denominator(b) -> fx.Node | None:
         """The input statistic a division divides by, if it is one: through casts, and through
@@ -396,20 +399,46 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
         return prev
 
     walk(loss, out_node, "plain")
+    # A use the walk took for linear is one only if every path from it to the loss is linear (the
+    # walk follows the linear ones alone): `s = 0.01 * sum; s + 0.1 * s**2` reaches the sum
+    # linearly through s and nonlinearly through s**2, and s scaled by the pieces would be
+    # squared. Such a use is nonlinear: summed over dp (one process's number), each microbatch's
+    # under microbatches (said).
+    onward: dict[fx.Node, bool] = {}
+
+    def linear_onward(node: fx.Node) -> bool:
+        """Whether every path from `node` to the loss is one the walk took (linear)."""
+        if node not in onward:
+            onward[node] = True      # (a graph is acyclic: only guards the recursion)
+            onward[node] = all(u is out_node or u not in upstream or (u in walked and linear_onward(u))
+                               for u in node.users)
+        return onward[node]
+
+    for edge, tag in list(linear.items()):
+        if tag != "nonlinear" and edge[1] is not out_node and not linear_onward(edge[1]):
+            linear[edge] = "nonlinear"
     # a token mean by the global count (each piece's quotient averaged over the pieces) only where
-    # the quotient reaches the loss linearly and its numerator adds no constant: the average of
-    # f(piece's quotient) is not f(sum / count) for a nonlinear f (`l + 0.1 l^2`), and a constant
-    # over the count would be counted once a piece. Else the count and the numerator are
-    # statistics the loss uses nonlinearly: summed over dp (one process's number), each
-    # microbatch's under microbatches (said)
-    for key in list(denominators):
-        divs = denominators[key]
-        if any(d in constant_added or any(u is not out_node and u in upstream and u not in through for u in d.users)
-               for d in divs):
+    # the quotient reaches the loss linearly, its numerator's statistics are linear uses and add
+    # no constant, and every division the count's guard or cast feeds is one of them: the average
+    # of f(piece's quotient) is not f(sum / count) for a nonlinear f (`l + 0.1 l^2`), a constant
+    # over the count would be counted once a piece, and a numerator summed over dp (nonlinear
+    # elsewhere) over a count divided by the pieces would be off by dp. Else the count and the
+    # numerator are statistics the loss uses nonlinearly (as above). Dropping one makes its
+    # numerator's statistics nonlinear, which may drop another division sharing them: to a fixpoint.
+    changed = True
+    while changed:
+        changed = False
+        for key in list(denominators):
+            divs = denominators[key]
+            if all(d not in constant_added and linear_onward(d)
+                   and all(linear[e] != "nonlinear" for e in numerators.get(d, ())) for d in divs) \
+                    and _divides_only(key[1], divs, upstream):
+                continue
             del denominators[key]
             for d in divs:
                 for edge in numerators.get(d, ()):
                     linear[edge] = "nonlinear"
+            changed = True
 
     report = StatisticsReport()
     statistics: dict[str, Statistic] = {}
@@ -928,6 +957,28 @@ def _as_tensor(g: fx.Graph, node: fx.Node, ti) -> fx.Node:
         return node
     return _insert(g, node, aten.scalar_tensor.default, (node,), {"dtype": torch.float32},
                    val=torch.empty((), dtype=torch.float32, device="meta"))
+
+
+def _divides_only(first: fx.Node, divisions: list[fx.Node], upstream: set[fx.Node]) -> bool:
+    """Whether the count's cast or guard `first` (the node that takes the statistic on the way to
+    `divisions`; a division itself when direct) feeds, on the way to the loss, those divisions
+    alone: `nf = n.float(); ce / nf + 0.1 * (z / nf)**2` also divides z by nf, through a use the
+    walk did not take, which would divide by the count over the pieces as well."""
+    if first in divisions:
+        return True
+    chain, todo = {first}, [first]
+    while todo:
+        for u in todo.pop().users:
+            if u not in upstream or u in chain:
+                continue
+            if u in divisions and u.args[1] in chain:
+                continue
+            if u.target in _SAME or (u.target in _OF_ONE and u.all_input_nodes == [u.args[0]] and u.args[0] in chain):
+                chain.add(u)
+                todo.append(u)
+                continue
+            return False
+    return True
 
 
 def _guarded(b: fx.Node, statistic: fx.Node) -> bool:
