@@ -382,9 +382,7 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
         """The input statistic a division divides by, if it is one: through casts, and through
         functions of it alone (`count.clamp(min=1)`, `count + eps`): over the global batch the
         division is by that function of the global statistic, one process's number."""
-        while isinstance(b, fx.Node) and b not in stats and b.op == "call_function" and (
-                b.target in _SAME or (b.target in _OF_ONE and b.all_input_nodes == [b.args[0]])):
-            b = b.args[0]
+        _, b = _divisor_chain(b, stats)
         if not isinstance(b, fx.Node) or b not in stats:
             return None
         if stats[b] == "count" or (stats[b] == "sum" and b not in stateful):
@@ -393,10 +391,8 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
 
     def _first_use(b, div: fx.Node) -> fx.Node:
         """The node that consumes the statistic on the way to `div` (div itself when direct)."""
-        prev = div
-        while isinstance(b, fx.Node) and b not in stats:
-            prev, b = b, b.args[0]
-        return prev
+        chain, _ = _divisor_chain(b, stats)
+        return chain[-1] if chain else div
 
     walk(loss, out_node, "plain")
     # A use the walk took for linear is one only if every path from it to the loss is linear (the
@@ -492,7 +488,7 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
                 dtype = _denominator_dtype(node, denominators[(node, u)][0])
                 by_dtype.setdefault(dtype, []).append(u)
                 for division in denominators[(node, u)]:
-                    _retype_guard(division.args[1], node, dtype)
+                    _retype_guard(division.args[1], stats, dtype)
             with g.inserting_before(node.next):
                 x = _as_tensor(g, node, ti)
                 for dtype, users in by_dtype.items():
@@ -505,7 +501,7 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
                     whole = None
                     for u in users:
                         divisions = denominators[(node, u)]
-                        if not any(_guarded(d.args[1], node) for d in divisions):
+                        if not any(_guarded(d.args[1], stats) for d in divisions):
                             u.replace_input_with(node, s)     # A / (count / pieces): averages to sum(A) / count
                             continue
                         # a guard on the count (`count.clamp(min=1)`, `+ eps`) is not linear in it: it
@@ -973,7 +969,7 @@ def _divides_only(first: fx.Node, divisions: list[fx.Node], upstream: set[fx.Nod
                 continue
             if u in divisions and u.args[1] in chain:
                 continue
-            if u.target in _SAME or (u.target in _OF_ONE and u.all_input_nodes == [u.args[0]] and u.args[0] in chain):
+            if _of_one_value(u) and u.args[0] in chain:
                 chain.add(u)
                 todo.append(u)
                 continue
@@ -981,13 +977,27 @@ def _divides_only(first: fx.Node, divisions: list[fx.Node], upstream: set[fx.Nod
     return True
 
 
-def _guarded(b: fx.Node, statistic: fx.Node) -> bool:
-    """Whether the divisor `b` is more than a cast or view of `statistic`: a guard on it."""
-    while isinstance(b, fx.Node) and b is not statistic:
-        if b.target in _OF_ONE:
-            return True
-        b = b.args[0] if b.args else None
-    return False
+def _of_one_value(node) -> bool:
+    """Whether `node` is a cast or view of its first argument or a function of it alone (a
+    guard: `clamp(min=1)`, `+ eps`, a scale)."""
+    return isinstance(node, fx.Node) and node.op == "call_function" and (
+        node.target in _SAME or (node.target in _OF_ONE and node.all_input_nodes == [node.args[0]]))
+
+
+def _divisor_chain(b, stats) -> tuple[list[fx.Node], object]:
+    """A divisor `b` walked back through casts, views and guards (`_of_one_value`) to the value
+    they start from, stopping at a statistic of `stats`: those nodes, the divisor first, and
+    that value."""
+    chain = []
+    while b not in stats and _of_one_value(b):
+        chain.append(b)
+        b = b.args[0]
+    return chain, b
+
+
+def _guarded(b: fx.Node, stats) -> bool:
+    """Whether the divisor `b` is more than a cast or view of its statistic: a guard on it."""
+    return any(n.target in _OF_ONE for n in _divisor_chain(b, stats)[0])
 
 
 def _scale_after(g: fx.Graph, division: fx.Node) -> None:
@@ -1001,14 +1011,13 @@ def _scale_after(g: fx.Graph, division: fx.Node) -> None:
         u.replace_input_with(division, scaled)
 
 
-def _retype_guard(b: fx.Node, statistic: fx.Node, dtype: torch.dtype) -> None:
+def _retype_guard(b: fx.Node, stats, dtype: torch.dtype) -> None:
     """The nodes between a statistic and the division by it (a clamp, an addition) compute in
     `dtype` once the statistic enters in it: their recorded values say so."""
-    while isinstance(b, fx.Node) and b is not statistic:
-        val = b.meta.get("val")
+    for n in _divisor_chain(b, stats)[0]:
+        val = n.meta.get("val")
         if isinstance(val, torch.Tensor) and val.dtype != dtype and not val.dtype.is_floating_point:
-            b.meta["val"] = val.to(dtype)
-        b = b.args[0] if b.args else None
+            n.meta["val"] = val.to(dtype)
 
 
 def _denominator_dtype(node: fx.Node, use: fx.Node) -> torch.dtype:
