@@ -491,3 +491,26 @@ def test_freezing_after_the_build_is_refused():
     dict(prog.named_parameters())["blocks.1.mlp.fc1.weight"].requires_grad_(False)
     with pytest.raises(fxtron.ParallelizeError, match="requires_grad of 1 parameter.*blocks.1.mlp.fc1.weight"):
         prog.train_step(args, opt)
+
+
+def test_a_loaded_state_of_another_shape_is_refused_under_zero():
+    """A state loaded into the user's optimizer under zero is sliced into fxtron's shards: a
+    transposed moment, the same size, was taken element by element (silently misplaced); a flat
+    one of the parameter's size is the parameter's, element by element."""
+    (args, _), = batches("gpt", 4, [8], seed=0)
+    prog = fxtron.parallelize(make("gpt"), fxtron.Mesh(1), example_inputs=args, zero=1).program(0)
+    opt = torch.optim.AdamW(prog.parameters(), lr=1e-3)
+    prog.train_step(args, opt)
+    name = "blocks.1.mlp.fc2.weight"
+    index = [n for n, _ in prog.named_parameters()].index(name)
+    sd = opt.state_dict()
+    moment = sd["state"][index]["exp_avg"]
+    assert moment.dim() == 2 and moment.shape[0] != moment.shape[1]
+    sd["state"][index]["exp_avg"] = moment.flatten()
+    opt.load_state_dict(sd)
+    prog.train_step(args, opt)
+    sd = opt.state_dict()
+    sd["state"][index]["exp_avg"] = sd["state"][index]["exp_avg"].t().contiguous()
+    opt.load_state_dict(sd)
+    with pytest.raises(fxtron.ParallelizeError, match=f"'exp_avg' of {name} has shape"):
+        prog.train_step(args, opt)

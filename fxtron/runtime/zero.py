@@ -323,7 +323,9 @@ class ZeroOne:
 
     def _set_state(self, state: dict[str, dict]) -> None:
         """Each shard's piece of its parameter's state (`state`: by name, shaped like the
-        parameter; a tensor of another size is a ParallelizeError, not a misplaced slice)."""
+        parameter or flat; a tensor of another shape is a ParallelizeError, not a misplaced
+        slice: a (b, a) state of an (a, b) parameter, the same size, was taken element by
+        element)."""
         for s, (part, n, lo, hi) in zip(self.shards, self.pieces):
             if n not in state:
                 continue
@@ -331,7 +333,7 @@ class ZeroOne:
             st = {}
             for key, v in state[n].items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    if v.numel() != k:
+                    if v.shape != self.params[n].shape and tuple(v.shape) != (k,):
                         raise ParallelizeError(
                             f"optimizer state {key!r} of {n} has shape {tuple(v.shape)}, and the parameter here "
                             f"{tuple(self.params[n].shape)}: a state saved on another layout (tp, ep) loads through "
