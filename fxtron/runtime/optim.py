@@ -279,6 +279,40 @@ def loaded_state(template: torch.optim.Optimizer, *, first: bool = False) -> dic
     return state
 
 
+def stepped_for(prog, template: torch.optim.Optimizer, step) -> None:
+    """`step()`, fxtron's step in place of the user's optimizer `template` (its shards under
+    zero=1/2, its whole matrices on their owners), between `template`'s own step pre- and post-
+    hooks, as `template.step()` would run them (torch's global hooks run around fxtron's own
+    optimizer's step); then `template` is marked stepped. Once per optimizer, where more than one
+    rank steps, a ParallelizeWarning says that a pre-hook sees this rank's pieces (`said_hooks`)."""
+    pre, post = template._optimizer_step_pre_hooks, template._optimizer_step_post_hooks
+    said_hooks(prog, template, stacklevel=5)
+    args, kwargs = (template,), {}
+    for hook in list(pre.values()):
+        result = hook(template, args, kwargs)
+        if result is not None:
+            args, kwargs = result
+    step()
+    mark_stepped(template)
+    for hook in list(post.values()):
+        hook(template, args, kwargs)
+
+
+def said_hooks(prog, optimizer: torch.optim.Optimizer, stacklevel: int = 4) -> None:
+    """Once per optimizer, where more than one rank steps and it has step pre-hooks: a
+    ParallelizeWarning that they run on this rank's pieces of the gradients."""
+    if not optimizer._optimizer_step_pre_hooks or prog.groups is None or prog.groups.mesh.world_size == 1 or vars(optimizer).get("_fxtron_hooks_said"):
+        return
+    vars(optimizer)["_fxtron_hooks_said"] = True
+    import warnings
+    from fxtron.errors import ParallelizeWarning
+    warnings.warn(f"{type(optimizer).__name__}'s step pre-hooks run on each rank before the step, on this rank's "
+                  "pieces of the gradients: what they compute over prog.parameters() is this rank's "
+                  "(torch.nn.utils.clip_grad_norm_ gives this rank's norm, not the model's). Clip with "
+                  "parallelize(..., clip_grad=) or prog.clip_grad_norm_(max_norm) in the hook, and read the norm "
+                  "with prog.grad_norm()", ParallelizeWarning, stacklevel=stacklevel)
+
+
 def mark_stepped(template: torch.optim.Optimizer) -> None:
     """Mark `template` as stepped (fxtron stepped it by its own optimizer): the mark torch's lr
     schedulers read to warn of a scheduler stepped before its optimizer."""
@@ -333,20 +367,18 @@ def optimizer_step(prog, optimizer) -> None:
         params = prog.zero.optimizer_for(shards[0]) if shards else prog.zero.shards
         if prog.scaler is None or _unscaled(prog, params, sharded_over_dp=True):
             for o in whole:
-                whole_matrices(prog, o).step()
-                mark_stepped(o)
+                stepped_for(prog, o, whole_matrices(prog, o).step)
             if shards:
-                prog.zero.step(shards[0])
-                mark_stepped(shards[0])
+                stepped_for(prog, shards[0], lambda: prog.zero.step(shards[0]))
             else:                        # every rank wrote its whole local values: nothing to gather
                 prog.zero.last_waited, prog.zero.waited = prog.zero.waited, []
         return
     if prog.scaler is None or _unscaled(prog, list(prog.parameters()), sharded_over_dp=prog.fsdp is not None):
         for o in whole:
-            whole_matrices(prog, o).step()
-            mark_stepped(o)
+            stepped_for(prog, o, whole_matrices(prog, o).step)
         for o in shards:
-            o.step()
+            said_hooks(prog, o)
+            o.step()            # (its hooks run in it)
 
 
 def _unscaled(prog, params: list, *, sharded_over_dp: bool) -> bool:
