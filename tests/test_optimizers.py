@@ -543,3 +543,18 @@ def test_the_users_step_hooks_run_where_fxtron_steps_for_its_optimizer(zero, cls
             assert calls[0][1] > 0.05                     # the clip bites
     dw, where = max_abs_diff(state[True], state[False])
     assert dw == 0.0, (dw, where)
+
+
+def test_the_norm_is_reported_under_fp16_without_clipping():
+    """With skip_nonfinite (the trainer's), the step's gradient norm is reported whether or not
+    it clips: under fp16 too, the model's norm (not the loss-scaled one), as a clip that never
+    bites reports it (the trainer logged "grad norm: -" at fp16 without --clip-grad)."""
+    (args, _), = batches("gpt", 4, [8], seed=0)
+    norms = []
+    for clip in (1e9, None):
+        prog = fxtron.parallelize(make("gpt"), fxtron.Mesh(1), example_inputs=args, dtype="fp16",
+                                  clip_grad=clip).program(0)
+        prog.skip_nonfinite = True
+        opt = torch.optim.AdamW(prog.parameters(), lr=1e-3)
+        norms.append([(prog.train_step(args, opt), prog.last_grad_norm)[1] for _ in range(2)])
+    assert norms[0] == norms[1] and all(n is not None and 1e-3 < n < 1e3 for n in norms[1]), norms

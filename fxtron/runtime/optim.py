@@ -360,6 +360,8 @@ def optimizer_step(prog, optimizer) -> None:
         prog.last_step_skipped = not math.isfinite(norm)
         if prog.last_step_skipped:
             return
+    elif prog.skip_nonfinite and prog.grads.config.clip_grad is None:    # fp16: the model's norm, reported
+        prog.grads.last_norm = float(prog.grads.norm()) / prog.scaler.scale
     opts = optimizers(optimizer)
     whole = [o for o in opts if not elementwise(o)]
     shards = [o for o in opts if elementwise(o)]
