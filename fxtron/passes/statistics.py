@@ -326,8 +326,7 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
     # (statistic, its use on the way) -> the divisions a token mean divides by it in
     denominators: dict[tuple[fx.Node, fx.Node], list[fx.Node]] = {}
     seen: set[tuple[fx.Node, str]] = set()
-    through: set[fx.Node] = set()           # nodes the loss reaches linearly (the walk went through them)
-    walked: set[fx.Node] = set()            # the same, numerators' nodes included
+    walked: set[fx.Node] = set()            # nodes the loss reaches linearly (numerators' included)
     constant_added: set[fx.Node] = set()    # divisions whose numerator adds a constant
     numerators: dict[fx.Node, set[tuple[fx.Node, fx.Node]]] = {}     # division -> its numerator's (statistic, user)
 
@@ -375,8 +374,6 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
             linear_here = False
         if linear_here:
             walked.add(node)
-            if tag == "plain":
-                through.add(node)
 
     def _denominator(b) -> fx.Node | None:
         """The input statistic a division divides by, if it is one: through casts, and through
@@ -405,7 +402,6 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
     def linear_onward(node: fx.Node) -> bool:
         """Whether every path from `node` to the loss is one the walk took (linear)."""
         if node not in onward:
-            onward[node] = True      # (a graph is acyclic: only guards the recursion)
             onward[node] = all(u is out_node or u not in upstream or (u in walked and linear_onward(u))
                                for u in node.users)
         return onward[node]

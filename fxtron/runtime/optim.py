@@ -36,11 +36,12 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
 
-from fxtron.errors import CompileError, ParallelizeError, warn_or_raise
+from fxtron.errors import CompileError, ParallelizeError, ParallelizeWarning, warn_or_raise
 from fxtron.ops import ledger
 
 #: the torch optimizers whose update of each element reads only that element (its gradient, its
@@ -301,11 +302,10 @@ def stepped_for(prog, template: torch.optim.Optimizer, step) -> None:
 def said_hooks(prog, optimizer: torch.optim.Optimizer, stacklevel: int = 4) -> None:
     """Once per optimizer, where more than one rank steps and it has step pre-hooks: a
     ParallelizeWarning that they run on this rank's pieces of the gradients."""
-    if not optimizer._optimizer_step_pre_hooks or prog.groups is None or prog.groups.mesh.world_size == 1 or vars(optimizer).get("_fxtron_hooks_said"):
+    if (not optimizer._optimizer_step_pre_hooks or prog.groups is None or prog.groups.mesh.world_size == 1
+            or vars(optimizer).get("_fxtron_hooks_said")):
         return
     vars(optimizer)["_fxtron_hooks_said"] = True
-    import warnings
-    from fxtron.errors import ParallelizeWarning
     warnings.warn(f"{type(optimizer).__name__}'s step pre-hooks run on each rank before the step, on this rank's "
                   "pieces of the gradients: what they compute over prog.parameters() is this rank's "
                   "(torch.nn.utils.clip_grad_norm_ gives this rank's norm, not the model's). Clip with "
