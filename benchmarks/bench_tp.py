@@ -46,6 +46,11 @@
    <= 0.60x torch.compile's one process), which are reported, never asserted. The first and
    last losses of every system are checked against single_process's (first within 1e-4, last
    within 1e-2), so every baseline trains the same model.
+   The notes give the GEMM floor of a tp=2 step on this machine: rank 0's matmul FLOPs in one
+   step (FlopCounterMode over a step of fxtron_tp2_unfused, whose GEMMs are the compiled
+   program's) over the rate of a per-rank MLP GEMM with both ranks busy (extra_info
+   "rank_gemm_floor_s"; the attention's FLOPs beside it), and where 0.50x Megatron-core's
+   step falls against it.
 
    DTensor note: the shipped Attention views to heads with the configured head count
    (`view(B, T, self.n_head, hd)`), which fails on the local half of a ColwiseParallel
@@ -246,7 +251,34 @@ def _contention_probe(rank: int) -> dict[str, float]:
     dist.barrier()
     both = _rates()
     dist.barrier()
-    return {k: both[k] / alone[k] for k in both} if rank == 0 else {}
+    return {**{k: both[k] / alone[k] for k in both}, "gemm_flops": both["gemm"] * GEMM_FLOPS} if rank == 0 else {}
+
+
+GEMM_FLOPS = 2 * 1024 * 256 * 688     # one _rates() GEMM
+
+
+def _step_flops(step, batch) -> dict[str, float]:
+    """The FLOPs of one step of `step` on this rank (FlopCounterMode, forward and backward):
+    "gemm", its matmuls (mm, addmm, bmm); "attention", its scaled_dot_product_attention counted
+    as if not causal (torch's formulas; the CPU flash kernel skips the masked half's blocks).
+    The GEMMs' at the GEMM rate of _contention_probe is the time this rank's step cannot go
+    below on this machine."""
+    from torch.utils import flop_counter as fc
+    aten = torch.ops.aten
+
+    def forward(q, k, v, *args, out_shape=None, **kwargs):
+        return fc.sdpa_flop_count(q, k, v)
+
+    def backward(grad_out, q, k, v, *args, out_shape=None, **kwargs):
+        return fc.sdpa_backward_flop_count(grad_out, q, k, v)
+
+    cpu_flash = {aten._scaled_dot_product_flash_attention_for_cpu: forward,      # (by op packet)
+                 aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}
+    with fc.FlopCounterMode(display=False, custom_mapping=cpu_flash) as counter:
+        step(batch)
+    counts = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
+    attention = sum(v for k, v in counts.items() if "attention" in k)
+    return {"gemm": float(counter.get_total_flops() - attention), "attention": float(attention)}
 
 
 def _train_job(rank: int, mesh: fxtron.Mesh, systems: list[str]) -> dict:
@@ -300,9 +332,13 @@ def _train_job(rank: int, mesh: fxtron.Mesh, systems: list[str]) -> dict:
     dist.barrier()
     if MEGATRON in systems:
         mcore_gpt.destroy()
+    # after the timed rounds, an extra step of the unfused program: the same GEMMs as the compiled
+    # one's, all through the dispatcher (Inductor's code calls its GEMMs past it, and the fused
+    # weight-gradient accumulation's GEMM is not an aten op FlopCounterMode sees)
+    flops = _step_flops(runners["fxtron_tp2_unfused"], batches[0])
     contention = _contention_probe(rank)
     return {"times": times, "losses": losses, "setup_s": setup, "threads": torch.get_num_threads(),
-            "cpu_waiting_s": sum(cpu_waiting), "contention": contention}
+            "cpu_waiting_s": sum(cpu_waiting), "contention": contention, "rank_step_flops": flops}
 
 
 # ---------------------------------------------------------------- pytest-benchmark glue
@@ -319,6 +355,26 @@ def train_results():
     out = timed_job(_train_job, fxtron.Mesh(2, tp=2), systems, timeout_s=600, args=(systems,))
     out["left_out"] = {} if why_not is None else {MEGATRON: why_not}
     return out
+
+
+def _floor_s(res: dict) -> float:
+    """Rank 0's matmul FLOPs per tp=2 step at the machine's GEMM rate with both
+    ranks busy: no tp=2 step of this model in fp32 goes below it here."""
+    return res["rank_step_flops"]["gemm"] / res["contention"]["gemm_flops"]
+
+
+def _floor_note(res: dict) -> str:
+    floor = _floor_s(res)
+    flops = res["rank_step_flops"]
+    note = (f"GEMM floor: rank 0's matmuls per tp=2 step, {flops['gemm'] / 1e9:.2f} GFLOP (FlopCounterMode), at "
+            f"this machine's GEMM rate with both ranks busy ({res['contention']['gemm_flops'] / 1e9:.0f} GFLOP/s): "
+            f"{1e3 * floor:.1f} ms, before its attention ({flops['attention'] / 1e9:.2f} GFLOP counted as not causal), "
+            "collectives, elementwise work and optimizer")
+    if MEGATRON in res["median"]:
+        half = 0.5 * res["median"][MEGATRON]
+        note += (f"; 0.50x Megatron-core's step is {1e3 * half:.1f} ms, "
+                 f"{half / floor:.2f}x the floor ({'below it: out of reach here' if half < floor else 'above it'})")
+    return note
 
 
 def _ratio(x: float | None) -> str:
@@ -341,6 +397,7 @@ def test_train_step(benchmark, train_results, bench_report, system):
                   f"{train_results['contention']['gemm']:.2f}x, memory-bound multiply "
                   f"{train_results['contention']['mul']:.2f}x (two processes share memory bandwidth: the "
                   "memory-bound part of a step does not speed up with tp)",
+                  _floor_note(train_results),
                   "ratios are of the medians (\"min vs 1p / DT\": of the fastest steps, steadier on a loaded machine); "
                   "targets (issues): fxtron_tp2 <= 0.5x dtensor_tp2 and <= 0.75x single_process; "
                   "fxtron_tp2_compiled <= 0.50x megatron_tp2 and <= 0.60x single_process_compiled; "
@@ -378,7 +435,10 @@ def test_train_step(benchmark, train_results, bench_report, system):
         "loss_first": losses[system][0], "loss_last": losses[system][-1],
         "loss_first_diff_vs_single": abs(losses[system][0] - ref[0]),
         "loss_last_diff_vs_single": abs(losses[system][-1] - ref[-1]),
-        "machine_speed_both_busy_vs_alone": train_results["contention"],
+        "machine_speed_both_busy_vs_alone": {k: v for k, v in train_results["contention"].items()
+                                             if k != "gemm_flops"},
+        "rank_step_flops": train_results["rank_step_flops"],
+        "rank_gemm_floor_s": _floor_s(train_results),
     }
     if system in train_results["setup_s"]:
         info["setup_s"] = train_results["setup_s"][system]
