@@ -485,6 +485,32 @@ def test_losses_over_several_batches_are_token_means_of_them_all(tmp_path):
     assert counts[0] != counts[1] and abs(got - want) < 1e-6, (got, want)
 
 
+MIXTRAL = ("output_router_logits=true", "router_aux_loss_coef=0.1", "num_hidden_layers=1", "hidden_size=32",
+           "intermediate_size=64", "num_attention_heads=2", "num_key_value_heads=1", "vocab_size=256",
+           "num_local_experts=4", "num_experts_per_tok=2")
+
+
+@pytest.mark.parametrize("model, config", [("moe-tiny", ()), ("hf:mixtral", MIXTRAL)], ids=["moe-tiny", "hf-mixtral"])
+def test_compare_averages_a_load_balancing_loss_over_microbatches_that_count_different_labels(tmp_path, model, config):
+    """An MoE, 2 microbatches of samples counting different labels (--eod-mask-loss): the run's
+    loss is the token mean over the global batch plus the load-balancing loss of each microbatch
+    averaged over them (passes/statistics.py). --compare's reference weighted the whole of each
+    microbatch's loss by its labels, the load-balancing term too (here moe-tiny 1.7e-3 off after
+    4 steps, transformers' Mixtral 2.1e-4; at dp=2 with moe_aux_loss='local' 6e-4 and DIFFERS); it
+    weights the cross entropy alone (fxtron's model called again for its logits, transformers'
+    output's own)."""
+    from fxtron.trainer import compare
+    from fxtron.trainer.loop import train_rank
+    cfg = TrainConfig().replace(model=model, model_config=config, steps=4, batch=4, seq=32,
+                                data=[_eod_documents(tmp_path / "docs")], split="100,0,0", eod_id=0,
+                                eod_mask_loss=True, microbatches=2, lr=3e-2, seed=3)
+    got = train_rank(0, cfg)["losses"]
+    ref = compare.reference(cfg)
+    diff = max(abs(got[s] - ref[s - 1]) for s in got)
+    print(f"{model}, 2 microbatches, --eod-mask-loss: the run against --compare's reference {diff:.2e}")
+    assert diff < 1e-6, (got, ref)
+
+
 def test_an_extended_run_evaluates_as_the_run_that_never_stopped(tmp_path):
     """One process, Megatron data with a valid split: the evaluation after a run's last step comes
     after its checkpoint (Megatron's order), so a run extended from it evaluates the same valid

@@ -29,7 +29,8 @@ def microbatches(item) -> list[tuple[tuple, dict]]:
 def reference_training(model: torch.nn.Module, batches: Iterable, make_optimizer,
                        dtype: torch.dtype | None = None, clip_grad: float | None = None,
                        tokens: Callable[[tuple, dict], int] | None = None, *, schedule=None,
-                       skip_nonfinite: bool = False) -> dict:
+                       skip_nonfinite: bool = False,
+                       parts: Callable[[torch.nn.Module, tuple, dict, dict | None], tuple] | None = None) -> dict:
     """Train `model` in this process on `batches` (global batches); return the losses, the
     gradients of the first step (before its optimizer step, after clipping), the global norms
     before clipping (with `clip_grad`) and the final state dict: the single-process reference
@@ -39,7 +40,11 @@ def reference_training(model: torch.nn.Module, batches: Iterable, make_optimizer
     `fxtron.Microbatches` list, whose loss is the mean of its microbatches' losses (gradient
     accumulation) -- or, with `tokens(args, kwargs)` (the tokens a microbatch's mean loss
     counts), their mean weighted by those counts: the token mean over the whole batch, as a
-    program computes a mean cross entropy over microbatches of different lengths. With `dtype` (bf16), the same precision policy as a mixed-precision program:
+    program computes a mean cross entropy over microbatches of different lengths. With `parts`
+    too (`parts(model, args, kwargs, params)`: a microbatch's loss as its token mean and the rest,
+    a load-balancing loss added to it), only the token means are weighted by the counts and the
+    rest is averaged over the microbatches, as gradient accumulation averages a per-microbatch
+    term (the programs' statistics pass: passes/statistics.py). With `dtype` (bf16), the same precision policy as a mixed-precision program:
     fp32 parameters updated by the optimizer, forward computed with 16-bit copies of
     parameters and buffers. With `clip_grad`, torch.nn.utils.clip_grad_norm_ before each step.
 
@@ -56,9 +61,14 @@ def reference_training(model: torch.nn.Module, batches: Iterable, make_optimizer
         if dtype is not None:
             tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
             params = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
-        parts = microbatches(item)
-        w = [tokens(a, kw) if tokens is not None else 1 for a, kw in parts]
-        loss = sum(model_loss(model, a, kw, params) * n for (a, kw), n in zip(parts, w)) / sum(w)
+        mbs = microbatches(item)
+        w = [tokens(a, kw) if tokens is not None else 1 for a, kw in mbs]
+        if parts is not None and tokens is not None:
+            pieces = [parts(model, a, kw, params) for a, kw in mbs]
+            loss = (sum(mean * n for (mean, _), n in zip(pieces, w)) / sum(w)
+                    + sum(rest for _, rest in pieces) / len(pieces))
+        else:
+            loss = sum(model_loss(model, a, kw, params) * n for (a, kw), n in zip(mbs, w)) / sum(w)
         loss.backward()
         norm = None
         if clip_grad is not None or skip_nonfinite:

@@ -68,7 +68,9 @@ def reference(cfg: TrainConfig) -> list[float]:
     clipping: each global batch in the pieces the run's dp ranks and microbatches take, their
     losses averaged weighted by the labels each counts (gradient accumulation of a token mean:
     the token mean over the global batch, as the program computes it, however unevenly
-    --eod-mask-loss leaves labels); a step whose gradient norm is not finite skipped."""
+    --eod-mask-loss leaves labels), and what the model adds to its token mean (an MoE's
+    load-balancing loss) averaged over the pieces, as the program averages it; a step whose
+    gradient norm is not finite skipped."""
     t = cfg.training
     tm = resolve(cfg.model.name, t.seed, key_values(cfg.model.config), cfg.data)
     data = TrainData(cfg, tm.vocab_size)
@@ -77,9 +79,12 @@ def reference(cfg: TrainConfig) -> list[float]:
     local = cfg.experts.aux_loss == "local"
     batches = (Microbatches(tm.inputs(p) for p in _pieces(data.train_batch(step * cfg.data.batch), dp, m, local=local))
                for step in range(t.steps))
+    # where pieces count different labels (--eod-mask-loss), a term the model adds to its token mean
+    # (an MoE's load-balancing loss) is averaged over them, not weighted by their labels
+    uneven = cfg.data.eod_mask_loss and (m > 1 or (local and dp > 1))
     return reference_training(model, batches, optimizer(model.named_parameters(), cfg),
                               clip_grad=cfg.data_parallel.clip_grad, tokens=tm.counted, schedule=schedule(cfg),
-                              skip_nonfinite=True)["losses"]
+                              skip_nonfinite=True, parts=tm.loss_parts if uneven else None)["losses"]
 
 
 def compare(cfg: TrainConfig, losses: dict[int, float]) -> dict:

@@ -59,6 +59,29 @@ class TrainModel:
         labels = kwargs.get("shift_labels", args[1] if len(args) > 1 else None)
         return int((labels != -100).sum())
 
+    def loss_parts(self, model: torch.nn.Module, args: tuple, kwargs: dict, params: dict | None = None) -> tuple:
+        """The loss of a batch `inputs` made as (its token-mean cross entropy, the rest): the rest
+        is what the model adds to the mean (a mixture of experts' load-balancing loss), which
+        gradient accumulation averages over microbatches where the mean is weighted by tokens
+        (tools/reference.py's `parts`). The mean is the cross entropy of the model's logits
+        over the counted labels: transformers' output's own; fxtron's and a factory's model
+        called again without targets (where that returns no (.., vocab) logits, the whole loss is
+        the mean). With `params`, computed with those tensors in place of the model's."""
+        import torch.nn.functional as F
+
+        def call(*a, **kw):
+            return model(*a, **kw) if params is None else torch.func.functional_call(model, params, a, kw)
+        if self.transformers:
+            out = call(*args, **kwargs)
+            loss, logits, labels = out.loss, out.logits, kwargs["shift_labels"]
+        else:
+            (x, labels), loss = args, call(*args, **kwargs)
+            logits = call(x, **kwargs)
+            if not isinstance(logits, torch.Tensor) or logits.shape[:-1] != labels.shape:
+                return loss, loss.new_zeros(())
+        mean = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100)
+        return mean, loss - mean
+
     @property
     def documents(self) -> str | None:
         """The input of each token's document when the samples pack documents apart, positions
