@@ -19,7 +19,7 @@ import fxtron.codegen  # noqa: F401 - the kernels the ops call (fxtron.ops.kerne
 from fxtron.api import ParallelModel, parallelize
 from fxtron.config import Config
 from fxtron.core.placement import PARTIAL, REPLICATE, Partial, Replicate, Shard
-from fxtron.errors import CompileError, LaunchError, ParallelizeError, ParallelizeWarning, PeerError
+from fxtron.errors import CompileError, LaunchError, ParallelizeError, ParallelizeWarning, PeerError, RefusalError
 from fxtron.mesh import Mesh
 from fxtron.passes.rules import register_rule
 from fxtron.runtime.batch import Microbatches
@@ -29,6 +29,6 @@ from fxtron.runtime.launch import launch
 from fxtron.runtime.optim import optimizer_reads
 from fxtron.trainer.config import TrainConfig
 
-__all__ = ["Config", "TrainConfig", "Mesh", "ParallelModel", "ParallelizeError", "ParallelizeWarning", "LaunchError", "PeerError", "CompileError", "ProcessGroups",
+__all__ = ["Config", "TrainConfig", "Mesh", "ParallelModel", "ParallelizeError", "ParallelizeWarning", "LaunchError", "PeerError", "RefusalError", "CompileError", "ProcessGroups",
            "init_distributed", "launch", "parallelize", "Microbatches", "load_full_state_dict",
            "register_rule", "optimizer_reads", "Replicate", "Shard", "Partial", "REPLICATE", "PARTIAL"]

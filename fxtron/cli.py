@@ -7,7 +7,7 @@ import os
 import sys
 
 from fxtron import config
-from fxtron.errors import LaunchError, ParallelizeError
+from fxtron.errors import LaunchError, ParallelizeError, RefusalError
 from fxtron.runtime.launch import torchrun_world
 from fxtron.trainer.config import TrainConfig
 
@@ -308,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
             import time
             time.sleep(REFUSED_GRACE_S)
             return 2
-        print(f"fxtron {a.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
+        kind = "ParallelizeError" if isinstance(e, RefusalError) else type(e).__name__   # (the ranks' own)
+        print(f"fxtron {a.cmd}: {kind}: {e}", file=sys.stderr)
         return 2
 
 

@@ -27,6 +27,14 @@ class PeerError(LaunchError, ParallelizeError):
     Subclasses LaunchError and ParallelizeError, which callers caught before it existed."""
 
 
+class RefusalError(LaunchError, ParallelizeError):
+    """Every rank of a launched job that failed raised the same ParallelizeError: a mistake
+    known only once the processes had started (a model whose trace cannot be split as the mesh
+    asks, a batch the step refuses). Its message comes once, then the first such rank's
+    traceback, where a LaunchError would give every rank's and what each was doing. Raised by
+    the launcher (runtime/launch.py); a LaunchError and a ParallelizeError, as callers catch."""
+
+
 class ParallelizeWarning(UserWarning):
     """fxtron did less than the mesh asks and the result is still correct: a layer left
     replicated, an op run replicated for want of a sharding rule. `pm.summary()` lists each;

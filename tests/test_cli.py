@@ -146,6 +146,11 @@ REFUSALS = {
                                     "--reset-position-ids", "--reset-attention-mask"], "--eod-id 500: the model's vocabulary has ids 0..127"),
     "beta of 1.5": (["--model", "gpt-tiny", "--adam-beta1", "1.5"],
                     "optimizer.adam_beta1 = 1.5: AdamW's betas are in [0, 1)"),
+    # where the run writes, which it would find out at its first save or log line, after training
+    "save where nothing can be written": (["--model", "gpt-tiny", "--save", "/proc/fxtron-save"],
+                                          "--save /proc/fxtron-save: the run cannot write there"),
+    "log file that is a directory": (["--model", "gpt-tiny", "--log-file", "{d}"],
+                                     "--log-file {d}: the run cannot write there ({d} is a directory); give a file"),
     # flags that would do nothing
     "keep-last without save": (["--model", "gpt-tiny", "--keep-last", "2"],
                                "training.keep_last prunes the checkpoints of training.save: it needs --save DIR"),

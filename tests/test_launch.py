@@ -81,6 +81,45 @@ def test_failing_rank_ends_job_with_its_traceback():
     assert time.monotonic() - start < scaled(60)  # the waiting rank is killed, not waited for
 
 
+def _refuse_job(rank: int, mode: str):
+    dist.barrier()
+    if mode == "every":
+        raise fxtron.ParallelizeError("a mistake of the user's, on purpose")
+    if rank == 0:
+        raise fxtron.ParallelizeError("rank 0's mistake, on purpose")
+    t = torch.ones(1)
+    dist.all_reduce(t)      # rank 1 waits here for rank 0, which never comes
+    return rank
+
+
+def test_the_same_parallelize_error_of_the_ranks_is_said_once():
+    """A user's mistake found once the processes started (the trace shows the model cannot be
+    split as asked) is one message, the ranks that raised it and one traceback -- not every
+    rank's traceback and the flight recorder's 'no communication recorded' for each."""
+    with pytest.raises(fxtron.RefusalError) as err:
+        run_on_ranks(_refuse_job, 2, "every", timeout_s=120)
+    msg = str(err.value)
+    assert isinstance(err.value, fxtron.LaunchError) and isinstance(err.value, fxtron.ParallelizeError)
+    assert msg.startswith("a mistake of the user's, on purpose\n\n(raised on every rank (2) once the processes had "
+                          "started; rank "), msg
+    assert msg.count("Traceback") == 1 and "_refuse_job" in msg and "flight recorder" not in msg, msg
+    # one rank's, the other waiting for it in a collective: a peer's failure, which follows from it
+    with pytest.raises(fxtron.RefusalError, match=r"^rank 0's mistake, on purpose\n\n\(raised on rank 0 once"):
+        run_on_ranks(_refuse_job, 2, "one", timeout_s=120)
+
+
+def test_a_refusal_is_one_only_where_every_failure_is_it_or_follows_from_it():
+    from fxtron.runtime.launch import _PEER, _REFUSED, _head, _refusal
+    said = [_head(f"{_REFUSED}no{_REFUSED}rank {r} failed:\nTraceback ...") for r in (0, 1)]
+    peer = _head(f"{_PEER}{_PEER}rank 1 failed:\nTraceback ... PeerError")
+    other = _head("rank 1 failed:\nTraceback ... RuntimeError: boom")
+    assert str(_refusal(said, 2)).startswith("no\n\n(raised on every rank (2) once the processes had started; rank 0's")
+    assert str(_refusal([said[0], peer], 2)).startswith("no\n\n(raised on rank 0 once")
+    assert _refusal([said[0], other], 2) is None                    # another failure beside it
+    assert _refusal([said[0], _head(f"{_REFUSED}yes{_REFUSED}rank 1 failed:")], 2) is None   # two mistakes
+    assert _refusal([peer], 2) is None and _refusal([], 2) is None
+
+
 def _exit_job(rank: int):
     dist.barrier()  # every group is up: the death below is the only failure
     if rank == 0:
@@ -129,7 +168,7 @@ def test_a_collective_whose_peer_closed_is_a_peer_error():
     assert isinstance(err, fxtron.PeerError) and isinstance(err, fxtron.ParallelizeError)
     assert "rank 1 died (its connection closed) during transfer #4 on group tp" in str(err), str(err)
     other = ledger.failure(e, RuntimeError("Timed out waiting 1000ms"))
-    assert type(other) is fxtron.ParallelizeError
+    assert type(other) is ledger.CollectiveFailure and isinstance(other, fxtron.ParallelizeError)
 
 
 def _sleep_job(rank: int):

@@ -511,6 +511,26 @@ def test_compare_averages_a_load_balancing_loss_over_microbatches_that_count_dif
     assert diff < 1e-6, (got, ref)
 
 
+def test_a_resume_with_another_seed_is_said_and_a_stale_staging_file_does_not_block_the_save(tmp_path):
+    """Resuming with another --seed trains on other samples (the text's are drawn by seed and
+    index): said, as a warning and in the JSONL, where it was silent. And a plain file where a
+    save stages its directory (iter_N.saving, left by something else than a killed save, which
+    leaves a directory) is cleared as a directory is, where every save to it failed."""
+    from fxtron.trainer.loop import train_rank
+    (tmp_path / "t.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    ckpt = tmp_path / "ckpt"
+    cfg = TrainConfig().replace(model="gpt-tiny", steps=2, batch=2, seq=16, text=str(tmp_path / "t.txt"),
+                                save=str(ckpt), log_file=str(tmp_path / "run.jsonl"), lr_decay_steps=4)
+    train_rank(0, cfg)
+    (ckpt / "iter_0000004.saving").write_text("not a save's")
+    with pytest.warns(UserWarning, match="train data: --seed 1, where the checkpoint's run had --seed 0: the train "
+                                         "samples from here on are drawn for seed 1"):
+        train_rank(0, cfg.replace(steps=4, seed=1, load=str(ckpt)))
+    assert (ckpt / "iter_0000004").is_dir() and not (ckpt / "iter_0000004.saving").exists()
+    records = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
+    assert [r.get("seed_changed") for r in records if r.get("step") == 3] == [True], records
+
+
 def test_an_extended_run_evaluates_as_the_run_that_never_stopped(tmp_path):
     """One process, Megatron data with a valid split: the evaluation after a run's last step comes
     after its checkpoint (Megatron's order), so a run extended from it evaluates the same valid

@@ -46,6 +46,13 @@ from fxtron.errors import ParallelizeError, PeerError
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
              "remote process exited", "NCCL communicator was aborted")
 
+
+class CollectiveFailure(ParallelizeError):
+    """A collective or transfer of this rank's that failed (timed out, diverged, its peer gone
+    without saying so): what the launcher reports with every rank's operations, never as the
+    user's mistake (runtime/launch.py)."""
+
+
 FLIGHT = 16                 # operations the recorder keeps per rank (and slots in the file)
 _LINE = 240                 # bytes per operation in the flight file
 _MAX_DIMS = 6               # dims described exactly; more are folded into the last
@@ -269,7 +276,7 @@ def failure(e: Entry, exc: BaseException) -> ParallelizeError:
             f"rank {_S.rank}: {who} died (its connection closed) during {e.describe()}, "
             f"{time.time() - e.issued:.1f} s after it was issued: {first}\n{recent()}\n"
             "(the dead rank's own output, or the launcher's report, says why it exited)")
-    return ParallelizeError(
+    return CollectiveFailure(
         f"rank {_S.rank}: {e.describe()} failed after {time.time() - e.issued:.1f} s: {first}\n"
         f"{recent()}\n(a peer that died, timed out or runs a different program; with "
         "FXTRON_CHECK_COLLECTIVES=1 every collective is compared across its group before it runs)")
@@ -373,7 +380,7 @@ def _agree(book: _Book, e: Entry) -> None:
     seqs = {r[0] for r in rows}
     where = f"collective #{e.seq}" if len(seqs) == 1 else "collectives #" + "/".join(str(r[0]) for r in rows)
     said = ", ".join(f"rank {rk} {Entry.decode(book.label, r).what()}" for rk, r in zip(book.ranks, rows))
-    raise ParallelizeError(
+    raise CollectiveFailure(
         f"the ranks' programs diverged at {where} on group {book.label}: {said}. Every rank of a "
         "group must issue the same collectives in the same order (NCCL matches them by order "
         f"alone and would hang or mix data here).\n{recent()}")
@@ -425,7 +432,7 @@ def _agree_p2p(book: _Book, e: Entry) -> None:
         s = sends[i][2] if i < len(sends) else "nothing more"
         r = recvs[i][2] if i < len(recvs) else "nothing more"
         lines.append(f"transfer #{i + 1} from rank {ra} to rank {rb}: rank {ra} sends {s}, rank {rb} receives {r}")
-    raise ParallelizeError(
+    raise CollectiveFailure(
         f"the point-to-point transfers of step {_S.step} on group {book.label} do not pair up in "
         f"order (NCCL pairs a sender's sends with the receiver's receives by order alone): "
         + "; ".join(lines))

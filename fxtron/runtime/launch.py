@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from fxtron.errors import LaunchError, PeerError
+from fxtron.errors import LaunchError, ParallelizeError, PeerError, RefusalError
 from fxtron.mesh import Mesh
 from fxtron.ops import ledger
 
@@ -122,11 +122,50 @@ def _worker(fn, mesh: Mesh, rank: int, args: tuple, port: int, backend: str | No
                            check_collectives=check_collectives)
         out = fn(rank, *args)
         payload = _dumps(out)
-    except BaseException:  # noqa: BLE001 - every failure must reach the parent
-        _report(results, reports, rank, False, f"rank {rank} failed:\n{traceback.format_exc()}".encode())
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
+        _report(results, reports, rank, False, _failure(rank, e))
         os._exit(1)  # skip destructors that could block on dead peers
     _report(results, reports, rank, True, payload)
     G.destroy()
+
+
+#: around the head of a rank's failure report where it raised a ParallelizeError: its message
+#: (for a PeerError, empty: a peer's death it followed from)
+_REFUSED, _PEER = "\x00refused\x00", "\x00peer\x00"
+
+
+def _failure(rank: int, e: BaseException) -> bytes:
+    """A failed rank's report: its traceback, headed by the message of a ParallelizeError it
+    raised (a mistake of the user's; not a collective's failure), or marked where it followed
+    from a peer's death (a PeerError, or a collective whose backend says the peer is gone)."""
+    text = f"rank {rank} failed:\n{traceback.format_exc()}"
+    if isinstance(e, PeerError) or any(sign in str(e) for sign in ledger.PEER_GONE):
+        text = f"{_PEER}{_PEER}{text}"           # (a torch collective's own: gloo's 'Connection closed by peer')
+    elif isinstance(e, ParallelizeError) and not isinstance(e, (LaunchError, ledger.CollectiveFailure)):
+        text = f"{_REFUSED}{e}{_REFUSED}{text}"
+    return text.encode()
+
+
+def _head(report: str) -> tuple[str | None, str | None, str]:
+    """(kind: "refused", "peer" or None, a refusal's message, the traceback) of a report."""
+    for kind, mark in (("refused", _REFUSED), ("peer", _PEER)):
+        if report.startswith(mark):
+            _, said, text = report.split(mark, 2)
+            return kind, said, text
+    return None, None, report
+
+
+def _refusal(heads: list[tuple], world: int) -> RefusalError | None:
+    """A RefusalError where the failed ranks raised one ParallelizeError, the same message
+    (and any other failed in a collective with them, a PeerError): its message once, the ranks
+    that raised it, the first one's traceback."""
+    refused = [(said, text) for kind, said, text in heads if kind == "refused"]
+    if not refused or len({said for said, _ in refused}) > 1 or any(kind is None for kind, _, _ in heads):
+        return None
+    ranks = [text.split(" ", 2)[1] for _, text in refused]
+    where = f"every rank ({world})" if len(ranks) == world else f"rank{'s' * (len(ranks) > 1)} {', '.join(ranks)}"
+    return RefusalError(f"{refused[0][0]}\n\n(raised on {where} once the processes had started; rank {ranks[0]}'s "
+                        f"traceback follows)\n{refused[0][1]}")
 
 
 def _exit(code: int | None) -> str:
@@ -147,7 +186,7 @@ def _failures(procs, results, done: dict, first: str | None, flight_dir: str, re
     others fail too, so the whole picture helps find the cause), then what every rank was
     doing, from the flight recorder (ops/ledger.py). A rank that died without a report is
     the cause the others' failures follow from: a PeerError that names it first."""
-    messages = [first] if first else []
+    raw = [first] if first else []
     end = time.monotonic() + grace_s
     while time.monotonic() < end:
         try:
@@ -155,13 +194,18 @@ def _failures(procs, results, done: dict, first: str | None, flight_dir: str, re
         except queue.Empty:
             continue
         if not ok:
-            messages.append(_read_report(reports, rank, False).decode())
+            raw.append(_read_report(reports, rank, False).decode())
+    heads = [_head(m) for m in raw]
+    messages = [text for _, _, text in heads]
     reported = {m.split(" ", 2)[1] for m in messages if m.startswith("rank ")}
     dead = [f"rank {r} died {_exit(p.exitcode)} without a traceback" for r, p in enumerate(procs)
             if r not in done and str(r) not in reported and p.exitcode not in (None, 0)]
     if dead:
         others = (["the other ranks' failures follow from it:"] + messages) if messages else []
         return PeerError("\n\n".join(dead + others + [ledger.flight_report(flight_dir, len(procs))]))
+    refused = _refusal(heads, len(procs))
+    if refused is not None:
+        return refused
     messages = messages or ["a rank failed without a report"]
     return LaunchError("\n\n".join(messages + [ledger.flight_report(flight_dir, len(procs))]))
 

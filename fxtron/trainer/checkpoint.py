@@ -52,7 +52,8 @@ def latest(root: str) -> int | None:
     done = complete(root)
     tracker = os.path.join(root, TRACKER)
     if os.path.isfile(tracker):
-        text = open(tracker).read().strip()
+        with open(tracker) as f:
+            text = f.read().strip()
         if text.isdigit() and int(text) in done:
             return int(text)
     return done[-1] if done else None
@@ -165,8 +166,19 @@ class Checkpointer:
                        "saved_mesh": saved.get("mesh"), "seconds": time.perf_counter() - start,
                        "overridden": overridden, "optimizer_changed": changed,
                        "rng_restored": getattr(self.prog, "rng_restored", None),
-                       "sample_order_changed": self._order_changed(saved, state)}
+                       "sample_order_changed": self._order_changed(saved, state),
+                       "seed_changed": self._seed_changed(saved)}
         return it
+
+    def _seed_changed(self, saved: dict) -> str | None:
+        """Why the train data after the checkpoint is not the saved run's, or None: another
+        --seed, which draws (or shuffles) the samples (a checkpoint older than the record: None)."""
+        before, now = saved.get("seed"), self.cfg.training.seed
+        if before is None or before == now:
+            return None
+        return (f"--seed {now}, where the checkpoint's run had --seed {before}: the train samples from here on are "
+                f"drawn for seed {now}, not those that run would have read next; resume with --seed {before} to "
+                "continue it")
 
     def _order_changed(self, saved: dict, state: dict) -> str | None:
         """Why the train samples after the checkpoint come in another order than the saved run's
@@ -197,7 +209,7 @@ class Checkpointer:
         root, it = cfg.training.save, state["iteration"]
         path = iter_dir(root, it)
         extra = {**state, "scheduler": self.sched.state_dict(), "global_batch": cfg.data.batch, "seq": cfg.data.seq,
-                 "sample_order": self.sample_order,
+                 "sample_order": self.sample_order, "seed": cfg.training.seed,
                  "model": cfg.model.name, "mesh": str(cfg.mesh.mesh())}
         start = time.perf_counter()
         os.makedirs(root, exist_ok=True)

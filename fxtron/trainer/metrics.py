@@ -124,12 +124,14 @@ class Metrics:
         override = self.cfg.optimizer.override_lr_schedule
         if override:
             self._resume["lr_schedule_overridden"] = list(event["overridden"])
-        if event.get("sample_order_changed"):
-            self._resume["sample_order_changed"] = True
+        for key in ("sample_order_changed", "seed_changed"):
+            if event.get(key):
+                self._resume[key] = True
         if not self.writer:
             return
-        if event.get("sample_order_changed"):
-            warnings.warn("train data: " + event["sample_order_changed"], stacklevel=2)
+        for key in ("sample_order_changed", "seed_changed"):
+            if event.get(key):
+                warnings.warn("train data: " + event[key], stacklevel=2)
         saved = f"saved on {event['saved_mesh']}, " if event.get("saved_mesh") not in (None, event["mesh"]) else ""
         self._print(f"loaded checkpoint {event['path']} from iteration {event['iteration']} on {event['mesh']} "
                     f"({saved}{event['seconds']:.1f} s)"

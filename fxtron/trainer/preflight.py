@@ -2,7 +2,8 @@
 spec (a directory that exists, its config.json), the datasets' prefixes (PREFIX.bin and .idx,
 their headers) and split, the data's token ids against the model's vocabulary, the mesh's tp
 against the model's head counts, the global batch against dp x microbatches, the sequence
-against cp and sequence parallel, the learning-rate schedule, --load, the device -- so that a
+against cp and sequence parallel, the learning-rate schedule, --load, the device, the paths it
+writes to -- so that a
 mistake is one message in a second, not one traceback per rank
 after spawning and compiling. `fxtron train` and `run` (trainer/loop.py) call `check` before the
 launcher starts processes; under torchrun every rank checks and rank 0 alone says why
@@ -78,11 +79,38 @@ def check_run(cfg: TrainConfig, vocab_size: int) -> None:
     if cfg.codegen.cuda_graphs and cfg.inputs.resolved_device() == "cpu":
         raise ParallelizeError("--cuda-graphs: the programs run on the CPU (no CUDA device here): CUDA graphs "
                                "capture CUDA kernels alone; run on GPUs, or turn cuda_graphs off")
+    check_outputs(cfg)
     from fxtron.trainer.data import TrainData, check_split
     if d.path:
         check_split(cfg)
     else:
         TrainData(cfg, vocab_size)      # (the text read and cut: long enough for a sample of each part it uses)
+
+
+def check_outputs(cfg: TrainConfig) -> None:
+    """Where the run writes -- --save, --export-hf, --tensorboard-dir, --trace (directories it
+    makes) and --log-file (a file it appends to) -- can be written: a path that cannot would
+    fail the run at its first save or log line, after training (a directory is made here, as
+    the run would)."""
+    import os
+    import tempfile
+    t = cfg.training
+    wanted = [(flag, path, True) for flag, path in (("--save", t.save), ("--export-hf", t.export_hf),
+                                                     ("--tensorboard-dir", t.tensorboard_dir), ("--trace", t.trace))
+              if path is not None]
+    if t.log_file is not None:
+        wanted.append(("--log-file", t.log_file, False))
+    for flag, path, is_dir in wanted:
+        where = path if is_dir else (os.path.dirname(os.path.abspath(path)))
+        try:
+            if not is_dir and os.path.isdir(path):
+                raise IsADirectoryError(f"{path} is a directory")
+            os.makedirs(where, exist_ok=True)
+            with tempfile.TemporaryFile(dir=where):
+                pass
+        except OSError as e:
+            raise ParallelizeError(f"{flag} {path}: the run cannot write there ({e.strerror or e}); give "
+                                   f"{'a directory' if is_dir else 'a file'} it can write") from None
 
 
 def check_data(cfg: TrainConfig, vocab_size: int, spec: str) -> None:
@@ -134,4 +162,4 @@ def check_heads(model, tp: int, spec: str) -> None:
                                                     if works else "no tp > 1 divides them: use tp=1"))
 
 
-__all__ = ["check", "check_data", "check_heads", "check_run"]
+__all__ = ["check", "check_data", "check_heads", "check_outputs", "check_run"]

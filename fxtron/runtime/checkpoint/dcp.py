@@ -173,7 +173,7 @@ def save(prog, path: str, optimizer: torch.optim.Optimizer | None = None, storag
     _check_optimizer(optimizer)
     path = os.path.abspath(path)
     staging = path + ".saving"
-    _on_rank0(prog, lambda: shutil.rmtree(staging, ignore_errors=True))     # a killed save's leftovers
+    _on_rank0(prog, lambda: _remove(staging))     # a killed save's leftovers
     errors: list[tuple[int, str]] = []
     try:
         _write(prog, staging, optimizer, storage_writer, extra)
@@ -197,11 +197,19 @@ def save(prog, path: str, optimizer: torch.optim.Optimizer | None = None, storag
             os.fsync(f.fileno())
         replaced = path + ".replaced"
         if os.path.exists(path):
-            shutil.rmtree(replaced, ignore_errors=True)
+            _remove(replaced)
             os.rename(path, replaced)
         os.rename(staging, path)
-        shutil.rmtree(replaced, ignore_errors=True)
+        _remove(replaced)
     _on_rank0(prog, commit)
+
+
+def _remove(path: str) -> None:
+    """Remove what is at `path` -- a directory, a file or a link -- if anything."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
 
 
 def _why(exc: BaseException, path: str) -> str:
