@@ -169,3 +169,58 @@ def test_computed_ids_outside_the_vocabulary_are_an_error_at_tp2(vocab_job):
         assert got["ok"] > 0
         assert got["input"] and "token id 64 at index (1, 3) is outside the vocabulary [0, 64)" in got["input"], got
         assert got["target"] and "target 64 at index (11,) is outside the vocabulary [0, 64)" in got["target"], got
+
+
+def _per_rank(rank, mesh, case):
+    args = batch("gpt", 4, 8, 0)[0]
+    prog = fxtron.parallelize(make("gpt"), mesh, example_inputs=args).program(rank)
+    opt = torch.optim.SGD(prog.parameters(), lr=0.1)
+    out = {}
+    try:                                      # each rank its own batch: a DistributedSampler's habit
+        prog.train_step(batch("gpt", 4, 8, seed=rank)[0], opt)
+        out["own"] = None
+    except fxtron.ParallelizeError as e:
+        out["own"] = str(e)
+    out["same"] = prog.train_step(args, opt)  # then the same global batch on both: the step runs
+    return out
+
+
+per_rank_job = cases_fixture({2: [(fxtron.Mesh(2), ["per-rank"]), (fxtron.Mesh(2, tp=2), ["per-rank"])]}, _per_rank)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, group", [(fxtron.Mesh(2), "dp"), (fxtron.Mesh(2, tp=2), "tp")], ids=["dp2", "tp2"])
+def test_ranks_given_different_batches_are_refused_at_the_first_step(per_rank_job, mesh, group):
+    """Each rank its own batch trained silently on pieces of both (tp=2: a loss of 5.5977 where
+    the two batches' are 5.5649 and 5.5541); every rank now says so, naming the group, before
+    anything of the step runs."""
+    for got in ranks_of(per_rank_job, mesh, "per-rank"):
+        assert got["own"] and got["own"].startswith(f"the ranks of group {group} (ranks 0, 1) were given different "
+                                                    "batches: every rank passes the same global batch"), got
+        assert got["same"] > 0
+
+
+def test_a_batch_fingerprint_is_its_contents_by_place():
+    from fxtron.runtime.batch import fingerprint
+    ids = torch.randint(0, 64, (4, 9))
+    ids[0, :2] = torch.tensor([1, 2])
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    base = fingerprint(((ids, x), {"mask": ids > 3}))
+    assert torch.equal(base, fingerprint(((ids.clone(), x.clone()), {"mask": ids > 3})))
+    swapped = ids.clone()
+    swapped[0, :2] = torch.tensor([2, 1])                  # two ids changed places: the same sum, another print
+    assert not torch.equal(base, fingerprint(((swapped, x), {"mask": ids > 3})))
+    y = x.clone()
+    y[3, 7] = -y[3, 7] if y[3, 7] != 0 else 1.0
+    assert not torch.equal(base, fingerprint(((ids, y), {"mask": ids > 3})))
+    assert not torch.equal(base, fingerprint(((ids[:, :8], x), {"mask": ids > 3})))      # another shape
+
+
+def test_a_loss_fn_that_returns_no_scalar_is_refused_at_parallelize():
+    """As a model returning a non-scalar is: the first train_step raised autograd's own
+    'grad can be implicitly created only for scalar outputs'."""
+    x = torch.randn(4, 8)
+    with pytest.raises(fxtron.ParallelizeError, match=r"^loss_fn returned a tensor of shape \(.*\), not a scalar loss"):
+        fxtron.parallelize(torch.nn.Linear(8, 4), fxtron.Mesh(1), example_inputs=(x,), loss_fn=lambda o: o.mean(-1))
+    with pytest.raises(fxtron.ParallelizeError, match="^loss_fn returned tuple, not a scalar loss"):
+        fxtron.parallelize(torch.nn.Linear(8, 4), fxtron.Mesh(1), example_inputs=(x,), loss_fn=lambda o: (o.mean(),))

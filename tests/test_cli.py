@@ -149,6 +149,8 @@ REFUSALS = {
     # where the run writes, which it would find out at its first save or log line, after training
     "save where nothing can be written": (["--model", "gpt-tiny", "--save", "/proc/fxtron-save"],
                                           "--save /proc/fxtron-save: the run cannot write there"),
+    "flight recorder where nothing can be written": (["--model", "gpt-tiny", "--flight-dir", "/proc/fxtron-flight"],
+                                                    "--flight-dir /proc/fxtron-flight: the run cannot write there"),
     "log file that is a directory": (["--model", "gpt-tiny", "--log-file", "{d}"],
                                      "--log-file {d}: the run cannot write there ({d} is a directory); give a file"),
     # flags that would do nothing

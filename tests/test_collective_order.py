@@ -27,6 +27,7 @@ from torch import nn
 
 import fxtron
 from fxtron.errors import LaunchError, ParallelizeError
+from fxtron.runtime.batch import check_same_batch
 from fxtron.ops import ledger, transport
 from fxtron.runtime.groups import groups_for
 from fxtron.tools.testing import adamw, cases_fixture, ranks_of, run_on_ranks, scaled
@@ -62,7 +63,8 @@ def _widths(rank, mesh):
     model = MLP(width)
     x = torch.randn(4, 8, width)
     prog = fxtron.parallelize(model, mesh, example_inputs=(x,)).program(rank)
-    prog.train_step((x,), torch.optim.SGD(prog.parameters(), lr=0.1))
+    prog.eval()
+    prog(x)     # (its forward: train_step would first find the ranks' batches differ, check_same_batch)
 
 
 def _ops(rank, mesh):
@@ -200,6 +202,7 @@ def _hang(rank, mesh, folder):
     if rank == 0:
         prog.train_step(args, opt)           # sends its activations, then waits for their gradients
     else:
+        check_same_batch(prog.groups, (args, None))    # (the step's first collective, train_step's check)
         prog.grad_norm()                     # a program that diverged: a norm over pp first
     time.sleep(60)
 
@@ -217,6 +220,6 @@ def test_a_hung_collective_ends_the_job_with_what_every_rank_waits_in(tmp_path):
     # rank 0 waits for the gradient of its first microbatch: its shapes first (on pp's control twin)
     assert re.search(r"rank 0: (waiting|failed) in transfer #1 on group pp control \(ranks 0, 1\): recv \(3,\) "
                      r"int64 from rank 1 \[grad of microbatch 0 for stage 0, shapes\]", msg), msg
-    assert re.search(r"rank 1: (waiting|failed) in collective #1 on group pp \(ranks 0, 1\): all_reduce \(\) float32",
+    assert re.search(r"rank 1: (waiting|failed) in collective #2 on group pp \(ranks 0, 1\): all_reduce \(\) float32",
                      msg), msg
     assert "failed after" in msg            # the rank that timed out says which operation it was

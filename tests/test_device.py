@@ -188,7 +188,7 @@ def _captured_job(rank: int, mesh, steps: int) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             pm = fxtron.parallelize(make("gpt"), mesh, example_inputs=items[0][0], device="cuda", clip_grad=1.0,
-                                    cuda_graphs=captured, cuda_graph_warmup=1)
+                                    cuda_graphs=captured, **({"cuda_graph_warmup": 1} if captured else {}))
         prog = pm.program(rank)
         res = train_program(prog, items, adamw()(prog.parameters()))
         res["captured_at"] = prog.captured.captured_at if captured else None

@@ -63,7 +63,12 @@ class _WithLoss(torch.nn.Module):
         it = iter(tensors)
         flat = [next(it) if isinstance(x, torch.Tensor) else x for x in self._leaves]
         args, kwargs = pytree.tree_unflatten(flat, self._spec)
-        return self.loss_fn(self.model(*args, **kwargs))
+        loss = self.loss_fn(self.model(*args, **kwargs))
+        if self.loss_fn is not default_loss and not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+            got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ParallelizeError(f"loss_fn returned {got}, not a scalar loss: reduce it to one value (a mean or a "
+                                   "sum over the batch) in loss_fn")
+        return loss
 
 
 def _dynamic_shapes(tensors: list[torch.Tensor], batch_dim: int, seq_dim: int | None):
@@ -235,6 +240,8 @@ def trace(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwargs:
             how = f"traced whole: {e}"
     try:
         ep = _export(wrapped, tuple(tensors), {"tensors": shapes})  # keyed by forward(*tensors)
+    except ParallelizeError:
+        raise                   # (said already: the loss fxtron was given)
     except Exception as e:  # noqa: BLE001 - any export failure is the user's model's
         raise ParallelizeError(
             f"torch.export could not trace {type(model).__name__}: {type(e).__name__}: {e}\n"
@@ -255,7 +262,7 @@ def _trace_layers_once(model, wrapped: _WithLoss, tensors, shapes, user_dims, sp
     try:
         repeat.check_same_program(wrapped, wrapped_short, layers, path, tensors, inside="model")
         ep = _export(wrapped_short, tuple(tensors), {"tensors": shapes})
-    except repeat.NotRepeatable:
+    except (repeat.NotRepeatable, ParallelizeError):
         raise
     except Exception as e:  # noqa: BLE001 - a model that does not run on meta, or exports only whole
         raise repeat.NotRepeatable(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e

@@ -218,12 +218,16 @@ class ContextConfig(Section):
                 f"groups of cp_comm_type='a2a+p2p' and goes with it alone; set both, or neither")
 
     def check(self, mesh) -> None:
+        if self.comm_type != "p2p" and mesh.cp == 1:
+            raise ParallelizeError(f"cp_comm_type={self.comm_type!r} chooses how context parallel exchanges keys and "
+                                   "values; the mesh has cp=1: set cp or drop cp_comm_type")
         k = self.a2a_size
         if k is not None and (mesh.cp % k or k == 1 or k == mesh.cp):
+            sizes = [str(d) for d in range(2, mesh.cp) if mesh.cp % d == 0]
             raise ParallelizeError(
                 f"cp_a2a_size={k} must divide cp={mesh.cp} and lie strictly between 1 and cp (1 is "
-                f"cp_comm_type='p2p', cp is 'a2a'): use one of "
-                f"{', '.join(str(d) for d in range(2, mesh.cp) if mesh.cp % d == 0) or 'none at this cp'}")
+                f"cp_comm_type='p2p', cp is 'a2a'): " + (f"use one of {', '.join(sizes)}" if sizes else
+                                                          f"cp={mesh.cp} has no such size; use 'p2p' or 'a2a'"))
 
 
 @dataclass(frozen=True)
@@ -321,6 +325,11 @@ class CodegenConfig(Section):
     cuda_graph_warmup: int = option(2, minimum=1, help="with cuda_graphs: the steps run eagerly on a side stream "
                                                        "before the next one is captured (NCCL's communicators, the "
                                                        "optimizer's state and the buffers made there)")
+
+    def _rules(self) -> None:
+        if self.cuda_graph_warmup != 2 and not self.cuda_graphs:
+            raise ParallelizeError(f"cuda_graph_warmup={self.cuda_graph_warmup} sets the eager steps before a CUDA "
+                                   "graph's capture; cuda_graphs is off: turn it on or drop cuda_graph_warmup")
 
 
 @dataclass(frozen=True)

@@ -261,4 +261,60 @@ class BatchSlicer:
         return out
 
 
-__all__ = ["BatchSlicer", "Microbatches", "dp_share", "microbatch_pieces", "sequence_unit", "split_batch"]
+def _tensors(obj) -> list[torch.Tensor]:
+    """The tensors of a batch: (inputs, kwargs), a Microbatches list, nested tuples, lists, dicts."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (tuple, list)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def fingerprint(batch) -> torch.Tensor:
+    """Two int64s of a batch's tensors: their shapes', and their contents' (each element's bits
+    times a weight of its place, summed with wrap-around: exact and the same in any summation
+    order, so equal batches give equal prints on any device)."""
+    shapes, contents = 0, 0
+    for i, t in enumerate(_tensors(batch)):
+        for d in (*t.shape, t.dim(), t.element_size()):
+            shapes = (shapes * 1_000_003 + d + i) % (1 << 61)
+        flat = t.detach().reshape(-1)
+        if flat.is_floating_point() or flat.is_complex():
+            flat = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+        elif flat.dtype == torch.bool:
+            flat = flat.to(torch.uint8)
+        weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64) % 65521 + 1 + i
+        contents += int((flat.to(torch.int64) * weights).sum())
+    return torch.tensor([shapes, (contents + (1 << 63)) % (1 << 64) - (1 << 63)], dtype=torch.int64)
+
+
+def check_same_batch(groups, batch) -> None:
+    """ParallelizeError on every rank, naming the groups, where the ranks were not given the
+    same global batch: fxtron takes each rank's piece of it (dp, cp) or all of it (tp, pp), so
+    per-rank batches (a DistributedSampler's habit) would train on pieces of several -- a loss
+    that is no batch's, silently. One all-reduce of four int64s per group this rank is in (the
+    mesh's groups connect every rank, so agreeing in each is agreeing in all)."""
+    import torch.distributed as dist
+
+    from fxtron.ops import transport
+    mine = fingerprint(batch)
+    differ = []
+    for kind, ranks, pg in groups.distinct():
+        if len(ranks) == 1:
+            continue
+        both = torch.cat([mine, -mine]).to(groups.device)
+        transport.all_reduce(both, pg, op=dist.ReduceOp.MAX)     # (recorded and order-checked, as fxtron's own)
+        if not torch.equal(both[:2].cpu(), -both[2:].cpu()):
+            differ.append(f"{kind} (ranks {', '.join(map(str, ranks))})")
+    if differ:
+        raise ParallelizeError(
+            f"the ranks of group{'s' * (len(differ) > 1)} {'; '.join(differ)} were given different batches: every rank "
+            "passes the same global batch to train_step / eval_step, and fxtron takes each rank's piece of it (not a "
+            "DistributedSampler's batch per rank, which would train on pieces of several, a loss that is no batch's); "
+            "load the global batch on every rank, with the same seed")
+
+
+__all__ = ["BatchSlicer", "Microbatches", "check_same_batch", "dp_share", "fingerprint", "microbatch_pieces",
+           "sequence_unit", "split_batch"]

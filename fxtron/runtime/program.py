@@ -39,7 +39,7 @@ from fxtron.ops.ep import DispatchLog
 from fxtron.ops.linear import WgradQueue
 from fxtron.ops.rng import RNGStreams
 from fxtron.runtime import ep, graphs, optim
-from fxtron.runtime.batch import BatchSlicer, Microbatches
+from fxtron.runtime.batch import BatchSlicer, Microbatches, check_same_batch
 from fxtron.runtime.checkpoint import dcp, hf
 from fxtron.runtime.grads import Gradients, get_by_path
 from fxtron.runtime.groups import ProcessGroups
@@ -132,6 +132,7 @@ class Program(nn.Module):
         # a step whose global gradient norm is not finite leaves the weights as they were (the trainer's)
         self.skip_nonfinite = False
         self.last_step_skipped = False
+        self._batch_agreed = groups is None or groups.mesh.world_size == 1   # (check_same_batch, the first step)
         self._memory = None
         self._events: list = []           # the last step's passes without a schedule (F, B)
         self._aliases = info.aliases if stages is None else {a: n for a, n in info.aliases.items() if n in params}
@@ -327,6 +328,7 @@ class Program(nn.Module):
         Under cuda_graphs=True the step after the warm-up is captured in a CUDA graph and
         replayed from then on (runtime/graphs.py: one input shape, Adam / AdamW)."""
         optim.check_optimizer(self, optimizer)
+        self._agree_on_batch(inputs, kwargs)
         if self.config.codegen.cuda_graphs:     # the whole step captured once, then replayed (runtime/graphs.py)
             return graphs.captured_step(self, inputs, optimizer, kwargs)
         if self._stages is not None or self.pipeline.microbatches > 1 or isinstance(inputs, Microbatches):
@@ -400,6 +402,7 @@ class Program(nn.Module):
         no_grad; with a pipeline schedule or microbatches, a forward-only schedule (every
         microbatch's F in the schedule's order, no backward, no gradient buffer touched).
         Weights, buffers, the optimizer and the last step's gradient norm stay as they were."""
+        self._agree_on_batch(inputs, kwargs)
         evaluation = self.eval_graphs()
         self._settle_params()
         if self._stages is not None or self.pipeline.microbatches > 1 or isinstance(inputs, Microbatches):
@@ -414,6 +417,13 @@ class Program(nn.Module):
         out = self._global_loss(loss.detach().to(torch.promote_types(loss.dtype, torch.float32)))
         ledger.step_end(self.groups)
         return out
+
+    def _agree_on_batch(self, inputs, kwargs) -> None:
+        """At the first step (training or evaluation), that every rank was given the same global
+        batch (runtime/batch.py check_same_batch)."""
+        if not self._batch_agreed:
+            check_same_batch(self.groups, (inputs, kwargs))
+            self._batch_agreed = True
 
     def _settle_params(self) -> None:
         """Outside a training step (the program's own forward, eval_step): the distributed

@@ -157,7 +157,8 @@ class TrainingConfig(Section):
     load: str | None = option(None, help="resume from the latest complete checkpoint of this directory, on any "
                                          "mesh (default: --save; a newer one of --save's wins: a restarted run "
                                          "continues)")
-    export_hf: str | None = option(None, help="at the end, write the model as transformers' save_pretrained does")
+    export_hf: str | None = option(None, help="at the end, write the model as transformers' save_pretrained does "
+                                                "(a transformers model's; fxtron's own: its weights alone)")
     log_interval: int = option(1, positive=True, help="one log line every this many steps")
     log_file: str | None = option(None, help="append one JSON object per step to this .jsonl file")
     tensorboard_dir: str | None = option(None, help="write the metrics as TensorBoard events here")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 
 import torch.distributed as dist
 
@@ -119,6 +120,11 @@ class Trainer:
                 self.prog.save_pretrained(t.export_hf)
                 if self.rank == 0:                 # the model directory's tokenizer, as transformers' users load it
                     copy_tokenizer(self.cfg.model.name, t.export_hf)
+                    if not self.model.transformers:
+                        warnings.warn(f"--export-hf {t.export_hf}: {self.cfg.model.name} is not a transformers "
+                                      "model, so the directory holds its weights (model.safetensors, under its own "
+                                      "names) without a config.json transformers could load; export an hf:<architecture> "
+                                      "or a transformers directory's model for one", stacklevel=2)
             self.finish()
         finally:
             self.metrics.close()

@@ -88,15 +88,16 @@ def check_run(cfg: TrainConfig, vocab_size: int) -> None:
 
 
 def check_outputs(cfg: TrainConfig) -> None:
-    """Where the run writes -- --save, --export-hf, --tensorboard-dir, --trace (directories it
-    makes) and --log-file (a file it appends to) -- can be written: a path that cannot would
+    """Where the run writes -- --save, --export-hf, --tensorboard-dir, --trace, --flight-dir,
+    --dump (directories it makes) and --log-file (a file it appends to) -- can be written: a path that cannot would
     fail the run at its first save or log line, after training (a directory is made here, as
     the run would)."""
     import os
     import tempfile
     t = cfg.training
     wanted = [(flag, path, True) for flag, path in (("--save", t.save), ("--export-hf", t.export_hf),
-                                                     ("--tensorboard-dir", t.tensorboard_dir), ("--trace", t.trace))
+                                                     ("--tensorboard-dir", t.tensorboard_dir), ("--trace", t.trace),
+                                                     ("--flight-dir", cfg.debug.flight_dir), ("--dump", cfg.debug.dump))
               if path is not None]
     if t.log_file is not None:
         wanted.append(("--log-file", t.log_file, False))
