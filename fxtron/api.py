@@ -161,6 +161,9 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
             "(data, pipeline and context parallel keep float64)")
     # a 16-bit program is traced in 16 bits (casts such as a norm's .float() ... .type_as(x) only
     # mean something then), on a meta replica so the model's weights are never copied
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise ParallelizeError(f"example_kwargs holds the model's keyword inputs as a dict (name -> tensor), not a "
+                               f"{type(example_kwargs).__name__}; positional inputs go in example_inputs")
     if isinstance(example_inputs, (tuple, list, torch.Tensor)):
         check_example_sizes(example_inputs, example_kwargs, config.inputs.batch_dim, seq_dim)
     dtype = config.precision.torch_dtype
@@ -570,6 +573,9 @@ class ParallelModel:
         return unused_weights(self.traced)
 
     def _check_rank(self, rank: int) -> None:
+        if not isinstance(rank, int) or isinstance(rank, bool):
+            raise ParallelizeError(f"rank must be an int in 0..{self.mesh.world_size - 1}, not {rank!r} "
+                                   f"({type(rank).__name__})")
         if not 0 <= rank < self.mesh.world_size:
             raise ParallelizeError(f"rank {rank} is outside the mesh (world_size {self.mesh.world_size})")
 
@@ -607,6 +613,10 @@ class ParallelModel:
         one rank and the tp figures are per microbatch; the table then also gives each rank's
         pipeline stages and the bytes it sends to its neighbours per microbatch (activations
         forward, their gradients backward)."""
+        for name, n in (("batch", batch), ("seq", seq)):
+            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+                raise ParallelizeError(f"summary({name}={n!r}): the {name} the figures are evaluated at is a "
+                                       "positive int")
         p = self.config.pipeline
         bubble = ""
         if self.stage_assignment is not None:

@@ -263,6 +263,13 @@ AT_PARALLELIZE = [
      r"must name 3 distinct layers in order"),
     ("program: rank past the mesh", lambda: _par(_gpt(), Mesh(2, tp=2)).program(5), r"rank 5 is outside the mesh"),
     ("program: negative rank", lambda: _par(_gpt(), Mesh(2, tp=2)).program(-1), r"rank -1 is outside the mesh"),
+    ("program: a rank as a string", lambda: _par(_gpt(), Mesh(2, tp=2)).graph("0"),
+     r"rank must be an int in 0\.\.1, not '0' \(str\)"),
+    ("summary: a negative batch", lambda: _par(_gpt(), Mesh(2, tp=2)).summary(batch=-3, seq=8),
+     r"summary\(batch=-3\): the batch the figures are evaluated at is a positive int"),
+    ("example kwargs as a list", lambda: fxtron.parallelize(_gpt(), Mesh(1), example_inputs=_tokens(),
+                                                            example_kwargs=[_tokens()[0]]),
+     r"example_kwargs holds the model's keyword inputs as a dict \(name -> tensor\), not a list"),
 ]
 AT_COMPILE = [
     ("heads: 4 heads at tp=8", lambda: _compiled(_gpt(), Mesh(8, tp=8)),
@@ -327,8 +334,10 @@ STEP = [
     Step("batch not divisible by dp x microbatches", {}, lambda: _tokens(b=2),
          r"does not divide into microbatches=2; use a global batch that is a multiple of dp x microbatches = 4",
          dict(microbatches=2)),
-    Step("one input of two", {}, lambda: _tokens()[:1], r"inputs have structure .* traced with"),
-    Step("targets as a keyword", {}, lambda: (_tokens()[0],), r"inputs have structure", dict(kwargs=True)),
+    Step("one input of two", {}, lambda: _tokens()[:1], r"inputs are 1 positional input and no keywords, but the "
+                                                         r"model was traced with 2 positional inputs and no keywords"),
+    Step("targets as a keyword", {}, lambda: (_tokens()[0],), r"inputs are 1 positional input and the keywords "
+                                                              r"targets, but", dict(kwargs=True)),
     Step("float token ids", {}, lambda: tuple(t.float() for t in _tokens()), r"input 0 of shape \(4, 8\) is torch\.float32, but the model was traced with torch\.int64"),
     Step("int32 token ids", {}, lambda: tuple(t.int() for t in _tokens()), r"is torch\.int32, but the model was traced with torch\.int64"),
     Step("token ids without a batch dim", {}, lambda: tuple(t[0] for t in _tokens()), r"input 0 of shape \(8,\) has 1 dims.*\(B, S\)"),
@@ -344,7 +353,7 @@ STEP = [
     Step("an input on the meta device", {}, lambda: tuple(t.to("meta") for t in _tokens()), r"is on meta, but this program runs on the CPU"),
     Step("too few microbatches given", {}, lambda: fxtron.Microbatches([(_tokens(), {})]),
          r"1 microbatches given, but the program was compiled for microbatches=2", dict(microbatches=2)),
-    Step("a dict batch", {}, lambda: {"x": _tokens()[0]}, r"inputs have structure"),
+    Step("a dict batch", {}, lambda: {"x": _tokens()[0]}, r"got inputs as dict; pass keyword inputs as kwargs="),
     Step("an optimizer over the original model", {}, _tokens, r"not this program's parameters .* prog\.parameters\(\)",
          optimizer="model"),
     Step("no optimizer", {}, _tokens, r"needs a torch\.optim\.Optimizer", optimizer="none"),

@@ -72,10 +72,18 @@ class BatchSlicer:
 
     def flat(self, inputs: tuple, kwargs: dict | None) -> list:
         """The tensor leaves of (inputs, kwargs), checked against the traced structure."""
+        if not isinstance(inputs, (tuple, list)) or not isinstance(kwargs or {}, dict):
+            got = (f"inputs as {type(inputs).__name__}" if not isinstance(inputs, (tuple, list)) else
+                   f"kwargs as {type(kwargs).__name__}")
+            raise ParallelizeError(f"the step takes its positional inputs as a tuple and its keyword inputs as a dict "
+                                   f"(kwargs=...), as example_inputs and example_kwargs; got {got}"
+                                   + ("; pass (x,) for one input" if isinstance(inputs, torch.Tensor) else "")
+                                   + ("; pass keyword inputs as kwargs={...}" if isinstance(inputs, dict) else ""))
         flat, spec = pytree.tree_flatten((tuple(inputs), dict(kwargs or {})))
         if spec != self.info.in_spec:
-            raise ParallelizeError(f"inputs have structure {spec}, but the model was traced with {self.info.in_spec}; "
-                                   "pass the same positional and keyword inputs as example_inputs")
+            raise ParallelizeError(f"inputs are {_structure(spec)}, but the model was traced with "
+                                   f"{_structure(self.info.in_spec)}; pass the same positional and keyword inputs as "
+                                   "example_inputs and example_kwargs")
         return [x for x in flat if isinstance(x, torch.Tensor)]
 
     def local(self, inputs: tuple, kwargs: dict | None = None) -> tuple[tuple, dict]:
@@ -259,6 +267,19 @@ class BatchSlicer:
             for i in range(m):
                 out[i].append(pieces[i])
         return out
+
+
+def _structure(spec) -> str:
+    """A (positional, keyword) inputs' pytree spec in words: '2 positional inputs and the
+    keywords labels, mask' (where an input is a container, the structure as Python writes it)."""
+    try:
+        args, kwargs = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
+    except (TypeError, ValueError):
+        return str(spec)
+    out = f"{len(args)} positional input{'s' * (len(args) != 1)}"
+    if any(isinstance(a, (tuple, list, dict)) for a in args):
+        out += f" {tuple(args)}"
+    return out + (f" and the keywords {', '.join(map(str, kwargs))}" if kwargs else " and no keywords")
 
 
 def _tensors(obj) -> list[torch.Tensor]:
