@@ -41,6 +41,21 @@ def _with_world(cfg: TrainConfig, default: int) -> TrainConfig:
     return cfg.replace(world_size=default if default % model_parallel == 0 else model_parallel)
 
 
+def _seq_for(traced, a) -> int:
+    """The sequence length inspect evaluates its figures at: --seq, within what the model takes
+    (passes/limits.py seq_limit: a position table's rows); its default cut to that, said."""
+    from fxtron.passes.limits import seq_limit
+    limit = seq_limit(traced)
+    if limit is None or a.seq <= limit.tokens:
+        return a.seq
+    if a.seq_given:
+        raise ParallelizeError(f"--seq {a.seq}: the model takes at most {limit.tokens} tokens ({limit.why}); "
+                               f"give --seq {limit.tokens} or less")
+    print(f"--seq: the default {a.seq} is more than the model takes ({limit.why}): figures at {limit.tokens} tokens",
+          file=sys.stderr)
+    return limit.tokens
+
+
 def _sets(path: str | None, section: str, name: str) -> bool:
     """Whether the TOML file at `path` sets [section] name."""
     if path is None:
@@ -87,9 +102,16 @@ def _cmd_inspect(a) -> int:
     cfg = _with_world(config.from_arguments(a, TrainConfig), 8)
     from fxtron.trainer.models import key_values
     model, args, kwargs = load_model(a.model, overrides=key_values(a.model_config))
+    a.seq_given, a.seq = a.seq is not None, a.seq or 2048
     if a.what_if:
         from fxtron.compiler.trace import trace
+        chosen = {f"--{k.replace('_', '-')}" for section in config.given(a).values() for k in section} - {"--world-size"}
+        if chosen:
+            raise ParallelizeError(f"inspect --what-if searches the meshes and options itself over --world-size; "
+                                   f"{', '.join(sorted(chosen))} would be ignored: drop {'them' if len(chosen) > 1 else 'it'}, "
+                                   "or inspect that one configuration without --what-if")
         traced = trace(model, args, example_kwargs=kwargs)
+        a.seq = _seq_for(traced, a)
         dims = planner.dims_of(traced)
         hw = planner.Hardware(memory=a.gpu_memory, flops_per_s=a.flops, efficiency=a.efficiency,
                              intra_node_bw=a.intra_node_bw, inter_node_bw=a.inter_node_bw,
@@ -118,6 +140,7 @@ def _cmd_inspect(a) -> int:
             not _sets(a.config, "pipeline", "microbatches"):
         cfg = cfg.replace(microbatches=2 * mesh.pp)      # inspect's default: 2 microbatches per stage
     pm = fxtron.parallelize(model, mesh, example_inputs=args, example_kwargs=kwargs, config=cfg.parallel())
+    a.seq = _seq_for(pm.traced, a)
     rank = a.rank if a.rank is not None else 0
     report = inspect(pm, rank, model_name=a.model, batch=a.batch, seq=a.seq)
     if a.svg:
@@ -175,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-config", nargs="+", default=[], metavar="KEY=VALUE",
                    help="fields of an hf:<architecture>'s transformers config (num_hidden_layers=4 hidden_size=1024)")
     p.add_argument("--batch", type=_positive(int), default=1, help="sequences per rank and microbatch, to evaluate the formulas")
-    p.add_argument("--seq", type=_positive(int), default=2048, help="tokens per sequence, to evaluate the formulas")
+    p.add_argument("--seq", type=_positive(int), default=None,
+                   help="tokens per sequence, to evaluate the formulas (default: 2048, or what the model takes)")
     p.add_argument("--json", action="store_true", help="the same as data")
     p.add_argument("--no-graph", action="store_true", help="leave the per-rank graph out of the text")
     p.add_argument("--svg", default=None, help="draw the rank's graph to this .svg (or .png) file")

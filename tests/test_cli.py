@@ -236,6 +236,19 @@ def test_inspect_refuses_a_value_out_of_range_in_one_line(args, message, capsys)
     assert "Traceback" not in err
 
 
+def test_inspect_evaluates_at_a_length_the_model_takes_and_what_if_takes_no_mesh_flags(capsys):
+    """gpt-tiny's position table has 128 rows: inspect's default --seq (2048) reported bytes for
+    sequences it cannot take, and --what-if ranked meshes at --pp 2 / --zero 3 as without them."""
+    assert main(["inspect", "gpt-tiny", "--no-graph", "--world-size", "1", "--json"]) == 0
+    out = capsys.readouterr()
+    assert "figures at 128 tokens" in out.err and json.loads(out.out)
+    assert main(["inspect", "gpt-tiny", "--no-graph", "--world-size", "1", "--seq", "1000"]) == 2
+    assert "--seq 1000: the model takes at most 128 tokens (the position table wpe.weight has 128 rows)" in \
+        capsys.readouterr().err
+    assert main(["inspect", "gpt-tiny", "--what-if", "--world-size", "2", "--pp", "2", "--zero", "3"]) == 2
+    assert "--pp, --zero would be ignored: drop them" in capsys.readouterr().err
+
+
 def test_model_config_values_take_the_fields_type(capsys):
     import fxtron
     from fxtron.trainer.models import key_values, resolve
