@@ -224,3 +224,25 @@ def test_a_loss_fn_that_returns_no_scalar_is_refused_at_parallelize():
         fxtron.parallelize(torch.nn.Linear(8, 4), fxtron.Mesh(1), example_inputs=(x,), loss_fn=lambda o: o.mean(-1))
     with pytest.raises(fxtron.ParallelizeError, match="^loss_fn returned tuple, not a scalar loss"):
         fxtron.parallelize(torch.nn.Linear(8, 4), fxtron.Mesh(1), example_inputs=(x,), loss_fn=lambda o: (o.mean(),))
+
+
+class _NoGradLoss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            return self.lin(x).pow(2).mean()
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_a_loss_without_a_gradient_is_refused_at_the_step(microbatches):
+    """autograd's own 'element 0 of tensors does not require grad' said what instead, on the
+    plain step and the microbatched (schedule's) one."""
+    x = torch.randn(4, 8)
+    prog = fxtron.parallelize(_NoGradLoss(), fxtron.Mesh(1), example_inputs=(x,), microbatches=microbatches).program(0)
+    with pytest.raises(fxtron.ParallelizeError, match="^the loss carries no gradient to any parameter: the model "
+                                                      "computes it under torch.no_grad"):
+        prog.train_step((x,), torch.optim.SGD(prog.parameters(), lr=0.1))
+    assert prog.eval_step((x,)) > 0

@@ -52,6 +52,11 @@ def from_dict(cls, data: dict[str, Any], *, base=None, source: str = "the config
     names = [f.name for f in dataclasses.fields(cls)]
     changes: dict[str, dict[str, Any]] = {}
     for section, body in data.items():
+        if section not in names and not isinstance(body, dict):   # a field written above every section
+            owners = [n for n in names if any(f.name == section for f in dataclasses.fields(getattr(base, n)))]
+            if owners:
+                raise ParallelizeError(f"{source} sets {section} = {body!r} outside any section; it is a field of "
+                                       f"[{owners[0]}]: write it under that table")
         if section not in names:
             raise ParallelizeError(f"{source} has a section [{section}]{_closest(section, names)}; the sections "
                                    f"are {', '.join(names)}")

@@ -500,4 +500,15 @@ class Gradients:
         return held + loose
 
 
-__all__ = ["Gradients", "across_stages", "gather_full", "get_by_path"]
+def check_differentiable(loss: torch.Tensor) -> None:
+    """ParallelizeError where the step's loss carries no gradient to any parameter (computed
+    under torch.no_grad, through argmax or a comparison, or of frozen parameters alone):
+    autograd's own error says only that 'element 0 of tensors does not require grad'."""
+    if not loss.requires_grad:
+        raise ParallelizeError("the loss carries no gradient to any parameter: the model computes it under "
+                               "torch.no_grad, through an op without a gradient (argmax, a comparison, a cast to "
+                               "integers), or from frozen parameters alone; train_step needs a loss that gradients "
+                               "flow back from (eval_step evaluates one that has none)")
+
+
+__all__ = ["Gradients", "across_stages", "check_differentiable", "gather_full", "get_by_path"]

@@ -41,7 +41,7 @@ from fxtron.ops.rng import RNGStreams
 from fxtron.runtime import ep, graphs, optim
 from fxtron.runtime.batch import BatchSlicer, Microbatches, check_same_batch
 from fxtron.runtime.checkpoint import dcp, hf
-from fxtron.runtime.grads import Gradients, get_by_path
+from fxtron.runtime.grads import Gradients, check_differentiable, get_by_path
 from fxtron.runtime.groups import ProcessGroups
 from fxtron.runtime.memory import tracking
 from fxtron.runtime.pp import runner as pp_runner
@@ -349,6 +349,7 @@ class Program(nn.Module):
             self.grads.last_backward(None)
             # weight-gradient GEMMs overlap the input gradients' tp communication; without any, each
             # runs as its linear's backward does (while its inputs are hot in cache)
+            check_differentiable(scaled)
             with WgradQueue().active() if self._tp_comm else contextlib.nullcontext():
                 scaled.backward()
             del scaled

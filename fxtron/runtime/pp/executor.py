@@ -34,6 +34,7 @@ from fxtron.core import meta
 from fxtron.core.placement import REPLICATE, Replicate
 from fxtron.core.stage import Stage
 from fxtron.ops.linear import WgradQueue
+from fxtron.runtime.grads import check_differentiable
 from fxtron.runtime.memory import tracking
 from fxtron.runtime.pp.p2p import P2P, Slot
 from fxtron.runtime.pp.schedules import Action
@@ -198,6 +199,7 @@ class StageRunner:
                 queue = WgradQueue(deferred=self.zero_bubble)
                 with queue.active():
                     if scaled is not None:
+                        check_differentiable(scaled)
                         scaled.backward()
                     else:
                         pairs = [(o, g) for o, g in zip(_floating_values(outs), grads) if o.requires_grad]
