@@ -101,6 +101,9 @@ def _cmd_inspect(a) -> int:
         a.model_config, a.config = [*a.model_config, *a.config.split(",")], None
     cfg = _with_world(config.from_arguments(a, TrainConfig), 8)
     from fxtron.trainer.models import key_values
+    if a.svg and not os.path.isdir(os.path.dirname(os.path.abspath(a.svg))):
+        raise ParallelizeError(f"--svg {a.svg}: the directory {os.path.dirname(os.path.abspath(a.svg))} does not "
+                               "exist; give a path in one that does")
     model, args, kwargs = load_model(a.model, overrides=key_values(a.model_config))
     a.seq_given, a.seq = a.seq is not None, a.seq or 2048
     if a.what_if:

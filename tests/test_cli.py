@@ -247,6 +247,9 @@ def test_inspect_evaluates_at_a_length_the_model_takes_and_what_if_takes_no_mesh
         capsys.readouterr().err
     assert main(["inspect", "gpt-tiny", "--what-if", "--world-size", "2", "--pp", "2", "--zero", "3"]) == 2
     assert "--pp, --zero would be ignored: drop them" in capsys.readouterr().err
+    # a drawing into a directory that does not exist: before compiling (matplotlib's own error after it)
+    assert main(["inspect", "gpt-tiny", "--svg", "/nonexistent-dir/x.svg"]) == 2
+    assert "--svg /nonexistent-dir/x.svg: the directory /nonexistent-dir does not exist" in capsys.readouterr().err
 
 
 def test_model_config_values_take_the_fields_type(capsys):

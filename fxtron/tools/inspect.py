@@ -52,7 +52,11 @@ class PassDump:
 
     def __init__(self, root: str, rank: int):
         self.dir = os.path.join(root, f"rank{rank}")
-        os.makedirs(self.dir, exist_ok=True)
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+        except OSError as e:
+            raise ParallelizeError(f"dump={root!r} (FXTRON_DUMP, --dump): the pass dump cannot write there "
+                                   f"({e.strerror or e}); give a directory it can write") from None
         self.count = 0
         self.files: list[str] = []
 
