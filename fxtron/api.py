@@ -341,9 +341,11 @@ class ParallelModel:
     def tp_plan(self) -> TPPlan | None:
         """The model's tensor-parallel plan (passes/tp_plan.py), made once for every rank: which
         linears split by columns / rows, every parameter's tp placement. None at tp=1."""
-        if self.mesh.tp == 1:
-            return None
         t = self.config.tensor
+        if self.mesh.tp == 1:
+            if t.plan:       # its entries checked all the same: a misspelt one is found on a one-process run too
+                make_tp_plan(self.traced, tp=1, user_plan=t.plan, mode=t.plan_mode)
+            return None
         return make_tp_plan(self.traced, tp=self.mesh.tp, user_plan=t.plan, mode=t.plan_mode)
 
     @functools.cached_property

@@ -267,6 +267,8 @@ AT_PARALLELIZE = [
      r"rank must be an int in 0\.\.1, not '0' \(str\)"),
     ("summary: a negative batch", lambda: _par(_gpt(), Mesh(2, tp=2)).summary(batch=-3, seq=8),
      r"summary\(batch=-3\): the batch the figures are evaluated at is a positive int"),
+    ("options: a plan entry matching nothing at tp=1", lambda: _par(_gpt(), Mesh(1), plan={"blocks.*.mlp.fc": "colwise"}),
+     r"plan entry 'blocks\.\*\.mlp\.fc' matches no linear or embedding"),     # (refused at tp=2: found at tp=1 too)
     ("a pass dump where nothing can be written", lambda: fxtron.parallelize(_gpt(), Mesh(1), example_inputs=_tokens(),
                                                                             dump="/proc/fxtron-dump").graph(0),
      r"dump='/proc/fxtron-dump' \(FXTRON_DUMP, --dump\): the pass dump cannot write there"),
