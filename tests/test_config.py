@@ -86,6 +86,7 @@ def test_the_mesh_is_checked_before_tracing():
                     # options that would do nothing on this mesh, as their neighbours above
                     (dict(cp_comm_type="a2a"), r"cp_comm_type='a2a' chooses how context parallel .* the mesh has cp=1"),
                     (dict(cuda_graph_warmup=5), "cuda_graph_warmup=5 sets the eager steps .* cuda_graphs is off"),
+                    (dict(cp_documents="document_ids"), "cp_documents='document_ids' balances .* the mesh has cp=1"),
                     (dict(schedule="interleaved", virtual_stages=2, microbatches=3), "use 2 or 4")]:
         mesh = fxtron.Mesh(2, pp=2) if "virtual_stages" in kw else fxtron.Mesh(1)
         with pytest.raises(fxtron.ParallelizeError, match=msg):

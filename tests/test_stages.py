@@ -66,7 +66,7 @@ def test_interleaved_layout_follows_megatron():
 def test_split_points():
     pm = _pm("gpt", fxtron.Mesh(2, pp=2), split_points=["blocks.3"])
     assert pm.stages().layers(0) == ["blocks.0", "blocks.1", "blocks.2"]
-    for bad, match in ((["blocks.9"], "not one of the model.s layers"), (["blocks.1", "blocks.2"], "must name 1")):
+    for bad, match in ((["blocks.9"], "not one of the model.s layers"), (["blocks.1", "blocks.2"], "must name one layer")):
         with pytest.raises(ParallelizeError, match=match):
             _pm("gpt", fxtron.Mesh(2, pp=2), split_points=bad).stages()
 

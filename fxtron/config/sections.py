@@ -221,6 +221,9 @@ class ContextConfig(Section):
         if self.comm_type != "p2p" and mesh.cp == 1:
             raise ParallelizeError(f"cp_comm_type={self.comm_type!r} chooses how context parallel exchanges keys and "
                                    "values; the mesh has cp=1: set cp or drop cp_comm_type")
+        if self.documents is not None and mesh.cp == 1:
+            raise ParallelizeError(f"cp_documents={self.documents!r} balances packed documents over the context-"
+                                   "parallel ranks; the mesh has cp=1: set cp or drop cp_documents")
         k = self.a2a_size
         if k is not None and (mesh.cp % k or k == 1 or k == mesh.cp):
             sizes = [str(d) for d in range(2, mesh.cp) if mesh.cp % d == 0]

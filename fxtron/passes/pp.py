@@ -262,9 +262,10 @@ def assign_stages(gm: fx.GraphModule, *, pp: int, virtual: int = 1, split_points
                                        f"({units[0]}, {units[1] if len(units) > 1 else ''} .. {units[-1]})")
             cuts.append(units.index(p))
         if len(cuts) != k - 1 or cuts != sorted(set(cuts)) or cuts[0] == 0:
+            what = "one layer" if k == 2 else f"{k - 1} distinct layers in order"
             raise ParallelizeError(
-                f"split_points={list(split_points)} must name {k - 1} distinct layers in order, after "
-                f"{units[0]}, one per stage boundary for pp={pp} x virtual_stages={virtual}")
+                f"split_points={list(split_points)} must name {what} after {units[0]} (each the first layer of a "
+                f"stage), one per stage boundary for pp={pp} x virtual_stages={virtual}")
         bounds = [0] + cuts + [len(units)]
     else:
         tf, tpar = max(sum(flops), 1), max(sum(params), 1)
