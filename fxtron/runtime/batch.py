@@ -301,9 +301,12 @@ def fingerprint(batch) -> torch.Tensor:
     for i, t in enumerate(_tensors(batch)):
         for d in (*t.shape, t.dim(), t.element_size()):
             shapes = (shapes * 1_000_003 + d + i) % (1 << 61)
+        if t.device.type == "meta":
+            continue                       # (no contents: the step's own check refuses it)
         flat = t.detach().reshape(-1)
         if flat.is_floating_point() or flat.is_complex():
-            flat = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+            flat = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64,
+                              16: torch.int64}[flat.element_size()])
         elif flat.dtype == torch.bool:
             flat = flat.to(torch.uint8)
         weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64) % 65521 + 1 + i
