@@ -32,6 +32,7 @@ from fxtron.passes.tp_plan import TPPlan, find_layers, make_tp_plan, plan_matche
 from fxtron.runtime import groups as G
 from fxtron.runtime.pp import schedules
 from fxtron.runtime import materialize
+from fxtron.runtime.batch import tensors_of
 from fxtron.runtime.build import build_program
 from fxtron.tools import step_comm
 from fxtron.runtime.program import Program
@@ -173,7 +174,7 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
     if mesh.cp > 1 and not any("seq" in dims for dims in meta.info(traced).user_dims):
         raise ParallelizeError(
             f"context parallel splits the sequence, but no input of the model has a sequence dim (seq_dim={seq_dim}; "
-            f"the inputs' shapes are {', '.join(str(tuple(x.shape)) for x in _tensors(example_inputs, example_kwargs))})"
+            f"the inputs' shapes are {', '.join(str(tuple(x.shape)) for x in tensors_of((example_inputs, example_kwargs)))})"
             "; give the dim that holds the sequence")
     ti = meta.info(traced)
     if dtype is not None:
@@ -249,11 +250,6 @@ def resolve_config(config: Config | None, options: dict) -> Config:
     if config.inputs.device is None:
         config = config.replace(device=config.inputs.resolved_device())
     return config
-
-
-def _tensors(args, kwargs) -> list[torch.Tensor]:
-    import torch.utils._pytree as pytree
-    return [x for x in pytree.tree_leaves((args, kwargs or {})) if isinstance(x, torch.Tensor)]
 
 
 def _init_note(model) -> str:

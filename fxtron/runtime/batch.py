@@ -6,10 +6,12 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from fxtron.core.meta import TraceInfo
 from fxtron.errors import ParallelizeError
+from fxtron.ops import transport
 from fxtron.ops.statistics import BatchContext
 from fxtron.ops.cp.layout import document_positions, positions
 
@@ -282,14 +284,15 @@ def _structure(spec) -> str:
     return out + (f" and the keywords {', '.join(map(str, kwargs))}" if kwargs else " and no keywords")
 
 
-def _tensors(obj) -> list[torch.Tensor]:
-    """The tensors of a batch: (inputs, kwargs), a Microbatches list, nested tuples, lists, dicts."""
+def tensors_of(obj) -> list[torch.Tensor]:
+    """The tensors of a batch: (inputs, kwargs), a Microbatches list (which torch's pytree takes
+    for one leaf, a list subclass), nested tuples, lists, dicts."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
+        return [t for v in obj.values() for t in tensors_of(v)]
     if isinstance(obj, (tuple, list)):
-        return [t for v in obj for t in _tensors(v)]
+        return [t for v in obj for t in tensors_of(v)]
     return []
 
 
@@ -298,7 +301,7 @@ def fingerprint(batch) -> torch.Tensor:
     times a weight of its place, summed with wrap-around: exact and the same in any summation
     order, so equal batches give equal prints on any device)."""
     shapes, contents = 0, 0
-    for i, t in enumerate(_tensors(batch)):
+    for i, t in enumerate(tensors_of(batch)):
         for d in (*t.shape, t.dim(), t.element_size()):
             shapes = (shapes * 1_000_003 + d + i) % (1 << 61)
         if t.device.type == "meta":
@@ -320,9 +323,6 @@ def check_same_batch(groups, batch) -> None:
     per-rank batches (a DistributedSampler's habit) would train on pieces of several -- a loss
     that is no batch's, silently. One all-reduce of four int64s per group this rank is in (the
     mesh's groups connect every rank, so agreeing in each is agreeing in all)."""
-    import torch.distributed as dist
-
-    from fxtron.ops import transport
     mine = fingerprint(batch)
     differ = []
     for kind, ranks, pg in groups.distinct():
@@ -341,4 +341,4 @@ def check_same_batch(groups, batch) -> None:
 
 
 __all__ = ["BatchSlicer", "Microbatches", "check_same_batch", "dp_share", "fingerprint", "microbatch_pieces",
-           "sequence_unit", "split_batch"]
+           "sequence_unit", "split_batch", "tensors_of"]
