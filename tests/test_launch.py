@@ -120,6 +120,26 @@ def test_a_refusal_is_one_only_where_every_failure_is_it_or_follows_from_it():
     assert _refusal([peer], 2) is None and _refusal([], 2) is None
 
 
+def _warn_job(rank: int):
+    import warnings
+    for _ in range(2):
+        warnings.warn("fxtron does this differently from one process, on purpose", fxtron.ParallelizeWarning)
+    warnings.warn(f"stage {rank} does this, on purpose", fxtron.ParallelizeWarning)
+    warnings.warn("a plain warning of the user's, on purpose", UserWarning)
+    return rank
+
+
+def test_a_parallelize_warning_of_every_rank_shows_once(capfd):
+    """What every rank warns of (the same words) is shown once for the job, not once per rank;
+    a warning whose words name the rank shows on each, and other warnings are Python's."""
+    assert run_on_ranks(_warn_job, 2, timeout_s=120) == [0, 1]
+    err = capfd.readouterr().err
+    shown = lambda words: err.count(f"Warning: {words}")     # noqa: E731 - (not the source line below it)
+    assert shown("fxtron does this differently from one process, on purpose") == 1, err
+    assert shown("stage 0 does this") == 1 and shown("stage 1 does this") == 1, err
+    assert shown("a plain warning of the user's, on purpose") == 2, err
+
+
 def _exit_job(rank: int):
     dist.barrier()  # every group is up: the death below is the only failure
     if rank == 0:
