@@ -131,6 +131,17 @@ REFUSALS = {
                   "--seq 63: sequence parallel cuts its tokens into tp = 2 parts, so it must be a multiple of 2"),
     "warm-up vs decay": (["--model", "gpt-tiny", "--lr-warmup-steps", "5", "--lr-decay-style", "cosine", "--steps",
                           "2"], "lr_warmup_steps = 5 is not below the decay's 2 steps"),
+    # what the passes would refuse on every rank once they traced the model, known from the model
+    "stages vs layers": (["--model", "gpt-tiny", "--pp", "4", "--world-size", "4"],
+                         "4 pipeline stages (pp=4) but the model gpt-tiny has 2 layers (blocks.0 .. blocks.1)"),
+    "chunks vs layers": (["--model", "gpt-tiny", "--pp", "2", "--world-size", "2", "--schedule", "interleaved",
+                          "--virtual-stages", "2", "--microbatches", "2"],
+                         "4 pipeline stages (pp=2 x 2 chunks per rank) but the model gpt-tiny has 2 layers"),
+    "ep on a dense model": (["--model", "gpt-tiny", "--ep", "2", "--world-size", "2"],
+                            "--ep 2: the model gpt-tiny has no mixture-of-experts layer"),
+    "ep vs experts": (["--model", "moe-tiny", "--ep", "3", "--world-size", "3"],
+                      "--ep 3 does not divide the 4 experts of the model moe-tiny (n_experts=4); use an ep that divides "
+                      "them (2, 4)"),
     # what resuming a checkpoint would refuse, known from its state
     "resume with another batch": (["--model", "gpt-tiny", "--load", "{d}/ckpt", "--steps", "4", "--seq", "32"],
                                   "{d}/ckpt/iter_0000002 was trained with --batch 4 --seq 32; resume with the same"),

@@ -2,7 +2,8 @@
 spec (a directory that exists, its config.json), the datasets' prefixes (PREFIX.bin and .idx,
 their headers) and split, the data's token ids against the model's vocabulary, the mesh's tp
 against the model's head counts, the global batch against dp x microbatches, the sequence
-against cp and sequence parallel, the learning-rate schedule, --load, the device, the paths it
+against cp and sequence parallel, the pipeline stages against the model's layers, ep against its
+experts, the learning-rate schedule, --load, the device, the paths it
 writes to -- so that a
 mistake is one message in a second, not one traceback per rank
 after spawning and compiling. `fxtron train` and `run` (trainer/loop.py) call `check` before the
@@ -27,6 +28,8 @@ def check(cfg: TrainConfig):
     check_data(cfg, tm.vocab_size, cfg.model.name)
     if cfg.tensor.plan is None:        # a plan of the user's may keep the attention whole on purpose
         check_heads(tm.model, cfg.mesh.tp, cfg.model.name)
+    check_layers(tm.model, cfg.mesh.pp, cfg.pipeline.chunks, cfg.model.name)
+    check_experts(tm.model, cfg.mesh.ep, cfg.model.name)
     check_run(cfg, tm.vocab_size)
     return tm
 
@@ -163,4 +166,50 @@ def check_heads(model, tp: int, spec: str) -> None:
                                                     if works else "no tp > 1 divides them: use tp=1"))
 
 
-__all__ = ["check", "check_data", "check_heads", "check_outputs", "check_run"]
+def check_layers(model, pp: int, chunks: int, spec: str) -> None:
+    """pp x chunks stages fit the model's repeated layers. The pipeline pass cuts between the
+    numbered children of one module (blocks.0, blocks.1, ...) that the traced graph runs; no
+    module of the model has more numbered children than the largest such list, so more stages
+    than that are refused here, as the pass would refuse them on every rank after spawning."""
+    stages = pp * chunks
+    if stages <= 1:
+        return
+    lists = {name: sum(c.isdigit() for c, _ in m.named_children()) for name, m in model.named_modules()}
+    name, most = max(lists.items(), key=lambda kv: kv[1], default=("", 0))
+    if most == 0:
+        raise ParallelizeError(f"--pp {pp}: pipeline parallel cuts between the model's repeated layers (a ModuleList "
+                               f"such as blocks.0, blocks.1, ...), and the model {spec} has none; use --pp 1")
+    if stages > most:
+        what = f"pp={pp} x {chunks} chunks per rank" if chunks > 1 else f"pp={pp}"
+        raise ParallelizeError(f"{stages} pipeline stages ({what}) but the model {spec} has {most} layers "
+                               f"({name}.0 .. {name}.{most - 1}); every stage needs at least one whole layer: lower "
+                               "--pp" + (" or --virtual-stages" if chunks > 1 else ""))
+
+
+#: configuration fields transformers' mixture-of-experts models (and fxtron's MoEConfig) give their
+#: expert count by
+EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "n_experts")
+
+
+def check_experts(model, ep: int, spec: str) -> None:
+    """ep > 1 needs expert weights to split: a model without a parameter of three or more dims
+    (the experts' stacked weights) has no mixture of experts fxtron can dispatch, and an expert
+    count its configuration states must divide over ep -- both refused here, as the expert
+    pass would on every rank after spawning."""
+    if ep <= 1:
+        return
+    if not any(p.dim() >= 3 for p in model.parameters()):
+        raise ParallelizeError(f"--ep {ep}: the model {spec} has no mixture-of-experts layer (no expert weights "
+                               "stacked in a 3-D tensor): there is nothing to split over ep; use --ep 1")
+    config = getattr(model, "config", None)
+    for field in EXPERT_FIELDS:
+        n = getattr(config, field, None)
+        if isinstance(n, int) and n > 0:
+            if n % ep:
+                works = [e for e in range(2, n + 1) if n % e == 0]
+                raise ParallelizeError(f"--ep {ep} does not divide the {n} experts of the model {spec} ({field}={n}); "
+                                       f"use an ep that divides them ({', '.join(map(str, works))})")
+            return
+
+
+__all__ = ["check", "check_data", "check_experts", "check_heads", "check_layers", "check_outputs", "check_run"]
