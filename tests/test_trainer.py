@@ -253,6 +253,28 @@ def test_a_non_finite_step_leaves_the_weights_and_is_said():
     assert not prog.last_step_skipped and not torch.equal(before["w.weight"], prog.state_dict()["w.weight"])
 
 
+def test_a_skipped_steps_non_finite_figures_are_strict_json(tmp_path):
+    """--log-file's records are strict JSON: a skipped step's NaN loss and infinite grad norm are
+    null there (json would write NaN and Infinity, which jq and JavaScript refuse), its
+    step_skipped says why; the figures of the steps around it are kept as they are."""
+    import json
+
+    from fxtron.trainer.metrics import Metrics
+
+    def refuse(token):
+        raise ValueError(f"not JSON: {token}")
+
+    cfg = TrainConfig().replace(model="gpt-tiny", steps=3, log_interval=10, log_file=str(tmp_path / "run.jsonl"))
+    m = Metrics(cfg, writer=True, world=1, flops=1.0, resumed_from=None)
+    for step, (loss, norm) in enumerate([(2.5, 1.25), (float("nan"), float("inf")), (2.25, 0.5)], 1):
+        m.step({"step": step, "loss": loss, "lr": 1e-3, "grad_norm": norm, "step_time": 0.1, "consumed_samples": step,
+                "skipped": int(step > 1), "step_skipped": step == 2})
+    m.close()
+    records = [json.loads(line, parse_constant=refuse) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
+    assert [(r["loss"], r["grad_norm"], r["step_skipped"]) for r in records] == \
+        [(2.5, 1.25, False), (None, None, True), (2.25, 0.5, False)]
+
+
 # ----------------------------------------------------------------------------- slow: the command
 ARGS = ["--data", "{dir}/tokens", "--split", "90,10,0", "--batch", "8", "--seq", "16", "--steps", "10", "--lr", "1e-3",
         "--min-lr", "1e-4", "--lr-warmup-steps", "2", "--lr-decay-style", "cosine", "--clip-grad", "1.0",

@@ -159,7 +159,7 @@ class Metrics:
         if r is None or not self.writer:
             return
         if self.log is not None:
-            self.log.write(json.dumps({k: v for k, v in r.items()}) + "\n")
+            self.log.write(json.dumps(_strict(r), allow_nan=False) + "\n")
             self.log.flush()
         if self.tb is not None:
             for k in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time", "mfu", "eval_loss"):
@@ -197,6 +197,13 @@ class Metrics:
                     f"learning rate: {r['lr']:.6E} | global batch size: {self.cfg.data.batch:5d} | lm loss: "
                     f"{loss:.6E} | grad norm: {norm} | tokens/s: {self.cfg.data.batch * self.cfg.data.seq / seconds:,.0f}"
                     f" | MFU: {mfu} | memory: {_memory(r)} | number of skipped iterations: {skipped:3d}")
+
+
+def _strict(record: dict) -> dict:
+    """`record` as strict JSON can hold it: a non-finite number (a skipped step's loss or grad
+    norm: NaN, inf) written as null, where json would write NaN or Infinity, which JSON has not
+    and strict readers (jq, JavaScript, most languages' parsers) refuse; its step_skipped says why."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
 
 
 def size(n: int) -> str:
