@@ -210,6 +210,8 @@ TORCHRUN_SCRIPT = textwrap.dedent("""
     prog = pm.program(groups.rank, groups)
     opt = torch.optim.SGD(prog.parameters(), lr=0.1)
     losses = [prog.train_step(example_inputs("gpt-tiny", batch=4, seq=8, seed=s), opt) for s in range(2)]
+    import warnings
+    warnings.warn("every rank's words, on purpose", fxtron.ParallelizeWarning)
     if groups.rank == 0:
         print("LOSSES", json.dumps(losses))
 """)
@@ -223,6 +225,7 @@ def test_same_tp_code_runs_under_torchrun(tmp_path):
                            str(script)], capture_output=True, text=True,
                           timeout=scaled(240), env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stderr.count("ParallelizeWarning: every rank's words, on purpose") == 1, proc.stderr[-4000:]
     import json
     from fxtron.models import build, example_inputs
     got = json.loads(proc.stdout.split("LOSSES", 1)[1].strip().splitlines()[0])

@@ -9,15 +9,17 @@ from __future__ import annotations
 import atexit
 import datetime
 import gc
+import hashlib
 import itertools
 import os
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from fxtron.config import DebugConfig
-from fxtron.errors import ParallelizeError
+from fxtron.errors import ParallelizeError, ParallelizeWarning
 from fxtron.mesh import GROUP_KINDS, Mesh
 from fxtron.ops import ledger, shm
 
@@ -200,6 +202,54 @@ def _held_store(rank: int, world: int, timeout_s: float):
     return dist.PrefixStore(f"{prefix}/init_{next(_inits)}", base)
 
 
+class _SayOnce:
+    """Each ParallelizeWarning shown once for the job, not once per rank: what fxtron warns of on
+    one rank (a model it traced, an option it took) it mostly warns of on every rank, and a job of
+    8 or 64 processes printed it 8 or 64 times. The first rank to show a warning's words claims
+    them in the job's rendezvous store (an atomic add; under fxtron.launch the launcher's store,
+    under torchrun its agent's, one per restart); ranks that warn the same words later show
+    nothing. Words that differ by rank (a stage named) show on each. Other warnings are Python's
+    as they were. Installed by init_distributed where it holds the store, removed by destroy()."""
+
+    def __init__(self):
+        self.store = None
+        self._shown = None              # the warnings.showwarning this one wraps
+
+    def start(self, store) -> None:
+        if self._shown is None:
+            self._shown = warnings.showwarning
+            warnings.showwarning = self.showwarning
+        self.store = store
+
+    def stop(self) -> None:
+        if self._shown is not None and warnings.showwarning == self.showwarning:
+            warnings.showwarning = self._shown
+        self._shown, self.store = None, None
+
+    def showwarning(self, message, category, filename, lineno, file=None, line=None):
+        if self.store is not None and isinstance(category, type) and issubclass(category, ParallelizeWarning):
+            key = hashlib.sha1(f"{category.__name__}: {message}".encode()).hexdigest()[:20]
+            try:
+                if self.store.add(f"warned/{key}", 1) > 1:
+                    return
+            except Exception:  # noqa: BLE001 - a store gone (a peer's exit): show it rather than lose it
+                pass
+        (self._shown or _python_showwarning)(message, category, filename, lineno, file, line)
+
+
+def _python_showwarning(message, category, filename, lineno, file=None, line=None):
+    """Python's own way of showing a warning (where the hook was removed under a caller holding it)."""
+    import sys
+    (file or sys.stderr).write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+_said_once = _SayOnce()
+
+
+def _say_once(store) -> None:
+    _said_once.start(store)
+
+
 def init_distributed(mesh: Mesh, *, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                      shm_transport: bool | None = None, check_collectives: bool | None = None,
                      store=None) -> ProcessGroups:
@@ -237,9 +287,11 @@ def init_distributed(mesh: Mesh, *, backend: str | None = None, timeout_s: float
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        store = store if store is not None else _held_store(rank, world, timeout_s)
         dist.init_process_group(backend=backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s),
-                                store=store if store is not None else _held_store(rank, world, timeout_s))
+                                timeout=datetime.timedelta(seconds=timeout_s), store=store)
+        if store is not None:
+            _say_once(store)
     if check_collectives is None:
         check_collectives = ledger.check_default()
     groups = build_groups(mesh, rank, backend, device, twins_for_all=check_collectives,
@@ -285,6 +337,7 @@ def destroy() -> None:
     for groups in _REGISTRY.values():
         shm.close_channels(groups.channels)
         groups.channels = {}
+    _said_once.stop()
     ledger.close()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -13,14 +13,13 @@ first launch started the server). A rank's result (or traceback) reaches the lau
 in a directory of the launch's own and a notice of a few bytes on a queue, so a rank killed while
 reporting cannot leave the launcher blocked on half a message. The first rank to fail ends the job:
 the others are killed and its traceback is raised here as LaunchError. A ParallelizeWarning that
-every rank gives shows once for the job (`_warn_once_per_job`). For many machines run
+every rank gives shows once for the job (runtime/groups.py). For many machines run
 the same per-rank code under torchrun with `fxtron.init_distributed(mesh)` instead
 (`torchrun_world` tells a process started by torchrun).
 """
 from __future__ import annotations
 
 import datetime
-import hashlib
 import io
 import multiprocessing as mp
 import os
@@ -29,13 +28,12 @@ import shutil
 import tempfile
 import time
 import traceback
-import warnings
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from fxtron.errors import LaunchError, ParallelizeError, ParallelizeWarning, PeerError, RefusalError
+from fxtron.errors import LaunchError, ParallelizeError, PeerError, RefusalError
 from fxtron.mesh import Mesh
 from fxtron.ops import ledger
 
@@ -119,7 +117,6 @@ def _worker(fn, mesh: Mesh, rank: int, args: tuple, port: int, backend: str | No
                       LOCAL_WORLD_SIZE=str(mesh.world_size), FXTRON_FLIGHT_DIR=flight_dir,
                       **{G.LAUNCHED_STORE: str(port)})
     torch.set_num_threads(threads)
-    _warn_once_per_job(reports)
     try:
         # (the rendezvous: a client of the store the launching process holds, _rendezvous)
         G.init_distributed(mesh, backend=backend, timeout_s=timeout_s, shm_transport=shm_transport,
@@ -131,28 +128,6 @@ def _worker(fn, mesh: Mesh, rank: int, args: tuple, port: int, backend: str | No
         os._exit(1)  # skip destructors that could block on dead peers
     _report(results, reports, rank, True, payload)
     G.destroy()
-
-
-def _warn_once_per_job(reports: str) -> None:
-    """Show each ParallelizeWarning once for the whole job, not once per rank: the first rank to
-    warn a message claims it (a file named by its hash in the launch's directory, created
-    exclusively) and shows it; ranks that warn the same words after it are silent. A warning
-    whose words differ between ranks (one naming its stage) shows on each. Other warnings are
-    Python's as usual. The hook is this rank's process's own (a launched worker)."""
-    show = warnings.showwarning
-
-    def showwarning(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, ParallelizeWarning):
-            key = hashlib.sha1(f"{category.__name__}: {message}".encode()).hexdigest()[:20]
-            try:
-                os.close(os.open(os.path.join(reports, f"warned.{key}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            except FileExistsError:
-                return
-            except OSError:
-                pass                    # (the directory gone: show it rather than lose it)
-        show(message, category, filename, lineno, file, line)
-
-    warnings.showwarning = showwarning
 
 
 #: around the head of a rank's failure report where it raised a ParallelizeError: its message
