@@ -7,6 +7,8 @@ the gradients of the first step and the weights at the end with the single-proce
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -69,3 +71,95 @@ def test_dp_equals_single_process(job, reference, name):
     for res in results[1:]:
         for k, v in res[name]["state"].items():
             assert torch.equal(v, results[0][name]["state"][k]), k
+
+
+# ----------------------------------------------------------------------------- between steps
+#: (zero, overlap_param_gather): the distributed optimizer's all-gathers of the updated
+#: parameters end with the step by default, and stay in flight into the next step's forward with
+#: overlap_param_gather (Megatron's), where prog.settle() or fxtron's own readers wait for them
+BETWEEN = [(1, False), (2, False), (1, True)]
+
+
+def _between(model, opt, step, batch, after):
+    """One step of `step(batch)`, then what the user does before the next: halve every weight by
+    hand, read their squares, and (a post-hook registered once) clamp them."""
+    loss = step(batch)
+    read = after()
+    with torch.no_grad():
+        squares = sum(float(p.double().pow(2).sum()) for p in model.parameters())
+        for p in model.parameters():
+            p.mul_(0.5)
+    return loss, squares, read
+
+
+def _between_job(rank: int) -> dict:
+    mesh = fxtron.Mesh(2)
+    out = {}
+    for zero, overlap in BETWEEN:
+        model = build("gpt-tiny", seed=0)
+        pm = fxtron.parallelize(model, mesh, example_inputs=example_inputs("gpt-tiny", batch=4, seq=8), zero=zero,
+                                overlap_param_gather=overlap)
+        prog = pm.program(rank)
+        opt = torch.optim.SGD(prog.parameters(), lr=0.1, momentum=0.9)
+        clamp = opt.register_step_post_hook(lambda o, a, k: [p.data.clamp_(-0.2, 0.2) for p in prog.parameters()])
+        first = {k: v.clone() for k, v in prog.state_dict().items()}
+        rows = []
+        for i, batch in enumerate(_batches("gpt-tiny")):
+            rows.append(_between(prog, opt, lambda b: prog.train_step(b, opt), batch,
+                                 prog.settle if overlap else (lambda: None)))
+        state = prog.full_state_dict()
+        # overlap: a state loaded between steps is not overwritten by a gather still in flight
+        loss = None
+        if overlap:
+            # (no post-hook, which waits for the gathers; rank 1 late to the step's gathers: rank 0's
+            # are still in flight as it loads)
+            clamp.remove()
+            late = opt.register_step_pre_hook(lambda o, a, k: time.sleep(0.5 if rank == 1 else 0))
+            prog.train_step(_batches("gpt-tiny")[0], opt)
+            late.remove()
+            prog.load_state_dict(first)
+            loss = prog.train_step(_batches("gpt-tiny")[1], opt)
+        out[zero, overlap] = {"rows": rows, "state": state, "loaded_loss": loss}
+    return out
+
+
+def test_what_the_user_does_to_the_weights_between_steps_holds_under_zero():
+    """Under zero=1/2 the updated parameters are all-gathered over dp after the step. They
+    landed only at the next step (or a state-dict read): a weight the user halved by hand
+    between steps was overwritten by the gather (0.13 off the one-process weights after 3 steps),
+    a read of them saw the other rank's shard from before the update, a step post-hook's clamp
+    was undone (weights of 1.03 after clamping to 0.05), and a state loaded between steps was
+    overwritten. Now the step waits for its gathers, as Megatron's default does; with
+    overlap_param_gather they stay in flight into the next forward, and prog.settle() (the
+    documented wait), the post-hooks and load_state_dict wait for them first."""
+    results = run_on_ranks(_between_job, 2)
+    for zero, overlap in BETWEEN:
+        model = build("gpt-tiny", seed=0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        opt.register_step_post_hook(lambda o, a, k: [p.data.clamp_(-0.2, 0.2) for p in model.parameters()])
+
+        def step(batch):
+            opt.zero_grad()
+            loss = model(*batch)
+            loss.backward()
+            opt.step()
+            return float(loss.detach())
+        first = {k: v.clone() for k, v in model.state_dict().items()}
+        ref = [_between(model, opt, step, b, lambda: None) for b in _batches("gpt-tiny")]
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        loaded = None
+        if overlap:
+            opt._optimizer_step_post_hooks.clear()
+            step(_batches("gpt-tiny")[0])
+            model.load_state_dict(first)
+            loaded = step(_batches("gpt-tiny")[1])
+        for rank, res in enumerate(results):
+            got = res[zero, overlap]
+            for (loss, squares, _), (loss_r, squares_r, _) in zip(got["rows"], ref):
+                assert abs(loss - loss_r) < 1e-5 and abs(squares - squares_r) < 1e-5 * squares_r, \
+                    (zero, overlap, rank, got["rows"], ref)
+            dw, where = max_abs_diff(got["state"], state)
+            assert dw < 1e-6, (zero, overlap, rank, dw, where)
+            assert max(float(v.abs().max()) for v in got["state"].values()) <= 0.2 + 1e-7
+            if overlap:
+                assert abs(got["loaded_loss"] - loaded) < 1e-5, (rank, got["loaded_loss"], loaded)

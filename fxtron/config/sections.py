@@ -169,7 +169,8 @@ class DataParallelConfig(Section):
                                        "default: over all of them")
     overlap_param_gather: bool = option(False, help="zero=1/2: the updated parameters are all-gathered bucket by "
                                                     "bucket during the next forward, each layer waiting only for its "
-                                                    "own buckets (Megatron's overlap_param_gather)")
+                                                    "own buckets (Megatron's overlap_param_gather); between steps "
+                                                    "they are current after prog.settle()")
     clip_grad: float | None = option(None, positive=True, help="clip the global gradient norm to this")
 
     def _rules(self) -> None:

@@ -295,20 +295,28 @@ def stepped_for(prog, template: torch.optim.Optimizer, step) -> None:
             args, kwargs = result
     step()
     mark_stepped(template)
+    if post:        # the hooks read or write the updated parameters: the gathers land first
+        prog._settle_params()
     for hook in list(post.values()):
         hook(template, args, kwargs)
 
 
 def said_hooks(prog, optimizer: torch.optim.Optimizer, stacklevel: int = 4) -> None:
     """Once per optimizer, where more than one rank steps and it has step pre-hooks: a
-    ParallelizeWarning that they run on this rank's pieces of the gradients."""
+    ParallelizeWarning that they run on this rank's pieces of the gradients (under zero=1/2, on
+    none: the gradients are the buffer's shards, not the parameters' .grad)."""
     if (not optimizer._optimizer_step_pre_hooks or prog.groups is None or prog.groups.mesh.world_size == 1
             or vars(optimizer).get("_fxtron_hooks_said")):
         return
     vars(optimizer)["_fxtron_hooks_said"] = True
-    warnings.warn(f"{type(optimizer).__name__}'s step pre-hooks run on each rank before the step, on this rank's "
-                  "pieces of the gradients: what they compute over prog.parameters() is this rank's "
-                  "(torch.nn.utils.clip_grad_norm_ gives this rank's norm, not the model's). Clip with "
+    if prog.zero is not None:
+        where = ("under the distributed optimizer (zero=1/2) the gradients are reduce-scattered into fxtron's buffer "
+                 "and sharded there: prog.parameters() have no .grad in the hook, and what it changes of gradients "
+                 "does not reach the step")
+    else:
+        where = ("on this rank's pieces of the gradients: what they compute over prog.parameters() is this rank's "
+                 "(torch.nn.utils.clip_grad_norm_ gives this rank's norm, not the model's)")
+    warnings.warn(f"{type(optimizer).__name__}'s step pre-hooks run on each rank before the step, {where}. Clip with "
                   "parallelize(..., clip_grad=) or prog.clip_grad_norm_(max_norm) in the hook, and read the norm "
                   "with prog.grad_norm()", ParallelizeWarning, stacklevel=stacklevel)
 

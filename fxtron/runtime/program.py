@@ -167,6 +167,7 @@ class Program(nn.Module):
             for n in self._raw:
                 ZERO_WAITED.set(named[n], ZeroWaited(self.zero, n))   # what param_wait reads (ops/fsdp.py)
             self.grads.waited_in_graph = set(self._raw)
+            self.zero.overlap = bool(self._raw)
         # compile=True under 16-bit compute: the linears its regions hold take the fp32 master weight
         # and cast it themselves (ops/linear.py master_linear): those weights are passed as they are
         master = torch.ops.fxtron.master_linear.default
@@ -528,6 +529,12 @@ class Program(nn.Module):
         if self.zero is not None:
             self.zero.wait_params()
         return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, *args, **kwargs):
+        """nn.Module's, once the distributed optimizer's all-gathers still in flight
+        (overlap_param_gather) have landed: a gather landing after the load would overwrite it."""
+        self._settle_params()
+        return super().load_state_dict(state_dict, *args, **kwargs)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full-shape parameters and persistent buffers under the original names, tied aliases

@@ -5,9 +5,12 @@ averaged gradient of the r-th 1/dp of every bucket. The parameters become views 
 parameter buffer laid out like the gradient buffer; each rank's optimizer sees only its shard
 of it (the pieces of parameters that fall in its shard of each bucket), so optimizer state
 (AdamW's two moments) takes 1/dp of the memory. After the step each bucket's updated shard is
-all-gathered over data parallel, asynchronously; the next step (or a state-dict read) waits
-for it before using the parameters -- with overlap_param_gather each layer's forward waits
-only for its own buckets (the graph's param_wait nodes, `ready`).
+all-gathered over data parallel, bucket by bucket, and the step waits for them before it returns
+(Megatron's default): what the user reads or writes of the parameters between steps is the
+updated whole. With overlap_param_gather the gathers stay in flight past the step and each layer's
+forward in the next step waits only for its own buckets (the graph's param_wait nodes, `ready`),
+as Megatron overlaps them: between steps the parameters are current once `prog.settle()` or a
+reader of fxtron's (state_dict, save, eval_step, the program's forward) has waited for them.
 
 Under zero=2 the rank keeps, after the reduce-scatter, copies of its shards of the gradients
 only: the whole buffer's memory is released between steps and allocated again when the next
@@ -133,6 +136,9 @@ class ZeroOne:
         self._layout: list[list[int]] = []      # the template's groups (parameter ids) the shards' mirror
         self._works: list = []
         self.dtype = None            # the compute dtype (mixed precision), set by the program
+        #: overlap_param_gather: the next step's forward waits for the gathers (set by the program);
+        #: else the step waits for them before it returns
+        self.overlap = False
         self.waited: list[int] = []  # bucket indices waited for by forwards since the step (overlap_param_gather)
         self.last_waited: list[int] = []   # ... in the last step's forwards
 
@@ -220,6 +226,8 @@ class ZeroOne:
         for part in self.parts:    # every rank's updated shard to every rank, bucket by bucket
             part.bytes_gathered = 0
             part.gather(part.param_data, self._works)
+        if not self.overlap:
+            self.wait_params()
 
     def wait_params(self) -> None:
         """Wait for the all-gathers of the last step's updated parameters."""
