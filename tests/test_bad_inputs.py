@@ -246,3 +246,88 @@ def test_a_loss_without_a_gradient_is_refused_at_the_step(microbatches):
                                                       "computes it under torch.no_grad"):
         prog.train_step((x,), torch.optim.SGD(prog.parameters(), lr=0.1))
     assert prog.eval_step((x,)) > 0
+
+
+class _Scaled(torch.nn.Module):
+    """A loss divided by a count and gated by a flag the caller passes as Python values (as
+    transformers' num_items_in_batch may be an int, and output_router_logits is a bool)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(4, 4)
+
+    def forward(self, x, count=1, flag=True):
+        loss = self.w(x).pow(2).sum() / count
+        return loss * 2 if flag else loss
+
+
+def test_a_python_value_that_differs_from_the_traced_one_is_refused():
+    """torch.export makes a Python input (an int, a bool) a constant of the program. A step given
+    another value computed with the traced one without a word: transformers' num_items_in_batch
+    passed as an int, 60 at the trace and 30 at the next step, gave gradients half the model's,
+    and a Mixtral traced with output_router_logits=True kept adding its aux loss when stepped with
+    False. Now each differing value is refused naming the input and both values; the same value,
+    or a tensor where the trace had one, trains."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 4)
+    prog = fxtron.parallelize(_Scaled(), fxtron.Mesh(1), example_inputs=(x,),
+                              example_kwargs={"count": 60, "flag": True}).program(0)
+    opt = torch.optim.SGD(prog.parameters(), lr=0.1)
+    prog.train_step((x,), opt, kwargs={"count": 60, "flag": True})
+    with pytest.raises(fxtron.ParallelizeError, match=r"keyword count is 30, but the model was traced with 60: .*"
+                                                      r"pass it as a tensor \(torch\.tensor\(30\)\)"):
+        prog.train_step((x,), opt, kwargs={"count": 30, "flag": True})
+    with pytest.raises(fxtron.ParallelizeError, match=r"keyword flag is False, but the model was traced with True: .*"
+                                                      r"parallelize the model again with False"):
+        prog.train_step((x,), opt, kwargs={"count": 60, "flag": False})
+    with pytest.raises(fxtron.ParallelizeError, match=r"keyword count is a tensor, but the model was traced with the "
+                                                      r"Python value 60"):
+        prog.train_step((x,), opt, kwargs={"count": torch.tensor(60), "flag": True})
+    with pytest.raises(fxtron.ParallelizeError, match=r"positional input 0 is float .*traced with a tensor there"):
+        prog.train_step((1.5,), opt, kwargs={"count": 60, "flag": True})
+    # a tensor count changes with every step, as the model's own does
+    model = _Scaled()
+    prog = fxtron.parallelize(model, fxtron.Mesh(1), example_inputs=(x,),
+                              example_kwargs={"count": torch.tensor(60.0)}).program(0)
+    got = [prog.train_step((x,), torch.optim.SGD(prog.parameters(), lr=0.0), kwargs={"count": torch.tensor(c)})
+           for c in (60.0, 30.0)]
+    want = [float(model(x, count=torch.tensor(c)).detach()) for c in (60.0, 30.0)]
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-6 * max(want), (got, want)
+
+
+class _Branching(torch.nn.Module):
+    """A model whose Python code branches on the sequence length (a long-context code path)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32)
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        if ids.shape[1] > 8:
+            h = h * 2.0
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def test_a_size_outside_the_range_the_trace_narrowed_is_refused():
+    """torch.export guards a Python branch on a size (S >= 9 for the branch taken at S=12) and
+    the graph holds that branch alone: a step of 4 tokens computed the long path, 4.0436 where the
+    model gives 3.5677, without a word. Now a size outside the narrowed range is refused, naming
+    the input, the size and the range; sizes inside train as the model does."""
+    torch.manual_seed(0)
+    model = _Branching()
+    g = torch.Generator().manual_seed(0)
+    ex = torch.randint(0, 32, (4, 12), generator=g)
+    pm = fxtron.parallelize(model, fxtron.Mesh(1), example_inputs=(ex, ex))
+    from fxtron.core import meta
+    assert meta.info(pm.traced).ranges == {meta.SEQ: (9, None)}, meta.info(pm.traced).ranges
+    prog = pm.program(0)
+    opt = torch.optim.SGD(prog.parameters(), lr=0.0)
+    for s in (12, 9, 20):
+        x = torch.randint(0, 32, (4, s), generator=g)
+        got, want = prog.train_step((x, x), opt), float(model(x, x).detach())
+        assert abs(got - want) < 1e-6 * want, (s, got, want)
+    x = torch.randint(0, 32, (4, 4), generator=g)
+    with pytest.raises(fxtron.ParallelizeError, match=r"dim 1 of input 0 of shape \(4, 4\) is 4, but the program holds "
+                                                      r"the model traced for a sequence length >= 9"):
+        prog.train_step((x, x), opt)

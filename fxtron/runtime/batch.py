@@ -86,6 +86,10 @@ class BatchSlicer:
             raise ParallelizeError(f"inputs are {_structure(spec)}, but the model was traced with "
                                    f"{_structure(self.info.in_spec)}; pass the same positional and keyword inputs as "
                                    "example_inputs and example_kwargs")
+        for i, (x, traced) in enumerate(zip(flat, self.info.statics)):
+            tensor = isinstance(x, torch.Tensor)
+            if (traced is None) != tensor or (traced is not None and _differs(x, traced)):
+                raise ParallelizeError(_static_changed(i, x, traced, self.info.in_spec))
         return [x for x in flat if isinstance(x, torch.Tensor)]
 
     def local(self, inputs: tuple, kwargs: dict | None = None) -> tuple[tuple, dict]:
@@ -95,6 +99,7 @@ class BatchSlicer:
         self.check_devices(flat)
         self.check_inputs(flat)
         self.check_sequence(flat)
+        self.check_ranges(flat)
         if self.dp == 1 and self.cp == 1:
             return self.on_device(tuple(inputs), dict(kwargs or {}))
         out = []
@@ -206,6 +211,28 @@ class BatchSlicer:
                     f"be split over this mesh: {' and '.join(why)}, so its length must be a multiple of {unit}; "
                     f"the nearest are {near} (pad the sequence, e.g. with ignore_index labels)")
 
+    def check_ranges(self, flat: list) -> None:
+        """ParallelizeError for a batch or sequence size outside the range the trace narrowed
+        (TraceInfo.ranges): the model's code branched on it, and the program holds the branch
+        the trace took (torch.export's guard), which the model would not take at this size."""
+        if not self.info.ranges:
+            return
+        for i, (x, sig) in enumerate(zip(flat, self.info.signature)):
+            if sig is None:
+                continue
+            for d, (size, expr) in enumerate(zip(x.shape, sig[1])):
+                lo, hi = self.info.ranges.get(expr, (0, None))
+                if lo <= size and (hi is None or size <= hi):
+                    continue
+                what = {"B": "batch", "S": "sequence"}.get(str(expr), str(expr))
+                span = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+                raise ParallelizeError(
+                    f"dim {d} of input {i} of shape {tuple(x.shape)} is {size}, but the program holds the model "
+                    f"traced for a {what} length {span}: the model's code branches on that length (torch.export "
+                    f"guarded {expr} {span} on the example), and the program computes the branch the example took, "
+                    f"which the model would not take at {size}; step with a {what} length {span}, or parallelize "
+                    f"with an example of length {size} for such batches")
+
     def check_devices(self, flat: list) -> None:
         """ParallelizeError for an input without data (meta) or, for a CPU program, on another
         device: the program does not move a GPU batch back to the CPU."""
@@ -269,6 +296,42 @@ class BatchSlicer:
             for i in range(m):
                 out[i].append(pieces[i])
         return out
+
+
+def _differs(value, traced) -> bool:
+    """Whether a non-tensor input differs from the value it was traced with."""
+    try:
+        return bool(value != traced)
+    except Exception:  # noqa: BLE001 - a value that cannot be compared: not the traced one
+        return value is not traced
+
+
+def _static_changed(index: int, value, traced, spec) -> str:
+    """Why input leaf `index` cannot be taken: a Python value that differs from the one the model
+    was traced with (torch.export made it a constant of the graph), or a tensor where the trace
+    had a Python value, or the reverse."""
+    try:
+        args, kwargs = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
+        paths = {leaf: f"positional input {i}" for i, a in enumerate(args) for leaf in pytree.tree_leaves(a)}
+        paths.update({leaf: f"keyword {k}" for k, v in kwargs.items() for leaf in pytree.tree_leaves(v)})
+        where = paths.get(index, f"input leaf {index}")
+    except (TypeError, ValueError):
+        where = f"input leaf {index}"
+    if traced is None:
+        return (f"{where} is {type(value).__name__} {value!r}, but the model was traced with a tensor there; pass a "
+                "tensor, as example_inputs / example_kwargs did")
+    if isinstance(value, torch.Tensor):
+        return (f"{where} is a tensor, but the model was traced with the Python value {traced!r} there, which the "
+                "trace made a constant of the program; pass the same kind of value as example_inputs / "
+                "example_kwargs did (a tensor in both, to let it change between steps)")
+    why = (f"{where} is {value!r}, but the model was traced with {traced!r}: torch.export makes a Python value (an "
+           f"int, float, bool or string) a constant of the program, which would compute with {traced!r} and ignore "
+           f"{value!r}; ")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return why + (f"where the model computes with it as a number, pass it as a tensor (torch.tensor({value!r})) "
+                      "in example_inputs / example_kwargs and at every step, so that it may change; else parallelize "
+                      f"the model again with {value!r} in its example inputs")
+    return why + f"parallelize the model again with {value!r} in its example inputs for the steps that pass it"
 
 
 def _structure(spec) -> str:
