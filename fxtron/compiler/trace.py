@@ -433,8 +433,35 @@ def _to_graph_module(ep: ExportedProgram, model: torch.nn.Module, user_dims, in_
                                      symbols=symbols, in_spec=in_spec, statics=statics, aliases=aliases,
                                      buffer_mutations=buffer_mutations, constants=constants,
                                      signature=signature, token_ranges=limits.token_ranges(out),
+                                     ranges=_narrowed_ranges(ep, symbols),
                                      loss_dtype=_loss_gradient_dtype(returned, buffer_mutations))
     return out
+
+
+#: the range torch.export gives a dynamic dim it has no reason to narrow (0 and 1 specialize)
+_EXPORT_RANGE = (2, None)
+
+
+def _infinite(bound) -> bool:
+    from torch.utils._sympy.numbers import int_oo
+    return bound in (int_oo, -int_oo, sympy.oo, -sympy.oo)
+
+
+def _narrowed_ranges(ep: ExportedProgram, symbols: dict) -> dict:
+    """B's and S's ranges where the model narrowed export's default [2, oo): its code branched
+    on the size (`if ids.shape[1] > 8:`), export guarded the branch it took (S >= 9), and the
+    graph holds that branch alone, so a size outside would compute what the model does not.
+    The intersection over the inputs' symbols of each (every input's S is one length)."""
+    out: dict = {}
+    for sym, name in symbols.items():
+        vr = ep.range_constraints.get(sym)
+        if vr is None:
+            continue
+        lo = 0 if _infinite(vr.lower) else int(vr.lower)
+        hi = None if _infinite(vr.upper) else int(vr.upper)
+        old_lo, old_hi = out.get(name, (0, None))
+        out[name] = (max(lo, old_lo), hi if old_hi is None else old_hi if hi is None else min(hi, old_hi))
+    return {k: v for k, v in out.items() if v[0] > _EXPORT_RANGE[0] or v[1] is not None}
 
 
 #: ops whose inputs receive their output's gradient whole, or a multiple of it: a sum, a

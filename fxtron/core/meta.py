@@ -359,6 +359,7 @@ class TraceInfo:
     16 bits), or float16 where an fp16 value it sums, casts or scales receives its gradient (an
     fp16 cross entropy plus an fp32 auxiliary loss): fp16 caps fp16's loss scale
     (runtime/precision.py LossScaler).
+    ranges: B's and S's sizes the program holds, where the model's code narrowed them (below).
     """
 
     params: list[str]
@@ -386,6 +387,9 @@ class TraceInfo:
     # carry the compute dtype as every other weight's do): no fp32 master (codegen/fuse.py)
     narrow_params: frozenset = frozenset()
     loss_dtype: torch.dtype | None = None
+    # B and S -> (lowest, highest or None) where the model's code narrowed export's range of them
+    # (a Python branch on the size: export guards it); the step refuses sizes outside
+    ranges: dict = field(default_factory=dict)
 
     @property
     def n_user_inputs(self) -> int:
