@@ -165,3 +165,35 @@ def test_op_aliases_take_the_ops_name():
     pm = fxtron.parallelize(_Concatenate(), fxtron.Mesh(2, tp=2), example_inputs=(ids[:, :-1], ids[:, 1:]), strict=True)
     pm.compiled(0)
     assert pm.fallbacks(0) == [] and pm.gathers(0) == []
+
+
+def test_tracing_leaves_the_users_model_as_it_was():
+    """transformers' longrope rotary embedding keeps what its forward computes on the module (the
+    long factors as `long_inv_freq`, inv_freq registered anew). Under export those were
+    FakeTensors, left on the user's model: pm.program() then failed copying it (a RuntimeError
+    about a FakeTensor's data pointer) and the model's own forward computed with the trace's
+    short factors (4.825287 where a fresh model gives 4.825333). Now the trace puts every module's
+    attributes, parameters and buffers back: the model computes as a fresh one, and the program
+    trains as it does."""
+    transformers = pytest.importorskip("transformers")
+    hd = 16
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * (hd // 2),
+                         "long_factor": [float(4 + i) for i in range(hd // 2)], "original_max_position_embeddings": 28})
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    fresh = transformers.LlamaForCausalLM(cfg)
+    fresh.load_state_dict(model.state_dict())
+    rotary = model.model.rotary_emb
+    before = (dict(vars(rotary)), dict(rotary._buffers))
+    ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    pm = fxtron.parallelize(model, fxtron.Mesh(1), example_kwargs=batch)
+    assert vars(rotary).keys() == before[0].keys() and all(rotary._buffers[k] is v for k, v in before[1].items())
+    want = fresh(**batch).loss
+    assert float(model(**batch).loss) == float(want)
+    prog = pm.program(0)
+    loss = prog.train_step((), torch.optim.SGD(prog.parameters(), lr=0.0), kwargs=batch)
+    assert abs(loss - float(want)) < 1e-6 * float(want), (loss, float(want))

@@ -41,6 +41,17 @@ def default_loss(output: Any) -> torch.Tensor:
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, dict):
         loss = output.get("loss")
+    if loss is None and isinstance(output, (tuple, list)):
+        parts = ", ".join("a scalar" if isinstance(o, torch.Tensor) and o.dim() == 0 else
+                          f"a {o.dim()}-d tensor" if isinstance(o, torch.Tensor) else type(o).__name__
+                          for o in output)
+        scalars = [i for i, o in enumerate(output) if isinstance(o, torch.Tensor) and o.dim() == 0]
+        raise ParallelizeError(
+            f"the model returned a {type(output).__name__} ({parts}), and fxtron takes the loss from a scalar "
+            "output, its .loss or its ['loss']; " + (
+                f"pass loss_fn=lambda output: output[{scalars[0]}] for the scalar it holds (transformers returns "
+                "the loss first under return_dict=False)" if scalars else
+                "call it with targets or labels so it computes the loss, or pass loss_fn=lambda output: ..."))
     if loss is None:
         raise ParallelizeError(
             f"the model returned {type(output).__name__}, not a scalar loss; call it with targets "
@@ -229,6 +240,46 @@ def trace(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwargs:
                   else x for x in leaves]
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     _check_experts_implementation(model)
+    with _as_it_was(model):
+        return _trace(model, loss_fn, leaves, spec, tensors, batch_dim, seq_dim, layers_once)
+
+
+class _as_it_was:
+    """The model's modules as they were before the trace, whatever its forward did to them while
+    export ran it: an attribute set (transformers' longrope rotary embedding keeps the long
+    factors it computes, `self.long_inv_freq`, a FakeTensor under export) or a buffer registered
+    anew (its inv_freq swapped for them). Left in place, the user's model computed with the
+    trace's values afterwards and the program's copy of it could not be made. Each module's
+    attributes, parameters, buffers and submodules are put back as they were (the same objects)."""
+
+    _DICTS = ("_parameters", "_buffers", "_modules")
+
+    def __init__(self, model: torch.nn.Module):
+        self.saved = [(m, dict(vars(m)), {k: dict(getattr(m, k)) for k in self._DICTS if isinstance(getattr(m, k, None), dict)},
+                       set(getattr(m, "_non_persistent_buffers_set", ()))) for m in model.modules()]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for m, attrs, dicts, non_persistent in self.saved:
+            d = vars(m)
+            for k in [k for k in d if k not in attrs]:
+                del d[k]
+            for k, v in attrs.items():
+                if d.get(k, _as_it_was) is not v:
+                    d[k] = v
+            for k, contents in dicts.items():
+                now = getattr(m, k)
+                if now.keys() != contents.keys() or any(now[n] is not v for n, v in contents.items()):
+                    now.clear()
+                    now.update(contents)
+            if isinstance(d.get("_non_persistent_buffers_set"), set) and d["_non_persistent_buffers_set"] != non_persistent:
+                d["_non_persistent_buffers_set"].clear()
+                d["_non_persistent_buffers_set"].update(non_persistent)
+
+
+def _trace(model, loss_fn, leaves, spec, tensors, batch_dim, seq_dim, layers_once) -> fx.GraphModule:
     wrapped = _WithLoss(model, loss_fn or default_loss, leaves, spec)
     shapes, user_dims = _dynamic_shapes(tensors, batch_dim, seq_dim)
     statics = [x if not isinstance(x, torch.Tensor) else None for x in leaves]
