@@ -226,6 +226,27 @@ def test_a_loss_fn_that_returns_no_scalar_is_refused_at_parallelize():
         fxtron.parallelize(torch.nn.Linear(8, 4), fxtron.Mesh(1), example_inputs=(x,), loss_fn=lambda o: (o.mean(),))
 
 
+class _Pair(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        y = self.w(x)
+        return y.pow(2).mean(), y
+
+
+def test_a_tuple_with_the_loss_first_is_said_so():
+    """transformers under return_dict=False returns (loss, logits, ...): the refusal said 'call it
+    with targets or labels' to a user who had; it names the scalar and the loss_fn that takes it."""
+    x = torch.randn(4, 8)
+    with pytest.raises(fxtron.ParallelizeError, match=r"returned a tuple \(a scalar, a 2-d tensor\).*"
+                                                      r"loss_fn=lambda output: output\[0\]"):
+        fxtron.parallelize(_Pair(), fxtron.Mesh(1), example_inputs=(x,))
+    pm = fxtron.parallelize(_Pair(), fxtron.Mesh(1), example_inputs=(x,), loss_fn=lambda output: output[0])
+    assert pm.program(0) is not None
+
+
 class _NoGradLoss(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -331,3 +352,26 @@ def test_a_size_outside_the_range_the_trace_narrowed_is_refused():
     with pytest.raises(fxtron.ParallelizeError, match=r"dim 1 of input 0 of shape \(4, 4\) is 4, but the program holds "
                                                       r"the model traced for a sequence length >= 9"):
         prog.train_step((x, x), opt)
+
+
+def test_an_input_that_broadcasts_over_the_batch_is_not_split():
+    """transformers takes position_ids of shape (1, S), broadcast over the batch. Under dp=2 the
+    step refused it ("global batch 1 ... not divisible by dp=2", the real batch being 4), and so
+    did microbatches. An input whose batch dim was 1 in the trace, where the others had the
+    batch, and is 1 at the step, now goes whole to every rank and microbatch, which broadcast it
+    as the whole batch does (the reviewer's Llama at dp=2 and pp=2: losses within 4.8e-7)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64))
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids, "position_ids": torch.arange(16)[None]}
+    from fxtron.core.meta import info
+    from fxtron.runtime.batch import BatchSlicer
+    traced = info(fxtron.parallelize(model, fxtron.Mesh(2), example_kwargs=batch).traced)
+    _, kw = BatchSlicer(traced, dp=2, dp_index=1, microbatches=1, device=None).local((), batch)
+    assert torch.equal(kw["input_ids"], ids[2:]) and torch.equal(kw["position_ids"], batch["position_ids"])
+    pieces = BatchSlicer(traced, dp=1, dp_index=0, microbatches=2, device=None).microbatches((), batch)
+    assert [[tuple(t.shape) for t in mb] for mb in pieces] == [[(2, 16), (2, 16), (1, 16)]] * 2, pieces
+    assert torch.equal(pieces[1][0], ids[2:])

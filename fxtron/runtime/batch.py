@@ -106,14 +106,14 @@ class BatchSlicer:
         pick = None
         if self.cp > 1 and self.info.documents is not None:     # (B, S/cp): THD, each row by its documents
             pick = document_positions(flat[self.info.documents], self.cp, self.cp_index)
-        for x, dims in zip(flat, self.info.user_dims):
+        for i, (x, dims) in enumerate(zip(flat, self.info.user_dims)):
             if self.cp > 1 and "seq" in dims:
                 d = dims.index("seq")
                 if pick is None:
                     x = x.index_select(d, positions(x.shape[d], self.cp, self.cp_index).to(x.device))
                 else:
                     x = _take_rows(x, dims, pick)
-            if self.dp > 1 and isinstance(x, torch.Tensor) and "batch" in dims:
+            if self.dp > 1 and isinstance(x, torch.Tensor) and "batch" in dims and not self.broadcast(i, x):
                 d = dims.index("batch")
                 if x.shape[d] % self.dp:
                     raise ParallelizeError(f"global batch {x.shape[d]} (dim {d} of an input of shape "
@@ -125,6 +125,17 @@ class BatchSlicer:
         leaves = [next(it) if s is None else s for s in self.info.statics]
         args, kw = pytree.tree_unflatten(leaves, self.info.in_spec)
         return self.on_device(args, kw)
+
+    def broadcast(self, i: int, x: torch.Tensor) -> bool:
+        """Whether input `i` broadcasts over the batch: its batch dim was 1 in the trace, where
+        other inputs had the batch (transformers' position_ids of shape (1, S)), and is 1 now.
+        Each rank's slice of the batch broadcasts it as the whole batch does: it is not split."""
+        sig = self.info.signature[i] if i < len(self.info.signature) else None
+        dims = self.info.user_dims[i]
+        if sig is None or "batch" not in dims:
+            return False
+        d = dims.index("batch")
+        return sig[1][d] == 1 and x.shape[d] == 1
 
     def check_inputs(self, flat: list) -> None:
         """Raise ParallelizeError, before anything runs, for inputs the traced program cannot
@@ -282,8 +293,8 @@ class BatchSlicer:
             return [self.flat(*self.local(a, kw)) for a, kw in inputs]
         flat = self.flat(*self.local(inputs, kwargs))
         out = [[] for _ in range(m)]
-        for x, dims in zip(flat, self.info.user_dims):
-            if "batch" in dims:
+        for i, (x, dims) in enumerate(zip(flat, self.info.user_dims)):
+            if "batch" in dims and not self.broadcast(i, x):
                 d = dims.index("batch")
                 if x.shape[d] % m:
                     raise ParallelizeError(
