@@ -184,6 +184,15 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
              if sig is not None and "seq" in dims and not sympy.sympify(sig[1][dims.index("seq")]).free_symbols]
     if (sequence_parallel or mesh.cp > 1) and fixed:
         lengths = sorted({int(ti.signature[i][1][ti.user_dims[i].index("seq")]) for i in fixed})
+        ones = [i for i in fixed if int(ti.signature[i][1][ti.user_dims[i].index("seq")]) == 1]
+        if ones:
+            shapes = [tuple(int(d) if not sympy.sympify(d).free_symbols else str(d) for d in ti.signature[i][1])
+                      for i in ones]
+            raise ParallelizeError(
+                f"{'sequence parallel' if sequence_parallel else 'context parallel'} splits dim seq_dim={seq_dim} of "
+                f"every input as the sequence, but input {ones[0]} (traced as {shapes[0]}) has size 1 there: that dim "
+                "is not its sequence but one it broadcasts (a 4-D attention mask's head dim, (B, 1, S, S)); pass the "
+                "mask as (B, S) (transformers builds its 4-D mask from it) or position_ids for packed documents")
         raise ParallelizeError(
             f"{'sequence parallel' if sequence_parallel else 'context parallel'} splits the sequence, but the trace "
             f"fixed its length to the example's ({', '.join(map(str, lengths))}): torch.export specializes a length "

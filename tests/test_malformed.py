@@ -59,6 +59,24 @@ class _Features(torch.nn.Module):
         return y
 
 
+class _Masked(torch.nn.Module):
+    """Attention scores under a 4-D mask (B, 1, S, S), as transformers takes one."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+
+    def forward(self, ids, mask):
+        x = self.emb(ids)
+        scores = (x @ x.transpose(1, 2)).unsqueeze(1).masked_fill(~mask, -1e9)
+        return scores.softmax(-1).mean()
+
+
+def _mask4d():
+    ids = torch.randint(0, 16, (2, 8))
+    return ids, torch.ones(2, 1, 8, 8, dtype=torch.bool).tril()
+
+
 class _Square(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -157,6 +175,9 @@ AT_PARALLELIZE = [
      r"returned a tensor of shape .* not a scalar loss.*loss_fn"),
     ("model: branches on data", lambda: fxtron.parallelize(_Features(branch=True), Mesh(2), example_inputs=_x()),
      r"could not trace _Features.*data-dependent"),
+    ("model: a 4-D mask at cp=2", lambda: fxtron.parallelize(_Masked(), Mesh(2, cp=2), example_inputs=_mask4d()),
+     r"context parallel splits dim seq_dim=1 of every input as the sequence, but input 1 \(traced as \('B', 1, 8, 8\)\) "
+     r"has size 1 there: .*a 4-D attention mask's head dim.*pass the mask as \(B, S\)"),
     ("model: float64 at tp=2", lambda: _par(_gpt().double(), Mesh(2, tp=2)), r"parameter wte\.weight is float64"),
     ("model: every linear left replicated, strict", lambda: fxtron.parallelize(_Square(), Mesh(2, tp=2),
                                                                                 example_inputs=_x(), strict=True),
