@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import builtins
 import operator
+import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -137,6 +139,18 @@ def get(node: fx.Node, key: str, default: Any = None) -> Any:
     if key not in _KEYS:
         raise KeyError(f"{key!r} is not an fxtron meta key; known: {sorted(_KEYS)}")
     return node.meta.get(key, default)
+
+
+def source(node: fx.Node) -> str:
+    """Where in the model's Python the node was made (the last frame of export's stack_trace):
+    'modeling_mixtral.py:102 in load_balancing_loss_func: `expert_mask = ...`', or ''."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', trace)
+    if not frames:
+        return ""
+    path, line, func, code = frames[-1]
+    code = code.strip()
+    return f"{os.path.basename(path)}:{line} in {func}" + (f": `{code[:100]}`" if code else "")
 
 
 # ----------------------------------------------------------------------------- per-axis keys

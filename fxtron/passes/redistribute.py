@@ -138,7 +138,10 @@ class _Emitter:
                     f"%{src.name}: {axis}:{have} -> {axis}:{want} for %{consumer.name}: a {axis} shard of "
                     f"{'a batch-and-sequence fold' if is_symbolic(sh.interleave) else 'unequal blocks'} cannot be "
                     f"moved; the op needs it whole, which context parallel does not do (module "
-                    f"{meta.get(consumer, meta.MODULE) or '(top level)'})")
+                    f"{meta.get(consumer, meta.MODULE) or '(top level)'}"
+                    + (f", {meta.source(consumer)}" if meta.source(consumer) else "") + "): the model mixes this "
+                    "rank's tokens with values over the whole batch and sequence there; compute it per token, or "
+                    "leave context parallel off (cp=1) for this model")
         if isinstance(have, Partial) and isinstance(want, Shard) and want.interleave == 1:
             ordered = self.call(ops.zigzag.default, (value, want.dim, 1, n, False), src, placed,
                                 why + " (load-balanced order)")
