@@ -177,9 +177,6 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
             f"the inputs' shapes are {', '.join(str(tuple(x.shape)) for x in tensors_of((example_inputs, example_kwargs)))})"
             "; give the dim that holds the sequence")
     ti = meta.info(traced)
-    if dtype is not None:
-        ti.narrow_params = frozenset(n for n, p in model.named_parameters(remove_duplicate=False)
-                                     if p.is_floating_point() and p.element_size() < 4)
     fixed = [i for i, (dims, sig) in enumerate(zip(ti.user_dims, ti.signature))
              if sig is not None and "seq" in dims and not sympy.sympify(sig[1][dims.index("seq")]).free_symbols]
     if (sequence_parallel or mesh.cp > 1) and fixed:
@@ -208,8 +205,7 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
     pm = ParallelModel(model, mesh, traced, config, prepared=prepared)
     # evaluation runs the model's eval-mode graph (dropout off, norms on running statistics),
     # traced the same way when a program first evaluates
-    pm._trace_eval = functools.partial(_trace_in_eval_mode, subject, example_inputs, narrow_params=ti.narrow_params,
-                                       example_kwargs=example_kwargs,
+    pm._trace_eval = functools.partial(_trace_in_eval_mode, subject, example_inputs, example_kwargs=example_kwargs,
                                        loss_fn=loss_fn, batch_dim=config.inputs.batch_dim, seq_dim=seq_dim,
                                        layers_once=config.inputs.trace_layers_once)
     pm._check_plan()
@@ -217,17 +213,13 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
     return pm
 
 
-def _trace_in_eval_mode(model: torch.nn.Module, example_inputs, narrow_params: frozenset = frozenset(),
-                        **options) -> fx.GraphModule:
+def _trace_in_eval_mode(model: torch.nn.Module, example_inputs, **options) -> fx.GraphModule:
     """`trace` of `model` with every module in eval mode (dropout off, BatchNorm on its
-    running statistics, nothing updated); the modules' modes are restored after.
-    `narrow_params`: the training trace's (TraceInfo.narrow_params)."""
+    running statistics, nothing updated); the modules' modes are restored after."""
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
-        gm = trace(model, example_inputs, **options)
-        meta.info(gm).narrow_params = narrow_params
-        return gm
+        return trace(model, example_inputs, **options)
     finally:
         for m, training in modes:
             m.training = training

@@ -145,12 +145,13 @@ def test_regions_of_a_graph():
     assert (plan([gm]).regions, plan([gm]).opaque) == (1, 0)
     assert "fxtron::master_linear" in pm.summary()
     # a 16-bit model under the default fp32 setting: its linears' weight gradients still
-    # accumulate in fp32 inside the GEMM (autograd's would be rounded to bf16 first)
-    for dtype in ("fp32", "bf16"):     # (and under bf16 compute: no fp32 master weight to take)
+    # accumulate in fp32 inside the GEMM (autograd's would be rounded to bf16 first); under bf16
+    # compute it has fp32 masters as an fp32 model does (runtime/build.py), and master linears
+    for dtype, op in (("fp32", torch.ops.fxtron.linear.default), ("bf16", torch.ops.fxtron.master_linear.default)):
         gm = fxtron.parallelize(make("gpt", layers=2).bfloat16(), fxtron.Mesh(1), example_inputs=args,
                                 compile=True, dtype=dtype).compiled(0).gm
-        assert [n for n in gm.graph.nodes if n.target == torch.ops.fxtron.linear.default]
-        assert not [n for n in gm.graph.nodes if n.target == torch.ops.fxtron.master_linear.default]
+        ops = {n.target for n in gm.graph.nodes} & {torch.ops.fxtron.linear.default, torch.ops.fxtron.master_linear.default}
+        assert ops == {op}, (dtype, ops)
     # a dp reduction overlapping backward: each fused linear reports its gradient as its GEMM runs
     pm = fxtron.parallelize(make("gpt", layers=4), fxtron.Mesh(2), example_inputs=args, compile=True)
     gm = pm.compiled(0).gm

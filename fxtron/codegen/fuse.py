@@ -37,8 +37,7 @@ def fuse_linears(gm: fx.GraphModule, *, device: torch.device, in_regions: bool =
     compute copies) each becomes fxtron::master_linear instead, which takes the fp32 weight and
     returns its fp32-accumulated gradient (ops/linear.py), and the weight's other readers (a tied
     embedding) read a cast to `master` made in the graph. Any other linear is fused as without
-    them; so is one whose weight the model holds in 16 bits (no fp32 master to take: its weight
-    gradient accumulates in fp32 only inside the fused GEMM). `fp32_to_autograd` (an uncompiled
+    them (a model held in 16 bits has fp32 masters too: runtime/build.py). `fp32_to_autograd` (an uncompiled
     program where nothing defers a weight gradient: compiler/passmanager.py linears_to_autograd):
     the linears whose input and weight are fp32 stay aten ops. Edits gm in place and returns it."""
     g = gm.graph
@@ -57,8 +56,7 @@ def fuse_linears(gm: fx.GraphModule, *, device: torch.device, in_regions: bool =
             continue     # an aten op (of the compiled region), its weight gradient autograd's
         # (under compute copies the graph's values carry the compute dtype; the weight is the fp32
         # parameter the program passes as it is)
-        if (in_regions and master is not None and meta.is_param(args[1])
-                and meta.param_name(args[1]) not in meta.info(gm).narrow_params):
+        if in_regions and master is not None and meta.is_param(args[1]):
             op = torch.ops.fxtron.master_linear.default
         with g.inserting_before(node):
             new = g.call_function(op, args)

@@ -398,6 +398,13 @@ class Config:
                                    "into the pipeline bubbles, which needs gradient_accumulation_fusion=True")
         if self.tensor.sequence_parallel and self.inputs.seq_dim is None:
             raise ParallelizeError("sequence_parallel=True needs the inputs' sequence dim (seq_dim)")
+        if self.data_parallel.grad_reduce_dtype == "fp16" and self.precision.dtype != "fp16":
+            raise ParallelizeError(
+                f"grad_reduce_dtype='fp16' accumulates and reduces the gradients in fp16, whose largest value is "
+                f"65504, but dtype={self.precision.dtype!r} has no loss scaler to find an overflow and skip its step "
+                "(a gradient past it is inf, then NaN weights, silently) nor to lift small gradients above fp16's "
+                "smallest: use grad_reduce_dtype='bf16' (fp32's range in 16 bits), or dtype='fp16' whose dynamic "
+                "loss scaling checks every step")
         if self.codegen.cuda_graphs:
             self._cuda_graph_rules()
 

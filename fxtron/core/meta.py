@@ -368,7 +368,6 @@ class TraceInfo:
     signature, token_ranges: what the step checks every batch against (runtime/batch.py).
     statistics, statistics_report: the batch statistics made global (passes/statistics.py).
     documents: the input of document ids whose order the cp split follows (passes/cp_documents.py).
-    narrow_params: the parameters the model holds in 16 bits under a 16-bit compute dtype.
     loss_dtype: the dtype of the loss the graph returns, as traced (a 16-bit program is traced in
     16 bits), or float16 where an fp16 value it sums, casts or scales receives its gradient (an
     fp16 cross entropy plus an fp32 auxiliary loss): fp16 caps fp16's loss scale
@@ -397,9 +396,6 @@ class TraceInfo:
     # cp_documents: the user input of each token's document id, by which the runtime reorders
     # every row before the cp split (passes/cp_documents.py); None: the plain load-balanced split
     documents: int | None = None
-    # the parameters a 16-bit program holds in 16 bits (the model's own weights, whose graph values
-    # carry the compute dtype as every other weight's do): no fp32 master (codegen/fuse.py)
-    narrow_params: frozenset = frozenset()
     loss_dtype: torch.dtype | None = None
     # B and S -> (lowest, highest or None) where the model's code narrowed export's range of them
     # (a Python branch on the size: export guards it); the step refuses sizes outside

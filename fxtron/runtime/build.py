@@ -112,6 +112,11 @@ def build_program(model: torch.nn.Module, spec: RankSpec, groups: ProcessGroups 
         check_program(spec.host_bound, groups, device)
     materialized = MetaMaterializer(model, seed)
     params = local_params(model, spec, seed, materialized)
+    if config.precision.torch_dtype is not None:
+        # a 16-bit compute dtype updates fp32 masters from fp32 gradients (Megatron's mixed-precision
+        # optimizer), whatever the model holds: a model loaded in bf16 gets fp32 copies of its
+        # weights, which the step updates (in bf16 themselves most small updates rounded away)
+        params = {k: v.float() if v.is_floating_point() and v.element_size() < 4 else v for k, v in params.items()}
     buffers = used_buffers(model, spec, materialized)
     if device.type != "cpu":
         params = {k: v.to(device) for k, v in params.items()}
