@@ -310,7 +310,9 @@ class BatchSlicer:
 
 
 def _differs(value, traced) -> bool:
-    """Whether a non-tensor input differs from the value it was traced with."""
+    """Whether a non-tensor input differs from the value it was traced with (a NaN is itself)."""
+    if value is traced or (isinstance(value, float) and isinstance(traced, float) and value != value and traced != traced):
+        return False
     try:
         return bool(value != traced)
     except Exception:  # noqa: BLE001 - a value that cannot be compared: not the traced one
