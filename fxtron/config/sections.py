@@ -157,9 +157,10 @@ class DataParallelConfig(Section):
                                                                "max(4e7, 1e6 x dp))")
     grad_reduce_dtype: DType | None = option(None, help="the gradient buffer's dtype (default: fp32 main_grad)")
     overlap_grad_reduce: bool = option(True, help="start each bucket's collective during backward")
-    zero: ZeroStage = option(0, help="1: the distributed optimizer (optimizer state and main parameters sharded "
-                                     "over dp); 2: and the gradients, reduce-scattered during backward; 3: and the "
-                                     "parameters (FSDP), each layer gathered just before use")
+    zero: ZeroStage = option(0, help="1: the distributed optimizer (optimizer state sharded over dp, each rank "
+                                     "stepping its shard of the fp32 parameters, then all-gathered); 2: and the "
+                                     "gradients, reduce-scattered during backward, the rank's shards kept after it; "
+                                     "3: and the parameters (FSDP), each layer gathered just before use")
     gather_per_step: bool = option(False, help="zero=3: gather each layer once per step and keep it until the step "
                                                "ends (no gather again in backward or per microbatch), holding the "
                                                "whole parameters during the step")

@@ -491,11 +491,13 @@ class Gradients:
             out[name] = self.full(name, g).clone()
         return across_stages(self.groups, out)
 
-    def bytes(self) -> int:
-        """The rank's gradient bytes: its gradient buffers and any .grad outside them."""
+    def bytes(self, also=()) -> int:
+        """The rank's gradient bytes: its gradient buffers and any .grad outside them -- of the
+        parameters, and of `also` (the distributed optimizer's shards: under zero=2 copies of
+        the rank's shards of the gradients, the buffer released)."""
         held = sum(b.data.untyped_storage().nbytes() for b in self.buffers.values())
         views = {b.data.untyped_storage().data_ptr() for b in self.buffers.values()}
-        loose = sum(p.grad.numel() * p.grad.element_size() for p in self.params.values()
+        loose = sum(p.grad.numel() * p.grad.element_size() for p in [*self.params.values(), *also]
                     if p.grad is not None and p.grad.untyped_storage().data_ptr() not in views)
         return held + loose
 

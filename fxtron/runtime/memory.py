@@ -110,7 +110,7 @@ def _storage_bytes(tensors) -> int:
 def rank_bytes(prog, optimizer=None) -> dict[str, int | None]:
     """This rank's memory by kind, measured on the tensors it holds now: `param_bytes` (the
     parameters' storages: zero=3's flat pieces, zero=0's whole shards), `grad_bytes` (the
-    gradient buffers and any .grad outside them, runtime/grads.py), `optimizer_bytes` (every
+    gradient buffers and any .grad outside them, zero=2's shard copies included, runtime/grads.py), `optimizer_bytes` (every
     tensor of the optimizer state the rank holds (runtime/optim.py held_state): Adam's moments and
     steps, its shards' under zero=1/2, the owned whole tensors' of Adafactor or Muon), `activation_bytes` (the most bytes
     saved for backward alive after a pass of the last step, when its memory was tracked
@@ -118,7 +118,7 @@ def rank_bytes(prog, optimizer=None) -> dict[str, int | None]:
     state = optim.held_state(prog, optimizer) if optimizer is not None else ()
     tracker = prog._memory if prog.track_memory else None
     return {"param_bytes": _storage_bytes(prog.parameters()),
-            "grad_bytes": int(prog.grads.bytes()),
+            "grad_bytes": int(prog.grads.bytes(also=prog.zero.shards if prog.zero is not None else ())),
             "optimizer_bytes": _storage_bytes(v for s in state for v in s.values()),
             "activation_bytes": max((s.activations for s in tracker.samples), default=0) if tracker else None}
 

@@ -157,7 +157,6 @@ def inspect(pm, rank: int, *, model_name: str = "", batch: int = 1, seq: int = 2
                       "payload_bytes": str(r.payload_bytes), "wire_bytes": str(r.wire_bytes),
                       "wire_at": int(r.evaluate(batch, seq)[1])})
     params = rg.param_count
-    dp = mesh.dp
     activation, held_acts, activation_note = _saved_for_backward(pm, rank, rg, batch, seq, sub)
     o = pm.config.pipeline
     zero = pm.config.data_parallel.zero if zero is None else zero
@@ -174,18 +173,31 @@ def inspect(pm, rank: int, *, model_name: str = "", batch: int = 1, seq: int = 2
                     "stages": [s.index for s in rg.stages], "in_flight": in_flight}
     held = sum(math.prod(p.held_shape) * p.dtype.itemsize for p in rg.local.values())
     pieces = sum(math.prod(p.held_shape) for p in rg.local.values())     # zero=3 (HSDP: 1/dp_shard)
-    d = dp * mesh.cp
+    sixteen = any(p.dtype.itemsize == 2 for p in rg.local.values())
+
+    def sharded(p) -> float:
+        """Elements of p's share under zero=1/2: 1/size of its gradient group (dp, dp-cp, or
+        expert-dp for experts: expert parallel's own data-parallel group)."""
+        try:
+            size = len(mesh.group_of(p.grad_group, rank))
+        except Exception:  # noqa: BLE001 - a kind this rank is in no group of
+            size = 1
+        return math.prod(p.local_shape) / size
+    shares = int(sum(sharded(p) for p in rg.local.values()))
     memory = {
         "parameters" + (" (zero=3: the rank's 1/d pieces)" if zero >= 3 else "")
-        + (" (16-bit compute copies)" if any(p.dtype.itemsize == 2 for p in rg.local.values()) else ""):
+        + (" (16-bit compute copies, during the step)" if sixteen else ""):
             held if zero >= 3 else rg.param_bytes,
-        "gradients (fp32 main_grad)" + (" / dp" if zero >= 2 else ""):
-            pieces * 4 if zero >= 3 else params * 4 // (d if zero >= 2 else 1),
-        "optimizer (Adam, fp32 moments)" + (" / dp" if zero else ""):
-            pieces * 8 if zero >= 3 else params * 8 // (d if zero else 1),
-        **({"main parameters (fp32 beside the 16-bit copies)" + (" / dp" if zero else ""):
-            pieces * 4 if zero >= 3 else params * 4 // (d if zero else 1)}
-           if any(p.dtype.itemsize == 2 for p in rg.local.values()) else {}),
+        "gradients (fp32 main_grad)" + (" (zero=2: whole during backward, the rank's 1/dp kept after it)"
+                                        if zero == 2 else ""):
+            pieces * 4 if zero >= 3 else params * 4,
+        "optimizer (Adam, fp32 moments)" + (" / dp (experts: / expert-dp)" if zero else ""):
+            pieces * 8 if zero >= 3 else (shares if zero else params) * 8,
+        # fxtron's zero=1/2 keep the fp32 parameters whole on every rank (the optimizer steps views
+        # of its shard of them, then all-gathers), where Megatron keeps 16-bit ones whole and fp32
+        # shards: runtime/zero.py
+        **({("main parameters (fp32: zero=3's 1/d pieces)" if zero >= 3 else "main parameters (fp32, whole on every rank)"):
+            pieces * 4 if zero >= 3 else params * 4} if sixteen else {}),
         "activations per microbatch" + (" (upper bound)" if held_acts is None else ""): activation,
         f"activations held ({in_flight} microbatch{'es' if in_flight > 1 else ''} in flight)":
             held_acts if held_acts is not None else activation * in_flight,

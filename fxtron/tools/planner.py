@@ -7,9 +7,11 @@ collectives' bus-bandwidth factors):
 
   parameters      P from the model itself; per rank P / (tp pp) (embedding and head included);
                   context parallel (cp) splits tokens, not weights
-  weights         mixed precision, Megatron's layout: 2 B 16-bit weights + 4 B fp32 main grads
-                  + 4 B fp32 master weights + 8 B Adam moments per parameter; the distributed
-                  optimizer (zero=1) divides the last 12 B by dp, zero=2 the last 16 B, zero=3
+  weights         mixed precision as fxtron holds it: 4 B fp32 parameters (the main weights)
+                  + 2 B 16-bit compute copies + 4 B fp32 main grads + 8 B Adam moments per
+                  parameter; the distributed optimizer (zero=1, and zero=2, whose gradients are
+                  whole during backward) divides the moments by dp (the fp32 parameters stay
+                  whole on every rank: 10 + 8/dp, where Megatron's layout is 6 + 12/dp), zero=3
                   all 18 B, plus two layers' 16-bit weights gathered at once (one computing, the
                   next prefetched)
   activations     Korthikanti et al. 2022, bytes per layer with 16-bit activations:
@@ -141,14 +143,16 @@ class Candidate:
 
 # ----------------------------------------------------------------------------- formulas
 def weight_bytes(params_per_rank: float, dp: int, zero: int) -> float:
-    """2 + 4 bytes (16-bit weights, fp32 main grads) + 12 bytes (fp32 master, Adam moments):
-    the 12 divided by dp under the distributed optimizer (zero=1), the 4 + 12 under zero=2, all
-    18 under zero=3 (Rajbhandari et al.; zero=3's gathered layers are counted apart)."""
+    """Bytes per parameter as fxtron's runtime holds them in mixed precision: 4 (the fp32
+    parameters, the optimizer's main weights) + 2 (their 16-bit compute copies, during the step)
+    + 4 (fp32 main_grad) + 8 (Adam's moments) = 18. The distributed optimizer (zero=1) divides
+    the moments by dp: each rank steps its shard of the fp32 parameters, which stay whole on every
+    rank (runtime/zero.py; Megatron keeps the 16-bit weights whole and shards the fp32 ones, 6 +
+    12/dp); zero=2's gradients are whole during backward, its peak as zero=1's; zero=3 divides
+    all 18 (its gathered layers are counted apart)."""
     if zero >= 3:
         return params_per_rank * 18 / dp
-    if zero == 2:
-        return params_per_rank * (2 + 16 / dp)
-    return params_per_rank * (6 + 12 / (dp if zero else 1))
+    return params_per_rank * (10 + 8 / (dp if zero else 1))
 
 
 RECOMPUTE = (None, "selective", "full")
