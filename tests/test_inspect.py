@@ -414,3 +414,17 @@ def test_planner_rates_ulysses_and_hierarchical_cp():
                 ("ring_attention", "cp_all_to_all", "hierarchical_attention")]
         wire = sum(r.evaluate(2, 16)[1] for r in recs) / 2                    # two layers
         assert wire == pytest.approx(sum(planner.cp_bytes(a, 4, 2 * 16 * 64 * 4))), comm
+
+
+def test_bf16_zero1_reports_the_fp32_parameters_it_holds_and_gathers():
+    """Under a 16-bit compute dtype the rank holds fp32 parameters (the optimizer's main weights),
+    and zero=1 all-gathers their updated fp32 shards: the summary's param bytes and the
+    all-gather's bytes are those, not the 16-bit copies' (half: 243.5 KiB where the rank held
+    487 KiB, and a gather of 124,672 B where 249,344 went over the wire)."""
+    from fxtron.models import build, example_inputs
+    pm = fxtron.parallelize(build("gpt-tiny"), fxtron.Mesh(2), example_inputs=example_inputs("gpt-tiny"), zero=1,
+                            dtype="bf16")
+    n = sum(p.numel() for p in pm.model.parameters())
+    gathers = [r for r in pm.collectives(0) if r.op == "all_gather" and r.phase == "step"]
+    assert sum(int(r.payload_bytes) for r in gathers) == 4 * n, gathers
+    assert f"{4 * n / 1024:.1f} KiB" in pm.summary(), pm.summary()

@@ -228,8 +228,9 @@ def _run(rank, mesh, key):
             dropped.append(sum(prog.last_dispatch.dropped.values()))
             sent.append(prog.last_dispatch.bytes_sent)
             if step == 0:
-                grads = prog.full_grads()
-        return {"losses": losses, "grads": grads, "state": prog.full_state_dict(), "dropped": dropped, "sent": sent}
+                grads, load = prog.full_grads(), prog.expert_load()
+        return {"losses": losses, "grads": grads, "state": prog.full_state_dict(), "dropped": dropped, "sent": sent,
+                "load": load}
     if key == "ep4-skew":         # the copies this rank's tokens sent each expert, per layer
         out = train_program(prog, batches, _opt(prog.parameters()))
         return {**out, "sent": [c.clone() for c in prog.last_dispatch.copies.values()]}
@@ -511,6 +512,11 @@ def test_trains_like_one_process(trained, key):
         if key.startswith("ep2-cap"):        # copies really dropped, as many as the reference's caps dropped
             want = sum(layer.mlp.experts.dropped for layer in model.layers)
             assert sum(o["dropped"][0] + o["dropped"][1] for o in ranks_of(trained, mesh, key)) == want > 0
+            # expert_load() counts what the experts received: every routed copy but the dropped ones
+            # (it counted them routed, 71 copies to an expert whose ranks take 2 x 32)
+            routed = CFG.n_layer * STEPS[0][0].shape[0] * STEPS[0][0].shape[1] * CFG.top_k
+            dropped = sum(o["dropped"][0] for o in ranks_of(trained, mesh, key))
+            assert sum(int(v.sum()) for v in got["load"].values()) == routed - dropped, (got["load"], dropped)
         if key == "ep2-cap-pad":    # fixed splits: L experts x C rows to the other rank and back, whatever the routing
             copies = STEPS[0][0].shape[0] // 2 * STEPS[0][0].shape[1] * CFG.top_k
             cap, local = math.ceil(copies / CFG.n_experts), CFG.n_experts // 2

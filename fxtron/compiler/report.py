@@ -649,7 +649,12 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
         d, e = dp * mesh.cp, mesh.edp   # the dp-cp group reduces the gradients, expert-dp the experts'
         # ring all-reduces of the gradients
         dp_wire = 2 * (d - 1) / d * (rg.param_bytes - expert_bytes) + 2 * (e - 1) / e * expert_bytes
-        held = [(math.prod(p.held_shape), math.prod(p.held_shape) * p.dtype.itemsize) for p in rg.local.values()]
+        # the parameters as the rank holds them: under a 16-bit compute dtype fp32 masters (the
+        # graph's values carry the compute dtype; the 16-bit copies live during the step)
+        master = config.precision.torch_dtype is not None
+        held = [(math.prod(p.held_shape), math.prod(p.held_shape)
+                 * (4 if master and p.dtype.is_floating_point and p.dtype.itemsize < 4 else p.dtype.itemsize))
+                for p in rg.local.values()]
         if fsdp:      # zero=3: the pieces held, and per layer gather, gather again, reduce-scatter
             dp_wire = float(sum(r.wire_bytes for r in fsdp))
         around = step_records(rank) if step_records is not None else None

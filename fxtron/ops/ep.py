@@ -39,12 +39,14 @@ from fxtron.ops.registry import Comm, OpSpec, register
 
 class DispatchLog:
     """What the dispatches of one step did on this rank: `copies[layer]` the copies its tokens
-    sent to each expert (E,), summed over microbatches; `dropped[layer]` how many of them went
-    over an expert's capacity (capacity-factor routing only); `bytes_sent` the bytes it sent to
-    other ranks (rows and per-expert counts) in every all-to-all, forward and backward."""
+    routed to each expert (E,), summed over microbatches; `kept[layer]` those each expert took
+    (E,: all of them dropless, at most its capacity under a capacity factor); `dropped[layer]`
+    how many went over an expert's capacity; `bytes_sent` the bytes it sent to other ranks
+    (rows and per-expert counts) in every all-to-all, forward and backward."""
 
     def __init__(self):
         self.copies: dict[str, Tensor] = {}
+        self.kept: dict[str, Tensor] = {}
         self.dropped: dict[str, int] = {}     # copies over an expert's capacity (capacity-factor routing)
         self.bytes_sent = 0
 
@@ -169,7 +171,7 @@ def _dispatch(x: Tensor, offs: Tensor, group: str, world: int, layer: str = "",
     E = offs.numel()
     send, src, dst = _routes(offs, capacity, pad)
     if layer:
-        _log(layer, offs, src.numel())
+        _log(layer, offs, capacity)
     if E % world:
         raise ValueError(f"fxtron::ep_dispatch: {E} experts do not divide over {world} ep ranks")
     x = _pick(x, send, src, dst)
@@ -185,14 +187,17 @@ def _dispatch(x: Tensor, offs: Tensor, group: str, world: int, layer: str = "",
     return rows, torch.cumsum(recv.sum(0), 0).to(offs.dtype), recv
 
 
-def _log(layer: str, offs: Tensor, kept: int) -> None:
-    """Enter a layer's routing in the active DispatchLog: its copies per expert, and how many
-    of them were dropped (all but `kept`)."""
+def _log(layer: str, offs: Tensor, capacity: float) -> None:
+    """Enter a layer's routing in the active DispatchLog: its copies per expert, those each
+    expert takes (all, dropless; at most its capacity C of this rank's under a capacity
+    factor), and how many were dropped."""
     log = _LOG.get()
     if log is not None and not recomputing():
         per_expert = _counts(offs).detach().cpu()
+        kept = per_expert if capacity <= 0 else per_expert.clamp(max=_capacity(per_expert, capacity))
         log.copies[layer] = log.copies.get(layer, 0) + per_expert
-        log.dropped[layer] = log.dropped.get(layer, 0) + int(per_expert.sum()) - kept
+        log.kept[layer] = log.kept.get(layer, 0) + kept
+        log.dropped[layer] = log.dropped.get(layer, 0) + int(per_expert.sum() - kept.sum())
 
 
 def _combine(y: Tensor, offs: Tensor, counts: Tensor, rows: int, group: str, world: int,
@@ -377,7 +382,7 @@ def ep_share(x: Tensor, offs: Tensor, group: str, world: int, layer: str = "",
     _, j = _share_coord(group, world, "ep_share")
     send, src, dst = _routes(offs, capacity, pad, j, world)
     if layer:
-        _log(layer, offs, _routes(offs, capacity)[1].numel())
+        _log(layer, offs, capacity)
     return _pick(x, send, src, dst), torch.cumsum(send, 0).to(offs.dtype)
 
 

@@ -18,17 +18,18 @@ def dispatch_log(prog):
 
 
 def expert_load(prog) -> dict[str, torch.Tensor]:
-    """The copies each expert received in the last step, per mixture-of-experts layer of
+    """The copies each expert received in the last step (under a capacity factor those within
+    its capacity, the dropped ones not: `last_dispatch.copies` has them routed), per mixture-of-experts layer of
     `prog`'s stages: {layer: (E,) int64} over the whole global batch (every data-
     parallel rank's tokens, and under context parallel every cp rank's, which routes its own: one
     all-reduce over dp, or dp-cp; every rank of the group calls it).
     Empty without expert parallel. `last_dispatch.bytes_sent`: the bytes this rank sent
     to other ranks in the step's all-to-alls."""
     log = getattr(prog, "last_dispatch", None)
-    if log is None or not log.copies:
+    if log is None or not log.kept:
         return {}
-    names = sorted(log.copies)
-    stacked = torch.stack([log.copies[n].to(torch.int64) for n in names])
+    names = sorted(log.kept)
+    stacked = torch.stack([log.kept[n].to(torch.int64) for n in names])
     kind = "dp-cp" if prog.groups is not None and prog.groups.size("cp") > 1 else "dp"
     if prog.groups is not None and prog.groups.size(kind) > 1:
         stacked = stacked.to(prog.groups.device)

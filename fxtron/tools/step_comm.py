@@ -144,7 +144,10 @@ def _gradients(pm, rank: int, rg) -> list[CollectiveRecord]:
             if zero in (1, 2):
                 out.append(_record("reduce_scatter", "backward", kind, ranks, (n,), n * item,
                                    sympy.Rational(world - 1, world) * n * item, label))
-                dtype_bytes = local[b.params[0]].dtype.itemsize     # the updated fp32 shards, gathered
+                # the updated shards of the parameters as held: fp32 masters under a 16-bit compute
+                # dtype (the graph's values carry the compute dtype), else the parameters' own dtype
+                dtype_bytes = (4 if pm.config.precision.torch_dtype is not None
+                               else local[b.params[0]].dtype.itemsize)
                 out.append(_record("all_gather", "step", kind, ranks, (n // world,), n * dtype_bytes,
                                    sympy.Rational(world - 1, world) * n * dtype_bytes, label))
             else:
