@@ -216,11 +216,13 @@ def _run(rank, mesh, key):
         before = ledger.stats()["checked"]
         opt, losses = _opt(prog.parameters()), []
         for step, (args, kw) in enumerate(batches):
+            ledger.tally(reset=True)
             losses.append(prog.train_step(args, opt, kwargs=kw))
             if step == 0:                # what the first step's routing did
+                a2a = sum(v[2] for (_, op), v in ledger.tally().items() if op == "all_to_all")
                 grads, load, sent = prog.full_grads(), prog.expert_load(), prog.last_dispatch.bytes_sent
         return {"losses": losses, "grads": grads, "state": prog.full_state_dict(), "load": load, "sent": sent,
-                "checked": ledger.stats()["checked"] - before}
+                "checked": ledger.stats()["checked"] - before, "a2a": a2a}
     if key in ("ep2-cap", "ep2-cap-pad"):          # the copies dropped over capacity, the bytes sent, per step
         opt, dropped, sent, losses = _opt(prog.parameters()), [], [], []
         for step, (args, kw) in enumerate(batches):
@@ -558,6 +560,8 @@ def test_ep_reports_the_routing_and_the_bytes_it_sent(trained):
             assert torch.equal(got["load"][f"layers.{i}.mlp.experts"], whole[i].to(torch.int64)), (rank, i)
         rows = 2 * (bound[rank] + bound[1 - rank])
         assert got["sent"] == rows * CFG.dim * 4 + CFG.n_layer * 2 * local * 8, (rank, got["sent"], bound)
+        # the ledger's tally of the step's all-to-alls: the same bytes (it counted none)
+        assert got["a2a"] == got["sent"], (rank, got["a2a"], got["sent"])
     # ep=2 x tp=2 (the same tokens per ep rank): each tp rank sends its share, Megatron's order --
     # the two tp ranks of an ep rank together send what it sends at tp=1, and the counts each
     for rank, got in enumerate(ranks_of(trained, fxtron.Mesh(4, ep=2, tp=2), "ep2-tp2-sp")):

@@ -198,8 +198,8 @@ def tally(reset: bool = False) -> dict[tuple[tuple[int, ...], str], tuple[int, i
     """What this rank issued since the last reset, by group (its global ranks; a gloo control
     twin counts with its group) and operation: (operations, bytes of the tensors passed, bytes
     this rank sends by the ring algorithms: an all-reduce 2(n-1)/n of its tensor, a
-    reduce-scatter or all-to-all (n-1)/n, an all-gather (n-1) times its piece, a send its
-    tensor, a receive nothing). pm.collectives(rank) lists the same, as formulas."""
+    reduce-scatter (n-1)/n, an all-gather (n-1) times its piece, a send its tensor, a receive
+    nothing; an all-to-all the rows it sends the other ranks). pm.collectives(rank) lists the same, as formulas."""
     out = {k: (v[0], v[1], v[2]) for k, v in _S.tally.items()}
     if reset:
         _S.tally = {}
@@ -223,10 +223,13 @@ def _book(pg) -> _Book:
 
 
 # ---------------------------------------------------------------------------------- recording
-def issue(pg, op: str, t: torch.Tensor | None = None, *, peer: int | None = None, note: str = "") -> Entry | None:
+def issue(pg, op: str, t: torch.Tensor | None = None, *, peer: int | None = None, note: str = "",
+          sent: tuple[int, float] | None = None) -> Entry | None:
     """Record that this rank issues `op` on `pg` (with tensor t; to or from global rank `peer`
     for a transfer), after checking it against the group's other ranks when the order check is
-    on. Returns the entry to mark done (`waiting`, `Tracked`); None without a group."""
+    on. `sent`: (bytes passed, bytes sent to the other ranks) for the tally where `t` does not
+    say them (an all-to-all, whose checked tensor leaves its rows open). Returns the entry to
+    mark done (`waiting`, `Tracked`); None without a group."""
     if pg is None:
         return None
     book = _book(pg)
@@ -236,8 +239,12 @@ def issue(pg, op: str, t: torch.Tensor | None = None, *, peer: int | None = None
     count = _S.tally.setdefault((book.ranks, op.split("(")[0]), [0, 0, 0.0])     # all_reduce(max): an all_reduce
     nbytes = t.numel() * t.element_size() if t is not None else 0
     count[0] += 1
-    count[1] += nbytes
-    count[2] += nbytes * _RING.get(op.split("(")[0], lambda n: 0)(max(1, len(book.ranks)))
+    if sent is not None:
+        count[1] += sent[0]
+        count[2] += sent[1]
+    else:
+        count[1] += nbytes
+        count[2] += nbytes * _RING.get(op.split("(")[0], lambda n: 0)(max(1, len(book.ranks)))
     if peer is None:
         book.seq += 1
         e = Entry(_S.n, book.label, book.seq, op, shape, dtype, issued=time.time())
@@ -309,9 +316,9 @@ class waiting:
         return False
 
 
-def collective(pg, op: str, t: torch.Tensor | None = None) -> waiting:
+def collective(pg, op: str, t: torch.Tensor | None = None, *, sent: tuple[int, float] | None = None) -> waiting:
     """Record a blocking collective issued inside the returned context, and complete it."""
-    return waiting(issue(pg, op, t))
+    return waiting(issue(pg, op, t, sent=sent))
 
 
 class Tracked:

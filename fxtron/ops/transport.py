@@ -173,7 +173,10 @@ def all_to_all_single(x: Tensor, out_splits: list[int], in_splits: list[int], pg
     zero. Entered in the ledger with the row count left open (it differs between ranks)."""
     x = x.contiguous()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    with ledger.collective(pg, "all_to_all", x.new_empty((0, *x.shape[1:]))):
+    row = x[:1].numel() * x.element_size()
+    kept = in_splits[dist.get_rank(pg)] if pg is not None and in_splits else 0    # the rows it sends itself
+    with ledger.collective(pg, "all_to_all", x.new_empty((0, *x.shape[1:])),
+                           sent=(x.numel() * x.element_size(), (sum(in_splits) - kept) * row)):
         dist.all_to_all_single(out, x, out_splits, in_splits, group=pg)
     return out
 
