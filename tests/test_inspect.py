@@ -170,6 +170,18 @@ def test_planner_hand_computed_plan():
     assert (2, 2, 2, 1) in keys              # 25M x (10 + 8/2) B = 350 MB + activations
 
 
+def test_planner_counts_the_pipeline_ends_parameters():
+    """The embedding sits on the first stage and the output layer on the last (both on rank 0
+    under ZB-V): those ranks hold more than P / pp (llama-7b at tp=2 pp=8: 1.12x, and ZB-V's rank 0
+    27% more than the planner said)."""
+    dims = planner.ModelDims(layers=32, hidden=4096, heads=32, vocab=32000, params=6_738_415_616)
+    ends = 32000 * 4096
+    assert planner.stage_dense_params(dims, 1) == dims.params
+    assert planner.stage_dense_params(dims, 8) == pytest.approx((dims.params - 2 * ends) / 8 + ends)
+    assert planner.stage_dense_params(dims, 8, "zb-v") == pytest.approx((dims.params - 2 * ends) / 8 + 2 * ends)
+    assert planner.stage_dense_params(dims, 8) / (dims.params / 8) == pytest.approx(1.117, abs=1e-3)
+
+
 def test_planner_expert_parallel():
     """A mixture of experts (8 experts, top-2, 80M of 100M parameters in experts) at ep=2 x
     tp=2 x pp=2 on 16 ranks, against the formulas computed by hand; a dense model gets no ep."""
@@ -179,7 +191,9 @@ def test_planner_expert_parallel():
     p = planner.rate(dims, hw, world=16, tp=2, pp=2, sp=True, schedule="1f1b", v=1, global_batch=8, seq=128,
                      micro_batch=1, zero=1, ep=2)
     assert (p.dp, p.microbatches, p.ep) == (4, 2, 2)
-    dense, experts = 20e6 / 4, 80e6 / 8                  # per rank: /(tp pp), /(tp ep pp)
+    # per rank: the fullest stage's dense parameters / tp (here the embedding's 32.8M, larger than
+    # the 20M dense: the ends hold it), the experts / (tp ep pp)
+    dense, experts = 32000 * 1024 / 2, 80e6 / 8
     assert p.weights_bytes == pytest.approx(dense * (10 + 8 / 4) + experts * (10 + 8 / 2))   # zero: dp 4, edp 2
     active = 100e6 - (1 - 2 / 8) * 80e6 - 32000 * 1024
     flops = 6 * 8 * 128 * active + 12 * 8 * 4 * 128 * 128 * 1024 + 6 * 8 * 128 * 1024 * 32000

@@ -5,7 +5,9 @@ The model (every rate is an assumption, printed with the result; the formulas ar
 Korthikanti et al. 2022's activation memory, Narayanan et al. 2021's bubbles and the ring
 collectives' bus-bandwidth factors):
 
-  parameters      P from the model itself; per rank P / (tp pp) (embedding and head included);
+  parameters      P from the model itself; per rank P / tp without pp, with pp the fullest
+                  rank's: the layers' 1/pp plus V h for the embedding (first stage) or the output
+                  layer (last stage; both on rank 0 under ZB-V), all / tp; experts / (tp ep pp);
                   context parallel (cp) splits tokens, not weights
   weights         mixed precision as fxtron holds it: 4 B fp32 parameters (the main weights)
                   + 2 B 16-bit compute copies + 4 B fp32 main grads + 8 B Adam moments per
@@ -236,6 +238,19 @@ def measured_stage_activation_bytes(saved, layer_saved, dims: ModelDims, *, pp: 
     return act / cp
 
 
+def stage_dense_params(dims: ModelDims, pp: int, schedule: str = "1f1b") -> float:
+    """The dense parameters of the pipeline rank that holds the most: the layers' 1/pp plus the
+    embedding (V h) on the first stage and the output layer (V h: untied, or the tied
+    embedding's copy, Megatron's embedding group) on the last; under ZB-V rank 0 holds both
+    ends (its V). Without pp, all of them."""
+    dense = dims.params - dims.expert_params
+    if pp <= 1:
+        return dense
+    ends = dims.vocab * dims.hidden
+    layers = max(dense - 2 * ends, 0.0)
+    return layers / pp + ends * (2 if schedule == "zb-v" else 1)
+
+
 def rate(dims: ModelDims, hw: Hardware, *, world: int, tp: int, pp: int, sp: bool, schedule: str, v: int,
          global_batch: int, seq: int, micro_batch: int, zero: int, cp: int = 1, ep: int = 1,
          recompute: str | None = None, activations=None, bucket_size: int | None = None,
@@ -248,7 +263,7 @@ def rate(dims: ModelDims, hw: Hardware, *, world: int, tp: int, pp: int, sp: boo
     m = global_batch // (dp * micro_batch)
     b, s, h = micro_batch, seq, dims.hidden
     experts = dims.expert_params / (tp * ep * pp)
-    dense = (dims.params - dims.expert_params) / (tp * pp)
+    dense = stage_dense_params(dims, pp, schedule) / tp
     # zero=1 shards the dense weights' state over dp-cp, the experts' over expert-dp
     weights = weight_bytes(dense, dp * cp, zero) + weight_bytes(experts, edp, zero)
     if zero >= 3 and dp * cp > 1:     # a layer gathered whole (16-bit) and the next one prefetched
