@@ -299,3 +299,29 @@ def test_a_model_held_in_16_bits_gets_fp32_masters(dtype):
     assert la == lb and max_abs_diff(a, b)[0] == 0.0, (la, lb, max_abs_diff(a, b))
     moved = sum(int((a[k] != held.state_dict()[k].float()).sum()) for k in a if a[k].is_floating_point())
     assert moved > 0.9 * sum(p.numel() for p in held.parameters()), moved
+
+
+def test_optimizer_state_saved_beside_16_bit_weights_loads_onto_fp32_masters(tmp_path):
+    """A checkpoint of a 16-bit model trained without a compute dtype (its AdamW moments bf16,
+    the rule of its save) loaded into the same model under dtype="bf16", whose parameters are
+    now fp32 masters, or the reverse: the moments were loaded in their saved dtype, and torch's
+    AdamW refused the mixed dtypes one step later ('expected dtype c10::BFloat16 for end'), SGD's
+    momentum rounding silently. Per-element state is made its parameter's dtype at the load."""
+    data = batches("llama", 4, [12, 12, 12], seed=5)
+    for saved_dtype, loaded_dtype in ((None, "bf16"), ("bf16", None)):
+        prog = fxtron.parallelize(make("llama").to(torch.bfloat16), fxtron.Mesh(1), example_inputs=data[0][0],
+                                  dtype=saved_dtype).program(0)
+        opt = torch.optim.AdamW(prog.parameters(), lr=1e-3)
+        for args, _ in data[:2]:
+            prog.train_step(args, opt)
+        moments = {n: opt.state[p]["exp_avg"].clone() for n, p in prog.named_parameters()}
+        path = str(tmp_path / f"ck_{saved_dtype}")
+        prog.save(path, opt)
+        other = fxtron.parallelize(make("llama").to(torch.bfloat16), fxtron.Mesh(1), example_inputs=data[0][0],
+                                   dtype=loaded_dtype).program(0)
+        opt2 = torch.optim.AdamW(other.parameters(), lr=1e-3)
+        other.load(path, opt2)
+        for n, p in other.named_parameters():
+            got = opt2.state[p]["exp_avg"]
+            assert got.dtype == p.dtype and torch.equal(got, moments[n].to(p.dtype)), (n, got.dtype, p.dtype)
+        assert other.train_step(data[2][0], opt2) > 0

@@ -454,7 +454,8 @@ def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
                 elif m is not None and m.size == torch.Size([]):
                     sd[key] = torch.zeros((), dtype=m.properties.dtype)
                 else:
-                    # in the dtype it was saved in (a 16-bit model's AdamW moments stay 16-bit)
+                    # read in the dtype it was saved in (a 16-bit model's AdamW moments are 16-bit), then
+                    # made the parameter's dtype (below)
                     saved = m.properties.dtype if m is not None else torch.float32
                     entries, finish[key] = _request(prog, name, _local_like(prog, name, p, saved), mesh, key,
                                                     meta, layout)
@@ -488,7 +489,14 @@ def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
         for k in stkeys:
             key = f"optim/{name}/{k}"
             if key in finish:
-                st[k] = _held(prog, name, finish[key](sd))
+                value = _held(prog, name, finish[key](sd))
+                p = params[name]
+                if value.is_floating_point() and p.is_floating_point() and value.dtype != p.dtype:
+                    # per-element state follows the parameter it moves: saved beside 16-bit weights and
+                    # loaded onto fp32 masters (a 16-bit model under a 16-bit compute dtype), or the
+                    # reverse, torch's AdamW refused the mixed dtypes and SGD's momentum rounded silently
+                    value = value.to(p.dtype)
+                st[k] = value
             elif isinstance(sd[key], io.BytesIO):
                 st[k] = _unpack_obj(sd[key])
             else:

@@ -322,6 +322,7 @@ def _equal(a, b) -> bool:
 
 def load_pretrained(prog, path: str, prefix: str = "") -> None:
     """See the module docstring."""
+    prog._settle_params()      # (overlap_param_gather: no gather still in flight lands over the weights read)
     files = checkpoint_files(path)
     info = prog.info
     groups = prog.groups
