@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from fxtron.core.meta import TraceInfo
-from fxtron.errors import ParallelizeError
+from fxtron.errors import ParallelizeError, warn_or_raise
 from fxtron.ops import transport
 from fxtron.ops.statistics import BatchContext
 from fxtron.ops.cp.layout import document_positions, positions
@@ -66,8 +66,11 @@ class BatchSlicer:
     sequence the model takes, and why)."""
 
     def __init__(self, info: TraceInfo, *, dp: int, dp_index: int, microbatches: int, device: torch.device | None,
-                 cp: int = 1, cp_index: int = 0, seq_split: int = 1, max_seq: tuple[int | None, str] = (None, "")):
+                 cp: int = 1, cp_index: int = 0, seq_split: int = 1, max_seq: tuple[int | None, str] = (None, ""),
+                 strict: bool = False):
         self.info, self.dp, self.dp_index, self.m, self.device = info, dp, dp_index, microbatches, device
+        self.strict = strict
+        self._outside: set = set()     # the (symbol, side) of the narrowed ranges a step was warned of
         self.cp, self.cp_index, self.seq_split = cp, cp_index, seq_split
         self.max_seq, self.max_seq_why = max_seq
         self._checked = None     # the inputs' (shape, dtype)s that passed check_inputs last
@@ -223,9 +226,13 @@ class BatchSlicer:
                     f"the nearest are {near} (pad the sequence, e.g. with ignore_index labels)")
 
     def check_ranges(self, flat: list) -> None:
-        """ParallelizeError for a batch or sequence size outside the range the trace narrowed
-        (TraceInfo.ranges): the model's code branched on it, and the program holds the branch
-        the trace took (torch.export's guard), which the model would not take at this size."""
+        """A batch or sequence size outside the range the trace narrowed (TraceInfo.ranges): the
+        model's code branched on it and torch.export guarded the branch the example took, which
+        is the one the program holds. Where the other branch computes another thing (a long-
+        context path) the step would compute the traced one; where it computes the same (a
+        sliding-window mask built one way or another, transformers' Mistral and Gemma) it is
+        right. fxtron cannot tell which: a ParallelizeWarning, once per side of each range
+        (strict: a ParallelizeError)."""
         if not self.info.ranges:
             return
         for i, (x, sig) in enumerate(zip(flat, self.info.signature)):
@@ -235,14 +242,21 @@ class BatchSlicer:
                 lo, hi = self.info.ranges.get(expr, (0, None))
                 if lo <= size and (hi is None or size <= hi):
                     continue
+                side = (str(expr), size < lo)
+                if side in self._outside and not self.strict:
+                    continue
+                self._outside.add(side)
                 what = {"B": "batch", "S": "sequence"}.get(str(expr), str(expr))
                 span = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-                raise ParallelizeError(
+                warn_or_raise(
                     f"dim {d} of input {i} of shape {tuple(x.shape)} is {size}, but the program holds the model "
                     f"traced for a {what} length {span}: the model's code branches on that length (torch.export "
-                    f"guarded {expr} {span} on the example), and the program computes the branch the example took, "
-                    f"which the model would not take at {size}; step with a {what} length {span}, or parallelize "
-                    f"with an example of length {size} for such batches")
+                    f"guarded {expr} {span} on the example), and the program computes the branch the example "
+                    f"took, which is the model's own at {size} only where both branches compute the same",
+                    strict=self.strict,
+                    fix=f"; step with a {what} length {span}, or parallelize with an example of length {size}",
+                    advice=f"; parallelize with an example of length {size} (or strict=True) to be sure",
+                    stacklevel=4)
 
     def check_devices(self, flat: list) -> None:
         """ParallelizeError for an input without data (meta) or, for a CPU program, on another
