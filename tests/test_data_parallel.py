@@ -108,6 +108,9 @@ def _between_job(rank: int) -> dict:
             rows.append(_between(prog, opt, lambda b: prog.train_step(b, opt), batch,
                                  prog.settle if overlap else (lambda: None)))
         state = prog.full_state_dict()
+        from fxtron.runtime.memory import rank_bytes
+        grads = rank_bytes(prog)["grad_bytes"]        # the trainer's log line's (zero=2: the shards' copies)
+        shards = sum(p.grad.numel() * p.grad.element_size() for p in prog.zero.shards if p.grad is not None)
         # overlap: a state loaded between steps is not overwritten by a gather still in flight
         loss = None
         if overlap:
@@ -119,7 +122,7 @@ def _between_job(rank: int) -> dict:
             late.remove()
             prog.load_state_dict(first)
             loss = prog.train_step(_batches("gpt-tiny")[1], opt)
-        out[zero, overlap] = {"rows": rows, "state": state, "loaded_loss": loss}
+        out[zero, overlap] = {"rows": rows, "state": state, "loaded_loss": loss, "grads": (grads, shards)}
     return out
 
 
@@ -163,3 +166,6 @@ def test_what_the_user_does_to_the_weights_between_steps_holds_under_zero():
             assert max(float(v.abs().max()) for v in got["state"].values()) <= 0.2 + 1e-7
             if overlap:
                 assert abs(got["loaded_loss"] - loaded) < 1e-5, (rank, got["loaded_loss"], loaded)
+            if zero == 2:     # the log's gradient bytes count the shards kept after backward (it said 0 B)
+                grads, shards = got["grads"]
+                assert grads == shards > 0, got["grads"]
