@@ -69,6 +69,17 @@ def test_override_lr_schedule_continues_with_this_runs_settings():
     assert new.load_state_dict(old.state_dict(), override=True) == ["decay_steps 12 in the checkpoint, 16 now"]
     assert new.decay_steps == 16 and new.num_samples == 96 and new.lr == new.lr_at(96) > 1e-4
     assert TrainConfig().replace(override_lr_schedule=True).optimizer.override_lr_schedule
+    # a constant lr has no decay: a run extended from 3 to 6 steps (--lr-decay-steps defaults to
+    # --steps) continues without the flag; a change of the warm-up or the lr itself is still refused
+    const = LRSchedule(1e-3, 0.0, 0, 3, "constant", 8)
+    for _ in range(3):
+        const.step()
+    longer = LRSchedule(1e-3, 1e-4, 0, 6, "constant", 8)
+    assert longer.load_state_dict(const.state_dict()) == [] and longer.num_samples == 24 and longer.lr == 1e-3
+    with pytest.raises(fxtron.ParallelizeError, match="warmup_steps 0 in the checkpoint, 2 now"):
+        LRSchedule(1e-3, 0.0, 2, 6, "constant", 8).load_state_dict(const.state_dict())
+    with pytest.raises(fxtron.ParallelizeError, match="decay_steps 3 in the checkpoint, 6 now"):
+        LRSchedule(1e-3, 0.0, 0, 6, "cosine", 8).load_state_dict(const.state_dict())
 
 
 @pytest.mark.slow
@@ -82,6 +93,17 @@ def test_the_last_step_is_evaluated(tmp_path):
     out = train_rank(0, cfg)
     assert sorted(out["evals"]) == [2, 3]
     assert [k for k, r in _losses(tmp_path / "run.jsonl").items() if "eval_loss" in r] == [2, 3]
+
+
+def test_a_sequence_longer_than_the_model_takes_is_named(tmp_path):
+    """--seq past llama-tiny's rotary cache (128 positions, sliced to the sequence): torch.export
+    fails on a size mismatch; the trainer says which flag, the limit and what sets it."""
+    from fxtron.trainer.loop import train_rank
+    (tmp_path / "t.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    cfg = TrainConfig().replace(model="llama-tiny", batch=2, seq=200, text=str(tmp_path / "t.txt"), steps=1)
+    with pytest.raises(fxtron.ParallelizeError, match=r"--seq 200: llama-tiny takes at most 128 tokens \(buffer "
+                       r"rope_cos is cut to the sequence from 128 positions\); give --seq 128 or less"):
+        train_rank(0, cfg)
 
 
 @pytest.mark.slow

@@ -42,7 +42,11 @@ def parse_split(split: str) -> list[float]:
 
 
 def split_indices(n: int, split: list[float]) -> list[np.ndarray | None]:
-    """Each split's sequence ids of a dataset of n sequences (None where the split is empty)."""
+    """Each split's sequence ids of a dataset of n sequences (None where the split is empty).
+    megatron-core's builder (BlendedMegatronDatasetBuilder) rounds each split's bookends, the
+    running sums of the weights, times n; Megatron's legacy data code rounded each split's size
+    and moved the boundaries to end at n, which puts a document on the other side of a boundary
+    for some n. fxtron follows megatron-core's (tests/test_data.py, against its split matrix)."""
     bookends = [0.0]
     for w in split:
         bookends.append(bookends[-1] + w)

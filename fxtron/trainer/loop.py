@@ -36,6 +36,28 @@ from fxtron.trainer.models import key_values, resolve
 from fxtron.trainer.optim import optimizer, original_dims, schedule, set_lr
 
 
+def _longer_than_the_model(tm, first, cfg: TrainConfig) -> ParallelizeError | None:
+    """Where tracing at --seq failed, the refusal to give instead when the model cannot take
+    --seq tokens at all (a learned position table of fewer rows, a rotary cache sliced to the
+    sequence: torch.export's words are a size mismatch), found by tracing it on 8 tokens and
+    reading its limit (passes/limits.py seq_limit, as `fxtron inspect` does); None otherwise.
+    Only a failed start pays for the second trace."""
+    from fxtron.compiler.trace import trace
+    from fxtron.passes.limits import seq_limit
+    seq = cfg.data.seq
+    if seq <= 8:
+        return None
+    args, kw = tm.inputs(first[:, :9])
+    try:
+        limit = seq_limit(trace(tm.model, args, example_kwargs=kw))
+    except Exception:  # noqa: BLE001 - the model fails at 8 tokens too: the first refusal stands
+        return None
+    if limit is None or seq <= limit.tokens:
+        return None
+    return ParallelizeError(f"--seq {seq}: {cfg.model.name} takes at most {limit.tokens} tokens ({limit.why}); "
+                            f"give --seq {limit.tokens} or less")
+
+
 class Trainer:
     """One rank's run of `cfg` (`groups`: its process groups under torchrun; else the
     program finds those fxtron.launch made)."""
@@ -47,7 +69,8 @@ class Trainer:
         mesh = cfg.mesh.mesh()
         self.model = tm = resolve(cfg.model.name, t.seed, key_values(cfg.model.config), cfg.data)
         self.data = TrainData(cfg, tm.vocab_size)
-        args, kw = tm.inputs(self.data.train_batch(0))
+        first = self.data.train_batch(0)
+        args, kw = tm.inputs(first)
         config = cfg.parallel()
         if mesh.cp > 1 and config.context.documents is None and tm.documents is not None:
             config = config.replace(cp_documents=tm.documents)     # packed documents: THD, each rank a share of each
@@ -56,7 +79,13 @@ class Trainer:
         self.says = rank == 0
         self._started = start = time.perf_counter()
         self.say(f"start-up: tracing {cfg.model.name} (torch.export) ...")
-        pm = fxtron.parallelize(tm.model, mesh, example_inputs=args, example_kwargs=kw, config=config)
+        try:
+            pm = fxtron.parallelize(tm.model, mesh, example_inputs=args, example_kwargs=kw, config=config)
+        except ParallelizeError as e:
+            too_long = _longer_than_the_model(tm, first, cfg)
+            if too_long is None:
+                raise
+            raise too_long from e
         traced = time.perf_counter()
         self.say(f"start-up: traced in {traced - start:.1f} s; compiling rank {rank}'s program for {mesh} ...")
         self.prog = prog = pm.program(rank, groups, seed=t.seed)
@@ -122,8 +151,8 @@ class Trainer:
                     copy_tokenizer(self.cfg.model.name, t.export_hf)
                     if not self.model.transformers:
                         warnings.warn(f"--export-hf {t.export_hf}: {self.cfg.model.name} is not a transformers "
-                                      "model, so the directory holds its weights (model.safetensors, under its own "
-                                      "names) without a config.json transformers could load; export an hf:<architecture> "
+                                      "model, so the directory holds its weights (safetensors under the model's own "
+                                      "names: model.safetensors, or shards listed in model.safetensors.index.json) without a config.json transformers could load; export an hf:<architecture> "
                                       "or a transformers directory's model for one", stacklevel=2)
             self.finish()
         finally:

@@ -63,8 +63,10 @@ class LRSchedule:
         asserts the same), or the resume would silently train another schedule -- unless
         `override` (Megatron's --override-opt_param-scheduler): this run's settings are kept.
         Returns the settings that differ ("decay_steps 12 in the checkpoint, 16 now")."""
-        differ = [f"{k} {state[k]} in the checkpoint, {getattr(self, k)} now" for k in
-                  ("max_lr", "min_lr", "warmup_steps", "decay_steps", "style", "global_batch")
+        settings = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "style", "global_batch")
+        if self.style == "constant" and state.get("style") == "constant":     # no decay: its length and floor unused
+            settings = tuple(k for k in settings if k not in ("min_lr", "decay_steps"))
+        differ = [f"{k} {state[k]} in the checkpoint, {getattr(self, k)} now" for k in settings
                   if k in state and state[k] != getattr(self, k)]
         if differ and not override:
             raise ParallelizeError("the checkpoint's learning-rate schedule differs from this run's: "
