@@ -204,7 +204,8 @@ def test_world_one_compiled_step_equals_uncompiled_with_dropout():
     for compiled in (False, True):
         torch.manual_seed(0)
         model = make("gpt", dropout=0.2)
-        prog = fxtron.parallelize(model, fxtron.Mesh(1), example_inputs=args, compile=compiled).program(0)
+        pm = fxtron.parallelize(model, fxtron.Mesh(1), example_inputs=args, compile=compiled)
+        prog, pm_summary = pm.program(0), pm.summary()
         opt = adamw()(prog.parameters())
         losses[compiled] = [prog.train_step(args, opt) for _ in range(3)]
         if compiled:
@@ -212,7 +213,11 @@ def test_world_one_compiled_step_equals_uncompiled_with_dropout():
             regions = prog.compiled.regions
         evals[compiled] = prog.eval_step(args)
         if compiled:
-            assert prog.compiled.regions > regions      # the eval graph's regions, compiled on first use
+            # the eval graph's regions, compiled on first use, counted and said apart from the training graph's
+            assert prog.compiled.regions > regions and prog.compiled.eval_regions == prog.compiled.regions - regions
+            assert (f"in its training and eval-mode graphs ({prog.compiled.eval_regions} of the regions the "
+                    "eval-mode graph's") in prog.compiled.line()
+            assert "in its training graph," in pm_summary and "1 regions" not in prog.compiled.line()
     assert max(abs(a - b) for a, b in zip(losses[True], losses[False])) < 2e-6, losses
     assert abs(evals[True] - evals[False]) < 2e-6, evals
 

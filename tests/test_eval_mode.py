@@ -125,14 +125,16 @@ def _batch(case: Case, seed: int):
     return batch(case.name, 8, 8, seed)
 
 
-def _eval_reference(case: Case, state: dict) -> float:
-    """One process: model.eval()'s loss on the evaluation batch, with the weights and buffers
-    `state` (the program's after its training step)."""
+def _eval_reference(case: Case, state: dict, rows: list[int] | None = None) -> float:
+    """One process: model.eval()'s loss on the evaluation batch (its `rows`), with the weights
+    and buffers `state` (the program's after its training step)."""
     m = _model(case)
     missing, unexpected = m.load_state_dict(state, strict=False)
     assert not unexpected and not [k for k in missing if k in dict(m.named_parameters())], (missing, unexpected)
     m.eval()
     args, kwargs = _batch(case, 5)
+    if rows is not None:
+        args = tuple(a[rows] for a in args)
     with torch.no_grad():
         out = m(*args, **kwargs)
     return float(out if isinstance(out, torch.Tensor) else out.loss)
@@ -164,6 +166,11 @@ def _run_eval(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
     losses = [prog.eval_step(eargs, kwargs=ekwargs) for _ in range(3)]
     out = {"losses": losses, "timeline": [(e.kind, e.microbatch, e.stage) for e in prog.timeline()],
            "reference": _eval_reference(case, before)}
+    if case.kw.get("microbatches", 1) > 1 and mesh.pp == 1:
+        # batches whose rank shares (1 and 3 rows) do not divide into the microbatches: evaluated
+        # in 1 microbatch a rank (padding uneven over the ranks), as one process evaluates them
+        out["undivided"] = [(prog.eval_step(tuple(a[rows] for a in eargs)), _eval_reference(case, before, rows))
+                            for rows in ([0, 5], [0, 1, 2, 3, 4, 5])]
     after = _full(prog)
     out["weights"] = max_abs_diff(before, after)[0]
     out["opt_state"] = max((float((a - b).abs().max()) for a, b in zip(state, _opt_state(prog, opt)) if a.numel()),
@@ -214,7 +221,7 @@ def _run_groups(rank: int, mesh: fxtron.Mesh, case: Case) -> dict:
 
 
 EVAL_CASES = {
-    fxtron.Mesh(2): [Case("hf-gpt2"), Case("bn"), Case("training-loss")],
+    fxtron.Mesh(2): [Case("hf-gpt2"), Case("bn"), Case("training-loss"), Case("training-loss", microbatches=2)],
     fxtron.Mesh(2, tp=2): [Case("hf-gpt2"), Case("aux", plan=AUX_PLAN)],
     fxtron.Mesh(2, pp=2): [Case("hf-gpt2", schedule="1f1b", microbatches=2),
                            Case("hf-gpt2", schedule="interleaved", virtual_stages=2, microbatches=2, layers=4),
@@ -293,6 +300,8 @@ def test_eval_step_is_model_eval(results, mesh, case):
         assert abs(losses[0] - want) < 2e-6, f"rank {rank}: eval_step {losses[0]} vs model.eval() {want}"
         assert got["weights"] == 0.0 and got["opt_state"] == 0.0, f"rank {rank}: evaluation changed the weights"
         assert got["norm_kept"] and got["grads_kept"] and got["buffers_kept"], f"rank {rank}: gradients touched"
+        for got_small, want_small in got.get("undivided", []):
+            assert abs(got_small - want_small) < 2e-6, f"rank {rank}: eval_step {got_small} vs model.eval() {want_small}"
         if "forward_eval" in got:
             assert abs(got["forward_eval"] - want) < 2e-6, (rank, got["forward_eval"], want)
             assert got["training_again"]

@@ -191,7 +191,8 @@ class CompileStats:
     """What was compiled in a rank's graphs: `regions` compiled (of `distinct` codes), `opaque`
     ops run between them, `seconds` the first calls of the distinct regions took (their
     compilations, forward; the backward compiles on the first backward, unless the cache had
-    it), `cached` the distinct regions found in the on-disk cache."""
+    it), `cached` the distinct regions found in the on-disk cache; `eval_regions` of `regions`
+    those of the eval-mode graphs, compiled at the program's first evaluation."""
 
     regions: int = 0
     distinct: int = 0
@@ -201,24 +202,32 @@ class CompileStats:
     recomputed: int = 0      # recomputed regions (checkpointed calls) whose insides were compiled
     inside: int = 0          # of `regions`, those inside them (run again in backward's recomputation)
     uncompiled_calls: int = 0  # region calls past Dynamo's recompile limit, run uncompiled
+    eval_regions: int = 0    # of `regions`, the eval-mode graphs'
     _pending: set = field(default_factory=set, repr=False)
 
     def __add__(self, other: "CompileStats") -> "CompileStats":
         return CompileStats(self.regions + other.regions, self.distinct + other.distinct,
                             self.opaque + other.opaque, self.seconds + other.seconds, self.cached + other.cached,
                             self.recomputed + other.recomputed, self.inside + other.inside,
-                            self.uncompiled_calls + other.uncompiled_calls)
+                            self.uncompiled_calls + other.uncompiled_calls, self.eval_regions + other.eval_regions)
 
     def line(self) -> str:
-        """One line for the summary and the start-up log."""
-        return (f"{self.regions} regions between {self.opaque} fxtron ops compiled by Inductor "
-                f"({self.distinct} distinct" + (f", {self.cached} from the cache; their forwards compiled in "
+        """One line for the summary and the start-up log: what was compiled, in which graphs."""
+        graphs = ("its training graph" if not self.eval_regions else
+                  f"its training and eval-mode graphs ({self.eval_regions} of the regions the eval-mode graph's, "
+                  "compiled at the first evaluation)")
+        return (f"{_count(self.regions, 'region')} between {_count(self.opaque, 'fxtron op')} in {graphs}, compiled "
+                f"by Inductor ({self.distinct} distinct" + (f", {self.cached} from the cache; their forwards compiled in "
                                                 f"{self.seconds:.1f} s, the backwards on the first backward)"
                                                 if self.seconds else ")")
                 + (f"; {self.inside} of them inside {self.recomputed} recomputed regions' checkpointed calls, run "
                    "again in backward" if self.inside else "")
                 + (f"; {self.uncompiled_calls} region calls past Dynamo's recompile limit ran uncompiled"
                    if self.uncompiled_calls else ""))
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
 
 
 def _outlined(gm: fx.GraphModule) -> fx.GraphModule:
@@ -443,10 +452,15 @@ class Compiler:
         self.comm = comm
         self._shared: dict[object, torch.nn.Module] = {}
 
-    def __call__(self, gm: fx.GraphModule) -> fx.GraphModule:
-        """`gm` (a bound rank graph) with each region between opaque ops compiled by Inductor:
-        the same values and gradients, the same collectives in the same order."""
-        return self._compile(gm, holds_comm(gm, self.comm))
+    def __call__(self, gm: fx.GraphModule, training: bool = True) -> fx.GraphModule:
+        """`gm` (a bound rank graph; `training` False: an eval-mode one) with each region between
+        opaque ops compiled by Inductor: the same values and gradients, the same collectives in
+        the same order."""
+        before = self.stats.regions
+        out = self._compile(gm, holds_comm(gm, self.comm))
+        if not training:
+            self.stats.eval_regions += self.stats.regions - before
+        return out
 
     def _compile(self, gm: fx.GraphModule, holds: bool, inside: bool = False) -> fx.GraphModule:
         for mod in recomputed(gm):           # the graph inside each checkpointed call, compiled alike

@@ -278,13 +278,16 @@ class BatchSlicer:
             return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) and x.device != device else x
         return pytree.tree_map(move, (args, kw))
 
-    def context(self, inputs, kwargs: dict | None = None, statistics: dict | None = None) -> BatchContext:
+    def context(self, inputs, kwargs: dict | None = None, statistics: dict | None = None,
+                microbatches: int | None = None) -> BatchContext:
         """The step's view of the global batch (ops/statistics.py): its pieces (dp x microbatches)
         and every input statistic of the trace (passes/statistics.py) summed over the global
         batch -- every rank has all of it -- and divided by the pieces, on the rank's device.
         `statistics`: those of the graph the step runs where it is not the training graph (the
-        eval-mode graph's: its statistics are its own, keyed by its own nodes' names)."""
-        pieces = self.dp * self.m
+        eval-mode graph's: its statistics are its own, keyed by its own nodes' names).
+        `microbatches`: the step's count where it is not the program's (an evaluation's,
+        `fitting_microbatches`)."""
+        pieces = self.dp * (self.m if microbatches is None else microbatches)
         values = {}
         statistics = self.info.statistics if statistics is None else statistics
         if statistics:
@@ -297,9 +300,23 @@ class BatchSlicer:
                     values[key] = values[key].to(self.device, non_blocking=True)
         return BatchContext(pieces, values)
 
-    def microbatches(self, inputs, kwargs: dict | None = None) -> list[list[torch.Tensor]]:
-        """This rank's microbatches of a global batch: flat tensor inputs of each."""
-        m = self.m
+    def fitting_microbatches(self, inputs, kwargs: dict | None = None) -> int:
+        """The most microbatches, up to the program's, into which this rank's share of the
+        global batch divides: an evaluation on one stage needs no fixed count (a batch of 2 at
+        dp=2 under microbatches=2 evaluates as one microbatch a rank)."""
+        if isinstance(inputs, Microbatches):
+            return self.m
+        flat = self.flat(inputs, kwargs)
+        sizes = [x.shape[dims.index("batch")] // self.dp for i, (x, dims) in enumerate(zip(flat, self.info.user_dims))
+                 if "batch" in dims and not self.broadcast(i, x)]
+        if not sizes or sizes[0] < 1:
+            return self.m
+        return max(k for k in range(1, self.m + 1) if sizes[0] % k == 0)
+
+    def microbatches(self, inputs, kwargs: dict | None = None, m: int | None = None) -> list[list[torch.Tensor]]:
+        """This rank's microbatches of a global batch: flat tensor inputs of each (`m` of them:
+        the program's count unless given)."""
+        m = self.m if m is None else m
         if isinstance(inputs, Microbatches):
             if len(inputs) != m:
                 raise ParallelizeError(f"{len(inputs)} microbatches given, but the program was compiled for "

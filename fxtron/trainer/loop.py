@@ -232,6 +232,8 @@ class Trainer:
             if n:                     # (a batch whose every label is ignored adds nothing)
                 total, tokens = total + loss * n, tokens + n
             state["consumed_valid_samples"] += self.cfg.data.batch
+        if not self.evals and self.prog.compiled is not None and self.prog.compiled.eval_regions:
+            self.say(f"first evaluation: {self.prog.compiled.line()}")
         self.evals[state["iteration"]] = loss = total / tokens if tokens else float("nan")
         self.metrics.eval(loss)
         return loss

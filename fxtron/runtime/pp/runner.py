@@ -83,7 +83,13 @@ def _call_eval_stage(prog, evaluation, stage, flat, received):
 
 def evaluate(prog, inputs, kwargs, evaluation) -> float:
     """The global batch's loss of `prog`'s eval-mode graph (`evaluation`, Program.eval_graphs)
-    run by the forward-only schedule under no_grad: no backward, no gradient touched."""
+    run by the forward-only schedule under no_grad: no backward, no gradient touched. On one
+    stage, a rank's share of the batch that does not divide into the program's microbatches
+    runs as the most that divide it, one after another (`_evaluate_in`)."""
+    if prog._stages is None:
+        m = prog._batch.fitting_microbatches(inputs, kwargs)
+        if m != prog.pipeline.microbatches:
+            return _evaluate_in(prog, m, inputs, kwargs, evaluation)
     mbs = prog.microbatches(inputs, kwargs)
     batch = prog._batch.context(inputs, kwargs, evaluation.info.statistics)
     run = eval_runner(prog, evaluation)
@@ -92,6 +98,20 @@ def evaluate(prog, inputs, kwargs, evaluation) -> float:
     with torch.no_grad(), ep.dispatch_log(prog), batch.active():
         loss = run.run(mbs)
     return _global_loss(prog, loss)
+
+
+def _evaluate_in(prog, m: int, inputs, kwargs, evaluation) -> float:
+    """The one-stage evaluation in `m` microbatches: each one's loss over m summed, as the
+    runner sums them, the statistics' pieces dp x m."""
+    mbs = prog._batch.microbatches(inputs, kwargs, m)
+    batch = prog._batch.context(inputs, kwargs, evaluation.info.statistics, microbatches=m)
+    prog._last_runner, prog._events, total = None, [], None
+    with torch.no_grad(), ep.dispatch_log(prog), batch.active():
+        for flat in mbs:
+            loss = prog._run_graph(flat, evaluation)
+            part = loss.detach().to(torch.promote_types(loss.dtype, torch.float32)) / m
+            total = part if total is None else total + part
+    return _global_loss(prog, total)
 
 
 def _global_loss(prog, loss) -> float:
