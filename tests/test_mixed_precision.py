@@ -277,7 +277,7 @@ def test_fp16_cross_entropy_beside_an_fp32_loss_caps_the_scale_compiled_or_not()
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_a_model_held_in_16_bits_gets_fp32_masters(dtype):
+def test_a_model_held_in_16_bits_gets_fp32_masters(dtype, tmp_path):
     """A model loaded in bf16 (from_pretrained(torch_dtype=torch.bfloat16)) and parallelized with
     dtype="bf16" kept its weights in bf16, and the optimizer updated them there: 78,276 of
     125,248 weights never moved in 5 SGD steps (their updates rounded away), where fp32 masters
@@ -299,6 +299,17 @@ def test_a_model_held_in_16_bits_gets_fp32_masters(dtype):
     assert la == lb and max_abs_diff(a, b)[0] == 0.0, (la, lb, max_abs_diff(a, b))
     moved = sum(int((a[k] != held.state_dict()[k].float()).sum()) for k in a if a[k].is_floating_point())
     assert moved > 0.9 * sum(p.numel() for p in held.parameters()), moved
+    # save_pretrained writes the weights in the dtype the model held them in (as transformers saves
+    # the model it loaded), the masters rounded once; dtype= still chooses
+    from safetensors.torch import load_file
+    for given, want in ((None, narrow), (torch.float32, torch.float32)):
+        out = tmp_path / f"saved-{given}"
+        progs_held = fxtron.parallelize(held, fxtron.Mesh(1), example_inputs=data[0][0], dtype=dtype).program(0)
+        progs_held.load_state_dict(a)
+        progs_held.save_pretrained(str(out), dtype=given)
+        written = load_file(str(out / "model.safetensors"))
+        assert {v.dtype for v in written.values() if v.is_floating_point()} == {want}, given
+        assert all(torch.equal(written[k], a[k].to(want)) for k in written), given
 
 
 def test_optimizer_state_saved_beside_16_bit_weights_loads_onto_fp32_masters(tmp_path):

@@ -112,7 +112,9 @@ def build_program(model: torch.nn.Module, spec: RankSpec, groups: ProcessGroups 
         check_program(spec.host_bound, groups, device)
     materialized = MetaMaterializer(model, seed)
     params = local_params(model, spec, seed, materialized)
+    held_in: dict[str, torch.dtype] = {}
     if config.precision.torch_dtype is not None:
+        held_in = {k: v.dtype for k, v in params.items() if v.is_floating_point() and v.element_size() < 4}
         # a 16-bit compute dtype updates fp32 masters from fp32 gradients (Megatron's mixed-precision
         # optimizer), whatever the model holds: a model loaded in bf16 gets fp32 copies of its
         # weights, which the step updates (in bf16 themselves most small updates rounded away)
@@ -150,6 +152,9 @@ def build_program(model: torch.nn.Module, spec: RankSpec, groups: ProcessGroups 
         if name in frozen:
             p.requires_grad_(False)
     program.frozen = frozenset(n for n, _ in program.named_parameters() if n in frozen)
+    # the 16-bit dtype of each weight the model held in 16 bits (now an fp32 master): save_pretrained
+    # writes it back in it, as transformers saves the model it loaded
+    program.held_in = held_in
     program.compiled = compiler.stats if compiler is not None else None   # (codegen/regions.py)
     program.origin = origin_of(model)      # transformers' config and key layout, for load/save_pretrained
     return program

@@ -126,6 +126,7 @@ class Program(nn.Module):
         self._eval_runner = None
         self._last_runner = None          # the runner of the last step (training or evaluation)
         self.frozen: frozenset = frozenset()   # the parameters the model froze (requires_grad=False), runtime/build.py
+        self.held_in: dict = {}           # name -> the 16-bit dtype the model held an fp32 master's weight in (build.py)
         self.compiled = None              # compile=True: what Inductor compiled (codegen/regions.py CompileStats)
         self.captured = None              # cuda_graphs=True: the captured step, made at the first (runtime/graphs.py)
         self.track_memory = False         # sample the memory after every pass of a step (memory_timeline)
@@ -490,7 +491,9 @@ class Program(nn.Module):
         `max_shard_size` with an index, transformers' own key layout, config.json and
         generation_config.json for a transformers model -- tensor by tensor, each gathered once
         (runtime/checkpoint/hf.py); every rank calls it. `dtype` (torch.bfloat16): the floating
-        tensors written in it. `AutoModelForCausalLM.from_pretrained(path)` loads it."""
+        tensors written in it; by default each in the dtype the model held it in (a model loaded
+        in bf16 and trained on fp32 masters under dtype="bf16" is written in bf16, as transformers
+        saves it). `AutoModelForCausalLM.from_pretrained(path)` loads it."""
         hf.save_pretrained(self, path, max_shard_size, dtype)
 
     # ---------------------------------------------------------------- communication

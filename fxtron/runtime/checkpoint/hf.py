@@ -608,7 +608,12 @@ def save_pretrained(prog, path: str, max_shard_size: int | str = DEFAULT_SHARD, 
     groups = prog.groups
     origin: Origin = getattr(prog, "origin", None) or Origin()
     limit = parse_size(max_shard_size)
-    cast = (lambda d: dtype if dtype is not None and d.is_floating_point else d)
+    held_in = prog.held_in      # (a model held in 16 bits: its fp32 masters written back in it)
+
+    def cast(n: str, d: torch.dtype) -> torch.dtype:
+        if not d.is_floating_point:
+            return d
+        return dtype if dtype is not None else held_in.get(n, d)
     if prog.zero is not None:
         prog.zero.wait_params()
     idx = (lambda a: groups.index(a) if groups is not None else 0)
@@ -631,7 +636,7 @@ def save_pretrained(prog, path: str, max_shard_size: int | str = DEFAULT_SHARD, 
             if n not in seen:
                 seen.add(n)
                 held.append((s, n, shape, d))
-    entries = [e for s, n, shape, d in held for e in _entries_of(origin, n, shape, cast(d), s)]
+    entries = [e for s, n, shape, d in held for e in _entries_of(origin, n, shape, cast(n, d), s)]
     files = plan_files(entries, limit)
     names = file_names(len(files))
     where = {e.key: i for i, f in enumerate(files) for e in f}
@@ -660,7 +665,7 @@ def save_pretrained(prog, path: str, max_shard_size: int | str = DEFAULT_SHARD, 
                 continue
             full = prog.grads.full(n, t) if n in params else t
             if lead:
-                for key, v in origin.revert({n: full.to(cast(full.dtype))}).items():
+                for key, v in origin.revert({n: full.to(cast(n, full.dtype))}).items():
                     writers[where[key]].write(key, v)
             del full
     finally:
@@ -674,7 +679,7 @@ def save_pretrained(prog, path: str, max_shard_size: int | str = DEFAULT_SHARD, 
     if rank0:
         if len(files) > 1:
             write_index(path, files, names)
-        write_configs(path, origin, dtype=_first_float(cast(d) for _, _, _, d in held))
+        write_configs(path, origin, dtype=_first_float(cast(n, d) for _, n, _, d in held))
     if groups is not None:
         dist.barrier()
 
