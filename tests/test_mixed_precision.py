@@ -126,9 +126,9 @@ def test_16bit_training_matches_the_same_policy_in_one_process(request, tp, name
 def test_fp16_dynamic_loss_scaling(results):
     for res in results:
         got = res[_key("gpt", torch.float16, False)]
-        # GPT's loss is fp16 as traced (the cross entropy of fp16 logits): the scale is capped where
-        # fp16 holds backward's first gradient, 2^15, from the start (runtime/precision.py)
-        assert got["scale"] == 2.0**15 and got["skipped"] == 0
+        # GPT computes its cross entropy in fp32 (it upcasts 16-bit logits): torch's GradScaler's
+        # start, 2^16, no step skipped (an fp16 loss caps it at 2^15: the tests below)
+        assert got["scale"] == 2.0**16 and got["skipped"] == 0
         skipped, scale, unchanged, said = got["overflow"]
         assert skipped == 1 and scale == 0.5e38 and unchanged and said    # the trainer reads `said`
         assert got["resumed_scaler"] == got["saved_scaler"] and got["saved_scaler"]["scale"] == 1024.0
@@ -183,13 +183,25 @@ def _head_job(rank: int, mesh: fxtron.Mesh) -> dict:
     return out
 
 
+def _fp16_loss_gpt() -> torch.nn.Module:
+    """GPT whose cross entropy takes its 16-bit logits as they are (the shipped model upcasts
+    them): a loss in fp16."""
+    model = make("gpt")
+
+    class Fp16Loss(type(model)):
+        def forward(self, idx, targets):
+            return torch.nn.functional.cross_entropy(super().forward(idx).flatten(0, 1), targets.flatten())
+    model.__class__ = Fp16Loss
+    return model
+
+
 def _pp_job(rank: int, mesh: fxtron.Mesh) -> tuple:
-    """A pipeline of one microbatch whose loss is fp16 (GPT's cross entropy of fp16 logits): the
+    """A pipeline of one microbatch whose loss is fp16 (a cross entropy of fp16 logits): the
     first stage never sees the loss, and caps the scale as the last does (the trace's dtype)."""
     (args, _), = batches("gpt", 4, [8], seed=0)
-    pp = fxtron.parallelize(make("gpt"), mesh, example_inputs=args, dtype=torch.float16).program(rank)
+    pp = fxtron.parallelize(_fp16_loss_gpt(), mesh, example_inputs=args, dtype=torch.float16).program(rank)
     loss = pp.train_step(args, torch.optim.SGD(pp.parameters(), lr=0.0))
-    return loss, make("gpt").half()(*args).item(), pp.scaler.skipped, pp.scaler.scale, pp.last_step_skipped
+    return loss, _fp16_loss_gpt().half()(*args).item(), pp.scaler.skipped, pp.scaler.scale, pp.last_step_skipped
 
 
 def _head_reference(kind: str) -> tuple[float, dict]:
