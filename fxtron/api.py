@@ -189,7 +189,20 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
                 f"{'sequence parallel' if sequence_parallel else 'context parallel'} splits dim seq_dim={seq_dim} of "
                 f"every input as the sequence, but input {ones[0]} (traced as {shapes[0]}) has size 1 there: that dim "
                 "is not its sequence but one it broadcasts (a 4-D attention mask's head dim, (B, 1, S, S)); pass the "
-                "mask as (B, S) (transformers builds its 4-D mask from it) or position_ids for packed documents")
+                "mask as (B, S) (transformers builds its 4-D mask from it) or position_ids for packed documents; a "
+                "per-sample mask of another form (a prefix-LM's) cannot be split over the sequence")
+        squares = [(i, d) for i in fixed for d, (role, e) in enumerate(zip(ti.user_dims[i], ti.signature[i][1]))
+                   if role is None and not sympy.sympify(e).free_symbols and int(e) in lengths]
+        if squares:
+            i, d = squares[0]
+            shape = tuple(int(e) if not sympy.sympify(e).free_symbols else str(e) for e in ti.signature[i][1])
+            raise ParallelizeError(
+                f"{'sequence parallel' if sequence_parallel else 'context parallel'} splits dim seq_dim={seq_dim} of "
+                f"every input as the sequence, but input {i} (traced as {shape}) holds the sequence in dim {d} too -- "
+                "a mask of queries by keys, per sample -- which torch.export then fixes to the example's length. A "
+                "per-sample (S, S) mask given as an input cannot be split over the sequence: pass a (B, S) padding "
+                "mask, or position_ids (and a document-id input with cp_documents) for packed documents, from which "
+                "the model builds its mask; an (S, S) mask the same for every sample can be given as one (S, S) input")
         raise ParallelizeError(
             f"{'sequence parallel' if sequence_parallel else 'context parallel'} splits the sequence, but the trace "
             f"fixed its length to the example's ({', '.join(map(str, lengths))}): torch.export specializes a length "

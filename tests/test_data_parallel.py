@@ -28,9 +28,41 @@ def _batches(name: str):
     return [example_inputs(name, batch=BATCH, seq=s, seed=100 + i) for i, s in enumerate(SEQS)]
 
 
+class _MaskInput(torch.nn.Module):
+    """Attention under an (S, S) mask the caller passes in: its first dim sits at batch_dim, and
+    torch.export equates it with the sequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.qkv, self.out = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 64)
+
+    def forward(self, ids, labels, mask):
+        h = self.emb(ids)
+        q = self.qkv(h).view(h.shape[0], h.shape[1], 2, 8).transpose(1, 2)
+        a = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask).transpose(1, 2).reshape(h.shape)
+        return torch.nn.functional.cross_entropy(self.out(h + a).flatten(0, 1), labels.flatten())
+
+
+def _mask_batches():
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randint(0, 64, (BATCH, s), generator=g), torch.randint(0, 64, (BATCH, s), generator=g),
+             torch.ones(s, s, dtype=torch.bool).tril()) for s in SEQS]
+
+
+def _mask_model():
+    torch.manual_seed(0)
+    return _MaskInput()
+
+
 def _job(rank: int, world: int) -> dict:
     mesh = fxtron.Mesh(world)
     out = {}
+    # an (S, S) mask input is whole on every rank and microbatch (dp split its rows: a size mismatch)
+    steps = _mask_batches()
+    prog = fxtron.parallelize(_mask_model(), mesh, example_inputs=steps[0], microbatches=2).program(rank)
+    opt = _opt(prog.parameters())
+    losses = [prog.train_step(b, opt) for b in steps]
+    out["mask-input"] = {"losses": losses, "state": prog.full_state_dict()}
     for name in CASES:
         model = build(name, seed=0)
         pm = fxtron.parallelize(model, mesh, example_inputs=example_inputs(name, batch=4, seq=8))
@@ -71,6 +103,16 @@ def test_dp_equals_single_process(job, reference, name):
     for res in results[1:]:
         for k, v in res[name]["state"].items():
             assert torch.equal(v, results[0][name]["state"][k]), k
+
+
+def test_an_sxs_mask_input_is_whole_on_every_rank(job):
+    world, results = job
+    ref = reference_training(_mask_model(), _mask_batches(), _opt)
+    for rank, res in enumerate(results):
+        got = res["mask-input"]
+        assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])) < 1e-5, (rank, got["losses"], ref["losses"])
+        wdiff, where = max_abs_diff(got["state"], ref["state"])
+        assert wdiff < 1e-5, f"rank {rank}: weight {where} differs by {wdiff:.3g}"
 
 
 # ----------------------------------------------------------------------------- between steps

@@ -60,21 +60,25 @@ class _Features(torch.nn.Module):
 
 
 class _Masked(torch.nn.Module):
-    """Attention scores under a 4-D mask (B, 1, S, S), as transformers takes one."""
+    """Attention scores under a 4-D mask (B, 1, S, S), as transformers takes one (or a 3-D one,
+    (B, S, S): a prefix-LM's)."""
 
-    def __init__(self):
+    def __init__(self, heads: bool = True):
         super().__init__()
         self.emb = torch.nn.Embedding(16, 8)
+        self.heads = heads
 
     def forward(self, ids, mask):
         x = self.emb(ids)
-        scores = (x @ x.transpose(1, 2)).unsqueeze(1).masked_fill(~mask, -1e9)
+        scores = x @ x.transpose(1, 2)
+        scores = (scores.unsqueeze(1) if self.heads else scores).masked_fill(~mask, -1e9)
         return scores.softmax(-1).mean()
 
 
-def _mask4d():
+def _mask4d(heads: bool = True):
     ids = torch.randint(0, 16, (2, 8))
-    return ids, torch.ones(2, 1, 8, 8, dtype=torch.bool).tril()
+    mask = torch.ones(2, 8, 8, dtype=torch.bool).tril()
+    return ids, mask.unsqueeze(1) if heads else mask
 
 
 class _Square(torch.nn.Module):
@@ -178,6 +182,10 @@ AT_PARALLELIZE = [
     ("model: a 4-D mask at cp=2", lambda: fxtron.parallelize(_Masked(), Mesh(2, cp=2), example_inputs=_mask4d()),
      r"context parallel splits dim seq_dim=1 of every input as the sequence, but input 1 \(traced as \('B', 1, 8, 8\)\) "
      r"has size 1 there: .*a 4-D attention mask's head dim.*pass the mask as \(B, S\)"),
+    ("model: a (B, S, S) mask at cp=2", lambda: fxtron.parallelize(_Masked(heads=False), Mesh(2, cp=2),
+                                                                  example_inputs=_mask4d(heads=False)),
+     r"input 1 \(traced as \('B', 8, 8\)\) holds the sequence in dim 2 too.*cannot be split over the sequence: "
+     r"pass a \(B, S\) padding mask"),
     ("model: float64 at tp=2", lambda: _par(_gpt().double(), Mesh(2, tp=2)), r"parameter wte\.weight is float64"),
     ("model: every linear left replicated, strict", lambda: fxtron.parallelize(_Square(), Mesh(2, tp=2),
                                                                                 example_inputs=_x(), strict=True),

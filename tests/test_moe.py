@@ -221,8 +221,13 @@ def _run(rank, mesh, key):
             if step == 0:                # what the first step's routing did
                 a2a = sum(v[2] for (_, op), v in ledger.tally().items() if op == "all_to_all")
                 grads, load, sent = prog.full_grads(), prog.expert_load(), prog.last_dispatch.bytes_sent
+                if key == "ep2":         # an evaluation between steps keeps the step's figures, its own apart
+                    prog.eval_step(batches[1][0], kwargs=batches[1][1])
+                    after_eval = (prog.expert_load(), prog.last_dispatch.bytes_sent,
+                                  prog.last_eval_dispatch.bytes_sent)
         return {"losses": losses, "grads": grads, "state": prog.full_state_dict(), "load": load, "sent": sent,
-                "checked": ledger.stats()["checked"] - before, "a2a": a2a}
+                "checked": ledger.stats()["checked"] - before, "a2a": a2a,
+                "after_eval": after_eval if key == "ep2" else None}
     if key in ("ep2-cap", "ep2-cap-pad"):          # the copies dropped over capacity, the bytes sent, per step
         opt, dropped, sent, losses = _opt(prog.parameters()), [], [], []
         for step, (args, kw) in enumerate(batches):
@@ -562,6 +567,10 @@ def test_ep_reports_the_routing_and_the_bytes_it_sent(trained):
         assert got["sent"] == rows * CFG.dim * 4 + CFG.n_layer * 2 * local * 8, (rank, got["sent"], bound)
         # the ledger's tally of the step's all-to-alls: the same bytes (it counted none)
         assert got["a2a"] == got["sent"], (rank, got["a2a"], got["sent"])
+        # an eval_step after the step: expert_load and bytes_sent still the step's (they were the evaluation's)
+        load_after, sent_after, eval_sent = got["after_eval"]
+        assert all(torch.equal(load_after[n], got["load"][n]) for n in got["load"]) and sent_after == got["sent"]
+        assert eval_sent > 0 and eval_sent != got["sent"], (eval_sent, got["sent"])
     # ep=2 x tp=2 (the same tokens per ep rank): each tp rank sends its share, Megatron's order --
     # the two tp ranks of an ep rank together send what it sends at tp=1, and the counts each
     for rank, got in enumerate(ranks_of(trained, fxtron.Mesh(4, ep=2, tp=2), "ep2-tp2-sp")):

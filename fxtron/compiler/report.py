@@ -564,9 +564,10 @@ def per_microbatch_note(mesh: Mesh, microbatches: int, summed: list[str]) -> str
     return (f"with microbatches={microbatches}, {len(summed)} statistic(s) of the batch the loss uses nonlinearly "
             f"are computed per microbatch" + (f" (summed over dp={mesh.dp})" if mesh.dp > 1 else "")
             + ", not over the global batch as one process "
-            f"computes them, and the loss is the mean of the microbatches' losses: {_few(summed)} (a load-balancing "
-            f"loss's tokens per expert, as Megatron and gradient accumulation compute it; a mean weighted by class "
-            f"weights divides by each microbatch's weights)")
+            f"computes them, so the terms built from them are the mean of the microbatches' terms: {_few(summed)} "
+            f"(a load-balancing loss's tokens per expert, as Megatron and gradient accumulation compute it; a mean "
+            f"weighted by class weights divides by each microbatch's weights); the loss's token means still divide by "
+            f"the global batch's count")
 
 
 def statistics_note(mesh: Mesh, config, report) -> str:

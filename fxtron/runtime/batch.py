@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from fxtron.core.meta import TraceInfo
+from fxtron.core.meta import SEQ, TraceInfo
 from fxtron.errors import ParallelizeError, warn_or_raise
 from fxtron.ops import transport
 from fxtron.ops.statistics import BatchContext
@@ -130,15 +130,17 @@ class BatchSlicer:
         return self.on_device(args, kw)
 
     def broadcast(self, i: int, x: torch.Tensor) -> bool:
-        """Whether input `i` broadcasts over the batch: its batch dim was 1 in the trace, where
-        other inputs had the batch (transformers' position_ids of shape (1, S)), and is 1 now.
-        Each rank's slice of the batch broadcasts it as the whole batch does: it is not split."""
+        """Whether input `i` is whole on every rank although it has a dim at batch_dim: that dim
+        was 1 in the trace, where other inputs had the batch (transformers' position_ids of shape
+        (1, S)), and is 1 now; or the trace found it is not the batch but the sequence (a (S, S)
+        attention mask given as an input: torch.export equates its first dim with S). Each
+        rank's slice of the batch uses it as the whole batch does: it is not split."""
         sig = self.info.signature[i] if i < len(self.info.signature) else None
         dims = self.info.user_dims[i]
         if sig is None or "batch" not in dims:
             return False
         d = dims.index("batch")
-        return sig[1][d] == 1 and x.shape[d] == 1
+        return (sig[1][d] == 1 and x.shape[d] == 1) or sig[1][d] == SEQ
 
     def check_inputs(self, flat: list) -> None:
         """Raise ParallelizeError, before anything runs, for inputs the traced program cannot

@@ -10,15 +10,18 @@ from fxtron.ops import ledger
 from fxtron.ops.ep import DispatchLog
 
 
-def dispatch_log(prog):
-    """A fresh DispatchLog as `prog.last_dispatch`; the context returned makes it the one the
+def dispatch_log(prog, evaluation: bool = False):
+    """A fresh DispatchLog as `prog.last_dispatch` (an evaluation's as `prog.last_eval_dispatch`:
+    `expert_load` stays the last training step's); the context returned makes it the one the
     step's dispatches write to."""
-    prog.last_dispatch = DispatchLog()
-    return prog.last_dispatch.active()
+    log = DispatchLog()
+    setattr(prog, "last_eval_dispatch" if evaluation else "last_dispatch", log)
+    return log.active()
 
 
 def expert_load(prog) -> dict[str, torch.Tensor]:
-    """The copies each expert received in the last step (under a capacity factor those within
+    """The copies each expert received in the last training step (an evaluation's dispatch is
+    `last_eval_dispatch`; under a capacity factor those within
     its capacity, the dropped ones not: `last_dispatch.copies` has them routed), per mixture-of-experts layer of
     `prog`'s stages: {layer: (E,) int64} over the whole global batch (every data-
     parallel rank's tokens, and under context parallel every cp rank's, which routes its own: one

@@ -156,6 +156,7 @@ class Program(nn.Module):
                                chunk_params=[set(st.params) for st in stages] if stages is not None else None,
                                autograd=spec.autograd, direct=not config.codegen.cuda_graphs)
         self.last_dispatch: DispatchLog | None = None   # what expert parallel's all-to-alls did, last step
+        self.last_eval_dispatch: DispatchLog | None = None   # the same of the last evaluation
         self._tp_comm = groups is not None and groups.size("tp") > 1
         # overlap_param_gather (zero=1/2): the graph's param_wait nodes wait for each layer's buckets
         # and make its compute copies; those parameters are passed to the graph as they are
@@ -414,7 +415,7 @@ class Program(nn.Module):
         args, kw = self.local_batch(inputs, kwargs)
         batch = self._batch.context(inputs, kwargs, evaluation.info.statistics)
         t0 = time.perf_counter()
-        with torch.no_grad(), ep.dispatch_log(self), batch.active():
+        with torch.no_grad(), ep.dispatch_log(self, evaluation=True), batch.active():
             loss = self._run_graph(self._flat_inputs(args, kw), evaluation)
         self._events = [Event("F", 0, 0, 0, 0.0, time.perf_counter() - t0)]
         self._last_runner = None

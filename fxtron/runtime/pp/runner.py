@@ -95,7 +95,7 @@ def evaluate(prog, inputs, kwargs, evaluation) -> float:
     run = eval_runner(prog, evaluation)
     run.memory = timeline.memory_tracker(prog)
     prog._last_runner = run
-    with torch.no_grad(), ep.dispatch_log(prog), batch.active():
+    with torch.no_grad(), ep.dispatch_log(prog, evaluation=True), batch.active():
         loss = run.run(mbs)
     return _global_loss(prog, loss)
 
@@ -106,7 +106,7 @@ def _evaluate_in(prog, m: int, inputs, kwargs, evaluation) -> float:
     mbs = prog._batch.microbatches(inputs, kwargs, m)
     batch = prog._batch.context(inputs, kwargs, evaluation.info.statistics, microbatches=m)
     prog._last_runner, prog._events, total = None, [], None
-    with torch.no_grad(), ep.dispatch_log(prog), batch.active():
+    with torch.no_grad(), ep.dispatch_log(prog, evaluation=True), batch.active():
         for flat in mbs:
             loss = prog._run_graph(flat, evaluation)
             part = loss.detach().to(torch.promote_types(loss.dtype, torch.float32)) / m
