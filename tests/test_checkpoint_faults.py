@@ -246,3 +246,61 @@ def test_each_param_group_resumes_with_the_settings_its_parameters_were_saved_wi
     merged = torch.optim.AdamW([{"params": head + tail}])
     with pytest.raises(fxtron.ParallelizeError, match=r"param group 0 of AdamW holds .* another lr \(0\.0001 and 0\.01\)"):
         prog.load(str(tmp_path / "ck"), merged)
+
+
+def test_damage_since_the_save_and_another_optimizer_are_refused_before_anything_loads(tmp_path):
+    """A data file cut short or removed (the commit marker lists every file's size), one
+    overwritten with the same size, a damaged index: ParallelizeErrors naming the checkpoint
+    (DCP raised its CheckpointException, a BaseException, or an UnpicklingError). AdamW's state
+    loaded into SGD (it took AdamW's lr, weight decay and moments, and trained another run) or
+    into Adagrad (a KeyError at its step, the weights already replaced): refused naming both. A
+    checkpoint saved without an optimizer, loaded with one: said. Nothing of a refused load is
+    taken; a damaged safetensors file for load_pretrained is named the same way."""
+    import warnings
+
+    def program():
+        return fxtron.parallelize(make("gpt"), fxtron.Mesh(1), example_inputs=batch("gpt", 2, 8, seed=0)[0]).program(0)
+    prog = program()
+    opt = torch.optim.AdamW(prog.parameters(), lr=1e-2)
+    prog.train_step(batch("gpt", 2, 8, seed=0)[0], opt)
+    ck = tmp_path / "ck"
+    prog.save(str(ck), opt)
+    other = program()
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+
+    def untouched():
+        return max_abs_diff(before, other.state_dict())[0] == 0.0
+    for cls, kw in ((torch.optim.SGD, {"lr": 0.1}), (torch.optim.Adagrad, {})):
+        given = cls(other.parameters(), **kw)
+        own = repr(given.state_dict())
+        with pytest.raises(fxtron.ParallelizeError, match=rf"holds AdamW's state of .*the optimizer given is {cls.__name__}"):
+            other.load(str(ck), given)
+        assert untouched() and repr(given.state_dict()) == own
+    data = next(f for f in os.listdir(ck) if f.endswith(".distcp"))
+    whole = (ck / data).read_bytes()
+    (ck / data).write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(fxtron.ParallelizeError, match=rf"is damaged: its file {data} holds {len(whole) // 2} bytes "
+                                                      rf"where the save wrote {len(whole)}"):
+        other.load(str(ck), torch.optim.AdamW(other.parameters()))
+    (ck / data).write_bytes(whole[:64] + bytes(len(whole) - 64))
+    with pytest.raises(fxtron.ParallelizeError, match="could not be read .*a file of it is damaged"):
+        other.load(str(ck), torch.optim.AdamW(other.parameters()))
+    assert untouched()
+    (ck / data).write_bytes(whole)
+    index = (ck / ".metadata").read_bytes()
+    (ck / ".metadata").write_bytes(bytes(len(index)))
+    with pytest.raises(fxtron.ParallelizeError, match=r"its index \.metadata is damaged or missing"):
+        fxtron.load_full_state_dict(str(ck))
+    (ck / ".metadata").write_bytes(index)
+    other.load(str(ck), torch.optim.AdamW(other.parameters()))        # as saved: it loads
+    prog.save(str(tmp_path / "weights"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        other.load(str(tmp_path / "weights"), torch.optim.AdamW(other.parameters()))
+    assert any("holds no optimizer state" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    prog.save_pretrained(str(tmp_path / "hf"))
+    st = tmp_path / "hf" / "model.safetensors"
+    st.write_bytes(st.read_bytes()[:40])
+    with pytest.raises(fxtron.ParallelizeError, match=r"model\.safetensors cannot be read as safetensors .*damaged "
+                                                      "or cut short"):
+        other.load_pretrained(str(tmp_path / "hf"))

@@ -117,7 +117,9 @@ JOBS = {
          + [Case("gpt", "1f1b", varying=True), Case("hf-llama", "1f1b"),
             # layers as two module lists (nanoGPT's attn[i], proj[i]): the cut falls inside a layer, stage 0
             # sends x on and feeds x to its own linear, so x's data must outlive the send
-            Case("nanogpt", "1f1b", m=2, layers=2)]),
+            Case("nanogpt", "1f1b", m=2, layers=2),
+            # parameters the forward never reads: held by the first stage, kept by full_state_dict
+            Case("gpt-unused", "zb-v", m=2)]),
         (fxtron.Mesh(2), [Case("gpt", "1f1b", m=2)])],           # dp=2, gradient accumulation
     4: [(fxtron.Mesh(4, pp=4), [Case("gpt", "1f1b"), Case("gpt", "gpipe", m=8), Case("gpt", "interleaved", v=2, layers=8),
                                 Case("llama", "zb-h1", m=8), Case("hf-gpt2", "1f1b", m=2),
@@ -175,6 +177,7 @@ def test_equivalence(results, reference, mesh_key, case):
         assert loss_diff < LOSS_TOL, (res["losses"], ref["losses"])
         grad_diff, where = max_abs_diff(res["grads"], ref["grads"])
         assert grad_diff < GRAD_TOL, f"gradient of {where} differs by {grad_diff}"
+        assert set(res["state"]) == set(ref["state"]), set(res["state"]) ^ set(ref["state"])   # every weight kept
         weight_diff, where = max_abs_diff(res["state"], dict(ref["state"]))
         assert weight_diff < WEIGHT_TOL, f"{where} differs by {weight_diff} after {len(SEQS)} steps"
     print(f"{case.key}: loss {loss_diff:.1e} grad {grad_diff:.1e} weight {weight_diff:.1e}")   # pytest -s

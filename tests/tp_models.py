@@ -18,7 +18,7 @@ ZOO = {"Llama": "hf-llama", "Mistral": "hf-mistral", "Qwen2": "hf-qwen2", "Qwen3
        "GraniteMoE": "hf-granitemoe", "Mamba": "hf-mamba", "Mamba2": "hf-mamba2", "MiniMax": "hf-minimax",
        "Doge": "hf-doge", "CPM-Ant": "hf-cpmant", "LongCat-Flash": "hf-longcat", "Ergo": "hf-ergo",
        "Qwen3-Next": "hf-qwen3next", "Qwen3.5": "hf-qwen3_5"}
-VOCAB = {"gpt": 256, "gpt-frozen": 256, "llama": 256, "moe": 256, "hf-mixtral-aux": 128, "two-branch-mlp": 64, "cumsum-mlp": 64, "factories-mlp": 64, "gather-mlp": 64, "einsum-attn": 64, "in-place-mlp": 64,
+VOCAB = {"gpt": 256, "gpt-frozen": 256, "gpt-unused": 256, "llama": 256, "moe": 256, "hf-mixtral-aux": 128, "two-branch-mlp": 64, "cumsum-mlp": 64, "factories-mlp": 64, "gather-mlp": 64, "einsum-attn": 64, "in-place-mlp": 64,
          "nanogpt": 64, "hf-gpt2-eager": 128, "hf-qwen2-tied": 128, **{n: 128 for n in ZOO.values()}}
 NAMES = ["gpt", "llama", "hf-gpt2", "hf-llama"]
 # more transformers decoders (traced layer by layer in test_repeat; test_zoo.py holds all of ZOO
@@ -346,6 +346,10 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
         for n, p in model.named_parameters():
             if n.startswith(("blocks.0.", "wpe.", "wte.")):
                 p.requires_grad_(False)
+        return model
+    if name == "gpt-unused":     # parameters its forward never reads (a head kept for another task)
+        model = make("gpt", dropout, layers)
+        model.unused_head = torch.nn.Linear(8, 4)
         return model
     if name == "two-branch-mlp":
         return TwoBranchMLP()

@@ -275,6 +275,11 @@ def shard_params(gm: fx.GraphModule, mesh: MeshView, mine: set[str]) -> dict[str
 
 def _shard_params(s: RankState) -> None:
     mine = set(meta.info(s.gm).params) if s.stages is None else {p for st in s.stages for p in st.params}
+    if s.stages is not None and any(st.index == 0 for st in s.stages):
+        # a parameter the model's forward never reads is in no stage's graph: the first stage's
+        # ranks hold it (no gradient, as in one process), so checkpoints and full_state_dict keep it
+        mine |= {meta.param_name(p) for p in s.gm.graph.nodes
+                 if p.op == "placeholder" and not p.users and meta.param_name(p) is not None}
     s.local = shard_params(s.gm, s.mesh, mine)
     assert set(s.local) == mine
 

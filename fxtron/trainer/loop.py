@@ -152,7 +152,8 @@ class Trainer:
                     if not self.model.transformers:
                         warnings.warn(f"--export-hf {t.export_hf}: {self.cfg.model.name} is not a transformers "
                                       "model, so the directory holds its weights (safetensors under the model's own "
-                                      "names: model.safetensors, or shards listed in model.safetensors.index.json) without a config.json transformers could load; export an hf:<architecture> "
+                                      "names: model.safetensors, or shards listed in model.safetensors.index.json) "
+                                      "without a config.json transformers could load; export an hf:<architecture> "
                                       "or a transformers directory's model for one", stacklevel=2)
             self.finish()
         finally:
@@ -173,10 +174,10 @@ class Trainer:
         """Train the next global batch at the schedule's learning rate; the step's number."""
         cfg, t, state, prog = self.cfg, self.cfg.training, self.state, self.prog
         step = state["iteration"] + 1
+        start = time.perf_counter()          # the batch's reading counted, as in Megatron's iteration time
         tokens = self.data.train_batch(state["consumed_train_samples"])
         lr = self.sched.lr
         set_lr(self.opt, lr)
-        start = time.perf_counter()
         a, k = self.model.inputs(tokens)
         # the memory tracker on the steps that log (their activations) and --trace's last step
         prog.track_memory = step == t.steps or step % t.log_interval == 0

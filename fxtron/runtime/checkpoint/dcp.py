@@ -52,7 +52,7 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 
 from fxtron.core import layout as shard_math
 from fxtron.core.params import AxisShard
-from fxtron.errors import ParallelizeError
+from fxtron.errors import ParallelizeError, warn_or_raise
 from fxtron.ops import ledger
 from fxtron.runtime import optim
 from fxtron.runtime.grads import across_stages
@@ -161,6 +161,11 @@ WHOLE = "optim_whole"           # "optim_whole/<param>/<key>": a whole-matrix op
 
 COMMIT = ".fxtron-complete"     # written last, by rank 0, once every rank's files are in
 GROUP = "optim_group"           # "optim_group/<param>": the hyperparameters of the parameter's group
+OPTIMIZER = "__optimizer__"     # in a group's record: the class of the optimizer that held it
+
+
+def _class_name(o) -> str:
+    return f"{type(o).__module__}.{type(o).__qualname__}"
 
 
 def save(prog, path: str, optimizer: torch.optim.Optimizer | None = None, storage_writer=None,
@@ -191,8 +196,13 @@ def save(prog, path: str, optimizer: torch.optim.Optimizer | None = None, storag
                ". Nothing was written at that path."))
 
     def commit():
+        # every file's size, checked at each load: a file cut short or removed since is refused,
+        # never read as far as it goes
+        sizes = sorted((os.path.relpath(os.path.join(d, f), staging), os.path.getsize(os.path.join(d, f)))
+                       for d, _, fs in os.walk(staging) for f in fs if f != COMMIT)
         with open(os.path.join(staging, COMMIT), "w") as f:
             f.write(f"saved by {_world(prog)} rank(s)\n")
+            f.writelines(f"size\t{n}\t{rel}\n" for rel, n in sizes)
             f.flush()
             os.fsync(f.fileno())
         replaced = path + ".replaced"
@@ -258,7 +268,7 @@ def _write(prog, path: str, optimizer, storage_writer, extra=None) -> None:
                     else:
                         sd[f"optim/{name}/{key}"] = _pack(value)
         for g in o.param_groups:
-            hyper = {k: v for k, v in g.items() if k != "params"}
+            hyper = {k: v for k, v in g.items() if k != "params"} | {OPTIMIZER: _class_name(o)}
             for p in g["params"]:
                 if id(p) in names:
                     sd[f"{GROUP}/{names[id(p)]}"] = _pack(hyper)
@@ -293,10 +303,36 @@ def _one_process():
         yield
 
 
-def _load(*args, **kwargs):
-    """dcp.load without torch's single-process warning (_one_process)."""
-    with _one_process():
-        return dcp.load(*args, **kwargs)
+def _load(*args, checkpoint_id: str, **kwargs):
+    """dcp.load without torch's single-process warning (_one_process); a file it cannot read
+    (damaged since the save, where its size still matches) a ParallelizeError naming the
+    checkpoint, whichever rank met it (DCP's exception, a BaseException, tells every rank)."""
+    try:
+        with _one_process():
+            return dcp.load(*args, checkpoint_id=checkpoint_id, **kwargs)
+    except CheckpointException as e:
+        why = "; ".join(f"rank {r}: {_first_line(exc)}" for r, (exc, _) in sorted(e.failures.items()))
+        raise ParallelizeError(f"{checkpoint_id} could not be read ({why}): a file of it is damaged; load an "
+                               "earlier checkpoint") from None
+    except Exception as e:  # noqa: BLE001 - whatever the reader met, said with the checkpoint's name
+        raise ParallelizeError(f"{checkpoint_id} could not be read ({_first_line(e)}): a file of it is damaged; "
+                               "load an earlier checkpoint") from e
+
+
+def _first_line(exc: BaseException) -> str:
+    """An exception in one line (torch.load's unpickling errors run to a page of advice)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200] if text else ''}"
+
+
+def _metadata(path: str):
+    """The complete checkpoint's DCP index (its state dict's metadata), or a ParallelizeError."""
+    _check_complete(os.path.abspath(path))
+    try:
+        return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001 - a damaged or missing .metadata
+        raise ParallelizeError(f"{path} could not be read: its index .metadata is damaged or missing "
+                               f"({_first_line(e)}); load an earlier checkpoint") from e
 
 
 def _save(*args, **kwargs):
@@ -340,8 +376,18 @@ def _gather_errors(prog, errors: list[tuple[int, str]]) -> list[tuple[int, str]]
 
 
 def _check_complete(path: str) -> None:
-    """Raise ParallelizeError unless `path` holds a checkpoint whose save completed."""
+    """Raise ParallelizeError unless `path` holds a checkpoint whose save completed, each of its
+    files as large as the save wrote it (the commit marker lists them; an older marker does not)."""
     if os.path.isfile(os.path.join(path, COMMIT)):
+        with open(os.path.join(path, COMMIT)) as f:
+            listed = [line.rstrip("\n").split("\t", 2) for line in f if line.startswith("size\t")]
+        for _, n, rel in listed:
+            file = os.path.join(path, rel)
+            now = os.path.getsize(file) if os.path.isfile(file) else None
+            if now != int(n):
+                raise ParallelizeError(
+                    f"{path} is damaged: its file {rel} " + ("is missing" if now is None else f"holds {now} bytes")
+                    + f" where the save wrote {n}; load an earlier checkpoint (nothing was read)")
         return
     if not os.path.isdir(path):
         aside = path + ".replaced"
@@ -393,8 +439,7 @@ def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
     (built over prog's parameters, as for train_step)."""
     _check_optimizer(optimizer)
     path = os.path.abspath(path)
-    _check_complete(path)
-    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    meta = _metadata(path)
     mesh = _meshes(prog)
     if prog.zero is not None:
         prog.zero.wait_params()
@@ -425,6 +470,12 @@ def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
         if not optim.elementwise(o):
             owned.update((x.name, (o, x)) for x in optim.whole_matrices(prog, o).owned())
     whole_keys: dict[str, list[str]] = {}
+    if optimizer is not None and not any(k.startswith(("optim/", f"{WHOLE}/", f"{GROUP}/")) for k in meta):
+        warn_or_raise(f"{path} holds no optimizer state (it was saved without an optimizer): the weights load, and "
+                      f"{', '.join(type(o).__name__ for o in opts)} keeps the state it has (none, if new) -- a resumed "
+                      "run's moments start afresh", strict=prog.config.debug.strict,
+                      fix="; load it without the optimizer (prog.load(path)), or a checkpoint saved with one",
+                      advice="; load it without the optimizer (prog.load(path)) to say so", stacklevel=3)
     if optimizer is not None:
         for key in meta:
             if key.startswith("optim/") and key != "optim/param_groups":
@@ -466,6 +517,8 @@ def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
         if "optim/param_groups" in meta:         # (written before the per-parameter records)
             sd["optim/param_groups"] = io.BytesIO()
     _load(sd, checkpoint_id=path, no_dist=_alone(prog))
+    for o in opts:          # refused before anything of the checkpoint is taken
+        _check_saved_class(o, params, sd, path)
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(_held(prog, name, finish[f"model/{name}"](sd)))
@@ -524,6 +577,25 @@ def _other_kind(path: str, name: str, o, saved: str) -> str:
             "optimizer (prog.load(path)) and start its state afresh")
 
 
+def _check_saved_class(optimizer, params: dict[str, torch.Tensor], sd: dict, path: str) -> None:
+    """ParallelizeError where `optimizer` holds a parameter whose state another class saved
+    (AdamW's moments and hyperparameters taken by SGD would train another run; Adagrad would
+    fail at its step on keys it does not have). Checkpoints of before the class was recorded
+    are not checked."""
+    names = {id(p): n for n, p in params.items()}
+    mine = _class_name(optimizer)
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            key = f"{GROUP}/{names.get(id(p))}"
+            saved = _unpack_obj(sd[key]).get(OPTIMIZER) if key in sd else None
+            if saved is not None and saved != mine:
+                raise ParallelizeError(
+                    f"{path} holds {saved.rsplit('.', 1)[-1]}'s state of {names[id(p)]}, and the optimizer given is "
+                    f"{type(optimizer).__name__} (saved {saved}, given {mine}): load with the optimizer the run saved "
+                    "with, or load without the optimizer (prog.load(path)) and start its state afresh; nothing was "
+                    "loaded")
+
+
 def _load_groups(optimizer, params: dict[str, torch.Tensor], sd: dict, path: str) -> None:
     """Each of `optimizer`'s groups takes the hyperparameters its parameters were saved with
     (torch's load_state_dict takes the saved groups' too); a group none of whose parameters the
@@ -532,8 +604,8 @@ def _load_groups(optimizer, params: dict[str, torch.Tensor], sd: dict, path: str
     names = {id(p): n for n, p in params.items()}
     legacy = _unpack_obj(sd["optim/param_groups"]) if "optim/param_groups" in sd else None
     for i, group in enumerate(optimizer.param_groups):
-        saved = {names[id(p)]: _unpack_obj(sd[f"{GROUP}/{names[id(p)]}"]) for p in group["params"]
-                 if id(p) in names and f"{GROUP}/{names[id(p)]}" in sd}
+        saved = {names[id(p)]: {k: v for k, v in _unpack_obj(sd[f"{GROUP}/{names[id(p)]}"]).items() if k != OPTIMIZER}
+                 for p in group["params"] if id(p) in names and f"{GROUP}/{names[id(p)]}" in sd}
         if not saved:
             if legacy is not None and i < len(legacy):      # (a checkpoint of one list, by position)
                 group.update(legacy[i])
@@ -662,8 +734,7 @@ def load_full_state_dict(path: str, optimizer: bool = False) -> dict[str, torch.
     process and without any process group, keyed as the original model names them (fused
     parts joined): `model.load_state_dict(fxtron.load_full_state_dict(path), strict=False)`
     (tied aliases are not in the checkpoint)."""
-    _check_complete(os.path.abspath(path))
-    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    meta = _metadata(path)
     sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
           if _is_tensor_meta(m) and (k.startswith("model/") or k.startswith("buffer/") or optimizer)}
     _load(sd, checkpoint_id=path, no_dist=True)
@@ -693,8 +764,7 @@ def full_tensors(path: str) -> tuple[list[tuple[str, tuple[int, ...], torch.dtyp
     """The model tensors of a checkpoint one at a time, in one process: ([(name, full shape,
     dtype)] of every parameter and persistent buffer, read(name) -> its whole tensor, read
     from the checkpoint alone -- its fused parts joined -- so a caller holds one at a time)."""
-    _check_complete(os.path.abspath(path))
-    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    meta = _metadata(path)
     layout = _read_layout(path, meta, no_dist=True)
     keys: dict[str, list[tuple[int | None, str]]] = {}
     dtypes: dict[str, torch.dtype] = {}
@@ -725,8 +795,7 @@ def full_tensors(path: str) -> tuple[list[tuple[str, tuple[int, ...], torch.dtyp
 
 def read_extra(path: str):
     """The `extra` object saved with a checkpoint (None when it has none); in any process."""
-    _check_complete(os.path.abspath(path))
-    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    meta = _metadata(path)
     if "extra" not in meta:
         return None
     sd = {"extra": io.BytesIO()}

@@ -110,7 +110,6 @@ def origin_of(model: torch.nn.Module) -> Origin:
 # ----------------------------------------------------------------------------- reading
 def checkpoint_files(path: str) -> dict[str, str]:
     """Every tensor key of the safetensors checkpoint at `path` -> the file holding it."""
-    from safetensors import safe_open
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, INDEX)):
             with open(os.path.join(path, INDEX)) as f:
@@ -128,8 +127,20 @@ def checkpoint_files(path: str) -> dict[str, str]:
     elif not path.endswith(".safetensors"):
         raise ParallelizeError(f"{path} is not a .safetensors file; give the directory save_pretrained wrote, or "
                                "one .safetensors file (convert a .bin with transformers: save_pretrained)")
-    with safe_open(path, framework="pt") as f:
+    with _opened(path) as f:
         return {k: path for k in f.keys()}
+
+
+def _opened(path: str):
+    """safetensors' handle of `path`, or a ParallelizeError naming the file where it is not a
+    readable safetensors file (cut short, a damaged header, empty)."""
+    from safetensors import safe_open
+    try:
+        return safe_open(path, framework="pt")
+    except Exception as e:  # noqa: BLE001 - SafetensorError, OSError: the file is what is wrong
+        raise ParallelizeError(f"pretrained weights {path} cannot be read as safetensors ({type(e).__name__}: "
+                               f"{str(e)[:200]}): the file is damaged or cut short; write it again "
+                               "(save_pretrained) or give another copy; nothing was loaded") from e
 
 
 def _runs(index: torch.Tensor) -> list[tuple[int, int]]:
@@ -178,9 +189,8 @@ class _Key:
 
     @property
     def slice(self):
-        from safetensors import safe_open
         if self.file not in self.handles:
-            self.handles[self.file] = safe_open(self.file, framework="pt")
+            self.handles[self.file] = _opened(self.file)
         return self.handles[self.file].get_slice(self.key)
 
     @property
@@ -335,7 +345,8 @@ def load_pretrained(prog, path: str, prefix: str = "") -> None:
         names_of.setdefault(name, [name]).append(alias)
     persistent = set(prog.state_dict(keep_vars=True)) - set(dict(prog.named_parameters()))
     known = set(info.params) | set(info.buffers) | set(info.aliases)
-    handles: dict = {}
+    # every file opened (its header read) before any weight is: a damaged shard refused, nothing loaded
+    handles: dict = {f: _opened(f) for f in sorted(set(files.values()))}
     try:
         sources, refused = _sources(files, handles, origin.conversions())
         base = origin.base_prefix + "." if origin.base_prefix else ""
