@@ -632,7 +632,7 @@ class ParallelModel:
         p = self.config.pipeline
         bubble = ""
         if self.stage_assignment is not None:
-            bubble = str(schedules.bubble_fraction_formula(p.schedule, self.mesh.pp, p.microbatches, p.chunks))
+            bubble = str(schedules.bubble_fraction(p.schedule, self.mesh.pp, p.microbatches, p.chunks))
         return report.summary(model=self.model, mesh=self.mesh, traced=self.traced, config=self.config,
                               tp_plan=self.tp_plan, stage_assignment=self.stage_assignment, compiled=self.compiled,
                               schedule=self._schedule_title(), bubble=bubble, batch=batch, seq=seq,

@@ -101,7 +101,7 @@ def test_graph_and_summary_show_stages():
     text = pm.graph(3)
     assert "stage 1 (chunk 0): receives" in text and "lm_head" in text
     summary = pm.summary(batch=2, seq=16)
-    assert "p2p sent / microbatch" in summary and "bubble over ideal time (formula): 1/4" in summary
+    assert "p2p sent / microbatch" in summary and "bubble over ideal time: 1/4" in summary
     for node in pm.compiled(3).stages[0].gm.graph.nodes:
         if node.op == "call_function":
             assert meta.get(node, meta.STAGE) == 1
@@ -123,7 +123,10 @@ def test_zb_v_places_stages_in_a_v():
     assert "2 in a V" in str(plan)
     assert "wte.weight" in pm.compiled(0).stages[0].params and "wte.weight" in pm.compiled(0).stages[1].params
     assert not any("wte" in p for st in pm.compiled(1).stages for p in st.params)
-    assert "bubble over ideal time (formula): 1/24" in pm.summary(batch=2, seq=16)
+    assert "bubble over ideal time: 1/24" in pm.summary(batch=2, seq=16)
+    # one microbatch: the order's own bubble (its ramp is not filled), where the closed form said 1/6
+    one = _pm("gpt", fxtron.Mesh(2, pp=2), microbatches=1, schedule="zb-v")
+    assert "bubble over ideal time: 2/3" in one.summary(batch=2, seq=16)
 
 
 @pytest.mark.parametrize("kw,mesh,match", [

@@ -816,7 +816,7 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
                ("dp-cp" if mesh.cp > 1 else "dp") + (" + expert-dp" if mesh.ep > 1 else "") + " grad sync sent / step"]
     if stage_assignment is not None:
         headers += ["stages", "p2p sent / microbatch"]
-        head += f"\nschedule {schedule}; bubble over ideal time (formula): {bubble} (unit F, B, W)"
+        head += f"\nschedule {schedule}; bubble over ideal time: {bubble} (its order simulated at unit F, B, W)"
     if step_records is not None:
         headers.append("sent / step (all)")
     return head + "\n" + tabulate(rows, headers=headers)

@@ -247,12 +247,14 @@ def assign_stages(gm: fx.GraphModule, *, pp: int, virtual: int = 1, split_points
     unit = assign_units(gm, prefix, units)
     flops = [0] * len(units)
     params = [0] * len(units)
-    seen_params: set[fx.Node] = set()
+    # a parameter counts in every layer that reads it: a tied embedding is held by the first stage
+    # and the last (each row of the stage table, and the balance, carries it)
+    seen_params: set[tuple[int, fx.Node]] = set()
     for node, u in unit.items():
         flops[u] += node_flops(node)
         for a in node.all_input_nodes:
-            if meta.is_param(a) and a not in seen_params:
-                seen_params.add(a)
+            if meta.is_param(a) and (u, a) not in seen_params:
+                seen_params.add((u, a))
                 params[u] += a.meta["val"].numel()
     if split_points:
         cuts = []

@@ -107,7 +107,8 @@ class Report:
         if self.pipeline:
             out += ["", self.pipeline["table"], f"schedule {self.pipeline['schedule']}, microbatches "
                     f"{self.pipeline['microbatches']}: bubble over ideal time {self.pipeline['bubble']} "
-                    f"({self.pipeline['bubble_formula']})"]
+                    f"(its order simulated at unit pass times; the closed form {self.pipeline['bubble_formula']} "
+                    "holds with enough microbatches)"]
         if graph:
             out += ["", self.graph]
         rows = [[c["node"] or c["what"], c["collective"], c["phase"], c["group"], c["shape"], c["per"], c["wire_bytes"],
@@ -165,7 +166,7 @@ def inspect(pm, rank: int, *, model_name: str = "", batch: int = 1, seq: int = 2
     if pm.stage_assignment is not None:
         pp_rank = mesh.coords(rank)["pp"]
         in_flight = schedules.in_flight_bound(o.schedule, mesh.pp, o.microbatches, pp_rank, o.chunks)
-        bubble = schedules.bubble_fraction_formula(o.schedule, mesh.pp, o.microbatches, o.chunks)
+        bubble = schedules.bubble_fraction(o.schedule, mesh.pp, o.microbatches, o.chunks)
         formula = {"gpipe": "(p-1)/m", "1f1b": "(p-1)/m", "interleaved": "(p-1)/(v m)",
                    "zb-h1": "(p-1)(F+B-W)/(m(F+B+W)) at F=B=W", "zb-v": "(p-1)(F/2)/(m(F+B+W)) at F=B=W"}[o.schedule]
         pipeline = {"table": str(pm.stage_assignment), "schedule": o.schedule, "microbatches": o.microbatches,

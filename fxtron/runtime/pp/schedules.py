@@ -295,6 +295,13 @@ def bubble_formula(schedule: str, pp: int, microbatches: int, virtual: int = 1, 
     return full / virtual if schedule == "interleaved" else full
 
 
+def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> Fraction:
+    """The bubble over ideal time of fxtron's own order of `schedule` at unit pass times (F = B
+    = W = 1): `simulate`'s, which is the closed form (`bubble_fraction_formula`) where that
+    holds, and the order's own where it does not (ZB-V and ZB-H1 with few microbatches)."""
+    return simulate(schedule, pp, microbatches, virtual).bubble_fraction
+
+
 def bubble_fraction_formula(schedule: str, pp: int, microbatches: int, virtual: int = 1, *,
                             t_f=1, t_b=1, t_w=1) -> Fraction:
     """Bubble over ideal time: (p-1)/m (GPipe, 1F1B), (p-1)/(v m) interleaved, (p-1)/(6m) ZB-V."""
