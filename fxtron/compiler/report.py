@@ -713,7 +713,9 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
     if unsharded:
         head += "\ndata parallel: " + unsharded
     if gathered:
-        head += "\nall-gathers Megatron's layers would not issue: " + "; ".join(sorted(gathered))
+        head += ("\nall-gathers Megatron's layers would not issue (forward; where the gathered value then meets a "
+                 "split op, its gradient is gathered in backward too, counted in the table's AG): "
+                 + "; ".join(sorted(gathered)))
     comm_type = config.context.comm_type
     if mesh.cp > 1:
         head += (f"\ncontext parallel: sequence split over cp={mesh.cp} (load-balanced chunks), attention by "
