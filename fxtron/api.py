@@ -198,11 +198,14 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
             shape = tuple(int(e) if not sympy.sympify(e).free_symbols else str(e) for e in ti.signature[i][1])
             raise ParallelizeError(
                 f"{'sequence parallel' if sequence_parallel else 'context parallel'} splits dim seq_dim={seq_dim} of "
-                f"every input as the sequence, but input {i} (traced as {shape}) holds the sequence in dim {d} too -- "
-                "a mask of queries by keys, per sample -- which torch.export then fixes to the example's length. A "
-                "per-sample (S, S) mask given as an input cannot be split over the sequence: pass a (B, S) padding "
-                "mask, or position_ids (and a document-id input with cp_documents) for packed documents, from which "
-                "the model builds its mask; an (S, S) mask the same for every sample can be given as one (S, S) input")
+                f"every input as the sequence, but the trace fixed its length to the example's ({lengths[0]}), and "
+                f"input {i} (traced as {shape}) has that length in dim {d} too. If it is a mask of queries by keys, "
+                "per sample, torch.export fixed the length there: a per-sample (S, S) mask given as an input cannot "
+                "be split over the sequence -- pass a (B, S) padding mask, or position_ids (and a document-id input "
+                "with cp_documents) for packed documents, from which the model builds its mask; an (S, S) mask the "
+                "same for every sample can be one (S, S) input. If not, the length was fixed by something the model "
+                "equates with a constant -- typically a position table or causal-mask buffer as long as the "
+                "example: trace with a shorter example sequence")
         raise ParallelizeError(
             f"{'sequence parallel' if sequence_parallel else 'context parallel'} splits the sequence, but the trace "
             f"fixed its length to the example's ({', '.join(map(str, lengths))}): torch.export specializes a length "

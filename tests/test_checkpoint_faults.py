@@ -248,6 +248,10 @@ def test_each_param_group_resumes_with_the_settings_its_parameters_were_saved_wi
         prog.load(str(tmp_path / "ck"), merged)
 
 
+class _LoggedAdamW(torch.optim.AdamW):
+    """A user's subclass: AdamW's state and hyperparameters."""
+
+
 def test_damage_since_the_save_and_another_optimizer_are_refused_before_anything_loads(tmp_path):
     """A data file cut short or removed (the commit marker lists every file's size), one
     overwritten with the same size, a damaged index: ParallelizeErrors naming the checkpoint
@@ -273,7 +277,7 @@ def test_damage_since_the_save_and_another_optimizer_are_refused_before_anything
     for cls, kw in ((torch.optim.SGD, {"lr": 0.1}), (torch.optim.Adagrad, {})):
         given = cls(other.parameters(), **kw)
         own = repr(given.state_dict())
-        with pytest.raises(fxtron.ParallelizeError, match=rf"holds AdamW's state of .*the optimizer given is {cls.__name__}"):
+        with pytest.raises(fxtron.ParallelizeError, match=rf"holds AdamW's state of .*the optimizer given is {cls.__name__}:"):
             other.load(str(ck), given)
         assert untouched() and repr(given.state_dict()) == own
     data = next(f for f in os.listdir(ck) if f.endswith(".distcp"))
@@ -293,6 +297,12 @@ def test_damage_since_the_save_and_another_optimizer_are_refused_before_anything
         fxtron.load_full_state_dict(str(ck))
     (ck / ".metadata").write_bytes(index)
     other.load(str(ck), torch.optim.AdamW(other.parameters()))        # as saved: it loads
+    # the class by name without its module (a script's class is __main__'s when it saves and
+    # __mp_main__'s under fxtron.launch); Adam's state into AdamW is refused (its hyperparameters)
+    from fxtron.runtime.checkpoint.dcp import _class_name
+    assert _class_name(_LoggedAdamW(other.parameters())) == "_LoggedAdamW"
+    with pytest.raises(fxtron.ParallelizeError, match="holds AdamW's state of .*the optimizer given is Adam:"):
+        other.load(str(ck), torch.optim.Adam(other.parameters()))
     prog.save(str(tmp_path / "weights"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -184,8 +184,8 @@ AT_PARALLELIZE = [
      r"has size 1 there: .*a 4-D attention mask's head dim.*pass the mask as \(B, S\)"),
     ("model: a (B, S, S) mask at cp=2", lambda: fxtron.parallelize(_Masked(heads=False), Mesh(2, cp=2),
                                                                   example_inputs=_mask4d(heads=False)),
-     r"input 1 \(traced as \('B', 8, 8\)\) holds the sequence in dim 2 too.*cannot be split over the sequence: "
-     r"pass a \(B, S\) padding mask"),
+     r"input 1 \(traced as \('B', 8, 8\)\) has that length in dim 2 too\. If it is a mask of queries by keys.*"
+     r"cannot be split over the sequence -- pass a \(B, S\) padding mask"),
     ("model: float64 at tp=2", lambda: _par(_gpt().double(), Mesh(2, tp=2)), r"parameter wte\.weight is float64"),
     ("model: every linear left replicated, strict", lambda: fxtron.parallelize(_Square(), Mesh(2, tp=2),
                                                                                 example_inputs=_x(), strict=True),

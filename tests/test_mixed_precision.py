@@ -246,6 +246,37 @@ def test_fp16_pipeline_of_one_microbatch_caps_the_scale_on_every_stage():
         assert abs(loss - ref) <= 2.0**-8 * abs(ref), (rank, loss, ref)
 
 
+def _held_pp_job(rank: int, mesh: fxtron.Mesh, path: str) -> dict:
+    """A model held in bf16, trained on fp32 masters at pp=2, written by save_pretrained in
+    shards of 200 KB: each stage's ranks decide its tensors' dtype (the model's 16 bits)."""
+    (args, _), = batches("gpt", 4, [8], seed=0)
+    prog = fxtron.parallelize(make("gpt").to(torch.bfloat16), mesh, example_inputs=args, dtype="bf16",
+                              microbatches=2).program(rank)
+    prog.train_step(args, torch.optim.AdamW(prog.parameters(), lr=1e-2))
+    prog.save_pretrained(path, max_shard_size="200KB")
+    return prog.full_state_dict()
+
+
+def test_a_16_bit_model_written_from_a_pipeline_is_one_set_of_files(tmp_path):
+    """Every rank plans every stage's files: with each tensor's dtype known only to the rank
+    holding it, rank 0 planned stage 1's weights in fp32 and rank 1 in bf16 -- the index named
+    a file neither wrote, and its total_size was not the bytes written."""
+    import json
+
+    from safetensors.torch import load_file
+    path = str(tmp_path / "hf")
+    full = {}
+    for got in run_on_ranks(_held_pp_job, fxtron.Mesh(2, pp=2), fxtron.Mesh(2, pp=2), path):
+        full.update(got)
+    index = json.loads(open(os.path.join(path, "model.safetensors.index.json")).read())
+    files = set(index["weight_map"].values())
+    assert all(os.path.isfile(os.path.join(path, f)) for f in files), (files, os.listdir(path))
+    written = {k: v for f in files for k, v in load_file(os.path.join(path, f)).items()}
+    assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in written.values())
+    assert {v.dtype for v in written.values()} == {torch.bfloat16}
+    assert all(torch.equal(v, full[k].to(torch.bfloat16)) for k, v in written.items())
+
+
 def test_dtype_is_checked():
     with pytest.raises(fxtron.ParallelizeError, match="dtype"):
         fxtron.parallelize(make("gpt"), fxtron.Mesh(1), example_inputs=batch("gpt", 2, 8, 0)[0], dtype=torch.int8)

@@ -350,6 +350,7 @@ def make(name: str, dropout: float = 0.0, layers: int = 2) -> torch.nn.Module:
     if name == "gpt-unused":     # parameters its forward never reads (a head kept for another task)
         model = make("gpt", dropout, layers)
         model.unused_head = torch.nn.Linear(8, 4)
+        model.register_buffer("unused_counts", torch.arange(4.0))
         return model
     if name == "two-branch-mlp":
         return TwoBranchMLP()

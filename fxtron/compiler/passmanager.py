@@ -124,7 +124,14 @@ class RankGraph:
                         fused=tuple(sorted({w for g in self.graphs for w in fused_weights(g)})),
                         seq_split=self.seq_split, max_seq=self.max_seq.tokens if self.max_seq else None,
                         max_seq_why=self.max_seq.why if self.max_seq else "",
-                        host_bound=tuple(host_bound(self.graphs)))
+                        host_bound=tuple(host_bound(self.graphs)), unread_buffers=self.unread_buffers())
+
+    def unread_buffers(self) -> tuple[str, ...]:
+        """On the first pipeline stage's ranks, the buffers no node of the model reads."""
+        if self.stages is None or not any(st.index == 0 for st in self.stages):
+            return ()
+        return tuple(spec.target for n in self.gm.graph.nodes if n.op == "placeholder" and not n.users
+                     and (spec := meta.get(n, meta.INPUT)) is not None and spec.kind == "buffer")
 
 
 # ----------------------------------------------------------------------------- the pass list

@@ -441,8 +441,10 @@ def _to_graph_module(ep: ExportedProgram, model: torch.nn.Module, user_dims, in_
         else:
             raise ParallelizeError(f"unsupported exported input {spec.kind} for {node.name}")
 
-    # Name export's symbols: the first input's batch and sequence dims become B and S.
-    symbols: dict[sympy.Symbol, sympy.Symbol] = {}
+    # Name export's symbols B and S by the role most inputs give them (the first input's on a tie):
+    # an (S, S) mask passed first has its batch_dim position equated with the sequence, and must
+    # not name the sequence B
+    votes: dict[sympy.Symbol, dict[str, int]] = {}
     for node in placeholders:
         if node.graph is not graph or meta.get(node, meta.INPUT) is None:
             continue
@@ -452,8 +454,12 @@ def _to_graph_module(ep: ExportedProgram, model: torch.nn.Module, user_dims, in_
         for size, role in zip(node.meta["val"].shape, spec.dims):
             if isinstance(size, torch.SymInt) and role is not None:
                 sym = sympy.sympify(size.node.expr)
-                if isinstance(sym, sympy.Symbol) and sym not in symbols:
-                    symbols[sym] = BATCH if role == "batch" else SEQ
+                if isinstance(sym, sympy.Symbol):
+                    votes.setdefault(sym, {}).setdefault(role, 0)
+                    votes[sym][role] += 1
+    symbols: dict[sympy.Symbol, sympy.Symbol] = {
+        sym: BATCH if max(roles, key=lambda r: (roles[r], -list(roles).index(r))) == "batch" else SEQ
+        for sym, roles in votes.items()}
 
     buffer_mutations = {}
     for i, spec in enumerate(sig.output_specs):

@@ -28,7 +28,9 @@ class RankSpec:
     the step can refuse a length that does not divide before it runs. max_seq: the longest
     sequence the model takes (a position table's rows; None: no limit found), max_seq_why:
     what sets it. host_bound: what in the graphs a captured CUDA graph cannot replay, a line
-    each (codegen/regions.py host_bound; cuda_graphs=True refuses them at program build)."""
+    each (codegen/regions.py host_bound; cuda_graphs=True refuses them at program build).
+    unread_buffers: under pipeline parallel, on the first stage's ranks, the buffers the
+    model's forward never reads (in no stage's graph): held there so checkpoints keep them."""
 
     rank: int
     mesh: MeshView
@@ -45,6 +47,7 @@ class RankSpec:
     max_seq: int | None = None
     max_seq_why: str = ""
     host_bound: tuple[str, ...] = ()
+    unread_buffers: tuple[str, ...] = ()
 
     @property
     def graphs(self) -> list[fx.GraphModule]:

@@ -55,7 +55,8 @@ def used_buffers(model: torch.nn.Module, spec: RankSpec,
     """Copies of the buffers (and lifted constants) the rank's graphs read; a meta model's
     buffers as its initialization computes them (runtime/materialize.py)."""
     model_buffers = dict(model.named_buffers())
-    names = spec.info.buffers if spec.stages is None else sorted({b for s in spec.stages for b in s.buffers})
+    names = spec.info.buffers if spec.stages is None else sorted({b for s in spec.stages for b in s.buffers}
+                                                                  | set(spec.unread_buffers))
     out = {}
     for name in names:
         b = model_buffers.get(name)

@@ -52,7 +52,7 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 
 from fxtron.core import layout as shard_math
 from fxtron.core.params import AxisShard
-from fxtron.errors import ParallelizeError, warn_or_raise
+from fxtron.errors import ParallelizeError, ParallelizeWarning, warn_or_raise
 from fxtron.ops import ledger
 from fxtron.runtime import optim
 from fxtron.runtime.grads import across_stages
@@ -165,7 +165,11 @@ OPTIMIZER = "__optimizer__"     # in a group's record: the class of the optimize
 
 
 def _class_name(o) -> str:
-    return f"{type(o).__module__}.{type(o).__qualname__}"
+    """The optimizer's class by its qualified name without the module: the same class saved by
+    a script and loaded under fxtron.launch (`__main__` there, `__mp_main__` here), or imported
+    from elsewhere, is the same. A subclass is another class (AdamW is one of Adam's, with other
+    hyperparameters: Adam's decoupled_weight_decay=False taken by AdamW would make it Adam)."""
+    return type(o).__qualname__
 
 
 def save(prog, path: str, optimizer: torch.optim.Optimizer | None = None, storage_writer=None,
@@ -312,11 +316,11 @@ def _load(*args, checkpoint_id: str, **kwargs):
             return dcp.load(*args, checkpoint_id=checkpoint_id, **kwargs)
     except CheckpointException as e:
         why = "; ".join(f"rank {r}: {_first_line(exc)}" for r, (exc, _) in sorted(e.failures.items()))
-        raise ParallelizeError(f"{checkpoint_id} could not be read ({why}): a file of it is damaged; load an "
-                               "earlier checkpoint") from None
+        raise ParallelizeError(f"{checkpoint_id} could not be read ({why}): a file of it is damaged, or a rank "
+                               "failed while reading (its own error says why)") from None
     except Exception as e:  # noqa: BLE001 - whatever the reader met, said with the checkpoint's name
-        raise ParallelizeError(f"{checkpoint_id} could not be read ({_first_line(e)}): a file of it is damaged; "
-                               "load an earlier checkpoint") from e
+        raise ParallelizeError(f"{checkpoint_id} could not be read ({_first_line(e)}): a file of it is damaged, or "
+                               "a rank failed while reading (its own error says why)") from e
 
 
 def _first_line(exc: BaseException) -> str:
@@ -444,8 +448,8 @@ def load(prog, path: str, optimizer: torch.optim.Optimizer | None = None) -> Non
     if prog.zero is not None:
         prog.zero.wait_params()
     layout = _read_layout(path, meta, no_dist=_alone(prog))
-    params = dict(prog.named_parameters())
-    _check_model(prog, path, meta, layout)
+    kept = _check_model(prog, path, meta, layout)
+    params = {n: p for n, p in prog.named_parameters() if n not in kept}
     sd: dict = {}
     finish: dict[str, object] = {}
     for name, p in params.items():
@@ -590,10 +594,9 @@ def _check_saved_class(optimizer, params: dict[str, torch.Tensor], sd: dict, pat
             saved = _unpack_obj(sd[key]).get(OPTIMIZER) if key in sd else None
             if saved is not None and saved != mine:
                 raise ParallelizeError(
-                    f"{path} holds {saved.rsplit('.', 1)[-1]}'s state of {names[id(p)]}, and the optimizer given is "
-                    f"{type(optimizer).__name__} (saved {saved}, given {mine}): load with the optimizer the run saved "
-                    "with, or load without the optimizer (prog.load(path)) and start its state afresh; nothing was "
-                    "loaded")
+                    f"{path} holds {saved}'s state of {names[id(p)]}, and the optimizer given is {mine}: load with "
+                    "the optimizer the run saved with, or load without the optimizer (prog.load(path)) and start "
+                    "its state afresh; nothing was loaded")
 
 
 def _load_groups(optimizer, params: dict[str, torch.Tensor], sd: dict, path: str) -> None:
@@ -664,16 +667,24 @@ def _saved_shapes(meta, layout) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _check_model(prog, path: str, meta, layout) -> None:
+def _check_model(prog, path: str, meta, layout) -> set[str]:
     """Raise ParallelizeError listing every difference between the checkpoint's parameters
-    (names and full shapes) and the program's model's."""
+    (names and full shapes) and the program's model's. Returns the parameters to leave as they
+    are: under pipeline parallel, ones the forward never reads that the checkpoint lacks (a
+    pipeline's checkpoints left them out before the first stage held them), said."""
     saved = _saved_shapes(meta, layout)
     mine = {n: tuple(spec.full_shape) for n, spec in prog.local.items()}
-    missing = sorted(set(mine) - set(saved))
+    unread = set(mine) - {p for st in prog._stages for p in st.params} if prog._stages is not None else set()
+    kept = sorted(unread - set(saved))
+    if kept:
+        warnings.warn(f"checkpoint {path} has no {', '.join(kept)}: parameters the model's forward never reads, which "
+                      "pipeline-parallel checkpoints written before fxtron held them left out; they keep the values "
+                      "they have", ParallelizeWarning, stacklevel=3)
+    missing = sorted(set(mine) - set(saved) - set(kept))
     shapes = sorted(n for n in set(mine) & set(saved) if mine[n] != saved[n])
     extra = sorted(set(saved) - set(prog.info.params) - set(prog.info.aliases))
     if not (missing or shapes or extra):
-        return
+        return set(kept)
     lines = ([f"missing from the checkpoint: {', '.join(missing)}"] if missing else []) + \
             (["shapes differ: " + ", ".join(f"{n} {saved[n]} in the checkpoint, {mine[n]} in the model" for n in shapes)]
              if shapes else []) + ([f"not in the model: {', '.join(extra)}"] if extra else [])

@@ -634,8 +634,10 @@ def save_pretrained(prog, path: str, max_shard_size: int | str = DEFAULT_SHARD, 
     buffers = {n: b for n, b in prog.named_buffers() if n in persistent}
     order = [n for n in prog.info.params if n in params] + [n for n in prog.info.buffers if n in buffers]
     order += [n for n in list(params) + list(buffers) if n not in order]
+    # each tensor with the dtype it is written in, decided by the rank that holds it (held_in is
+    # the rank's own): every rank plans every stage's files alike
     mine = [(n, tuple(prog.local[n].full_shape) if n in prog.local else tuple((params.get(n, buffers.get(n))).shape),
-             (params.get(n, buffers.get(n))).dtype) for n in order]
+             cast(n, (params.get(n, buffers.get(n))).dtype)) for n in order]
     stages = [mine]
     if pp > 1:
         stages = [None] * pp
