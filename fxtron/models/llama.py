@@ -261,6 +261,6 @@ class Llama(nn.Module):
         if targets is None:
             return logits
         V = self.config.vocab_size
-        if logits.dtype != torch.float32:     # a 16-bit compute dtype: the loss in fp32, as Megatron's and transformers'
+        if logits.dtype in (torch.bfloat16, torch.float16):   # the loss in fp32, as Megatron's and transformers'
             logits = logits.float()
         return F.cross_entropy(logits.view(-1, V), targets.view(-1))
