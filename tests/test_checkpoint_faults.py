@@ -314,3 +314,33 @@ def test_damage_since_the_save_and_another_optimizer_are_refused_before_anything
     with pytest.raises(fxtron.ParallelizeError, match=r"model\.safetensors cannot be read as safetensors .*damaged "
                                                       "or cut short"):
         other.load_pretrained(str(tmp_path / "hf"))
+
+
+def _unread_kept(rank, mesh, root):
+    import warnings
+    pm = fxtron.parallelize(make("gpt"), mesh, example_inputs=batch("gpt", 2, 8, seed=0)[0])
+    prog = pm.program(rank)
+    prog.save(os.path.join(root, "gpt"))
+    saved = prog.full_state_dict()
+    pm = fxtron.parallelize(make("gpt-unused"), mesh, example_inputs=batch("gpt-unused", 2, 8, seed=0)[0])
+    prog = pm.program(rank)
+    before = prog.full_state_dict()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prog.load(os.path.join(root, "gpt"))
+    return {"saved": saved, "before": before, "after": prog.full_state_dict(),
+            "said": [str(w.message) for w in caught if issubclass(w.category, fxtron.ParallelizeWarning)]}
+
+
+def test_a_pipeline_checkpoint_without_the_weights_no_stage_reads_loads_with_a_warning(tmp_path):
+    """Pipeline checkpoints written before the first stage held the parameters the forward never
+    reads lack them (here: gpt's checkpoint at pp=2 loaded into gpt-unused, gpt with an unread
+    head): the load says so and leaves them as they are; every other weight is the saved one."""
+    mesh = fxtron.Mesh(2, pp=2)
+    out = run_on_ranks(_unread_kept, mesh, mesh, str(tmp_path), timeout_s=300)[0]
+    head = ["unused_head.bias", "unused_head.weight"]
+    assert any("has no " + ", ".join(head) in s for s in out["said"]), out["said"]
+    for name in head:
+        assert torch.equal(out["after"][name], out["before"][name])
+    for name, value in out["saved"].items():
+        assert torch.equal(out["after"][name], value), name

@@ -124,14 +124,17 @@ class RankGraph:
                         fused=tuple(sorted({w for g in self.graphs for w in fused_weights(g)})),
                         seq_split=self.seq_split, max_seq=self.max_seq.tokens if self.max_seq else None,
                         max_seq_why=self.max_seq.why if self.max_seq else "",
-                        host_bound=tuple(host_bound(self.graphs)), unread_buffers=self.unread_buffers())
+                        host_bound=tuple(host_bound(self.graphs)), unread_params=_held_unread(self, "parameter"),
+                        unread_buffers=_held_unread(self, "buffer"))
 
-    def unread_buffers(self) -> tuple[str, ...]:
-        """On the first pipeline stage's ranks, the buffers no node of the model reads."""
-        if self.stages is None or not any(st.index == 0 for st in self.stages):
-            return ()
-        return tuple(spec.target for n in self.gm.graph.nodes if n.op == "placeholder" and not n.users
-                     and (spec := meta.get(n, meta.INPUT)) is not None and spec.kind == "buffer")
+
+def _held_unread(s, kind: str) -> tuple[str, ...]:
+    """Under pipeline parallel, on the first stage's ranks, the parameters or buffers the model's
+    forward never reads: they are in no stage's graph, and the first stage holds them (with no
+    gradient, as in one process) so that checkpoints and full_state_dict keep them."""
+    if s.stages is None or not any(st.index == 0 for st in s.stages):
+        return ()
+    return meta.unread(s.gm, kind)
 
 
 # ----------------------------------------------------------------------------- the pass list
@@ -281,12 +284,8 @@ def shard_params(gm: fx.GraphModule, mesh: MeshView, mine: set[str]) -> dict[str
 
 
 def _shard_params(s: RankState) -> None:
-    mine = set(meta.info(s.gm).params) if s.stages is None else {p for st in s.stages for p in st.params}
-    if s.stages is not None and any(st.index == 0 for st in s.stages):
-        # a parameter the model's forward never reads is in no stage's graph: the first stage's
-        # ranks hold it (no gradient, as in one process), so checkpoints and full_state_dict keep it
-        mine |= {meta.param_name(p) for p in s.gm.graph.nodes
-                 if p.op == "placeholder" and not p.users and meta.param_name(p) is not None}
+    mine = (set(meta.info(s.gm).params) if s.stages is None
+            else {p for st in s.stages for p in st.params} | set(_held_unread(s, "parameter")))
     s.local = shard_params(s.gm, s.mesh, mine)
     assert set(s.local) == mine
 

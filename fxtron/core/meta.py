@@ -207,6 +207,13 @@ def param_name(node: Any) -> str | None:
     return get(node, INPUT).target if is_param(node) else None
 
 
+def unread(gm: fx.GraphModule, kind: str) -> tuple[str, ...]:
+    """The model's parameters (kind "parameter") or buffers ("buffer") its traced forward never
+    reads: placeholders without users."""
+    return tuple(spec.target for n in gm.graph.nodes if n.op == "placeholder" and not n.users
+                 and (spec := get(n, INPUT)) is not None and spec.kind == kind)
+
+
 #: ops whose value takes no gradient from their tensor inputs (they lend only shape, dtype, device)
 _NO_GRAD = {_aten.new_empty.default, _aten.new_zeros.default, _aten.new_ones.default, _aten.new_full.default,
             _aten.new_empty_strided.default, _aten.zeros_like.default, _aten.ones_like.default,

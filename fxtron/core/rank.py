@@ -29,8 +29,9 @@ class RankSpec:
     sequence the model takes (a position table's rows; None: no limit found), max_seq_why:
     what sets it. host_bound: what in the graphs a captured CUDA graph cannot replay, a line
     each (codegen/regions.py host_bound; cuda_graphs=True refuses them at program build).
-    unread_buffers: under pipeline parallel, on the first stage's ranks, the buffers the
-    model's forward never reads (in no stage's graph): held there so checkpoints keep them."""
+    unread_params, unread_buffers: under pipeline parallel, on the first stage's ranks, the
+    parameters and buffers the model's forward never reads (in no stage's graph): held there so
+    checkpoints keep them."""
 
     rank: int
     mesh: MeshView
@@ -47,6 +48,7 @@ class RankSpec:
     max_seq: int | None = None
     max_seq_why: str = ""
     host_bound: tuple[str, ...] = ()
+    unread_params: tuple[str, ...] = ()
     unread_buffers: tuple[str, ...] = ()
 
     @property

@@ -674,8 +674,7 @@ def _check_model(prog, path: str, meta, layout) -> set[str]:
     pipeline's checkpoints left them out before the first stage held them), said."""
     saved = _saved_shapes(meta, layout)
     mine = {n: tuple(spec.full_shape) for n, spec in prog.local.items()}
-    unread = set(mine) - {p for st in prog._stages for p in st.params} if prog._stages is not None else set()
-    kept = sorted(unread - set(saved))
+    kept = sorted(set(prog.spec.unread_params) - set(saved))
     if kept:
         warnings.warn(f"checkpoint {path} has no {', '.join(kept)}: parameters the model's forward never reads, which "
                       "pipeline-parallel checkpoints written before fxtron held them left out; they keep the values "
