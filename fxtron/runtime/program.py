@@ -123,7 +123,7 @@ class Program(nn.Module):
         # evaluation: the eval-mode graph, compiled and bound on first use (`evaluation()`)
         self._evaluation = evaluation
         self._eval: EvalGraphs | None = None
-        self._eval_runner = None
+        self._eval_runners: dict = {}     # microbatches -> the forward-only runner (pp/runner.py)
         self._last_runner = None          # the runner of the last step (training or evaluation)
         self.frozen: frozenset = frozenset()   # the parameters the model froze (requires_grad=False), runtime/build.py
         self.held_in: dict = {}           # name -> the 16-bit dtype the model held an fp32 master's weight in (build.py)

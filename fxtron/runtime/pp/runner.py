@@ -23,22 +23,25 @@ from fxtron.runtime.pp.executor import StageRunner
 from fxtron.runtime.pp.p2p import P2P
 
 
-def _build(prog, stages: list | None, call, keep=lambda action: True, **options) -> StageRunner:
+def _build(prog, stages: list | None, call, keep=lambda action: True, microbatches: int | None = None,
+           **options) -> StageRunner:
     """A StageRunner of `prog`'s rank over `stages` (None: the whole graph as one stage) running
-    each rank's schedule actions that `keep` keeps, with the p2p between pipeline ranks."""
+    each rank's schedule actions that `keep` keeps, with the p2p between pipeline ranks, over
+    `microbatches` (the program's count unless given)."""
     opts = prog.pipeline
+    m = opts.microbatches if microbatches is None else microbatches
     pp = prog.groups.size("pp") if prog.groups is not None else 1
     pp_rank = prog.groups.index("pp") if prog.groups is not None else 0
     whole = Stage(index=0, gm=None, params=[], buffers=[], user_inputs=[], has_loss=True)
 
     def order(r: int) -> list:
-        return [a for a in schedules.actions(opts.schedule, pp, opts.microbatches, r, opts.virtual_stages) if keep(a)]
+        return [a for a in schedules.actions(opts.schedule, pp, m, r, opts.virtual_stages) if keep(a)]
     p2p = (P2P(prog.groups, scatter_gather=opts.scatter_gather, match_by_tag=prog.config.debug.p2p_tags,
                rank_of=functools.partial(schedules.rank_of, opts.schedule, pp))
            if pp > 1 else None)
     peers = ([order(r) for r in range(pp)], functools.partial(schedules.stage_of, opts.schedule, pp))
     return StageRunner(stages if stages is not None else [whole], call, order(pp_rank), num_stages=pp * opts.chunks,
-                       peers=peers, microbatches=opts.microbatches, p2p=p2p, **options)
+                       peers=peers, microbatches=m, p2p=p2p, **options)
 
 
 def runner(prog) -> StageRunner:
@@ -66,15 +69,16 @@ def pipelined_step(prog, inputs, optimizer, kwargs) -> float:
     return _global_loss(prog, loss)
 
 
-def eval_runner(prog, evaluation) -> StageRunner:
-    """The forward-only runner of `prog`'s rank over its eval-mode stages (built once, kept as
-    `prog._eval_runner`): every rank's schedule with its B and W passes dropped -- each F keeps
-    its place, so the order still runs without deadlock (an F never waits for a B) -- and no
-    backward, no gradient buffer."""
-    if prog._eval_runner is None:
-        prog._eval_runner = _build(prog, evaluation.stages, functools.partial(_call_eval_stage, prog, evaluation),
-                                   keep=lambda a: a.kind == "F", zero_bubble=False, forward_only=True)
-    return prog._eval_runner
+def eval_runner(prog, evaluation, m: int) -> StageRunner:
+    """The forward-only runner of `prog`'s rank over its eval-mode stages in `m` microbatches
+    (built once for each count, kept in `prog._eval_runners`): every rank's schedule with its B
+    and W passes dropped -- each F keeps its place, so the order still runs without deadlock (an
+    F never waits for a B) -- and no backward, no gradient buffer."""
+    if m not in prog._eval_runners:
+        prog._eval_runners[m] = _build(prog, evaluation.stages, functools.partial(_call_eval_stage, prog, evaluation),
+                                       keep=lambda a: a.kind == "F", microbatches=m, zero_bubble=False,
+                                       forward_only=True)
+    return prog._eval_runners[m]
 
 
 def _call_eval_stage(prog, evaluation, stage, flat, received):
@@ -85,33 +89,16 @@ def evaluate(prog, inputs, kwargs, evaluation) -> float:
     """The global batch's loss of `prog`'s eval-mode graph (`evaluation`, Program.eval_graphs)
     run by the forward-only schedule under no_grad: no backward, no gradient touched. On one
     stage, a rank's share of the batch that does not divide into the program's microbatches
-    runs as the most that divide it, one after another (`_evaluate_in`)."""
-    if prog._stages is None:
-        m = prog._batch.fitting_microbatches(inputs, kwargs)
-        if m != prog.pipeline.microbatches:
-            return _evaluate_in(prog, m, inputs, kwargs, evaluation)
-    mbs = prog.microbatches(inputs, kwargs)
-    batch = prog._batch.context(inputs, kwargs, evaluation.info.statistics)
-    run = eval_runner(prog, evaluation)
+    runs as the most that divide it (batch.py fitting_microbatches)."""
+    m = prog.pipeline.microbatches if prog._stages is not None else prog._batch.fitting_microbatches(inputs, kwargs)
+    mbs = prog._batch.microbatches(inputs, kwargs, m)
+    batch = prog._batch.context(inputs, kwargs, evaluation.info.statistics, microbatches=m)
+    run = eval_runner(prog, evaluation, m)
     run.memory = timeline.memory_tracker(prog)
     prog._last_runner = run
     with torch.no_grad(), ep.dispatch_log(prog, evaluation=True), batch.active():
         loss = run.run(mbs)
     return _global_loss(prog, loss)
-
-
-def _evaluate_in(prog, m: int, inputs, kwargs, evaluation) -> float:
-    """The one-stage evaluation in `m` microbatches: each one's loss over m summed, as the
-    runner sums them, the statistics' pieces dp x m."""
-    mbs = prog._batch.microbatches(inputs, kwargs, m)
-    batch = prog._batch.context(inputs, kwargs, evaluation.info.statistics, microbatches=m)
-    prog._last_runner, prog._events, total = None, [], None
-    with torch.no_grad(), ep.dispatch_log(prog, evaluation=True), batch.active():
-        for flat in mbs:
-            loss = prog._run_graph(flat, evaluation)
-            part = loss.detach().to(torch.promote_types(loss.dtype, torch.float32)) / m
-            total = part if total is None else total + part
-    return _global_loss(prog, total)
 
 
 def _global_loss(prog, loss) -> float:
