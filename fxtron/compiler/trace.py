@@ -9,6 +9,7 @@ torch.no_grad blocks, which export wraps as regions of their own, are inlined (`
 """
 from __future__ import annotations
 
+import collections
 import inspect
 import operator
 from typing import Any, Callable
@@ -444,7 +445,7 @@ def _to_graph_module(ep: ExportedProgram, model: torch.nn.Module, user_dims, in_
     # Name export's symbols B and S by the role most inputs give them (the first input's on a tie):
     # an (S, S) mask passed first has its batch_dim position equated with the sequence, and must
     # not name the sequence B
-    votes: dict[sympy.Symbol, dict[str, int]] = {}
+    votes: dict[sympy.Symbol, collections.Counter] = collections.defaultdict(collections.Counter)
     for node in placeholders:
         if node.graph is not graph or meta.get(node, meta.INPUT) is None:
             continue
@@ -455,11 +456,10 @@ def _to_graph_module(ep: ExportedProgram, model: torch.nn.Module, user_dims, in_
             if isinstance(size, torch.SymInt) and role is not None:
                 sym = sympy.sympify(size.node.expr)
                 if isinstance(sym, sympy.Symbol):
-                    votes.setdefault(sym, {}).setdefault(role, 0)
                     votes[sym][role] += 1
-    symbols: dict[sympy.Symbol, sympy.Symbol] = {
-        sym: BATCH if max(roles, key=lambda r: (roles[r], -list(roles).index(r))) == "batch" else SEQ
-        for sym, roles in votes.items()}
+    # (most_common keeps the first-counted role first among equal counts)
+    symbols: dict[sympy.Symbol, sympy.Symbol] = {sym: BATCH if roles.most_common(1)[0][0] == "batch" else SEQ
+                                                 for sym, roles in votes.items()}
 
     buffer_mutations = {}
     for i, spec in enumerate(sig.output_specs):
