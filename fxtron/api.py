@@ -212,6 +212,7 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
             f"the model equates with a constant -- typically a position table or causal-mask buffer as long as the "
             f"example (slicing [:T] of a {lengths[0] if lengths else '?'}-long buffer). Trace with a shorter example "
             f"sequence (the programs still take any length up to the model's limit)")
+    _check_batch_not_fixed(ti, mesh.dp * config.pipeline.microbatches, config.inputs.batch_dim)
     if mesh.ep > 1:
         check_experts(traced, mesh.ep)     # experts that do not divide over ep: an error now
     if config.context.documents is not None:   # THD: proved not to change the model's numbers, or an error now
@@ -227,6 +228,28 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
     pm._check_plan()
     pm.stage_assignment            # a bad stage cut is an error now, not at the first program
     return pm
+
+
+def _check_batch_not_fixed(ti, pieces: int, batch_dim: int) -> None:
+    """ParallelizeError where the trace fixed the batch size (torch.export specializes a size
+    the model reads as a Python number) and the step cuts the batch into `pieces` (dp x
+    microbatches): each piece would run a program that believes it holds the whole example
+    batch (a sum over the batch divided by float(B) would give each rank half the loss)."""
+    if pieces == 1:
+        return
+    for i, (dims, sig) in enumerate(zip(ti.user_dims, ti.signature)):
+        if sig is None or "batch" not in dims:
+            continue
+        size = sig[1][dims.index("batch")]
+        if not sympy.sympify(size).free_symbols and int(size) > 1:
+            shape = "(" + ", ".join(str(d) for d in sig[1]) + ")"
+            raise ParallelizeError(
+                f"the trace fixed the batch size at the example's {int(size)} (input {i}, traced as {shape}): the "
+                f"model reads its batch size as a Python number -- float(x.shape[{batch_dim}]), int(...), "
+                f"math.log(x.shape[{batch_dim}]), a Python loop over the rows -- or equates it with a buffer's size, "
+                f"and torch.export specializes it; cut into {pieces} pieces (dp x microbatches), each would run as "
+                f"if it held {int(size)} rows. Keep the size a tensor expression (loss.sum() / x.shape[{batch_dim}] "
+                f"without float(), or .mean()), or run with dp=1 and microbatches=1 on batches of {int(size)}")
 
 
 def _trace_in_eval_mode(model: torch.nn.Module, example_inputs, **options) -> fx.GraphModule:

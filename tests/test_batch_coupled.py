@@ -349,6 +349,32 @@ def test_batch_norm_over_microbatches_is_an_error():
         assert "microbatches=1" in str(e.value)
 
 
+class _SumOverB(torch.nn.Module):
+    """A mean over the batch written with its size as a Python number (torch.export fixes it at
+    the example's: the program then believes every piece of the batch is the whole)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.head(self.emb(x)).flatten(0, 1), y.flatten(), reduction="sum") / float(x.shape[0])
+
+
+def test_a_batch_size_the_trace_fixed_is_an_error_when_the_batch_is_cut():
+    """dp=2 ran the program traced for 8 rows on each rank's 4: half the loss and gradients,
+    without a word; so did microbatches=2 on one rank. One piece: the step refuses another
+    batch size, as before."""
+    x, y = torch.randint(0, 32, (8, 6)), torch.randint(0, 32, (8, 6))
+    for mesh, m in ((fxtron.Mesh(2), 1), (fxtron.Mesh(1), 2)):
+        with pytest.raises(fxtron.ParallelizeError, match=r"fixed the batch size at the example's 8 \(input 0, traced "
+                                                          r"as \(8, S\)\).*float\(x\.shape\[0\]\).*cut into 2 pieces"):
+            fxtron.parallelize(_SumOverB(), mesh, example_inputs=(x, y), microbatches=m)
+    prog = fxtron.parallelize(_SumOverB(), fxtron.Mesh(1), example_inputs=(x, y)).program(0)
+    with pytest.raises(fxtron.ParallelizeError, match="is 6, but 8 in the traced model"):
+        prog.train_step((x[:6], y[:6]), torch.optim.SGD(prog.parameters(), lr=0.1))
+
+
 def test_the_verifier_names_a_batch_norm_left_per_rank():
     from fxtron.passes.statistics import check_statistics, find_statistics
     pm = _parallelize("mlp", fxtron.Mesh(2))

@@ -327,6 +327,20 @@ class Gradients:
             self.last_norm = float(norm)
         return norm
 
+    def synced_by_the_step(self) -> list[str]:
+        """What of the gradients' sync the step runs after the backward (`finalize`), a phrase
+        each; empty where a rank's backward alone leaves its gradients whole (one rank, tp
+        without sequence parallel)."""
+        out = [f"the {kind} gradient reduction over {buf.dp} ranks" for kind, buf in self.buffers.items()
+               if buf.dp > 1]
+        if self.groups is not None:
+            axes = sorted({a for spec in self.local.values() for a in spec.partial_grad if self.groups.size(a) > 1})
+            out += [f"the sum over {a} of the gradients its ranks compute in part (norm weights under sequence "
+                    f"parallel)" for a in axes]
+            if self.shared and self.groups.size("pp") > 1:
+                out.append("the sum of the tied weights' gradients over the pipeline stages")
+        return out
+
     def sync_partial(self) -> None:
         """Sum over each axis the gradients of the weights whole there but used on shards of
         the data (LocalParam.partial_grad: norms under sequence parallel, over tp): each rank of

@@ -18,6 +18,7 @@ checkpoints and pretrained weights (runtime/checkpoint/dcp.py, runtime/checkpoin
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -73,6 +74,13 @@ class EvalGraphs:
     gm: fx.GraphModule | None
     stages: list | None
     buffers: dict[str, torch.Tensor]
+
+
+def _own_backward(syncs: list[str], grad):
+    raise ParallelizeError(
+        "backward of prog(...)'s loss would leave this rank with the gradients of its own rows only: "
+        "prog.train_step(batch, optimizer) runs, after its backward, " + " and ".join(syncs) + ". Train with "
+        "train_step (a custom loss: parallelize(..., loss_fn=)), or compute the loss under torch.no_grad()")
 
 
 class Program(nn.Module):
@@ -224,10 +232,6 @@ class Program(nn.Module):
         """The global gradient norm before clipping, last step (with clip_grad)."""
         return self.grads.last_norm
 
-    def finalize_grads(self) -> None:
-        """Megatron's finalize_model_grads (runtime/grads.py Gradients.finalize)."""
-        self.grads.finalize()
-
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm of the whole model's gradients (Gradients.norm)."""
         return self.grads.norm()
@@ -247,7 +251,10 @@ class Program(nn.Module):
     def forward(self, *inputs, **kwargs) -> torch.Tensor:
         """The loss of this rank's program on these (already local) inputs: the training
         graph's, or after `prog.eval()` the eval-mode graph's (dropout off, BatchNorm on its
-        running statistics), as the model's own forward follows model.train() / model.eval()."""
+        running statistics), as the model's own forward follows model.train() / model.eval().
+        Its backward is refused where the step syncs the gradients after the backward (dp, cp,
+        expert dp, sequence parallel's norm weights): a rank would keep only its own rows'
+        gradients; `train_step` runs forward, backward, the sync and the optimizer together."""
         if self._stages is not None:
             raise ParallelizeError("a pipeline-parallel program runs forward and backward together, stage by "
                                    "stage over microbatches: call prog.train_step(batch, optimizer), or "
@@ -255,7 +262,10 @@ class Program(nn.Module):
         self._settle_params()
         if not self.training and self._evaluation is not None:
             return self._run_graph(self._flat_inputs(inputs, kwargs), self.eval_graphs())
-        return self._run_graph(self._flat_inputs(inputs, kwargs))
+        loss = self._run_graph(self._flat_inputs(inputs, kwargs))
+        if loss.requires_grad and (syncs := self.grads.synced_by_the_step()):
+            loss.register_hook(functools.partial(_own_backward, syncs))
+        return loss
 
     def eval_graphs(self) -> EvalGraphs:
         """The rank's eval-mode graph (or stages), compiled and bound on first use; the
