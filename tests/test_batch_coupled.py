@@ -375,6 +375,22 @@ def test_a_batch_size_the_trace_fixed_is_an_error_when_the_batch_is_cut():
         prog.train_step((x[:6], y[:6]), torch.optim.SGD(prog.parameters(), lr=0.1))
 
 
+def test_a_float64_batch_norm_corrects_its_running_variance_in_float64():
+    """The unbiased correction n / (n - 1) of the global variance is made in the model's dtype
+    (it was an fp32 scalar: a float64 model's running_var was 1e-8 off one process at dp=2)."""
+    class BN64(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.bn = torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8)
+
+        def forward(self, x, y):
+            return (self.bn(self.lin(x)) - y).pow(2).mean()
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    gm = fxtron.parallelize(BN64().double(), fxtron.Mesh(2), example_inputs=(x, y)).compiled(0).gm
+    counts = [n for n in gm.graph.nodes if n.target == torch.ops.aten.scalar_tensor.default]
+    assert counts and all(n.kwargs["dtype"] == torch.float64 for n in counts), [n.kwargs for n in counts]
+
+
 def test_the_verifier_names_a_batch_norm_left_per_rank():
     from fxtron.passes.statistics import check_statistics, find_statistics
     pm = _parallelize("mlp", fxtron.Mesh(2))

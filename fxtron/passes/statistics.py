@@ -870,7 +870,8 @@ def sync_batch_norms(gm: fx.GraphModule, *, dp: int, group: str = "dp") -> list[
                             meta.set(size, meta.STATISTIC, "batch norm's count, times dp")
                     count = call(operator.mul, count, size) if isinstance(size, fx.Node) or isinstance(
                         count, fx.Node) else count * size
-                n = call(aten.scalar_tensor.default, count, dtype=torch.float32) if isinstance(count, fx.Node) else count
+                n = (call(aten.scalar_tensor.default, count, dtype=torch.promote_types(_fake(rv).dtype, torch.float32))
+                     if isinstance(count, fx.Node) else count)    # (a float64 model's correction in float64)
                 for buf, stat, unbiased in ((rm, mean, False), (rv, var, True)):
                     value = call(aten.view.default, call(aten.detach.default, stat), [c])
                     if unbiased:         # torch's running variance is the unbiased one

@@ -403,7 +403,9 @@ class Gradients:
         rank holds other experts, and the same dense replicas), as Megatron's
         get_grad_norm_fp32 sums each over its model-parallel group."""
         device = self.buffer.data.device
-        dense, experts = (torch.zeros((), dtype=torch.float32, device=device) for _ in range(2))
+        # fp32, as Megatron's get_grad_norm_fp32 -- float64 for a float64 model, as torch's norm of its gradients
+        acc = torch.float64 if any(p.dtype == torch.float64 for p in self.params.values()) else torch.float32
+        dense, experts = (torch.zeros((), dtype=acc, device=device) for _ in range(2))
         coords = {a: self.groups.index(a) if self.groups is not None else 0 for a in NORM_AXES}
         sizes = {a: self.groups.size(a) if self.groups is not None else 1 for a in NORM_AXES}
         pp_rank = self.groups.index("pp") if self.groups is not None else 0
@@ -420,7 +422,7 @@ class Gradients:
             if holders is not None and pp_rank != holders[0]:
                 continue                                   # a tied weight: its first stage counts it
             total = experts if spec is not None and spec.grad_group == "expert-dp" else dense
-            squares = g.float().pow(2)
+            squares = g.to(acc).pow(2)
             whole = _whole_elements(spec, coords, sizes, start, g.numel(), g.device) if spec is not None else None
             if whole is None:
                 total += squares.sum()
