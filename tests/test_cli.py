@@ -283,6 +283,23 @@ def test_model_config_values_take_the_fields_type(capsys):
     assert "Traceback" not in capsys.readouterr().err
 
 
+def test_model_config_fields_derived_from_the_ones_given_follow_them():
+    """The config is built from the fields given, as transformers builds it: Llama's head_dim
+    follows hidden_size / num_attention_heads, num_key_value_heads follows num_attention_heads
+    (set on the default config, they kept 128 and 32: a silently larger model, or a trace that
+    failed on the key-value heads), and a combination the config refuses is a ParallelizeError."""
+    import fxtron
+    from fxtron.trainer.models import hf_config
+    c = hf_config("llama", {"num_hidden_layers": "8", "hidden_size": "2048"})
+    assert (c.head_dim, c.num_key_value_heads) == (64, 32)
+    c = hf_config("llama", {"hidden_size": 256, "num_attention_heads": 8})
+    assert (c.head_dim, c.num_key_value_heads) == (32, 8)
+    assert hf_config("llama", {"hidden_size": 256, "num_attention_heads": 8, "head_dim": 64}).head_dim == 64
+    with pytest.raises(fxtron.ParallelizeError, match=r"--model-config hidden_size=250, num_attention_heads=8: "
+                                                      r"LlamaConfig refuses it: .*not a multiple"):
+        hf_config("llama", {"hidden_size": 250, "num_attention_heads": 8})
+
+
 def test_the_planner_shows_progress_on_a_terminal_only(capsys):
     from fxtron.tools import planner
     dims = planner.ModelDims(layers=4, hidden=64, heads=8, vocab=128, params=300_000)

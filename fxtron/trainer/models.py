@@ -225,14 +225,24 @@ def hf_config(arch: str, overrides: dict | None = None):
     except ValueError as e:
         raise ParallelizeError(f"transformers knows no architecture {arch!r}: {e}") from None
     known = set(cfg.to_dict())
+    given = {}
     for key, value in (overrides or {}).items():
         if key not in known:
             import difflib
             near = difflib.get_close_matches(key, sorted(known), n=3)
             raise ParallelizeError(f"{type(cfg).__name__} has no field {key!r}"
                                    + (f" (did you mean {', '.join(map(repr, near))}?)" if near else ""))
-        setattr(cfg, key, typed(value, getattr(cfg, key), f"{type(cfg).__name__}.{key}"))
-    return cfg
+        given[key] = typed(value, getattr(cfg, key), f"{type(cfg).__name__}.{key}")
+    if not given:
+        return cfg
+    # built again from the fields given, as transformers builds a config: the fields its
+    # constructor derives from them (Llama's head_dim from hidden_size, num_key_value_heads
+    # from num_attention_heads) follow them -- set on the default config, they kept the default's
+    try:
+        return transformers.AutoConfig.for_model(arch, **given)
+    except Exception as e:     # (transformers' validators raise their own classes)
+        raise ParallelizeError(f"--model-config {', '.join(f'{k}={v}' for k, v in given.items())}: "
+                               f"{type(cfg).__name__} refuses it: {' '.join(str(e).split())}") from None
 
 
 def typed(value, like, name: str):
