@@ -150,6 +150,7 @@ def test_toml_round_trip_and_errors(tmp_path):
     for text, msg in [("[pipelin]\nschedule = '1f1b'\n", r"section \[pipelin\] \(did you mean 'pipeline'\?\)"),
                       ("[pipeline]\nschedul = '1f1b'\n", r"\[pipeline\] has no field 'schedul' \(did you mean 'schedule'"),
                       ("[pipeline]\nschedule = '1fb1'\n", r"schedule must be one of .* \(did you mean '1f1b'\?\)"),
+                      ("[data_parallel]\nzero = \"1\"\n", r"zero must be one of 0, 1, 2, 3, not '1' \(give 1, without quotes\)"),
                       ("steps = 3\n", r"sets steps = 3 outside any section; it is a field of \[training\]"),
                       ("[pipeline\n", "not valid TOML")]:
         path.write_text(text)

@@ -159,6 +159,23 @@ def test_a_dead_peer_is_a_peer_error_naming_its_rank_and_exit():
     assert str(err.value).startswith("rank 0 died with exit code 3 without a traceback"), str(err.value)
 
 
+def test_a_script_that_launches_without_a_main_guard_is_told_to_add_one(tmp_path):
+    """Each rank's process imports the launching script to find its function: unguarded, the
+    import launched again, and multiprocessing's bootstrapping error spoke of freeze_support."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent("""
+        import fxtron
+
+        def work(rank):
+            return rank
+
+        fxtron.launch(work, fxtron.Mesh(2))
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert 'call fxtron.launch under `if __name__ == "__main__":`' in done.stderr, done.stderr[-2000:]
+
+
 class _KilledWhileSaved:
     """A result whose saving kills its rank (the OOM killer's moment: saving a large result
     doubles the rank's memory)."""

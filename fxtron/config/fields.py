@@ -62,6 +62,9 @@ def _choices(values) -> str:
 
 
 def _closest(value: Any, candidates) -> str:
+    same = [c for c in candidates if str(c) == str(value)]
+    if same:            # zero="1" (a TOML string): the choice is 1, written without quotes
+        return f" (give {same[0]!r}, without quotes)"
     near = difflib.get_close_matches(str(value), [str(c) for c in candidates], n=1, cutoff=0.6)
     return f" (did you mean {near[0]!r}?)" if near else ""
 

@@ -25,6 +25,7 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -236,6 +237,12 @@ def launch(fn: Callable[..., Any], mesh: Mesh, args: tuple = (), *, backend: str
     rank's traceback and, for every rank, the operation it was in (the flight recorder); a
     PeerError (a LaunchError) naming the rank and its exit where one died without a report.
     """
+    if sys._getframe(1).f_globals.get("__name__") == "__mp_main__":
+        # a rank's process imports the script that launched it (to find fn): unguarded, the
+        # import launches again, and multiprocessing's own error talks of freeze_support
+        raise ParallelizeError("fxtron.launch was called again while a rank's process imported the script that "
+                               "launches (each rank imports it to find the function it runs): call fxtron.launch "
+                               "under `if __name__ == \"__main__\":`")
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= mesh.world_size else "gloo"
     if threads_per_rank is None:
