@@ -298,6 +298,8 @@ def test_model_config_fields_derived_from_the_ones_given_follow_them():
     with pytest.raises(fxtron.ParallelizeError, match=r"--model-config hidden_size=250, num_attention_heads=8: "
                                                       r"LlamaConfig refuses it: .*not a multiple"):
         hf_config("llama", {"hidden_size": 250, "num_attention_heads": 8})
+    with pytest.raises(fxtron.ParallelizeError, match=r"knows no architecture 'lama' \(did you mean 'llama'"):
+        hf_config("lama")
 
 
 def test_the_planner_shows_progress_on_a_terminal_only(capsys):

@@ -251,6 +251,10 @@ def test_a_blend_without_weights_is_megatrons(megatron, tmp_path):
     assert (train.dataset_index == 0).sum() == 28        # by samples: a has ~4x b's tokens
     with pytest.raises(fxtron.ParallelizeError, match=r"one epoch of each dataset .* are needed: give weights"):
         gpt.build_datasets(prefixes, "90,10,0", 16, 7, (10_000, None, None))
+    # the trainer's preflight finds the same from the sequence lengths alone, before any rank starts
+    gpt.check_sizes(prefixes, "90,10,0", 16, sizes)
+    with pytest.raises(fxtron.ParallelizeError, match=r"one epoch of each dataset .* train samples .* 10000 are needed"):
+        gpt.check_sizes(prefixes, "90,10,0", 16, (10_000, None, None))
 
 
 def _tokenizer(path) -> str:

@@ -106,6 +106,21 @@ def test_a_sequence_longer_than_the_model_takes_is_named(tmp_path):
         train_rank(0, cfg)
 
 
+def test_load_of_another_models_checkpoint_is_refused_before_any_rank_starts(tmp_path):
+    """--load of gpt-tiny's checkpoint into llama-tiny: the preflight compares the checkpoint's
+    parameters with the meta model's (it was found by each rank's load, after tracing and
+    compiling); the model's own checkpoint, tied embedding and all, passes."""
+    from fxtron.trainer import preflight
+    from fxtron.trainer.loop import train_rank
+    (tmp_path / "t.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    base = TrainConfig().replace(model="gpt-tiny", batch=2, seq=16, text=str(tmp_path / "t.txt"))
+    train_rank(0, base.replace(steps=1, save=str(tmp_path / "a")))
+    preflight.check(base.replace(steps=2, load=str(tmp_path / "a")))
+    with pytest.raises(fxtron.ParallelizeError, match=r"iter_0000001 was saved from another model: missing from the "
+                                                      r"checkpoint: .*layers\.0\..*not in the model: .*blocks\.0\."):
+        preflight.check(base.replace(model="llama-tiny", steps=2, load=str(tmp_path / "a")))
+
+
 @pytest.mark.slow
 def test_a_run_from_load_continues_from_its_own_saves(tmp_path, capsys):
     """--load A --save B: the first start loads A's latest; run again (a torchrun restart, the

@@ -239,23 +239,48 @@ def build_datasets(data: list[str] | tuple[str, ...], split: str, seq: int, seed
 def _unweighted_blend(indexed: list, fractions, s: int, size: int | None, seq: int, seed: int, split: str):
     """Megatron's blend of prefixes without weights, split `s`: one epoch of each dataset's
     part, blended by their sample counts, `size` samples of it (at most all of them)."""
-    name = SPLITS[s]
     if fractions[s] == 0 or size is None:
         return None
-    parts = []
+    lengths = _epoch_samples(indexed, fractions, s, seq, split)
+    _check_epoch(lengths, size, seq, SPLITS[s])
+    parts = [GPTDataset(d, split_indices(len(d), fractions)[s], None, seq, seed, SPLITS[s]) for d in indexed]
+    assert [len(p) for p in parts] == lengths
+    return BlendedDataset(parts, [n / sum(lengths) for n in lengths], size)
+
+
+def _epoch_samples(indexed: list, fractions, s: int, seq: int, split: str) -> list[int]:
+    """The samples of seq + 1 tokens in one epoch of each dataset's part `s` (GPTDataset's
+    count, from the sequence lengths alone)."""
+    out = []
     for d in indexed:
         r = split_indices(len(d), fractions)[s]
         if r is None:
-            raise ParallelizeError(f"dataset {d.prefix} has no {name} sequences at split {split}")
-        parts.append(GPTDataset(d, r, None, seq, seed, name))
-    lengths = [len(p) for p in parts]
+            raise ParallelizeError(f"dataset {d.prefix} has no {SPLITS[s]} sequences at split {split}")
+        out.append(max(0, (int(np.asarray(d.sequence_lengths)[r].sum(dtype=np.int64)) - 1) // seq))
+    return out
+
+
+def _check_epoch(lengths: list[int], size: int, seq: int, name: str) -> None:
     total = sum(lengths)
     if size > total:
         raise ParallelizeError(
             f"a blend without weights is one epoch of each dataset ({' + '.join(map(str, lengths))} = {total} {name} "
             f"samples of {seq + 1} tokens, as Megatron builds it); {size} are needed: give weights ('W1 PREFIX1 "
             f"W2 PREFIX2 ...': more epochs as needed), fewer --steps or a smaller --batch")
-    return BlendedDataset(parts, [n / total for n in lengths], size)
+
+
+def check_sizes(data: list[str] | tuple[str, ...], split: str, seq: int,
+                sizes: tuple[int | None, int | None, int | None]) -> None:
+    """What build_datasets refuses of a blend without weights too short for `sizes`, found
+    from the files' sequence lengths alone, no sample index built (the trainer's preflight)."""
+    prefixes, weights = parse_blend(data)
+    if len(prefixes) == 1 or weights is not None:
+        return
+    fractions = parse_split(split)
+    indexed = [IndexedDataset(p) for p in prefixes]
+    for s, size in enumerate(sizes):
+        if fractions[s] and size is not None:
+            _check_epoch(_epoch_samples(indexed, fractions, s, seq, split), size, seq, SPLITS[s])
 
 
 def position_and_document_ids(tokens: torch.Tensor, eod: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,5 +296,5 @@ def position_and_document_ids(tokens: torch.Tensor, eod: int) -> tuple[torch.Ten
     return idx - before - 1, document
 
 
-__all__ = ["BlendedDataset", "GPTDataset", "blending_indices", "build_datasets", "document_index", "parse_blend",
+__all__ = ["BlendedDataset", "GPTDataset", "blending_indices", "build_datasets", "check_sizes", "document_index", "parse_blend",
            "parse_split", "position_and_document_ids", "sample_index", "shuffle_index", "split_indices"]

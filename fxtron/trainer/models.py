@@ -222,8 +222,15 @@ def hf_config(arch: str, overrides: dict | None = None):
         raise ParallelizeError("hf: models need the transformers package (pip install transformers)") from None
     try:
         cfg = transformers.AutoConfig.for_model(arch)
-    except ValueError as e:
-        raise ParallelizeError(f"transformers knows no architecture {arch!r}: {e}") from None
+    except ValueError:
+        import difflib
+
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+        near = difflib.get_close_matches(arch, list(CONFIG_MAPPING.keys()), n=3)
+        raise ParallelizeError(f"transformers {transformers.__version__} knows no architecture {arch!r}"
+                               + (f" (did you mean {', '.join(repr(n) for n in near)}?)" if near else "")
+                               + "; hf:<architecture> takes a model_type of transformers' configs, such as 'llama', "
+                               "'qwen2', 'mixtral'") from None
     known = set(cfg.to_dict())
     given = {}
     for key, value in (overrides or {}).items():

@@ -30,13 +30,13 @@ def check(cfg: TrainConfig):
         check_heads(tm.model, cfg.mesh.tp, cfg.model.name)
     check_layers(tm.model, cfg.mesh.pp, cfg.pipeline.chunks, cfg.model.name)
     check_experts(tm.model, cfg.mesh.ep, cfg.model.name)
-    check_run(cfg, tm.vocab_size)
+    check_run(cfg, tm.vocab_size, tm.model)
     return tm
 
 
-def check_run(cfg: TrainConfig, vocab_size: int) -> None:
-    """What the workers would refuse at their first step, known from the configuration alone:
-    the same refusals, said once before any rank starts."""
+def check_run(cfg: TrainConfig, vocab_size: int, model=None) -> None:
+    """What the workers would refuse at their first step, known from the configuration (and
+    the meta `model`) alone: the same refusals, said once before any rank starts."""
     import os
 
     import torch
@@ -72,6 +72,9 @@ def check_run(cfg: TrainConfig, vocab_size: int) -> None:
     if it is not None:           # what resuming it would refuse (trainer/checkpoint.py Checkpointer.resume)
         saved = read_state(source, it)
         check_resumable(cfg, iter_dir(source, it), saved)
+        if model is not None:        # another model's checkpoint: said before each rank traces and compiles
+            from fxtron.runtime.checkpoint.dcp import check_model_of
+            check_model_of(iter_dir(source, it), model)
         if "scheduler" in saved:
             schedule(cfg).load_state_dict(saved["scheduler"], override=cfg.optimizer.override_lr_schedule)
     device = cfg.inputs.device
@@ -83,9 +86,11 @@ def check_run(cfg: TrainConfig, vocab_size: int) -> None:
         raise ParallelizeError("--cuda-graphs: the programs run on the CPU (no CUDA device here): CUDA graphs "
                                "capture CUDA kernels alone; run on GPUs, or turn cuda_graphs off")
     check_outputs(cfg)
-    from fxtron.trainer.data import TrainData, check_split
+    from fxtron.trainer.data import TrainData, check_split, valid_samples
     if d.path:
+        from fxtron.data.gpt import check_sizes
         check_split(cfg)
+        check_sizes(d.path, d.split, d.seq, (t.steps * d.batch, valid_samples(cfg, 0, 0), None))
     else:
         TrainData(cfg, vocab_size)      # (the text read and cut: long enough for a sample of each part it uses)
 

@@ -690,6 +690,31 @@ def _check_model(prog, path: str, meta, layout) -> set[str]:
     raise ParallelizeError(f"checkpoint {path} was saved from another model: " + "; ".join(lines))
 
 
+def check_model_of(path: str, model: torch.nn.Module) -> None:
+    """Before any rank starts (the trainer's preflight): ParallelizeError where the checkpoint
+    at `path` was saved from another model than `model` (a meta model will do) -- parameters
+    the model lacks or of other shapes. Parameters the checkpoint lacks are left to the ranks'
+    load, which knows which ones the forward never reads (`_check_model`)."""
+    meta = _metadata(path)
+    saved = _saved_shapes(meta, _read_layout(path, meta, no_dist=True))
+    names: dict[int, list[str]] = {}
+    shapes: dict[int, tuple[int, ...]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):      # tied weights under each name
+        names.setdefault(id(p), []).append(n)
+        shapes[id(p)] = tuple(p.shape)
+    every = {n for ns in names.values() for n in ns}
+    extra = sorted(set(saved) - every)
+    differ = sorted(f"{n} {saved[n]} in the checkpoint, {shapes[k]} in the model"
+                    for k, ns in names.items() for n in ns if n in saved and saved[n] != shapes[k])
+    if not (extra or differ):
+        return
+    missing = sorted(ns[0] for ns in names.values() if not any(n in saved for n in ns))
+    lines = ([f"missing from the checkpoint: {', '.join(missing)}"] if missing else []) + \
+            (["shapes differ: " + ", ".join(differ)] if differ else []) + \
+            ([f"not in the model: {', '.join(extra)}"] if extra else [])
+    raise ParallelizeError(f"checkpoint {path} was saved from another model: " + "; ".join(lines))
+
+
 def _read_layout(path: str, meta, *, no_dist: bool) -> dict[str, tuple[int, int]]:
     """name -> (dim, parts) of every parameter saved in parts."""
     sd = {k: io.BytesIO() for k in meta if k.startswith("layout/")}
