@@ -37,7 +37,7 @@ import torch.nn.functional as F
 import fxtron
 from fxtron.core import meta
 from fxtron.tools.testing import (adamw, assert_trains_like, cases_fixture, max_abs_diff, ranks_of, reference_training,
-                                  train_program)
+                                  run_on_ranks, train_program)
 
 _opt = adamw()
 BN_KEYS = ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked")
@@ -389,6 +389,61 @@ def test_a_float64_batch_norm_corrects_its_running_variance_in_float64():
     gm = fxtron.parallelize(BN64().double(), fxtron.Mesh(2), example_inputs=(x, y)).compiled(0).gm
     counts = [n for n in gm.graph.nodes if n.target == torch.ops.aten.scalar_tensor.default]
     assert counts and all(n.kwargs["dtype"] == torch.float64 for n in counts), [n.kwargs for n in counts]
+
+
+class _Regression(torch.nn.Module):
+    """A linear head under one of the losses torch reduces by a plain mean or sum."""
+    LOSSES = {
+        "mse": lambda h, y: F.mse_loss(h, y),
+        "mse-sum": lambda h, y: F.mse_loss(h, y, reduction="sum"),
+        "l1": lambda h, y: F.l1_loss(h, y),
+        "smooth-l1": lambda h, y: F.smooth_l1_loss(h, y, beta=0.5),
+        "huber": lambda h, y: F.huber_loss(h, y, delta=0.7),
+        "bce-logits": lambda h, y: F.binary_cross_entropy_with_logits(h, (y > 0).to(h.dtype),
+                                                                      pos_weight=torch.full((3,), 2.0, dtype=h.dtype)),
+        "kl-batchmean": lambda h, y: F.kl_div(F.log_softmax(h, -1), F.softmax(y, -1), reduction="batchmean"),
+    }
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind, self.lin = kind, torch.nn.Linear(4, 3)
+
+    def forward(self, x, y):
+        return self.LOSSES[self.kind](self.lin(x), y)
+
+
+def _regression(kind: str):
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    return _Regression(kind).double(), (x, y)
+
+
+def _regression_steps(rank, mesh, microbatches):
+    out = {}
+    for kind in _Regression.LOSSES:
+        model, batch = _regression(kind)
+        prog = fxtron.parallelize(model, mesh, example_inputs=batch, microbatches=microbatches).program(rank)
+        opt = torch.optim.SGD(prog.parameters(), lr=0.1)
+        out[kind] = (prog.train_step(batch, opt), prog.full_state_dict())
+    return out
+
+
+@pytest.mark.slow
+def test_losses_torch_reduces_by_a_mean_or_sum_are_the_global_batchs():
+    """mse, l1, smooth l1, Huber, BCE with logits, KL divergence: were refused at dp=2 and with
+    microbatches ("cannot make this op global"); written as their unreduced values and then a
+    mean or sum, they train like one process on the global batch (float64: to round-off)."""
+    runs = {"dp=2": run_on_ranks(_regression_steps, fxtron.Mesh(2), fxtron.Mesh(2), 1)[0],
+            "microbatches=2": _regression_steps(0, fxtron.Mesh(1), 2)}
+    for kind in _Regression.LOSSES:
+        model, batch = _regression(kind)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loss = model(*batch)
+        loss.backward()
+        opt.step()
+        for where, got in runs.items():
+            assert abs(got[kind][0] - loss.item()) < 1e-12, (kind, where, got[kind][0], loss.item())
+            assert max_abs_diff(got[kind][1], model.state_dict())[0] < 1e-12, (kind, where)
 
 
 def test_the_verifier_names_a_batch_norm_left_per_rank():

@@ -10,7 +10,9 @@ or a count of tokens taken from a shape) -- that the loss depends on, and makes 
 batch's:
 
 * a mean cross entropy (or nll loss) is first written as its sum over tokens divided by the
-  count of tokens it counts (targets other than ignore_index), as one process computes it;
+  count of tokens it counts (targets other than ignore_index), as one process computes it; a
+  loss torch reduces by a plain mean or sum of its unreduced values (mse, l1, Huber, BCE, KL
+  divergence, the margin losses: `split_elementwise_losses`) as those values and their mean or sum;
 * where a statistic reaches the loss linearly (added, scaled by a number that is the same on
   every rank), the average over the pieces is already the global value for a mean; a sum is
   multiplied by the pieces (fxtron::batch_scale); a sum divided by a count of the inputs alone
@@ -159,6 +161,49 @@ def _fake(node: fx.Node):
     return node.meta.get("val")
 
 
+#: losses torch reduces by a plain mean or sum of their unreduced values (reduction=none), and
+#: where their `reduction` argument is: (mse, l1, smooth l1, Huber, BCE with and without logits,
+#: soft margin, KL divergence -- its "batchmean" is the sum over the batch size --, Poisson NLL,
+#: the margin losses, cosine embedding, triplet)
+_ELEMENTWISE_LOSSES = {aten.mse_loss.default: 2, aten.l1_loss.default: 2, aten.smooth_l1_loss.default: 2,
+                       aten.huber_loss.default: 2, aten.binary_cross_entropy.default: 3,
+                       aten.binary_cross_entropy_with_logits.default: 4, aten.soft_margin_loss.default: 2,
+                       aten.kl_div.default: 2, aten.poisson_nll_loss.default: 5,
+                       aten.margin_ranking_loss.default: 4, aten.hinge_embedding_loss.default: 3,
+                       aten.cosine_embedding_loss.default: 4, aten.multi_margin_loss.default: 5,
+                       aten.multilabel_margin_loss.default: 2, aten.triplet_margin_loss.default: 7}
+
+
+def split_elementwise_losses(gm: fx.GraphModule) -> int:
+    """Each loss of _ELEMENTWISE_LOSSES reduced over the batch written as its unreduced values
+    (reduction=none) and then their mean or sum: the same number, as torch's own reduction
+    computes it, with the reduction one the pass makes global. Returns how many."""
+    g, ti = gm.graph, meta.info(gm)
+    n = 0
+    for node in list(g.nodes):
+        at = _ELEMENTWISE_LOSSES.get(node.target) if node.op == "call_function" else None
+        if at is None or not _batchy(_fake(node.args[0]), ti):
+            continue
+        schema = node.target._schema.arguments[at].name
+        reduction = node.args[at] if len(node.args) > at else node.kwargs.get(schema, 1)
+        if reduction not in (1, 2):
+            continue
+        args = list(node.args) + [a.default_value for a in node.target._schema.arguments[len(node.args):at + 1]]
+        args[at] = 0
+        kwargs = {k: v for k, v in node.kwargs.items() if k != schema}
+        with g.inserting_before(node):
+            each = _insert(g, node, node.target, args, kwargs)
+            _refake([each])
+            out = _insert(g, node, aten.mean.default if reduction == 1 else aten.sum.default, (each,), val=_fake(node))
+        node.replace_all_uses_with(out)
+        g.erase_node(node)
+        n += 1
+    if n:
+        g.lint()
+        gm.recompile()
+    return n
+
+
 def split_token_means(gm: fx.GraphModule) -> list[fx.Node]:
     """Each mean cross entropy / nll loss over the batch's tokens written as its sum over the
     tokens divided by the count of tokens it counts (targets other than ignore_index): the
@@ -295,6 +340,7 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
     (TraceInfo.statistics_report). Edits gm in place and returns it."""
     if dp == 1 and pieces == 1:
         return gm
+    split_elementwise_losses(gm)
     split_token_means(gm)
     gathered = gather_negatives(gm, dp=dp, group=group) if pieces == dp else []
     check_batch_coupling(gm, dp=dp, pieces=pieces)
@@ -452,7 +498,8 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
                 f"{where} reduces over the batch (input {_shapes(node, ti)} -> {tuple(ti.shape(_fake(node)))}), and the loss "
                 f"depends on it: each data-parallel rank and microbatch would compute it over its own samples only, "
                 f"not over the global batch as one process does, and fxtron cannot make this op global (only sums, "
-                f"means, histograms and losses over tokens). Compute it as a sum or mean, or opt into per-rank "
+                f"means, histograms, losses over tokens and losses reduced by a mean or sum). Compute it as a sum or "
+                f"mean, or opt into per-rank "
                 f"statistics with moe_aux_loss='local'")
         # linear uses: a sum x pieces; a mean over the batch the sum over its elements divided by
         # the global batch's count of them (microbatches may differ in length); a token mean's
