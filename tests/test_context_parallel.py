@@ -35,7 +35,7 @@ from fxtron.ops.cp.pieces import grouped, rectangles, ring_blocks
 from fxtron.ops.cp.ring import keep_mask, ring_attention
 from fxtron.runtime.batch import BatchSlicer
 from fxtron.tools.testing import (adamw, assert_trains_like, max_abs_diff, ranks_of, reference_training, run_cases,
-                            train_program)
+                            run_on_ranks, train_program)
 from tp_models import batch, batches, make
 
 SEQS = [16, 8]
@@ -1183,3 +1183,54 @@ def test_masks_of_every_shape_train_like_one_process(masks_trained, world, case)
     ref = reference_training(_masked_model(case.name), _mask_batches(), _opt)
     for rank, got in enumerate(ranks_of(masks_trained, fxtron.Mesh(world, **case.axes), case)):
         assert_trains_like(got, ref, rank=rank)
+
+
+class _SoftTargets(torch.nn.Module):
+    """Token logits under a cross entropy against class probabilities, flat (B*S, C) or laid
+    out as the logits (B, C, S)."""
+
+    def __init__(self, layout: str):
+        super().__init__()
+        self.layout = layout
+        self.emb, self.head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 5)
+
+    def forward(self, ids, probs):
+        logits = self.head(self.emb(ids))                                   # (B, S, C)
+        if self.layout == "flat":
+            return F.cross_entropy(logits.flatten(0, 1), probs.flatten(0, 1), label_smoothing=0.1)
+        return F.cross_entropy(logits.transpose(1, 2), probs.transpose(1, 2))
+
+
+def _soft(layout: str):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 16, (2, 8))
+    probs = torch.softmax(torch.randn(2, 8, 5, dtype=torch.float64), -1)
+    return _SoftTargets(layout).double(), (ids, probs)
+
+
+def _soft_steps(rank, mesh):
+    out = {}
+    for layout in ("flat", "classes-first"):
+        model, batch_ = _soft(layout)
+        prog = fxtron.parallelize(model, mesh, example_inputs=batch_).program(rank)
+        out[layout] = (prog.train_step(batch_, torch.optim.SGD(prog.parameters(), lr=0.1)), prog.full_state_dict(),
+                       prog.eval_step(batch_))
+    return out
+
+
+@pytest.mark.slow
+def test_a_cross_entropy_against_class_probabilities_is_a_mean_over_the_tokens():
+    """cp=2: the mean divided by the target's elements (tokens x classes: 1/5 of the loss, without a
+    word), and targets laid out as (B, C, S) were split on their class dim (a crash at the step);
+    now both train like one process (float64)."""
+    got = run_on_ranks(_soft_steps, fxtron.Mesh(2, cp=2), fxtron.Mesh(2, cp=2))[0]
+    for layout in ("flat", "classes-first"):
+        model, batch_ = _soft(layout)
+        loss = model(*batch_)
+        loss.backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        assert abs(got[layout][0] - loss.item()) < 1e-12, (layout, got[layout][0], loss.item())
+        assert max_abs_diff(got[layout][1], model.state_dict())[0] < 1e-12, layout
+        model.eval()
+        with torch.no_grad():
+            assert abs(got[layout][2] - model(*batch_).item()) < 1e-12, layout

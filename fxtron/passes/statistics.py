@@ -499,8 +499,8 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
                 f"depends on it: each data-parallel rank and microbatch would compute it over its own samples only, "
                 f"not over the global batch as one process does, and fxtron cannot make this op global (only sums, "
                 f"means, histograms, losses over tokens and losses reduced by a mean or sum). Compute it as a sum or "
-                f"mean, or opt into per-rank "
-                f"statistics with moe_aux_loss='local'")
+                f"mean of per-sample values; a mixture of experts' load-balancing statistics may instead stay each "
+                f"rank's own with moe_aux_loss='local' (Megatron's default), a change of the model")
         # linear uses: a sum x pieces; a mean over the batch the sum over its elements divided by
         # the global batch's count of them (microbatches may differ in length); a token mean's
         # numerator as it is

@@ -287,8 +287,10 @@ def _cross_entropy(c: Ctx):
     if isinstance(pl, Shard) and pl.dim != 1 and ndim(logits) >= 2:
         # tokens split (context parallel): each rank its tokens' losses; a mean divides the
         # summed losses by the summed count of counted tokens (_cross_entropy_over_tokens)
-        target = Shard(pl.dim if pl.dim == 0 else pl.dim - 1, pl.interleave)
-        out = {0: target, 1: REPLICATE, 2: PARTIAL}[_ce_reduction(c.node)]    # (none: the target's dims)
+        rows = Shard(pl.dim if pl.dim == 0 else pl.dim - 1, pl.interleave)
+        # class indices lack the class dim; class probabilities are laid out as the logits
+        target = Shard(pl.dim, pl.interleave) if _probabilities(c.node) else rows
+        out = {0: rows, 1: REPLICATE, 2: PARTIAL}[_ce_reduction(c.node)]    # (none: a loss a token)
         return out, [None, target] + [REPLICATE] * (len(c.p) - 2)
     return REPLICATE, [REPLICATE] * len(c.p)
 
@@ -372,25 +374,39 @@ def _cross_entropy_over_tokens(node: fx.Node, lower) -> fx.Node | None:
     x, t = lower.remap(logits), lower.remap(target)
     vocab = next((a for a in lower.axes() if isinstance(lower.on(a).placement(logits), Shard)
                   and lower.on(a).placement(logits).dim == 1), None)
-    tpl = Shard(pl.dim if pl.dim == 0 else pl.dim - 1, pl.interleave)
+    rows = Shard(pl.dim if pl.dim == 0 else pl.dim - 1, pl.interleave)
+    probabilities = _probabilities(node)
+    tpl = Shard(pl.dim, pl.interleave) if probabilities else rows
+    if probabilities and vocab is not None:
+        raise ParallelizeError(f"node %{node.name} ({meta.get(node, meta.MODULE) or 'top level'}): a cross entropy "
+                               f"with class probabilities as targets over a vocabulary split across tp and tokens "
+                               f"split across {lower.axis} is not supported; replicate the head in the plan")
     val = node.meta.get("val")
     narrow = val is not None and val.dtype in (torch.float16, torch.bfloat16)
     if vocab is not None:         # the vocabulary split too (tp): its sum over this rank's tokens (fp32)
         total = _vocab_parallel_ce(node, lower.on(vocab), 2, REPLICATE)
         total.meta[meta.PLACEMENT] = meta.get(total, meta.PLACEMENT).with_axis(lower.axis, PARTIAL)
     elif narrow:                  # a 16-bit loss: its tokens' losses summed in fp32 (a 16-bit sum overflows
-        each = lower.call(aten.cross_entropy_loss.default, (x, t, None, 0, ignore_index, smoothing), target, tpl,
+        each = lower.call(aten.cross_entropy_loss.default, (x, t, None, 0, ignore_index, smoothing), target, rows,
                           "each of this rank's tokens' loss")       # past 65504 where the mean does not)
         tv = target.meta.get("val")
-        if tv is not None:            # (the target's shape, the loss's dtype: a float, not the ids' integers)
-            each.meta["val"] = tv.new_empty(tv.shape, dtype=val.dtype)
+        if tv is not None:            # (a loss a token, in the loss's dtype: a float, not the ids' integers)
+            each.meta["val"] = tv.new_empty([n for i, n in enumerate(tv.shape) if not (probabilities and i == 1)],
+                                            dtype=val.dtype)
         total = lower.call(aten.sum.dim_IntList, (each, []), node, PARTIAL,
                            f"the summed loss of this rank's tokens ({lower.axis} splits them), in fp32",
                            kwargs={"dtype": torch.float32})
     else:
         total = lower.call(aten.cross_entropy_loss.default, (x, t, None, 2, ignore_index, smoothing), node, PARTIAL,
                            f"the summed loss of this rank's tokens ({lower.axis} splits them)")
-    counted = lower.call(aten.ne.Scalar, (t, ignore_index), target, tpl, "the tokens counted in the mean")
+    if probabilities:             # the mean is over the tokens (every one counts), not the target's elements
+        lv = logits.meta.get("val")
+        one = lower.call(aten.select.int, (x, 1, 0), logits, rows, "one logit a token, counting the tokens")
+        if lv is not None:
+            one.meta["val"] = lv.new_empty([n for i, n in enumerate(lv.shape) if i != 1])
+        counted = lower.call(aten.ones_like.default, (one,), one, rows, "the tokens counted in the mean")
+    else:
+        counted = lower.call(aten.ne.Scalar, (t, ignore_index), target, tpl, "the tokens counted in the mean")
     count = lower.call(aten.sum.dim_IntList, (counted, []), node, PARTIAL, "this rank's counted tokens",
                        kwargs={"dtype": torch.float32})
     total = lower.call(torch.ops.fxtron.all_reduce.default, (total, lower.axis), node, REPLICATE,
@@ -401,6 +417,12 @@ def _cross_entropy_over_tokens(node: fx.Node, lower) -> fx.Node | None:
     if narrow and vocab is None:
         mean = lower.call(aten.to.dtype, (mean, val.dtype), node, REPLICATE, "the loss in the model's dtype")
     return mean
+
+
+def _probabilities(node: fx.Node) -> bool:
+    """Whether a cross entropy's targets are class probabilities (floats, shaped as the logits)."""
+    tv = node.args[1].meta.get("val") if isinstance(node.args[1], fx.Node) else None
+    return tv is not None and tv.is_floating_point()
 
 
 @register_rule(aten.baddbmm.default)
