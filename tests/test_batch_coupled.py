@@ -371,8 +371,17 @@ def test_a_batch_size_the_trace_fixed_is_an_error_when_the_batch_is_cut():
                                                           r"as \(8, S\)\).*float\(x\.shape\[0\]\).*cut into 2 pieces"):
             fxtron.parallelize(_SumOverB(), mesh, example_inputs=(x, y), microbatches=m)
     prog = fxtron.parallelize(_SumOverB(), fxtron.Mesh(1), example_inputs=(x, y)).program(0)
-    with pytest.raises(fxtron.ParallelizeError, match="is 6, but 8 in the traced model"):
+    with pytest.raises(fxtron.ParallelizeError, match="is 6, but the trace fixed the batch size at the example's 8"):
         prog.train_step((x[:6], y[:6]), torch.optim.SGD(prog.parameters(), lr=0.1))
+    # a sequence length read as a number: the step says which dim the trace fixed (it said only the
+    # batch and sequence dims may change, of the sequence dim)
+    per_token = _SumOverB()
+    per_token.forward = lambda x, y: F.cross_entropy(per_token.head(per_token.emb(x)).flatten(0, 1), y.flatten(),
+                                                     reduction="sum") / float(x.shape[1])
+    prog = fxtron.parallelize(per_token, fxtron.Mesh(1), example_inputs=(x, y)).program(0)
+    with pytest.raises(fxtron.ParallelizeError, match=r"dim 1 of input 0 of shape \(8, 4\) is 4, but the trace fixed "
+                                                      r"the sequence length at the example's 6"):
+        prog.train_step((x[:, :4], y[:, :4]), torch.optim.SGD(prog.parameters(), lr=0.1))
 
 
 def test_a_float64_batch_norm_corrects_its_running_variance_in_float64():

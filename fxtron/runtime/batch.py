@@ -188,6 +188,15 @@ class BatchSlicer:
                                        f"pass {dtype} (x.to({dtype}))")
             for d, (n, e) in enumerate(zip(x.shape, shape)):
                 if e.is_Integer and n != int(e):
+                    role = self.info.user_dims[i][d] if d < len(self.info.user_dims[i]) else None
+                    if role in ("batch", "seq"):
+                        size = "batch size" if role == "batch" else "sequence length"
+                        raise ParallelizeError(
+                            f"dim {d} of {what} is {n}, but the trace fixed the {size} at the example's {int(e)} "
+                            f"{traced()}: the model's code reads it as a Python number or equates it with a constant "
+                            f"(a loop over the {'rows' if role == 'batch' else 'positions'}, float(x.shape[{d}]), a "
+                            f"buffer of that size), so the program takes only {int(e)}; pass {int(e)}, or trace with an "
+                            f"example of the {size} you train with")
                     raise ParallelizeError(f"dim {d} of {what} is {n}, but {int(e)} in the traced model {traced()}: "
                                            "only the batch and sequence dims may change between steps")
                 if e.is_Symbol:

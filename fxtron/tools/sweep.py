@@ -211,9 +211,8 @@ def tiny_config(model_type: str, layers: int = LAYERS):
     for attr in ("use_cache", "return_dict"):
         if hasattr(config, attr):
             setattr(config, attr, attr == "return_dict")
-    for attr in ("hidden_dropout", "attention_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
-                 "hidden_dropout_prob", "attention_probs_dropout_prob", "activation_dropout"):
-        if isinstance(getattr(config, attr, None), float):
+    for attr, value in config.to_dict().items():      # every dropout rate, whatever the family names it
+        if ("dropout" in attr or attr.endswith("pdrop")) and isinstance(value, float):     # (Seed-OSS: residual_dropout)
             setattr(config, attr, 0.0)
     return config
 
