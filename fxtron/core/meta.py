@@ -90,7 +90,7 @@ KERNEL = _key("fxtron_kernel", str, "the GEMM kernel fuse_linears chose for a li
 GRAD_REDUCE = _key("fxtron_grad_reduce", tuple,
                    "on a parameter placeholder: the mesh axes over which its gradient is partial on "
                    "each rank (a replicated norm weight used on sequence shards: ('tp',)); summed there "
-                   "once per step, in finalize_grads, as Megatron all-reduces sequence-parallel norm weights",
+                   "once per step, in the step's finalize (Gradients.finalize), as Megatron all-reduces sequence-parallel norm weights",
                    "passes.redistribute")
 FALLBACK = _key("fxtron_fallback", str,
                 "on a node with no sharding rule for its inputs' placements: the axis on which its "
