@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 import sympy
 
@@ -169,6 +170,11 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
         check_example_sizes(example_inputs, example_kwargs, config.inputs.batch_dim, seq_dim)
     dtype = config.precision.torch_dtype
     subject = materialize.meta_replica(model, dtype) if dtype is not None else model
+    if dtype in (torch.bfloat16, torch.float16):     # wide float inputs in 16 bits, as Megatron's Float16Module
+        def narrow(x):                                # casts them (so does the step: runtime/batch.py)
+            return x.to(dtype) if isinstance(x, torch.Tensor) and x.dtype in (torch.float32, torch.float64) else x
+        example_inputs = pytree.tree_map(narrow, example_inputs)
+        example_kwargs = pytree.tree_map(narrow, example_kwargs) if example_kwargs is not None else None
     traced = trace(subject, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
                    batch_dim=config.inputs.batch_dim, seq_dim=seq_dim, layers_once=config.inputs.trace_layers_once)
     if mesh.cp > 1 and not any("seq" in dims for dims in meta.info(traced).user_dims):

@@ -379,3 +379,32 @@ def test_optimizer_state_saved_beside_16_bit_weights_loads_onto_fp32_masters(tmp
             got = opt2.state[p]["exp_avg"]
             assert got.dtype == p.dtype and torch.equal(got, moments[n].to(p.dtype)), (n, got.dtype, p.dtype)
         assert other.train_step(data[2][0], opt2) > 0
+
+
+class _FloatInputs(torch.nn.Module):
+    """A regression head over float features (a vision or audio front end's input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(6, 16), torch.nn.Linear(16, 3)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.down(torch.relu(self.up(x))), y)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_float_inputs_of_a_16_bit_program_are_cast_as_megatron_casts_them(dtype):
+    """dtype=bf16/fp16 with fp32 float inputs: each step's linear met fp32 features and 16-bit
+    weights (a crash, mat1 and mat2 must have the same dtype); the inputs are cast to the compute
+    dtype, as Megatron's Float16Module casts the first stage's, at the trace and every step."""
+    torch.manual_seed(0)
+    model = _FloatInputs()
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    prog = fxtron.parallelize(model, fxtron.Mesh(1), example_inputs=(x, y), dtype=dtype).program(0)
+    got = prog.train_step((x, y), torch.optim.SGD(prog.parameters(), lr=0.1))
+    params = {n: p.detach().to(dtype) for n, p in model.named_parameters()}
+    want = torch.func.functional_call(model, params, (x.to(dtype), y.to(dtype)))
+    assert got == float(want), (got, float(want))
+    params = {n: p.to(dtype) for n, p in prog.full_state_dict().items()}     # (after the step)
+    want = torch.func.functional_call(model, params, (x[:4].to(dtype), y[:4].to(dtype)))
+    assert prog.eval_step((x[:4], y[:4])) == float(want)
