@@ -212,6 +212,7 @@ class Trainer:
         self.metrics.step({"step": step, "loss": loss, "lr": self.sched.lr, "grad_norm": prog.last_grad_norm,
                            "step_time": elapsed, "consumed_samples": state["consumed_train_samples"],
                            "skipped": state["skipped_iterations"], "step_skipped": skipped,
+                           "loss_scale": prog.scaler.scale if prog.scaler is not None else None,   # (fp16's, after the step)
                            **rank_bytes(prog, self.opt)})
         if self.skipped_in_a_row >= t.max_skipped:
             raise ParallelizeError(

@@ -1,6 +1,6 @@
 """Trainer, metrics: every --log-interval steps one line (Megatron's training_log fields:
 step, consumed samples, time per step, learning rate (the schedule's after the step, the next
-step's, as Megatron logs it), global batch, loss, grad norm, skipped steps; with tokens/s, MFU and memory); --log-file one JSON object per step; --tensorboard-dir
+step's, as Megatron logs it), global batch, loss, the loss scale under fp16, grad norm, skipped steps; with tokens/s, MFU and memory); --log-file one JSON object per step; --tensorboard-dir
 TensorBoard scalars; a progress bar on a terminal, plain lines elsewhere. Memory as users read
 it: this rank's parameters, gradients, optimizer state and peak activations
 (runtime/memory.py rank_bytes) and the device's (or process's) peak. Checkpoint saves and the
@@ -162,7 +162,7 @@ class Metrics:
             self.log.write(json.dumps(_strict(r), allow_nan=False) + "\n")
             self.log.flush()
         if self.tb is not None:
-            for k in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time", "mfu", "eval_loss"):
+            for k in ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "step_time", "mfu", "eval_loss"):
                 if r.get(k) is not None and isinstance(r[k], (int, float)) and math.isfinite(r[k]):
                     self.tb.add_scalar(f"train/{k}" if k != "eval_loss" else "valid/loss", r[k], r["step"])
             self.tb.flush()
@@ -195,7 +195,8 @@ class Metrics:
         self._print(f"[{stamp}] iteration {r['step']:8d}/{self.cfg.training.steps:8d} | consumed samples: "
                     f"{r['consumed_samples']:12d} | elapsed time per iteration (ms): {1e3 * seconds:.1f} | "
                     f"learning rate: {r['lr']:.6E} | global batch size: {self.cfg.data.batch:5d} | lm loss: "
-                    f"{loss:.6E} | grad norm: {norm} | tokens/s: {self.cfg.data.batch * self.cfg.data.seq / seconds:,.0f}"
+                    f"{loss:.6E} | " + (f"loss scale: {r['loss_scale']:.1f} | " if r.get("loss_scale") is not None else "")
+                    + f"grad norm: {norm} | tokens/s: {self.cfg.data.batch * self.cfg.data.seq / seconds:,.0f}"
                     f" | MFU: {mfu} | memory: {_memory(r)} | number of skipped iterations: {skipped:3d}")
 
 
