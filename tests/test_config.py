@@ -302,3 +302,12 @@ def test_a_16_bit_gradient_reduction_is_said_in_the_summary():
     assert "gradients: accumulated and reduced in bf16" in said and "a change of the model's math" in said
     plain = fxtron.parallelize(build("gpt-tiny"), fxtron.Mesh(2), example_inputs=inputs, dtype="bf16").summary()
     assert "gradients: accumulated and reduced" not in plain
+
+
+def test_clip_grad_0_turns_clipping_off_as_megatrons():
+    """Megatron clips only where --clip-grad > 0 (0 was refused as not positive here)."""
+    from fxtron.config import Config
+    assert Config().replace(clip_grad=0).data_parallel.clip_grad is None
+    assert Config().replace(clip_grad=0.5).data_parallel.clip_grad == 0.5
+    with pytest.raises(fxtron.ParallelizeError, match=r"clip_grad must be a number of at least 0.0 or None, not -1"):
+        Config().replace(clip_grad=-1)

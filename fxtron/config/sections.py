@@ -172,9 +172,12 @@ class DataParallelConfig(Section):
                                                     "bucket during the next forward, each layer waiting only for its "
                                                     "own buckets (Megatron's overlap_param_gather); between steps "
                                                     "they are current after prog.settle()")
-    clip_grad: float | None = option(None, positive=True, help="clip the global gradient norm to this")
+    clip_grad: float | None = option(None, minimum=0.0, help="clip the global gradient norm to this (0: no "
+                                                              "clipping, as Megatron's --clip-grad 0)")
 
     def _rules(self) -> None:
+        if self.clip_grad == 0:          # Megatron clips only where clip_grad > 0
+            object.__setattr__(self, "clip_grad", None)
         if self.overlap_param_gather and self.zero not in (1, 2):
             raise ParallelizeError(f"overlap_param_gather=True overlaps the distributed optimizer's all-gather of the "
                                    f"updated parameters with the next forward; zero={self.zero} has none: use zero=1 "
