@@ -180,21 +180,21 @@ def _cmd_preprocess(a) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The command line's parser: mesh, train, inspect, export, preprocess and bench, the configuration's flags
     generated."""
-    parser = argparse.ArgumentParser(prog="fxtron", description=__doc__)
+    parser = argparse.ArgumentParser(prog="fxtron", description=__doc__, allow_abbrev=False)
     sub = parser.add_subparsers(dest="cmd", required=True)
 
-    p = sub.add_parser("mesh", help="print a mesh's rank layout (Megatron's groups)")
+    p = sub.add_parser("mesh", allow_abbrev=False, help="print a mesh's rank layout (Megatron's groups)")
     config.add_arguments(p, TrainConfig, skip=MESH_ONLY)
     p.set_defaults(fn=_cmd_mesh)
 
-    p = sub.add_parser("train", help="train a shipped model on local processes and compare with one process",
+    p = sub.add_parser("train", allow_abbrev=False, help="train a shipped model on local processes and compare with one process",
                        description="Every option is a field of fxtron.trainer.config.TrainConfig: --print-config "
                                    "writes the resolved configuration as TOML, --config reads one, flags override it.")
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML and exit")
     _config_args(p)
     p.set_defaults(fn=_cmd_train)
 
-    p = sub.add_parser("inspect", help="compile one rank of a mesh without processes and describe it")
+    p = sub.add_parser("inspect", allow_abbrev=False, help="compile one rank of a mesh without processes and describe it")
     p.add_argument("model", help="preset (gpt-tiny .. llama-7b), hf:<architecture> (hf:llama), module:factory, or a "
                                  "transformers directory (config.json), as train's --model")
     p.add_argument("--rank", type=int, default=None, help="the rank to compile (default 0)")
@@ -221,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p, skip=INSPECT_SKIP)
     p.set_defaults(fn=_cmd_inspect)
 
-    p = sub.add_parser("export", help="write an fxtron checkpoint (any mesh) as a transformers directory",
+    p = sub.add_parser("export", allow_abbrev=False, help="write an fxtron checkpoint (any mesh) as a transformers directory",
                        description="Reads the checkpoint tensor by tensor in this one process and writes what "
                                    "transformers' save_pretrained writes: safetensors shards with an index, "
                                    "transformers' key layout, config.json, generation_config.json and the tokenizer's "
@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the floating tensors in this dtype (default: as saved)")
     p.set_defaults(fn=_cmd_export)
 
-    p = sub.add_parser("preprocess", help="tokenize .jsonl / .txt into Megatron's indexed dataset (PREFIX.bin/.idx)",
+    p = sub.add_parser("preprocess", allow_abbrev=False, help="tokenize .jsonl / .txt into Megatron's indexed dataset (PREFIX.bin/.idx)",
                        description="Megatron's tools/preprocess_data.py format: one document per JSON line or .txt "
                                    "file, an end-of-document token appended, uint16 tokens below 65,500 of "
                                    "vocabulary, else int32.")
@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="append the end-of-document token to every document")
     p.set_defaults(fn=_cmd_preprocess)
 
-    p = sub.add_parser("bench", help="run the benchmark suite and print every figure beside its baseline")
+    p = sub.add_parser("bench", allow_abbrev=False, help="run the benchmark suite and print every figure beside its baseline")
     p.add_argument("--quick", action="store_true", help="the fast benchmarks only (a few minutes on 2 cores)")
     p.add_argument("--output", default=".benchmarks/latest.json", help="pytest-benchmark JSON to write")
     p.add_argument("pytest_args", nargs="*", help="passed to pytest")
@@ -309,6 +309,9 @@ def _unknown(parser: argparse.ArgumentParser, cmd: str, extras: list[str]) -> No
             name = arg.split("=", 1)[0]
             if name in megatron:
                 words.append(f"{name} (Megatron's name; fxtron's: {megatron[name]})")
+                continue
+            if name in ("--dp", "--data-parallel-size") and "--world-size" in flags:
+                words.append(f"{name} (dp is what the world leaves: --world-size / (tp x pp x cp), as Megatron's)")
                 continue
             near = difflib.get_close_matches(name, flags, n=1, cutoff=0.6)
             words.append(f"{name}" + (f" (did you mean {near[0]}?)" if near else ""))

@@ -341,3 +341,13 @@ def test_torchrun_refusal_is_said_once(tmp_path):
     assert proc.returncode != 0 and "exitcode  : 2" in out, out
     package = str(pathlib.Path(fxtron.__file__).parent) + os.sep      # this checkout's fxtron/, not a path that
     assert not [line for line in out.splitlines() if 'File "' in line and package in line], out   # merely holds "fxtron"
+
+
+def test_a_flag_is_never_taken_for_the_longer_one_it_begins(capsys):
+    """argparse took --dp for --dp-shard (zero=3's HSDP groups) and failed with a zero=3 message;
+    abbreviations are off, as in Megatron's parser, and --dp says how dp is set."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--model", "gpt-tiny", "--dp", "2", "--steps", "1"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized argument: --dp (dp is what the world leaves: --world-size / (tp x pp x cp)" in err, err
