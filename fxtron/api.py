@@ -243,6 +243,10 @@ def _check_batch_not_fixed(ti, pieces: int, batch_dim: int) -> None:
     batch (a sum over the batch divided by float(B) would give each rank half the loss)."""
     if pieces == 1:
         return
+    batch_sizes = [sig[1][dims.index("batch")] for dims, sig in zip(ti.user_dims, ti.signature)
+                   if sig is not None and "batch" in dims]
+    if any(sympy.sympify(b).free_symbols for b in batch_sizes):
+        return       # the batch is symbolic: an input static there is not a batch (the step says so)
     for i, (dims, sig) in enumerate(zip(ti.user_dims, ti.signature)):
         if sig is None or "batch" not in dims:
             continue

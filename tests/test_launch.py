@@ -174,6 +174,27 @@ def test_a_script_that_launches_without_a_main_guard_is_told_to_add_one(tmp_path
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert 'call fxtron.launch under `if __name__ == "__main__":`' in done.stderr, done.stderr[-2000:]
+    # a guarded script whose launch runs in a child process it spawned (a sweep isolating its runs)
+    script.write_text(textwrap.dedent("""
+        import multiprocessing as mp
+        import fxtron
+
+        def work(rank):
+            return rank
+
+        def run(q):
+            q.put(fxtron.launch(work, fxtron.Mesh(2)))
+
+        if __name__ == "__main__":
+            ctx = mp.get_context("spawn")
+            q = ctx.Queue()
+            p = ctx.Process(target=run, args=(q,))
+            p.start()
+            print(q.get(timeout=240))
+            p.join()
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "[0, 1]" in done.stdout, done.stderr[-2000:]
 
 
 class _KilledWhileSaved:

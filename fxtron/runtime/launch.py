@@ -221,6 +221,18 @@ def torchrun_world() -> int | None:
     return None
 
 
+def _importing_main() -> bool:
+    """Whether this call runs while a new process of multiprocessing imports the parent's main
+    script (its bootstrap: spawn's _fixup_main_from_path), not from a function a child runs."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name.startswith("_fixup_main_from") and \
+                frame.f_globals.get("__name__") == "multiprocessing.spawn":
+            return True
+        frame = frame.f_back
+    return False
+
+
 def launch(fn: Callable[..., Any], mesh: Mesh, args: tuple = (), *, backend: str | None = None,
            timeout_s: float = 600.0, collective_timeout_s: float = 120.0,
            threads_per_rank: int | None = None, shm_transport: bool | None = None,
@@ -237,7 +249,7 @@ def launch(fn: Callable[..., Any], mesh: Mesh, args: tuple = (), *, backend: str
     rank's traceback and, for every rank, the operation it was in (the flight recorder); a
     PeerError (a LaunchError) naming the rank and its exit where one died without a report.
     """
-    if sys._getframe(1).f_globals.get("__name__") == "__mp_main__":
+    if _importing_main():
         # a rank's process imports the script that launched it (to find fn): unguarded, the
         # import launches again, and multiprocessing's own error talks of freeze_support
         raise ParallelizeError("fxtron.launch was called again while a rank's process imported the script that "

@@ -261,8 +261,9 @@ class Program(nn.Module):
                                    "prog.eval_step(batch) for the loss alone")
         self._settle_params()
         if not self.training and self._evaluation is not None:
-            return self._run_graph(self._flat_inputs(inputs, kwargs), self.eval_graphs())
-        loss = self._run_graph(self._flat_inputs(inputs, kwargs))
+            loss = self._run_graph(self._flat_inputs(inputs, kwargs), self.eval_graphs())
+        else:
+            loss = self._run_graph(self._flat_inputs(inputs, kwargs))
         if loss.requires_grad and (syncs := self.grads.synced_by_the_step()):
             loss.register_hook(functools.partial(_own_backward, syncs))
         return loss
