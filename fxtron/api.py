@@ -6,6 +6,7 @@ answers questions about any rank (`graph`, `summary`, `collectives`) and builds 
 """
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from typing import Any, Callable
@@ -218,7 +219,8 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
             f"the model equates with a constant -- typically a position table or causal-mask buffer as long as the "
             f"example (slicing [:T] of a {lengths[0] if lengths else '?'}-long buffer). Trace with a shorter example "
             f"sequence (the programs still take any length up to the model's limit)")
-    _check_batch_not_fixed(ti, mesh.dp * config.pipeline.microbatches, config.inputs.batch_dim)
+    _check_batch_not_fixed(ti, mesh.dp * config.pipeline.microbatches, config.inputs.batch_dim,
+                           tensors_of((example_inputs, example_kwargs)))
     if mesh.ep > 1:
         check_experts(traced, mesh.ep)     # experts that do not divide over ep: an error now
     if config.context.documents is not None:   # THD: proved not to change the model's numbers, or an error now
@@ -236,22 +238,22 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
     return pm
 
 
-def _check_batch_not_fixed(ti, pieces: int, batch_dim: int) -> None:
+def _check_batch_not_fixed(ti, pieces: int, batch_dim: int, examples: list) -> None:
     """ParallelizeError where the trace fixed the batch size (torch.export specializes a size
     the model reads as a Python number) and the step cuts the batch into `pieces` (dp x
     microbatches): each piece would run a program that believes it holds the whole example
-    batch (a sum over the batch divided by float(B) would give each rank half the loss)."""
+    batch (a sum over the batch divided by float(B) would give each rank half the loss). An
+    input static at batch_dim with another size than the example's batch (most `examples`'
+    size there) is not a batch: the step refuses it for what it is."""
     if pieces == 1:
         return
-    batch_sizes = [sig[1][dims.index("batch")] for dims, sig in zip(ti.user_dims, ti.signature)
-                   if sig is not None and "batch" in dims]
-    if any(sympy.sympify(b).free_symbols for b in batch_sizes):
-        return       # the batch is symbolic: an input static there is not a batch (the step says so)
+    sizes = collections.Counter(x.shape[batch_dim] for x in examples if x.dim() > batch_dim)
+    batch = sizes.most_common(1)[0][0] if sizes else None
     for i, (dims, sig) in enumerate(zip(ti.user_dims, ti.signature)):
         if sig is None or "batch" not in dims:
             continue
         size = sig[1][dims.index("batch")]
-        if not sympy.sympify(size).free_symbols and int(size) > 1:
+        if not sympy.sympify(size).free_symbols and int(size) > 1 and int(size) == batch:
             shape = "(" + ", ".join(str(d) for d in sig[1]) + ")"
             raise ParallelizeError(
                 f"the trace fixed the batch size at the example's {int(size)} (input {i}, traced as {shape}): the "

@@ -268,7 +268,7 @@ AT_PARALLELIZE = [
      r"grad_reduce_dtype='fp16' .* but dtype='bf16' has no loss scaler .* use grad_reduce_dtype='bf16'"),
     ("option: integer gradient dtype", lambda: _par(_gpt(), Mesh(2), grad_reduce_dtype=torch.int32),
      r"grad_reduce_dtype must be one of 'fp32', 'bf16', 'fp16' or None, not 'torch.int32'"),
-    ("option: negative clip", lambda: _par(_gpt(), Mesh(2), clip_grad=-1.0), r"clip_grad must be a positive number or None, not -1\.0"),
+    ("option: negative clip", lambda: _par(_gpt(), Mesh(2), clip_grad=-1.0), r"clip_grad must be a number of at least 0\.0 or None, not -1\.0"),
     ("option: unknown cp_comm_type", lambda: _par(_gpt(), Mesh(2, cp=2), cp_comm_type="ring"), r"cp_comm_type must be one of"),
     ("option: integer dtype", lambda: _par(_gpt(), Mesh(2, tp=2), dtype=torch.int32), r"dtype must be one of 'fp32', 'bf16', 'fp16', not 'torch.int32'"),
     ("option: dtype misspelt", lambda: _par(_gpt(), Mesh(2, tp=2), dtype="bf61"), r"not 'bf61' \(did you mean 'bf16'\?\)"),
