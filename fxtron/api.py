@@ -13,7 +13,6 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
 import sympy
 
@@ -171,13 +170,10 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
         check_example_sizes(example_inputs, example_kwargs, config.inputs.batch_dim, seq_dim)
     dtype = config.precision.torch_dtype
     subject = materialize.meta_replica(model, dtype) if dtype is not None else model
-    if dtype in (torch.bfloat16, torch.float16):     # wide float inputs in 16 bits, as Megatron's Float16Module
-        def narrow(x):                                # casts them (so does the step: runtime/batch.py)
-            return x.to(dtype) if isinstance(x, torch.Tensor) and x.dtype in (torch.float32, torch.float64) else x
-        example_inputs = pytree.tree_map(narrow, example_inputs)
-        example_kwargs = pytree.tree_map(narrow, example_kwargs) if example_kwargs is not None else None
     traced = trace(subject, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
                    batch_dim=config.inputs.batch_dim, seq_dim=seq_dim, layers_once=config.inputs.trace_layers_once)
+    if dtype in (torch.bfloat16, torch.float16):
+        _check_gemm_dtypes(traced, dtype)
     if mesh.cp > 1 and not any("seq" in dims for dims in meta.info(traced).user_dims):
         raise ParallelizeError(
             f"context parallel splits the sequence, but no input of the model has a sequence dim (seq_dim={seq_dim}; "
@@ -236,6 +232,41 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, *, example_inputs: tuple = (
     pm._check_plan()
     pm.stage_assignment            # a bad stage cut is an error now, not at the first program
     return pm
+
+
+#: ops whose floating operands must share a dtype (eager raises "mat1 and mat2 must have the same dtype")
+_GEMMS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+          torch.ops.aten.matmul.default, torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default,
+          torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default, torch.ops.aten.conv3d.default,
+          torch.ops.aten.convolution.default}
+
+
+def _check_gemm_dtypes(traced, dtype: torch.dtype) -> None:
+    """ParallelizeError where a 16-bit program's traced GEMM multiplies a wider float the user
+    passed with its 16-bit weights (fp32 features under dtype=bf16: a crash at the first step).
+    Megatron's Float16Module casts the first stage's inputs; fxtron leaves inputs as given (a
+    loss mask, or a value the model reads in fp32, keeps its precision) and names the one to cast."""
+    def origin(n):      # the user input a value comes from through reshapes and casts, if any
+        while isinstance(n, fx.Node) and n.op == "call_function" and n.args and isinstance(n.args[0], fx.Node):
+            n = n.args[0]
+        spec = meta.get(n, meta.INPUT) if isinstance(n, fx.Node) else None
+        return spec if spec is not None and spec.kind == "user" else None
+    for node in traced.graph.nodes:
+        if node.op != "call_function" or node.target not in _GEMMS:
+            continue
+        floats = [a for a in node.args if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+                  and a.meta["val"].is_floating_point()]
+        if len({a.meta["val"].dtype for a in floats}) < 2:
+            continue
+        wide = next((a for a in floats if a.meta["val"].dtype != dtype), None)
+        spec = origin(wide)
+        given = f"user input {spec.index} ({wide.meta['val'].dtype})" if spec is not None else \
+            f"%{wide.name} ({wide.meta['val'].dtype})"
+        raise ParallelizeError(
+            f"%{node.name} ({meta.get(node, meta.MODULE) or 'top level'}) multiplies {given} with {dtype} weights: "
+            f"under dtype={dtype} the program computes with 16-bit weights, and fxtron leaves float inputs as given "
+            f"(a loss mask or a value the model reads in fp32 keeps its precision); pass that input as {dtype} "
+            f"(x.to({dtype})), as Megatron's Float16Module casts the first stage's inputs")
 
 
 def _check_batch_not_fixed(ti, pieces: int, batch_dim: int, examples: list) -> None:

@@ -63,15 +63,12 @@ class BatchSlicer:
     first, Megatron's THD), `microbatches` per step, inputs moved to `device`;
     `seq_split`: the parts each rank's tokens are cut into in the graph (tp under sequence
     parallel), checked with the sequence at the step's entry, as is `max_seq` (the longest
-    sequence the model takes, and why). `compute_dtype`: a 16-bit program's (precision.dtype):
-    its fp32 and float64 inputs are cast to it, as Megatron's Float16Module casts the first
-    stage's inputs (the trace took them so)."""
+    sequence the model takes, and why)."""
 
     def __init__(self, info: TraceInfo, *, dp: int, dp_index: int, microbatches: int, device: torch.device | None,
                  cp: int = 1, cp_index: int = 0, seq_split: int = 1, max_seq: tuple[int | None, str] = (None, ""),
-                 strict: bool = False, compute_dtype: torch.dtype | None = None):
+                 strict: bool = False):
         self.info, self.dp, self.dp_index, self.m, self.device = info, dp, dp_index, microbatches, device
-        self.compute_dtype = compute_dtype if compute_dtype in (torch.bfloat16, torch.float16) else None
         self.strict = strict
         self._outside: set = set()     # the (symbol, side) of the narrowed ranges a step was warned of
         self.cp, self.cp_index, self.seq_split = cp, cp_index, seq_split
@@ -96,13 +93,7 @@ class BatchSlicer:
             tensor = isinstance(x, torch.Tensor)
             if (traced is None) != tensor or (traced is not None and _differs(x, traced)):
                 raise ParallelizeError(_static_changed(i, x, traced, self.info.in_spec))
-        return [self._narrowed(x) for x in flat if isinstance(x, torch.Tensor)]
-
-    def _narrowed(self, x: torch.Tensor) -> torch.Tensor:
-        """A wide float input of a 16-bit program in its compute dtype (`compute_dtype`)."""
-        if self.compute_dtype is not None and x.dtype in (torch.float32, torch.float64):
-            return x.to(self.compute_dtype)
-        return x
+        return [x for x in flat if isinstance(x, torch.Tensor)]
 
     def local(self, inputs: tuple, kwargs: dict | None = None) -> tuple[tuple, dict]:
         """This rank's data-parallel slice of a global batch (dim 'batch' of every input), on
@@ -112,7 +103,7 @@ class BatchSlicer:
         self.check_inputs(flat)
         self.check_sequence(flat)
         self.check_ranges(flat)
-        if self.dp == 1 and self.cp == 1 and self.compute_dtype is None:
+        if self.dp == 1 and self.cp == 1:
             return self.on_device(tuple(inputs), dict(kwargs or {}))
         out = []
         pick = None

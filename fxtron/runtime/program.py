@@ -150,7 +150,7 @@ class Program(nn.Module):
         self._batch = BatchSlicer(info, dp=dp, dp_index=dp_rank, microbatches=self.pipeline.microbatches,
                                   device=groups.device if groups is not None else None, cp=cp, cp_index=cp_rank,
                                   seq_split=spec.seq_split, max_seq=(spec.max_seq, spec.max_seq_why),
-                                  strict=config.debug.strict, compute_dtype=config.precision.torch_dtype)
+                                  strict=config.debug.strict)
         # data parallel: every gradient in bucketed buffers (runtime/dp.py), reduced over the
         # group the parameters name (dp; dp-cp and expert-dp with cp and ep), the distributed
         # optimizer under zero=1
