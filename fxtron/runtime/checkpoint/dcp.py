@@ -684,10 +684,16 @@ def _check_model(prog, path: str, meta, layout) -> set[str]:
     extra = sorted(set(saved) - set(prog.info.params) - set(prog.info.aliases))
     if not (missing or shapes or extra):
         return set(kept)
+    raise _another_model(path, missing, [f"{n} {saved[n]} in the checkpoint, {mine[n]} in the model" for n in shapes],
+                         extra)
+
+
+def _another_model(path: str, missing: list[str], differ: list[str], extra: list[str]) -> ParallelizeError:
+    """The refusal of a checkpoint saved from another model, listing the differences."""
     lines = ([f"missing from the checkpoint: {', '.join(missing)}"] if missing else []) + \
-            (["shapes differ: " + ", ".join(f"{n} {saved[n]} in the checkpoint, {mine[n]} in the model" for n in shapes)]
-             if shapes else []) + ([f"not in the model: {', '.join(extra)}"] if extra else [])
-    raise ParallelizeError(f"checkpoint {path} was saved from another model: " + "; ".join(lines))
+            (["shapes differ: " + ", ".join(differ)] if differ else []) + \
+            ([f"not in the model: {', '.join(extra)}"] if extra else [])
+    return ParallelizeError(f"checkpoint {path} was saved from another model: " + "; ".join(lines))
 
 
 def check_model_of(path: str, model: torch.nn.Module) -> None:
@@ -708,11 +714,8 @@ def check_model_of(path: str, model: torch.nn.Module) -> None:
                     for k, ns in names.items() for n in ns if n in saved and saved[n] != shapes[k])
     if not (extra or differ):
         return
-    missing = sorted(ns[0] for ns in names.values() if not any(n in saved for n in ns))
-    lines = ([f"missing from the checkpoint: {', '.join(missing)}"] if missing else []) + \
-            (["shapes differ: " + ", ".join(differ)] if differ else []) + \
-            ([f"not in the model: {', '.join(extra)}"] if extra else [])
-    raise ParallelizeError(f"checkpoint {path} was saved from another model: " + "; ".join(lines))
+    raise _another_model(path, sorted(ns[0] for ns in names.values() if not any(n in saved for n in ns)), differ,
+                         extra)
 
 
 def _read_layout(path: str, meta, *, no_dist: bool) -> dict[str, tuple[int, int]]:
