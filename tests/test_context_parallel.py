@@ -1218,6 +1218,57 @@ def _soft_steps(rank, mesh):
     return out
 
 
+class _WeightedTargets(torch.nn.Module):
+    """Token logits under a class-weighted mean cross entropy (the weights a buffer), a third of
+    the labels ignored."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 5)
+        self.register_buffer("weight", torch.tensor([0.5, 1.0, 2.0, 3.0, 0.25]))
+
+    def forward(self, ids, labels):
+        logits = self.head(self.emb(ids))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), weight=self.weight, label_smoothing=0.1)
+
+
+def _weighted():
+    torch.manual_seed(0)
+    ids, labels = torch.randint(0, 16, (4, 8)), torch.randint(0, 5, (4, 8))
+    labels[torch.rand(4, 8) < torch.tensor([0.7, 0.5, 0.1, 0.0])[:, None]] = -100
+    return _WeightedTargets().double(), (ids, labels)
+
+
+def _weighted_steps(rank, mesh):
+    out = {}
+    for m in (1, 2):
+        model, batch_ = _weighted()
+        prog = fxtron.parallelize(model, mesh, example_inputs=batch_, microbatches=m, strict=True).program(rank)
+        out[m] = (prog.train_step(batch_, torch.optim.SGD(prog.parameters(), lr=0.1)), prog.full_state_dict(),
+                  prog.eval_step(batch_))
+    return out
+
+
+@pytest.mark.slow
+def test_a_class_weighted_cross_entropy_divides_by_the_counted_weights():
+    """cp=2, with 1 and 2 microbatches: the mean divides by the global batch's counted targets'
+    weights (it was refused at cp, and each microbatch's own with microbatches, 0.2 off the
+    loss); loss, updated weights and evaluation equal one process's (float64)."""
+    got = run_on_ranks(_weighted_steps, fxtron.Mesh(2, cp=2), fxtron.Mesh(2, cp=2))
+    model, batch_ = _weighted()
+    loss = model(*batch_)
+    loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    model.eval()
+    with torch.no_grad():
+        evaluated = model(*batch_).item()
+    for rank, out in enumerate(got):
+        for m in (1, 2):
+            assert abs(out[m][0] - loss.item()) < 1e-12, (rank, m, out[m][0], loss.item())
+            assert max_abs_diff(out[m][1], model.state_dict())[0] < 1e-12, (rank, m)
+            assert abs(out[m][2] - evaluated) < 1e-12, (rank, m)
+
+
 @pytest.mark.slow
 def test_a_cross_entropy_against_class_probabilities_is_a_mean_over_the_tokens():
     """cp=2: the mean divided by the target's elements (tokens x classes: 1/5 of the loss, without a

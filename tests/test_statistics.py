@@ -253,8 +253,12 @@ def padded(name: str, seed: int = 3, seqs=SEQS) -> list:
 # case -> (model, world, mesh axes, parallelize options)
 PADDED = {"pad-dp2": ("gpt", 2, {}, {}), "pad-dp2-mb2": ("gpt", 2, {}, dict(microbatches=2)),
           "pad-dp2-tp2": ("gpt", 4, dict(tp=2), {}), "pad-llama-pp2": ("hf-llama", 2, dict(pp=2), dict(microbatches=2)),
-          # class weights: the mean divides by the counted targets' weights, summed over dp
-          "pad-weighted-dp2": ("weighted", 2, {}, {}),
+          # class weights: the mean divides by the global batch's counted targets' weights, read
+          # from the weights buffer (the runtime's statistic reads it; it was summed over dp and each
+          # microbatch's own, 0.2 off one process's loss with microbatches); at pp=2 the first
+          # stage holds no weights and computes no such statistic
+          "pad-weighted-dp2": ("weighted", 2, {}, {}), "pad-weighted-dp2-mb2": ("weighted", 2, {}, dict(microbatches=2)),
+          "pad-weighted-pp2": ("weighted", 2, dict(pp=2), dict(microbatches=2)),
           "sum-dp2": ("summed", 2, {}, {}), "sum-pp2": ("summed", 2, dict(pp=2), dict(microbatches=2)),
           # an integer count of the labels: the global count over the pieces is a fraction
           "count-dp2": ("counted", 2, {}, {}), "count-dp2-mb2": ("counted", 2, {}, dict(microbatches=2)),
@@ -458,23 +462,32 @@ def test_a_statistic_used_nonlinearly_further_on_is_summed_over_dp(key):
 
 
 def test_statistics_each_microbatch_computes_are_said_and_refused_under_strict():
-    """Under microbatches a statistic the loss uses nonlinearly is each microbatch's -- a class-
-    weighted mean's weights at dp=1 as at dp=2, a load-balancing loss's tokens per expert --, not the
-    global batch's: a ParallelizeWarning and pm.summary() say so, strict=True refuses it. One
-    microbatch, or dp alone, computes it over the global batch: nothing said."""
+    """Under microbatches a statistic the loss uses nonlinearly is each microbatch's -- a token mean
+    squared at dp=1 as at dp=2, a load-balancing loss's tokens per expert --, not the global batch's:
+    a ParallelizeWarning and pm.summary() say so, strict=True refuses it. One microbatch, or dp
+    alone, computes it over the global batch: nothing said. A class-weighted mean divides by the
+    global batch's counted weights (a statistic of the inputs and the weights buffer): exact under
+    microbatches too, nothing said (it was each microbatch's, said)."""
     args, _ = padded("gpt")[0]
     for mesh in (fxtron.Mesh(1), fxtron.Mesh(2)):
-        pm = fxtron.parallelize(WeightedLoss(), mesh, example_inputs=args, microbatches=2)
+        pm = fxtron.parallelize(NonlinearLoss("scaled-squared"), mesh, example_inputs=args, microbatches=2)
         with pytest.warns(fxtron.ParallelizeWarning, match=r"with microbatches=2, 2 statistic\(s\) .* computed per "
                                                            r"microbatch.*%cross_entropy_loss.*%sum"):
             pm.compiled(0)
         assert "each microbatch's, not the global batch's -- a change of the model" in pm.summary()
-        strict = fxtron.parallelize(WeightedLoss(), mesh, example_inputs=args, microbatches=2, strict=True)
+        strict = fxtron.parallelize(NonlinearLoss("scaled-squared"), mesh, example_inputs=args, microbatches=2,
+                                    strict=True)
         with pytest.raises(fxtron.ParallelizeError, match="computed per microbatch.*microbatches=1"):
             strict.compiled(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", fxtron.ParallelizeWarning)
+            weighted = fxtron.parallelize(WeightedLoss(), mesh, example_inputs=args, microbatches=2, strict=True)
+            report = meta.info(weighted.compiled(0).gm).statistics_report
+            assert report.global_counts and not report.summed and not report.per_microbatch, report
     with warnings.catch_warnings():
         warnings.simplefilter("error", fxtron.ParallelizeWarning)
-        fxtron.parallelize(WeightedLoss(), fxtron.Mesh(2), example_inputs=args, strict=True).compiled(0)
+        fxtron.parallelize(NonlinearLoss("scaled-squared"), fxtron.Mesh(2), example_inputs=args,
+                           strict=True).compiled(0)
     _, kwargs = batches("hf-llama", 2, [8], 0)[0]
     with pytest.warns(fxtron.ParallelizeWarning, match=r"computed per microbatch \(summed over dp=2\).*histc"):
         fxtron.parallelize(moe_model("mixtral"), fxtron.Mesh(2), example_kwargs=kwargs, microbatches=2).compiled(0)

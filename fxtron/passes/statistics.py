@@ -18,7 +18,8 @@ batch's:
   multiplied by the pieces (fxtron::batch_scale); a sum divided by a count of the inputs alone
   (the token mean) divides instead by the global batch's count over the pieces
   (fxtron::global_statistic, computed by the runtime from the global batch before the step:
-  every rank has the labels). So a token mean is over the global batch's counted tokens across
+  every rank has the labels; a class-weighted mean's count reads the weights too, a buffer the
+  forward does not write). So a token mean is over the global batch's counted tokens across
   dp, cp and microbatches, however the ignored labels spread, and a summed loss stays a sum;
 * where the loss uses a statistic nonlinearly (a load-balancing loss's tokens per expert f_e
   times its mean router probability P_e), the statistic is summed over the data-parallel ranks
@@ -83,19 +84,24 @@ _FACTORIES = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.defa
 @dataclass(frozen=True)
 class Statistic:
     """An input statistic the runtime computes over the global batch before each step: the sum
-    over the global batch's microbatches of `gm(*user inputs)` (a graph of the inputs alone) or
-    of `expr` (a count from the inputs' batch and sequence sizes), divided by the pieces."""
+    over the global batch's microbatches of `gm(*user inputs, *buffers)` (a graph of the inputs
+    and of buffers the step does not change: a class-weighted mean's count reads the weights) or
+    of `expr` (a count from the inputs' batch and sequence sizes), divided by the pieces.
+    `buffers`: the names of the buffers (and lifted constants) `gm` reads, with their shapes."""
 
     key: str
     what: str
     gm: fx.GraphModule | None = None
     expr: sympy.Expr | None = None
+    buffers: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
-    def value(self, flat: list[torch.Tensor], user_dims) -> torch.Tensor:
-        """This statistic of one global microbatch (its flat user inputs)."""
+    def value(self, flat: list[torch.Tensor], user_dims, buffers: list[torch.Tensor] = ()) -> torch.Tensor:
+        """This statistic of one global microbatch (its flat user inputs; `buffers`, the values
+        of self.buffers as the step's graph reads them)."""
         if self.gm is not None:
-            with torch.no_grad():
-                return self.gm(*flat).detach().to(torch.float64)
+            device = next((x.device for x in flat if isinstance(x, torch.Tensor)), None)
+            with torch.no_grad():     # (the batch where the data loader put it; the buffers the rank's device)
+                return self.gm(*flat, *[b.to(device) for b in buffers]).detach().to(torch.float64)
         sizes = {}
         for x, dims in zip(flat, user_dims):
             for d, role in enumerate(dims):
@@ -350,15 +356,18 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
     upstream = _ancestors_of(loss) | {loss}
     structural = _structural_uses(gm)
 
-    # what every node depends on: parameters or buffers (anything but the inputs and constants)
-    stateful: set[fx.Node] = set()
+    # what depends on the model's changing state: parameters, or buffers the forward writes (a
+    # statistic of the inputs and of buffers it only reads -- class weights -- the runtime can
+    # compute over the global batch before the step)
+    learned: set[fx.Node] = set()
+    written = set(ti.buffer_mutations.values())
     for node in g.nodes:
         if node.op == "placeholder":
             spec = meta.get(node, meta.INPUT)
-            if spec is None or spec.kind != "user":
-                stateful.add(node)
-        elif any(a in stateful for a in node.all_input_nodes):
-            stateful.add(node)
+            if spec is None or spec.kind == "parameter" or (spec.kind == "buffer" and spec.target in written):
+                learned.add(node)
+        elif any(a in learned for a in node.all_input_nodes):
+            learned.add(node)
 
     stats = find_statistics(gm)
     derived: set[fx.Node] = set()           # computed from a statistic
@@ -428,7 +437,7 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
         _, b = _divisor_chain(b, stats)
         if not isinstance(b, fx.Node) or b not in stats:
             return None
-        if stats[b] == "count" or (stats[b] == "sum" and b not in stateful):
+        if stats[b] == "count" or (stats[b] == "sum" and b not in learned):
             return b
         return None
 
@@ -1084,23 +1093,30 @@ def _shapes(node: fx.Node, ti) -> str:
 
 
 def _statistic(gm: fx.GraphModule, node: fx.Node, kind: str, ti) -> Statistic:
-    """The runtime's recipe for input statistic `node`: a graph of the user inputs alone, or
-    the expression of a count from sizes."""
+    """The runtime's recipe for input statistic `node`: a graph of the user inputs (and of the
+    buffers it reads after them), or the expression of a count from sizes."""
     if kind == "count":
         return Statistic(node.name, _where(node), expr=_sym_expr(_fake(node), ti))
     keep = _ancestors_of(node) | {node}
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    for n in gm.graph.nodes:
-        if n.op == "placeholder" and (meta.get(n, meta.INPUT) is not None and meta.get(n, meta.INPUT).kind == "user"):
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for n in placeholders:
+        if meta.get(n, meta.INPUT) is not None and meta.get(n, meta.INPUT).kind == "user":
             env[n] = g.placeholder(n.name)
+    buffers = []
+    for n in placeholders:
+        spec = meta.get(n, meta.INPUT)
+        if n in keep and n not in env:
+            if spec is None or spec.kind != "buffer":
+                raise AssertionError(f"input statistic {node.name} depends on {n.name}")
+            env[n] = g.placeholder(n.name)
+            buffers.append((spec.target, tuple(int(d) for d in _fake(n).shape)))
     for n in gm.graph.nodes:
         if n in keep and n not in env:
-            if n.op == "placeholder":
-                raise AssertionError(f"input statistic {node.name} depends on {n.name}")
             env[n] = g.node_copy(n, lambda a: env[a])
     g.output(env[node])
-    return Statistic(node.name, _where(node), gm=fx.GraphModule(gm, g))
+    return Statistic(node.name, _where(node), gm=fx.GraphModule(gm, g), buffers=tuple(buffers))
 
 
 __all__ = ["Statistic", "StatisticsReport", "batch_coupling", "check_batch_coupling", "gather_negatives", "global_statistics",

@@ -67,8 +67,11 @@ class BatchSlicer:
 
     def __init__(self, info: TraceInfo, *, dp: int, dp_index: int, microbatches: int, device: torch.device | None,
                  cp: int = 1, cp_index: int = 0, seq_split: int = 1, max_seq: tuple[int | None, str] = (None, ""),
-                 strict: bool = False):
+                 strict: bool = False, buffer=None):
         self.info, self.dp, self.dp_index, self.m, self.device = info, dp, dp_index, microbatches, device
+        # name -> the buffer as the rank's graphs read it, None where the rank holds none of that
+        # name (another pipeline stage's): what an input statistic reads besides the batch
+        self.buffer = buffer
         self.strict = strict
         self._outside: set = set()     # the (symbol, side) of the narrowed ranges a step was warned of
         self.cp, self.cp_index, self.seq_split = cp, cp_index, seq_split
@@ -305,11 +308,31 @@ class BatchSlicer:
             items = list(inputs) if isinstance(inputs, Microbatches) else [(inputs, kwargs)]
             flats = [self.flat(a, kw) for a, kw in items]
             for key, stat in statistics.items():
-                total = sum(stat.value(flat, self.info.user_dims) for flat in flats)
+                buffers = self._statistic_buffers(stat)
+                if buffers is None:
+                    continue      # a statistic of another pipeline stage's buffers: that stage's
+                total = sum(stat.value(flat, self.info.user_dims, buffers) for flat in flats)
                 values[key] = total / pieces
                 if self.device is not None and self.device.type != "cpu":
                     values[key] = values[key].to(self.device, non_blocking=True)
         return BatchContext(pieces, values)
+
+    def _statistic_buffers(self, stat) -> list[torch.Tensor] | None:
+        """The buffers input statistic `stat` reads (class weights), as the step's graph reads
+        them; None where this rank holds them not (a pipeline stage without its loss)."""
+        out = []
+        for name, shape in stat.buffers:
+            b = self.buffer(name) if self.buffer is not None else None
+            if b is None:
+                return None
+            if tuple(b.shape) != shape:
+                raise ParallelizeError(
+                    f"the global batch's statistic {stat.what} reads buffer {name}, which this rank holds as a "
+                    f"{tuple(b.shape)} piece of {shape}: fxtron computes such a statistic from the whole buffer "
+                    f"only. Keep the buffer whole (a plan that leaves its module unsplit), or run with "
+                    f"data_parallel=1 and microbatches=1, where no statistic is made global")
+            out.append(b)
+        return out
 
     def fitting_microbatches(self, inputs, kwargs: dict | None = None) -> int:
         """The most microbatches, up to the program's, into which this rank's share of the

@@ -150,7 +150,7 @@ class Program(nn.Module):
         self._batch = BatchSlicer(info, dp=dp, dp_index=dp_rank, microbatches=self.pipeline.microbatches,
                                   device=groups.device if groups is not None else None, cp=cp, cp_index=cp_rank,
                                   seq_split=spec.seq_split, max_seq=(spec.max_seq, spec.max_seq_why),
-                                  strict=config.debug.strict)
+                                  strict=config.debug.strict, buffer=self._statistic_buffer)
         # data parallel: every gradient in bucketed buffers (runtime/dp.py), reduced over the
         # group the parameters name (dp; dp-cp and expert-dp with cp and ep), the distributed
         # optimizer under zero=1
@@ -309,6 +309,15 @@ class Program(nn.Module):
         if p is None:             # (a tied alias)
             p = get_by_path(self, name)
         return p if name in self._raw else self._compute_copy(p)
+
+    def _statistic_buffer(self, name: str) -> torch.Tensor | None:
+        """Buffer `name` as the graphs read it (its compute copy), None where this rank holds no
+        such buffer: what an input statistic reads besides the batch (runtime/batch.py)."""
+        try:
+            t = get_by_path(self, name)
+        except AttributeError:
+            return None
+        return self._compute_copy(t) if isinstance(t, torch.Tensor) else None
 
     def _compute_copy(self, t: torch.Tensor) -> torch.Tensor:
         return compute_copy(t, self.dtype)

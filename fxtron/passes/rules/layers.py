@@ -357,8 +357,9 @@ def _tokens_split_on(node: fx.Node, lower) -> str | None:
 @register_lowering(aten.cross_entropy_loss.default)
 def _cross_entropy_over_tokens(node: fx.Node, lower) -> fx.Node | None:
     """A mean cross entropy over tokens split across the axis: the sum of this rank's losses
-    and the count of its counted tokens (not ignore_index), each all-reduced, then divided --
-    the single-process mean however the ignored tokens spread over the ranks."""
+    and the count of its counted tokens (not ignore_index; with class weights, their targets'
+    weights, as torch's mean divides by them), each all-reduced, then divided -- the
+    single-process mean however the ignored tokens spread over the ranks."""
     logits, target = node.args[:2]
     pl = lower.placement(logits)
     if not (isinstance(pl, Shard) and pl.dim != 1 and _ce_reduction(node) == 1):
@@ -367,13 +368,15 @@ def _cross_entropy_over_tokens(node: fx.Node, lower) -> fx.Node | None:
     weight = node.kwargs.get("weight", args[2])
     ignore_index = node.kwargs.get("ignore_index", args[4] if args[4] is not None else -100)
     smoothing = node.kwargs.get("label_smoothing", args[5] if args[5] is not None else 0.0)
-    if weight is not None:
-        raise ParallelizeError(f"node %{node.name} ({meta.get(node, meta.MODULE) or 'top level'}): a cross entropy "
-                               f"with class weights over tokens split across {lower.axis} is not supported (its "
-                               "mean divides by the targets' weights); compute the loss with reduction='sum'")
     x, t = lower.remap(logits), lower.remap(target)
     vocab = next((a for a in lower.axes() if isinstance(lower.on(a).placement(logits), Shard)
                   and lower.on(a).placement(logits).dim == 1), None)
+    if weight is not None and (vocab is not None or any(not lower.on(a).placement(weight).is_replicate()
+                                                        for a in lower.axes())):
+        raise ParallelizeError(f"node %{node.name} ({meta.get(node, meta.MODULE) or 'top level'}): class weights in a "
+                               f"cross entropy over a vocabulary split across tp are not supported; replicate the "
+                               f"LM head in the plan")
+    w = lower.remap(weight) if weight is not None else None
     rows = Shard(pl.dim if pl.dim == 0 else pl.dim - 1, pl.interleave)
     probabilities = _probabilities(node)
     tpl = Shard(pl.dim, pl.interleave) if probabilities else rows
@@ -387,7 +390,7 @@ def _cross_entropy_over_tokens(node: fx.Node, lower) -> fx.Node | None:
         total = _vocab_parallel_ce(node, lower.on(vocab), 2, REPLICATE)
         total.meta[meta.PLACEMENT] = meta.get(total, meta.PLACEMENT).with_axis(lower.axis, PARTIAL)
     elif narrow:                  # a 16-bit loss: its tokens' losses summed in fp32 (a 16-bit sum overflows
-        each = lower.call(aten.cross_entropy_loss.default, (x, t, None, 0, ignore_index, smoothing), target, rows,
+        each = lower.call(aten.cross_entropy_loss.default, (x, t, w, 0, ignore_index, smoothing), target, rows,
                           "each of this rank's tokens' loss")       # past 65504 where the mean does not)
         tv = target.meta.get("val")
         if tv is not None:            # (a loss a token, in the loss's dtype: a float, not the ids' integers)
@@ -397,7 +400,7 @@ def _cross_entropy_over_tokens(node: fx.Node, lower) -> fx.Node | None:
                            f"the summed loss of this rank's tokens ({lower.axis} splits them), in fp32",
                            kwargs={"dtype": torch.float32})
     else:
-        total = lower.call(aten.cross_entropy_loss.default, (x, t, None, 2, ignore_index, smoothing), node, PARTIAL,
+        total = lower.call(aten.cross_entropy_loss.default, (x, t, w, 2, ignore_index, smoothing), node, PARTIAL,
                            f"the summed loss of this rank's tokens ({lower.axis} splits them)")
     if probabilities:             # the mean is over the tokens (every one counts), not the target's elements
         lv = logits.meta.get("val")
@@ -407,6 +410,14 @@ def _cross_entropy_over_tokens(node: fx.Node, lower) -> fx.Node | None:
         counted = lower.call(aten.ones_like.default, (one,), one, rows, "the tokens counted in the mean")
     else:
         counted = lower.call(aten.ne.Scalar, (t, ignore_index), target, tpl, "the tokens counted in the mean")
+        if w is not None:         # the mean divides by the counted targets' weights
+            mask, tv = counted, target.meta.get("val")
+            safe = lower.call(aten.where.ScalarOther, (mask, t, 0), target, tpl, "the counted tokens' classes")
+            picked = lower.call(aten.index.Tensor, (w, [safe]), target, tpl, "each counted token's class weight")
+            counted = lower.call(aten.mul.Tensor, (picked, mask), target, tpl, "the counted tokens' weights")
+            if tv is not None:
+                for n in (picked, counted):
+                    n.meta["val"] = tv.new_empty(tv.shape, dtype=weight.meta["val"].dtype)
     count = lower.call(aten.sum.dim_IntList, (counted, []), node, PARTIAL, "this rank's counted tokens",
                        kwargs={"dtype": torch.float32})
     total = lower.call(torch.ops.fxtron.all_reduce.default, (total, lower.axis), node, REPLICATE,

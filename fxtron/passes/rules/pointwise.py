@@ -21,7 +21,8 @@ _POINTWISE = {
     aten.tanh.default, aten.sigmoid.default, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor,
     aten.rsqrt.default, aten.sqrt.default, aten.exp.default, aten.log.default, aten.sin.default,
     aten.cos.default, aten.abs.default, aten.erf.default, aten.reciprocal.default, aten.softplus.default,
-    aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, aten.where.self,
+    aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, aten.where.self, aten.where.ScalarOther,
+    aten.where.ScalarSelf,
     aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.masked_fill_.Scalar, aten.masked_fill_.Tensor,  # (XLM)
     aten.maximum.default, aten.minimum.default,
     aten.lt.Scalar, aten.le.Scalar, aten.gt.Scalar, aten.ge.Scalar, aten.eq.Scalar, aten.ne.Scalar,

@@ -495,7 +495,8 @@ def _index(c: Ctx):
     otherwise. A shard of x on a dim not indexed stays, at its new position; a partial sum read
     only here stays partial (picking rows is linear); a shard of the one index tensor on a dim the others
     broadcast along makes the output sharded there (Falcon's rotary tables picked by sequence-
-    sharded positions). Anything else is gathered first."""
+    sharded positions; the one index tensor in any layout, as cp's load-balanced targets picking
+    their class weights). Anything else is gathered first."""
     in_order = order.index_rule(c)        # a sort's indices in each rank's own order, or their inverse
     if in_order is not None:
         return in_order
@@ -520,13 +521,16 @@ def _index(c: Ctx):
             return REPLICATE, expects
     elif px.is_replicate():
         sharded = [(t, p) for t, p in zip(tensors, pi) if not p.is_replicate()]
-        if len(sharded) == 1 and isinstance(sharded[0][1], Shard) and sharded[0][1].interleave == 1:
+        if len(sharded) == 1 and isinstance(sharded[0][1], Shard) and not sharded[0][1].order and (
+                sharded[0][1].interleave == 1 or len(tensors) == 1):
             t, p = sharded[0]
             d = p.dim + bnd - ndim(t)                         # its dim in the broadcast shape
             others = [u for u in tensors if u is not t]
             if all(d - (bnd - ndim(u)) < 0 or is_one(shape(u)[d - (bnd - ndim(u))]) for u in others):
                 expects = [None if a is t else REPLICATE for a in c.inputs]
-                return Shard(start + d), expects
+                # (the one index tensor: each output row is its index's, in any layout -- class
+                # weights picked by cp's load-balanced targets)
+                return Shard(start + d, p.interleave), expects
     return REPLICATE, [REPLICATE] * len(c.p)
 
 
