@@ -409,3 +409,90 @@ def test_float_inputs_that_meet_16_bit_weights_are_named_at_parallelize(dtype):
     got = prog.train_step((x, y), torch.optim.SGD(prog.parameters(), lr=0.1))
     params = {n: p.detach().to(dtype) for n, p in model.named_parameters()}
     assert got == float(torch.func.functional_call(model, params, (x, y)))
+
+
+class _MegatronScaler:
+    """Megatron-LM's DynamicGradScaler (optimizer/grad_scaler.py), as its update reads: an
+    overflow resets the growth count and spends one of the hysteresis; none left, the scale
+    backs off (not below min); `window` clean steps in a row grow it and restore the hysteresis."""
+
+    def __init__(self, initial, minimum, window, hysteresis):
+        self.scale, self.min, self.window, self.hysteresis = initial, minimum, window, hysteresis
+        self.growth_tracker, self.hysteresis_tracker = 0, hysteresis
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self.growth_tracker = 0
+            self.hysteresis_tracker -= 1
+            if self.hysteresis_tracker <= 0:
+                self.scale = max(self.scale * 0.5, self.min)
+        else:
+            self.growth_tracker += 1
+            if self.growth_tracker == self.window:
+                self.growth_tracker = 0
+                self.hysteresis_tracker = self.hysteresis
+                self.scale = self.scale * 2.0
+
+
+def _overflows(seed: int, steps: int) -> list[bool]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(steps, generator=g) < 0.3).tolist()
+
+
+@pytest.mark.parametrize("hysteresis, window, minimum", [(1, 3, 1.0), (2, 3, 1.0), (3, 2, 64.0), (2, 1000, 1.0)])
+def test_the_loss_scaler_follows_megatron_s_dynamic_scaler(hysteresis, window, minimum):
+    """The precision section's initial_loss_scale, min_loss_scale, loss_scale_window and
+    hysteresis (Megatron's --initial-loss-scale, --min-loss-scale, --loss-scale-window,
+    --hysteresis) give the scale Megatron's scaler gives over 200 steps of random overflows, each
+    overflowing step skipped; the state resumes the hysteresis left."""
+    from fxtron.config.sections import PrecisionConfig
+    from fxtron.runtime.precision import LossScaler
+    cfg = PrecisionConfig(dtype="fp16", initial_loss_scale=1024.0, min_loss_scale=minimum, loss_scale_window=window,
+                          hysteresis=hysteresis)
+    ours, ref = LossScaler.for_loss(torch.float32, cfg), _MegatronScaler(1024.0, minimum, window, hysteresis)
+    for step, inf in enumerate(_overflows(hysteresis + window, 200)):
+        grad = torch.full((3,), float("inf") if inf else ours.scale)
+        p = torch.nn.Parameter(torch.zeros(3))
+        p.grad = grad
+        assert ours.unscale_and_check([p], None) == (not inf), step
+        ref.update(inf)
+        assert ours.scale == ref.scale, (step, ours.scale, ref.scale)
+        if step == 100:
+            resumed = LossScaler.for_loss(torch.float32, cfg)
+            resumed.load_state_dict(ours.state_dict())
+            ours = resumed
+    assert ours.skipped == sum(_overflows(hysteresis + window, 200))      # (carried by the state)
+
+
+def test_a_static_loss_scale_never_moves_and_still_skips():
+    """loss_scale= (Megatron's --loss-scale): a static scale; a step whose gradients overflow is
+    skipped, the scale kept, also when a checkpoint saved another scale."""
+    pm = fxtron.parallelize(make("gpt"), fxtron.Mesh(1), example_inputs=batch("gpt", 2, 8, 0)[0], dtype=torch.float16,
+                            loss_scale=128.0)
+    prog = pm.program(0)
+    opt = torch.optim.AdamW(prog.parameters(), lr=1e-3)
+    for args, _ in batches("gpt", 2, [8, 8, 8], seed=1):
+        prog.train_step(args, opt)
+        assert prog.scaler.scale == 128.0 and not prog.last_step_skipped
+    with torch.no_grad():
+        next(p for n, p in prog.named_parameters() if n.endswith("wte.weight")).mul_(1e30)
+    prog.train_step(batches("gpt", 2, [8], seed=2)[0][0], opt)
+    assert prog.last_step_skipped and prog.scaler.scale == 128.0 and prog.scaler.skipped == 1
+    prog.scaler.load_state_dict({**prog.scaler.state_dict(), "scale": 4.0})
+    assert prog.scaler.scale == 128.0
+    dynamic = fxtron.parallelize(make("gpt"), fxtron.Mesh(1), example_inputs=batch("gpt", 2, 8, 0)[0],
+                                 dtype=torch.float16, initial_loss_scale=512.0, hysteresis=2).program(0)
+    assert dynamic.scaler.scale == 512.0 and dynamic.scaler.hysteresis_left == 2 and not dynamic.scaler.static
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(dtype=torch.bfloat16, hysteresis=2), r"hysteresis=2 set\(s\) fp16's loss scaler, and dtype='bf16' has none"),
+    (dict(loss_scale=8.0), r"loss_scale=8.0 set\(s\) fp16's loss scaler, and dtype='fp32'"),
+    (dict(dtype=torch.float16, loss_scale=8.0, loss_scale_window=10),
+     r"loss_scale=8.0 is a static scale, and loss_scale_window=10 set\(s\) the dynamic scaling"),
+    (dict(dtype=torch.float16, initial_loss_scale=4.0, min_loss_scale=8.0), "min_loss_scale=8.0 is above"),
+    (dict(dtype=torch.float16, hysteresis=0), "hysteresis"),
+    (dict(dtype=torch.float16, loss_scale=-1.0), "loss_scale")])
+def test_loss_scaler_options_are_checked(options, match):
+    with pytest.raises(fxtron.ParallelizeError, match=match):
+        fxtron.parallelize(make("gpt"), fxtron.Mesh(1), example_inputs=batch("gpt", 2, 8, 0)[0], **options)

@@ -309,6 +309,34 @@ class PrecisionConfig(Section):
                                        "the optimizer updates fp32 parameters from fp32 gradients")
     gradient_accumulation_fusion: bool = option(True, help="accumulate each linear's weight gradient straight into "
                                                            "an fp32 main_grad, deferrable behind communication")
+    # fp16's loss scaler (runtime/precision.py LossScaler), Megatron's flags and meanings
+    loss_scale: float | None = option(None, positive=True, help="fp16: a static loss scale (steps whose gradients "
+                                                                "overflow are still skipped); none: dynamic scaling")
+    initial_loss_scale: float = option(2.0**16, positive=True, help="fp16's dynamic loss scaling: the first scale "
+                                                                    "(torch's GradScaler's; Megatron starts at 2^32)")
+    min_loss_scale: float = option(1.0, positive=True, help="fp16's dynamic loss scaling: the scale halves no "
+                                                            "lower than this")
+    loss_scale_window: int = option(1000, minimum=1, help="fp16's dynamic loss scaling: clean steps in a row "
+                                                          "before the scale doubles")
+    hysteresis: int = option(1, minimum=1, help="fp16's dynamic loss scaling: overflowing steps (counted since the "
+                                                "last growth) before the scale halves; Megatron's default is 2")
+
+    #: the loss scaler's fields and their defaults
+    _SCALER = {"loss_scale": None, "initial_loss_scale": 2.0**16, "min_loss_scale": 1.0, "loss_scale_window": 1000,
+               "hysteresis": 1}
+
+    def _rules(self) -> None:
+        given = [f"{k}={getattr(self, k)!r}" for k, v in self._SCALER.items() if getattr(self, k) != v]
+        if given and self.dtype != "fp16":
+            raise ParallelizeError(f"{', '.join(given)} set(s) fp16's loss scaler, and dtype={self.dtype!r} has none "
+                                   f"(bf16 and fp32 need no loss scaling): use dtype='fp16', or drop "
+                                   f"{'it' if len(given) == 1 else 'them'}")
+        if self.loss_scale is not None and len(given) > 1:
+            raise ParallelizeError(f"loss_scale={self.loss_scale!r} is a static scale, and {', '.join(given[1:])} "
+                                   "set(s) the dynamic scaling it turns off: give one or the other")
+        if self.min_loss_scale > self.initial_loss_scale:
+            raise ParallelizeError(f"min_loss_scale={self.min_loss_scale!r} is above initial_loss_scale="
+                                   f"{self.initial_loss_scale!r}: the scale starts at or above its floor")
 
     @property
     def torch_dtype(self):

@@ -34,10 +34,14 @@ FP16_MAX_SCALE = 2.0**15
 
 
 class LossScaler:
-    """Dynamic loss scaling for fp16 (torch's GradScaler's start, 2^16, and Megatron's
-    DynamicGradScaler's backoff and growth, without its hysteresis): scale the loss by `scale`
-    before backward; a step whose gradients overflow anywhere in the job is skipped and halves
-    the scale; `growth_interval` clean steps in a row double it, up to `max_scale`. Where the
+    """Loss scaling for fp16 (Megatron's DynamicGradScaler; its start 2^16, torch's GradScaler's,
+    and its hysteresis 1 unless configured: the precision section's loss_scale, initial_loss_scale,
+    min_loss_scale, loss_scale_window, hysteresis): scale the loss by `scale` before backward; a
+    step whose gradients overflow anywhere in the job is skipped, and the `hysteresis`-th such step
+    since the scale last grew halves the scale (each one after it too), down to `min_scale`;
+    `growth_interval` clean steps in a row double it, up to `max_scale`, and restore the
+    hysteresis. A static scale (`static=True`: loss_scale) never changes, its overflowing steps
+    skipped alike. Where the
     loss itself is fp16 (a model that does not upcast its logits), or an fp16 value receives its
     gradient whole (an fp16 cross entropy added to an fp32 auxiliary loss, compiler/trace.py
     _loss_gradient_dtype), backward's first gradient there is the scale (a pipeline's stages: scale / microbatches), which must be finite in fp16: the
@@ -46,26 +50,39 @@ class LossScaler:
     first step and every regrowth to it."""
 
     def __init__(self, scale: float = 2.0**16, growth_interval: int = 1000, backoff: float = 0.5,
-                 growth: float = 2.0, min_scale: float = 1.0, max_scale: float = float("inf")):
+                 growth: float = 2.0, min_scale: float = 1.0, max_scale: float = float("inf"), hysteresis: int = 1,
+                 static: bool = False):
         self.max_scale = max_scale
         self.scale, self.growth_interval = min(scale, max_scale), growth_interval
         self.backoff, self.growth, self.min_scale = backoff, growth, min_scale
+        self.hysteresis, self.static = hysteresis, static
+        self.hysteresis_left = hysteresis
         self.clean_steps = 0
         self.skipped = 0
 
     @classmethod
-    def for_loss(cls, loss_dtype: torch.dtype | None) -> "LossScaler":
-        """The scaler of a program whose loss has `loss_dtype` (its trace's)."""
-        return cls(max_scale=FP16_MAX_SCALE if loss_dtype == torch.float16 else float("inf"))
+    def for_loss(cls, loss_dtype: torch.dtype | None, precision=None) -> "LossScaler":
+        """The scaler of a program whose loss has `loss_dtype` (its trace's), as the precision
+        section configures it (config/sections.py PrecisionConfig)."""
+        cap = FP16_MAX_SCALE if loss_dtype == torch.float16 else float("inf")
+        if precision is None:
+            return cls(max_scale=cap)
+        if precision.loss_scale is not None:
+            return cls(precision.loss_scale, max_scale=cap, static=True)
+        return cls(precision.initial_loss_scale, precision.loss_scale_window, min_scale=precision.min_loss_scale,
+                   max_scale=cap, hysteresis=precision.hysteresis)
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped": self.skipped,
-                "max_scale": self.max_scale}
+                "max_scale": self.max_scale, "hysteresis_left": self.hysteresis_left}
 
     def load_state_dict(self, state: dict) -> None:
-        """The saved scale and counts; the cap stays this program's (its loss's dtype)."""
-        self.scale, self.clean_steps = min(float(state["scale"]), self.max_scale), int(state["clean_steps"])
-        self.skipped = int(state["skipped"])
+        """The saved scale and counts; the cap stays this program's (its loss's dtype), and a
+        static scale the configured one."""
+        if not self.static:
+            self.scale = min(float(state["scale"]), self.max_scale)
+        self.clean_steps, self.skipped = int(state["clean_steps"]), int(state["skipped"])
+        self.hysteresis_left = int(state.get("hysteresis_left", self.hysteresis))
 
     def unscale_and_check(self, params: list[torch.Tensor], groups, *, sharded_over_dp: bool = False,
                           dp_kind: str = "dp") -> bool:
@@ -86,13 +103,17 @@ class LossScaler:
                     with ledger.collective(groups.group(kind), "all_reduce(max)", found):
                         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=groups.group(kind))
         if found.item():
-            self.scale = max(self.scale * self.backoff, self.min_scale)
             self.clean_steps = 0
             self.skipped += 1
+            if not self.static:
+                self.hysteresis_left -= 1
+                if self.hysteresis_left <= 0:
+                    self.scale = max(self.scale * self.backoff, self.min_scale)
             return False
         self.clean_steps += 1
-        if self.clean_steps % self.growth_interval == 0:
+        if self.clean_steps % self.growth_interval == 0 and not self.static:
             self.scale = min(self.scale * self.growth, self.max_scale)
+            self.hysteresis_left = self.hysteresis
         return True
 
 

@@ -123,7 +123,7 @@ class Program(nn.Module):
         # mixed precision: parameters stay fp32 (the optimizer's main parameters); each forward
         # computes with 16-bit copies (Megatron's Float16Module + mixed-precision optimizer)
         self.dtype = config.precision.torch_dtype
-        self.scaler = LossScaler.for_loss(info.loss_dtype) if self.dtype == torch.float16 else None
+        self.scaler = LossScaler.for_loss(info.loss_dtype, config.precision) if self.dtype == torch.float16 else None
         # pipeline: this rank's stages (None: the whole graph is one stage) and the schedule
         self._stages = stages
         self.pipeline = config.pipeline

@@ -194,7 +194,7 @@ class Trainer:
             # fp16's overflow skips are its scaler searching down for a scale that fits; they
             # count towards --max-skipped once it cannot back off further
             scaler = prog.scaler
-            if scaler is None or scaler.scale <= scaler.min_scale:
+            if scaler is None or scaler.static or scaler.scale <= scaler.min_scale:
                 self.skipped_in_a_row += 1
         else:
             self.sched.step()
