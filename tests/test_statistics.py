@@ -213,6 +213,32 @@ class NonlinearLoss(torch.nn.Module):
         return NONLINEAR[self.key](ce, z, mask.sum())
 
 
+class MaskedLoss(torch.nn.Module):
+    """The shipped GPT with its loss over the selected tokens, `x[mask]` (a data-dependent count):
+    a cross entropy of the selected logits and labels (reduced by it, or unreduced and then
+    averaged), the mean of selected per-token losses, an
+    mse of selected probabilities against one-hot labels (F.mse_loss broadcasts them first)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.gpt, self.kind = make("gpt"), kind
+
+    def forward(self, idx, targets):
+        logits = self.gpt(idx)
+        mask = targets != -100
+        if self.kind == "ce":
+            return torch.nn.functional.cross_entropy(logits[mask], targets[mask])
+        if self.kind == "none":
+            return torch.nn.functional.cross_entropy(logits[mask], targets[mask], reduction="none").mean()
+        if self.kind == "mean":
+            per = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.clamp(min=0).flatten(),
+                                                    reduction="none")
+            return per.view(targets.shape)[mask].mean()
+        probs = logits.softmax(-1)
+        onehot = torch.nn.functional.one_hot(targets.clamp(min=0), probs.shape[-1]).to(probs.dtype)
+        return 100.0 * torch.nn.functional.mse_loss(probs[mask], onehot[mask])
+
+
 class MeanLoss(torch.nn.Module):
     """The shipped GPT with its loss the plain mean of the per-token losses."""
 
@@ -259,6 +285,11 @@ PADDED = {"pad-dp2": ("gpt", 2, {}, {}), "pad-dp2-mb2": ("gpt", 2, {}, dict(micr
           # stage holds no weights and computes no such statistic
           "pad-weighted-dp2": ("weighted", 2, {}, {}), "pad-weighted-dp2-mb2": ("weighted", 2, {}, dict(microbatches=2)),
           "pad-weighted-pp2": ("weighted", 2, dict(pp=2), dict(microbatches=2)),
+          # a loss over x[mask] (the tokens whose labels count): over every token, the mask in the math
+          "masked-ce-dp2-mb2": ("masked-ce", 2, {}, dict(microbatches=2)), "masked-mean-dp2": ("masked-mean", 2, {}, {}),
+          "masked-mse-dp2-mb2": ("masked-mse", 2, {}, dict(microbatches=2)),
+          "masked-none-dp2-mb2": ("masked-none", 2, {}, dict(microbatches=2)),
+          "masked-ce-tp2-mb2": ("masked-ce", 2, dict(tp=2), dict(microbatches=2)),
           "sum-dp2": ("summed", 2, {}, {}), "sum-pp2": ("summed", 2, dict(pp=2), dict(microbatches=2)),
           # an integer count of the labels: the global count over the pieces is a fraction
           "count-dp2": ("counted", 2, {}, {}), "count-dp2-mb2": ("counted", 2, {}, dict(microbatches=2)),
@@ -297,6 +328,8 @@ def _model(key):
         return MeanLoss()
     if name == "weighted":
         return WeightedLoss()
+    if name.startswith("masked-"):
+        return MaskedLoss(name.removeprefix("masked-"))
     if name == "counted":
         return CountedLoss()
     if name == "clamped":
@@ -317,7 +350,8 @@ def _data(key):
     seqs = [12, 8] if CASES[key][2].get("cp") else SEQS       # a multiple of 2 x cp
     if name in ("counted", "clamped", "squared", "plus-one"):      # odd counts of labels (35, 27): fractions over 2 and 4 pieces
         return padded("gpt", seed=5, seqs=seqs)
-    return padded({"summed": "gpt", "summed-llama": "llama", "weighted": "gpt", "counted": "gpt"}.get(name, name),
+    return padded({"summed": "gpt", "summed-llama": "llama", "weighted": "gpt", "counted": "gpt", "masked-ce": "gpt",
+                   "masked-mean": "gpt", "masked-mse": "gpt", "masked-none": "gpt"}.get(name, name),
                   seqs=seqs)
 
 
@@ -556,3 +590,24 @@ def _microbatches_of(item, dp: int, m: int):
     parts = [[slice((r * m + i) * k, (r * m + i + 1) * k) for r in range(dp)] for i in range(m)]
     return fxtron.Microbatches([((), {a: torch.cat([t[p] for p in part]) for a, t in kwargs.items()})
                                 for part in parts])
+
+
+def test_math_over_a_selection_beyond_its_sum_mean_and_losses_is_refused_by_name():
+    """x[mask] written over every element covers a selection's sum, mean and losses
+    (split_masked_selections; held against one process by the masked-* cases); a per-column mean
+    of the selection, `x[mask].mean(0)`, stays refused at dp=2, naming the selection -- and at one
+    rank, one microbatch, the selection runs as written."""
+    class ColumnMeans(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gpt = make("gpt")
+
+        def forward(self, idx, targets):
+            return self.gpt(idx)[targets != -100].pow(2).mean(0).sum()
+
+    args, _ = padded("gpt")[0]
+    with pytest.raises(fxtron.ParallelizeError, match=r"%index \(aten.index.Tensor.*reduces over the batch"):
+        fxtron.parallelize(ColumnMeans(), fxtron.Mesh(2), example_inputs=args).compiled(0)
+    model = ColumnMeans()
+    prog = fxtron.parallelize(model, fxtron.Mesh(1), example_inputs=args).program(0)
+    assert abs(float(prog(*args)) - float(model(*args))) < 1e-5

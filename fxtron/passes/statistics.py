@@ -13,6 +13,9 @@ batch's:
   count of tokens it counts (targets other than ignore_index), as one process computes it; a
   loss torch reduces by a plain mean or sum of its unreduced values (mse, l1, Huber, BCE, KL
   divergence, the margin losses: `split_elementwise_losses`) as those values and their mean or sum;
+* a loss over selected elements (`x[mask]`: a count that depends on the data, which no piece
+  can average) is written over every element with the mask in its math
+  (`split_masked_selections`), its sums and counts then the batch's statistics as any other;
 * where a statistic reaches the loss linearly (added, scaled by a number that is the same on
   every rank), the average over the pieces is already the global value for a mean; a sum is
   multiplied by the pieces (fxtron::batch_scale); a sum divided by a count of the inputs alone
@@ -210,6 +213,203 @@ def split_elementwise_losses(gm: fx.GraphModule) -> int:
     return n
 
 
+#: losses whose unreduced values sit at their inputs' positions: loss(x[m], y[m]) is loss(x, y)[m]
+_POSITIONAL_LOSSES = {aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l1_loss.default,
+                      aten.huber_loss.default, aten.binary_cross_entropy.default,
+                      aten.binary_cross_entropy_with_logits.default, aten.soft_margin_loss.default,
+                      aten.kl_div.default, aten.poisson_nll_loss.default}
+
+
+def _selection(node, ti) -> tuple[fx.Node, fx.Node] | None:
+    """(x, m) where `node` is x[m]: one boolean mask over x's leading dims, holding the batch."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or node.target is not aten.index.Tensor:
+        return None
+    x, idx = node.args[:2]
+    if len(idx) != 1 or not isinstance(idx[0], fx.Node) or not isinstance(x, fx.Node):
+        return None
+    m = idx[0]
+    mv, xv = _fake(m), _fake(x)
+    if not isinstance(mv, torch.Tensor) or not isinstance(xv, torch.Tensor) or mv.dtype != torch.bool \
+            or mv.dim() == 0 or mv.dim() > xv.dim() or not _batchy(mv, ti):
+        return None
+    if ti.shape(mv) != ti.shape(xv)[:mv.dim()]:
+        return None
+    return x, m
+
+
+def _unbroadcast(node, ti):
+    """x where `node` is x's place in broadcast_tensors of tensors of one shape (a loss's
+    F.mse_loss broadcasts its inputs first), else node."""
+    if isinstance(node, fx.Node) and node.target is operator.getitem \
+            and getattr(node.args[0], "target", None) is aten.broadcast_tensors.default:
+        inner = node.args[0].args[0]
+        if len({ti.shape(_fake(x)) for x in inner}) == 1:
+            return inner[node.args[1]]
+    return node
+
+
+def _mask_key(m: fx.Node, ti) -> tuple:
+    """Masks that are one: a node, through reshapes, at one shape (`mask.view(-1)` twice)."""
+    src = m
+    while src.op == "call_function" and src.target in opsets.FLATTENS and isinstance(src.args[0], fx.Node):
+        src = src.args[0]
+    return src, ti.shape(_fake(m))
+
+
+def _drop_size_asserts(g: fx.Graph, node: fx.Node) -> None:
+    """Erase `node` where nothing reads it but its size's runtime asserts (export's `u0 >= 0` on a
+    data-dependent size), with them."""
+    if node.op != "call_function" or node.target is not aten.index.Tensor:
+        return
+    chain, stack = [], list(node.users)
+    while stack:
+        u = stack.pop()
+        if u.op != "call_function" or not (u.target in (aten.sym_size.int, aten._assert_scalar.default,
+                                                          aten.sym_constrain_range_for_size.default)
+                                           or getattr(u.target, "__module__", "") == "_operator"):
+            return
+        chain.append(u)
+        stack.extend(u.users)
+    for u in reversed(_topo(chain)):
+        g.erase_node(u)
+    g.erase_node(node)
+
+
+def _reduces_all(node: fx.Node) -> bool:
+    """Whether a sum / mean reduces its input to one number (every dim, keepdim off)."""
+    if node.target in (aten.mean.default, aten.sum.default):
+        return True
+    ndim = _fake(node.args[0]).dim()
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    return not keep and (not dims or sorted(d % ndim for d in dims) == list(range(ndim)))
+
+
+def _topo(nodes: list[fx.Node]) -> list[fx.Node]:
+    order = {n: i for i, n in enumerate(nodes[0].graph.nodes)} if nodes else {}
+    return sorted(set(nodes), key=order.__getitem__)
+
+
+def split_masked_selections(gm: fx.GraphModule) -> int:
+    """A loss over the batch's selected elements (`x[mask]`, a data-dependent count) written over
+    every element, the mask kept in the math, so that the statistics are the batch's: the same
+    number as the selection gives, its gradient zero where the mask is off as indexing's is.
+    - `x[m].mean()` / `.sum()`: sum(where(m, x, 0)) over the mask's count (times x's trailing
+      elements) / that sum;
+    - a cross entropy (nll loss) of `logits[m]` against `labels[m]`: over every token, the labels
+      off the mask set to ignore_index (a mean then divides by the counted ones; unreduced, the
+      tokens' losses picked by the mask, then reduced as above);
+    - a loss of _POSITIONAL_LOSSES (after split_elementwise_losses: unreduced) of `x[m]` and
+      `y[m]`: the loss of x and y, then selected (and reduced as above).
+    The same mask through reshapes counts as one. Returns how many selections were rewritten."""
+    g, ti = gm.graph, meta.info(gm)
+    done = 0
+    for node in list(g.nodes):
+        if node.op != "call_function" or node.target not in _POSITIONAL_LOSSES or len(node.args) < 2:
+            continue
+        at = _ELEMENTWISE_LOSSES[node.target]
+        schema = node.target._schema.arguments[at].name
+        reduction = node.args[at] if len(node.args) > at else node.kwargs.get(schema, 1)
+        a, b = _selection(_unbroadcast(node.args[0], ti), ti), _selection(_unbroadcast(node.args[1], ti), ti)
+        rest = [x for x in list(node.args[2:]) + list(node.kwargs.values()) if isinstance(x, fx.Node)]
+        if reduction not in (0, 1, 2) or a is None or b is None or _mask_key(a[1], ti) != _mask_key(b[1], ti) \
+                or ti.shape(_fake(a[0])) != ti.shape(_fake(b[0])) or any(_batchy(_fake(x), ti) for x in rest):
+            continue
+        args = list(node.args) + [x.default_value for x in node.target._schema.arguments[len(node.args):at + 1]]
+        args[:2], args[at] = [a[0], b[0]], 0
+        with g.inserting_before(node):
+            whole = _insert(g, node, node.target, args, {k: v for k, v in node.kwargs.items() if k != schema})
+            _refake([whole])
+            picked = _insert(g, node, aten.index.Tensor, (whole, [a[1]]),
+                             val=_fake(node.args[0]).new_empty(_fake(node.args[0]).shape, dtype=_fake(whole).dtype))
+            if reduction:
+                picked = _insert(g, node, aten.mean.default if reduction == 1 else aten.sum.default, (picked,),
+                                 val=_fake(node))
+        sels = node.args[:2]
+        node.replace_all_uses_with(picked)
+        g.erase_node(node)
+        for sel in sels:      # (a broadcast's outputs, then the broadcast, then the selections)
+            if sel.target is operator.getitem and not sel.users:
+                src = sel.args[0]
+                g.erase_node(sel)
+                sel = src
+            if sel.target is aten.broadcast_tensors.default and not sel.users:
+                inner = sel.args[0]
+                g.erase_node(sel)
+                for x in inner:
+                    _drop_size_asserts(g, x)
+            elif sel.graph is g and sel.op != "placeholder":
+                _drop_size_asserts(g, sel)
+        done += 1
+    for node in list(g.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in _LOSSES:
+            x, t, w, reduction, ignore, smoothing = _loss_args(node)
+            a, b = _selection(x, ti), _selection(t, ti)
+            if reduction not in (0, 1, 2) or a is None or b is None or _mask_key(a[1], ti) != _mask_key(b[1], ti) \
+                    or _fake(t).is_floating_point() or _fake(b[1]).dim() != _fake(b[0]).dim() \
+                    or _fake(a[0]).dim() != _fake(a[1]).dim() + 1:
+                continue
+            k = _fake(b[1]).dim()
+            with g.inserting_before(node):
+                labels = _insert(g, node, aten.where.ScalarOther, (b[1], b[0], ignore), val=_fake(b[0]).clone())
+                logits = a[0]
+                if k > 1:
+                    logits = _insert(g, node, aten.flatten.using_ints, (logits, 0, k - 1),
+                                     val=_fake(logits).flatten(0, k - 1))
+                    labels = _insert(g, node, aten.flatten.using_ints, (labels, 0, k - 1),
+                                     val=_fake(labels).flatten(0, k - 1))
+                args = [logits, labels, w, reduction, ignore] + ([smoothing if smoothing is not None else 0.0]
+                                                                 if node.target is aten.cross_entropy_loss.default else [])
+                if reduction:
+                    loss = _insert(g, node, node.target, args, val=_fake(node))
+                else:         # each token's loss (0 off the mask), then the mask's tokens picked
+                    each = _insert(g, node, node.target, args, val=_fake(labels).new_empty(
+                        _fake(labels).shape, dtype=_fake(node).dtype))
+                    m = b[1] if k == 1 else _insert(g, node, aten.flatten.using_ints, (b[1], 0, k - 1),
+                                                    val=_fake(b[1]).flatten(0, k - 1))
+                    loss = _insert(g, node, aten.index.Tensor, (each, [m]), val=_fake(node))
+        elif node.target in (aten.mean.default, aten.sum.default, aten.sum.dim_IntList, aten.mean.dim):
+            a = _selection(node.args[0], ti)
+            xv = _fake(a[0]) if a is not None else None
+            trailing = xv.shape[_fake(a[1]).dim():] if a is not None else ()
+            out = _fake(node)
+            if a is None or any(isinstance(d, torch.SymInt) for d in trailing) or not out.dtype.is_floating_point \
+                    or not _reduces_all(node):
+                continue
+            acc = out.dtype if out.dtype in (torch.float32, torch.float64) else torch.float32
+            with g.inserting_before(node):
+                m = a[1]
+                for _ in range(xv.dim() - _fake(m).dim()):
+                    m = _insert(g, node, aten.unsqueeze.default, (m, -1), val=_fake(m).unsqueeze(-1))
+                kept = _insert(g, node, aten.where.ScalarOther, (m, a[0], 0), val=xv.clone())
+                loss = _insert(g, node, aten.sum.dim_IntList, (kept, []), {"dtype": acc}, val=out.new_empty((), dtype=acc))
+                if node.target in (aten.mean.default, aten.mean.dim):
+                    count = _insert(g, node, aten.sum.dim_IntList, (a[1], []), {"dtype": acc},
+                                    val=out.new_empty((), dtype=acc))
+                    loss = _insert(g, node, aten.div.Tensor, (loss, count), val=out.new_empty((), dtype=acc))
+                    per = 1
+                    for d in trailing:
+                        per *= int(d)
+                    if per != 1:     # (x's trailing elements: the count is the mask's times them)
+                        loss = _insert(g, node, aten.div.Tensor, (loss, per), val=out.new_empty((), dtype=acc))
+                if acc != out.dtype:
+                    loss = _insert(g, node, aten.to.dtype, (loss, out.dtype), val=out)
+        else:
+            continue
+        sels = [x for x in node.args[:2] if isinstance(x, fx.Node) and x.target is aten.index.Tensor]
+        node.replace_all_uses_with(loss)
+        g.erase_node(node)
+        for sel in sels:
+            _drop_size_asserts(g, sel)
+        done += 1
+    if done:
+        g.lint()
+        gm.recompile()
+    return done
+
+
 def split_token_means(gm: fx.GraphModule) -> list[fx.Node]:
     """Each mean cross entropy / nll loss over the batch's tokens written as its sum over the
     tokens divided by the count of tokens it counts (targets other than ignore_index): the
@@ -347,6 +547,7 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
     if dp == 1 and pieces == 1:
         return gm
     split_elementwise_losses(gm)
+    split_masked_selections(gm)
     split_token_means(gm)
     gathered = gather_negatives(gm, dp=dp, group=group) if pieces == dp else []
     check_batch_coupling(gm, dp=dp, pieces=pieces)
