@@ -1239,34 +1239,68 @@ def _weighted():
     return _WeightedTargets().double(), (ids, labels)
 
 
+class _NllTargets(_WeightedTargets):
+    """An nll loss of log-probabilities, flat (B*S, C) or laid out (B, C, S), with and without
+    the class weights."""
+
+    def __init__(self, layout: str, weighted: bool):
+        super().__init__()
+        self.layout, self.weighted = layout, weighted
+
+    def forward(self, ids, labels):
+        lp = F.log_softmax(self.head(self.emb(ids)), -1)
+        w = self.weight if self.weighted else None
+        if self.layout == "flat":
+            return F.nll_loss(lp.flatten(0, 1), labels.flatten(), weight=w)
+        return F.nll_loss(lp.transpose(1, 2), labels, weight=w)
+
+
+_LOSSES = {"ce-weighted": lambda: _WeightedTargets(), "nll-flat": lambda: _NllTargets("flat", False),
+           "nll-flat-weighted": lambda: _NllTargets("flat", True),
+           "nll-classes-first": lambda: _NllTargets("classes-first", False)}
+
+
+def _token_loss(name: str):
+    model, batch_ = _weighted()
+    torch.manual_seed(1)
+    other = _LOSSES[name]().double()
+    other.load_state_dict(model.state_dict())
+    return other, batch_
+
+
 def _weighted_steps(rank, mesh):
     out = {}
-    for m in (1, 2):
-        model, batch_ = _weighted()
-        prog = fxtron.parallelize(model, mesh, example_inputs=batch_, microbatches=m, strict=True).program(rank)
-        out[m] = (prog.train_step(batch_, torch.optim.SGD(prog.parameters(), lr=0.1)), prog.full_state_dict(),
-                  prog.eval_step(batch_))
+    for name in _LOSSES:
+        for m in (1, 2):
+            model, batch_ = _token_loss(name)
+            prog = fxtron.parallelize(model, mesh, example_inputs=batch_, microbatches=m, strict=True).program(rank)
+            out[name, m] = (prog.train_step(batch_, torch.optim.SGD(prog.parameters(), lr=0.1)),
+                            prog.full_state_dict(), prog.eval_step(batch_))
     return out
 
 
 @pytest.mark.slow
-def test_a_class_weighted_cross_entropy_divides_by_the_counted_weights():
-    """cp=2, with 1 and 2 microbatches: the mean divides by the global batch's counted targets'
-    weights (it was refused at cp, and each microbatch's own with microbatches, 0.2 off the
-    loss); loss, updated weights and evaluation equal one process's (float64)."""
+def test_a_class_weighted_cross_entropy_and_nll_losses_divide_by_the_counted_tokens():
+    """cp=2, with 1 and 2 microbatches: a class-weighted mean cross entropy divides by the global
+    batch's counted targets' weights (it was refused at cp, and each microbatch's own with
+    microbatches, 0.2 off the loss); an nll loss of flat (B*S, C) log-probabilities, weighted or
+    not, is a mean over every rank's counted tokens (refused at cp: the flat tokens' cp shard
+    could not be gathered), and laid out (B, C, S) no longer gathers them. Loss, updated weights
+    and evaluation equal one process's (float64)."""
     got = run_on_ranks(_weighted_steps, fxtron.Mesh(2, cp=2), fxtron.Mesh(2, cp=2))
-    model, batch_ = _weighted()
-    loss = model(*batch_)
-    loss.backward()
-    torch.optim.SGD(model.parameters(), lr=0.1).step()
-    model.eval()
-    with torch.no_grad():
-        evaluated = model(*batch_).item()
-    for rank, out in enumerate(got):
-        for m in (1, 2):
-            assert abs(out[m][0] - loss.item()) < 1e-12, (rank, m, out[m][0], loss.item())
-            assert max_abs_diff(out[m][1], model.state_dict())[0] < 1e-12, (rank, m)
-            assert abs(out[m][2] - evaluated) < 1e-12, (rank, m)
+    for name in _LOSSES:
+        model, batch_ = _token_loss(name)
+        loss = model(*batch_)
+        loss.backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        model.eval()
+        with torch.no_grad():
+            evaluated = model(*batch_).item()
+        for rank, out in enumerate(got):
+            for m in (1, 2):
+                assert abs(out[name, m][0] - loss.item()) < 1e-12, (name, rank, m, out[name, m][0], loss.item())
+                assert max_abs_diff(out[name, m][1], model.state_dict())[0] < 1e-12, (name, rank, m)
+                assert abs(out[name, m][2] - evaluated) < 1e-12, (name, rank, m)
 
 
 @pytest.mark.slow

@@ -496,3 +496,16 @@ def test_a_static_loss_scale_never_moves_and_still_skips():
 def test_loss_scaler_options_are_checked(options, match):
     with pytest.raises(fxtron.ParallelizeError, match=match):
         fxtron.parallelize(make("gpt"), fxtron.Mesh(1), example_inputs=batch("gpt", 2, 8, 0)[0], **options)
+
+
+def test_a_16_bit_model_without_dtype_is_said_to_train_in_16_bits():
+    """A model held in bf16 parallelized without dtype= trains in bf16 as in one process, with no
+    fp32 masters: pm.summary() says so and what dtype= gives (it said its linears were fp32)."""
+    args = batch("gpt", 2, 8, 0)[0]
+    pm = fxtron.parallelize(make("gpt").to(torch.bfloat16), fxtron.Mesh(1), example_inputs=args)
+    text = pm.summary()
+    assert "precision: the model holds 124,672 in bfloat16 of its 124,672 parameters, and no dtype= was given" in text
+    assert "dtype='bf16' gives Megatron's mixed precision" in text and "linears: fp32" not in text
+    assert {p.dtype for p in pm.program(0).parameters()} == {torch.bfloat16}
+    assert "precision:" not in fxtron.parallelize(make("gpt").to(torch.bfloat16), fxtron.Mesh(1), example_inputs=args,
+                                                  dtype="bf16").summary()

@@ -611,3 +611,50 @@ def test_math_over_a_selection_beyond_its_sum_mean_and_losses_is_refused_by_name
     model = ColumnMeans()
     prog = fxtron.parallelize(model, fxtron.Mesh(1), example_inputs=args).program(0)
     assert abs(float(prog(*args)) - float(model(*args))) < 1e-5
+
+
+class _WrittenInPlace(torch.nn.Module):
+    """Class weights or labels the forward writes in place before its cross entropy reads them."""
+
+    def __init__(self, what: str):
+        super().__init__()
+        self.emb, self.head, self.what = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 5), what
+        self.register_buffer("cw", torch.tensor([0.5, 1.0, 2.0, 3.0, 0.25]))
+
+    def forward(self, ids, labels):
+        if self.what == "weights":
+            with torch.no_grad():
+                self.cw.mul_(1.1)
+        else:         # labels given from 1, ignored ones -100: shifted in place to 0.., -101
+            labels.sub_(1)
+        logits = self.head(self.emb(ids))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), weight=self.cw,
+                                                 ignore_index=-100 if self.what == "weights" else -101)
+
+
+def _written_batch():
+    g = torch.Generator().manual_seed(0)
+    ids, labels = torch.randint(0, 16, (4, 8), generator=g), torch.randint(1, 6, (4, 8), generator=g)
+    labels[torch.rand(4, 8, generator=g) < torch.tensor([0.7, 0.5, 0.1, 0.0])[:, None]] = -100
+    return ids, labels
+
+
+def test_a_statistic_never_reads_what_the_forward_writes():
+    """Class weights the forward writes in place (export keeps the mul_ in the graph) are not
+    read-only: the count they weigh is not computed before the step (that ran the mul_ once more
+    a step, 0.2 off one process at dp=2, silently) but summed over dp as the forward computes it.
+    Labels the forward writes in place are copied before the runtime counts them: the step then
+    reads them as the model does (one rank, 2 microbatches, float64)."""
+    torch.manual_seed(0)
+    written = fxtron.parallelize(_WrittenInPlace("weights").double(), fxtron.Mesh(2),
+                                 example_inputs=[x - (x > 0).long() for x in _written_batch()])
+    report = meta.info(written.compiled(0).gm).statistics_report
+    assert report.summed and not report.global_counts, report
+    model = _WrittenInPlace("labels").double()
+    ref = _WrittenInPlace("labels").double()
+    ref.load_state_dict(model.state_dict())
+    prog = fxtron.parallelize(model, fxtron.Mesh(1), example_inputs=_written_batch(), microbatches=2).program(0)
+    assert meta.info(prog.graph_module).statistics_report.global_counts
+    batch_ = _written_batch()
+    loss = prog.train_step(batch_, torch.optim.SGD(prog.parameters(), lr=0.0))
+    assert abs(loss - ref(*_written_batch()).item()) < 1e-12, (loss, ref(*_written_batch()).item())

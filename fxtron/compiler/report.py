@@ -788,11 +788,22 @@ def summary(*, model, mesh: Mesh, traced: fx.GraphModule, config, tp_plan, stage
         from fxtron.compiler.passmanager import linears_to_autograd
         if linears_to_autograd(config, mesh.view(0)):
             fused = [n for g in compiled(0).graphs for n in g.graph.nodes if n.target == torch.ops.fxtron.linear.default]
-            head += ("\nlinears: fp32 and nothing defers their weight gradients (no tp, cp, zero=3 or zero-bubble "
+            head += ("\nlinears with fp32 weights: nothing defers their weight gradients (no tp, cp, zero=3 or zero-bubble "
                      "schedule), so they are left to autograd, not fused: its weight gradient, added into main_grad "
                      "in place, is the fused linear's number, without a Python autograd Function per linear "
                      "(compiler/passmanager.py linears_to_autograd)"
                      + (f"; {len(fused)} stay fused, their weights 16-bit in the model" if fused else ""))
+    narrow = {}
+    for prm in model.parameters():
+        if prm.dtype in (torch.bfloat16, torch.float16):
+            narrow[prm.dtype] = narrow.get(prm.dtype, 0) + prm.numel()
+    if narrow and config.precision.torch_dtype is None:
+        held = ", ".join(f"{n:,} in {str(d).removeprefix('torch.')}" for d, n in narrow.items())
+        total = sum(prm.numel() for prm in model.parameters())
+        head += (f"\nprecision: the model holds {held} of its {total:,} parameters, and no dtype= was given: they train "
+                 f"in their own dtype, as the model in one process does, without fp32 master weights or gradients "
+                 f"(an update below a weight's precision rounds away); dtype='bf16' gives Megatron's mixed precision "
+                 f"(16-bit compute, fp32 masters and gradients)")
     if config.codegen.cuda_graphs:
         head += "\n" + cuda_graphs_note(config, compiled(0).graphs)
     reduced = torch_dtype(config.data_parallel.grad_reduce_dtype)

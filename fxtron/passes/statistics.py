@@ -97,12 +97,16 @@ class Statistic:
     gm: fx.GraphModule | None = None
     expr: sympy.Expr | None = None
     buffers: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    #: the user inputs `gm` writes in place (the model's own `labels.masked_fill_(...)`): copied
+    #: first, so that computing the statistic leaves the batch as the step will read it
+    written: tuple[int, ...] = ()
 
     def value(self, flat: list[torch.Tensor], user_dims, buffers: list[torch.Tensor] = ()) -> torch.Tensor:
         """This statistic of one global microbatch (its flat user inputs; `buffers`, the values
         of self.buffers as the step's graph reads them)."""
         if self.gm is not None:
             device = next((x.device for x in flat if isinstance(x, torch.Tensor)), None)
+            flat = [x.clone() if i in self.written else x for i, x in enumerate(flat)]
             with torch.no_grad():     # (the batch where the data loader put it; the buffers the rank's device)
                 return self.gm(*flat, *[b.to(device) for b in buffers]).detach().to(torch.float64)
         sizes = {}
@@ -562,6 +566,12 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
     # compute over the global batch before the step)
     learned: set[fx.Node] = set()
     written = set(ti.buffer_mutations.values())
+    for node in g.nodes:      # (export keeps in-place ops on buffers in the graph: a buffer they write)
+        if meta.writes_first(node):
+            for v in meta.written(node):
+                spec = meta.get(v, meta.INPUT) if v.op == "placeholder" else None
+                if spec is not None and spec.kind == "buffer":
+                    written.add(spec.target)
     for node in g.nodes:
         if node.op == "placeholder":
             spec = meta.get(node, meta.INPUT)
@@ -1313,11 +1323,20 @@ def _statistic(gm: fx.GraphModule, node: fx.Node, kind: str, ti) -> Statistic:
                 raise AssertionError(f"input statistic {node.name} depends on {n.name}")
             env[n] = g.placeholder(n.name)
             buffers.append((spec.target, tuple(int(d) for d in _fake(n).shape)))
+    written = set()
     for n in gm.graph.nodes:
         if n in keep and n not in env:
             env[n] = g.node_copy(n, lambda a: env[a])
+            if meta.writes_first(n):
+                for v in meta.written(n):
+                    spec = meta.get(v, meta.INPUT) if v.op == "placeholder" else None
+                    if spec is not None and spec.kind == "buffer":
+                        raise AssertionError(f"input statistic {node.name} writes buffer {spec.target}")
+                    if spec is not None and spec.kind == "user":
+                        written.add(spec.index)
     g.output(env[node])
-    return Statistic(node.name, _where(node), gm=fx.GraphModule(gm, g), buffers=tuple(buffers))
+    return Statistic(node.name, _where(node), gm=fx.GraphModule(gm, g), buffers=tuple(buffers),
+                     written=tuple(sorted(written)))
 
 
 __all__ = ["Statistic", "StatisticsReport", "batch_coupling", "check_batch_coupling", "gather_negatives", "global_statistics",

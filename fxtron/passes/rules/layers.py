@@ -278,10 +278,16 @@ def _ce_reduction(node: fx.Node) -> int:
     return 1 if r is None else r
 
 
-@register_rule(aten.cross_entropy_loss.default)
+#: nll losses: a cross entropy's arguments but label smoothing, of log-probabilities
+_NLL = (aten.nll_loss.default, aten.nll_loss_nd.default)
+
+
+@register_rule(aten.cross_entropy_loss.default, *_NLL)
 def _cross_entropy(c: Ctx):
     logits = c.node.args[0]
     pl = c.p[0]
+    if c.node.target in _NLL and isinstance(pl, Shard) and pl.dim == 1:
+        return REPLICATE, [REPLICATE] * len(c.p)     # (log-probabilities split by class: gathered)
     if isinstance(pl, Shard) and pl.dim == 1 and ndim(logits) == 2 and pl.interleave == 1:
         return REPLICATE, [None, REPLICATE] + [REPLICATE] * (len(c.p) - 2)   # vocab-parallel
     if isinstance(pl, Shard) and pl.dim != 1 and ndim(logits) >= 2:
@@ -354,12 +360,12 @@ def _tokens_split_on(node: fx.Node, lower) -> str | None:
     return None
 
 
-@register_lowering(aten.cross_entropy_loss.default)
+@register_lowering(aten.cross_entropy_loss.default, *_NLL)
 def _cross_entropy_over_tokens(node: fx.Node, lower) -> fx.Node | None:
-    """A mean cross entropy over tokens split across the axis: the sum of this rank's losses
-    and the count of its counted tokens (not ignore_index; with class weights, their targets'
-    weights, as torch's mean divides by them), each all-reduced, then divided -- the
-    single-process mean however the ignored tokens spread over the ranks."""
+    """A mean cross entropy (or nll loss) over tokens split across the axis: the sum of this
+    rank's losses and the count of its counted tokens (not ignore_index; with class weights,
+    their targets' weights, as torch's mean divides by them), each all-reduced, then divided --
+    the single-process mean however the ignored tokens spread over the ranks."""
     logits, target = node.args[:2]
     pl = lower.placement(logits)
     if not (isinstance(pl, Shard) and pl.dim != 1 and _ce_reduction(node) == 1):
@@ -367,10 +373,19 @@ def _cross_entropy_over_tokens(node: fx.Node, lower) -> fx.Node | None:
     args = list(node.args) + [None] * (6 - len(node.args))
     weight = node.kwargs.get("weight", args[2])
     ignore_index = node.kwargs.get("ignore_index", args[4] if args[4] is not None else -100)
-    smoothing = node.kwargs.get("label_smoothing", args[5] if args[5] is not None else 0.0)
+    nll = node.target in _NLL
+    smoothing = None if nll else node.kwargs.get("label_smoothing", args[5] if args[5] is not None else 0.0)
     x, t = lower.remap(logits), lower.remap(target)
     vocab = next((a for a in lower.axes() if isinstance(lower.on(a).placement(logits), Shard)
                   and lower.on(a).placement(logits).dim == 1), None)
+    if nll and vocab is not None:
+        raise ParallelizeError(f"node %{node.name} ({meta.get(node, meta.MODULE) or 'top level'}): an nll loss of "
+                               f"log-probabilities split by class across {vocab} and by token across {lower.axis} is "
+                               f"not supported; replicate the head in the plan, or compute the loss as a cross "
+                               f"entropy of the logits (the vocab-parallel one)")
+
+    def loss_args(reduction: int) -> tuple:
+        return (x, t, w, reduction, ignore_index) + (() if nll else (smoothing,))
     if weight is not None and (vocab is not None or any(not lower.on(a).placement(weight).is_replicate()
                                                         for a in lower.axes())):
         raise ParallelizeError(f"node %{node.name} ({meta.get(node, meta.MODULE) or 'top level'}): class weights in a "
@@ -390,7 +405,7 @@ def _cross_entropy_over_tokens(node: fx.Node, lower) -> fx.Node | None:
         total = _vocab_parallel_ce(node, lower.on(vocab), 2, REPLICATE)
         total.meta[meta.PLACEMENT] = meta.get(total, meta.PLACEMENT).with_axis(lower.axis, PARTIAL)
     elif narrow:                  # a 16-bit loss: its tokens' losses summed in fp32 (a 16-bit sum overflows
-        each = lower.call(aten.cross_entropy_loss.default, (x, t, w, 0, ignore_index, smoothing), target, rows,
+        each = lower.call(node.target, loss_args(0), target, rows,
                           "each of this rank's tokens' loss")       # past 65504 where the mean does not)
         tv = target.meta.get("val")
         if tv is not None:            # (a loss a token, in the loss's dtype: a float, not the ids' integers)
@@ -400,7 +415,7 @@ def _cross_entropy_over_tokens(node: fx.Node, lower) -> fx.Node | None:
                            f"the summed loss of this rank's tokens ({lower.axis} splits them), in fp32",
                            kwargs={"dtype": torch.float32})
     else:
-        total = lower.call(aten.cross_entropy_loss.default, (x, t, w, 2, ignore_index, smoothing), node, PARTIAL,
+        total = lower.call(node.target, loss_args(2), node, PARTIAL,
                            f"the summed loss of this rank's tokens ({lower.axis} splits them)")
     if probabilities:             # the mean is over the tokens (every one counts), not the target's elements
         lv = logits.meta.get("val")
@@ -418,8 +433,10 @@ def _cross_entropy_over_tokens(node: fx.Node, lower) -> fx.Node | None:
             if tv is not None:
                 for n in (picked, counted):
                     n.meta["val"] = tv.new_empty(tv.shape, dtype=weight.meta["val"].dtype)
+    # (float64 class weights summed in float64: their sum is not an integer fp32 holds exactly)
+    wide = weight is not None and not probabilities and weight.meta["val"].dtype == torch.float64
     count = lower.call(aten.sum.dim_IntList, (counted, []), node, PARTIAL, "this rank's counted tokens",
-                       kwargs={"dtype": torch.float32})
+                       kwargs={"dtype": torch.float64 if wide else torch.float32})
     total = lower.call(torch.ops.fxtron.all_reduce.default, (total, lower.axis), node, REPLICATE,
                        f"the loss summed over {lower.axis}")
     count = lower.call(torch.ops.fxtron.all_reduce.default, (count, lower.axis), node, REPLICATE,
