@@ -606,6 +606,8 @@ def test_math_over_a_selection_beyond_its_sum_mean_and_losses_is_refused_by_name
             return self.gpt(idx)[targets != -100].pow(2).mean(0).sum()
 
     args, _ = padded("gpt")[0]
+    assert "losses over selected elements (x[mask]) written over every element, the mask in their math " \
+           "(%cross_entropy_loss" in fxtron.parallelize(MaskedLoss("ce"), fxtron.Mesh(2), example_inputs=args).summary()
     with pytest.raises(fxtron.ParallelizeError, match=r"%index \(aten.index.Tensor.*reduces over the batch"):
         fxtron.parallelize(ColumnMeans(), fxtron.Mesh(2), example_inputs=args).compiled(0)
     model = ColumnMeans()

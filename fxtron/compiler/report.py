@@ -578,6 +578,9 @@ def statistics_note(mesh: Mesh, config, report) -> str:
         return ""
     pieces = mesh.dp * config.pipeline.microbatches
     parts = []
+    if report.selected:
+        parts.append(f"losses over selected elements (x[mask]) written over every element, the mask in their math "
+                     f"({_few(report.selected)})")
     if report.global_counts:
         parts.append(f"token means divide by the global batch's count ({_few(report.global_counts)})")
     if report.scaled:

@@ -130,6 +130,7 @@ class StatisticsReport:
     synced: list[str] = field(default_factory=list)       # batch norms normalized over every dp rank's samples
     gathered: list[str] = field(default_factory=list)     # in-batch negatives gathered over dp
     per_microbatch: list[str] = field(default_factory=list)  # used nonlinearly under microbatches: each one's
+    selected: list[str] = field(default_factory=list)     # losses over x[mask], written over every element
 
 
 def _batchy(val, ti) -> bool:
@@ -294,7 +295,7 @@ def _topo(nodes: list[fx.Node]) -> list[fx.Node]:
     return sorted(set(nodes), key=order.__getitem__)
 
 
-def split_masked_selections(gm: fx.GraphModule) -> int:
+def split_masked_selections(gm: fx.GraphModule) -> list[str]:
     """A loss over the batch's selected elements (`x[mask]`, a data-dependent count) written over
     every element, the mask kept in the math, so that the statistics are the batch's: the same
     number as the selection gives, its gradient zero where the mask is off as indexing's is.
@@ -305,9 +306,10 @@ def split_masked_selections(gm: fx.GraphModule) -> int:
       tokens' losses picked by the mask, then reduced as above);
     - a loss of _POSITIONAL_LOSSES (after split_elementwise_losses: unreduced) of `x[m]` and
       `y[m]`: the loss of x and y, then selected (and reduced as above).
-    The same mask through reshapes counts as one. Returns how many selections were rewritten."""
+    The same mask through reshapes counts as one. Returns where each rewritten loss or reduction
+    was."""
     g, ti = gm.graph, meta.info(gm)
-    done = 0
+    done = []
     for node in list(g.nodes):
         if node.op != "call_function" or node.target not in _POSITIONAL_LOSSES or len(node.args) < 2:
             continue
@@ -330,6 +332,7 @@ def split_masked_selections(gm: fx.GraphModule) -> int:
                 picked = _insert(g, node, aten.mean.default if reduction == 1 else aten.sum.default, (picked,),
                                  val=_fake(node))
         sels = node.args[:2]
+        done.append(_where(node))
         node.replace_all_uses_with(picked)
         g.erase_node(node)
         for sel in sels:      # (a broadcast's outputs, then the broadcast, then the selections)
@@ -344,7 +347,6 @@ def split_masked_selections(gm: fx.GraphModule) -> int:
                     _drop_size_asserts(g, x)
             elif sel.graph is g and sel.op != "placeholder":
                 _drop_size_asserts(g, sel)
-        done += 1
     for node in list(g.nodes):
         if node.op != "call_function":
             continue
@@ -403,11 +405,11 @@ def split_masked_selections(gm: fx.GraphModule) -> int:
         else:
             continue
         sels = [x for x in node.args[:2] if isinstance(x, fx.Node) and x.target is aten.index.Tensor]
+        done.append(_where(node))
         node.replace_all_uses_with(loss)
         g.erase_node(node)
         for sel in sels:
             _drop_size_asserts(g, sel)
-        done += 1
     if done:
         g.lint()
         gm.recompile()
@@ -551,7 +553,7 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
     if dp == 1 and pieces == 1:
         return gm
     split_elementwise_losses(gm)
-    split_masked_selections(gm)
+    selected = split_masked_selections(gm)
     split_token_means(gm)
     gathered = gather_negatives(gm, dp=dp, group=group) if pieces == dp else []
     check_batch_coupling(gm, dp=dp, pieces=pieces)
@@ -798,7 +800,7 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
             done.append("summed over dp")
         meta.set(node, meta.STATISTIC, ", ".join(done) or "as is")
     report.synced = sync_batch_norms(gm, dp=dp, group=group)
-    report.gathered = gathered
+    report.gathered, report.selected = gathered, selected
     g.lint()
     gm.recompile()
     gm.meta[meta.TRACE_INFO] = replace(ti, statistics={**ti.statistics, **statistics},
