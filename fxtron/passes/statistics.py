@@ -225,6 +225,45 @@ _POSITIONAL_LOSSES = {aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l
                       aten.kl_div.default, aten.poisson_nll_loss.default}
 
 
+#: elementwise math a selection passes through: f(x[m], y[m], c) is f(x, y, c)[m]
+_THROUGH = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.add.Scalar, aten.sub.Scalar,
+            aten.mul.Scalar, aten.div.Scalar, aten.rsub.Scalar, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor,
+            aten.abs.default, aten.neg.default, aten.exp.default, aten.log.default, aten.log1p.default,
+            aten.sqrt.default, aten.rsqrt.default, aten.square.default, aten.sigmoid.default, aten.tanh.default,
+            aten.relu.default, aten.softplus.default, aten.log_sigmoid.default, aten.clamp.default,
+            aten.clamp_min.default, aten.clamp_max.default, aten.maximum.default, aten.minimum.default,
+            aten.to.dtype, aten._to_copy.default}
+
+
+def _push_selections(g: fx.Graph, ti) -> None:
+    """Each elementwise op of _THROUGH whose batch inputs are all selections by one mask, x[m],
+    of values of one shape (the others numbers, or tensors of the trailing dims alone): computed
+    over every element, then selected. Off the mask its inputs are a value every op of them
+    takes (0.5; 1 for integers), so nothing there is inf or NaN, nor in its gradient."""
+    for node in list(g.nodes):
+        if node.op != "call_function" or node.target not in _THROUGH:
+            continue
+        tensors = [a for a in node.args if isinstance(a, fx.Node)]
+        sels = {a: _selection(a, ti) for a in tensors}
+        picked = [v for v in sels.values() if v is not None]
+        if not picked or len({(_mask_key(m, ti), ti.shape(_fake(x))) for x, m in picked}) != 1:
+            continue
+        x0, m0 = picked[0]
+        trailing = _fake(x0).dim() - _fake(m0).dim()
+        if any(v is None and (_batchy(_fake(a), ti) or _fake(a).dim() > trailing) for a, v in sels.items()):
+            continue
+        with g.inserting_before(node):
+            args = [_masked_as(g, node, sels[a][0], sels[a][1], 1 if not _fake(a).is_floating_point() else 0.5)
+                    if isinstance(a, fx.Node) and sels[a] is not None else a for a in node.args]
+            whole = _insert(g, node, node.target, args, node.kwargs)
+            _refake([whole])
+            out = _insert(g, node, aten.index.Tensor, (whole, [m0]), val=_fake(node))
+        node.replace_all_uses_with(out)
+        g.erase_node(node)
+        for a in tensors:
+            _drop_size_asserts(g, a)
+
+
 def _selection(node, ti) -> tuple[fx.Node, fx.Node] | None:
     """(x, m) where `node` is x[m]: one boolean mask over x's leading dims, holding the batch."""
     if not isinstance(node, fx.Node) or node.op != "call_function" or node.target is not aten.index.Tensor:
@@ -280,6 +319,13 @@ def _drop_size_asserts(g: fx.Graph, node: fx.Node) -> None:
     g.erase_node(node)
 
 
+def _masked_as(g: fx.Graph, like: fx.Node, x: fx.Node, m: fx.Node, fill) -> fx.Node:
+    """where(m, x, fill), the mask over x's leading dims broadcast over the rest."""
+    for _ in range(_fake(x).dim() - _fake(m).dim()):
+        m = _insert(g, like, aten.unsqueeze.default, (m, -1), val=_fake(m).unsqueeze(-1))
+    return _insert(g, like, aten.where.ScalarOther, (m, x, fill), val=_fake(x).clone())
+
+
 def _reduces_all(node: fx.Node) -> bool:
     """Whether a sum / mean reduces its input to one number (every dim, keepdim off)."""
     if node.target in (aten.mean.default, aten.sum.default):
@@ -305,11 +351,14 @@ def split_masked_selections(gm: fx.GraphModule) -> list[str]:
       off the mask set to ignore_index (a mean then divides by the counted ones; unreduced, the
       tokens' losses picked by the mask, then reduced as above);
     - a loss of _POSITIONAL_LOSSES (after split_elementwise_losses: unreduced) of `x[m]` and
-      `y[m]`: the loss of x and y, then selected (and reduced as above).
+      `y[m]`: the loss of x and y, then selected (and reduced as above);
+    - elementwise math between a selection and its reduction (`(p[m] - y[m]).pow(2).mean()`):
+      computed over every element, then selected (_push_selections).
     The same mask through reshapes counts as one. Returns where each rewritten loss or reduction
     was."""
     g, ti = gm.graph, meta.info(gm)
     done = []
+    _push_selections(g, ti)
     for node in list(g.nodes):
         if node.op != "call_function" or node.target not in _POSITIONAL_LOSSES or len(node.args) < 2:
             continue
@@ -322,8 +371,12 @@ def split_masked_selections(gm: fx.GraphModule) -> list[str]:
                 or ti.shape(_fake(a[0])) != ti.shape(_fake(b[0])) or any(_batchy(_fake(x), ti) for x in rest):
             continue
         args = list(node.args) + [x.default_value for x in node.target._schema.arguments[len(node.args):at + 1]]
-        args[:2], args[at] = [a[0], b[0]], 0
+        args[at] = 0
         with g.inserting_before(node):
+            # off the mask both inputs are 0.5 (in every such loss's domain: BCE refuses a target
+            # outside [0, 1], and padding's -100 is one), so nothing there is inf or NaN, in the
+            # loss or its gradient, which is zero there as indexing's
+            args[:2] = [_masked_as(g, node, v, m, 0.5) for v, m in (a, b)]
             whole = _insert(g, node, node.target, args, {k: v for k, v in node.kwargs.items() if k != schema})
             _refake([whole])
             picked = _insert(g, node, aten.index.Tensor, (whole, [a[1]]),
@@ -360,7 +413,7 @@ def split_masked_selections(gm: fx.GraphModule) -> list[str]:
             k = _fake(b[1]).dim()
             with g.inserting_before(node):
                 labels = _insert(g, node, aten.where.ScalarOther, (b[1], b[0], ignore), val=_fake(b[0]).clone())
-                logits = a[0]
+                logits = _masked_as(g, node, a[0], a[1], 0.0)     # (an inf or NaN off the mask stays out)
                 if k > 1:
                     logits = _insert(g, node, aten.flatten.using_ints, (logits, 0, k - 1),
                                      val=_fake(logits).flatten(0, k - 1))
@@ -386,10 +439,7 @@ def split_masked_selections(gm: fx.GraphModule) -> list[str]:
                 continue
             acc = out.dtype if out.dtype in (torch.float32, torch.float64) else torch.float32
             with g.inserting_before(node):
-                m = a[1]
-                for _ in range(xv.dim() - _fake(m).dim()):
-                    m = _insert(g, node, aten.unsqueeze.default, (m, -1), val=_fake(m).unsqueeze(-1))
-                kept = _insert(g, node, aten.where.ScalarOther, (m, a[0], 0), val=xv.clone())
+                kept = _masked_as(g, node, a[0], a[1], 0)
                 loss = _insert(g, node, aten.sum.dim_IntList, (kept, []), {"dtype": acc}, val=out.new_empty((), dtype=acc))
                 if node.target in (aten.mean.default, aten.mean.dim):
                     count = _insert(g, node, aten.sum.dim_IntList, (a[1], []), {"dtype": acc},
