@@ -480,6 +480,12 @@ def test_a_static_loss_scale_never_moves_and_still_skips():
     assert prog.last_step_skipped and prog.scaler.scale == 128.0 and prog.scaler.skipped == 1
     prog.scaler.load_state_dict({**prog.scaler.state_dict(), "scale": 4.0})
     assert prog.scaler.scale == 128.0
+    # a loss in fp16 receives the scale as its gradient: a static scale past fp16's range would
+    # skip every step (a dynamic one is capped at 2^15 instead)
+    idx, targets = batch("gpt", 2, 8, 0)[0]
+    with pytest.raises(fxtron.ParallelizeError, match=r"loss_scale=65536.0: the loss itself is fp16.*<= 32768"):
+        fxtron.parallelize(_Fp16CrossEntropyPlusFp32(), fxtron.Mesh(1), example_inputs=(idx % 64, targets % 64),
+                           dtype=torch.float16, loss_scale=2.0**16).program(0)
     dynamic = fxtron.parallelize(make("gpt"), fxtron.Mesh(1), example_inputs=batch("gpt", 2, 8, 0)[0],
                                  dtype=torch.float16, initial_loss_scale=512.0, hysteresis=2).program(0)
     assert dynamic.scaler.scale == 512.0 and dynamic.scaler.hysteresis_left == 2 and not dynamic.scaler.static

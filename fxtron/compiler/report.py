@@ -566,7 +566,7 @@ def per_microbatch_note(mesh: Mesh, microbatches: int, summed: list[str]) -> str
             + ", not over the global batch as one process "
             f"computes them, so the terms built from them are the mean of the microbatches' terms: {_few(summed)} "
             f"(a load-balancing loss's tokens per expert, as Megatron and gradient accumulation compute it; a mean "
-            f"weighted by weights the model learns divides by each microbatch's); the loss's token means still divide "
+            f"weighted by weights the forward computes or writes divides by each microbatch's); the loss's token means still divide "
             f"by the global batch's count")
 
 

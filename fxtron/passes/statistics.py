@@ -235,7 +235,7 @@ _THROUGH = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, 
             aten.to.dtype, aten._to_copy.default}
 
 
-def _push_selections(g: fx.Graph, ti) -> None:
+def _push_selections(g: fx.Graph, ti, skip) -> None:
     """Each elementwise op of _THROUGH whose batch inputs are all selections by one mask, x[m],
     of values of one shape (the others numbers, or tensors of the trailing dims alone): computed
     over every element, then selected. Off the mask its inputs are a value every op of them
@@ -244,7 +244,7 @@ def _push_selections(g: fx.Graph, ti) -> None:
         if node.op != "call_function" or node.target not in _THROUGH:
             continue
         tensors = [a for a in node.args if isinstance(a, fx.Node)]
-        sels = {a: _selection(a, ti) for a in tensors}
+        sels = {a: _selection(a, ti, skip) for a in tensors}
         picked = [v for v in sels.values() if v is not None]
         if not picked or len({(_mask_key(m, ti), ti.shape(_fake(x))) for x, m in picked}) != 1:
             continue
@@ -264,14 +264,17 @@ def _push_selections(g: fx.Graph, ti) -> None:
             _drop_size_asserts(g, a)
 
 
-def _selection(node, ti) -> tuple[fx.Node, fx.Node] | None:
-    """(x, m) where `node` is x[m]: one boolean mask over x's leading dims, holding the batch."""
+def _selection(node, ti, skip: set | frozenset = frozenset()) -> tuple[fx.Node, fx.Node] | None:
+    """(x, m) where `node` is x[m]: one boolean mask over x's leading dims, holding the batch (a
+    mask in `skip` not taken)."""
     if not isinstance(node, fx.Node) or node.op != "call_function" or node.target is not aten.index.Tensor:
         return None
     x, idx = node.args[:2]
     if len(idx) != 1 or not isinstance(idx[0], fx.Node) or not isinstance(x, fx.Node):
         return None
     m = idx[0]
+    if m in skip:
+        return None
     mv, xv = _fake(m), _fake(x)
     if not isinstance(mv, torch.Tensor) or not isinstance(xv, torch.Tensor) or mv.dtype != torch.bool \
             or mv.dim() == 0 or mv.dim() > xv.dim() or not _batchy(mv, ti):
@@ -341,7 +344,7 @@ def _topo(nodes: list[fx.Node]) -> list[fx.Node]:
     return sorted(set(nodes), key=order.__getitem__)
 
 
-def split_masked_selections(gm: fx.GraphModule) -> list[str]:
+def split_masked_selections(gm: fx.GraphModule, *, microbatches: bool = False) -> list[str]:
     """A loss over the batch's selected elements (`x[mask]`, a data-dependent count) written over
     every element, the mask kept in the math, so that the statistics are the batch's: the same
     number as the selection gives, its gradient zero where the mask is off as indexing's is.
@@ -354,18 +357,21 @@ def split_masked_selections(gm: fx.GraphModule) -> list[str]:
       `y[m]`: the loss of x and y, then selected (and reduced as above);
     - elementwise math between a selection and its reduction (`(p[m] - y[m]).pow(2).mean()`):
       computed over every element, then selected (_push_selections).
-    The same mask through reshapes counts as one. Returns where each rewritten loss or reduction
-    was."""
+    The same mask through reshapes counts as one. A mask the model computes from its weights
+    (`x[pred > 0]`) counts its elements by a statistic no piece can take globally before the step:
+    with `microbatches` (each piece's count its own) such a selection is left as it is, refused
+    by the pass after. Returns where each rewritten loss or reduction was."""
     g, ti = gm.graph, meta.info(gm)
     done = []
-    _push_selections(g, ti)
+    skip = _learned(gm) if microbatches else frozenset()
+    _push_selections(g, ti, skip)
     for node in list(g.nodes):
         if node.op != "call_function" or node.target not in _POSITIONAL_LOSSES or len(node.args) < 2:
             continue
         at = _ELEMENTWISE_LOSSES[node.target]
         schema = node.target._schema.arguments[at].name
         reduction = node.args[at] if len(node.args) > at else node.kwargs.get(schema, 1)
-        a, b = _selection(_unbroadcast(node.args[0], ti), ti), _selection(_unbroadcast(node.args[1], ti), ti)
+        a, b = (_selection(_unbroadcast(v, ti), ti, skip) for v in node.args[:2])
         rest = [x for x in list(node.args[2:]) + list(node.kwargs.values()) if isinstance(x, fx.Node)]
         if reduction not in (0, 1, 2) or a is None or b is None or _mask_key(a[1], ti) != _mask_key(b[1], ti) \
                 or ti.shape(_fake(a[0])) != ti.shape(_fake(b[0])) or any(_batchy(_fake(x), ti) for x in rest):
@@ -405,7 +411,7 @@ def split_masked_selections(gm: fx.GraphModule) -> list[str]:
             continue
         if node.target in _LOSSES:
             x, t, w, reduction, ignore, smoothing = _loss_args(node)
-            a, b = _selection(x, ti), _selection(t, ti)
+            a, b = _selection(x, ti, skip), _selection(t, ti, skip)
             if reduction not in (0, 1, 2) or a is None or b is None or _mask_key(a[1], ti) != _mask_key(b[1], ti) \
                     or _fake(t).is_floating_point() or _fake(b[1]).dim() != _fake(b[0]).dim() \
                     or _fake(a[0]).dim() != _fake(a[1]).dim() + 1:
@@ -430,7 +436,7 @@ def split_masked_selections(gm: fx.GraphModule) -> list[str]:
                                                     val=_fake(b[1]).flatten(0, k - 1))
                     loss = _insert(g, node, aten.index.Tensor, (each, [m]), val=_fake(node))
         elif node.target in (aten.mean.default, aten.sum.default, aten.sum.dim_IntList, aten.mean.dim):
-            a = _selection(node.args[0], ti)
+            a = _selection(node.args[0], ti, skip)
             xv = _fake(a[0]) if a is not None else None
             trailing = xv.shape[_fake(a[1]).dim():] if a is not None else ()
             out = _fake(node)
@@ -603,7 +609,7 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
     if dp == 1 and pieces == 1:
         return gm
     split_elementwise_losses(gm)
-    selected = split_masked_selections(gm)
+    selected = split_masked_selections(gm, microbatches=pieces > dp)
     split_token_means(gm)
     gathered = gather_negatives(gm, dp=dp, group=group) if pieces == dp else []
     check_batch_coupling(gm, dp=dp, pieces=pieces)
@@ -613,25 +619,7 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
     upstream = _ancestors_of(loss) | {loss}
     structural = _structural_uses(gm)
 
-    # what depends on the model's changing state: parameters, or buffers the forward writes (a
-    # statistic of the inputs and of buffers it only reads -- class weights -- the runtime can
-    # compute over the global batch before the step)
-    learned: set[fx.Node] = set()
-    written = set(ti.buffer_mutations.values())
-    for node in g.nodes:      # (export keeps in-place ops on buffers in the graph: a buffer they write)
-        if meta.writes_first(node):
-            for v in meta.written(node):
-                spec = meta.get(v, meta.INPUT) if v.op == "placeholder" else None
-                if spec is not None and spec.kind == "buffer":
-                    written.add(spec.target)
-    for node in g.nodes:
-        if node.op == "placeholder":
-            spec = meta.get(node, meta.INPUT)
-            if spec is None or spec.kind == "parameter" or (spec.kind == "buffer" and spec.target in written):
-                learned.add(node)
-        elif any(a in learned for a in node.all_input_nodes):
-            learned.add(node)
-
+    learned = _learned(gm)
     stats = find_statistics(gm)
     derived: set[fx.Node] = set()           # computed from a statistic
     for node in g.nodes:
@@ -1355,6 +1343,34 @@ def _shapes(node: fx.Node, ti) -> str:
     return ", ".join(str(tuple(ti.shape(_fake(a)))) for a in node.all_input_nodes if isinstance(_fake(a), torch.Tensor))
 
 
+def _written_inputs(nodes, kind: str) -> list[fx.Node]:
+    """The placeholders of `kind` ("buffer", "user") that the in-place ops among `nodes` write
+    (export keeps them in the graph: `self.cw.mul_(1.1)`, `labels.masked_fill_(...)`)."""
+    out = []
+    for n in nodes:
+        if meta.writes_first(n):
+            out += [v for v in meta.written(n) if v.op == "placeholder" and meta.get(v, meta.INPUT) is not None
+                    and meta.get(v, meta.INPUT).kind == kind and v not in out]
+    return out
+
+
+def _learned(gm: fx.GraphModule) -> set[fx.Node]:
+    """What depends on the model's changing state: parameters, or buffers the forward writes. A
+    statistic of the inputs and of buffers the forward only reads (class weights) the runtime can
+    compute over the global batch before the step; a learned one it cannot."""
+    written = set(meta.info(gm).buffer_mutations.values())
+    written |= {meta.get(v, meta.INPUT).target for v in _written_inputs(gm.graph.nodes, "buffer")}
+    learned: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            spec = meta.get(node, meta.INPUT)
+            if spec is None or spec.kind == "parameter" or (spec.kind == "buffer" and spec.target in written):
+                learned.add(node)
+        elif any(a in learned for a in node.all_input_nodes):
+            learned.add(node)
+    return learned
+
+
 def _statistic(gm: fx.GraphModule, node: fx.Node, kind: str, ti) -> Statistic:
     """The runtime's recipe for input statistic `node`: a graph of the user inputs (and of the
     buffers it reads after them), or the expression of a count from sizes."""
@@ -1375,17 +1391,12 @@ def _statistic(gm: fx.GraphModule, node: fx.Node, kind: str, ti) -> Statistic:
                 raise AssertionError(f"input statistic {node.name} depends on {n.name}")
             env[n] = g.placeholder(n.name)
             buffers.append((spec.target, tuple(int(d) for d in _fake(n).shape)))
-    written = set()
-    for n in gm.graph.nodes:
-        if n in keep and n not in env:
-            env[n] = g.node_copy(n, lambda a: env[a])
-            if meta.writes_first(n):
-                for v in meta.written(n):
-                    spec = meta.get(v, meta.INPUT) if v.op == "placeholder" else None
-                    if spec is not None and spec.kind == "buffer":
-                        raise AssertionError(f"input statistic {node.name} writes buffer {spec.target}")
-                    if spec is not None and spec.kind == "user":
-                        written.add(spec.index)
+    kept = [n for n in gm.graph.nodes if n in keep and n not in env]
+    for n in kept:
+        env[n] = g.node_copy(n, lambda a: env[a])
+    if _written_inputs(kept, "buffer"):
+        raise AssertionError(f"input statistic {node.name} writes buffers {_written_inputs(kept, 'buffer')}")
+    written = {meta.get(v, meta.INPUT).index for v in _written_inputs(kept, "user")}
     g.output(env[node])
     return Statistic(node.name, _where(node), gm=fx.GraphModule(gm, g), buffers=tuple(buffers),
                      written=tuple(sorted(written)))

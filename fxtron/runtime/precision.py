@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from fxtron.core.records import FSDP_PIECES, GRAD_REPORTS
+from fxtron.errors import ParallelizeError
 from fxtron.ops import ledger
 
 
@@ -68,6 +69,11 @@ class LossScaler:
         if precision is None:
             return cls(max_scale=cap)
         if precision.loss_scale is not None:
+            if precision.loss_scale > cap:
+                raise ParallelizeError(
+                    f"loss_scale={precision.loss_scale!r}: the loss itself is fp16 (the model does not upcast it), so "
+                    f"backward's first gradient is the scale, which fp16 holds only up to 65504: every step would "
+                    f"overflow and be skipped. Give loss_scale <= {cap:g}, or compute the loss in fp32")
             return cls(precision.loss_scale, max_scale=cap, static=True)
         return cls(precision.initial_loss_scale, precision.loss_scale_window, min_scale=precision.min_loss_scale,
                    max_scale=cap, hysteresis=precision.hysteresis)

@@ -164,7 +164,8 @@ class TrainingConfig(Section):
     tensorboard_dir: str | None = option(None, help="write the metrics as TensorBoard events here")
     max_skipped: int = option(3, positive=True, help="stop when this many steps in a row had a non-finite loss "
                                                      "or gradient norm (each is skipped; fp16's overflows count "
-                                                     "once its loss scale is at its minimum)")
+                                                     "once its loss scale is at its minimum, and always under a "
+                                                     "static --loss-scale)")
     peak_flops: float | None = option(None, positive=True, help="peak FLOP/s of one device for MFU (default: the "
                                                                 "device's, when known)")
 
