@@ -239,11 +239,12 @@ def _push_selections(g: fx.Graph, ti, skip) -> None:
     """Each elementwise op of _THROUGH whose batch inputs are all selections by one mask, x[m],
     of values of one shape (the others numbers, or tensors of the trailing dims alone): computed
     over every element, then selected. Off the mask its inputs are a value every op of them
-    takes (0.5; 1 for integers), so nothing there is inf or NaN, nor in its gradient."""
+    takes -- 0.5, 1 for integers, True for booleans, and 1 for an exponent, whose base may be
+    negative (`c ** k[m]`) -- so nothing there is inf or NaN, nor in any gradient."""
     for node in list(g.nodes):
         if node.op != "call_function" or node.target not in _THROUGH:
             continue
-        tensors = [a for a in node.args if isinstance(a, fx.Node)]
+        tensors = [a for a in node.args if isinstance(a, fx.Node) and isinstance(_fake(a), torch.Tensor)]
         sels = {a: _selection(a, ti, skip) for a in tensors}
         picked = [v for v in sels.values() if v is not None]
         if not picked or len({(_mask_key(m, ti), ti.shape(_fake(x))) for x, m in picked}) != 1:
@@ -252,9 +253,17 @@ def _push_selections(g: fx.Graph, ti, skip) -> None:
         trailing = _fake(x0).dim() - _fake(m0).dim()
         if any(v is None and (_batchy(_fake(a), ti) or _fake(a).dim() > trailing) for a, v in sels.items()):
             continue
+
+        def fill(i: int, a: fx.Node):
+            dtype = _fake(a).dtype
+            if dtype == torch.bool:
+                return True
+            if not dtype.is_floating_point or (node.target is aten.pow.Tensor_Tensor and i == 1):
+                return 1
+            return 0.5
         with g.inserting_before(node):
-            args = [_masked_as(g, node, sels[a][0], sels[a][1], 1 if not _fake(a).is_floating_point() else 0.5)
-                    if isinstance(a, fx.Node) and sels[a] is not None else a for a in node.args]
+            args = [_masked_as(g, node, sels[a][0], sels[a][1], fill(i, a)) if sels.get(a) is not None else a
+                    for i, a in enumerate(node.args)]
             whole = _insert(g, node, node.target, args, node.kwargs)
             _refake([whole])
             out = _insert(g, node, aten.index.Tensor, (whole, [m0]), val=_fake(node))
@@ -323,10 +332,14 @@ def _drop_size_asserts(g: fx.Graph, node: fx.Node) -> None:
 
 
 def _masked_as(g: fx.Graph, like: fx.Node, x: fx.Node, m: fx.Node, fill) -> fx.Node:
-    """where(m, x, fill), the mask over x's leading dims broadcast over the rest."""
+    """where(m, x, fill), the mask over x's leading dims broadcast over the rest, in x's dtype."""
     for _ in range(_fake(x).dim() - _fake(m).dim()):
         m = _insert(g, like, aten.unsqueeze.default, (m, -1), val=_fake(m).unsqueeze(-1))
-    return _insert(g, like, aten.where.ScalarOther, (m, x, fill), val=_fake(x).clone())
+    out = _insert(g, like, aten.where.ScalarOther, (m, x, fill))
+    _refake([out])
+    if _fake(out).dtype != _fake(x).dtype:      # (a fill that would promote x: True + True is not 2)
+        raise AssertionError(f"where({x.name}, {fill!r}) promotes {_fake(x).dtype} to {_fake(out).dtype}")
+    return out
 
 
 def _reduces_all(node: fx.Node) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import shutil
 import tempfile
@@ -153,14 +154,18 @@ def adamw(lr: float = 1e-3, *, betas: tuple[float, float] = (0.9, 0.999), eps: f
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
-    """Largest elementwise difference over matching keys, and where it is. Keys must match."""
+    """Largest elementwise difference over matching keys, and where it is. Keys must match. A
+    NaN or an inf on one side only is an infinite difference (a NaN's difference, compared,
+    passed every tolerance); the same on both sides, none."""
     if set(a) != set(b):
         raise AssertionError(f"keys differ: only left {sorted(set(a) - set(b))}, only right {sorted(set(b) - set(a))}")
     worst, where = 0.0, ""
     for k in a:
         if a[k].shape != b[k].shape:
             raise AssertionError(f"{k}: shape {tuple(a[k].shape)} vs {tuple(b[k].shape)}")
-        d = (a[k].double() - b[k].double()).abs().max().item() if a[k].numel() else 0.0
+        x, y = a[k].double(), b[k].double()
+        same = (torch.isnan(x) & torch.isnan(y)) | (torch.isinf(x) & (x == y))
+        d = torch.nan_to_num((x - y).abs().masked_fill(same, 0.0), nan=math.inf).max().item() if x.numel() else 0.0
         if d > worst:
             worst, where = d, k
     return worst, where
