@@ -630,6 +630,22 @@ def test_math_over_a_selection_beyond_its_sum_mean_and_losses_is_refused_by_name
         fxtron.parallelize(LearnedMask(), fxtron.Mesh(1), example_inputs=args, microbatches=2).compiled(0)
     report = meta.info(fxtron.parallelize(LearnedMask(), fxtron.Mesh(2), example_inputs=args).compiled(0).gm)
     assert report.statistics_report.selected and report.statistics_report.summed, report.statistics_report
+
+    class SquaredMean(torch.nn.Module):     # a selection's mean used nonlinearly
+        def __init__(self):
+            super().__init__()
+            self.gpt = make("gpt")
+
+        def forward(self, idx, targets):
+            return self.gpt(idx)[targets != -100].pow(2).mean() ** 2
+
+    # each microbatch would divide by its own count (one selecting nothing by 0: NaN), a review
+    # found: refused under microbatches; dp alone sums the count over the ranks, exact
+    with pytest.raises(fxtron.ParallelizeError, match=r"uses the mean of a selection x\[mask\] nonlinearly.*"
+                                                      r"microbatches=2 each microbatch would divide by its own count"):
+        fxtron.parallelize(SquaredMean(), fxtron.Mesh(1), example_inputs=args, microbatches=2).compiled(0)
+    report = meta.info(fxtron.parallelize(SquaredMean(), fxtron.Mesh(2), example_inputs=args).compiled(0).gm)
+    assert report.statistics_report.summed and not report.statistics_report.per_microbatch
     model = ColumnMeans()
     prog = fxtron.parallelize(model, fxtron.Mesh(1), example_inputs=args).program(0)
     assert abs(float(prog(*args)) - float(model(*args))) < 1e-5

@@ -225,6 +225,9 @@ _POSITIONAL_LOSSES = {aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l
                       aten.kl_div.default, aten.poisson_nll_loss.default}
 
 
+#: the provenance reason of a selection's count (split_masked_selections' mean)
+_SELECTION_COUNT = "the elements a mask selects"
+
 #: elementwise math a selection passes through: f(x[m], y[m], c) is f(x, y, c)[m]
 _THROUGH = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.add.Scalar, aten.sub.Scalar,
             aten.mul.Scalar, aten.div.Scalar, aten.rsub.Scalar, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor,
@@ -463,6 +466,7 @@ def split_masked_selections(gm: fx.GraphModule, *, microbatches: bool = False) -
                 if node.target in (aten.mean.default, aten.mean.dim):
                     count = _insert(g, node, aten.sum.dim_IntList, (a[1], []), {"dtype": acc},
                                     val=out.new_empty((), dtype=acc))
+                    meta.set(count, meta.PROVENANCE, meta.Provenance("global_statistics", _SELECTION_COUNT))
                     loss = _insert(g, node, aten.div.Tensor, (loss, count), val=out.new_empty((), dtype=acc))
                     per = 1
                     for d in trailing:
@@ -831,6 +835,14 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
             report.global_counts.append(where)
             done.append("global count")
         if rest and pieces > dp and not local:
+            prov = meta.get(node, meta.PROVENANCE)
+            if prov is not None and prov.reason == _SELECTION_COUNT:
+                raise ParallelizeError(
+                    f"the loss uses the mean of a selection x[mask] nonlinearly ({where}: "
+                    f"{', '.join(_where(u) for u in rest)}): with microbatches={pieces // dp} each microbatch would "
+                    f"divide by its own count of selected elements, and one that selects none by 0 (NaN), where one "
+                    f"process divides by the batch's. Use microbatches=1 (dp alone computes it exactly), or use "
+                    f"the mean linearly (added or scaled, not squared or multiplied by another)")
             report.per_microbatch.append(where)
         if rest and dp > 1:
             if local:
