@@ -238,12 +238,24 @@ _THROUGH = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, 
             aten.to.dtype, aten._to_copy.default}
 
 
+def _off_mask(dtype: torch.dtype, *, exponent: bool = False):
+    """What a selection's values are replaced by off its mask, before any op reads them: a value
+    every op of _THROUGH and _POSITIONAL_LOSSES takes -- 0.5 (in every such loss's domain: BCE
+    refuses a target outside [0, 1], and padding's -100 is one), 1 for integers, True for
+    booleans (a 1 would make True + True 2), and 1 for an exponent, whose base may be negative
+    (`c ** k[m]`) -- so nothing there is inf or NaN, in the values or any gradient, which is zero
+    there as indexing's is."""
+    if dtype == torch.bool:
+        return True
+    if not dtype.is_floating_point or exponent:
+        return 1
+    return 0.5
+
+
 def _push_selections(g: fx.Graph, ti, skip) -> None:
     """Each elementwise op of _THROUGH whose batch inputs are all selections by one mask, x[m],
     of values of one shape (the others numbers, or tensors of the trailing dims alone): computed
-    over every element, then selected. Off the mask its inputs are a value every op of them
-    takes -- 0.5, 1 for integers, True for booleans, and 1 for an exponent, whose base may be
-    negative (`c ** k[m]`) -- so nothing there is inf or NaN, nor in any gradient."""
+    over every element, then selected, its inputs off the mask _off_mask's."""
     for node in list(g.nodes):
         if node.op != "call_function" or node.target not in _THROUGH:
             continue
@@ -257,16 +269,10 @@ def _push_selections(g: fx.Graph, ti, skip) -> None:
         if any(v is None and (_batchy(_fake(a), ti) or _fake(a).dim() > trailing) for a, v in sels.items()):
             continue
 
-        def fill(i: int, a: fx.Node):
-            dtype = _fake(a).dtype
-            if dtype == torch.bool:
-                return True
-            if not dtype.is_floating_point or (node.target is aten.pow.Tensor_Tensor and i == 1):
-                return 1
-            return 0.5
         with g.inserting_before(node):
-            args = [_masked_as(g, node, sels[a][0], sels[a][1], fill(i, a)) if sels.get(a) is not None else a
-                    for i, a in enumerate(node.args)]
+            args = [_masked_as(g, node, *sels[a], _off_mask(_fake(a).dtype,
+                                                           exponent=node.target is aten.pow.Tensor_Tensor and i == 1))
+                    if sels.get(a) is not None else a for i, a in enumerate(node.args)]
             whole = _insert(g, node, node.target, args, node.kwargs)
             _refake([whole])
             out = _insert(g, node, aten.index.Tensor, (whole, [m0]), val=_fake(node))
@@ -317,7 +323,18 @@ def _mask_key(m: fx.Node, ti) -> tuple:
 
 def _drop_size_asserts(g: fx.Graph, node: fx.Node) -> None:
     """Erase `node` where nothing reads it but its size's runtime asserts (export's `u0 >= 0` on a
-    data-dependent size), with them."""
+    data-dependent size), with them; through a broadcast's outputs (F.mse_loss broadcasts its
+    inputs first), to the selections it broadcast."""
+    if node.op == "call_function" and node.target is operator.getitem and not node.users \
+            and getattr(node.args[0], "target", None) is aten.broadcast_tensors.default:
+        src = node.args[0]
+        g.erase_node(node)
+        if not src.users:
+            inner = src.args[0]
+            g.erase_node(src)
+            for x in inner:
+                _drop_size_asserts(g, x)
+        return
     if node.op != "call_function" or node.target is not aten.index.Tensor:
         return
     chain, stack = [], list(node.users)
@@ -395,10 +412,7 @@ def split_masked_selections(gm: fx.GraphModule, *, microbatches: bool = False) -
         args = list(node.args) + [x.default_value for x in node.target._schema.arguments[len(node.args):at + 1]]
         args[at] = 0
         with g.inserting_before(node):
-            # off the mask both inputs are 0.5 (in every such loss's domain: BCE refuses a target
-            # outside [0, 1], and padding's -100 is one), so nothing there is inf or NaN, in the
-            # loss or its gradient, which is zero there as indexing's
-            args[:2] = [_masked_as(g, node, v, m, 0.5) for v, m in (a, b)]
+            args[:2] = [_masked_as(g, node, v, m, _off_mask(_fake(v).dtype)) for v, m in (a, b)]
             whole = _insert(g, node, node.target, args, {k: v for k, v in node.kwargs.items() if k != schema})
             _refake([whole])
             picked = _insert(g, node, aten.index.Tensor, (whole, [a[1]]),
@@ -410,18 +424,8 @@ def split_masked_selections(gm: fx.GraphModule, *, microbatches: bool = False) -
         done.append(_where(node))
         node.replace_all_uses_with(picked)
         g.erase_node(node)
-        for sel in sels:      # (a broadcast's outputs, then the broadcast, then the selections)
-            if sel.target is operator.getitem and not sel.users:
-                src = sel.args[0]
-                g.erase_node(sel)
-                sel = src
-            if sel.target is aten.broadcast_tensors.default and not sel.users:
-                inner = sel.args[0]
-                g.erase_node(sel)
-                for x in inner:
-                    _drop_size_asserts(g, x)
-            elif sel.graph is g and sel.op != "placeholder":
-                _drop_size_asserts(g, sel)
+        for sel in sels:
+            _drop_size_asserts(g, sel)
     for node in list(g.nodes):
         if node.op != "call_function":
             continue
@@ -435,7 +439,7 @@ def split_masked_selections(gm: fx.GraphModule, *, microbatches: bool = False) -
             k = _fake(b[1]).dim()
             with g.inserting_before(node):
                 labels = _insert(g, node, aten.where.ScalarOther, (b[1], b[0], ignore), val=_fake(b[0]).clone())
-                logits = _masked_as(g, node, a[0], a[1], 0.0)     # (an inf or NaN off the mask stays out)
+                logits = _masked_as(g, node, *a, _off_mask(_fake(a[0]).dtype))
                 if k > 1:
                     logits = _insert(g, node, aten.flatten.using_ints, (logits, 0, k - 1),
                                      val=_fake(logits).flatten(0, k - 1))
