@@ -698,6 +698,50 @@ def test_a_statistic_never_reads_what_the_forward_writes():
     assert abs(loss - ref(*_written_batch()).item()) < 1e-12, (loss, ref(*_written_batch()).item())
 
 
+class _FrozenWeights(torch.nn.Module):
+    """Class weights in a parameter that takes no gradient (nn.Parameter(..., requires_grad=False),
+    as a buffer would hold them), the halves of the batch of different class mixes."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 5)
+        self.cw = torch.nn.Parameter(torch.tensor([0.1, 2.0, 0.5, 3.0, 1.0]), requires_grad=False)
+
+    def forward(self, ids, labels):
+        return torch.nn.functional.cross_entropy(self.head(self.emb(ids)).flatten(0, 1), labels.flatten(),
+                                                 weight=self.cw)
+
+
+def _frozen_batch():
+    g = torch.Generator().manual_seed(0)
+    ids, labels = torch.randint(0, 16, (4, 8), generator=g), torch.randint(0, 5, (4, 8), generator=g)
+    labels[:2] = torch.where(labels[:2] == 1, 1, 3)
+    return ids, labels
+
+
+def test_class_weights_in_a_frozen_parameter_are_read_as_a_buffer_s():
+    """A frozen parameter never changes (which parameters train is fixed when the program is
+    built), so the weighted count of a class-weighted mean is the global batch's statistic, as
+    with weights in a buffer: exact with microbatches (one rank, 2 microbatches, float64; it was
+    counted per microbatch, 0.024 off the loss with a warning). Under zero=3, whose ranks hold
+    parameters in pieces, the count stays the forward's own, summed over dp."""
+    torch.manual_seed(0)
+    model, ref = _FrozenWeights().double(), _FrozenWeights().double()
+    ref.load_state_dict(model.state_dict())
+    loss = ref(*_frozen_batch())
+    loss.backward()
+    pm = fxtron.parallelize(model, fxtron.Mesh(1), example_inputs=_frozen_batch(), microbatches=2)
+    assert meta.info(pm.compiled(0).gm).statistics_report.global_counts
+    prog = pm.program(0)
+    got = prog.train_step(_frozen_batch(), torch.optim.SGD(prog.parameters(), lr=0.0))
+    assert abs(got - loss.item()) < 1e-12, (got, loss.item())
+    grads = {n: p.grad for n, p in prog.named_parameters() if p.grad is not None}
+    assert max_abs_diff(grads, {n: p.grad for n, p in ref.named_parameters() if p.grad is not None})[0] < 1e-12
+    sharded = fxtron.parallelize(_FrozenWeights().double(), fxtron.Mesh(2), example_inputs=_frozen_batch(), zero=3)
+    report = meta.info(sharded.compiled(0).gm).statistics_report
+    assert report.summed and not report.global_counts, report
+
+
 class _InfOffTheMask(torch.nn.Module):
     """Values that are inf off the mask, and regression targets NaN there (missing), selected
     before the loss."""

@@ -405,7 +405,8 @@ PASSES = pass_list(
          "BatchNorm's statistics over dp, in-batch negatives gathered over dp; math across the batch dim it cannot "
          "make global an error",
          _set("gm", lambda s: global_statistics(s.gm, dp=s.mesh.size("dp"), pieces=_pieces(s),
-                                                local=s.config.experts.aux_loss == "local")),
+                                                local=s.config.experts.aux_loss == "local",
+                                                frozen_whole=s.config.data_parallel.zero != 3)),
          lambda s: _pieces(s) > 1, "dp x microbatches > 1", after=("trace",), model_wide=True),
     Pass("plan", "which linears split by columns / rows: the model's tp plan, made once for every rank "
          "(data; the graph is unchanged)", lambda s: None, _tp, "tp > 1"),

@@ -88,9 +88,11 @@ _FACTORIES = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.defa
 class Statistic:
     """An input statistic the runtime computes over the global batch before each step: the sum
     over the global batch's microbatches of `gm(*user inputs, *buffers)` (a graph of the inputs
-    and of buffers the step does not change: a class-weighted mean's count reads the weights) or
+    and of state the step does not change, buffers or frozen parameters: a class-weighted mean's
+    count reads the weights) or
     of `expr` (a count from the inputs' batch and sequence sizes), divided by the pieces.
-    `buffers`: the names of the buffers (and lifted constants) `gm` reads, with their shapes."""
+    `buffers`: the names of the buffers (lifted constants, frozen parameters) `gm` reads, with
+    their shapes."""
 
     key: str
     what: str
@@ -377,7 +379,8 @@ def _topo(nodes: list[fx.Node]) -> list[fx.Node]:
     return sorted(set(nodes), key=order.__getitem__)
 
 
-def split_masked_selections(gm: fx.GraphModule, *, microbatches: bool = False) -> list[str]:
+def split_masked_selections(gm: fx.GraphModule, *, microbatches: bool = False,
+                            frozen_whole: bool = True) -> list[str]:
     """A loss over the batch's selected elements (`x[mask]`, a data-dependent count) written over
     every element, the mask kept in the math, so that the statistics are the batch's: the same
     number as the selection gives, its gradient zero where the mask is off as indexing's is.
@@ -396,7 +399,7 @@ def split_masked_selections(gm: fx.GraphModule, *, microbatches: bool = False) -
     by the pass after. Returns where each rewritten loss or reduction was."""
     g, ti = gm.graph, meta.info(gm)
     done = []
-    skip = _learned(gm) if microbatches else frozenset()
+    skip = _learned(gm, frozen_whole) if microbatches else frozenset()
     _push_selections(g, ti, skip)
     for node in list(g.nodes):
         if node.op != "call_function" or node.target not in _POSITIONAL_LOSSES or len(node.args) < 2:
@@ -618,19 +621,20 @@ def check_statistics(gm: fx.GraphModule) -> str | None:
 
 
 def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool = False,
-                      group: str = "dp") -> fx.GraphModule:
+                      group: str = "dp", frozen_whole: bool = True) -> fx.GraphModule:
     """Make every statistic of the batch the loss depends on the global batch's (module
     docstring): `dp` data-parallel ranks, `pieces` = dp x microbatches per step; `local`
     (moe_aux_loss="local") leaves the statistics the loss uses nonlinearly per rank. Batch norms
     in training are synced over dp (`sync_batch_norms`), in-batch negatives gathered
     (`gather_negatives`), and other math across the batch is a ParallelizeError
-    (`check_batch_coupling`). Records
+    (`check_batch_coupling`). `frozen_whole`: every rank holds its frozen parameters whole (not
+    zero=3's pieces), so a statistic may read them as it reads buffers (class weights). Records
     the input statistics the runtime computes (TraceInfo.statistics) and what it did
     (TraceInfo.statistics_report). Edits gm in place and returns it."""
     if dp == 1 and pieces == 1:
         return gm
     split_elementwise_losses(gm)
-    selected = split_masked_selections(gm, microbatches=pieces > dp)
+    selected = split_masked_selections(gm, microbatches=pieces > dp, frozen_whole=frozen_whole)
     split_token_means(gm)
     gathered = gather_negatives(gm, dp=dp, group=group) if pieces == dp else []
     check_batch_coupling(gm, dp=dp, pieces=pieces)
@@ -640,7 +644,7 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
     upstream = _ancestors_of(loss) | {loss}
     structural = _structural_uses(gm)
 
-    learned = _learned(gm)
+    learned = _learned(gm, frozen_whole)
     stats = find_statistics(gm)
     derived: set[fx.Node] = set()           # computed from a statistic
     for node in g.nodes:
@@ -804,7 +808,7 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
             done.append("scaled")
         if den:
             key = node.name
-            statistics[key] = _statistic(gm, node, kind, ti)
+            statistics[key] = _statistic(gm, node, kind, ti, frozen_whole)
             # the global count divided by the pieces is a fraction: an integer count (`(y != -100).sum()`)
             # enters in the floating dtype its use computes in (the one process's division's), not truncated
             by_dtype: dict[torch.dtype, list[fx.Node]] = {}
@@ -1383,24 +1387,40 @@ def _written_inputs(nodes, kind: str) -> list[fx.Node]:
     return out
 
 
-def _learned(gm: fx.GraphModule) -> set[fx.Node]:
-    """What depends on the model's changing state: parameters, or buffers the forward writes. A
-    statistic of the inputs and of buffers the forward only reads (class weights) the runtime can
-    compute over the global batch before the step; a learned one it cannot."""
+def _learned(gm: fx.GraphModule, frozen_whole: bool = True) -> set[fx.Node]:
+    """What depends on the model's changing state: parameters that train, or buffers and frozen
+    parameters the forward writes. A statistic of the inputs and of the state the forward only
+    reads (class weights, in a buffer or a frozen parameter: which parameters train is fixed when
+    the program is built, runtime/optim.py check_frozen) the runtime can compute over the global
+    batch before the step; a learned one it cannot. Without `frozen_whole` (zero=3 holds every
+    parameter in pieces) a frozen parameter counts as learned: no rank could read it whole."""
     written = set(meta.info(gm).buffer_mutations.values())
-    written |= {meta.get(v, meta.INPUT).target for v in _written_inputs(gm.graph.nodes, "buffer")}
+    written |= {meta.get(v, meta.INPUT).target for kind in ("buffer", "parameter")
+                for v in _written_inputs(gm.graph.nodes, kind)}
     learned: set[fx.Node] = set()
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             spec = meta.get(node, meta.INPUT)
-            if spec is None or spec.kind == "parameter" or (spec.kind == "buffer" and spec.target in written):
+            if spec is None or (spec.kind != "user" and not _fixed_state(node, written, frozen_whole)):
                 learned.add(node)
         elif any(a in learned for a in node.all_input_nodes):
             learned.add(node)
     return learned
 
 
-def _statistic(gm: fx.GraphModule, node: fx.Node, kind: str, ti) -> Statistic:
+def _fixed_state(node: fx.Node, written: set[str] = frozenset(), frozen_whole: bool = True) -> bool:
+    """Whether placeholder `node` is state no step changes and every rank can read whole: a
+    buffer, or a parameter that takes no gradient (`frozen_whole`), that no forward in
+    `written` (its names) writes."""
+    spec = meta.get(node, meta.INPUT)
+    if spec is None or spec.target in written:
+        return False
+    val = node.meta.get("val")
+    return spec.kind == "buffer" or (frozen_whole and spec.kind == "parameter" and isinstance(val, torch.Tensor)
+                                     and not val.requires_grad)
+
+
+def _statistic(gm: fx.GraphModule, node: fx.Node, kind: str, ti, frozen_whole: bool = True) -> Statistic:
     """The runtime's recipe for input statistic `node`: a graph of the user inputs (and of the
     buffers it reads after them), or the expression of a count from sizes."""
     if kind == "count":
@@ -1416,7 +1436,7 @@ def _statistic(gm: fx.GraphModule, node: fx.Node, kind: str, ti) -> Statistic:
     for n in placeholders:
         spec = meta.get(n, meta.INPUT)
         if n in keep and n not in env:
-            if spec is None or spec.kind != "buffer":
+            if not _fixed_state(n, frozen_whole=frozen_whole):
                 raise AssertionError(f"input statistic {node.name} depends on {n.name}")
             env[n] = g.placeholder(n.name)
             buffers.append((spec.target, tuple(int(d) for d in _fake(n).shape)))
