@@ -23,6 +23,7 @@ from fxtron.codegen.regions import Compiler, opaque, plan
 from fxtron.ops.rng import rng_call
 from fxtron.tools.testing import adamw, assert_trains_like, cases_fixture, max_abs_diff, ranks_of, \
     reference_training, train_program
+from test_inplace import RunningMean, running_mean_items
 from tp_models import Case, batches, make
 
 pytestmark = pytest.mark.slow
@@ -220,6 +221,22 @@ def test_world_one_compiled_step_equals_uncompiled_with_dropout():
             assert "in its training graph," in pm_summary and "1 regions" not in prog.compiled.line()
     assert max(abs(a - b) for a, b in zip(losses[True], losses[False])) < 2e-6, losses
     assert abs(evals[True] - evals[False]) < 2e-6, evals
+
+
+@pytest.mark.parametrize("read", ["after", "before"])
+def test_a_buffer_written_in_place_under_no_grad_compiles(read):
+    """A running average of an activation updated in place under torch.no_grad() inside a
+    compiled region: the region's write records no gradient history (AOTAutograd took the buffer
+    for an input that requires grad, and the second step's backward walked into the first's
+    freed graph: an error), and three steps train as one process."""
+    items = running_mean_items()
+    torch.manual_seed(0)
+    ref = reference_training(RunningMean(read), items, adamw(lr=1e-2))
+    torch.manual_seed(0)
+    prog = fxtron.parallelize(RunningMean(read), fxtron.Mesh(1), example_inputs=items[0], compile=True).program(0)
+    got = train_program(prog, [(b, {}) for b in items], adamw(lr=1e-2)(prog.parameters()))
+    assert_trains_like(got, ref)
+    assert prog.ema.grad_fn is None
 
 
 def test_shapes_past_dynamos_recompile_limit_run_uncompiled_with_a_warning():

@@ -16,7 +16,7 @@ import torch
 import fxtron
 from fxtron.core import meta
 from fxtron.compiler.trace import trace
-from fxtron.tools.testing import adamw, assert_trains_like, reference_training, train_program
+from fxtron.tools.testing import adamw, assert_trains_like, reference_training, run_on_ranks, train_program
 from tp_models import batch, make
 
 
@@ -82,6 +82,68 @@ def _trains_like_one_process(model, x, steps: int = 2):
     got = train_program(prog, [((x,), {})] * steps, adamw(lr=1e-2)(prog.parameters()))
     assert_trains_like(got, ref)        # the gradients' keys too: None where the model's is None
     return ref
+
+
+class RunningMean(torch.nn.Module):
+    """A buffer holding a running average of an activation's batch mean, updated in place under
+    torch.no_grad() (an EMA of features), read after the update ("after") or before it ("before")."""
+
+    def __init__(self, read: str = "after"):
+        super().__init__()
+        self.read = read
+        self.l1, self.l2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+        self.register_buffer("ema", torch.zeros(16))
+
+    def forward(self, x, y):
+        h = torch.relu(self.l1(x))
+        if self.read == "before":
+            loss = torch.nn.functional.cross_entropy(self.l2(h - self.ema), y)
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(h.mean(0) * 0.1 + self.l1.weight.sum(1) * 0.01)
+        if self.read == "before":
+            return loss
+        return torch.nn.functional.cross_entropy(self.l2(h - self.ema), y)
+
+
+def running_mean_items(steps: int = 3, batch: int = 8) -> list[tuple]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(batch, 8, generator=g), torch.randint(0, 4, (batch,), generator=g)) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("read", ["after", "before"])
+def test_a_buffer_written_under_no_grad_from_activations_records_no_history(read):
+    """Under torch.no_grad() the running average's update records no gradient history, though
+    it reads an activation and a weight: the inlined no-grad region reads them detached. The
+    buffer took a history before, one step longer each step (a leak), and read before its update
+    the second step's backward walked into the first's freed graph (an error)."""
+    items = running_mean_items()
+    torch.manual_seed(0)
+    model = RunningMean(read)
+    ref = reference_training(copy.deepcopy(model), items, adamw(lr=1e-2))
+    prog = fxtron.parallelize(copy.deepcopy(model), fxtron.Mesh(1), example_inputs=items[0]).program(0)
+    got = train_program(prog, [(b, {}) for b in items], adamw(lr=1e-2)(prog.parameters()))
+    assert_trains_like(got, ref)
+    assert prog.ema.grad_fn is None and not prog.ema.requires_grad
+
+
+def _running_mean_job(rank: int, mesh: fxtron.Mesh) -> dict:
+    items = running_mean_items()
+    torch.manual_seed(0)
+    prog = fxtron.parallelize(RunningMean("before"), mesh, example_inputs=items[0]).program(rank)
+    return train_program(prog, [(b, {}) for b in items], adamw(lr=1e-2)(prog.parameters()))
+
+
+def test_a_buffer_s_running_batch_mean_is_the_global_batch_s_at_dp2():
+    """The loss reads the running average before its update, so the step's loss does not depend
+    on the update's batch mean; the next step's does, through the buffer. Each dp rank averaged
+    its own samples -- the ranks' buffers 0.085 apart, later losses 1.8e-3 off one process,
+    silently --; the mean a buffer takes is the global batch's now, as the loss's statistics are
+    (passes/statistics.py _upstream)."""
+    items = running_mean_items()
+    torch.manual_seed(0)
+    ref = reference_training(RunningMean("before"), items, adamw(lr=1e-2))
+    for rank, got in enumerate(run_on_ranks(_running_mean_job, fxtron.Mesh(2), fxtron.Mesh(2))):
+        assert_trains_like(got, ref, rank=rank)
 
 
 @pytest.mark.parametrize("how", ["tensor_split", "movedim", "view_as_real", "in_place_result", "view_of_slice",

@@ -560,12 +560,15 @@ def _few(items: list[str], n: int = 3) -> str:
 
 
 def per_microbatch_note(mesh: Mesh, microbatches: int, summed: list[str]) -> str:
-    """The warning that the statistics the loss uses nonlinearly are each microbatch's."""
+    """The warning that the statistics the loss uses nonlinearly (or a buffer's new value) are
+    each microbatch's."""
     return (f"with microbatches={microbatches}, {len(summed)} statistic(s) of the batch the loss uses nonlinearly "
+            f"(or a buffer written in the forward takes) "
             f"are computed per microbatch" + (f" (summed over dp={mesh.dp})" if mesh.dp > 1 else "")
             + ", not over the global batch as one process "
             f"computes them, so the terms built from them are the mean of the microbatches' terms: {_few(summed)} "
-            f"(a load-balancing loss's tokens per expert, as Megatron and gradient accumulation compute it; a mean "
+            f"(a load-balancing loss's tokens per expert, as Megatron and gradient accumulation compute it; a running "
+            f"average of a batch mean kept in a buffer, updated once a microbatch; a mean "
             f"weighted by weights the forward computes or writes divides by each microbatch's); the loss's token means still divide "
             f"by the global batch's count")
 
@@ -586,10 +589,11 @@ def statistics_note(mesh: Mesh, config, report) -> str:
     if report.scaled:
         parts.append(f"sums over tokens summed over the global batch ({_few(report.scaled)})")
     if report.summed:
-        parts.append(f"statistics the loss uses nonlinearly summed over dp={mesh.dp}, per microbatch "
+        parts.append(f"statistics the loss uses nonlinearly, or a buffer takes, summed over dp={mesh.dp}, per microbatch "
                      f"({_few(report.summed)})")
     if report.per_microbatch:
-        parts.append(f"statistics the loss uses nonlinearly each microbatch's, not the global batch's -- a change of "
+        parts.append(f"statistics the loss uses nonlinearly, or a buffer takes, each microbatch's, not the global "
+                     f"batch's -- a change of "
                      f"the model ({_few(report.per_microbatch)})")
     if report.gathered:
         parts.append(f"in-batch negatives gathered over dp={mesh.dp} with their gradient and the targets moved to the "

@@ -336,7 +336,9 @@ def inline_grad_regions(gm: fx.GraphModule, *, grad: bool = True) -> None:
     `@torch.no_grad` method, such as DeepSeek-V3.2's sparse-attention indexer) made the graph's
     own ops, so that every pass and sharding rule sees them. A no-grad region's outputs are
     detached where they leave it: no gradient flows back through them, as under no_grad (a
-    view made there does not track either); an input handed back unchanged keeps its own.
+    view made there does not track either); an input handed back unchanged keeps its own. A
+    region that writes in place reads its inputs that may carry a gradient detached, so that
+    the write (a buffer's running average of an activation) records no history either.
     Gradients enabled again inside a no-grad region (whose outputs could then carry one) raise
     ParallelizeError. Edits gm in place; `grad` is the mode the graph runs in."""
     for node in list(gm.graph.nodes):
@@ -351,14 +353,26 @@ def inline_grad_regions(gm: fx.GraphModule, *, grad: bool = True) -> None:
         sub = getattr(gm, holder.target)
         inline_grad_regions(sub, grad=bool(enabled))      # nested regions first
         inputs = [n for n in sub.graph.nodes if n.op == "placeholder"]
-        val_map = dict(zip(inputs, args))
         with gm.graph.inserting_before(node):
+            # under no_grad nothing the region computes tracks a gradient, in-place writes too (an
+            # EMA of an activation added into a buffer: else the buffer took a gradient history,
+            # longer each step): a region that writes in place reads its inputs that may carry one
+            # -- activations, parameters -- detached (the same memory: what it writes there is
+            # written); the others' outputs are detached as they leave it
+            writes = not enabled and any(meta.writes_first(n) for n in sub.graph.nodes)
+            held = {a: _detached(gm.graph, a) if writes and _may_track(a) else a for a in args}
+            val_map = {n: held[a] if isinstance(a, fx.Node) else a for n, a in zip(inputs, args)}
             for n in sub.graph.nodes:
                 if n.op == "get_attr":
                     raise ParallelizeError(f"a torch.no_grad region at {_where(node)} reads the attribute {n.target} "
                                            "(export lifts parameters and constants: this graph is not one fxtron knows)")
             outs = gm.graph.graph_copy(sub.graph, val_map)
             outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+            given = {d: a for a, d in held.items() if d is not a}
+            outs = [given.get(o, o) if isinstance(o, fx.Node) else o for o in outs]
+            for d in given:
+                if not d.users:
+                    gm.graph.erase_node(d)
             if not enabled:
                 kept = set(args)
                 outs = [_detached(gm.graph, o) if isinstance(o, fx.Node) and o not in kept
@@ -379,6 +393,14 @@ def inline_grad_regions(gm: fx.GraphModule, *, grad: bool = True) -> None:
                 delattr(gm, holder.target)
     gm.graph.lint()
     gm.recompile()
+
+
+def _may_track(value) -> bool:
+    """Whether graph value `value` may carry a gradient when the graph runs: a tensor computed in
+    the graph, or an input that requires one (a parameter); not a buffer or a user input."""
+    if not isinstance(value, fx.Node) or not isinstance(value.meta.get("val"), torch.Tensor):
+        return False
+    return value.op != "placeholder" or value.meta["val"].requires_grad
 
 
 def _detached(graph: fx.Graph, value: fx.Node) -> fx.Node:

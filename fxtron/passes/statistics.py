@@ -567,19 +567,34 @@ def _ancestors_of(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
+def _upstream(gm: fx.GraphModule) -> set[fx.Node]:
+    """What the step's results depend on: the loss, and every in-place write into a buffer --
+    state the next steps read (a running average of an activation's batch mean, written under
+    no_grad) -- with their ancestors. What fills a buffer is the global batch's as the loss is:
+    over its own samples each data-parallel rank would hold another buffer."""
+    sinks = [_loss_node(gm)]
+    for n in gm.graph.nodes:
+        if meta.writes_first(n) and any(v.op == "placeholder" and meta.get(v, meta.INPUT) is not None
+                                        and meta.get(v, meta.INPUT).kind == "buffer" for v in meta.written(n)):
+            sinks.append(n)
+    out = set(sinks)
+    for n in sinks:
+        out |= _ancestors_of(n)
+    return out
+
+
 def _loss_node(gm: fx.GraphModule) -> fx.Node:
     out = gm.graph.output_node().args[0]
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
 def find_statistics(gm: fx.GraphModule) -> dict[fx.Node, str]:
-    """The batch statistics the loss depends on: calls whose tensor input holds the batch symbol
-    B and whose output does not -- "sum" (a sum, a histogram, a count, a loss summed over
-    tokens), "mean" (a mean, a mean loss), "other" (any other reduction over the batch) -- and
+    """The batch statistics the loss (or a buffer's new value, _upstream) depends on: calls whose
+    tensor input holds the batch symbol B and whose output does not -- "sum" (a sum, a
+    histogram, a count, a loss summed over tokens), "mean" (a mean, a mean loss), "other" (any other reduction over the batch) -- and
     sizes holding B read as numbers in tensor arithmetic, "count"."""
     ti = meta.info(gm)
-    loss = _loss_node(gm)
-    upstream = _ancestors_of(loss) | {loss}
+    upstream = _upstream(gm)
     stats: dict[fx.Node, str] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or node not in upstream:
@@ -641,7 +656,7 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
     g, ti = gm.graph, meta.info(gm)
     out_node = g.output_node()
     loss = _loss_node(gm)
-    upstream = _ancestors_of(loss) | {loss}
+    upstream = _upstream(gm)
     structural = _structural_uses(gm)
 
     learned = _learned(gm, frozen_whole)
@@ -909,15 +924,14 @@ def _op_dims(node: fx.Node) -> list[int]:
 
 
 def batch_coupling(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
-    """The ops the loss depends on that read across the batch dim without reducing it away (the
+    """The ops the loss (or a buffer's new value) depends on that read across the batch dim without reducing it away (the
     reductions are find_statistics'), by their shapes on the graph: a value pairing samples with
     samples (two dims holding the batch: a similarity q @ k.T of in-batch negatives, pairwise
     distances) made from values that do not; a softmax / log-softmax over a dim holding the
     batch; a loss whose classes are the batch's samples; a roll or flip along the batch. Each
     with why, in words."""
     ti = meta.info(gm)
-    loss = _loss_node(gm)
-    upstream = _ancestors_of(loss) | {loss}
+    upstream = _upstream(gm)
     found = []
     for node in gm.graph.nodes:
         if (node.op != "call_function" or node not in upstream or registry.op_name(node.target) is not None
@@ -1210,6 +1224,8 @@ def sync_batch_norms(gm: fx.GraphModule, *, dp: int, group: str = "dp") -> list[
                             meta.set(size, meta.STATISTIC, "batch norm's count, times dp")
                     count = call(operator.mul, count, size) if isinstance(size, fx.Node) or isinstance(
                         count, fx.Node) else count * size
+                    if isinstance(count, fx.Node):     # (the running statistics' writes take it: global)
+                        meta.set(count, meta.STATISTIC, "batch norm's count, times dp")
                 n = (call(aten.scalar_tensor.default, count, dtype=torch.promote_types(_fake(rv).dtype, torch.float32))
                      if isinstance(count, fx.Node) else count)    # (a float64 model's correction in float64)
                 for buf, stat, unbiased in ((rm, mean, False), (rv, var, True)):
