@@ -140,6 +140,21 @@ def test_a_run_from_load_continues_from_its_own_saves(tmp_path, capsys):
     assert "--save's own, newer than --load's latest: this run continued" in text
 
 
+def test_a_run_resumed_in_a_streak_of_skipped_steps_stops_where_the_uninterrupted_one_does(tmp_path):
+    """--max-skipped counts the skipped steps in a row; the streak is in the checkpoint, so a
+    run restarted in the middle of one stops at the uninterrupted run's step (it counted from 0
+    again: two steps later, and a job restarted in a loop that saves in the streak never stopped)."""
+    from fxtron.trainer.loop import train_rank
+    (tmp_path / "t.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    base = TrainConfig().replace(model="gpt-tiny", batch=2, seq=16, text=str(tmp_path / "t.txt"), dtype="fp16",
+                                 loss_scale=1e30, max_skipped=3)     # every step overflows
+    with pytest.raises(fxtron.ParallelizeError, match="step 3: 3 steps in a row"):
+        train_rank(0, base.replace(steps=6))
+    assert train_rank(0, base.replace(steps=2, save=str(tmp_path / "ck")))["resumed_from"] is None
+    with pytest.raises(fxtron.ParallelizeError, match="step 3: 3 steps in a row"):
+        train_rank(0, base.replace(steps=6, save=str(tmp_path / "ck")))
+
+
 def test_checkpoint_events_are_logged_and_an_extended_run_resumes(tmp_path, capsys):
     """One process: a 2-step run's save is a line and a JSONL field; extended to 3 steps it is
     refused naming --override-lr-schedule, then with it (and other AdamW settings) resumes saying

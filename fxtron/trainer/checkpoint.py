@@ -27,6 +27,8 @@ _ITER = re.compile(r"^iter_(\d{7})$")
 
 #: an optimizer group's settings the learning-rate schedule sets every step (not the configuration's)
 _SCHEDULED = ("params", "lr", "initial_lr")
+#: the trainer's state a checkpoint of an earlier version lacks, and its value then
+_LATER_STATE = {"skipped_in_a_row": 0}
 
 
 def iter_dir(root: str, iteration: int) -> str:
@@ -159,7 +161,7 @@ class Checkpointer:
                     changed.append(f"{k} {group.get(k)} -> {v}" + (f" (group {i})" if len(configured) > 1 else ""))
                     group[k] = v
         overridden = self.sched.load_state_dict(saved["scheduler"], override=cfg.optimizer.override_lr_schedule)
-        state.update({k: saved[k] for k in state})
+        state.update({k: saved[k] if k in saved or k not in _LATER_STATE else _LATER_STATE[k] for k in state})
         #: what the resume did, for the log and the JSONL (metrics.py Metrics.loaded)
         self.loaded = {"path": iter_dir(source, it), "iteration": it, "mesh": str(cfg.mesh.mesh()),
                        "continued": t.load is not None and source != t.load,

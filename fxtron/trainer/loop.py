@@ -100,8 +100,10 @@ class Trainer:
             prog.load_pretrained(tm.pretrained)
         self.opt = optimizer(prog.named_parameters(), cfg, original_dims(prog))
         self.sched = schedule(cfg)
+        # (skipped_in_a_row: the streak --max-skipped counts, saved so that a run restarted in the
+        # middle of one stops where the uninterrupted run would)
         self.state = {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0,
-                      "skipped_iterations": 0}
+                      "skipped_iterations": 0, "skipped_in_a_row": 0}
         self.checkpointer = Checkpointer(cfg, prog, self.opt, self.sched, self.data.sample_order)
         self.resumed_from = self.checkpointer.resume(self.state)
         self.data.cover_valid(cfg, self.state["iteration"], self.state["consumed_valid_samples"])
@@ -109,7 +111,6 @@ class Trainer:
                                flops=step_flops(pm.traced), resumed_from=self.resumed_from)
         if self.checkpointer.loaded is not None:
             self.metrics.loaded(self.checkpointer.loaded)
-        self.skipped_in_a_row = 0
         self.imbalance: dict[int, float] = {}   # per step: the worst layer's busiest expert over the mean (1: balanced)
         self.losses: dict[int, float] = {}
         self.evals: dict[int, float] = {}
@@ -195,10 +196,10 @@ class Trainer:
             # count towards --max-skipped once it cannot back off further
             scaler = prog.scaler
             if scaler is None or scaler.static or scaler.scale <= scaler.min_scale:
-                self.skipped_in_a_row += 1
+                state["skipped_in_a_row"] += 1
         else:
             self.sched.step()
-            self.skipped_in_a_row = 0
+            state["skipped_in_a_row"] = 0
         self.losses[step] = loss
         if not self.losses.keys() - {step}:          # this process's first step
             self.say(f"start-up: first step in {elapsed:.1f} s; ready {time.perf_counter() - self._started:.1f} s "
@@ -214,9 +215,9 @@ class Trainer:
                            "skipped": state["skipped_iterations"], "step_skipped": skipped,
                            "loss_scale": prog.scaler.scale if prog.scaler is not None else None,   # (fp16's, after the step)
                            **rank_bytes(prog, self.opt)})
-        if self.skipped_in_a_row >= t.max_skipped:
+        if state["skipped_in_a_row"] >= t.max_skipped:
             raise ParallelizeError(
-                f"step {step}: {self.skipped_in_a_row} steps in a row had a non-finite loss or gradient norm (loss "
+                f"step {step}: {state['skipped_in_a_row']} steps in a row had a non-finite loss or gradient norm (loss "
                 f"{loss}, grad norm {prog.last_grad_norm}); each was skipped. Lower --lr, clip (--clip-grad), or "
                 "resume from an earlier checkpoint")
         return step
