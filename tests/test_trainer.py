@@ -233,6 +233,25 @@ def test_latest_checkpoint_is_the_newest_complete(tmp_path):
     assert checkpoints.prune(root, 1) == [2] and checkpoints.complete(root) == [4]
 
 
+@pytest.mark.parametrize("left", [".replaced", ".saving"])
+def test_a_save_killed_while_putting_a_checkpoint_in_place_loses_nothing(tmp_path, left):
+    """A save over an existing iteration moves the old one aside (.replaced), then the new,
+    complete one (.saving) into place; killed between the two renames, the iteration is at one
+    of them: the resume loads it (the new one where complete), where it fell back to an older
+    iteration, and pruning removes it whole."""
+    from fxtron.trainer.loop import train_rank
+    (tmp_path / "t.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    base = TrainConfig().replace(model="gpt-tiny", batch=2, seq=16, text=str(tmp_path / "t.txt"),
+                                 save=str(tmp_path / "ck"), save_interval=1)
+    train_rank(0, base.replace(steps=2))
+    two = checkpoints.iter_dir(str(tmp_path / "ck"), 2)
+    os.rename(two, two + left)
+    assert checkpoints.complete(str(tmp_path / "ck")) == [1, 2] and checkpoints.latest(str(tmp_path / "ck")) == 2
+    out = train_rank(0, base.replace(steps=3))
+    assert out["resumed_from"] == 2 and list(out["losses"]) == [3]
+    assert checkpoints.prune(str(tmp_path / "ck"), 1) == [1, 2] and not os.path.exists(two + left)
+
+
 def test_keep_last_after_a_rollback_keeps_the_run_s_own_saves(tmp_path):
     """A run rolled back (its tracker set to 4 of 2, 4, 6, 8) saves 5 with --keep-last 2: 4 and 5
     are kept, 2 removed; 6 and 8 (the abandoned run's) are left, and the tracker's 5 is what a

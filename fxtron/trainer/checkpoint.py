@@ -22,7 +22,7 @@ from fxtron.errors import ParallelizeError
 from fxtron.runtime.checkpoint.dcp import COMMIT, read_extra
 
 TRACKER = "latest_checkpointed_iteration.txt"
-_ITER = re.compile(r"^iter_(\d{7})$")
+_ITER = re.compile(r"^iter_(\d{7})(\.saving|\.replaced)?$")
 
 
 #: an optimizer group's settings the learning-rate schedule sets every step (not the configuration's)
@@ -39,12 +39,20 @@ def complete(root: str) -> list[int]:
     """The iterations of `root` whose save completed, in order."""
     if not os.path.isdir(root):
         return []
-    out = []
-    for name in os.listdir(root):
-        m = _ITER.match(name)
-        if m and os.path.isfile(os.path.join(root, name, COMMIT)):
-            out.append(int(m.group(1)))
-    return sorted(out)
+    found = {int(m.group(1)) for m in map(_ITER.match, os.listdir(root)) if m}
+    return sorted(it for it in found if committed(root, it) is not None)
+
+
+def committed(root: str, iteration: int) -> str | None:
+    """Where iteration `iteration`'s complete checkpoint is (None where there is none): its
+    directory, or -- a save over it killed between putting the old one aside and the new one in
+    place (runtime/checkpoint/dcp.py) -- the new one, complete, still at `.saving`, else the old
+    one at `.replaced` (no failure loses a checkpoint: before, the resume fell back to an older
+    iteration)."""
+    path = iter_dir(root, iteration)
+    if os.path.exists(path):
+        return path if os.path.isfile(os.path.join(path, COMMIT)) else None
+    return next((p for p in (path + ".saving", path + ".replaced") if os.path.isfile(os.path.join(p, COMMIT))), None)
 
 
 def latest(root: str) -> int | None:
@@ -62,9 +70,10 @@ def latest(root: str) -> int | None:
 
 
 def read_state(root: str, iteration: int) -> dict:
-    state = read_extra(iter_dir(root, iteration))
+    path = committed(root, iteration) or iter_dir(root, iteration)
+    state = read_extra(path)
     if not isinstance(state, dict) or "iteration" not in state:
-        raise ParallelizeError(f"{iter_dir(root, iteration)} is an fxtron checkpoint without the trainer's state; "
+        raise ParallelizeError(f"{path} is an fxtron checkpoint without the trainer's state; "
                                "load it with prog.load, or resume from a directory `fxtron train --save` wrote")
     return state
 
@@ -89,7 +98,8 @@ def prune(root: str, keep_last: int | None, saved: int | None = None) -> list[in
     done = [it for it in complete(root) if saved is None or it <= saved]
     gone = done[:-keep_last] if len(done) > keep_last else []
     for it in gone:
-        shutil.rmtree(iter_dir(root, it), ignore_errors=True)
+        for place in ("", ".saving", ".replaced"):
+            shutil.rmtree(iter_dir(root, it) + place, ignore_errors=True)
     return gone
 
 
@@ -147,10 +157,11 @@ class Checkpointer:
                 raise no_checkpoint(t.load)
             return None
         saved = read_state(source, it)
-        check_resumable(cfg, iter_dir(source, it), saved)
+        path = committed(source, it)
+        check_resumable(cfg, path, saved)
         start = time.perf_counter()
         configured = [{k: v for k, v in g.items() if k not in _SCHEDULED} for g in self.opt.param_groups]
-        self.prog.load(iter_dir(source, it), self.opt)
+        self.prog.load(path, self.opt)
         # loading an optimizer's state replaces its groups' settings with the checkpoint's (torch's
         # load_state_dict); this run's configuration is the user's word for them (the schedule's own
         # are the schedule's, below): kept, and each difference said
@@ -163,7 +174,7 @@ class Checkpointer:
         overridden = self.sched.load_state_dict(saved["scheduler"], override=cfg.optimizer.override_lr_schedule)
         state.update({k: saved[k] if k in saved or k not in _LATER_STATE else _LATER_STATE[k] for k in state})
         #: what the resume did, for the log and the JSONL (metrics.py Metrics.loaded)
-        self.loaded = {"path": iter_dir(source, it), "iteration": it, "mesh": str(cfg.mesh.mesh()),
+        self.loaded = {"path": path, "iteration": it, "mesh": str(cfg.mesh.mesh()),
                        "continued": t.load is not None and source != t.load,
                        "saved_mesh": saved.get("mesh"), "seconds": time.perf_counter() - start,
                        "overridden": overridden, "optimizer_changed": changed,
@@ -226,5 +237,5 @@ class Checkpointer:
         return path
 
 
-__all__ = ["TRACKER", "Checkpointer", "complete", "iter_dir", "latest", "no_checkpoint", "prune", "read_state",
+__all__ = ["TRACKER", "Checkpointer", "committed", "complete", "iter_dir", "latest", "no_checkpoint", "prune", "read_state",
            "source_of", "write_tracker"]

@@ -42,7 +42,7 @@ def check_run(cfg: TrainConfig, vocab_size: int, model=None) -> None:
     import torch
 
     from fxtron.runtime.batch import sequence_unit
-    from fxtron.trainer.checkpoint import check_resumable, iter_dir, latest, no_checkpoint, read_state, source_of
+    from fxtron.trainer.checkpoint import check_resumable, committed, latest, no_checkpoint, read_state, source_of
     from fxtron.trainer.optim import schedule
     mesh, d, t = cfg.mesh.mesh(), cfg.data, cfg.training
     m = cfg.pipeline.microbatches
@@ -71,10 +71,10 @@ def check_run(cfg: TrainConfig, vocab_size: int, model=None) -> None:
     it = latest(source) if source is not None and os.path.isdir(source) else None
     if it is not None:           # what resuming it would refuse (trainer/checkpoint.py Checkpointer.resume)
         saved = read_state(source, it)
-        check_resumable(cfg, iter_dir(source, it), saved)
+        check_resumable(cfg, committed(source, it), saved)
         if model is not None:        # another model's checkpoint: said before each rank traces and compiles
             from fxtron.runtime.checkpoint.dcp import check_model_of
-            check_model_of(iter_dir(source, it), model)
+            check_model_of(committed(source, it), model)
         if "scheduler" in saved:
             schedule(cfg).load_state_dict(saved["scheduler"], override=cfg.optimizer.override_lr_schedule)
     device = cfg.inputs.device
