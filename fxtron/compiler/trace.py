@@ -196,7 +196,7 @@ def _export(module, args, shapes) -> ExportedProgram:
         return ep
     for _ in range(3):
         try:
-            return torch.export.export(module, args, dynamic_shapes=shapes, strict=False)
+            return _exported(module, args, shapes)
         except torch._dynamo.exc.UserError as e:  # constraint violations: take export's fix
             msg = str(e)
             if "Suggested fixes:" not in msg:
@@ -207,7 +207,36 @@ def _export(module, args, shapes) -> ExportedProgram:
                     break
                 fixes.append(line)
             shapes = refine_dynamic_shapes_from_suggested_fixes("Suggested fixes:\n" + "\n".join(fixes), shapes)
-    return torch.export.export(module, args, dynamic_shapes=shapes, strict=False)
+    return _exported(module, args, shapes)
+
+
+def _exported(module, args, shapes) -> ExportedProgram:
+    """torch.export(strict=False) of `module`, refusing a forward that reassigns a buffer
+    (`self.ema = 0.9 * self.ema + ...`): export traces the new value and drops it -- the program
+    would never update the buffer, one process does each step -- where an in-place write
+    (`self.ema.mul_(0.9).add_(...)`) it keeps. Seen by torch's buffer-registration hook, which
+    Module.__setattr__ calls for a buffer assigned."""
+    names = {id(m): prefix for prefix, m in module.named_modules()}
+    assigned: list[str] = []
+
+    def seen(mod, name, value):
+        if id(mod) in names and isinstance(value, torch.Tensor):
+            assigned.append(f"{names[id(mod)]}.{name}".lstrip("."))
+    hook = torch.nn.modules.module.register_module_buffer_registration_hook(seen)
+    try:
+        ep = torch.export.export(module, args, dynamic_shapes=shapes, strict=False)
+    finally:
+        hook.remove()
+    lost = sorted(set(assigned) - set(ep.graph_signature.buffers_to_mutate.values()))
+    if lost:
+        shown = _strip(lost[0])
+        raise ParallelizeError(
+            f"the model's forward assigns buffer {shown} a new tensor (`self.{shown.rsplit('.', 1)[-1]} = ...`"
+            + (f"; and {len(lost) - 1} more: {', '.join(_strip(n) for n in lost[1:])}" if len(lost) > 1 else "")
+            + "): torch.export traces the new value and drops it, so the program would never update the buffer, "
+            f"where the model does each step. Write it in place instead: `self.{shown.rsplit('.', 1)[-1]}.copy_(new)` "
+            "(under torch.no_grad() where the new value carries a gradient)")
+    return ep
 
 
 def trace(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwargs: dict | None = None,
@@ -369,7 +398,7 @@ def inline_grad_regions(gm: fx.GraphModule, *, grad: bool = True) -> None:
             outs = gm.graph.graph_copy(sub.graph, val_map)
             outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
             given = {d: a for a, d in held.items() if d is not a}
-            outs = [given.get(o, o) if isinstance(o, fx.Node) else o for o in outs]
+            outs = [_written_input(o, given) if isinstance(o, fx.Node) else o for o in outs]
             for d in given:
                 if not d.users:
                     gm.graph.erase_node(d)
@@ -393,6 +422,18 @@ def inline_grad_regions(gm: fx.GraphModule, *, grad: bool = True) -> None:
                 delattr(gm, holder.target)
     gm.graph.lint()
     gm.recompile()
+
+
+def _written_input(out: fx.Node, given: dict) -> fx.Node:
+    """A no-grad region's output as the graph after it reads it: an input it read detached (in
+    `given`, detached -> input), or an in-place op's result on one (`w.clamp_()`, an
+    activation's `h.mul_(0.5)`), is that input -- the same tensor in eager PyTorch, its values
+    written and its gradient tracked as before (read detached, a clamped weight took no gradient
+    and an activation cut its own); anything else stays as it is."""
+    src = out
+    while src not in given and src.op == "call_function" and meta.writes_first(src):
+        src = src.args[0]
+    return given.get(src, out)
 
 
 def _may_track(value) -> bool:

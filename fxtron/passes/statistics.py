@@ -568,14 +568,16 @@ def _ancestors_of(node: fx.Node) -> set[fx.Node]:
 
 
 def _upstream(gm: fx.GraphModule) -> set[fx.Node]:
-    """What the step's results depend on: the loss, and every in-place write into a buffer --
-    state the next steps read (a running average of an activation's batch mean, written under
-    no_grad) -- with their ancestors. What fills a buffer is the global batch's as the loss is:
-    over its own samples each data-parallel rank would hold another buffer."""
+    """What the step's results depend on: the loss, and every in-place write into a buffer or a
+    parameter -- state the next steps read (a running average of an activation's batch mean,
+    written under no_grad; DINO's center in a frozen parameter) -- with their ancestors. What
+    fills the model's state is the global batch's as the loss is: over its own samples each
+    data-parallel rank would hold another."""
     sinks = [_loss_node(gm)]
     for n in gm.graph.nodes:
         if meta.writes_first(n) and any(v.op == "placeholder" and meta.get(v, meta.INPUT) is not None
-                                        and meta.get(v, meta.INPUT).kind == "buffer" for v in meta.written(n)):
+                                        and meta.get(v, meta.INPUT).kind in ("buffer", "parameter")
+                                        for v in meta.written(n)):
             sinks.append(n)
     out = set(sinks)
     for n in sinks:
@@ -796,7 +798,7 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
                 continue
             raise ParallelizeError(
                 f"{where} reduces over the batch (input {_shapes(node, ti)} -> {tuple(ti.shape(_fake(node)))}), and the loss "
-                f"depends on it: each data-parallel rank and microbatch would compute it over its own samples only, "
+                f"(or what the forward writes into the model's buffers or parameters) depends on it: each data-parallel rank and microbatch would compute it over its own samples only, "
                 f"not over the global batch as one process does, and fxtron cannot make this op global (only sums, "
                 f"means, histograms, losses over tokens and losses reduced by a mean or sum). Compute it as a sum or "
                 f"mean of per-sample values; a mixture of experts' load-balancing statistics may instead stay each "
