@@ -12,6 +12,8 @@ from __future__ import annotations
 import collections
 import inspect
 import operator
+import re
+import warnings
 from typing import Any, Callable
 
 import sympy
@@ -26,7 +28,7 @@ from fxtron.compiler import repeat
 from fxtron.passes import limits
 from fxtron.core import meta, opsets
 from fxtron.core.meta import BATCH, SEQ, TRACE_INFO, TraceInfo, info
-from fxtron.errors import ParallelizeError
+from fxtron.errors import ParallelizeError, ParallelizeWarning
 
 aten = torch.ops.aten
 
@@ -220,13 +222,31 @@ def _exported(module, args, shapes) -> ExportedProgram:
     assigned: list[str] = []
 
     def seen(mod, name, value):
-        if id(mod) in names and isinstance(value, torch.Tensor):
+        # (the buffer itself given back -- `self.steps += 1`, `self.ema = self.ema.to(dtype)` -- loses nothing)
+        if id(mod) in names and isinstance(value, torch.Tensor) and value is not mod._buffers.get(name):
             assigned.append(f"{names[id(mod)]}.{name}".lstrip("."))
     hook = torch.nn.modules.module.register_module_buffer_registration_hook(seen)
     try:
-        ep = torch.export.export(module, args, dynamic_shapes=shapes, strict=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ep = torch.export.export(module, args, dynamic_shapes=shapes, strict=False)
     finally:
         hook.remove()
+    plain = []        # a tensor attribute that is not a buffer, assigned: export says so in a warning
+    for w in caught:
+        m = re.search(r"tensor attribute (\S+) was assigned during export", str(w.message))
+        if m:
+            plain.append(m.group(1).removeprefix("self."))
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    for name in plain:      # (a cache computed alike each step -- Phi-3's long_inv_freq -- loses nothing)
+        shown, attr = _strip(name), name.rsplit(".", 1)[-1]
+        warnings.warn(ParallelizeWarning(
+            f"the model's forward assigns its tensor attribute {shown}, which is not a registered buffer "
+            f"(`self.{attr} = ...`): torch.export reads its first value as a constant, so the program uses that value "
+            f"every step. Right where the forward computes the same value each step (a cache); where it updates "
+            f"state, register it as a buffer (`self.register_buffer('{attr}', ...)` in __init__) and write it in "
+            f"place (`self.{attr}.copy_(new)`)"), stacklevel=2)
     lost = sorted(set(assigned) - set(ep.graph_signature.buffers_to_mutate.values()))
     if lost:
         shown = _strip(lost[0])
@@ -366,8 +386,9 @@ def inline_grad_regions(gm: fx.GraphModule, *, grad: bool = True) -> None:
     own ops, so that every pass and sharding rule sees them. A no-grad region's outputs are
     detached where they leave it: no gradient flows back through them, as under no_grad (a
     view made there does not track either); an input handed back unchanged keeps its own. A
-    region that writes in place reads its inputs that may carry a gradient detached, so that
-    the write (a buffer's running average of an activation) records no history either.
+    region reads the inputs it does not write detached, so that a write there (a buffer's
+    running average of an activation) records no history either; a write into what carries a
+    gradient raises ParallelizeError.
     Gradients enabled again inside a no-grad region (whose outputs could then carry one) raise
     ParallelizeError. Edits gm in place; `grad` is the mode the graph runs in."""
     for node in list(gm.graph.nodes):
@@ -385,22 +406,33 @@ def inline_grad_regions(gm: fx.GraphModule, *, grad: bool = True) -> None:
         with gm.graph.inserting_before(node):
             # under no_grad nothing the region computes tracks a gradient, in-place writes too (an
             # EMA of an activation added into a buffer: else the buffer took a gradient history,
-            # longer each step): a region that writes in place reads its inputs that may carry one
-            # -- activations, parameters -- detached (the same memory: what it writes there is
-            # written); the others' outputs are detached as they leave it
+            # longer each step): the inputs it reads without writing them, where they may carry a
+            # gradient (activations, parameters), are read detached; what it writes stays itself, so
+            # that every pass sees the write land there (a write into what carries a gradient --
+            # a weight clamped, an activation -- is an error: eager PyTorch writes it unrecorded,
+            # which the inlined graph cannot)
+            written = _written_by(sub, inputs, args) if not enabled else set()
+            tracking = _tracking(gm) if written or not enabled else set()
+            for a in written:
+                if a in tracking:
+                    raise ParallelizeError(
+                        f"a torch.no_grad block at {_where(node)} writes in place into %{a.name}, which carries a "
+                        "gradient (a parameter that trains, or an activation computed from one): eager PyTorch "
+                        "writes it unrecorded and keeps its gradient, which fxtron's inlined graph cannot. Write "
+                        "into a buffer or a frozen parameter, compute the new value out of place "
+                        "(`h = h.clamp(...)`), or change the weights outside the forward (after optimizer.step())")
             writes = not enabled and any(meta.writes_first(n) for n in sub.graph.nodes)
-            held = {a: _detached(gm.graph, a) if writes and _may_track(a) else a for a in args}
-            val_map = {n: held[a] if isinstance(a, fx.Node) else a for n, a in zip(inputs, args)}
+            held = {a: _detached(gm.graph, a) if writes and a not in written and a in tracking else a
+                    for a in args if isinstance(a, fx.Node)}
+            val_map = {n: held.get(a, a) if isinstance(a, fx.Node) else a for n, a in zip(inputs, args)}
             for n in sub.graph.nodes:
                 if n.op == "get_attr":
                     raise ParallelizeError(f"a torch.no_grad region at {_where(node)} reads the attribute {n.target} "
                                            "(export lifts parameters and constants: this graph is not one fxtron knows)")
             outs = gm.graph.graph_copy(sub.graph, val_map)
             outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-            given = {d: a for a, d in held.items() if d is not a}
-            outs = [_written_input(o, given) if isinstance(o, fx.Node) else o for o in outs]
-            for d in given:
-                if not d.users:
+            for d in held.values():
+                if d not in args and not d.users:
                     gm.graph.erase_node(d)
             if not enabled:
                 kept = set(args)
@@ -424,24 +456,29 @@ def inline_grad_regions(gm: fx.GraphModule, *, grad: bool = True) -> None:
     gm.recompile()
 
 
-def _written_input(out: fx.Node, given: dict) -> fx.Node:
-    """A no-grad region's output as the graph after it reads it: an input it read detached (in
-    `given`, detached -> input), or an in-place op's result on one (`w.clamp_()`, an
-    activation's `h.mul_(0.5)`), is that input -- the same tensor in eager PyTorch, its values
-    written and its gradient tracked as before (read detached, a clamped weight took no gradient
-    and an activation cut its own); anything else stays as it is."""
-    src = out
-    while src not in given and src.op == "call_function" and meta.writes_first(src):
-        src = src.args[0]
-    return given.get(src, out)
+def _written_by(sub: fx.GraphModule, inputs: list, args: tuple) -> set:
+    """The region's arguments (of `args`, by its placeholders `inputs`) its in-place ops write,
+    through views too."""
+    out = set()
+    for n in sub.graph.nodes:
+        if meta.writes_first(n):
+            out |= {a for p, a in zip(inputs, args) if p in meta.written(n)}
+    return out
 
 
-def _may_track(value) -> bool:
-    """Whether graph value `value` may carry a gradient when the graph runs: a tensor computed in
-    the graph, or an input that requires one (a parameter); not a buffer or a user input."""
-    if not isinstance(value, fx.Node) or not isinstance(value.meta.get("val"), torch.Tensor):
-        return False
-    return value.op != "placeholder" or value.meta["val"].requires_grad
+def _tracking(gm: fx.GraphModule) -> set:
+    """The values of `gm` that carry a gradient when it runs: the inputs that require one
+    (parameters) and what is computed from them, not through a detach."""
+    got = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            val = n.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.requires_grad:
+                got.add(n)
+        elif n.op == "call_function" and n.target is not torch.ops.aten.detach.default \
+                and any(a in got for a in n.all_input_nodes):
+            got.add(n)
+    return got
 
 
 def _detached(graph: fx.Graph, value: fx.Node) -> fx.Node:
