@@ -170,6 +170,23 @@ def test_a_no_grad_block_writing_into_what_carries_a_gradient_is_refused(kind):
         fxtron.parallelize(_NoGradWrites(kind), fxtron.Mesh(1), example_inputs=running_mean_items()[0])
 
 
+class _IndicesWritten(RunningMean):
+    def forward(self, x, y):
+        h = self.l1(x)
+        idx = h.argmax(-1)                      # computed from a weight, but integers: no gradient
+        with torch.no_grad():
+            idx[idx > 10] = 0
+        return (torch.nn.functional.cross_entropy(self.l2(torch.relu(h)), y)
+                + 0.01 * torch.nn.functional.embedding(idx, self.l2.weight.t()).sum())
+
+
+def test_a_no_grad_write_into_integers_computed_from_weights_trains():
+    """Indices an argmax computes from the weights carry no gradient: a no_grad write into them
+    is the model's own, not refused (review of the refusal above), and trains as one process."""
+    torch.manual_seed(0)
+    _trains_at_world_one(_IndicesWritten())
+
+
 class _Reassigned(RunningMean):
     def forward(self, x, y):
         h = torch.relu(self.l1(x))

@@ -411,8 +411,9 @@ def inline_grad_regions(gm: fx.GraphModule, *, grad: bool = True) -> None:
             # that every pass sees the write land there (a write into what carries a gradient --
             # a weight clamped, an activation -- is an error: eager PyTorch writes it unrecorded,
             # which the inlined graph cannot)
-            written = _written_by(sub, inputs, args) if not enabled else set()
-            tracking = _tracking(gm) if written or not enabled else set()
+            writes = not enabled and any(meta.writes_first(n) for n in sub.graph.nodes)
+            written = _written_by(sub, inputs, args) if writes else set()
+            tracking = _tracking(gm) if writes else set()
             for a in written:
                 if a in tracking:
                     raise ParallelizeError(
@@ -421,7 +422,6 @@ def inline_grad_regions(gm: fx.GraphModule, *, grad: bool = True) -> None:
                         "writes it unrecorded and keeps its gradient, which fxtron's inlined graph cannot. Write "
                         "into a buffer or a frozen parameter, compute the new value out of place "
                         "(`h = h.clamp(...)`), or change the weights outside the forward (after optimizer.step())")
-            writes = not enabled and any(meta.writes_first(n) for n in sub.graph.nodes)
             held = {a: _detached(gm.graph, a) if writes and a not in written and a in tracking else a
                     for a in args if isinstance(a, fx.Node)}
             val_map = {n: held.get(a, a) if isinstance(a, fx.Node) else a for n, a in zip(inputs, args)}
@@ -468,15 +468,17 @@ def _written_by(sub: fx.GraphModule, inputs: list, args: tuple) -> set:
 
 def _tracking(gm: fx.GraphModule) -> set:
     """The values of `gm` that carry a gradient when it runs: the inputs that require one
-    (parameters) and what is computed from them, not through a detach."""
+    (parameters) and the floating-point values computed from them, not through a detach (an
+    argmax's indices carry none)."""
     got = set()
     for n in gm.graph.nodes:
+        val = n.meta.get("val")
         if n.op == "placeholder":
-            val = n.meta.get("val")
             if isinstance(val, torch.Tensor) and val.requires_grad:
                 got.add(n)
         elif n.op == "call_function" and n.target is not torch.ops.aten.detach.default \
-                and any(a in got for a in n.all_input_nodes):
+                and any(a in got for a in n.all_input_nodes) \
+                and not (isinstance(val, torch.Tensor) and not (val.is_floating_point() or val.is_complex())):
             got.add(n)
     return got
 
