@@ -593,8 +593,9 @@ def _loss_node(gm: fx.GraphModule) -> fx.Node:
 def find_statistics(gm: fx.GraphModule) -> dict[fx.Node, str]:
     """The batch statistics the loss (or a buffer's new value, _upstream) depends on: calls whose
     tensor input holds the batch symbol B and whose output does not -- "sum" (a sum, a
-    histogram, a count, a loss summed over tokens), "mean" (a mean, a mean loss), "other" (any other reduction over the batch) -- and
-    sizes holding B read as numbers in tensor arithmetic, "count"."""
+    histogram, a count, a loss summed over tokens), "mean" (a mean, a mean loss), "other" (any
+    other reduction over the batch) -- and sizes holding B read as numbers in tensor arithmetic,
+    "count"."""
     ti = meta.info(gm)
     upstream = _upstream(gm)
     stats: dict[fx.Node, str] = {}
@@ -798,7 +799,8 @@ def global_statistics(gm: fx.GraphModule, *, dp: int, pieces: int, local: bool =
                 continue
             raise ParallelizeError(
                 f"{where} reduces over the batch (input {_shapes(node, ti)} -> {tuple(ti.shape(_fake(node)))}), and the loss "
-                f"(or what the forward writes into the model's buffers or parameters) depends on it: each data-parallel rank and microbatch would compute it over its own samples only, "
+                f"(or what the forward writes into the model's buffers or parameters) depends on it: each "
+                f"data-parallel rank and microbatch would compute it over its own samples only, "
                 f"not over the global batch as one process does, and fxtron cannot make this op global (only sums, "
                 f"means, histograms, losses over tokens and losses reduced by a mean or sum). Compute it as a sum or "
                 f"mean of per-sample values; a mixture of experts' load-balancing statistics may instead stay each "
@@ -926,8 +928,8 @@ def _op_dims(node: fx.Node) -> list[int]:
 
 
 def batch_coupling(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
-    """The ops the loss (or a buffer's new value) depends on that read across the batch dim without reducing it away (the
-    reductions are find_statistics'), by their shapes on the graph: a value pairing samples with
+    """The ops the loss (or a buffer's new value) depends on that read across the batch dim
+    without reducing it away (the reductions are find_statistics'), by their shapes on the graph: a value pairing samples with
     samples (two dims holding the batch: a similarity q @ k.T of in-batch negatives, pairwise
     distances) made from values that do not; a softmax / log-softmax over a dim holding the
     batch; a loss whose classes are the batch's samples; a roll or flip along the batch. Each
