@@ -159,15 +159,35 @@ class _NoGradWrites(RunningMean):
         return loss
 
 
-@pytest.mark.parametrize("kind", ["weight", "activation"])
-def test_a_no_grad_block_writing_into_what_carries_a_gradient_is_refused(kind):
+class _PassedThrough(_NoGradWrites):
+    """The activation case as the refusal suggests it: the clamped values, the gradient passed
+    through as it is -- what eager PyTorch's unrecorded no_grad write computes."""
+
+    def forward(self, x, y):
+        h = self.l1(x)
+        h = h + (h.clamp(-0.3, 0.3) - h).detach()
+        return torch.nn.functional.cross_entropy(self.l2(torch.relu(h)) - self.center, y)
+
+
+@pytest.mark.parametrize("kind, what", [("weight", "the parameter l1.weight, which trains"),
+                                        ("activation", r"%\w+, an activation computed from the parameters")])
+def test_a_no_grad_block_writing_into_what_carries_a_gradient_is_refused(kind, what):
     """A weight that trains clamped in place under no_grad, or an activation: eager PyTorch writes
     it unrecorded and keeps its gradient, which the inlined graph cannot -- recorded, the write
     cut the activation's gradient (8.3e-3 off the losses, silently), and read through a detached
-    copy a weight took none. An error naming the tensor and what to do instead."""
-    with pytest.raises(fxtron.ParallelizeError, match=r"torch.no_grad block .* writes in place into %\w+, which "
-                                                      r"carries a gradient"):
+    copy a weight took none. An error naming the tensor and what to do instead; the activation's
+    suggested rewrite trains as the model does in one process."""
+    with pytest.raises(fxtron.ParallelizeError, match=r"torch.no_grad block .* writes in place into " + what):
         fxtron.parallelize(_NoGradWrites(kind), fxtron.Mesh(1), example_inputs=running_mean_items()[0])
+    if kind == "activation":
+        torch.manual_seed(0)
+        model = _NoGradWrites(kind)
+        rewritten = _PassedThrough(kind)
+        rewritten.load_state_dict(model.state_dict())
+        items = running_mean_items()
+        ref = reference_training(model, items, adamw(lr=1e-2))
+        prog = fxtron.parallelize(rewritten, fxtron.Mesh(1), example_inputs=items[0]).program(0)
+        assert_trains_like(train_program(prog, [(b, {}) for b in items], adamw(lr=1e-2)(prog.parameters())), ref)
 
 
 class _IndicesWritten(RunningMean):

@@ -380,7 +380,7 @@ def _strip(name: str) -> str:
 _SET_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled
 
 
-def inline_grad_regions(gm: fx.GraphModule, *, grad: bool = True) -> None:
+def inline_grad_regions(gm: fx.GraphModule, *, grad: bool = True, names: dict | None = None) -> None:
     """Export's grad-mode regions (`wrap_with_set_grad_enabled`: a `torch.no_grad()` block or a
     `@torch.no_grad` method, such as DeepSeek-V3.2's sparse-attention indexer) made the graph's
     own ops, so that every pass and sharding rule sees them. A no-grad region's outputs are
@@ -390,7 +390,8 @@ def inline_grad_regions(gm: fx.GraphModule, *, grad: bool = True) -> None:
     running average of an activation) records no history either; a write into what carries a
     gradient raises ParallelizeError.
     Gradients enabled again inside a no-grad region (whose outputs could then carry one) raise
-    ParallelizeError. Edits gm in place; `grad` is the mode the graph runs in."""
+    ParallelizeError. Edits gm in place; `grad` is the mode the graph runs in; `names` (placeholder
+    -> the model's parameter name) names a parameter in those errors."""
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not _SET_GRAD:
             continue
@@ -401,7 +402,7 @@ def inline_grad_regions(gm: fx.GraphModule, *, grad: bool = True) -> None:
                 "inlines grad-mode regions and cannot say which of its outputs carry a gradient; compute that part "
                 "outside the no_grad block")
         sub = getattr(gm, holder.target)
-        inline_grad_regions(sub, grad=bool(enabled))      # nested regions first
+        inline_grad_regions(sub, grad=bool(enabled), names=names)      # nested regions first
         inputs = [n for n in sub.graph.nodes if n.op == "placeholder"]
         with gm.graph.inserting_before(node):
             # under no_grad nothing the region computes tracks a gradient, in-place writes too (an
@@ -416,12 +417,14 @@ def inline_grad_regions(gm: fx.GraphModule, *, grad: bool = True) -> None:
             tracking = _tracking(gm) if writes else set()
             for a in written:
                 if a in tracking:
+                    what = (f"the parameter {names[a.name]}, which trains" if names and a.name in names else
+                            f"%{a.name}, an activation computed from the parameters")
                     raise ParallelizeError(
-                        f"a torch.no_grad block at {_where(node)} writes in place into %{a.name}, which carries a "
-                        "gradient (a parameter that trains, or an activation computed from one): eager PyTorch "
-                        "writes it unrecorded and keeps its gradient, which fxtron's inlined graph cannot. Write "
-                        "into a buffer or a frozen parameter, compute the new value out of place "
-                        "(`h = h.clamp(...)`), or change the weights outside the forward (after optimizer.step())")
+                        f"a torch.no_grad block at {_where(node)} writes in place into {what}: eager PyTorch "
+                        "writes it unrecorded and keeps its gradient, which fxtron's inlined graph cannot. Change "
+                        "a weight outside the forward (after optimizer.step()); for an activation write the new "
+                        "value with the gradient passed through as it is, outside no_grad: "
+                        "`h = h + (h.clamp(...) - h).detach()`")
             held = {a: _detached(gm.graph, a) if writes and a not in written and a in tracking else a
                     for a in args if isinstance(a, fx.Node)}
             val_map = {n: held.get(a, a) if isinstance(a, fx.Node) else a for n, a in zip(inputs, args)}
@@ -503,7 +506,8 @@ _ALIASES = {torch.ops.aten.concatenate.default: torch.ops.aten.cat.default,
 def _to_graph_module(ep: ExportedProgram, model: torch.nn.Module, user_dims, in_spec, statics) -> fx.GraphModule:
     sig = ep.graph_signature
     gm = ep.graph_module
-    inline_grad_regions(gm)
+    inline_grad_regions(gm, names={spec.arg.name: _strip(spec.target) for spec in sig.input_specs
+                                   if spec.kind == InputKind.PARAMETER})
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
 
