@@ -19,10 +19,10 @@ import time
 import torch.distributed as dist
 
 from fxtron.errors import ParallelizeError
-from fxtron.runtime.checkpoint.dcp import COMMIT, read_extra
+from fxtron.runtime.checkpoint.dcp import COMMIT, REPLACED, STAGING, read_extra
 
 TRACKER = "latest_checkpointed_iteration.txt"
-_ITER = re.compile(r"^iter_(\d{7})(\.saving|\.replaced)?$")
+_ITER = re.compile(rf"^iter_(\d{{7}})({re.escape(STAGING)}|{re.escape(REPLACED)})?$")
 
 
 #: an optimizer group's settings the learning-rate schedule sets every step (not the configuration's)
@@ -52,7 +52,7 @@ def committed(root: str, iteration: int) -> str | None:
     path = iter_dir(root, iteration)
     if os.path.exists(path):
         return path if os.path.isfile(os.path.join(path, COMMIT)) else None
-    return next((p for p in (path + ".saving", path + ".replaced") if os.path.isfile(os.path.join(p, COMMIT))), None)
+    return next((p for p in (path + STAGING, path + REPLACED) if os.path.isfile(os.path.join(p, COMMIT))), None)
 
 
 def latest(root: str) -> int | None:
@@ -98,7 +98,7 @@ def prune(root: str, keep_last: int | None, saved: int | None = None) -> list[in
     done = [it for it in complete(root) if saved is None or it <= saved]
     gone = done[:-keep_last] if len(done) > keep_last else []
     for it in gone:
-        for place in ("", ".saving", ".replaced"):
+        for place in ("", STAGING, REPLACED):
             shutil.rmtree(iter_dir(root, it) + place, ignore_errors=True)
     return gone
 

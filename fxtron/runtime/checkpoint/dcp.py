@@ -160,6 +160,9 @@ WHOLE = "optim_whole"           # "optim_whole/<param>/<key>": a whole-matrix op
 
 
 COMMIT = ".fxtron-complete"     # written last, by rank 0, once every rank's files are in
+#: where a save writes before its commit, and where it moves the checkpoint it replaces, beside
+#: the target path (the trainer resumes from either where a save died between its renames)
+STAGING, REPLACED = ".saving", ".replaced"
 GROUP = "optim_group"           # "optim_group/<param>": the hyperparameters of the parameter's group
 OPTIMIZER = "__optimizer__"     # in a group's record: the class of the optimizer that held it
 
@@ -181,7 +184,7 @@ def save(prog, path: str, optimizer: torch.optim.Optimizer | None = None, storag
     step, data position, schedule), read back by `read_extra`."""
     _check_optimizer(optimizer)
     path = os.path.abspath(path)
-    staging = path + ".saving"
+    staging = path + STAGING
     _on_rank0(prog, lambda: _remove(staging))     # a killed save's leftovers
     errors: list[tuple[int, str]] = []
     try:
@@ -209,7 +212,7 @@ def save(prog, path: str, optimizer: torch.optim.Optimizer | None = None, storag
             f.writelines(f"size\t{n}\t{rel}\n" for rel, n in sizes)
             f.flush()
             os.fsync(f.fileno())
-        replaced = path + ".replaced"
+        replaced = path + REPLACED
         if os.path.exists(path):
             _remove(replaced)
             os.rename(path, replaced)
@@ -394,12 +397,12 @@ def _check_complete(path: str) -> None:
                     + f" where the save wrote {n}; load an earlier checkpoint (nothing was read)")
         return
     if not os.path.isdir(path):
-        aside = path + ".replaced"
+        aside = path + REPLACED
         hint = (f"; a save was interrupted while putting a new checkpoint in place: the previous one is at {aside}"
                 if os.path.isdir(aside) else "")
         raise ParallelizeError(f"no checkpoint at {path}{hint}")
     older = ""
-    if os.path.isfile(os.path.join(path, ".metadata")) and not path.endswith(".saving"):
+    if os.path.isfile(os.path.join(path, ".metadata")) and not path.endswith(STAGING):
         # (DCP's own index is there: a save interrupted after DCP's writes, or an older fxtron's)
         older = (f". Checkpoints written by fxtron before its saves were atomic have no marker either: if this is "
                  f"one, whose save you know finished, create the empty file {os.path.join(path, COMMIT)} to load it")
